@@ -1,0 +1,25 @@
+"""The project's exception hierarchy. Every error a user can provoke is one of these."""
+
+
+class RealizarError(Exception):
+    """Base class of every error raised on purpose by realizar."""
+
+
+class ShapeError(RealizarError, ValueError):
+    """A tensor, buffer or argument had the wrong dimensions or size."""
+
+
+class ModelFormatError(RealizarError, ValueError):
+    """A model file is malformed, truncated, or inconsistent with its own metadata."""
+
+
+class UnsupportedError(RealizarError, NotImplementedError):
+    """An architecture, quantization type or feature that realizar does not support."""
+
+
+class ContextOverflowError(RealizarError, ValueError):
+    """A sequence would grow past the model's context length or the KV cache's max_len."""
+
+
+class TokenizerError(RealizarError, ValueError):
+    """The tokenizer could not be built or could not encode/decode its input."""

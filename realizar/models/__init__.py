@@ -1,0 +1,1 @@
+"""Model formats (GGUF, safetensors), configuration and the NumPy reference model."""
