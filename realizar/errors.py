@@ -23,3 +23,7 @@ class ContextOverflowError(RealizarError, ValueError):
 
 class TokenizerError(RealizarError, ValueError):
     """The tokenizer could not be built or could not encode/decode its input."""
+
+
+class InvalidRequestError(RealizarError, ValueError):
+    """A request argument is out of range: sampling parameters, token ids, an empty prompt."""

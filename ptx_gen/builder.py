@@ -1,0 +1,632 @@
+"""The PTX builder: typed virtual registers, instructions, control flow, one kernel per module.
+
+Every instruction that produces a value returns a *fresh* register, so a value, once named, never
+changes. Loop-carried state is explicit: ``k.var(type, init)`` makes a :class:`Var` whose ``set``
+emits a ``mov``. An online softmax written with it keeps "old max" and "new max" in different
+registers by construction (the Rust original's batched kernel aliased them, which silently made the
+rescale factor 1).
+
+    m = Module("sm_90")
+    k = m.kernel("axpy", [("x", "u64"), ("y", "u64"), ("a", "f32"), ("n", "u32")])
+    i = k.global_index_x()
+    with k.if_(k.setp("lt", i, k.param("n"))):
+        off = k.mul_wide(i, 4)
+        x = k.load("global", "f32", k.add(k.global_ptr("x"), off))
+        ...
+    ptx = m.emit()
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence, Union
+
+from ptx_gen.target import Target, as_target
+from ptx_gen.types import REG_CLASS_ORDER, PtxType, format_immediate, ptx_type
+
+SPACES = ("global", "shared", "local", "param", "const")
+SHUFFLE_MODES = ("down", "up", "bfly", "idx")
+COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge")
+
+
+@dataclass(frozen=True)
+class Reg:
+    """A virtual register holding one immutable value of ``type``."""
+
+    name: str
+    type: PtxType
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Var(Reg):
+    """A mutable register for loop-carried values; assign with :meth:`KernelBuilder.assign`."""
+
+
+@dataclass(frozen=True)
+class Symbol:
+    """A named address (a shared-memory array) usable where an address operand is expected."""
+
+    name: str
+
+    def __str__(self) -> str:
+        return self.name
+
+
+Operand = Union[Reg, int, float]
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    type: PtxType
+
+
+@dataclass
+class KernelBuilder:
+    """Builds the body of one ``.entry`` function. Obtain it from :meth:`Module.kernel`."""
+
+    name: str
+    params: tuple[Param, ...]
+    target: Target
+    max_threads: int | None = None
+    _lines: list[str] = field(default_factory=list)
+    _counts: dict = field(default_factory=dict)
+    _labels: int = 0
+    _shared_decls: list[str] = field(default_factory=list)
+    _indent: int = 1
+    _param_cache: dict = field(default_factory=dict)
+    _module_decls: list = field(default_factory=list)
+    meta: dict = field(default_factory=dict)  # launch hints for the runtime (block size, shared)
+
+    # ---- registers and operands ------------------------------------------------------------
+    def reg(self, t: str | PtxType) -> Reg:
+        """A fresh, never-used register of type ``t``."""
+        t = ptx_type(t)
+        n = self._counts.get(t.reg_class, 0) + 1
+        self._counts[t.reg_class] = n
+        return Reg(f"{t.reg_class.prefix}{n}", t)
+
+    def var(self, t: str | PtxType, init: Operand | None = None) -> Var:
+        """A mutable register (loop counter, running max, accumulator), optionally initialised."""
+        r = self.reg(t)
+        v = Var(r.name, r.type)
+        if init is not None:
+            self.assign(v, init)
+        return v
+
+    def assign(self, v: Var, value: Operand) -> None:
+        """``v = value``. Only :class:`Var` may be assigned: ordinary values stay immutable."""
+        if not isinstance(v, Var):
+            raise TypeError(f"only a Var can be assigned; {v} is an immutable value")
+        self._emit(f"mov.{self._mov_type(v.type)} {v}, {self._op(value, v.type)};")
+
+    def _op(self, x: Operand | Symbol, t: PtxType) -> str:
+        if isinstance(x, (Reg, Symbol)):
+            return str(x)
+        if isinstance(x, str):
+            return x
+        return format_immediate(x, t)
+
+    @staticmethod
+    def _mov_type(t: PtxType) -> str:
+        if t.name in ("f16", "bf16", "u8", "s8", "b8"):
+            return "b16"
+        return t.name
+
+    @staticmethod
+    def _type_of(*xs: Operand, default: str | None = None) -> PtxType:
+        for x in xs:
+            if isinstance(x, Reg):
+                return x.type
+        if default is None:
+            raise TypeError("cannot infer the operand type from immediates only; pass t=")
+        return ptx_type(default)
+
+    def _emit(self, text: str, pred: Reg | None = None, negate: bool = False) -> None:
+        guard = ""
+        if pred is not None:
+            if pred.type.name != "pred":
+                raise TypeError(f"guard must be a predicate register, got {pred.type}")
+            guard = f"@{'!' if negate else ''}{pred} "
+        self._lines.append("    " * self._indent + guard + text)
+
+    def comment(self, text: str) -> None:
+        for line in text.splitlines():
+            self._lines.append("    " * self._indent + "// " + line)
+
+    def mov(self, value: Operand | Symbol, t: str | PtxType | None = None) -> Reg:
+        t = ptx_type(t) if t is not None else self._type_of(value)
+        d = self.reg(t)
+        self._emit(f"mov.{self._mov_type(t)} {d}, {self._op(value, t)};")
+        return d
+
+    # ---- parameters and special registers -------------------------------------------------
+    def param(self, name: str) -> Reg:
+        """The value of kernel parameter ``name`` (loaded once, then reused)."""
+        if name in self._param_cache:
+            return self._param_cache[name]
+        for p in self.params:
+            if p.name == name:
+                d = self.reg(p.type)
+                self._emit(f"ld.param.{p.type.name} {d}, [{self._param_symbol(name)}];")
+                self._param_cache[name] = d
+                return d
+        raise KeyError(f"kernel {self.name} has no parameter {name!r}; it has {[p.name for p in self.params]}")
+
+    def global_ptr(self, name: str) -> Reg:
+        """A pointer parameter converted to a global-space address."""
+        key = ("global", name)
+        if key not in self._param_cache:
+            p = self.param(name)
+            if p.type.bits != 64:
+                raise TypeError(f"parameter {name} is {p.type}, a pointer must be 64-bit")
+            d = self.reg("u64")
+            self._emit(f"cvta.to.global.u64 {d}, {p};")
+            self._param_cache[key] = d
+        return self._param_cache[key]
+
+    def _param_symbol(self, name: str) -> str:
+        return f"{self.name}_param_{name}"
+
+    def sreg(self, name: str) -> Reg:
+        """A special register such as ``tid.x``, ``ctaid.y``, ``ntid.x``, ``laneid``, ``nctaid.x``."""
+        d = self.reg("u32")
+        self._emit(f"mov.u32 {d}, %{name};")
+        return d
+
+    def tid(self, axis: str = "x") -> Reg:
+        return self.sreg(f"tid.{axis}")
+
+    def ctaid(self, axis: str = "x") -> Reg:
+        return self.sreg(f"ctaid.{axis}")
+
+    def ntid(self, axis: str = "x") -> Reg:
+        return self.sreg(f"ntid.{axis}")
+
+    def global_index_x(self) -> Reg:
+        """ctaid.x * ntid.x + tid.x as u32."""
+        return self.mad(self.ctaid("x"), self.ntid("x"), self.tid("x"))
+
+    # ---- arithmetic ---------------------------------------------------------------------------
+    def _binary(self, op: str, a: Operand, b: Operand, t: str | None, suffix: str = "") -> Reg:
+        ty = ptx_type(t) if t else self._type_of(a, b)
+        d = self.reg(ty)
+        self._emit(f"{op}{suffix}.{ty.name} {d}, {self._op(a, ty)}, {self._op(b, ty)};")
+        return d
+
+    def add(self, a: Operand, b: Operand, t: str | None = None) -> Reg:
+        return self._binary("add", a, b, t)
+
+    def sub(self, a: Operand, b: Operand, t: str | None = None) -> Reg:
+        return self._binary("sub", a, b, t)
+
+    def mul(self, a: Operand, b: Operand, t: str | None = None) -> Reg:
+        ty = ptx_type(t) if t else self._type_of(a, b)
+        return self._binary("mul", a, b, t, "" if ty.is_float else ".lo")
+
+    def mul_wide(self, a: Operand, b: Operand, t: str | None = None) -> Reg:
+        """32 x 32 -> 64-bit product (u32 or s32 inputs), the usual way to form byte offsets."""
+        ty = ptx_type(t) if t else self._type_of(a, b)
+        wide = ptx_type(("s" if ty.kind == "signed" else "u") + "64")
+        d = self.reg(wide)
+        self._emit(f"mul.wide.{ty.name} {d}, {self._op(a, ty)}, {self._op(b, ty)};")
+        return d
+
+    def mul_hi(self, a: Operand, b: Operand, t: str | None = None) -> Reg:
+        return self._binary("mul", a, b, t, ".hi")
+
+    def div(self, a: Operand, b: Operand, t: str | None = None, approx: bool = False) -> Reg:
+        ty = ptx_type(t) if t else self._type_of(a, b)
+        mode = (".approx" if approx else ".rn") if ty.is_float else ""
+        return self._binary("div", a, b, t, mode)
+
+    def rem(self, a: Operand, b: Operand, t: str | None = None) -> Reg:
+        return self._binary("rem", a, b, t)
+
+    def min(self, a: Operand, b: Operand, t: str | None = None) -> Reg:
+        return self._binary("min", a, b, t)
+
+    def max(self, a: Operand, b: Operand, t: str | None = None) -> Reg:
+        return self._binary("max", a, b, t)
+
+    def _bitwise(self, op: str, a: Operand, b: Operand, t: str | None, b_type: str | None = None) -> Reg:
+        """``op.b<bits>``; the result keeps the operand's type (u32 stays u32) for later arithmetic."""
+        ty = ptx_type(t) if t else self._type_of(a, b)
+        d = self.reg(ty)
+        bits = "pred" if ty.name == "pred" else f"b{ty.bits}"
+        bt = ptx_type(b_type) if b_type else ty
+        self._emit(f"{op}.{bits} {d}, {self._op(a, ty)}, {self._op(b, bt)};")
+        return d
+
+    def and_(self, a: Operand, b: Operand, t: str | None = None) -> Reg:
+        return self._bitwise("and", a, b, t)
+
+    def or_(self, a: Operand, b: Operand, t: str | None = None) -> Reg:
+        return self._bitwise("or", a, b, t)
+
+    def xor(self, a: Operand, b: Operand, t: str | None = None) -> Reg:
+        return self._bitwise("xor", a, b, t)
+
+    def shl(self, a: Operand, b: int | Reg, t: str | None = None) -> Reg:
+        return self._bitwise("shl", a, b, t, b_type="u32")
+
+    def shr(self, a: Operand, b: int | Reg, t: str | None = None) -> Reg:
+        """Logical shift for unsigned/bit types, arithmetic for signed ones."""
+        ty = ptx_type(t) if t else self._type_of(a)
+        d = self.reg(ty)
+        self._emit(f"shr.{ty.name} {d}, {self._op(a, ty)}, {self._op(b, ptx_type('u32'))};")
+        return d
+
+    def not_(self, a: Reg) -> Reg:
+        name = "pred" if a.type.name == "pred" else f"b{a.type.bits}"
+        d = self.reg(name)
+        self._emit(f"not.{name} {d}, {a};")
+        return d
+
+    def neg(self, a: Reg) -> Reg:
+        d = self.reg(a.type)
+        self._emit(f"neg.{a.type.name} {d}, {a};")
+        return d
+
+    def abs(self, a: Reg) -> Reg:
+        d = self.reg(a.type)
+        self._emit(f"abs.{a.type.name} {d}, {a};")
+        return d
+
+    def mad(self, a: Operand, b: Operand, c: Operand, t: str | None = None) -> Reg:
+        """Integer a*b+c (low half); for floats use :meth:`fma`."""
+        ty = ptx_type(t) if t else self._type_of(a, b, c)
+        if ty.is_float:
+            return self.fma(a, b, c, t)
+        d = self.reg(ty)
+        self._emit(f"mad.lo.{ty.name} {d}, {self._op(a, ty)}, {self._op(b, ty)}, {self._op(c, ty)};")
+        return d
+
+    def mad_wide(self, a: Operand, b: Operand, c: Operand, t: str | None = None) -> Reg:
+        """64-bit a*b+c from 32-bit a, b: ``mad.wide.u32`` (c is 64-bit)."""
+        ty = ptx_type(t) if t else self._type_of(a, b)
+        wide = ptx_type(("s" if ty.kind == "signed" else "u") + "64")
+        d = self.reg(wide)
+        self._emit(
+            f"mad.wide.{ty.name} {d}, {self._op(a, ty)}, {self._op(b, ty)}, {self._op(c, wide)};"
+        )
+        return d
+
+    def fma(self, a: Operand, b: Operand, c: Operand, t: str | None = None) -> Reg:
+        ty = ptx_type(t) if t else self._type_of(a, b, c)
+        d = self.reg(ty)
+        self._emit(f"fma.rn.{ty.name} {d}, {self._op(a, ty)}, {self._op(b, ty)}, {self._op(c, ty)};")
+        return d
+
+    def _unary(self, op: str, a: Operand, t: str | None) -> Reg:
+        ty = ptx_type(t) if t else self._type_of(a, default="f32")
+        d = self.reg(ty)
+        self._emit(f"{op}.{ty.name} {d}, {self._op(a, ty)};")
+        return d
+
+    def ex2(self, a: Operand) -> Reg:
+        """2**a (``ex2.approx.f32``: max 2 ulp; PTX has no IEEE ex2)."""
+        return self._unary("ex2.approx", a, "f32")
+
+    def lg2(self, a: Operand) -> Reg:
+        return self._unary("lg2.approx", a, "f32")
+
+    def rcp(self, a: Operand, approx: bool = False, t: str | None = None) -> Reg:
+        return self._unary("rcp.approx" if approx else "rcp.rn", a, t or "f32")
+
+    def sqrt(self, a: Operand, approx: bool = False, t: str | None = None) -> Reg:
+        return self._unary("sqrt.approx" if approx else "sqrt.rn", a, t or "f32")
+
+    def rsqrt(self, a: Operand, t: str | None = None) -> Reg:
+        """1/sqrt(a): PTX offers only the approximate form; for IEEE use rcp(sqrt(a))."""
+        return self._unary("rsqrt.approx", a, t or "f32")
+
+    def exp(self, a: Operand) -> Reg:
+        """e**a as ex2(a * log2(e))."""
+        return self.ex2(self.mul(a, 1.4426950408889634, "f32"))
+
+    # ---- comparisons and predicates --------------------------------------------------------
+    def setp(self, cmp: str, a: Operand, b: Operand, t: str | None = None) -> Reg:
+        if cmp not in COMPARISONS:
+            raise ValueError(f"unknown comparison {cmp!r}; expected one of {COMPARISONS}")
+        ty = ptx_type(t) if t else self._type_of(a, b)
+        d = self.reg("pred")
+        self._emit(f"setp.{cmp}.{ty.name} {d}, {self._op(a, ty)}, {self._op(b, ty)};")
+        return d
+
+    def selp(self, a: Operand, b: Operand, pred: Reg, t: str | None = None) -> Reg:
+        """``pred ? a : b``."""
+        ty = ptx_type(t) if t else self._type_of(a, b)
+        d = self.reg(ty)
+        self._emit(f"selp.{ty.name} {d}, {self._op(a, ty)}, {self._op(b, ty)}, {pred};")
+        return d
+
+    # ---- conversions --------------------------------------------------------------------------
+    def cvt(self, a: Reg, to: str | PtxType, rounding: str | None = None) -> Reg:
+        """Convert between f32/f16/bf16/f64/s32/u32/s64/u64/u16/u8.
+
+        Defaults: float->int truncates (``rzi``), int->float and narrowing float conversions round
+        to nearest even (``rn``). bf16->f32 is done exactly by a 16-bit shift so it works on sm_80.
+        """
+        to = ptx_type(to)
+        src = a.type
+        if src.name == "bf16" and to.name == "f32":
+            wide = self.reg("u32")
+            self._emit(f"cvt.u32.u16 {wide}, {a};")
+            bits = self.shl(wide, 16, "b32")
+            return self.bitcast(bits, "f32")
+        if rounding is None:
+            if src.is_float and to.is_int:
+                rounding = "rzi"
+            elif to.is_float and (src.is_int or to.bits < src.bits):
+                rounding = "rn"
+        d = self.reg(to)
+        rnd = f".{rounding}" if rounding else ""
+        self._emit(f"cvt{rnd}.{to.name}.{src.name} {d}, {a};")
+        return d
+
+    def bitcast(self, a: Reg, to: str | PtxType) -> Reg:
+        """Reinterpret the bits of ``a`` as another type of the same width (``mov.b32``)."""
+        to = ptx_type(to)
+        if to.bits != a.type.bits:
+            raise TypeError(f"bitcast needs equal widths: {a.type} -> {to}")
+        d = self.reg(to)
+        self._emit(f"mov.b{to.bits} {d}, {a};")
+        return d
+
+    def pack_b32(self, lo: Reg, hi: Reg) -> Reg:
+        """Two 16-bit registers into one 32-bit one (``mov.b32 d, {lo, hi}``)."""
+        d = self.reg("b32")
+        self._emit(f"mov.b32 {d}, {{{lo}, {hi}}};")
+        return d
+
+    def unpack_b32(self, a: Reg) -> tuple[Reg, Reg]:
+        lo, hi = self.reg("b16"), self.reg("b16")
+        self._emit(f"mov.b32 {{{lo}, {hi}}}, {a};")
+        return lo, hi
+
+    # ---- memory ---------------------------------------------------------------------------------
+    @staticmethod
+    def _address(addr: Reg | Symbol, offset: int) -> str:
+        if offset:
+            return f"[{addr}{offset:+d}]"
+        return f"[{addr}]"
+
+    def load(
+        self,
+        space: str,
+        t: str | PtxType,
+        addr: Reg | Symbol,
+        offset: int = 0,
+        *,
+        vec: int = 1,
+        nc: bool = False,
+        pred: Reg | None = None,
+        other: Operand | None = None,
+        cache: str | None = None,
+    ) -> Reg | tuple[Reg, ...]:
+        """``ld.<space>[.nc][.v2|.v4].<t>``; with ``pred`` the load is guarded and the result
+        holds ``other`` (which must be given) where the guard is false."""
+        t = ptx_type(t)
+        if space not in SPACES:
+            raise ValueError(f"unknown state space {space!r}; expected one of {SPACES}")
+        if vec not in (1, 2, 4):
+            raise ValueError(f"vector width must be 1, 2 or 4, got {vec}")
+        if nc and space != "global":
+            raise ValueError("ld.nc exists only for the global space")
+        if pred is not None and other is None:
+            raise ValueError("a predicated load needs `other`, the value where the guard is false")
+        dests = [self.reg(t) for _ in range(vec)]
+        if pred is not None:
+            for d in dests:
+                self._emit(f"mov.{self._mov_type(t)} {d}, {self._op(other, t)};")
+        qual = f".{space}" + (".nc" if nc else "") + (f".{cache}" if cache else "")
+        qual += f".v{vec}" if vec > 1 else ""
+        dst = f"{{{', '.join(map(str, dests))}}}" if vec > 1 else str(dests[0])
+        self._emit(f"ld{qual}.{t.name} {dst}, {self._address(addr, offset)};", pred)
+        return tuple(dests) if vec > 1 else dests[0]
+
+    def store(
+        self,
+        space: str,
+        t: str | PtxType,
+        addr: Reg | Symbol,
+        value: Operand | Sequence[Operand],
+        offset: int = 0,
+        *,
+        pred: Reg | None = None,
+        negate: bool = False,
+    ) -> None:
+        """``st.<space>[.v2|.v4].<t>``; pass a sequence of 2 or 4 values for a vector store."""
+        t = ptx_type(t)
+        if space not in SPACES:
+            raise ValueError(f"unknown state space {space!r}; expected one of {SPACES}")
+        values = list(value) if isinstance(value, (list, tuple)) else [value]
+        if len(values) not in (1, 2, 4):
+            raise ValueError(f"vector width must be 1, 2 or 4, got {len(values)}")
+        ops = [self._op(v, t) for v in values]
+        src = f"{{{', '.join(ops)}}}" if len(ops) > 1 else ops[0]
+        vq = f".v{len(ops)}" if len(ops) > 1 else ""
+        self._emit(f"st.{space}{vq}.{t.name} {self._address(addr, offset)}, {src};", pred, negate)
+
+    def atom(
+        self,
+        space: str,
+        op: str,
+        t: str | PtxType,
+        addr: Reg | Symbol,
+        value: Operand,
+        offset: int = 0,
+        compare: Operand | None = None,
+    ) -> Reg:
+        """``atom.<space>.<op>.<t>``, returning the old value; ``op='cas'`` needs ``compare``."""
+        t = ptx_type(t)
+        d = self.reg(t)
+        if op == "cas":
+            if compare is None:
+                raise ValueError("atom.cas needs `compare`")
+            self._emit(
+                f"atom.{space}.cas.{t.name} {d}, {self._address(addr, offset)}, "
+                f"{self._op(compare, t)}, {self._op(value, t)};"
+            )
+        else:
+            self._emit(f"atom.{space}.{op}.{t.name} {d}, {self._address(addr, offset)}, {self._op(value, t)};")
+        return d
+
+    def red(self, space: str, op: str, t: str | PtxType, addr: Reg | Symbol, value: Operand, offset: int = 0) -> None:
+        """Fire-and-forget atomic reduction (``red.<space>.<op>.<t>``)."""
+        t = ptx_type(t)
+        self._emit(f"red.{space}.{op}.{t.name} {self._address(addr, offset)}, {self._op(value, t)};")
+
+    def shared_array(self, name: str, t: str | PtxType, count: int, align: int = 16) -> Reg:
+        """Declare a static shared array in this kernel and return its 32-bit shared address."""
+        t = ptx_type(t)
+        nbytes = t.nbytes * count
+        self._shared_decls.append(f".shared .align {align} .b8 {name}[{nbytes}];")
+        return self.mov(Symbol(name), "u32")
+
+    def dynamic_shared(self, align: int = 16) -> Reg:
+        """The 32-bit address of this kernel's dynamic shared memory (size set at launch)."""
+        sym = f"{self.name}_dyn_smem"
+        decl = f".extern .shared .align {align} .b8 {sym}[];"
+        if decl not in self._module_decls:
+            self._module_decls.append(decl)
+        return self.mov(Symbol(sym), "u32")
+
+    # ---- warp and block collectives ------------------------------------------------------------
+    def shfl(self, mode: str, value: Reg, lane: Operand, clamp: int | None = None, mask: int = 0xFFFFFFFF) -> Reg:
+        """``shfl.sync.<mode>.b32``; ``lane`` is the delta (down/up), xor mask (bfly) or source (idx)."""
+        if mode not in SHUFFLE_MODES:
+            raise ValueError(f"unknown shuffle mode {mode!r}; expected one of {SHUFFLE_MODES}")
+        if value.type.bits != 32:
+            raise TypeError(f"shfl moves 32-bit values, got {value.type}")
+        if clamp is None:
+            clamp = 0 if mode == "up" else 0x1F
+        d = self.reg(value.type)
+        u32 = ptx_type("u32")
+        self._emit(
+            f"shfl.sync.{mode}.b32 {d}, {value}, {self._op(lane, u32)}, {self._op(clamp, u32)}, "
+            f"{self._op(mask, u32)};"
+        )
+        return d
+
+    def warp_reduce(self, value: Reg, op: str = "add", width: int = 32) -> Reg:
+        """Butterfly reduction over ``width`` lanes; every lane receives the result."""
+        fn = {"add": self.add, "max": self.max, "min": self.min}[op]
+        acc = value
+        offset = width // 2
+        while offset >= 1:
+            acc = fn(acc, self.shfl("bfly", acc, offset))
+            offset //= 2
+        return acc
+
+    def bar_sync(self, barrier: int = 0, threads: int | None = None) -> None:
+        extra = f", {threads}" if threads is not None else ""
+        self._emit(f"bar.sync {barrier}{extra};")
+
+    def fence(self, scope: str = "gl") -> None:
+        """``membar.<cta|gl|sys>``."""
+        self._emit(f"membar.{scope};")
+
+    # ---- control flow ---------------------------------------------------------------------------
+    def new_label(self, hint: str = "L") -> str:
+        self._labels += 1
+        return f"$L_{hint}_{self._labels}"
+
+    def label(self, name: str) -> None:
+        self._lines.append(f"{name}:")
+
+    def bra(self, label: str, pred: Reg | None = None, negate: bool = False, uniform: bool = False) -> None:
+        self._emit(f"bra{'.uni' if uniform else ''} {label};", pred, negate)
+
+    def ret(self) -> None:
+        self._emit("ret;")
+
+    @contextlib.contextmanager
+    def if_(self, pred: Reg, negate: bool = False) -> Iterator[None]:
+        """Run the body only where ``pred`` holds (or does not hold, with ``negate``)."""
+        end = self.new_label("endif")
+        self.bra(end, pred, negate=not negate)
+        self._indent += 1
+        yield
+        self._indent -= 1
+        self.label(end)
+
+    @contextlib.contextmanager
+    def loop(self, start: Operand, stop: Operand, step: Operand = 1, t: str = "u32") -> Iterator[Var]:
+        """``for i in range(start, stop, step)`` (positive step); yields the loop variable."""
+        i = self.var(t, start)
+        head, end = self.new_label("loop"), self.new_label("endloop")
+        self.label(head)
+        self.bra(end, self.setp("ge", i, stop, t))
+        self._indent += 1
+        yield i
+        self.assign(i, self.add(i, step, t))
+        self._indent -= 1
+        self.bra(head)
+        self.label(end)
+
+    # ---- rendering --------------------------------------------------------------------------------
+    def render(self) -> str:
+        params = ",\n".join(f"    .param .{p.type.name} {self._param_symbol(p.name)}" for p in self.params)
+        out = [f".visible .entry {self.name}(\n{params}\n)"]
+        if self.max_threads:
+            out.append(f".maxntid {self.max_threads}, 1, 1")
+        out.append("{")
+        for rc in REG_CLASS_ORDER:
+            n = self._counts.get(rc, 0)
+            if n:
+                out.append(f"    .reg {rc.decl} {rc.prefix}<{n + 1}>;")
+        for decl in self._shared_decls:
+            out.append("    " + decl)
+        out.append("")
+        out.extend(self._lines)
+        out.append("}")
+        return "\n".join(out) + "\n"
+
+
+class Module:
+    """One PTX module holding one kernel (kernels are generated per shape, one module each)."""
+
+    def __init__(self, target: str | Target = "sm_90", header: str = ""):
+        self.target = as_target(target)
+        self.header = header
+        self.kernels: list[KernelBuilder] = []
+        self._decls: list[str] = []
+
+    def kernel(
+        self,
+        name: str,
+        params: Sequence[tuple[str, str]],
+        max_threads: int | None = None,
+    ) -> KernelBuilder:
+        k = KernelBuilder(
+            name=name,
+            params=tuple(Param(n, ptx_type(t)) for n, t in params),
+            target=self.target,
+            max_threads=max_threads,
+            _module_decls=self._decls,
+        )
+        self.kernels.append(k)
+        return k
+
+    def emit(self) -> str:
+        lines = ["//"]
+        for h in self.header.splitlines():
+            lines.append(f"// {h}".rstrip())
+        lines += [
+            f"// generated by realizar ptx_gen for {self.target.sm}",
+            "//",
+            f".version {self.target.ptx_version}",
+            f".target {self.target.sm}",
+            ".address_size 64",
+            "",
+        ]
+        lines += self._decls
+        if self._decls:
+            lines.append("")
+        body = "\n".join(k.render() for k in self.kernels)
+        return "\n".join(lines) + "\n" + body

@@ -1,0 +1,1 @@
+"""Kernel generators; each module registers its kernels in :mod:`ptx_gen.catalog`."""

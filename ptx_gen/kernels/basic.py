@@ -1,0 +1,105 @@
+"""Small demo kernels that exercise the builder and the runtime: elementwise ops and a reduction."""
+
+from __future__ import annotations
+
+from ptx_gen.builder import KernelBuilder, Module, Reg
+from ptx_gen.catalog import kernel
+
+
+def _elementwise(k: KernelBuilder, vec: int, n: Reg, body) -> None:
+    """Run ``body(byte_offset, width)`` for the ``vec`` elements of this thread; the tail of an
+    ``n`` that is not a multiple of ``vec`` is handled one element at a time."""
+    first = k.mul(k.global_index_x(), vec)
+    full = k.setp("le", k.add(first, vec), n)
+    done = k.new_label("done")
+    with k.if_(full):
+        body(k.mul_wide(first, 4), vec)
+        k.bra(done)
+    for j in range(vec):
+        idx = k.add(first, j)
+        with k.if_(k.setp("lt", idx, n)):
+            body(k.mul_wide(idx, 4), 1)
+    k.label(done)
+
+
+@kernel("vector_add", grid=[{"vec": 1}, {"vec": 2}, {"vec": 4}])
+def vector_add(m: Module, vec: int = 4) -> KernelBuilder:
+    """out[i] = a[i] + b[i] over n float32 elements; each thread handles ``vec`` (16-byte loads at 4)."""
+    if vec not in (1, 2, 4):
+        raise ValueError(f"vec must be 1, 2 or 4, got {vec}")
+    k = m.kernel(f"vector_add_v{vec}", [("a", "u64"), ("b", "u64"), ("out", "u64"), ("n", "u32")], max_threads=1024)
+    k.meta.update(block=256, per_thread=vec)
+    a, b, out, n = k.global_ptr("a"), k.global_ptr("b"), k.global_ptr("out"), k.param("n")
+
+    def body(off: Reg, width: int) -> None:
+        xa = k.load("global", "f32", k.add(a, off), vec=width, nc=True)
+        xb = k.load("global", "f32", k.add(b, off), vec=width, nc=True)
+        xa, xb = (xa, xb) if width > 1 else ((xa,), (xb,))
+        k.store("global", "f32", k.add(out, off), [k.add(p, q) for p, q in zip(xa, xb)])
+
+    _elementwise(k, vec, n, body)
+    k.ret()
+    return k
+
+
+@kernel("axpy", grid=[{"vec": 1}, {"vec": 4}])
+def axpy(m: Module, vec: int = 4) -> KernelBuilder:
+    """y[i] = alpha * x[i] + y[i] in place (fused multiply-add, float32)."""
+    if vec not in (1, 2, 4):
+        raise ValueError(f"vec must be 1, 2 or 4, got {vec}")
+    k = m.kernel(f"axpy_v{vec}", [("x", "u64"), ("y", "u64"), ("alpha", "f32"), ("n", "u32")], max_threads=1024)
+    k.meta.update(block=256, per_thread=vec)
+    x, y, alpha, n = k.global_ptr("x"), k.global_ptr("y"), k.param("alpha"), k.param("n")
+
+    def body(off: Reg, width: int) -> None:
+        px, py = k.add(x, off), k.add(y, off)
+        xs = k.load("global", "f32", px, vec=width, nc=True)
+        ys = k.load("global", "f32", py, vec=width)
+        xs, ys = (xs, ys) if width > 1 else ((xs,), (ys,))
+        k.store("global", "f32", py, [k.fma(alpha, p, q) for p, q in zip(xs, ys)])
+
+    _elementwise(k, vec, n, body)
+    k.ret()
+    return k
+
+
+def block_reduce(k: KernelBuilder, value: Reg, block: int, op: str = "add") -> Reg:
+    """Reduce ``value`` over the whole block (``block`` threads, a multiple of 32); every thread gets
+    the result. Uses a warp butterfly, one shared slot per warp, then a second butterfly."""
+    warps = block // 32
+    partial = k.warp_reduce(value, op)
+    if warps == 1:
+        return partial
+    smem = k.shared_array(f"{k.name}_red", value.type, 32)
+    tid = k.tid()
+    lane, warp = k.and_(tid, 31), k.shr(tid, 5)
+    with k.if_(k.setp("eq", lane, 0)):
+        k.store("shared", value.type, k.add(smem, k.shl(warp, 2)), partial)
+    k.bar_sync()
+    neutral = {"add": 0.0, "max": float("-inf"), "min": float("inf")}[op]
+    active = k.setp("lt", lane, warps)
+    mine = k.load("shared", value.type, k.add(smem, k.shl(lane, 2)), pred=active, other=neutral)
+    total = k.warp_reduce(mine, op)
+    k.bar_sync()  # the shared slots may be reused by a following reduction
+    return total
+
+
+@kernel("row_sum", grid=[{"block": 32}, {"block": 128}, {"block": 256}, {"block": 1024}])
+def row_sum(m: Module, block: int = 256) -> KernelBuilder:
+    """out[r] = sum(x[r, :]) for a row-major [rows, cols] float32 matrix; one block per row."""
+    if block % 32 or not 32 <= block <= 1024:
+        raise ValueError(f"block must be a multiple of 32 in [32, 1024], got {block}")
+    k = m.kernel(f"row_sum_b{block}", [("x", "u64"), ("out", "u64"), ("cols", "u32")], max_threads=block)
+    k.meta.update(block=block)
+    x, out, cols = k.global_ptr("x"), k.global_ptr("out"), k.param("cols")
+    row = k.ctaid()
+    row_base = k.add(x, k.mul_wide(k.mul(row, cols), 4))
+    acc = k.var("f32", 0.0)
+    with k.loop(k.tid(), cols, block) as c:
+        v = k.load("global", "f32", k.add(row_base, k.mul_wide(c, 4)), nc=True)
+        k.assign(acc, k.add(acc, v))
+    total = block_reduce(k, acc, block)
+    with k.if_(k.setp("eq", k.tid(), 0)):
+        k.store("global", "f32", k.add(out, k.mul_wide(row, 4)), total)
+    k.ret()
+    return k

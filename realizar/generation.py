@@ -1,0 +1,348 @@
+"""Text generation: prompt → prefill → sample/decode loop, streaming text with exact stop strings.
+
+The model object only needs ``prefill(ids) -> logits``, ``decode(id) -> logits``, ``reset()`` and
+``context_length`` — the NumPy :class:`~realizar.models.reference.ReferenceModel` today, the GPU model
+later. The tokenizer needs ``encode(text) -> list[int]``, ``decode(ids) -> str``, ``eos_token_ids`` and
+(optionally) a streaming decoder; see :func:`make_stream_decoder`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from realizar.errors import ContextOverflowError, InvalidRequestError
+from realizar.sampling import Sampler, validate
+
+__all__ = [
+    "SamplingParams",
+    "TokenChunk",
+    "GenerationResult",
+    "GenerationStream",
+    "Generator",
+    "StopStringMatcher",
+    "make_stream_decoder",
+]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to generate. ``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` disable
+    those filters; ``seed`` makes sampling reproducible; generation ends at ``max_tokens``, at an
+    end-of-sequence token (the tokenizer's EOS ids plus ``stop_token_ids``) or just before the first
+    occurrence of any ``stop`` string, which is never emitted."""
+
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+
+    def validate(self) -> None:
+        if int(self.max_tokens) != self.max_tokens or self.max_tokens < 0:
+            raise InvalidRequestError(f"max_tokens must be an integer >= 0, got {self.max_tokens}")
+        validate(
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            repetition_penalty=self.repetition_penalty,
+        )
+        if isinstance(self.stop, str):
+            raise InvalidRequestError("stop must be a tuple of strings, not a single string")
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            raise InvalidRequestError(f"stop strings must be non-empty strings, got {self.stop!r}")
+
+
+@dataclass(frozen=True)
+class TokenChunk:
+    """One generated token and the text it released (possibly ``""``: an incomplete UTF-8 sequence,
+    text held back because it may begin a stop string, or the end-of-sequence token)."""
+
+    token_id: int
+    text: str
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str  # "stop" | "length"
+    prefill_seconds: float
+    decode_seconds: float
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        n = self.completion_tokens - 1  # the first token comes out of the prefill
+        return n / self.decode_seconds if n > 0 and self.decode_seconds > 0 else 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# Stop strings
+# ----------------------------------------------------------------------------------------------
+
+
+class StopStringMatcher:
+    """Cuts a stream of text deltas at the first occurrence of any stop string.
+
+    Text that might be the beginning of a stop string is held back until it is clear either way, so
+    a stop string split across tokens is still caught and no part of it is ever emitted.
+    """
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = tuple(s for s in stops if s)
+        self.held = ""
+        self.stopped = False
+
+    def feed(self, delta: str) -> str:
+        """Add ``delta``; return the text safe to emit now. Sets ``stopped`` on a match."""
+        if self.stopped:
+            return ""
+        text = self.held + delta
+        if not self.stops:
+            self.held = ""
+            return text
+        cut = -1
+        for s in self.stops:
+            i = text.find(s)
+            if i >= 0 and (cut < 0 or i < cut):
+                cut = i
+        if cut >= 0:
+            self.stopped = True
+            self.held = ""
+            return text[:cut]
+        hold = 0
+        for s in self.stops:
+            for m in range(min(len(s) - 1, len(text)), hold, -1):
+                if text.endswith(s[:m]):
+                    hold = m
+                    break
+        self.held = text[len(text) - hold :]
+        return text[: len(text) - hold]
+
+    def release(self) -> str:
+        """End of generation: the held text was not a stop string after all."""
+        out, self.held = ("" if self.stopped else self.held), ""
+        return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Streaming detokenization
+# ----------------------------------------------------------------------------------------------
+
+
+class _PrefixDiffDecoder:
+    """Incremental detokenizer built on ``tokenizer.decode`` alone: decodes a short window of recent
+    ids and emits the text that grew, holding it back while it ends in an incomplete UTF-8 sequence
+    (U+FFFD)."""
+
+    def __init__(self, tokenizer: Any):
+        self._decode = tokenizer.decode
+        self.ids: list[int] = []
+        self.prefix = 0
+        self.read = 0
+
+    def step(self, token_id: int) -> str:
+        self.ids.append(int(token_id))
+        before = self._decode(self.ids[self.prefix : self.read])
+        now = self._decode(self.ids[self.prefix :])
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return now[len(before) :]
+        return ""
+
+    def flush(self) -> str:
+        before = self._decode(self.ids[self.prefix : self.read])
+        now = self._decode(self.ids[self.prefix :])
+        self.prefix = self.read = len(self.ids)
+        return now[len(before) :]
+
+
+class _DecoderAdapter:
+    """Gives any stream decoder the ``step(id) -> str`` / ``flush() -> str`` shape used here."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+        for name in ("step", "push", "feed", "add", "decode", "put"):
+            fn = getattr(inner, name, None)
+            if callable(fn):
+                self._step = fn
+                break
+        else:
+            raise TypeError(f"{type(inner).__name__} has no step/push/feed method")
+        self._flush = next(
+            (getattr(inner, n) for n in ("flush", "finish", "end", "close") if callable(getattr(inner, n, None))),
+            None,
+        )
+
+    def step(self, token_id: int) -> str:
+        return self._step(int(token_id)) or ""
+
+    def flush(self) -> str:
+        return (self._flush() or "") if self._flush is not None else ""
+
+
+def make_stream_decoder(tokenizer: Any):
+    """A fresh streaming detokenizer for one generation: the tokenizer's own when it has one
+    (``tokenizer.stream_decoder()``), else a prefix-diff decoder over ``tokenizer.decode``."""
+    factory = getattr(tokenizer, "stream_decoder", None)
+    if callable(factory):
+        return _DecoderAdapter(factory())
+    return _PrefixDiffDecoder(tokenizer)
+
+
+def _eos_ids(tokenizer: Any) -> tuple[int, ...]:
+    ids = getattr(tokenizer, "eos_token_ids", ())
+    if callable(ids):
+        ids = ids()
+    if ids is None:
+        return ()
+    if isinstance(ids, (int, np.integer)):
+        return (int(ids),)
+    return tuple(int(i) for i in ids)
+
+
+# ----------------------------------------------------------------------------------------------
+# The generation loop
+# ----------------------------------------------------------------------------------------------
+
+
+class GenerationStream:
+    """Iterator of :class:`TokenChunk`; once exhausted, ``result`` holds the :class:`GenerationResult`
+    (and ``finish_reason`` the reason). Closing it early stops the generation."""
+
+    def __init__(self, run: Iterator[TokenChunk], state: dict):
+        self._run = run
+        self._state = state
+
+    def __iter__(self) -> "GenerationStream":
+        return self
+
+    def __next__(self) -> TokenChunk:
+        return next(self._run)
+
+    def close(self) -> None:
+        self._run.close()
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self._state["prompt_tokens"]
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self._state.get("finish_reason")
+
+    @property
+    def result(self) -> GenerationResult | None:
+        return self._state.get("result")
+
+
+class Generator:
+    """Drives a model and a tokenizer: :meth:`stream` yields tokens as they come, :meth:`generate`
+    returns the whole :class:`GenerationResult`. The KV cache is reset for every call."""
+
+    def __init__(self, model: Any, tokenizer: Any, eos_token_ids: Sequence[int] | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.eos_token_ids = tuple(eos_token_ids) if eos_token_ids is not None else _eos_ids(tokenizer)
+
+    def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = list(self.tokenizer.encode(prompt))
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise InvalidRequestError("the prompt is empty (no tokens)")
+        return ids
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> GenerationStream:
+        params = params or SamplingParams()
+        params.validate()
+        ids = self.encode_prompt(prompt)
+        ctx = int(self.model.context_length)
+        if len(ids) + params.max_tokens > ctx:
+            raise ContextOverflowError(
+                f"prompt of {len(ids)} tokens + max_tokens {params.max_tokens} = "
+                f"{len(ids) + params.max_tokens} exceeds the context length of {ctx}"
+            )
+        state: dict = {"prompt_tokens": len(ids)}
+        return GenerationStream(self._run(ids, params, state), state)
+
+    def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> GenerationResult:
+        stream = self.stream(prompt, params)
+        for _ in stream:
+            pass
+        assert stream.result is not None
+        return stream.result
+
+    def _run(self, ids: list[int], params: SamplingParams, state: dict) -> Iterator[TokenChunk]:
+        sampler = Sampler(params.temperature, params.top_k, params.top_p, params.repetition_penalty, params.seed)
+        stop_ids = set(self.eos_token_ids) | {int(t) for t in params.stop_token_ids}
+        decoder = make_stream_decoder(self.tokenizer)
+        matcher = StopStringMatcher(params.stop)
+        generated: list[int] = []
+        pieces: list[str] = []
+        history = list(ids)
+        prefill_s = decode_s = 0.0
+        finish = "length"
+
+        def finish_up() -> None:
+            state["finish_reason"] = finish
+            state["result"] = GenerationResult(
+                text="".join(pieces),
+                token_ids=list(generated),
+                prompt_tokens=len(ids),
+                completion_tokens=len(generated),
+                finish_reason=finish,
+                prefill_seconds=prefill_s,
+                decode_seconds=decode_s,
+            )
+
+        if params.max_tokens == 0:
+            finish_up()
+            return
+
+        self.model.reset()
+        t0 = time.perf_counter()
+        logits = self.model.prefill(ids)
+        t_step: float | None = None
+        while True:
+            tok = sampler(logits, history)
+            now = time.perf_counter()
+            if t_step is None:
+                prefill_s = now - t0  # prefill and the first sample
+            else:
+                decode_s += now - t_step  # one decode step and its sample
+            generated.append(tok)
+            history.append(tok)
+            last = False
+            if tok in stop_ids:
+                finish, last = "stop", True
+                tail = matcher.feed(decoder.flush())
+                text = tail if matcher.stopped else tail + matcher.release()
+            else:
+                text = matcher.feed(decoder.step(tok))
+                if matcher.stopped:
+                    finish, last = "stop", True
+                elif len(generated) >= params.max_tokens:
+                    finish, last = "length", True
+                    text += matcher.feed(decoder.flush())
+                    if matcher.stopped:
+                        finish = "stop"
+                    else:
+                        text += matcher.release()
+            pieces.append(text)
+            if last:
+                finish_up()
+                yield TokenChunk(tok, text)
+                return
+            yield TokenChunk(tok, text)
+            t_step = time.perf_counter()
+            logits = self.model.decode(tok)

@@ -1,0 +1,334 @@
+"""The NumPy reference model: a llama-family decoder computed in float32 on the CPU.
+
+This is ``OwnedQuantizedModel`` of the Rust original: weights are dequantized once, at construction,
+and every step is plain vectorised NumPy (a whole prompt is one set of matrix products). It is the
+oracle for the GPU model and the fallback when no GPU is present.
+
+Per layer::
+
+    h = x + W_o · attn(rope(norm_q(W_q · rms(x) + b_q)), rope(norm_k(W_k · rms(x) + b_k)), W_v · rms(x) + b_v)
+    x = h + W_down · (silu(W_gate · rms(h)) * (W_up · rms(h)))
+
+then a final RMSNorm and the LM head (``token_embd`` when the embeddings are tied).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from realizar.errors import ContextOverflowError, InvalidRequestError, ModelFormatError, ShapeError
+from realizar.models.attention import gqa_attention
+from realizar.models.config import ModelConfig
+
+if TYPE_CHECKING:  # pragma: no cover
+    from realizar.models.loader import LoadedModel
+    from realizar.models.tensor import QuantTensor
+
+__all__ = ["KVCache", "ReferenceModel", "rms_norm", "apply_rope", "rope_inv_freq"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Building blocks
+# ----------------------------------------------------------------------------------------------
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm over the last axis: ``x / sqrt(mean(x²) + eps) * weight``."""
+    ms = np.mean(np.square(x), axis=-1, keepdims=True)
+    return x * (1.0 / np.sqrt(ms + np.asarray(eps, dtype=x.dtype))).astype(x.dtype) * weight
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    # x * sigmoid(x), written to avoid overflow warnings of exp(-x) for very negative x.
+    return x * (0.5 * (1.0 + np.tanh(0.5 * x))).astype(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig, freq_factors: np.ndarray | None = None) -> np.ndarray:
+    """Inverse frequencies ``theta ** (-2i / head_dim)`` (float64, length ``head_dim // 2``).
+
+    ``freq_factors`` (the GGUF ``rope_freqs.weight`` tensor of llama-3 files) divide the frequencies
+    one by one; an HF ``rope_scaling`` of type ``llama3`` in ``config.extra`` is applied the same way
+    transformers applies it.
+    """
+    d = config.head_dim
+    inv = 1.0 / (float(config.rope_theta) ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    if freq_factors is not None:
+        ff = np.asarray(freq_factors, dtype=np.float64).reshape(-1)
+        if ff.shape[0] != inv.shape[0]:
+            raise ModelFormatError(f"rope_freqs has {ff.shape[0]} entries, expected {inv.shape[0]}")
+        return inv / ff
+    scaling = config.extra.get("rope_scaling") if isinstance(config.extra, dict) else None
+    if isinstance(scaling, dict):
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind == "llama3":
+            factor = float(scaling["factor"])
+            low = float(scaling.get("low_freq_factor", 1.0))
+            high = float(scaling.get("high_freq_factor", 4.0))
+            old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
+            low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+            wavelen = 2 * math.pi / inv
+            scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+            medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+            return np.where(medium, smoothed, scaled)
+        if kind == "linear":
+            return inv / float(scaling["factor"])
+    return inv
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rope_type: str) -> np.ndarray:
+    """Rotate ``x [S, heads, D]`` by angles whose cos/sin are ``[S, D/2]``.
+
+    ``"neox"`` pairs ``(x[i], x[i + D/2])``; ``"normal"`` pairs ``(x[2i], x[2i + 1])``.
+    """
+    c = cos[:, None, :]
+    s = sin[:, None, :]
+    out = np.empty_like(x)
+    if rope_type == "neox":
+        half = x.shape[-1] // 2
+        a, b = x[..., :half], x[..., half:]
+        out[..., :half] = a * c - b * s
+        out[..., half:] = b * c + a * s
+    elif rope_type == "normal":
+        a, b = x[..., 0::2], x[..., 1::2]
+        out[..., 0::2] = a * c - b * s
+        out[..., 1::2] = b * c + a * s
+    else:
+        raise ModelFormatError(f"unknown rope_type {rope_type!r} (expected 'normal' or 'neox')")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# KV cache
+# ----------------------------------------------------------------------------------------------
+
+
+class KVCache:
+    """Preallocated keys and values: per layer ``[num_kv_heads, max_len, head_dim]``.
+
+    ``length`` counts the positions written so far. :meth:`write` stores a block of positions for one
+    layer at ``length``; :meth:`advance` moves ``length`` once every layer has written. The arrays are
+    allocated with ``np.zeros`` so untouched pages of a long context cost no memory.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, max_len: int, head_dim: int, dtype=np.float32):
+        if max_len <= 0:
+            raise ShapeError(f"KV cache max_len must be positive, got {max_len}")
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.max_len = max_len
+        self.head_dim = head_dim
+        self.k = [np.zeros((num_kv_heads, max_len, head_dim), dtype=dtype) for _ in range(num_layers)]
+        self.v = [np.zeros((num_kv_heads, max_len, head_dim), dtype=dtype) for _ in range(num_layers)]
+        self.length = 0
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def truncate(self, length: int) -> None:
+        """Forget every position from ``length`` on (keeps the first ``length``)."""
+        if not 0 <= length <= self.length:
+            raise ShapeError(f"cannot truncate a KV cache of length {self.length} to {length}")
+        self.length = length
+
+    @property
+    def remaining(self) -> int:
+        return self.max_len - self.length
+
+    def check_room(self, n: int) -> None:
+        if self.length + n > self.max_len:
+            raise ContextOverflowError(
+                f"{self.length} cached + {n} new tokens = {self.length + n} exceeds the context "
+                f"length of {self.max_len}"
+            )
+
+    def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Store ``k, v [KVH, S, D]`` at positions ``length .. length + S - 1`` of ``layer``."""
+        s = k.shape[1]
+        self.check_room(s)
+        self.k[layer][:, self.length : self.length + s] = k
+        self.v[layer][:, self.length : self.length + s] = v
+
+    def view(self, layer: int, extra: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """Keys and values of ``layer`` for positions ``0 .. length + extra - 1``."""
+        n = self.length + extra
+        return self.k[layer][:, :n], self.v[layer][:, :n]
+
+    def advance(self, n: int) -> None:
+        self.check_room(n)
+        self.length += n
+
+
+# ----------------------------------------------------------------------------------------------
+# The model
+# ----------------------------------------------------------------------------------------------
+
+
+class _Layer:
+    __slots__ = ("attn_norm", "w_qkv", "b_qkv", "q_norm", "k_norm", "w_o", "ffn_norm", "w_gate_up", "w_down")
+
+
+class ReferenceModel:
+    """Float32 NumPy forward pass of a llama / mistral / qwen2 / qwen3 model.
+
+    ``prefill(token_ids)`` runs a block of tokens (continuing after whatever the cache already holds)
+    and returns the logits of the last position, or of every position with ``all_logits=True``;
+    ``decode(token_id)`` runs one token. ``reset()`` empties the cache. ``max_len`` caps the KV cache
+    (default: the model's context length).
+    """
+
+    def __init__(self, config: ModelConfig, tensors: dict[str, "QuantTensor"], max_len: int | None = None):
+        self.config = config
+        c = config
+        if c.num_heads % c.num_kv_heads != 0:
+            raise ModelFormatError(f"num_heads {c.num_heads} is not a multiple of num_kv_heads {c.num_kv_heads}")
+        if c.head_dim % 2 != 0:
+            raise ModelFormatError(f"head_dim {c.head_dim} must be even for RoPE")
+
+        def get(name: str, shape: tuple[int, ...], required: bool = True) -> np.ndarray | None:
+            t = tensors.get(name)
+            if t is None:
+                if required:
+                    raise ModelFormatError(f"missing tensor {name}")
+                return None
+            arr = np.asarray(t.dequantize(), dtype=np.float32)
+            if arr.shape != shape:
+                if arr.size == math.prod(shape) and len(shape) == 1:
+                    arr = arr.reshape(shape)
+                else:
+                    raise ModelFormatError(f"tensor {name} has shape {arr.shape}, expected {shape}")
+            return arr
+
+        H, D = c.hidden_size, c.head_dim
+        self.embedding = get("token_embd.weight", (c.vocab_size, H))
+        self.output_norm = get("output_norm.weight", (H,))
+        out = get("output.weight", (c.vocab_size, H), required=False)
+        self.lm_head = self.embedding if out is None else out
+
+        self.layers: list[_Layer] = []
+        for i in range(c.num_layers):
+            p = f"blk.{i}."
+            L = _Layer()
+            L.attn_norm = get(p + "attn_norm.weight", (H,))
+            wq = get(p + "attn_q.weight", (c.q_dim, H))
+            wk = get(p + "attn_k.weight", (c.kv_dim, H))
+            wv = get(p + "attn_v.weight", (c.kv_dim, H))
+            L.w_qkv = np.ascontiguousarray(np.concatenate([wq, wk, wv], axis=0))
+            del wq, wk, wv
+            bq = get(p + "attn_q.bias", (c.q_dim,), required=c.qkv_bias)
+            bk = get(p + "attn_k.bias", (c.kv_dim,), required=c.qkv_bias)
+            bv = get(p + "attn_v.bias", (c.kv_dim,), required=c.qkv_bias)
+            if bq is None and bk is None and bv is None:
+                L.b_qkv = None
+            else:
+                L.b_qkv = np.concatenate(
+                    [
+                        bq if bq is not None else np.zeros(c.q_dim, np.float32),
+                        bk if bk is not None else np.zeros(c.kv_dim, np.float32),
+                        bv if bv is not None else np.zeros(c.kv_dim, np.float32),
+                    ]
+                )
+            L.q_norm = get(p + "attn_q_norm.weight", (D,), required=c.qk_norm)
+            L.k_norm = get(p + "attn_k_norm.weight", (D,), required=c.qk_norm)
+            L.w_o = get(p + "attn_output.weight", (H, c.q_dim))
+            L.ffn_norm = get(p + "ffn_norm.weight", (H,))
+            wg = get(p + "ffn_gate.weight", (c.intermediate_size, H))
+            wu = get(p + "ffn_up.weight", (c.intermediate_size, H))
+            L.w_gate_up = np.ascontiguousarray(np.concatenate([wg, wu], axis=0))
+            del wg, wu
+            L.w_down = get(p + "ffn_down.weight", (H, c.intermediate_size))
+            self.layers.append(L)
+
+        ff = tensors.get("rope_freqs.weight")
+        self.inv_freq = rope_inv_freq(c, None if ff is None else ff.dequantize())
+        self.max_len = int(max_len if max_len is not None else c.context_length)
+        self.cache = KVCache(c.num_layers, c.num_kv_heads, self.max_len, D)
+        self._cos: np.ndarray | None = None
+        self._sin: np.ndarray | None = None
+
+    @classmethod
+    def from_loaded(cls, loaded: "LoadedModel", max_len: int | None = None) -> "ReferenceModel":
+        return cls(loaded.config, loaded.tensors, max_len=max_len)
+
+    # -- the interface the generator uses --------------------------------------------------------
+
+    @property
+    def context_length(self) -> int:
+        return self.max_len
+
+    @property
+    def position(self) -> int:
+        """Number of tokens in the KV cache."""
+        return self.cache.length
+
+    def reset(self) -> None:
+        self.cache.reset()
+
+    def truncate(self, length: int) -> None:
+        self.cache.truncate(length)
+
+    def prefill(self, token_ids: Sequence[int] | np.ndarray, all_logits: bool = False) -> np.ndarray:
+        """Run ``token_ids`` after the cached positions; logits ``[vocab]`` (or ``[S, vocab]``)."""
+        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        if ids.size == 0:
+            raise InvalidRequestError("prefill needs at least one token")
+        return self._forward(ids, all_logits)
+
+    def decode(self, token_id: int) -> np.ndarray:
+        """Run one token; logits ``[vocab]``."""
+        return self._forward(np.asarray([int(token_id)], dtype=np.int64), False)
+
+    # -- the forward pass --------------------------------------------------------------------------
+
+    def _rope_tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if self._cos is None:
+            ang = np.arange(self.max_len, dtype=np.float64)[:, None] * self.inv_freq[None, :]
+            self._cos = np.cos(ang).astype(np.float32)
+            self._sin = np.sin(ang).astype(np.float32)
+        return self._cos[positions], self._sin[positions]
+
+    def _forward(self, ids: np.ndarray, all_logits: bool) -> np.ndarray:
+        c = self.config
+        s = ids.shape[0]
+        if ids.min() < 0 or ids.max() >= c.vocab_size:
+            bad = int(ids[(ids < 0) | (ids >= c.vocab_size)][0])
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary of {c.vocab_size}")
+        self.cache.check_room(s)
+        start = self.cache.length
+        cos, sin = self._rope_tables(np.arange(start, start + s))
+        nh, nkv, d = c.num_heads, c.num_kv_heads, c.head_dim
+        q_end, k_end = c.q_dim, c.q_dim + c.kv_dim
+        eps = c.rms_norm_eps
+
+        x = self.embedding[ids]  # [S, hidden] (a copy: fancy indexing)
+        for li, L in enumerate(self.layers):
+            h = rms_norm(x, L.attn_norm, eps)
+            qkv = h @ L.w_qkv.T
+            if L.b_qkv is not None:
+                qkv += L.b_qkv
+            q = qkv[:, :q_end].reshape(s, nh, d)
+            k = qkv[:, q_end:k_end].reshape(s, nkv, d)
+            v = qkv[:, k_end:].reshape(s, nkv, d)
+            if L.q_norm is not None:
+                q = rms_norm(q, L.q_norm, eps)
+            if L.k_norm is not None:
+                k = rms_norm(k, L.k_norm, eps)
+            q = apply_rope(q, cos, sin, c.rope_type)
+            k = apply_rope(k, cos, sin, c.rope_type)
+            self.cache.write(li, k.transpose(1, 0, 2), v.transpose(1, 0, 2))
+            kc, vc = self.cache.view(li, extra=s)
+            attn = gqa_attention(q.transpose(1, 0, 2), kc, vc, causal=True)  # [nh, S, d]
+            x += attn.transpose(1, 0, 2).reshape(s, nh * d) @ L.w_o.T
+            h = rms_norm(x, L.ffn_norm, eps)
+            gu = h @ L.w_gate_up.T
+            f = c.intermediate_size
+            x += (silu(gu[:, :f]) * gu[:, f:]) @ L.w_down.T
+        self.cache.advance(s)
+
+        if all_logits:
+            return rms_norm(x, self.output_norm, eps) @ self.lm_head.T
+        return rms_norm(x[-1], self.output_norm, eps) @ self.lm_head.T
