@@ -69,8 +69,9 @@ def apply_top_p(logits: np.ndarray, p: float) -> np.ndarray:
     probs = probabilities(logits)
     order = np.argsort(-probs, kind="stable")
     cum = np.cumsum(probs[order])
-    # Tokens whose preceding mass is already >= p are dropped; the first token is always kept.
-    keep_n = int(np.searchsorted(cum, p, side="left")) + 1
+    # Tokens whose preceding mass already reaches p are dropped; the first token is always kept.
+    # (A 1e-9 slack so that e.g. 0.5 + 0.3 "reaches" 0.8 despite rounding.)
+    keep_n = int(np.searchsorted(cum, p - 1e-9, side="left")) + 1
     keep_n = min(max(keep_n, 1), logits.shape[0])
     out = np.full_like(logits, -np.inf)
     kept = order[:keep_n]

@@ -1,0 +1,22 @@
+"""A thin runtime over ``cuda.bindings.driver``: devices, streams, events, buffers, modules, launches.
+
+    from realizar import cuda
+    if cuda.is_available():
+        k = cuda.module_cache().get("vector_add", vec=4)
+        with cuda.GpuBuffer.from_numpy(a) as da, ...:
+            cuda.launch(k, grid, k.meta["block"], k.args(da, db, dout, n))
+"""
+
+from realizar.cuda.args import KernelArgs
+from realizar.cuda.device import Device, current_device
+from realizar.cuda.driver import CudaError, CudaUnavailableError, is_available, unavailable_reason
+from realizar.cuda.launch import LaunchRecord, launch, pop_recorder, push_recorder
+from realizar.cuda.memory import BufferFreedError, GpuBuffer
+from realizar.cuda.module import CompiledKernel, JitError, ModuleCache, module_cache
+from realizar.cuda.stream import Event, Stream
+
+__all__ = [
+    "BufferFreedError", "CompiledKernel", "CudaError", "CudaUnavailableError", "Device", "Event",
+    "GpuBuffer", "JitError", "KernelArgs", "LaunchRecord", "ModuleCache", "Stream", "current_device",
+    "is_available", "launch", "module_cache", "pop_recorder", "push_recorder", "unavailable_reason",
+]

