@@ -191,10 +191,14 @@ class _DecoderAdapter:
 
 def make_stream_decoder(tokenizer: Any):
     """A fresh streaming detokenizer for one generation: the tokenizer's own when it has one
-    (``tokenizer.stream_decoder()``), else a prefix-diff decoder over ``tokenizer.decode``."""
+    (``tokenizer.stream_decoder(skip_special_tokens=True)``: control tokens the model emits are not
+    shown as text), else a prefix-diff decoder over ``tokenizer.decode``."""
     factory = getattr(tokenizer, "stream_decoder", None)
     if callable(factory):
-        return _DecoderAdapter(factory())
+        try:
+            return _DecoderAdapter(factory(skip_special_tokens=True))
+        except TypeError:
+            return _DecoderAdapter(factory())
     return _PrefixDiffDecoder(tokenizer)
 
 

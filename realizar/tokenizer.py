@@ -49,7 +49,7 @@ __all__ = [
 
 try:  # imported lazily-but-early so that a missing dependency gives a typed error, not ImportError
     import tokenizers as _tk
-    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 except ImportError as _e:  # pragma: no cover - tokenizers is a hard dependency
     _tk = None
     _IMPORT_ERROR: ImportError | None = _e
@@ -556,10 +556,16 @@ class Tokenizer:
         except Exception as e:
             raise TokenizerError(f"cannot build the SentencePiece model from GGUF metadata: {e}") from e
         tk = _tk.Tokenizer(bpe)
-        tk.normalizer = None
-        tk.pre_tokenizer = pre_tokenizers.Metaspace(
-            replacement=_SPACE_MARK, prepend_scheme="first" if add_prefix else "never", split=False
-        )
+        # Spaces become ▁ and, with add_space_prefix, a ▁ goes in front of every stretch of text
+        # between special tokens (the start of the text included) -- llama.cpp's rule, and that of
+        # SentencePiece and of the original ("legacy") HF tokenizer.json of Llama 2 / Mistral.
+        # transformers' GGUF loader uses Metaspace(prepend_scheme="first") instead, which differs
+        # only for text starting with a space or following a special token.
+        steps = [normalizers.Replace(" ", _SPACE_MARK)]
+        if add_prefix:
+            steps.insert(0, normalizers.Prepend(_SPACE_MARK))
+        tk.normalizer = normalizers.Sequence(steps)
+        tk.pre_tokenizer = None
         seq = [decoders.Replace(_SPACE_MARK, " "), decoders.ByteFallback(), decoders.Fuse()]
         if add_prefix:
             seq.append(decoders.Strip(content=" ", left=1, right=0))
@@ -790,12 +796,11 @@ class Tokenizer:
         beyond what the template writes — as transformers does)."""
         from realizar.chat import render_chat
 
-        special = {
-            "bos_token": self.bos_token or "",
-            "eos_token": self.eos_token or "",
-            "pad_token": self.pad_token or "",
-            "unk_token": self.unk_token or "",
-        }
+        special = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
+        for name in ("pad_token", "unk_token"):
+            value = getattr(self, name)
+            if value is not None:
+                special[name] = value
         special.update(kwargs)
         text = render_chat(
             chat_template if chat_template is not None else self.chat_template,

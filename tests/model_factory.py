@@ -206,6 +206,7 @@ def make_hf_model(
     import torch
     import transformers
 
+    transformers.utils.logging.disable_progress_bar()
     cfg = hf_config(arch, **dims)
     cls = {
         "llama": transformers.LlamaForCausalLM,
@@ -464,3 +465,56 @@ def make_gguf_model(
     hf_dir, model = make_hf_model(arch, tmp_path, seed, **kwargs)
     path = hf_to_gguf(hf_dir, Path(tmp_path) / f"{hf_dir.name}-{qtype}.gguf", qtype, **conv)
     return path, hf_dir, model
+
+
+def rewrite_gguf(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    arch: str | None = None,
+    drop_tensors: tuple[str, ...] = (),
+    replace_tensors: dict[str, tuple[np.ndarray, Any]] | None = None,
+    drop_metadata: tuple[str, ...] = (),
+    set_metadata: dict[str, Any] | None = None,
+) -> Path:
+    """Copy a GGUF file with edits (for malformed-input tests): another ``general.architecture``,
+    tensors dropped or replaced by ``(array, raw_dtype)`` (raw_dtype None for plain float arrays),
+    metadata keys dropped or set (a value, or ``(value, GGUFValueType[, sub_type])``). Reads the source
+    with ``gguf.GGUFReader`` so value types are preserved."""
+    import gguf
+
+    r = gguf.GGUFReader(str(src))
+    src_arch = r.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(str(dst), arch=src_arch if arch is None else arch)
+    set_metadata = dict(set_metadata or {})
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key in drop_metadata:
+            continue
+        if key in set_metadata:
+            continue
+        vtype = f.types[0]
+        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, f.contents(), vtype, sub)
+    for key, value in set_metadata.items():
+        if isinstance(value, tuple):
+            w.add_key_value(key, *value)
+        else:
+            _add_kv(w, key, value)
+    replace_tensors = dict(replace_tensors or {})
+    for t in r.tensors:
+        if t.name in drop_tensors:
+            continue
+        if t.name in replace_tensors:
+            arr, raw = replace_tensors.pop(t.name)
+            w.add_tensor(t.name, arr, raw_dtype=raw)
+            continue
+        data = np.array(t.data)
+        raw = None if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16) else t.tensor_type
+        w.add_tensor(t.name, data, raw_dtype=raw)
+    for name, (arr, raw) in replace_tensors.items():  # new tensors
+        w.add_tensor(name, arr, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(dst)

@@ -103,3 +103,26 @@ def row_sum(m: Module, block: int = 256) -> KernelBuilder:
         k.store("global", "f32", k.add(out, k.mul_wide(row, 4)), total)
     k.ret()
     return k
+
+
+@kernel("copy_row_indirect", grid=[{}])
+def copy_row_indirect(m: Module) -> KernelBuilder:
+    """dst[row, :] = src[:] for a [rows, cols] float32 matrix, with ``row`` read from a device u32
+    (a graph-compatible position: the graph stays fixed while the value changes every step);
+    rows at or past ``rows`` are ignored rather than written out of bounds."""
+    k = m.kernel(
+        "copy_row_indirect",
+        [("src", "u64"), ("dst", "u64"), ("row_ptr", "u64"), ("rows", "u32"), ("cols", "u32")],
+        max_threads=1024,
+    )
+    k.meta.update(block=256)
+    src, dst, cols = k.global_ptr("src"), k.global_ptr("dst"), k.param("cols")
+    row = k.load("global", "u32", k.global_ptr("row_ptr"))
+    i = k.global_index_x()
+    ok = k.setp("lt", i, cols)
+    with k.if_(k.setp("lt", row, k.param("rows"))):
+        with k.if_(ok):
+            v = k.load("global", "f32", k.add(src, k.mul_wide(i, 4)))
+            k.store("global", "f32", k.add(dst, k.mul_wide(k.mad(row, cols, i), 4)), v)
+    k.ret()
+    return k

@@ -44,7 +44,6 @@ class GpuBuffer:
         self.nbytes = count * self.dtype.itemsize
         self._ptr = int(call("cuMemAlloc", self.nbytes))
         self._finalizer = weakref.finalize(self, _free, self._ptr)
-        self.generation = 0  # bumped on free; graphs use it to refuse stale pointers
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
@@ -75,7 +74,6 @@ class GpuBuffer:
     def free(self) -> None:
         if self._finalizer.alive:
             self._finalizer()
-            self.generation += 1
 
     close = free
 

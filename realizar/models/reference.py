@@ -19,7 +19,13 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from realizar.errors import ContextOverflowError, InvalidRequestError, ModelFormatError, ShapeError
+from realizar.errors import (
+    ContextOverflowError,
+    InvalidRequestError,
+    ModelFormatError,
+    ShapeError,
+    UnsupportedError,
+)
 from realizar.models.attention import gqa_attention
 from realizar.models.config import ModelConfig
 
@@ -77,6 +83,8 @@ def rope_inv_freq(config: ModelConfig, freq_factors: np.ndarray | None = None) -
             return np.where(medium, smoothed, scaled)
         if kind == "linear":
             return inv / float(scaling["factor"])
+        if kind not in (None, "default", "none"):
+            raise UnsupportedError(f"RoPE scaling of type {kind!r} (supported: llama3, linear)")
     return inv
 
 

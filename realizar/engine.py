@@ -1,0 +1,160 @@
+"""The engine facade: one object holding a loaded model, its tokenizer and a generator.
+
+    from realizar.engine import load_engine
+    from realizar.generation import SamplingParams
+
+    engine = load_engine()                     # the default model (SmolLM2-135M-Instruct Q4_1)
+    print(engine.generate("The capital of France is", SamplingParams(max_tokens=8)).text)
+    print(engine.chat([{"role": "user", "content": "Hi!"}]).text)
+
+``device="cpu"`` runs the NumPy :class:`~realizar.models.reference.ReferenceModel`; ``"cuda"`` asks for
+the GPU model and ``"auto"`` takes it when it exists and a GPU is present, else the CPU. The GPU model
+plugs in at :func:`_load_gpu_model` — the single place that knows about it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from realizar.errors import InvalidRequestError, RealizarError, UnsupportedError
+from realizar.generation import GenerationResult, GenerationStream, Generator, SamplingParams
+from realizar.models.config import ModelConfig
+
+__all__ = ["Engine", "load_engine", "load_tokenizer", "DEVICES"]
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class GpuUnavailableError(RealizarError, RuntimeError):
+    """``device="cuda"`` was asked for but no GPU model can run here (why is in the message)."""
+
+
+@dataclass
+class Engine:
+    """A ready-to-run model. ``device`` is where it actually runs ("cpu" or "cuda")."""
+
+    config: ModelConfig
+    tokenizer: Any
+    generator: Generator
+    model: Any
+    device: str
+    name: str
+    path: Path | None = None
+
+    @property
+    def context_length(self) -> int:
+        return int(self.model.context_length)
+
+    def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> GenerationResult:
+        return self.generator.generate(prompt, params)
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> GenerationStream:
+        return self.generator.stream(prompt, params)
+
+    def chat_prompt(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of ``messages`` rendered with the model's chat template (special tokens written
+        by the template are parsed; no BOS/EOS added beyond what the template writes)."""
+        if not messages:
+            raise InvalidRequestError("chat needs at least one message")
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt, tokenize=True))
+
+    def chat(self, messages: Sequence[Mapping[str, Any]], params: SamplingParams | None = None) -> GenerationResult:
+        return self.generator.generate(self.chat_prompt(messages), params)
+
+    def chat_stream(
+        self, messages: Sequence[Mapping[str, Any]], params: SamplingParams | None = None
+    ) -> GenerationStream:
+        return self.generator.stream(self.chat_prompt(messages), params)
+
+
+def load_tokenizer(loaded) -> Any:
+    """The tokenizer of a :class:`~realizar.models.loader.LoadedModel`: from the GGUF metadata, or
+    from ``tokenizer.json`` (+ ``tokenizer_config.json``) of a safetensors directory."""
+    from realizar.tokenizer import Tokenizer
+
+    if loaded.format == "gguf":
+        return Tokenizer.from_gguf_metadata(loaded.metadata)
+    if loaded.tokenizer_json is None:
+        raise RealizarError(f"{loaded.path} has no tokenizer.json")
+    directory = Path(loaded.tokenizer_json).parent
+    tok_cfg = None
+    cfg_path = directory / "tokenizer_config.json"
+    if cfg_path.exists():
+        try:
+            tok_cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise RealizarError(f"cannot read {cfg_path}: {e}") from e
+    return Tokenizer.from_tokenizer_json(
+        loaded.tokenizer_json, tok_cfg, eos_token_ids=list(loaded.config.eos_token_ids) or None
+    )
+
+
+def _load_gpu_model(loaded, max_context: int | None):
+    """THE hook for the GPU model: return a model object with ``prefill``/``decode``/``reset``/
+    ``context_length``, or raise :class:`GpuUnavailableError` saying why there is none."""
+    from realizar import cuda
+
+    reason = cuda.unavailable_reason()
+    if reason is not None:
+        raise GpuUnavailableError(f"no usable GPU: {reason}")
+    raise GpuUnavailableError("the GPU model is not available yet in this version of realizar; use device='cpu'")
+
+
+def load_engine(
+    model_path: str | os.PathLike | None = None,
+    device: str = "auto",
+    *,
+    max_context: int | None = None,
+) -> Engine:
+    """Load a model file (GGUF) or directory (safetensors) — the default model when ``None`` — and
+    build its tokenizer and generator. ``max_context`` caps the KV cache below the model's context."""
+    if device not in DEVICES:
+        raise InvalidRequestError(f"device must be one of {DEVICES}, got {device!r}")
+    if max_context is not None and max_context <= 0:
+        raise InvalidRequestError(f"max_context must be positive, got {max_context}")
+    from realizar.models.loader import load_model
+
+    if model_path is None:
+        from realizar.default_model import default_model_path
+
+        path = default_model_path()
+    else:
+        path = Path(model_path).expanduser()
+    loaded = load_model(path)
+    tokenizer = load_tokenizer(loaded)
+
+    model = None
+    if device in ("cuda", "auto"):
+        try:
+            model = _load_gpu_model(loaded, max_context)
+            device = "cuda"
+        except GpuUnavailableError as e:
+            if device == "cuda":
+                raise
+            if os.environ.get("REALIZAR_VERBOSE"):
+                print(f"realizar: running on the CPU ({e})", file=sys.stderr)
+    if model is None:
+        from realizar.models.reference import ReferenceModel
+
+        ctx = loaded.config.context_length
+        model = ReferenceModel.from_loaded(loaded, max_len=min(ctx, max_context) if max_context else ctx)
+        device = "cpu"
+
+    eos = tuple(dict.fromkeys([*getattr(tokenizer, "eos_token_ids", ()), *loaded.config.eos_token_ids]))
+    name = loaded.metadata.get("general.name") if loaded.format == "gguf" else None
+    if not isinstance(name, str) or not name:
+        name = path.stem if path.is_file() else path.name
+    return Engine(
+        config=loaded.config,
+        tokenizer=tokenizer,
+        generator=Generator(model, tokenizer, eos_token_ids=eos),
+        model=model,
+        device=device,
+        name=name,
+        path=path,
+    )

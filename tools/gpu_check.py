@@ -1,0 +1,95 @@
+"""One device call: every GPU test, the sanitizers and the benchmarks, logs written to $OUT.
+
+What comes back from $OUT is limited to 8 files: gpu_check.log (every stage's output), the JUnit
+XML of the tests, and one Markdown table per benchmark.
+
+    python tools/gpu_check.py --out "$OUT"                      # everything
+    python tools/gpu_check.py --out "$OUT" --stages tests,bench_graphs
+
+Each stage runs as its own subprocess with its own time limit, so one failure or hang does not cost
+the others. A summary table is printed last (the device tool returns the tail of the output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+
+def stages(out: Path, pytest_args: list[str]) -> dict[str, tuple[list[str], int]]:
+    """name -> (command, timeout seconds)."""
+    san = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+    return {
+        "env": ([PY, "-c", (
+            "import platform, numpy, cuda.bindings; from realizar import cuda as c; d = c.current_device(); "
+            "print('python', platform.python_version(), 'numpy', numpy.__version__, 'cuda-bindings', "
+            "cuda.bindings.__version__); print(d, 'target', d.target, 'mem', d.total_memory >> 20, 'MiB')"
+        )], 60),
+        "tests": ([PY, "-m", "pytest", "-m", "gpu", "tests/gpu", "-q", "-rs", "-p", "no:cacheprovider",
+                   f"--junitxml={out}/gpu_tests.xml", *pytest_args], 420),
+        "sanitize": ([san, "--tool", "memcheck", "--error-exitcode", "3", PY, "tools/sanitize_cases.py"], 240),
+        "racecheck": ([san, "--tool", "racecheck", "--error-exitcode", "3", PY, "tools/sanitize_cases.py",
+                       "--small"], 240),
+        "bench_graphs": ([PY, "tools/bench_graphs.py", "--out", str(out / "bench_graphs.md")], 120),
+        "bench_attention": ([PY, "tools/bench_attention.py", "--out", str(out / "bench_attention.md")], 300),
+        "bench_gemv": ([PY, "tools/bench_gemv.py", "--out", str(out / "bench_gemv.md")], 300),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_out")))
+    ap.add_argument("--stages", default="env,tests,sanitize,racecheck,bench_graphs,bench_attention,bench_gemv")
+    ap.add_argument("--pytest-args", default="", help="extra pytest arguments, space separated")
+    a = ap.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+    all_stages = stages(a.out, a.pytest_args.split())
+    summary = []
+    log = open(a.out / "gpu_check.log", "w")
+    log.write(f"# gpu_check {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}\n")
+    for name in a.stages.split(","):
+        if name not in all_stages:
+            print(f"unknown stage {name}; known: {list(all_stages)}")
+            return 2
+        cmd, limit = all_stages[name]
+        if not Path(cmd[0]).exists() and shutil.which(cmd[0]) is None:
+            summary.append((name, "missing tool", 0.0))
+            continue
+        if any(c.endswith(".py") and c.startswith("tools/") and not (ROOT / c).exists() for c in cmd):
+            summary.append((name, "no script", 0.0))
+            continue
+        t0 = time.time()
+        header = f"\n===== {name}: {' '.join(cmd)}\n"
+        print(header, flush=True)
+        log.write(header)
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit)
+            text, status = proc.stdout + proc.stderr, ("ok" if proc.returncode == 0 else f"exit {proc.returncode}")
+        except subprocess.TimeoutExpired as exc:
+            text = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            status = f"timeout {limit}s"
+        elapsed = time.time() - t0
+        log.write(text)
+        log.flush()
+        print(text[-3000:], flush=True)
+        summary.append((name, status, elapsed))
+    table = "\n| stage | status | seconds |\n|---|---|---:|\n" + "\n".join(
+        f"| {name} | {status} | {elapsed:.0f} |" for name, status, elapsed in summary)
+    print(table)
+    log.write(table + "\n")
+    log.close()
+    return 0 if all(s == "ok" for _, s, _ in summary) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
