@@ -230,6 +230,9 @@ def test_load_model_dispatch_on_dir_with_single_gguf(workdir, tiny_gguf):
     d.mkdir()
     (d / "m.gguf").write_bytes(tiny_gguf.read_bytes())
     assert load_model(d).format == "gguf"
+    (d / "n.gguf").write_bytes(tiny_gguf.read_bytes())
+    with pytest.raises(ModelFormatError, match="holds 2 GGUF files"):
+        load_model(d)
     with pytest.raises(FileNotFoundError):
         load_model(workdir / "does-not-exist.gguf")
 
@@ -537,3 +540,20 @@ def test_fuzz_random_headers(tmp_path_factory, body):
 def test_fuzz_structured_headers(tmp_path_factory, n_tensors, n_kv, key_len, vtype, tail):
     head = b"GGUF" + struct.pack("<IQQQ", 3, n_tensors, n_kv, key_len) + b"k" * min(key_len, 16)
     _load_bytes(tmp_path_factory, head + struct.pack("<I", vtype) + tail)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_factory_gguf_is_faithful_for_transformers(arch, workdir):
+    """Oracle for the factory itself: transformers reading our GGUF (it un-permutes llama Q/K) gives
+    the logits of the HF model the GGUF was made from — exactly for F32. (transformers ignores
+    qwen3's attention.key_length and assumes head_dim 128, so the qwen3 model uses head_dim 128.)"""
+    import transformers
+
+    from tests.model_factory import hf_logits
+
+    dims = {"head_dim": 128} if arch == "qwen3" else {}
+    hf_dir, hf_model = make_hf_model(arch, workdir, seed=21, name=f"oracle-{arch}", **dims)
+    path = hf_to_gguf(hf_dir, workdir / f"oracle-{arch}.gguf", "F32")
+    tf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name).eval()
+    ids = [1, 5, 70, 200, 33, 9, 100, 7]
+    assert np.array_equal(hf_logits(tf, ids), hf_logits(hf_model, ids))

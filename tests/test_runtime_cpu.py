@@ -82,3 +82,25 @@ def test_kernel_args_signature_errors():
         KernelArgs(params, 1, 2, 1.0, 3).set("m", 1)
     with pytest.raises(ShapeError, match="device buffer"):
         KernelArgs(emit("row_sum").params, 1, 2, _FakeBuffer())
+
+
+def test_releases_during_capture_are_deferred(monkeypatch):
+    from realizar.cuda import driver
+
+    calls = []
+
+    class FakeDriver:
+        def cuMemFree(self, handle):
+            calls.append(handle)
+
+    monkeypatch.setattr(driver, "drv", FakeDriver())
+    driver.begin_capture_scope()
+    driver.release("cuMemFree", 1)
+    driver.begin_capture_scope()
+    driver.release("cuMemFree", 2)
+    driver.end_capture_scope()
+    assert calls == []  # still inside the outer capture
+    driver.end_capture_scope()
+    assert calls == [1, 2]
+    driver.release("cuMemFree", 3)
+    assert calls == [1, 2, 3]

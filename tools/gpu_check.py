@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
 
-def stages(out: Path, pytest_args: list[str]) -> dict[str, tuple[list[str], int]]:
+def stages(out: Path, tests: list[str], pytest_args: list[str]) -> dict[str, tuple[list[str], int]]:
     """name -> (command, timeout seconds)."""
     san = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
     return {
@@ -34,7 +34,7 @@ def stages(out: Path, pytest_args: list[str]) -> dict[str, tuple[list[str], int]
             "print('python', platform.python_version(), 'numpy', numpy.__version__, 'cuda-bindings', "
             "cuda.bindings.__version__); print(d, 'target', d.target, 'mem', d.total_memory >> 20, 'MiB')"
         )], 60),
-        "tests": ([PY, "-m", "pytest", "-m", "gpu", "tests/gpu", "-q", "-rs", "-p", "no:cacheprovider",
+        "tests": ([PY, "-m", "pytest", "-m", "gpu", *tests, "-q", "-rs", "-p", "no:cacheprovider",
                    f"--junitxml={out}/gpu_tests.xml", *pytest_args], 420),
         "sanitize": ([san, "--tool", "memcheck", "--error-exitcode", "3", PY, "tools/sanitize_cases.py"], 240),
         "racecheck": ([san, "--tool", "racecheck", "--error-exitcode", "3", PY, "tools/sanitize_cases.py",
@@ -49,11 +49,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_out")))
     ap.add_argument("--stages", default="env,tests,sanitize,racecheck,bench_graphs,bench_attention,bench_gemv")
+    ap.add_argument("--tests", default="tests/gpu", help="test paths, space separated")
     ap.add_argument("--pytest-args", default="", help="extra pytest arguments, space separated")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
-    all_stages = stages(a.out, a.pytest_args.split())
+    all_stages = stages(a.out, a.tests.split(), a.pytest_args.split())
     summary = []
     log = open(a.out / "gpu_check.log", "w")
     log.write(f"# gpu_check {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}\n")

@@ -82,6 +82,8 @@ def ensure_initialized() -> None:
     Without a driver, cuda-python raises a RuntimeError subclass from ``cuInit`` instead of
     returning an error code; both forms become CudaUnavailableError.
     """
+    if _init_state.get("ok"):  # fast path: every driver call comes through here
+        return
     with _init_lock:
         if "error" in _init_state:
             raise _init_state["error"]
@@ -125,3 +127,41 @@ def unavailable_reason() -> str | None:
     except CudaError as exc:
         return str(exc)
     return None
+
+
+# ---- releasing resources from finalizers --------------------------------------------------------
+# A finalizer may run at any moment, also while a stream is being captured into a graph, and a
+# cuMemFree/cuStreamDestroy issued then would invalidate the capture (global capture mode forbids
+# such calls from any thread). Releases that arrive during a capture are queued and issued after it.
+_capture_depth = 0
+_pending_releases: list[tuple[str, Any]] = []
+_release_lock = threading.Lock()
+
+
+def release(fn_name: str, handle: Any) -> None:
+    """Call driver function ``fn_name(handle)`` now, or after the active capture ends; never raises."""
+    with _release_lock:
+        if _capture_depth:
+            _pending_releases.append((fn_name, handle))
+            return
+    try:
+        getattr(drv, fn_name)(handle)
+    except Exception:  # at interpreter exit the driver may already be gone
+        pass
+
+
+def begin_capture_scope() -> None:
+    global _capture_depth
+    with _release_lock:
+        _capture_depth += 1
+
+
+def end_capture_scope() -> None:
+    global _capture_depth
+    with _release_lock:
+        _capture_depth -= 1
+        pending = list(_pending_releases) if _capture_depth == 0 else []
+        if pending:
+            _pending_releases.clear()
+    for fn_name, handle in pending:
+        release(fn_name, handle)

@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from realizar.cuda.args import KernelArgs
-from realizar.cuda.driver import CudaError, call, check, drv
+from realizar.cuda.driver import CudaError, begin_capture_scope, call, check, drv, end_capture_scope, release
 from realizar.cuda.launch import LaunchRecord, launch, pop_recorder, push_recorder
 from realizar.cuda.memory import BufferFreedError
 from realizar.cuda.pinned import StepValues
@@ -37,11 +37,6 @@ class GraphCaptureError(GraphError):
     """Stream capture failed or was invalidated (e.g. a synchronous call inside the capture)."""
 
 
-def _destroy(fn_name: str, handle) -> None:
-    try:
-        getattr(drv, fn_name)(handle)
-    except Exception:
-        pass
 
 
 class _Recorder:
@@ -62,7 +57,7 @@ class Graph:
         self.records = records
         self.nodes = nodes or []
         self.kind = kind
-        self._finalizer = weakref.finalize(self, _destroy, "cuGraphDestroy", handle)
+        self._finalizer = weakref.finalize(self, release, "cuGraphDestroy", handle)
 
     @property
     def num_kernels(self) -> int:
@@ -87,22 +82,33 @@ class GraphExec:
     def __init__(self, handle, graph: Graph):
         self.handle = handle
         self.graph = graph
-        self._finalizer = weakref.finalize(self, _destroy, "cuGraphExecDestroy", handle)
+        self._buffers = self._referenced_buffers()
+        self._finalizer = weakref.finalize(self, release, "cuGraphExecDestroy", handle)
+
+    def _referenced_buffers(self) -> list:
+        """Each distinct buffer the graph's kernels use, once (checked on every replay)."""
+        seen: dict[int, object] = {}
+        for rec in self.graph.records:
+            for buf in rec.args.buffers.values():
+                seen.setdefault(id(buf), buf)
+        return list(seen.values())
 
     def _check_buffers(self) -> None:
-        for i, rec in enumerate(self.graph.records):
-            for name, buf in rec.args.buffers.items():
-                if not getattr(buf, "alive", True):
-                    raise BufferFreedError(
-                        f"graph node {i} ({rec.kernel.name}) references argument {name!r}, a freed "
-                        "GpuBuffer: rebuild the graph after reallocating"
-                    )
+        for buf in self._buffers:
+            if not buf.alive:
+                for i, rec in enumerate(self.graph.records):
+                    for name, b in rec.args.buffers.items():
+                        if b is buf:
+                            raise BufferFreedError(
+                                f"graph node {i} ({rec.kernel.name}) references argument {name!r}, a "
+                                "freed GpuBuffer: rebuild the graph after reallocating"
+                            )
 
     def launch(self, stream: Stream) -> None:
         if not self._finalizer.alive:
             raise GraphError("replay of a closed graph")
         self._check_buffers()
-        call("cuGraphLaunch", self.handle, stream.handle)
+        check(drv.cuGraphLaunch(self.handle, stream.handle), "cuGraphLaunch")
 
     def replay(self, stream: Stream, step: StepValues | None = None) -> None:
         """Upload this step's values (one async copy), then launch the graph, both on ``stream``."""
@@ -117,6 +123,7 @@ class GraphExec:
         if int(status) != 0:
             raise GraphError(f"cuGraphExecUpdate refused the new graph: {info.result.name}")
         self.graph = graph
+        self._buffers = self._referenced_buffers()
 
     def set_kernel_args(self, node: int, args: KernelArgs) -> None:
         """Change one kernel node's arguments in the executable graph (manually built graphs)."""
@@ -129,6 +136,7 @@ class GraphExec:
         params = _node_params(LaunchRecord(rec.kernel, rec.grid, rec.block, rec.shared_bytes, owned, rec.stream))
         call("cuGraphExecKernelNodeSetParams", self.handle, self.graph.nodes[node], params)
         rec.args = owned  # the driver copied the values; the record mirrors what the node now runs
+        self._buffers = self._referenced_buffers()
 
     def close(self) -> None:
         self._finalizer()
@@ -170,7 +178,12 @@ def capture(stream: Stream, mode: str = "global") -> Iterator[Capture]:
         raise GraphError(f"unknown capture mode {mode!r}; expected one of {sorted(modes)}")
     result = Capture(stream)
     recorder = _Recorder()
-    call("cuStreamBeginCapture", stream.handle, modes[mode])
+    begin_capture_scope()  # finalizers now queue their frees instead of invalidating the capture
+    try:
+        call("cuStreamBeginCapture", stream.handle, modes[mode])
+    except BaseException:
+        end_capture_scope()
+        raise
     push_recorder(recorder)
     body_error: BaseException | None = None
     try:
@@ -180,9 +193,10 @@ def capture(stream: Stream, mode: str = "global") -> Iterator[Capture]:
     finally:
         pop_recorder(recorder)
         status, handle = drv.cuStreamEndCapture(stream.handle)
+        end_capture_scope()
     if body_error is not None:
         if int(status) == 0 and handle:
-            _destroy("cuGraphDestroy", handle)
+            release("cuGraphDestroy", handle)
         if isinstance(body_error, CudaError):
             raise GraphCaptureError(
                 f"stream capture failed inside the captured region: {body_error} "
@@ -248,7 +262,7 @@ def build_graph(records: list[LaunchRecord], dependencies: str = "chain") -> Gra
             node = call("cuGraphAddKernelNode", handle, deps, len(deps), _node_params(rec))
             graph_nodes.append(node)
     except BaseException:
-        _destroy("cuGraphDestroy", handle)
+        release("cuGraphDestroy", handle)
         raise
     return Graph(handle, list(records), graph_nodes, kind="manual")
 

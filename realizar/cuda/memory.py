@@ -7,7 +7,7 @@ import weakref
 import numpy as np
 
 from realizar.cuda.device import Device, current_device
-from realizar.cuda.driver import call, drv
+from realizar.cuda.driver import call, drv, release
 from realizar.cuda.stream import Stream
 from realizar.errors import RealizarError, ShapeError
 
@@ -16,11 +16,6 @@ class BufferFreedError(RealizarError, RuntimeError):
     """A GpuBuffer was used after it was freed."""
 
 
-def _free(ptr: int) -> None:
-    try:
-        drv.cuMemFree(ptr)
-    except Exception:  # at interpreter exit the driver may already be gone
-        pass
 
 
 def _stream_handle(stream: Stream | None):
@@ -43,7 +38,7 @@ class GpuBuffer:
         self.count = count
         self.nbytes = count * self.dtype.itemsize
         self._ptr = int(call("cuMemAlloc", self.nbytes))
-        self._finalizer = weakref.finalize(self, _free, self._ptr)
+        self._finalizer = weakref.finalize(self, release, "cuMemFree", self._ptr)
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import os
 import tempfile
@@ -96,8 +95,6 @@ class ModuleCache:
         image = self._cached_cubin(source)
         if image is None:
             image = source.ptx.encode() + b"\0"
-        info_buf = ctypes.create_string_buffer(_LOG_BYTES)
-        err_buf = ctypes.create_string_buffer(_LOG_BYTES)
         opt = drv.CUjit_option
         options = [
             opt.CU_JIT_INFO_LOG_BUFFER,
@@ -106,8 +103,10 @@ class ModuleCache:
             opt.CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES,
             opt.CU_JIT_LOG_VERBOSE,
         ]
-        values = [ctypes.addressof(info_buf), _LOG_BYTES, ctypes.addressof(err_buf), _LOG_BYTES, 1]
         ensure_initialized()
+        # cuda-python passes the log buffers to the driver as char*; the driver writes into them.
+        info_buf, err_buf = bytearray(_LOG_BYTES), bytearray(_LOG_BYTES)
+        values = [info_buf, _LOG_BYTES, err_buf, _LOG_BYTES, 1]
         result = drv.cuModuleLoadDataEx(image, len(options), options, values)
         status = result[0]
         if int(status) != 0:
@@ -116,9 +115,9 @@ class ModuleCache:
             try:
                 check(result, "cuModuleLoadDataEx")
             except CudaError as base:
-                log = err_buf.value.decode(errors="replace") + info_buf.value.decode(errors="replace")
+                log = _c_string(err_buf) + _c_string(info_buf)
                 raise JitError(base, log, _keep_ptx(source), source.name) from None
-        return result[1], info_buf.value.decode(errors="replace")
+        return result[1], _c_string(info_buf)
 
     def _cached_cubin(self, source: PtxKernel) -> bytes | None:
         if self.disk_dir is None:
@@ -138,6 +137,10 @@ class ModuleCache:
         tmp.write_bytes(cubin)
         tmp.replace(path)
         return cubin
+
+
+def _c_string(buf: bytes | bytearray) -> str:
+    return bytes(buf).split(b"\0", 1)[0].decode(errors="replace")
 
 
 def _keep_ptx(source: PtxKernel) -> Path:

@@ -12,17 +12,12 @@ import weakref
 
 import numpy as np
 
-from realizar.cuda.driver import call, drv
+from realizar.cuda.driver import call, check, drv, release
 from realizar.cuda.memory import GpuBuffer
 from realizar.cuda.stream import Stream
 from realizar.errors import ShapeError
 
 
-def _free_host(ptr: int) -> None:
-    try:
-        drv.cuMemFreeHost(ptr)
-    except Exception:
-        pass
 
 
 class PinnedArray:
@@ -32,7 +27,7 @@ class PinnedArray:
         self.dtype = np.dtype(dtype)
         nbytes = max(int(count), 1) * self.dtype.itemsize
         self._ptr = int(call("cuMemAllocHost", nbytes))
-        self._finalizer = weakref.finalize(self, _free_host, self._ptr)
+        self._finalizer = weakref.finalize(self, release, "cuMemFreeHost", self._ptr)
         raw = (ctypes.c_uint8 * nbytes).from_address(self._ptr)
         self.array = np.frombuffer(raw, dtype=self.dtype, count=int(count))
 
@@ -81,7 +76,8 @@ class StepValues:
         """Async copy of all values to the device. The pinned staging array must not be changed
         again until the stream has executed this copy (the next token's ``set`` comes after the
         host has read this token's result, which orders it)."""
-        self.device.copy_from_host_at(self.host.array, 0, stream=stream)
+        handle = stream.handle if stream is not None else drv.CUstream(0)
+        check(drv.cuMemcpyHtoDAsync(self.device.ptr, self.host._ptr, self.device.nbytes, handle), "cuMemcpyHtoDAsync")
 
     def free(self) -> None:
         self.device.free()

@@ -5,14 +5,9 @@ from __future__ import annotations
 import weakref
 
 from realizar.cuda.device import Device, current_device
-from realizar.cuda.driver import call, drv
+from realizar.cuda.driver import call, drv, release
 
 
-def _destroy(fn_name: str, handle) -> None:
-    try:
-        getattr(drv, fn_name)(handle)
-    except Exception:  # at interpreter exit the driver may already be gone
-        pass
 
 
 class Stream:
@@ -26,7 +21,7 @@ class Stream:
         else:
             flags = drv.CUstream_flags.CU_STREAM_NON_BLOCKING
             self.handle = call("cuStreamCreate", flags)
-            self._finalizer = weakref.finalize(self, _destroy, "cuStreamDestroy", self.handle)
+            self._finalizer = weakref.finalize(self, release, "cuStreamDestroy", self.handle)
 
     @classmethod
     def null(cls, device: Device | None = None) -> "Stream":
@@ -69,7 +64,7 @@ class Event:
         self.device = device or current_device()
         flags = drv.CUevent_flags.CU_EVENT_DEFAULT if timing else drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
         self.handle = call("cuEventCreate", flags)
-        self._finalizer = weakref.finalize(self, _destroy, "cuEventDestroy", self.handle)
+        self._finalizer = weakref.finalize(self, release, "cuEventDestroy", self.handle)
 
     def record(self, stream: Stream | None = None) -> "Event":
         call("cuEventRecord", self.handle, stream.handle if stream else drv.CUstream(0))

@@ -49,6 +49,9 @@ def load_model(path: str | os.PathLike) -> LoadedModel:
         ggufs = sorted(p.glob("*.gguf"))
         if not (p / "config.json").exists() and len(ggufs) == 1:
             p = ggufs[0]
+        elif not (p / "config.json").exists() and ggufs:
+            listed = ", ".join(g.name for g in ggufs[:5])
+            raise ModelFormatError(f"{p} holds {len(ggufs)} GGUF files ({listed}); pass one of them")
         else:
             from realizar.models.safetensors_loader import load_safetensors
 

@@ -15,6 +15,7 @@ then a final RMSNorm and the LM head (``token_embd`` when the embeddings are tie
 from __future__ import annotations
 
 import math
+import mmap
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
@@ -115,12 +116,27 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rope_type: str) 
 # ----------------------------------------------------------------------------------------------
 
 
+def _lazy_zeros(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """A zero-filled array whose pages are committed on first write, 4 KiB at a time.
+
+    ``np.zeros`` of a large array asks for transparent huge pages, so the first write of a few
+    positions per head would zero a whole 2 MiB page per head and layer (~1 s for SmolLM2's 8192
+    positions); an anonymous ``mmap`` is zeroed by the kernel page by page as it is touched.
+    """
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    if nbytes < (1 << 20):
+        return np.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes)
+    return np.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
 class KVCache:
     """Preallocated keys and values: per layer ``[num_kv_heads, max_len, head_dim]``.
 
     ``length`` counts the positions written so far. :meth:`write` stores a block of positions for one
     layer at ``length``; :meth:`advance` moves ``length`` once every layer has written. The arrays are
-    allocated with ``np.zeros`` so untouched pages of a long context cost no memory.
+    reserved up front but their memory is committed page by page as positions are written, so an
+    unused long context costs address space only.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, max_len: int, head_dim: int, dtype=np.float32):
@@ -130,8 +146,9 @@ class KVCache:
         self.num_kv_heads = num_kv_heads
         self.max_len = max_len
         self.head_dim = head_dim
-        self.k = [np.zeros((num_kv_heads, max_len, head_dim), dtype=dtype) for _ in range(num_layers)]
-        self.v = [np.zeros((num_kv_heads, max_len, head_dim), dtype=dtype) for _ in range(num_layers)]
+        shape = (num_kv_heads, max_len, head_dim)
+        self.k = [_lazy_zeros(shape, dtype) for _ in range(num_layers)]
+        self.v = [_lazy_zeros(shape, dtype) for _ in range(num_layers)]
         self.length = 0
 
     def reset(self) -> None:

@@ -174,7 +174,7 @@ def test_synchronous_call_inside_capture_is_reported(kernels):
     with pytest.raises(GraphCaptureError, match="capture"):
         with cuda.capture(stream):
             chain.run(stream)
-            chain.x.to_numpy()  # a blocking copy on the legacy stream: illegal while capturing
+            stream.synchronize()  # synchronising a capturing stream is illegal
     stream.synchronize()  # the stream is usable again afterwards
     chain.run(stream)
     stream.synchronize()
@@ -213,3 +213,17 @@ def test_replay_after_free_raises(kernels):
     exe.close()
     with pytest.raises(cuda.GraphError, match="closed"):
         exe.launch(stream)
+
+
+def test_buffers_freed_during_capture_do_not_invalidate_it(kernels):
+    stream = cuda.Stream()
+    chain = Chain(kernels, seed=8)
+    chain.reset()
+    scratch = cuda.GpuBuffer(1 << 20)
+    with cuda.capture(stream) as cap:
+        chain.run(stream)
+        scratch.free()  # a cuMemFree now would invalidate a global-mode capture: it is deferred
+        del scratch
+    assert cap.graph.num_kernels == 5
+    cap.graph.instantiate().launch(stream)
+    stream.synchronize()

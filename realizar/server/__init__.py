@@ -1,0 +1,59 @@
+"""OpenAI-compatible HTTP server (FastAPI + uvicorn).
+
+    from realizar.engine import load_engine
+    from realizar.server import create_app, serve
+    app = create_app(load_engine())          # an ASGI app: run it with any ASGI server
+    serve(load_engine(), port=8000)          # or let realizar run uvicorn (127.0.0.1 by default)
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any, Callable
+
+from realizar.server.app import create_app
+
+__all__ = ["bind_socket", "create_app", "serve"]
+
+
+def bind_socket(host: str = "127.0.0.1", port: int = 8000) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (port 0: a free port, see ``getsockname()``)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(
+    engine: Any,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    model_name: str | None = None,
+    max_queue: int = 256,
+    default_max_tokens: int | None = None,
+    log_level: str = "info",
+    on_ready: Callable[[str, int], None] | None = None,
+) -> None:
+    """Serve ``engine`` with uvicorn until interrupted. ``on_ready(host, port)`` is called once the
+    socket is bound (with the real port when ``port`` is 0)."""
+    import uvicorn
+
+    app = create_app(engine, model_name=model_name, max_queue=max_queue, default_max_tokens=default_max_tokens)
+    sock = bind_socket(host, port)
+    bound_host, bound_port = sock.getsockname()[:2]
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5, lifespan="on")
+    server = uvicorn.Server(config)
+    if on_ready is not None:
+        on_ready(bound_host, bound_port)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()

@@ -1,0 +1,265 @@
+"""OpenAI-compatible request bodies (validated with pydantic), response builders and the error body.
+
+Only what realizar can honour is accepted: ``n`` must be 1, ``logprobs``/``suffix``/``tools`` are
+refused with a 400, ``presence_penalty``/``frequency_penalty`` are accepted only at their neutral 0.
+Extensions: ``top_k``, ``repetition_penalty``, ``stop_token_ids``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+__all__ = [
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "ServerError",
+    "error_body",
+]
+
+
+class ServerError(Exception):
+    """An error answered with an OpenAI-style JSON body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class _Request(BaseModel):
+    # OpenAI clients send fields we do not model (user, metadata, ...): keep them, ignore them.
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=0)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    n: int | None = Field(default=None, ge=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stream: bool | None = False
+    stream_options: dict[str, Any] | None = None
+    logprobs: Any = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            if len(v) > 4:
+                raise ValueError("at most 4 stop sequences are allowed")
+            if any(s == "" for s in v):
+                raise ValueError("stop sequences must not be empty")
+        elif v == "":
+            raise ValueError("stop sequences must not be empty")
+        return v
+
+    def stop_tuple(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+    def refuse_unsupported(self) -> None:
+        if self.n not in (None, 1):
+            raise ServerError(400, "only n=1 is supported", param="n", code="unsupported_parameter")
+        if self.logprobs not in (None, False):
+            raise ServerError(400, "logprobs are not supported", param="logprobs", code="unsupported_parameter")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise ServerError(
+                    400, f"{name} is not supported (use repetition_penalty)", param=name, code="unsupported_parameter"
+                )
+        if self.stream_options is not None and not self.stream:
+            raise ServerError(400, "stream_options is only allowed with stream=true", param="stream_options")
+
+
+class CompletionRequest(_Request):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.suffix:
+            raise ServerError(400, "suffix is not supported", param="suffix", code="unsupported_parameter")
+        if self.best_of not in (None, 1):
+            raise ServerError(400, "only best_of=1 is supported", param="best_of", code="unsupported_parameter")
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt of this request (text or token ids); batches of several are refused."""
+        p = self.prompt
+        if isinstance(p, str):
+            return p
+        if len(p) == 0:
+            raise ServerError(400, "prompt must not be empty", param="prompt")
+        if all(isinstance(x, int) for x in p):
+            return list(p)  # type: ignore[arg-type]
+        if len(p) != 1:
+            raise ServerError(400, "only one prompt per request is supported", param="prompt", code="unsupported_parameter")
+        return p[0] if isinstance(p[0], str) else list(p[0])  # type: ignore[return-value]
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        pieces = []
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise ServerError(
+                    400, f"content parts of type {part.type!r} are not supported (text only)", param="messages"
+                )
+            pieces.append(part.text)
+        return "".join(pieces)
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    top_logprobs: int | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.tools:
+            raise ServerError(400, "tools are not supported", param="tools", code="unsupported_parameter")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise ServerError(
+                400, "only response_format type 'text' is supported", param="response_format", code="unsupported_parameter"
+            )
+        if self.max_tokens == 0:
+            raise ServerError(400, "max_tokens must be at least 1", param="max_tokens", code="invalid_value")
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def plain_messages(self) -> list[dict[str, str]]:
+        out = []
+        for m in self.messages:
+            role = "system" if m.role == "developer" else m.role
+            out.append({"role": role, "content": m.text()})
+        return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Responses
+# ----------------------------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion_response(rid: str, created: int, model: str, text: str, finish: str, u: dict) -> dict:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+        "usage": u,
+    }
+
+
+def completion_chunk(rid: str, created: int, model: str, text: str, finish: str | None) -> dict:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+    }
+
+
+def chat_response(rid: str, created: int, model: str, text: str, finish: str, u: dict) -> dict:
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish,
+            }
+        ],
+        "usage": u,
+    }
+
+
+def chat_chunk(rid: str, created: int, model: str, delta: dict, finish: str | None) -> dict:
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+    }
+
+
+def usage_chunk(rid: str, created: int, model: str, obj: str, u: dict) -> dict:
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": u}
