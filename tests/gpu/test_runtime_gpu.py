@@ -132,3 +132,18 @@ def test_launch_errors_are_typed(kernels):
             cuda.launch(k, 1, 2048, k.args(a, a, a, 4))
         with pytest.raises(ShapeError, match="missing kernel arguments"):
             k.args(a, a)
+
+
+def test_disk_cubin_cache_skips_the_jit(device, tmp_path):
+    first = cuda.ModuleCache(device, disk_dir=tmp_path)
+    k = first.get("row_sum", block=64)
+    files = list(tmp_path.glob("row_sum-*.cubin"))
+    assert len(files) == 1 and files[0].stat().st_size > 0
+    second = cuda.ModuleCache(device, disk_dir=tmp_path)
+    k2 = second.get("row_sum", block=64)
+    x = np.arange(1, 65, dtype=np.float32).reshape(1, 64)
+    for kernel in (k, k2):
+        with cuda.GpuBuffer.from_numpy(x) as dx, cuda.GpuBuffer(1) as out:
+            out.poison()
+            cuda.launch(kernel, 1, 64, kernel.args(dx, out, 64))
+            assert out.to_numpy()[0] == x.sum()
