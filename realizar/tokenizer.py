@@ -47,7 +47,7 @@ __all__ = [
     "TOKEN_TYPE_BYTE",
 ]
 
-try:  # imported lazily-but-early so that a missing dependency gives a typed error, not ImportError
+try:  # a hard dependency; without it, building a tokenizer raises TokenizerError instead of this import
     import tokenizers as _tk
     from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 except ImportError as _e:  # pragma: no cover - tokenizers is a hard dependency
@@ -208,6 +208,11 @@ class StreamDecoder:
     Bytes of a multi-byte UTF-8 character that is not complete yet are held back until the rest
     arrives; :meth:`flush` releases whatever is left at the end (an incomplete sequence as U+FFFD).
     The concatenation of all deltas plus the flush equals ``tokenizer.decode(ids)``.
+
+    Invalid UTF-8 (ids a model sampled in an impossible order) becomes one U+FFFD per maximal
+    invalid subsequence, as in the ``tokenizers`` byte-level decoder; its SentencePiece decoder
+    (ByteFallback) writes one U+FFFD per byte token instead, so there -- and only for invalid
+    byte sequences -- the count of U+FFFD may differ from transformers' ``decode``.
     """
 
     def __init__(self, tokenizer: "Tokenizer", skip_special_tokens: bool = False):
@@ -218,9 +223,8 @@ class StreamDecoder:
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._strip_first_space = tokenizer._strip_leading_space
         self._started = False  # a byte has been produced (the leading-space strip only applies before)
-        self.ids: list[int] = []
         # generic fallback (tokenizer.json with an unrecognised decoder): prefix-diff over decode()
-        self._emitted = 0
+        self.ids: list[int] = []
         self._prefix = 0
         self._read = 0
         self._text_out: list[str] = []
@@ -228,8 +232,8 @@ class StreamDecoder:
     def step(self, token_id: int) -> str:
         """Feed one id; returns the text it completes (possibly ``""``)."""
         tid = self._tokenizer._check_id(token_id)
-        self.ids.append(tid)
         if self._table is None:
+            self.ids.append(tid)
             return self._generic_step()
         if self._skip and tid in self._special:
             return ""
@@ -402,7 +406,8 @@ class Tokenizer:
         eog += [i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == TOKEN_TYPE_CONTROL and t in _END_OF_GENERATION_TEXTS]
 
         add_bos = _opt_bool(metadata, "tokenizer.ggml.add_bos_token")
-        add_bos = add_bos_default if add_bos is None else add_bos
+        if add_bos is None:  # llama.cpp's default for this kind of vocabulary, when there is a BOS
+            add_bos = add_bos_default and bos is not None
         add_eos = bool(_opt_bool(metadata, "tokenizer.ggml.add_eos_token") or False)
         if add_bos and bos is None:
             raise TokenizerError("tokenizer.ggml.add_bos_token is true but the file names no BOS token")
@@ -598,6 +603,8 @@ class Tokenizer:
             tk = _tk.Tokenizer.from_file(str(path))
         except Exception as e:
             raise TokenizerError(f"cannot load {path}: {e}") from e
+        tk.no_truncation()  # a tokenizer.json may carry training-time truncation/padding settings
+        tk.no_padding()
         cfg = dict(tokenizer_config or {})
         spec = json.loads(tk.to_str())
 
@@ -667,9 +674,11 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary entry of ``token_id`` as the model file spells it, or None."""
-        if isinstance(token_id, bool) or not 0 <= int(token_id) < len(self._tokens):
+        try:
+            tid = self._check_id(token_id)
+        except TokenizerError:
             return None
-        return self._tokens[int(token_id)]
+        return self._tokens[tid]
 
     def token_to_id(self, token: str) -> int | None:
         """The id of the vocabulary entry spelled ``token`` (the last one, if repeated), or None."""

@@ -14,7 +14,6 @@ References:
 from __future__ import annotations
 
 import json
-import string
 import unicodedata
 import warnings
 from pathlib import Path
@@ -285,6 +284,7 @@ def test_smol_decode_rejects_bad_ids(smol, bad):
 
 def _stream(tok: Tokenizer, ids, skip=False) -> list[str]:
     sd = tok.stream_decoder(skip_special_tokens=skip)
+    assert isinstance(sd, StreamDecoder)
     return [sd.step(i) for i in ids] + [sd.flush()]
 
 
@@ -501,7 +501,7 @@ def _train_spm_vocabulary():
 
 
 def _write_spm_gguf(path: Path, tokens, scores, types, *, add_space_prefix=None, add_bos=None):
-    import gguf
+    gguf = pytest.importorskip("gguf")
 
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_tokenizer_model("llama")
@@ -733,7 +733,7 @@ def test_spm_without_space_prefix(tmp_path):
 
 
 def test_spm_explicit_merges_are_used(tmp_path):
-    import gguf
+    gguf = pytest.importorskip("gguf")
 
     path = tmp_path / "merges.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
@@ -895,3 +895,35 @@ def test_malformed_spm_metadata():
         Tokenizer.from_gguf_metadata({**md, "tokenizer.ggml.scores": HAND_SCORES[:-1]})
     with pytest.raises(TokenizerError, match="NaN"):
         Tokenizer.from_gguf_metadata({**md, "tokenizer.ggml.scores": [float("nan")] * len(HAND_TOKENS)})
+
+
+def test_repeated_token_text_maps_to_last_id():
+    # llama.cpp and transformers both let a later entry with the same text win
+    md = _tiny_bpe_md(**{"tokenizer.ggml.tokens": ["a", "b", "ab", "a"], "tokenizer.ggml.token_type": [1, 1, 1, 1]})
+    tok = Tokenizer.from_gguf_metadata(md)
+    assert tok.encode("aab") == [3, 2]
+    assert tok.token_to_id("a") == 3
+    assert tok.decode([0, 3, 2]) == "aaab"
+
+
+def test_spm_without_bos_or_byte_tokens():
+    md = {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": ["<unk>", "a", "b", "ab", "\u2581"],
+        "tokenizer.ggml.scores": [0.0, -1.0, -1.0, -2.0, -1.0],
+        "tokenizer.ggml.token_type": [2, 1, 1, 1, 1],
+    }
+    with pytest.warns(UserWarning, match="byte tokens"):
+        tok = Tokenizer.from_gguf_metadata(md)
+    assert not tok.add_bos  # no BOS in the file: nothing to add
+    assert tok.encode("ab c") == [4, 3, 4, 0]  # ▁ ab ▁ <unk>
+    assert tok.decode(tok.encode("ab c")) == "ab <unk>"
+
+
+def test_tokenizer_json_truncation_is_ignored(smol_json_dir, tmp_path):
+    spec = json.loads((smol_json_dir / "tokenizer.json").read_text())
+    spec["truncation"] = {"direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0}
+    p = tmp_path / "tokenizer.json"
+    p.write_text(json.dumps(spec))
+    tok = Tokenizer.from_tokenizer_json(p)
+    assert len(tok.encode("one two three four five six seven")) == 7
