@@ -24,7 +24,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from ptx_gen import catalog
 from ptx_gen.ptxas import PtxasError, PtxasNotFound, ResourceReport, assemble
-from ptx_gen.target import DEFAULT_TARGET, SUPPORTED_TARGETS, as_target
+from ptx_gen.target import DEFAULT_TARGET, as_target
 
 __all__ = [
     "CHECK_TARGETS",
@@ -344,7 +344,3 @@ def diff(
             n=context,
         )
     )
-
-
-def supported_targets() -> tuple[str, ...]:
-    return tuple(SUPPORTED_TARGETS)

@@ -343,7 +343,7 @@ def create_app(
                                          P.usage(payload.prompt_tokens, payload.completion_tokens)))
             return out
 
-        return _event_stream(sse(job, render))
+        return _EventStream(sse(job, render), lambda: scheduler.cancel(job))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: P.ChatCompletionRequest, request: Request) -> Any:
@@ -351,9 +351,7 @@ def create_app(
         check_model(req.model)
         messages = req.plain_messages()
         try:
-            ids = await asyncio.to_thread(
-                engine.tokenizer.apply_chat_template, messages, add_generation_prompt=True, tokenize=True
-            )
+            ids = await asyncio.to_thread(_chat_prompt, engine, messages)
         except RealizarError as e:
             raise P.ServerError(400, f"cannot apply the chat template: {e}", param="messages",
                                 code="invalid_value") from None
@@ -381,7 +379,7 @@ def create_app(
                                          P.usage(payload.prompt_tokens, payload.completion_tokens)))
             return out
 
-        return _event_stream(sse(job, render))
+        return _EventStream(sse(job, render), lambda: scheduler.cancel(job))
 
     return app
 
@@ -400,16 +398,31 @@ def _model_card(name: str, created: int, context_length: int) -> dict:
             "context_length": context_length}
 
 
+def _chat_prompt(engine: Any, messages: list[dict]) -> list[int]:
+    render = getattr(engine, "chat_prompt", None)
+    if callable(render):
+        return list(render(messages))
+    return list(engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+
+
 def _sse(obj: dict) -> str:
     return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
 
 
-def _event_stream(body: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(
-        body,
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
+class _EventStream(StreamingResponse):
+    """An SSE response that calls ``on_close`` however it ends — finished, failed, or cancelled
+    because the client went away, even before the body iterator ever started."""
+
+    def __init__(self, body: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
 
 
 def _as_server_error(exc: BaseException) -> P.ServerError:

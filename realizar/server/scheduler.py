@@ -94,23 +94,27 @@ class Scheduler:
                 raise QueueFullError(f"{self._pending} requests are already waiting")
             self._pending += 1
             self.metrics.queue_depth.set(self._pending)
-        job.future = self._executor.submit(self._run, job)
+        try:
+            job.future = self._executor.submit(self._run, job)
+        except RuntimeError:  # shut down meanwhile
+            with self._lock:
+                self._pending -= 1
+                self.metrics.queue_depth.set(self._pending)
+            raise QueueFullError("the server is shutting down") from None
         job.future.add_done_callback(lambda f, job=job: self._on_done(f, job))
 
     def cancel(self, job: Job) -> None:
         """Stop ``job``: drop it from the queue, or stop its generation after the current token."""
         job.cancel.set()
-        if job.future is not None and job.future.cancel():
-            pass  # never started; _on_done fixes the counters
+        if job.future is not None:
+            job.future.cancel()  # succeeds only if it has not started; then _on_done fixes the counters
 
     def _on_done(self, fut: Future, job: Job) -> None:
         if fut.cancelled():
             with self._lock:
                 self._pending -= 1
                 self.metrics.queue_depth.set(self._pending)
-            job.cancelled = True
-            self.metrics.cancelled.inc()
-            job._post("cancelled", None)
+            self._cancelled(job)
 
     def _run(self, job: Job) -> None:
         with self._lock:
@@ -121,14 +125,15 @@ class Scheduler:
         job.started_at = time.perf_counter()
         self.metrics.queue_latency.observe(job.started_at - job.received_at)
         stream = None
+        generated = 0
         try:
             if job.cancel.is_set():
-                job.cancelled = True
-                self.metrics.cancelled.inc()
-                job._post("cancelled", None)
+                self._cancelled(job)
                 return
             stream = self.generator.stream(job.prompt_ids, job.params)
+            self.metrics.prompt_tokens.inc(len(job.prompt_ids))
             for chunk in stream:
+                generated += 1
                 if job.first_token_at is None:
                     job.first_token_at = time.perf_counter()
                     self.metrics.ttft.observe(job.first_token_at - job.received_at)
@@ -137,13 +142,9 @@ class Scheduler:
                     break
             result = stream.result
             if result is None:  # stopped early: the client went away
-                job.cancelled = True
-                self.metrics.cancelled.inc()
-                job._post("cancelled", None)
+                self._cancelled(job)
                 return
             job.result = result
-            self.metrics.prompt_tokens.inc(result.prompt_tokens)
-            self.metrics.generation_tokens.inc(result.completion_tokens)
             self.metrics.prompt_len.observe(result.prompt_tokens)
             self.metrics.completion_len.observe(result.completion_tokens)
             if result.completion_tokens > 1 and result.decode_seconds > 0:
@@ -157,9 +158,15 @@ class Scheduler:
                     stream.close()
                 except Exception:  # noqa: BLE001
                     pass
+            self.metrics.generation_tokens.inc(generated)
             with self._lock:
                 self._running = None
                 self.metrics.running.set(0)
+
+    def _cancelled(self, job: Job) -> None:
+        job.cancelled = True
+        self.metrics.cancelled.inc()
+        job._post("cancelled", None)
 
     def close(self) -> None:
         """Stop accepting jobs, cancel the waiting ones and the running one; do not wait."""

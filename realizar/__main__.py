@@ -1,0 +1,7 @@
+"""``python -m realizar`` is the ``realizar`` command."""
+
+import sys
+
+from realizar.cli import main
+
+sys.exit(main())
