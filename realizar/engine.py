@@ -19,10 +19,10 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
-from realizar.errors import InvalidRequestError, RealizarError, UnsupportedError
-from realizar.generation import GenerationResult, GenerationStream, Generator, SamplingParams
+from realizar.errors import InvalidRequestError, RealizarError
+from realizar.generation import GenerationResult, GenerationStream, Generator, SamplingParams, TokenChunk
 from realizar.models.config import ModelConfig
 
 __all__ = ["Engine", "load_engine", "load_tokenizer", "DEVICES"]
@@ -36,7 +36,10 @@ class GpuUnavailableError(RealizarError, RuntimeError):
 
 @dataclass
 class Engine:
-    """A ready-to-run model. ``device`` is where it actually runs ("cpu" or "cuda")."""
+    """A ready-to-run model. ``device`` is where it actually runs ("cpu" or "cuda").
+
+    One generation at a time: the model holds a single KV cache, so callers that share an engine
+    between threads (a server) must serialize generate/stream/chat calls."""
 
     config: ModelConfig
     tokenizer: Any
@@ -50,8 +53,13 @@ class Engine:
     def context_length(self) -> int:
         return int(self.model.context_length)
 
-    def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> GenerationResult:
-        return self.generator.generate(prompt, params)
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        on_chunk: Callable[[TokenChunk], None] | None = None,
+    ) -> GenerationResult:
+        return self.generator.generate(prompt, params, on_chunk)
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> GenerationStream:
         return self.generator.stream(prompt, params)
@@ -63,8 +71,13 @@ class Engine:
             raise InvalidRequestError("chat needs at least one message")
         return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt, tokenize=True))
 
-    def chat(self, messages: Sequence[Mapping[str, Any]], params: SamplingParams | None = None) -> GenerationResult:
-        return self.generator.generate(self.chat_prompt(messages), params)
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        params: SamplingParams | None = None,
+        on_chunk: Callable[[TokenChunk], None] | None = None,
+    ) -> GenerationResult:
+        return self.generator.generate(self.chat_prompt(messages), params, on_chunk)
 
     def chat_stream(
         self, messages: Sequence[Mapping[str, Any]], params: SamplingParams | None = None

@@ -27,3 +27,7 @@ class TokenizerError(RealizarError, ValueError):
 
 class InvalidRequestError(RealizarError, ValueError):
     """A request argument is out of range: sampling parameters, token ids, an empty prompt."""
+
+
+class CacheStateError(RealizarError, ValueError):
+    """A KV-cache layer was read before it held the positions asked for (e.g. an uninitialised layer)."""

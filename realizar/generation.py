@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -90,7 +90,7 @@ class GenerationResult:
 
 
 class StopStringMatcher:
-    """Cuts a stream of text deltas at the first occurrence of any stop string.
+    """Cuts a stream of text deltas before the first stop string to be completed.
 
     Text that might be the beginning of a stop string is held back until it is clear either way, so
     a stop string split across tokens is still caught and no part of it is ever emitted.
@@ -109,12 +109,15 @@ class StopStringMatcher:
         if not self.stops:
             self.held = ""
             return text
-        cut = -1
+        # The stop string that completes first (smallest end; on a tie the longer one) wins, so the
+        # result does not depend on how the text was split into deltas.
+        best: tuple[int, int] | None = None
         for s in self.stops:
             i = text.find(s)
-            if i >= 0 and (cut < 0 or i < cut):
-                cut = i
-        if cut >= 0:
+            if i >= 0 and (best is None or (i + len(s), i) < best):
+                best = (i + len(s), i)
+        if best is not None:
+            cut = best[1]
             self.stopped = True
             self.held = ""
             return text[:cut]
@@ -279,10 +282,17 @@ class Generator:
         state: dict = {"prompt_tokens": len(ids)}
         return GenerationStream(self._run(ids, params, state), state)
 
-    def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> GenerationResult:
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        on_chunk: Callable[[TokenChunk], None] | None = None,
+    ) -> GenerationResult:
+        """Generate to the end; ``on_chunk`` (optional) is called with every :class:`TokenChunk`."""
         stream = self.stream(prompt, params)
-        for _ in stream:
-            pass
+        for chunk in stream:
+            if on_chunk is not None:
+                on_chunk(chunk)
         assert stream.result is not None
         return stream.result
 

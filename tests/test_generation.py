@@ -130,8 +130,9 @@ def test_stop_string_made_of_single_letters():
 def test_stop_matcher_property(text, stops, cuts):
     bounds = sorted({0, len(text), *[c for c in cuts if c <= len(text)]})
     pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])]
-    found = [i for i in (text.find(s) for s in stops) if i >= 0]
-    expected = text[: min(found)] if found else text
+    # The stop string completed first (smallest end, then longest) cuts the text, whatever the split.
+    found = [(text.find(s) + len(s), text.find(s)) for s in stops if s in text]
+    expected = text[: min(found)[1]] if found else text
     m = StopStringMatcher(stops)
     out = ""
     for p in pieces:
@@ -261,7 +262,9 @@ def test_streaming_equals_non_streaming(tiny, temperature):
     p = SamplingParams(max_tokens=30, temperature=temperature, seed=7, repetition_penalty=1.3)
     stream = gen.stream(PROMPT, p)
     chunks = list(stream)
-    res = gen.generate(PROMPT, p)
+    seen = []
+    res = gen.generate(PROMPT, p, on_chunk=seen.append)
+    assert seen == chunks
     assert [c.token_id for c in chunks] == res.token_ids
     assert "".join(c.text for c in chunks) == res.text
     assert stream.result.text == res.text and stream.finish_reason == res.finish_reason

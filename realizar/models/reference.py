@@ -204,6 +204,10 @@ class ReferenceModel:
     and returns the logits of the last position, or of every position with ``all_logits=True``;
     ``decode(token_id)`` runs one token. ``reset()`` empties the cache. ``max_len`` caps the KV cache
     (default: the model's context length).
+
+    RoPE scaling: llama-3 ``rope_freqs.weight`` factors, HF ``llama3`` and ``linear`` scaling; other
+    kinds (yarn, ...) raise :class:`UnsupportedError`. A sliding attention window
+    (``config.extra["sliding_window"]``) is not applied, so results are exact only up to the window.
     """
 
     def __init__(self, config: ModelConfig, tensors: dict[str, "QuantTensor"], max_len: int | None = None):
