@@ -115,7 +115,13 @@ def _load_gpu_model(loaded, max_context: int | None):
     reason = cuda.unavailable_reason()
     if reason is not None:
         raise GpuUnavailableError(f"no usable GPU: {reason}")
-    raise GpuUnavailableError("the GPU model is not available yet in this version of realizar; use device='cpu'")
+    from realizar.errors import ShapeError, UnsupportedError
+    from realizar.gpu_model import GpuModel
+
+    try:
+        return GpuModel.from_loaded(loaded, max_len=max_context)
+    except (UnsupportedError, ShapeError) as e:
+        raise GpuUnavailableError(f"this model cannot run on the GPU: {e}") from e
 
 
 def load_engine(

@@ -147,6 +147,8 @@ class Sampler:
         self.rng = np.random.default_rng(seed)
 
     def __call__(self, logits: np.ndarray, previous: Iterable[int] = ()) -> int:
+        if self.temperature == 0.0 and self.repetition_penalty == 1.0 and hasattr(logits, "greedy_token"):
+            return int(logits.greedy_token())  # logits still on the GPU: read only the argmax there
         return sample_token(
             logits,
             temperature=self.temperature,

@@ -42,13 +42,16 @@ def stages(out: Path, tests: list[str], pytest_args: list[str]) -> dict[str, tup
         "bench_graphs": ([PY, "tools/bench_graphs.py", "--out", str(out / "bench_graphs.md")], 120),
         "bench_attention": ([PY, "tools/bench_attention.py", "--out", str(out / "bench_attention.md")], 300),
         "bench_gemv": ([PY, "tools/bench_gemv.py", "--out", str(out / "bench_gemv.md")], 300),
+        "bench_decode": ([PY, "tools/bench_decode.py", "--out", str(out / "bench_decode.md")], 300),
+        "real_model": ([PY, "tools/gpu_real_model.py", "--gguf", os.environ.get("SMOLLM2_GGUF", "/tmp/smollm2.gguf"),
+                        "--out", str(out / "smollm2_gpu.md")], 300),
     }
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_out")))
-    ap.add_argument("--stages", default="env,tests,sanitize,racecheck,bench_graphs,bench_attention,bench_gemv")
+    ap.add_argument("--stages", default="env,tests,sanitize,racecheck,bench_graphs,bench_attention,bench_gemv,bench_decode")
     ap.add_argument("--tests", default="tests/gpu", help="test paths, space separated")
     ap.add_argument("--pytest-args", default="", help="extra pytest arguments, space separated")
     a = ap.parse_args()

@@ -43,17 +43,27 @@ class StepValues:
         step.set(token=42, pos=7, seq_len=8)
         step.upload(stream)          # async; then replay the graph on the same stream
         kernel args take step.device and read e.g. element step.index("pos")
+
+    The pinned staging area is a ring of ``ring`` slots: each upload copies from the current slot and
+    moves on to the next, so the host may set the next step's values while earlier copies are still
+    queued. Before a slot is reused the stream is synchronised once (every ``ring`` uploads).
     """
 
-    def __init__(self, names: tuple[str, ...], dtype=np.uint32):
+    def __init__(self, names: tuple[str, ...], dtype=np.uint32, ring: int = 256):
         if len(set(names)) != len(names) or not names:
             raise ShapeError(f"step value names must be unique and non-empty, got {names}")
+        if ring < 1:
+            raise ShapeError(f"ring must be at least 1, got {ring}")
         self.names = tuple(names)
         self._index = {n: i for i, n in enumerate(names)}
-        self.host = PinnedArray(len(names), dtype)
-        self.device = GpuBuffer(len(names), dtype)
+        self._n = len(names)
+        self.ring = ring
+        self.host = PinnedArray(ring * self._n, dtype)
         self.host.array[:] = 0
-        self.device.copy_from_host(self.host.array)
+        self.device = GpuBuffer(self._n, dtype)
+        self.device.copy_from_host(self.host.array[: self._n])
+        self._slot = 0
+        self._uploads = 0
 
     def index(self, name: str) -> int:
         try:
@@ -65,19 +75,31 @@ class StepValues:
         """Device address of one value (kernels that read a single u32 take this)."""
         return self.device.ptr + self.index(name) * self.device.dtype.itemsize
 
+    def _current(self) -> np.ndarray:
+        return self.host.array[self._slot * self._n:(self._slot + 1) * self._n]
+
     def set(self, **values: int) -> None:
+        cur = self._current()
         for name, value in values.items():
-            self.host.array[self.index(name)] = value
+            cur[self.index(name)] = value
 
     def get(self, name: str) -> int:
-        return int(self.host.array[self.index(name)])
+        return int(self._current()[self.index(name)])
 
     def upload(self, stream: Stream | None = None) -> None:
-        """Async copy of all values to the device. The pinned staging array must not be changed
-        again until the stream has executed this copy (the next token's ``set`` comes after the
-        host has read this token's result, which orders it)."""
+        """Async copy of the current values to the device; later ``set`` calls write the next slot."""
         handle = stream.handle if stream is not None else drv.CUstream(0)
-        check(drv.cuMemcpyHtoDAsync(self.device.ptr, self.host._ptr, self.device.nbytes, handle), "cuMemcpyHtoDAsync")
+        src = self.host._ptr + self._slot * self._n * self.device.dtype.itemsize
+        check(drv.cuMemcpyHtoDAsync(self.device.ptr, src, self.device.nbytes, handle), "cuMemcpyHtoDAsync")
+        self._uploads += 1
+        nxt = (self._slot + 1) % self.ring
+        if nxt == 0:  # about to overwrite slots whose copies may still be queued
+            if stream is not None:
+                stream.synchronize()
+            else:
+                call("cuStreamSynchronize", drv.CUstream(0))
+        self.host.array[nxt * self._n:(nxt + 1) * self._n] = self._current()
+        self._slot = nxt
 
     def free(self) -> None:
         self.device.free()

@@ -1,0 +1,227 @@
+"""The GPU model: a llama-family decoder run entirely on the GPU, one CUDA graph per token.
+
+Weights stay in their GGUF block form on the device; activations, the KV cache and the sampled token
+never leave it. A decode step is recorded once as a graph (embedding → 30 × [RMSNorm, QKV GEMV, RoPE,
+KV append, flash decoding, O GEMV + residual, RMSNorm, gate/up GEMV + SwiGLU, down GEMV + residual]
+→ final norm → LM head → argmax); afterwards a token costs one async copy of the step values
+(token, position, sequence length) and one graph launch. Greedy decoding reads back 4 bytes.
+
+    model = GpuModel.from_loaded(load_model(path))
+    token = model.forward_gpu_resident_to_token_id(token_id, position)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from realizar import cuda
+from realizar.errors import ContextOverflowError, InvalidRequestError, ShapeError
+from realizar.executor import CudaExecutor
+from realizar.layers import GpuWeight, LayerOps
+from realizar.models.config import ModelConfig
+from realizar.models.reference import rope_inv_freq
+
+DEFAULT_MAX_LEN = 8192
+
+
+def _f32_buffer(tensor) -> cuda.GpuBuffer:
+    return cuda.GpuBuffer.from_numpy(np.ascontiguousarray(tensor.dequantize(), np.float32).reshape(-1))
+
+
+class _Layer:
+    """One transformer block's weights on the device."""
+
+    def __init__(self, tensors: dict, i: int, cfg: ModelConfig):
+        t = lambda name: tensors[f"blk.{i}.{name}"]  # noqa: E731
+        self.attn_norm = _f32_buffer(t("attn_norm.weight"))
+        self.ffn_norm = _f32_buffer(t("ffn_norm.weight"))
+        q, k, v = t("attn_q.weight"), t("attn_k.weight"), t("attn_v.weight")
+        if q.ggml_type == k.ggml_type == v.ggml_type:
+            self.qkv = [GpuWeight.concat([q, k, v], name=f"blk.{i}.attn_qkv")]
+        else:
+            self.qkv = [GpuWeight(q), GpuWeight(k), GpuWeight(v)]
+        self.qkv_bias = None
+        if cfg.qkv_bias:
+            bias = np.concatenate([t(f"attn_{n}.bias").dequantize().reshape(-1) for n in "qkv"]).astype(np.float32)
+            self.qkv_bias = cuda.GpuBuffer.from_numpy(bias)
+        self.q_norm = _f32_buffer(t("attn_q_norm.weight")) if cfg.qk_norm else None
+        self.k_norm = _f32_buffer(t("attn_k_norm.weight")) if cfg.qk_norm else None
+        self.attn_out = GpuWeight(t("attn_output.weight"))
+        gate, up = t("ffn_gate.weight"), t("ffn_up.weight")
+        self.gate_up = GpuWeight.concat([gate, up], name=f"blk.{i}.ffn_gate_up") if gate.ggml_type == up.ggml_type else None
+        self.gate = None if self.gate_up else GpuWeight(gate)
+        self.up = None if self.gate_up else GpuWeight(up)
+        self.down = GpuWeight(t("ffn_down.weight"))
+
+
+class DeviceLogits:
+    """The logits of the last step, still on the GPU. ``np.asarray`` copies them to the host; greedy
+    sampling asks for :meth:`greedy_token` instead, which reads only the argmax computed in the graph."""
+
+    def __init__(self, model: "GpuModel"):
+        self._model = model
+        self._step = model.steps
+
+    def _check_fresh(self) -> None:
+        if self._step != self._model.steps:
+            raise InvalidRequestError("these logits were overwritten by a later step of the model")
+
+    def greedy_token(self) -> int:
+        self._check_fresh()
+        return self._model.read_token()
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        self._check_fresh()
+        host = self._model.read_logits()
+        return host if dtype is None else host.astype(dtype)
+
+    @property
+    def shape(self) -> tuple[int]:
+        return (self._model.config.vocab_size,)
+
+
+class GpuModel:
+    """Model object for :class:`realizar.generation.Generator`: ``prefill``, ``decode``, ``reset``,
+    ``context_length``; plus :meth:`forward_gpu_resident_to_token_id` for greedy decoding."""
+
+    def __init__(self, config: ModelConfig, tensors: dict, max_len: int | None = None, device=None,
+                 use_graph: bool = True):
+        self.config = cfg = config
+        self.device = device or cuda.current_device()
+        self.max_len = int(min(cfg.context_length, max_len or DEFAULT_MAX_LEN))
+        if self.max_len < 1:
+            raise ShapeError(f"max_len must be positive, got {self.max_len}")
+        self.ops = LayerOps(self.device)
+        self.executor = CudaExecutor(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.max_len,
+                                     self.device)
+        self.layers = [_Layer(tensors, i, cfg) for i in range(cfg.num_layers)]
+        self.embed = GpuWeight(tensors["token_embd.weight"])
+        self.lm_head = self.embed if cfg.tied_embeddings or "output.weight" not in tensors else GpuWeight(
+            tensors["output.weight"])
+        self.output_norm = _f32_buffer(tensors["output_norm.weight"])
+        ff = tensors.get("rope_freqs.weight")
+        self.inv_freq = cuda.GpuBuffer.from_numpy(rope_inv_freq(cfg, None if ff is None else ff.dequantize()))
+        # activations
+        qkv_n = cfg.q_dim + 2 * cfg.kv_dim
+        self.x = cuda.GpuBuffer(cfg.hidden_size)
+        self.h = cuda.GpuBuffer(cfg.hidden_size)
+        self.qkv = cuda.GpuBuffer(qkv_n)
+        self.qk_normed = cuda.GpuBuffer(cfg.q_dim + cfg.kv_dim) if cfg.qk_norm else None
+        self.attn = cuda.GpuBuffer(cfg.q_dim)
+        self.ffn = cuda.GpuBuffer(cfg.intermediate_size)
+        self.ffn_up = None if all(lay.gate_up for lay in self.layers) else cuda.GpuBuffer(cfg.intermediate_size)
+        self.logits = cuda.GpuBuffer(cfg.vocab_size)
+        self.token_out = cuda.GpuBuffer(1, np.uint32)
+        self.step_values = cuda.StepValues(("token", "pos", "seq_len"))
+        self.stream = cuda.Stream(self.device)
+        self.use_graph = use_graph
+        self._graph: cuda.GraphExec | None = None
+        self._token_host = cuda.PinnedArray(1, np.uint32)
+        self.position = 0
+        self.steps = 0
+
+    @classmethod
+    def from_loaded(cls, loaded, max_len: int | None = None, **kw) -> "GpuModel":
+        return cls(loaded.config, loaded.tensors, max_len=max_len, **kw)
+
+    @property
+    def context_length(self) -> int:
+        return self.max_len
+
+    # ---- one decode step, as launches (recorded into the graph once) --------------------------------
+    def _step_value(self, name: str):
+        return (self.step_values.device, self.step_values.index(name))
+
+    def _issue_step(self) -> None:
+        cfg, ops, s = self.config, self.ops, self.stream
+        eps = cfg.rms_norm_eps
+        q_dim, kv_dim, hd = cfg.q_dim, cfg.kv_dim, cfg.head_dim
+        ops.embedding(self.embed, self._step_value("token"), self.x, stream=s)
+        for i, lay in enumerate(self.layers):
+            ops.rmsnorm(self.x, lay.attn_norm, self.h, eps, stream=s)
+            if len(lay.qkv) == 1:
+                ops.gemv(lay.qkv[0], self.h, self.qkv, bias=lay.qkv_bias, stream=s)
+            else:
+                for w, off in zip(lay.qkv, (0, q_dim, q_dim + kv_dim)):
+                    bias = None if lay.qkv_bias is None else (lay.qkv_bias, off)
+                    ops.gemv(w, self.h, (self.qkv, off), bias=bias, stream=s)
+            qk = self.qkv
+            if cfg.qk_norm:
+                ops.rmsnorm((self.qkv, 0), lay.q_norm, (self.qk_normed, 0), eps, hidden=hd, rows=cfg.num_heads, stream=s)
+                ops.rmsnorm((self.qkv, q_dim), lay.k_norm, (self.qk_normed, q_dim), eps, hidden=hd,
+                            rows=cfg.num_kv_heads, stream=s)
+                qk = self.qk_normed
+            ops.rope((qk, 0), (qk, q_dim), self.inv_freq, self._step_value("pos"), cfg.num_heads, cfg.num_kv_heads,
+                     hd, neox=cfg.rope_type == "neox", stream=s)
+            self.executor.append_kv(i, (qk, q_dim), (self.qkv, q_dim + kv_dim), position=self._step_value("pos"),
+                                    stream=s)
+            self.executor.flash_decoding(i, (qk, 0), self.attn, self._step_value("seq_len"), stream=s)
+            ops.gemv(lay.attn_out, self.attn, self.x, residual=self.x, stream=s)
+            ops.rmsnorm(self.x, lay.ffn_norm, self.h, eps, stream=s)
+            if lay.gate_up is not None:
+                ops.gemv_glu(lay.gate_up, self.h, self.ffn, stream=s)
+            else:
+                ops.gemv(lay.gate, self.h, self.ffn, stream=s)
+                ops.gemv(lay.up, self.h, self.ffn_up, stream=s)
+                ops.swiglu(self.ffn, self.ffn_up, self.ffn, cfg.intermediate_size, stream=s)
+            ops.gemv(lay.down, self.ffn, self.x, residual=self.x, stream=s)
+        ops.rmsnorm(self.x, self.output_norm, self.h, eps, stream=s)
+        ops.gemv(self.lm_head, self.h, self.logits, stream=s)
+        ops.argmax(self.logits, self.token_out, stream=s)
+
+    def _run_step(self, token: int, position: int) -> None:
+        self.device.make_current()  # the server runs generations on a worker thread
+        if not 0 <= token < self.config.vocab_size:
+            raise InvalidRequestError(f"token id {token} outside the vocabulary of {self.config.vocab_size}")
+        if position >= self.max_len:
+            raise ContextOverflowError(f"position {position} is past the KV cache's max_len of {self.max_len}")
+        self.step_values.set(token=token, pos=position, seq_len=position + 1)
+        if self._graph is None:
+            self.step_values.upload(self.stream)
+            self._issue_step()  # eager: loads every kernel, so the capture below loads none
+            if self.use_graph:
+                with cuda.capture(self.stream) as cap:
+                    self._issue_step()
+                self._graph = cap.graph.instantiate()
+        else:
+            self._graph.replay(self.stream, self.step_values)
+        self.steps += 1
+
+    def forward_gpu_resident_to_token_id(self, token: int, position: int) -> int:
+        """Run one token at ``position`` and return the greedy next token id (4 bytes read back)."""
+        self._run_step(int(token), int(position))
+        return self.read_token()
+
+    # ---- Generator interface ------------------------------------------------------------------------
+    def reset(self) -> None:
+        self.position = 0
+
+    def prefill(self, ids) -> DeviceLogits:
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise InvalidRequestError("prefill needs at least one token")
+        if self.position + len(ids) > self.max_len:
+            raise ContextOverflowError(
+                f"{self.position} cached + {len(ids)} new tokens exceed the KV cache's max_len of {self.max_len}")
+        for t in ids:
+            self._run_step(t, self.position)
+            self.position += 1
+        return DeviceLogits(self)
+
+    def decode(self, token: int) -> DeviceLogits:
+        self._run_step(int(token), self.position)
+        self.position += 1
+        return DeviceLogits(self)
+
+    def read_token(self) -> int:
+        self.device.make_current()
+        arr = self._token_host.array
+        self.token_out.copy_to_host(arr, stream=self.stream)
+        self.stream.synchronize()
+        return int(arr[0])
+
+    def read_logits(self) -> np.ndarray:
+        self.device.make_current()
+        out = np.empty(self.config.vocab_size, np.float32)
+        self.stream.synchronize()
+        return self.logits.copy_to_host(out)
