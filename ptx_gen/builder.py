@@ -72,6 +72,7 @@ class KernelBuilder:
     params: tuple[Param, ...]
     target: Target
     max_threads: int | None = None
+    min_blocks: int | None = None  # .minnctapersm: CTAs per SM the register budget must allow
     _lines: list[str] = field(default_factory=list)
     _counts: dict = field(default_factory=dict)
     _labels: int = 0
@@ -324,6 +325,14 @@ class KernelBuilder:
         """1/sqrt(a): PTX offers only the approximate form; for IEEE use rcp(sqrt(a))."""
         return self._unary("rsqrt.approx", a, t or "f32")
 
+    def sin(self, a: Operand) -> Reg:
+        """``sin.approx.f32``: absolute error about 2**-20.9 for |a| <= pi (reduce the range first)."""
+        return self._unary("sin.approx", a, "f32")
+
+    def cos(self, a: Operand) -> Reg:
+        """``cos.approx.f32``: absolute error about 2**-20.9 for |a| <= pi (reduce the range first)."""
+        return self._unary("cos.approx", a, "f32")
+
     def exp(self, a: Operand) -> Reg:
         """e**a as ex2(a * log2(e))."""
         return self.ex2(self.mul(a, 1.4426950408889634, "f32"))
@@ -407,9 +416,14 @@ class KernelBuilder:
         pred: Reg | None = None,
         other: Operand | None = None,
         cache: str | None = None,
+        into: Sequence[Var] | None = None,
     ) -> Reg | tuple[Reg, ...]:
         """``ld.<space>[.nc][.v2|.v4].<t>``; with ``pred`` the load is guarded and the result
-        holds ``other`` (which must be given) where the guard is false."""
+        holds ``other`` (which must be given) where the guard is false.
+
+        ``into`` (``vec`` :class:`Var` s) loads into existing loop-carried registers instead of fresh
+        ones, e.g. to prefetch the next iteration's data while this one is computed; a guarded load
+        into them may omit ``other`` (they then keep their value where the guard is false)."""
         t = ptx_type(t)
         if space not in SPACES:
             raise ValueError(f"unknown state space {space!r}; expected one of {SPACES}")
@@ -417,10 +431,14 @@ class KernelBuilder:
             raise ValueError(f"vector width must be 1, 2 or 4, got {vec}")
         if nc and space != "global":
             raise ValueError("ld.nc exists only for the global space")
-        if pred is not None and other is None:
+        if into is not None:
+            into = list(into)
+            if len(into) != vec or not all(isinstance(v, Var) and v.type.reg_class == t.reg_class for v in into):
+                raise TypeError(f"into= needs {vec} Var(s) of register class {t.reg_class.decl}")
+        if pred is not None and other is None and into is None:
             raise ValueError("a predicated load needs `other`, the value where the guard is false")
-        dests = [self.reg(t) for _ in range(vec)]
-        if pred is not None:
+        dests = into if into is not None else [self.reg(t) for _ in range(vec)]
+        if pred is not None and other is not None:
             for d in dests:
                 self._emit(f"mov.{self._mov_type(t)} {d}, {self._op(other, t)};")
         qual = f".{space}" + (".nc" if nc else "") + (f".{cache}" if cache else "")
@@ -531,6 +549,41 @@ class KernelBuilder:
         """``membar.<cta|gl|sys>``."""
         self._emit(f"membar.{scope};")
 
+    def bar_warp_sync(self, mask: int = 0xFFFFFFFF) -> None:
+        """``bar.warp.sync``: the lanes in ``mask`` wait for each other (and their shared-memory
+        writes become visible to each other)."""
+        self._emit(f"bar.warp.sync {self._op(mask, ptx_type('u32'))};")
+
+    # ---- bit manipulation ------------------------------------------------------------------------
+    def prmt(self, a: Operand, b: Operand, selector: Operand) -> Reg:
+        """``prmt.b32``: byte ``i`` of the result is byte ``selector[4i:4i+3]`` of the 8-byte value
+        ``{b, a}`` (bytes 0-3 from ``a``, 4-7 from ``b``); selector bit ``4i+3`` replicates its sign."""
+        u32 = ptx_type("u32")
+        d = self.reg("u32")
+        self._emit(f"prmt.b32 {d}, {self._op(a, u32)}, {self._op(b, u32)}, {self._op(selector, u32)};")
+        return d
+
+    def shf(self, direction: str, lo: Operand, hi: Operand, amount: Operand, mode: str = "wrap") -> Reg:
+        """Funnel shift ``shf.<l|r>.<wrap|clamp>.b32`` of the 64-bit value ``{hi, lo}``;
+        ``shf("l", x, x, n)`` rotates ``x`` left by ``n``."""
+        if direction not in ("l", "r") or mode not in ("wrap", "clamp"):
+            raise ValueError(f"shf needs direction l/r and mode wrap/clamp, got {direction!r}, {mode!r}")
+        u32 = ptx_type("u32")
+        d = self.reg("u32")
+        self._emit(
+            f"shf.{direction}.{mode}.b32 {d}, {self._op(lo, u32)}, {self._op(hi, u32)}, {self._op(amount, u32)};"
+        )
+        return d
+
+    def bfe(self, a: Operand, pos: Operand, length: Operand, t: str | None = None) -> Reg:
+        """Bit-field extract ``bfe.<u32|s32|u64|s64>``: ``length`` bits from bit ``pos`` (sign-extended
+        for signed types)."""
+        ty = ptx_type(t) if t else self._type_of(a, default="u32")
+        d = self.reg(ty)
+        u32 = ptx_type("u32")
+        self._emit(f"bfe.{ty.name} {d}, {self._op(a, ty)}, {self._op(pos, u32)}, {self._op(length, u32)};")
+        return d
+
     # ---- control flow ---------------------------------------------------------------------------
     def new_label(self, hint: str = "L") -> str:
         self._labels += 1
@@ -575,6 +628,8 @@ class KernelBuilder:
         out = [f".visible .entry {self.name}(\n{params}\n)"]
         if self.max_threads:
             out.append(f".maxntid {self.max_threads}, 1, 1")
+            if self.min_blocks:
+                out.append(f".minnctapersm {self.min_blocks}")
         out.append("{")
         for rc in REG_CLASS_ORDER:
             n = self._counts.get(rc, 0)
@@ -602,12 +657,16 @@ class Module:
         name: str,
         params: Sequence[tuple[str, str]],
         max_threads: int | None = None,
+        min_blocks: int | None = None,
     ) -> KernelBuilder:
+        """``min_blocks`` (with ``max_threads``) emits ``.minnctapersm``: ptxas then budgets registers
+        for that many resident CTAs per SM instead of its own occupancy guess (which can spill)."""
         k = KernelBuilder(
             name=name,
             params=tuple(Param(n, ptx_type(t)) for n, t in params),
             target=self.target,
             max_threads=max_threads,
+            min_blocks=min_blocks,
             _module_decls=self._decls,
         )
         self.kernels.append(k)

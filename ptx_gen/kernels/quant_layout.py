@@ -1,0 +1,356 @@
+"""PTX-side decoding of GGUF weight blocks, shared by the GEMV, GEMM and embedding kernels.
+
+Block layouts come from :mod:`realizar.models.quants` (written down once there). The kernels stage a
+row's raw bytes in shared memory with 16-byte coalesced loads and decode from there, so a block may
+sit at any 2-byte alignment.
+
+**Lane mapping.** A *round* is 256 consecutive values of a row; lane ``l`` of a warp owns values
+``[8l, 8l + 8)`` of the round. For 32-value blocks that is block ``l // 4`` of the round (8 blocks per
+round), values ``8 (l % 4) ..``; for 256-value K-quant blocks the round is one block; for dense
+types (F32/F16/BF16) it is 256 elements. Every decoder returns, for the lane's 8 values,
+
+    value_i = A * f_i + C          (C may be None: 0)
+
+with ``f_i`` exact float32 numbers built from the quantized codes and ``A``, ``C`` per lane (the
+block's or sub-block's scale terms). A dot product then costs one FMA per value:
+``sum_i value_i x_i = A * sum_i f_i x_i + C * sum_i x_i``.
+
+**Codes to floats without I2F.** Integer-to-float conversion runs at a quarter of the FMA rate, so
+codes are turned into floats by placing their bits in a float32 mantissa with ``prmt``:
+
+* ``n`` of ``b`` <= 7 bits: byte 2 of the word is ``n << (7 - b)``, byte 3 is ``0x3F`` (exponent
+  0x7E): ``f = 0.5 + n / 2**(b + 1)`` (exact); ``n = 2**(b+1) f - 2**b``, the offset folded into ``C``.
+  One rotate + one AND place four codes, one ``prmt`` per value makes the float.
+* 8-bit codes (Q8_0): byte 0 is ``q ^ 0x80``, byte 3 is ``0x4B``: ``f = 2**23 + q + 128``, then one
+  FADD of ``-(2**23 + 128)`` gives ``q`` exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from ptx_gen.builder import KernelBuilder, Reg
+
+ROUND = 256  # values per round (32 lanes x 8 values)
+PER_LANE = 8
+
+#: weight types the kernels handle, by name
+WEIGHT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+DENSE = ("F32", "F16", "BF16")
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+# K-quants whose 6-bit scales are decoded once per tile into a shared-memory table
+K_TABLE = ("Q4_K", "Q5_K")
+
+
+@dataclass(frozen=True)
+class TypeInfo:
+    name: str
+    block_values: int  # values per block (1 for dense types)
+    block_bytes: int
+
+    @property
+    def round_bytes(self) -> int:
+        """Bytes of one round (256 values)."""
+        return ROUND // self.block_values * self.block_bytes if self.block_values <= ROUND else self.block_bytes
+
+    def row_bytes(self, in_dim: int) -> int:
+        return in_dim // self.block_values * self.block_bytes
+
+
+def _layout(wtype: str):
+    """The block layout from :mod:`realizar.models.quants` (imported here, not at module import: the
+    catalog loads every kernel module, and ``gguf`` behind quants may be absent where only other
+    kernels are used)."""
+    from gguf import GGMLQuantizationType as T
+
+    from realizar.models.quants import LAYOUTS
+
+    return LAYOUTS[T[wtype]]
+
+
+@lru_cache(maxsize=None)
+def type_info(wtype: str) -> TypeInfo:
+    if wtype not in WEIGHT_TYPES:
+        raise ValueError(f"unsupported weight type {wtype!r}; expected one of {WEIGHT_TYPES}")
+    lay = _layout(wtype)
+    return TypeInfo(wtype, lay.block_size, lay.type_size)
+
+
+def check_in_dim(wtype: str, in_dim: int) -> None:
+    """Reject row lengths GGUF cannot hold (and, for dense types, ones that are not whole 16-byte
+    vectors of x): never read out of bounds instead."""
+    info = type_info(wtype)
+    if in_dim <= 0:
+        raise ValueError(f"in_dim must be positive, got {in_dim}")
+    if in_dim % info.block_values:
+        raise ValueError(
+            f"a {wtype} row of {in_dim} values is not a multiple of the block size {info.block_values}: "
+            f"GGUF cannot store it"
+        )
+    if wtype in DENSE and in_dim % PER_LANE:
+        raise ValueError(f"{wtype} rows must be a multiple of {PER_LANE} values for the GPU kernels, got {in_dim}")
+
+
+@lru_cache(maxsize=None)
+def field_offset(wtype: str, name: str) -> int:
+    return _layout(wtype).offset(name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared-memory readers
+
+
+def lds_words(k: KernelBuilder, addr: Reg, offset: int, n: int, align: int | None, sel: Reg | None = None) -> list[Reg]:
+    """``n`` 32-bit little-endian words from shared byte address ``addr + offset``.
+
+    ``align`` is the known alignment of the register ``addr`` (16/8/4; ``offset`` is exact), or None
+    when ``addr + offset`` is only known to be even: then ``n + 1`` aligned words are read and
+    realigned with ``prmt`` using ``sel`` (from :func:`realign_selector` of the same address, or an
+    immediate when the phase is known)."""
+    if align is not None and align >= 4:
+        out: list[Reg] = []
+        i = 0
+        while i < n:
+            if offset % 4:
+                raise ValueError(f"offset {offset} breaks the {align}-byte alignment")
+            if align >= 16 and n - i >= 4 and (offset + 4 * i) % 16 == 0:
+                out += list(k.load("shared", "u32", addr, offset + 4 * i, vec=4))
+                i += 4
+            elif align >= 8 and n - i >= 2 and (offset + 4 * i) % 8 == 0:
+                out += list(k.load("shared", "u32", addr, offset + 4 * i, vec=2))
+                i += 2
+            else:
+                out.append(k.load("shared", "u32", addr, offset + 4 * i))
+                i += 1
+        return out
+    if sel is None:
+        raise ValueError("an unaligned read needs its realign selector")
+    base = k.and_(k.add(addr, offset), 0xFFFFFFFC)
+    raw = [k.load("shared", "u32", base, 4 * i) for i in range(n + 1)]
+    return [k.prmt(raw[i], raw[i + 1], sel) for i in range(n)]
+
+
+def realign_selector(k: KernelBuilder, addr: Reg, offset: int = 0) -> Reg:
+    """prmt selector for :func:`lds_words` at an even address: 0x3210 (aligned) or 0x5432."""
+    two = k.and_(k.add(addr, offset) if offset else addr, 2)
+    return k.mad(two, 0x1111, 0x3210)
+
+
+def lds_f16(k: KernelBuilder, addr: Reg, offset: int) -> Reg:
+    """An f16 field from shared memory, as f32."""
+    h = k.load("shared", "b16", addr, offset)
+    return k.cvt(Reg(h.name, _f16), "f32")
+
+
+# ---------------------------------------------------------------------------------------------
+# Codes -> floats
+
+from ptx_gen.types import ptx_type  # noqa: E402
+
+_f16 = ptx_type("f16")
+_b16 = ptx_type("b16")
+
+
+def magic_small(k: KernelBuilder, t: Reg) -> list[Reg]:
+    """``t`` holds four bytes ``n << (7 - b)``: return ``0.5 + n / 2**(b+1)`` for each byte."""
+    return [k.bitcast(k.prmt(t, 0x3F000000, 0x7044 | (i << 8)), "f32") for i in range(4)]
+
+
+def magic_q8(k: KernelBuilder, w: Reg) -> list[Reg]:
+    """Four signed bytes of ``w`` -> four exact floats."""
+    u = k.xor(w, 0x80808080)
+    out = []
+    for i in range(4):
+        f = k.bitcast(k.prmt(u, 0x4B000000, 0x7440 | i), "f32")
+        out.append(k.add(f, -8388736.0))  # -(2**23 + 128)
+    return out
+
+
+def nibbles_to_bits(k: KernelBuilder, w: Reg, rot: Reg | int, mask: int) -> Reg:
+    """Rotate ``w`` left by ``rot`` and keep ``mask`` (used to move nibbles/bits into position)."""
+    if isinstance(rot, int) and rot % 32 == 0:
+        return k.and_(w, mask)
+    return k.and_(k.shf("l", w, w, rot), mask)
+
+
+def spread4(k: KernelBuilder, bits4: Reg) -> Reg:
+    """The low 4 bits of ``bits4`` to bit 0 of bytes 0..3."""
+    return k.and_(k.mul(k.and_(bits4, 0xF), 0x00204081), 0x01010101)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-type decoders.  Each gets the kernel, the shared address of the block start ``bb`` and what it
+# knows about its alignment, the lane constants ``lc`` (a dict made once by :func:`lane_constants`),
+# and returns (fs[8], A, C).
+
+
+def lane_constants(k: KernelBuilder, wtype: str, lane: Reg) -> dict:
+    """Per-lane constants (registers computed once) used by the decoders."""
+    c: dict = {"lane": lane}
+    if wtype in DENSE:
+        return c
+    if type_info(wtype).block_values == 32:
+        u = k.and_(lane, 3)  # which 8 values of the block
+        c["blk"] = k.shr(lane, 2)  # block within the round
+        c["pos"] = k.shl(u, 3)  # 8 * (lane % 4)
+        # Q4/Q5: bytes qs[pos % 16 ...], low nibbles for pos < 16, high for pos >= 16
+        c["qoff"] = k.and_(c["pos"], 15)
+        hi = k.shr(u, 1)  # 1 for the high nibbles
+        c["rot4"] = k.sub(3, k.shl(hi, 2))  # 4-bit codes to bits 3..6: rotl 3 (low) or rotl 31 (high)
+        c["rot4"] = k.and_(c["rot4"], 31)
+        c["rot5"] = k.and_(k.sub(2, k.shl(hi, 2)), 31)  # to bits 2..5: rotl 2 or rotl 30
+        return c
+    # K-quants: lane l owns values [8l, 8l + 8) of the 256-value block
+    c["pos8"] = k.shl(lane, 3)
+    if wtype in ("Q4_K", "Q5_K"):
+        j = k.shr(lane, 2)  # sub-block of 32
+        c["j"] = j
+        q = k.shl(k.and_(lane, 3), 3)  # position within the sub-block
+        c["qs_off"] = k.add(k.shl(k.shr(j, 1), 5), q)  # 32 * (j // 2) + q
+        c["q"] = q
+        hi = k.and_(j, 1)
+        if wtype == "Q4_K":
+            c["rot"] = k.and_(k.sub(3, k.shl(hi, 2)), 31)
+        else:
+            c["rot"] = k.and_(k.sub(2, k.shl(hi, 2)), 31)
+            c["hrot"] = k.and_(k.sub(6, j), 31)  # bit j of each qh byte to bit 6
+        # the scale-table entries this lane decodes: sub-block j2 = lane % 8 of blocks lane/8 (+4)
+        c["tj"] = k.and_(lane, 7)
+        c["ksel"] = k_scale_selectors(k, c["tj"])
+        return c
+    # Q6_K
+    h = k.shr(lane, 4)
+    lp = k.and_(lane, 15)
+    qq = k.shr(lp, 2)
+    pos = k.shl(k.and_(lp, 3), 3)
+    c["ql_off"] = k.add(k.add(k.shl(h, 6), k.shl(k.and_(qq, 1), 5)), pos)  # 64h + 32(qq%2) + pos
+    c["qh_off"] = k.add(k.add(k.shl(h, 5), pos), 128)  # 128 + 32h + pos
+    c["sc_off"] = k.add(k.add(k.add(k.shl(h, 3), k.shl(qq, 1)), k.shr(pos, 4)), 192)  # 192 + sub-block
+    qhi = k.shr(qq, 1)
+    c["rot_l"] = k.and_(k.sub(1, k.shl(qhi, 2)), 31)  # low nibble to bits 1..4: rotl 1; high: rotl 29
+    c["rot_h"] = k.and_(k.sub(5, k.shl(qq, 1)), 31)  # bits 2qq..2qq+1 to bits 5..6
+    return c
+
+
+def decode_dense(k: KernelBuilder, wtype: str, bb: Reg, offset: int) -> tuple[list[Reg], float, None]:
+    """8 values at ``bb + offset`` (16-byte aligned: dense rows are whole 16-byte vectors)."""
+    if wtype == "F32":
+        fs = list(k.load("shared", "f32", bb, offset, vec=4)) + list(k.load("shared", "f32", bb, offset + 16, vec=4))
+        return fs, 1.0, None
+    words = list(k.load("shared", "u32", bb, offset, vec=4))
+    fs = []
+    for w in words:
+        if wtype == "F16":
+            lo, hi = k.unpack_b32(w)
+            fs.append(k.cvt(Reg(lo.name, _f16), "f32"))
+            fs.append(k.cvt(Reg(hi.name, _f16), "f32"))
+        else:  # BF16: the upper 16 bits of a float32
+            fs.append(k.bitcast(k.shl(w, 16), "f32"))
+            fs.append(k.bitcast(k.and_(w, 0xFFFF0000), "f32"))
+    return fs, 1.0, None
+
+
+def decode_q32(k: KernelBuilder, wtype: str, bb: Reg, lc: dict, sel_qs: Reg | None, sel_qh: Reg | None,
+               align_qs: int | None, align_qh: int | None) -> tuple[list[Reg], Reg, Reg | None]:
+    """A 32-value block type (Q8_0/Q4_0/Q4_1/Q5_0/Q5_1) at shared address ``bb`` (the lane's block)."""
+    d = lds_f16(k, bb, 0)
+    if wtype == "Q8_0":
+        qs = field_offset(wtype, "qs")
+        addr = k.add(bb, lc["pos"])
+        words = lds_words(k, addr, qs, 2, align_qs, sel_qs)
+        fs = magic_q8(k, words[0]) + magic_q8(k, words[1])
+        return fs, d, None
+    qs = field_offset(wtype, "qs")
+    words = lds_words(k, k.add(bb, lc["qoff"]), qs, 2, align_qs, sel_qs)
+    five = wtype in ("Q5_0", "Q5_1")
+    if not five:
+        ts = [nibbles_to_bits(k, w, lc["rot4"], 0x78787878) for w in words]
+    else:
+        qh = lds_words(k, bb, field_offset(wtype, "qh"), 1, align_qh, sel_qh)[0]
+        hb = k.shr(qh, lc["pos"])  # bits pos.. of qh: the high bits of this lane's 8 values
+        ts = []
+        for i, w in enumerate(words):
+            low = nibbles_to_bits(k, w, lc["rot5"], 0x3C3C3C3C)
+            hi = k.shl(spread4(k, hb if i == 0 else k.shr(hb, 4)), 6)
+            ts.append(k.or_(low, hi))
+    fs = magic_small(k, ts[0]) + magic_small(k, ts[1])
+    # n = 2 half f - half with half = 2**bits / 2
+    half = 32.0 if five else 16.0
+    a = k.mul(d, 2 * half)
+    if wtype in ("Q4_0", "Q5_0"):
+        # the code offset is half / 2 (8 or 16): d (n - half/2) = 2 half d f - 1.5 half d
+        return fs, a, k.mul(d, -1.5 * half)
+    m = lds_f16(k, bb, field_offset(wtype, "m"))
+    return fs, a, k.fma(d, -half, m)  # d n + m = 2 half d f - half d + m
+
+
+def k_scale_entry(k: KernelBuilder, wtype: str, bb: Reg, sel: dict) -> tuple[Reg, Reg]:
+    """(A, C) of sub-block j of the Q4_K/Q5_K block at ``bb`` (16-aligned); ``sel`` is
+    :func:`k_scale_selectors` of j (lane constants)."""
+    h0, h1, h2, h3 = k.load("shared", "u32", bb, 0, vec=4)
+    a1 = k.prmt(h1, 0, sel["byte"])  # scales[j & 3]
+    a2 = k.prmt(h2, 0, sel["byte"])  # scales[4 + (j & 3)]
+    # j < 4: sc = a1 & 63, mn = a2 & 63
+    # j >= 4: sc = (a3 & 15) | (a1 >> 6) << 4, mn = (a3 >> 4) | (a2 >> 6) << 4, a3 = scales[8 + (j & 3)]
+    lo_sc = k.prmt(h1, h3, sel["sc"])  # a1 (j < 4) or a3
+    lo_mn = k.prmt(h2, h3, sel["sc"])  # a2 (j < 4) or a3
+    sc = k.or_(k.and_(lo_sc, sel["m1"]), k.and_(k.shr(a1, 2), sel["m2"]))
+    mn = k.or_(k.and_(k.shr(lo_mn, sel["shm"]), sel["m1"]), k.and_(k.shr(a2, 2), sel["m2"]))
+    dlo, dhi = k.unpack_b32(h0)
+    d = k.cvt(Reg(dlo.name, _f16), "f32")
+    dmin = k.cvt(Reg(dhi.name, _f16), "f32")
+    dl = k.mul(d, k.cvt(sc, "f32"))
+    ml = k.mul(dmin, k.cvt(mn, "f32"))
+    # 4-bit: n = 32 f - 16 -> dl n - ml = 32 dl f - (16 dl + ml); 5-bit: 64 dl f - (32 dl + ml)
+    half = 16.0 if wtype == "Q4_K" else 32.0
+    a = k.mul(dl, 2 * half)
+    c = k.neg(k.fma(dl, half, ml))
+    return a, c
+
+
+def k_scale_selectors(k: KernelBuilder, j: Reg) -> dict:
+    """Lane constants for :func:`k_scale_entry` of sub-block ``j`` (a register, 0..7)."""
+    jj = k.and_(j, 3)
+    upper = k.shr(j, 2)  # 1 for j >= 4
+    return {
+        "byte": k.or_(jj, 0x4440),  # byte jj of a, zeros above
+        "sc": k.or_(k.add(jj, k.shl(upper, 2)), 0x4440),  # byte jj of a (j < 4) or of b (j >= 4)
+        "m1": k.sub(63, k.mul(upper, 48)),  # 63 or 15
+        "m2": k.mul(upper, 0x30),  # 0 or 0x30
+        "shm": k.shl(upper, 2),  # 0 or 4
+    }
+
+
+def decode_kq(k: KernelBuilder, wtype: str, bb: Reg, lc: dict) -> list[Reg]:
+    """The lane's 8 codes of a Q4_K/Q5_K block at ``bb`` (16-aligned) as magic floats."""
+    qs = field_offset(wtype, "qs")
+    words = k.load("shared", "u32", k.add(bb, lc["qs_off"]), qs, vec=2)
+    if wtype == "Q4_K":
+        ts = [nibbles_to_bits(k, w, lc["rot"], 0x78787878) for w in words]
+    else:
+        qh = k.load("shared", "u32", k.add(bb, lc["q"]), field_offset(wtype, "qh"), vec=2)
+        ts = []
+        for w, h in zip(words, qh):
+            low = nibbles_to_bits(k, w, lc["rot"], 0x3C3C3C3C)
+            hi = nibbles_to_bits(k, h, lc["hrot"], 0x40404040)
+            ts.append(k.or_(low, hi))
+    return magic_small(k, ts[0]) + magic_small(k, ts[1])
+
+
+def decode_q6k(k: KernelBuilder, bb: Reg, lc: dict, sel: Reg | None, align: int | None) -> tuple[list[Reg], Reg, Reg]:
+    """The lane's 8 values of the Q6_K block at ``bb`` (even address; ``align`` its known alignment)."""
+    ql = lds_words(k, k.add(bb, lc["ql_off"]), 0, 2, align, sel)
+    qh = lds_words(k, k.add(bb, lc["qh_off"]), 0, 2, align, sel)
+    ts = []
+    for wl, wh in zip(ql, qh):
+        low = nibbles_to_bits(k, wl, lc["rot_l"], 0x1E1E1E1E)
+        hi = nibbles_to_bits(k, wh, lc["rot_h"], 0x60606060)
+        ts.append(k.or_(low, hi))
+    fs = magic_small(k, ts[0]) + magic_small(k, ts[1])
+    d = lds_f16(k, bb, field_offset("Q6_K", "d"))
+    sc8 = k.load("shared", "s8", k.add(bb, lc["sc_off"]))
+    sc = k.cvt(Reg(sc8.name, ptx_type("s16")), "f32")
+    dl = k.mul(d, sc)
+    # q = 128 f - 64: dl (q - 32) = 128 dl f - 96 dl
+    return fs, k.mul(dl, 128.0), k.mul(dl, -96.0)

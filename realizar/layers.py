@@ -1,0 +1,323 @@
+"""Host-side dispatch of the transformer-layer kernels: GEMV/GEMM on GGUF weights, RMSNorm, RoPE,
+SwiGLU, residual/bias add, embedding lookup and argmax.
+
+    ops = LayerOps()                                   # per device: kernel memo + argument cache
+    w = GpuWeight(tensor)                               # a QuantTensor's raw blocks, uploaded once
+    ops.gemv(w, x_buf, y_buf, residual=h_buf)           # y = W x + h  (y may be h: in place)
+    ops.rmsnorm(h_buf, norm_w_buf, y_buf, eps=1e-5)
+    ops.rope(q_buf, k_buf, inv_freq_buf, pos_buf, n_q=32, n_kv=8, head_dim=128)
+    ops.argmax(logits_buf, out_u32_buf)
+
+Every call validates its arguments (sizes, dtypes, 16-byte alignment) before the GPU is touched and
+raises :class:`~realizar.errors.ShapeError` saying what was expected. Buffers are
+:class:`~realizar.cuda.GpuBuffer` s or ``(GpuBuffer, element offset)`` pairs. Launch shapes depend
+only on the model's dimensions, kernel arguments are packed once per distinct call and reused, and
+nothing synchronises or allocates per call (the argmax scratch is allocated at construction), so a
+decode step made of these calls can be captured into a CUDA graph and replayed; positions and token
+ids that change per step are read from device buffers (``pos`` / ``tokens`` as buffers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from ptx_gen.kernels.quant_layout import WEIGHT_TYPES, check_in_dim, type_info
+from ptx_gen.kernels.rmsnorm import MAX_HIDDEN, default_block
+from ptx_gen.kernels.rope import inv_freq_table
+from realizar import cuda
+from realizar.errors import ShapeError, UnsupportedError
+
+__all__ = ["GemvConfig", "GpuWeight", "LayerOps", "gemv_config", "inv_freq_table"]
+
+_ARGMAX_PARTIALS = 1024
+
+
+def _wtype_name(ggml_type: Any) -> str:
+    if isinstance(ggml_type, str):
+        name = ggml_type
+    else:
+        from realizar.models.quants import type_name  # needs gguf: only when a type id is given
+
+        name = type_name(int(ggml_type))
+    if name not in WEIGHT_TYPES:
+        raise UnsupportedError(f"no GPU kernels for weight type {name}; supported: {', '.join(WEIGHT_TYPES)}")
+    return name
+
+
+class GpuWeight:
+    """A 2-D weight ``(out_dim, in_dim)`` in GGUF block form on the GPU, uploaded once.
+
+    The allocation is rounded up to a multiple of 16 bytes (the kernels read whole 16-byte vectors).
+    Build it from a :class:`~realizar.models.tensor.QuantTensor` or from raw bytes, type and shape.
+    """
+
+    def __init__(self, tensor: Any = None, *, data: np.ndarray | None = None, ggml_type: Any = None,
+                 shape: Sequence[int] | None = None, name: str = ""):
+        if tensor is not None:
+            data, ggml_type, shape, name = tensor.data, tensor.ggml_type, tensor.shape, tensor.name
+        if data is None or ggml_type is None or shape is None:
+            raise ShapeError("GpuWeight needs a QuantTensor or data=, ggml_type= and shape=")
+        self.wtype = _wtype_name(ggml_type)
+        shape = tuple(int(s) for s in shape)
+        if len(shape) != 2 or min(shape) < 1:
+            raise ShapeError(f"GpuWeight {name!r}: a weight matrix must be 2-D (out_dim, in_dim), got {shape}")
+        self.out_dim, self.in_dim = shape
+        try:
+            check_in_dim(self.wtype, self.in_dim)
+        except ValueError as exc:
+            raise ShapeError(f"GpuWeight {name!r}: {exc}") from None
+        self.name = name
+        info = type_info(self.wtype)
+        self.row_bytes = info.row_bytes(self.in_dim)
+        raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        if raw.size != self.row_bytes * self.out_dim:
+            raise ShapeError(f"GpuWeight {name!r}: {self.wtype} {shape} needs {self.row_bytes * self.out_dim} "
+                             f"bytes, got {raw.size}")
+        self.nbytes = raw.size
+        padded = -(-raw.size // 16) * 16
+        self.buffer = cuda.GpuBuffer(padded, np.uint8)
+        if padded != raw.size:
+            self.buffer.fill_bytes(0)
+        self.buffer.copy_from_host_at(raw, 0)
+
+    @classmethod
+    def concat(cls, tensors: Sequence[Any], name: str = "") -> "GpuWeight":
+        """Stack the rows of several tensors of one type and row length (e.g. [gate; up] for the
+        fused SwiGLU GEMV, or Q/K/V for one QKV GEMV)."""
+        types = {_wtype_name(t.ggml_type) for t in tensors}
+        ins = {int(t.shape[-1]) for t in tensors}
+        if len(types) != 1 or len(ins) != 1:
+            raise ShapeError(f"concat needs one weight type and row length, got {sorted(types)} / {sorted(ins)}")
+        data = np.concatenate([np.ascontiguousarray(t.data).reshape(-1).view(np.uint8) for t in tensors])
+        out = sum(int(t.shape[0]) for t in tensors)
+        return cls(data=data, ggml_type=types.pop(), shape=(out, ins.pop()), name=name or "+".join(t.name for t in tensors))
+
+    @property
+    def ptr(self) -> int:
+        return self.buffer.ptr
+
+    def free(self) -> None:
+        self.buffer.free()
+
+    def __repr__(self) -> str:
+        return f"GpuWeight({self.name!r}, {self.wtype}, ({self.out_dim}, {self.in_dim}))"
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    rows: int  # output rows per warp
+    warps: int  # warps per CTA
+
+
+def gemv_config(out_dim: int, sm_count: int = 132) -> GemvConfig:
+    """Rows per warp: more rows reuse each x load more, fewer rows give more warps to fill the SMs
+    (at least ~8 warps per SM). Tuned with ``tools/bench_gemv.py``."""
+    warps_per_sm = out_dim / sm_count
+    if warps_per_sm >= 4 * 12:
+        return GemvConfig(4, 4)
+    if warps_per_sm >= 2 * 8:
+        return GemvConfig(2, 4)
+    return GemvConfig(1, 4)
+
+
+def _is_buffer(x: Any) -> bool:
+    if isinstance(x, tuple) and len(x) == 2:
+        x = x[0]
+    return hasattr(x, "ptr") and hasattr(x, "count") and hasattr(x, "dtype")
+
+
+class LayerOps:
+    """Launches the layer kernels on one device (kernels loaded once, arguments packed once)."""
+
+    def __init__(self, device: Any = None):
+        self.device = device or cuda.current_device()
+        self.kernels = cuda.module_cache(self.device)
+        self.sm_count = self.device.sm_count
+        self._memo: dict[tuple, Any] = {}
+        self._args_cache: dict[tuple, Any] = {}
+        self._argmax_scratch = cuda.GpuBuffer(_ARGMAX_PARTIALS, np.uint64)
+
+    # ---- plumbing ------------------------------------------------------------------------------------
+    def kernel(self, name: str, **shape):
+        key = (name, *sorted(shape.items()))
+        k = self._memo.get(key)
+        if k is None:
+            k = self._memo[key] = self.kernels.get(name, **shape)
+        return k
+
+    def _launch(self, kern, grid, values: dict, stream) -> None:
+        key = (kern.source.key, tuple(values.items()))
+        args = self._args_cache.get(key)
+        if args is None:
+            args = kern.args(**values)
+            if len(self._args_cache) > 8192:
+                self._args_cache.clear()
+            self._args_cache[key] = args
+        cuda.launch(kern, grid, kern.meta["block"], args, stream=stream)
+
+    @staticmethod
+    def _addr(x: Any, count: int, what: str, dtype=np.float32, align: int = 16) -> int:
+        buf, off = (x if isinstance(x, tuple) else (x, 0))
+        if not _is_buffer(buf):
+            raise ShapeError(f"{what} must be a GpuBuffer or (GpuBuffer, element offset), got {type(buf).__name__}")
+        if np.dtype(buf.dtype) != np.dtype(dtype):
+            raise ShapeError(f"{what} must hold {np.dtype(dtype)}, got {buf.dtype}")
+        if isinstance(off, bool) or not isinstance(off, (int, np.integer)) or off < 0:
+            raise ShapeError(f"{what}: element offset must be a non-negative integer, got {off!r}")
+        if off + count > buf.count:
+            raise ShapeError(f"{what} needs {count} elements from offset {off}; the buffer holds {buf.count}")
+        addr = int(buf.ptr) + int(off) * np.dtype(dtype).itemsize
+        if addr % align:
+            raise ShapeError(f"{what} must be {align}-byte aligned (element offset {off})")
+        return addr
+
+    @staticmethod
+    def _count(name: str, v: Any, lo: int = 1) -> int:
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or int(v) < lo:
+            raise ShapeError(f"{name} must be an integer >= {lo}, got {v!r}")
+        return int(v)
+
+    # ---- GEMV / GEMM ---------------------------------------------------------------------------------
+    def gemv(self, weight: GpuWeight, x: Any, out: Any, bias: Any = None, residual: Any = None,
+             stream: Any = None, config: GemvConfig | None = None) -> None:
+        """out = W x (+ bias) (+ residual); ``residual`` may be ``out`` itself (in-place add)."""
+        cfg = config or gemv_config(weight.out_dim, self.sm_count)
+        kern = self.kernel("gemv", wtype=weight.wtype, in_dim=weight.in_dim, rows=cfg.rows, warps=cfg.warps,
+                           bias=bias is not None, residual=residual is not None)
+        values = {"w": weight.ptr, "x": self._addr(x, weight.in_dim, "x"),
+                  "y": self._addr(out, weight.out_dim, "out", align=4)}
+        if bias is not None:
+            values["bias"] = self._addr(bias, weight.out_dim, "bias", align=4)
+        if residual is not None:
+            values["residual"] = self._addr(residual, weight.out_dim, "residual", align=4)
+        values["out_dim"] = weight.out_dim
+        self._launch(kern, -(-weight.out_dim // kern.meta["rows_per_cta"]), values, stream)
+
+    def gemv_glu(self, gate_up: GpuWeight, x: Any, out: Any, stream: Any = None,
+                 config: GemvConfig | None = None) -> None:
+        """out[i] = silu(gate_i . x) * (up_i . x) with ``gate_up`` = [gate; up] (``GpuWeight.concat``)."""
+        if gate_up.out_dim % 2:
+            raise ShapeError(f"gate_up must hold 2 * ffn rows, got {gate_up.out_dim}")
+        ffn = gate_up.out_dim // 2
+        cfg = config or gemv_config(ffn, self.sm_count)
+        rows = max(2, cfg.rows - cfg.rows % 2)
+        kern = self.kernel("gemv", wtype=gate_up.wtype, in_dim=gate_up.in_dim, rows=rows, warps=cfg.warps, glu=True)
+        values = {"w": gate_up.ptr, "x": self._addr(x, gate_up.in_dim, "x"),
+                  "y": self._addr(out, ffn, "out", align=4), "out_dim": ffn}
+        self._launch(kern, -(-ffn // kern.meta["rows_per_cta"]), values, stream)
+
+    def gemm(self, weight: GpuWeight, x: Any, out: Any, n_tokens: int, bias: Any = None, residual: Any = None,
+             stream: Any = None, tokens_per_cta: int = 4, glu: bool = False, config: GemvConfig | None = None) -> None:
+        """Prefill: out[t] = W x[t] (+ bias) (+ residual[t]) for t < n_tokens (x: [n_tokens, in_dim],
+        out: [n_tokens, out_dim] row-major). With ``glu`` the weight is [gate; up]."""
+        n_tokens = self._count("n_tokens", n_tokens)
+        tokens_per_cta = self._count("tokens_per_cta", tokens_per_cta)
+        if tokens_per_cta > 8 or (glu and tokens_per_cta > 4):
+            raise ShapeError(f"tokens_per_cta must be 1..8 (1..4 with glu), got {tokens_per_cta}")
+        out_dim = weight.out_dim // 2 if glu else weight.out_dim
+        cfg = config or GemvConfig(2 if glu or tokens_per_cta <= 4 else 1, 4)
+        kern = self.kernel("gemm", wtype=weight.wtype, in_dim=weight.in_dim, rows=cfg.rows, warps=cfg.warps,
+                           tokens=tokens_per_cta, bias=bias is not None, residual=residual is not None, glu=glu)
+        values = {"w": weight.ptr, "x": self._addr(x, n_tokens * weight.in_dim, "x"),
+                  "y": self._addr(out, n_tokens * out_dim, "out", align=4)}
+        if bias is not None:
+            values["bias"] = self._addr(bias, out_dim, "bias", align=4)
+        if residual is not None:
+            values["residual"] = self._addr(residual, n_tokens * out_dim, "residual", align=4)
+        values["out_dim"] = out_dim
+        values["n_tokens"] = n_tokens
+        grid = (-(-out_dim // kern.meta["rows_per_cta"]), -(-n_tokens // tokens_per_cta))
+        self._launch(kern, grid, values, stream)
+
+    # ---- norms and elementwise -----------------------------------------------------------------------
+    def rmsnorm(self, x: Any, weight: Any, out: Any, eps: float, hidden: int | None = None, rows: int = 1,
+                residual: Any = None, stream: Any = None) -> None:
+        """out = rmsnorm(h) * weight per row, h = x, or h = residual + x stored back to ``residual``."""
+        rows = self._count("rows", rows)
+        if hidden is None:
+            buf = weight[0] if isinstance(weight, tuple) else weight
+            hidden = buf.count - (weight[1] if isinstance(weight, tuple) else 0)
+        hidden = self._count("hidden", hidden)
+        if hidden % 4 or hidden > MAX_HIDDEN:
+            raise ShapeError(f"hidden must be a multiple of 4 up to {MAX_HIDDEN}, got {hidden}")
+        kern = self.kernel("rmsnorm", hidden=hidden, block=default_block(hidden), residual=residual is not None)
+        values = {"x": self._addr(x, rows * hidden, "x"), "weight": self._addr(weight, hidden, "weight"),
+                  "y": self._addr(out, rows * hidden, "out")}
+        if residual is not None:
+            values["residual"] = self._addr(residual, rows * hidden, "residual")
+        values["eps"] = float(eps)
+        self._launch(kern, rows, values, stream)
+
+    def rope(self, q: Any, k: Any, inv_freq: Any, pos: Any, n_q: int, n_kv: int, head_dim: int,
+             rot_dim: int | None = None, neox: bool = False, n_tokens: int = 1, stream: Any = None) -> None:
+        """Rotate Q [n_tokens, n_q, head_dim] and K [n_tokens, n_kv, head_dim] in place; ``pos`` is the
+        first token's position (int: token t at pos + t) or a u32 buffer of one position per token."""
+        n_q, n_kv, head_dim = self._count("n_q", n_q), self._count("n_kv", n_kv), self._count("head_dim", head_dim)
+        n_tokens = self._count("n_tokens", n_tokens)
+        rot_dim = head_dim if rot_dim is None else self._count("rot_dim", rot_dim)
+        from_buf = _is_buffer(pos)
+        kern = self.kernel("rope", head_dim=head_dim, rot_dim=rot_dim, neox=bool(neox), pos_from_buffer=from_buf)
+        values = {"q": self._addr(q, n_tokens * n_q * head_dim, "q", align=8),
+                  "k": self._addr(k, n_tokens * n_kv * head_dim, "k", align=8),
+                  "inv_freq": self._addr(inv_freq, rot_dim // 2, "inv_freq", align=4)}
+        if from_buf:
+            values["positions"] = self._addr(pos, n_tokens, "pos", np.uint32, align=4)
+        else:
+            values["pos"] = self._count("pos", pos, lo=0)
+        values["n_q"], values["n_kv"] = n_q, n_kv
+        grid = (-(-(n_q + n_kv) * (rot_dim // 2) // kern.meta["block"]), n_tokens)
+        self._launch(kern, grid, values, stream)
+
+    def _elementwise(self, name: str, values: dict, n: int, stream) -> None:
+        vec = 4 if all(v % 16 == 0 for k_, v in values.items() if k_ != "n") else 1
+        kern = self.kernel(name, vec=vec)
+        self._launch(kern, max(1, -(-n // (kern.meta["block"] * vec))), values, stream)
+
+    def swiglu(self, gate: Any, up: Any, out: Any, n: int, stream: Any = None) -> None:
+        """out = silu(gate) * up over n elements (out may alias gate or up)."""
+        n = self._count("n", n)
+        self._elementwise("swiglu", {"gate": self._addr(gate, n, "gate", align=4), "up": self._addr(up, n, "up", align=4),
+                                     "out": self._addr(out, n, "out", align=4), "n": n}, n, stream)
+
+    def residual_add(self, a: Any, b: Any, out: Any, n: int, stream: Any = None) -> None:
+        """out = a + b over n elements (out may alias a or b)."""
+        n = self._count("n", n)
+        self._elementwise("residual_add", {"a": self._addr(a, n, "a", align=4), "b": self._addr(b, n, "b", align=4),
+                                           "out": self._addr(out, n, "out", align=4), "n": n}, n, stream)
+
+    def bias_add(self, y: Any, bias: Any, n_cols: int, n_tokens: int = 1, stream: Any = None) -> None:
+        """y[t, :] += bias for t < n_tokens."""
+        n_cols, n_tokens = self._count("n_cols", n_cols), self._count("n_tokens", n_tokens)
+        kern = self.kernel("bias_add")
+        values = {"y": self._addr(y, n_cols * n_tokens, "y", align=4), "bias": self._addr(bias, n_cols, "bias", align=4),
+                  "n_cols": n_cols}
+        self._launch(kern, (-(-n_cols // kern.meta["block"]), n_tokens), values, stream)
+
+    # ---- embedding and argmax ------------------------------------------------------------------------
+    def embedding(self, table: GpuWeight, tokens: Any, out: Any, n_tokens: int = 1, stream: Any = None) -> None:
+        """out[t] = dequantized row tokens[t] of ``table`` (u32 ids in a device buffer; ids past the
+        vocabulary are clamped to the last row)."""
+        n_tokens = self._count("n_tokens", n_tokens)
+        warps = 4 if table.in_dim >= 1024 else 2
+        kern = self.kernel("embedding", wtype=table.wtype, hidden=table.in_dim, warps=warps)
+        values = {"table": table.ptr, "tokens": self._addr(tokens, n_tokens, "tokens", np.uint32, align=4),
+                  "out": self._addr(out, n_tokens * table.in_dim, "out"), "vocab": table.out_dim}
+        self._launch(kern, n_tokens, values, stream)
+
+    def argmax(self, x: Any, out: Any, n: int | None = None, stream: Any = None) -> None:
+        """out[0] (u32) = argmax of x[0:n] (ties: lowest index; NaN counts as the maximum)."""
+        if n is None:
+            buf = x[0] if isinstance(x, tuple) else x
+            n = buf.count - (x[1] if isinstance(x, tuple) else 0)
+        n = self._count("n", n)
+        if n >= 1 << 31:
+            raise ShapeError(f"argmax handles fewer than 2**31 elements, got {n}")
+        part = self.kernel("argmax_partial", block=256)
+        final = self.kernel("argmax_final", block=1024)
+        p = int(min(_ARGMAX_PARTIALS, max(1, 2 * self.sm_count), -(-n // 256)))
+        self._launch(part, p, {"x": self._addr(x, n, "x", align=4), "partials": self._argmax_scratch, "n": n}, stream)
+        self._launch(final, 1, {"partials": self._argmax_scratch, "out": self._addr(out, 1, "out", np.uint32, align=4),
+                                "n_partials": p}, stream)

@@ -1,0 +1,295 @@
+"""GPU tests of the transformer-layer kernels through :class:`realizar.layers.LayerOps`: each kernel
+against its float64 oracle with fresh random weights/activations (hypothesis), outputs NaN-poisoned
+before every launch so an unwritten element fails. Quantized GEMV: relative error <= 1e-4 against the
+float64 dot product of the dequantized weights; argmax exact including ties."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ptx_gen.kernels.quant_layout import DENSE, K_QUANTS, WEIGHT_TYPES
+from realizar import cuda
+from realizar.layers import GemvConfig, GpuWeight, LayerOps, inv_freq_table
+from tests.layer_oracles import dequant, random_weight, rmsnorm_oracle, silu
+
+pytestmark = pytest.mark.gpu
+
+REL = 1e-4  # quantized GEMV: |y - y64| <= REL * max|y64| (and per row vs sum |w x|)
+
+
+@pytest.fixture(scope="module")
+def ops(device):
+    return LayerOps(device)
+
+
+def _block(wtype: str) -> int:
+    return 256 if wtype in K_QUANTS else (8 if wtype in DENSE else 32)
+
+
+def _buf(a: np.ndarray) -> cuda.GpuBuffer:
+    return cuda.GpuBuffer.from_numpy(np.ascontiguousarray(a))
+
+
+def _poisoned(n: int, dtype=np.float32) -> cuda.GpuBuffer:
+    b = cuda.GpuBuffer(n, dtype)
+    b.poison()
+    return b
+
+
+def _check_gemv(y, ref, scale, what):
+    assert np.isfinite(y).all(), f"{what}: non-finite (unwritten?) outputs at {np.argwhere(~np.isfinite(y))[:5].tolist()}"
+    err = np.abs(y.astype(np.float64) - ref)
+    assert err.max() <= REL * max(np.abs(ref).max(), 1e-30), f"{what}: max error {err.max():.3e} vs max|ref| {np.abs(ref).max():.3e}"
+    assert (err / scale).max() <= REL, f"{what}: row-relative error {(err / scale).max():.3e}"
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), wtype=st.sampled_from(WEIGHT_TYPES), out_dim=st.integers(1, 700),
+       cfg=st.sampled_from([None, GemvConfig(1, 4), GemvConfig(2, 2), GemvConfig(4, 4), GemvConfig(3, 8)]),
+       bias=st.booleans(), residual=st.sampled_from([None, "separate", "in_place"]), seed=st.integers(0, 2**32 - 1))
+def test_gemv_matches_float64_oracle(ops, data, wtype, out_dim, cfg, bias, residual, seed):
+    bs = _block(wtype)
+    in_dim = data.draw(st.integers(1, 6144 // bs).map(lambda n: n * bs), label="in_dim")
+    rng = np.random.default_rng(seed)
+    raw = random_weight(rng, wtype, out_dim, in_dim)
+    x = rng.standard_normal(in_dim).astype(np.float32)
+    b = rng.standard_normal(out_dim).astype(np.float32) if bias else None
+    r = rng.standard_normal(out_dim).astype(np.float32) if residual else None
+    w = GpuWeight(data=raw, ggml_type=wtype, shape=(out_dim, in_dim))
+    dx = _buf(x)
+    dy = _poisoned(out_dim) if residual != "in_place" else _buf(r)
+    db = _buf(b) if bias else None
+    dr = dy if residual == "in_place" else (_buf(r) if residual else None)
+    ops.gemv(w, dx, dy, bias=db, residual=dr, config=cfg)
+    y = dy.to_numpy()
+    wd = dequant(raw, wtype, out_dim, in_dim).astype(np.float64)
+    ref = wd @ x.astype(np.float64) + (b if bias else 0) + (r if residual else 0)
+    scale = np.abs(wd) @ np.abs(x.astype(np.float64)) + (np.abs(b) if bias else 0) + (np.abs(r) if residual else 0)
+    _check_gemv(y, ref, scale, f"{wtype} {out_dim}x{in_dim} {cfg}")
+
+
+@pytest.mark.parametrize("wtype", WEIGHT_TYPES)
+@pytest.mark.parametrize("out_dim,in_dim", [(576, 576), (1536, 576), (576, 1536), (4096, 4096), (1024, 14336)])
+def test_gemv_real_shapes(ops, wtype, out_dim, in_dim):
+    if in_dim % _block(wtype):
+        pytest.skip(f"{wtype} cannot hold rows of {in_dim}")
+    rng = np.random.default_rng(out_dim * 7 + in_dim)
+    raw = random_weight(rng, wtype, out_dim, in_dim)
+    x = rng.standard_normal(in_dim).astype(np.float32)
+    w = GpuWeight(data=raw, ggml_type=wtype, shape=(out_dim, in_dim))
+    dy = _poisoned(out_dim)
+    ops.gemv(w, _buf(x), dy)
+    wd = dequant(raw, wtype, out_dim, in_dim).astype(np.float64)
+    _check_gemv(dy.to_numpy(), wd @ x, np.abs(wd) @ np.abs(x), f"{wtype} {out_dim}x{in_dim}")
+
+
+@settings(max_examples=25, deadline=None)
+@given(wtype=st.sampled_from(WEIGHT_TYPES), ffn=st.integers(1, 300), mult=st.integers(1, 6), seed=st.integers(0, 2**32 - 1))
+def test_gemv_glu_matches_oracle(ops, wtype, ffn, mult, seed):
+    rng = np.random.default_rng(seed)
+    in_dim = mult * (256 if wtype in K_QUANTS else 96)
+    raw = random_weight(rng, wtype, 2 * ffn, in_dim)
+    x = rng.standard_normal(in_dim).astype(np.float32)
+    w = GpuWeight(data=raw, ggml_type=wtype, shape=(2 * ffn, in_dim))
+    dy = _poisoned(ffn)
+    ops.gemv_glu(w, _buf(x), dy)
+    wd = dequant(raw, wtype, 2 * ffn, in_dim).astype(np.float64)
+    g, u = wd[:ffn] @ x, wd[ffn:] @ x
+    sg, su = np.abs(wd[:ffn]) @ np.abs(x), np.abs(wd[ffn:]) @ np.abs(x)
+    ref = silu(g) * u
+    y = dy.to_numpy()
+    assert np.isfinite(y).all()
+    assert (np.abs(y - ref) / ((np.abs(g) + sg) * (np.abs(u) + su))).max() <= REL
+
+
+@settings(max_examples=25, deadline=None)
+@given(wtype=st.sampled_from(WEIGHT_TYPES), out_dim=st.integers(1, 300), n_tok=st.integers(1, 40),
+       tokens=st.sampled_from([1, 2, 3, 4, 8]), bias=st.booleans(), residual=st.booleans(), glu=st.booleans(),
+       seed=st.integers(0, 2**32 - 1))
+def test_gemm_matches_oracle(ops, wtype, out_dim, n_tok, tokens, bias, residual, glu, seed):
+    if glu:
+        bias = residual = False
+        tokens = min(tokens, 4)
+    rng = np.random.default_rng(seed)
+    in_dim = 512 if wtype in K_QUANTS else 544
+    wrows = 2 * out_dim if glu else out_dim
+    raw = random_weight(rng, wtype, wrows, in_dim)
+    X = rng.standard_normal((n_tok, in_dim)).astype(np.float32)
+    b = rng.standard_normal(out_dim).astype(np.float32) if bias else None
+    R = rng.standard_normal((n_tok, out_dim)).astype(np.float32) if residual else None
+    w = GpuWeight(data=raw, ggml_type=wtype, shape=(wrows, in_dim))
+    dy = _poisoned(n_tok * out_dim)
+    ops.gemm(w, _buf(X), dy, n_tok, bias=_buf(b) if bias else None, residual=_buf(R) if residual else None,
+             tokens_per_cta=tokens, glu=glu)
+    Y = dy.to_numpy((n_tok, out_dim))
+    wd = dequant(raw, wtype, wrows, in_dim).astype(np.float64)
+    full = X.astype(np.float64) @ wd.T
+    if glu:
+        ref = silu(full[:, :out_dim]) * full[:, out_dim:]
+    else:
+        ref = full + (b if bias else 0) + (R if residual else 0)
+    assert np.isfinite(Y).all()
+    assert np.abs(Y - ref).max() <= REL * np.abs(ref).max()
+
+
+@settings(max_examples=25, deadline=None)
+@given(hidden=st.sampled_from([64, 576, 896, 2048, 4096, 4100, 8192, 16384]), rows=st.integers(1, 5),
+       residual=st.booleans(), eps=st.sampled_from([1e-5, 1e-6]), seed=st.integers(0, 2**32 - 1))
+def test_rmsnorm(ops, hidden, rows, residual, eps, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, hidden)).astype(np.float32)
+    w = rng.standard_normal(hidden).astype(np.float32)
+    r = rng.standard_normal((rows, hidden)).astype(np.float32)
+    dy, dr = _poisoned(rows * hidden), _buf(r)
+    ops.rmsnorm(_buf(x), _buf(w), dy, eps, hidden=hidden, rows=rows, residual=dr if residual else None)
+    ref, h = rmsnorm_oracle(x, w, eps, r if residual else None)
+    y = dy.to_numpy((rows, hidden))
+    assert np.isfinite(y).all()
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    if residual:
+        np.testing.assert_array_equal(dr.to_numpy((rows, hidden)), r + x)
+
+
+@settings(max_examples=30, deadline=None)
+@given(head_dim=st.sampled_from([64, 80, 96, 128, 256]), partial=st.booleans(), neox=st.booleans(),
+       from_buffer=st.booleans(), nq=st.integers(1, 40), nkv=st.integers(1, 8), n_tok=st.integers(1, 5),
+       theta=st.sampled_from([10000.0, 500000.0, 1e6]), seed=st.integers(0, 2**32 - 1))
+def test_rope(ops, head_dim, partial, neox, from_buffer, nq, nkv, n_tok, theta, seed):
+    rng = np.random.default_rng(seed)
+    rot = head_dim // 2 if partial else head_dim
+    q = rng.standard_normal((n_tok, nq, head_dim)).astype(np.float32)
+    k = rng.standard_normal((n_tok, nkv, head_dim)).astype(np.float32)
+    inv = inv_freq_table(rot, theta)
+    if from_buffer:
+        positions = rng.integers(0, 131072, n_tok).astype(np.uint32)
+        pos_arg = _buf(positions)
+    else:
+        start = int(rng.integers(0, 131072))
+        positions = start + np.arange(n_tok)
+        pos_arg = start
+    dq, dk = _buf(q), _buf(k)
+    ops.rope(dq, dk, _buf(inv), pos_arg, nq, nkv, head_dim, rot_dim=rot, neox=neox, n_tokens=n_tok)
+    for name, src, got in (("q", q, dq.to_numpy(q.shape)), ("k", k, dk.to_numpy(k.shape))):
+        for t in range(n_tok):
+            ang = (np.float32(positions[t]) * inv).astype(np.float64)  # the f32 angle of a float32 reference
+            c, s = np.cos(ang), np.sin(ang)
+            v = src[t].astype(np.float64)
+            ref = v.copy()
+            h = rot // 2
+            if neox:
+                a, b = v[:, :h], v[:, h:rot]
+                ref[:, :h], ref[:, h:rot] = a * c - b * s, a * s + b * c
+            else:
+                a, b = v[:, 0:rot:2], v[:, 1:rot:2]
+                ref[:, 0:rot:2], ref[:, 1:rot:2] = a * c - b * s, a * s + b * c
+            # sin/cos.approx after an exact-enough range reduction: ~5e-7 absolute
+            np.testing.assert_allclose(got[t], ref, atol=4e-6 * np.abs(v).max(), err_msg=f"{name}[{t}]")
+
+
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(1, 300_000), seed=st.integers(0, 2**32 - 1))
+def test_swiglu_residual_bias(ops, n, seed):
+    rng = np.random.default_rng(seed)
+    g = (rng.standard_normal(n) * 4).astype(np.float32)
+    u = rng.standard_normal(n).astype(np.float32)
+    dg, du, do = _buf(g), _buf(u), _poisoned(n)
+    ops.swiglu(dg, du, do, n)
+    np.testing.assert_allclose(do.to_numpy(), silu(g) * u, rtol=2e-6, atol=1e-6)
+    ops.residual_add(dg, du, dg, n)
+    np.testing.assert_array_equal(dg.to_numpy(), g + u)
+    cols = max(1, n // 7)
+    tok = n // cols
+    y = rng.standard_normal((tok, cols)).astype(np.float32)
+    b = rng.standard_normal(cols).astype(np.float32)
+    dy = _buf(y)
+    ops.bias_add(dy, _buf(b), cols, tok)
+    np.testing.assert_array_equal(dy.to_numpy((tok, cols)), y + b)
+
+
+@settings(max_examples=30, deadline=None)
+@given(wtype=st.sampled_from(WEIGHT_TYPES), mult=st.integers(1, 24), vocab=st.integers(1, 50), n_tok=st.integers(1, 6),
+       seed=st.integers(0, 2**32 - 1))
+def test_embedding(ops, wtype, mult, vocab, n_tok, seed):
+    rng = np.random.default_rng(seed)
+    hidden = mult * (256 if wtype in K_QUANTS else 64)
+    raw = random_weight(rng, wtype, vocab, hidden)
+    toks = rng.integers(0, vocab, n_tok).astype(np.uint32)
+    table = GpuWeight(data=raw, ggml_type=wtype, shape=(vocab, hidden))
+    do = _poisoned(n_tok * hidden)
+    ops.embedding(table, _buf(toks), do, n_tok)
+    ref = dequant(raw, wtype, vocab, hidden)[toks]
+    out = do.to_numpy((n_tok, hidden))
+    np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-6 * max(np.abs(ref).max(), 1e-30))
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 262_144), mode=st.sampled_from(["plain", "ties", "nan", "zeros", "const", "inf"]),
+       seed=st.integers(0, 2**32 - 1))
+def test_argmax_exact(ops, n, mode, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(n).astype(np.float32)
+    idx = rng.integers(0, n, 4)
+    if mode == "ties":
+        x[idx] = x.max() + 1
+    elif mode == "nan":
+        x[idx[:2]] = np.nan
+    elif mode == "zeros":
+        x[:] = -1.0
+        x[idx[0]], x[idx[1]] = -0.0, 0.0
+    elif mode == "const":
+        x[:] = 3.0
+    elif mode == "inf":
+        x[idx] = -np.inf
+        x[idx[0]] = np.inf
+    out = cuda.GpuBuffer(1, np.uint32)
+    out.fill_bytes(0xFF)
+    ops.argmax(_buf(x), out, n)
+    assert int(out.to_numpy()[0]) == int(np.argmax(x))
+
+
+def test_decode_step_ops_capture_into_a_graph(ops, device):
+    """The calls a decode step makes are graph-safe: capture once, replay with new device-side token
+    and position, results match eager execution."""
+    rng = np.random.default_rng(3)
+    hidden, vocab, nq, nkv, hd = 256, 300, 4, 2, 64
+    emb = GpuWeight(data=random_weight(rng, "Q8_0", vocab, hidden), ggml_type="Q8_0", shape=(vocab, hidden))
+    wq = GpuWeight(data=random_weight(rng, "Q4_K", (nq + 2 * nkv) * hd, hidden), ggml_type="Q4_K",
+                   shape=((nq + 2 * nkv) * hd, hidden))
+    norm = _buf(rng.standard_normal(hidden).astype(np.float32))
+    inv = _buf(inv_freq_table(hd, 10000.0))
+    tok, pos = cuda.GpuBuffer(1, np.uint32), cuda.GpuBuffer(1, np.uint32)
+    h, xn = cuda.GpuBuffer(hidden), cuda.GpuBuffer(hidden)
+    qkv, best = cuda.GpuBuffer((nq + 2 * nkv) * hd), cuda.GpuBuffer(1, np.uint32)
+    stream = cuda.Stream()
+
+    def step():
+        ops.embedding(emb, tok, h, stream=stream)
+        ops.rmsnorm(h, norm, xn, 1e-5, stream=stream)
+        ops.gemv(wq, xn, qkv, stream=stream)
+        ops.rope((qkv, 0), (qkv, nq * hd), inv, pos, nq, nkv, hd, stream=stream)
+        ops.argmax(qkv, best, stream=stream)
+
+    def run_eager(t, p):
+        tok.copy_from_host(np.array([t], np.uint32))
+        pos.copy_from_host(np.array([p], np.uint32))
+        step()
+        stream.synchronize()
+        return qkv.to_numpy().copy(), int(best.to_numpy()[0])
+
+    eager = [run_eager(t, p) for t, p in ((5, 0), (77, 13))]
+    tok.copy_from_host(np.array([5], np.uint32))
+    pos.copy_from_host(np.array([0], np.uint32))
+    stream.synchronize()
+    with cuda.capture(stream) as cap:
+        step()
+    exe = cap.graph.instantiate()
+    for (t, p), (ref_qkv, ref_best) in zip(((5, 0), (77, 13)), eager):
+        tok.copy_from_host(np.array([t], np.uint32))
+        pos.copy_from_host(np.array([p], np.uint32))
+        exe.replay(stream)
+        stream.synchronize()
+        np.testing.assert_array_equal(qkv.to_numpy(), ref_qkv)
+        assert int(best.to_numpy()[0]) == ref_best

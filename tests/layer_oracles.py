@@ -1,0 +1,91 @@
+"""Random GGUF weights and float64 oracles for the transformer-layer kernels (CPU and GPU tests,
+the emulator checks and the GEMV benchmark share them)."""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+
+from realizar.models.quants import LAYOUTS, dequantize
+
+# f16 fields of each block that must hold finite numbers (name -> offset)
+_F16_FIELDS = {
+    "Q8_0": ("d",), "Q4_0": ("d",), "Q4_1": ("d", "m"), "Q5_0": ("d",), "Q5_1": ("d", "m"),
+    "Q4_K": ("d", "dmin"), "Q5_K": ("d", "dmin"), "Q6_K": ("d",),
+}
+
+
+def random_weight(rng: np.random.Generator, wtype: str, out_dim: int, in_dim: int, scale: float = 1.0) -> np.ndarray:
+    """Raw GGUF bytes (uint8) of an ``out_dim x in_dim`` tensor of type ``wtype`` with random codes and
+    finite random scales: any byte pattern is a valid block once its f16 fields are finite."""
+    lay = LAYOUTS[T[wtype]]
+    if wtype == "F32":
+        return (rng.standard_normal((out_dim, in_dim)) * scale).astype(np.float32).reshape(-1).view(np.uint8)
+    if wtype == "F16":
+        return (rng.standard_normal((out_dim, in_dim)) * scale).astype(np.float16).reshape(-1).view(np.uint8)
+    if wtype == "BF16":
+        f = (rng.standard_normal((out_dim, in_dim)) * scale).astype(np.float32)
+        return (f.view(np.uint32) >> 16).astype(np.uint16).reshape(-1).view(np.uint8)
+    nb = out_dim * in_dim // lay.block_size
+    raw = rng.integers(0, 256, size=(nb, lay.type_size), dtype=np.uint8)
+    for name in _F16_FIELDS[wtype]:
+        off = lay.offset(name)
+        mag = scale / (64.0 if wtype in ("Q4_K", "Q5_K", "Q6_K") else 16.0)
+        vals = (rng.uniform(0.25, 1.0, nb) * mag * rng.choice([-1.0, 1.0], nb)).astype(np.float16)
+        raw[:, off:off + 2] = vals.view(np.uint8).reshape(nb, 2)
+    return raw.reshape(-1)
+
+
+def dequant(raw: np.ndarray, wtype: str, out_dim: int, in_dim: int) -> np.ndarray:
+    return dequantize(raw, T[wtype], (out_dim, in_dim))
+
+
+def gemv_oracle(raw, wtype, out_dim, in_dim, x, bias=None, residual=None) -> np.ndarray:
+    """float64 y = W x (+ bias) (+ residual) with W the dequantized weights."""
+    w = dequant(raw, wtype, out_dim, in_dim).astype(np.float64)
+    y = w @ np.asarray(x, np.float64)
+    if bias is not None:
+        y = y + bias
+    if residual is not None:
+        y = y + residual
+    return y
+
+
+def gemv_tolerance(raw, wtype, out_dim, in_dim, x) -> np.ndarray:
+    """Per-row scale for the relative error: sum_k |W[r,k] x[k]| (the size of what is summed)."""
+    w = dequant(raw, wtype, out_dim, in_dim).astype(np.float64)
+    return np.abs(w) @ np.abs(np.asarray(x, np.float64))
+
+
+def rmsnorm_oracle(x, weight, eps, residual=None):
+    x = np.asarray(x, np.float64)
+    if residual is not None:
+        x = x + residual
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight, x
+
+
+def rope_oracle(v: np.ndarray, pos: int, theta: float, neox: bool, rot_dim: int | None = None) -> np.ndarray:
+    """RoPE of ``v`` [heads, head_dim] at position ``pos``: interleaved pairs (2i, 2i+1) (llama GGUF)
+    or NeoX halves (i, i + d/2); frequency i uses theta ** (-2i / d)."""
+    v = np.asarray(v, np.float64)
+    heads, d = v.shape
+    rd = rot_dim or d
+    half = rd // 2
+    inv = theta ** (-np.arange(half, dtype=np.float64) * 2.0 / rd)
+    ang = pos * inv
+    cos, sin = np.cos(ang), np.sin(ang)
+    out = v.copy()
+    if neox:
+        a, b = v[:, :half], v[:, half:rd]
+        out[:, :half] = a * cos - b * sin
+        out[:, half:rd] = a * sin + b * cos
+    else:
+        a, b = v[:, 0:rd:2], v[:, 1:rd:2]
+        out[:, 0:rd:2] = a * cos - b * sin
+        out[:, 1:rd:2] = a * sin + b * cos
+    return out
+
+
+def silu(g):
+    g = np.asarray(g, np.float64)
+    return g / (1.0 + np.exp(-g))

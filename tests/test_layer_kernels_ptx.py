@@ -1,0 +1,379 @@
+"""CPU tests of the transformer-layer kernels: every kernel assembles with ptxas for sm_80 and sm_90
+over hypothesis-drawn shapes, the GEMV family does not spill at real shapes, bad shapes are rejected
+with a clear error, and (through the PTX emulator ``tests/ptx_simt.py``) every kernel matches its
+float64 oracle on small shapes, with memcheck/racecheck-style checks on every access."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ptx_gen import catalog
+from ptx_gen.kernels import gemv as gv
+from ptx_gen.kernels.quant_layout import DENSE, K_QUANTS, WEIGHT_TYPES, type_info
+from ptx_gen.kernels.rmsnorm import default_block
+from ptx_gen.kernels.rope import inv_freq_table
+from ptx_gen.ptxas import PtxasNotFound, assemble, find_ptxas
+from realizar.layers import gemv_config
+from tests.layer_oracles import dequant, random_weight, rmsnorm_oracle, silu
+from tests.ptx_simt import Memory, run as simt_run
+
+try:
+    find_ptxas()
+    HAVE_PTXAS = True
+except PtxasNotFound:
+    HAVE_PTXAS = False
+needs_ptxas = pytest.mark.skipif(not HAVE_PTXAS, reason="ptxas not installed (pip install nvidia-cuda-nvcc)")
+TARGETS = ("sm_80", "sm_90")
+
+
+def _in_dims(wtype: str):
+    bs = 256 if wtype in K_QUANTS else (8 if wtype in DENSE else 32)
+    return st.integers(1, 64).map(lambda n: n * bs)
+
+
+def _assemble_all(name: str, **shape) -> None:
+    for tgt in TARGETS:
+        k = catalog.emit(name, target=tgt, **shape)
+        (rep,) = assemble(k.ptx, tgt)
+        assert rep.entry == k.entry
+        assert not rep.spills, f"{name} {shape} spills on {tgt}: {rep.log}"
+
+
+# ---------------------------------------------------------------------------------------------
+# ptxas over drawn shapes
+
+
+@needs_ptxas
+@settings(max_examples=25, deadline=None)
+@given(data=st.data(), wtype=st.sampled_from(WEIGHT_TYPES), rows=st.sampled_from([1, 2, 3, 4]),
+       warps=st.sampled_from([1, 2, 4, 8]), bias=st.booleans(), residual=st.booleans())
+def test_gemv_assembles(data, wtype, rows, warps, bias, residual):
+    in_dim = data.draw(_in_dims(wtype))
+    p = gv.plan(wtype, in_dim)
+    if (p["stage"] + p["table"]) * rows * warps > gv.MAX_STATIC_SMEM:
+        with pytest.raises(ValueError, match="shared memory"):
+            catalog.emit("gemv", wtype=wtype, in_dim=in_dim, rows=rows, warps=warps)
+        return
+    _assemble_all("gemv", wtype=wtype, in_dim=in_dim, rows=rows, warps=warps, bias=bias, residual=residual)
+
+
+@needs_ptxas
+@settings(max_examples=15, deadline=None)
+@given(data=st.data(), wtype=st.sampled_from(WEIGHT_TYPES),
+       rt=st.sampled_from([(1, t) for t in range(1, 9)] + [(2, t) for t in range(1, 5)] + [(4, 1), (4, 2)]),
+       glu=st.booleans())
+def test_gemm_assembles(data, wtype, rt, glu):
+    rows, tokens = rt
+    if glu and rows % 2:
+        rows = 2
+        tokens = min(tokens, 4)
+    in_dim = data.draw(_in_dims(wtype))
+    _assemble_all("gemm", wtype=wtype, in_dim=in_dim, rows=rows, warps=4, tokens=tokens, glu=glu)
+
+
+@needs_ptxas
+@settings(max_examples=12, deadline=None)
+@given(data=st.data(), wtype=st.sampled_from(WEIGHT_TYPES), warps=st.sampled_from([1, 2, 4]))
+def test_embedding_assembles(data, wtype, warps):
+    _assemble_all("embedding", wtype=wtype, hidden=data.draw(_in_dims(wtype)), warps=warps)
+
+
+@needs_ptxas
+@settings(max_examples=12, deadline=None)
+@given(hidden=st.integers(1, 4096).map(lambda n: 4 * n), residual=st.booleans())
+def test_rmsnorm_assembles(hidden, residual):
+    _assemble_all("rmsnorm", hidden=hidden, block=default_block(hidden), residual=residual)
+
+
+@needs_ptxas
+@settings(max_examples=12, deadline=None)
+@given(half=st.integers(1, 128), frac=st.floats(0.1, 1.0), neox=st.booleans(), pb=st.booleans())
+def test_rope_assembles(half, frac, neox, pb):
+    head_dim = 2 * half
+    rot_dim = max(2, int(head_dim * frac) // 2 * 2)
+    _assemble_all("rope", head_dim=head_dim, rot_dim=rot_dim, neox=neox, pos_from_buffer=pb)
+
+
+@needs_ptxas
+@pytest.mark.parametrize("name,shape", [("swiglu", {"vec": 4}), ("swiglu", {"vec": 1}), ("residual_add", {"vec": 4}),
+                                        ("bias_add", {}), ("argmax_partial", {"block": 256}),
+                                        ("argmax_final", {"block": 1024})])
+def test_small_kernels_assemble(name, shape):
+    _assemble_all(name, **shape)
+
+
+@needs_ptxas
+@pytest.mark.parametrize("wtype", WEIGHT_TYPES)
+@pytest.mark.parametrize("in_dim", [4096, 14336])
+def test_gemv_family_no_spills_at_real_shapes(wtype, in_dim):
+    """4096x4096 and 4096x14336 (both directions: in_dim 4096 and 14336), every configuration the
+    dispatcher can pick, the fused gate/up variant and the prefill GEMM."""
+    for rows in (1, 2, 4):
+        _assemble_all("gemv", wtype=wtype, in_dim=in_dim, rows=rows, warps=4)
+    _assemble_all("gemv", wtype=wtype, in_dim=in_dim, rows=4, warps=4, residual=True, bias=True)
+    _assemble_all("gemv", wtype=wtype, in_dim=in_dim, rows=2, warps=4, glu=True)
+    _assemble_all("gemm", wtype=wtype, in_dim=in_dim, rows=2, warps=4, tokens=4)
+
+
+# ---------------------------------------------------------------------------------------------
+# validation
+
+
+@pytest.mark.parametrize("wtype,bad", [("Q8_0", 100), ("Q4_0", 48), ("Q4_K", 576), ("Q6_K", 4000), ("Q5_K", 128),
+                                       ("F16", 12), ("F32", 3)])
+def test_row_length_not_multiple_of_block_rejected(wtype, bad):
+    for name in ("gemv", "embedding"):
+        kw = {"in_dim": bad} if name == "gemv" else {"hidden": bad}
+        with pytest.raises(ValueError, match="multiple"):
+            catalog.emit(name, wtype=wtype, **kw)
+
+
+def test_bad_parameters_rejected():
+    with pytest.raises(ValueError, match="unsupported weight type"):
+        catalog.emit("gemv", wtype="Q2_K", in_dim=256)
+    with pytest.raises(ValueError, match="rows must be"):
+        catalog.emit("gemv", wtype="Q8_0", in_dim=256, rows=5)
+    with pytest.raises(ValueError, match="glu"):
+        catalog.emit("gemv", wtype="Q8_0", in_dim=256, rows=1, glu=True)
+    with pytest.raises(ValueError, match="rows \\* tokens"):
+        catalog.emit("gemm", wtype="Q8_0", in_dim=256, rows=2, tokens=8)
+    with pytest.raises(ValueError, match="hidden"):
+        catalog.emit("rmsnorm", hidden=6)
+    with pytest.raises(ValueError, match="head_dim"):
+        catalog.emit("rope", head_dim=7)
+
+
+def test_gpu_weight_rejects_bad_rows_before_touching_the_gpu():
+    from realizar.errors import ShapeError, UnsupportedError
+    from realizar.layers import GpuWeight
+
+    with pytest.raises(ShapeError, match="not a multiple of the block size 256"):
+        GpuWeight(data=np.zeros(144, np.uint8), ggml_type="Q4_K", shape=(1, 320))
+    with pytest.raises(ShapeError, match="2-D"):
+        GpuWeight(data=np.zeros(34, np.uint8), ggml_type="Q8_0", shape=(32,))
+    with pytest.raises(UnsupportedError):
+        GpuWeight(data=np.zeros(34, np.uint8), ggml_type=10, shape=(1, 256))  # Q2_K
+
+
+def test_plan_invariants():
+    for wt in WEIGHT_TYPES:
+        for d in (256, 512, 576, 1536, 4096, 14336):
+            if d % type_info(wt).block_values or (wt in DENSE and d % 8):
+                continue
+            p = gv.plan(wt, d)
+            assert p["tile_bytes"] % 16 == 0  # per-row s0 is constant over tiles
+            covered = p["n_full_tiles"] * p["rpt"] * 256 + sum(n for _, n in p["tail"])
+            assert covered == d
+            assert p["stage"] >= 16 * max(p["pieces_full"] if p["n_full_tiles"] else 0, p["pieces_tail"])
+    assert gemv_config(4096).rows == 2 and gemv_config(576).rows == 1
+
+
+def test_inv_freq_table():
+    t = inv_freq_table(128, 500000.0)
+    assert t.dtype == np.float32 and t.shape == (64,)
+    np.testing.assert_allclose(t, 500000.0 ** (-np.arange(0, 128, 2) / 128), rtol=1e-7)
+    lin = inv_freq_table(64, 10000.0, {"type": "linear", "factor": 4.0})
+    np.testing.assert_allclose(lin, inv_freq_table(64, 10000.0) / 4, rtol=1e-6)
+    l3 = inv_freq_table(128, 500000.0, {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0, "original_max_position": 8192})
+    assert l3[0] == t[0] and l3[-1] == pytest.approx(t[-1] / 8)
+
+
+# ---------------------------------------------------------------------------------------------
+# emulated runs vs float64 oracles
+
+
+def _pad16(raw: np.ndarray) -> np.ndarray:
+    return np.concatenate([raw, np.zeros((-raw.size) % 16, np.uint8)])
+
+
+def _emulate_gemm(rng, wtype, in_dim, out_dim, n_tok, tokens, rows, warps, bias, residual, glu):
+    wrows = 2 * out_dim if glu else out_dim
+    raw = random_weight(rng, wtype, wrows, in_dim)
+    nt = n_tok if tokens else 1
+    x = rng.standard_normal((nt, in_dim)).astype(np.float32)
+    b = rng.standard_normal(out_dim).astype(np.float32) if bias else None
+    r = rng.standard_normal((nt, out_dim)).astype(np.float32) if residual else None
+    shape = dict(wtype=wtype, in_dim=in_dim, rows=rows, warps=warps, bias=bias, residual=residual, glu=glu)
+    if tokens:
+        shape["tokens"] = tokens
+    k = catalog.emit("gemm" if tokens else "gemv", **shape)
+    mem = Memory()
+    params = dict(w=mem.alloc_array(_pad16(raw)), x=mem.alloc_array(x), y=mem.alloc(4 * out_dim * nt), out_dim=out_dim)
+    if tokens:
+        params["n_tokens"] = nt
+    if bias:
+        params["bias"] = mem.alloc_array(b)
+    if residual:
+        params["residual"] = mem.alloc_array(r)
+    grid = (-(-out_dim // k.meta["rows_per_cta"]), -(-nt // tokens) if tokens else 1)
+    simt_run(k.ptx, grid=grid, block=(k.meta["block"],), params=params, memory=mem)
+    y = mem.read(params["y"], np.float32, out_dim * nt).reshape(nt, out_dim)
+    w = dequant(raw, wtype, wrows, in_dim).astype(np.float64)
+    full = x.astype(np.float64) @ w.T
+    scale = np.abs(x.astype(np.float64)) @ np.abs(w).T
+    if glu:
+        ref = silu(full[:, :out_dim]) * full[:, out_dim:]
+        scale = (np.abs(full[:, :out_dim]) + scale[:, :out_dim]) * (np.abs(full[:, out_dim:]) + scale[:, out_dim:])
+    else:
+        ref = full + (b if bias else 0) + (r if residual else 0)
+        scale = scale + (np.abs(b) if bias else 0) + (np.abs(r) if residual else 0)
+    assert np.isfinite(y).all(), "unwritten (NaN-poisoned) outputs"
+    err = np.abs(y - ref) / scale
+    assert err.max() < 2e-6, f"{shape} n_tok={n_tok}: relative error {err.max():.2e}"
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), wtype=st.sampled_from(WEIGHT_TYPES), out_dim=st.integers(1, 9), rows=st.sampled_from([1, 2, 3, 4]),
+       warps=st.sampled_from([1, 2]), bias=st.booleans(), residual=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_gemv_emulated_matches_oracle(data, wtype, out_dim, rows, warps, bias, residual, seed):
+    bs = 256 if wtype in K_QUANTS else (8 if wtype in DENSE else 32)
+    in_dim = data.draw(st.integers(1, 2560 // bs).map(lambda n: n * bs))
+    _emulate_gemm(np.random.default_rng(seed), wtype, in_dim, out_dim, 1, 0, rows, warps, bias, residual, False)
+
+
+@settings(max_examples=15, deadline=None)
+@given(wtype=st.sampled_from(WEIGHT_TYPES), out_dim=st.integers(1, 6), n_tok=st.integers(1, 9), tokens=st.integers(1, 8),
+       glu=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_gemm_and_glu_emulated_match_oracle(wtype, out_dim, n_tok, tokens, glu, seed):
+    in_dim = 512 if wtype in K_QUANTS else 320
+    rows = 2 if glu or tokens <= 4 else 1
+    tokens = min(tokens, 4) if glu else tokens
+    _emulate_gemm(np.random.default_rng(seed), wtype, in_dim, out_dim, n_tok, tokens, rows, 2, False, not glu, glu)
+
+
+@pytest.mark.parametrize("wtype,in_dim", [("Q4_1", 576), ("Q8_0", 576), ("Q6_K", 1536), ("Q4_K", 4096), ("Q8_0", 4096)])
+def test_gemv_emulated_misaligned_and_multi_tile_rows(wtype, in_dim):
+    """Rows whose byte length is not a multiple of 16 (SmolLM2's 576 in Q4_1/Q8_0, Q6_K at 1536)
+    and rows spanning several tiles of the runtime loop."""
+    _emulate_gemm(np.random.default_rng(7), wtype, in_dim, 5, 1, 0, 2, 2, True, True, False)
+
+
+@settings(max_examples=12, deadline=None)
+@given(wtype=st.sampled_from(WEIGHT_TYPES), mult=st.integers(1, 9), warps=st.sampled_from([1, 2, 4]),
+       seed=st.integers(0, 2**32 - 1))
+def test_embedding_emulated_matches_dequantize(wtype, mult, warps, seed):
+    rng = np.random.default_rng(seed)
+    hidden = mult * (256 if wtype in K_QUANTS else 64)
+    vocab = 5
+    raw = random_weight(rng, wtype, vocab, hidden)
+    toks = np.array([4, 0, 2, 1000], np.uint32)
+    mem = Memory()
+    p = dict(table=mem.alloc_array(_pad16(raw)), tokens=mem.alloc_array(toks), out=mem.alloc(4 * hidden * 4), vocab=vocab)
+    k = catalog.emit("embedding", wtype=wtype, hidden=hidden, warps=warps)
+    simt_run(k.ptx, grid=(4,), block=(k.meta["block"],), params=p, memory=mem)
+    out = mem.read(p["out"], np.float32, 4 * hidden).reshape(4, hidden)
+    ref = dequant(raw, wtype, vocab, hidden)[np.minimum(toks, vocab - 1)]
+    np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
+
+
+@settings(max_examples=10, deadline=None)
+@given(hidden=st.sampled_from([64, 576, 896, 4100, 16384]), rows=st.integers(1, 3), residual=st.booleans(),
+       seed=st.integers(0, 2**32 - 1))
+def test_rmsnorm_emulated(hidden, rows, residual, seed):
+    rng = np.random.default_rng(seed)
+    blk = default_block(hidden)
+    k = catalog.emit("rmsnorm", hidden=hidden, block=blk, residual=residual)
+    x = rng.standard_normal((rows, hidden)).astype(np.float32)
+    w = rng.standard_normal(hidden).astype(np.float32)
+    r = rng.standard_normal((rows, hidden)).astype(np.float32)
+    mem = Memory()
+    p = dict(x=mem.alloc_array(x), weight=mem.alloc_array(w), y=mem.alloc(x.nbytes), eps=1e-5)
+    if residual:
+        p["residual"] = mem.alloc_array(r)
+    simt_run(k.ptx, grid=(rows,), block=(blk,), params=p, memory=mem)
+    y = mem.read(p["y"], np.float32, x.size).reshape(x.shape)
+    ref, h = rmsnorm_oracle(x, w, 1e-5, r if residual else None)
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    if residual:
+        np.testing.assert_array_equal(mem.read(p["residual"], np.float32, x.size).reshape(x.shape), r + x)
+
+
+@settings(max_examples=10, deadline=None)
+@given(head_dim=st.sampled_from([64, 80, 96, 128, 256]), partial=st.booleans(), neox=st.booleans(), pb=st.booleans(),
+       nq=st.integers(1, 5), nkv=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
+def test_rope_emulated(head_dim, partial, neox, pb, nq, nkv, seed):
+    rng = np.random.default_rng(seed)
+    rot = head_dim // 2 if partial else head_dim
+    T = 3
+    q = rng.standard_normal((T, nq, head_dim)).astype(np.float32)
+    kk = rng.standard_normal((T, nkv, head_dim)).astype(np.float32)
+    inv = inv_freq_table(rot, 10000.0)
+    positions = rng.integers(0, 200000, T).astype(np.uint32)
+    k = catalog.emit("rope", head_dim=head_dim, rot_dim=rot, neox=neox, pos_from_buffer=pb)
+    mem = Memory()
+    p = dict(q=mem.alloc_array(q), k=mem.alloc_array(kk), inv_freq=mem.alloc_array(inv), n_q=nq, n_kv=nkv)
+    if pb:
+        p["positions"] = mem.alloc_array(positions)
+        pos = positions
+    else:
+        p["pos"] = int(positions[0])
+        pos = positions[0] + np.arange(T)
+    simt_run(k.ptx, grid=(-(-(nq + nkv) * (rot // 2) // 128), T), block=(128,), params=p, memory=mem)
+    for name, v in (("q", q), ("k", kk)):
+        got = mem.read(p[name], np.float32, v.size).reshape(v.shape)
+        for t in range(T):
+            ang = (np.float32(pos[t]) * inv).astype(np.float64)  # the f32 angle of a float32 reference
+            c, s = np.cos(ang), np.sin(ang)
+            src = v[t].astype(np.float64)
+            ref = src.copy()
+            h = rot // 2
+            if neox:
+                a, b = src[:, :h], src[:, h:rot]
+                ref[:, :h], ref[:, h:rot] = a * c - b * s, a * s + b * c
+            else:
+                a, b = src[:, 0:rot:2], src[:, 1:rot:2]
+                ref[:, 0:rot:2], ref[:, 1:rot:2] = a * c - b * s, a * s + b * c
+            np.testing.assert_allclose(got[t], ref, atol=2e-6 * np.abs(src).max(), err_msg=f"{name}[{t}]")
+
+
+@settings(max_examples=8, deadline=None)
+@given(n=st.integers(1, 3000), vec=st.sampled_from([1, 4]), seed=st.integers(0, 2**32 - 1))
+def test_elementwise_emulated(n, vec, seed):
+    rng = np.random.default_rng(seed)
+    g = (rng.standard_normal(n) * 5).astype(np.float32)
+    u = rng.standard_normal(n).astype(np.float32)
+    mem = Memory()
+    dg, du, do = mem.alloc_array(g), mem.alloc_array(u), mem.alloc(4 * n)
+    grid = (-(-n // (256 * vec)),)
+    simt_run(catalog.emit("swiglu", vec=vec).ptx, grid=grid, block=(256,), params=dict(gate=dg, up=du, out=do, n=n), memory=mem)
+    np.testing.assert_allclose(mem.read(do, np.float32, n), silu(g) * u, rtol=1e-6, atol=1e-7)
+    simt_run(catalog.emit("residual_add", vec=vec).ptx, grid=grid, block=(256,), params=dict(a=dg, b=du, out=dg, n=n),
+             memory=mem)
+    np.testing.assert_array_equal(mem.read(dg, np.float32, n), g + u)
+    cols = max(1, n // 3)
+    y = rng.standard_normal((3, cols)).astype(np.float32)
+    b = rng.standard_normal(cols).astype(np.float32)
+    dy = mem.alloc_array(y)
+    simt_run(catalog.emit("bias_add").ptx, grid=(-(-cols // 256), 3), block=(256,),
+             params=dict(y=dy, bias=mem.alloc_array(b), n_cols=cols), memory=mem)
+    np.testing.assert_array_equal(mem.read(dy, np.float32, y.size).reshape(y.shape), y + b)
+
+
+@settings(max_examples=12, deadline=None)
+@given(n=st.integers(1, 70000), parts=st.integers(1, 40), mode=st.sampled_from(["plain", "ties", "nan", "zeros", "inf"]),
+       seed=st.integers(0, 2**32 - 1))
+def test_argmax_emulated_exact(n, parts, mode, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(n).astype(np.float32)
+    idx = rng.integers(0, n, 3)
+    if mode == "ties":
+        x[idx] = x.max() + 1
+    elif mode == "nan":
+        x[idx] = np.nan
+    elif mode == "zeros":
+        x[:] = -1.0
+        x[idx[0]], x[idx[1]] = -0.0, 0.0
+    elif mode == "inf":
+        x[idx] = -np.inf
+        x[idx[0]] = np.inf
+    mem = Memory()
+    dx, dp, do = mem.alloc_array(x), mem.alloc(8 * parts), mem.alloc(4)
+    simt_run(catalog.emit("argmax_partial", block=256).ptx, grid=(parts,), block=(256,),
+             params=dict(x=dx, partials=dp, n=n), memory=mem)
+    simt_run(catalog.emit("argmax_final", block=128).ptx, grid=(1,), block=(128,),
+             params=dict(partials=dp, out=do, n_partials=parts), memory=mem)
+    assert int(mem.read(do, np.uint32, 1)[0]) == int(np.argmax(x))

@@ -1,0 +1,314 @@
+"""GEMV benchmark: every weight type at the decode shapes that matter, against the device's copy
+bandwidth and torch's f16 matmul of the same shape.
+
+    python tools/bench_gemv.py --out docs/results/bench_gemv.md [--quick] [--types Q4_K,Q8_0] [--sweep]
+
+Shapes (out x in): 4096x4096, 14336x4096 (FFN up/gate), 4096x14336 (FFN down), and SmolLM2's
+576x576, 1536x576, 576x1536, 49152x576 (the tied output projection).
+
+Method: each measurement replays a CUDA graph of N launches (falling back to back-to-back launches
+when graphs are unavailable, which then include the host's launch cost) timed with CUDA events,
+after a warm-up; the median of several replays is reported per launch. The launches rotate over
+enough copies of the weights (>= 3x the L2 size in total) that L2 cannot serve them: every launch
+reads its weights from HBM, as a decode step does. Bandwidth counts the weight bytes (x and y are
+negligible); "% copy" divides by the device-to-device copy bandwidth measured in the same run with
+cuMemcpyDtoD of 1 GiB (bytes read + written). The torch peer is ``W16 @ x16`` with the same rotation.
+A spot check compares 64 rows of each result with the float64 oracle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ptx_gen.kernels.quant_layout import K_QUANTS, WEIGHT_TYPES, type_info  # noqa: E402
+from realizar import cuda  # noqa: E402
+from realizar.cuda.driver import call  # noqa: E402
+from realizar.layers import GemvConfig, GpuWeight, LayerOps, gemv_config  # noqa: E402
+from tests.layer_oracles import dequant, random_weight  # noqa: E402
+
+SHAPES = [  # (label, out_dim, in_dim)
+    ("4096x4096", 4096, 4096),
+    ("14336x4096 (up)", 14336, 4096),
+    ("4096x14336 (down)", 4096, 14336),
+    ("576x576", 576, 576),
+    ("1536x576", 1536, 576),
+    ("576x1536", 576, 1536),
+    ("49152x576 (lm head)", 49152, 576),
+]
+L2_BYTES = 60 << 20
+
+
+def copy_bandwidth(stream: cuda.Stream, nbytes: int = 1 << 30, reps: int = 10) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting read + write."""
+    a, b = cuda.GpuBuffer(nbytes, np.uint8), cuda.GpuBuffer(nbytes, np.uint8)
+    a.fill_bytes(1)
+    times = []
+    for i in range(reps + 2):
+        e0, e1 = cuda.Event(), cuda.Event()
+        e0.record(stream)
+        call("cuMemcpyDtoDAsync", b.ptr, a.ptr, nbytes, stream.handle)
+        e1.record(stream)
+        e1.synchronize()
+        if i >= 2:
+            times.append(e0.elapsed_ms(e1) / 1e3)
+    a.free()
+    b.free()
+    return 2 * nbytes / statistics.median(times)
+
+
+def time_launches(fn_list, stream: cuda.Stream, use_graph: bool, reps: int = 7) -> tuple[float, str]:
+    """Median microseconds per launch of the callables in fn_list (each issues one launch)."""
+    for fn in fn_list[: min(len(fn_list), 8)]:  # warm-up (and module loads before any capture)
+        fn()
+    stream.synchronize()
+    mode = "graph"
+    exe = None
+    if use_graph and hasattr(cuda, "capture"):
+        try:
+            with cuda.capture(stream) as cap:
+                for fn in fn_list:
+                    fn()
+            exe = cap.graph.instantiate()
+        except Exception as exc:  # noqa: BLE001 - fall back to eager timing
+            print(f"  (graph capture failed: {exc}; timing back-to-back launches)")
+            exe = None
+    if exe is None:
+        mode = "eager"
+    times = []
+    for i in range(reps + 1):
+        e0, e1 = cuda.Event(), cuda.Event()
+        e0.record(stream)
+        if exe is not None:
+            exe.replay(stream)
+        else:
+            for fn in fn_list:
+                fn()
+        e1.record(stream)
+        e1.synchronize()
+        if i:
+            times.append(e0.elapsed_ms(e1) * 1e3 / len(fn_list))
+    return statistics.median(times), mode
+
+
+def n_copies(nbytes: int, cap: int = 1024) -> int:
+    return int(min(cap, max(2, -(-3 * L2_BYTES // max(nbytes, 1)))))
+
+
+def bench_type_shape(ops, stream, wtype, out_dim, in_dim, rng, sweep: bool, use_graph: bool):
+    raw = random_weight(rng, wtype, out_dim, in_dim)
+    base = GpuWeight(data=raw, ggml_type=wtype, shape=(out_dim, in_dim))
+    nbytes = base.nbytes
+    copies = [base]
+    for _ in range(n_copies(nbytes) - 1):
+        w = GpuWeight.__new__(GpuWeight)
+        w.__dict__.update(base.__dict__)
+        w.buffer = cuda.GpuBuffer(base.buffer.count, np.uint8)
+        w.buffer.copy_from(base.buffer)
+        copies.append(w)
+    x = rng.standard_normal(in_dim).astype(np.float32)
+    dx = cuda.GpuBuffer.from_numpy(x)
+    dy = cuda.GpuBuffer(out_dim)
+    # spot check of 64 rows against the float64 oracle
+    ops.gemv(base, dx, dy)
+    stream.synchronize()
+    rows = min(64, out_dim)
+    wd = dequant(raw[: rows * base.row_bytes], wtype, rows, in_dim).astype(np.float64)
+    ref = wd @ x
+    got = dy.to_numpy()[:rows]
+    ok = bool(np.isfinite(got).all() and np.abs(got - ref).max() <= 1e-4 * max(np.abs(ref).max(), 1e-30))
+    configs = [None]
+    if sweep:
+        configs += [GemvConfig(r, w) for r in (1, 2, 4) for w in (4, 8) if (r, w) != (4, 8)]
+    results = []
+    n_launch = max(len(copies), 20)
+    for cfg in configs:
+        eff = cfg or gemv_config(out_dim, ops.sm_count)
+        try:
+            fns = [(lambda w=copies[i % len(copies)], c=eff: ops.gemv(w, dx, dy, stream=stream, config=c))
+                   for i in range(n_launch)]
+            us, mode = time_launches(fns, stream, use_graph)
+        except Exception as exc:  # noqa: BLE001 - a config may not fit (shared memory)
+            print(f"  {wtype} {out_dim}x{in_dim} {eff}: {exc}")
+            continue
+        results.append((us, eff, mode, cfg is None))
+    for w in copies:
+        w.free()
+    dx.free()
+    dy.free()
+    return nbytes, ok, results
+
+
+def bench_torch(out_dim, in_dim, stream_unused, use_graph: bool):
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    nbytes = out_dim * in_dim * 2
+    n = n_copies(nbytes, cap=256)
+    ws = [torch.randn(out_dim, in_dim, device="cuda", dtype=torch.float16) for _ in range(n)]
+    x = torch.randn(in_dim, device="cuda", dtype=torch.float16)
+    n_launch = max(n, 20)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        for i in range(8):
+            torch.matmul(ws[i % n], x)
+    torch.cuda.synchronize()
+    graph = None
+    if use_graph:
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=s):
+                for i in range(n_launch):
+                    torch.matmul(ws[i % n], x)
+        except Exception:  # noqa: BLE001
+            graph = None
+    times = []
+    for i in range(8):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(s):
+            e0.record()
+            if graph is not None:
+                graph.replay()
+            else:
+                for j in range(n_launch):
+                    torch.matmul(ws[j % n], x)
+            e1.record()
+        e1.synchronize()
+        if i:
+            times.append(e0.elapsed_time(e1) * 1e3 / n_launch)
+    del ws
+    torch.cuda.empty_cache()
+    return statistics.median(times), nbytes
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--types", default=",".join(WEIGHT_TYPES))
+    ap.add_argument("--shapes", default="", help="comma-separated labels' first words, e.g. 4096x4096,576x576")
+    ap.add_argument("--quick", action="store_true", help="only the 4096/14336 shapes")
+    ap.add_argument("--sweep", action="store_true", help="also time rows/warps alternatives to the default")
+    ap.add_argument("--no-graph", action="store_true")
+    ap.add_argument("--no-glu", action="store_true", help="skip the fused gate/up comparison")
+    a = ap.parse_args()
+    if not cuda.is_available():
+        print(f"no GPU: {cuda.unavailable_reason()}")
+        return 1
+    dev = cuda.current_device()
+    ops = LayerOps(dev)
+    stream = cuda.Stream()
+    rng = np.random.default_rng(0)
+    bw = copy_bandwidth(stream)
+    types = [t for t in a.types.split(",") if t]
+    shapes = SHAPES[:3] if a.quick else SHAPES
+    if a.shapes:
+        want = set(a.shapes.split(","))
+        shapes = [s for s in shapes if s[0].split()[0] in want]
+    lines = [
+        f"# GEMV benchmark — {dev.name}, {dev.sm_count} SMs",
+        "",
+        f"Device-to-device copy bandwidth (cuMemcpyDtoD 1 GiB, read + write): **{bw / 1e12:.2f} TB/s**. "
+        f"Times are per launch (median of graph replays of >= 20 launches rotating over weight copies "
+        f"totalling >= 3x L2), weight bytes only.",
+        "",
+        "| type | shape (out x in) | MB | µs | GB/s | % copy BW | config | check | torch f16 µs | torch GB/s |",
+        "|---|---|---:|---:|---:|---:|---|---|---:|---:|",
+    ]
+    print("\n".join(lines))
+    torch_cache = {}
+    t_start = time.time()
+    for label, out_dim, in_dim in shapes:
+        if (out_dim, in_dim) not in torch_cache:
+            torch_cache[(out_dim, in_dim)] = bench_torch(out_dim, in_dim, stream, not a.no_graph)
+        tres = torch_cache[(out_dim, in_dim)]
+        for wt in types:
+            if wt not in WEIGHT_TYPES:
+                continue
+            bs = type_info(wt).block_values
+            if in_dim % bs or (wt in K_QUANTS and in_dim % 256):
+                lines.append(f"| {wt} | {label} | — | — | — | — | rows of {in_dim} not possible | | | |")
+                print(lines[-1])
+                continue
+            nbytes, ok, results = bench_type_shape(ops, stream, wt, out_dim, in_dim, rng, a.sweep, not a.no_graph)
+            if not results:
+                continue
+            default = next(r for r in results if r[3])
+            best = min(results, key=lambda r: r[0])
+            us, cfg, mode, _ = default
+            gbs = nbytes / us / 1e3
+            cfg_txt = f"r{cfg.rows} w{cfg.warps}" + (f" ({mode})" if mode != "graph" else "")
+            if best is not default:
+                cfg_txt += f"; best r{best[1].rows} w{best[1].warps}: {best[0]:.1f} µs ({nbytes / best[0] / 1e3 / (bw / 1e9) * 100:.0f}%)"
+            tcol = f"{tres[0]:.1f} | {tres[1] / tres[0] / 1e3:.0f}" if tres else "— | —"
+            lines.append(f"| {wt} | {label} | {nbytes / 1e6:.1f} | {us:.1f} | {gbs:.0f} | {gbs / (bw / 1e9) * 100:.0f}% | "
+                         f"{cfg_txt} | {'ok' if ok else '**FAIL**'} | {tcol} |")
+            print(lines[-1], flush=True)
+            write(a.out, lines)  # progressively: a stage timeout still leaves the rows measured so far
+    if not a.no_glu:
+        lines += ["", "## Fused gate/up GEMV with SwiGLU epilogue vs two GEMVs + swiglu (ffn 14336, hidden 4096)", "",
+                  "| type | two GEMVs + swiglu µs | fused µs | speed-up |", "|---|---:|---:|---:|"]
+        for wt in [t for t in ("Q4_K", "Q6_K", "Q8_0", "F16") if t in types]:
+            r = bench_glu(ops, stream, wt, 14336, 4096, rng, not a.no_graph)
+            lines.append(f"| {wt} | {r[0]:.1f} | {r[1]:.1f} | {r[0] / r[1]:.2f}x |")
+            print(lines[-1], flush=True)
+            write(a.out, lines)
+    lines += ["", f"({time.time() - t_start:.0f} s)"]
+    write(a.out, lines)
+    return 0
+
+
+def write(path: Path | None, lines: list[str]) -> None:
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join(lines) + "\n")
+
+
+def bench_glu(ops, stream, wtype, ffn, hidden, rng, use_graph: bool) -> tuple[float, float]:
+    """(µs of gate GEMV + up GEMV + swiglu, µs of the fused GLU GEMV), rotating weight copies."""
+    raw = random_weight(rng, wtype, 2 * ffn, hidden)
+    fused = GpuWeight(data=raw, ggml_type=wtype, shape=(2 * ffn, hidden))
+    half = fused.row_bytes * ffn
+    gate = GpuWeight(data=raw[:half], ggml_type=wtype, shape=(ffn, hidden))
+    up = GpuWeight(data=raw[half:], ggml_type=wtype, shape=(ffn, hidden))
+    n = n_copies(fused.nbytes, cap=16)
+    sets = [(fused, gate, up)]
+    for _ in range(n - 1):
+        copies = []
+        for w in (fused, gate, up):
+            c = GpuWeight.__new__(GpuWeight)
+            c.__dict__.update(w.__dict__)
+            c.buffer = cuda.GpuBuffer(w.buffer.count, np.uint8)
+            c.buffer.copy_from(w.buffer)
+            copies.append(c)
+        sets.append(tuple(copies))
+    x = cuda.GpuBuffer.from_numpy(rng.standard_normal(hidden).astype(np.float32))
+    g, u, y = cuda.GpuBuffer(ffn), cuda.GpuBuffer(ffn), cuda.GpuBuffer(ffn)
+    n_launch = max(len(sets), 20)
+
+    def separate(i):
+        _, wg, wu = sets[i % len(sets)]
+        ops.gemv(wg, x, g, stream=stream)
+        ops.gemv(wu, x, u, stream=stream)
+        ops.swiglu(g, u, y, ffn, stream=stream)
+
+    t_sep, _ = time_launches([lambda i=i: separate(i) for i in range(n_launch)], stream, use_graph)
+    t_fused, _ = time_launches([lambda i=i: ops.gemv_glu(sets[i % len(sets)][0], x, y, stream=stream)
+                                for i in range(n_launch)], stream, use_graph)
+    for st_ in sets:
+        for w in st_:
+            w.free()
+    return t_sep, t_fused
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

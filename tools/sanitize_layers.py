@@ -1,0 +1,83 @@
+"""Sanitizer cases of the transformer-layer kernels (picked up by tools/sanitize_cases.py):
+small launches of every kernel over awkward shapes, each checked against its float64 oracle.
+
+    compute-sanitizer --tool memcheck python tools/sanitize_cases.py
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ptx_gen.kernels.quant_layout import K_QUANTS, WEIGHT_TYPES  # noqa: E402
+from realizar import cuda  # noqa: E402
+from realizar.layers import GemvConfig, GpuWeight, LayerOps, inv_freq_table  # noqa: E402
+from tests.layer_oracles import dequant, random_weight, rmsnorm_oracle, silu  # noqa: E402
+
+
+def cases(cache, rng, small: bool) -> None:
+    ops = LayerOps()
+    types = WEIGHT_TYPES if not small else ("Q8_0", "Q4_1", "Q6_K", "F16")
+    for wt in types:
+        in_dim = 512 if wt in K_QUANTS else 576  # 576: rows not 16-byte aligned for most 32-blocks
+        for out_dim, cfg in ((3, GemvConfig(1, 4)), (37, GemvConfig(4, 4)), (5, GemvConfig(2, 2))):
+            raw = random_weight(rng, wt, out_dim, in_dim)
+            x = rng.standard_normal(in_dim).astype(np.float32)
+            r = rng.standard_normal(out_dim).astype(np.float32)
+            w = GpuWeight(data=raw, ggml_type=wt, shape=(out_dim, in_dim))
+            with cuda.GpuBuffer.from_numpy(x) as dx, cuda.GpuBuffer.from_numpy(r) as dy:
+                ops.gemv(w, dx, dy, residual=dy, config=cfg)
+                ref = dequant(raw, wt, out_dim, in_dim).astype(np.float64) @ x + r
+                assert np.abs(dy.to_numpy() - ref).max() <= 1e-4 * np.abs(ref).max(), (wt, out_dim)
+            w.free()
+        # embedding of the last row (the end of the allocation)
+        vocab, hidden = 3, in_dim
+        raw = random_weight(rng, wt, vocab, hidden)
+        table = GpuWeight(data=raw, ggml_type=wt, shape=(vocab, hidden))
+        with cuda.GpuBuffer.from_numpy(np.array([2, 0], np.uint32)) as toks, cuda.GpuBuffer(2 * hidden) as out:
+            ops.embedding(table, toks, out, 2)
+            np.testing.assert_allclose(out.to_numpy((2, hidden)), dequant(raw, wt, vocab, hidden)[[2, 0]], rtol=1e-6,
+                                       atol=1e-6)
+        table.free()
+    # fused gate/up and the prefill GEMM
+    raw = random_weight(rng, "Q4_K", 2 * 7, 256)
+    w = GpuWeight(data=raw, ggml_type="Q4_K", shape=(14, 256))
+    X = rng.standard_normal((5, 256)).astype(np.float32)
+    with cuda.GpuBuffer.from_numpy(X) as dx, cuda.GpuBuffer(7) as dy, cuda.GpuBuffer(5 * 14) as dz:
+        ops.gemv_glu(w, dx, dy)
+        wd = dequant(raw, "Q4_K", 14, 256).astype(np.float64)
+        ref = silu(wd[:7] @ X[0]) * (wd[7:] @ X[0])
+        assert np.abs(dy.to_numpy() - ref).max() <= 1e-4 * np.abs(ref).max()
+        ops.gemm(w, dx, dz, 5, tokens_per_cta=3)
+        assert np.abs(dz.to_numpy((5, 14)) - X @ wd.T).max() <= 1e-4 * np.abs(X @ wd.T).max()
+    w.free()
+    # norms, rope, elementwise, argmax
+    for hidden in (64, 4100):
+        x = rng.standard_normal((2, hidden)).astype(np.float32)
+        wn = rng.standard_normal(hidden).astype(np.float32)
+        with cuda.GpuBuffer.from_numpy(x) as dx, cuda.GpuBuffer.from_numpy(wn) as dw, cuda.GpuBuffer(2 * hidden) as dy, \
+                cuda.GpuBuffer.from_numpy(x) as dr:
+            ops.rmsnorm(dx, dw, dy, 1e-5, hidden=hidden, rows=2, residual=dr)
+            ref, _ = rmsnorm_oracle(x, wn, 1e-5, x)
+            np.testing.assert_allclose(dy.to_numpy((2, hidden)), ref, rtol=1e-4, atol=1e-4)
+    q = rng.standard_normal((2, 3, 80)).astype(np.float32)
+    k = rng.standard_normal((2, 1, 80)).astype(np.float32)
+    with cuda.GpuBuffer.from_numpy(q) as dq, cuda.GpuBuffer.from_numpy(k) as dk, \
+            cuda.GpuBuffer.from_numpy(inv_freq_table(80, 1e4)) as inv, \
+            cuda.GpuBuffer.from_numpy(np.array([5, 9], np.uint32)) as pos:
+        ops.rope(dq, dk, inv, pos, 3, 1, 80, neox=True, n_tokens=2)
+        ops.rope(dq, dk, inv, 3, 3, 1, 80, neox=False, n_tokens=2)
+    n = 1001
+    g, u = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+    with cuda.GpuBuffer.from_numpy(g) as dg, cuda.GpuBuffer.from_numpy(u) as du, cuda.GpuBuffer(n) as do, \
+            cuda.GpuBuffer(1, np.uint32) as best:
+        ops.swiglu(dg, du, do, n)
+        np.testing.assert_allclose(do.to_numpy(), silu(g) * u, rtol=1e-5, atol=1e-6)
+        ops.residual_add(dg, du, dg, n)
+        ops.bias_add(dg, du, 7, 143)
+        ops.argmax(do, best, n)
+        assert int(best.to_numpy()[0]) == int(np.argmax(do.to_numpy()))
