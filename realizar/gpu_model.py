@@ -100,7 +100,8 @@ class GpuModel:
             tensors["output.weight"])
         self.output_norm = _f32_buffer(tensors["output_norm.weight"])
         ff = tensors.get("rope_freqs.weight")
-        self.inv_freq = cuda.GpuBuffer.from_numpy(rope_inv_freq(cfg, None if ff is None else ff.dequantize()))
+        self.inv_freq = cuda.GpuBuffer.from_numpy(
+            np.asarray(rope_inv_freq(cfg, None if ff is None else ff.dequantize()), np.float32))
         # activations
         qkv_n = cfg.q_dim + 2 * cfg.kv_dim
         self.x = cuda.GpuBuffer(cfg.hidden_size)
