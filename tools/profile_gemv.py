@@ -1,0 +1,40 @@
+"""A few GEMV launches to profile under Nsight Compute (one launch per type at 4096x14336).
+
+    ncu --clock-control none --set full -k regex:gemv python tools/profile_gemv.py --types Q4_K,Q8_0
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from realizar import cuda  # noqa: E402
+from realizar.layers import GpuWeight, LayerOps  # noqa: E402
+from tests.layer_oracles import random_weight  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--types", default="Q4_K,Q8_0,Q6_K")
+    ap.add_argument("--out-dim", type=int, default=4096)
+    ap.add_argument("--in-dim", type=int, default=14336)
+    a = ap.parse_args()
+    ops = LayerOps()
+    rng = np.random.default_rng(0)
+    x = cuda.GpuBuffer.from_numpy(rng.standard_normal(a.in_dim).astype(np.float32))
+    y = cuda.GpuBuffer(a.out_dim)
+    for wtype in a.types.split(","):
+        raw = random_weight(rng, wtype, a.out_dim, a.in_dim)
+        w = GpuWeight(data=raw, ggml_type=wtype, shape=(a.out_dim, a.in_dim))
+        ops.gemv(w, x, y)
+        cuda.current_device().synchronize()
+        print("ran", wtype)
+
+
+if __name__ == "__main__":
+    main()
