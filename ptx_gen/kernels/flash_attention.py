@@ -1,0 +1,220 @@
+"""Flash attention for prefill: many queries per head, K/V tiles through shared memory, f32 FMAs.
+
+``q, out: [num_heads, seq_q, head_dim]``; ``k, v: [num_kv_heads, kv_stride, head_dim]`` of which the
+first ``seq_k`` rows are used (``kv_stride = seq_k`` for packed inputs, ``= max_len`` to read a KV
+cache in place). Causal attention is bottom-right aligned: query ``i`` sits at position
+``q_offset + i`` and sees keys ``0 .. q_offset + i`` (``q_offset = seq_k - seq_q`` when the queries are
+the last positions of the sequence). Any ``seq_q, seq_k >= 1``; partial tiles are masked, and the
+causal key range of a query tile is ``[0, min(seq_k, q_offset + last_row + 1))`` for any tile sizes.
+
+Block layout: ``8 * row_groups`` threads; thread ``(ty, tx)`` owns query rows ``ty * R + a``
+(``a < R``), keys ``tx + 8 b`` of each key tile (``b < KC``) and float4 output columns ``tx + 8 j``.
+Per key tile: load K and V tiles to shared memory, scores from shared Q and K, online softmax per
+row (row max over the 8 lanes of a row by butterfly, the row sum kept per thread and reduced once at
+the end), P to shared memory, then O += P V.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ptx_gen.builder import KernelBuilder, Module
+from ptx_gen.catalog import kernel
+from ptx_gen.kernels.decode_core import LOG2E, NEG_INF, check_head_dim, guard_base, safe_reciprocal
+
+_GRID = [
+    {"head_dim": 64, "group": 1, "causal": True},
+    {"head_dim": 64, "group": 7, "causal": False},
+    {"head_dim": 128, "group": 4, "causal": True},
+    {"head_dim": 80, "group": 2, "causal": True},
+    {"head_dim": 256, "group": 1, "causal": False},
+    {"head_dim": 48, "group": 3, "causal": True},
+    {"head_dim": 96, "group": 1, "causal": True},
+    {"head_dim": 32, "group": 2, "causal": False},
+]
+
+
+_SCORE_BLOCK = 8  # float4 steps per partial dot product (32 elements)
+
+
+def prefill_tiles(head_dim: int, rows_per_thread: int | None, keys_per_thread: int, row_groups: int):
+    """(R, KC, TY, BQ, BK, DP, BKP, smem bytes) for the prefill kernel."""
+    check_head_dim(head_dim)
+    if head_dim % 8:
+        raise ValueError(f"flash attention needs head_dim % 8 == 0 (bank-conflict-free tiles), got {head_dim}")
+    r = rows_per_thread if rows_per_thread is not None else (4 if head_dim <= 128 else 2)
+    if r not in (1, 2, 4, 8) or keys_per_thread not in (1, 2, 4, 8) or row_groups not in (4, 8, 16, 32):
+        raise ValueError(f"bad prefill tiling: rows_per_thread={r}, keys_per_thread={keys_per_thread}, "
+                         f"row_groups={row_groups}")
+    bq, bk = row_groups * r, 8 * keys_per_thread
+    dp = head_dim + 4  # padded row: (dp / 4) odd, so 8 lanes reading 8 rows hit 8 distinct bank groups
+    pad = next((p for p in range(0, 32) if (r * (bk + p)) % 32 in (8, 24)), 1)
+    bkp = bk + pad
+    smem = (bq * dp + 2 * bk * dp + bq * bkp) * 4
+    return r, keys_per_thread, row_groups, bq, bk, dp, bkp, smem
+
+
+@kernel("flash_attention", grid=_GRID)
+def flash_attention(
+    m: Module, head_dim: int = 128, group: int = 1, causal: bool = True,
+    rows_per_thread: int | None = None, keys_per_thread: int = 4, row_groups: int = 16,
+) -> KernelBuilder:
+    """Multi-head (GQA) attention of seq_q queries over seq_k keys, causal or not, tiled through
+    shared memory. Launch: grid (ceil(seq_q / meta['block_q']), num_heads), block meta['block'],
+    dynamic shared memory meta['shared_bytes']."""
+    R, KC, TY, BQ, BK, DP, BKP, smem = prefill_tiles(head_dim, rows_per_thread, keys_per_thread, row_groups)
+    if not isinstance(group, int) or group < 1:
+        raise ValueError(f"group must be a positive integer, got {group!r}")
+    D, NC = head_dim, head_dim // 4
+    NJ = -(-NC // 8)  # float4 output columns per thread (the last may not exist for every tx)
+    NT = 8 * TY
+    name = f"flash_attention_d{D}_g{group}_{'causal' if causal else 'full'}_r{R}k{KC}t{TY}"
+    params = [("q", "u64"), ("k", "u64"), ("v", "u64"), ("out", "u64"), ("seq_q", "u32"), ("seq_k", "u32"),
+              ("q_offset", "u32"), ("kv_stride", "u32")]
+    # no .maxntid: with it ptxas caps registers near 128 and spills the D = 48/80/96 variants
+    k = m.kernel(name, params)
+    k.meta.update(block=NT, block_q=BQ, block_k=BK, shared_bytes=smem)
+    seq_q, seq_k, q_offset, kv_stride = (k.param(p) for p in ("seq_q", "seq_k", "q_offset", "kv_stride"))
+    tid = k.tid()
+    ty, tx = k.shr(tid, 3), k.and_(tid, 7)
+    qtile = k.sub(k.sub(k.sreg("nctaid.x"), 1, "u32"), k.ctaid("x"))  # long causal tiles first
+    head = k.ctaid("y")
+    kvh = k.div(head, group) if group > 1 else head
+    q0 = k.mul(qtile, BQ)
+
+    smem_base = k.dynamic_shared()
+    q_s = smem_base
+    k_s = k.add(smem_base, BQ * DP * 4)
+    v_s = k.add(smem_base, (BQ + BK) * DP * 4)
+    p_s = k.add(smem_base, (BQ + 2 * BK) * DP * 4)
+
+    # ---- Q tile -> shared, scaled into the log2 domain; rows past seq_q are zeros
+    qscale = LOG2E / math.sqrt(D)
+    q_head = k.add(k.global_ptr("q"), k.mul(k.mul_wide(head, seq_q), D * 4, "u64"))
+    for it in range(-(-BQ * NC // NT)):
+        i = k.add(tid, it * NT) if it else tid
+        row, c4 = k.div(i, NC), k.rem(i, NC)
+        ok = k.setp("lt", k.add(q0, row), seq_q)
+        if (it + 1) * NT > BQ * NC:
+            ok = k.and_(ok, k.setp("lt", i, BQ * NC))
+        src = k.add(q_head, k.mul_wide(k.mad(k.add(q0, row), NC, c4), 16))
+        vals = k.load("global", "f32", src, vec=4, nc=True, pred=ok, other=0.0)
+        dst = k.add(q_s, k.shl(k.mad(row, DP // 4, c4), 4))
+        st_ok = k.setp("lt", i, BQ * NC) if (it + 1) * NT > BQ * NC else None
+        k.store("shared", "f32", dst, [k.mul(x, qscale) for x in vals], pred=st_ok)
+
+    kv_off = k.mul(k.mul_wide(kvh, kv_stride), D * 4, "u64")
+    k_head = k.add(k.global_ptr("k"), kv_off)
+    v_head = k.add(k.global_ptr("v"), kv_off)
+
+    if causal:
+        last_q = k.min(k.add(q0, BQ), seq_q, "u32")
+        kend = k.min(k.add(q_offset, last_q), seq_k, "u32")
+    else:
+        kend = seq_k
+
+    rows = [k.mad(ty, R, a) if a else k.mul(ty, R) for a in range(R)]  # tile-local rows of this thread
+    qpos = [k.add(k.add(q_offset, q0), r) for r in rows]
+    m_run = [k.var("f32", NEG_INF) for _ in range(R)]
+    l_run = [k.var("f32", 0.0) for _ in range(R)]
+    acc = [[[k.var("f32", 0.0) for _ in range(4)] for _ in range(NJ)] for _ in range(R)]
+    col_ok = [k.setp("lt", k.add(tx, 8 * j), NC) if 8 * (j + 1) > NC else None for j in range(NJ)]
+
+    with k.loop(0, kend, BK) as k0:
+        # ---- K, V tiles -> shared; rows past seq_k are zeros (their scores are masked anyway)
+        for it in range(-(-BK * NC // NT)):
+            i = k.add(tid, it * NT) if it else tid
+            row, c4 = k.div(i, NC), k.rem(i, NC)
+            in_tile = k.setp("lt", i, BK * NC) if (it + 1) * NT > BK * NC else None
+            ok = k.setp("lt", k.add(k0, row), seq_k)
+            if in_tile is not None:
+                ok = k.and_(ok, in_tile)
+            goff = k.mul_wide(k.mad(k.add(k0, row), NC, c4), 16)
+            kvals = k.load("global", "f32", k.add(k_head, goff), vec=4, nc=True, pred=ok, other=0.0)
+            vvals = k.load("global", "f32", k.add(v_head, goff), vec=4, nc=True, pred=ok, other=0.0)
+            soff = k.shl(k.mad(row, DP // 4, c4), 4)
+            k.store("shared", "f32", k.add(k_s, soff), list(kvals), pred=in_tile)
+            k.store("shared", "f32", k.add(v_s, soff), list(vvals), pred=in_tile)
+        k.bar_sync()
+
+        # ---- scores s[a][b] for rows ty*R + a, keys tx + 8b
+        q_row_addr = [k.add(q_s, k.mul(r, DP * 4)) for r in rows]
+        k_row_addr = [k.add(k_s, k.mul(k.add(tx, 8 * b), DP * 4)) for b in range(KC)]
+        # blocked accumulation: fma chains of 32 elements, then one add per block (a 256-long chain
+        # loses ~2.5x more precision; at head_dim 256 that alone approaches the 1e-5 tolerance)
+        s = [[None] * KC for _ in range(R)]
+        part = [[None] * KC for _ in range(R)]
+        for d4 in range(NC):
+            qv = [k.load("shared", "f32", q_row_addr[a], d4 * 16, vec=4) for a in range(R)]
+            kv = [k.load("shared", "f32", k_row_addr[b], d4 * 16, vec=4) for b in range(KC)]
+            for a in range(R):
+                for b in range(KC):
+                    x = None if d4 % _SCORE_BLOCK == 0 else part[a][b]
+                    for e in range(4):
+                        x = k.mul(qv[a][e], kv[b][e]) if x is None else k.fma(qv[a][e], kv[b][e], x)
+                    part[a][b] = x
+                    if d4 % _SCORE_BLOCK == _SCORE_BLOCK - 1 or d4 == NC - 1:
+                        s[a][b] = x if s[a][b] is None else k.add(s[a][b], x)
+        keys = [k.add(k0, k.add(tx, 8 * b)) for b in range(KC)]
+        key_ok = [k.setp("lt", kp, seq_k) for kp in keys]
+
+        # ---- online softmax per row; P to shared
+        for a in range(R):
+            masked = []
+            for b in range(KC):
+                ok = key_ok[b]
+                if causal:
+                    ok = k.and_(ok, k.setp("le", keys[b], qpos[a]))
+                masked.append(k.selp(s[a][b], NEG_INF, ok))
+            tmax = masked[0]
+            for x in masked[1:]:
+                tmax = k.max(tmax, x)
+            for off in (1, 2, 4):
+                tmax = k.max(tmax, k.shfl("bfly", tmax, off))
+            mx = k.max(m_run[a], tmax)
+            base = guard_base(k, mx)
+            alpha = k.ex2(k.sub(m_run[a], base))
+            probs = [k.ex2(k.sub(x, base)) for x in masked]
+            psum = probs[0]
+            for p in probs[1:]:
+                psum = k.add(psum, p)
+            k.assign(l_run[a], k.fma(l_run[a], alpha, psum))
+            for j in range(NJ):
+                for e in range(4):
+                    k.assign(acc[a][j][e], k.mul(acc[a][j][e], alpha))
+            k.assign(m_run[a], mx)
+            prow = k.add(p_s, k.shl(k.mad(rows[a], BKP, tx), 2))
+            for b in range(KC):
+                k.store("shared", "f32", prow, probs[b], offset=8 * b * 4)
+        k.bar_sync()
+
+        # ---- O += P V
+        p_row_addr = [k.add(p_s, k.mul(r, BKP * 4)) for r in rows]
+        v_col_addr = [k.add(v_s, k.shl(k.add(tx, 8 * j), 4)) for j in range(NJ)]
+        for c in range(BK):
+            pv = [k.load("shared", "f32", p_row_addr[a], c * 4) for a in range(R)]
+            for j in range(NJ):
+                if col_ok[j] is not None:
+                    vv = k.load("shared", "f32", v_col_addr[j], c * DP * 4, vec=4, pred=col_ok[j], other=0.0)
+                else:
+                    vv = k.load("shared", "f32", v_col_addr[j], c * DP * 4, vec=4)
+                for a in range(R):
+                    for e in range(4):
+                        k.assign(acc[a][j][e], k.fma(pv[a], vv[e], acc[a][j][e]))
+        k.bar_sync()
+
+    # ---- normalise and store rows < seq_q
+    out_head = k.add(k.global_ptr("out"), k.mul(k.mul_wide(head, seq_q), D * 4, "u64"))
+    for a in range(R):
+        total = l_run[a]
+        for off in (1, 2, 4):
+            total = k.add(total, k.shfl("bfly", total, off))
+        inv = safe_reciprocal(k, total)
+        grow = k.add(q0, rows[a])
+        with k.if_(k.setp("lt", grow, seq_q)):
+            row_addr = k.add(out_head, k.mul_wide(grow, D * 4))
+            for j in range(NJ):
+                addr = k.add(row_addr, k.shl(k.cvt(k.add(tx, 8 * j), "u64"), 4))
+                k.store("global", "f32", addr, [k.mul(acc[a][j][e], inv) for e in range(4)], pred=col_ok[j])
+    k.ret()
+    return k

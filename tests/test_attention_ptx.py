@@ -1,0 +1,506 @@
+"""CPU tests of the attention kernels and the CudaExecutor.
+
+* every kernel variant assembles with ptxas for sm_80 and sm_90 over drawn shapes, without spills;
+* the index math (chunk split, lane mapping, causal key range) covers every position exactly once;
+* the generated PTX *runs* on the emulator in ``tests/ptx_simt.py`` (memcheck-, barrier- and
+  racecheck-like checks included) and matches the float64 oracle — and a planted online-softmax
+  rescaling bug is caught by the same data;
+* the executor validates its arguments before touching a GPU, and runs end to end on the emulator.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import realizar.executor as executor_module
+from ptx_gen import catalog
+from ptx_gen.builder import Module
+from ptx_gen.kernels.decode_core import _choose_lanes, chunk_rows, decode_layout
+from ptx_gen.kernels.flash_attention import prefill_tiles
+from ptx_gen.ptxas import assemble
+from realizar import cuda
+from realizar.errors import CacheStateError, ContextOverflowError, ShapeError
+from realizar.executor import AttentionConfig, CudaExecutor, default_num_chunks
+from realizar.models.attention import attention_with_cache_gqa, gqa_attention
+from tests.ptx_simt import EmulatorError, FakeCuda, Memory, run
+
+HEAD_DIMS = [32, 48, 64, 80, 96, 128, 256]
+TARGETS = ("sm_80", "sm_90")
+RTOL = 1e-5
+
+
+def _rel(actual: np.ndarray, expected: np.ndarray) -> float:
+    assert np.all(np.isfinite(actual)), f"non-finite outputs at {np.argwhere(~np.isfinite(actual))[:5].tolist()}"
+    return float(np.max(np.abs(actual.astype(np.float64) - expected)) / max(np.max(np.abs(expected)), 1e-30))
+
+
+# ---- ptxas over drawn shapes -------------------------------------------------------------------------
+
+def _assemble_clean(name: str, **shape) -> None:
+    for target in TARGETS:
+        pk = catalog.emit(name, target=target, **shape)
+        rep = assemble(pk.ptx, target)[0]
+        assert not rep.spills, f"{name} {shape} spills on {target}: {rep.log}"
+        assert rep.registers <= 255
+        assert rep.shared_bytes <= 48 * 1024, f"{name} {shape}: {rep.shared_bytes} bytes of static shared memory"
+
+
+@settings(max_examples=12, deadline=None)
+@given(d=st.sampled_from(HEAD_DIMS), group=st.integers(1, 16), indirect=st.booleans())
+def test_decode_kernels_assemble(d, group, indirect):
+    _assemble_clean("incremental_attention", head_dim=d, group=group, indirect=indirect)
+    _assemble_clean("flash_decoding_chunk", head_dim=d, group=group, indirect=indirect)
+
+
+@settings(max_examples=8, deadline=None)
+@given(d=st.sampled_from(HEAD_DIMS), chunks=st.integers(1, 256), indirect=st.booleans())
+def test_reduce_and_append_assemble(d, chunks, indirect):
+    _assemble_clean("flash_decoding_reduce", head_dim=d, num_chunks=chunks, indirect=indirect)
+    _assemble_clean("kv_append", head_dim=d, indirect=indirect)
+
+
+@settings(max_examples=6, deadline=None)
+@given(d=st.sampled_from(HEAD_DIMS), group=st.integers(1, 8), causal=st.booleans())
+def test_flash_attention_assembles(d, group, causal):
+    _assemble_clean("flash_attention", head_dim=d, group=group, causal=causal)
+    pk = catalog.emit("flash_attention", target="sm_90", head_dim=d, group=group, causal=causal)
+    assert pk.meta["shared_bytes"] <= 227 * 1024  # dynamic shared memory, opt-in limit of sm_90
+
+
+def test_generator_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="head_dim"):
+        catalog.emit("incremental_attention", head_dim=30, group=1)
+    with pytest.raises(ValueError, match="head_dim"):
+        catalog.emit("flash_decoding_chunk", head_dim=512, group=1)
+    with pytest.raises(ValueError, match="divide"):
+        catalog.emit("incremental_attention", head_dim=64, group=6, heads_per_block=4)
+    with pytest.raises(ValueError, match="num_chunks"):
+        catalog.emit("flash_decoding_reduce", head_dim=64, num_chunks=0)
+    with pytest.raises(ValueError, match="% 8"):
+        catalog.emit("flash_attention", head_dim=36, group=1)
+
+
+# ---- index math ---------------------------------------------------------------------------------------
+
+@given(seq_len=st.integers(0, 1 << 20), nch=st.integers(1, 4096), quantum=st.sampled_from([8, 16, 32, 48, 64]),
+       min_mult=st.integers(1, 8))
+def test_chunks_partition_the_sequence(seq_len, nch, quantum, min_mult):
+    rows = chunk_rows(seq_len, nch, quantum, quantum * min_mult)
+    assert rows >= 1 and rows % quantum == 0
+    assert nch * rows >= seq_len  # the static grid always covers the sequence
+    covered = sum(max(0, min((c + 1) * rows, seq_len) - c * rows) for c in range(min(nch, seq_len // rows + 2)))
+    assert covered == seq_len
+
+
+@pytest.mark.parametrize("d", list(range(4, 257, 4)))
+def test_lane_mapping_covers_each_chunk_once(d):
+    nc = d // 4
+    t, c = _choose_lanes(nc)
+    seen = sorted(ci * t + j for ci in range(c) for j in range(t) if ci * t + j < nc)
+    assert seen == list(range(nc))
+    assert 32 % t == 0 and (c <= 3 or c == -(-nc // 32))
+
+
+@given(sq=st.integers(1, 700), extra=st.integers(0, 700), d=st.sampled_from(HEAD_DIMS))
+def test_causal_key_range_covers_every_visible_key(sq, extra, d):
+    r, kc, ty, bq, bk, dp, bkp, smem = prefill_tiles(d, None, 4, 16)
+    sk, off = sq + extra, extra
+    for q0 in range(0, sq, bq):
+        kend = min(off + min(q0 + bq, sq), sk)
+        last_row = min(q0 + bq, sq) - 1
+        assert kend == off + last_row + 1  # the last query row of the tile sees exactly keys < kend
+    assert (dp // 4) % 2 == 1 and (r * bkp) % 32 in (8, 24)
+
+
+def test_layout_defaults():
+    lay = decode_layout(128, 4)
+    assert (lay.lanes_per_row, lay.chunks_per_lane, lay.heads_per_block) == (32, 1, 4)
+    assert decode_layout(80, 7).heads_per_block == 1  # 12 floats per head per lane: one head per block
+    assert decode_layout(64, 16).subgroups == 2
+    assert default_num_chunks(132, 8) == 66 and default_num_chunks(132, 1) == 256
+    assert default_num_chunks(132, 2, 3) == 198  # 396 blocks: exactly one wave at 3 blocks per SM
+
+
+# ---- emulated runs against the float64 oracle --------------------------------------------------------
+
+def _decode_data(rng, h, kvh, d, length, max_len, scale, late_spike):
+    q = (rng.standard_normal((h, d)) * scale).astype(np.float32)
+    kc = np.full((kvh, max_len, d), np.nan, np.float32)  # never-written rows are NaN: must not be read
+    vc = np.full((kvh, max_len, d), np.nan, np.float32)
+    kc[:, :length] = rng.standard_normal((kvh, length, d))
+    vc[:, :length] = rng.standard_normal((kvh, length, d))
+    if late_spike and length > 2:
+        # a key aligned with its queries near the end: the running max jumps late, so every earlier
+        # partial must be rescaled by exp(m_old - m_new)
+        pos = length - 1 - int(rng.integers(0, min(3, length - 1)))
+        group = h // kvh
+        for g in range(kvh):
+            kc[g, pos] = q[g * group] / np.linalg.norm(q[g * group]) * 4.0
+    ref = attention_with_cache_gqa(q.astype(np.float64), kc[:, : length - 1].astype(np.float64),
+                                   vc[:, : length - 1].astype(np.float64), kc[:, length - 1].astype(np.float64),
+                                   vc[:, length - 1].astype(np.float64))
+    return q, kc, vc, ref
+
+
+def _run_decode(kind, ptx_src, q, kc, vc, length, max_len, indirect, nch=5, min_chunk=None, reduce_src=None,
+                kvh=None, group=None):
+    mem = Memory()
+    h, d = q.shape
+    pq, pk, pv, po = mem.alloc_array(q), mem.alloc_array(kc), mem.alloc_array(vc), mem.alloc(h * d * 4)
+    sl = {"seq_len_ptr": mem.alloc_array(np.array([length], np.uint32))} if indirect else {"seq_len": length}
+    if kind == "incremental":
+        run(ptx_src.ptx, (kvh * ptx_src.meta["subgroups"],), (ptx_src.meta["block"],),
+            {"q": pq, "k_cache": pk, "v_cache": pv, "out": po, "max_len": max_len, **sl}, mem)
+    else:
+        pacc, pml = mem.alloc(h * nch * d * 4), mem.alloc(h * nch * 8)
+        run(ptx_src.ptx, (kvh * ptx_src.meta["subgroups"], nch), (ptx_src.meta["block"],),
+            {"q": pq, "k_cache": pk, "v_cache": pv, "part_acc": pacc, "part_ml": pml, "max_len": max_len,
+             "min_chunk": min_chunk or ptx_src.meta["quantum"], **sl}, mem)
+        run(reduce_src.ptx, (h,), (reduce_src.meta["block"],),
+            {"part_acc": pacc, "part_ml": pml, "out": po, "max_len": max_len, **sl}, mem)
+    return mem.read(po, np.float32, h * d).reshape(h, d)
+
+
+heads = st.sampled_from([(1, 1), (2, 1), (4, 2), (6, 3), (7, 1), (8, 2), (3, 3), (16, 1), (12, 4)])
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(hk=heads, d=st.sampled_from(HEAD_DIMS), length=st.integers(1, 300), slack=st.integers(0, 20),
+       scale=st.floats(0.1, 30), late=st.booleans(), indirect=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_incremental_attention_emulated(hk, d, length, slack, scale, late, indirect, seed):
+    h, kvh = hk
+    rng = np.random.default_rng(seed)
+    max_len = length + slack
+    q, kc, vc, ref = _decode_data(rng, h, kvh, d, length, max_len, scale, late)
+    src = catalog.emit("incremental_attention", target="sm_90", head_dim=d, group=h // kvh, indirect=indirect)
+    got = _run_decode("incremental", src, q, kc, vc, length, max_len, indirect, kvh=kvh)
+    assert _rel(got, ref) < RTOL
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(hk=heads, d=st.sampled_from(HEAD_DIMS), length=st.integers(1, 400), slack=st.integers(0, 20),
+       nch=st.integers(1, 12), min_mult=st.integers(1, 3), scale=st.floats(0.1, 30), late=st.booleans(),
+       indirect=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_flash_decoding_emulated(hk, d, length, slack, nch, min_mult, scale, late, indirect, seed):
+    h, kvh = hk
+    rng = np.random.default_rng(seed)
+    max_len = length + slack
+    q, kc, vc, ref = _decode_data(rng, h, kvh, d, length, max_len, scale, late)
+    chunk = catalog.emit("flash_decoding_chunk", target="sm_90", head_dim=d, group=h // kvh, indirect=indirect)
+    red = catalog.emit("flash_decoding_reduce", target="sm_90", head_dim=d, num_chunks=nch, indirect=indirect)
+    got = _run_decode("flash", chunk, q, kc, vc, length, max_len, indirect, nch=nch,
+                      min_chunk=chunk.meta["quantum"] * min_mult, reduce_src=red, kvh=kvh)
+    assert _rel(got, ref) < RTOL
+
+
+def test_flash_decoding_zero_length_writes_zeros():
+    rng = np.random.default_rng(0)
+    q, kc, vc, _ = _decode_data(rng, 4, 2, 64, 5, 8, 1.0, False)
+    chunk = catalog.emit("flash_decoding_chunk", target="sm_90", head_dim=64, group=2, indirect=True)
+    red = catalog.emit("flash_decoding_reduce", target="sm_90", head_dim=64, num_chunks=3, indirect=True)
+    got = _run_decode("flash", chunk, q, kc, vc, 0, 8, True, nch=3, reduce_src=red, kvh=2)
+    assert np.array_equal(got, np.zeros_like(got))
+    inc = catalog.emit("incremental_attention", target="sm_90", head_dim=64, group=2, indirect=False)
+    got = _run_decode("incremental", inc, q, kc, vc, 0, 8, False, kvh=2)
+    assert np.array_equal(got, np.zeros_like(got))
+
+
+def test_device_seq_len_is_clamped_to_max_len():
+    rng = np.random.default_rng(1)
+    q, kc, vc, ref = _decode_data(rng, 2, 1, 32, 16, 16, 2.0, False)
+    chunk = catalog.emit("flash_decoding_chunk", target="sm_90", head_dim=32, group=2, indirect=True)
+    red = catalog.emit("flash_decoding_reduce", target="sm_90", head_dim=32, num_chunks=4, indirect=True)
+    got = _run_decode("flash", chunk, q, kc, vc, 1000, 16, True, nch=4, reduce_src=red, kvh=1)
+    assert _rel(got, ref) < RTOL  # a length past max_len reads max_len rows, never beyond
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(hk=heads, d=st.sampled_from(HEAD_DIMS), sq=st.integers(1, 140), extra=st.integers(0, 80),
+       slack=st.integers(0, 9), causal=st.booleans(), scale=st.floats(0.1, 20), seed=st.integers(0, 2**32 - 1))
+def test_flash_attention_emulated(hk, d, sq, extra, slack, causal, scale, seed):
+    h, kvh = hk
+    if h * sq * d > 120_000:  # keep the emulated launch small
+        sq = max(1, 120_000 // (h * d))
+    rng = np.random.default_rng(seed)
+    sk = sq + extra
+    stride = sk + slack  # reading a cache in place: rows past seq_k are NaN and must not be read
+    q = (rng.standard_normal((h, sq, d)) * scale).astype(np.float32)
+    k = np.full((kvh, stride, d), np.nan, np.float32)
+    v = np.full((kvh, stride, d), np.nan, np.float32)
+    k[:, :sk] = rng.standard_normal((kvh, sk, d))
+    v[:, :sk] = rng.standard_normal((kvh, sk, d))
+    ref = gqa_attention(q.astype(np.float64), k[:, :sk].astype(np.float64), v[:, :sk].astype(np.float64),
+                        causal=causal)
+    src = catalog.emit("flash_attention", target="sm_90", head_dim=d, group=h // kvh, causal=causal)
+    mem = Memory()
+    pq, pk, pv, po = mem.alloc_array(q), mem.alloc_array(k), mem.alloc_array(v), mem.alloc(q.nbytes)
+    run(src.ptx, (-(-sq // src.meta["block_q"]), h), (src.meta["block"],),
+        {"q": pq, "k": pk, "v": pv, "out": po, "seq_q": sq, "seq_k": sk, "q_offset": sk - sq, "kv_stride": stride},
+        mem, shared_bytes=src.meta["shared_bytes"])
+    got = mem.read(po, np.float32, q.size).reshape(q.shape)
+    assert _rel(got, ref) < RTOL
+
+
+@settings(max_examples=10, deadline=None)
+@given(d=st.sampled_from(HEAD_DIMS), kvh=st.integers(1, 4), count=st.integers(1, 5), pos=st.integers(0, 12),
+       indirect=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_kv_append_emulated(d, kvh, count, pos, indirect, seed):
+    rng = np.random.default_rng(seed)
+    max_len = 10
+    knew = rng.standard_normal((kvh, count, d)).astype(np.float32)
+    vnew = rng.standard_normal((kvh, count, d)).astype(np.float32)
+    init = rng.standard_normal((2, kvh, max_len, d)).astype(np.float32)
+    src = catalog.emit("kv_append", target="sm_90", head_dim=d, indirect=indirect)
+    mem = Memory()
+    pk, pv = mem.alloc_array(init[0]), mem.alloc_array(init[1])
+    pkn, pvn = mem.alloc_array(knew), mem.alloc_array(vnew)
+    p = {"pos_ptr": mem.alloc_array(np.array([pos], np.uint32))} if indirect else {"pos": pos}
+    grid = (-(-count * d // 4 // src.meta["block"]), kvh)
+    run(src.ptx, grid, (src.meta["block"],), {"k_cache": pk, "v_cache": pv, "k_new": pkn, "v_new": pvn,
+                                              "count": count, "max_len": max_len, **p}, mem)
+    want_k, want_v = init[0].copy(), init[1].copy()
+    n = max(0, min(count, max_len - pos))  # rows past max_len are dropped, never written out of bounds
+    want_k[:, pos:pos + n] = knew[:, :n]
+    want_v[:, pos:pos + n] = vnew[:, :n]
+    assert np.array_equal(mem.read(pk, np.float32, want_k.size).reshape(want_k.shape), want_k)
+    assert np.array_equal(mem.read(pv, np.float32, want_v.size).reshape(want_v.shape), want_v)
+
+
+def test_the_data_catches_a_missing_rescale(monkeypatch):
+    """Plant the Rust original's bug (the rescale factor exp(m_old - m_new) forced to 1): the oracle
+    test's data must fail it, while the real kernel passes on the same data."""
+    import ptx_gen.kernels.incremental_attention as ia
+    from ptx_gen.builder import KernelBuilder
+
+    real_ex2 = KernelBuilder.ex2
+
+    def build(buggy: bool) -> catalog.PtxKernel:
+        m = Module("sm_90")
+        if buggy:
+            calls = []
+
+            def ex2(self, a):  # the first ex2 emitted is head 0's alpha = ex2(m_old - m_new) in the row loop
+                calls.append(a)
+                return self.mov(1.0, "f32") if len(calls) == 1 else real_ex2(self, a)
+
+            monkeypatch.setattr(KernelBuilder, "ex2", ex2)
+        k = ia.incremental_attention(m, head_dim=64, group=2, indirect=False, warps=1, unroll=1)
+        monkeypatch.setattr(KernelBuilder, "ex2", real_ex2)
+        return catalog.PtxKernel("t", k.name, "sm_90", (("buggy", buggy),), m.emit(), k.params, dict(k.meta))
+
+    rng = np.random.default_rng(5)
+    q, kc, vc, ref = _decode_data(rng, 4, 2, 64, 90, 96, 3.0, True)
+    good = _run_decode("incremental", build(False), q, kc, vc, 90, 96, False, kvh=2)
+    bad = _run_decode("incremental", build(True), q, kc, vc, 90, 96, False, kvh=2)
+    assert _rel(good, ref) < RTOL
+    assert _rel(bad, ref) > 1e-2
+
+
+def test_emulator_catches_a_missing_barrier():
+    src = catalog.emit("flash_attention", target="sm_90", head_dim=32, group=1, causal=True)
+    lines = src.ptx.splitlines()
+    first_bar = next(i for i, line in enumerate(lines) if "bar.sync" in line)
+    broken = "\n".join(line for i, line in enumerate(lines) if i != first_bar)
+    mem = Memory()
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 40, 32)).astype(np.float32)
+    ptrs = [mem.alloc_array(x) for _ in range(3)]
+    with pytest.raises(EmulatorError, match="race"):
+        run(broken, (1, 1), (src.meta["block"],), {"q": ptrs[0], "k": ptrs[1], "v": ptrs[2], "out": mem.alloc(x.nbytes),
+                                                   "seq_q": 40, "seq_k": 40, "q_offset": 0, "kv_stride": 40},
+            mem, shared_bytes=src.meta["shared_bytes"])
+
+
+# ---- the executor: validation without a GPU, then end to end on the emulator --------------------------
+
+@pytest.mark.parametrize("args, match", [
+    ((2, 6, 4, 64, 128), "multiple of num_kv_heads"),
+    ((2, 8, 0, 64, 128), "num_kv_heads"),
+    ((0, 8, 2, 64, 128), "num_layers"),
+    ((2, 8, 2, 60, 128), "head_dim"),
+    ((2, 8, 2, 512, 128), "head_dim"),
+    ((2, 8, 2, 64, 0), "max_len"),
+    ((2, 8, 2, 64, 1.5), "max_len"),
+    ((2, True, 2, 64, 16), "num_heads"),
+])
+def test_constructor_validates_before_touching_the_gpu(args, match):
+    with pytest.raises(ShapeError, match=match):
+        CudaExecutor(*args)
+    with pytest.raises(ShapeError, match=match):
+        AttentionConfig(*args)
+
+
+@pytest.mark.skipif(cuda.is_available(), reason="checks the no-GPU path")
+def test_valid_config_without_gpu_reports_no_gpu():
+    with pytest.raises(cuda.CudaUnavailableError):
+        CudaExecutor(2, 8, 2, 64, 128)
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    f = FakeCuda()
+    monkeypatch.setattr(executor_module, "cuda", f)
+    return f
+
+
+def _caches(ex: CudaExecutor, layer: int):
+    return ex.cache_to_numpy(layer)
+
+
+def test_executor_decode_prefill_and_bookkeeping(fake):
+    rng = np.random.default_rng(3)
+    h, kvh, d, max_len = 6, 2, 48, 40
+    ex = CudaExecutor(3, h, kvh, d, max_len, num_chunks=4)
+    # prefill 13 tokens on layer 1, then decode 5 more with flash_attention_cached
+    s = 13
+    q = rng.standard_normal((h, s, d)).astype(np.float32) * 4
+    k = rng.standard_normal((kvh, s, d)).astype(np.float32)
+    v = rng.standard_normal((kvh, s, d)).astype(np.float32)
+    y = ex.prefill(1, q, k, v)
+    assert ex.lengths == (0, s, 0)
+    assert _rel(y, gqa_attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), True)) < RTOL
+    ks, vs = [k], [v]
+    for step in range(5):
+        qt = (rng.standard_normal((h, d)) * 4).astype(np.float32)
+        kt, vt = rng.standard_normal((2, kvh, d)).astype(np.float32)
+        out = np.full((h, d), np.nan, np.float32)
+        n = ex.flash_attention_cached(1, qt, kt, vt, out)
+        assert n == s + step + 1 == ex.lengths[1]
+        kall, vall = np.concatenate(ks, 1), np.concatenate(vs, 1)
+        ref = attention_with_cache_gqa(qt.astype(np.float64), kall.astype(np.float64), vall.astype(np.float64),
+                                       kt.astype(np.float64), vt.astype(np.float64))
+        assert _rel(out, ref) < RTOL
+        assert _rel(ex.incremental_attention_gpu(1, qt), ref) < RTOL
+        ks.append(kt[:, None])
+        vs.append(vt[:, None])
+    kc, vc = _caches(ex, 1)
+    assert np.array_equal(kc, np.concatenate(ks, 1)) and np.array_equal(vc, np.concatenate(vs, 1))
+    # attend over a prefix, truncate, reset
+    qt = rng.standard_normal((h, d)).astype(np.float32)
+    pref = attention_with_cache_gqa(qt.astype(np.float64), kc[:, :9].astype(np.float64), vc[:, :9].astype(np.float64),
+                                    kc[:, 9].astype(np.float64), vc[:, 9].astype(np.float64))
+    assert _rel(ex.incremental_attention_gpu(1, qt, seq_len=10), pref) < RTOL
+    ex.truncate(1, 10)
+    assert ex.lengths[1] == 10
+    ex.truncate(None, 0)
+    assert ex.lengths == (0, 0, 0)
+    ex.set_length(2, 7)
+    ex.reset()
+    assert ex.lengths == (0, 0, 0)
+
+
+def test_executor_device_resident_flash_decoding(fake):
+    rng = np.random.default_rng(4)
+    h, kvh, d, max_len = 8, 2, 64, 64
+    ex = CudaExecutor(1, h, kvh, d, max_len, num_chunks=3)
+    G = fake.GpuBuffer
+    pos = G(2, np.uint32)  # [position, seq_len] as a graph's step values would hold them
+    qb, ob, kb, vb = G(h * d), G(h * d), G(kvh * d), G(kvh * d)
+    kall = np.zeros((kvh, 0, d), np.float32)
+    vall = np.zeros((kvh, 0, d), np.float32)
+    for t in range(20):
+        qt = (rng.standard_normal((h, d)) * 5).astype(np.float32)
+        kt, vt = rng.standard_normal((2, kvh, d)).astype(np.float32)
+        pos.copy_from_host(np.array([t, t + 1], np.uint32))
+        qb.copy_from_host(qt.reshape(-1))
+        kb.copy_from_host(kt.reshape(-1))
+        vb.copy_from_host(vt.reshape(-1))
+        ob.poison()
+        n_launch = len(fake.launches)
+        ex.append_kv(0, kb, vb, position=(pos, 0))
+        ex.flash_decoding(0, qb, ob, seq_len=(pos, 1))
+        assert len(fake.launches) == n_launch + 3
+        ref = attention_with_cache_gqa(qt.astype(np.float64), kall.astype(np.float64), vall.astype(np.float64),
+                                       kt.astype(np.float64), vt.astype(np.float64))
+        assert _rel(ob.to_numpy((h, d)), ref) < RTOL
+        kall = np.concatenate([kall, kt[:, None]], 1)
+        vall = np.concatenate([vall, vt[:, None]], 1)
+    # fixed launch shapes and cached argument packs: a graph of these launches never changes
+    shapes = {(name, grid, block) for name, grid, block, _, _ in fake.launches[-60:]}
+    assert len(shapes) == 3
+    assert ex.lengths == (0,)  # device-positioned appends do not touch the host length
+    ex.set_length(0, 20)
+    out = np.empty((h, d), np.float32)
+    ex.flash_attention_cached(0, qt, kt, vt, out)
+    assert ex.lengths == (21,)
+
+
+def test_executor_argument_errors(fake):
+    ex = CudaExecutor(2, 4, 2, 32, 8, num_chunks=2)
+    q = np.zeros((4, 32), np.float32)
+    kv = np.zeros((2, 32), np.float32)
+    out = np.empty((4, 32), np.float32)
+    with pytest.raises(ShapeError, match=r"layer must be an integer in \[0, 2\)"):
+        ex.flash_attention_cached(2, q, kv, kv, out)
+    with pytest.raises(ShapeError, match=r"q must have shape \(4, 32\)"):
+        ex.flash_attention_cached(0, np.zeros((4, 16), np.float32), kv, kv, out)
+    with pytest.raises(ShapeError, match="k must have shape"):
+        ex.flash_attention_cached(0, q, np.zeros((4, 32), np.float32), kv, out)
+    with pytest.raises(ShapeError, match="out must be"):
+        ex.flash_attention_cached(0, q, kv, kv, np.empty((4, 32), np.float64))
+    with pytest.raises(CacheStateError, match="uninitialised"):
+        ex.incremental_attention_gpu(1, q)
+    for _ in range(8):
+        ex.flash_attention_cached(0, q, kv, kv, out)
+    with pytest.raises(ContextOverflowError, match="max_len 8"):
+        ex.flash_attention_cached(0, q, kv, kv, out)
+    with pytest.raises(ContextOverflowError, match="max_len is 8"):
+        ex.prefill(1, np.zeros((4, 9, 32)), np.zeros((2, 9, 32)), np.zeros((2, 9, 32)))
+    with pytest.raises(ShapeError, match="seq_len >= 3"):
+        ex.flash_attention_multi_head(np.zeros((4, 3, 32)), np.zeros((2, 2, 32)), np.zeros((2, 2, 32)))
+    with pytest.raises(CacheStateError, match="holds only 8"):
+        ex.truncate(0, 9)
+    with pytest.raises(CacheStateError, match="hole"):
+        ex.append_kv(1, kv, kv, position=3)
+    with pytest.raises(CacheStateError, match="holds 8 positions, asked to attend over 9"):
+        ex.incremental_attention_gpu(0, q, seq_len=9)
+    qb, ob = fake.GpuBuffer(4 * 32), fake.GpuBuffer(4 * 31)
+    with pytest.raises(ShapeError, match="out needs 128 elements"):
+        ex.flash_decoding(0, qb, ob, seq_len=3)
+    with pytest.raises(ShapeError, match="seq_len must hold uint32"):
+        ex.flash_decoding(0, qb, fake.GpuBuffer(128), seq_len=fake.GpuBuffer(1))
+    with pytest.raises(ShapeError, match="16-byte aligned"):
+        ex.flash_decoding(0, (fake.GpuBuffer(130), 1), fake.GpuBuffer(128), seq_len=3)
+    with pytest.raises(ShapeError, match="GpuBuffer"):
+        ex.flash_decoding(0, q, ob, seq_len=3)
+    assert ex.lengths == (8, 0)  # failed calls changed nothing
+
+
+def test_executor_multi_head_matches_oracle(fake):
+    rng = np.random.default_rng(9)
+    ex = CudaExecutor(1, 4, 1, 80, 16)
+    for causal in (True, False):
+        q = rng.standard_normal((4, 21, 80)).astype(np.float32) * 3
+        k = rng.standard_normal((1, 30, 80)).astype(np.float32)
+        v = rng.standard_normal((1, 30, 80)).astype(np.float32)
+        y = ex.flash_attention_multi_head(q, k, v, causal=causal)
+        ref = gqa_attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), causal=causal)
+        assert _rel(y, ref) < RTOL
+
+
+def test_sanitize_cases_and_benchmark_run_on_the_emulator(monkeypatch):
+    """The device scripts' control flow (argument packing, graph capture, table rows) on the CPU."""
+    import tools.bench_attention as bench
+    import tools.sanitize_attention as sanitize
+
+    f = FakeCuda(sm_count=4)  # few chunks: a small emulated grid
+    for mod in (bench, sanitize, executor_module):
+        monkeypatch.setattr(mod, "cuda", f)
+    monkeypatch.setattr(bench, "call", lambda *args: None)
+
+    class NoTorch:
+        torch = None
+
+        def time(self, *args, **kwargs):
+            return None
+
+    sanitize.cases(f.module_cache(), np.random.default_rng(0), small=True)
+    rows = bench.bench_decode(f.current_device(), f.Stream(), 1e6, 1, NoTorch(), [40], [(4, 2, 64)], calls=2)
+    assert len(rows) == 3 and rows[-1].startswith("| 4/2/64 | 40 |")
+    rows = bench.bench_tuning(f.current_device(), f.Stream(), 1e6, 1, [(4, 2, 64)], [33], calls=1)
+    assert len(rows) == 2 + len(bench.TUNE_VARIANTS) and "**best**" in "".join(rows)
+    rows = bench.bench_prefill(f.current_device(), f.Stream(), 1, NoTorch(), [(2, 1, 32)], [20])
+    assert len(rows) == 3 and rows[-1].startswith("| 2/1/32 | 20 |")

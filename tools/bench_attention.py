@@ -1,0 +1,387 @@
+"""Attention kernels on the GPU: µs per call, KV bandwidth, % of the measured copy bandwidth, vs torch.
+
+    python tools/bench_attention.py --out docs/results/attention.md
+    python tools/bench_attention.py --quick              # fewer repetitions
+    python tools/bench_attention.py --sanitize-shapes    # the small checked cases (for compute-sanitizer)
+
+Decode rows, for (heads, kv_heads, head_dim) in {(14,2,64), (28,4,128), (32,8,128)} x L in {512, 4096,
+32768} on the same random f32 data:
+
+* flash decoding (chunk + reduce kernels, seq_len read on the device) timed as a captured CUDA graph of
+  many back-to-back calls (GPU time per call, launch gaps included) and as eager launches;
+* the one-pass incremental kernel (graph);
+* KV append of one token (graph);
+* torch ``scaled_dot_product_attention(q, k, v, enable_gqa=True)`` with batch 1 and one query, f32
+  and f16, eager and (when torch can capture it) as a torch CUDA graph.
+
+Bandwidth counts the K and V bytes a call must read (2 * kv_heads * L * head_dim * 4). The copy
+bandwidth is measured in the same run with cuMemcpyDtoD of a 1 GiB buffer (bytes read + written).
+Times are medians of repeated CUDA-event measurements after warm-up. A prefill table (causal flash
+attention, S in {512, 2048}) follows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from realizar import cuda  # noqa: E402
+from realizar.cuda.driver import call  # noqa: E402
+from realizar.executor import CudaExecutor  # noqa: E402
+
+SHAPES = [(14, 2, 64), (28, 4, 128), (32, 8, 128)]
+LENGTHS = [512, 4096, 32768]
+PREFILL = [512, 2048]
+
+
+def _median_us(run, stream, calls: int, reps: int) -> float:
+    """Median over ``reps`` of (event time of ``run()`` / calls) in µs; ``run`` issues ``calls`` calls."""
+    start, end = cuda.Event(), cuda.Event()
+    run()
+    stream.synchronize()
+    samples = []
+    for _ in range(reps):
+        start.record(stream)
+        run()
+        end.record(stream)
+        end.synchronize()
+        samples.append(start.elapsed_ms(end) * 1e3 / calls)
+    return statistics.median(samples)
+
+
+def copy_bandwidth(stream, reps: int) -> float:
+    """Device-to-device copy bandwidth in bytes/µs, counting bytes read + written."""
+    n = 1 << 28  # 1 GiB of f32
+    with cuda.GpuBuffer(n) as a, cuda.GpuBuffer(n) as b:
+        a.fill_bytes(0x3C)
+
+        def run():
+            for _ in range(4):
+                call("cuMemcpyDtoDAsync", b.ptr, a.ptr, a.nbytes, stream.handle)
+
+        us = _median_us(run, stream, 4, reps)
+    return 2 * n * 4 / us
+
+
+def _graph_of(fn, stream, calls: int):
+    """A captured graph of ``calls`` calls of ``fn(stream)``, or None when capture is unavailable."""
+    capture = getattr(cuda, "capture", None)
+    if capture is None:
+        return None
+    fn(stream)  # loads the kernels first: no module load inside the capture
+    stream.synchronize()
+    with capture(stream) as cap:
+        for _ in range(calls):
+            fn(stream)
+    return cap.graph.instantiate()
+
+
+class TorchSdpa:
+    """torch's scaled_dot_product_attention on the same data (None fields when torch is missing)."""
+
+    def __init__(self):
+        try:
+            import torch
+            import torch.nn.functional as F
+        except ImportError:  # pragma: no cover - torch is a test dependency
+            self.torch = None
+            return
+        self.torch, self.F = torch, F
+
+    def time(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, dtype: str, reps: int, graph: bool) -> float | None:
+        if self.torch is None:
+            return None
+        torch, F = self.torch, self.F
+        dt = {"f32": torch.float32, "f16": torch.float16}[dtype]
+        tq = torch.from_numpy(np.ascontiguousarray(q)).to("cuda", dt)[None, :, None, :]  # [1, H, 1, D]
+        tk = torch.from_numpy(np.ascontiguousarray(k)).to("cuda", dt)[None]  # [1, KVH, L, D]
+        tv = torch.from_numpy(np.ascontiguousarray(v)).to("cuda", dt)[None]
+        calls = 20
+
+        def once():
+            return F.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)
+
+        try:
+            once()
+            torch.cuda.synchronize()
+            if graph:
+                g = torch.cuda.CUDAGraph()
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    once()  # warm-up on the capture stream
+                    torch.cuda.synchronize()
+                    with torch.cuda.graph(g, stream=s):
+                        for _ in range(calls):
+                            once()
+                torch.cuda.synchronize()
+
+                def run():
+                    g.replay()
+            else:
+                def run():
+                    for _ in range(calls):
+                        once()
+            run()
+            torch.cuda.synchronize()
+            samples = []
+            for _ in range(reps):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                run()
+                b.record()
+                b.synchronize()
+                samples.append(a.elapsed_time(b) * 1e3 / calls)
+            return statistics.median(samples)
+        except Exception as exc:  # graph capture of some sdpa paths is unsupported
+            print(f"  torch {dtype} {'graph' if graph else 'eager'}: {type(exc).__name__}: {str(exc)[:120]}")
+            return None
+        finally:
+            torch.cuda.empty_cache()
+
+
+def _fmt(x: float | None, spec: str = ".1f", suffix: str = "") -> str:
+    return "—" if x is None else format(x, spec) + suffix
+
+
+def bench_decode(dev, stream, copy_bw: float, reps: int, torch_sdpa: TorchSdpa, lengths, shapes,
+                 calls: int | None = None) -> list[str]:
+    rows = []
+    header = ("| heads/kv/dim | L | KV MiB | flash decoding µs (graph) | KV GB/s | % of copy | flash decoding µs "
+              "(eager) | incremental µs (graph) | append µs (graph) | torch f32 µs | torch f16 µs | vs torch f32 |")
+    rows += [header, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rng = np.random.default_rng(0)
+    max_len = max(lengths)
+    for h, kvh, d in shapes:
+        ex = CudaExecutor(1, h, kvh, d, max_len, dev)
+        k = rng.standard_normal((kvh, max_len, d), dtype=np.float32)
+        v = rng.standard_normal((kvh, max_len, d), dtype=np.float32)
+        ex.k_cache(0).copy_from_host(k.reshape(-1))
+        ex.v_cache(0).copy_from_host(v.reshape(-1))
+        ex.set_length(0, max_len)
+        q = rng.standard_normal((h, d), dtype=np.float32)
+        qb, ob = cuda.GpuBuffer.from_numpy(q), cuda.GpuBuffer(h * d)
+        kn, vn = cuda.GpuBuffer.from_numpy(k[:, 0]), cuda.GpuBuffer.from_numpy(v[:, 0])
+        step = cuda.GpuBuffer.from_numpy(np.array([0, 0], np.uint32))
+        for length in lengths:
+            step.copy_from_host(np.array([length - 1, length], np.uint32))  # append rewrites row L-1 in place
+            kv_bytes = 2 * kvh * length * d * 4
+            n_calls = calls or (50 if length <= 4096 else 20)
+
+            def fd(s):
+                ex.flash_decoding(0, qb, ob, seq_len=(step, 1), stream=s)
+
+            def inc(s):
+                ex.incremental_attention_gpu(0, qb, ob, seq_len=(step, 1), stream=s)
+
+            def app(s):
+                ex.append_kv(0, kn, vn, position=(step, 0), stream=s)
+
+            g_fd, g_inc, g_app = (_graph_of(f, stream, n_calls) for f in (fd, inc, app))
+            t_fd = _median_us(lambda: g_fd.launch(stream), stream, n_calls, reps) if g_fd else None
+
+            def eager():
+                for _ in range(n_calls):
+                    fd(stream)
+
+            t_eager = _median_us(eager, stream, n_calls, reps)
+            t_inc = _median_us(lambda: g_inc.launch(stream), stream, n_calls, reps) if g_inc else None
+            t_app = _median_us(lambda: g_app.launch(stream), stream, n_calls, reps) if g_app else None
+            best = min(t for t in (t_fd, t_eager) if t is not None)
+            gbs = kv_bytes / best / 1e3
+            pct = 100 * kv_bytes / best / copy_bw
+            kk, vv = k[:, :length], v[:, :length]
+            t32 = torch_sdpa.time(q, kk, vv, "f32", reps, graph=True) or torch_sdpa.time(q, kk, vv, "f32", reps, False)
+            t16 = torch_sdpa.time(q, kk, vv, "f16", reps, graph=True) or torch_sdpa.time(q, kk, vv, "f16", reps, False)
+            speed = None if t32 is None else t32 / best
+            row = (f"| {h}/{kvh}/{d} | {length} | {kv_bytes / 2**20:.1f} | {_fmt(t_fd)} | {gbs:.0f} | {pct:.0f}% | "
+                   f"{t_eager:.1f} | {_fmt(t_inc)} | {_fmt(t_app)} | {_fmt(t32)} | {_fmt(t16)} | "
+                   f"{_fmt(speed, '.1f', 'x')} |")
+            print(row, flush=True)
+            rows.append(row)
+            for g in (g_fd, g_inc, g_app):
+                if g is not None:
+                    g.close()
+        for b in (qb, ob, kn, vn, step):
+            b.free()
+        ex.close()
+    return rows
+
+
+def bench_prefill(dev, stream, reps: int, torch_sdpa: TorchSdpa, shapes, seqs) -> list[str]:
+    rows = ["| heads/kv/dim | S (causal) | flash attention µs | TFLOP/s | torch f32 µs | vs torch f32 |",
+            "|---|---:|---:|---:|---:|---:|"]
+    rng = np.random.default_rng(1)
+    for h, kvh, d in shapes:
+        for s in seqs:
+            ex = CudaExecutor(1, h, kvh, d, s, dev)
+            q = rng.standard_normal((h, s, d), dtype=np.float32)
+            k = rng.standard_normal((kvh, s, d), dtype=np.float32)
+            v = rng.standard_normal((kvh, s, d), dtype=np.float32)
+            ex.k_cache(0).copy_from_host(k.reshape(-1))  # [KVH, S, D] == the cache layout at max_len = S
+            ex.v_cache(0).copy_from_host(v.reshape(-1))
+            ex.set_length(0, s)
+            with cuda.GpuBuffer.from_numpy(q) as qb, cuda.GpuBuffer(q.size) as ob:
+                def run():
+                    for _ in range(3):
+                        ex.prefill_device(0, qb, ob, s, 0, s, True, stream=stream)
+
+                t = _median_us(run, stream, 3, max(3, reps // 4))
+            flops = 4 * h * d * s * (s + 1) / 2  # QK^T and PV over the causal half
+            t32 = None
+            if torch_sdpa.torch is not None:
+                torch, F = torch_sdpa.torch, torch_sdpa.F
+                try:
+                    tq = torch.from_numpy(q).cuda()[None]
+                    tk, tv = torch.from_numpy(k).cuda()[None], torch.from_numpy(v).cuda()[None]
+                    F.scaled_dot_product_attention(tq, tk, tv, is_causal=True, enable_gqa=True)
+                    torch.cuda.synchronize()
+                    samples = []
+                    for _ in range(max(3, reps // 4)):
+                        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        a.record()
+                        F.scaled_dot_product_attention(tq, tk, tv, is_causal=True, enable_gqa=True)
+                        b.record()
+                        b.synchronize()
+                        samples.append(a.elapsed_time(b) * 1e3)
+                    t32 = statistics.median(samples)
+                    del tq, tk, tv
+                    torch.cuda.empty_cache()
+                except Exception as exc:
+                    print(f"  torch prefill: {type(exc).__name__}: {str(exc)[:120]}")
+            row = (f"| {h}/{kvh}/{d} | {s} | {t:.0f} | {flops / t / 1e6:.1f} | {_fmt(t32, '.0f')} | "
+                   f"{_fmt(None if t32 is None else t32 / t, '.2f', 'x')} |")
+            print(row, flush=True)
+            rows.append(row)
+            ex.close()
+    return rows
+
+
+TUNE_VARIANTS = [  # (label, chunk-kernel options, num_chunks factor)
+    ("default", {}, 1.0),
+    ("8 warps", {"warps": 8}, 1.0),
+    ("prefetch", {"prefetch": True}, 1.0),
+    ("prefetch, 8 warps", {"prefetch": True, "warps": 8}, 1.0),
+    ("unroll 2", {"unroll": 2}, 1.0),
+    ("chunks x0.5", {}, 0.5),
+    ("chunks x2", {}, 2.0),
+]
+
+
+def bench_tuning(dev, stream, copy_bw: float, reps: int, shapes, lengths, calls: int | None = None) -> list[str]:
+    """Flash-decoding variants on the same data (graph timing), to pick the defaults from one run."""
+    rows = ["| heads/kv/dim | L | variant | chunks | µs (graph) | % of copy |", "|---|---:|---|---:|---:|---:|"]
+    rng = np.random.default_rng(2)
+    max_len = max(lengths)
+    for h, kvh, d in shapes:
+        ex = CudaExecutor(1, h, kvh, d, max_len, dev)
+        ex.k_cache(0).copy_from_host(rng.standard_normal(kvh * max_len * d, dtype=np.float32))
+        ex.v_cache(0).copy_from_host(rng.standard_normal(kvh * max_len * d, dtype=np.float32))
+        qb, ob = cuda.GpuBuffer.from_numpy(rng.standard_normal(h * d, dtype=np.float32)), cuda.GpuBuffer(h * d)
+        step = cuda.GpuBuffer.from_numpy(np.array([0], np.uint32))
+        cache = cuda.module_cache(dev)
+        group = h // kvh
+        for length in lengths:
+            step.copy_from_host(np.array([length], np.uint32))
+            kv_bytes = 2 * kvh * length * d * 4
+            results = []
+            for label, opts, factor in TUNE_VARIANTS:
+                chunk = cache.get("flash_decoding_chunk", head_dim=d, group=group, indirect=True, **opts)
+                nch = max(1, min(1024, round(ex.num_chunks * factor)))
+                red = cache.get("flash_decoding_reduce", head_dim=d, num_chunks=nch, indirect=True)
+                pacc, pml = cuda.GpuBuffer(h * nch * d), cuda.GpuBuffer(h * nch * 2)
+                cargs = chunk.args(qb, ex.k_cache(0), ex.v_cache(0), pacc, pml, step, max_len, chunk.meta["quantum"])
+                rargs = red.args(pacc, pml, ob, step, max_len)
+                grid = (kvh * chunk.meta["subgroups"], nch)
+                n_calls = calls or (50 if length <= 4096 else 20)
+
+                def fd(s, chunk=chunk, red=red, cargs=cargs, rargs=rargs, grid=grid):
+                    cuda.launch(chunk, grid, chunk.meta["block"], cargs, stream=s)
+                    cuda.launch(red, h, red.meta["block"], rargs, stream=s)
+
+                g = _graph_of(fd, stream, n_calls)
+                if g is not None:
+                    t = _median_us(lambda: g.launch(stream), stream, n_calls, reps)
+                    g.close()
+                else:
+                    def eager():
+                        for _ in range(n_calls):
+                            fd(stream)
+                    t = _median_us(eager, stream, n_calls, reps)
+                stream.synchronize()
+                pacc.free()
+                pml.free()
+                results.append((label, nch, t))
+            best = min(r[2] for r in results)
+            for label, nch, t in results:
+                mark = " **best**" if t == best else ""
+                row = (f"| {h}/{kvh}/{d} | {length} | {label}{mark} | {nch} | {t:.1f} | "
+                       f"{100 * kv_bytes / t / copy_bw:.0f}% |")
+                print(row, flush=True)
+                rows.append(row)
+        for b in (qb, ob, step):
+            b.free()
+        ex.close()
+    return rows
+
+
+def sanitize_shapes() -> None:
+    from tools.sanitize_attention import cases
+
+    cases(cuda.module_cache(), np.random.default_rng(0), small=False)
+    cuda.current_device().synchronize()
+    print("ok: attention sanitize shapes")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions")
+    ap.add_argument("--sanitize-shapes", action="store_true", help="run the small checked cases and exit")
+    ap.add_argument("--no-prefill", action="store_true")
+    ap.add_argument("--no-tune", action="store_true", help="skip the flash-decoding variant sweep")
+    a = ap.parse_args()
+    if a.sanitize_shapes:
+        sanitize_shapes()
+        return
+    dev = cuda.current_device()
+    stream = cuda.Stream()
+    reps = 5 if a.quick else 15
+    copy_bw = copy_bandwidth(stream, reps)
+    torch_sdpa = TorchSdpa()
+    lines = [
+        f"# Attention kernels — {dev.name}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
+        "",
+        f"Device-to-device copy bandwidth measured in this run: **{copy_bw / 1e3:.0f} GB/s** "
+        "(cuMemcpyDtoD of 1 GiB, bytes read + written). `python tools/bench_attention.py`",
+        "",
+        "Decode (batch 1, one query per head, f32 KV cache). Graph columns: GPU time per call inside a captured "
+        "CUDA graph of back-to-back calls. KV GB/s and % of copy use the best of graph/eager.",
+        "",
+    ]
+    print("\n".join(lines), flush=True)
+    lines += bench_decode(dev, stream, copy_bw, reps, torch_sdpa, LENGTHS, SHAPES)
+    if not a.no_tune:
+        lines += ["", "Flash-decoding variants (same data; graph timing; the defaults are the first row):", ""]
+        print("\n".join(lines[-3:]), flush=True)
+        lines += bench_tuning(dev, stream, copy_bw, reps, SHAPES, [4096, 32768])
+    if not a.no_prefill:
+        lines += ["", "Prefill (causal flash attention, f32, from the KV cache in place):", ""]
+        print("\n".join(lines[-3:]), flush=True)
+        lines += bench_prefill(dev, stream, reps, torch_sdpa, SHAPES, PREFILL)
+    table = "\n".join(lines) + "\n"
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(table)
+    print("\n" + table)
+
+
+if __name__ == "__main__":
+    main()
