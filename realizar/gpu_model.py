@@ -1,8 +1,8 @@
 """The GPU model: a llama-family decoder run entirely on the GPU, one CUDA graph per token.
 
 Weights stay in their GGUF block form on the device; activations, the KV cache and the sampled token
-never leave it. A decode step is recorded once as a graph (embedding → 30 × [RMSNorm, QKV GEMV, RoPE,
-KV append, flash decoding, O GEMV + residual, RMSNorm, gate/up GEMV + SwiGLU, down GEMV + residual]
+never leave it. A decode step is recorded once as a graph (embedding → 30 × [RMSNorm, QKV GEMV, RoPE fused with
+the KV append, flash decoding, O GEMV + residual, RMSNorm, gate/up GEMV + SwiGLU, down GEMV + residual]
 → final norm → LM head → argmax); afterwards a token costs one async copy of the step values
 (token, position, sequence length) and one graph launch. Greedy decoding reads back 4 bytes.
 
@@ -107,7 +107,6 @@ class GpuModel:
         self.x = cuda.GpuBuffer(cfg.hidden_size)
         self.h = cuda.GpuBuffer(cfg.hidden_size)
         self.qkv = cuda.GpuBuffer(qkv_n)
-        self.qk_normed = cuda.GpuBuffer(cfg.q_dim + cfg.kv_dim) if cfg.qk_norm else None
         self.attn = cuda.GpuBuffer(cfg.q_dim)
         self.ffn = cuda.GpuBuffer(cfg.intermediate_size)
         self.ffn_up = None if all(lay.gate_up for lay in self.layers) else cuda.GpuBuffer(cfg.intermediate_size)
@@ -146,17 +145,14 @@ class GpuModel:
                 for w, off in zip(lay.qkv, (0, q_dim, q_dim + kv_dim)):
                     bias = None if lay.qkv_bias is None else (lay.qkv_bias, off)
                     ops.gemv(w, self.h, (self.qkv, off), bias=bias, stream=s)
-            qk = self.qkv
-            if cfg.qk_norm:
-                ops.rmsnorm((self.qkv, 0), lay.q_norm, (self.qk_normed, 0), eps, hidden=hd, rows=cfg.num_heads, stream=s)
-                ops.rmsnorm((self.qkv, q_dim), lay.k_norm, (self.qk_normed, q_dim), eps, hidden=hd,
-                            rows=cfg.num_kv_heads, stream=s)
-                qk = self.qk_normed
-            ops.rope((qk, 0), (qk, q_dim), self.inv_freq, self._step_value("pos"), cfg.num_heads, cfg.num_kv_heads,
-                     hd, neox=cfg.rope_type == "neox", stream=s)
-            self.executor.append_kv(i, (qk, q_dim), (self.qkv, q_dim + kv_dim), position=self._step_value("pos"),
-                                    stream=s)
-            self.executor.flash_decoding(i, (qk, 0), self.attn, self._step_value("seq_len"), stream=s)
+            if cfg.qk_norm:  # per-head RMSNorm of Q and K, in place
+                ops.rmsnorm((self.qkv, 0), lay.q_norm, (self.qkv, 0), eps, hidden=hd, rows=cfg.num_heads, stream=s)
+                ops.rmsnorm((self.qkv, q_dim), lay.k_norm, (self.qkv, q_dim), eps, hidden=hd, rows=cfg.num_kv_heads,
+                            stream=s)
+            ops.rope_kv_append(self.qkv, self.executor.k_cache(i), self.executor.v_cache(i), self.inv_freq,
+                               self._step_value("pos"), cfg.num_heads, cfg.num_kv_heads, hd, self.max_len,
+                               neox=cfg.rope_type == "neox", stream=s)
+            self.executor.flash_decoding(i, (self.qkv, 0), self.attn, self._step_value("seq_len"), stream=s)
             ops.gemv(lay.attn_out, self.attn, self.x, residual=self.x, stream=s)
             ops.rmsnorm(self.x, lay.ffn_norm, self.h, eps, stream=s)
             if lay.gate_up is not None:

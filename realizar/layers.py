@@ -271,6 +271,24 @@ class LayerOps:
         grid = (-(-(n_q + n_kv) * (rot_dim // 2) // kern.meta["block"]), n_tokens)
         self._launch(kern, grid, values, stream)
 
+    def rope_kv_append(self, qkv: Any, k_cache: Any, v_cache: Any, inv_freq: Any, pos: Any, n_q: int, n_kv: int,
+                       head_dim: int, max_len: int, neox: bool = False, stream: Any = None) -> None:
+        """Decode-step fusion: rotate Q in place in ``qkv`` ([q; k; v] of one token), rotate K into
+        ``k_cache[:, pos]`` and copy V into ``v_cache[:, pos]`` (caches [n_kv, max_len, head_dim]);
+        ``pos`` is a u32 device buffer (or (buffer, index)) so the call can live in a CUDA graph."""
+        n_q, n_kv, head_dim = self._count("n_q", n_q), self._count("n_kv", n_kv), self._count("head_dim", head_dim)
+        max_len = self._count("max_len", max_len)
+        kern = self.kernel("rope_kv_append", head_dim=head_dim, neox=bool(neox))
+        cache = n_kv * max_len * head_dim
+        values = {"qkv": self._addr(qkv, (n_q + 2 * n_kv) * head_dim, "qkv", align=4),
+                  "k_cache": self._addr(k_cache, cache, "k_cache", align=4),
+                  "v_cache": self._addr(v_cache, cache, "v_cache", align=4),
+                  "inv_freq": self._addr(inv_freq, head_dim // 2, "inv_freq", align=4),
+                  "pos_ptr": self._addr(pos, 1, "pos", np.uint32, align=4),
+                  "n_q": n_q, "n_kv": n_kv, "max_len": max_len}
+        items = (n_q + 2 * n_kv) * (head_dim // 2)
+        self._launch(kern, -(-items // kern.meta["block"]), values, stream)
+
     def _elementwise(self, name: str, values: dict, n: int, stream) -> None:
         vec = 4 if all(v % 16 == 0 for k_, v in values.items() if k_ != "n") else 1
         kern = self.kernel(name, vec=vec)
