@@ -499,6 +499,25 @@ class KernelBuilder:
         t = ptx_type(t)
         self._emit(f"red.{space}.{op}.{t.name} {self._address(addr, offset)}, {self._op(value, t)};")
 
+    def prefetch_l2(self, addr: Reg, nbytes: Operand) -> None:
+        """``cp.async.bulk.prefetch.L2.global``: ask the L2 to fetch ``nbytes`` (a multiple of 16) from
+        the 16-byte aligned global ``addr`` (sm_90+; a hint with no effect on results)."""
+        if self.target.compute_capability < (9, 0):
+            raise ValueError(f"cp.async.bulk.prefetch.L2 needs sm_90 or newer, the target is {self.target}")
+        self._emit(f"cp.async.bulk.prefetch.L2.global [{addr}], {self._op(nbytes, ptx_type('u32'))};")
+
+    def cp_async(self, dst: Reg, src: Reg, pred: Reg | None = None, dst_offset: int = 0, src_offset: int = 0) -> None:
+        """``cp.async.cg.shared.global [dst], [src], 16``: copy 16 bytes (both addresses 16-byte aligned)
+        from global to shared memory without passing through registers, bypassing L1 (sm_80+). The
+        copy lands at some point before this thread's :meth:`cp_async_wait_all`; other threads see it
+        after a barrier that follows the wait."""
+        self._emit(f"cp.async.cg.shared.global {self._address(dst, dst_offset)}, {self._address(src, src_offset)}, 16;",
+                   pred)
+
+    def cp_async_wait_all(self) -> None:
+        """``cp.async.wait_all``: every cp.async this thread issued has landed in shared memory."""
+        self._emit("cp.async.wait_all;")
+
     def shared_array(self, name: str, t: str | PtxType, count: int, align: int = 16) -> Reg:
         """Declare a static shared array in this kernel and return its 32-bit shared address."""
         t = ptx_type(t)

@@ -14,8 +14,11 @@ offset)`` pairs, e.g. slices of a fused QKV buffer) and never synchronise or all
 
 so a decode step can be captured once into a CUDA graph and replayed with the position and length
 coming from a small device buffer (``cuda.StepValues``). Launch shapes never depend on the length:
-flash decoding runs on a static grid of ``num_kv_heads x num_chunks`` blocks and splits whatever the
-length is evenly over them.
+flash decoding is one launch on a static grid of ``num_kv_heads x num_chunks`` blocks that splits
+whatever the length is evenly over them and combines the chunks in-kernel (the last blocks to finish
+do it, counting on a small device buffer they leave at zero; ``decode_fused=False`` selects the
+two-launch chunk + reduce form instead). Calls of one executor share its partial buffers: issue them
+on one stream (as a decode step does).
 
 Host-side bookkeeping: :attr:`lengths` holds the number of valid positions of each layer. Calls that
 append from the host (``flash_attention_cached``, ``prefill``, ``append_kv`` with an int or no
@@ -33,7 +36,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ptx_gen.kernels.decode_core import MAX_HEAD_DIM, chunk_rows, decode_layout
+from ptx_gen.kernels.decode_core import (
+    DEFAULT_L2_PREFETCH, MAX_HEAD_DIM, chunk_rows, decode_layout, default_decode_warps,
+)
+from ptx_gen.kernels.flash_decoding import GROUP_CHUNKS, fused_buffer_sizes
 from realizar import cuda
 from realizar.errors import CacheStateError, ContextOverflowError, ShapeError
 
@@ -41,6 +47,9 @@ __all__ = ["AttentionConfig", "CudaExecutor", "default_num_chunks"]
 
 _MAX_CHUNKS = 256
 _BLOCKS_PER_SM = 4  # flash-decoding blocks (4 warps each) aimed at per SM
+_WARPS_PER_SM = 16  # the occupancy assumed where the driver cannot tell (emulated runtime)
+_MIN_CHUNK_ROWS = 32  # default fewest rows per chunk
+_GROW_STEPS = 2  # single launch: chunks grow to 2 block steps to keep a short sequence in one combine set
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -151,7 +160,7 @@ def _resident_blocks(kernel, threads: int) -> int:
 
         return max(1, int(call("cuOccupancyMaxActiveBlocksPerMultiprocessor", kernel.function, threads, 0)))
     except Exception:  # no driver function (emulated runtime): assume the usual
-        return _BLOCKS_PER_SM
+        return max(1, _WARPS_PER_SM * 32 // threads)
 
 
 def _is_buffer(x: Any) -> bool:
@@ -165,9 +174,15 @@ class CudaExecutor:
 
     Tuning knobs of flash decoding (defaults are meant to fill an H100/H200; ``tools/bench_attention.py``
     compares variants): ``num_chunks`` (static grid: chunks per KV head; default: one full wave of the
-    chunk kernel at the occupancy the driver reports),
-    ``min_chunk`` (fewest rows per chunk; default one block step), ``decode_warps``, ``decode_unroll``
-    (rows per lane group loaded per step) and ``decode_prefetch`` (load step i+1 while computing i).
+    decode kernel at the occupancy the driver reports, at most 256), ``min_chunk`` (fewest rows per
+    chunk; default 32 or one block step if larger), ``grow_rows`` (single launch: chunks grow up to this
+    many rows so that a short sequence uses at most 16 chunks, one combine level; default two block
+    steps, 0: never), ``decode_fused`` (one launch with the in-kernel combine, default; False: chunk +
+    reduce kernels), ``decode_scores`` (``"scatter"``, the default where it applies, or
+    ``"butterfly"``; see ``ptx_gen.kernels.decode_core``), ``decode_warps`` (default 8 where the
+    block's shared memory stays within 32 KB, else 4), ``decode_unroll`` (rows per lane group loaded per
+    step), ``decode_prefetch`` (load step i+1 into registers while computing i) and
+    ``decode_l2_prefetch`` (steps of rows requested from the L2 ahead of the loads, sm_90; 0: off).
     """
 
     def __init__(
@@ -181,16 +196,26 @@ class CudaExecutor:
         *,
         num_chunks: int | None = None,
         min_chunk: int | None = None,
-        decode_warps: int = 4,
+        grow_rows: int | None = None,
+        decode_warps: int | None = None,
         decode_unroll: int | None = None,
         decode_prefetch: bool = False,
+        decode_fused: bool = True,
+        decode_scores: str | None = None,
+        decode_l2_prefetch: int = DEFAULT_L2_PREFETCH,
     ):
         cfg = AttentionConfig(num_layers, num_heads, num_kv_heads, head_dim, max_len)
         try:
-            layout = decode_layout(cfg.head_dim, cfg.group, None, decode_warps, decode_unroll, decode_prefetch)
+            if decode_warps is None:
+                decode_warps = default_decode_warps(cfg.head_dim, cfg.group)
+            layout = decode_layout(cfg.head_dim, cfg.group, None, decode_warps, decode_unroll, decode_prefetch,
+                                   decode_scores, decode_l2_prefetch)
         except ValueError as exc:
             raise ShapeError(f"flash-decoding tuning: {exc}") from None
-        self._decode_opts = {"warps": layout.warps, "unroll": layout.unroll, "prefetch": layout.prefetch}
+        self._decode_opts = {"warps": layout.warps, "unroll": layout.unroll, "prefetch": layout.prefetch,
+                             "scores": "scatter" if layout.scatter else "butterfly",
+                             "l2_prefetch": layout.l2_prefetch}
+        self.fused = bool(decode_fused)
         if num_chunks is not None:
             num_chunks = _positive_int("num_chunks", num_chunks)
             if num_chunks > 4096:
@@ -199,6 +224,9 @@ class CudaExecutor:
             min_chunk = _positive_int("min_chunk", min_chunk)
             if min_chunk > cfg.max_len:
                 raise ShapeError(f"min_chunk ({min_chunk}) must not exceed max_len ({cfg.max_len})")
+        if grow_rows is not None and (isinstance(grow_rows, bool) or not isinstance(grow_rows, (int, np.integer))
+                                      or not 0 <= grow_rows < 1 << 31):
+            raise ShapeError(f"grow_rows must be a non-negative integer, got {grow_rows!r}")
         self.config = cfg
         self._layout = layout
         # ---- the GPU from here on
@@ -212,13 +240,16 @@ class CudaExecutor:
         self.kernels = cuda.module_cache(self.device)
         self._kernel_memo: dict[tuple, Any] = {}
         # load the graph-path kernels now: a module load inside a stream capture could invalidate it
-        chunk = self._kernel("flash_decoding_chunk", head_dim=cfg.head_dim, group=cfg.group, indirect=True,
-                             **self._decode_opts)
+        decode = self._decode_kernel(True)
         self._kernel("kv_append", head_dim=cfg.head_dim, indirect=True)
+        grid_x = cfg.num_kv_heads * layout.subgroups
         self.num_chunks = num_chunks or default_num_chunks(
-            self.device.sm_count, cfg.num_kv_heads * layout.subgroups, _resident_blocks(chunk, layout.threads))
-        self._kernel("flash_decoding_reduce", head_dim=cfg.head_dim, num_chunks=self.num_chunks, indirect=True)
-        self.min_chunk = min_chunk or layout.rows_per_step
+            self.device.sm_count, grid_x, _resident_blocks(decode, layout.threads))
+        if not self.fused:
+            self._kernel("flash_decoding_reduce", head_dim=cfg.head_dim, num_chunks=self.num_chunks, indirect=True)
+        self.min_chunk = min_chunk or min(max(_MIN_CHUNK_ROWS, layout.rows_per_step), cfg.max_len)
+        self.grow_rows = (_GROW_STEPS * layout.rows_per_step if grow_rows is None else int(grow_rows)) \
+            if self.fused else 0
         n = cfg.num_kv_heads * cfg.max_len * cfg.head_dim
         self._k: list = []
         self._v: list = []
@@ -229,14 +260,38 @@ class CudaExecutor:
             self._k.append(kb)
             self._v.append(vb)
         h, d, kvh = cfg.num_heads, cfg.head_dim, cfg.num_kv_heads
-        self._part_acc = cuda.GpuBuffer(h * self.num_chunks * d)
-        self._part_ml = cuda.GpuBuffer(h * self.num_chunks * 2)
+        self._counters = None
+        if self.fused:
+            n_acc, n_ml, n_cnt = fused_buffer_sizes(h, grid_x, self.num_chunks, d)
+            self._counters = cuda.GpuBuffer(n_cnt, np.uint32)  # zero between calls: each call leaves it so
+            self._counters.fill_bytes(0)
+        else:
+            n_acc, n_ml = h * self.num_chunks * d, h * self.num_chunks * 2
+        self._part_acc = cuda.GpuBuffer(n_acc)
+        self._part_ml = cuda.GpuBuffer(n_ml)
         self._q_stage = cuda.GpuBuffer(h * d)
         self._out_stage = cuda.GpuBuffer(h * d)
         self._k_stage = cuda.GpuBuffer(kvh * d)
         self._v_stage = cuda.GpuBuffer(kvh * d)
         self._lengths = [0] * cfg.num_layers
         self._args_cache: dict[tuple, Any] = {}
+
+    def _decode_kernel(self, indirect: bool):
+        """The flash-decoding kernel (fused) or its chunk kernel (two launches)."""
+        cfg = self.config
+        return self._kernel("flash_decoding" if self.fused else "flash_decoding_chunk", head_dim=cfg.head_dim,
+                            group=cfg.group, indirect=indirect, **self._decode_opts)
+
+    @property
+    def decode_kernel(self):
+        """The compiled kernel that :meth:`flash_decoding` launches with a device seq_len (fused), or its
+        chunk kernel (two launches)."""
+        return self._decode_kernel(True)
+
+    @property
+    def decode_launches(self) -> int:
+        """Kernel launches per :meth:`flash_decoding` call (1 fused, 2 otherwise)."""
+        return 1 if self.fused else 2
 
     def _kernel(self, name: str, **shape):
         key = (name, *sorted(shape.items()))
@@ -407,12 +462,23 @@ class CudaExecutor:
     def _launch_flash_decoding(self, layer: int, q_addr: int, out_addr: int, seq: tuple, stream, bufs: dict):
         cfg = self.config
         indirect, sl_values, sl_bufs = seq
-        chunk = self._kernel("flash_decoding_chunk", head_dim=cfg.head_dim, group=cfg.group, indirect=indirect,
-                             **self._decode_opts)
-        reduce = self._kernel("flash_decoding_reduce", head_dim=cfg.head_dim, num_chunks=self.num_chunks,
-                                  indirect=indirect)
         cacheable = indirect
         sl_key = tuple(sl_values.items())
+        grid = (cfg.num_kv_heads * self._layout.subgroups, self.num_chunks)
+        if self.fused:
+            kern = self._decode_kernel(indirect)
+            args = self._args(
+                kern, ("fd", layer, q_addr, out_addr, sl_key) if cacheable else None,
+                {"q": q_addr, "k_cache": self._k[layer], "v_cache": self._v[layer], "out": out_addr,
+                 "part_acc": self._part_acc, "part_ml": self._part_ml, "counters": self._counters,
+                 "max_len": cfg.max_len, "min_chunk": self.min_chunk, "grow_rows": self.grow_rows, **sl_values},
+                {**bufs, **sl_bufs},
+            )
+            cuda.launch(kern, grid, kern.meta["block"], args, stream=stream)
+            return
+        chunk = self._decode_kernel(indirect)
+        reduce = self._kernel("flash_decoding_reduce", head_dim=cfg.head_dim, num_chunks=self.num_chunks,
+                              indirect=indirect)
         cargs = self._args(
             chunk, ("fd_chunk", layer, q_addr, sl_key) if cacheable else None,
             {"q": q_addr, "k_cache": self._k[layer], "v_cache": self._v[layer], "part_acc": self._part_acc,
@@ -425,8 +491,7 @@ class CudaExecutor:
              **sl_values},
             {**bufs, **sl_bufs},
         )
-        cuda.launch(chunk, (cfg.num_kv_heads * self._layout.subgroups, self.num_chunks), chunk.meta["block"], cargs,
-                    stream=stream)
+        cuda.launch(chunk, grid, chunk.meta["block"], cargs, stream=stream)
         cuda.launch(reduce, cfg.num_heads, reduce.meta["block"], rargs, stream=stream)
 
     def _launch_incremental(self, layer: int, q_addr: int, out_addr: int, seq: tuple, stream, bufs: dict):
@@ -583,9 +648,10 @@ class CudaExecutor:
         """Split-KV decode attention of ``q`` over the first ``seq_len`` positions of ``layer``.
 
         Device-resident: ``q``/``out`` are GpuBuffers (or (buffer, offset)) of ``H * D`` floats,
-        ``seq_len`` a u32 GpuBuffer (or (buffer, index)) read on the device — or an int. Two launches
-        on ``stream`` with fixed shapes and cached arguments; no synchronisation, no allocation: safe
-        to capture into a graph. A device-side seq_len is clamped to max_len; 0 writes zeros."""
+        ``seq_len`` a u32 GpuBuffer (or (buffer, index)) read on the device — or an int. One launch
+        (:attr:`decode_launches`) on ``stream`` with a fixed shape and cached arguments; no
+        synchronisation, no allocation: safe to capture into a graph. A device-side seq_len is clamped
+        to max_len; 0 writes zeros."""
         cfg = self.config
         layer = cfg.check_layer(layer)
         q_addr, qb = self._device_arg(q, cfg.num_heads * cfg.head_dim, "q")
@@ -663,13 +729,14 @@ class CudaExecutor:
 
     def decode_chunk_rows(self, seq_len: int) -> int:
         """Rows per flash-decoding chunk at ``seq_len`` (what the kernel computes on the device)."""
-        return chunk_rows(seq_len, self.num_chunks, self._layout.rows_per_step, self.min_chunk)
+        return chunk_rows(seq_len, self.num_chunks, self.min_chunk, self.grow_rows, GROUP_CHUNKS)
 
     def close(self) -> None:
         """Free every device buffer of the executor."""
-        for b in [*self._k, *self._v, self._part_acc, self._part_ml, self._q_stage, self._out_stage,
-                  self._k_stage, self._v_stage]:
-            b.free()
+        for b in [*self._k, *self._v, self._part_acc, self._part_ml, self._counters, self._q_stage,
+                  self._out_stage, self._k_stage, self._v_stage]:
+            if b is not None:
+                b.free()
         self._args_cache.clear()
 
     def __enter__(self) -> "CudaExecutor":
@@ -681,4 +748,4 @@ class CudaExecutor:
     def __repr__(self) -> str:
         c = self.config
         return (f"CudaExecutor(layers={c.num_layers}, heads={c.num_heads}/{c.num_kv_heads}, head_dim={c.head_dim}, "
-                f"max_len={c.max_len}, num_chunks={self.num_chunks})")
+                f"max_len={c.max_len}, num_chunks={self.num_chunks}, fused={self.fused})")

@@ -304,6 +304,8 @@ class _Launch:
         self.local = local
         self.regs: dict[str, np.ndarray] = {}
         self.smem = np.full((nb, max(self.smem_size, 1)), 0xFF, np.uint8)
+        self.inflight = np.zeros(self.smem.shape, bool)  # shared bytes a cp.async will write
+        self.pending: list[tuple] = []  # cp.async copies not landed yet: (threads, rows, cols, data)
         if self.racecheck:
             self.writer = np.full((nb, max(self.smem_size, 1)), -1, np.int64)
             self.reader = np.full((nb, max(self.smem_size, 1)), -1, np.int64)
@@ -561,6 +563,10 @@ class _Launch:
             return self._shfl(inst, act, mask)
         if op == "membar" or op == "fence":
             return None
+        if op == "cp" and mods[:4] == ["async", "bulk", "prefetch", "L2"]:
+            return self._prefetch(inst, act)
+        if op == "cp" and mods[0] == "async":
+            return self._cp_async(inst, act)
         if op in ("atom", "red"):
             return self._atom(inst, act)
         raise EmulatorError(f"instruction not implemented by the emulator: {inst.text}")
@@ -723,6 +729,62 @@ class _Launch:
         src = np.arange(self.n) - lane + j
         self._write(d, val[src], act, "b32")
 
+    def _prefetch(self, inst: Inst, act: np.ndarray) -> None:
+        """An L2 prefetch changes nothing, but its whole range must lie inside one allocation (a
+        stray prefetch is a bug even where the hardware would drop it) and be 16-byte granular."""
+        addrs, _ = self._addr(inst.args[0], "global")
+        sizes = self._read(inst.args[1], "u32").astype(np.int64)
+        for a, n in zip(addrs[act], sizes[act]):
+            if n % 16 or a % 16:
+                raise EmulatorError(f"bulk prefetch of {int(n)} bytes at {int(a):#x} is not 16-byte granular: "
+                                    f"{inst.text}")
+            off = int(a) - HEAP_BASE
+            if n and (off < 0 or off + n > self.mem.heap.size or not self.mem.valid[off:off + n].all()):
+                raise EmulatorError(f"bulk prefetch of {int(n)} bytes at {int(a):#x} leaves its allocation "
+                                    f"({self.mem._describe(int(a))}): {inst.text}")
+
+    def _cp_async(self, inst: Inst, act: np.ndarray) -> None:
+        """``cp.async.{ca,cg}.shared.global [dst], [src], 16``: the global bytes are read (and checked)
+        now and land in shared memory at the issuing thread's ``cp.async.wait_all`` (or
+        ``commit_group`` + ``wait_group 0``), as that thread's write; touching them before is an error."""
+        kind = inst.mods[1]
+        if kind == "commit_group":
+            return
+        if kind in ("wait_all", "wait_group"):
+            if kind == "wait_group" and int(inst.args[0]) != 0:
+                raise EmulatorError(f"only cp.async.wait_group 0 is emulated: {inst.text}")
+            return self._land(inst, act)
+        if kind not in ("ca", "cg") or inst.mods[2:] != ["shared", "global"] or len(inst.args) != 3:
+            raise EmulatorError(f"cp.async form not emulated: {inst.text}")
+        size = int(inst.args[2])
+        dst, _ = self._addr(inst.args[0], "shared")
+        src, _ = self._addr(inst.args[1], "global")
+        data = self.mem.gather(src[act], size, inst.text)
+        rows, cols = self._shared_idx(dst, size, act, inst)
+        self._check_landed(rows, cols, inst)
+        self.inflight[rows[:, None], cols] = True
+        self.pending.append((np.flatnonzero(act), rows, cols, data))
+
+    def _land(self, inst: Inst, act: np.ndarray) -> None:
+        keep = []
+        for tids, rows, cols, data in self.pending:
+            mine = act[tids]
+            if mine.any():
+                who = np.zeros(self.n, bool)
+                who[tids[mine]] = True
+                self.inflight[rows[mine][:, None], cols[mine]] = False
+                if self.racecheck:
+                    self._race(rows[mine], cols[mine], who, inst, write=True)
+                self.smem[rows[mine][:, None], cols[mine]] = data[mine]
+            if (~mine).any():
+                keep.append((tids[~mine], rows[~mine], cols[~mine], data[~mine]))
+        self.pending = keep
+
+    def _check_landed(self, rows: np.ndarray, cols: np.ndarray, inst: Inst) -> None:
+        if self.pending and self.inflight[rows[:, None], cols].any():
+            raise EmulatorError(f"shared memory touched while a cp.async to it has not landed (no "
+                                f"cp.async.wait_all + barrier in between): {inst.text}")
+
     def _atom(self, inst: Inst, act: np.ndarray) -> None:
         space, op, t = inst.mods[0], inst.mods[1], inst.mods[-1]
         if space != "global":
@@ -779,6 +841,7 @@ class _Launch:
                 data = self.mem.gather(addrs[act], nbytes, inst.text)
             elif space == "shared":
                 rows, cols = self._shared_idx(addrs, nbytes, act, inst)
+                self._check_landed(rows, cols, inst)
                 if self.racecheck:
                     self._race(rows, cols, act, inst, write=False)
                 data = self.smem[rows[:, None], cols]
@@ -803,6 +866,7 @@ class _Launch:
             self.mem.scatter(addrs[act], data, inst.text)
         elif space == "shared":
             rows, cols = self._shared_idx(addrs, data.shape[1], act, inst)
+            self._check_landed(rows, cols, inst)
             if self.racecheck:
                 self._race(rows, cols, act, inst, write=True)
             self.smem[rows[:, None], cols] = data
@@ -903,6 +967,12 @@ class FakeCuda:
 
             def __exit__(self, *exc):
                 self.free()
+
+            def copy_from(self, other, count=None, src_offset=0, dst_offset=0, stream=None):
+                count = min(other.count - src_offset, self.count - dst_offset) if count is None else count
+                size = self.dtype.itemsize
+                data = fake.memory.read_bytes(other.ptr + src_offset * size, count * size)
+                fake.memory.write_bytes(self.ptr + dst_offset * size, data)
 
             def copy_from_host_at(self, array, offset=0, stream=None):
                 array = np.ascontiguousarray(array, dtype=self.dtype).reshape(-1)

@@ -1,10 +1,13 @@
 """CPU tests of the attention kernels and the CudaExecutor.
 
 * every kernel variant assembles with ptxas for sm_80 and sm_90 over drawn shapes, without spills;
-* the index math (chunk split, lane mapping, causal key range) covers every position exactly once;
+* the index math (chunk split, lane mapping, reduce-scatter permutation, causal key range) covers
+  every position exactly once;
 * the generated PTX *runs* on the emulator in ``tests/ptx_simt.py`` (memcheck-, barrier- and
-  racecheck-like checks included) and matches the float64 oracle — and a planted online-softmax
-  rescaling bug is caught by the same data;
+  racecheck-like checks included) and matches the float64 oracle — and planted bugs (an online-softmax
+  rescale forced to 1, a combine counter never reset) are caught by the same data;
+* single-launch flash decoding keeps its counters at zero across repeated calls (graph replays) and
+  handles seq_len 0, 1 and chunk boundaries +-1 with NaN-poisoned outputs and partial buffers;
 * the executor validates its arguments before touching a GPU, and runs end to end on the emulator.
 """
 
@@ -18,7 +21,8 @@ from hypothesis import strategies as st
 import realizar.executor as executor_module
 from ptx_gen import catalog
 from ptx_gen.builder import Module
-from ptx_gen.kernels.decode_core import _choose_lanes, chunk_rows, decode_layout
+from ptx_gen.kernels.decode_core import _choose_lanes, active_chunks, chunk_rows, decode_layout, loop_registers
+from ptx_gen.kernels.flash_decoding import GROUP_CHUNKS, fused_buffer_sizes
 from ptx_gen.kernels.flash_attention import prefill_tiles
 from ptx_gen.ptxas import assemble
 from realizar import cuda
@@ -48,11 +52,27 @@ def _assemble_clean(name: str, **shape) -> None:
         assert rep.shared_bytes <= 48 * 1024, f"{name} {shape}: {rep.shared_bytes} bytes of static shared memory"
 
 
+variants = st.sampled_from([{}, {}, {"scores": "butterfly"}, {"prefetch": True}, {"unroll": 2}, {"l2_prefetch": 0},
+                            {"warps": 8, "l2_prefetch": 4}])
+
+
 @settings(max_examples=12, deadline=None)
-@given(d=st.sampled_from(HEAD_DIMS), group=st.integers(1, 16), indirect=st.booleans())
-def test_decode_kernels_assemble(d, group, indirect):
-    _assemble_clean("incremental_attention", head_dim=d, group=group, indirect=indirect)
-    _assemble_clean("flash_decoding_chunk", head_dim=d, group=group, indirect=indirect)
+@given(d=st.sampled_from(HEAD_DIMS), group=st.integers(1, 16), indirect=st.booleans(), opts=variants)
+def test_decode_kernels_assemble(d, group, indirect, opts):
+    _assemble_clean("incremental_attention", head_dim=d, group=group, indirect=indirect, **opts)
+    _assemble_clean("flash_decoding_chunk", head_dim=d, group=group, indirect=indirect, **opts)
+    _assemble_clean("flash_decoding", head_dim=d, group=group, indirect=indirect, **opts)
+
+
+@pytest.mark.parametrize("d, group", [(64, 7), (128, 7), (128, 4)])
+def test_default_decode_kernels_fit_four_blocks_per_sm(d, group):
+    """The benchmark shapes: <= 128 registers (four 4-warp blocks per SM) and the register estimate
+    behind the unroll choice within a few registers of ptxas."""
+    pk = catalog.emit("flash_decoding", target="sm_90", head_dim=d, group=group)
+    rep = assemble(pk.ptx, "sm_90")[0]
+    assert rep.registers <= 128 and not rep.spills
+    chunk = assemble(catalog.emit("flash_decoding_chunk", target="sm_90", head_dim=d, group=group).ptx, "sm_90")[0]
+    assert abs(loop_registers(pk.meta["layout"]) - chunk.registers) <= 12
 
 
 @settings(max_examples=8, deadline=None)
@@ -85,14 +105,48 @@ def test_generator_rejects_bad_shapes():
 
 # ---- index math ---------------------------------------------------------------------------------------
 
-@given(seq_len=st.integers(0, 1 << 20), nch=st.integers(1, 4096), quantum=st.sampled_from([8, 16, 32, 48, 64]),
-       min_mult=st.integers(1, 8))
-def test_chunks_partition_the_sequence(seq_len, nch, quantum, min_mult):
-    rows = chunk_rows(seq_len, nch, quantum, quantum * min_mult)
-    assert rows >= 1 and rows % quantum == 0
+@given(seq_len=st.one_of(st.integers(0, 1 << 20), st.integers(0, 3000)), nch=st.integers(1, 4096),
+       min_chunk=st.integers(1, 512), grow_rows=st.sampled_from([0, 16, 64, 128]))
+def test_chunks_partition_the_sequence(seq_len, nch, min_chunk, grow_rows):
+    rows = chunk_rows(seq_len, nch, min_chunk, grow_rows, GROUP_CHUNKS)
+    assert rows >= max(1, min_chunk)
     assert nch * rows >= seq_len  # the static grid always covers the sequence
-    covered = sum(max(0, min((c + 1) * rows, seq_len) - c * rows) for c in range(min(nch, seq_len // rows + 2)))
-    assert covered == seq_len
+    nact = active_chunks(seq_len, rows)
+    assert nact <= nch and (nact == 0) == (seq_len == 0)
+    sizes = [min((c + 1) * rows, seq_len) - c * rows for c in range(nact)]
+    assert sum(sizes) == seq_len and all(x >= 1 for x in sizes)  # active chunks are never empty
+    grown = -(-seq_len // GROUP_CHUNKS)
+    if grown <= grow_rows:  # short: one combine set, chunks no longer than that needs
+        assert nact <= GROUP_CHUNKS and rows <= max(-(-seq_len // nch), min_chunk, grown)
+    else:  # as short as the grid and min_chunk allow
+        assert rows == max(-(-seq_len // nch), min_chunk, 1)
+
+
+@pytest.mark.parametrize("T", [1, 2, 4, 8, 16, 32])
+@pytest.mark.parametrize("V", [1, 2, 4, 8, 16, 32, 64])
+def test_reduce_scatter_permutation(T, V):
+    """The scatter layout's invariant, simulated: lane j stores index s ^ M(j) in slot s; after the
+    keep-first-half shuffle levels (then plain butterflies) its slot e holds the group-wide sum of index
+    M(j) + e, with M(j) = (j >> drop) << log2(E) as the kernel computes it."""
+    lt, lv = T.bit_length() - 1, V.bit_length() - 1
+    levels = min(lt, lv)
+    E = V >> levels
+    drop = lt - levels
+    M = [(j >> drop) << (E.bit_length() - 1) for j in range(T)]
+    part = np.random.default_rng(T * 100 + V).standard_normal((T, V))
+    vals = [[part[j][s ^ M[j]] for s in range(V)] for j in range(T)]
+    off = T // 2
+    while len(vals[0]) > E:
+        h = len(vals[0]) // 2
+        vals = [[vals[j][x] + vals[j ^ off][x + h] for x in range(h)] for j in range(T)]
+        off //= 2
+    while off >= 1:
+        vals = [[v + vals[j ^ off][x] for x, v in enumerate(vals[j])] for j in range(T)]
+        off //= 2
+    total = part.sum(0)
+    for j in range(T):
+        assert np.allclose(vals[j], total[M[j]:M[j] + E])
+    assert sorted({M[j] + e for j in range(T) for e in range(E)}) == list(range(V))  # every index somewhere
 
 
 @pytest.mark.parametrize("d", list(range(4, 257, 4)))
@@ -120,6 +174,17 @@ def test_layout_defaults():
     assert (lay.lanes_per_row, lay.chunks_per_lane, lay.heads_per_block) == (32, 1, 4)
     assert decode_layout(80, 7).heads_per_block == 1  # 12 floats per head per lane: one head per block
     assert decode_layout(64, 16).subgroups == 2
+    for d, g in ((64, 7), (128, 7), (128, 4)):  # the benchmark shapes: scatter scores, 4 rows per lane group
+        lay = decode_layout(d, g)
+        assert lay.scatter and lay.unroll == 4 and lay.l2_prefetch == 0 and not lay.prefetch
+    assert decode_layout(128, 7, prefetch=True).unroll == 2  # register double-buffering halves the unroll
+    assert not decode_layout(8, 8).scatter  # 8 heads cannot scatter over 2-lane groups: butterfly
+    with pytest.raises(ValueError, match="scatter"):
+        decode_layout(8, 8, scores="scatter")
+    with pytest.raises(ValueError, match="power-of-two"):
+        decode_layout(64, 4, unroll=3, scores="scatter")
+    with pytest.raises(ValueError, match="l2_prefetch"):
+        decode_layout(64, 4, l2_prefetch=-1)
     assert default_num_chunks(132, 8) == 66 and default_num_chunks(132, 1) == 256
     assert default_num_chunks(132, 2, 3) == 198  # 396 blocks: exactly one wave at 3 blocks per SM
 
@@ -164,6 +229,42 @@ def _run_decode(kind, ptx_src, q, kc, vc, length, max_len, indirect, nch=5, min_
     return mem.read(po, np.float32, h * d).reshape(h, d)
 
 
+def _run_fused(src, q, kc, vc, lengths, max_len, nch, min_chunk, kvh, indirect=True, check_counters=True,
+               grow_rows=0) -> list:
+    """Single-launch flash decoding called once per entry of ``lengths`` on the same partial buffers
+    and counters (as an executor or a graph replay reuses them); outputs and partials are NaN-poisoned
+    before every call and the counters must be back at zero after it."""
+    h, d = q.shape
+    gx = kvh * src.meta["subgroups"]
+    n_acc, n_ml, n_cnt = fused_buffer_sizes(h, gx, nch, d)
+    mem = Memory()
+    pq, pk, pv, po = mem.alloc_array(q), mem.alloc_array(kc), mem.alloc_array(vc), mem.alloc(h * d * 4)
+    pacc, pml = mem.alloc(n_acc * 4), mem.alloc(n_ml * 4)
+    cnt = mem.alloc_array(np.zeros(n_cnt, np.uint32))
+    psl = mem.alloc(4)
+    outs = []
+    for length in lengths:
+        for ptr, n in ((po, h * d), (pacc, n_acc), (pml, n_ml)):
+            mem.fill(ptr, 0xFF, n * 4)
+        mem.write_bytes(psl, np.array([length], np.uint32))
+        sl = {"seq_len_ptr": psl} if indirect else {"seq_len": length}
+        run(src.ptx, (gx, nch), (src.meta["block"],),
+            {"q": pq, "k_cache": pk, "v_cache": pv, "out": po, "part_acc": pacc, "part_ml": pml, "counters": cnt,
+             "max_len": max_len, "min_chunk": min_chunk, "grow_rows": grow_rows, **sl}, mem)
+        counters = mem.read(cnt, np.uint32, n_cnt)
+        assert not (check_counters and counters.any()), f"L={length}: counters left at {counters.tolist()}"
+        outs.append(mem.read(po, np.float32, h * d).reshape(h, d).copy())
+    return outs
+
+
+def _ref_prefix(q, kc, vc, length):
+    """The oracle over the first ``length`` rows of the caches (zeros for an empty sequence)."""
+    if length == 0:
+        return np.zeros(q.shape)
+    k64, v64 = kc[:, :length].astype(np.float64), vc[:, :length].astype(np.float64)
+    return attention_with_cache_gqa(q.astype(np.float64), k64[:, :-1], v64[:, :-1], k64[:, -1], v64[:, -1])
+
+
 heads = st.sampled_from([(1, 1), (2, 1), (4, 2), (6, 3), (7, 1), (8, 2), (3, 3), (16, 1), (12, 4)])
 
 
@@ -194,6 +295,73 @@ def test_flash_decoding_emulated(hk, d, length, slack, nch, min_mult, scale, lat
     got = _run_decode("flash", chunk, q, kc, vc, length, max_len, indirect, nch=nch,
                       min_chunk=chunk.meta["quantum"] * min_mult, reduce_src=red, kvh=kvh)
     assert _rel(got, ref) < RTOL
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(hk=heads, d=st.sampled_from(HEAD_DIMS), length=st.integers(1, 300), again=st.integers(0, 300),
+       slack=st.integers(0, 20), nch=st.integers(1, 40), min_chunk=st.integers(1, 40),
+       grow_rows=st.sampled_from([0, 0, 8, 64]), scale=st.floats(0.1, 30), late=st.booleans(),
+       indirect=st.booleans(), opts=variants, seed=st.integers(0, 2**32 - 1))
+def test_single_launch_flash_decoding_emulated(hk, d, length, again, slack, nch, min_chunk, grow_rows, scale, late,
+                                               indirect, opts, seed):
+    """Two calls on the same buffers: the drawn length, then another one (0 included)."""
+    h, kvh = hk
+    rng = np.random.default_rng(seed)
+    max_len = length + slack
+    again = min(again, max_len)
+    q, kc, vc, ref = _decode_data(rng, h, kvh, d, length, max_len, scale, late)
+    kc[:, length:] = rng.standard_normal((kvh, max_len - length, d))  # rows a second call may read
+    vc[:, length:] = rng.standard_normal((kvh, max_len - length, d))
+    src = catalog.emit("flash_decoding", target="sm_90", head_dim=d, group=h // kvh, indirect=indirect, **opts)
+    first, second = _run_fused(src, q, kc, vc, [length, again], max_len, nch, min_chunk, kvh, indirect,
+                               grow_rows=grow_rows)
+    assert _rel(first, ref) < RTOL
+    if again:
+        assert _rel(second, _ref_prefix(q, kc, vc, again)) < RTOL
+    else:
+        assert np.array_equal(second, np.zeros_like(second))
+
+
+def test_single_launch_flash_decoding_at_chunk_and_set_boundaries():
+    """rows = 4 per chunk below L = 161 (40 chunks, min_chunk 4, no growth): one active chunk (no
+    partials), one set of up to 16 chunks (one combine level), 17+ chunks (two levels, a one-chunk last
+    set), the full grid, rows growing past it, a clamped length, and zero -- all on the same counters.
+    Then the same lengths with chunks growing to 8 rows to stay in one set (up to L = 128)."""
+    rng = np.random.default_rng(11)
+    h, kvh, d, max_len, nch, min_chunk = 7, 1, 64, 170, 40, 4
+    q = (rng.standard_normal((h, d)) * 4).astype(np.float32)
+    kc = rng.standard_normal((kvh, max_len, d)).astype(np.float32)
+    vc = rng.standard_normal((kvh, max_len, d)).astype(np.float32)
+    lengths = [1, 3, 4, 5, 63, 64, 65, 68, 69, 159, 160, 161, 170, 1000, 0, 2]
+    assert [active_chunks(L, chunk_rows(L, nch, min_chunk)) for L in lengths[:12]] == \
+        [1, 1, 1, 2, 16, 16, 17, 17, 18, 40, 40, 33]
+    assert [active_chunks(L, chunk_rows(L, nch, min_chunk, 8, GROUP_CHUNKS)) for L in lengths[:12]] == \
+        [1, 1, 1, 2, 16, 16, 13, 14, 14, 40, 40, 33]
+    for opts, grow in (({}, 0), ({"scores": "butterfly", "prefetch": True}, 0), ({}, 8)):
+        src = catalog.emit("flash_decoding", target="sm_90", head_dim=d, group=h, indirect=True, **opts)
+        outs = _run_fused(src, q, kc, vc, lengths, max_len, nch, min_chunk, kvh, grow_rows=grow)
+        for length, got in zip(lengths, outs):
+            assert _rel(got, _ref_prefix(q, kc, vc, min(length, max_len))) < RTOL if length else \
+                np.array_equal(got, np.zeros_like(got)), f"L={length} {opts}"
+
+
+def test_a_counter_left_behind_is_caught():
+    """Plant the bug the reset prevents (the last block of a set leaves its counter at the set size):
+    the check after each call reports it, and the next call finds no last block and leaves the
+    NaN-poisoned output."""
+    src = catalog.emit("flash_decoding", target="sm_90", head_dim=32, group=2, indirect=True)
+    lines = src.ptx.splitlines()
+    resets = [i for i, x in enumerate(lines) if x.strip().startswith("st.global.u32") and x.strip().endswith(", 0;")]
+    assert len(resets) == 2  # one per combine level
+    broken = catalog.PtxKernel(src.name, src.entry, src.target, src.shape,
+                               "\n".join(x for i, x in enumerate(lines) if i not in resets), src.params, src.meta)
+    rng = np.random.default_rng(2)
+    q, kc, vc, ref = _decode_data(rng, 2, 1, 32, 30, 30, 2.0, False)
+    assert _rel(_run_fused(src, q, kc, vc, [30, 30], 30, 8, 4, 1)[1], ref) < RTOL
+    with pytest.raises(AssertionError, match="counters left"):
+        _run_fused(broken, q, kc, vc, [30], 30, 8, 4, 1)
+    first, second = _run_fused(broken, q, kc, vc, [30, 30], 30, 8, 4, 1, check_counters=False)
+    assert _rel(first, ref) < RTOL and np.isnan(second).all()
 
 
 def test_flash_decoding_zero_length_writes_zeros():
@@ -269,7 +437,8 @@ def test_kv_append_emulated(d, kvh, count, pos, indirect, seed):
     assert np.array_equal(mem.read(pv, np.float32, want_v.size).reshape(want_v.shape), want_v)
 
 
-def test_the_data_catches_a_missing_rescale(monkeypatch):
+@pytest.mark.parametrize("scores", ["scatter", "butterfly"])
+def test_the_data_catches_a_missing_rescale(monkeypatch, scores):
     """Plant the Rust original's bug (the rescale factor exp(m_old - m_new) forced to 1): the oracle
     test's data must fail it, while the real kernel passes on the same data."""
     import ptx_gen.kernels.incremental_attention as ia
@@ -282,12 +451,12 @@ def test_the_data_catches_a_missing_rescale(monkeypatch):
         if buggy:
             calls = []
 
-            def ex2(self, a):  # the first ex2 emitted is head 0's alpha = ex2(m_old - m_new) in the row loop
+            def ex2(self, a):  # the first ex2 emitted is (head 0's / the lane's head's) alpha in the row loop
                 calls.append(a)
                 return self.mov(1.0, "f32") if len(calls) == 1 else real_ex2(self, a)
 
             monkeypatch.setattr(KernelBuilder, "ex2", ex2)
-        k = ia.incremental_attention(m, head_dim=64, group=2, indirect=False, warps=1, unroll=1)
+        k = ia.incremental_attention(m, head_dim=64, group=2, indirect=False, warps=1, unroll=1, scores=scores)
         monkeypatch.setattr(KernelBuilder, "ex2", real_ex2)
         return catalog.PtxKernel("t", k.name, "sm_90", (("buggy", buggy),), m.emit(), k.params, dict(k.meta))
 
@@ -392,10 +561,12 @@ def test_executor_decode_prefill_and_bookkeeping(fake):
     assert ex.lengths == (0, 0, 0)
 
 
-def test_executor_device_resident_flash_decoding(fake):
+@pytest.mark.parametrize("fused", [True, False])
+def test_executor_device_resident_flash_decoding(fake, fused):
     rng = np.random.default_rng(4)
     h, kvh, d, max_len = 8, 2, 64, 64
-    ex = CudaExecutor(1, h, kvh, d, max_len, num_chunks=3)
+    ex = CudaExecutor(1, h, kvh, d, max_len, num_chunks=3, min_chunk=4, decode_fused=fused)
+    assert ex.decode_launches == (1 if fused else 2)
     G = fake.GpuBuffer
     pos = G(2, np.uint32)  # [position, seq_len] as a graph's step values would hold them
     qb, ob, kb, vb = G(h * d), G(h * d), G(kvh * d), G(kvh * d)
@@ -412,15 +583,15 @@ def test_executor_device_resident_flash_decoding(fake):
         n_launch = len(fake.launches)
         ex.append_kv(0, kb, vb, position=(pos, 0))
         ex.flash_decoding(0, qb, ob, seq_len=(pos, 1))
-        assert len(fake.launches) == n_launch + 3
+        assert len(fake.launches) == n_launch + 1 + ex.decode_launches
         ref = attention_with_cache_gqa(qt.astype(np.float64), kall.astype(np.float64), vall.astype(np.float64),
                                        kt.astype(np.float64), vt.astype(np.float64))
         assert _rel(ob.to_numpy((h, d)), ref) < RTOL
         kall = np.concatenate([kall, kt[:, None]], 1)
         vall = np.concatenate([vall, vt[:, None]], 1)
     # fixed launch shapes and cached argument packs: a graph of these launches never changes
-    shapes = {(name, grid, block) for name, grid, block, _, _ in fake.launches[-60:]}
-    assert len(shapes) == 3
+    shapes = {(name, grid, block) for name, grid, block, _, _ in fake.launches[-20 * (1 + ex.decode_launches):]}
+    assert len(shapes) == 1 + ex.decode_launches
     assert ex.lengths == (0,)  # device-positioned appends do not touch the host length
     ex.set_length(0, 20)
     out = np.empty((h, d), np.float32)

@@ -7,8 +7,9 @@
 Decode rows, for (heads, kv_heads, head_dim) in {(14,2,64), (28,4,128), (32,8,128)} x L in {512, 4096,
 32768} on the same random f32 data:
 
-* flash decoding (chunk + reduce kernels, seq_len read on the device) timed as a captured CUDA graph of
-  many back-to-back calls (GPU time per call, launch gaps included) and as eager launches;
+* flash decoding (one launch with the in-kernel combine, seq_len read on the device) timed as a
+  captured CUDA graph of many back-to-back calls (GPU time per call, launch gaps included) and as
+  eager launches;
 * the one-pass incremental kernel (graph);
 * KV append of one token (graph);
 * torch ``scaled_dot_product_attention(q, k, v, enable_gqa=True)`` with batch 1 and one query, f32
@@ -16,8 +17,10 @@ Decode rows, for (heads, kv_heads, head_dim) in {(14,2,64), (28,4,128), (32,8,12
 
 Bandwidth counts the K and V bytes a call must read (2 * kv_heads * L * head_dim * 4). The copy
 bandwidth is measured in the same run with cuMemcpyDtoD of a 1 GiB buffer (bytes read + written).
-Times are medians of repeated CUDA-event measurements after warm-up. A prefill table (causal flash
-attention, S in {512, 2048}) follows.
+Times are medians of repeated CUDA-event measurements after warm-up. A sweep of flash-decoding
+variants (one launch or two, scatter or butterfly scores, L2 prefetch depth, unroll, warps, chunk
+count, min chunk) at L in {512, 1024, 8192, 32768} and a prefill table (causal flash attention, S in
+{512, 2048}) follow.
 """
 
 from __future__ import annotations
@@ -264,47 +267,64 @@ def bench_prefill(dev, stream, reps: int, torch_sdpa: TorchSdpa, shapes, seqs) -
     return rows
 
 
-TUNE_VARIANTS = [  # (label, chunk-kernel options, num_chunks factor)
-    ("default", {}, 1.0),
-    ("8 warps", {"warps": 8}, 1.0),
-    ("prefetch", {"prefetch": True}, 1.0),
-    ("prefetch, 8 warps", {"prefetch": True, "warps": 8}, 1.0),
-    ("unroll 2", {"unroll": 2}, 1.0),
-    ("chunks x0.5", {}, 0.5),
-    ("chunks x2", {}, 2.0),
+TUNE_VARIANTS = [  # (label, CudaExecutor options); the first is the default
+    ("default", {}),
+    ("two launches (chunk + reduce)", {"decode_fused": False}),
+    ("butterfly scores", {"decode_scores": "butterfly"}),
+    ("4 warps", {"decode_warps": 4}),
+    ("L2 prefetch 2 steps", {"decode_l2_prefetch": 2}),
+    ("L2 prefetch 4 steps", {"decode_l2_prefetch": 4}),
+    ("unroll 2", {"decode_unroll": 2}),
+    ("register prefetch", {"decode_prefetch": True}),
+    ("chunks x0.5", {"chunks": 0.5}),
+    ("chunks x2 (at most 256)", {"chunks": 2.0}),
+    ("min chunk 16 rows, no growth", {"min_chunk": 16, "grow_rows": 0}),
+    ("min chunk 64 rows", {"min_chunk": 64}),
+    ("about as before tuning (two launches, butterfly, 4 warps, no L2 prefetch)",
+     {"decode_fused": False, "decode_scores": "butterfly", "decode_warps": 4, "decode_l2_prefetch": 0}),
 ]
+TUNE_LENGTHS = [512, 1024, 8192, 32768]
 
 
 def bench_tuning(dev, stream, copy_bw: float, reps: int, shapes, lengths, calls: int | None = None) -> list[str]:
-    """Flash-decoding variants on the same data (graph timing), to pick the defaults from one run."""
-    rows = ["| heads/kv/dim | L | variant | chunks | µs (graph) | % of copy |", "|---|---:|---|---:|---:|---:|"]
+    """Flash-decoding variants on the same data (graph timing), to pick the defaults from one run.
+
+    Each variant is a CudaExecutor with those options, so it gets the chunk count its own occupancy
+    gives (``chunks xF`` scales the default's); its cache is a device copy of the first one's."""
+    rows = ["| heads/kv/dim | L | variant | chunks | regs | µs (graph) | % of copy |",
+            "|---|---:|---|---:|---:|---:|---:|"]
     rng = np.random.default_rng(2)
     max_len = max(lengths)
     for h, kvh, d in shapes:
-        ex = CudaExecutor(1, h, kvh, d, max_len, dev)
-        ex.k_cache(0).copy_from_host(rng.standard_normal(kvh * max_len * d, dtype=np.float32))
-        ex.v_cache(0).copy_from_host(rng.standard_normal(kvh * max_len * d, dtype=np.float32))
+        base = CudaExecutor(1, h, kvh, d, max_len, dev)
+        base.k_cache(0).copy_from_host(rng.standard_normal(kvh * max_len * d, dtype=np.float32))
+        base.v_cache(0).copy_from_host(rng.standard_normal(kvh * max_len * d, dtype=np.float32))
         qb, ob = cuda.GpuBuffer.from_numpy(rng.standard_normal(h * d, dtype=np.float32)), cuda.GpuBuffer(h * d)
         step = cuda.GpuBuffer.from_numpy(np.array([0], np.uint32))
-        cache = cuda.module_cache(dev)
-        group = h // kvh
+        executors = []
+        for label, opts in TUNE_VARIANTS:
+            opts = dict(opts)
+            factor = opts.pop("chunks", None)
+            if factor is not None:
+                opts["num_chunks"] = max(1, min(256, round(base.num_chunks * factor)))
+            if "min_chunk" in opts:
+                opts["min_chunk"] = min(opts["min_chunk"], max_len)
+            ex = base if not opts else CudaExecutor(1, h, kvh, d, max_len, dev, **opts)
+            if ex is not base:
+                ex.k_cache(0).copy_from(base.k_cache(0), stream=stream)
+                ex.v_cache(0).copy_from(base.v_cache(0), stream=stream)
+            ex.set_length(0, max_len)
+            executors.append((label, ex))
+        stream.synchronize()
         for length in lengths:
             step.copy_from_host(np.array([length], np.uint32))
             kv_bytes = 2 * kvh * length * d * 4
             results = []
-            for label, opts, factor in TUNE_VARIANTS:
-                chunk = cache.get("flash_decoding_chunk", head_dim=d, group=group, indirect=True, **opts)
-                nch = max(1, min(1024, round(ex.num_chunks * factor)))
-                red = cache.get("flash_decoding_reduce", head_dim=d, num_chunks=nch, indirect=True)
-                pacc, pml = cuda.GpuBuffer(h * nch * d), cuda.GpuBuffer(h * nch * 2)
-                cargs = chunk.args(qb, ex.k_cache(0), ex.v_cache(0), pacc, pml, step, max_len, chunk.meta["quantum"])
-                rargs = red.args(pacc, pml, ob, step, max_len)
-                grid = (kvh * chunk.meta["subgroups"], nch)
+            for label, ex in executors:
                 n_calls = calls or (50 if length <= 4096 else 20)
 
-                def fd(s, chunk=chunk, red=red, cargs=cargs, rargs=rargs, grid=grid):
-                    cuda.launch(chunk, grid, chunk.meta["block"], cargs, stream=s)
-                    cuda.launch(red, h, red.meta["block"], rargs, stream=s)
+                def fd(s, ex=ex):
+                    ex.flash_decoding(0, qb, ob, seq_len=step, stream=s)
 
                 g = _graph_of(fd, stream, n_calls)
                 if g is not None:
@@ -315,21 +335,32 @@ def bench_tuning(dev, stream, copy_bw: float, reps: int, shapes, lengths, calls:
                         for _ in range(n_calls):
                             fd(stream)
                     t = _median_us(eager, stream, n_calls, reps)
-                stream.synchronize()
-                pacc.free()
-                pml.free()
-                results.append((label, nch, t))
-            best = min(r[2] for r in results)
-            for label, nch, t in results:
+                results.append((label, ex.num_chunks, _registers(ex), t))
+            best = min(r[3] for r in results)
+            for label, nch, regs, t in results:
                 mark = " **best**" if t == best else ""
-                row = (f"| {h}/{kvh}/{d} | {length} | {label}{mark} | {nch} | {t:.1f} | "
+                row = (f"| {h}/{kvh}/{d} | {length} | {label}{mark} | {nch} | {regs} | {t:.1f} | "
                        f"{100 * kv_bytes / t / copy_bw:.0f}% |")
                 print(row, flush=True)
                 rows.append(row)
+        for _, ex in executors:
+            if ex is not base:
+                ex.close()
         for b in (qb, ob, step):
             b.free()
-        ex.close()
+        base.close()
     return rows
+
+
+def _registers(ex: CudaExecutor) -> str:
+    """Registers per thread of the executor's flash-decoding kernel (the driver's count), or ?."""
+    try:
+        from realizar.cuda.driver import drv
+
+        attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NUM_REGS
+        return str(int(call("cuFuncGetAttribute", attr, ex.decode_kernel.function)))
+    except Exception:  # no driver function (emulated runtime)
+        return "?"
 
 
 def sanitize_shapes() -> None:
@@ -369,9 +400,10 @@ def main() -> None:
     print("\n".join(lines), flush=True)
     lines += bench_decode(dev, stream, copy_bw, reps, torch_sdpa, LENGTHS, SHAPES)
     if not a.no_tune:
-        lines += ["", "Flash-decoding variants (same data; graph timing; the defaults are the first row):", ""]
+        lines += ["", "Flash-decoding variants (same data; graph timing; the defaults are the first row; regs: "
+                  "registers per thread of the decode kernel):", ""]
         print("\n".join(lines[-3:]), flush=True)
-        lines += bench_tuning(dev, stream, copy_bw, reps, SHAPES, [4096, 32768])
+        lines += bench_tuning(dev, stream, copy_bw, reps, SHAPES, TUNE_LENGTHS)
     if not a.no_prefill:
         lines += ["", "Prefill (causal flash attention, f32, from the KV cache in place):", ""]
         print("\n".join(lines[-3:]), flush=True)

@@ -7,8 +7,9 @@ Picked up by ``tools/sanitize_cases.py`` (``cases(cache, rng, small)``) and runn
 
 Shapes are awkward on purpose: head_dim 80 (lane groups with an idle chunk) and 48, sequence lengths
 one past a chunk/tile quantum, a flash-decoding grid with more chunks than the sequence needs
-(neutral partials), a causal prefill whose last query tile is partial, and caches read in place with
-spare rows. Every case checks its result against the float64 oracle, so a kernel that misbehaves
+(neutral partials), single-launch flash decoding with one-row chunks (two combine levels) called
+twice on the same counters, a causal prefill whose last query tile is partial, and caches read in
+place with spare rows. Every case checks its result against the float64 oracle, so a kernel that misbehaves
 only under the sanitizer is noticed too.
 """
 
@@ -22,6 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ptx_gen.kernels.flash_decoding import fused_buffer_sizes  # noqa: E402
 from realizar import cuda  # noqa: E402
 from realizar.models.attention import attention_with_cache_gqa, gqa_attention  # noqa: E402
 
@@ -54,6 +56,9 @@ def decode_cases(cache, rng, shapes) -> None:
         chunk = cache.get("flash_decoding_chunk", head_dim=d, group=group, indirect=True)
         nch = 7
         red = cache.get("flash_decoding_reduce", head_dim=d, num_chunks=nch, indirect=True)
+        fused = cache.get("flash_decoding", head_dim=d, group=group, indirect=True)
+        fx, fch = kvh * fused.meta["subgroups"], 40
+        n_acc, n_ml, n_cnt = fused_buffer_sizes(h, fx, fch, d)
         knew, vnew = kc[:, length - 1].copy(), vc[:, length - 1].copy()
         kc[:, length - 1:] = np.nan
         vc[:, length - 1:] = np.nan
@@ -62,6 +67,8 @@ def decode_cases(cache, rng, shapes) -> None:
             kn=cuda.GpuBuffer.from_numpy(knew), vn=cuda.GpuBuffer.from_numpy(vnew), out=cuda.GpuBuffer(h * d),
             out2=cuda.GpuBuffer(h * d), acc=cuda.GpuBuffer(h * nch * d), ml=cuda.GpuBuffer(h * nch * 2),
             step=cuda.GpuBuffer.from_numpy(np.array([length - 1, length], np.uint32)),
+            facc=cuda.GpuBuffer(n_acc), fml=cuda.GpuBuffer(n_ml), cnt=cuda.GpuBuffer.zeros(n_cnt, np.uint32),
+            out3=cuda.GpuBuffer(h * d),
         )
         try:
             b = bufs
@@ -75,6 +82,15 @@ def decode_cases(cache, rng, shapes) -> None:
             cuda.launch(red, h, red.meta["block"], red.args(b["acc"], b["ml"], b["out2"], seq_ptr, max_len))
             _check(b["out"].to_numpy((h, d)), ref, f"incremental {h}/{kvh}/{d} L={length}")
             _check(b["out2"].to_numpy((h, d)), ref, f"flash decoding {h}/{kvh}/{d} L={length}")
+            for rep in range(2):  # the second call reuses the counters the first one left at zero
+                b["out3"].poison()
+                cuda.launch(fused, (fx, fch), fused.meta["block"],
+                            fused.args(b["q"], b["k"], b["v"], b["out3"], b["facc"], b["fml"], b["cnt"], seq_ptr,
+                                       max_len, 1, 0))
+                _check(b["out3"].to_numpy((h, d)), ref, f"single-launch flash decoding {h}/{kvh}/{d} L={length} "
+                                                        f"call {rep}")
+            if b["cnt"].to_numpy().any():
+                raise AssertionError(f"single-launch flash decoding left counters {b['cnt'].to_numpy().tolist()}")
         finally:
             for buf in bufs.values():
                 buf.free()

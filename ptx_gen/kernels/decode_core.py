@@ -1,8 +1,9 @@
 """The shared core of the decode attention kernels (one query per head against a KV cache).
 
-Both ``incremental_attention`` (one pass over the whole sequence, normalised output) and
-``flash_decoding_chunk`` (one pass over one chunk of the sequence, unnormalised partial) are built
-from :func:`build_decode_pass`. Conventions shared by every attention kernel:
+``incremental_attention`` (one pass over the whole sequence, normalised output), ``flash_decoding``
+(single launch: chunks plus an in-kernel combine) and ``flash_decoding_chunk`` (one chunk, an
+unnormalised partial for the reduce kernel) are all built from :func:`build_decode_pass`.
+Conventions shared by every attention kernel:
 
 * f32 throughout; the cache of one layer is ``[num_kv_heads, max_len, head_dim]``;
 * GQA: query head ``h`` reads KV head ``h // group`` (``group = num_heads // num_kv_heads``);
@@ -17,6 +18,21 @@ query heads, so each K/V byte is read once per block, not once per query head. A
 each lane holding ``C`` float4 chunks (chunk ``c * T + j`` for lane ``j`` of the group); a warp
 therefore holds ``32 / T`` rows at once and, unrolled ``U`` times, ``(32 / T) * U`` rows per step, all
 loaded (K and V, 16 bytes per load) before any of them is used.
+
+Scores (the ``HB x U`` dot products of a step, each spread over the ``T`` lanes of a group) are summed
+over the group in one of two ways:
+
+* ``butterfly``: every dot is reduced on its own (``log2 T`` shuffles each) and every lane then runs
+  the softmax of every head -- simple, but shuffle- and ``ex2``-bound for large GQA groups;
+* ``scatter`` (default): a *reduce-scatter*. The ``V = HBpad * U`` dots (heads padded to a power of
+  two, index ``idx = head * U + row``) are halved at every shuffle level: a lane keeps one half and
+  receives the partner's copy of it. Lane ``j`` stores index ``s XOR M(j)`` in list slot ``s`` (its q
+  registers and K rows are permuted accordingly, once), which makes "keep the first half, send the
+  second" right for every lane -- no selects. After ``log2 min(V, T)`` levels a lane holds the full
+  scores of ``E = max(1, V / T)`` consecutive indices ``M(j) .. M(j) + E - 1`` (one head), runs the
+  online softmax for that head only (2 ``ex2`` instead of ``HB * (U + 1)``) and publishes its
+  probabilities and rescale factor through a small per-warp shared buffer, from which every lane
+  reads what the ``P @ V`` update of its dims needs. About half the instructions per cache byte.
 """
 
 from __future__ import annotations
@@ -29,6 +45,9 @@ from ptx_gen.builder import KernelBuilder, Reg
 LOG2E = 1.4426950408889634
 NEG_INF = float("-inf")
 MAX_HEAD_DIM = 256
+SCORE_MODES = ("scatter", "butterfly")
+DEFAULT_L2_PREFETCH = 0  # steps of rows requested from the L2 ahead (sm_90); measured on H200: 2 steps cost 20% at L=32768
+_REG_BUDGET = 128  # registers per thread that leave room for 16 warps per SM
 
 
 @dataclass(frozen=True)
@@ -42,7 +61,9 @@ class DecodeLayout:
     lanes_per_row: int  # T
     chunks_per_lane: int  # C (float4 chunks of a row per lane)
     unroll: int  # U (rows per lane group per step)
-    prefetch: bool = False  # load step i+1 while computing step i
+    prefetch: bool = False  # load step i+1 into registers while computing step i
+    scatter: bool = False  # reduce-scatter scores (see the module doc); False: butterfly per dot
+    l2_prefetch: int = 0  # steps of rows the block asks the L2 to fetch ahead (sm_90); 0: none
 
     @property
     def nc(self) -> int:
@@ -55,7 +76,7 @@ class DecodeLayout:
 
     @property
     def rows_per_step(self) -> int:
-        """Rows a block covers per loop iteration: the chunk-size quantum."""
+        """Rows a block covers per loop iteration."""
         return self.warps * self.rows_per_warp
 
     @property
@@ -67,8 +88,41 @@ class DecodeLayout:
     def threads(self) -> int:
         return self.warps * 32
 
+    @property
+    def heads_pad(self) -> int:
+        """heads_per_block rounded up to a power of two (the scatter index space)."""
+        return 1 << (self.heads_per_block - 1).bit_length()
+
+    @property
+    def scatter_values(self) -> int:
+        """V: scores per lane before the reduce-scatter."""
+        return self.heads_pad * self.unroll
+
+    @property
+    def scatter_entries(self) -> int:
+        """E: full scores per lane after it."""
+        return max(1, self.scatter_values // self.lanes_per_row)
+
+    @property
+    def exchange_floats(self) -> int:
+        """Floats of one lane group's exchange buffer (probabilities, then per-head factors)."""
+        return _round4(self.scatter_values) + _round4(self.heads_pad)
+
     def smem_bytes(self) -> int:
-        return self.warps * self.heads_per_block * (self.head_dim + 2) * 4
+        combine = self.warps * self.heads_per_block * (self.head_dim + 2) * 4
+        exchange = self.warps * (32 // self.lanes_per_row) * 2 * self.exchange_floats * 4 if self.scatter else 0
+        return combine + exchange
+
+
+def layout_name(lay: DecodeLayout) -> str:
+    """The variant part of a decode kernel's entry name."""
+    return (f"d{lay.head_dim}_g{lay.group}_hb{lay.heads_per_block}_w{lay.warps}_u{lay.unroll}"
+            f"{'_sc' if lay.scatter else '_bf'}{'_pf' if lay.prefetch else ''}"
+            f"{f'_l2p{lay.l2_prefetch}' if lay.l2_prefetch else ''}")
+
+
+def _round4(n: int) -> int:
+    return -(-n // 4) * 4
 
 
 def _choose_lanes(nc: int) -> tuple[int, int]:
@@ -94,6 +148,20 @@ def check_head_dim(head_dim: int) -> None:
         )
 
 
+def loop_registers(lay: DecodeLayout) -> int:
+    """Per-thread registers of the row loop, estimated (q, accumulators, K/V loads, scores; calibrated
+    on ptxas 13 for sm_90: within ~8 of its counts for head_dim 64-128 and groups 4-7)."""
+    return _registers(lay.scatter, lay.heads_per_block, lay.heads_pad, lay.chunks_per_lane, lay.unroll,
+                      lay.prefetch)
+
+
+def _registers(scatter: bool, hb: int, hbp: int, c: int, u: int, prefetch: bool) -> int:
+    kv = 8 * u * c * (2 if prefetch else 1)
+    if scatter:
+        return 4 * c * hbp + 4 * c * hb + kv + hbp * u
+    return 8 * hb * c + kv + hb * u + 12
+
+
 def decode_layout(
     head_dim: int,
     group: int,
@@ -101,45 +169,80 @@ def decode_layout(
     warps: int = 4,
     unroll: int | None = None,
     prefetch: bool = False,
+    scores: str | None = None,
+    l2_prefetch: int = DEFAULT_L2_PREFETCH,
 ) -> DecodeLayout:
     """The layout for ``head_dim`` and a GQA ``group``; ``None`` picks the defaults:
     ``heads_per_block`` = the largest divisor of ``group`` keeping <= 32 q and 32 accumulator floats
-    per lane, ``unroll`` = about 8 float4 loads in flight per lane per step."""
+    per lane; ``scores`` = ``scatter`` where the padded head count fits a lane group (always for
+    head_dim >= 32); ``unroll`` = about 8 float4 loads in flight per lane, lowered while the register
+    estimate exceeds 128 (16 warps per SM), a power of two for ``scatter``."""
     check_head_dim(head_dim)
     if not isinstance(group, int) or group < 1:
         raise ValueError(f"group (num_heads // num_kv_heads) must be a positive integer, got {group!r}")
     if warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"warps must be 1, 2, 4, 8 or 16, got {warps}")
+    if scores not in (None, *SCORE_MODES):
+        raise ValueError(f"scores must be one of {SCORE_MODES} (or None for the default), got {scores!r}")
+    if isinstance(l2_prefetch, bool) or not isinstance(l2_prefetch, int) or not 0 <= l2_prefetch <= 16:
+        raise ValueError(f"l2_prefetch must be an integer number of steps in 0..16, got {l2_prefetch!r}")
     t, c = _choose_lanes(head_dim // 4)
     per_head = 4 * c
     if heads_per_block is None:
         heads_per_block = max(d for d in range(1, group + 1) if group % d == 0 and (d * per_head <= 32 or d == 1))
     if heads_per_block < 1 or group % heads_per_block:
         raise ValueError(f"heads_per_block must divide the group size {group}, got {heads_per_block}")
-    if unroll is None:  # ~8 float4 loads in flight per lane, within a ~140-register estimate
+    hbp = 1 << (heads_per_block - 1).bit_length()
+    if scores is None:
+        scores = "scatter" if hbp <= t and (unroll is None or unroll & (unroll - 1) == 0) else "butterfly"
+    scatter = scores == "scatter"
+    if scatter and hbp > t:
+        raise ValueError(f"scatter scores need the {heads_per_block} heads of a block (padded to {hbp}) to fit "
+                         f"a lane group of {t} lanes; use scores='butterfly'")
+    if unroll is None:
         unroll = max(1, 4 // c)
-        kv_sets = 2 if prefetch else 1
-        while unroll > 1 and 8 * heads_per_block * c + 8 * kv_sets * unroll * c + heads_per_block * unroll + 24 > 140:
-            unroll -= 1
+        if scatter:
+            unroll = 1 << (unroll.bit_length() - 1)
+        while unroll > 1 and _registers(scatter, heads_per_block, hbp, c, unroll, prefetch) > _REG_BUDGET:
+            unroll = unroll // 2 if scatter else unroll - 1
     if unroll < 1 or unroll > 8:
         raise ValueError(f"unroll must be in 1..8, got {unroll}")
-    return DecodeLayout(head_dim, group, heads_per_block, warps, t, c, unroll, bool(prefetch))
+    if scatter and unroll & (unroll - 1):
+        raise ValueError(f"scatter scores need a power-of-two unroll, got {unroll}")
+    return DecodeLayout(head_dim, group, heads_per_block, warps, t, c, unroll, bool(prefetch), scatter, l2_prefetch)
 
 
-def chunk_rows(seq_len: int, num_chunks: int, quantum: int, min_chunk: int) -> int:
-    """Rows per chunk for flash decoding, as the kernels compute it on the device:
-    ``max(roundup(max(ceil(L / num_chunks), 1), quantum), min_chunk)``."""
-    per = max(-(-seq_len // num_chunks), 1)
-    return max(-(-per // quantum) * quantum, min_chunk)
+def default_decode_warps(head_dim: int, group: int) -> int:
+    """Warps per flash-decoding block: 8 where the block's shared memory stays within 32 KB, else 4.
+    A block then covers twice the rows per step, so a short sequence needs half the steps or chunks
+    (fewer partials to combine), while an SM holds the same 16 warps at <= 128 registers."""
+    return 8 if decode_layout(head_dim, group, warps=8).smem_bytes() <= 32 * 1024 else 4
 
 
-def emit_chunk_rows(k: KernelBuilder, seq_len: Reg, num_chunks: Reg | int, quantum: int, min_chunk: Reg) -> Reg:
+def chunk_rows(seq_len: int, num_chunks: int, min_chunk: int, grow_rows: int = 0, set_chunks: int = 1) -> int:
+    """Rows per flash-decoding chunk, as the kernels compute it on the device: ``max(ceil(L /
+    num_chunks), min_chunk, 1)``, raised to ``ceil(L / set_chunks)`` where that is at most ``grow_rows``
+    (a short sequence then needs at most ``set_chunks`` chunks: one combine level in single-launch flash
+    decoding). Chunk ``c`` covers rows ``[c * rows, min((c + 1) * rows, L))``; the first
+    ``ceil(L / rows)`` chunks are the active ones."""
+    rows = max(-(-seq_len // num_chunks), min_chunk, 1)
+    grown = -(-seq_len // set_chunks)
+    return max(rows, grown) if grown <= grow_rows else rows
+
+
+def active_chunks(seq_len: int, rows: int) -> int:
+    return -(-seq_len // rows)
+
+
+def emit_chunk_rows(k: KernelBuilder, seq_len: Reg, num_chunks: Reg, min_chunk: Reg, grow_rows: Reg | None = None,
+                    set_chunks: int = 1) -> Reg:
     """The device-side twin of :func:`chunk_rows` (u32 arithmetic; seq_len <= max_len < 2**31)."""
-    per = k.div(k.add(seq_len, k.sub(num_chunks, 1, "u32") if isinstance(num_chunks, Reg) else num_chunks - 1),
-                num_chunks, "u32")
-    per = k.max(per, 1, "u32")
-    rounded = k.mul(k.div(k.add(per, quantum - 1), quantum), quantum)
-    return k.max(rounded, min_chunk, "u32")
+    per = k.div(k.add(seq_len, k.sub(num_chunks, 1, "u32")), num_chunks, "u32")
+    rows = k.max(k.max(per, min_chunk, "u32"), 1, "u32")
+    if grow_rows is None:
+        return rows
+    grown = k.div(k.add(seq_len, set_chunks - 1), set_chunks, "u32")
+    return k.max(rows, k.selp(grown, 0, k.setp("le", grown, grow_rows, "u32"), "u32"), "u32")
 
 
 def guard_base(k: KernelBuilder, m: Reg) -> Reg:
@@ -191,6 +294,23 @@ def block_heads(k: KernelBuilder, lay: DecodeLayout) -> tuple[Reg, Reg]:
 
 
 @dataclass
+class Scatter:
+    """A lane's place in the reduce-scatter (see the module doc): it ends up holding the scores of
+    indices ``M .. M + E - 1``, all of head ``hi`` (relative to the block's first head) and rows
+    ``mu .. mu + E - 1`` of the step. q slot ``s`` holds head ``s ^ hi`` and K slot ``u`` row ``u ^ mu``."""
+
+    M: Reg
+    hi: Reg
+    mu: Reg | None  # None when U = 1
+    kperm: list  # per K slot u: (u ^ mu) * R, the row offset within the step (0 when U = 1)
+    entry_rows: list  # per entry e: (mu + e) * R (0 when U = 1)
+    u_masks: list  # xor lane masks joining the lanes that share a head
+    writer: Reg | None  # one lane of each set of identical lanes (None: every lane)
+    head_writer: Reg | None  # ... that also holds the head's first row (None: every lane)
+    xbase: Reg  # shared address of this lane group's exchange buffer (parity 0)
+
+
+@dataclass
 class Lanes:
     """Per-thread lane-group coordinates: lane group ``g`` (None when T = 32), lane ``j`` in it, and
     this lane's float4 chunk indices with their validity (None: always valid)."""
@@ -202,9 +322,10 @@ class Lanes:
     j: Reg
     chunk_idx: list
     chunk_ok: list
+    scatter: Scatter | None = None
 
 
-def lane_setup(k: KernelBuilder, lay: DecodeLayout) -> Lanes:
+def lane_setup(k: KernelBuilder, lay: DecodeLayout, tag: str = "dec") -> Lanes:
     T, C, NC = lay.lanes_per_row, lay.chunks_per_lane, lay.nc
     tid = k.tid()
     lane = k.and_(tid, 31)
@@ -219,28 +340,75 @@ def lane_setup(k: KernelBuilder, lay: DecodeLayout) -> Lanes:
         ch = k.add(j, c * T) if c else j
         chunk_idx.append(ch)
         chunk_ok.append(k.setp("lt", ch, NC) if (c + 1) * T > NC else None)
-    return Lanes(tid, lane, warp, g, j, chunk_idx, chunk_ok)
+    lanes = Lanes(tid, lane, warp, g, j, chunk_idx, chunk_ok)
+    if lay.scatter:
+        lanes.scatter = _scatter_setup(k, lay, lanes, tag)
+    return lanes
+
+
+def _scatter_setup(k: KernelBuilder, lay: DecodeLayout, lanes: Lanes, tag: str) -> Scatter:
+    T, U, E, V = lay.lanes_per_row, lay.unroll, lay.scatter_entries, lay.scatter_values
+    R = 32 // T
+    lt, lv, le, lu = (int(math.log2(x)) for x in (T, V, E, U))
+    levels = min(lt, lv)
+    drop = lt - levels  # low lane bits reduced by plain butterflies (identical lanes)
+    M = k.shl(k.shr(lanes.j, drop), le) if drop else (k.shl(lanes.j, le) if le else lanes.j)
+    hi = k.shr(M, lu) if lu else M
+    mu = k.and_(M, U - 1) if U > 1 else None
+    kperm = [k.mul(k.xor(mu, u) if u else mu, R) for u in range(U)] if mu is not None else [0]
+    entry_rows = [k.mul(k.add(mu, e) if e else mu, R) for e in range(E)] if mu is not None else [0]
+    # index bit b (le <= b < lu) of a lane's entries sits in lane bit b - le + drop
+    u_masks = [1 << (b - le + drop) for b in range(le, lu)]
+    writer = k.setp("eq", k.and_(lanes.j, (1 << drop) - 1), 0) if drop else None
+    first_row = k.setp("eq", mu, 0) if mu is not None and E < U else None
+    head_writer = _both(k, writer, first_row)
+    xs = lay.exchange_floats
+    buf = k.shared_array(f"{tag}_x", "f32", lay.warps * R * 2 * xs)
+    slot = k.mul(lanes.warp, R)
+    if lanes.g is not None:
+        slot = k.add(slot, lanes.g)
+    xbase = k.add(buf, k.mul(slot, 2 * xs * 4))
+    return Scatter(M, hi, mu, kperm, entry_rows, u_masks, writer, head_writer, xbase)
 
 
 def load_q(k: KernelBuilder, lay: DecodeLayout, lanes: Lanes, head0: Reg) -> list:
     """This lane's chunks of q for the block's heads, pre-scaled into the log2 domain
-    (``qv[head][chunk]`` = 4 registers). Independent of seq_len: emit it early so the loads overlap."""
-    D, C, HB = lay.head_dim, lay.chunks_per_lane, lay.heads_per_block
+    (``qv[slot][chunk]`` = 4 registers; with scatter scores slot ``s`` holds head ``s ^ hi`` and
+    padding heads are 0). Independent of seq_len: emit it early so the loads overlap."""
+    D, C = lay.head_dim, lay.chunks_per_lane
     row_bytes = D * 4
     qscale = LOG2E / math.sqrt(D)
     q_ptr = k.global_ptr("q")
+    sc = lanes.scatter
     qv: list[list[tuple[Reg, ...]]] = []
-    for i in range(HB):
-        qrow = k.add(q_ptr, k.mul_wide(k.add(head0, i), row_bytes)) if i else k.add(q_ptr, k.mul_wide(head0, row_bytes))
+    for s in range(lay.heads_pad if sc is not None else lay.heads_per_block):
+        if sc is not None:
+            rel = k.xor(sc.hi, s) if s else sc.hi
+            head_ok = k.setp("lt", rel, lay.heads_per_block) if lay.heads_pad != lay.heads_per_block else None
+            qrow = k.add(q_ptr, k.mul_wide(k.add(head0, rel), row_bytes))
+        else:
+            head_ok = None
+            qrow = k.add(q_ptr, k.mul_wide(k.add(head0, s), row_bytes)) if s else \
+                k.add(q_ptr, k.mul_wide(head0, row_bytes))
         per_c = []
         for c in range(C):
             addr = k.add(qrow, k.mul_wide(lanes.chunk_idx[c], 16))
-            ok = lanes.chunk_ok[c]
+            ok = _both(k, lanes.chunk_ok[c], head_ok)
             vals = k.load("global", "f32", addr, vec=4, nc=True, pred=ok, other=0.0) if ok is not None \
                 else k.load("global", "f32", addr, vec=4, nc=True)
             per_c.append(tuple(k.mul(x, qscale) for x in vals))
         qv.append(per_c)
     return qv
+
+
+def _plus(k: KernelBuilder, a: Reg, b: Reg | int) -> Reg:
+    return a if isinstance(b, int) and b == 0 else k.add(a, b)
+
+
+def _both(k: KernelBuilder, a: Reg | None, b: Reg | None) -> Reg | None:
+    if a is None:
+        return b
+    return a if b is None else k.and_(a, b)
 
 
 def build_decode_pass(
@@ -257,6 +425,7 @@ def build_decode_pass(
     row_bytes = D * 4
     lane, warp, g = lanes.lane, lanes.warp, lanes.g
     chunk_idx, chunk_ok = lanes.chunk_idx, lanes.chunk_ok
+    sc = lanes.scatter
 
     # per-lane base addresses of the KV head's rows
     kv_row0 = k.mul_wide(kvh, k.param("max_len"))  # u64 row index of (kvh, 0)
@@ -267,9 +436,13 @@ def build_decode_pass(
         k_lane.append(k.add(k.global_ptr("k_cache"), off))
         v_lane.append(k.add(k.global_ptr("v_cache"), off))
 
-    m = [k.var("f32", NEG_INF) for _ in range(HB)]
-    l = [k.var("f32", 0.0) for _ in range(HB)]
     acc = [[[k.var("f32", 0.0) for _ in range(4)] for _ in range(C)] for _ in range(HB)]
+    if sc is None:
+        m = [k.var("f32", NEG_INF) for _ in range(HB)]
+        l = [k.var("f32", 0.0) for _ in range(HB)]
+    else:  # this lane's head only
+        m_lane, l_lane = k.var("f32", NEG_INF), k.var("f32", 0.0)
+        parity = k.var("u32", 0)
 
     warp_row0 = k.mul(warp, R * U)
     if g is not None:
@@ -282,9 +455,7 @@ def build_decode_pass(
             per_c = []
             for c in range(C):
                 addr = k.add(kv_lane[c], roff)
-                ok = chunk_ok[c]
-                if guard is not None:
-                    ok = guard if ok is None else k.and_(ok, guard)
+                ok = _both(k, chunk_ok[c], guard)
                 per_c.append(k.load("global", "f32", addr, vec=4, nc=True, pred=ok, other=0.0) if ok is not None
                              else k.load("global", "f32", addr, vec=4, nc=True))
             rows.append(per_c)
@@ -292,11 +463,18 @@ def build_decode_pass(
 
     def step_loads(sb_reg, guard=None):
         """K and V of this lane's U rows of the step starting at ``sb_reg``; rows past the end re-read
-        the last row (their scores are masked to -inf), so every address stays inside the sequence."""
+        the last row (their scores are masked to -inf), so every address stays inside the sequence.
+        With scatter scores K slot u holds row ``u ^ mu`` (V stays in row order)."""
         base = k.add(sb_reg, warp_row0)
-        offs = [k.mul_wide(k.min(k.add(base, u * R) if u else base, last, "u32"), row_bytes) for u in range(U)]
-        return load_rows(k_lane, offs, guard), load_rows(v_lane, offs, guard)
 
+        def offs(row_offsets):
+            return [k.mul_wide(k.min(_plus(k, base, r), last, "u32"), row_bytes) for r in row_offsets]
+
+        v_offs = offs([u * R for u in range(U)])
+        k_offs = offs(sc.kperm) if sc is not None else v_offs
+        return load_rows(k_lane, k_offs, guard), load_rows(v_lane, v_offs, guard)
+
+    l2 = _l2_prefetcher(k, lay, lanes, kv_off0, start, end)
     if lay.prefetch:  # software pipelining: the next step's loads are in flight while this one computes
         k0, v0 = step_loads(start, guard=k.setp("lt", start, end))
         kcur = [[[k.var("f32", x) for x in vals] for vals in row] for row in k0]
@@ -307,46 +485,21 @@ def build_decode_pass(
             krows, vrows = kcur, vcur
         else:
             krows, vrows = step_loads(sb)
+        if l2 is not None:
+            l2(k.add(sb, lay.l2_prefetch * lay.rows_per_step))
         base = k.add(sb, warp_row0)
-        valid = [k.setp("lt", k.add(base, u * R) if u else base, end) for u in range(U)]
-        for i in range(HB):
-            scores = []
-            for u in range(U):
-                dot = None
-                for c in range(C):
-                    for e in range(4):
-                        if dot is None:
-                            dot = k.mul(qv[i][c][e], krows[u][c][e])
-                        else:
-                            dot = k.fma(qv[i][c][e], krows[u][c][e], dot)
-                off = T // 2
-                while off >= 1:
-                    dot = k.add(dot, k.shfl("bfly", dot, off))
-                    off //= 2
-                scores.append(k.selp(dot, NEG_INF, valid[u]))
-            mx = m[i]
-            for s in scores:
-                mx = k.max(mx, s)
-            base_i = guard_base(k, mx)
-            alpha = k.ex2(k.sub(m[i], base_i))
-            probs = [k.ex2(k.sub(s, base_i)) for s in scores]
-            psum = probs[0]
-            for p in probs[1:]:
-                psum = k.add(psum, p)
-            k.assign(l[i], k.fma(l[i], alpha, psum))
-            for c in range(C):
-                for e in range(4):
-                    a = k.mul(acc[i][c][e], alpha)
-                    for u in range(U):
-                        a = k.fma(probs[u], vrows[u][c][e], a)
-                    k.assign(acc[i][c][e], a)
-            k.assign(m[i], mx)
+        if sc is None:
+            _butterfly_step(k, lay, qv, krows, vrows, base, end, m, l, acc)
+        else:
+            _scatter_step(k, lay, sc, qv, krows, vrows, base, end, m_lane, l_lane, parity, acc)
         if lay.prefetch:
             for cur, nxt in ((kcur, knext), (vcur, vnext)):
                 for u in range(U):
                     for c in range(C):
                         for e in range(4):
                             k.assign(cur[u][c][e], nxt[u][c][e])
+    if sc is not None:
+        m, l = _scatter_publish_ml(k, lay, sc, m_lane, l_lane, parity)
 
     # combine the lane groups of a warp (rows were split over them)
     off = T
@@ -358,11 +511,11 @@ def build_decode_pass(
             mx = k.max(m[i], mo)
             b = guard_base(k, mx)
             fa, fb = k.ex2(k.sub(m[i], b)), k.ex2(k.sub(mo, b))
-            k.assign(l[i], k.fma(lo, fb, k.mul(l[i], fa)))
+            nl = k.fma(lo, fb, k.mul(l[i], fa))
             for c in range(C):
                 for e in range(4):
                     k.assign(acc[i][c][e], k.fma(ao[c][e], fb, k.mul(acc[i][c][e], fa)))
-            k.assign(m[i], mx)
+            m[i], l[i] = mx, nl
         off *= 2
 
     # each warp's result to shared memory: [warp][head][D] and [warp][head][max, sum]
@@ -384,6 +537,157 @@ def build_decode_pass(
                 k.store("shared", "f32", k.add(sm_ml, k.shl(wh, 3)), [m[i], l[i]])
     k.bar_sync()
     return BlockState(lay, head0, sm_acc, sm_ml)
+
+
+def _l2_prefetcher(k: KernelBuilder, lay: DecodeLayout, lanes: Lanes, kv_off0: Reg, start: Reg, end: Reg):
+    """With ``l2_prefetch`` on sm_90: thread 0 asks the L2 for the block's first ``l2_prefetch`` steps of
+    K and V rows now and returns ``ahead(a)``, which requests the step of rows from ``a`` (clipped to
+    ``end``): the demand loads of the row loop then find their rows in the L2. None otherwise."""
+    if not lay.l2_prefetch or k.target.compute_capability < (9, 0):
+        return None
+    row_bytes = lay.head_dim * 4
+    t0 = k.setp("eq", lanes.tid, 0)
+    kbase = k.add(k.global_ptr("k_cache"), kv_off0)
+    vbase = k.add(k.global_ptr("v_cache"), kv_off0)
+
+    def fetch(a: Reg, b: Reg) -> None:
+        with k.if_(k.and_(t0, k.setp("lt", a, b))):
+            off = k.mul_wide(a, row_bytes)
+            nbytes = k.mul(k.sub(b, a), row_bytes)
+            k.prefetch_l2(k.add(kbase, off), nbytes)
+            k.prefetch_l2(k.add(vbase, off), nbytes)
+
+    fetch(start, k.min(end, k.add(start, lay.l2_prefetch * lay.rows_per_step), "u32"))
+
+    def ahead(a: Reg) -> None:
+        fetch(a, k.min(end, k.add(a, lay.rows_per_step), "u32"))
+
+    return ahead
+
+
+def _dot(k: KernelBuilder, q: list, kr: list) -> Reg:
+    dot = None
+    for c in range(len(q)):
+        for e in range(4):
+            dot = k.mul(q[c][e], kr[c][e]) if dot is None else k.fma(q[c][e], kr[c][e], dot)
+    return dot
+
+
+def _pv_update(k: KernelBuilder, acc_i: list, alpha: Reg, probs: list, vrows: list) -> None:
+    """acc_i = acc_i * alpha + sum_u probs[u] * V[u] for this lane's float4 chunks."""
+    for c in range(len(acc_i)):
+        for e in range(4):
+            a = k.mul(acc_i[c][e], alpha)
+            for u, p in enumerate(probs):
+                a = k.fma(p, vrows[u][c][e], a)
+            k.assign(acc_i[c][e], a)
+
+
+def _butterfly_step(k, lay, qv, krows, vrows, base, end, m, l, acc) -> None:
+    """Scores reduced dot by dot over the lane group; every lane runs every head's softmax."""
+    T, U, R = lay.lanes_per_row, lay.unroll, 32 // lay.lanes_per_row
+    valid = [k.setp("lt", k.add(base, u * R) if u else base, end) for u in range(U)]
+    for i in range(lay.heads_per_block):
+        scores = []
+        for u in range(U):
+            dot = _dot(k, qv[i], krows[u])
+            off = T // 2
+            while off >= 1:
+                dot = k.add(dot, k.shfl("bfly", dot, off))
+                off //= 2
+            scores.append(k.selp(dot, NEG_INF, valid[u]))
+        mx = m[i]
+        for s in scores:
+            mx = k.max(mx, s)
+        base_i = guard_base(k, mx)
+        alpha = k.ex2(k.sub(m[i], base_i))
+        probs = [k.ex2(k.sub(s, base_i)) for s in scores]
+        psum = probs[0]
+        for p in probs[1:]:
+            psum = k.add(psum, p)
+        k.assign(l[i], k.fma(l[i], alpha, psum))
+        _pv_update(k, acc[i], alpha, probs, vrows)
+        k.assign(m[i], mx)
+
+
+def _scatter_step(k, lay, sc: Scatter, qv, krows, vrows, base, end, m_lane, l_lane, parity, acc) -> None:
+    """Reduce-scatter the step's scores, the lane's own head's online softmax, the exchange of
+    probabilities and rescale factors through shared memory, then every head's P @ V update."""
+    T, U, E, HB = lay.lanes_per_row, lay.unroll, lay.scatter_entries, lay.heads_per_block
+    aoff = _round4(lay.scatter_values)
+    vals = [_dot(k, qv[s // U], krows[s % U]) for s in range(lay.scatter_values)]
+    off = T // 2
+    while len(vals) > E:  # keep the first half, receive the partner's copy of it
+        half = len(vals) // 2
+        vals = [k.add(vals[x], k.shfl("bfly", vals[x + half], off)) for x in range(half)]
+        off //= 2
+    while off >= 1:  # lanes beyond the index space: plain butterflies (identical lanes)
+        vals = [k.add(v, k.shfl("bfly", v, off)) for v in vals]
+        off //= 2
+    scores = [k.selp(v, NEG_INF, k.setp("lt", _plus(k, base, sc.entry_rows[e]), end)) for e, v in enumerate(vals)]
+    mx = scores[0]
+    for s in scores[1:]:
+        mx = k.max(mx, s)
+    for mask in sc.u_masks:
+        mx = k.max(mx, k.shfl("bfly", mx, mask))
+    new_m = k.max(m_lane, mx)
+    b = guard_base(k, new_m)
+    alpha = k.ex2(k.sub(m_lane, b))
+    probs = [k.ex2(k.sub(s, b)) for s in scores]
+    psum = probs[0]
+    for p in probs[1:]:
+        psum = k.add(psum, p)
+    k.assign(l_lane, k.fma(l_lane, alpha, psum))
+    k.assign(m_lane, new_m)
+    # publish: probabilities at [idx], the head's rescale factor at [aoff + head]
+    xb = k.add(sc.xbase, parity)
+    _store_floats(k, k.add(xb, k.shl(sc.M, 2)), probs, sc.writer)
+    k.store("shared", "f32", k.add(xb, k.shl(k.add(sc.hi, aoff), 2)), alpha, pred=sc.head_writer)
+    k.bar_warp_sync()
+    alphas = _load_floats(k, xb, aoff * 4, HB)
+    for i in range(HB):
+        p_i = _load_floats(k, xb, i * U * 4, U)
+        _pv_update(k, acc[i], alphas[i], p_i, vrows)
+    k.assign(parity, k.xor(parity, lay.exchange_floats * 4))
+
+
+def _store_floats(k: KernelBuilder, addr: Reg, vals: list, pred: Reg | None) -> None:
+    """Consecutive floats to shared memory in 16/8/4-byte pieces (``addr`` aligned to the piece)."""
+    i = 0
+    while i < len(vals):
+        w = 4 if len(vals) - i >= 4 else (2 if len(vals) - i >= 2 else 1)
+        part = vals[i:i + w]
+        a = k.add(addr, i * 4) if i else addr
+        k.store("shared", "f32", a, part if w > 1 else part[0], pred=pred)
+        i += w
+
+
+def _load_floats(k: KernelBuilder, addr: Reg, offset: int, n: int) -> list:
+    """n consecutive floats from shared ``addr + offset`` (a broadcast: every lane of the group reads
+    the same words), in 16/8/4-byte pieces."""
+    out: list = []
+    while len(out) < n:
+        left = n - len(out)
+        w = 4 if left >= 4 else (2 if left >= 2 else 1)
+        got = k.load("shared", "f32", addr, offset + 4 * len(out), vec=w)
+        out.extend(got if w > 1 else [got])
+    return out
+
+
+def _scatter_publish_ml(k: KernelBuilder, lay: DecodeLayout, sc: Scatter, m_lane: Reg, l_lane: Reg, parity: Reg):
+    """After the row loop: each head's (max, sum) from its lanes to every lane of the group, as the
+    per-head registers the butterfly layout keeps."""
+    total = l_lane
+    for mask in sc.u_masks:
+        total = k.add(total, k.shfl("bfly", total, mask))
+    aoff = _round4(lay.scatter_values)
+    xb = k.add(sc.xbase, parity)  # the buffer the last step did not use
+    k.store("shared", "f32", k.add(xb, k.shl(sc.hi, 2)), total, pred=sc.head_writer)
+    k.store("shared", "f32", k.add(xb, k.shl(k.add(sc.hi, aoff), 2)), m_lane, pred=sc.head_writer)
+    k.bar_warp_sync()
+    l = _load_floats(k, xb, 0, lay.heads_per_block)
+    m = _load_floats(k, xb, aoff * 4, lay.heads_per_block)
+    return m, l
 
 
 def emit_combine(k: KernelBuilder, st: BlockState, write) -> None:

@@ -63,11 +63,12 @@ def test_prefill_then_decode_matches_oracle(device, shape, prefill_len, steps, s
                      RTOL, "multi-head")
 
 
-def test_graph_captured_decode_replays_with_device_position(device):
+@pytest.mark.parametrize("fused", [True, False])
+def test_graph_captured_decode_replays_with_device_position(device, fused):
     h, kvh, d, max_len = 28, 4, 128, 4096
     rng = np.random.default_rng(0)
     stream = cuda.Stream()
-    with CudaExecutor(1, h, kvh, d, max_len, device) as ex:
+    with CudaExecutor(1, h, kvh, d, max_len, device, decode_fused=fused) as ex:
         prompt = 700
         k0 = rng.standard_normal((kvh, prompt, d)).astype(np.float32)
         v0 = rng.standard_normal((kvh, prompt, d)).astype(np.float32)
@@ -78,7 +79,7 @@ def test_graph_captured_decode_replays_with_device_position(device):
             ex.append_kv(0, kb, vb, position=(step.device, step.index("pos")), stream=stream)
             ex.flash_decoding(0, qb, ob, seq_len=(step.device, step.index("seq_len")), stream=stream)
         exe = cap.graph.instantiate()
-        assert cap.graph.num_kernels == 3
+        assert cap.graph.num_kernels == 1 + ex.decode_launches == (2 if fused else 3)
         kall, vall = k0, v0
         for t in range(prompt, prompt + 12):
             qt = (rng.standard_normal((h, d)) * 6).astype(np.float32)
