@@ -24,6 +24,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ptx_gen.kernels.gemv import MAX_STATIC_SMEM, shared_bytes, tiles_per_slice
 from ptx_gen.kernels.quant_layout import WEIGHT_TYPES, check_in_dim, type_info
 from ptx_gen.kernels.rmsnorm import MAX_HIDDEN, default_block
 from ptx_gen.kernels.rope import inv_freq_table
@@ -33,6 +34,8 @@ from realizar.errors import ShapeError, UnsupportedError
 __all__ = ["GemvConfig", "GpuWeight", "LayerOps", "gemv_config", "inv_freq_table"]
 
 _ARGMAX_PARTIALS = 1024
+# shared-memory sizes (KB) an SM can be configured with (sm_80..sm_90), up to its maximum
+_CARVEOUTS_KB = (0, 8, 16, 32, 64, 100, 132, 164, 196, 228)
 
 
 def _wtype_name(ggml_type: Any) -> str:
@@ -108,19 +111,57 @@ class GpuWeight:
 
 @dataclass(frozen=True)
 class GemvConfig:
-    rows: int  # output rows per warp
+    rows: int  # output rows per warp (weight rows per warp for the fused gate/up GEMV)
     warps: int  # warps per CTA
+    ksplit: int = 1  # warps sharing a row group, each summing one K slice (divides warps)
 
 
-def gemv_config(out_dim: int, sm_count: int = 132) -> GemvConfig:
-    """Rows per warp: more rows reuse each x load more, fewer rows give more warps to fill the SMs
-    (at least ~8 warps per SM). Tuned with ``tools/bench_gemv.py``."""
-    warps_per_sm = out_dim / sm_count
-    if warps_per_sm >= 4 * 12:
-        return GemvConfig(4, 4)
-    if warps_per_sm >= 2 * 8:
-        return GemvConfig(2, 4)
-    return GemvConfig(1, 4)
+# a grid of at least this many warps per SM: about one wave of the 24-48 warps a split kernel keeps
+# resident (registers, shared memory). More splitting than that only adds per-warp work (setup, the
+# partial sums) to kernels whose decode already keeps the SMs' issue slots busy (Q4_K, Q6_K)
+TARGET_WARPS_PER_SM = 24
+
+
+def gemv_config(out_dim: int, sm_count: int = 132, in_dim: int | None = None, wtype: str | None = None) -> GemvConfig:
+    """Launch shape of the GEMV of ``out_dim`` weight rows of ``in_dim`` values of ``wtype``.
+
+    Without ``in_dim``/``wtype`` (or for rows too short to split) only rows per warp are chosen by
+    ``out_dim``, as before split-K: 4 rows (x loads reused 4 times) for >= 48 rows per SM, 2 for
+    >= 16, else 1. With them, K is split (``ksplit`` warps per row group, each one slice) while
+
+    * the grid has fewer than ``TARGET_WARPS_PER_SM`` warps per SM (4096 rows x 2 per warp is only 15
+      per SM on 132 SMs: each warp walking a 14336-long row tile after tile is latency bound), or
+    * a quantized row would still be walked in several tiles: a one-tile slice (at most
+      ``SPLIT_TILE_BYTES`` per row) is copied at once with ``cp.async`` (every load in flight, no
+      registers held) rather than tile after tile,
+
+    keeping at least 2 rounds (512 values) per slice. Rows per warp: 4 for >= 48 rows per SM of a
+    quantized type when 4-row slices are single tiles that fit the shared memory (Q4_K 14336 x 4096:
+    x reused 4 times, 12% fewer instructions than 2 rows), else 2 (1 below 16 rows per SM). Tuned with
+    ``tools/bench_gemv.py --sweep``."""
+    per_sm = out_dim / sm_count
+    legacy = GemvConfig(4 if per_sm >= 48 else 2 if per_sm >= 16 else 1, 4)
+    if in_dim is None or wtype is None:
+        return legacy
+    rounds = -(-in_dim // 256)
+    quantized = type_info(wtype).block_values > 1
+
+    def ksplit_for(rows: int) -> int:
+        ks = 1
+        while ks < 8 and rounds >= 4 * ks and (
+                -(-out_dim // rows) * ks < TARGET_WARPS_PER_SM * sm_count
+                or (quantized and tiles_per_slice(wtype, in_dim, ks) > 1)):
+            ks *= 2
+        return ks
+
+    if legacy.rows == 4 and quantized:  # dense rows decode cheaply: 2 rows measured faster (F16 93% vs 85%)
+        ks = ksplit_for(4)
+        fits = shared_bytes(wtype, in_dim, 4, max(4, ks), ks) <= MAX_STATIC_SMEM
+        if ks == 1 or (tiles_per_slice(wtype, in_dim, ks) == 1 and fits):
+            return GemvConfig(4, max(4, ks), ks)
+    rows = min(legacy.rows, 2)
+    ks = ksplit_for(rows)
+    return GemvConfig(rows, max(4, ks), ks)
 
 
 def _is_buffer(x: Any) -> bool:
@@ -146,7 +187,30 @@ class LayerOps:
         k = self._memo.get(key)
         if k is None:
             k = self._memo[key] = self.kernels.get(name, **shape)
+            if k.meta.get("l1_bytes"):
+                self._keep_l1(k)
         return k
+
+    def _keep_l1(self, kern) -> None:
+        """Prefer a shared-memory carveout that leaves ``meta["l1_bytes"]`` of L1 (the split GEMV's x
+        vector, re-read by every warp). By default the driver sizes shared memory for the highest
+        occupancy, which for kernels staging kilobytes per warp can shrink L1 to 28 KB. The preference
+        is a percentage of the SM's maximum shared memory; the driver rounds it up to a supported size,
+        so the largest supported size that fits is asked for, rounded down."""
+        function = getattr(kern, "function", None)
+        if function is None:  # an emulated device (tests)
+            return
+        from realizar.cuda.driver import call, drv
+
+        max_smem = self.device.attribute("MAX_SHARED_MEMORY_PER_MULTIPROCESSOR")
+        unified = max_smem + 28 * 1024  # L1 + shared per SM: 192 KB (sm_80), 256 KB (sm_90), 128 KB (sm_86/89)
+        want = max(kern.meta.get("smem", 0), unified - kern.meta["l1_bytes"])
+        sizes = [kb * 1024 for kb in _CARVEOUTS_KB if kb * 1024 <= max_smem]
+        fits = [s for s in sizes if s <= want]
+        size = fits[-1] if fits and fits[-1] >= kern.meta.get("smem", 0) else next(
+            (s for s in sizes if s >= kern.meta.get("smem", 0)), max_smem)
+        attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+        call("cuFuncSetAttribute", function, attr, max(1, size * 100 // max_smem))
 
     def _launch(self, kern, grid, values: dict, stream) -> None:
         key = (kern.source.key, tuple(values.items()))
@@ -184,9 +248,9 @@ class LayerOps:
     def gemv(self, weight: GpuWeight, x: Any, out: Any, bias: Any = None, residual: Any = None,
              stream: Any = None, config: GemvConfig | None = None) -> None:
         """out = W x (+ bias) (+ residual); ``residual`` may be ``out`` itself (in-place add)."""
-        cfg = config or gemv_config(weight.out_dim, self.sm_count)
+        cfg = config or gemv_config(weight.out_dim, self.sm_count, weight.in_dim, weight.wtype)
         kern = self.kernel("gemv", wtype=weight.wtype, in_dim=weight.in_dim, rows=cfg.rows, warps=cfg.warps,
-                           bias=bias is not None, residual=residual is not None)
+                           bias=bias is not None, residual=residual is not None, ksplit=cfg.ksplit)
         values = {"w": weight.ptr, "x": self._addr(x, weight.in_dim, "x"),
                   "y": self._addr(out, weight.out_dim, "out", align=4)}
         if bias is not None:
@@ -202,9 +266,10 @@ class LayerOps:
         if gate_up.out_dim % 2:
             raise ShapeError(f"gate_up must hold 2 * ffn rows, got {gate_up.out_dim}")
         ffn = gate_up.out_dim // 2
-        cfg = config or gemv_config(ffn, self.sm_count)
-        rows = max(2, cfg.rows - cfg.rows % 2)
-        kern = self.kernel("gemv", wtype=gate_up.wtype, in_dim=gate_up.in_dim, rows=rows, warps=cfg.warps, glu=True)
+        cfg = config or gemv_config(gate_up.out_dim, self.sm_count, gate_up.in_dim, gate_up.wtype)
+        rows = max(2, cfg.rows - cfg.rows % 2)  # weight rows per warp: a gate row and its up row per output
+        kern = self.kernel("gemv", wtype=gate_up.wtype, in_dim=gate_up.in_dim, rows=rows, warps=cfg.warps, glu=True,
+                           ksplit=cfg.ksplit)
         values = {"w": gate_up.ptr, "x": self._addr(x, gate_up.in_dim, "x"),
                   "y": self._addr(out, ffn, "out", align=4), "out_dim": ffn}
         self._launch(kern, -(-ffn // kern.meta["rows_per_cta"]), values, stream)

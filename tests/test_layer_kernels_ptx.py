@@ -47,17 +47,18 @@ def _assemble_all(name: str, **shape) -> None:
 
 
 @needs_ptxas
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(data=st.data(), wtype=st.sampled_from(WEIGHT_TYPES), rows=st.sampled_from([1, 2, 3, 4]),
        warps=st.sampled_from([1, 2, 4, 8]), bias=st.booleans(), residual=st.booleans())
 def test_gemv_assembles(data, wtype, rows, warps, bias, residual):
     in_dim = data.draw(_in_dims(wtype))
-    p = gv.plan(wtype, in_dim)
-    if (p["stage"] + p["table"]) * rows * warps > gv.MAX_STATIC_SMEM:
+    ksplit = data.draw(st.sampled_from([s for s in gv.KSPLITS if s <= warps]), label="ksplit")
+    shape = dict(wtype=wtype, in_dim=in_dim, rows=rows, warps=warps, ksplit=ksplit)
+    if gv.shared_bytes(wtype, in_dim, rows, warps, ksplit) > gv.MAX_STATIC_SMEM:
         with pytest.raises(ValueError, match="shared memory"):
-            catalog.emit("gemv", wtype=wtype, in_dim=in_dim, rows=rows, warps=warps)
+            catalog.emit("gemv", **shape)
         return
-    _assemble_all("gemv", wtype=wtype, in_dim=in_dim, rows=rows, warps=warps, bias=bias, residual=residual)
+    _assemble_all("gemv", bias=bias, residual=residual, **shape)
 
 
 @needs_ptxas
@@ -105,17 +106,41 @@ def test_small_kernels_assemble(name, shape):
     _assemble_all(name, **shape)
 
 
+# (out_dim, in_dim) of the decode shapes the dispatcher is tuned for (Llama-3-8B, Llama-3.2-1B, SmolLM2)
+REAL_SHAPES = [(4096, 14336), (14336, 4096), (4096, 4096), (28672, 4096), (2048, 8192), (8192, 2048), (2048, 2048),
+               (128256, 2048), (576, 1536), (1536, 576), (576, 576), (49152, 576)]
+
+
 @needs_ptxas
 @pytest.mark.parametrize("wtype", WEIGHT_TYPES)
 @pytest.mark.parametrize("in_dim", [4096, 14336])
 def test_gemv_family_no_spills_at_real_shapes(wtype, in_dim):
-    """4096x4096 and 4096x14336 (both directions: in_dim 4096 and 14336), every configuration the
-    dispatcher can pick, the fused gate/up variant and the prefill GEMM."""
+    """4096x4096 and 4096x14336 (both directions: in_dim 4096 and 14336): the unsplit configurations,
+    the fused gate/up variant and the prefill GEMM; the split ones are in the next test."""
     for rows in (1, 2, 4):
         _assemble_all("gemv", wtype=wtype, in_dim=in_dim, rows=rows, warps=4)
     _assemble_all("gemv", wtype=wtype, in_dim=in_dim, rows=4, warps=4, residual=True, bias=True)
     _assemble_all("gemv", wtype=wtype, in_dim=in_dim, rows=2, warps=4, glu=True)
     _assemble_all("gemm", wtype=wtype, in_dim=in_dim, rows=2, warps=4, tokens=4)
+
+
+@needs_ptxas
+@pytest.mark.parametrize("wtype", WEIGHT_TYPES)
+def test_dispatcher_configs_assemble_without_spills(wtype):
+    """Every configuration gemv_config picks at the real shapes (plain, with bias + residual, and the
+    fused gate/up GEMV of the 2 * ffn rows), without spills and within the static shared memory."""
+    seen = set()
+    for out_dim, in_dim in REAL_SHAPES:
+        if in_dim % type_info(wtype).block_values:
+            continue
+        cfg = gemv_config(out_dim, 132, in_dim, wtype)
+        glu = gemv_config(2 * out_dim, 132, in_dim, wtype)
+        for shape in (dict(rows=cfg.rows, warps=cfg.warps, ksplit=cfg.ksplit, bias=True, residual=True),
+                      dict(rows=max(2, glu.rows - glu.rows % 2), warps=glu.warps, ksplit=glu.ksplit, glu=True)):
+            key = (in_dim, *sorted(shape.items()))
+            if key not in seen:
+                seen.add(key)
+                _assemble_all("gemv", wtype=wtype, in_dim=in_dim, **shape)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,6 +165,12 @@ def test_bad_parameters_rejected():
         catalog.emit("gemv", wtype="Q8_0", in_dim=256, rows=1, glu=True)
     with pytest.raises(ValueError, match="rows \\* tokens"):
         catalog.emit("gemm", wtype="Q8_0", in_dim=256, rows=2, tokens=8)
+    with pytest.raises(ValueError, match="ksplit must be one of"):
+        catalog.emit("gemv", wtype="Q8_0", in_dim=256, warps=4, ksplit=3)
+    with pytest.raises(ValueError, match="ksplit must divide warps"):
+        catalog.emit("gemv", wtype="Q8_0", in_dim=256, warps=2, ksplit=4)
+    with pytest.raises(ValueError, match="no shape parameter"):
+        catalog.emit("gemm", wtype="Q8_0", in_dim=256, ksplit=2)
     with pytest.raises(ValueError, match="hidden"):
         catalog.emit("rmsnorm", hidden=6)
     with pytest.raises(ValueError, match="head_dim"):
@@ -171,6 +202,42 @@ def test_plan_invariants():
     assert gemv_config(4096).rows == 2 and gemv_config(576).rows == 1
 
 
+@settings(max_examples=200, deadline=None)
+@given(wtype=st.sampled_from(WEIGHT_TYPES), n=st.integers(1, 80), ksplit=st.sampled_from(gv.KSPLITS))
+def test_split_invariants(wtype, n, ksplit):
+    """The slices tile the row exactly, start where their phase says (a multiple of 4 bytes apart, or
+    of 16 when every row is 16-byte aligned), and their tiles are whole 16-byte pieces."""
+    in_dim = n * (256 if wtype in K_QUANTS else 32)
+    info = type_info(wtype)
+    sp = gv.split(wtype, in_dim, ksplit)
+    assert sp["n_full"] * sp["slice_vals"] + sp["last_vals"] == in_dim
+    assert 1 <= sp["used"] <= ksplit and sp["slice_vals"] % 256 == 0 or sp["used"] == 1
+    assert sp["rpt"] * info.round_bytes % 16 == 0
+    if sp["used"] > 1:
+        assert sp["slice_bytes"] % sp["phase"] == 0 and info.row_bytes(in_dim) % sp["phase"] == 0
+        assert sp["slice_vals"] * (sp["used"] - 1) < in_dim  # the last used slice is not empty
+    if ksplit == 1:
+        assert sp["slice_vals"] == in_dim and sp["rpt"] == gv.TILE_ROUNDS[wtype]
+
+
+def test_dispatcher_splits_long_rows_and_small_grids():
+    """The picks the report and the benchmark quote (H200: 132 SMs)."""
+    pick = lambda o, i, t: tuple(vars(gemv_config(o, 132, i, t)).values())  # noqa: E731
+    assert pick(4096, 14336, "Q4_K") == (2, 4, 4)  # 2048 row pairs: 4 slices of 3584 (2016 bytes per row)
+    assert pick(4096, 14336, "Q8_0") == (2, 8, 8)  # 15232-byte rows: 8 one-tile slices
+    assert pick(4096, 14336, "Q6_K") == (2, 4, 4)  # 4 one-tile slices of 14 rounds (2940 bytes)
+    assert pick(128256, 2048, "Q8_0") == (4, 4, 2)  # the unsplit row would be 2 tiles
+    assert pick(14336, 4096, "Q4_K") == (4, 4, 2)
+    assert pick(4096, 4096, "Q4_K") == (2, 4, 2)  # one wave already: more splitting only adds work
+    assert pick(576, 576, "Q8_0") == (1, 4, 1)  # too short to split
+    assert pick(49152, 576, "Q8_0") == (4, 4, 1)  # as before split-K
+    assert pick(14336, 4096, "F16") == (2, 4, 1)  # dense rows split only for a small grid
+    for o, i, t in ((4096, 14336, "Q6_K"), (2048, 8192, "Q8_0"), (128256, 2048, "Q4_K"), (576, 1536, "Q4_1")):
+        cfg = gemv_config(o, 132, i, t)
+        assert cfg.warps % cfg.ksplit == 0 and cfg.warps in (4, 8)
+        assert gv.shared_bytes(t, i, cfg.rows, cfg.warps, cfg.ksplit) <= gv.MAX_STATIC_SMEM
+
+
 def test_inv_freq_table():
     t = inv_freq_table(128, 500000.0)
     assert t.dtype == np.float32 and t.shape == (64,)
@@ -190,25 +257,30 @@ def _pad16(raw: np.ndarray) -> np.ndarray:
     return np.concatenate([raw, np.zeros((-raw.size) % 16, np.uint8)])
 
 
-def _emulate_gemm(rng, wtype, in_dim, out_dim, n_tok, tokens, rows, warps, bias, residual, glu):
+def _emulate_gemm(rng, wtype, in_dim, out_dim, n_tok, tokens, rows, warps, bias, residual, glu, ksplit=1):
+    """Run the GEMV/GEMM on the emulator and compare with the float64 oracle; ``residual`` is False,
+    True (a separate buffer) or "in_place" (the residual is y itself)."""
     wrows = 2 * out_dim if glu else out_dim
     raw = random_weight(rng, wtype, wrows, in_dim)
     nt = n_tok if tokens else 1
     x = rng.standard_normal((nt, in_dim)).astype(np.float32)
     b = rng.standard_normal(out_dim).astype(np.float32) if bias else None
     r = rng.standard_normal((nt, out_dim)).astype(np.float32) if residual else None
-    shape = dict(wtype=wtype, in_dim=in_dim, rows=rows, warps=warps, bias=bias, residual=residual, glu=glu)
+    shape = dict(wtype=wtype, in_dim=in_dim, rows=rows, warps=warps, bias=bias, residual=bool(residual), glu=glu)
     if tokens:
         shape["tokens"] = tokens
+    if ksplit > 1:
+        shape["ksplit"] = ksplit
     k = catalog.emit("gemm" if tokens else "gemv", **shape)
     mem = Memory()
-    params = dict(w=mem.alloc_array(_pad16(raw)), x=mem.alloc_array(x), y=mem.alloc(4 * out_dim * nt), out_dim=out_dim)
+    y_addr = mem.alloc_array(r) if residual == "in_place" else mem.alloc(4 * out_dim * nt)
+    params = dict(w=mem.alloc_array(_pad16(raw)), x=mem.alloc_array(x), y=y_addr, out_dim=out_dim)
     if tokens:
         params["n_tokens"] = nt
     if bias:
         params["bias"] = mem.alloc_array(b)
     if residual:
-        params["residual"] = mem.alloc_array(r)
+        params["residual"] = y_addr if residual == "in_place" else mem.alloc_array(r)
     grid = (-(-out_dim // k.meta["rows_per_cta"]), -(-nt // tokens) if tokens else 1)
     simt_run(k.ptx, grid=grid, block=(k.meta["block"],), params=params, memory=mem)
     y = mem.read(params["y"], np.float32, out_dim * nt).reshape(nt, out_dim)
@@ -250,6 +322,78 @@ def test_gemv_emulated_misaligned_and_multi_tile_rows(wtype, in_dim):
     """Rows whose byte length is not a multiple of 16 (SmolLM2's 576 in Q4_1/Q8_0, Q6_K at 1536)
     and rows spanning several tiles of the runtime loop."""
     _emulate_gemm(np.random.default_rng(7), wtype, in_dim, 5, 1, 0, 2, 2, True, True, False)
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), wtype=st.sampled_from(WEIGHT_TYPES), out_dim=st.integers(1, 11),
+       ksplit=st.sampled_from([2, 4, 8]), mode=st.sampled_from(["plain", "bias", "residual", "in_place", "both", "glu"]),
+       seed=st.integers(0, 2**32 - 1))
+def test_gemv_split_k_emulated_matches_oracle(data, wtype, out_dim, ksplit, mode, seed):
+    """Split-K variants against the float64 oracle: rows with partial rounds and 16-byte tails
+    (any multiple of the block size up to ~4200 values, so slices that are one tile, several tiles,
+    shorter than the others or empty), several row groups per CTA, rows past out_dim, bias,
+    residual, in-place residual (y is the residual) and the gate/up GLU epilogue."""
+    bs = 256 if wtype in K_QUANTS else (8 if wtype in DENSE else 32)
+    in_dim = data.draw(st.integers(1, 4200 // bs).map(lambda n: n * bs), label="in_dim")
+    warps = data.draw(st.sampled_from([w for w in (2, 4, 8) if w >= ksplit]), label="warps")
+    glu = mode == "glu"
+    rows = data.draw(st.sampled_from([2, 4] if glu else [1, 2, 3, 4]), label="rows")
+    if gv.shared_bytes(wtype, in_dim, rows, warps, ksplit) > gv.MAX_STATIC_SMEM:
+        rows, warps = (2 if glu else 1), ksplit
+    residual = {"residual": True, "in_place": "in_place", "both": "in_place"}.get(mode, False)
+    _emulate_gemm(np.random.default_rng(seed), wtype, in_dim, out_dim, 1, 0, rows, warps, mode in ("bias", "both"),
+                  residual, glu, ksplit=ksplit)
+
+
+@pytest.mark.parametrize("wtype,in_dim,rows,warps,ksplit", [
+    ("Q4_K", 14336, 2, 4, 4), ("Q6_K", 14336, 2, 8, 8), ("Q8_0", 14336, 2, 8, 8), ("Q6_K", 14336, 2, 4, 4),
+    ("Q8_0", 4096, 2, 4, 2), ("Q6_K", 1536, 2, 4, 2), ("Q8_0", 576, 3, 4, 4), ("F16", 14336, 2, 8, 8)])
+def test_gemv_split_k_emulated_at_real_row_lengths(wtype, in_dim, rows, warps, ksplit):
+    """The dispatcher's kinds of split at real row lengths: one-tile slices copied with cp.async
+    (Q4_K/Q6_K/Q8_0 at 14336), register-pipelined multi-tile slices (Q6_K s4, F16), Q6_K slices at a
+    4-byte phase, a short last slice and an idle warp (Q8_0 576: 3 rounds in 4 slices)."""
+    _emulate_gemm(np.random.default_rng(in_dim + ksplit), wtype, in_dim, 5, 1, 0, rows, warps, True, "in_place", False,
+                  ksplit=ksplit)
+
+
+def test_emulator_catches_cp_async_misuse():
+    """The checks the split-K tests rely on: reading a cp.async destination before cp.async.wait_all
+    (or another lane's copy before a barrier) is reported, as is a copy from outside an allocation."""
+    from ptx_gen.builder import Module
+    from tests.ptx_simt import EmulatorError
+
+    def kernel(wait: bool, sync: bool, other_lane: bool):
+        m = Module("sm_90")
+        k = m.kernel("t", [("src", "u64"), ("dst", "u64")])
+        lane = k.and_(k.tid(), 31)
+        buf = k.shared_array("t_buf", "u8", 512)
+        k.cp_async(k.add(buf, k.shl(lane, 4)), k.add(k.global_ptr("src"), k.cvt(k.shl(lane, 4), "u64")))
+        if wait:
+            k.cp_async_wait_all()
+        if sync:
+            k.bar_warp_sync()
+        src_lane = k.xor(lane, 1) if other_lane else lane
+        v = k.load("shared", "u32", k.add(buf, k.shl(src_lane, 4)))
+        k.store("global", "u32", k.add(k.global_ptr("dst"), k.cvt(k.shl(lane, 2), "u64")), v)
+        k.ret()
+        return m.emit()
+
+    data = np.arange(128, dtype=np.uint32)
+    for wait, sync, other, ok in ((True, True, True, True), (True, False, False, True), (False, True, True, False),
+                                  (True, False, True, False)):
+        mem = Memory()
+        src, dst = mem.alloc_array(data), mem.alloc(128)
+        if ok:
+            simt_run(kernel(wait, sync, other), grid=(1,), block=(32,), params=dict(src=src, dst=dst), memory=mem)
+            lanes = np.arange(32) ^ (1 if other else 0)
+            np.testing.assert_array_equal(mem.read(dst, np.uint32, 32), data[4 * lanes])
+        else:
+            with pytest.raises(EmulatorError, match="cp.async|race"):
+                simt_run(kernel(wait, sync, other), grid=(1,), block=(32,), params=dict(src=src, dst=dst), memory=mem)
+    mem = Memory()
+    small, dst = mem.alloc_array(data[:100]), mem.alloc(128)
+    with pytest.raises(EmulatorError, match="out-of-bounds"):
+        simt_run(kernel(True, True, False), grid=(1,), block=(32,), params=dict(src=small, dst=dst), memory=mem)
 
 
 @settings(max_examples=12, deadline=None)

@@ -3,6 +3,10 @@ bandwidth and torch's f16 matmul of the same shape.
 
     python tools/bench_gemv.py --out docs/results/bench_gemv.md [--quick] [--types Q4_K,Q8_0] [--sweep]
 
+``--sweep`` times every launch configuration (rows per warp 1/2/4, warps 4/8, split-K 1/2/4/8 where
+the shared memory allows) next to the dispatcher's pick, checks each one's result, and appends a
+table of all of them per type and shape (to tune ``realizar.layers.gemv_config``).
+
 Shapes (out x in): 4096x4096, 14336x4096 (FFN up/gate), 4096x14336 (FFN down), and SmolLM2's
 576x576, 1536x576, 576x1536, 49152x576 (the tied output projection).
 
@@ -28,6 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ptx_gen.kernels.gemv import KSPLITS, MAX_STATIC_SMEM, shared_bytes  # noqa: E402
 from ptx_gen.kernels.quant_layout import K_QUANTS, WEIGHT_TYPES, type_info  # noqa: E402
 from realizar import cuda  # noqa: E402
 from realizar.cuda.driver import call  # noqa: E402
@@ -102,6 +107,16 @@ def n_copies(nbytes: int, cap: int = 1024) -> int:
     return int(min(cap, max(2, -(-3 * L2_BYTES // max(nbytes, 1)))))
 
 
+def sweep_configs(wtype: str, in_dim: int) -> list[GemvConfig]:
+    """Every launch configuration of the sweep whose shared memory fits."""
+    return [GemvConfig(r, w, s) for r in (1, 2, 4) for w in (4, 8) for s in KSPLITS
+            if s <= w and shared_bytes(wtype, in_dim, r, w, s) <= MAX_STATIC_SMEM]
+
+
+def cfg_text(cfg: GemvConfig) -> str:
+    return f"r{cfg.rows} w{cfg.warps} s{cfg.ksplit}"
+
+
 def bench_type_shape(ops, stream, wtype, out_dim, in_dim, rng, sweep: bool, use_graph: bool):
     raw = random_weight(rng, wtype, out_dim, in_dim)
     base = GpuWeight(data=raw, ggml_type=wtype, shape=(out_dim, in_dim))
@@ -116,34 +131,37 @@ def bench_type_shape(ops, stream, wtype, out_dim, in_dim, rng, sweep: bool, use_
     x = rng.standard_normal(in_dim).astype(np.float32)
     dx = cuda.GpuBuffer.from_numpy(x)
     dy = cuda.GpuBuffer(out_dim)
-    # spot check of 64 rows against the float64 oracle
-    ops.gemv(base, dx, dy)
-    stream.synchronize()
-    rows = min(64, out_dim)
-    wd = dequant(raw[: rows * base.row_bytes], wtype, rows, in_dim).astype(np.float64)
+    # spot check of the first and last 32 rows against the float64 oracle (each configuration)
+    pick = np.unique(np.r_[np.arange(min(32, out_dim)), np.arange(max(0, out_dim - 32), out_dim)])
+    wd = dequant(raw.reshape(out_dim, base.row_bytes)[pick].reshape(-1), wtype, pick.size, in_dim).astype(np.float64)
     ref = wd @ x
-    got = dy.to_numpy()[:rows]
-    ok = bool(np.isfinite(got).all() and np.abs(got - ref).max() <= 1e-4 * max(np.abs(ref).max(), 1e-30))
-    configs = [None]
-    if sweep:
-        configs += [GemvConfig(r, w) for r in (1, 2, 4) for w in (4, 8) if (r, w) != (4, 8)]
+
+    def check(cfg: GemvConfig) -> bool:
+        dy.poison(stream)
+        ops.gemv(base, dx, dy, config=cfg, stream=stream)
+        stream.synchronize()
+        got = dy.to_numpy()[pick]
+        return bool(np.isfinite(got).all() and np.abs(got - ref).max() <= 1e-4 * max(np.abs(ref).max(), 1e-30))
+
+    default = gemv_config(out_dim, ops.sm_count, in_dim, wtype)
+    configs = [default] + ([c for c in sweep_configs(wtype, in_dim) if c != default] if sweep else [])
     results = []
     n_launch = max(len(copies), 20)
     for cfg in configs:
-        eff = cfg or gemv_config(out_dim, ops.sm_count)
         try:
-            fns = [(lambda w=copies[i % len(copies)], c=eff: ops.gemv(w, dx, dy, stream=stream, config=c))
+            ok = check(cfg)
+            fns = [(lambda w=copies[i % len(copies)], c=cfg: ops.gemv(w, dx, dy, stream=stream, config=c))
                    for i in range(n_launch)]
             us, mode = time_launches(fns, stream, use_graph)
-        except Exception as exc:  # noqa: BLE001 - a config may not fit (shared memory)
-            print(f"  {wtype} {out_dim}x{in_dim} {eff}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - report and go on with the other configurations
+            print(f"  {wtype} {out_dim}x{in_dim} {cfg_text(cfg)}: {exc}")
             continue
-        results.append((us, eff, mode, cfg is None))
+        results.append((us, cfg, mode, cfg is default, ok))
     for w in copies:
         w.free()
     dx.free()
     dy.free()
-    return nbytes, ok, results
+    return nbytes, results
 
 
 def bench_torch(out_dim, in_dim, stream_unused, use_graph: bool):
@@ -226,6 +244,7 @@ def main() -> int:
     ]
     print("\n".join(lines))
     torch_cache = {}
+    sweep_rows: list[str] = []
     t_start = time.time()
     for label, out_dim, in_dim in shapes:
         if (out_dim, in_dim) not in torch_cache:
@@ -239,21 +258,30 @@ def main() -> int:
                 lines.append(f"| {wt} | {label} | — | — | — | — | rows of {in_dim} not possible | | | |")
                 print(lines[-1])
                 continue
-            nbytes, ok, results = bench_type_shape(ops, stream, wt, out_dim, in_dim, rng, a.sweep, not a.no_graph)
+            nbytes, results = bench_type_shape(ops, stream, wt, out_dim, in_dim, rng, a.sweep, not a.no_graph)
             if not results:
                 continue
-            default = next(r for r in results if r[3])
+            default = next((r for r in results if r[3]), None)
+            if default is None:
+                continue
             best = min(results, key=lambda r: r[0])
-            us, cfg, mode, _ = default
+            us, cfg, mode, _, _ = default
             gbs = nbytes / us / 1e3
-            cfg_txt = f"r{cfg.rows} w{cfg.warps}" + (f" ({mode})" if mode != "graph" else "")
+            pct = lambda t: nbytes / t / 1e3 / (bw / 1e9) * 100  # noqa: E731
+            cfg_txt = cfg_text(cfg) + (f" ({mode})" if mode != "graph" else "")
             if best is not default:
-                cfg_txt += f"; best r{best[1].rows} w{best[1].warps}: {best[0]:.1f} µs ({nbytes / best[0] / 1e3 / (bw / 1e9) * 100:.0f}%)"
+                cfg_txt += f"; best {cfg_text(best[1])}: {best[0]:.1f} µs ({pct(best[0]):.0f}%)"
             tcol = f"{tres[0]:.1f} | {tres[1] / tres[0] / 1e3:.0f}" if tres else "— | —"
+            all_ok = all(r[4] for r in results)
             lines.append(f"| {wt} | {label} | {nbytes / 1e6:.1f} | {us:.1f} | {gbs:.0f} | {gbs / (bw / 1e9) * 100:.0f}% | "
-                         f"{cfg_txt} | {'ok' if ok else '**FAIL**'} | {tcol} |")
+                         f"{cfg_txt} | {'ok' if all_ok else '**FAIL**'} | {tcol} |")
             print(lines[-1], flush=True)
-            write(a.out, lines)  # progressively: a stage timeout still leaves the rows measured so far
+            if a.sweep:
+                sweep_rows.append(f"| {wt} | {label} | " + ", ".join(
+                    f"{cfg_text(c)}{'*' if d else ''} {t:.1f} ({pct(t):.0f}%){'' if k else ' **FAIL**'}"
+                    for t, c, _, d, k in sorted(results, key=lambda r: r[0])) + " |")
+                print(sweep_rows[-1], flush=True)
+            write(a.out, lines + _sweep_section(sweep_rows))  # progressively: a timeout keeps what was measured
     if not a.no_glu:
         lines += ["", "## Fused gate/up GEMV with SwiGLU epilogue vs two GEMVs + swiglu (ffn 14336, hidden 4096)", "",
                   "| type | two GEMVs + swiglu µs | fused µs | speed-up |", "|---|---:|---:|---:|"]
@@ -261,10 +289,19 @@ def main() -> int:
             r = bench_glu(ops, stream, wt, 14336, 4096, rng, not a.no_graph)
             lines.append(f"| {wt} | {r[0]:.1f} | {r[1]:.1f} | {r[0] / r[1]:.2f}x |")
             print(lines[-1], flush=True)
-            write(a.out, lines)
+            write(a.out, lines + _sweep_section(sweep_rows))
+    lines += _sweep_section(sweep_rows)
     lines += ["", f"({time.time() - t_start:.0f} s)"]
     write(a.out, lines)
     return 0
+
+
+def _sweep_section(rows: list[str]) -> list[str]:
+    if not rows:
+        return []
+    return ["", "## Sweep: every configuration, fastest first (µs per launch, % of copy bandwidth; * = dispatcher's "
+            "pick; rN wN sN = rows per warp, warps per CTA, K slices)", "", "| type | shape | configurations |",
+            "|---|---|---|", *rows]
 
 
 def write(path: Path | None, lines: list[str]) -> None:

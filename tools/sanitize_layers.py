@@ -23,8 +23,10 @@ def cases(cache, rng, small: bool) -> None:
     ops = LayerOps()
     types = WEIGHT_TYPES if not small else ("Q8_0", "Q4_1", "Q6_K", "F16")
     for wt in types:
-        in_dim = 512 if wt in K_QUANTS else 576  # 576: rows not 16-byte aligned for most 32-blocks
-        for out_dim, cfg in ((3, GemvConfig(1, 4)), (37, GemvConfig(4, 4)), (5, GemvConfig(2, 2))):
+        in_dim = 1536 if wt in K_QUANTS else 1632  # rows not 16-byte aligned for most 32-blocks; K split 4 ways
+        configs = ((3, GemvConfig(1, 4)), (37, GemvConfig(4, 4)), (5, GemvConfig(2, 2)),
+                   (9, GemvConfig(2, 4, 4)), (11, GemvConfig(2, 8, 8)), (6, GemvConfig(1, 4, 2)))
+        for out_dim, cfg in configs:
             raw = random_weight(rng, wt, out_dim, in_dim)
             x = rng.standard_normal(in_dim).astype(np.float32)
             r = rng.standard_normal(out_dim).astype(np.float32)

@@ -26,7 +26,9 @@ def _emit_tile(k: KernelBuilder, p: dict, wtype: str, row, lc: dict, sel, out, t
     ob = k.add(ob, k.cvt(k.shl(lane, 5), "u64"))
 
     def one(i: int) -> None:
-        fs, a, c = gv._decode(k, p, wtype, row, lc, sel, i)
+        dec = gv._decode(k, p, wtype, row, lc, sel, i)
+        fs = dec.fs
+        a, c = ql.affine(k, dec)
         if isinstance(a, float):
             vals = fs if a == 1.0 else [k.mul(f, a) for f in fs]
         elif c is None:
@@ -73,7 +75,7 @@ def embedding(m: Module, wtype: str = "Q8_0", hidden: int = 576, warps: int = 4)
     sel = None
     lc = ql.lane_constants(k, wtype, lane)
     if wtype in K_TABLE:
-        lc["tentry"] = k.shl(k.shr(lane, 2), 3)
+        lc.update(gv._k_table_constants(k, lane))
     if info.block_values == 32:
         B = info.block_bytes
         row.lane_bb = k.add(row.bbase, k.mul(lc["blk"], B))

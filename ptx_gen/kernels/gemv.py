@@ -16,6 +16,16 @@ row's sum; lane 0 adds bias/residual and stores. Grid: ``ceil(out_dim / (rows * 
 ``32 * warps``. Variants: ``glu`` (rows of [gate; up], silu(g) * u epilogue) and the prefill GEMM
 (``tokens`` x vectors per CTA on grid.y, each weight round decoded once for all of them).
 
+Split-K (``ksplit`` > 1, GEMV only): the CTA's warps form ``warps / ksplit`` groups; the warps of a
+group own the same ``rows`` rows and each walks one K *slice* of them (:func:`split`), so a
+4096 x 14336 GEMV has 4-8x the warps, each walking a few tiles instead of 56 rounds. A slice of at
+most ``SPLIT_TILE_BYTES`` per row is one tile, copied with ``cp.async`` straight into shared memory
+(every load in flight at once, no registers held, no stores); a longer one is walked with the
+register pipeline above. Each warp reduces its rows' partial sums, lane 0 writes them to shared
+memory, one ``bar.sync``, and lane ``o`` of the group's first warp adds the ``ksplit`` partials of
+output ``o`` in slice order (deterministic) and applies the epilogue. There is no early exit (every
+warp reaches the barrier): rows past ``out_dim`` are clamped for loads and not stored.
+
 Rows: ``row r`` starts at byte ``r * row_bytes`` of ``w`` (``w`` 16-byte aligned, and the allocation
 rounded up to a multiple of 16 bytes: loads are whole 16-byte vectors). ``in_dim`` is a generation
 parameter; ``out_dim`` is a runtime argument. ``residual`` may alias ``y`` (in-place ``h += W x``).
@@ -34,16 +44,28 @@ TILE_ROUNDS = {"F32": 1, "F16": 2, "BF16": 2, "Q8_0": 4, "Q4_0": 8, "Q4_1": 8, "
                "Q4_K": 8, "Q5_K": 8, "Q6_K": 8}
 TABLE_BYTES = 8 * 8  # per K-quant block: 8 sub-blocks x (A, C) f32
 MAX_STATIC_SMEM = 48 * 1024
+KSPLITS = (1, 2, 4, 8)
+# split-K slices are walked in tiles of at most this many bytes per row (6 pieces of 16 bytes per lane):
+# a slice of up to 3 KB per row is one tile, all its loads in flight at once and no loop (whose
+# prefetch registers would stay live through the decode)
+SPLIT_TILE_BYTES = 3072
+L1_MARGIN = 8 * 1024  # L1 wanted beyond x itself (bias, residual, the lines of x around a slice)
 
 
-def plan(wtype: str, in_dim: int) -> dict:
-    """Static facts of the tiling for one shape (also used by tests and the GEMM)."""
+def plan(wtype: str, in_dim: int, phase: int | None = None, rpt: int | None = None) -> dict:
+    """Static facts of the tiling of a row, or of one K slice of a row (``in_dim`` values), walked in
+    tiles of ``rpt`` rounds (default ``TILE_ROUNDS``). ``phase`` is what is known of the alignment of
+    its first byte: 16 (``aligned``), 4 or 2; by default 16 when the row length is a multiple of 16
+    bytes (every row then starts 16-byte aligned), else 2. Also used by tests, the GEMM and the
+    embedding."""
     ql.check_in_dim(wtype, in_dim)
     info = type_info(wtype)
     rb = info.round_bytes
-    rpt = TILE_ROUNDS[wtype]
+    rpt = TILE_ROUNDS[wtype] if rpt is None else rpt
     row_bytes = info.row_bytes(in_dim)
-    aligned = row_bytes % 16 == 0
+    if phase is None:
+        phase = 16 if row_bytes % 16 == 0 else 2
+    aligned = phase == 16
     full_rounds, rem = divmod(in_dim, ROUND)
     n_full_tiles, tail_full = divmod(full_rounds, rpt)
     tail = [(i, ROUND) for i in range(tail_full)] + ([(tail_full, rem)] if rem else [])
@@ -54,7 +76,7 @@ def plan(wtype: str, in_dim: int) -> dict:
     # +16: a realigning read (lds_words) may fetch one word past the last block
     stage = 16 * max(pieces_full if n_full_tiles else 0, pieces_tail) + (0 if wtype in DENSE else 16)
     table = rpt * TABLE_BYTES if wtype in K_TABLE else 0
-    return dict(info=info, rb=rb, rpt=rpt, tile_bytes=rpt * rb, row_bytes=row_bytes, aligned=aligned,
+    return dict(info=info, rb=rb, rpt=rpt, tile_bytes=rpt * rb, row_bytes=row_bytes, aligned=aligned, phase=phase,
                 n_full_tiles=n_full_tiles, tail=tail, pieces_full=pieces_full, pieces_tail=pieces_tail,
                 stage=stage, table=table)
 
@@ -69,16 +91,24 @@ def _grid_shapes() -> list[dict]:
                {"wtype": "Q4_1", "in_dim": 576, "rows": 2, "glu": True},
                {"wtype": "Q4_K", "in_dim": 4096, "rows": 4, "glu": True},
                {"wtype": "Q4_K", "in_dim": 14336, "rows": 2, "residual": True},
-               {"wtype": "Q6_K", "in_dim": 1536, "rows": 4, "bias": True, "residual": True}]
+               {"wtype": "Q6_K", "in_dim": 1536, "rows": 4, "bias": True, "residual": True},
+               {"wtype": "Q4_K", "in_dim": 14336, "rows": 2, "warps": 4, "ksplit": 4, "residual": True},
+               {"wtype": "Q6_K", "in_dim": 14336, "rows": 2, "warps": 8, "ksplit": 8},
+               {"wtype": "Q8_0", "in_dim": 4096, "rows": 2, "warps": 4, "ksplit": 2, "glu": True},
+               {"wtype": "Q8_0", "in_dim": 576, "rows": 3, "warps": 4, "ksplit": 4, "bias": True}]
     return shapes
 
 
 class RowCtx:
-    """Per-row registers of one warp."""
+    """Per-row registers of one warp: where its bytes (the row, or the warp's K slice of it) start and
+    end in global memory, its staging buffer and scale table, and its accumulators."""
 
-    def __init__(self, k: KernelBuilder, p: dict, w: Reg, r: Reg, sbuf: Reg, table: Reg | None, ntok: int = 1):
+    def __init__(self, k: KernelBuilder, p: dict, w: Reg, r: Reg, sbuf: Reg, table: Reg | None, ntok: int = 1,
+                 stride: int | None = None, offset: Reg | None = None, acc: list | None = None):
         info = p["info"]
-        self.start = k.add(w, k.mul_wide(r, p["row_bytes"]))
+        self.start = k.add(w, k.mul_wide(r, p["row_bytes"] if stride is None else stride))
+        if offset is not None:  # a K slice: `offset` bytes into the row (a multiple of 4, see split)
+            self.start = k.add(self.start, offset)
         s0_64 = k.and_(self.start, 15)
         self.s0 = k.cvt(s0_64, "u32")
         self.a0 = k.sub(self.start, s0_64)
@@ -86,7 +116,7 @@ class RowCtx:
         self.sbuf = sbuf
         self.bbase = sbuf if p["aligned"] else k.add(sbuf, self.s0)
         self.table = table
-        self.acc = [k.var("f32", 0.0) for _ in range(ntok)]
+        self.acc = [k.var("f32", 0.0) for _ in range(ntok)] if acc is None else acc
         self.info = info
 
 
@@ -132,26 +162,33 @@ def _stage(k: KernelBuilder, p: dict, rows: list[RowCtx], lane: Reg, t: Reg | in
 
 
 def _k_table(k: KernelBuilder, p: dict, wtype: str, rows: list[RowCtx], lc: dict, nblocks: int) -> None:
-    """Decode the (A, C) scale terms of every (block, sub-block) of the tile into the table."""
+    """Decode the (A, C) scale terms of every (block, sub-block) of the tile into the table: lane l
+    takes sub-blocks 2 (l % 4) and 2 (l % 4) + 1 of block l / 4 (+ 8 per pass), entries
+    ``table[8 * block + j] = (A, C)``, i.e. 16 bytes at ``16 l (+ 512 per pass)``."""
     B = p["info"].block_bytes
-    lane = lc["lane"]
-    for e in range(-(-nblocks // 4)):
-        blk = k.add(k.shr(lane, 3), 4 * e)
-        entry = k.add(k.shl(blk, 3), lc["tj"])
+    for e in range(-(-nblocks // 8)):
+        blk = k.add(lc["kblk"], 8 * e) if e else lc["kblk"]
         body = lambda: [  # noqa: E731
-            k.store("shared", "f32", k.add(row.table, k.shl(entry, 3)),
-                    list(ql.k_scale_entry(k, wtype, k.add(row.bbase, k.mul(blk, B)), lc["ksel"])))
+            k.store("shared", "f32", k.add(row.table, lc["kentry"]),
+                    list(ql.k_scale_pair(k, wtype, k.add(row.bbase, k.mul(blk, B)), lc["kpair"])), 512 * e)
             for row in rows
         ]
-        if 4 * (e + 1) <= nblocks:
+        if 8 * (e + 1) <= nblocks:
             body()
         else:
             with k.if_(k.setp("lt", blk, nblocks)):
                 body()
 
 
-def _decode(k: KernelBuilder, p: dict, wtype: str, row: RowCtx, lc: dict, sel, i: int):
-    """(fs[8], A, C) of the lane's 8 values of round ``i`` of the staged tile of ``row``."""
+def _k_table_constants(k: KernelBuilder, lane: Reg) -> dict:
+    """Lane constants of the K-quant scale table: the entry a lane reads when decoding (``tentry``,
+    8 * sub-block j of its values) and what it builds (:func:`_k_table`)."""
+    return {"tentry": k.shl(k.shr(lane, 2), 3), "kblk": k.shr(lane, 2), "kentry": k.shl(lane, 4),
+            "kpair": ql.k_pair_selectors(k, k.and_(lane, 3))}
+
+
+def _decode(k: KernelBuilder, p: dict, wtype: str, row: RowCtx, lc: dict, sel, i: int) -> ql.Decoded:
+    """The lane's 8 values of round ``i`` of the staged tile of ``row``."""
     info = p["info"]
     lane = lc["lane"]
     if wtype in DENSE:
@@ -165,11 +202,11 @@ def _decode(k: KernelBuilder, p: dict, wtype: str, row: RowCtx, lc: dict, sel, i
     if wtype in K_TABLE:
         fs = ql.decode_kq(k, wtype, bb, lc)
         a, c = k.load("shared", "f32", k.add(row.table, lc["tentry"]), i * TABLE_BYTES, vec=2)
-        return fs, a, c
-    if p["aligned"]:  # Q6_K, each block's phase is known
-        align = {0: 8, 4: 4}.get((i * info.block_bytes) % 8)
-        return ql.decode_q6k(k, bb, lc, 0x5432 if align is None else None, align)
-    return ql.decode_q6k(k, bb, lc, sel[i % 2], None)
+        return ql.Decoded(fs, a, m=c)
+    if p["phase"] >= 4:  # Q6_K, each block's phase is known (mod 8 when the tile is 16-aligned, else mod 4)
+        mod = 8 if p["aligned"] else 4
+        return ql.decode_q6k(k, bb, lc, (mod, i * info.block_bytes % mod))
+    return ql.decode_q6k(k, bb, lc, None, sel[i % 2])
 
 
 def _round(k: KernelBuilder, p: dict, wtype: str, rows: list[RowCtx], lc: dict, sels: list, xbases: list[Reg],
@@ -182,33 +219,39 @@ def _round(k: KernelBuilder, p: dict, wtype: str, rows: list[RowCtx], lc: dict, 
         return (list(k.load("global", "f32", xb, i * ROUND * 4, vec=4, nc=True))
                 + list(k.load("global", "f32", xb, i * ROUND * 4 + 16, vec=4, nc=True)))
 
-    def contribute(row: RowCtx, m: int, dec, xs, sx_box) -> None:
-        fs, a, c = dec
+    def x_sum(xs, box: dict, beta: float) -> Reg:
+        """beta * (the lane's 8 x values summed), made once per round and token for all rows."""
+        if 1.0 not in box:
+            s01 = k.add(k.add(xs[0], xs[1]), k.add(xs[2], xs[3]))
+            s23 = k.add(k.add(xs[4], xs[5]), k.add(xs[6], xs[7]))
+            box[1.0] = k.add(s01, s23)
+        if beta not in box:
+            box[beta] = k.mul(box[1.0], beta)
+        return box[beta]
+
+    def contribute(row: RowCtx, m: int, dec: ql.Decoded, xs, box: dict) -> None:
+        """acc += s * (alpha * dot + beta * sum x) + m * sum x."""
+        fs = dec.fs
         dot = k.mul(fs[0], xs[0])  # one chain: rows and rounds give the ILP
         for j in range(1, 8):
             dot = k.fma(fs[j], xs[j], dot)
         acc = row.acc[m]
-        if isinstance(a, float):
-            new = k.add(acc, dot) if a == 1.0 else k.fma(dot, a, acc)
-        else:
-            new = k.fma(a, dot, acc)
-        if c is not None:
-            if sx_box[0] is None:
-                s01 = k.add(k.add(xs[0], xs[1]), k.add(xs[2], xs[3]))
-                s23 = k.add(k.add(xs[4], xs[5]), k.add(xs[6], xs[7]))
-                sx_box[0] = k.add(s01, s23)
-            new = k.fma(c, sx_box[0], new)
+        if dec.beta or dec.alpha != 1.0:
+            dot = k.fma(dot, dec.alpha, x_sum(xs, box, dec.beta))
+        new = k.add(acc, dot) if isinstance(dec.s, float) and dec.s == 1.0 else k.fma(dec.s, dot, acc)
+        if dec.m is not None:
+            new = k.fma(dec.m, x_sum(xs, box, 1.0), new)
         k.assign(acc, new)
 
     if len(xbases) > len(rows):
         decs = [_decode(k, p, wtype, row, lc, sels[ri], i) for ri, row in enumerate(rows)]
         for m, xb in enumerate(xbases):
-            xs, box = load_x(xb), [None]
+            xs, box = load_x(xb), {}
             for row, dec in zip(rows, decs):
                 contribute(row, m, dec, xs, box)
     else:
         xss = [load_x(xb) for xb in xbases]
-        boxes = [[None] for _ in xbases]
+        boxes = [{} for _ in xbases]
         for ri, row in enumerate(rows):
             dec = _decode(k, p, wtype, row, lc, sels[ri], i)
             for m, xs in enumerate(xss):
@@ -243,79 +286,89 @@ def _after_store(k: KernelBuilder, p: dict, wtype: str, rows: list[RowCtx], lc: 
         k.bar_warp_sync()
 
 
-def build(m: Module, wtype: str, in_dim: int, rows: int, warps: int, bias: bool, residual: bool,
-          tokens: int = 0, glu: bool = False) -> KernelBuilder:
-    """The GEMV (``tokens == 0``: one x vector) or the token-tiled GEMM (``tokens`` x vectors per CTA,
-    grid.y over token tiles). With ``glu`` the weight holds ``2 * out_dim`` rows (gate rows, then up
-    rows) and ``y[o] = silu(gate_o . x) * (up_o . x)``."""
-    p = plan(wtype, in_dim)
-    if rows not in (1, 2, 3, 4) or warps not in (1, 2, 4, 8):
-        raise ValueError(f"rows must be 1..4 and warps 1, 2, 4 or 8; got rows={rows}, warps={warps}")
-    if glu and (rows % 2 or bias or residual):
-        raise ValueError("glu needs an even number of rows per warp and no bias/residual")
-    if tokens < 0 or tokens > 8 or rows * tokens > 8:
-        raise ValueError(f"tokens (per CTA) must be 0 (GEMV) or 1..8 with rows * tokens <= 8 (registers); "
-                         f"got tokens={tokens}, rows={rows}")
-    params = [("w", "u64"), ("x", "u64"), ("y", "u64")]
-    if bias:
-        params.append(("bias", "u64"))
-    if residual:
-        params.append(("residual", "u64"))
-    params.append(("out_dim", "u32"))
-    if tokens:
-        params.append(("n_tokens", "u32"))
-    kind = "gemm" if tokens else "gemv"
-    name = (f"{kind}_{wtype.lower()}_k{in_dim}_r{rows}_w{warps}" + (f"_t{tokens}" if tokens else "")
-            + ("_glu" if glu else "") + ("_bias" if bias else "") + ("_res" if residual else ""))
-    # no .maxntid: with it ptxas aims at an occupancy of its own and spills a few bytes in some variants
-    # (e.g. 64 registers for Q4_0 at 4352); without it the same kernels take <= ~100 registers, no spills
-    k = m.kernel(name, params)
-    per_row = p["stage"] + p["table"]
-    if per_row * rows * warps > MAX_STATIC_SMEM:
-        raise ValueError(f"{wtype} rows of {in_dim} with rows={rows}, warps={warps} need {per_row * rows * warps} "
-                         f"bytes of shared memory, more than {MAX_STATIC_SMEM}: use fewer rows or warps")
-    outs_per_warp = rows // 2 if glu else rows
-    k.meta.update(block=32 * warps, rows_per_cta=outs_per_warp * warps, tokens_per_cta=max(tokens, 1),
-                  smem=per_row * rows * warps, row_bytes=p["row_bytes"])
-    info = p["info"]
-    nt = max(tokens, 1)
+def _rounds_per(wtype: str, mult: int) -> int:
+    """The fewest rounds whose bytes are a multiple of ``mult``."""
+    rb = type_info(wtype).round_bytes
+    g = 1
+    while g * rb % mult:
+        g += 1
+    return g
 
-    out_dim = k.param("out_dim")
-    tid = k.tid()
-    lane, warp = k.and_(tid, 31), k.shr(tid, 5)
-    row0 = k.mul(k.mad(k.ctaid(), warps, warp), outs_per_warp)
-    done_label = k.new_label("done")
-    k.bra(done_label, k.setp("ge", row0, out_dim), uniform=True)
-    smem = k.shared_array(f"{name}_stage", "u8", per_row * rows * warps)
-    wbase = k.add(smem, k.mul(warp, per_row * rows))
-    w, x, y = k.global_ptr("w"), k.global_ptr("x"), k.global_ptr("y")
-    last = k.sub(out_dim, 1)
-    # token tile: x rows m0 .. m0 + nt - 1 (clamped for loads; stores are guarded)
-    if tokens:
-        n_tok = k.param("n_tokens")
-        m0 = k.mul(k.ctaid("y"), nt)
-        last_tok = k.sub(n_tok, 1)
-        tok = [k.min(k.add(m0, j), last_tok) if j else k.min(m0, last_tok) for j in range(nt)]
-        xs = [k.add(x, k.mul_wide(tk, in_dim * 4)) for tk in tok]
+
+def split(wtype: str, in_dim: int, ksplit: int) -> dict:
+    """How ``ksplit`` warps share a row: slice ``s`` holds values ``[s * slice_vals, ...)``; slices
+    ``s < n_full`` hold ``slice_vals`` values, slice ``n_full`` the remaining ``last_vals`` (0: none),
+    later slices nothing (only when the row has fewer rounds than ``ksplit``).
+
+    Slices start a multiple of 4 bytes apart (Q6_K: an even number of its 210-byte rounds; every
+    other type's rounds are whole 16-byte pieces), so ``phase`` (see :func:`plan`) is known. A slice
+    is walked in tiles of ``rpt`` rounds (whole 16-byte pieces): ``TILE_ROUNDS`` for ``ksplit == 1``
+    (the unsplit kernel, as it was); a slice of at most ``SPLIT_TILE_BYTES`` per row is one tile;
+    a longer one is cut into equal tiles of at most ``TILE_ROUNDS`` (14 rounds -> 2 x 7, not 8 + 6)."""
+    ql.check_in_dim(wtype, in_dim)
+    if ksplit not in KSPLITS:
+        raise ValueError(f"ksplit must be one of {KSPLITS}, got {ksplit}")
+    info = type_info(wtype)
+    g4, g16 = _rounds_per(wtype, 4), _rounds_per(wtype, 16)
+    rounds = -(-in_dim // ROUND)
+    per = -(-(-(-rounds // ksplit)) // g4) * g4  # rounds per slice
+    slice_vals = min(per * ROUND, in_dim)
+    n_full, last_vals = divmod(in_dim, slice_vals)
+    slice_bytes = info.row_bytes(slice_vals)
+    row_bytes = info.row_bytes(in_dim)
+    if ksplit == 1:
+        rpt = TILE_ROUNDS[wtype]
+        phase = 16 if row_bytes % 16 == 0 else 2  # plan's default
     else:
-        m0 = None
-        xs = [x]
-    lc = ql.lane_constants(k, wtype, lane)
-    if wtype in K_TABLE:
-        lc["tentry"] = k.shl(k.shr(lane, 2), 3)  # 8 * sub-block j: this lane's table entry in a block
+        phase = next(a for a in (16, 4, 2) if row_bytes % a == 0 and slice_bytes % a == 0)
+        if per * info.round_bytes <= SPLIT_TILE_BYTES:
+            rpt = -(-per // g16) * g16  # one tile, copied with cp.async
+        else:
+            tiles = -(-per // TILE_ROUNDS[wtype])
+            rpt = -(-(-(-per // tiles)) // g16) * g16
+    return dict(slice_vals=slice_vals, slice_bytes=slice_bytes, n_full=n_full, last_vals=last_vals, rpt=rpt,
+                phase=phase, used=n_full + (1 if last_vals else 0))
+
+
+def _slice_plans(wtype: str, sp: dict) -> tuple[dict | None, dict | None]:
+    """The plans of the full slices and of the short last slice (None where there is none)."""
+    return tuple(plan(wtype, n, sp["phase"], sp["rpt"]) if n else None for n in (sp["slice_vals"], sp["last_vals"]))
+
+
+def tiles_per_slice(wtype: str, in_dim: int, ksplit: int) -> int:
+    """How many tiles a warp walks for its (longest) slice of a row."""
+    sp = split(wtype, in_dim, ksplit)
+    return -(-sp["slice_vals"] // (sp["rpt"] * ROUND))
+
+
+def shared_bytes(wtype: str, in_dim: int, rows: int, warps: int, ksplit: int = 1) -> int:
+    """Static shared memory of a GEMV variant: per warp and row a staging buffer and (K-quants) a
+    scale table, sized for the longest slice; with ``ksplit > 1`` also the slices' row sums."""
+    plans = [p for p in _slice_plans(wtype, split(wtype, in_dim, ksplit)) if p is not None]
+    per_row = max(p["stage"] for p in plans) + max(p["table"] for p in plans)
+    return per_row * rows * warps + (4 * rows * warps if ksplit > 1 else 0)
+
+
+def _row_contexts(k: KernelBuilder, p: dict, wtype: str, rows: int, glu: bool, row0: Reg, last: Reg, out_dim: Reg,
+                  w: Reg, wbase: Reg, per_row: int, stage: int, lc: dict, nt: int, stride: int,
+                  offset: Reg | None = None, accs: list | None = None) -> tuple[list[RowCtx], list]:
+    """The warp's rows (row indices clamped to the last row; for ``glu`` the first half are gate rows,
+    the second half the matching up rows) and their realign selectors, for plan ``p``."""
+    info = p["info"]
+    outs_per_warp = rows // 2 if glu else rows
     row_ctx: list[RowCtx] = []
     sels: list = []
     for rr in range(rows):
         if glu:
-            half = rows // 2
-            r = k.min(k.add(row0, rr % half), last)
-            if rr >= half:
+            r = k.min(k.add(row0, rr % outs_per_warp), last)
+            if rr >= outs_per_warp:
                 r = k.add(r, out_dim)
         else:
             r = k.min(k.add(row0, rr), last)
         sbuf = k.add(wbase, rr * per_row) if rr else wbase
-        table = k.add(sbuf, p["stage"]) if p["table"] else None
-        row = RowCtx(k, p, w, r, sbuf, table, nt)
+        table = k.add(sbuf, stage) if p["table"] else None
+        row = RowCtx(k, p, w, r, sbuf, table, nt, stride=stride, offset=offset,
+                     acc=None if accs is None else accs[rr])
         row.align = None
         sel = None
         if info.block_values == 32:
@@ -326,14 +379,48 @@ def build(m: Module, wtype: str, in_dim: int, rows: int, warps: int, bias: bool,
                 row.align = 8 if B % 8 == 0 else 4  # of lane_bb (bbase is 16-aligned)
             else:
                 sel = ql.realign_selector(k, row.lane_bb, qs)
-        elif wtype == "Q6_K" and not p["aligned"]:
+        elif wtype == "Q6_K" and p["phase"] == 2:
             sel = (ql.realign_selector(k, row.bbase), ql.realign_selector(k, row.bbase, info.block_bytes))
         sels.append(sel)
         row_ctx.append(row)
+    return row_ctx, sels
 
-    # Software pipeline: tile t+1's weights are loaded into registers while tile t is decoded from
-    # shared memory, so each warp keeps its loads in flight through its own compute.
+
+def _copy_async(k: KernelBuilder, p: dict, rows: list[RowCtx], lane: Reg, npieces: int) -> None:
+    """Copy the (only) tile's bytes of every row straight into the staging buffers with ``cp.async``:
+    no registers, so all of the warp's copies are in flight at once; then wait for this lane's copies
+    to land. Piece ``lane + 32 q`` (16 bytes) is copied when it starts before the row's last 16-byte
+    boundary: all ``npieces`` of them for 16-byte aligned rows, else ``ceil((s0 + bytes) / 16)``."""
+    lane16 = k.shl(lane, 4)
+    lane16_64 = k.cvt(lane16, "u64")
+    for row in rows:
+        src, dst = k.add(row.a0, lane16_64), k.add(row.sbuf, lane16)
+        nvalid = npieces if p["aligned"] else k.shr(k.add(row.s0, p["row_bytes"] + 15), 4)
+        for q in range(-(-npieces // 32)):
+            if isinstance(nvalid, int):
+                ok = k.setp("lt", lane, nvalid - 32 * q) if (q + 1) * 32 > nvalid else None
+            else:
+                ok = k.setp("lt", lane, k.sub(nvalid, 32 * q) if q else nvalid, "s32")
+            k.cp_async(dst, src, pred=ok, dst_offset=512 * q, src_offset=512 * q)
+    k.cp_async_wait_all()
+
+
+def _walk(k: KernelBuilder, p: dict, wtype: str, row_ctx: list[RowCtx], lc: dict, sels: list, xs: list[Reg],
+          copy_async: bool = False) -> None:
+    """Accumulate the rows' dot products over the plan's tiles.
+
+    One tile with ``copy_async``: all of it is copied at once with ``cp.async``, then decoded. Else a
+    software pipeline: tile t+1's weights are loaded into registers while tile t is decoded from
+    shared memory, so each warp keeps its loads in flight through its own compute."""
+    lane = lc["lane"]
+    rows = len(row_ctx)
     nfull = p["n_full_tiles"]
+    if copy_async and nfull + (1 if p["tail"] else 0) == 1:
+        rounds = [(i, ROUND) for i in range(p["rpt"])] if nfull else p["tail"]
+        _copy_async(k, p, row_ctx, lane, p["pieces_full"] if nfull else p["pieces_tail"])
+        _after_store(k, p, wtype, row_ctx, lc, len(rounds))
+        _compute(k, p, wtype, row_ctx, lc, sels, xs, 0, rounds)
+        return
     npieces = max(p["pieces_full"] if nfull else 0, p["pieces_tail"])
     regs = _piece_regs(k, rows, npieces)
     _issue(k, p, row_ctx, lane, 0, npieces, regs)
@@ -350,10 +437,145 @@ def build(m: Module, wtype: str, in_dim: int, rows: int, warps: int, bias: bool,
         _after_store(k, p, wtype, row_ctx, lc, len(p["tail"]))
         _compute(k, p, wtype, row_ctx, lc, sels, xs, nfull, p["tail"])
 
-    totals = [[k.warp_reduce(a) for a in row.acc] for row in row_ctx]
+
+def _store_out(k: KernelBuilder, val: Reg, r: Reg, idx: Reg, bias: bool, residual: bool) -> None:
+    """y[idx] = val (+ bias[r]) (+ residual[idx]); residual may be y itself (read before written by the
+    same thread)."""
+    off = k.mul_wide(idx, 4)
+    if bias:
+        val = k.add(val, k.load("global", "f32", k.add(k.global_ptr("bias"), k.mul_wide(r, 4))))
+    if residual:
+        val = k.add(val, k.load("global", "f32", k.add(k.global_ptr("residual"), off)))
+    k.store("global", "f32", k.add(k.global_ptr("y"), off), val)
+
+
+def _silu_mul(k: KernelBuilder, g: Reg, u: Reg) -> Reg:
+    """silu(g) * u = g / (1 + 2**(-g log2 e)) * u (the GLU epilogue)."""
+    e = k.ex2(k.mul(g, -1.4426950408889634))
+    return k.mul(k.div(g, k.add(e, 1.0)), u)  # silu(g) * u
+
+
+def build(m: Module, wtype: str, in_dim: int, rows: int, warps: int, bias: bool, residual: bool,
+          tokens: int = 0, glu: bool = False, ksplit: int = 1) -> KernelBuilder:
+    """The GEMV (``tokens == 0``: one x vector) or the token-tiled GEMM (``tokens`` x vectors per CTA,
+    grid.y over token tiles). With ``glu`` the weight holds ``2 * out_dim`` rows (gate rows, then up
+    rows) and ``y[o] = silu(gate_o . x) * (up_o . x)``. With ``ksplit > 1`` (GEMV only) the CTA's warps
+    form ``warps / ksplit`` groups; the ``ksplit`` warps of a group own the same rows and each walks one
+    K slice of them; the slices' row sums meet in shared memory (one ``bar.sync``) and the group's
+    first warp applies the epilogue, one output per lane."""
+    sp = split(wtype, in_dim, ksplit)
+    if rows not in (1, 2, 3, 4) or warps not in (1, 2, 4, 8):
+        raise ValueError(f"rows must be 1..4 and warps 1, 2, 4 or 8; got rows={rows}, warps={warps}")
+    if glu and (rows % 2 or bias or residual):
+        raise ValueError("glu needs an even number of rows per warp and no bias/residual")
+    if tokens < 0 or tokens > 8 or rows * tokens > 8:
+        raise ValueError(f"tokens (per CTA) must be 0 (GEMV) or 1..8 with rows * tokens <= 8 (registers); "
+                         f"got tokens={tokens}, rows={rows}")
+    if ksplit > warps or (tokens and ksplit > 1):
+        raise ValueError(f"ksplit must divide warps (and be 1 for the GEMM); got ksplit={ksplit}, warps={warps}, "
+                         f"tokens={tokens}")
+    info = type_info(wtype)
+    row_bytes = info.row_bytes(in_dim)
+    p_full, p_last = _slice_plans(wtype, sp)
+    plans = [p for p in (p_full, p_last) if p is not None]
+    params = [("w", "u64"), ("x", "u64"), ("y", "u64")]
+    if bias:
+        params.append(("bias", "u64"))
+    if residual:
+        params.append(("residual", "u64"))
+    params.append(("out_dim", "u32"))
+    if tokens:
+        params.append(("n_tokens", "u32"))
+    kind = "gemm" if tokens else "gemv"
+    name = (f"{kind}_{wtype.lower()}_k{in_dim}_r{rows}_w{warps}" + (f"_s{ksplit}" if ksplit > 1 else "")
+            + (f"_t{tokens}" if tokens else "") + ("_glu" if glu else "") + ("_bias" if bias else "")
+            + ("_res" if residual else ""))
+    # no .maxntid: with it ptxas aims at an occupancy of its own and spills a few bytes in some variants
+    # (e.g. 64 registers for Q4_0 at 4352); without it the same kernels take <= ~100 registers, no spills
+    k = m.kernel(name, params)
+    stage = max(p["stage"] for p in plans)
+    per_row = stage + max(p["table"] for p in plans)
+    smem_bytes = shared_bytes(wtype, in_dim, rows, warps, ksplit)
+    if smem_bytes > MAX_STATIC_SMEM:
+        raise ValueError(f"{wtype} rows of {in_dim} with rows={rows}, warps={warps}, ksplit={ksplit} need "
+                         f"{smem_bytes} bytes of shared memory, more than {MAX_STATIC_SMEM}: use fewer rows or warps "
+                         f"(or a larger ksplit)")
+    outs_per_warp = rows // 2 if glu else rows
+    groups = warps // ksplit
+    k.meta.update(block=32 * warps, rows_per_cta=outs_per_warp * groups, tokens_per_cta=max(tokens, 1),
+                  smem=smem_bytes, row_bytes=row_bytes, ksplit=ksplit)
+    if ksplit > 1:
+        # every warp re-reads its slice of x through L1 (x_bytes per weight byte: 4 / (rows * bytes per
+        # value), several times the weights): the launcher keeps L1 at least this large (a shared-memory
+        # carveout preference) so x stays cached however many of these CTAs share an SM
+        k.meta["l1_bytes"] = 4 * in_dim + L1_MARGIN
+    nt = max(tokens, 1)
+
+    out_dim = k.param("out_dim")
+    tid = k.tid()
+    lane, warp = k.and_(tid, 31), k.shr(tid, 5)
+    if ksplit == 1:
+        row0 = k.mul(k.mad(k.ctaid(), warps, warp), outs_per_warp)
+        done_label = k.new_label("done")
+        k.bra(done_label, k.setp("ge", row0, out_dim), uniform=True)
+    else:  # no early exit: every warp must reach the bar.sync (rows past the end are clamped, not stored)
+        s = k.and_(warp, ksplit - 1)
+        row0 = k.mul(k.mad(k.ctaid(), groups, k.shr(warp, ksplit.bit_length() - 1)), outs_per_warp)
+    smem = k.shared_array(f"{name}_stage", "u8", per_row * rows * warps)
+    wbase = k.add(smem, k.mul(warp, per_row * rows))
+    w, x = k.global_ptr("w"), k.global_ptr("x")
+    k.global_ptr("y")  # converted once, up front: every store of the epilogue reuses it
+    last = k.sub(out_dim, 1)
+    # token tile: x rows m0 .. m0 + nt - 1 (clamped for loads; stores are guarded)
+    if tokens:
+        n_tok = k.param("n_tokens")
+        m0 = k.mul(k.ctaid("y"), nt)
+        last_tok = k.sub(n_tok, 1)
+        tok = [k.min(k.add(m0, j), last_tok) if j else k.min(m0, last_tok) for j in range(nt)]
+        xs = [k.add(x, k.mul_wide(tk, in_dim * 4)) for tk in tok]
+    else:
+        m0 = None
+        xs = [x]
+    lc = ql.lane_constants(k, wtype, lane)
+    if wtype in K_TABLE:
+        lc.update(_k_table_constants(k, lane))
+    ctx_args = (wtype, rows, glu, row0, last, out_dim, w, wbase, per_row, stage, lc, nt, row_bytes)
+
+    if ksplit == 1:
+        row_ctx, sels = _row_contexts(k, p_full, *ctx_args)
+        _walk(k, p_full, wtype, row_ctx, lc, sels, xs)
+        accs = [row.acc for row in row_ctx]
+    else:
+        accs = [[k.var("f32", 0.0)] for _ in range(rows)]
+
+        def walk_slice(p: dict) -> None:
+            off = k.mul_wide(s, sp["slice_bytes"])
+            xsl = [k.add(x, k.mul_wide(s, sp["slice_vals"] * 4))]
+            row_ctx, sels = _row_contexts(k, p, *ctx_args, offset=off, accs=accs)
+            _walk(k, p, wtype, row_ctx, lc, sels, xsl, copy_async=True)
+
+        if sp["n_full"] == ksplit:
+            walk_slice(p_full)
+        else:  # warp-uniform branches (bra.uni: ptxas then needs no reconvergence code for the warp
+            # collectives inside): full slices, the short last slice; idle warps skip both
+            after_full = k.new_label("after_full")
+            k.bra(after_full, k.setp("ge", s, sp["n_full"]), uniform=True)
+            walk_slice(p_full)
+            k.label(after_full)
+            if p_last is not None:
+                after_last = k.new_label("after_last")
+                k.bra(after_last, k.setp("ne", s, sp["n_full"]), uniform=True)
+                walk_slice(p_last)
+                k.label(after_last)
+
+    totals = [[k.warp_reduce(a) for a in acc] for acc in accs]
     # recompute the indices rather than keep them live across the loop (ptxas otherwise may spill them)
     tid = k.tid()
     lane, warp = k.and_(tid, 31), k.shr(tid, 5)
+    if ksplit > 1:
+        _combine_slices(k, name, totals, lane, warp, rows, warps, ksplit, outs_per_warp, glu, bias, residual)
+        k.ret()
+        return k
     row0 = k.mul(k.mad(k.ctaid(), warps, warp), outs_per_warp)
     if tokens:
         m0 = k.mul(k.ctaid("y"), nt)
@@ -363,9 +585,7 @@ def build(m: Module, wtype: str, in_dim: int, rows: int, warps: int, bias: bool,
         ok_row = k.and_(is_lane0, k.setp("lt", r, out_dim))
         for j in range(nt):
             if glu:
-                g, u = totals[o][j], totals[o + outs_per_warp][j]
-                e = k.ex2(k.mul(g, -1.4426950408889634))
-                val = k.mul(k.div(g, k.add(e, 1.0)), u)  # silu(g) * u
+                val = _silu_mul(k, totals[o][j], totals[o + outs_per_warp][j])
             else:
                 val = totals[o][j]
             ok = ok_row
@@ -376,25 +596,58 @@ def build(m: Module, wtype: str, in_dim: int, rows: int, warps: int, bias: bool,
             else:
                 idx = r
             with k.if_(ok):
-                off = k.mul_wide(idx, 4)
-                if bias:
-                    val = k.add(val, k.load("global", "f32", k.add(k.global_ptr("bias"), k.mul_wide(r, 4))))
-                if residual:
-                    val = k.add(val, k.load("global", "f32", k.add(k.global_ptr("residual"), off)))
-                k.store("global", "f32", k.add(y, off), val)
+                _store_out(k, val, r, idx, bias, residual)
     k.label(done_label)
     k.ret()
     return k
 
 
+def _combine_slices(k: KernelBuilder, name: str, totals: list, lane: Reg, warp: Reg, rows: int, warps: int,
+                    ksplit: int, outs_per_warp: int, glu: bool, bias: bool, residual: bool) -> None:
+    """Split-K epilogue: lane 0 of every warp writes its slice's row sums to ``red[warp][row]``; after
+    one ``bar.sync`` lane ``o`` of each group's first warp adds the group's ``ksplit`` partial sums of
+    its output ``o`` (in slice order: deterministic) and applies bias/residual (or silu(g) * u)."""
+    red = k.shared_array(f"{name}_red", "f32", rows * warps, align=16)
+    mine = k.add(red, k.mul(warp, 4 * rows))
+    vals = [t[0] for t in totals]
+    with k.if_(k.setp("eq", lane, 0)):
+        if rows in (2, 4):
+            k.store("shared", "f32", mine, vals)
+        else:
+            for rr, v in enumerate(vals):
+                k.store("shared", "f32", mine, v, 4 * rr)
+    k.bar_sync()
+    out_dim = k.param("out_dim")
+    groups = warps // ksplit
+    group = k.shr(warp, ksplit.bit_length() - 1)
+    r = k.add(k.mul(k.mad(k.ctaid(), groups, group), outs_per_warp), lane)
+    first = k.setp("eq", k.and_(warp, ksplit - 1), 0)
+    ok = k.and_(k.and_(first, k.setp("lt", lane, outs_per_warp)), k.setp("lt", r, out_dim))
+    with k.if_(ok):
+        src = k.add(mine, k.shl(lane, 2))  # red[warp + s][lane] for s < ksplit
+
+        def partial_sum(extra: int) -> Reg:
+            acc = k.load("shared", "f32", src, extra)
+            for sl in range(1, ksplit):
+                acc = k.add(acc, k.load("shared", "f32", src, sl * 4 * rows + extra))
+            return acc
+
+        if glu:
+            val = _silu_mul(k, partial_sum(0), partial_sum(4 * outs_per_warp))
+        else:
+            val = partial_sum(0)
+        _store_out(k, val, r, r, bias, residual)
+
+
 @kernel("gemv", grid=_grid_shapes())
 def gemv(m: Module, wtype: str = "Q8_0", in_dim: int = 4096, rows: int = 2, warps: int = 4,
-         bias: bool = False, residual: bool = False, glu: bool = False) -> KernelBuilder:
+         bias: bool = False, residual: bool = False, glu: bool = False, ksplit: int = 1) -> KernelBuilder:
     """y[r] = sum_k W[r, k] x[k] (+ bias[r]) (+ residual[r]) for r < out_dim; W in GGUF block form
     (``wtype``: F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K), x/y/bias/residual f32.
     With ``glu``: W is [gate; up] (2 out_dim rows) and y[r] = silu(gate_r . x) * (up_r . x).
+    ``ksplit`` (1, 2, 4, 8; divides ``warps``): warps per row group, each summing one K slice.
     Launch: grid ceil(out_dim / meta["rows_per_cta"]), block meta["block"], no dynamic shared memory."""
-    return build(m, wtype, in_dim, rows, warps, bias, residual, tokens=0, glu=glu)
+    return build(m, wtype, in_dim, rows, warps, bias, residual, tokens=0, glu=glu, ksplit=ksplit)
 
 
 @kernel("gemm", grid=[{"wtype": wt, "in_dim": 256 if wt in ql.K_QUANTS else 576, "tokens": 4}

@@ -13,7 +13,10 @@ types (F32/F16/BF16) it is 256 elements. Every decoder returns, for the lane's 8
 
 with ``f_i`` exact float32 numbers built from the quantized codes and ``A``, ``C`` per lane (the
 block's or sub-block's scale terms). A dot product then costs one FMA per value:
-``sum_i value_i x_i = A * sum_i f_i x_i + C * sum_i x_i``.
+``sum_i value_i x_i = A * sum_i f_i x_i + C * sum_i x_i``. The decoders return a :class:`Decoded`
+that keeps ``A = s * alpha`` and ``C = s * beta + m`` factored (``alpha``, ``beta`` constants): the
+GEMV then needs one FMA per row for ``alpha * dot + beta * sum x`` (the ``beta * sum x`` is shared by
+all rows) and one more to scale by ``s``, instead of forming A and C for every row.
 
 **Codes to floats without I2F.** Integer-to-float conversion runs at a quarter of the FMA rate, so
 codes are turned into floats by placing their bits in a float32 mantissa with ``prmt``:
@@ -131,6 +134,33 @@ def lds_words(k: KernelBuilder, addr: Reg, offset: int, n: int, align: int | Non
     return [k.prmt(raw[i], raw[i + 1], sel) for i in range(n)]
 
 
+def lds_bits(k: KernelBuilder, addr: Reg, n: int, phase: tuple[int, int], rot: Reg, fr: Reg, mask: int) -> list[Reg]:
+    """``n`` 32-bit words from shared byte address ``addr`` (``addr % phase[0] == phase[1]``, modulus 4
+    or 8, residue even), each rotated left by ``rot`` and masked with ``mask`` (``mask`` must not keep
+    the bits a rotation wraps around, i.e. the low ``rot`` bits of every byte the rotation crosses).
+
+    A word at an address of phase 2 (mod 4) lies across two aligned words; one funnel shift right by
+    ``fr = (16 - rot) % 32`` of that pair both realigns and rotates it (the ``rot`` low bits come from
+    the lower word instead of wrapping: ``mask`` drops them), so no ``prmt`` is needed."""
+    mod, res = phase
+    if res % 4 == 0:
+        align = 8 if mod == 8 and res == 0 else 4
+        return [nibbles_to_bits(k, w, rot, mask) for w in lds_words(k, addr, 0, n, align)]
+    if res % 2:
+        raise ValueError(f"odd phase {phase}")
+    raw: list[Reg] = []
+    base = k.sub(addr, 2)  # the aligned word holding the first two bytes (ptxas folds the -2 into the loads)
+    off = 0
+    while len(raw) < n + 1:
+        if mod == 8 and (res - 2 + off) % 8 == 0 and n + 1 - len(raw) >= 2:
+            raw += list(k.load("shared", "u32", base, off, vec=2))
+            off += 8
+        else:
+            raw.append(k.load("shared", "u32", base, off))
+            off += 4
+    return [k.and_(k.shf("r", raw[i], raw[i + 1], fr), mask) for i in range(n)]
+
+
 def realign_selector(k: KernelBuilder, addr: Reg, offset: int = 0) -> Reg:
     """prmt selector for :func:`lds_words` at an even address: 0x3210 (aligned) or 0x5432."""
     two = k.and_(k.add(addr, offset) if offset else addr, 2)
@@ -150,6 +180,27 @@ from ptx_gen.types import ptx_type  # noqa: E402
 
 _f16 = ptx_type("f16")
 _b16 = ptx_type("b16")
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """A lane's 8 values ``value_i = s * (alpha * fs[i] + beta) + m`` (``m`` None: 0; ``s`` may be the
+    Python float 1.0)."""
+
+    fs: list
+    s: Reg | float
+    alpha: float = 1.0
+    beta: float = 0.0
+    m: Reg | None = None
+
+
+def affine(k: KernelBuilder, dec: Decoded) -> tuple[Reg | float, Reg | None]:
+    """(A, C) of ``value_i = A * fs[i] + C`` (C None: 0), for code that dequantizes values one by one."""
+    if dec.alpha == 1.0 and dec.beta == 0.0:
+        return dec.s, dec.m
+    a = k.mul(dec.s, dec.alpha)
+    c = k.mul(dec.s, dec.beta)
+    return a, (c if dec.m is None else k.add(c, dec.m))
 
 
 def magic_small(k: KernelBuilder, t: Reg) -> list[Reg]:
@@ -215,9 +266,6 @@ def lane_constants(k: KernelBuilder, wtype: str, lane: Reg) -> dict:
         else:
             c["rot"] = k.and_(k.sub(2, k.shl(hi, 2)), 31)
             c["hrot"] = k.and_(k.sub(6, j), 31)  # bit j of each qh byte to bit 6
-        # the scale-table entries this lane decodes: sub-block j2 = lane % 8 of blocks lane/8 (+4)
-        c["tj"] = k.and_(lane, 7)
-        c["ksel"] = k_scale_selectors(k, c["tj"])
         return c
     # Q6_K
     h = k.shr(lane, 4)
@@ -230,14 +278,16 @@ def lane_constants(k: KernelBuilder, wtype: str, lane: Reg) -> dict:
     qhi = k.shr(qq, 1)
     c["rot_l"] = k.and_(k.sub(1, k.shl(qhi, 2)), 31)  # low nibble to bits 1..4: rotl 1; high: rotl 29
     c["rot_h"] = k.and_(k.sub(5, k.shl(qq, 1)), 31)  # bits 2qq..2qq+1 to bits 5..6
+    c["fr_l"] = k.and_(k.sub(16, c["rot_l"]), 31)  # the same from a word at phase 2 (lds_bits)
+    c["fr_h"] = k.and_(k.sub(16, c["rot_h"]), 31)
     return c
 
 
-def decode_dense(k: KernelBuilder, wtype: str, bb: Reg, offset: int) -> tuple[list[Reg], float, None]:
+def decode_dense(k: KernelBuilder, wtype: str, bb: Reg, offset: int) -> Decoded:
     """8 values at ``bb + offset`` (16-byte aligned: dense rows are whole 16-byte vectors)."""
     if wtype == "F32":
         fs = list(k.load("shared", "f32", bb, offset, vec=4)) + list(k.load("shared", "f32", bb, offset + 16, vec=4))
-        return fs, 1.0, None
+        return Decoded(fs, 1.0)
     words = list(k.load("shared", "u32", bb, offset, vec=4))
     fs = []
     for w in words:
@@ -248,11 +298,11 @@ def decode_dense(k: KernelBuilder, wtype: str, bb: Reg, offset: int) -> tuple[li
         else:  # BF16: the upper 16 bits of a float32
             fs.append(k.bitcast(k.shl(w, 16), "f32"))
             fs.append(k.bitcast(k.and_(w, 0xFFFF0000), "f32"))
-    return fs, 1.0, None
+    return Decoded(fs, 1.0)
 
 
 def decode_q32(k: KernelBuilder, wtype: str, bb: Reg, lc: dict, sel_qs: Reg | None, sel_qh: Reg | None,
-               align_qs: int | None, align_qh: int | None) -> tuple[list[Reg], Reg, Reg | None]:
+               align_qs: int | None, align_qh: int | None) -> Decoded:
     """A 32-value block type (Q8_0/Q4_0/Q4_1/Q5_0/Q5_1) at shared address ``bb`` (the lane's block)."""
     d = lds_f16(k, bb, 0)
     if wtype == "Q8_0":
@@ -260,7 +310,7 @@ def decode_q32(k: KernelBuilder, wtype: str, bb: Reg, lc: dict, sel_qs: Reg | No
         addr = k.add(bb, lc["pos"])
         words = lds_words(k, addr, qs, 2, align_qs, sel_qs)
         fs = magic_q8(k, words[0]) + magic_q8(k, words[1])
-        return fs, d, None
+        return Decoded(fs, d)
     qs = field_offset(wtype, "qs")
     words = lds_words(k, k.add(bb, lc["qoff"]), qs, 2, align_qs, sel_qs)
     five = wtype in ("Q5_0", "Q5_1")
@@ -277,48 +327,54 @@ def decode_q32(k: KernelBuilder, wtype: str, bb: Reg, lc: dict, sel_qs: Reg | No
     fs = magic_small(k, ts[0]) + magic_small(k, ts[1])
     # n = 2 half f - half with half = 2**bits / 2
     half = 32.0 if five else 16.0
-    a = k.mul(d, 2 * half)
     if wtype in ("Q4_0", "Q5_0"):
-        # the code offset is half / 2 (8 or 16): d (n - half/2) = 2 half d f - 1.5 half d
-        return fs, a, k.mul(d, -1.5 * half)
+        # the code offset is half / 2 (8 or 16): d (n - half/2) = d (2 half f - 1.5 half)
+        return Decoded(fs, d, 2 * half, -1.5 * half)
     m = lds_f16(k, bb, field_offset(wtype, "m"))
-    return fs, a, k.fma(d, -half, m)  # d n + m = 2 half d f - half d + m
+    return Decoded(fs, d, 2 * half, -half, m)  # d n + m = d (2 half f - half) + m
 
 
-def k_scale_entry(k: KernelBuilder, wtype: str, bb: Reg, sel: dict) -> tuple[Reg, Reg]:
-    """(A, C) of sub-block j of the Q4_K/Q5_K block at ``bb`` (16-aligned); ``sel`` is
-    :func:`k_scale_selectors` of j (lane constants)."""
+def k_scale_pair(k: KernelBuilder, wtype: str, bb: Reg, sel: dict) -> list[Reg]:
+    """(A_j, C_j, A_j+1, C_j+1) of sub-blocks j = 2u, 2u + 1 of the Q4_K/Q5_K block at ``bb``
+    (16-aligned); ``sel`` is :func:`k_pair_selectors` of u (a lane constant, 0..3).
+
+    The 6-bit scales and mins of four sub-blocks are unpacked at once, one per byte (j < 4:
+    ``scales[j] & 63``, ``scales[j + 4] & 63``; j >= 4: the low/high nibble of ``scales[j + 4]`` with
+    the top two bits of ``scales[j - 4]`` / ``scales[j]`` above it), then each byte becomes the float
+    ``2**23 + n`` with one ``prmt`` and an FMA removes the ``2**23``: A = (32 or 64) d sc and
+    C = -(A / 2 + dmin mn), each rounded once (as ``d * sc`` and ``dmin * mn`` would be)."""
     h0, h1, h2, h3 = k.load("shared", "u32", bb, 0, vec=4)
-    a1 = k.prmt(h1, 0, sel["byte"])  # scales[j & 3]
-    a2 = k.prmt(h2, 0, sel["byte"])  # scales[4 + (j & 3)]
-    # j < 4: sc = a1 & 63, mn = a2 & 63
-    # j >= 4: sc = (a3 & 15) | (a1 >> 6) << 4, mn = (a3 >> 4) | (a2 >> 6) << 4, a3 = scales[8 + (j & 3)]
-    lo_sc = k.prmt(h1, h3, sel["sc"])  # a1 (j < 4) or a3
-    lo_mn = k.prmt(h2, h3, sel["sc"])  # a2 (j < 4) or a3
-    sc = k.or_(k.and_(lo_sc, sel["m1"]), k.and_(k.shr(a1, 2), sel["m2"]))
-    mn = k.or_(k.and_(k.shr(lo_mn, sel["shm"]), sel["m1"]), k.and_(k.shr(a2, 2), sel["m2"]))
+    lo_sc = k.prmt(h1, h3, sel["word"])  # scales[0..3] (j < 4) or scales[8..11]
+    lo_mn = k.prmt(h2, h3, sel["word"])  # scales[4..7] (j < 4) or scales[8..11]
+    sc = k.or_(k.and_(lo_sc, sel["m1"]), k.and_(k.shr(h1, 2), sel["m2"]))
+    mn = k.or_(k.and_(k.shr(lo_mn, sel["shm"]), sel["m1"]), k.and_(k.shr(h2, 2), sel["m2"]))
     dlo, dhi = k.unpack_b32(h0)
     d = k.cvt(Reg(dlo.name, _f16), "f32")
     dmin = k.cvt(Reg(dhi.name, _f16), "f32")
-    dl = k.mul(d, k.cvt(sc, "f32"))
-    ml = k.mul(dmin, k.cvt(mn, "f32"))
-    # 4-bit: n = 32 f - 16 -> dl n - ml = 32 dl f - (16 dl + ml); 5-bit: 64 dl f - (32 dl + ml)
-    half = 16.0 if wtype == "Q4_K" else 32.0
-    a = k.mul(dl, 2 * half)
-    c = k.neg(k.fma(dl, half, ml))
-    return a, c
+    # 4-bit: n = 32 f - 16 -> d sc n - dmin mn = 32 d sc f - (16 d sc + dmin mn); 5-bit: 64 d sc f - ...
+    da = k.mul(d, 32.0 if wtype == "Q4_K" else 64.0)
+    da_off = k.mul(da, -8388608.0)  # -(2**23) da: exact
+    ndmin = k.neg(dmin)
+    dmin_off = k.mul(dmin, 8388608.0)
+    out = []
+    for byte in ("b0", "b1"):
+        a = k.fma(k.bitcast(k.prmt(sc, 0x4B000000, sel[byte]), "f32"), da, da_off)
+        neg_ml = k.fma(k.bitcast(k.prmt(mn, 0x4B000000, sel[byte]), "f32"), ndmin, dmin_off)
+        out += [a, k.fma(a, -0.5, neg_ml)]
+    return out
 
 
-def k_scale_selectors(k: KernelBuilder, j: Reg) -> dict:
-    """Lane constants for :func:`k_scale_entry` of sub-block ``j`` (a register, 0..7)."""
-    jj = k.and_(j, 3)
-    upper = k.shr(j, 2)  # 1 for j >= 4
+def k_pair_selectors(k: KernelBuilder, u: Reg) -> dict:
+    """Lane constants for :func:`k_scale_pair` of sub-blocks 2u, 2u + 1 (``u`` a register, 0..3)."""
+    upper = k.shr(u, 1)  # 1 for j >= 4
+    b0 = k.or_(k.shl(k.and_(u, 1), 1), 0x7440)  # prmt: byte 2 * (u % 2) of the word -> the float 2**23 + byte
     return {
-        "byte": k.or_(jj, 0x4440),  # byte jj of a, zeros above
-        "sc": k.or_(k.add(jj, k.shl(upper, 2)), 0x4440),  # byte jj of a (j < 4) or of b (j >= 4)
-        "m1": k.sub(63, k.mul(upper, 48)),  # 63 or 15
-        "m2": k.mul(upper, 0x30),  # 0 or 0x30
+        "word": k.mad(upper, 0x4444, 0x3210),  # the first word (j < 4) or the second
+        "m1": k.sub(0x3F3F3F3F, k.mul(upper, 0x30303030)),  # 63 or 15 per byte
+        "m2": k.mul(upper, 0x30303030),  # 0 or 0x30 per byte
         "shm": k.shl(upper, 2),  # 0 or 4
+        "b0": b0,
+        "b1": k.add(b0, 1),
     }
 
 
@@ -338,19 +394,22 @@ def decode_kq(k: KernelBuilder, wtype: str, bb: Reg, lc: dict) -> list[Reg]:
     return magic_small(k, ts[0]) + magic_small(k, ts[1])
 
 
-def decode_q6k(k: KernelBuilder, bb: Reg, lc: dict, sel: Reg | None, align: int | None) -> tuple[list[Reg], Reg, Reg]:
-    """The lane's 8 values of the Q6_K block at ``bb`` (even address; ``align`` its known alignment)."""
-    ql = lds_words(k, k.add(bb, lc["ql_off"]), 0, 2, align, sel)
-    qh = lds_words(k, k.add(bb, lc["qh_off"]), 0, 2, align, sel)
-    ts = []
-    for wl, wh in zip(ql, qh):
-        low = nibbles_to_bits(k, wl, lc["rot_l"], 0x1E1E1E1E)
-        hi = nibbles_to_bits(k, wh, lc["rot_h"], 0x60606060)
-        ts.append(k.or_(low, hi))
+def decode_q6k(k: KernelBuilder, bb: Reg, lc: dict, phase: tuple[int, int] | None, sel: Reg | None = None) -> Decoded:
+    """The lane's 8 values of the Q6_K block at ``bb`` (an even address). ``phase``: what is known of
+    its alignment, ``(modulus, residue)`` as for :func:`lds_bits`; None when only the runtime realign
+    selector ``sel`` (:func:`realign_selector` of ``bb``) knows it."""
+    if phase is not None:  # ql/qh offsets are multiples of 8: the block's phase is theirs
+        lows = lds_bits(k, k.add(bb, lc["ql_off"]), 2, phase, lc["rot_l"], lc["fr_l"], 0x1E1E1E1E)
+        his = lds_bits(k, k.add(bb, lc["qh_off"]), 2, phase, lc["rot_h"], lc["fr_h"], 0x60606060)
+    else:
+        ql = lds_words(k, k.add(bb, lc["ql_off"]), 0, 2, None, sel)
+        qh = lds_words(k, k.add(bb, lc["qh_off"]), 0, 2, None, sel)
+        lows = [nibbles_to_bits(k, w, lc["rot_l"], 0x1E1E1E1E) for w in ql]
+        his = [nibbles_to_bits(k, w, lc["rot_h"], 0x60606060) for w in qh]
+    ts = [k.or_(lo, hi) for lo, hi in zip(lows, his)]
     fs = magic_small(k, ts[0]) + magic_small(k, ts[1])
     d = lds_f16(k, bb, field_offset("Q6_K", "d"))
     sc8 = k.load("shared", "s8", k.add(bb, lc["sc_off"]))
     sc = k.cvt(Reg(sc8.name, ptx_type("s16")), "f32")
-    dl = k.mul(d, sc)
-    # q = 128 f - 64: dl (q - 32) = 128 dl f - 96 dl
-    return fs, k.mul(dl, 128.0), k.mul(dl, -96.0)
+    # q = 128 f - 64: dl (q - 32) = dl (128 f - 96)
+    return Decoded(fs, k.mul(d, sc), 128.0, -96.0)

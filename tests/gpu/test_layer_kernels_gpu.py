@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ptx_gen.kernels.gemv import MAX_STATIC_SMEM, shared_bytes
 from ptx_gen.kernels.quant_layout import DENSE, K_QUANTS, WEIGHT_TYPES
 from realizar import cuda
 from realizar.layers import GemvConfig, GpuWeight, LayerOps, inv_freq_table
@@ -46,13 +47,26 @@ def _check_gemv(y, ref, scale, what):
     assert (err / scale).max() <= REL, f"{what}: row-relative error {(err / scale).max():.3e}"
 
 
+# unsplit and split-K launch shapes (rows per warp, warps per CTA, K slices)
+CONFIGS = [None, GemvConfig(1, 4), GemvConfig(2, 2), GemvConfig(4, 4), GemvConfig(3, 8), GemvConfig(2, 4, 4),
+           GemvConfig(1, 8, 8), GemvConfig(4, 4, 2), GemvConfig(3, 8, 4), GemvConfig(2, 8, 8)]
+
+
+def _fitting(cfg, wtype: str, in_dim: int):
+    """``cfg``, or with one row per warp where its shared memory would not fit this row length."""
+    if cfg is not None and shared_bytes(wtype, in_dim, cfg.rows, cfg.warps, cfg.ksplit) > MAX_STATIC_SMEM:
+        return GemvConfig(1, cfg.warps, cfg.ksplit)
+    return cfg
+
+
 @settings(max_examples=60, deadline=None)
 @given(data=st.data(), wtype=st.sampled_from(WEIGHT_TYPES), out_dim=st.integers(1, 700),
-       cfg=st.sampled_from([None, GemvConfig(1, 4), GemvConfig(2, 2), GemvConfig(4, 4), GemvConfig(3, 8)]),
-       bias=st.booleans(), residual=st.sampled_from([None, "separate", "in_place"]), seed=st.integers(0, 2**32 - 1))
+       cfg=st.sampled_from(CONFIGS), bias=st.booleans(), residual=st.sampled_from([None, "separate", "in_place"]),
+       seed=st.integers(0, 2**32 - 1))
 def test_gemv_matches_float64_oracle(ops, data, wtype, out_dim, cfg, bias, residual, seed):
     bs = _block(wtype)
     in_dim = data.draw(st.integers(1, 6144 // bs).map(lambda n: n * bs), label="in_dim")
+    cfg = _fitting(cfg, wtype, in_dim)
     rng = np.random.default_rng(seed)
     raw = random_weight(rng, wtype, out_dim, in_dim)
     x = rng.standard_normal(in_dim).astype(np.float32)
@@ -87,15 +101,20 @@ def test_gemv_real_shapes(ops, wtype, out_dim, in_dim):
 
 
 @settings(max_examples=25, deadline=None)
-@given(wtype=st.sampled_from(WEIGHT_TYPES), ffn=st.integers(1, 300), mult=st.integers(1, 6), seed=st.integers(0, 2**32 - 1))
-def test_gemv_glu_matches_oracle(ops, wtype, ffn, mult, seed):
+@given(wtype=st.sampled_from(WEIGHT_TYPES), ffn=st.integers(1, 300), mult=st.integers(1, 6),
+       cfg=st.sampled_from([None, GemvConfig(2, 4, 2), GemvConfig(4, 8, 8), GemvConfig(2, 8, 4)]),
+       seed=st.integers(0, 2**32 - 1))
+def test_gemv_glu_matches_oracle(ops, wtype, ffn, mult, cfg, seed):
     rng = np.random.default_rng(seed)
     in_dim = mult * (256 if wtype in K_QUANTS else 96)
+    cfg = _fitting(cfg, wtype, in_dim)
+    if cfg is not None and cfg.rows < 2:
+        cfg = GemvConfig(2, cfg.warps, cfg.ksplit)
     raw = random_weight(rng, wtype, 2 * ffn, in_dim)
     x = rng.standard_normal(in_dim).astype(np.float32)
     w = GpuWeight(data=raw, ggml_type=wtype, shape=(2 * ffn, in_dim))
     dy = _poisoned(ffn)
-    ops.gemv_glu(w, _buf(x), dy)
+    ops.gemv_glu(w, _buf(x), dy, config=cfg)
     wd = dequant(raw, wtype, 2 * ffn, in_dim).astype(np.float64)
     g, u = wd[:ffn] @ x, wd[ffn:] @ x
     sg, su = np.abs(wd[:ffn]) @ np.abs(x), np.abs(wd[ffn:]) @ np.abs(x)
