@@ -154,6 +154,14 @@ def gemv_config(out_dim: int, sm_count: int = 132, in_dim: int | None = None, wt
             ks *= 2
         return ks
 
+    if quantized and per_sm >= 16:  # the large decode shapes: picks measured by bench_gemv --sweep on an H200
+        if wtype == "Q6_K":  # 4096x14336: r2 w8 s8 53% (r2 w4 s4 49%); 14336x4096: r4 w4 s4 58% (r4 w4 s2 52%)
+            cfg = GemvConfig(2, 8, 8) if rounds >= 32 else GemvConfig(4, 4, 4) if rounds >= 16 else None
+        else:  # Q4_K / Q8_0 4096x14336: r4 w4 s2 47% / 68% (r2 w4 s4 37%, r2 w8 s8 60%); 14336x4096: r4 w4 s1
+            cfg = GemvConfig(4, 4, 2 if rounds >= 32 else 1)
+        if cfg is not None and shared_bytes(wtype, in_dim, cfg.rows, cfg.warps, cfg.ksplit) <= MAX_STATIC_SMEM \
+                and (cfg.ksplit == 1 or rounds >= 2 * cfg.ksplit):
+            return cfg
     if legacy.rows == 4 and quantized:  # dense rows decode cheaply: 2 rows measured faster (F16 93% vs 85%)
         ks = ksplit_for(4)
         fits = shared_bytes(wtype, in_dim, 4, max(4, ks), ks) <= MAX_STATIC_SMEM

@@ -223,12 +223,15 @@ def test_split_invariants(wtype, n, ksplit):
 def test_dispatcher_splits_long_rows_and_small_grids():
     """The picks the report and the benchmark quote (H200: 132 SMs)."""
     pick = lambda o, i, t: tuple(vars(gemv_config(o, 132, i, t)).values())  # noqa: E731
-    assert pick(4096, 14336, "Q4_K") == (2, 4, 4)  # 2048 row pairs: 4 slices of 3584 (2016 bytes per row)
-    assert pick(4096, 14336, "Q8_0") == (2, 8, 8)  # 15232-byte rows: 8 one-tile slices
-    assert pick(4096, 14336, "Q6_K") == (2, 4, 4)  # 4 one-tile slices of 14 rounds (2940 bytes)
-    assert pick(128256, 2048, "Q8_0") == (4, 4, 2)  # the unsplit row would be 2 tiles
-    assert pick(14336, 4096, "Q4_K") == (4, 4, 2)
-    assert pick(4096, 4096, "Q4_K") == (2, 4, 2)  # one wave already: more splitting only adds work
+    # the large shapes: the fastest configs of bench_gemv --sweep on an H200 (2026-11-22)
+    assert pick(4096, 14336, "Q4_K") == (4, 4, 2)  # 47% of copy bandwidth (split-K heuristic r2 w4 s4: 37%)
+    assert pick(4096, 14336, "Q8_0") == (4, 4, 2)  # 68% (r2 w8 s8: 60%)
+    assert pick(4096, 14336, "Q6_K") == (2, 8, 8)  # 53% (r2 w4 s4: 49%)
+    assert pick(14336, 4096, "Q6_K") == (4, 4, 4)  # 58% (r4 w4 s2: 52%)
+    assert pick(14336, 4096, "Q4_K") == (4, 4, 1)  # 48% (r4 w4 s2: 46%)
+    assert pick(14336, 4096, "Q8_0") == (4, 4, 1)  # 67% (r4 w4 s2: 56%)
+    assert pick(128256, 2048, "Q8_0") == (4, 4, 1)
+    assert pick(4096, 4096, "Q4_K") == (4, 4, 1)
     assert pick(576, 576, "Q8_0") == (1, 4, 1)  # too short to split
     assert pick(49152, 576, "Q8_0") == (4, 4, 1)  # as before split-K
     assert pick(14336, 4096, "F16") == (2, 4, 1)  # dense rows split only for a small grid
