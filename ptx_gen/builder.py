@@ -657,6 +657,11 @@ class KernelBuilder:
         for decl in self._shared_decls:
             out.append("    " + decl)
         out.append("")
+        if self.target.compute_capability >= (9, 0):
+            # Programmatic dependent launch (sm_90): wait for the grids this one depends on, then let the
+            # next kernel's blocks be scheduled while this one runs. Both are no-ops for an ordinary launch.
+            out.append("    griddepcontrol.wait;")
+            out.append("    griddepcontrol.launch_dependents;")
         out.extend(self._lines)
         out.append("}")
         return "\n".join(out) + "\n"

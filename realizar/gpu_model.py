@@ -85,7 +85,7 @@ class GpuModel:
     ``context_length``; plus :meth:`forward_gpu_resident_to_token_id` for greedy decoding."""
 
     def __init__(self, config: ModelConfig, tensors: dict, max_len: int | None = None, device=None,
-                 use_graph: bool = True):
+                 use_graph: bool = True, pdl: bool = True):
         self.config = cfg = config
         self.device = device or cuda.current_device()
         self.max_len = int(min(cfg.context_length, max_len or DEFAULT_MAX_LEN))
@@ -115,6 +115,7 @@ class GpuModel:
         self.step_values = cuda.StepValues(("token", "pos", "seq_len"))
         self.stream = cuda.Stream(self.device)
         self.use_graph = use_graph
+        self.pdl = pdl  # programmatic dependent launch between the graph's kernels (sm_90)
         self._graph: cuda.GraphExec | None = None
         self._token_host = cuda.PinnedArray(1, np.uint32)
         self.position = 0
@@ -175,11 +176,12 @@ class GpuModel:
         self.step_values.set(token=token, pos=position, seq_len=position + 1)
         if self._graph is None:
             self.step_values.upload(self.stream)
-            self._issue_step()  # eager: loads every kernel, so the capture below loads none
-            if self.use_graph:
-                with cuda.capture(self.stream) as cap:
-                    self._issue_step()
-                self._graph = cap.graph.instantiate()
+            with cuda.programmatic_dependent_launch(self.pdl):
+                self._issue_step()  # eager: loads every kernel, so the capture below loads none
+                if self.use_graph:
+                    with cuda.capture(self.stream) as cap:
+                        self._issue_step()
+                    self._graph = cap.graph.instantiate()
         else:
             self._graph.replay(self.stream, self.step_values)
         self.steps += 1

@@ -561,6 +561,8 @@ class _Launch:
             return self._cvt(inst, act)
         if op == "shfl":
             return self._shfl(inst, act, mask)
+        if op == "griddepcontrol":  # programmatic dependent launch: one grid at a time here, a no-op
+            return
         if op == "membar" or op == "fence":
             return None
         if op == "cp" and mods[:4] == ["async", "bulk", "prefetch", "L2"]:

@@ -141,8 +141,11 @@ def main() -> None:
     else:
         jobs = [(s, *build(s), SHAPES[s][4]) for s in a.shapes.split(",")]
     for name, cfg, tensors, wbytes, peer in jobs:
-        model = GpuModel(cfg, tensors, max_len=4096, device=dev)
+        model = GpuModel(cfg, tensors, max_len=4096, device=dev, pdl=False)
+        tps_plain, gpu_plain = bench(model, a.tokens)  # graph without programmatic dependent launch
+        model.pdl, model._graph = True, None  # re-capture with it
         tps, gpu_us = bench(model, a.tokens)
+        print(f"{name}: without PDL {tps_plain:.0f} tok/s host, {gpu_plain:.0f} µs GPU/token", flush=True)
         roof = bw / wbytes
         rows.append((name, wbytes / 1e6, tps, gpu_us, roof, peer))
         print(f"{name}: {tps:.0f} tok/s host, {gpu_us:.0f} µs GPU/token, roofline {roof:.0f} tok/s", flush=True)

@@ -46,6 +46,9 @@ def main() -> None:
     with cuda.record_graph() as rec:
         run_step()
     manual = rec.graph.instantiate()
+    with cuda.programmatic_dependent_launch(), cuda.capture(stream) as cap_pdl:
+        run_step()
+    captured_pdl = cap_pdl.graph.instantiate()
     stream.synchronize()
 
     def eager_step() -> None:
@@ -56,6 +59,7 @@ def main() -> None:
         "eager launches": eager_step,
         "captured graph replay": lambda: captured.replay(stream, step),
         "manual graph replay": lambda: manual.replay(stream, step),
+        "captured graph replay, programmatic dependent launch": lambda: captured_pdl.replay(stream, step),
     }
     rows = []
     for name, fn in variants.items():

@@ -13,7 +13,7 @@ from realizar.cuda.graph import (
     ABReport, Graph, GraphCaptureError, GraphError, GraphExec, ab_check, build_graph, capture, record_graph,
 )
 from realizar.cuda.driver import CudaError, CudaUnavailableError, is_available, unavailable_reason
-from realizar.cuda.launch import LaunchRecord, launch, pop_recorder, push_recorder
+from realizar.cuda.launch import LaunchRecord, launch, pop_recorder, programmatic_dependent_launch, push_recorder
 from realizar.cuda.memory import BufferFreedError, GpuBuffer
 from realizar.cuda.module import CompiledKernel, JitError, ModuleCache, module_cache
 from realizar.cuda.pinned import PinnedArray, StepValues
@@ -24,5 +24,5 @@ __all__ = [
     "record_graph", "PinnedArray", "StepValues",
     "BufferFreedError", "CompiledKernel", "CudaError", "CudaUnavailableError", "Device", "Event",
     "GpuBuffer", "JitError", "KernelArgs", "LaunchRecord", "ModuleCache", "Stream", "current_device",
-    "is_available", "launch", "module_cache", "pop_recorder", "push_recorder", "unavailable_reason",
+    "is_available", "launch", "programmatic_dependent_launch", "module_cache", "pop_recorder", "push_recorder", "unavailable_reason",
 ]

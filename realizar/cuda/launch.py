@@ -3,9 +3,10 @@ recording (``realizar.cuda.graph``) hooks this single place and no kernel can be
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Iterator, Protocol, Sequence
 
 from realizar.cuda.args import KernelArgs
 from realizar.cuda.driver import check, drv, ensure_initialized
@@ -14,6 +15,7 @@ from realizar.cuda.stream import Stream
 from realizar.errors import ShapeError
 
 Dim = int | Sequence[int]
+_PDL_TARGETS = ("sm_90", "sm_90a")  # targets whose kernels start with griddepcontrol.wait
 
 
 def _dim3(d: Dim, what: str) -> tuple[int, int, int]:
@@ -60,6 +62,34 @@ def pop_recorder(recorder: LaunchRecorder) -> None:
     stack.pop()
 
 
+@contextlib.contextmanager
+def programmatic_dependent_launch(enabled: bool = True) -> Iterator[None]:
+    """Within the block, launches of sm_90 kernels on this thread allow programmatic dependent launch:
+    the next kernel's blocks may be scheduled while the previous kernel finishes (every sm_90 kernel
+    begins with ``griddepcontrol.wait``, so it still reads only completed results). Captured into a
+    graph, this becomes programmatic edges, shaving launch latency off each node."""
+    previous = getattr(_local, "pdl", False)
+    _local.pdl = enabled
+    try:
+        yield
+    finally:
+        _local.pdl = previous
+
+
+def _launch_programmatic(kernel: CompiledKernel, g, b, shared_bytes: int, handle, args: KernelArgs) -> None:
+    cfg = drv.CUlaunchConfig()
+    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = g
+    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = b
+    cfg.sharedMemBytes = int(shared_bytes)
+    cfg.hStream = handle
+    attr = drv.CUlaunchAttribute()
+    attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    cfg.attrs = [attr]
+    cfg.numAttrs = 1
+    check(drv.cuLaunchKernelEx(cfg, kernel.function, args.address, 0), f"cuLaunchKernelEx({kernel.name})")
+
+
 def launch(
     kernel: CompiledKernel,
     grid: Dim,
@@ -78,9 +108,12 @@ def launch(
         kernel.ensure_dynamic_shared(shared_bytes)
     ensure_initialized()
     handle = stream.handle if stream is not None else drv.CUstream(0)
-    check(
-        drv.cuLaunchKernel(kernel.function, *g, *b, int(shared_bytes), handle, args.address, 0),
-        f"cuLaunchKernel({kernel.name})",
-    )
+    if getattr(_local, "pdl", False) and kernel.source.target in _PDL_TARGETS:
+        _launch_programmatic(kernel, g, b, shared_bytes, handle, args)
+    else:
+        check(
+            drv.cuLaunchKernel(kernel.function, *g, *b, int(shared_bytes), handle, args.address, 0),
+            f"cuLaunchKernel({kernel.name})",
+        )
     for recorder in _recorders():
         recorder.record(LaunchRecord(kernel, g, b, int(shared_bytes), args.copy(), stream))

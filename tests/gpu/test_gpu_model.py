@@ -75,3 +75,15 @@ def test_forward_gpu_resident_to_token_id_and_overflow(tmp_path):
         gpu.forward_gpu_resident_to_token_id(tok, 16)
     with pytest.raises(InvalidRequestError, match="vocabulary"):
         gpu.forward_gpu_resident_to_token_id(10_000, 0)
+
+
+def test_programmatic_dependent_launch_changes_nothing_but_speed(tmp_path):
+    path, _, _ = make_gguf_model("qwen3", tmp_path, "Q4_0", seed=8, **DIMS)
+    loaded = load_model(path)
+    models = [GpuModel.from_loaded(loaded, max_len=32, pdl=flag) for flag in (True, False)]
+    prompt = [5, 77, 300, 12, 9]
+    a, b = (np.asarray(m.prefill(prompt)) for m in models)
+    assert a.tobytes() == b.tobytes()
+    for tok in (3, 4, 5):
+        a, b = (np.asarray(m.decode(tok)) for m in models)
+        assert a.tobytes() == b.tobytes()
