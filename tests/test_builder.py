@@ -196,3 +196,24 @@ def test_target_from_compute_capability(cc, expected):
     assert Target.from_compute_capability(*cc).sm == expected
     with pytest.raises(ValueError, match="sm_80 or newer"):
         Target.from_compute_capability(7, 5)
+
+
+def test_sm90_kernels_open_with_programmatic_dependent_launch_controls():
+    from ptx_gen.catalog import emit
+
+    body90 = emit("row_sum", target="sm_90").ptx.split("{", 1)[1]
+    assert body90.index("griddepcontrol.wait;") < body90.index("ld.param")
+    assert "griddepcontrol.launch_dependents;" in body90
+    assert "griddepcontrol" not in emit("row_sum", target="sm_80").ptx  # sm_80 has no such instruction
+
+
+def test_programmatic_dependent_launch_scope_is_restored():
+    from realizar.cuda import launch as launch_mod
+
+    assert not getattr(launch_mod._local, "pdl", False)
+    with launch_mod.programmatic_dependent_launch():
+        assert launch_mod._local.pdl is True
+        with launch_mod.programmatic_dependent_launch(False):
+            assert launch_mod._local.pdl is False
+        assert launch_mod._local.pdl is True
+    assert launch_mod._local.pdl is False
