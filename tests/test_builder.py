@@ -208,7 +208,9 @@ def test_sm90_kernels_open_with_programmatic_dependent_launch_controls():
 
 
 def test_programmatic_dependent_launch_scope_is_restored():
-    from realizar.cuda import launch as launch_mod
+    import importlib
+
+    launch_mod = importlib.import_module("realizar.cuda.launch")  # the module, not the function of that name
 
     assert not getattr(launch_mod._local, "pdl", False)
     with launch_mod.programmatic_dependent_launch():
