@@ -29,6 +29,7 @@ from realizar import cuda
 from realizar.errors import CacheStateError, ContextOverflowError, ShapeError
 from realizar.executor import AttentionConfig, CudaExecutor, default_num_chunks
 from realizar.models.attention import attention_with_cache_gqa, gqa_attention
+from tests.attention_cases import prefill_case
 from tests.ptx_simt import EmulatorError, FakeCuda, Memory, run
 
 HEAD_DIMS = [32, 48, 64, 80, 96, 128, 256]
@@ -394,14 +395,8 @@ def test_flash_attention_emulated(hk, d, sq, extra, slack, causal, scale, seed):
         sq = max(1, 120_000 // (h * d))
     rng = np.random.default_rng(seed)
     sk = sq + extra
-    stride = sk + slack  # reading a cache in place: rows past seq_k are NaN and must not be read
-    q = (rng.standard_normal((h, sq, d)) * scale).astype(np.float32)
-    k = np.full((kvh, stride, d), np.nan, np.float32)
-    v = np.full((kvh, stride, d), np.nan, np.float32)
-    k[:, :sk] = rng.standard_normal((kvh, sk, d))
-    v[:, :sk] = rng.standard_normal((kvh, sk, d))
-    ref = gqa_attention(q.astype(np.float64), k[:, :sk].astype(np.float64), v[:, :sk].astype(np.float64),
-                        causal=causal)
+    stride = sk + slack
+    q, k, v, ref = prefill_case(rng, h, kvh, d, sq, sk, slack, scale, causal)
     src = catalog.emit("flash_attention", target="sm_90", head_dim=d, group=h // kvh, causal=causal)
     mem = Memory()
     pq, pk, pv, po = mem.alloc_array(q), mem.alloc_array(k), mem.alloc_array(v), mem.alloc(q.nbytes)

@@ -208,57 +208,33 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
+def _envelope(rid: str, created: int, model: str, obj: str, choice: dict, u: dict | None = None) -> dict:
+    """The fields every OpenAI completion object and stream chunk shares, around one choice."""
+    body = {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": None,
+            "choices": [{"index": 0, **choice}]}
+    if u is not None:
+        body["usage"] = u
+    return body
+
+
 def completion_response(rid: str, created: int, model: str, text: str, finish: str, u: dict) -> dict:
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
-        "usage": u,
-    }
+    return _envelope(rid, created, model, "text_completion",
+                     {"text": text, "logprobs": None, "finish_reason": finish}, u)
 
 
 def completion_chunk(rid: str, created: int, model: str, text: str, finish: str | None) -> dict:
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
-    }
+    return _envelope(rid, created, model, "text_completion", {"text": text, "logprobs": None, "finish_reason": finish})
 
 
 def chat_response(rid: str, created: int, model: str, text: str, finish: str, u: dict) -> dict:
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": finish,
-            }
-        ],
-        "usage": u,
-    }
+    message = {"role": "assistant", "content": text}
+    return _envelope(rid, created, model, "chat.completion",
+                     {"message": message, "logprobs": None, "finish_reason": finish}, u)
 
 
 def chat_chunk(rid: str, created: int, model: str, delta: dict, finish: str | None) -> dict:
-    return {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
-    }
+    return _envelope(rid, created, model, "chat.completion.chunk",
+                     {"delta": delta, "logprobs": None, "finish_reason": finish})
 
 
 def usage_chunk(rid: str, created: int, model: str, obj: str, u: dict) -> dict:

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from ptx_gen.kernels.flash_decoding import fused_buffer_sizes
 from realizar import cuda
 from realizar.models.attention import attention_with_cache_gqa, gqa_attention
+from tests.attention_cases import prefill_case
 from tests.helpers import assert_close
 
 pytestmark = pytest.mark.gpu
@@ -222,14 +223,8 @@ def test_flash_attention(kernels, hk, d, sq, extra, slack, causal, scale, seed):
         sq = max(1, 2_000_000 // (h * d))
     rng = np.random.default_rng(seed)
     sk = sq + extra
-    stride = sk + slack  # a cache read in place: rows past seq_k are NaN and must not be read
-    q = (rng.standard_normal((h, sq, d)) * scale).astype(np.float32)
-    k = np.full((kvh, stride, d), np.nan, np.float32)
-    v = np.full((kvh, stride, d), np.nan, np.float32)
-    k[:, :sk] = rng.standard_normal((kvh, sk, d))
-    v[:, :sk] = rng.standard_normal((kvh, sk, d))
-    ref = gqa_attention(q.astype(np.float64), k[:, :sk].astype(np.float64), v[:, :sk].astype(np.float64),
-                        causal=causal)
+    stride = sk + slack
+    q, k, v, ref = prefill_case(rng, h, kvh, d, sq, sk, slack, scale, causal)
     kern = kernels.get("flash_attention", head_dim=d, group=group, causal=causal)
     with cuda.GpuBuffer.from_numpy(q) as dq, cuda.GpuBuffer.from_numpy(k) as dk, cuda.GpuBuffer.from_numpy(v) as dv, \
             cuda.GpuBuffer(q.size) as out:
