@@ -1133,6 +1133,11 @@ def _fake_extras(fake: FakeCuda) -> None:
             fake.launch = real_launch
         cap.graph = Graph(records)
 
+    @contextlib.contextmanager
+    def programmatic_dependent_launch(enabled=True):
+        yield  # one grid at a time on the emulator: nothing to overlap
+
     fake.Event = Event
     fake.capture = capture
+    fake.programmatic_dependent_launch = programmatic_dependent_launch
 
