@@ -57,10 +57,8 @@ class _Metric:
         return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
 
 
-class Counter(_Metric):
-    """A monotonically increasing count. ``name`` should end in ``_total``."""
-
-    kind = "counter"
+class _ValueMetric(_Metric):
+    """A metric holding one number per label set (the common part of Counter and Gauge)."""
 
     def __init__(self, name: str, help: str, labelnames: Sequence[str] = ()):
         super().__init__(name, help, labelnames)
@@ -68,9 +66,7 @@ class Counter(_Metric):
         if not self.labelnames:
             self._values[()] = 0
 
-    def inc(self, amount: float = 1, **labels: str) -> None:
-        if amount < 0:
-            raise ValueError("a counter only goes up")
+    def _add(self, amount: float, labels: dict[str, str]) -> None:
         key = self._key(labels)
         with self._lock:
             self._values[key] = self._values.get(key, 0) + amount
@@ -85,16 +81,21 @@ class Counter(_Metric):
         return self.header() + [f"{self.name}{_labels(self.labelnames, k)} {_fmt(v)}" for k, v in items]
 
 
-class Gauge(_Metric):
+class Counter(_ValueMetric):
+    """A monotonically increasing count. ``name`` should end in ``_total``."""
+
+    kind = "counter"
+
+    def inc(self, amount: float = 1, **labels: str) -> None:
+        if amount < 0:
+            raise ValueError("a counter only goes up")
+        self._add(amount, labels)
+
+
+class Gauge(_ValueMetric):
     """A value that goes up and down."""
 
     kind = "gauge"
-
-    def __init__(self, name: str, help: str, labelnames: Sequence[str] = ()):
-        super().__init__(name, help, labelnames)
-        self._values: dict[tuple[str, ...], float] = {}
-        if not self.labelnames:
-            self._values[()] = 0
 
     def set(self, value: float, **labels: str) -> None:
         key = self._key(labels)
@@ -102,21 +103,10 @@ class Gauge(_Metric):
             self._values[key] = value
 
     def inc(self, amount: float = 1, **labels: str) -> None:
-        key = self._key(labels)
-        with self._lock:
-            self._values[key] = self._values.get(key, 0) + amount
+        self._add(amount, labels)
 
     def dec(self, amount: float = 1, **labels: str) -> None:
-        self.inc(-amount, **labels)
-
-    def value(self, **labels: str) -> float:
-        with self._lock:
-            return self._values.get(self._key(labels), 0)
-
-    def render(self) -> list[str]:
-        with self._lock:
-            items = sorted(self._values.items())
-        return self.header() + [f"{self.name}{_labels(self.labelnames, k)} {_fmt(v)}" for k, v in items]
+        self._add(-amount, labels)
 
 
 class Histogram(_Metric):
