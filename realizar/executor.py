@@ -41,6 +41,7 @@ from ptx_gen.kernels.decode_core import (
 )
 from ptx_gen.kernels.flash_decoding import GROUP_CHUNKS, fused_buffer_sizes
 from realizar import cuda
+from realizar.cuda.memory import device_address, is_buffer_arg
 from realizar.errors import CacheStateError, ContextOverflowError, ShapeError
 
 __all__ = ["AttentionConfig", "CudaExecutor", "default_num_chunks"]
@@ -161,12 +162,6 @@ def _resident_blocks(kernel, threads: int) -> int:
         return max(1, int(call("cuOccupancyMaxActiveBlocksPerMultiprocessor", kernel.function, threads, 0)))
     except Exception:  # no driver function (emulated runtime): assume the usual
         return max(1, _WARPS_PER_SM * 32 // threads)
-
-
-def _is_buffer(x: Any) -> bool:
-    if isinstance(x, tuple) and len(x) == 2:
-        x = x[0]
-    return hasattr(x, "ptr") and hasattr(x, "count") and hasattr(x, "dtype")
 
 
 class CudaExecutor:
@@ -395,22 +390,9 @@ class CudaExecutor:
 
     # ---- device arguments --------------------------------------------------------------------------
     def _device_arg(self, x: Any, count: int, what: str, dtype=np.float32) -> tuple[int, Any]:
-        """(device address, owning buffer) of a GpuBuffer or (GpuBuffer, element offset) holding at
-        least ``count`` elements of ``dtype`` from the offset."""
-        buf, off = (x if isinstance(x, tuple) else (x, 0))
-        if not _is_buffer(buf):
-            raise ShapeError(f"{what} must be a GpuBuffer or (GpuBuffer, offset), got {type(buf).__name__}")
-        if np.dtype(buf.dtype) != np.dtype(dtype):
-            raise ShapeError(f"{what} must hold {np.dtype(dtype)}, got {buf.dtype}")
-        if isinstance(off, bool) or not isinstance(off, (int, np.integer)) or off < 0:
-            raise ShapeError(f"{what}: element offset must be a non-negative integer, got {off!r}")
-        if off + count > buf.count:
-            raise ShapeError(f"{what} needs {count} elements from offset {off}, the buffer holds {buf.count}")
-        addr = int(buf.ptr) + int(off) * np.dtype(dtype).itemsize
-        if np.dtype(dtype) == np.float32 and addr % 16:
-            raise ShapeError(f"{what}: the address must be 16-byte aligned (element offset a multiple of 4), "
-                             f"got offset {off}")
-        return addr, buf
+        """(device address, owning buffer) of a GpuBuffer or (GpuBuffer, element offset); f32 operands
+        must be 16-byte aligned (the kernels read them as float4)."""
+        return device_address(x, count, what, dtype, 16 if np.dtype(dtype) == np.float32 else 1)
 
     def _args(self, kernel, key: tuple | None, values: dict, buffers: dict):
         """Packed arguments, cached under ``key`` for the fixed-address (graph) paths."""
@@ -431,7 +413,7 @@ class CudaExecutor:
 
     def _seq_len_value(self, seq_len: Any, what: str = "seq_len") -> tuple[bool, dict, dict]:
         """(indirect, kernel argument, buffers) for an int or a device u32 (GpuBuffer or (buffer, index))."""
-        if _is_buffer(seq_len):
+        if is_buffer_arg(seq_len):
             addr, buf = self._device_arg(seq_len, 1, what, np.uint32)
             return True, {"seq_len_ptr": addr}, {f"{what}_buffer": buf}
         if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 0:
@@ -443,7 +425,7 @@ class CudaExecutor:
     # ---- kernels -----------------------------------------------------------------------------------
     def _launch_append(self, layer: int, k_addr: int, v_addr: int, count: int, position: Any, stream, bufs: dict):
         cfg = self.config
-        if _is_buffer(position):
+        if is_buffer_arg(position):
             paddr, pbuf = self._device_arg(position, 1, "position", np.uint32)
             kern = self._kernel("kv_append", head_dim=cfg.head_dim, indirect=True)
             key = ("append", layer, k_addr, v_addr, count, paddr)
@@ -532,7 +514,7 @@ class CudaExecutor:
         of more than one position)."""
         cfg = self.config
         layer = cfg.check_layer(layer)
-        device_inputs = _is_buffer(k) or _is_buffer(v)
+        device_inputs = is_buffer_arg(k) or is_buffer_arg(v)
         if device_inputs:
             count = 1 if count is None else _positive_int("count", count)
             n = cfg.num_kv_heads * count * cfg.head_dim
@@ -558,7 +540,7 @@ class CudaExecutor:
             count = count_h
         if position is None:
             position = self._lengths[layer]
-        if not _is_buffer(position):
+        if not is_buffer_arg(position):
             if isinstance(position, bool) or not isinstance(position, (int, np.integer)) or position < 0:
                 raise ShapeError(f"position must be a non-negative integer or a u32 GpuBuffer, got {position!r}")
             self._check_append(layer, int(position), count)
@@ -579,7 +561,7 @@ class CudaExecutor:
                     vb.free()
         else:
             self._launch_append(layer, k_addr, v_addr, count, position, stream, bufs)
-        if not _is_buffer(position):
+        if not is_buffer_arg(position):
             self._lengths[layer] = max(self._lengths[layer], int(position) + count)
         return self._lengths[layer]
 
@@ -594,7 +576,7 @@ class CudaExecutor:
             raise ContextOverflowError(
                 f"layer {layer} is full: {pos} of max_len {cfg.max_len} positions used, cannot append one more"
             )
-        if _is_buffer(q):
+        if is_buffer_arg(q):
             q_addr, qb = self._device_arg(q, cfg.num_heads * cfg.head_dim, "q")
             o_addr, ob = self._device_arg(out, cfg.num_heads * cfg.head_dim, "out")
             self.append_kv(layer, k, v)
@@ -626,12 +608,12 @@ class CudaExecutor:
         ``stream``; ``seq_len`` may then be a u32 device buffer (read on the device)."""
         cfg = self.config
         layer = cfg.check_layer(layer)
-        if _is_buffer(q):
+        if is_buffer_arg(q):
             q_addr, qb = self._device_arg(q, cfg.num_heads * cfg.head_dim, "q")
             o_addr, ob = self._device_arg(out, cfg.num_heads * cfg.head_dim, "out")
             if seq_len is None:
                 seq_len = self._lengths[layer]
-            if not _is_buffer(seq_len):
+            if not is_buffer_arg(seq_len):
                 self._check_attend(layer, seq_len)
             self._launch_incremental(layer, q_addr, o_addr, self._seq_len_value(seq_len), stream, {"q": qb, "out": ob})
             return out
@@ -656,7 +638,7 @@ class CudaExecutor:
         layer = cfg.check_layer(layer)
         q_addr, qb = self._device_arg(q, cfg.num_heads * cfg.head_dim, "q")
         o_addr, ob = self._device_arg(out, cfg.num_heads * cfg.head_dim, "out")
-        if not _is_buffer(seq_len):
+        if not is_buffer_arg(seq_len):
             self._check_attend(layer, seq_len)
         self._launch_flash_decoding(layer, q_addr, o_addr, self._seq_len_value(seq_len), stream, {"q": qb, "out": ob})
 

@@ -29,6 +29,7 @@ from ptx_gen.kernels.quant_layout import WEIGHT_TYPES, check_in_dim, type_info
 from ptx_gen.kernels.rmsnorm import MAX_HIDDEN, default_block
 from ptx_gen.kernels.rope import inv_freq_table
 from realizar import cuda
+from realizar.cuda.memory import device_address, is_buffer_arg
 from realizar.errors import ShapeError, UnsupportedError
 
 __all__ = ["GemvConfig", "GpuWeight", "LayerOps", "gemv_config", "inv_freq_table"]
@@ -172,12 +173,6 @@ def gemv_config(out_dim: int, sm_count: int = 132, in_dim: int | None = None, wt
     return GemvConfig(rows, max(4, ks), ks)
 
 
-def _is_buffer(x: Any) -> bool:
-    if isinstance(x, tuple) and len(x) == 2:
-        x = x[0]
-    return hasattr(x, "ptr") and hasattr(x, "count") and hasattr(x, "dtype")
-
-
 class LayerOps:
     """Launches the layer kernels on one device (kernels loaded once, arguments packed once)."""
 
@@ -232,19 +227,7 @@ class LayerOps:
 
     @staticmethod
     def _addr(x: Any, count: int, what: str, dtype=np.float32, align: int = 16) -> int:
-        buf, off = (x if isinstance(x, tuple) else (x, 0))
-        if not _is_buffer(buf):
-            raise ShapeError(f"{what} must be a GpuBuffer or (GpuBuffer, element offset), got {type(buf).__name__}")
-        if np.dtype(buf.dtype) != np.dtype(dtype):
-            raise ShapeError(f"{what} must hold {np.dtype(dtype)}, got {buf.dtype}")
-        if isinstance(off, bool) or not isinstance(off, (int, np.integer)) or off < 0:
-            raise ShapeError(f"{what}: element offset must be a non-negative integer, got {off!r}")
-        if off + count > buf.count:
-            raise ShapeError(f"{what} needs {count} elements from offset {off}; the buffer holds {buf.count}")
-        addr = int(buf.ptr) + int(off) * np.dtype(dtype).itemsize
-        if addr % align:
-            raise ShapeError(f"{what} must be {align}-byte aligned (element offset {off})")
-        return addr
+        return device_address(x, count, what, dtype, align)[0]
 
     @staticmethod
     def _count(name: str, v: Any, lo: int = 1) -> int:
@@ -331,7 +314,7 @@ class LayerOps:
         n_q, n_kv, head_dim = self._count("n_q", n_q), self._count("n_kv", n_kv), self._count("head_dim", head_dim)
         n_tokens = self._count("n_tokens", n_tokens)
         rot_dim = head_dim if rot_dim is None else self._count("rot_dim", rot_dim)
-        from_buf = _is_buffer(pos)
+        from_buf = is_buffer_arg(pos)
         kern = self.kernel("rope", head_dim=head_dim, rot_dim=rot_dim, neox=bool(neox), pos_from_buffer=from_buf)
         values = {"q": self._addr(q, n_tokens * n_q * head_dim, "q", align=8),
                   "k": self._addr(k, n_tokens * n_kv * head_dim, "k", align=8),

@@ -174,3 +174,29 @@ class GpuBuffer:
     def poison(self, stream: Stream | None = None) -> None:
         """Fill with NaN (all-ones bytes) so unwritten outputs are caught by tests."""
         self.fill_bytes(0xFF, stream)
+
+
+def is_buffer_arg(x) -> bool:
+    """True for a device buffer (anything with ``ptr``, ``count`` and ``dtype``) or a
+    ``(buffer, element offset)`` pair naming a slice of one."""
+    if isinstance(x, tuple) and len(x) == 2:
+        x = x[0]
+    return hasattr(x, "ptr") and hasattr(x, "count") and hasattr(x, "dtype")
+
+
+def device_address(x, count: int, what: str, dtype=np.float32, align: int = 1) -> tuple[int, object]:
+    """(device address, owning buffer) of a buffer or ``(buffer, element offset)`` holding at least
+    ``count`` elements of ``dtype`` from the offset, aligned to ``align`` bytes; ShapeError otherwise."""
+    buf, off = (x if isinstance(x, tuple) else (x, 0))
+    if not is_buffer_arg(buf):
+        raise ShapeError(f"{what} must be a GpuBuffer or (GpuBuffer, element offset), got {type(buf).__name__}")
+    if np.dtype(buf.dtype) != np.dtype(dtype):
+        raise ShapeError(f"{what} must hold {np.dtype(dtype)}, got {buf.dtype}")
+    if isinstance(off, bool) or not isinstance(off, (int, np.integer)) or off < 0:
+        raise ShapeError(f"{what}: element offset must be a non-negative integer, got {off!r}")
+    if off + count > buf.count:
+        raise ShapeError(f"{what} needs {count} elements from offset {off}; the buffer holds {buf.count}")
+    addr = int(buf.ptr) + int(off) * np.dtype(dtype).itemsize
+    if addr % align:
+        raise ShapeError(f"{what} must be {align}-byte aligned (element offset {off})")
+    return addr, buf
