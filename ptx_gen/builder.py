@@ -79,6 +79,7 @@ class KernelBuilder:
     _shared_decls: list[str] = field(default_factory=list)
     _indent: int = 1
     _param_cache: dict = field(default_factory=dict)
+    _prologue: list = field(default_factory=list)  # parameter loads, emitted at the kernel's entry
     _module_decls: list = field(default_factory=list)
     meta: dict = field(default_factory=dict)  # launch hints for the runtime (block size, shared)
 
@@ -146,13 +147,14 @@ class KernelBuilder:
 
     # ---- parameters and special registers -------------------------------------------------
     def param(self, name: str) -> Reg:
-        """The value of kernel parameter ``name`` (loaded once, then reused)."""
+        """The value of kernel parameter ``name``, loaded once at the kernel's entry and reused: the
+        cached register is defined on every path, even when first asked for inside a branch."""
         if name in self._param_cache:
             return self._param_cache[name]
         for p in self.params:
             if p.name == name:
                 d = self.reg(p.type)
-                self._emit(f"ld.param.{p.type.name} {d}, [{self._param_symbol(name)}];")
+                self._prologue.append(f"    ld.param.{p.type.name} {d}, [{self._param_symbol(name)}];")
                 self._param_cache[name] = d
                 return d
         raise KeyError(f"kernel {self.name} has no parameter {name!r}; it has {[p.name for p in self.params]}")
@@ -165,7 +167,7 @@ class KernelBuilder:
             if p.type.bits != 64:
                 raise TypeError(f"parameter {name} is {p.type}, a pointer must be 64-bit")
             d = self.reg("u64")
-            self._emit(f"cvta.to.global.u64 {d}, {p};")
+            self._prologue.append(f"    cvta.to.global.u64 {d}, {p};")
             self._param_cache[key] = d
         return self._param_cache[key]
 
@@ -662,6 +664,7 @@ class KernelBuilder:
             # next kernel's blocks be scheduled while this one runs. Both are no-ops for an ordinary launch.
             out.append("    griddepcontrol.wait;")
             out.append("    griddepcontrol.launch_dependents;")
+        out.extend(self._prologue)
         out.extend(self._lines)
         out.append("}")
         return "\n".join(out) + "\n"

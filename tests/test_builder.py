@@ -219,3 +219,20 @@ def test_programmatic_dependent_launch_scope_is_restored():
             assert launch_mod._local.pdl is False
         assert launch_mod._local.pdl is True
     assert launch_mod._local.pdl is False
+
+
+def test_parameters_first_used_inside_a_branch_are_loaded_at_entry():
+    """A parameter first asked for inside one branch and reused in another must be defined on both."""
+    m = Module("sm_90")
+    k = m.kernel("branchy", [("x", "u64"), ("alpha", "f32")])
+    p = k.setp("eq", k.tid(), 0)
+    with k.if_(p):
+        k.store("global", "f32", k.global_ptr("x"), k.param("alpha"))
+    with k.if_(p, negate=True):
+        k.store("global", "f32", k.global_ptr("x"), k.add(k.param("alpha"), 1.0), 4)
+    k.ret()
+    lines = [line.strip() for line in m.emit().splitlines()]
+    first_branch = next(i for i, line in enumerate(lines) if line.startswith("@"))
+    loads = [i for i, line in enumerate(lines) if line.startswith(("ld.param", "cvta.to.global"))]
+    assert len(loads) == 3 and max(loads) < first_branch
+    assemble(m.emit(), "sm_90")
