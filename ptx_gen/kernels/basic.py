@@ -22,45 +22,43 @@ def _elementwise(k: KernelBuilder, vec: int, n: Reg, body) -> None:
     k.label(done)
 
 
-@kernel("vector_add", grid=[{"vec": 1}, {"vec": 2}, {"vec": 4}])
-def vector_add(m: Module, vec: int = 4) -> KernelBuilder:
-    """out[i] = a[i] + b[i] over n float32 elements; each thread handles ``vec`` (16-byte loads at 4)."""
+def binary_map(m: Module, name: str, vec: int, inputs: tuple[str, str], out: str, op, *,
+               nc: tuple[bool, bool] = (False, False), scalars: tuple[str, ...] = (),
+               max_threads: int = 1024, block: int = 256) -> KernelBuilder:
+    """``out[i] = op(k, a[i], b[i])`` over ``n`` float32 elements, ``vec`` per thread (16-byte loads at
+    4), with the two inputs named ``inputs``; ``out`` may be a third pointer or one of the inputs (in
+    place). ``scalars`` are f32 parameters between the pointers and ``n`` (read with ``k.param``);
+    ``nc`` marks inputs that may be read through the non-coherent cache (never one written here)."""
     if vec not in (1, 2, 4):
         raise ValueError(f"vec must be 1, 2 or 4, got {vec}")
-    k = m.kernel(f"vector_add_v{vec}", [("a", "u64"), ("b", "u64"), ("out", "u64"), ("n", "u32")], max_threads=1024)
-    k.meta.update(block=256, per_thread=vec)
-    a, b, out, n = k.global_ptr("a"), k.global_ptr("b"), k.global_ptr("out"), k.param("n")
+    pointers = [*inputs] + ([] if out in inputs else [out])
+    params = [(p, "u64") for p in pointers] + [(s, "f32") for s in scalars] + [("n", "u32")]
+    k = m.kernel(f"{name}_v{vec}", params, max_threads=max_threads)
+    k.meta.update(block=block, per_thread=vec)
+    a, b, o, n = k.global_ptr(inputs[0]), k.global_ptr(inputs[1]), k.global_ptr(out), k.param("n")
 
     def body(off: Reg, width: int) -> None:
-        xa = k.load("global", "f32", k.add(a, off), vec=width, nc=True)
-        xb = k.load("global", "f32", k.add(b, off), vec=width, nc=True)
+        xa = k.load("global", "f32", k.add(a, off), vec=width, nc=nc[0])
+        xb = k.load("global", "f32", k.add(b, off), vec=width, nc=nc[1])
         xa, xb = (xa, xb) if width > 1 else ((xa,), (xb,))
-        k.store("global", "f32", k.add(out, off), [k.add(p, q) for p, q in zip(xa, xb)])
+        k.store("global", "f32", k.add(o, off), [op(k, p, q) for p, q in zip(xa, xb)])
 
     _elementwise(k, vec, n, body)
     k.ret()
     return k
+
+
+@kernel("vector_add", grid=[{"vec": 1}, {"vec": 2}, {"vec": 4}])
+def vector_add(m: Module, vec: int = 4) -> KernelBuilder:
+    """out[i] = a[i] + b[i] over n float32 elements; each thread handles ``vec`` (16-byte loads at 4)."""
+    return binary_map(m, "vector_add", vec, ("a", "b"), "out", lambda k, p, q: k.add(p, q), nc=(True, True))
 
 
 @kernel("axpy", grid=[{"vec": 1}, {"vec": 4}])
 def axpy(m: Module, vec: int = 4) -> KernelBuilder:
     """y[i] = alpha * x[i] + y[i] in place (fused multiply-add, float32)."""
-    if vec not in (1, 2, 4):
-        raise ValueError(f"vec must be 1, 2 or 4, got {vec}")
-    k = m.kernel(f"axpy_v{vec}", [("x", "u64"), ("y", "u64"), ("alpha", "f32"), ("n", "u32")], max_threads=1024)
-    k.meta.update(block=256, per_thread=vec)
-    x, y, alpha, n = k.global_ptr("x"), k.global_ptr("y"), k.param("alpha"), k.param("n")
-
-    def body(off: Reg, width: int) -> None:
-        px, py = k.add(x, off), k.add(y, off)
-        xs = k.load("global", "f32", px, vec=width, nc=True)
-        ys = k.load("global", "f32", py, vec=width)
-        xs, ys = (xs, ys) if width > 1 else ((xs,), (ys,))
-        k.store("global", "f32", py, [k.fma(alpha, p, q) for p, q in zip(xs, ys)])
-
-    _elementwise(k, vec, n, body)
-    k.ret()
-    return k
+    return binary_map(m, "axpy", vec, ("x", "y"), "y", lambda k, p, q: k.fma(k.param("alpha"), p, q),
+                      nc=(True, False), scalars=("alpha",))
 
 
 def block_reduce(k: KernelBuilder, value: Reg, block: int, op: str = "add") -> Reg:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ptx_gen.builder import KernelBuilder, Module, Reg
 from ptx_gen.catalog import kernel
-from ptx_gen.kernels.basic import _elementwise
+from ptx_gen.kernels.basic import binary_map
 
 BLOCK = 256
 LOG2E = 1.4426950408889634
@@ -21,43 +21,16 @@ def silu(k: KernelBuilder, g: Reg) -> Reg:
 def swiglu(m: Module, vec: int = 4) -> KernelBuilder:
     """out[i] = silu(gate[i]) * up[i] for i < n (out may alias gate or up).
     Launch: grid ceil(n / (256 * vec)), block 256."""
-    if vec not in (1, 2, 4):
-        raise ValueError(f"vec must be 1, 2 or 4, got {vec}")
-    k = m.kernel(f"swiglu_v{vec}", [("gate", "u64"), ("up", "u64"), ("out", "u64"), ("n", "u32")], max_threads=BLOCK)
-    k.meta.update(block=BLOCK, per_thread=vec)
-    g, u, o, n = k.global_ptr("gate"), k.global_ptr("up"), k.global_ptr("out"), k.param("n")
-
-    def body(off: Reg, width: int) -> None:
-        gs = k.load("global", "f32", k.add(g, off), vec=width)
-        us = k.load("global", "f32", k.add(u, off), vec=width)
-        gs, us = (gs, us) if width > 1 else ((gs,), (us,))
-        k.store("global", "f32", k.add(o, off), [k.mul(silu(k, a), b) for a, b in zip(gs, us)])
-
-    _elementwise(k, vec, n, body)
-    k.ret()
-    return k
+    return binary_map(m, "swiglu", vec, ("gate", "up"), "out", lambda k, g, u: k.mul(silu(k, g), u),
+                      max_threads=BLOCK, block=BLOCK)
 
 
 @kernel("residual_add", grid=[{"vec": 1}, {"vec": 4}])
 def residual_add(m: Module, vec: int = 4) -> KernelBuilder:
     """out[i] = a[i] + b[i] for i < n; out may alias a or b (h += x in place).
     Launch: grid ceil(n / (256 * vec)), block 256."""
-    if vec not in (1, 2, 4):
-        raise ValueError(f"vec must be 1, 2 or 4, got {vec}")
-    k = m.kernel(f"residual_add_v{vec}", [("a", "u64"), ("b", "u64"), ("out", "u64"), ("n", "u32")],
-                 max_threads=BLOCK)
-    k.meta.update(block=BLOCK, per_thread=vec)
-    a, b, o, n = k.global_ptr("a"), k.global_ptr("b"), k.global_ptr("out"), k.param("n")
-
-    def body(off: Reg, width: int) -> None:
-        xa = k.load("global", "f32", k.add(a, off), vec=width)
-        xb = k.load("global", "f32", k.add(b, off), vec=width)
-        xa, xb = (xa, xb) if width > 1 else ((xa,), (xb,))
-        k.store("global", "f32", k.add(o, off), [k.add(p, q) for p, q in zip(xa, xb)])
-
-    _elementwise(k, vec, n, body)
-    k.ret()
-    return k
+    return binary_map(m, "residual_add", vec, ("a", "b"), "out", lambda k, p, q: k.add(p, q),
+                      max_threads=BLOCK, block=BLOCK)
 
 
 @kernel("bias_add", grid=[{}])
