@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from realizar import cuda  # noqa: E402
 from realizar.cuda.driver import call  # noqa: E402
 from realizar.executor import CudaExecutor  # noqa: E402
+from tools.roofline import copy_bandwidth  # noqa: E402
 
 SHAPES = [(14, 2, 64), (28, 4, 128), (32, 8, 128)]
 LENGTHS = [512, 4096, 32768]
@@ -57,20 +58,6 @@ def _median_us(run, stream, calls: int, reps: int) -> float:
         end.synchronize()
         samples.append(start.elapsed_ms(end) * 1e3 / calls)
     return statistics.median(samples)
-
-
-def copy_bandwidth(stream, reps: int) -> float:
-    """Device-to-device copy bandwidth in bytes/µs, counting bytes read + written."""
-    n = 1 << 28  # 1 GiB of f32
-    with cuda.GpuBuffer(n) as a, cuda.GpuBuffer(n) as b:
-        a.fill_bytes(0x3C)
-
-        def run():
-            for _ in range(4):
-                call("cuMemcpyDtoDAsync", b.ptr, a.ptr, a.nbytes, stream.handle)
-
-        us = _median_us(run, stream, 4, reps)
-    return 2 * n * 4 / us
 
 
 def _graph_of(fn, stream, calls: int, pdl: bool = False):
@@ -390,7 +377,7 @@ def main() -> None:
     dev = cuda.current_device()
     stream = cuda.Stream()
     reps = 5 if a.quick else 15
-    copy_bw = copy_bandwidth(stream, reps)
+    copy_bw = copy_bandwidth(stream) / 1e6  # bytes per µs
     torch_sdpa = TorchSdpa()
     lines = [
         f"# Attention kernels — {dev.name}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",

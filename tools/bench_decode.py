@@ -27,6 +27,7 @@ from realizar.gpu_model import GpuModel  # noqa: E402
 from realizar.models.config import ModelConfig  # noqa: E402
 from realizar.models.quants import LAYOUTS, row_nbytes  # noqa: E402
 from realizar.models.tensor import QuantTensor  # noqa: E402
+from tools.roofline import copy_bandwidth  # noqa: E402
 
 T = {lay.name: t for t, lay in LAYOUTS.items()}
 
@@ -83,25 +84,6 @@ def build(shape: str, seed: int = 0) -> tuple[ModelConfig, dict, int]:
     return cfg, tensors, weight_bytes
 
 
-def copy_bandwidth(dev) -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write), 1 GiB, median of 10."""
-    n = 1 << 30
-    a, b = cuda.GpuBuffer(n, np.uint8), cuda.GpuBuffer(n, np.uint8)
-    a.fill_bytes(1)
-    s = cuda.Stream()
-    times = []
-    for _ in range(12):
-        e0, e1 = cuda.Event(), cuda.Event()
-        e0.record(s)
-        b.copy_from(a, stream=s)
-        e1.record(s)
-        e1.synchronize()
-        times.append(e0.elapsed_ms(e1) / 1e3)
-    a.free()
-    b.free()
-    return 2 * n / float(np.median(times[2:]))
-
-
 def bench(model: GpuModel, tokens: int) -> tuple[float, float]:
     """(host tokens/s, GPU µs per token)."""
     tok = 1
@@ -129,7 +111,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     dev = cuda.current_device()
-    bw = copy_bandwidth(dev)
+    bw = copy_bandwidth(cuda.Stream(dev))
     rows = []
     if a.gguf:
         from realizar.models.loader import load_model

@@ -35,9 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ptx_gen.kernels.gemv import KSPLITS, MAX_STATIC_SMEM, shared_bytes  # noqa: E402
 from ptx_gen.kernels.quant_layout import K_QUANTS, WEIGHT_TYPES, type_info  # noqa: E402
 from realizar import cuda  # noqa: E402
-from realizar.cuda.driver import call  # noqa: E402
 from realizar.layers import GemvConfig, GpuWeight, LayerOps, gemv_config  # noqa: E402
 from tests.layer_oracles import dequant, random_weight  # noqa: E402
+from tools.roofline import copy_bandwidth  # noqa: E402
 
 SHAPES = [  # (label, out_dim, in_dim)
     ("4096x4096", 4096, 4096),
@@ -49,24 +49,6 @@ SHAPES = [  # (label, out_dim, in_dim)
     ("49152x576 (lm head)", 49152, 576),
 ]
 L2_BYTES = 60 << 20
-
-
-def copy_bandwidth(stream: cuda.Stream, nbytes: int = 1 << 30, reps: int = 10) -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting read + write."""
-    a, b = cuda.GpuBuffer(nbytes, np.uint8), cuda.GpuBuffer(nbytes, np.uint8)
-    a.fill_bytes(1)
-    times = []
-    for i in range(reps + 2):
-        e0, e1 = cuda.Event(), cuda.Event()
-        e0.record(stream)
-        call("cuMemcpyDtoDAsync", b.ptr, a.ptr, nbytes, stream.handle)
-        e1.record(stream)
-        e1.synchronize()
-        if i >= 2:
-            times.append(e0.elapsed_ms(e1) / 1e3)
-    a.free()
-    b.free()
-    return 2 * nbytes / statistics.median(times)
 
 
 def time_launches(fn_list, stream: cuda.Stream, use_graph: bool, reps: int = 7) -> tuple[float, str]:
