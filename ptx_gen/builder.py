@@ -82,6 +82,7 @@ class KernelBuilder:
     _prologue: list = field(default_factory=list)  # parameter loads, emitted at the kernel's entry
     _module_decls: list = field(default_factory=list)
     meta: dict = field(default_factory=dict)  # launch hints for the runtime (block size, shared)
+    _deferred_wait: bool = False  # griddepcontrol.wait placed by the kernel (grid_dependency_wait)
 
     # ---- registers and operands ------------------------------------------------------------
     def reg(self, t: str | PtxType) -> Reg:
@@ -516,6 +517,51 @@ class KernelBuilder:
         self._emit(f"cp.async.cg.shared.global {self._address(dst, dst_offset)}, {self._address(src, src_offset)}, 16;",
                    pred)
 
+    def grid_dependency_wait(self) -> None:
+        """Place the ``griddepcontrol.wait`` of programmatic dependent launch here instead of at the
+        kernel's entry (sm_90+; nothing on older targets, whose launches are never programmatic).
+
+        Code before it overlaps the end of the kernel this one depends on, so it may only read memory
+        no earlier kernel writes (weights) and write nothing but shared memory; every thread that goes
+        on to touch other global memory must pass a wait. A second wait on a path is harmless."""
+        self._deferred_wait = True
+        if self.target.compute_capability >= (9, 0):
+            self._emit("griddepcontrol.wait;")
+
+    def cp_async_commit(self) -> None:
+        """``cp.async.commit_group``: close this thread's group of cp.async copies issued so far."""
+        self._emit("cp.async.commit_group;")
+
+    def cp_async_wait_group(self, pending: int) -> None:
+        """``cp.async.wait_group N``: all but this thread's newest ``pending`` committed groups have
+        landed (a ring of ``pending + 1`` stages in flight)."""
+        self._emit(f"cp.async.wait_group {int(pending)};")
+
+    def ldmatrix_x4(self, addr: Reg, offset: int = 0) -> tuple[Reg, Reg, Reg, Reg]:
+        """``ldmatrix.sync.aligned.m8n8.x4.shared.b16`` (warp-collective, sm_75+): four 8x8 matrices of
+        16-bit elements, i.e. 8 rows of 16 bytes each; lane ``8 j + r`` gives the (16-byte aligned)
+        shared address of row ``r`` of matrix ``j``. Lane ``l`` receives, for each matrix, bytes
+        ``4 (l % 4) .. 4 (l % 4) + 3`` of row ``l / 4``: register ``j`` from matrix ``j``."""
+        ds = tuple(self.reg("b32") for _ in range(4))
+        self._emit(f"ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{{', '.join(map(str, ds))}}}, "
+                   f"{self._address(addr, offset)};")
+        return ds
+
+    def mma_s8(self, a: Sequence[Reg], b: Sequence[Reg], c: Sequence[Operand]) -> tuple[Reg, Reg, Reg, Reg]:
+        """``mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32`` (warp-collective, sm_80+): D = A B + C
+        exactly in int32, A 16x32 and B 32x8 of signed bytes. With ``g = lane / 4``, ``t = lane % 4``:
+        a[0] = A[g][4t..4t+3], a[1] = A[g+8][4t..4t+3], a[2] = A[g][16+4t..], a[3] = A[g+8][16+4t..]
+        (4 bytes each, lowest k in the lowest byte); b[0] = B[4t..4t+3][g], b[1] = B[16+4t..16+4t+3][g];
+        c and d: [g][2t], [g][2t+1], [g+8][2t], [g+8][2t+1]."""
+        if len(a) != 4 or len(b) != 2 or len(c) != 4:
+            raise ValueError("mma m16n8k32 takes 4 A, 2 B and 4 C registers")
+        s32 = ptx_type("s32")
+        cs = [x if isinstance(x, Reg) else self.mov(x, "s32") for x in c]
+        ds = tuple(self.reg(s32) for _ in range(4))
+        fmt = lambda regs: "{" + ", ".join(map(str, regs)) + "}"  # noqa: E731
+        self._emit(f"mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {fmt(ds)}, {fmt(a)}, {fmt(b)}, {fmt(cs)};")
+        return ds
+
     def cp_async_wait_all(self) -> None:
         """``cp.async.wait_all``: every cp.async this thread issued has landed in shared memory."""
         self._emit("cp.async.wait_all;")
@@ -660,9 +706,11 @@ class KernelBuilder:
             out.append("    " + decl)
         out.append("")
         if self.target.compute_capability >= (9, 0):
-            # Programmatic dependent launch (sm_90): wait for the grids this one depends on, then let the
-            # next kernel's blocks be scheduled while this one runs. Both are no-ops for an ordinary launch.
-            out.append("    griddepcontrol.wait;")
+            # Programmatic dependent launch (sm_90): wait for the grids this one depends on (unless the kernel
+            # placed the wait itself, see grid_dependency_wait), then let the next kernel's blocks be
+            # scheduled while this one runs. Both are no-ops for an ordinary launch.
+            if not self._deferred_wait:
+                out.append("    griddepcontrol.wait;")
             out.append("    griddepcontrol.launch_dependents;")
         out.extend(self._prologue)
         out.extend(self._lines)

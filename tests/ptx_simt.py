@@ -305,7 +305,8 @@ class _Launch:
         self.regs: dict[str, np.ndarray] = {}
         self.smem = np.full((nb, max(self.smem_size, 1)), 0xFF, np.uint8)
         self.inflight = np.zeros(self.smem.shape, bool)  # shared bytes a cp.async will write
-        self.pending: list[tuple] = []  # cp.async copies not landed yet: (threads, rows, cols, data)
+        self.pending: list[tuple] = []  # cp.async copies not landed yet: (threads, rows, cols, data, groups)
+        self.cp_group = np.zeros(n, np.int64)  # per thread: the cp.async group now open (commit_group closes it)
         if self.racecheck:
             self.writer = np.full((nb, max(self.smem_size, 1)), -1, np.int64)
             self.reader = np.full((nb, max(self.smem_size, 1)), -1, np.int64)
@@ -561,6 +562,10 @@ class _Launch:
             return self._cvt(inst, act)
         if op == "shfl":
             return self._shfl(inst, act, mask)
+        if op == "ldmatrix":
+            return self._ldmatrix(inst, act)
+        if op == "mma":
+            return self._mma(inst, act)
         if op == "griddepcontrol":  # programmatic dependent launch: one grid at a time here, a no-op
             return
         if op == "membar" or op == "fence":
@@ -731,6 +736,84 @@ class _Launch:
         src = np.arange(self.n) - lane + j
         self._write(d, val[src], act, "b32")
 
+    def _whole_warps(self, inst: Inst, act: np.ndarray) -> np.ndarray:
+        """The warps executing a warp-collective instruction (all 32 lanes of each, or an error)."""
+        if self.warp_global is None:
+            raise EmulatorError(f"warp-collective instruction in a block whose size is not a multiple of 32: {inst.text}")
+        a32 = act.reshape(-1, 32)
+        bad = a32.any(axis=1) & ~a32.all(axis=1)
+        if bad.any():
+            w = int(np.flatnonzero(bad)[0])
+            raise EmulatorError(f"{inst.op} executed by {int(a32[w].sum())} of 32 lanes (warp {w}): {inst.text}")
+        return np.flatnonzero(a32.all(axis=1))
+
+    @staticmethod
+    def _reg_list(text: str) -> list[str]:
+        return [x.strip() for x in text.strip("{}").split(",")]
+
+    def _ldmatrix(self, inst: Inst, act: np.ndarray) -> None:
+        """``ldmatrix.sync.aligned.m8n8.x4.shared.b16``: lane 8j + r addresses row r of matrix j (16
+        bytes); lane l gets bytes 4 (l % 4) .. + 3 of row l / 4 of each matrix."""
+        if inst.mods != ["sync", "aligned", "m8n8", "x4", "shared", "b16"]:
+            raise EmulatorError(f"ldmatrix form not emulated: {inst.text}")
+        warps = self._whole_warps(inst, act)
+        addrs, _ = self._addr(inst.args[1], "shared")
+        if (addrs[act] % 16).any():
+            raise EmulatorError(f"ldmatrix row address not 16-byte aligned: {inst.text}")
+        rows, cols = self._shared_idx(addrs, 16, act, inst)  # [n_act, 16]
+        self._check_landed(rows, cols, inst)
+        if self.racecheck:
+            self._race(rows, cols, act, inst, write=False)
+        data = np.zeros((self.n, 16), np.uint8)
+        data[act] = self.smem[rows[:, None], cols]
+        dests = self._reg_list(inst.args[0])
+        lane = np.arange(32)
+        for w in warps:
+            base = 32 * w
+            for j, d in enumerate(dests):
+                src_rows = data[base + 8 * j + lane // 4]  # [32, 16]: the row each lane reads from
+                words = np.stack([src_rows[i, 4 * (i % 4): 4 * (i % 4) + 4] for i in range(32)]).copy().view(np.uint32)[:, 0]
+                full = self._reg(d).copy() if d in self.regs else np.zeros(self.n, np.uint32)
+                full[base:base + 32] = words
+                who = np.zeros(self.n, bool)
+                who[base:base + 32] = True
+                self._write(d, full, who, "b32")
+
+    def _mma(self, inst: Inst, act: np.ndarray) -> None:
+        """``mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32``, exact int32 (wrapping) arithmetic."""
+        if inst.mods != ["sync", "aligned", "m16n8k32", "row", "col", "s32", "s8", "s8", "s32"]:
+            raise EmulatorError(f"mma form not emulated: {inst.text}")
+        warps = self._whole_warps(inst, act)
+        dn, an, bn, cn = (self._reg_list(x) for x in inst.args)
+        a = [self._read(x, "b32").astype(np.uint32) for x in an]
+        b = [self._read(x, "b32").astype(np.uint32) for x in bn]
+        c = [self._read(x, "s32").astype(np.int64) for x in cn]
+        lane = np.arange(32)
+        g, t = lane // 4, lane % 4
+        out = [np.zeros(self.n, np.int64) for _ in range(4)]
+        for w in warps:
+            base = 32 * w
+            A = np.zeros((16, 32), np.int64)
+            B = np.zeros((32, 8), np.int64)
+            sb = lambda v: v[base:base + 32].copy().view(np.int8).reshape(32, 4).astype(np.int64)  # noqa: E731
+            a_b = [sb(x) for x in a]
+            b_b = [sb(x) for x in b]
+            for i in range(32):
+                A[g[i], 4 * t[i]:4 * t[i] + 4] = a_b[0][i]
+                A[g[i] + 8, 4 * t[i]:4 * t[i] + 4] = a_b[1][i]
+                A[g[i], 16 + 4 * t[i]:20 + 4 * t[i]] = a_b[2][i]
+                A[g[i] + 8, 16 + 4 * t[i]:20 + 4 * t[i]] = a_b[3][i]
+                B[4 * t[i]:4 * t[i] + 4, g[i]] = b_b[0][i]
+                B[16 + 4 * t[i]:20 + 4 * t[i], g[i]] = b_b[1][i]
+            D = A @ B
+            for i in range(32):
+                for k, (r, col) in enumerate(((g[i], 2 * t[i]), (g[i], 2 * t[i] + 1), (g[i] + 8, 2 * t[i]),
+                                              (g[i] + 8, 2 * t[i] + 1))):
+                    out[k][base + i] = D[r, col] + c[k][base + i]
+        for k, d in enumerate(dn):
+            wrapped = ((out[k] + (1 << 31)) % (1 << 32) - (1 << 31)).astype(np.int32)
+            self._write(d, wrapped, act, "s32")
+
     def _prefetch(self, inst: Inst, act: np.ndarray) -> None:
         """An L2 prefetch changes nothing, but its whole range must lie inside one allocation (a
         stray prefetch is a bug even where the hardware would drop it) and be 16-byte granular."""
@@ -751,11 +834,12 @@ class _Launch:
         ``commit_group`` + ``wait_group 0``), as that thread's write; touching them before is an error."""
         kind = inst.mods[1]
         if kind == "commit_group":
+            self.cp_group[act] += 1
             return
-        if kind in ("wait_all", "wait_group"):
-            if kind == "wait_group" and int(inst.args[0]) != 0:
-                raise EmulatorError(f"only cp.async.wait_group 0 is emulated: {inst.text}")
-            return self._land(inst, act)
+        if kind == "wait_all":
+            return self._land(inst, act, None)
+        if kind == "wait_group":  # every group but the newest N committed ones lands
+            return self._land(inst, act, self.cp_group - int(inst.args[0]))
         if kind not in ("ca", "cg") or inst.mods[2:] != ["shared", "global"] or len(inst.args) != 3:
             raise EmulatorError(f"cp.async form not emulated: {inst.text}")
         size = int(inst.args[2])
@@ -765,12 +849,16 @@ class _Launch:
         rows, cols = self._shared_idx(dst, size, act, inst)
         self._check_landed(rows, cols, inst)
         self.inflight[rows[:, None], cols] = True
-        self.pending.append((np.flatnonzero(act), rows, cols, data))
+        tids = np.flatnonzero(act)
+        self.pending.append((tids, rows, cols, data, self.cp_group[tids].copy()))
 
-    def _land(self, inst: Inst, act: np.ndarray) -> None:
+    def _land(self, inst: Inst, act: np.ndarray, before: np.ndarray | None) -> None:
+        """Land the pending copies of the threads in ``act`` (those of groups < ``before[thread]``)."""
         keep = []
-        for tids, rows, cols, data in self.pending:
+        for tids, rows, cols, data, groups in self.pending:
             mine = act[tids]
+            if before is not None:
+                mine = mine & (groups < before[tids])
             if mine.any():
                 who = np.zeros(self.n, bool)
                 who[tids[mine]] = True
@@ -779,7 +867,7 @@ class _Launch:
                     self._race(rows[mine], cols[mine], who, inst, write=True)
                 self.smem[rows[mine][:, None], cols[mine]] = data[mine]
             if (~mine).any():
-                keep.append((tids[~mine], rows[~mine], cols[~mine], data[~mine]))
+                keep.append((tids[~mine], rows[~mine], cols[~mine], data[~mine], groups[~mine]))
         self.pending = keep
 
     def _check_landed(self, rows: np.ndarray, cols: np.ndarray, inst: Inst) -> None:

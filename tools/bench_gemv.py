@@ -51,8 +51,28 @@ SHAPES = [  # (label, out_dim, in_dim)
 L2_BYTES = 60 << 20
 
 
+class _Pdl:
+    """Whether our launches use programmatic dependent launch (on by default, as in GpuModel's graph)."""
+
+    on = False
+
+    def enable(self) -> None:
+        self.on = True
+
+    def context(self):
+        return cuda.programmatic_dependent_launch(self.on)
+
+
+_pdl = _Pdl()
+
+
 def time_launches(fn_list, stream: cuda.Stream, use_graph: bool, reps: int = 7) -> tuple[float, str]:
     """Median microseconds per launch of the callables in fn_list (each issues one launch)."""
+    with _pdl.context():
+        return _time_launches(fn_list, stream, use_graph, reps)
+
+
+def _time_launches(fn_list, stream: cuda.Stream, use_graph: bool, reps: int) -> tuple[float, str]:
     for fn in fn_list[: min(len(fn_list), 8)]:  # warm-up (and module loads before any capture)
         fn()
     stream.synchronize()
@@ -200,7 +220,13 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true", help="also time rows/warps alternatives to the default")
     ap.add_argument("--no-graph", action="store_true")
     ap.add_argument("--no-glu", action="store_true", help="skip the fused gate/up comparison")
+    ap.add_argument("--no-pdl", action="store_true",
+                    help="launch without programmatic dependent launch (each GEMV then starts only after the "
+                         "previous one ended; with it, as in a decode step, a GEMV's first weight loads overlap "
+                         "the end of the kernel before it)")
     a = ap.parse_args()
+    if not a.no_pdl:
+        _pdl.enable()
     if not cuda.is_available():
         print(f"no GPU: {cuda.unavailable_reason()}")
         return 1
@@ -219,7 +245,8 @@ def main() -> int:
         "",
         f"Device-to-device copy bandwidth (cuMemcpyDtoD 1 GiB, read + write): **{bw / 1e12:.2f} TB/s**. "
         f"Times are per launch (median of graph replays of >= 20 launches rotating over weight copies "
-        f"totalling >= 3x L2), weight bytes only.",
+        f"totalling >= 3x L2), weight bytes only. Programmatic dependent launch: "
+        f"{'off' if a.no_pdl else 'on (as in the decode graph)'}.",
         "",
         "| type | shape (out x in) | MB | µs | GB/s | % copy BW | config | check | torch f16 µs | torch GB/s |",
         "|---|---|---:|---:|---:|---:|---|---|---:|---:|",

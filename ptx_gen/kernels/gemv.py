@@ -402,6 +402,7 @@ def _copy_async(k: KernelBuilder, p: dict, rows: list[RowCtx], lane: Reg, npiece
             else:
                 ok = k.setp("lt", lane, k.sub(nvalid, 32 * q) if q else nvalid, "s32")
             k.cp_async(dst, src, pred=ok, dst_offset=512 * q, src_offset=512 * q)
+    k.grid_dependency_wait()  # the weights are in flight: now wait for the kernel that writes x
     k.cp_async_wait_all()
 
 
@@ -424,6 +425,7 @@ def _walk(k: KernelBuilder, p: dict, wtype: str, row_ctx: list[RowCtx], lc: dict
     npieces = max(p["pieces_full"] if nfull else 0, p["pieces_tail"])
     regs = _piece_regs(k, rows, npieces)
     _issue(k, p, row_ctx, lane, 0, npieces, regs)
+    k.grid_dependency_wait()  # the first tile is in flight: now wait for the kernel that writes x
     if nfull:
         full = [(i, ROUND) for i in range(p["rpt"])]
         with k.loop(0, nfull) as t:
@@ -567,6 +569,7 @@ def build(m: Module, wtype: str, in_dim: int, rows: int, warps: int, bias: bool,
                 k.bra(after_last, k.setp("ne", s, sp["n_full"]), uniform=True)
                 walk_slice(p_last)
                 k.label(after_last)
+            k.grid_dependency_wait()  # (the idle warps', before the epilogue; a second wait is a no-op)
 
     totals = [[k.warp_reduce(a) for a in acc] for acc in accs]
     # recompute the indices rather than keep them live across the loop (ptxas otherwise may spill them)

@@ -1,0 +1,379 @@
+"""Tensor-core GEMV ``y = W x (+ bias) (+ residual)`` for decode, W in Q4_K or Q8_0 blocks: the
+weights' integer codes go into exact int8 MMAs (``mma.m16n8k32.s32.s8.s8``), so decoding a weight
+costs a fraction of an instruction instead of a float conversion and an FMA each.
+
+x as integers, exactly enough: the CTA scales x by a power of two ``f`` (from max |x|, so that
+``|x f| < 2**22``), rounds to ``X`` and writes ``X`` as three signed base-256 digits
+``X = c0 + 256 c1 + 65536 c2`` (each in [-128, 127]) into shared memory. The digits are three columns
+of the MMA's B operand (the other five are zero), so one MMA gives, for 16 weight rows at once, the
+exact integer dot products of a block's codes with each digit; rounding x to 23 bits is the only
+approximation (relative error ~1e-7 of max |x|, far below the 1e-4 the tests ask).
+
+Work split: a CTA has ``mtiles`` x ``kparts`` warps; warp (mt, kp) owns the 16 rows of tile ``mt``
+and the kp-th ``1 / kparts`` of K. K is walked in *units* of 256 values (one Q4_K super-block, or 8
+Q8_0 blocks): a unit of 16 rows is 16 x 144 (or 272) bytes, copied with ``cp.async`` into a ring of
+``stages`` per-warp buffers. The first ``stages`` units are requested before ``griddepcontrol.wait``
+(they are weights: no kernel writes them), so under programmatic dependent launch they stream in
+while the previous kernel ends and while x is turned into digits.
+
+Per unit (Q4_K): the 16 rows' 6-bit scales and mins are unpacked into a table (two lanes per row);
+each of the 4 sub-block pairs is one ``ldmatrix.x4`` (lane (g, t) gets 4 code bytes of rows g and
+g + 8 at k = 4t.. and 16 + 4t..), masked into low / high nibbles = two MMAs (sub-blocks 2i, 2i+1);
+their int32 results are weighted by the integer sub-block scales (``mad``), and once per unit
+converted to float and multiplied by the row's ``d``. The mins contribute
+``-dmin m_j sum(x over sub-block j)`` with the sums of x kept per 32 values in shared memory.
+Q8_0: the block's 32 signed codes are A directly (two-byte aligned, realigned with ``prmt``); one MMA
+per block, scaled by the block's ``d`` in float.
+
+End: each row's sum is spread over the 4 lanes of its group (digit columns) and weighted by
+1 / 256 / 65536, times ``1 / f``; with ``kparts > 1`` the parts meet in shared memory (one
+``bar.sync``) and are added in order (deterministic).
+
+Launch: grid ``ceil(out_dim / (16 mtiles))``, block ``32 mtiles kparts``, dynamic shared memory
+``meta["dyn_smem"]`` bytes (above 48 KiB: the launcher raises the limit). ``in_dim`` must be a
+multiple of ``256 kparts``; rows start 16-byte aligned (row bytes are multiples of 16 for these types).
+"""
+
+from __future__ import annotations
+
+from ptx_gen.builder import KernelBuilder, Module, Reg
+from ptx_gen.catalog import kernel
+from ptx_gen.kernels import quant_layout as ql
+
+UNIT_BYTES = {"Q4_K": 144, "Q8_0": 272}  # bytes of 256 values of one row
+MMA_TYPES = tuple(UNIT_BYTES)
+PARTS = 3  # base-256 digits of x
+MAX_DYN_SMEM = 227 * 1024
+TABLE_BYTES = 16 * 8 * 4  # Q4_K: per warp, 16 rows x 8 sub-block scales (int32)
+
+
+def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int) -> dict:
+    """Validated shape and the dynamic shared-memory layout (byte offsets) of a variant."""
+    if wtype not in UNIT_BYTES:
+        raise ValueError(f"the tensor-core GEMV handles {MMA_TYPES}, not {wtype}")
+    if mtiles not in range(1, 9) or kparts not in (1, 2, 4, 8) or mtiles * kparts > 16:
+        raise ValueError(f"mtiles must be 1..8 and kparts 1, 2, 4 or 8 with at most 16 warps; got mtiles={mtiles}, "
+                         f"kparts={kparts}")
+    if stages not in (2, 4, 8):
+        raise ValueError(f"stages must be 2, 4 or 8, got {stages}")
+    if in_dim <= 0 or in_dim % (256 * kparts):
+        raise ValueError(f"in_dim must be a positive multiple of 256 * kparts = {256 * kparts}, got {in_dim}")
+    warps = mtiles * kparts
+    unit = UNIT_BYTES[wtype]
+    off = {}
+    pos = 0
+
+    def take(name: str, nbytes: int) -> None:
+        nonlocal pos
+        off[name] = pos
+        pos += -(-nbytes // 16) * 16
+
+    take("ring", warps * stages * 16 * unit)
+    take("xdig", PARTS * in_dim)
+    take("xsum", in_dim // 32 * 4 if wtype == "Q4_K" else 0)
+    take("table", warps * TABLE_BYTES if wtype == "Q4_K" else 0)
+    take("red", warps * 16 * 4 if kparts > 1 else 0)
+    take("wmax", warps * 4)
+    if pos > MAX_DYN_SMEM:
+        raise ValueError(f"{wtype} rows of {in_dim} with mtiles={mtiles}, kparts={kparts}, stages={stages} need "
+                         f"{pos} bytes of shared memory, more than {MAX_DYN_SMEM}: fewer warps or stages")
+    return dict(unit=unit, units=in_dim // 256, per_warp=in_dim // 256 // kparts, warps=warps, smem=pos, off=off,
+                row_bytes=in_dim // 256 * unit)
+
+
+def _prepare_x(k: KernelBuilder, lay: dict, wtype: str, in_dim: int, smem: Reg, tid: Reg, warp: Reg,
+               lane: Reg) -> Reg:
+    """x -> three int8 digit planes (MMA B-fragment order) and, for Q4_K, the sums of x per 32 values;
+    returns 1 / f. Every thread of the CTA takes part (two ``bar.sync``)."""
+    nthreads = 32 * lay["warps"]
+    x = k.global_ptr("x")
+    nq4 = in_dim // 4
+    iters = -(-nq4 // nthreads)
+
+    def quad(it: int) -> tuple[Reg, Reg | None, tuple[Reg, ...]]:
+        q4 = k.add(tid, it * nthreads) if it else tid
+        ok = k.setp("lt", q4, nq4) if (it + 1) * nthreads > nq4 else None
+        vals = k.load("global", "f32", k.add(x, k.mul_wide(q4, 16)), vec=4, pred=ok,
+                      other=0.0 if ok is not None else None)
+        return q4, ok, vals
+
+    mx = k.var("f32", 0.0)
+    for it in range(iters):
+        _, _, v = quad(it)
+        k.assign(mx, k.max(k.max(mx, k.abs(v[0])), k.max(k.abs(v[1]), k.max(k.abs(v[2]), k.abs(v[3])))))
+    wmax = k.add(smem, lay["off"]["wmax"])
+    top = k.warp_reduce(mx, "max")
+    with k.if_(k.setp("eq", lane, 0)):
+        k.store("shared", "f32", k.add(wmax, k.shl(warp, 2)), top)
+    k.bar_sync()
+    m = k.load("shared", "f32", wmax)
+    for w in range(1, lay["warps"]):
+        m = k.max(m, k.load("shared", "f32", wmax, 4 * w))
+    e = k.max(k.and_(k.shr(k.bitcast(m, "u32"), 23), 0xFF), 22)  # biased exponent of max |x| (>= 22)
+    f = k.bitcast(k.shl(k.sub(275, e), 23), "f32")  # 2**(148 - e): |x| f < 2**22
+    inv_f = k.bitcast(k.shl(k.sub(e, 21), 23), "f32")  # 2**(e - 148)
+    xdig = k.add(smem, lay["off"]["xdig"])
+    xsum = k.add(smem, lay["off"]["xsum"])
+    # where a quad of x (values 4 q4 .. 4 q4 + 3) goes: chunk c = q4 / 8 (32 values), u = q4 % 8;
+    # B fragment of lane (part g, t): words [pair c / 2][t][c % 2][hi], hi = u / 4, t = u % 4
+    for it in range(iters):
+        q4, ok, v = quad(it)
+        digits: list[list[Reg]] = [[], [], []]
+        for val in v:
+            big = k.cvt(k.mul(val, f), "s32", rounding="rni")
+            c0 = k.shr(k.shl(big, 24), 24)
+            x1 = k.shr(k.sub(big, c0), 8)
+            c1 = k.shr(k.shl(x1, 24), 24)
+            for p, c in enumerate((c0, c1, k.shr(k.sub(x1, c1), 8))):
+                digits[p].append(k.bitcast(c, "b32"))
+        c = k.shr(q4, 3)
+        u = k.and_(q4, 7)
+        woff = k.add(k.add(k.shl(k.shr(c, 1), 6), k.shl(k.and_(u, 3), 4)),
+                     k.add(k.shl(k.and_(c, 1), 3), k.shl(k.shr(u, 2), 2)))
+        addr = k.add(xdig, woff)
+        for p in range(PARTS):
+            d = digits[p]
+            word = k.prmt(k.prmt(d[0], d[1], 0x0040), k.prmt(d[2], d[3], 0x0040), 0x5410)
+            k.store("shared", "u32", addr, word, p * in_dim, pred=ok)
+        if wtype == "Q4_K":
+            s = k.warp_reduce(k.add(k.add(v[0], v[1]), k.add(v[2], v[3])), "add", width=8)
+            first = k.setp("eq", u, 0)
+            k.store("shared", "f32", k.add(xsum, k.shl(c, 2)), s, pred=first if ok is None else k.and_(first, ok))
+    k.bar_sync()
+    return inv_f
+
+
+def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, bias: bool,
+          residual: bool) -> KernelBuilder:
+    lay = layout(wtype, in_dim, mtiles, kparts, stages)
+    U, n_units, warps = lay["unit"], lay["per_warp"], lay["warps"]
+    params = [("w", "u64"), ("x", "u64"), ("y", "u64")]
+    if bias:
+        params.append(("bias", "u64"))
+    if residual:
+        params.append(("residual", "u64"))
+    params.append(("out_dim", "u32"))
+    name = (f"gemv_mma_{wtype.lower()}_k{in_dim}_m{mtiles}_p{kparts}_s{stages}" + ("_bias" if bias else "")
+            + ("_res" if residual else ""))
+    k = m.kernel(name, params)
+    k.meta.update(block=32 * warps, rows_per_cta=16 * mtiles, dyn_smem=lay["smem"], row_bytes=lay["row_bytes"])
+    out_dim = k.param("out_dim")
+    tid = k.tid()
+    lane, warp = k.and_(tid, 31), k.shr(tid, 5)
+    mt = k.rem(warp, mtiles) if mtiles > 1 else 0
+    kp = k.div(warp, mtiles) if kparts > 1 else None
+    row_base = k.shl(k.add(k.mul(k.ctaid(), mtiles), mt) if mtiles > 1 else k.ctaid(), 4)
+    last = k.sub(out_dim, 1)
+    smem = k.dynamic_shared()
+    stage_bytes = 16 * U
+    ring = k.add(smem, k.add(k.mul(warp, stages * stage_bytes), lay["off"]["ring"]))
+    w = k.global_ptr("w")
+    k.global_ptr("y")
+    unit0 = k.mul(kp, n_units) if kp is not None else None  # the warp's first unit of the row
+
+    # --- the warp's copies: chunk c = lane + 32 q of a unit is row c / (U / 16), 16 bytes at col c % (U / 16)
+    cpr = U // 16
+    nchunks = 16 * cpr
+    slots = []
+    wbase = w if unit0 is None else k.add(w, k.mul_wide(unit0, U))
+    for q in range(-(-nchunks // 32)):
+        c = k.add(lane, 32 * q) if q else lane
+        row = k.div(c, cpr)
+        col16 = k.shl(k.sub(c, k.mul(row, cpr)), 4)
+        grow = k.min(k.add(row_base, row), last)  # rows past the end re-read the last row (not stored)
+        src = k.add(k.add(wbase, k.mul_wide(grow, lay["row_bytes"])), k.cvt(col16, "u64"))
+        dst = k.add(ring, k.add(k.mul(row, U), col16))
+        ok = k.setp("lt", c, nchunks) if (q + 1) * 32 > nchunks else None
+        slots.append((src, dst, ok))
+
+    def issue(j: Reg | int, slot_off: Reg | int, valid: Reg | None) -> None:
+        joff = k.mul_wide(j, U) if isinstance(j, Reg) else j * U
+        for src, dst, ok in slots:
+            pred = ok if valid is None else (valid if ok is None else k.and_(ok, valid))
+            k.cp_async(k.add(dst, slot_off) if not (isinstance(slot_off, int) and slot_off == 0) else dst,
+                       k.add(src, joff) if not (isinstance(joff, int) and joff == 0) else src, pred=pred)
+        k.cp_async_commit()
+
+    for j in range(stages):  # the first units, before waiting for the kernel that writes x
+        if j < n_units:
+            issue(j, j * stage_bytes, None)
+        else:
+            k.cp_async_commit()  # empty groups keep the count uniform
+    k.grid_dependency_wait()
+    inv_f = _prepare_x(k, lay, wtype, in_dim, smem, tid, warp, lane)
+
+    g, t = k.shr(lane, 2), k.and_(lane, 3)
+    b_ok = k.setp("lt", g, PARTS)
+    xdig = k.add(smem, lay["off"]["xdig"])
+    bptr = k.add(k.add(xdig, k.mul(g, in_dim)), k.shl(t, 4))
+    if unit0 is not None:
+        bptr = k.add(bptr, k.shl(unit0, 8))  # 256 digit bytes per unit and part
+    zero = k.mov(0, "s32")
+    zeros = [zero] * 4
+    acc = [k.var("f32", 0.0) for _ in range(4)]  # [row g, col 2t], [g, 2t+1], [g+8, 2t], [g+8, 2t+1]
+    minacc = k.var("f32", 0.0) if wtype == "Q4_K" else None
+    if wtype == "Q4_K":
+        table = k.add(smem, k.add(k.mul(warp, TABLE_BYTES), lay["off"]["table"]))
+        trow, half = k.shr(lane, 1), k.and_(lane, 1)
+        hi_half = k.setp("eq", half, 1)
+        t_store = k.add(table, k.add(k.shl(trow, 5), k.shl(half, 4)))
+        t_g, t_g8 = k.add(table, k.shl(g, 5)), k.add(table, k.shl(k.add(g, 8), 5))
+        xsum = k.add(smem, lay["off"]["xsum"])
+        s_lane = k.add(xsum, k.shl(half, 4))
+        if unit0 is not None:
+            s_lane = k.add(s_lane, k.shl(unit0, 5))
+        ldm = k.add(k.mul(k.add(k.and_(lane, 7), k.shl(k.and_(k.shr(lane, 3), 1), 3)), U), k.shl(k.shr(lane, 4), 4))
+    else:
+        t4 = k.shl(t, 2)
+
+    with k.loop(0, n_units) as j:
+        slot_off = k.mul(k.and_(j, stages - 1), stage_bytes)
+        sbase = k.add(ring, slot_off)
+        k.cp_async_wait_group(stages - 1)
+        k.bar_warp_sync()
+        bj = k.add(bptr, k.shl(j, 8))
+        if wtype == "Q4_K":
+            _unit_q4k(k, sbase, bj, j, acc, minacc, zeros, b_ok, ldm, t_store, t_g, t_g8, s_lane, hi_half, trow, g)
+        else:
+            _unit_q8_0(k, sbase, bj, acc, zeros, b_ok, g, t4)
+        k.bar_warp_sync()  # every lane is done with the slot: refill it
+        nxt = k.add(j, stages)
+        issue(nxt, slot_off, k.setp("lt", nxt, n_units))
+    k.cp_async_wait_all()
+
+    # --- row sums: digit columns weighted 1, 256 (lane t = 0) and 65536 (t = 1); times 1 / f
+    tid = k.tid()
+    lane = k.and_(tid, 31)
+    g, t = k.shr(lane, 2), k.and_(lane, 3)
+    w0 = k.selp(1.0, k.selp(65536.0, 0.0, k.setp("eq", t, 1), "f32"), k.setp("eq", t, 0), "f32")
+    w1 = k.selp(256.0, 0.0, k.setp("eq", t, 0), "f32")
+    sums = []
+    for a0, a1 in ((acc[0], acc[1]), (acc[2], acc[3])):
+        s = k.fma(a1, w1, k.mul(a0, w0))
+        s = k.add(s, k.shfl("bfly", s, 1))
+        s = k.add(s, k.shfl("bfly", s, 2))
+        sums.append(k.mul(s, inv_f))
+    if minacc is not None:  # lane 2r + h holds half h of row r's min term
+        mrow = k.add(minacc, k.shfl("bfly", minacc, 1))
+        sums = [k.sub(sums[0], k.shfl("idx", mrow, k.shl(g, 1))), k.sub(sums[1], k.shfl("idx", mrow, k.add(k.shl(g, 1), 16)))]
+    _epilogue(k, lay, mtiles, kparts, sums, smem, tid, lane, g, t, out_dim, bias, residual)
+    k.ret()
+    return k
+
+
+def _unit_q4k(k, sbase, bj, j, acc, minacc, zeros, b_ok, ldm, t_store, t_g, t_g8, s_lane, hi_half, trow, g) -> None:
+    """One Q4_K super-block of the warp's 16 rows (staged at ``sbase``)."""
+    U = 144
+    # scale table: lane 2r + h unpacks sub-blocks 4h .. 4h + 3 of row r (and adds their min terms)
+    dm, s0, s1, s2 = k.load("shared", "u32", k.add(sbase, k.mul(trow, U)), vec=4)
+    sc = k.selp(k.or_(k.and_(s2, 0x0F0F0F0F), k.and_(k.shr(s0, 2), 0x30303030)), k.and_(s0, 0x3F3F3F3F), hi_half, "b32")
+    mn = k.selp(k.or_(k.and_(k.shr(s2, 4), 0x0F0F0F0F), k.and_(k.shr(s1, 2), 0x30303030)), k.and_(s1, 0x3F3F3F3F),
+                hi_half, "b32")
+    k.store("shared", "u32", t_store, [k.prmt(sc, 0, 0x4440 | i) for i in range(4)])
+    sx = k.load("shared", "f32", k.add(s_lane, k.shl(j, 5)), vec=4)  # sums of x over those sub-blocks
+    msum = None
+    for i in range(4):
+        mf = k.add(k.bitcast(k.prmt(mn, 0x4B000000, 0x7440 | i), "f32"), -8388608.0)
+        msum = k.mul(mf, sx[i]) if msum is None else k.fma(mf, sx[i], msum)
+    _, dmin_h = k.unpack_b32(dm)
+    dmin = k.cvt(Reg(dmin_h.name, ql._f16), "f32")
+    k.assign(minacc, k.fma(dmin, msum, minacc))
+    k.bar_warp_sync()
+    ints: list = [None] * 4
+    for i in range(4):  # sub-block pair i: bytes 16 + 32 i .. of each row
+        r = k.ldmatrix_x4(k.add(sbase, ldm), 16 + 32 * i)
+        lo = [k.and_(x, 0x0F0F0F0F) for x in r]
+        hi = [k.and_(k.shr(x, 4), 0x0F0F0F0F) for x in r]
+        b = k.load("shared", "u32", bj, 64 * i, vec=4, pred=b_ok, other=0)
+        da = k.mma_s8(lo, b[0:2], zeros)
+        db = k.mma_s8(hi, b[2:4], zeros)
+        sg = k.load("shared", "u32", t_g, 8 * i, vec=2)
+        sg8 = k.load("shared", "u32", t_g8, 8 * i, vec=2)
+        for n, scs in ((0, sg), (1, sg), (2, sg8), (3, sg8)):
+            v = k.mad(db[n], k.bitcast(scs[1], "s32"), k.mul(da[n], k.bitcast(scs[0], "s32")))
+            ints[n] = v if ints[n] is None else k.add(ints[n], v)
+    dg = ql.lds_f16(k, k.add(sbase, k.mul(g, U)), 0)
+    dg8 = ql.lds_f16(k, k.add(sbase, k.mul(g, U)), 8 * U)
+    for n, d in ((0, dg), (1, dg), (2, dg8), (3, dg8)):
+        k.assign(acc[n], k.fma(d, k.cvt(ints[n], "f32"), acc[n]))
+
+
+def _unit_q8_0(k, sbase, bj, acc, zeros, b_ok, g, t4) -> None:
+    """Eight Q8_0 blocks (34 bytes each) of the warp's 16 rows (staged at ``sbase``)."""
+    U = 272
+    rg = k.add(sbase, k.mul(g, U))
+    rg_t = k.add(rg, t4)
+    b = None
+    for blk in range(8):
+        q = 34 * blk + 2  # the codes; 4-byte aligned for odd blocks, 2 for even ones
+        words = []
+        for roff, half in ((0, 0), (8 * U, 0), (0, 16), (8 * U, 16)):
+            off = roff + q + half
+            if off % 4 == 0:
+                words.append(k.load("shared", "u32", rg_t, off))
+            else:
+                w0 = k.load("shared", "u32", rg_t, off - 2)
+                w1 = k.load("shared", "u32", rg_t, off + 2)
+                words.append(k.prmt(w0, w1, 0x5432))
+        if blk % 2 == 0:
+            b = k.load("shared", "u32", bj, 32 * blk, vec=4, pred=b_ok, other=0)
+        d = k.mma_s8(words, b[0:2] if blk % 2 == 0 else b[2:4], zeros)
+        dg = ql.lds_f16(k, rg, 34 * blk)
+        dg8 = ql.lds_f16(k, rg, 8 * U + 34 * blk)
+        for n, s in ((0, dg), (1, dg), (2, dg8), (3, dg8)):
+            k.assign(acc[n], k.fma(s, k.cvt(d[n], "f32"), acc[n]))
+
+
+def _epilogue(k, lay, mtiles, kparts, sums, smem, tid, lane, g, t, out_dim, bias, residual) -> None:
+    """Store (or, with K parts, combine in order and store) the 16 rows of each tile, + bias/residual."""
+    warp = k.shr(tid, 5)
+    mt = k.rem(warp, mtiles) if mtiles > 1 else 0
+    row_base = k.shl(k.add(k.mul(k.ctaid(), mtiles), mt) if mtiles > 1 else k.ctaid(), 4)
+
+    def store(val: Reg, r: Reg) -> None:
+        off = k.mul_wide(r, 4)
+        if bias:
+            val = k.add(val, k.load("global", "f32", k.add(k.global_ptr("bias"), off)))
+        if residual:
+            val = k.add(val, k.load("global", "f32", k.add(k.global_ptr("residual"), off)))
+        k.store("global", "f32", k.add(k.global_ptr("y"), off), val)
+
+    if kparts == 1:
+        t0 = k.setp("eq", t, 0)
+        for n, rr in ((0, k.add(row_base, g)), (1, k.add(row_base, k.add(g, 8)))):
+            with k.if_(k.and_(t0, k.setp("lt", rr, out_dim))):
+                store(sums[n], rr)
+        return
+    red = k.add(smem, lay["off"]["red"])
+    mine = k.add(red, k.mul(warp, 64))  # red[kp][mt][16] = red[warp][16]
+    with k.if_(k.setp("eq", t, 0)):
+        k.store("shared", "f32", k.add(mine, k.shl(g, 2)), sums[0])
+        k.store("shared", "f32", k.add(mine, k.shl(g, 2)), sums[1], 32)
+    k.bar_sync()
+    r = k.add(row_base, lane)
+    first = k.setp("lt", warp, mtiles)  # kp == 0
+    with k.if_(k.and_(k.and_(first, k.setp("lt", lane, 16)), k.setp("lt", r, out_dim))):
+        src = k.add(mine, k.shl(lane, 2))
+        v = k.load("shared", "f32", src)
+        for p in range(1, kparts):
+            v = k.add(v, k.load("shared", "f32", src, p * mtiles * 64))
+        store(v, r)
+
+
+def _grid_shapes() -> list[dict]:
+    shapes = []
+    for wt in MMA_TYPES:
+        shapes += [{"wtype": wt, "in_dim": 256, "mtiles": 1, "kparts": 1, "stages": 2},
+                   {"wtype": wt, "in_dim": 4096, "mtiles": 2, "kparts": 4, "stages": 4},
+                   {"wtype": wt, "in_dim": 14336, "mtiles": 2, "kparts": 4, "stages": 4, "residual": True},
+                   {"wtype": wt, "in_dim": 4096, "mtiles": 8, "kparts": 1, "stages": 4, "bias": True}]
+    return shapes
+
+
+@kernel("gemv_mma", grid=_grid_shapes())
+def gemv_mma(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, mtiles: int = 2, kparts: int = 4, stages: int = 4,
+             bias: bool = False, residual: bool = False) -> KernelBuilder:
+    """y[r] = sum_k W[r, k] x[k] (+ bias[r]) (+ residual[r]) for r < out_dim, W in Q4_K or Q8_0 blocks, on
+    tensor cores (exact int8 MMAs of the codes with x as three base-256 digits).
+    Launch: grid ceil(out_dim / (16 mtiles)), block 32 mtiles kparts, meta["dyn_smem"] dynamic shared bytes."""
+    return build(m, wtype, in_dim, mtiles, kparts, stages, bias, residual)
