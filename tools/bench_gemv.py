@@ -35,7 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ptx_gen.kernels.gemv import KSPLITS, MAX_STATIC_SMEM, shared_bytes  # noqa: E402
 from ptx_gen.kernels.quant_layout import K_QUANTS, WEIGHT_TYPES, type_info  # noqa: E402
 from realizar import cuda  # noqa: E402
-from realizar.layers import GemvConfig, GpuWeight, LayerOps, gemv_config  # noqa: E402
+from ptx_gen.kernels.gemv_mma import MMA_TYPES  # noqa: E402
+from ptx_gen.kernels.gemv_mma import layout as mma_layout  # noqa: E402
+from realizar.layers import GemvConfig, GpuWeight, LayerOps, MmaConfig, gemv_config, mma_config  # noqa: E402
 from tests.layer_oracles import dequant, random_weight  # noqa: E402
 from tools.roofline import copy_bandwidth  # noqa: E402
 
@@ -109,13 +111,25 @@ def n_copies(nbytes: int, cap: int = 1024) -> int:
     return int(min(cap, max(2, -(-3 * L2_BYTES // max(nbytes, 1)))))
 
 
-def sweep_configs(wtype: str, in_dim: int) -> list[GemvConfig]:
-    """Every launch configuration of the sweep whose shared memory fits."""
-    return [GemvConfig(r, w, s) for r in (1, 2, 4) for w in (4, 8) for s in KSPLITS
-            if s <= w and shared_bytes(wtype, in_dim, r, w, s) <= MAX_STATIC_SMEM]
+def sweep_configs(wtype: str, in_dim: int) -> list[GemvConfig | MmaConfig]:
+    """Every launch configuration of the sweep whose shared memory fits (tensor-core shapes too, for
+    the types that have them)."""
+    cfgs: list = [GemvConfig(r, w, s) for r in (1, 2, 4) for w in (4, 8) for s in KSPLITS
+                  if s <= w and shared_bytes(wtype, in_dim, r, w, s) <= MAX_STATIC_SMEM]
+    if wtype in MMA_TYPES and in_dim % 256 == 0:
+        for mt, kp in ((1, 4), (1, 8), (2, 2), (2, 4), (4, 2), (7, 1), (8, 1)):
+            for st in (2, 4, 8):
+                try:
+                    mma_layout(wtype, in_dim, mt, kp, st)
+                    cfgs.append(MmaConfig(mt, kp, st))
+                except ValueError:
+                    pass
+    return cfgs
 
 
-def cfg_text(cfg: GemvConfig) -> str:
+def cfg_text(cfg: GemvConfig | MmaConfig) -> str:
+    if isinstance(cfg, MmaConfig):
+        return f"mma m{cfg.mtiles} p{cfg.kparts} s{cfg.stages}"
     return f"r{cfg.rows} w{cfg.warps} s{cfg.ksplit}"
 
 
@@ -145,8 +159,10 @@ def bench_type_shape(ops, stream, wtype, out_dim, in_dim, rng, sweep: bool, use_
         got = dy.to_numpy()[pick]
         return bool(np.isfinite(got).all() and np.abs(got - ref).max() <= 1e-4 * max(np.abs(ref).max(), 1e-30))
 
-    default = gemv_config(out_dim, ops.sm_count, in_dim, wtype)
-    configs = [default] + ([c for c in sweep_configs(wtype, in_dim) if c != default] if sweep else [])
+    simt = gemv_config(out_dim, ops.sm_count, in_dim, wtype)
+    default = mma_config(out_dim, in_dim, wtype, ops.sm_count, ops._max_smem) or simt
+    configs = [default] + ([simt] if simt != default else [])
+    configs += [c for c in sweep_configs(wtype, in_dim) if c not in configs] if sweep else []
     results = []
     n_launch = max(len(copies), 20)
     for cfg in configs:
@@ -280,6 +296,10 @@ def main() -> int:
             cfg_txt = cfg_text(cfg) + (f" ({mode})" if mode != "graph" else "")
             if best is not default:
                 cfg_txt += f"; best {cfg_text(best[1])}: {best[0]:.1f} µs ({pct(best[0]):.0f}%)"
+            simt_cfg = gemv_config(out_dim, ops.sm_count, in_dim, wt)
+            simt = next((r for r in results if r[1] == simt_cfg and r[1] != cfg), None)
+            if simt is not None:
+                cfg_txt += f"; SIMT {cfg_text(simt_cfg)}: {simt[0]:.1f} µs ({pct(simt[0]):.0f}%)"
             tcol = f"{tres[0]:.1f} | {tres[1] / tres[0] / 1e3:.0f}" if tres else "— | —"
             all_ok = all(r[4] for r in results)
             lines.append(f"| {wt} | {label} | {nbytes / 1e6:.1f} | {us:.1f} | {gbs:.0f} | {gbs / (bw / 1e9) * 100:.0f}% | "

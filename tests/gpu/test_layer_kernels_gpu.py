@@ -11,9 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ptx_gen.kernels.gemv import MAX_STATIC_SMEM, shared_bytes
+from ptx_gen.kernels.gemv_mma import layout as mma_layout
 from ptx_gen.kernels.quant_layout import DENSE, K_QUANTS, WEIGHT_TYPES
 from realizar import cuda
-from realizar.layers import GemvConfig, GpuWeight, LayerOps, inv_freq_table
+from realizar.layers import GemvConfig, GpuWeight, LayerOps, MmaConfig, inv_freq_table, mma_config
 from tests.layer_oracles import dequant, random_weight, rmsnorm_oracle, silu
 
 pytestmark = pytest.mark.gpu
@@ -83,6 +84,69 @@ def test_gemv_matches_float64_oracle(ops, data, wtype, out_dim, cfg, bias, resid
     ref = wd @ x.astype(np.float64) + (b if bias else 0) + (r if residual else 0)
     scale = np.abs(wd) @ np.abs(x.astype(np.float64)) + (np.abs(b) if bias else 0) + (np.abs(r) if residual else 0)
     _check_gemv(y, ref, scale, f"{wtype} {out_dim}x{in_dim} {cfg}")
+
+
+def _activation(rng, n: int, scale: float, spikes: int) -> np.ndarray:
+    """Normal values times ``scale`` with a few outliers 50-1000x larger (as LLM activations have); no
+    exact zeros."""
+    x = rng.standard_normal(n) * scale
+    idx = rng.integers(0, n, spikes)
+    x[idx] *= rng.uniform(50, 1000, spikes) * rng.choice([-1, 1], spikes)
+    x[x == 0] = scale
+    return x.astype(np.float32)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), wtype=st.sampled_from(["Q4_K", "Q8_0"]), out_dim=st.integers(1, 600),
+       mtiles=st.integers(1, 8), kparts=st.sampled_from([1, 2, 4, 8]), stages=st.sampled_from([2, 4, 8]),
+       bias=st.booleans(), residual=st.sampled_from([None, "separate", "in_place"]),
+       scale=st.sampled_from([1e-4, 1.0, 30.0, 3e3]), spikes=st.integers(0, 4), seed=st.integers(0, 2**32 - 1))
+def test_gemv_mma_matches_float64_oracle(ops, data, wtype, out_dim, mtiles, kparts, stages, bias, residual, scale,
+                                         spikes, seed):
+    """The tensor-core GEMV (x as int8 digits, exact int8 MMAs) at every launch shape, x from 1e-4 to
+    3e3 in size with outliers; rows 256 * kparts * (1..7) long (ring wrap-around included)."""
+    while mtiles * kparts > 16:
+        kparts //= 2
+    while True:  # shrink to what fits the shared memory (a 16-warp ring of 8 Q8_0 stages does not)
+        try:
+            mma_layout(wtype, 256 * kparts * 7, mtiles, kparts, stages)
+            break
+        except ValueError:
+            stages, mtiles = (stages // 2, mtiles) if stages > 2 else (stages, mtiles - 1)
+    in_dim = 256 * kparts * data.draw(st.integers(1, 7), label="units per warp")
+    rng = np.random.default_rng(seed)
+    raw = random_weight(rng, wtype, out_dim, in_dim)
+    x = _activation(rng, in_dim, scale, spikes)
+    b = rng.standard_normal(out_dim).astype(np.float32) if bias else None
+    r = rng.standard_normal(out_dim).astype(np.float32) if residual else None
+    w = GpuWeight(data=raw, ggml_type=wtype, shape=(out_dim, in_dim))
+    dy = _poisoned(out_dim) if residual != "in_place" else _buf(r)
+    dr = dy if residual == "in_place" else (_buf(r) if residual else None)
+    cfg = MmaConfig(mtiles, kparts, stages)
+    ops.gemv(w, _buf(x), dy, bias=_buf(b) if bias else None, residual=dr, config=cfg)
+    wd = dequant(raw, wtype, out_dim, in_dim).astype(np.float64)
+    ref = wd @ x.astype(np.float64) + (b if bias else 0) + (r if residual else 0)
+    scl = np.abs(wd) @ np.abs(x.astype(np.float64)) + (np.abs(b) if bias else 0) + (np.abs(r) if residual else 0)
+    _check_gemv(dy.to_numpy(), ref, scl, f"{wtype} {out_dim}x{in_dim} {cfg} scale={scale} spikes={spikes}")
+
+
+@pytest.mark.parametrize("wtype", ["Q4_K", "Q8_0"])
+@pytest.mark.parametrize("out_dim,in_dim", [(4096, 14336), (14336, 4096), (4096, 4096), (1000, 2048)])
+def test_gemv_mma_dispatch_at_real_shapes(ops, wtype, out_dim, in_dim):
+    """The dispatcher's tensor-core pick at the decode shapes, vs the oracle and vs the SIMT kernel."""
+    cfg = mma_config(out_dim, in_dim, wtype, ops.sm_count, ops._max_smem)
+    assert cfg is not None
+    rng = np.random.default_rng(out_dim + in_dim)
+    raw = random_weight(rng, wtype, out_dim, in_dim)
+    x = _activation(rng, in_dim, 1.0, 8)
+    w = GpuWeight(data=raw, ggml_type=wtype, shape=(out_dim, in_dim))
+    dy, dy_simt = _poisoned(out_dim), _poisoned(out_dim)
+    ops.gemv(w, _buf(x), dy)
+    ops.gemv(w, _buf(x), dy_simt, config=GemvConfig(2, 4))
+    wd = dequant(raw, wtype, out_dim, in_dim).astype(np.float64)
+    ref, scl = wd @ x, np.abs(wd) @ np.abs(x)
+    _check_gemv(dy.to_numpy(), ref, scl, f"{wtype} {out_dim}x{in_dim} {cfg}")
+    _check_gemv(dy_simt.to_numpy(), ref, scl, f"{wtype} {out_dim}x{in_dim} SIMT")
 
 
 @pytest.mark.parametrize("wtype", WEIGHT_TYPES)
