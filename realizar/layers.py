@@ -214,7 +214,7 @@ def mma_config(out_dim: int, in_dim: int, wtype: str, sm_count: int = 132,
     for mtiles in range(1, 9):
         for kparts in (1, 2, 4, 8):
             warps = mtiles * kparts
-            if not 4 <= warps <= 8 or units % kparts or (mtiles > 1 and tiles < 2 * mtiles):
+            if not 4 <= warps <= 16 or units % kparts or (mtiles > 1 and tiles < 2 * mtiles):
                 continue
             ctas = -(-tiles // mtiles)
             per_sm = -(-ctas // sm_count)  # CTAs the busiest SM runs

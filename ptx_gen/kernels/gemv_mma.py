@@ -4,7 +4,8 @@ costs a fraction of an instruction instead of a float conversion and an FMA each
 
 x as integers, exactly enough: the CTA scales x by a power of two ``f`` (from max |x|, so that
 ``|x f| < 2**22``), rounds to ``X`` and writes ``X`` as three signed base-256 digits
-``X = c0 + 256 c1 + 65536 c2`` (each in [-128, 127]) into shared memory. The digits are three columns
+``X = c0 + 256 c1 + 65536 c2`` (each in [-128, 127]) into shared memory: about 5 instructions a value
+(one FMA rounds, an add and a xor give the three digits as bytes, byte permutes transpose them). The digits are three columns
 of the MMA's B operand (the other five are zero), so one MMA gives, for 16 weight rows at once, the
 exact integer dot products of a block's codes with each digit; rounding x to 23 bits is the only
 approximation (relative error ~1e-7 of max |x|, far below the 1e-4 the tests ask).
@@ -44,7 +45,7 @@ UNIT_BYTES = {"Q4_K": 144, "Q8_0": 272}  # bytes of 256 values of one row
 MMA_TYPES = tuple(UNIT_BYTES)
 PARTS = 3  # base-256 digits of x
 MAX_DYN_SMEM = 227 * 1024
-TABLE_BYTES = 16 * 8 * 4  # Q4_K: per warp, 16 rows x 8 sub-block scales (int32)
+TABLE_BYTES = 16 * 8 * 4  # per warp: 16 rows x 8 int32 sub-block scales (Q4_K) or f32 block scales (Q8_0)
 
 
 def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int) -> dict:
@@ -71,7 +72,7 @@ def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int) -> di
     take("ring", warps * stages * 16 * unit)
     take("xdig", PARTS * in_dim)
     take("xsum", in_dim // 32 * 4 if wtype == "Q4_K" else 0)
-    take("table", warps * TABLE_BYTES if wtype == "Q4_K" else 0)
+    take("table", warps * TABLE_BYTES)
     take("red", warps * 16 * 4 if kparts > 1 else 0)
     take("wmax", warps * 4)
     if pos > MAX_DYN_SMEM:
@@ -97,9 +98,14 @@ def _prepare_x(k: KernelBuilder, lay: dict, wtype: str, in_dim: int, smem: Reg, 
                       other=0.0 if ok is not None else None)
         return q4, ok, vals
 
+    keep = iters <= 16  # keep the loaded x in registers for the second pass (else re-read it through L1)
+    loaded = []
     mx = k.var("f32", 0.0)
     for it in range(iters):
-        _, _, v = quad(it)
+        q = quad(it)
+        if keep:
+            loaded.append(q)
+        v = q[2]
         k.assign(mx, k.max(k.max(mx, k.abs(v[0])), k.max(k.abs(v[1]), k.max(k.abs(v[2]), k.abs(v[3])))))
     wmax = k.add(smem, lay["off"]["wmax"])
     top = k.warp_reduce(mx, "max")
@@ -117,23 +123,19 @@ def _prepare_x(k: KernelBuilder, lay: dict, wtype: str, in_dim: int, smem: Reg, 
     # where a quad of x (values 4 q4 .. 4 q4 + 3) goes: chunk c = q4 / 8 (32 values), u = q4 % 8;
     # B fragment of lane (part g, t): words [pair c / 2][t][c % 2][hi], hi = u / 4, t = u % 4
     for it in range(iters):
-        q4, ok, v = quad(it)
-        digits: list[list[Reg]] = [[], [], []]
-        for val in v:
-            big = k.cvt(k.mul(val, f), "s32", rounding="rni")
-            c0 = k.shr(k.shl(big, 24), 24)
-            x1 = k.shr(k.sub(big, c0), 8)
-            c1 = k.shr(k.shl(x1, 24), 24)
-            for p, c in enumerate((c0, c1, k.shr(k.sub(x1, c1), 8))):
-                digits[p].append(k.bitcast(c, "b32"))
+        q4, ok, v = loaded[it] if keep else quad(it)
+        # X = round(x f) in (-2**22, 2**22) is the mantissa of x f + 1.5 * 2**23; X + 0x808080 has the
+        # digits + 128 as its bytes (balanced digits), so (that) ^ 0x808080 has the signed digits c0, c1, c2
+        ws = [k.xor(k.add(k.bitcast(k.fma(val, f, 12582912.0), "u32"), 0xB5408080), 0x808080) for val in v]
+        t0, t1 = k.prmt(ws[0], ws[1], 0x5140), k.prmt(ws[2], ws[3], 0x5140)
+        planes = (k.prmt(t0, t1, 0x5410), k.prmt(t0, t1, 0x7632),
+                  k.prmt(k.prmt(ws[0], ws[1], 0x0062), k.prmt(ws[2], ws[3], 0x0062), 0x5410))
         c = k.shr(q4, 3)
         u = k.and_(q4, 7)
         woff = k.add(k.add(k.shl(k.shr(c, 1), 6), k.shl(k.and_(u, 3), 4)),
                      k.add(k.shl(k.and_(c, 1), 3), k.shl(k.shr(u, 2), 2)))
         addr = k.add(xdig, woff)
-        for p in range(PARTS):
-            d = digits[p]
-            word = k.prmt(k.prmt(d[0], d[1], 0x0040), k.prmt(d[2], d[3], 0x0040), 0x5410)
+        for p, word in enumerate(planes):
             k.store("shared", "u32", addr, word, p * in_dim, pred=ok)
         if wtype == "Q4_K":
             s = k.warp_reduce(k.add(k.add(v[0], v[1]), k.add(v[2], v[3])), "add", width=8)
@@ -212,12 +214,13 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
     zeros = [zero] * 4
     acc = [k.var("f32", 0.0) for _ in range(4)]  # [row g, col 2t], [g, 2t+1], [g+8, 2t], [g+8, 2t+1]
     minacc = k.var("f32", 0.0) if wtype == "Q4_K" else None
+    # the per-unit table: lane 2r + h fills entries 4h .. 4h + 3 of row r; lanes (g, t) read rows g, g + 8
+    table = k.add(smem, k.add(k.mul(warp, TABLE_BYTES), lay["off"]["table"]))
+    trow, half = k.shr(lane, 1), k.and_(lane, 1)
+    t_store = k.add(table, k.add(k.shl(trow, 5), k.shl(half, 4)))
+    t_g, t_g8 = k.add(table, k.shl(g, 5)), k.add(table, k.shl(k.add(g, 8), 5))
     if wtype == "Q4_K":
-        table = k.add(smem, k.add(k.mul(warp, TABLE_BYTES), lay["off"]["table"]))
-        trow, half = k.shr(lane, 1), k.and_(lane, 1)
         hi_half = k.setp("eq", half, 1)
-        t_store = k.add(table, k.add(k.shl(trow, 5), k.shl(half, 4)))
-        t_g, t_g8 = k.add(table, k.shl(g, 5)), k.add(table, k.shl(k.add(g, 8), 5))
         xsum = k.add(smem, lay["off"]["xsum"])
         s_lane = k.add(xsum, k.shl(half, 4))
         if unit0 is not None:
@@ -225,6 +228,7 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
         ldm = k.add(k.mul(k.add(k.and_(lane, 7), k.shl(k.and_(k.shr(lane, 3), 1), 3)), U), k.shl(k.shr(lane, 4), 4))
     else:
         t4 = k.shl(t, 2)
+        d_src = k.add(k.mul(trow, 272), k.mul(half, 4 * 34))  # the row's blocks 4h .. 4h + 3
 
     with k.loop(0, n_units) as j:
         slot_off = k.mul(k.and_(j, stages - 1), stage_bytes)
@@ -235,7 +239,7 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
         if wtype == "Q4_K":
             _unit_q4k(k, sbase, bj, j, acc, minacc, zeros, b_ok, ldm, t_store, t_g, t_g8, s_lane, hi_half, trow, g)
         else:
-            _unit_q8_0(k, sbase, bj, acc, zeros, b_ok, g, t4)
+            _unit_q8_0(k, sbase, bj, acc, zeros, b_ok, g, t4, d_src, t_store, t_g, t_g8)
         k.bar_warp_sync()  # every lane is done with the slot: refill it
         nxt = k.add(j, stages)
         issue(nxt, slot_off, k.setp("lt", nxt, n_units))
@@ -298,12 +302,21 @@ def _unit_q4k(k, sbase, bj, j, acc, minacc, zeros, b_ok, ldm, t_store, t_g, t_g8
         k.assign(acc[n], k.fma(d, k.cvt(ints[n], "f32"), acc[n]))
 
 
-def _unit_q8_0(k, sbase, bj, acc, zeros, b_ok, g, t4) -> None:
+def _exact_float(k: KernelBuilder, i: Reg) -> Reg:
+    """float(i) for |i| < 2**22 with two ALU instructions (no conversion unit): the float whose
+    mantissa is i + 2**22, minus 1.5 * 2**23."""
+    return k.add(k.bitcast(k.add(k.bitcast(i, "u32"), 0x4B400000), "f32"), -12582912.0)
+
+
+def _unit_q8_0(k, sbase, bj, acc, zeros, b_ok, g, t4, d_src, t_store, t_g, t_g8) -> None:
     """Eight Q8_0 blocks (34 bytes each) of the warp's 16 rows (staged at ``sbase``)."""
     U = 272
-    rg = k.add(sbase, k.mul(g, U))
-    rg_t = k.add(rg, t4)
-    b = None
+    # the blocks' scales d as floats: lane 2r + h converts blocks 4h .. 4h + 3 of row r
+    ds = [ql.lds_f16(k, k.add(sbase, d_src), 34 * i) for i in range(4)]
+    k.store("shared", "f32", t_store, ds)
+    k.bar_warp_sync()
+    rg_t = k.add(k.add(sbase, k.mul(g, U)), t4)
+    b = sg = sg8 = None
     for blk in range(8):
         q = 34 * blk + 2  # the codes; 4-byte aligned for odd blocks, 2 for even ones
         words = []
@@ -317,11 +330,11 @@ def _unit_q8_0(k, sbase, bj, acc, zeros, b_ok, g, t4) -> None:
                 words.append(k.prmt(w0, w1, 0x5432))
         if blk % 2 == 0:
             b = k.load("shared", "u32", bj, 32 * blk, vec=4, pred=b_ok, other=0)
+            sg = k.load("shared", "f32", t_g, 4 * blk, vec=2)
+            sg8 = k.load("shared", "f32", t_g8, 4 * blk, vec=2)
         d = k.mma_s8(words, b[0:2] if blk % 2 == 0 else b[2:4], zeros)
-        dg = ql.lds_f16(k, rg, 34 * blk)
-        dg8 = ql.lds_f16(k, rg, 8 * U + 34 * blk)
-        for n, s in ((0, dg), (1, dg), (2, dg8), (3, dg8)):
-            k.assign(acc[n], k.fma(s, k.cvt(d[n], "f32"), acc[n]))
+        for n, s in ((0, sg), (1, sg), (2, sg8), (3, sg8)):  # |d| <= 32 * 128 * 128 < 2**22
+            k.assign(acc[n], k.fma(s[blk % 2], _exact_float(k, d[n]), acc[n]))
 
 
 def _epilogue(k, lay, mtiles, kparts, sums, smem, tid, lane, g, t, out_dim, bias, residual) -> None:
