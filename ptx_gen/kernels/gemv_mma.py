@@ -3,15 +3,17 @@ weights' integer codes go into exact int8 MMAs (``mma.m16n8k32.s32.s8.s8``), so 
 costs a fraction of an instruction instead of a float conversion and an FMA each.
 
 x as integers, exactly enough: the CTA scales x by a power of two ``f`` (from max |x|, so that
-``|x f| < 2**22``), rounds to ``X`` and writes ``X`` as three signed base-256 digits
-``X = c0 + 256 c1 + 65536 c2`` (each in [-128, 127]) into shared memory: about 5 instructions a value
-(one FMA rounds, an add and a xor give the three digits as bytes, byte permutes transpose them). The digits are three columns
-of the MMA's B operand (the other five are zero), so one MMA gives, for 16 weight rows at once, the
-exact integer dot products of a block's codes with each digit; rounding x to 23 bits is the only
-approximation (relative error ~1e-7 of max |x|, far below the 1e-4 the tests ask).
+``|x f| < 2**30``), rounds to ``X`` and writes ``X`` as four signed base-256 digits
+``X = c0 + 256 c1 + 2**16 c2 + 2**24 c3`` (each in [-128, 127]) into shared memory: about 10
+instructions a value (see :func:`_digits`; byte permutes transpose four values' digits into planes). The digits are four columns
+of the MMA's B operand (the other four are zero), so one MMA gives, for 16 weight rows at once, the
+exact integer dot products of a block's codes with each digit; rounding x to 31 bits is the only
+approximation (an error of at most 2**-31 max |x| per value: finer than float32 for all but the
+largest values).
 
 Work split: a CTA has ``mtiles`` x ``kparts`` warps; warp (mt, kp) owns the 16 rows of tile ``mt``
-and the kp-th ``1 / kparts`` of K. K is walked in *units* of 256 values (one Q4_K super-block, or 8
+and every ``kparts``-th unit of K from unit ``kp`` on (so the parts read neighbouring bytes at the
+same time). K is walked in *units* of 256 values (one Q4_K super-block, or 8
 Q8_0 blocks): a unit of 16 rows is 16 x 144 (or 272) bytes, copied with ``cp.async`` into a ring of
 ``stages`` per-warp buffers. The first ``stages`` units are requested before ``griddepcontrol.wait``
 (they are weights: no kernel writes them), so under programmatic dependent launch they stream in
@@ -27,7 +29,7 @@ Q8_0: the block's 32 signed codes are A directly (two-byte aligned, realigned wi
 per block, scaled by the block's ``d`` in float.
 
 End: each row's sum is spread over the 4 lanes of its group (digit columns) and weighted by
-1 / 256 / 65536, times ``1 / f``; with ``kparts > 1`` the parts meet in shared memory (one
+1, 256, 65536 and 2**24, times ``1 / f``; with ``kparts > 1`` the parts meet in shared memory (one
 ``bar.sync``) and are added in order (deterministic).
 
 Launch: grid ``ceil(out_dim / (16 mtiles))``, block ``32 mtiles kparts``, dynamic shared memory
@@ -43,7 +45,7 @@ from ptx_gen.kernels import quant_layout as ql
 
 UNIT_BYTES = {"Q4_K": 144, "Q8_0": 272}  # bytes of 256 values of one row
 MMA_TYPES = tuple(UNIT_BYTES)
-PARTS = 3  # base-256 digits of x
+PARTS = 4  # base-256 digits of x
 MAX_DYN_SMEM = 227 * 1024
 TABLE_BYTES = 16 * 8 * 4  # per warp: 16 rows x 8 int32 sub-block scales (Q4_K) or f32 block scales (Q8_0)
 
@@ -82,9 +84,24 @@ def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int) -> di
                 row_bytes=in_dim // 256 * unit)
 
 
+def _digits(k: KernelBuilder, v: Reg, f: Reg) -> Reg:
+    """The four signed base-256 digits of X = round(v f) (|v f| < 2**30) as the bytes of a word.
+
+    v f is exact (f is a power of two). H = round(v f / 256) is the mantissa of v f / 256 + 1.5 * 2**23
+    (one FMA rounds), r = v f - 256 H is exact in float, L = round(r) likewise; X = 256 H + L. Balanced
+    digits (each in [-128, 127]) are the bytes of X + 0x80808080 each minus 128, i.e. that word
+    xor 0x80808080 -- with both magic offsets folded into one constant."""
+    vf = k.mul(v, f)
+    h = k.fma(vf, 1.0 / 256, 12582912.0)
+    r = k.fma(k.add(h, -12582912.0), -256.0, vf)
+    lo = k.add(r, 12582912.0)
+    u = k.mad(k.bitcast(h, "u32"), 256, k.bitcast(lo, "u32"))
+    return k.xor(k.add(u, 0xF5408080), 0x80808080)
+
+
 def _prepare_x(k: KernelBuilder, lay: dict, wtype: str, in_dim: int, smem: Reg, tid: Reg, warp: Reg,
                lane: Reg) -> Reg:
-    """x -> three int8 digit planes (MMA B-fragment order) and, for Q4_K, the sums of x per 32 values;
+    """x -> four int8 digit planes (MMA B-fragment order) and, for Q4_K, the sums of x per 32 values;
     returns 1 / f. Every thread of the CTA takes part (two ``bar.sync``)."""
     nthreads = 32 * lay["warps"]
     x = k.global_ptr("x")
@@ -115,21 +132,19 @@ def _prepare_x(k: KernelBuilder, lay: dict, wtype: str, in_dim: int, smem: Reg, 
     m = k.load("shared", "f32", wmax)
     for w in range(1, lay["warps"]):
         m = k.max(m, k.load("shared", "f32", wmax, 4 * w))
-    e = k.max(k.and_(k.shr(k.bitcast(m, "u32"), 23), 0xFF), 22)  # biased exponent of max |x| (>= 22)
-    f = k.bitcast(k.shl(k.sub(275, e), 23), "f32")  # 2**(148 - e): |x| f < 2**22
-    inv_f = k.bitcast(k.shl(k.sub(e, 21), 23), "f32")  # 2**(e - 148)
+    e = k.max(k.and_(k.shr(k.bitcast(m, "u32"), 23), 0xFF), 30)  # biased exponent of max |x| (>= 30)
+    f = k.bitcast(k.shl(k.sub(283, e), 23), "f32")  # 2**(156 - e): |x| f < 2**30
+    inv_f = k.bitcast(k.shl(k.sub(e, 29), 23), "f32")  # 2**(e - 156)
     xdig = k.add(smem, lay["off"]["xdig"])
     xsum = k.add(smem, lay["off"]["xsum"])
     # where a quad of x (values 4 q4 .. 4 q4 + 3) goes: chunk c = q4 / 8 (32 values), u = q4 % 8;
     # B fragment of lane (part g, t): words [pair c / 2][t][c % 2][hi], hi = u / 4, t = u % 4
     for it in range(iters):
         q4, ok, v = loaded[it] if keep else quad(it)
-        # X = round(x f) in (-2**22, 2**22) is the mantissa of x f + 1.5 * 2**23; X + 0x808080 has the
-        # digits + 128 as its bytes (balanced digits), so (that) ^ 0x808080 has the signed digits c0, c1, c2
-        ws = [k.xor(k.add(k.bitcast(k.fma(val, f, 12582912.0), "u32"), 0xB5408080), 0x808080) for val in v]
-        t0, t1 = k.prmt(ws[0], ws[1], 0x5140), k.prmt(ws[2], ws[3], 0x5140)
-        planes = (k.prmt(t0, t1, 0x5410), k.prmt(t0, t1, 0x7632),
-                  k.prmt(k.prmt(ws[0], ws[1], 0x0062), k.prmt(ws[2], ws[3], 0x0062), 0x5410))
+        ws = [_digits(k, val, f) for val in v]
+        t0, t1 = k.prmt(ws[0], ws[1], 0x5140), k.prmt(ws[2], ws[3], 0x5140)  # a 4 x 4 byte transpose
+        t2, t3 = k.prmt(ws[0], ws[1], 0x7362), k.prmt(ws[2], ws[3], 0x7362)
+        planes = (k.prmt(t0, t1, 0x5410), k.prmt(t0, t1, 0x7632), k.prmt(t2, t3, 0x5410), k.prmt(t2, t3, 0x7632))
         c = k.shr(q4, 3)
         u = k.and_(q4, 7)
         woff = k.add(k.add(k.shl(k.shr(c, 1), 6), k.shl(k.and_(u, 3), 4)),
@@ -171,7 +186,9 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
     ring = k.add(smem, k.add(k.mul(warp, stages * stage_bytes), lay["off"]["ring"]))
     w = k.global_ptr("w")
     k.global_ptr("y")
-    unit0 = k.mul(kp, n_units) if kp is not None else None  # the warp's first unit of the row
+    # the warp's units of a row are kp, kp + kparts, kp + 2 kparts, ...: at any time the K parts of a
+    # tile read neighbouring units, i.e. kparts * U contiguous bytes of each row (DRAM page locality)
+    unit0 = kp
 
     # --- the warp's copies: chunk c = lane + 32 q of a unit is row c / (U / 16), 16 bytes at col c % (U / 16)
     cpr = U // 16
@@ -189,7 +206,7 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
         slots.append((src, dst, ok))
 
     def issue(j: Reg | int, slot_off: Reg | int, valid: Reg | None) -> None:
-        joff = k.mul_wide(j, U) if isinstance(j, Reg) else j * U
+        joff = k.mul_wide(j, U * kparts) if isinstance(j, Reg) else j * U * kparts
         for src, dst, ok in slots:
             pred = ok if valid is None else (valid if ok is None else k.and_(ok, valid))
             k.cp_async(k.add(dst, slot_off) if not (isinstance(slot_off, int) and slot_off == 0) else dst,
@@ -235,9 +252,9 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
         sbase = k.add(ring, slot_off)
         k.cp_async_wait_group(stages - 1)
         k.bar_warp_sync()
-        bj = k.add(bptr, k.shl(j, 8))
+        bj = k.add(bptr, k.mul(j, 256 * kparts))
         if wtype == "Q4_K":
-            _unit_q4k(k, sbase, bj, j, acc, minacc, zeros, b_ok, ldm, t_store, t_g, t_g8, s_lane, hi_half, trow, g)
+            _unit_q4k(k, sbase, bj, j, kparts, acc, minacc, zeros, b_ok, ldm, t_store, t_g, t_g8, s_lane, hi_half, trow, g)
         else:
             _unit_q8_0(k, sbase, bj, acc, zeros, b_ok, g, t4, d_src, t_store, t_g, t_g8)
         k.bar_warp_sync()  # every lane is done with the slot: refill it
@@ -245,12 +262,13 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
         issue(nxt, slot_off, k.setp("lt", nxt, n_units))
     k.cp_async_wait_all()
 
-    # --- row sums: digit columns weighted 1, 256 (lane t = 0) and 65536 (t = 1); times 1 / f
+    # --- row sums: digit columns weighted 1, 256 (lane t = 0), 65536 and 2**24 (t = 1); times 1 / f
     tid = k.tid()
     lane = k.and_(tid, 31)
     g, t = k.shr(lane, 2), k.and_(lane, 3)
-    w0 = k.selp(1.0, k.selp(65536.0, 0.0, k.setp("eq", t, 1), "f32"), k.setp("eq", t, 0), "f32")
-    w1 = k.selp(256.0, 0.0, k.setp("eq", t, 0), "f32")
+    t_is0, t_is1 = k.setp("eq", t, 0), k.setp("eq", t, 1)
+    w0 = k.selp(1.0, k.selp(65536.0, 0.0, t_is1, "f32"), t_is0, "f32")
+    w1 = k.selp(256.0, k.selp(16777216.0, 0.0, t_is1, "f32"), t_is0, "f32")
     sums = []
     for a0, a1 in ((acc[0], acc[1]), (acc[2], acc[3])):
         s = k.fma(a1, w1, k.mul(a0, w0))
@@ -265,7 +283,7 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
     return k
 
 
-def _unit_q4k(k, sbase, bj, j, acc, minacc, zeros, b_ok, ldm, t_store, t_g, t_g8, s_lane, hi_half, trow, g) -> None:
+def _unit_q4k(k, sbase, bj, j, kparts, acc, minacc, zeros, b_ok, ldm, t_store, t_g, t_g8, s_lane, hi_half, trow, g) -> None:
     """One Q4_K super-block of the warp's 16 rows (staged at ``sbase``)."""
     U = 144
     # scale table: lane 2r + h unpacks sub-blocks 4h .. 4h + 3 of row r (and adds their min terms)
@@ -274,7 +292,7 @@ def _unit_q4k(k, sbase, bj, j, acc, minacc, zeros, b_ok, ldm, t_store, t_g, t_g8
     mn = k.selp(k.or_(k.and_(k.shr(s2, 4), 0x0F0F0F0F), k.and_(k.shr(s1, 2), 0x30303030)), k.and_(s1, 0x3F3F3F3F),
                 hi_half, "b32")
     k.store("shared", "u32", t_store, [k.prmt(sc, 0, 0x4440 | i) for i in range(4)])
-    sx = k.load("shared", "f32", k.add(s_lane, k.shl(j, 5)), vec=4)  # sums of x over those sub-blocks
+    sx = k.load("shared", "f32", k.add(s_lane, k.mul(j, 32 * kparts)), vec=4)  # sums of x over those sub-blocks
     msum = None
     for i in range(4):
         mf = k.add(k.bitcast(k.prmt(mn, 0x4B000000, 0x7440 | i), "f32"), -8388608.0)
@@ -387,6 +405,6 @@ def _grid_shapes() -> list[dict]:
 def gemv_mma(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, mtiles: int = 2, kparts: int = 4, stages: int = 4,
              bias: bool = False, residual: bool = False) -> KernelBuilder:
     """y[r] = sum_k W[r, k] x[k] (+ bias[r]) (+ residual[r]) for r < out_dim, W in Q4_K or Q8_0 blocks, on
-    tensor cores (exact int8 MMAs of the codes with x as three base-256 digits).
+    tensor cores (exact int8 MMAs of the codes with x as four base-256 digits).
     Launch: grid ceil(out_dim / (16 mtiles)), block 32 mtiles kparts, meta["dyn_smem"] dynamic shared bytes."""
     return build(m, wtype, in_dim, mtiles, kparts, stages, bias, residual)
