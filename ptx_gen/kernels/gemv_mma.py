@@ -72,7 +72,7 @@ def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int) -> di
         pos += -(-nbytes // 16) * 16
 
     take("ring", warps * stages * 16 * unit)
-    take("xdig", PARTS * in_dim)
+    take("xdig", PARTS * (in_dim + 16))  # planes 16 bytes apart mod 128: no bank conflicts between them
     take("xsum", in_dim // 32 * 4 if wtype == "Q4_K" else 0)
     take("table", warps * TABLE_BYTES)
     take("red", warps * 16 * 4 if kparts > 1 else 0)
@@ -151,7 +151,7 @@ def _prepare_x(k: KernelBuilder, lay: dict, wtype: str, in_dim: int, smem: Reg, 
                      k.add(k.shl(k.and_(c, 1), 3), k.shl(k.shr(u, 2), 2)))
         addr = k.add(xdig, woff)
         for p, word in enumerate(planes):
-            k.store("shared", "u32", addr, word, p * in_dim, pred=ok)
+            k.store("shared", "u32", addr, word, p * (in_dim + 16), pred=ok)
         if wtype == "Q4_K":
             s = k.warp_reduce(k.add(k.add(v[0], v[1]), k.add(v[2], v[3])), "add", width=8)
             first = k.setp("eq", u, 0)
@@ -224,7 +224,7 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
     g, t = k.shr(lane, 2), k.and_(lane, 3)
     b_ok = k.setp("lt", g, PARTS)
     xdig = k.add(smem, lay["off"]["xdig"])
-    bptr = k.add(k.add(xdig, k.mul(g, in_dim)), k.shl(t, 4))
+    bptr = k.add(k.add(xdig, k.mul(g, in_dim + 16)), k.shl(t, 4))
     if unit0 is not None:
         bptr = k.add(bptr, k.shl(unit0, 8))  # 256 digit bytes per unit and part
     zero = k.mov(0, "s32")
