@@ -2,14 +2,13 @@
 weights' integer codes go into exact int8 MMAs (``mma.m16n8k32.s32.s8.s8``), so decoding a weight
 costs a fraction of an instruction instead of a float conversion and an FMA each.
 
-x as integers, exactly enough: the CTA scales x by a power of two ``f`` (from max |x|, so that
-``|x f| < 2**30``), rounds to ``X`` and writes ``X`` as four signed base-256 digits
-``X = c0 + 256 c1 + 2**16 c2 + 2**24 c3`` (each in [-128, 127]) into shared memory: about 10
-instructions a value (see :func:`_digits`; byte permutes transpose four values' digits into planes). The digits are four columns
-of the MMA's B operand (the other four are zero), so one MMA gives, for 16 weight rows at once, the
-exact integer dot products of a block's codes with each digit; rounding x to 31 bits is the only
-approximation (an error of at most 2**-31 max |x| per value: finer than float32 for all but the
-largest values).
+x as integers, exactly enough: each 256 values of x (a *unit*) are scaled by a power of two ``f`` (from
+their max |x|, so that ``|x f| < 2**30``), rounded to ``X`` and written as four signed base-256 digits
+``X = c0 + 256 c1 + 2**16 c2 + 2**24 c3`` (each in [-128, 127]) into shared memory, about 10
+instructions a value (see :func:`_digits`). The digits are four columns of the MMA's B operand (the
+other four are zero), so one MMA gives, for 16 weight rows at once, the exact integer dot products of
+a block's codes with each digit; rounding x to 31 bits of its unit's max is the only approximation
+(finer than float32 for all but a unit's largest values); ``1 / f`` goes into the unit's scale.
 
 Work split: a CTA has ``mtiles`` x ``kparts`` warps; warp (mt, kp) owns the 16 rows of tile ``mt``
 and every ``kparts``-th unit of K from unit ``kp`` on (so the parts read neighbouring bytes at the
@@ -17,7 +16,9 @@ same time). K is walked in *units* of 256 values (one Q4_K super-block, or 8
 Q8_0 blocks): a unit of 16 rows is 16 x 144 (or 272) bytes, copied with ``cp.async`` into a ring of
 ``stages`` per-warp buffers. The first ``stages`` units are requested before ``griddepcontrol.wait``
 (they are weights: no kernel writes them), so under programmatic dependent launch they stream in
-while the previous kernel ends and while x is turned into digits.
+while the previous kernel ends. Each warp turns the x units it needs into digits itself, one unit
+ahead of its use (loaded two ahead), into two slots of its own: no CTA-wide step before the first
+MMA, and x arrives alongside the weights.
 
 Per unit (Q4_K): the 16 rows' 6-bit scales and mins are unpacked into a table (two lanes per row);
 each of the 4 sub-block pairs is one ``ldmatrix.x4`` (lane (g, t) gets 4 code bytes of rows g and
@@ -29,7 +30,7 @@ Q8_0: the block's 32 signed codes are A directly (two-byte aligned, realigned wi
 per block, scaled by the block's ``d`` in float.
 
 End: each row's sum is spread over the 4 lanes of its group (digit columns) and weighted by
-1, 256, 65536 and 2**24, times ``1 / f``; with ``kparts > 1`` the parts meet in shared memory (one
+1, 256, 65536 and 2**24; with ``kparts > 1`` the parts meet in shared memory (one
 ``bar.sync``) and are added in order (deterministic).
 
 Launch: grid ``ceil(out_dim / (16 mtiles))``, block ``32 mtiles kparts``, dynamic shared memory
@@ -47,6 +48,9 @@ UNIT_BYTES = {"Q4_K": 144, "Q8_0": 272}  # bytes of 256 values of one row
 MMA_TYPES = tuple(UNIT_BYTES)
 PARTS = 4  # base-256 digits of x
 MAX_DYN_SMEM = 227 * 1024
+# per warp, two x slots (units j and j + 1): 4 digit planes of 256 bytes, 272 apart (16 mod 128: the
+# four planes' B loads hit distinct banks), the sums of x per 32 values (Q4_K) and the unit's 1 / f
+PLANE, XSUM, INVF, XSLOT = 272, 4 * 272, 4 * 272 + 32, 4 * 272 + 48
 TABLE_BYTES = 16 * 8 * 4  # per warp: 16 rows x 8 int32 sub-block scales (Q4_K) or f32 block scales (Q8_0)
 
 
@@ -72,11 +76,9 @@ def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int) -> di
         pos += -(-nbytes // 16) * 16
 
     take("ring", warps * stages * 16 * unit)
-    take("xdig", PARTS * (in_dim + 16))  # planes 16 bytes apart mod 128: no bank conflicts between them
-    take("xsum", in_dim // 32 * 4 if wtype == "Q4_K" else 0)
+    take("xbuf", warps * 2 * XSLOT)
     take("table", warps * TABLE_BYTES)
     take("red", warps * 16 * 4 if kparts > 1 else 0)
-    take("wmax", warps * 4)
     if pos > MAX_DYN_SMEM:
         raise ValueError(f"{wtype} rows of {in_dim} with mtiles={mtiles}, kparts={kparts}, stages={stages} need "
                          f"{pos} bytes of shared memory, more than {MAX_DYN_SMEM}: fewer warps or stages")
@@ -99,65 +101,52 @@ def _digits(k: KernelBuilder, v: Reg, f: Reg) -> Reg:
     return k.xor(k.add(u, 0xF5408080), 0x80808080)
 
 
-def _prepare_x(k: KernelBuilder, lay: dict, wtype: str, in_dim: int, smem: Reg, tid: Reg, warp: Reg,
-               lane: Reg) -> Reg:
-    """x -> four int8 digit planes (MMA B-fragment order) and, for Q4_K, the sums of x per 32 values;
-    returns 1 / f. Every thread of the CTA takes part (two ``bar.sync``)."""
-    nthreads = 32 * lay["warps"]
-    x = k.global_ptr("x")
-    nq4 = in_dim // 4
-    iters = -(-nq4 // nthreads)
+def _x_lane_constants(k: KernelBuilder, lane: Reg) -> dict:
+    """Where lane l's two quads of a unit's x (values 4l.. and 128 + 4l..) go in an x slot: chunk
+    c = q / 8 (32 values), u = q % 8, word [pair c / 2][t = u % 4][c % 2][hi = u / 4] of each plane
+    (the B fragments of lane (g, t) are then one 16-byte load per pair); the second quad is 128 bytes on."""
+    c, u = k.shr(lane, 3), k.and_(lane, 7)
+    woff = k.add(k.add(k.shl(k.shr(c, 1), 6), k.shl(k.and_(u, 3), 4)),
+                 k.add(k.shl(k.and_(c, 1), 3), k.shl(k.shr(u, 2), 2)))
+    return {"woff": woff, "sum_off": k.add(k.shl(c, 2), XSUM), "sum_lane": k.setp("eq", u, 0),
+            "lane0": k.setp("eq", lane, 0)}
 
-    def quad(it: int) -> tuple[Reg, Reg | None, tuple[Reg, ...]]:
-        q4 = k.add(tid, it * nthreads) if it else tid
-        ok = k.setp("lt", q4, nq4) if (it + 1) * nthreads > nq4 else None
-        vals = k.load("global", "f32", k.add(x, k.mul_wide(q4, 16)), vec=4, pred=ok,
-                      other=0.0 if ok is not None else None)
-        return q4, ok, vals
 
-    keep = iters <= 16  # keep the loaded x in registers for the second pass (else re-read it through L1)
-    loaded = []
-    mx = k.var("f32", 0.0)
-    for it in range(iters):
-        q = quad(it)
-        if keep:
-            loaded.append(q)
-        v = q[2]
-        k.assign(mx, k.max(k.max(mx, k.abs(v[0])), k.max(k.abs(v[1]), k.max(k.abs(v[2]), k.abs(v[3])))))
-    wmax = k.add(smem, lay["off"]["wmax"])
-    top = k.warp_reduce(mx, "max")
-    with k.if_(k.setp("eq", lane, 0)):
-        k.store("shared", "f32", k.add(wmax, k.shl(warp, 2)), top)
-    k.bar_sync()
-    m = k.load("shared", "f32", wmax)
-    for w in range(1, lay["warps"]):
-        m = k.max(m, k.load("shared", "f32", wmax, 4 * w))
-    e = k.max(k.and_(k.shr(k.bitcast(m, "u32"), 23), 0xFF), 30)  # biased exponent of max |x| (>= 30)
+def _load_x(k: KernelBuilder, x: Reg, lane16: Reg, unit: Reg | int, valid: Reg | None, into: list | None = None) -> list:
+    """Lane l's 8 values of x unit ``unit`` (256 values): quads l and 32 + l (``into``: into Vars)."""
+    base = k.add(x, k.add(k.mul_wide(unit, 1024) if isinstance(unit, Reg) else unit * 1024, lane16))
+    out = []
+    for h in range(2):
+        dst = into[4 * h:4 * h + 4] if into is not None else None
+        v = k.load("global", "f32", base, 512 * h, vec=4, pred=valid, into=dst,
+                   other=None if into is not None or valid is None else 0.0)
+        out += list(v)
+    return out
+
+
+def _convert_x(k: KernelBuilder, wtype: str, vals: list, slot: Reg, xc: dict) -> None:
+    """One unit of x (lane l's 8 values) -> the warp's x slot: ``f`` = a power of two with
+    max |x f| < 2**30 over the unit (a warp max), the four digit planes, 1 / f, and (Q4_K) the sums
+    of x per 32 values. Warp-collective: every lane must take part."""
+    mx = k.abs(vals[0])
+    for v in vals[1:]:
+        mx = k.max(mx, k.abs(v))
+    mx = k.warp_reduce(mx, "max")
+    e = k.max(k.and_(k.shr(k.bitcast(mx, "u32"), 23), 0xFF), 30)  # biased exponent of max |x| (>= 30)
     f = k.bitcast(k.shl(k.sub(283, e), 23), "f32")  # 2**(156 - e): |x| f < 2**30
-    inv_f = k.bitcast(k.shl(k.sub(e, 29), 23), "f32")  # 2**(e - 156)
-    xdig = k.add(smem, lay["off"]["xdig"])
-    xsum = k.add(smem, lay["off"]["xsum"])
-    # where a quad of x (values 4 q4 .. 4 q4 + 3) goes: chunk c = q4 / 8 (32 values), u = q4 % 8;
-    # B fragment of lane (part g, t): words [pair c / 2][t][c % 2][hi], hi = u / 4, t = u % 4
-    for it in range(iters):
-        q4, ok, v = loaded[it] if keep else quad(it)
+    k.store("shared", "f32", slot, k.bitcast(k.shl(k.sub(e, 29), 23), "f32"), INVF, pred=xc["lane0"])  # 1 / f
+    addr = k.add(slot, xc["woff"])
+    for h in range(2):
+        v = vals[4 * h:4 * h + 4]
         ws = [_digits(k, val, f) for val in v]
         t0, t1 = k.prmt(ws[0], ws[1], 0x5140), k.prmt(ws[2], ws[3], 0x5140)  # a 4 x 4 byte transpose
         t2, t3 = k.prmt(ws[0], ws[1], 0x7362), k.prmt(ws[2], ws[3], 0x7362)
         planes = (k.prmt(t0, t1, 0x5410), k.prmt(t0, t1, 0x7632), k.prmt(t2, t3, 0x5410), k.prmt(t2, t3, 0x7632))
-        c = k.shr(q4, 3)
-        u = k.and_(q4, 7)
-        woff = k.add(k.add(k.shl(k.shr(c, 1), 6), k.shl(k.and_(u, 3), 4)),
-                     k.add(k.shl(k.and_(c, 1), 3), k.shl(k.shr(u, 2), 2)))
-        addr = k.add(xdig, woff)
         for p, word in enumerate(planes):
-            k.store("shared", "u32", addr, word, p * (in_dim + 16), pred=ok)
+            k.store("shared", "u32", addr, word, p * PLANE + 128 * h)
         if wtype == "Q4_K":
-            s = k.warp_reduce(k.add(k.add(v[0], v[1]), k.add(v[2], v[3])), "add", width=8)
-            first = k.setp("eq", u, 0)
-            k.store("shared", "f32", k.add(xsum, k.shl(c, 2)), s, pred=first if ok is None else k.and_(first, ok))
-    k.bar_sync()
-    return inv_f
+            sm = k.warp_reduce(k.add(k.add(v[0], v[1]), k.add(v[2], v[3])), "add", width=8)
+            k.store("shared", "f32", k.add(slot, xc["sum_off"]), sm, 16 * h, pred=xc["sum_lane"])
 
 
 def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, bias: bool,
@@ -219,14 +208,28 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
         else:
             k.cp_async_commit()  # empty groups keep the count uniform
     k.grid_dependency_wait()
-    inv_f = _prepare_x(k, lay, wtype, in_dim, smem, tid, warp, lane)
+
+    # x, unit by unit, converted by each warp for itself one unit ahead of its use (loaded two ahead)
+    x = k.global_ptr("x")
+    lane16 = k.cvt(k.shl(lane, 4), "u64")
+    xc = _x_lane_constants(k, lane)
+    xbuf = k.add(smem, k.add(k.mul(warp, 2 * XSLOT), lay["off"]["xbuf"]))
+    kp0 = kp if kp is not None else 0
+
+    def unit_of(j: Reg | int) -> Reg | int:  # the row's unit index of the warp's j-th unit
+        if isinstance(j, int) and kp is None:
+            return j * kparts
+        return k.mad(j, kparts, kp0) if isinstance(j, Reg) else k.add(kp0, j * kparts)
+
+    _convert_x(k, wtype, _load_x(k, x, lane16, unit_of(0), None), xbuf, xc)
+    ahead = [[k.var("f32", 0.0) for _ in range(8)] for _ in range(2)]  # units j + 1, j + 2
+    for a_, jj in zip(ahead, (1, 2)):
+        if jj < n_units:
+            _load_x(k, x, lane16, unit_of(jj), None, into=a_)
 
     g, t = k.shr(lane, 2), k.and_(lane, 3)
     b_ok = k.setp("lt", g, PARTS)
-    xdig = k.add(smem, lay["off"]["xdig"])
-    bptr = k.add(k.add(xdig, k.mul(g, in_dim + 16)), k.shl(t, 4))
-    if unit0 is not None:
-        bptr = k.add(bptr, k.shl(unit0, 8))  # 256 digit bytes per unit and part
+    b_lane = k.add(k.mul(g, PLANE), k.shl(t, 4))  # lane (g, t)'s B fragments: plane g, word group t
     zero = k.mov(0, "s32")
     zeros = [zero] * 4
     acc = [k.var("f32", 0.0) for _ in range(4)]  # [row g, col 2t], [g, 2t+1], [g+8, 2t], [g+8, 2t+1]
@@ -238,10 +241,7 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
     t_g, t_g8 = k.add(table, k.shl(g, 5)), k.add(table, k.shl(k.add(g, 8), 5))
     if wtype == "Q4_K":
         hi_half = k.setp("eq", half, 1)
-        xsum = k.add(smem, lay["off"]["xsum"])
-        s_lane = k.add(xsum, k.shl(half, 4))
-        if unit0 is not None:
-            s_lane = k.add(s_lane, k.shl(unit0, 5))
+        s_lane = k.add(k.shl(half, 4), XSUM)
         ldm = k.add(k.mul(k.add(k.and_(lane, 7), k.shl(k.and_(k.shr(lane, 3), 1), 3)), U), k.shl(k.shr(lane, 4), 4))
     else:
         t4 = k.shl(t, 2)
@@ -250,19 +250,27 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
     with k.loop(0, n_units) as j:
         slot_off = k.mul(k.and_(j, stages - 1), stage_bytes)
         sbase = k.add(ring, slot_off)
+        xslot = k.add(xbuf, k.mul(k.and_(j, 1), XSLOT))
         k.cp_async_wait_group(stages - 1)
         k.bar_warp_sync()
-        bj = k.add(bptr, k.mul(j, 256 * kparts))
+        bj = k.add(xslot, b_lane)
         if wtype == "Q4_K":
-            _unit_q4k(k, sbase, bj, j, kparts, acc, minacc, zeros, b_ok, ldm, t_store, t_g, t_g8, s_lane, hi_half, trow, g)
+            _unit_q4k(k, sbase, bj, xslot, acc, minacc, zeros, b_ok, ldm, t_store, t_g, t_g8, s_lane, hi_half, trow, g)
         else:
-            _unit_q8_0(k, sbase, bj, acc, zeros, b_ok, g, t4, d_src, t_store, t_g, t_g8)
-        k.bar_warp_sync()  # every lane is done with the slot: refill it
+            _unit_q8_0(k, sbase, bj, xslot, acc, zeros, b_ok, g, t4, d_src, t_store, t_g, t_g8)
+        k.bar_warp_sync()  # every lane is done with the ring slot and the x slot: refill them
         nxt = k.add(j, stages)
         issue(nxt, slot_off, k.setp("lt", nxt, n_units))
+        j1 = k.add(j, 1)
+        with k.if_(k.setp("lt", j1, n_units)):  # warp-uniform
+            _convert_x(k, wtype, list(ahead[0]), k.add(xbuf, k.mul(k.and_(j1, 1), XSLOT)), xc)
+        for a_, b_ in zip(ahead[0], ahead[1]):
+            k.assign(a_, b_)
+        j3 = k.add(j, 3)
+        _load_x(k, x, lane16, unit_of(j3), k.setp("lt", j3, n_units), into=ahead[1])
     k.cp_async_wait_all()
 
-    # --- row sums: digit columns weighted 1, 256 (lane t = 0), 65536 and 2**24 (t = 1); times 1 / f
+    # --- row sums: digit columns weighted 1, 256 (lane t = 0), 65536 and 2**24 (t = 1)
     tid = k.tid()
     lane = k.and_(tid, 31)
     g, t = k.shr(lane, 2), k.and_(lane, 3)
@@ -274,7 +282,7 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
         s = k.fma(a1, w1, k.mul(a0, w0))
         s = k.add(s, k.shfl("bfly", s, 1))
         s = k.add(s, k.shfl("bfly", s, 2))
-        sums.append(k.mul(s, inv_f))
+        sums.append(s)
     if minacc is not None:  # lane 2r + h holds half h of row r's min term
         mrow = k.add(minacc, k.shfl("bfly", minacc, 1))
         sums = [k.sub(sums[0], k.shfl("idx", mrow, k.shl(g, 1))), k.sub(sums[1], k.shfl("idx", mrow, k.add(k.shl(g, 1), 16)))]
@@ -283,7 +291,7 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
     return k
 
 
-def _unit_q4k(k, sbase, bj, j, kparts, acc, minacc, zeros, b_ok, ldm, t_store, t_g, t_g8, s_lane, hi_half, trow, g) -> None:
+def _unit_q4k(k, sbase, bj, xslot, acc, minacc, zeros, b_ok, ldm, t_store, t_g, t_g8, s_lane, hi_half, trow, g) -> None:
     """One Q4_K super-block of the warp's 16 rows (staged at ``sbase``)."""
     U = 144
     # scale table: lane 2r + h unpacks sub-blocks 4h .. 4h + 3 of row r (and adds their min terms)
@@ -292,7 +300,7 @@ def _unit_q4k(k, sbase, bj, j, kparts, acc, minacc, zeros, b_ok, ldm, t_store, t
     mn = k.selp(k.or_(k.and_(k.shr(s2, 4), 0x0F0F0F0F), k.and_(k.shr(s1, 2), 0x30303030)), k.and_(s1, 0x3F3F3F3F),
                 hi_half, "b32")
     k.store("shared", "u32", t_store, [k.prmt(sc, 0, 0x4440 | i) for i in range(4)])
-    sx = k.load("shared", "f32", k.add(s_lane, k.mul(j, 32 * kparts)), vec=4)  # sums of x over those sub-blocks
+    sx = k.load("shared", "f32", k.add(xslot, s_lane), vec=4)  # sums of x over those sub-blocks
     msum = None
     for i in range(4):
         mf = k.add(k.bitcast(k.prmt(mn, 0x4B000000, 0x7440 | i), "f32"), -8388608.0)
@@ -314,8 +322,9 @@ def _unit_q4k(k, sbase, bj, j, kparts, acc, minacc, zeros, b_ok, ldm, t_store, t
         for n, scs in ((0, sg), (1, sg), (2, sg8), (3, sg8)):
             v = k.mad(db[n], k.bitcast(scs[1], "s32"), k.mul(da[n], k.bitcast(scs[0], "s32")))
             ints[n] = v if ints[n] is None else k.add(ints[n], v)
-    dg = ql.lds_f16(k, k.add(sbase, k.mul(g, U)), 0)
-    dg8 = ql.lds_f16(k, k.add(sbase, k.mul(g, U)), 8 * U)
+    inv_f = k.load("shared", "f32", xslot, INVF)  # the unit's x digits are x f
+    dg = k.mul(ql.lds_f16(k, k.add(sbase, k.mul(g, U)), 0), inv_f)
+    dg8 = k.mul(ql.lds_f16(k, k.add(sbase, k.mul(g, U)), 8 * U), inv_f)
     for n, d in ((0, dg), (1, dg), (2, dg8), (3, dg8)):
         k.assign(acc[n], k.fma(d, k.cvt(ints[n], "f32"), acc[n]))
 
@@ -326,11 +335,12 @@ def _exact_float(k: KernelBuilder, i: Reg) -> Reg:
     return k.add(k.bitcast(k.add(k.bitcast(i, "u32"), 0x4B400000), "f32"), -12582912.0)
 
 
-def _unit_q8_0(k, sbase, bj, acc, zeros, b_ok, g, t4, d_src, t_store, t_g, t_g8) -> None:
+def _unit_q8_0(k, sbase, bj, xslot, acc, zeros, b_ok, g, t4, d_src, t_store, t_g, t_g8) -> None:
     """Eight Q8_0 blocks (34 bytes each) of the warp's 16 rows (staged at ``sbase``)."""
     U = 272
     # the blocks' scales d as floats: lane 2r + h converts blocks 4h .. 4h + 3 of row r
-    ds = [ql.lds_f16(k, k.add(sbase, d_src), 34 * i) for i in range(4)]
+    inv_f = k.load("shared", "f32", xslot, INVF)  # the unit's x digits are x f
+    ds = [k.mul(ql.lds_f16(k, k.add(sbase, d_src), 34 * i), inv_f) for i in range(4)]
     k.store("shared", "f32", t_store, ds)
     k.bar_warp_sync()
     rg_t = k.add(k.add(sbase, k.mul(g, U)), t4)
