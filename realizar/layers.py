@@ -19,6 +19,7 @@ ids that change per step are read from device buffers (``pos`` / ``tokens`` as b
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -187,9 +188,10 @@ def _max_block_smem(device: Any) -> int:
 class MmaConfig:
     """Launch shape of the tensor-core GEMV (:mod:`ptx_gen.kernels.gemv_mma`)."""
 
-    mtiles: int  # 16-row tiles per CTA
-    kparts: int  # warps sharing a tile, each one part of K
+    mtiles: int  # warps along the rows of a CTA
+    kparts: int  # warps sharing those rows, each one part of K
     stages: int  # cp.async ring depth per warp (units of 256 values)
+    tiles: int = 1  # 16-row MMA tiles per warp
 
 
 MMA_INFLIGHT_PER_SM = 64 * 1024  # weight bytes each SM should have requested at any time
@@ -202,36 +204,35 @@ def mma_config(out_dim: int, in_dim: int, wtype: str, sm_count: int = 132,
 
     Every CTA does the same work and the kernel is bandwidth bound, so the grid is chosen for balance:
     the busiest SM holds ``ceil(ctas / sm_count)`` CTAs while the mean is ``ctas / sm_count`` (128 CTAs
-    on 132 SMs: 97%; 224: 85%). Among the best balanced shapes (within 2%): fewer CTAs per SM (each
-    CTA turns all of x into digits), then enough ring stages for ``MMA_INFLIGHT_PER_SM`` bytes in
-    flight per SM, then more warps per SM, then fewer K parts."""
+    on 132 SMs: 97%; 224: 85%). Among the best balanced shapes (within 2%): 32 rows per warp rather
+    than 16 (each unit of x digits, converted by the warp, then serves twice the rows), then enough
+    ring stages for ``MMA_INFLIGHT_PER_SM`` bytes in flight per SM, then more warps per SM, then fewer
+    K parts, then fewer stages."""
     if wtype not in MMA_TYPES or in_dim % 256:
         return None
-    tiles = -(-out_dim // 16)
     units = in_dim // 256
-    stage_bytes = 16 * UNIT_BYTES[wtype]
     cands = []
-    for mtiles in range(1, 9):
-        for kparts in (1, 2, 4, 8):
-            warps = mtiles * kparts
-            if not 4 <= warps <= 16 or units % kparts or (mtiles > 1 and tiles < 2 * mtiles):
-                continue
-            ctas = -(-tiles // mtiles)
-            per_sm = -(-ctas // sm_count)  # CTAs the busiest SM runs
-            for stages in (2, 4, 8):
-                if stages > 2 and stages // 2 >= units // kparts:
-                    continue  # more stages than units: no use
-                try:
-                    smem = mma_layout(wtype, in_dim, mtiles, kparts, stages)["smem"]
-                except ValueError:
-                    continue
-                if smem > max_smem:
-                    continue
-                resident = min(per_sm, max_smem // smem, 64 // warps)
-                balance = ctas / sm_count / per_sm
-                inflight = min(resident * warps * min(stages, units // kparts) * stage_bytes, MMA_INFLIGHT_PER_SM)
-                cands.append((balance, -per_sm, inflight, resident * warps, -kparts, -stages,
-                              MmaConfig(mtiles, kparts, stages)))
+    for tiles, mtiles, kparts, stages in itertools.product((1, 2), range(1, 9), (1, 2, 4, 8), (2, 4, 8)):
+        warps = mtiles * kparts
+        groups = -(-out_dim // (16 * tiles))  # row groups of one warp
+        if not 4 <= warps <= 16 or units % kparts or (mtiles > 1 and groups < 2 * mtiles):
+            continue
+        if stages > 2 and stages // 2 >= units // kparts:
+            continue  # more stages than units: no use
+        try:
+            smem = mma_layout(wtype, in_dim, mtiles, kparts, stages, tiles)["smem"]
+        except ValueError:
+            continue
+        if smem > max_smem:
+            continue
+        ctas = -(-groups // mtiles)
+        per_sm = -(-ctas // sm_count)  # CTAs the busiest SM runs
+        resident = min(per_sm, max_smem // smem, 64 // warps)
+        balance = ctas / sm_count / per_sm
+        stage_bytes = 16 * tiles * UNIT_BYTES[wtype]
+        inflight = min(resident * warps * min(stages, units // kparts) * stage_bytes, MMA_INFLIGHT_PER_SM)
+        cands.append((balance, tiles, inflight, resident * warps, -kparts, -stages,
+                      MmaConfig(mtiles, kparts, stages, tiles)))
     if not cands:
         return None
     top = max(c[0] for c in cands)
@@ -315,7 +316,7 @@ class LayerOps:
             cfg = gemv_config(weight.out_dim, self.sm_count, weight.in_dim, weight.wtype)
         if isinstance(cfg, MmaConfig):
             kern = self.kernel("gemv_mma", wtype=weight.wtype, in_dim=weight.in_dim, mtiles=cfg.mtiles,
-                               kparts=cfg.kparts, stages=cfg.stages, bias=bias is not None,
+                               kparts=cfg.kparts, stages=cfg.stages, tiles=cfg.tiles, bias=bias is not None,
                                residual=residual is not None)
         else:
             kern = self.kernel("gemv", wtype=weight.wtype, in_dim=weight.in_dim, rows=cfg.rows, warps=cfg.warps,

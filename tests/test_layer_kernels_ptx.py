@@ -514,10 +514,12 @@ def test_argmax_emulated_exact(n, parts, mode, seed):
 
 @settings(max_examples=20, deadline=None)
 @given(wtype=st.sampled_from(["Q4_K", "Q8_0"]), out_dim=st.integers(1, 40), mtiles=st.integers(1, 3),
-       kparts=st.sampled_from([1, 2, 4]), stages=st.sampled_from([2, 4, 8]), units=st.integers(1, 5),
+       kparts=st.sampled_from([1, 2, 4]), stages=st.sampled_from([2, 4, 8]), tiles=st.sampled_from([1, 2]),
+       units=st.integers(1, 5),
        bias=st.booleans(), residual=st.booleans(), scale=st.sampled_from([1e-3, 1.0, 500.0]),
        seed=st.integers(0, 2**32 - 1))
-def test_gemv_mma_emulated_matches_oracle(wtype, out_dim, mtiles, kparts, stages, units, bias, residual, scale, seed):
+def test_gemv_mma_emulated_matches_oracle(wtype, out_dim, mtiles, kparts, stages, tiles, units, bias, residual, scale,
+                                          seed):
     """The tensor-core GEMV on the emulator (ldmatrix, int8 mma, cp.async ring with wrap-around, K parts
     combined in shared memory) vs the float64 oracle; x spans 1e-3..500 with one outlier."""
     from ptx_gen.kernels.gemv_mma import layout
@@ -526,7 +528,7 @@ def test_gemv_mma_emulated_matches_oracle(wtype, out_dim, mtiles, kparts, stages
 
     def fits(st: int) -> bool:
         try:
-            layout(wtype, in_dim, mtiles, kparts, st)
+            layout(wtype, in_dim, mtiles, kparts, st, tiles)
             return True
         except ValueError:  # more shared memory than a CTA may have: a smaller ring
             return False
@@ -539,7 +541,7 @@ def test_gemv_mma_emulated_matches_oracle(wtype, out_dim, mtiles, kparts, stages
     b = rng.standard_normal(out_dim).astype(np.float32) if bias else None
     r = rng.standard_normal(out_dim).astype(np.float32) if residual else None
     k = catalog.emit("gemv_mma", target="sm_80", wtype=wtype, in_dim=in_dim, mtiles=mtiles, kparts=kparts,
-                     stages=stages, bias=bias, residual=residual)
+                     stages=stages, bias=bias, residual=residual, tiles=tiles)
     mem = Memory()
     params = dict(w=mem.alloc_array(_pad16(raw)), x=mem.alloc_array(x), y=mem.alloc(4 * out_dim), out_dim=out_dim)
     if bias:
@@ -554,9 +556,9 @@ def test_gemv_mma_emulated_matches_oracle(wtype, out_dim, mtiles, kparts, stages
     scl = np.abs(w) @ np.abs(x.astype(np.float64)) + (np.abs(b) if bias else 0) + (np.abs(r) if residual else 0)
     assert np.isfinite(y).all(), "unwritten (NaN-poisoned) outputs"
     err = np.abs(y - ref) / scl
-    # x is rounded to 23 bits of max |x| (an outlier 300x the rest costs the others precision): ~1e-6 here,
-    # 1e-4 is what the GEMV family must meet; a wrong index or digit gives errors of order 1
-    assert err.max() < 2e-5, f"{wtype} {out_dim}x{in_dim} m{mtiles} p{kparts} s{stages}: relative error {err.max():.2e}"
+    # x is rounded to 31 bits of its 256-value unit's max: float32-like, ~1e-8 here (1e-4 is what the
+    # GEMV family must meet; a wrong index or digit gives errors of order 1)
+    assert err.max() < 1e-6, f"{wtype} {out_dim}x{in_dim} m{mtiles} p{kparts} s{stages} t{tiles}: error {err.max():.2e}"
 
 
 def test_mma_config_balances_the_grid():
@@ -568,6 +570,6 @@ def test_mma_config_balances_the_grid():
     for out_dim, in_dim in ((4096, 14336), (14336, 4096), (4096, 4096), (6144, 4096), (28672, 4096), (2048, 8192)):
         for wt in ("Q4_K", "Q8_0"):
             cfg = mma_config(out_dim, in_dim, wt, 132)
-            ctas = -(-out_dim // (16 * cfg.mtiles))
+            ctas = -(-out_dim // (16 * cfg.tiles * cfg.mtiles))
             assert ctas / 132 / -(-ctas // 132) > 0.9, (out_dim, in_dim, wt, cfg)
-            assert layout(wt, in_dim, cfg.mtiles, cfg.kparts, cfg.stages)["smem"] <= 227 * 1024
+            assert layout(wt, in_dim, cfg.mtiles, cfg.kparts, cfg.stages, cfg.tiles)["smem"] <= 227 * 1024

@@ -117,11 +117,12 @@ def sweep_configs(wtype: str, in_dim: int) -> list[GemvConfig | MmaConfig]:
     cfgs: list = [GemvConfig(r, w, s) for r in (1, 2, 4) for w in (4, 8) for s in KSPLITS
                   if s <= w and shared_bytes(wtype, in_dim, r, w, s) <= MAX_STATIC_SMEM]
     if wtype in MMA_TYPES and in_dim % 256 == 0:
-        for mt, kp in ((1, 4), (1, 8), (2, 2), (2, 4), (2, 8), (4, 2), (4, 4), (7, 1), (8, 1), (8, 2)):
-            for st in (2, 4, 8):
+        for tl, mt, kp in ((1, 1, 4), (1, 1, 8), (1, 2, 4), (1, 2, 8), (1, 4, 2), (1, 4, 4), (1, 7, 2), (1, 8, 1),
+                           (2, 1, 4), (2, 1, 8), (2, 2, 4), (2, 2, 8), (2, 4, 2), (2, 4, 4), (2, 7, 2)):
+            for st in (2, 4):
                 try:
-                    mma_layout(wtype, in_dim, mt, kp, st)
-                    cfgs.append(MmaConfig(mt, kp, st))
+                    mma_layout(wtype, in_dim, mt, kp, st, tl)
+                    cfgs.append(MmaConfig(mt, kp, st, tl))
                 except ValueError:
                     pass
     return cfgs
@@ -129,7 +130,7 @@ def sweep_configs(wtype: str, in_dim: int) -> list[GemvConfig | MmaConfig]:
 
 def cfg_text(cfg: GemvConfig | MmaConfig) -> str:
     if isinstance(cfg, MmaConfig):
-        return f"mma m{cfg.mtiles} p{cfg.kparts} s{cfg.stages}"
+        return f"mma m{cfg.mtiles} p{cfg.kparts} s{cfg.stages} t{cfg.tiles}"
     return f"r{cfg.rows} w{cfg.warps} s{cfg.ksplit}"
 
 

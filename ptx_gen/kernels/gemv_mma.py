@@ -51,22 +51,25 @@ MAX_DYN_SMEM = 227 * 1024
 # per warp, two x slots (units j and j + 1): 4 digit planes of 256 bytes, 272 apart (16 mod 128: the
 # four planes' B loads hit distinct banks), the sums of x per 32 values (Q4_K) and the unit's 1 / f
 PLANE, XSUM, INVF, XSLOT = 272, 4 * 272, 4 * 272 + 32, 4 * 272 + 48
-TABLE_BYTES = 16 * 8 * 4  # per warp: 16 rows x 8 int32 sub-block scales (Q4_K) or f32 block scales (Q8_0)
+# per warp and row, per unit: 8 int32 sub-block scales and d / f (Q4_K), or 8 block scales d / f (Q8_0)
+TABLE_ROW = 48
 
 
-def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int) -> dict:
-    """Validated shape and the dynamic shared-memory layout (byte offsets) of a variant."""
+def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, tiles: int = 1) -> dict:
+    """Validated shape and the dynamic shared-memory layout (byte offsets) of a variant (``tiles``:
+    16-row MMA tiles per warp)."""
     if wtype not in UNIT_BYTES:
         raise ValueError(f"the tensor-core GEMV handles {MMA_TYPES}, not {wtype}")
-    if mtiles not in range(1, 9) or kparts not in (1, 2, 4, 8) or mtiles * kparts > 16:
-        raise ValueError(f"mtiles must be 1..8 and kparts 1, 2, 4 or 8 with at most 16 warps; got mtiles={mtiles}, "
-                         f"kparts={kparts}")
+    if mtiles not in range(1, 9) or kparts not in (1, 2, 4, 8) or mtiles * kparts > 16 or tiles not in (1, 2):
+        raise ValueError(f"mtiles must be 1..8, kparts 1, 2, 4 or 8 with at most 16 warps, tiles 1 or 2; got "
+                         f"mtiles={mtiles}, kparts={kparts}, tiles={tiles}")
     if stages not in (2, 4, 8):
         raise ValueError(f"stages must be 2, 4 or 8, got {stages}")
     if in_dim <= 0 or in_dim % (256 * kparts):
         raise ValueError(f"in_dim must be a positive multiple of 256 * kparts = {256 * kparts}, got {in_dim}")
     warps = mtiles * kparts
     unit = UNIT_BYTES[wtype]
+    rows = 16 * tiles
     off = {}
     pos = 0
 
@@ -75,15 +78,16 @@ def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int) -> di
         off[name] = pos
         pos += -(-nbytes // 16) * 16
 
-    take("ring", warps * stages * 16 * unit)
+    take("ring", warps * stages * rows * unit)
     take("xbuf", warps * 2 * XSLOT)
-    take("table", warps * TABLE_BYTES)
-    take("red", warps * 16 * 4 if kparts > 1 else 0)
+    take("table", warps * rows * TABLE_ROW)
+    take("red", warps * rows * 4 if kparts > 1 else 0)
     if pos > MAX_DYN_SMEM:
-        raise ValueError(f"{wtype} rows of {in_dim} with mtiles={mtiles}, kparts={kparts}, stages={stages} need "
-                         f"{pos} bytes of shared memory, more than {MAX_DYN_SMEM}: fewer warps or stages")
+        raise ValueError(f"{wtype} rows of {in_dim} with mtiles={mtiles}, kparts={kparts}, stages={stages}, "
+                         f"tiles={tiles} need {pos} bytes of shared memory, more than {MAX_DYN_SMEM}: fewer warps or "
+                         f"stages")
     return dict(unit=unit, units=in_dim // 256, per_warp=in_dim // 256 // kparts, warps=warps, smem=pos, off=off,
-                row_bytes=in_dim // 256 * unit)
+                row_bytes=in_dim // 256 * unit, rows=rows)
 
 
 def _digits(k: KernelBuilder, v: Reg, f: Reg) -> Reg:
@@ -150,56 +154,54 @@ def _convert_x(k: KernelBuilder, wtype: str, vals: list, slot: Reg, xc: dict) ->
 
 
 def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, bias: bool,
-          residual: bool) -> KernelBuilder:
-    lay = layout(wtype, in_dim, mtiles, kparts, stages)
-    U, n_units, warps = lay["unit"], lay["per_warp"], lay["warps"]
+          residual: bool, tiles: int = 1) -> KernelBuilder:
+    lay = layout(wtype, in_dim, mtiles, kparts, stages, tiles)
+    U, n_units, warps, R = lay["unit"], lay["per_warp"], lay["warps"], lay["rows"]
     params = [("w", "u64"), ("x", "u64"), ("y", "u64")]
     if bias:
         params.append(("bias", "u64"))
     if residual:
         params.append(("residual", "u64"))
     params.append(("out_dim", "u32"))
-    name = (f"gemv_mma_{wtype.lower()}_k{in_dim}_m{mtiles}_p{kparts}_s{stages}" + ("_bias" if bias else "")
-            + ("_res" if residual else ""))
+    name = (f"gemv_mma_{wtype.lower()}_k{in_dim}_m{mtiles}_p{kparts}_s{stages}" + (f"_t{tiles}" if tiles > 1 else "")
+            + ("_bias" if bias else "") + ("_res" if residual else ""))
     k = m.kernel(name, params)
-    k.meta.update(block=32 * warps, rows_per_cta=16 * mtiles, dyn_smem=lay["smem"], row_bytes=lay["row_bytes"])
+    k.meta.update(block=32 * warps, rows_per_cta=R * mtiles, dyn_smem=lay["smem"], row_bytes=lay["row_bytes"])
     out_dim = k.param("out_dim")
     tid = k.tid()
     lane, warp = k.and_(tid, 31), k.shr(tid, 5)
     mt = k.rem(warp, mtiles) if mtiles > 1 else 0
     kp = k.div(warp, mtiles) if kparts > 1 else None
-    row_base = k.shl(k.add(k.mul(k.ctaid(), mtiles), mt) if mtiles > 1 else k.ctaid(), 4)
+    row_base = k.mul(k.add(k.mul(k.ctaid(), mtiles), mt) if mtiles > 1 else k.ctaid(), R)
     last = k.sub(out_dim, 1)
     smem = k.dynamic_shared()
-    stage_bytes = 16 * U
+    stage_bytes = R * U
     ring = k.add(smem, k.add(k.mul(warp, stages * stage_bytes), lay["off"]["ring"]))
     w = k.global_ptr("w")
     k.global_ptr("y")
     # the warp's units of a row are kp, kp + kparts, kp + 2 kparts, ...: at any time the K parts of a
-    # tile read neighbouring units, i.e. kparts * U contiguous bytes of each row (DRAM page locality)
-    unit0 = kp
+    # tile read neighbouring units, i.e. kparts * U contiguous bytes of each row
+    wbase = w if kp is None else k.add(w, k.mul_wide(kp, U))
 
-    # --- the warp's copies: chunk c = lane + 32 q of a unit is row c / (U / 16), 16 bytes at col c % (U / 16)
+    # --- the warp's copies: 16-byte chunk c = lane + 32 q of a unit is row c / (U / 16), col c % (U / 16);
+    # in the ring it lands at 16 c (rows of U bytes, back to back)
     cpr = U // 16
-    nchunks = 16 * cpr
-    slots = []
-    wbase = w if unit0 is None else k.add(w, k.mul_wide(unit0, U))
+    nchunks = R * cpr
+    srcs = []
     for q in range(-(-nchunks // 32)):
         c = k.add(lane, 32 * q) if q else lane
         row = k.div(c, cpr)
-        col16 = k.shl(k.sub(c, k.mul(row, cpr)), 4)
         grow = k.min(k.add(row_base, row), last)  # rows past the end re-read the last row (not stored)
-        src = k.add(k.add(wbase, k.mul_wide(grow, lay["row_bytes"])), k.cvt(col16, "u64"))
-        dst = k.add(ring, k.add(k.mul(row, U), col16))
-        ok = k.setp("lt", c, nchunks) if (q + 1) * 32 > nchunks else None
-        slots.append((src, dst, ok))
+        off = k.add(k.mul_wide(grow, lay["row_bytes"]), k.cvt(k.shl(k.sub(c, k.mul(row, cpr)), 4), "u64"))
+        srcs.append((off, k.setp("lt", c, nchunks) if (q + 1) * 32 > nchunks else None))
+    dst0 = k.add(ring, k.shl(lane, 4))
 
     def issue(j: Reg | int, slot_off: Reg | int, valid: Reg | None) -> None:
-        joff = k.mul_wide(j, U * kparts) if isinstance(j, Reg) else j * U * kparts
-        for src, dst, ok in slots:
+        base = k.add(wbase, k.mul_wide(j, U * kparts) if isinstance(j, Reg) else j * U * kparts)
+        dst = k.add(dst0, slot_off) if isinstance(slot_off, Reg) or slot_off else dst0
+        for q, (off, ok) in enumerate(srcs):
             pred = ok if valid is None else (valid if ok is None else k.and_(ok, valid))
-            k.cp_async(k.add(dst, slot_off) if not (isinstance(slot_off, int) and slot_off == 0) else dst,
-                       k.add(src, joff) if not (isinstance(joff, int) and joff == 0) else src, pred=pred)
+            k.cp_async(dst, k.add(base, off), pred=pred, dst_offset=512 * q)
         k.cp_async_commit()
 
     for j in range(stages):  # the first units, before waiting for the kernel that writes x
@@ -228,24 +230,24 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
             _load_x(k, x, lane16, unit_of(jj), None, into=a_)
 
     g, t = k.shr(lane, 2), k.and_(lane, 3)
-    b_ok = k.setp("lt", g, PARTS)
-    b_lane = k.add(k.mul(g, PLANE), k.shl(t, 4))  # lane (g, t)'s B fragments: plane g, word group t
-    zero = k.mov(0, "s32")
-    zeros = [zero] * 4
-    acc = [k.var("f32", 0.0) for _ in range(4)]  # [row g, col 2t], [g, 2t+1], [g+8, 2t], [g+8, 2t+1]
-    minacc = k.var("f32", 0.0) if wtype == "Q4_K" else None
-    # the per-unit table: lane 2r + h fills entries 4h .. 4h + 3 of row r; lanes (g, t) read rows g, g + 8
-    table = k.add(smem, k.add(k.mul(warp, TABLE_BYTES), lay["off"]["table"]))
-    trow, half = k.shr(lane, 1), k.and_(lane, 1)
-    t_store = k.add(table, k.add(k.shl(trow, 5), k.shl(half, 4)))
-    t_g, t_g8 = k.add(table, k.shl(g, 5)), k.add(table, k.shl(k.add(g, 8), 5))
+    ctx = {
+        "g": g, "R": R, "tiles": tiles, "U": U,
+        "b_ok": k.setp("lt", g, PARTS),
+        "b_lane": k.add(k.mul(g, PLANE), k.shl(t, 4)),  # lane (g, t)'s B fragments: plane g, word group t
+        "zeros": [k.mov(0, "s32")] * 4,
+        # the per-unit table, row r at r * TABLE_ROW, filled by lane r (< R)
+        "table": k.add(smem, k.add(k.mul(warp, R * TABLE_ROW), lay["off"]["table"])),
+        "t_lane": k.setp("lt", lane, R),
+        "row_stage": k.mul(lane, U),  # lane r's row in a staged unit
+        "t4": k.shl(t, 2),
+    }
+    ctx["t_mine"] = k.add(ctx["table"], k.mul(lane, TABLE_ROW))
+    ctx["t_g"] = k.add(ctx["table"], k.mul(g, TABLE_ROW))  # + 8 * TABLE_ROW * (2 r + h): row 16 r + 8 h + g
     if wtype == "Q4_K":
-        hi_half = k.setp("eq", half, 1)
-        s_lane = k.add(k.shl(half, 4), XSUM)
-        ldm = k.add(k.mul(k.add(k.and_(lane, 7), k.shl(k.and_(k.shr(lane, 3), 1), 3)), U), k.shl(k.shr(lane, 4), 4))
-    else:
-        t4 = k.shl(t, 2)
-        d_src = k.add(k.mul(trow, 272), k.mul(half, 4 * 34))  # the row's blocks 4h .. 4h + 3
+        ctx["ldm"] = k.add(k.mul(k.add(k.and_(lane, 7), k.shl(k.and_(k.shr(lane, 3), 1), 3)), U),
+                           k.shl(k.shr(lane, 4), 4))
+    acc = [[k.var("f32", 0.0) for _ in range(4)] for _ in range(tiles)]  # [g][2t], [g][2t+1], [g+8][2t], [g+8][2t+1]
+    minacc = k.var("f32", 0.0) if wtype == "Q4_K" else None  # lane r: row r's min term
 
     with k.loop(0, n_units) as j:
         slot_off = k.mul(k.and_(j, stages - 1), stage_bytes)
@@ -253,11 +255,10 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
         xslot = k.add(xbuf, k.mul(k.and_(j, 1), XSLOT))
         k.cp_async_wait_group(stages - 1)
         k.bar_warp_sync()
-        bj = k.add(xslot, b_lane)
         if wtype == "Q4_K":
-            _unit_q4k(k, sbase, bj, xslot, acc, minacc, zeros, b_ok, ldm, t_store, t_g, t_g8, s_lane, hi_half, trow, g)
+            _unit_q4k(k, ctx, sbase, xslot, acc, minacc)
         else:
-            _unit_q8_0(k, sbase, bj, xslot, acc, zeros, b_ok, g, t4, d_src, t_store, t_g, t_g8)
+            _unit_q8_0(k, ctx, sbase, xslot, acc)
         k.bar_warp_sync()  # every lane is done with the ring slot and the x slot: refill them
         nxt = k.add(j, stages)
         issue(nxt, slot_off, k.setp("lt", nxt, n_units))
@@ -277,56 +278,61 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
     t_is0, t_is1 = k.setp("eq", t, 0), k.setp("eq", t, 1)
     w0 = k.selp(1.0, k.selp(65536.0, 0.0, t_is1, "f32"), t_is0, "f32")
     w1 = k.selp(256.0, k.selp(16777216.0, 0.0, t_is1, "f32"), t_is0, "f32")
-    sums = []
-    for a0, a1 in ((acc[0], acc[1]), (acc[2], acc[3])):
-        s = k.fma(a1, w1, k.mul(a0, w0))
-        s = k.add(s, k.shfl("bfly", s, 1))
-        s = k.add(s, k.shfl("bfly", s, 2))
-        sums.append(s)
-    if minacc is not None:  # lane 2r + h holds half h of row r's min term
-        mrow = k.add(minacc, k.shfl("bfly", minacc, 1))
-        sums = [k.sub(sums[0], k.shfl("idx", mrow, k.shl(g, 1))), k.sub(sums[1], k.shfl("idx", mrow, k.add(k.shl(g, 1), 16)))]
+    sums = []  # rows g, g + 8, 16 + g, 24 + g
+    for r in range(tiles):
+        for a0, a1 in ((acc[r][0], acc[r][1]), (acc[r][2], acc[r][3])):
+            s = k.fma(a1, w1, k.mul(a0, w0))
+            s = k.add(s, k.shfl("bfly", s, 1))
+            sums.append(k.add(s, k.shfl("bfly", s, 2)))
+    if minacc is not None:  # lane r holds row r's min term
+        sums = [k.sub(sm, k.shfl("idx", minacc, k.add(g, 8 * i) if i else g)) for i, sm in enumerate(sums)]
     _epilogue(k, lay, mtiles, kparts, sums, smem, tid, lane, g, t, out_dim, bias, residual)
     k.ret()
     return k
 
 
-def _unit_q4k(k, sbase, bj, xslot, acc, minacc, zeros, b_ok, ldm, t_store, t_g, t_g8, s_lane, hi_half, trow, g) -> None:
-    """One Q4_K super-block of the warp's 16 rows (staged at ``sbase``)."""
+def _unit_q4k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, minacc) -> None:
+    """One Q4_K super-block of the warp's rows (staged at ``sbase``)."""
     U = 144
-    # scale table: lane 2r + h unpacks sub-blocks 4h .. 4h + 3 of row r (and adds their min terms)
-    dm, s0, s1, s2 = k.load("shared", "u32", k.add(sbase, k.mul(trow, U)), vec=4)
-    sc = k.selp(k.or_(k.and_(s2, 0x0F0F0F0F), k.and_(k.shr(s0, 2), 0x30303030)), k.and_(s0, 0x3F3F3F3F), hi_half, "b32")
-    mn = k.selp(k.or_(k.and_(k.shr(s2, 4), 0x0F0F0F0F), k.and_(k.shr(s1, 2), 0x30303030)), k.and_(s1, 0x3F3F3F3F),
-                hi_half, "b32")
-    k.store("shared", "u32", t_store, [k.prmt(sc, 0, 0x4440 | i) for i in range(4)])
-    sx = k.load("shared", "f32", k.add(xslot, s_lane), vec=4)  # sums of x over those sub-blocks
-    msum = None
-    for i in range(4):
-        mf = k.add(k.bitcast(k.prmt(mn, 0x4B000000, 0x7440 | i), "f32"), -8388608.0)
-        msum = k.mul(mf, sx[i]) if msum is None else k.fma(mf, sx[i], msum)
-    _, dmin_h = k.unpack_b32(dm)
-    dmin = k.cvt(Reg(dmin_h.name, ql._f16), "f32")
-    k.assign(minacc, k.fma(dmin, msum, minacc))
+    # the table: lane r unpacks row r's 8 sub-block scales, d / f, and adds its min terms
+    with k.if_(c["t_lane"]):
+        dm, s0, s1, s2 = k.load("shared", "u32", k.add(sbase, c["row_stage"]), vec=4)
+        sc_lo = k.and_(s0, 0x3F3F3F3F)
+        sc_hi = k.or_(k.and_(s2, 0x0F0F0F0F), k.and_(k.shr(s0, 2), 0x30303030))
+        mn_lo = k.and_(s1, 0x3F3F3F3F)
+        mn_hi = k.or_(k.and_(k.shr(s2, 4), 0x0F0F0F0F), k.and_(k.shr(s1, 2), 0x30303030))
+        k.store("shared", "u32", c["t_mine"], [k.prmt(sc_lo, 0, 0x4440 | i) for i in range(4)])
+        k.store("shared", "u32", c["t_mine"], [k.prmt(sc_hi, 0, 0x4440 | i) for i in range(4)], 16)
+        d_h, dmin_h = k.unpack_b32(dm)
+        inv_f = k.load("shared", "f32", xslot, INVF)  # the unit's x digits are x f
+        k.store("shared", "f32", c["t_mine"], k.mul(k.cvt(Reg(d_h.name, ql._f16), "f32"), inv_f), 32)
+        sx = list(k.load("shared", "f32", xslot, XSUM, vec=4)) + list(k.load("shared", "f32", xslot, XSUM + 16, vec=4))
+        msum = None
+        for i in range(8):
+            mf = k.add(k.bitcast(k.prmt(mn_lo if i < 4 else mn_hi, 0x4B000000, 0x7440 | (i % 4)), "f32"), -8388608.0)
+            msum = k.mul(mf, sx[i]) if msum is None else k.fma(mf, sx[i], msum)
+        k.assign(minacc, k.fma(k.cvt(Reg(dmin_h.name, ql._f16), "f32"), msum, minacc))
     k.bar_warp_sync()
-    ints: list = [None] * 4
+    ints = [[None] * 4 for _ in range(c["tiles"])]
+    bj = k.add(xslot, c["b_lane"])
     for i in range(4):  # sub-block pair i: bytes 16 + 32 i .. of each row
-        r = k.ldmatrix_x4(k.add(sbase, ldm), 16 + 32 * i)
-        lo = [k.and_(x, 0x0F0F0F0F) for x in r]
-        hi = [k.and_(k.shr(x, 4), 0x0F0F0F0F) for x in r]
-        b = k.load("shared", "u32", bj, 64 * i, vec=4, pred=b_ok, other=0)
-        da = k.mma_s8(lo, b[0:2], zeros)
-        db = k.mma_s8(hi, b[2:4], zeros)
-        sg = k.load("shared", "u32", t_g, 8 * i, vec=2)
-        sg8 = k.load("shared", "u32", t_g8, 8 * i, vec=2)
-        for n, scs in ((0, sg), (1, sg), (2, sg8), (3, sg8)):
-            v = k.mad(db[n], k.bitcast(scs[1], "s32"), k.mul(da[n], k.bitcast(scs[0], "s32")))
-            ints[n] = v if ints[n] is None else k.add(ints[n], v)
-    inv_f = k.load("shared", "f32", xslot, INVF)  # the unit's x digits are x f
-    dg = k.mul(ql.lds_f16(k, k.add(sbase, k.mul(g, U)), 0), inv_f)
-    dg8 = k.mul(ql.lds_f16(k, k.add(sbase, k.mul(g, U)), 8 * U), inv_f)
-    for n, d in ((0, dg), (1, dg), (2, dg8), (3, dg8)):
-        k.assign(acc[n], k.fma(d, k.cvt(ints[n], "f32"), acc[n]))
+        b = k.load("shared", "u32", bj, 64 * i, vec=4, pred=c["b_ok"], other=0)
+        for r in range(c["tiles"]):
+            regs = k.ldmatrix_x4(k.add(sbase, c["ldm"]), 16 * r * U + 16 + 32 * i)
+            lo = [k.and_(x, 0x0F0F0F0F) for x in regs]
+            hi = [k.and_(k.shr(x, 4), 0x0F0F0F0F) for x in regs]
+            da = k.mma_s8(lo, b[0:2], c["zeros"])
+            db = k.mma_s8(hi, b[2:4], c["zeros"])
+            sg = k.load("shared", "u32", c["t_g"], 16 * r * TABLE_ROW + 8 * i, vec=2)
+            sg8 = k.load("shared", "u32", c["t_g"], (16 * r + 8) * TABLE_ROW + 8 * i, vec=2)
+            for n, scs in ((0, sg), (1, sg), (2, sg8), (3, sg8)):
+                v = k.mad(db[n], k.bitcast(scs[1], "s32"), k.mul(da[n], k.bitcast(scs[0], "s32")))
+                ints[r][n] = v if ints[r][n] is None else k.add(ints[r][n], v)
+    for r in range(c["tiles"]):
+        dg = k.load("shared", "f32", c["t_g"], 16 * r * TABLE_ROW + 32)
+        dg8 = k.load("shared", "f32", c["t_g"], (16 * r + 8) * TABLE_ROW + 32)
+        for n, d in ((0, dg), (1, dg), (2, dg8), (3, dg8)):
+            k.assign(acc[r][n], k.fma(d, k.cvt(ints[r][n], "f32"), acc[r][n]))
 
 
 def _exact_float(k: KernelBuilder, i: Reg) -> Reg:
@@ -335,41 +341,48 @@ def _exact_float(k: KernelBuilder, i: Reg) -> Reg:
     return k.add(k.bitcast(k.add(k.bitcast(i, "u32"), 0x4B400000), "f32"), -12582912.0)
 
 
-def _unit_q8_0(k, sbase, bj, xslot, acc, zeros, b_ok, g, t4, d_src, t_store, t_g, t_g8) -> None:
-    """Eight Q8_0 blocks (34 bytes each) of the warp's 16 rows (staged at ``sbase``)."""
+def _unit_q8_0(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list) -> None:
+    """Eight Q8_0 blocks (34 bytes each) of the warp's rows (staged at ``sbase``)."""
     U = 272
-    # the blocks' scales d as floats: lane 2r + h converts blocks 4h .. 4h + 3 of row r
-    inv_f = k.load("shared", "f32", xslot, INVF)  # the unit's x digits are x f
-    ds = [k.mul(ql.lds_f16(k, k.add(sbase, d_src), 34 * i), inv_f) for i in range(4)]
-    k.store("shared", "f32", t_store, ds)
+    # the blocks' scales d / f as floats: lane r converts row r's 8
+    with k.if_(c["t_lane"]):
+        inv_f = k.load("shared", "f32", xslot, INVF)  # the unit's x digits are x f
+        row = k.add(sbase, c["row_stage"])
+        ds = [k.mul(ql.lds_f16(k, row, 34 * i), inv_f) for i in range(8)]
+        k.store("shared", "f32", c["t_mine"], ds[:4])
+        k.store("shared", "f32", c["t_mine"], ds[4:], 16)
     k.bar_warp_sync()
-    rg_t = k.add(k.add(sbase, k.mul(g, U)), t4)
-    b = sg = sg8 = None
+    rg_t = k.add(k.add(sbase, k.mul(c["g"], U)), c["t4"])
+    bj = k.add(xslot, c["b_lane"])
+    b = None
     for blk in range(8):
-        q = 34 * blk + 2  # the codes; 4-byte aligned for odd blocks, 2 for even ones
-        words = []
-        for roff, half in ((0, 0), (8 * U, 0), (0, 16), (8 * U, 16)):
-            off = roff + q + half
-            if off % 4 == 0:
-                words.append(k.load("shared", "u32", rg_t, off))
-            else:
-                w0 = k.load("shared", "u32", rg_t, off - 2)
-                w1 = k.load("shared", "u32", rg_t, off + 2)
-                words.append(k.prmt(w0, w1, 0x5432))
         if blk % 2 == 0:
-            b = k.load("shared", "u32", bj, 32 * blk, vec=4, pred=b_ok, other=0)
-            sg = k.load("shared", "f32", t_g, 4 * blk, vec=2)
-            sg8 = k.load("shared", "f32", t_g8, 4 * blk, vec=2)
-        d = k.mma_s8(words, b[0:2] if blk % 2 == 0 else b[2:4], zeros)
-        for n, s in ((0, sg), (1, sg), (2, sg8), (3, sg8)):  # |d| <= 32 * 128 * 128 < 2**22
-            k.assign(acc[n], k.fma(s[blk % 2], _exact_float(k, d[n]), acc[n]))
+            b = k.load("shared", "u32", bj, 32 * blk, vec=4, pred=c["b_ok"], other=0)
+        q = 34 * blk + 2  # the codes; 4-byte aligned for odd blocks, 2 for even ones
+        for r in range(c["tiles"]):
+            words = []
+            for roff, half in ((0, 0), (8 * U, 0), (0, 16), (8 * U, 16)):
+                off = 16 * r * U + roff + q + half
+                if off % 4 == 0:
+                    words.append(k.load("shared", "u32", rg_t, off))
+                else:
+                    w0 = k.load("shared", "u32", rg_t, off - 2)
+                    w1 = k.load("shared", "u32", rg_t, off + 2)
+                    words.append(k.prmt(w0, w1, 0x5432))
+            d = k.mma_s8(words, b[0:2] if blk % 2 == 0 else b[2:4], c["zeros"])
+            sg = k.load("shared", "f32", c["t_g"], 16 * r * TABLE_ROW + 4 * blk)
+            sg8 = k.load("shared", "f32", c["t_g"], (16 * r + 8) * TABLE_ROW + 4 * blk)
+            for n, s in ((0, sg), (1, sg), (2, sg8), (3, sg8)):  # |d| <= 32 * 128 * 128 < 2**22
+                k.assign(acc[r][n], k.fma(s, _exact_float(k, d[n]), acc[r][n]))
 
 
 def _epilogue(k, lay, mtiles, kparts, sums, smem, tid, lane, g, t, out_dim, bias, residual) -> None:
-    """Store (or, with K parts, combine in order and store) the 16 rows of each tile, + bias/residual."""
+    """Store (or, with K parts, combine in order and store) the warp's rows, + bias/residual. ``sums``:
+    rows g, g + 8 (, g + 16, g + 24) of the warp, complete in lanes t == 0."""
+    R = lay["rows"]
     warp = k.shr(tid, 5)
     mt = k.rem(warp, mtiles) if mtiles > 1 else 0
-    row_base = k.shl(k.add(k.mul(k.ctaid(), mtiles), mt) if mtiles > 1 else k.ctaid(), 4)
+    row_base = k.mul(k.add(k.mul(k.ctaid(), mtiles), mt) if mtiles > 1 else k.ctaid(), R)
 
     def store(val: Reg, r: Reg) -> None:
         off = k.mul_wide(r, 4)
@@ -379,25 +392,26 @@ def _epilogue(k, lay, mtiles, kparts, sums, smem, tid, lane, g, t, out_dim, bias
             val = k.add(val, k.load("global", "f32", k.add(k.global_ptr("residual"), off)))
         k.store("global", "f32", k.add(k.global_ptr("y"), off), val)
 
+    t0 = k.setp("eq", t, 0)
     if kparts == 1:
-        t0 = k.setp("eq", t, 0)
-        for n, rr in ((0, k.add(row_base, g)), (1, k.add(row_base, k.add(g, 8)))):
+        for i, sm in enumerate(sums):
+            rr = k.add(row_base, k.add(g, 8 * i) if i else g)
             with k.if_(k.and_(t0, k.setp("lt", rr, out_dim))):
-                store(sums[n], rr)
+                store(sm, rr)
         return
     red = k.add(smem, lay["off"]["red"])
-    mine = k.add(red, k.mul(warp, 64))  # red[kp][mt][16] = red[warp][16]
-    with k.if_(k.setp("eq", t, 0)):
-        k.store("shared", "f32", k.add(mine, k.shl(g, 2)), sums[0])
-        k.store("shared", "f32", k.add(mine, k.shl(g, 2)), sums[1], 32)
+    mine = k.add(red, k.mul(warp, 4 * R))  # red[kp][mt][R] = red[warp][R]
+    with k.if_(t0):
+        for i, sm in enumerate(sums):
+            k.store("shared", "f32", k.add(mine, k.shl(g, 2)), sm, 32 * i)
     k.bar_sync()
     r = k.add(row_base, lane)
     first = k.setp("lt", warp, mtiles)  # kp == 0
-    with k.if_(k.and_(k.and_(first, k.setp("lt", lane, 16)), k.setp("lt", r, out_dim))):
+    with k.if_(k.and_(k.and_(first, k.setp("lt", lane, R)), k.setp("lt", r, out_dim))):
         src = k.add(mine, k.shl(lane, 2))
         v = k.load("shared", "f32", src)
         for p in range(1, kparts):
-            v = k.add(v, k.load("shared", "f32", src, p * mtiles * 64))
+            v = k.add(v, k.load("shared", "f32", src, p * mtiles * 4 * R))
         store(v, r)
 
 
@@ -407,14 +421,18 @@ def _grid_shapes() -> list[dict]:
         shapes += [{"wtype": wt, "in_dim": 256, "mtiles": 1, "kparts": 1, "stages": 2},
                    {"wtype": wt, "in_dim": 4096, "mtiles": 2, "kparts": 4, "stages": 4},
                    {"wtype": wt, "in_dim": 14336, "mtiles": 2, "kparts": 4, "stages": 4, "residual": True},
+                   {"wtype": wt, "in_dim": 14336, "mtiles": 1, "kparts": 8, "stages": 2, "tiles": 2},
+                   {"wtype": wt, "in_dim": 4096, "mtiles": 4, "kparts": 2, "stages": 2, "tiles": 2, "bias": True},
                    {"wtype": wt, "in_dim": 4096, "mtiles": 8, "kparts": 1, "stages": 4, "bias": True}]
     return shapes
 
 
 @kernel("gemv_mma", grid=_grid_shapes())
 def gemv_mma(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, mtiles: int = 2, kparts: int = 4, stages: int = 4,
-             bias: bool = False, residual: bool = False) -> KernelBuilder:
+             bias: bool = False, residual: bool = False, tiles: int = 1) -> KernelBuilder:
     """y[r] = sum_k W[r, k] x[k] (+ bias[r]) (+ residual[r]) for r < out_dim, W in Q4_K or Q8_0 blocks, on
     tensor cores (exact int8 MMAs of the codes with x as four base-256 digits).
-    Launch: grid ceil(out_dim / (16 mtiles)), block 32 mtiles kparts, meta["dyn_smem"] dynamic shared bytes."""
-    return build(m, wtype, in_dim, mtiles, kparts, stages, bias, residual)
+    ``tiles``: 16-row MMA tiles per warp (2: each x digit fragment and weight-scale step serves 32 rows).
+    Launch: grid ceil(out_dim / (16 tiles mtiles)), block 32 mtiles kparts, meta["dyn_smem"] dynamic shared
+    bytes."""
+    return build(m, wtype, in_dim, mtiles, kparts, stages, bias, residual, tiles)

@@ -99,17 +99,17 @@ def _activation(rng, n: int, scale: float, spikes: int) -> np.ndarray:
 @settings(max_examples=60, deadline=None)
 @given(data=st.data(), wtype=st.sampled_from(["Q4_K", "Q8_0"]), out_dim=st.integers(1, 600),
        mtiles=st.integers(1, 8), kparts=st.sampled_from([1, 2, 4, 8]), stages=st.sampled_from([2, 4, 8]),
-       bias=st.booleans(), residual=st.sampled_from([None, "separate", "in_place"]),
+       tiles=st.sampled_from([1, 2]), bias=st.booleans(), residual=st.sampled_from([None, "separate", "in_place"]),
        scale=st.sampled_from([1e-4, 1.0, 30.0, 3e3]), spikes=st.integers(0, 4), seed=st.integers(0, 2**32 - 1))
-def test_gemv_mma_matches_float64_oracle(ops, data, wtype, out_dim, mtiles, kparts, stages, bias, residual, scale,
-                                         spikes, seed):
+def test_gemv_mma_matches_float64_oracle(ops, data, wtype, out_dim, mtiles, kparts, stages, tiles, bias, residual,
+                                         scale, spikes, seed):
     """The tensor-core GEMV (x as int8 digits, exact int8 MMAs) at every launch shape, x from 1e-4 to
     3e3 in size with outliers; rows 256 * kparts * (1..7) long (ring wrap-around included)."""
     while mtiles * kparts > 16:
         kparts //= 2
     while True:  # shrink to what fits the shared memory (a 16-warp ring of 8 Q8_0 stages does not)
         try:
-            mma_layout(wtype, 256 * kparts * 7, mtiles, kparts, stages)
+            mma_layout(wtype, 256 * kparts * 7, mtiles, kparts, stages, tiles)
             break
         except ValueError:
             stages, mtiles = (stages // 2, mtiles) if stages > 2 else (stages, mtiles - 1)
@@ -122,7 +122,7 @@ def test_gemv_mma_matches_float64_oracle(ops, data, wtype, out_dim, mtiles, kpar
     w = GpuWeight(data=raw, ggml_type=wtype, shape=(out_dim, in_dim))
     dy = _poisoned(out_dim) if residual != "in_place" else _buf(r)
     dr = dy if residual == "in_place" else (_buf(r) if residual else None)
-    cfg = MmaConfig(mtiles, kparts, stages)
+    cfg = MmaConfig(mtiles, kparts, stages, tiles)
     ops.gemv(w, _buf(x), dy, bias=_buf(b) if bias else None, residual=dr, config=cfg)
     wd = dequant(raw, wtype, out_dim, in_dim).astype(np.float64)
     ref = wd @ x.astype(np.float64) + (b if bias else 0) + (r if residual else 0)
