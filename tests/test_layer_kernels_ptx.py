@@ -524,6 +524,8 @@ def test_gemv_mma_emulated_matches_oracle(wtype, out_dim, mtiles, kparts, stages
     combined in shared memory) vs the float64 oracle; x spans 1e-3..500 with one outlier."""
     from ptx_gen.kernels.gemv_mma import layout
     rng = np.random.default_rng(seed)
+    while mtiles * kparts * tiles > 16:
+        kparts //= 2
     in_dim = 256 * kparts * units
 
     def fits(st: int) -> bool:
@@ -573,3 +575,20 @@ def test_mma_config_balances_the_grid():
             ctas = -(-out_dim // (16 * cfg.tiles * cfg.mtiles))
             assert ctas / 132 / -(-ctas // 132) > 0.9, (out_dim, in_dim, wt, cfg)
             assert layout(wt, in_dim, cfg.mtiles, cfg.kparts, cfg.stages, cfg.tiles)["smem"] <= 227 * 1024
+
+
+@pytest.mark.parametrize("wtype", ["Q4_K", "Q8_0"])
+def test_gemv_mma_dispatcher_picks_assemble_without_spills(wtype):
+    """Every tensor-core launch shape the dispatcher picks at real decode shapes (and 32-row warps at
+    their 8-warp maximum) assembles for sm_80 and sm_90 without local-memory spills."""
+    from realizar.layers import mma_config
+    picks = {mma_config(o, i, wtype, 132) for o, i in ((4096, 14336), (14336, 4096), (4096, 4096), (28672, 4096),
+                                                       (6144, 4096), (2048, 8192), (1024, 4096))}
+    picks.add(type(next(iter(picks)))(8, 1, 2, 2))
+    for cfg in picks:
+        in_dim = 14336 if 14336 % (256 * cfg.kparts) == 0 else 4096
+        for sm in ("sm_80", "sm_90"):
+            src = catalog.emit("gemv_mma", target=sm, wtype=wtype, in_dim=in_dim, mtiles=cfg.mtiles,
+                               kparts=cfg.kparts, stages=cfg.stages, tiles=cfg.tiles, residual=True)
+            for r in assemble(src.ptx, sm):
+                assert r.spill_stores == 0 and r.spill_loads == 0, (cfg, sm, r)

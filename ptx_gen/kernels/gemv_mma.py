@@ -60,9 +60,11 @@ def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, tiles
     16-row MMA tiles per warp)."""
     if wtype not in UNIT_BYTES:
         raise ValueError(f"the tensor-core GEMV handles {MMA_TYPES}, not {wtype}")
-    if mtiles not in range(1, 9) or kparts not in (1, 2, 4, 8) or mtiles * kparts > 16 or tiles not in (1, 2):
-        raise ValueError(f"mtiles must be 1..8, kparts 1, 2, 4 or 8 with at most 16 warps, tiles 1 or 2; got "
-                         f"mtiles={mtiles}, kparts={kparts}, tiles={tiles}")
+    if (mtiles not in range(1, 9) or kparts not in (1, 2, 4, 8) or tiles not in (1, 2)
+            or mtiles * kparts * tiles > 16):
+        # 32-row warps need ~130 registers: at most 8 of them in a CTA (16 would leave 128 and spill)
+        raise ValueError(f"mtiles must be 1..8, kparts 1, 2, 4 or 8 and tiles 1 or 2, with at most 16 warps (8 "
+                         f"with tiles=2); got mtiles={mtiles}, kparts={kparts}, tiles={tiles}")
     if stages not in (2, 4, 8):
         raise ValueError(f"stages must be 2, 4 or 8, got {stages}")
     if in_dim <= 0 or in_dim % (256 * kparts):
@@ -166,6 +168,7 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
     name = (f"gemv_mma_{wtype.lower()}_k{in_dim}_m{mtiles}_p{kparts}_s{stages}" + (f"_t{tiles}" if tiles > 1 else "")
             + ("_bias" if bias else "") + ("_res" if residual else ""))
     k = m.kernel(name, params)
+    k.max_threads = 32 * warps  # .maxntid: ptxas keeps the registers within what the whole CTA can get
     k.meta.update(block=32 * warps, rows_per_cta=R * mtiles, dyn_smem=lay["smem"], row_bytes=lay["row_bytes"])
     out_dim = k.param("out_dim")
     tid = k.tid()
