@@ -227,11 +227,12 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
         return k.mad(j, kparts, kp0) if isinstance(j, Reg) else k.add(kp0, j * kparts)
 
     _convert_x(k, wtype, _load_x(k, x, lane16, unit_of(0), None), xbuf, xc)
-    ahead = [[k.var("f32", 0.0) for _ in range(8)] for _ in range(2)]  # units j + 1, j + 2
-    for a_, jj in zip(ahead, (1, 2)):
+    # x of units j + 1 and j + 2 in flight in registers: odd units in xregs[1], even ones in xregs[0]
+    # (the loop is unrolled by two so no register is copied while its load is still in flight)
+    xregs = [[k.var("f32", 0.0) for _ in range(8)] for _ in range(2)]
+    for jj in (1, 2):
         if jj < n_units:
-            _load_x(k, x, lane16, unit_of(jj), None, into=a_)
-
+            _load_x(k, x, lane16, unit_of(jj), None, into=xregs[jj % 2])
     g, t = k.shr(lane, 2), k.and_(lane, 3)
     ctx = {
         "g": g, "R": R, "tiles": tiles, "U": U,
@@ -252,7 +253,9 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
     acc = [[k.var("f32", 0.0) for _ in range(4)] for _ in range(tiles)]  # [g][2t], [g][2t+1], [g+8][2t], [g+8][2t+1]
     minacc = k.var("f32", 0.0) if wtype == "Q4_K" else None  # lane r: row r's min term
 
-    with k.loop(0, n_units) as j:
+    def step(j: Reg) -> None:
+        """Unit j: wait for its weights, compute, refill the ring slot, convert unit j + 1's x (in the
+        registers of its parity), start loading unit j + 3's into them."""
         slot_off = k.mul(k.and_(j, stages - 1), stage_bytes)
         sbase = k.add(ring, slot_off)
         xslot = k.add(xbuf, k.mul(k.and_(j, 1), XSLOT))
@@ -266,12 +269,20 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
         nxt = k.add(j, stages)
         issue(nxt, slot_off, k.setp("lt", nxt, n_units))
         j1 = k.add(j, 1)
+        regs = xregs[parity[0]]
         with k.if_(k.setp("lt", j1, n_units)):  # warp-uniform
-            _convert_x(k, wtype, list(ahead[0]), k.add(xbuf, k.mul(k.and_(j1, 1), XSLOT)), xc)
-        for a_, b_ in zip(ahead[0], ahead[1]):
-            k.assign(a_, b_)
+            _convert_x(k, wtype, list(regs), k.add(xbuf, k.mul(k.and_(j1, 1), XSLOT)), xc)
         j3 = k.add(j, 3)
-        _load_x(k, x, lane16, unit_of(j3), k.setp("lt", j3, n_units), into=ahead[1])
+        _load_x(k, x, lane16, unit_of(j3), k.setp("lt", j3, n_units), into=regs)
+        parity[0] ^= 1
+
+    parity = [1]  # unit j + 1 of the first step is odd
+    if n_units >= 2:
+        with k.loop(0, n_units - n_units % 2, 2) as j:
+            step(j)
+            step(k.add(j, 1))
+    if n_units % 2:
+        step(k.mov(n_units - 1, "u32"))
     k.cp_async_wait_all()
 
     # --- row sums: digit columns weighted 1, 256 (lane t = 0), 65536 and 2**24 (t = 1)
