@@ -194,7 +194,7 @@ class MmaConfig:
     tiles: int = 1  # 16-row MMA tiles per warp
 
 
-MMA_INFLIGHT_PER_SM = 64 * 1024  # weight bytes each SM should have requested at any time
+MMA_EXTRA_CTA = 0.1  # the tensor-core GEMV dispatcher's cost of each further CTA on an SM
 
 
 def mma_config(out_dim: int, in_dim: int, wtype: str, sm_count: int = 132,
@@ -202,41 +202,33 @@ def mma_config(out_dim: int, in_dim: int, wtype: str, sm_count: int = 132,
     """The tensor-core GEMV's launch shape for ``out_dim`` rows of ``in_dim`` values, or None where it
     does not apply (types other than Q4_K/Q8_0, rows not a multiple of 256 values).
 
-    Every CTA does the same work and the kernel is bandwidth bound, so the grid is chosen for balance:
-    the busiest SM holds ``ceil(ctas / sm_count)`` CTAs while the mean is ``ctas / sm_count`` (128 CTAs
-    on 132 SMs: 97%; 224: 85%). Among the best balanced shapes (within 2%): 32 rows per warp rather
-    than 16 (each unit of x digits, converted by the warp, then serves twice the rows), then enough
-    ring stages for ``MMA_INFLIGHT_PER_SM`` bytes in flight per SM, then more warps per SM, then fewer
-    K parts, then fewer stages."""
+    Fitted to ``tools/bench_gemv.py --sweep`` on an H200: CTAs of 8 warps and a 2-stage ring; warps of
+    32 rows (each unit of x the warp converts serves twice the rows) split K in ``kparts`` so that the
+    grid is balanced over the SMs (the busiest SM runs ``ceil(ctas / sm_count)`` CTAs where the mean is
+    ``ctas / sm_count``), each CTA beyond the first on an SM costing ``MMA_EXTRA_CTA`` (one CTA
+    streaming many units per warp beats several short ones: 14336 x 4096 with 112 CTAs of 2 K parts
+    11.9 us, 448 CTAs of 8 parts 13.7 us, 896 CTAs of 16-row warps 13.0 us). Among shapes within 2% of
+    the best: 32-row warps, then fewer CTAs per SM."""
     if wtype not in MMA_TYPES or in_dim % 256:
         return None
     units = in_dim // 256
     cands = []
-    for tiles, mtiles, kparts, stages in itertools.product((1, 2), range(1, 9), (1, 2, 4, 8), (2, 4, 8)):
-        warps = mtiles * kparts
-        groups = -(-out_dim // (16 * tiles))  # row groups of one warp
-        if not 4 <= warps <= 16 or units % kparts or (mtiles > 1 and groups < 2 * mtiles):
+    for tiles, (mtiles, kparts) in itertools.product((1, 2), ((1, 8), (2, 4), (4, 2), (8, 1))):
+        if units % kparts:
             continue
-        if stages > 2 and stages // 2 >= units // kparts:
-            continue  # more stages than units: no use
         try:
-            smem = mma_layout(wtype, in_dim, mtiles, kparts, stages, tiles)["smem"]
+            if mma_layout(wtype, in_dim, mtiles, kparts, 2, tiles)["smem"] > max_smem:
+                continue
         except ValueError:
             continue
-        if smem > max_smem:
-            continue
-        ctas = -(-groups // mtiles)
-        per_sm = -(-ctas // sm_count)  # CTAs the busiest SM runs
-        resident = min(per_sm, max_smem // smem, 64 // warps)
-        balance = ctas / sm_count / per_sm
-        stage_bytes = 16 * tiles * UNIT_BYTES[wtype]
-        inflight = min(resident * warps * min(stages, units // kparts) * stage_bytes, MMA_INFLIGHT_PER_SM)
-        cands.append((balance, tiles, inflight, resident * warps, -kparts, -stages,
-                      MmaConfig(mtiles, kparts, stages, tiles)))
+        ctas = -(-out_dim // (16 * tiles * mtiles))
+        per_sm = -(-ctas // sm_count)
+        score = ctas / sm_count / per_sm * max(0.1, 1 - MMA_EXTRA_CTA * (per_sm - 1))
+        cands.append((score, tiles, -per_sm, MmaConfig(mtiles, kparts, 2, tiles)))
     if not cands:
         return None
     top = max(c[0] for c in cands)
-    return max((c for c in cands if c[0] >= top - 0.02), key=lambda c: c[1:6])[-1]
+    return max((c for c in cands if c[0] >= top - 0.02), key=lambda c: c[1:3])[-1]
 
 
 class LayerOps:

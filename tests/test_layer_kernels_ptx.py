@@ -565,7 +565,8 @@ def test_gemv_mma_emulated_matches_oracle(wtype, out_dim, mtiles, kparts, stages
 
 def test_mma_config_balances_the_grid():
     """The tensor-core dispatcher: None where the kernel does not apply; else a shape that fits, with
-    the busiest SM at most ~1.1x the mean at the real decode shapes."""
+    the busiest SM at most 1.25x the mean at the real decode shapes, and the sweep's best picks at the
+    two FFN shapes (bench_gemv --sweep, H200)."""
     from ptx_gen.kernels.gemv_mma import layout
     from realizar.layers import mma_config
     assert mma_config(4096, 4096, "Q6_K") is None and mma_config(576, 576, "Q8_0") is None
@@ -573,8 +574,10 @@ def test_mma_config_balances_the_grid():
         for wt in ("Q4_K", "Q8_0"):
             cfg = mma_config(out_dim, in_dim, wt, 132)
             ctas = -(-out_dim // (16 * cfg.tiles * cfg.mtiles))
-            assert ctas / 132 / -(-ctas // 132) > 0.9, (out_dim, in_dim, wt, cfg)
+            assert ctas / 132 / -(-ctas // 132) > 0.8, (out_dim, in_dim, wt, cfg)
             assert layout(wt, in_dim, cfg.mtiles, cfg.kparts, cfg.stages, cfg.tiles)["smem"] <= 227 * 1024
+    assert mma_config(4096, 14336, "Q4_K", 132) == type(cfg)(1, 8, 2, 2)
+    assert mma_config(14336, 4096, "Q8_0", 132) == type(cfg)(4, 2, 2, 2)
 
 
 @pytest.mark.parametrize("wtype", ["Q4_K", "Q8_0"])
