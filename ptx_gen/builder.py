@@ -537,6 +537,44 @@ class KernelBuilder:
         landed (a ring of ``pending + 1`` stages in flight)."""
         self._emit(f"cp.async.wait_group {int(pending)};")
 
+    # ---- bulk copies (sm_90): the tensor memory accelerator, completion through an mbarrier ----------
+    def _need_sm90(self, what: str) -> None:
+        if self.target.compute_capability < (9, 0):
+            raise ValueError(f"{what} needs sm_90 or newer, the target is {self.target}")
+
+    def mbarrier_init(self, addr: Reg, count: int, pred: Reg | None = None) -> None:
+        """``mbarrier.init``: an 8-byte shared barrier expecting ``count`` arrivals per phase."""
+        self._need_sm90("mbarrier with transaction counts")
+        self._emit(f"mbarrier.init.shared::cta.b64 [{addr}], {int(count)};", pred)
+
+    def fence_mbarrier_init(self) -> None:
+        """Make mbarrier initialisations visible to the other threads and to the bulk-copy unit."""
+        self._emit("fence.mbarrier_init.release.cluster;")
+
+    def fence_proxy_async(self) -> None:
+        """Order this thread's earlier shared-memory accesses before later bulk copies (async proxy)."""
+        self._emit("fence.proxy.async.shared::cta;")
+
+    def mbarrier_expect_tx(self, addr: Reg, nbytes: Operand, pred: Reg | None = None) -> None:
+        """Arrive at the barrier, announcing ``nbytes`` that bulk copies will complete in this phase."""
+        self._emit(f"mbarrier.arrive.expect_tx.shared::cta.b64 _, [{addr}], {self._op(nbytes, ptx_type('u32'))};",
+                   pred)
+
+    def cp_async_bulk(self, dst: Reg, src: Reg, nbytes: int, mbar: Reg, pred: Reg | None = None) -> None:
+        """``cp.async.bulk`` global -> shared of ``nbytes`` (a multiple of 16; both addresses 16-byte
+        aligned) by the tensor memory accelerator; its bytes count towards the phase of ``mbar``."""
+        self._need_sm90("cp.async.bulk")
+        self._emit(f"cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [{dst}], [{src}], {int(nbytes)}, "
+                   f"[{mbar}];", pred)
+
+    def mbarrier_wait(self, addr: Reg, parity: Operand) -> None:
+        """Spin until the barrier's phase of ``parity`` (0 or 1) has completed (its arrivals and bytes)."""
+        ok = self.reg("pred")
+        top = self.new_label("mbar_wait")
+        self.label(top)
+        self._emit(f"mbarrier.try_wait.parity.shared::cta.b64 {ok}, [{addr}], {self._op(parity, ptx_type('u32'))};")
+        self.bra(top, ok, negate=True)
+
     def ldmatrix_x4(self, addr: Reg, offset: int = 0) -> tuple[Reg, Reg, Reg, Reg]:
         """``ldmatrix.sync.aligned.m8n8.x4.shared.b16`` (warp-collective, sm_75+): four 8x8 matrices of
         16-bit elements, i.e. 8 rows of 16 bytes each; lane ``8 j + r`` gives the (16-byte aligned)

@@ -307,6 +307,8 @@ class _Launch:
         self.inflight = np.zeros(self.smem.shape, bool)  # shared bytes a cp.async will write
         self.pending: list[tuple] = []  # cp.async copies not landed yet: (threads, rows, cols, data, groups)
         self.cp_group = np.zeros(n, np.int64)  # per thread: the cp.async group now open (commit_group closes it)
+        self.mbars: dict = {}  # (block, address) -> [expected arrivals, pending arrivals, tx bytes, phase parity]
+        self.bulk: list = []  # bulk copies not landed: (block, mbar address, row, cols, data)
         if self.racecheck:
             self.writer = np.full((nb, max(self.smem_size, 1)), -1, np.int64)
             self.reader = np.full((nb, max(self.smem_size, 1)), -1, np.int64)
@@ -572,8 +574,12 @@ class _Launch:
             return None
         if op == "cp" and mods[:4] == ["async", "bulk", "prefetch", "L2"]:
             return self._prefetch(inst, act)
+        if op == "cp" and mods[:2] == ["async", "bulk"]:
+            return self._cp_bulk(inst, act)
         if op == "cp" and mods[0] == "async":
             return self._cp_async(inst, act)
+        if op == "mbarrier":
+            return self._mbarrier(inst, act)
         if op in ("atom", "red"):
             return self._atom(inst, act)
         raise EmulatorError(f"instruction not implemented by the emulator: {inst.text}")
@@ -851,6 +857,91 @@ class _Launch:
         self.inflight[rows[:, None], cols] = True
         tids = np.flatnonzero(act)
         self.pending.append((tids, rows, cols, data, self.cp_group[tids].copy()))
+
+    def _cp_bulk(self, inst: Inst, act: np.ndarray) -> None:
+        """``cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [dst], [src], n, [mbar]``:
+        the global bytes are read now (and checked) and land when a thread waits on the barrier; the
+        destination may not be touched before (the issuing thread's write, for the race check)."""
+        if inst.mods != ["async", "bulk", "shared::cluster", "global", "mbarrier::complete_tx::bytes"]:
+            raise EmulatorError(f"bulk copy form not emulated: {inst.text}")
+        size = int(inst.args[2])
+        dst, _ = self._addr(inst.args[0], "shared")
+        src, _ = self._addr(inst.args[1], "global")
+        bar, _ = self._addr(inst.args[3], "shared")
+        if size % 16 or (dst[act] % 16).any() or (src[act] % 16).any():
+            raise EmulatorError(f"bulk copy not 16-byte granular: {inst.text}")
+        data = np.concatenate([self.mem.gather(src[act] + 16 * q, 16, inst.text) for q in range(size // 16)], axis=1)
+        a = dst[act]
+        if (a < 0).any() or (a + size > self.smem_size).any():
+            raise EmulatorError(f"out-of-bounds bulk copy into shared memory: {inst.text}")
+        rows = self.block_of[act]
+        cols = a[:, None] + np.arange(size)[None, :]
+        self._check_landed(rows, cols, inst)
+        if self.racecheck:
+            self._race(rows, cols, act, inst, write=True)
+        self.inflight[rows[:, None], cols] = True
+        for i, (r, b) in enumerate(zip(rows, bar[act])):
+            if (int(r), int(b)) not in self.mbars:
+                raise EmulatorError(f"bulk copy completing on an uninitialised mbarrier: {inst.text}")
+            self.bulk.append((int(r), int(b), cols[i], data[i]))
+
+    def _mbarrier(self, inst: Inst, act: np.ndarray) -> None:
+        kind = inst.mods[0]
+        tids = np.flatnonzero(act)
+        if kind == "init":
+            addrs, _ = self._addr(inst.args[0], "shared")
+            for t_ in tids:
+                self.mbars[(int(self.block_of[t_]), int(addrs[t_]))] = [int(inst.args[1])] * 2 + [0, 0]
+            return None
+        if kind == "arrive" and inst.mods[1] == "expect_tx":
+            addrs, _ = self._addr(inst.args[1], "shared")
+            tx = self._read(inst.args[2], "u32")
+            for t_ in tids:
+                b = self._bar_state(int(self.block_of[t_]), int(addrs[t_]), inst)
+                b[2] += int(tx[t_])
+                b[1] -= 1
+                self._bar_complete(b)
+            return None
+        if kind == "try_wait" and inst.mods[1] == "parity":
+            addrs, _ = self._addr(inst.args[1], "shared")
+            parity = self._read(inst.args[2], "u32")
+            res = np.zeros(self.n, bool)
+            for t_ in tids:
+                key = (int(self.block_of[t_]), int(addrs[t_]))
+                b = self._bar_state(*key, inst)
+                self._land_bulk(key, b)
+                res[t_] = b[3] != (int(parity[t_]) & 1)
+            return self._write(inst.args[0], res, act, "pred")
+        raise EmulatorError(f"mbarrier form not emulated: {inst.text}")
+
+    def _bar_state(self, block: int, addr: int, inst: Inst) -> list:
+        b = self.mbars.get((block, addr))
+        if b is None:
+            raise EmulatorError(f"mbarrier at {addr} used before mbarrier.init: {inst.text}")
+        return b
+
+    @staticmethod
+    def _bar_complete(b: list) -> None:
+        if b[1] == 0 and b[2] == 0:  # all arrivals and bytes: the phase completes
+            b[3] ^= 1
+            b[1] = b[0]
+
+    def _land_bulk(self, key: tuple, b: list) -> None:
+        """Land the bulk copies of barrier ``key``; their bytes complete its transaction count. The
+        bytes become clean for the race check (the wait orders them before every waiter's reads)."""
+        keep = []
+        for blk, bar, cols, data in self.bulk:
+            if (blk, bar) != key:
+                keep.append((blk, bar, cols, data))
+                continue
+            self.smem[blk, cols] = data
+            self.inflight[blk, cols] = False
+            if self.racecheck:
+                self.writer[blk, cols] = -1
+                self.reader[blk, cols] = -1
+            b[2] -= cols.size
+        self.bulk = keep
+        self._bar_complete(b)
 
     def _land(self, inst: Inst, act: np.ndarray, before: np.ndarray | None) -> None:
         """Land the pending copies of the threads in ``act`` (those of groups < ``before[thread]``)."""

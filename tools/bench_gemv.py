@@ -117,8 +117,8 @@ def sweep_configs(wtype: str, in_dim: int) -> list[GemvConfig | MmaConfig]:
     cfgs: list = [GemvConfig(r, w, s) for r in (1, 2, 4) for w in (4, 8) for s in KSPLITS
                   if s <= w and shared_bytes(wtype, in_dim, r, w, s) <= MAX_STATIC_SMEM]
     if wtype in MMA_TYPES and in_dim % 256 == 0:
-        for tl, mt, kp in ((1, 1, 4), (1, 1, 8), (1, 2, 4), (1, 2, 8), (1, 4, 2), (1, 4, 4), (1, 7, 2), (1, 8, 1),
-                           (2, 1, 4), (2, 1, 8), (2, 2, 4), (2, 2, 8), (2, 4, 2), (2, 4, 4), (2, 7, 2)):
+        for tl, mt, kp in ((1, 1, 4), (1, 1, 8), (1, 2, 4), (1, 4, 2), (1, 8, 1),
+                           (2, 1, 4), (2, 1, 8), (2, 2, 2), (2, 2, 4), (2, 4, 2), (2, 8, 1)):
             for st in (2, 4):
                 try:
                     mma_layout(wtype, in_dim, mt, kp, st, tl)

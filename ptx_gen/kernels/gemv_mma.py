@@ -60,11 +60,10 @@ def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, tiles
     16-row MMA tiles per warp)."""
     if wtype not in UNIT_BYTES:
         raise ValueError(f"the tensor-core GEMV handles {MMA_TYPES}, not {wtype}")
-    if (mtiles not in range(1, 9) or kparts not in (1, 2, 4, 8) or tiles not in (1, 2)
-            or mtiles * kparts * tiles > 16):
-        # 32-row warps need ~130 registers: at most 8 of them in a CTA (16 would leave 128 and spill)
-        raise ValueError(f"mtiles must be 1..8, kparts 1, 2, 4 or 8 and tiles 1 or 2, with at most 16 warps (8 "
-                         f"with tiles=2); got mtiles={mtiles}, kparts={kparts}, tiles={tiles}")
+    if mtiles not in range(1, 9) or kparts not in (1, 2, 4, 8) or tiles not in (1, 2) or mtiles * kparts > 8:
+        # (16-warp CTAs measured no faster, and leave 128 registers a thread: some variants spill)
+        raise ValueError(f"mtiles must be 1..8, kparts 1, 2, 4 or 8 and tiles 1 or 2, with at most 8 warps; got "
+                         f"mtiles={mtiles}, kparts={kparts}, tiles={tiles}")
     if stages not in (2, 4, 8):
         raise ValueError(f"stages must be 2, 4 or 8, got {stages}")
     if in_dim <= 0 or in_dim % (256 * kparts):
@@ -84,6 +83,7 @@ def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, tiles
     take("xbuf", warps * 2 * XSLOT)
     take("table", warps * rows * TABLE_ROW)
     take("red", warps * rows * 4 if kparts > 1 else 0)
+    take("mbar", warps * stages * 8)  # sm_90: one mbarrier per ring slot
     if pos > MAX_DYN_SMEM:
         raise ValueError(f"{wtype} rows of {in_dim} with mtiles={mtiles}, kparts={kparts}, stages={stages}, "
                          f"tiles={tiles} need {pos} bytes of shared memory, more than {MAX_DYN_SMEM}: fewer warps or "
@@ -186,31 +186,63 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
     # tile read neighbouring units, i.e. kparts * U contiguous bytes of each row
     wbase = w if kp is None else k.add(w, k.mul_wide(kp, U))
 
-    # --- the warp's copies: 16-byte chunk c = lane + 32 q of a unit is row c / (U / 16), col c % (U / 16);
-    # in the ring it lands at 16 c (rows of U bytes, back to back)
-    cpr = U // 16
-    nchunks = R * cpr
-    srcs = []
-    for q in range(-(-nchunks // 32)):
-        c = k.add(lane, 32 * q) if q else lane
-        row = k.div(c, cpr)
-        grow = k.min(k.add(row_base, row), last)  # rows past the end re-read the last row (not stored)
-        off = k.add(k.mul_wide(grow, lay["row_bytes"]), k.cvt(k.shl(k.sub(c, k.mul(row, cpr)), 4), "u64"))
-        srcs.append((off, k.setp("lt", c, nchunks) if (q + 1) * 32 > nchunks else None))
-    dst0 = k.add(ring, k.shl(lane, 4))
+    tma = k.target.compute_capability >= (9, 0)
+    if tma:
+        # sm_90: lane r < R copies row r's U bytes of a unit with one bulk copy (the tensor memory
+        # accelerator: no per-16-byte instructions, no load-store queue); lane 0 announces the stage's
+        # bytes to the slot's mbarrier, whose phase completes when they have all landed
+        mbar = k.add(smem, k.add(k.mul(warp, 8 * stages), lay["off"]["mbar"]))
+        lane0 = k.setp("eq", lane, 0)
+        for i in range(stages):
+            k.mbarrier_init(k.add(mbar, 8 * i) if i else mbar, 1, pred=lane0)
+        k.fence_mbarrier_init()
+        k.bar_warp_sync()
+        row_lane = k.setp("lt", lane, R)
+        src_lane = k.add(wbase, k.mul_wide(k.min(k.add(row_base, lane), last), lay["row_bytes"]))
+        dst_lane = k.add(ring, k.mul(lane, U))
 
-    def issue(j: Reg | int, slot_off: Reg | int, valid: Reg | None) -> None:
-        base = k.add(wbase, k.mul_wide(j, U * kparts) if isinstance(j, Reg) else j * U * kparts)
-        dst = k.add(dst0, slot_off) if isinstance(slot_off, Reg) or slot_off else dst0
-        for q, (off, ok) in enumerate(srcs):
-            pred = ok if valid is None else (valid if ok is None else k.and_(ok, valid))
-            k.cp_async(dst, k.add(base, off), pred=pred, dst_offset=512 * q)
-        k.cp_async_commit()
+        def issue(j: Reg | int, slot_off: Reg | int, valid: Reg | None) -> None:
+            slot = k.and_(j, stages - 1) if isinstance(j, Reg) else j % stages
+            mb = k.add(mbar, k.shl(slot, 3)) if isinstance(slot, Reg) else k.add(mbar, 8 * slot)
+            k.mbarrier_expect_tx(mb, R * U, pred=lane0 if valid is None else k.and_(lane0, valid))
+            src = k.add(src_lane, k.mul_wide(j, U * kparts) if isinstance(j, Reg) else j * U * kparts)
+            dst = k.add(dst_lane, slot_off) if isinstance(slot_off, Reg) or slot_off else dst_lane
+            k.cp_async_bulk(dst, src, U, mb, pred=row_lane if valid is None else k.and_(row_lane, valid))
+
+        def wait(j: Reg) -> None:
+            slot = k.and_(j, stages - 1)
+            k.mbarrier_wait(k.add(mbar, k.shl(slot, 3)), k.and_(k.shr(j, stages.bit_length() - 1), 1))
+            k.bar_warp_sync()  # (the x slot the warp's lanes wrote last step)
+    else:
+        # sm_80/89: 16-byte chunk c = lane + 32 q of a unit is row c / (U / 16), col c % (U / 16), copied
+        # with cp.async; in the ring it lands at 16 c (rows of U bytes, back to back)
+        cpr = U // 16
+        nchunks = R * cpr
+        srcs = []
+        for q in range(-(-nchunks // 32)):
+            c = k.add(lane, 32 * q) if q else lane
+            row = k.div(c, cpr)
+            grow = k.min(k.add(row_base, row), last)  # rows past the end re-read the last row (not stored)
+            off = k.add(k.mul_wide(grow, lay["row_bytes"]), k.cvt(k.shl(k.sub(c, k.mul(row, cpr)), 4), "u64"))
+            srcs.append((off, k.setp("lt", c, nchunks) if (q + 1) * 32 > nchunks else None))
+        dst0 = k.add(ring, k.shl(lane, 4))
+
+        def issue(j: Reg | int, slot_off: Reg | int, valid: Reg | None) -> None:
+            base = k.add(wbase, k.mul_wide(j, U * kparts) if isinstance(j, Reg) else j * U * kparts)
+            dst = k.add(dst0, slot_off) if isinstance(slot_off, Reg) or slot_off else dst0
+            for q, (off, ok) in enumerate(srcs):
+                pred = ok if valid is None else (valid if ok is None else k.and_(ok, valid))
+                k.cp_async(dst, k.add(base, off), pred=pred, dst_offset=512 * q)
+            k.cp_async_commit()
+
+        def wait(j: Reg) -> None:
+            k.cp_async_wait_group(stages - 1)
+            k.bar_warp_sync()
 
     for j in range(stages):  # the first units, before waiting for the kernel that writes x
         if j < n_units:
             issue(j, j * stage_bytes, None)
-        else:
+        elif not tma:
             k.cp_async_commit()  # empty groups keep the count uniform
     k.grid_dependency_wait()
 
@@ -259,13 +291,14 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
         slot_off = k.mul(k.and_(j, stages - 1), stage_bytes)
         sbase = k.add(ring, slot_off)
         xslot = k.add(xbuf, k.mul(k.and_(j, 1), XSLOT))
-        k.cp_async_wait_group(stages - 1)
-        k.bar_warp_sync()
+        wait(j)
         if wtype == "Q4_K":
             _unit_q4k(k, ctx, sbase, xslot, acc, minacc)
         else:
             _unit_q8_0(k, ctx, sbase, xslot, acc)
         k.bar_warp_sync()  # every lane is done with the ring slot and the x slot: refill them
+        if tma:
+            k.fence_proxy_async()  # (the reads above come before the bulk copy's writes)
         nxt = k.add(j, stages)
         issue(nxt, slot_off, k.setp("lt", nxt, n_units))
         j1 = k.add(j, 1)
@@ -283,7 +316,8 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
             step(k.add(j, 1))
     if n_units % 2:
         step(k.mov(n_units - 1, "u32"))
-    k.cp_async_wait_all()
+    if not tma:
+        k.cp_async_wait_all()
 
     # --- row sums: digit columns weighted 1, 256 (lane t = 0), 65536 and 2**24 (t = 1)
     tid = k.tid()
