@@ -515,13 +515,13 @@ def test_argmax_emulated_exact(n, parts, mode, seed):
 @settings(max_examples=30, deadline=None)
 @given(wtype=st.sampled_from(["Q4_K", "Q8_0"]), out_dim=st.integers(1, 40), mtiles=st.integers(1, 3),
        kparts=st.sampled_from([1, 2, 4]), stages=st.sampled_from([2, 4, 8]), tiles=st.sampled_from([1, 2]),
-       units=st.integers(1, 5), target=st.sampled_from(["sm_80", "sm_90"]),
+       units=st.integers(1, 5), target=st.sampled_from(["sm_80", "sm_90", "sm_90 bulk"]),
        bias=st.booleans(), residual=st.booleans(), scale=st.sampled_from([1e-3, 1.0, 500.0]),
        seed=st.integers(0, 2**32 - 1))
 def test_gemv_mma_emulated_matches_oracle(wtype, out_dim, mtiles, kparts, stages, tiles, units, target, bias, residual,
                                           scale, seed):
     """The tensor-core GEMV on the emulator (ldmatrix, int8 mma, a ring with wrap-around filled by
-    cp.async on sm_80 and by bulk copies + mbarriers on sm_90, K parts combined in shared memory) vs the
+    cp.async, or on sm_90 by bulk copies + mbarriers, K parts combined in shared memory) vs the
     float64 oracle; x spans 1e-3..500 with one outlier."""
     from ptx_gen.kernels.gemv_mma import layout
     rng = np.random.default_rng(seed)
@@ -543,8 +543,8 @@ def test_gemv_mma_emulated_matches_oracle(wtype, out_dim, mtiles, kparts, stages
     x[rng.integers(0, in_dim)] *= 300
     b = rng.standard_normal(out_dim).astype(np.float32) if bias else None
     r = rng.standard_normal(out_dim).astype(np.float32) if residual else None
-    k = catalog.emit("gemv_mma", target=target, wtype=wtype, in_dim=in_dim, mtiles=mtiles, kparts=kparts,
-                     stages=stages, bias=bias, residual=residual, tiles=tiles)
+    k = catalog.emit("gemv_mma", target=target.split()[0], wtype=wtype, in_dim=in_dim, mtiles=mtiles, kparts=kparts,
+                     stages=stages, bias=bias, residual=residual, tiles=tiles, bulk=target.endswith("bulk"))
     mem = Memory()
     params = dict(w=mem.alloc_array(_pad16(raw)), x=mem.alloc_array(x), y=mem.alloc(4 * out_dim), out_dim=out_dim)
     if bias:

@@ -23,6 +23,7 @@ A spot check compares 64 rows of each result with the float64 oracle.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
@@ -37,7 +38,7 @@ from ptx_gen.kernels.quant_layout import K_QUANTS, WEIGHT_TYPES, type_info  # no
 from realizar import cuda  # noqa: E402
 from ptx_gen.kernels.gemv_mma import MMA_TYPES  # noqa: E402
 from ptx_gen.kernels.gemv_mma import layout as mma_layout  # noqa: E402
-from realizar.layers import GemvConfig, GpuWeight, LayerOps, MmaConfig, gemv_config, mma_config  # noqa: E402
+from realizar.layers import GemvConfig, GpuWeight, LayerOps, MmaConfig, gemv_config  # noqa: E402
 from tests.layer_oracles import dequant, random_weight  # noqa: E402
 from tools.roofline import copy_bandwidth  # noqa: E402
 
@@ -111,7 +112,7 @@ def n_copies(nbytes: int, cap: int = 1024) -> int:
     return int(min(cap, max(2, -(-3 * L2_BYTES // max(nbytes, 1)))))
 
 
-def sweep_configs(wtype: str, in_dim: int) -> list[GemvConfig | MmaConfig]:
+def sweep_configs(wtype: str, in_dim: int, bulk_ok: bool = False) -> list[GemvConfig | MmaConfig]:
     """Every launch configuration of the sweep whose shared memory fits (tensor-core shapes too, for
     the types that have them)."""
     cfgs: list = [GemvConfig(r, w, s) for r in (1, 2, 4) for w in (4, 8) for s in KSPLITS
@@ -119,10 +120,10 @@ def sweep_configs(wtype: str, in_dim: int) -> list[GemvConfig | MmaConfig]:
     if wtype in MMA_TYPES and in_dim % 256 == 0:
         for tl, mt, kp in ((1, 1, 4), (1, 1, 8), (1, 2, 4), (1, 4, 2), (1, 8, 1),
                            (2, 1, 4), (2, 1, 8), (2, 2, 2), (2, 2, 4), (2, 4, 2), (2, 8, 1)):
-            for st in (2, 4):
+            for st, bulk in itertools.product((2, 4), (False, True) if bulk_ok else (False,)):
                 try:
                     mma_layout(wtype, in_dim, mt, kp, st, tl)
-                    cfgs.append(MmaConfig(mt, kp, st, tl))
+                    cfgs.append(MmaConfig(mt, kp, st, tl, bulk))
                 except ValueError:
                     pass
     return cfgs
@@ -130,7 +131,7 @@ def sweep_configs(wtype: str, in_dim: int) -> list[GemvConfig | MmaConfig]:
 
 def cfg_text(cfg: GemvConfig | MmaConfig) -> str:
     if isinstance(cfg, MmaConfig):
-        return f"mma m{cfg.mtiles} p{cfg.kparts} s{cfg.stages} t{cfg.tiles}"
+        return f"mma m{cfg.mtiles} p{cfg.kparts} s{cfg.stages} t{cfg.tiles}" + (" bulk" if cfg.bulk else "")
     return f"r{cfg.rows} w{cfg.warps} s{cfg.ksplit}"
 
 
@@ -161,9 +162,10 @@ def bench_type_shape(ops, stream, wtype, out_dim, in_dim, rng, sweep: bool, use_
         return bool(np.isfinite(got).all() and np.abs(got - ref).max() <= 1e-4 * max(np.abs(ref).max(), 1e-30))
 
     simt = gemv_config(out_dim, ops.sm_count, in_dim, wtype)
-    default = mma_config(out_dim, in_dim, wtype, ops.sm_count, ops._max_smem) or simt
+    default = ops.mma_config(out_dim, in_dim, wtype) or simt
     configs = [default] + ([simt] if simt != default else [])
-    configs += [c for c in sweep_configs(wtype, in_dim) if c not in configs] if sweep else []
+    bulk_ok = ops.device.target.compute_capability >= (9, 0)
+    configs += [c for c in sweep_configs(wtype, in_dim, bulk_ok) if c not in configs] if sweep else []
     results = []
     n_launch = max(len(copies), 20)
     for cfg in configs:

@@ -33,7 +33,7 @@ End: each row's sum is spread over the 4 lanes of its group (digit columns) and 
 1, 256, 65536 and 2**24; with ``kparts > 1`` the parts meet in shared memory (one
 ``bar.sync``) and are added in order (deterministic).
 
-Launch: grid ``ceil(out_dim / (16 mtiles))``, block ``32 mtiles kparts``, dynamic shared memory
+Launch: grid ``ceil(out_dim / (16 tiles mtiles))``, block ``32 mtiles kparts``, dynamic shared memory
 ``meta["dyn_smem"]`` bytes (above 48 KiB: the launcher raises the limit). ``in_dim`` must be a
 multiple of ``256 kparts``; rows start 16-byte aligned (row bytes are multiples of 16 for these types).
 """
@@ -156,8 +156,10 @@ def _convert_x(k: KernelBuilder, wtype: str, vals: list, slot: Reg, xc: dict) ->
 
 
 def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, bias: bool,
-          residual: bool, tiles: int = 1) -> KernelBuilder:
+          residual: bool, tiles: int = 1, bulk: bool = False) -> KernelBuilder:
     lay = layout(wtype, in_dim, mtiles, kparts, stages, tiles)
+    if bulk and m.target.compute_capability < (9, 0):
+        raise ValueError(f"bulk copies need sm_90 or newer, the target is {m.target}")
     U, n_units, warps, R = lay["unit"], lay["per_warp"], lay["warps"], lay["rows"]
     params = [("w", "u64"), ("x", "u64"), ("y", "u64")]
     if bias:
@@ -166,6 +168,7 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
         params.append(("residual", "u64"))
     params.append(("out_dim", "u32"))
     name = (f"gemv_mma_{wtype.lower()}_k{in_dim}_m{mtiles}_p{kparts}_s{stages}" + (f"_t{tiles}" if tiles > 1 else "")
+            + ("_bulk" if bulk else "")
             + ("_bias" if bias else "") + ("_res" if residual else ""))
     k = m.kernel(name, params)
     k.max_threads = 32 * warps  # .maxntid: ptxas keeps the registers within what the whole CTA can get
@@ -186,11 +189,13 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
     # tile read neighbouring units, i.e. kparts * U contiguous bytes of each row
     wbase = w if kp is None else k.add(w, k.mul_wide(kp, U))
 
-    tma = k.target.compute_capability >= (9, 0)
+    tma = bulk
     if tma:
-        # sm_90: lane r < R copies row r's U bytes of a unit with one bulk copy (the tensor memory
-        # accelerator: no per-16-byte instructions, no load-store queue); lane 0 announces the stage's
-        # bytes to the slot's mbarrier, whose phase completes when they have all landed
+        # sm_90 ``bulk``: lane r < R copies row r's U bytes of a unit with one bulk copy (the tensor
+        # memory accelerator: no per-16-byte instructions, no load-store queue); lane 0 announces the
+        # stage's bytes to the slot's mbarrier, whose phase completes when they have all landed. Copies
+        # of 144-272 bytes are small for it: measured faster when a warp has only a unit or two to
+        # stream (4096 x 4096 Q4_K 4.5 us vs 5.4), slower on long rows (4096 x 14336 Q4_K 18.7 vs 11.5)
         mbar = k.add(smem, k.add(k.mul(warp, 8 * stages), lay["off"]["mbar"]))
         lane0 = k.setp("eq", lane, 0)
         for i in range(stages):
@@ -214,8 +219,8 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
             k.mbarrier_wait(k.add(mbar, k.shl(slot, 3)), k.and_(k.shr(j, stages.bit_length() - 1), 1))
             k.bar_warp_sync()  # (the x slot the warp's lanes wrote last step)
     else:
-        # sm_80/89: 16-byte chunk c = lane + 32 q of a unit is row c / (U / 16), col c % (U / 16), copied
-        # with cp.async; in the ring it lands at 16 c (rows of U bytes, back to back)
+        # 16-byte chunk c = lane + 32 q of a unit is row c / (U / 16), col c % (U / 16), copied with
+        # cp.async; in the ring it lands at 16 c (rows of U bytes, back to back)
         cpr = U // 16
         nchunks = R * cpr
         srcs = []
@@ -477,10 +482,11 @@ def _grid_shapes() -> list[dict]:
 
 @kernel("gemv_mma", grid=_grid_shapes())
 def gemv_mma(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, mtiles: int = 2, kparts: int = 4, stages: int = 4,
-             bias: bool = False, residual: bool = False, tiles: int = 1) -> KernelBuilder:
+             bias: bool = False, residual: bool = False, tiles: int = 1, bulk: bool = False) -> KernelBuilder:
     """y[r] = sum_k W[r, k] x[k] (+ bias[r]) (+ residual[r]) for r < out_dim, W in Q4_K or Q8_0 blocks, on
     tensor cores (exact int8 MMAs of the codes with x as four base-256 digits).
-    ``tiles``: 16-row MMA tiles per warp (2: each x digit fragment and weight-scale step serves 32 rows).
+    ``tiles``: 16-row MMA tiles per warp (2: each x digit fragment and weight-scale step serves 32 rows);
+    ``bulk`` (sm_90): the ring is filled by bulk copies (one per row and unit) instead of cp.async.
     Launch: grid ceil(out_dim / (16 tiles mtiles)), block 32 mtiles kparts, meta["dyn_smem"] dynamic shared
     bytes."""
-    return build(m, wtype, in_dim, mtiles, kparts, stages, bias, residual, tiles)
+    return build(m, wtype, in_dim, mtiles, kparts, stages, bias, residual, tiles, bulk)

@@ -14,7 +14,7 @@ from ptx_gen.kernels.gemv import MAX_STATIC_SMEM, shared_bytes
 from ptx_gen.kernels.gemv_mma import layout as mma_layout
 from ptx_gen.kernels.quant_layout import DENSE, K_QUANTS, WEIGHT_TYPES
 from realizar import cuda
-from realizar.layers import GemvConfig, GpuWeight, LayerOps, MmaConfig, inv_freq_table, mma_config
+from realizar.layers import GemvConfig, GpuWeight, LayerOps, MmaConfig, inv_freq_table
 from tests.layer_oracles import dequant, random_weight, rmsnorm_oracle, silu
 
 pytestmark = pytest.mark.gpu
@@ -99,10 +99,10 @@ def _activation(rng, n: int, scale: float, spikes: int) -> np.ndarray:
 @settings(max_examples=60, deadline=None)
 @given(data=st.data(), wtype=st.sampled_from(["Q4_K", "Q8_0"]), out_dim=st.integers(1, 600),
        mtiles=st.integers(1, 8), kparts=st.sampled_from([1, 2, 4, 8]), stages=st.sampled_from([2, 4, 8]),
-       tiles=st.sampled_from([1, 2]), bias=st.booleans(), residual=st.sampled_from([None, "separate", "in_place"]),
+       tiles=st.sampled_from([1, 2]), bulk=st.booleans(), bias=st.booleans(), residual=st.sampled_from([None, "separate", "in_place"]),
        scale=st.sampled_from([1e-4, 1.0, 30.0, 3e3]), spikes=st.integers(0, 4), seed=st.integers(0, 2**32 - 1))
-def test_gemv_mma_matches_float64_oracle(ops, data, wtype, out_dim, mtiles, kparts, stages, tiles, bias, residual,
-                                         scale, spikes, seed):
+def test_gemv_mma_matches_float64_oracle(ops, data, wtype, out_dim, mtiles, kparts, stages, tiles, bulk, bias,
+                                         residual, scale, spikes, seed):
     """The tensor-core GEMV (x as int8 digits, exact int8 MMAs) at every launch shape, x from 1e-4 to
     3e3 in size with outliers; rows 256 * kparts * (1..7) long (ring wrap-around included)."""
     while mtiles * kparts > 8:
@@ -122,7 +122,7 @@ def test_gemv_mma_matches_float64_oracle(ops, data, wtype, out_dim, mtiles, kpar
     w = GpuWeight(data=raw, ggml_type=wtype, shape=(out_dim, in_dim))
     dy = _poisoned(out_dim) if residual != "in_place" else _buf(r)
     dr = dy if residual == "in_place" else (_buf(r) if residual else None)
-    cfg = MmaConfig(mtiles, kparts, stages, tiles)
+    cfg = MmaConfig(mtiles, kparts, stages, tiles, bulk and ops.device.target.compute_capability >= (9, 0))
     ops.gemv(w, _buf(x), dy, bias=_buf(b) if bias else None, residual=dr, config=cfg)
     wd = dequant(raw, wtype, out_dim, in_dim).astype(np.float64)
     ref = wd @ x.astype(np.float64) + (b if bias else 0) + (r if residual else 0)
@@ -134,7 +134,7 @@ def test_gemv_mma_matches_float64_oracle(ops, data, wtype, out_dim, mtiles, kpar
 @pytest.mark.parametrize("out_dim,in_dim", [(4096, 14336), (14336, 4096), (4096, 4096), (1000, 2048)])
 def test_gemv_mma_dispatch_at_real_shapes(ops, wtype, out_dim, in_dim):
     """The dispatcher's tensor-core pick at the decode shapes, vs the oracle and vs the SIMT kernel."""
-    cfg = mma_config(out_dim, in_dim, wtype, ops.sm_count, ops._max_smem)
+    cfg = ops.mma_config(out_dim, in_dim, wtype)
     assert cfg is not None
     rng = np.random.default_rng(out_dim + in_dim)
     raw = random_weight(rng, wtype, out_dim, in_dim)
