@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ptx_gen.kernels.quant_layout import K_QUANTS, WEIGHT_TYPES  # noqa: E402
 from realizar import cuda  # noqa: E402
-from realizar.layers import GemvConfig, GpuWeight, LayerOps, inv_freq_table  # noqa: E402
+from realizar.layers import GemvConfig, GpuWeight, LayerOps, MmaConfig, inv_freq_table  # noqa: E402
 from tests.layer_oracles import dequant, random_weight, rmsnorm_oracle, silu  # noqa: E402
 
 
@@ -45,6 +45,21 @@ def cases(cache, rng, small: bool) -> None:
             np.testing.assert_allclose(out.to_numpy((2, hidden)), dequant(raw, wt, vocab, hidden)[[2, 0]], rtol=1e-6,
                                        atol=1e-6)
         table.free()
+    # the tensor-core GEMV: ring wrap-around, K parts, rows past the end, both ring fills on sm_90
+    bulk_ok = ops.device.target.compute_capability >= (9, 0)
+    for wt in ("Q4_K", "Q8_0"):
+        for out_dim, cfg in ((37, MmaConfig(1, 2, 2, 2)), (70, MmaConfig(2, 4, 4, 1)),
+                             (19, MmaConfig(1, 2, 2, 1, bulk_ok)), (45, MmaConfig(2, 2, 2, 2, bulk_ok))):
+            in_dim = 256 * cfg.kparts * 3
+            raw = random_weight(rng, wt, out_dim, in_dim)
+            x = rng.standard_normal(in_dim).astype(np.float32)
+            r = rng.standard_normal(out_dim).astype(np.float32)
+            w = GpuWeight(data=raw, ggml_type=wt, shape=(out_dim, in_dim))
+            with cuda.GpuBuffer.from_numpy(x) as dx, cuda.GpuBuffer.from_numpy(r) as dy:
+                ops.gemv(w, dx, dy, residual=dy, config=cfg)
+                ref = dequant(raw, wt, out_dim, in_dim).astype(np.float64) @ x + r
+                assert np.abs(dy.to_numpy() - ref).max() <= 1e-4 * np.abs(ref).max(), (wt, out_dim, cfg)
+            w.free()
     # fused gate/up and the prefill GEMM
     raw = random_weight(rng, "Q4_K", 2 * 7, 256)
     w = GpuWeight(data=raw, ggml_type="Q4_K", shape=(14, 256))
