@@ -64,8 +64,8 @@ def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, tiles
         # (16-warp CTAs measured no faster, and leave 128 registers a thread: some variants spill)
         raise ValueError(f"mtiles must be 1..8, kparts 1, 2, 4 or 8 and tiles 1 or 2, with at most 8 warps; got "
                          f"mtiles={mtiles}, kparts={kparts}, tiles={tiles}")
-    if stages not in (2, 4, 8):
-        raise ValueError(f"stages must be 2, 4 or 8, got {stages}")
+    if stages not in (2, 3, 4, 8):
+        raise ValueError(f"stages must be 2, 3, 4 or 8, got {stages}")
     if in_dim <= 0 or in_dim % (256 * kparts):
         raise ValueError(f"in_dim must be a positive multiple of 256 * kparts = {256 * kparts}, got {in_dim}")
     warps = mtiles * kparts
@@ -90,6 +90,14 @@ def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, tiles
                          f"stages")
     return dict(unit=unit, units=in_dim // 256, per_warp=in_dim // 256 // kparts, warps=warps, smem=pos, off=off,
                 row_bytes=in_dim // 256 * unit, rows=rows)
+
+
+def _mod(k: KernelBuilder, j: Reg, n: int) -> Reg:
+    return k.and_(j, n - 1) if n & (n - 1) == 0 else k.rem(j, n)
+
+
+def _div(k: KernelBuilder, j: Reg, n: int) -> Reg:
+    return k.shr(j, n.bit_length() - 1) if n & (n - 1) == 0 else k.div(j, n)
 
 
 def _digits(k: KernelBuilder, v: Reg, f: Reg) -> Reg:
@@ -207,7 +215,7 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
         dst_lane = k.add(ring, k.mul(lane, U))
 
         def issue(j: Reg | int, slot_off: Reg | int, valid: Reg | None) -> None:
-            slot = k.and_(j, stages - 1) if isinstance(j, Reg) else j % stages
+            slot = _mod(k, j, stages) if isinstance(j, Reg) else j % stages
             mb = k.add(mbar, k.shl(slot, 3)) if isinstance(slot, Reg) else k.add(mbar, 8 * slot)
             k.mbarrier_expect_tx(mb, R * U, pred=lane0 if valid is None else k.and_(lane0, valid))
             src = k.add(src_lane, k.mul_wide(j, U * kparts) if isinstance(j, Reg) else j * U * kparts)
@@ -215,8 +223,8 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
             k.cp_async_bulk(dst, src, U, mb, pred=row_lane if valid is None else k.and_(row_lane, valid))
 
         def wait(j: Reg) -> None:
-            slot = k.and_(j, stages - 1)
-            k.mbarrier_wait(k.add(mbar, k.shl(slot, 3)), k.and_(k.shr(j, stages.bit_length() - 1), 1))
+            slot = _mod(k, j, stages)
+            k.mbarrier_wait(k.add(mbar, k.shl(slot, 3)), k.and_(_div(k, j, stages), 1))  # the slot's use count
             k.bar_warp_sync()  # (the x slot the warp's lanes wrote last step)
     else:
         # 16-byte chunk c = lane + 32 q of a unit is row c / (U / 16), col c % (U / 16), copied with
@@ -293,7 +301,7 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
     def step(j: Reg) -> None:
         """Unit j: wait for its weights, compute, refill the ring slot, convert unit j + 1's x (in the
         registers of its parity), start loading unit j + 3's into them."""
-        slot_off = k.mul(k.and_(j, stages - 1), stage_bytes)
+        slot_off = k.mul(_mod(k, j, stages), stage_bytes)
         sbase = k.add(ring, slot_off)
         xslot = k.add(xbuf, k.mul(k.and_(j, 1), XSLOT))
         wait(j)
