@@ -199,7 +199,7 @@ MMA_EXTRA_CTA = 0.1  # the tensor-core GEMV dispatcher's cost of each further CT
 
 
 def mma_config(out_dim: int, in_dim: int, wtype: str, sm_count: int = 132,
-               max_smem: int = 227 * 1024, bulk_ok: bool = False) -> MmaConfig | None:
+               max_smem: int = 227 * 1024, bulk_ok: bool = False, glu: bool = False) -> MmaConfig | None:
     """The tensor-core GEMV's launch shape for ``out_dim`` rows of ``in_dim`` values, or None where it
     does not apply (types other than Q4_K/Q8_0, rows not a multiple of 256 values).
 
@@ -211,12 +211,13 @@ def mma_config(out_dim: int, in_dim: int, wtype: str, sm_count: int = 132,
     11.9 us, 448 CTAs of 8 parts 13.7 us, 896 CTAs of 16-row warps 13.0 us). Among shapes within 2% of
     the best: 32-row warps, then fewer CTAs per SM. With ``bulk_ok`` (sm_90) warps that stream at most
     two units use bulk copies (4096 x 4096 Q4_K: 4.5 us vs 5.4; on longer rows the small bulk copies
-    were slower)."""
+    were slower). ``glu``: the fused gate/up GEMV of ``out_dim`` outputs (2 out_dim weight rows; a
+    warp takes 16 outputs' gate and up rows, so 32-row warps only)."""
     if wtype not in MMA_TYPES or in_dim % 256:
         return None
     units = in_dim // 256
     cands = []
-    for tiles, (mtiles, kparts) in itertools.product((1, 2), ((1, 8), (2, 4), (4, 2), (8, 1))):
+    for tiles, (mtiles, kparts) in itertools.product((2,) if glu else (1, 2), ((1, 8), (2, 4), (4, 2), (8, 1))):
         if units % kparts:
             continue
         try:
@@ -224,7 +225,7 @@ def mma_config(out_dim: int, in_dim: int, wtype: str, sm_count: int = 132,
                 continue
         except ValueError:
             continue
-        ctas = -(-out_dim // (16 * tiles * mtiles))
+        ctas = -(-out_dim // ((16 if glu else 16 * tiles) * mtiles))
         per_sm = -(-ctas // sm_count)
         score = ctas / sm_count / per_sm * max(0.1, 1 - MMA_EXTRA_CTA * (per_sm - 1))
         cands.append((score, tiles, -per_sm, MmaConfig(mtiles, kparts, 2, tiles)))
@@ -329,23 +330,30 @@ class LayerOps:
         values["out_dim"] = weight.out_dim
         self._launch(kern, -(-weight.out_dim // kern.meta["rows_per_cta"]), values, stream)
 
-    def mma_config(self, out_dim: int, in_dim: int, wtype: str) -> MmaConfig | None:
+    def mma_config(self, out_dim: int, in_dim: int, wtype: str, glu: bool = False) -> MmaConfig | None:
         """The tensor-core GEMV's launch shape on this device (None: not applicable, or before sm_80)."""
         cc = self.device.target.compute_capability
         if cc < (8, 0):
             return None
-        return mma_config(out_dim, in_dim, wtype, self.sm_count, self._max_smem, bulk_ok=cc >= (9, 0))
+        return mma_config(out_dim, in_dim, wtype, self.sm_count, self._max_smem, bulk_ok=cc >= (9, 0), glu=glu)
 
     def gemv_glu(self, gate_up: GpuWeight, x: Any, out: Any, stream: Any = None,
-                 config: GemvConfig | None = None) -> None:
-        """out[i] = silu(gate_i . x) * (up_i . x) with ``gate_up`` = [gate; up] (``GpuWeight.concat``)."""
+                 config: GemvConfig | MmaConfig | None = None) -> None:
+        """out[i] = silu(gate_i . x) * (up_i . x) with ``gate_up`` = [gate; up] (``GpuWeight.concat``).
+        Q4_K/Q8_0 rows of multiples of 256 values run on the tensor-core kernel (as :meth:`gemv`)."""
         if gate_up.out_dim % 2:
             raise ShapeError(f"gate_up must hold 2 * ffn rows, got {gate_up.out_dim}")
         ffn = gate_up.out_dim // 2
-        cfg = config or gemv_config(gate_up.out_dim, self.sm_count, gate_up.in_dim, gate_up.wtype)
-        rows = max(2, cfg.rows - cfg.rows % 2)  # weight rows per warp: a gate row and its up row per output
-        kern = self.kernel("gemv", wtype=gate_up.wtype, in_dim=gate_up.in_dim, rows=rows, warps=cfg.warps, glu=True,
-                           ksplit=cfg.ksplit)
+        cfg = config if config is not None else self.mma_config(ffn, gate_up.in_dim, gate_up.wtype, glu=True)
+        if cfg is None:
+            cfg = gemv_config(gate_up.out_dim, self.sm_count, gate_up.in_dim, gate_up.wtype)
+        if isinstance(cfg, MmaConfig):
+            kern = self.kernel("gemv_mma", wtype=gate_up.wtype, in_dim=gate_up.in_dim, mtiles=cfg.mtiles,
+                               kparts=cfg.kparts, stages=cfg.stages, tiles=2, bulk=cfg.bulk, glu=True)
+        else:
+            rows = max(2, cfg.rows - cfg.rows % 2)  # weight rows per warp: a gate row and its up row per output
+            kern = self.kernel("gemv", wtype=gate_up.wtype, in_dim=gate_up.in_dim, rows=rows, warps=cfg.warps,
+                               glu=True, ksplit=cfg.ksplit)
         values = {"w": gate_up.ptr, "x": self._addr(x, gate_up.in_dim, "x"),
                   "y": self._addr(out, ffn, "out", align=4), "out_dim": ffn}
         self._launch(kern, -(-ffn // kern.meta["rows_per_cta"]), values, stream)

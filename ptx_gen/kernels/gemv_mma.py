@@ -43,6 +43,7 @@ from __future__ import annotations
 from ptx_gen.builder import KernelBuilder, Module, Reg
 from ptx_gen.catalog import kernel
 from ptx_gen.kernels import quant_layout as ql
+from ptx_gen.kernels.gemv import _silu_mul
 
 UNIT_BYTES = {"Q4_K": 144, "Q8_0": 272}  # bytes of 256 values of one row
 MMA_TYPES = tuple(UNIT_BYTES)
@@ -164,8 +165,10 @@ def _convert_x(k: KernelBuilder, wtype: str, vals: list, slot: Reg, xc: dict) ->
 
 
 def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, bias: bool,
-          residual: bool, tiles: int = 1, bulk: bool = False) -> KernelBuilder:
+          residual: bool, tiles: int = 1, bulk: bool = False, glu: bool = False) -> KernelBuilder:
     lay = layout(wtype, in_dim, mtiles, kparts, stages, tiles)
+    if glu and (tiles != 2 or bias or residual):
+        raise ValueError("glu needs tiles=2 (a warp's 16 gate rows and their 16 up rows) and no bias/residual")
     if bulk and m.target.compute_capability < (9, 0):
         raise ValueError(f"bulk copies need sm_90 or newer, the target is {m.target}")
     U, n_units, warps, R = lay["unit"], lay["per_warp"], lay["warps"], lay["rows"]
@@ -176,18 +179,27 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
         params.append(("residual", "u64"))
     params.append(("out_dim", "u32"))
     name = (f"gemv_mma_{wtype.lower()}_k{in_dim}_m{mtiles}_p{kparts}_s{stages}" + (f"_t{tiles}" if tiles > 1 else "")
-            + ("_bulk" if bulk else "")
+            + ("_bulk" if bulk else "") + ("_glu" if glu else "")
             + ("_bias" if bias else "") + ("_res" if residual else ""))
     k = m.kernel(name, params)
     k.max_threads = 32 * warps  # .maxntid: ptxas keeps the registers within what the whole CTA can get
-    k.meta.update(block=32 * warps, rows_per_cta=R * mtiles, dyn_smem=lay["smem"], row_bytes=lay["row_bytes"])
+    k.meta.update(block=32 * warps, rows_per_cta=(16 if glu else R) * mtiles, dyn_smem=lay["smem"],
+                  row_bytes=lay["row_bytes"])
     out_dim = k.param("out_dim")
     tid = k.tid()
     lane, warp = k.and_(tid, 31), k.shr(tid, 5)
     mt = k.rem(warp, mtiles) if mtiles > 1 else 0
     kp = k.div(warp, mtiles) if kparts > 1 else None
-    row_base = k.mul(k.add(k.mul(k.ctaid(), mtiles), mt) if mtiles > 1 else k.ctaid(), R)
+    row_base = k.mul(k.add(k.mul(k.ctaid(), mtiles), mt) if mtiles > 1 else k.ctaid(), 16 if glu else R)
     last = k.sub(out_dim, 1)
+
+    def weight_row(r: Reg) -> Reg:
+        """The weight row of the warp's row ``r`` (rows past the end re-read the last one, not stored);
+        with ``glu`` rows 0..15 are gate rows and 16..31 the up rows of the same outputs."""
+        if not glu:
+            return k.min(k.add(row_base, r), last)
+        o = k.min(k.add(row_base, k.and_(r, 15)), last)
+        return k.mad(k.shr(r, 4), out_dim, o)
     smem = k.dynamic_shared()
     stage_bytes = R * U
     ring = k.add(smem, k.add(k.mul(warp, stages * stage_bytes), lay["off"]["ring"]))
@@ -211,7 +223,7 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
         k.fence_mbarrier_init()
         k.bar_warp_sync()
         row_lane = k.setp("lt", lane, R)
-        src_lane = k.add(wbase, k.mul_wide(k.min(k.add(row_base, lane), last), lay["row_bytes"]))
+        src_lane = k.add(wbase, k.mul_wide(weight_row(lane), lay["row_bytes"]))
         dst_lane = k.add(ring, k.mul(lane, U))
 
         def issue(j: Reg | int, slot_off: Reg | int, valid: Reg | None) -> None:
@@ -235,8 +247,7 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
         for q in range(-(-nchunks // 32)):
             c = k.add(lane, 32 * q) if q else lane
             row = k.div(c, cpr)
-            grow = k.min(k.add(row_base, row), last)  # rows past the end re-read the last row (not stored)
-            off = k.add(k.mul_wide(grow, lay["row_bytes"]), k.cvt(k.shl(k.sub(c, k.mul(row, cpr)), 4), "u64"))
+            off = k.add(k.mul_wide(weight_row(row), lay["row_bytes"]), k.cvt(k.shl(k.sub(c, k.mul(row, cpr)), 4), "u64"))
             srcs.append((off, k.setp("lt", c, nchunks) if (q + 1) * 32 > nchunks else None))
         dst0 = k.add(ring, k.shl(lane, 4))
 
@@ -347,7 +358,7 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
             sums.append(k.add(s, k.shfl("bfly", s, 2)))
     if minacc is not None:  # lane r holds row r's min term
         sums = [k.sub(sm, k.shfl("idx", minacc, k.add(g, 8 * i) if i else g)) for i, sm in enumerate(sums)]
-    _epilogue(k, lay, mtiles, kparts, sums, smem, tid, lane, g, t, out_dim, bias, residual)
+    _epilogue(k, lay, mtiles, kparts, sums, smem, tid, lane, g, t, out_dim, bias, residual, glu)
     k.ret()
     return k
 
@@ -437,13 +448,15 @@ def _unit_q8_0(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list) -> 
                 k.assign(acc[r][n], k.fma(s, _exact_float(k, d[n]), acc[r][n]))
 
 
-def _epilogue(k, lay, mtiles, kparts, sums, smem, tid, lane, g, t, out_dim, bias, residual) -> None:
+def _epilogue(k, lay, mtiles, kparts, sums, smem, tid, lane, g, t, out_dim, bias, residual, glu) -> None:
     """Store (or, with K parts, combine in order and store) the warp's rows, + bias/residual. ``sums``:
-    rows g, g + 8 (, g + 16, g + 24) of the warp, complete in lanes t == 0."""
+    rows g, g + 8 (, g + 16, g + 24) of the warp, complete in lanes t == 0. With ``glu`` output o of
+    the warp is silu(row o) * (row 16 + o)."""
     R = lay["rows"]
+    outs = 16 if glu else R
     warp = k.shr(tid, 5)
     mt = k.rem(warp, mtiles) if mtiles > 1 else 0
-    row_base = k.mul(k.add(k.mul(k.ctaid(), mtiles), mt) if mtiles > 1 else k.ctaid(), R)
+    row_base = k.mul(k.add(k.mul(k.ctaid(), mtiles), mt) if mtiles > 1 else k.ctaid(), outs)
 
     def store(val: Reg, r: Reg) -> None:
         off = k.mul_wide(r, 4)
@@ -454,6 +467,12 @@ def _epilogue(k, lay, mtiles, kparts, sums, smem, tid, lane, g, t, out_dim, bias
         k.store("global", "f32", k.add(k.global_ptr("y"), off), val)
 
     t0 = k.setp("eq", t, 0)
+    if kparts == 1 and glu:
+        for i in range(2):
+            rr = k.add(row_base, k.add(g, 8 * i) if i else g)
+            with k.if_(k.and_(t0, k.setp("lt", rr, out_dim))):
+                store(_silu_mul(k, sums[i], sums[2 + i]), rr)
+        return
     if kparts == 1:
         for i, sm in enumerate(sums):
             rr = k.add(row_base, k.add(g, 8 * i) if i else g)
@@ -468,12 +487,16 @@ def _epilogue(k, lay, mtiles, kparts, sums, smem, tid, lane, g, t, out_dim, bias
     k.bar_sync()
     r = k.add(row_base, lane)
     first = k.setp("lt", warp, mtiles)  # kp == 0
-    with k.if_(k.and_(k.and_(first, k.setp("lt", lane, R)), k.setp("lt", r, out_dim))):
+    with k.if_(k.and_(k.and_(first, k.setp("lt", lane, outs)), k.setp("lt", r, out_dim))):
         src = k.add(mine, k.shl(lane, 2))
-        v = k.load("shared", "f32", src)
-        for p in range(1, kparts):
-            v = k.add(v, k.load("shared", "f32", src, p * mtiles * 4 * R))
-        store(v, r)
+
+        def part_sum(extra: int) -> Reg:
+            v = k.load("shared", "f32", src, extra)
+            for p in range(1, kparts):
+                v = k.add(v, k.load("shared", "f32", src, p * mtiles * 4 * R + extra))
+            return v
+
+        store(_silu_mul(k, part_sum(0), part_sum(64)) if glu else part_sum(0), r)
 
 
 def _grid_shapes() -> list[dict]:
@@ -484,17 +507,22 @@ def _grid_shapes() -> list[dict]:
                    {"wtype": wt, "in_dim": 14336, "mtiles": 2, "kparts": 4, "stages": 4, "residual": True},
                    {"wtype": wt, "in_dim": 14336, "mtiles": 1, "kparts": 8, "stages": 2, "tiles": 2},
                    {"wtype": wt, "in_dim": 4096, "mtiles": 4, "kparts": 2, "stages": 2, "tiles": 2, "bias": True},
+                   {"wtype": wt, "in_dim": 4096, "mtiles": 8, "kparts": 1, "stages": 2, "tiles": 2, "glu": True},
+                   {"wtype": wt, "in_dim": 4096, "mtiles": 2, "kparts": 4, "stages": 2, "tiles": 2, "glu": True},
                    {"wtype": wt, "in_dim": 4096, "mtiles": 8, "kparts": 1, "stages": 4, "bias": True}]
     return shapes
 
 
 @kernel("gemv_mma", grid=_grid_shapes())
 def gemv_mma(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, mtiles: int = 2, kparts: int = 4, stages: int = 4,
-             bias: bool = False, residual: bool = False, tiles: int = 1, bulk: bool = False) -> KernelBuilder:
+             bias: bool = False, residual: bool = False, tiles: int = 1, bulk: bool = False,
+             glu: bool = False) -> KernelBuilder:
     """y[r] = sum_k W[r, k] x[k] (+ bias[r]) (+ residual[r]) for r < out_dim, W in Q4_K or Q8_0 blocks, on
     tensor cores (exact int8 MMAs of the codes with x as four base-256 digits).
     ``tiles``: 16-row MMA tiles per warp (2: each x digit fragment and weight-scale step serves 32 rows);
     ``bulk`` (sm_90): the ring is filled by bulk copies (one per row and unit) instead of cp.async.
+    ``glu`` (tiles=2): W is [gate; up] (2 out_dim rows) and y[o] = silu(gate_o . x) * (up_o . x); each
+    warp's 32 rows are 16 gate rows and the 16 up rows of the same outputs.
     Launch: grid ceil(out_dim / (16 tiles mtiles)), block 32 mtiles kparts, meta["dyn_smem"] dynamic shared
     bytes."""
-    return build(m, wtype, in_dim, mtiles, kparts, stages, bias, residual, tiles, bulk)
+    return build(m, wtype, in_dim, mtiles, kparts, stages, bias, residual, tiles, bulk, glu)

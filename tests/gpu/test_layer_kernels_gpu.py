@@ -164,6 +164,36 @@ def test_gemv_real_shapes(ops, wtype, out_dim, in_dim):
     _check_gemv(dy.to_numpy(), wd @ x, np.abs(wd) @ np.abs(x), f"{wtype} {out_dim}x{in_dim}")
 
 
+@settings(max_examples=30, deadline=None)
+@given(wtype=st.sampled_from(["Q4_K", "Q8_0"]), ffn=st.integers(1, 400), mtiles=st.sampled_from([1, 2, 4, 8]),
+       kparts=st.sampled_from([1, 2, 4, 8]), stages=st.sampled_from([2, 3, 4]), units=st.integers(1, 4),
+       bulk=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_gemv_glu_mma_matches_oracle(ops, wtype, ffn, mtiles, kparts, stages, units, bulk, seed):
+    """The tensor-core fused gate/up GEMV (a warp's 16 gate rows and their 16 up rows, silu(g) * u)."""
+    while mtiles * kparts > 8:
+        kparts //= 2
+    in_dim = 256 * kparts * units
+    while True:
+        try:
+            mma_layout(wtype, in_dim, mtiles, kparts, stages, 2)
+            break
+        except ValueError:
+            stages, mtiles = ({4: 3, 3: 2}[stages], mtiles) if stages > 2 else (stages, mtiles // 2)
+    rng = np.random.default_rng(seed)
+    raw = random_weight(rng, wtype, 2 * ffn, in_dim)
+    x = _activation(rng, in_dim, 1.0, 2)
+    w = GpuWeight(data=raw, ggml_type=wtype, shape=(2 * ffn, in_dim))
+    dy = _poisoned(ffn)
+    cfg = MmaConfig(mtiles, kparts, stages, 2, bulk and ops.device.target.compute_capability >= (9, 0))
+    ops.gemv_glu(w, _buf(x), dy, config=cfg)
+    wd = dequant(raw, wtype, 2 * ffn, in_dim).astype(np.float64)
+    g, u = wd[:ffn] @ x, wd[ffn:] @ x
+    sg, su = np.abs(wd[:ffn]) @ np.abs(x), np.abs(wd[ffn:]) @ np.abs(x)
+    y = dy.to_numpy()
+    assert np.isfinite(y).all(), f"{cfg}: unwritten outputs"
+    assert (np.abs(y - silu(g) * u) / ((np.abs(g) + sg) * (np.abs(u) + su))).max() <= REL, cfg
+
+
 @settings(max_examples=25, deadline=None)
 @given(wtype=st.sampled_from(WEIGHT_TYPES), ffn=st.integers(1, 300), mult=st.integers(1, 6),
        cfg=st.sampled_from([None, GemvConfig(2, 4, 2), GemvConfig(4, 8, 8), GemvConfig(2, 8, 4)]),
