@@ -201,7 +201,8 @@ MMA_EXTRA_CTA = 0.1  # the tensor-core GEMV dispatcher's cost of each further CT
 def mma_config(out_dim: int, in_dim: int, wtype: str, sm_count: int = 132,
                max_smem: int = 227 * 1024, bulk_ok: bool = False, glu: bool = False) -> MmaConfig | None:
     """The tensor-core GEMV's launch shape for ``out_dim`` rows of ``in_dim`` values, or None where it
-    does not apply (types other than Q4_K/Q8_0, rows not a multiple of 256 values).
+    does not apply (types other than Q4_K/Q8_0, rows not a multiple of 256 values) or would keep fewer
+    than half the SMs busy (small GEMVs, where the SIMT kernel's lower start-up cost wins).
 
     Fitted to ``tools/bench_gemv.py --sweep`` on an H200: CTAs of 8 warps and a 2-stage ring; warps of
     32 rows (each unit of x the warp converts serves twice the rows) split K in ``kparts`` so that the
@@ -233,6 +234,8 @@ def mma_config(out_dim: int, in_dim: int, wtype: str, sm_count: int = 132,
         return None
     top = max(c[0] for c in cands)
     best = max((c for c in cands if c[0] >= top - 0.02), key=lambda c: c[1:3])[-1]
+    if -(-out_dim // ((16 if glu else 16 * best.tiles) * best.mtiles)) < sm_count // 2:
+        return None  # under half the SMs busy: the SIMT kernel is faster (576 x 1536 Q8_0: 2.2 us vs 3.7)
     if bulk_ok and units // best.kparts <= 2:
         best = MmaConfig(best.mtiles, best.kparts, best.stages, best.tiles, True)
     return best

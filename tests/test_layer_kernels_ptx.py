@@ -571,6 +571,7 @@ def test_mma_config_balances_the_grid():
     from ptx_gen.kernels.gemv_mma import layout
     from realizar.layers import mma_config
     assert mma_config(4096, 4096, "Q6_K") is None and mma_config(576, 576, "Q8_0") is None
+    assert mma_config(576, 1536, "Q8_0") is None  # 36 CTAs on 132 SMs: the SIMT kernel
     for out_dim, in_dim in ((4096, 14336), (14336, 4096), (4096, 4096), (6144, 4096), (28672, 4096), (2048, 8192)):
         for wt in ("Q4_K", "Q8_0"):
             cfg = mma_config(out_dim, in_dim, wt, 132)
@@ -587,7 +588,9 @@ def test_gemv_mma_dispatcher_picks_assemble_without_spills(wtype):
     their 8-warp maximum) assembles for sm_80 and sm_90 without local-memory spills."""
     from realizar.layers import mma_config
     picks = {mma_config(o, i, wtype, 132) for o, i in ((4096, 14336), (14336, 4096), (4096, 4096), (28672, 4096),
-                                                       (6144, 4096), (2048, 8192), (1024, 4096))}
+                                                       (6144, 4096), (2048, 8192), (2048, 2048))}
+    picks |= {mma_config(o, i, wtype, 132, glu=True) for o, i in ((14336, 4096), (8192, 2048))}
+    picks.discard(None)
     picks.add(type(next(iter(picks)))(8, 1, 2, 2))
     for cfg in picks:
         in_dim = 14336 if 14336 % (256 * cfg.kparts) == 0 else 4096
