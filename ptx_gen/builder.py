@@ -523,7 +523,10 @@ class KernelBuilder:
 
         Code before it overlaps the end of the kernel this one depends on, so it may only read memory
         no earlier kernel writes (weights) and write nothing but shared memory; every thread that goes
-        on to touch other global memory must pass a wait. A second wait on a path is harmless."""
+        on to touch other global memory must pass a wait. A second wait on a path is harmless. Data an
+        earlier kernel writes must be read with coherent loads, never ``ld.global.nc``: its promise
+        that the data is read-only for the kernel's lifetime lets ptxas move such a load above the
+        wait (found on the GPU: decode went wrong once weight loads preceded the wait)."""
         self._deferred_wait = True
         if self.target.compute_capability >= (9, 0):
             self._emit("griddepcontrol.wait;")

@@ -73,7 +73,7 @@ def argmax_partial(m: Module, block: int = 256) -> KernelBuilder:
     stride = k.mul(k.sreg("nctaid.x"), block)
     best = k.var("u64", 0)  # below every packed candidate (key >= 1 for any float)
     with k.loop(k.global_index_x(), n, stride) as i:
-        v = k.load("global", "f32", k.add(x, k.mul_wide(i, 4)), nc=True)
+        v = k.load("global", "f32", k.add(x, k.mul_wide(i, 4)))
         k.assign(best, k.max(best, pack(k, v, i)))
     total = _block_max_u64(k, best, block)
     with k.if_(k.setp("eq", k.tid(), 0)):

@@ -94,7 +94,7 @@ def row_sum(m: Module, block: int = 256) -> KernelBuilder:
     row_base = k.add(x, k.mul_wide(k.mul(row, cols), 4))
     acc = k.var("f32", 0.0)
     with k.loop(k.tid(), cols, block) as c:
-        v = k.load("global", "f32", k.add(row_base, k.mul_wide(c, 4)), nc=True)
+        v = k.load("global", "f32", k.add(row_base, k.mul_wide(c, 4)))
         k.assign(acc, k.add(acc, v))
     total = block_reduce(k, acc, block)
     with k.if_(k.setp("eq", k.tid(), 0)):

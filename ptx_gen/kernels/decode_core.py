@@ -394,8 +394,8 @@ def load_q(k: KernelBuilder, lay: DecodeLayout, lanes: Lanes, head0: Reg) -> lis
         for c in range(C):
             addr = k.add(qrow, k.mul_wide(lanes.chunk_idx[c], 16))
             ok = _both(k, lanes.chunk_ok[c], head_ok)
-            vals = k.load("global", "f32", addr, vec=4, nc=True, pred=ok, other=0.0) if ok is not None \
-                else k.load("global", "f32", addr, vec=4, nc=True)
+            vals = k.load("global", "f32", addr, vec=4, pred=ok, other=0.0) if ok is not None \
+                else k.load("global", "f32", addr, vec=4)
             per_c.append(tuple(k.mul(x, qscale) for x in vals))
         qv.append(per_c)
     return qv
@@ -456,8 +456,8 @@ def build_decode_pass(
             for c in range(C):
                 addr = k.add(kv_lane[c], roff)
                 ok = _both(k, chunk_ok[c], guard)
-                per_c.append(k.load("global", "f32", addr, vec=4, nc=True, pred=ok, other=0.0) if ok is not None
-                             else k.load("global", "f32", addr, vec=4, nc=True))
+                per_c.append(k.load("global", "f32", addr, vec=4, pred=ok, other=0.0) if ok is not None
+                             else k.load("global", "f32", addr, vec=4))
             rows.append(per_c)
         return rows
 

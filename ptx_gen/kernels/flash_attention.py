@@ -98,7 +98,7 @@ def flash_attention(
         if (it + 1) * NT > BQ * NC:
             ok = k.and_(ok, k.setp("lt", i, BQ * NC))
         src = k.add(q_head, k.mul_wide(k.mad(k.add(q0, row), NC, c4), 16))
-        vals = k.load("global", "f32", src, vec=4, nc=True, pred=ok, other=0.0)
+        vals = k.load("global", "f32", src, vec=4, pred=ok, other=0.0)
         dst = k.add(q_s, k.shl(k.mad(row, DP // 4, c4), 4))
         st_ok = k.setp("lt", i, BQ * NC) if (it + 1) * NT > BQ * NC else None
         k.store("shared", "f32", dst, [k.mul(x, qscale) for x in vals], pred=st_ok)
@@ -130,8 +130,8 @@ def flash_attention(
             if in_tile is not None:
                 ok = k.and_(ok, in_tile)
             goff = k.mul_wide(k.mad(k.add(k0, row), NC, c4), 16)
-            kvals = k.load("global", "f32", k.add(k_head, goff), vec=4, nc=True, pred=ok, other=0.0)
-            vvals = k.load("global", "f32", k.add(v_head, goff), vec=4, nc=True, pred=ok, other=0.0)
+            kvals = k.load("global", "f32", k.add(k_head, goff), vec=4, pred=ok, other=0.0)
+            vvals = k.load("global", "f32", k.add(v_head, goff), vec=4, pred=ok, other=0.0)
             soff = k.shl(k.mad(row, DP // 4, c4), 4)
             k.store("shared", "f32", k.add(k_s, soff), list(kvals), pred=in_tile)
             k.store("shared", "f32", k.add(v_s, soff), list(vvals), pred=in_tile)

@@ -216,8 +216,11 @@ def _round(k: KernelBuilder, p: dict, wtype: str, rows: list[RowCtx], lc: dict, 
     (fewer registers: 8 per row instead of 8 per token), otherwise x is loaded first."""
 
     def load_x(xb):
-        return (list(k.load("global", "f32", xb, i * ROUND * 4, vec=4, nc=True))
-                + list(k.load("global", "f32", xb, i * ROUND * 4 + 16, vec=4, nc=True)))
+        # x is written by the kernel before (under programmatic dependent launch still running when
+        # this one starts): a coherent load, never ld.global.nc, whose read-only promise lets ptxas
+        # hoist it above griddepcontrol.wait (that broke decode once the weight loads came first)
+        return (list(k.load("global", "f32", xb, i * ROUND * 4, vec=4))
+                + list(k.load("global", "f32", xb, i * ROUND * 4 + 16, vec=4)))
 
     def x_sum(xs, box: dict, beta: float) -> Reg:
         """beta * (the lane's 8 x values summed), made once per round and token for all rows."""

@@ -54,9 +54,9 @@ def rmsnorm(m: Module, hidden: int = 4096, block: int = 256, residual: bool = Fa
         ok = None if (c + 1) * block <= vecs else k.setp("lt", v, vecs)
         off = k.mul_wide(v, 16)
         if ok is None:
-            h = list(k.load("global", "f32", k.add(x, off), vec=4, nc=True))
+            h = list(k.load("global", "f32", k.add(x, off), vec=4))
         else:
-            h = list(k.load("global", "f32", k.add(x, off), vec=4, nc=True, pred=ok, other=0.0))
+            h = list(k.load("global", "f32", k.add(x, off), vec=4, pred=ok, other=0.0))
         if residual:
             if ok is None:
                 r = k.load("global", "f32", k.add(res, off), vec=4)
