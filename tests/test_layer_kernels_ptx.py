@@ -623,3 +623,16 @@ def test_gemv_glu_mma_emulated_matches_oracle(wtype, ffn, mtiles, kparts, units,
     scale = (np.abs(g) + np.abs(w[:ffn]) @ np.abs(x)) * (np.abs(u) + np.abs(w[ffn:]) @ np.abs(x))
     assert np.isfinite(y).all(), "unwritten (NaN-poisoned) outputs"
     assert (np.abs(y - silu(g) * u) / scale).max() < 1e-6
+
+
+def test_activations_are_read_with_coherent_loads():
+    """Under programmatic dependent launch a GEMV starts while the kernel writing its x still runs, and
+    requests its weights before ``griddepcontrol.wait``; an ``ld.global.nc`` of x (read-only for the
+    kernel's lifetime, so ptxas may move it above the wait) decoded the real SmolLM2 wrongly on the GPU.
+    Only weight bytes (the SIMT kernel's L1::no_allocate loads) may use the non-coherent path."""
+    for shape in catalog.spec("gemv").grid:
+        for line in catalog.emit("gemv", target="sm_90", **shape).ptx.splitlines():
+            if "ld.global.nc" in line:
+                assert "L1::no_allocate" in line, (shape, line)
+    for shape in catalog.spec("gemv_mma").grid:
+        assert "ld.global.nc" not in catalog.emit("gemv_mma", target="sm_90", **shape).ptx, shape
