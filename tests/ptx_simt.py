@@ -459,14 +459,10 @@ class _Launch:
         records made by that warp are cleared (bytes written by other warps keep theirs)."""
         if int(inst.args[0], 0) & 0xFFFFFFFF != 0xFFFFFFFF or self.warp_global is None:
             raise EmulatorError(f"only full-mask bar.warp.sync in whole warps is emulated: {inst.text}")
-        m32 = mask.reshape(-1, 32)
-        bad = m32.any(axis=1) & ~m32.all(axis=1)
-        if bad.any():
-            w = int(np.flatnonzero(bad)[0])
-            raise EmulatorError(f"bar.warp.sync reached by {int(m32[w].sum())} of 32 lanes (warp {w}): {inst.text}")
+        warps = self._whole_warps(inst, mask)
         if not self.racecheck:
             return
-        for w in np.flatnonzero(m32.all(axis=1)):
+        for w in warps:
             t0 = int(w) * 32
             b = int(self.block_of[t0])
             lo = int(self.local[t0])
@@ -710,14 +706,7 @@ class _Launch:
         d, a, b, c, membermask = inst.args
         if int(membermask, 0) & 0xFFFFFFFF != 0xFFFFFFFF:
             raise EmulatorError(f"only full-mask shuffles are emulated: {inst.text}")
-        if self.warp_global is None:
-            raise EmulatorError("shfl in a block whose size is not a multiple of 32")
-        a32 = act.reshape(-1, 32)
-        bad = a32.any(axis=1) & ~a32.all(axis=1)
-        if bad.any():
-            w = int(np.flatnonzero(bad)[0])
-            raise EmulatorError(f"shfl.sync with a full mask executed by {int(a32[w].sum())} of 32 lanes "
-                                f"(warp {w}): {inst.text}")
+        self._whole_warps(inst, act)
         val = self._read(a, "b32")
         bb = self._read(b, "u32").astype(np.int64)
         cc = self._read(c, "u32").astype(np.int64)
@@ -750,7 +739,8 @@ class _Launch:
         bad = a32.any(axis=1) & ~a32.all(axis=1)
         if bad.any():
             w = int(np.flatnonzero(bad)[0])
-            raise EmulatorError(f"{inst.op} executed by {int(a32[w].sum())} of 32 lanes (warp {w}): {inst.text}")
+            raise EmulatorError(f"{inst.op}{'.' + inst.mods[0] if inst.mods else ''} reached by {int(a32[w].sum())} of "
+                                f"32 lanes (warp {w}): {inst.text}")
         return np.flatnonzero(a32.all(axis=1))
 
     @staticmethod

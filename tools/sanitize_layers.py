@@ -19,6 +19,19 @@ from realizar.layers import GemvConfig, GpuWeight, LayerOps, MmaConfig, inv_freq
 from tests.layer_oracles import dequant, random_weight, rmsnorm_oracle, silu  # noqa: E402
 
 
+def _gemv_case(ops, rng, wt: str, out_dim: int, in_dim: int, cfg) -> None:
+    """y = W x + y (in place) with launch shape ``cfg``, checked against float64."""
+    raw = random_weight(rng, wt, out_dim, in_dim)
+    x = rng.standard_normal(in_dim).astype(np.float32)
+    r = rng.standard_normal(out_dim).astype(np.float32)
+    w = GpuWeight(data=raw, ggml_type=wt, shape=(out_dim, in_dim))
+    with cuda.GpuBuffer.from_numpy(x) as dx, cuda.GpuBuffer.from_numpy(r) as dy:
+        ops.gemv(w, dx, dy, residual=dy, config=cfg)
+        ref = dequant(raw, wt, out_dim, in_dim).astype(np.float64) @ x + r
+        assert np.abs(dy.to_numpy() - ref).max() <= 1e-4 * np.abs(ref).max(), (wt, out_dim, cfg)
+    w.free()
+
+
 def cases(cache, rng, small: bool) -> None:
     ops = LayerOps()
     types = WEIGHT_TYPES if not small else ("Q8_0", "Q4_1", "Q6_K", "F16")
@@ -27,15 +40,7 @@ def cases(cache, rng, small: bool) -> None:
         configs = ((3, GemvConfig(1, 4)), (37, GemvConfig(4, 4)), (5, GemvConfig(2, 2)),
                    (9, GemvConfig(2, 4, 4)), (11, GemvConfig(2, 8, 8)), (6, GemvConfig(1, 4, 2)))
         for out_dim, cfg in configs:
-            raw = random_weight(rng, wt, out_dim, in_dim)
-            x = rng.standard_normal(in_dim).astype(np.float32)
-            r = rng.standard_normal(out_dim).astype(np.float32)
-            w = GpuWeight(data=raw, ggml_type=wt, shape=(out_dim, in_dim))
-            with cuda.GpuBuffer.from_numpy(x) as dx, cuda.GpuBuffer.from_numpy(r) as dy:
-                ops.gemv(w, dx, dy, residual=dy, config=cfg)
-                ref = dequant(raw, wt, out_dim, in_dim).astype(np.float64) @ x + r
-                assert np.abs(dy.to_numpy() - ref).max() <= 1e-4 * np.abs(ref).max(), (wt, out_dim)
-            w.free()
+            _gemv_case(ops, rng, wt, out_dim, in_dim, cfg)
         # embedding of the last row (the end of the allocation)
         vocab, hidden = 3, in_dim
         raw = random_weight(rng, wt, vocab, hidden)
@@ -50,16 +55,7 @@ def cases(cache, rng, small: bool) -> None:
     for wt in ("Q4_K", "Q8_0"):
         for out_dim, cfg in ((37, MmaConfig(1, 2, 2, 2)), (70, MmaConfig(2, 4, 4, 1)),
                              (19, MmaConfig(1, 2, 2, 1, bulk_ok)), (45, MmaConfig(2, 2, 2, 2, bulk_ok))):
-            in_dim = 256 * cfg.kparts * 3
-            raw = random_weight(rng, wt, out_dim, in_dim)
-            x = rng.standard_normal(in_dim).astype(np.float32)
-            r = rng.standard_normal(out_dim).astype(np.float32)
-            w = GpuWeight(data=raw, ggml_type=wt, shape=(out_dim, in_dim))
-            with cuda.GpuBuffer.from_numpy(x) as dx, cuda.GpuBuffer.from_numpy(r) as dy:
-                ops.gemv(w, dx, dy, residual=dy, config=cfg)
-                ref = dequant(raw, wt, out_dim, in_dim).astype(np.float64) @ x + r
-                assert np.abs(dy.to_numpy() - ref).max() <= 1e-4 * np.abs(ref).max(), (wt, out_dim, cfg)
-            w.free()
+            _gemv_case(ops, rng, wt, out_dim, 256 * cfg.kparts * 3, cfg)
     # fused gate/up and the prefill GEMM
     raw = random_weight(rng, "Q4_K", 2 * 7, 256)
     w = GpuWeight(data=raw, ggml_type="Q4_K", shape=(14, 256))

@@ -460,6 +460,12 @@ def _silu_mul(k: KernelBuilder, g: Reg, u: Reg) -> Reg:
     return k.mul(k.div(g, k.add(e, 1.0)), u)  # silu(g) * u
 
 
+def gemv_params(bias: bool, residual: bool) -> list[tuple[str, str]]:
+    """The GEMV kernels' parameters: w, x, y (, bias) (, residual), out_dim."""
+    return ([("w", "u64"), ("x", "u64"), ("y", "u64")] + ([("bias", "u64")] if bias else [])
+            + ([("residual", "u64")] if residual else []) + [("out_dim", "u32")])
+
+
 def build(m: Module, wtype: str, in_dim: int, rows: int, warps: int, bias: bool, residual: bool,
           tokens: int = 0, glu: bool = False, ksplit: int = 1) -> KernelBuilder:
     """The GEMV (``tokens == 0``: one x vector) or the token-tiled GEMM (``tokens`` x vectors per CTA,
@@ -483,12 +489,7 @@ def build(m: Module, wtype: str, in_dim: int, rows: int, warps: int, bias: bool,
     row_bytes = info.row_bytes(in_dim)
     p_full, p_last = _slice_plans(wtype, sp)
     plans = [p for p in (p_full, p_last) if p is not None]
-    params = [("w", "u64"), ("x", "u64"), ("y", "u64")]
-    if bias:
-        params.append(("bias", "u64"))
-    if residual:
-        params.append(("residual", "u64"))
-    params.append(("out_dim", "u32"))
+    params = gemv_params(bias, residual)
     if tokens:
         params.append(("n_tokens", "u32"))
     kind = "gemm" if tokens else "gemv"

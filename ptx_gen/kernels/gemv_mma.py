@@ -43,7 +43,7 @@ from __future__ import annotations
 from ptx_gen.builder import KernelBuilder, Module, Reg
 from ptx_gen.catalog import kernel
 from ptx_gen.kernels import quant_layout as ql
-from ptx_gen.kernels.gemv import _silu_mul
+from ptx_gen.kernels.gemv import _silu_mul, gemv_params
 
 UNIT_BYTES = {"Q4_K": 144, "Q8_0": 272}  # bytes of 256 values of one row
 MMA_TYPES = tuple(UNIT_BYTES)
@@ -172,12 +172,7 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
     if bulk and m.target.compute_capability < (9, 0):
         raise ValueError(f"bulk copies need sm_90 or newer, the target is {m.target}")
     U, n_units, warps, R = lay["unit"], lay["per_warp"], lay["warps"], lay["rows"]
-    params = [("w", "u64"), ("x", "u64"), ("y", "u64")]
-    if bias:
-        params.append(("bias", "u64"))
-    if residual:
-        params.append(("residual", "u64"))
-    params.append(("out_dim", "u32"))
+    params = gemv_params(bias, residual)
     name = (f"gemv_mma_{wtype.lower()}_k{in_dim}_m{mtiles}_p{kparts}_s{stages}" + (f"_t{tiles}" if tiles > 1 else "")
             + ("_bulk" if bulk else "") + ("_glu" if glu else "")
             + ("_bias" if bias else "") + ("_res" if residual else ""))
