@@ -563,10 +563,6 @@ class KernelBuilder:
         self._emit(f"mbarrier.arrive.expect_tx.shared::cta.b64 _, [{addr}], {self._op(nbytes, ptx_type('u32'))};",
                    pred)
 
-    def mbarrier_arrive(self, addr: Reg, pred: Reg | None = None) -> None:
-        """Arrive at the barrier (one of the arrivals its phase expects)."""
-        self._emit(f"mbarrier.arrive.shared::cta.b64 _, [{addr}];", pred)
-
     def cp_async_bulk(self, dst: Reg, src: Reg, nbytes: int, mbar: Reg, pred: Reg | None = None) -> None:
         """``cp.async.bulk`` global -> shared of ``nbytes`` (a multiple of 16; both addresses 16-byte
         aligned) by the tensor memory accelerator; its bytes count towards the phase of ``mbar``."""

@@ -193,7 +193,6 @@ class MmaConfig:
     stages: int  # cp.async ring depth per warp (units of 256 values)
     tiles: int = 1  # 16-row MMA tiles per warp
     bulk: bool = False  # sm_90: fill the ring with bulk copies (cp.async.bulk + mbarrier)
-    cta: bool = False  # sm_90, with bulk: one ring per row group, each row's K parts in one bulk copy
 
 
 MMA_EXTRA_CTA = 0.1  # the tensor-core GEMV dispatcher's cost of each further CTA on an SM
@@ -320,7 +319,7 @@ class LayerOps:
         if isinstance(cfg, MmaConfig):
             kern = self.kernel("gemv_mma", wtype=weight.wtype, in_dim=weight.in_dim, mtiles=cfg.mtiles,
                                kparts=cfg.kparts, stages=cfg.stages, tiles=cfg.tiles, bulk=cfg.bulk,
-                               cta=cfg.cta, bias=bias is not None,
+                               bias=bias is not None,
                                residual=residual is not None)
         else:
             kern = self.kernel("gemv", wtype=weight.wtype, in_dim=weight.in_dim, rows=cfg.rows, warps=cfg.warps,
@@ -353,7 +352,7 @@ class LayerOps:
             cfg = gemv_config(gate_up.out_dim, self.sm_count, gate_up.in_dim, gate_up.wtype)
         if isinstance(cfg, MmaConfig):
             kern = self.kernel("gemv_mma", wtype=gate_up.wtype, in_dim=gate_up.in_dim, mtiles=cfg.mtiles,
-                               kparts=cfg.kparts, stages=cfg.stages, tiles=2, bulk=cfg.bulk, cta=cfg.cta, glu=True)
+                               kparts=cfg.kparts, stages=cfg.stages, tiles=2, bulk=cfg.bulk, glu=True)
         else:
             rows = max(2, cfg.rows - cfg.rows % 2)  # weight rows per warp: a gate row and its up row per output
             kern = self.kernel("gemv", wtype=gate_up.wtype, in_dim=gate_up.in_dim, rows=rows, warps=cfg.warps,

@@ -892,13 +892,6 @@ class _Launch:
                 b[1] -= 1
                 self._bar_complete(b)
             return None
-        if kind == "arrive" and inst.mods[1] == "shared::cta":
-            addrs, _ = self._addr(inst.args[1], "shared")
-            for t_ in tids:
-                b = self._bar_state(int(self.block_of[t_]), int(addrs[t_]), inst)
-                b[1] -= 1
-                self._bar_complete(b)
-            return None
         if kind == "try_wait" and inst.mods[1] == "parity":
             addrs, _ = self._addr(inst.args[1], "shared")
             parity = self._read(inst.args[2], "u32")
@@ -908,9 +901,6 @@ class _Launch:
                 b = self._bar_state(*key, inst)
                 self._land_bulk(key, b)
                 res[t_] = b[3] != (int(parity[t_]) & 1)
-                if res[t_] and self.racecheck:  # a completed phase orders its arrivers' accesses before the
-                    self.writer[key[0]] = -1    # waiter's (as a barrier would; coarse: the whole block)
-                    self.reader[key[0]] = -1
             return self._write(inst.args[0], res, act, "pred")
         raise EmulatorError(f"mbarrier form not emulated: {inst.text}")
 

@@ -515,7 +515,7 @@ def test_argmax_emulated_exact(n, parts, mode, seed):
 @settings(max_examples=30, deadline=None)
 @given(wtype=st.sampled_from(["Q4_K", "Q8_0"]), out_dim=st.integers(1, 40), mtiles=st.integers(1, 3),
        kparts=st.sampled_from([1, 2, 4]), stages=st.sampled_from([2, 3, 4, 8]), tiles=st.sampled_from([1, 2]),
-       units=st.integers(1, 5), target=st.sampled_from(["sm_80", "sm_90", "sm_90 bulk", "sm_90 bulk cta"]),
+       units=st.integers(1, 5), target=st.sampled_from(["sm_80", "sm_90", "sm_90 bulk"]),
        bias=st.booleans(), residual=st.booleans(), scale=st.sampled_from([1e-3, 1.0, 500.0]),
        seed=st.integers(0, 2**32 - 1))
 def test_gemv_mma_emulated_matches_oracle(wtype, out_dim, mtiles, kparts, stages, tiles, units, target, bias, residual,
@@ -531,7 +531,7 @@ def test_gemv_mma_emulated_matches_oracle(wtype, out_dim, mtiles, kparts, stages
 
     def fits(st: int) -> bool:
         try:
-            layout(wtype, in_dim, mtiles, kparts, st, tiles, target.endswith("cta"))
+            layout(wtype, in_dim, mtiles, kparts, st, tiles)
             return True
         except ValueError:  # more shared memory than a CTA may have: a smaller ring
             return False
@@ -544,8 +544,7 @@ def test_gemv_mma_emulated_matches_oracle(wtype, out_dim, mtiles, kparts, stages
     b = rng.standard_normal(out_dim).astype(np.float32) if bias else None
     r = rng.standard_normal(out_dim).astype(np.float32) if residual else None
     k = catalog.emit("gemv_mma", target=target.split()[0], wtype=wtype, in_dim=in_dim, mtiles=mtiles, kparts=kparts,
-                     stages=stages, bias=bias, residual=residual, tiles=tiles, bulk="bulk" in target,
-                     cta=target.endswith("cta"))
+                     stages=stages, bias=bias, residual=residual, tiles=tiles, bulk=target.endswith("bulk"))
     mem = Memory()
     params = dict(w=mem.alloc_array(_pad16(raw)), x=mem.alloc_array(x), y=mem.alloc(4 * out_dim), out_dim=out_dim)
     if bias:
@@ -604,8 +603,7 @@ def test_gemv_mma_dispatcher_picks_assemble_without_spills(wtype):
 
 @settings(max_examples=12, deadline=None)
 @given(wtype=st.sampled_from(["Q4_K", "Q8_0"]), ffn=st.integers(1, 40), mtiles=st.integers(1, 3),
-       kparts=st.sampled_from([1, 2]), units=st.integers(1, 3),
-       target=st.sampled_from(["sm_80", "sm_90 bulk", "sm_90 bulk cta"]),
+       kparts=st.sampled_from([1, 2]), units=st.integers(1, 3), target=st.sampled_from(["sm_80", "sm_90 bulk"]),
        seed=st.integers(0, 2**32 - 1))
 def test_gemv_glu_mma_emulated_matches_oracle(wtype, ffn, mtiles, kparts, units, target, seed):
     """The tensor-core fused gate/up GEMV on the emulator: y = silu(gate . x) * (up . x)."""
@@ -614,7 +612,7 @@ def test_gemv_glu_mma_emulated_matches_oracle(wtype, ffn, mtiles, kparts, units,
     raw = random_weight(rng, wtype, 2 * ffn, in_dim)
     x = rng.standard_normal(in_dim).astype(np.float32)
     k = catalog.emit("gemv_mma", target=target.split()[0], wtype=wtype, in_dim=in_dim, mtiles=mtiles, kparts=kparts,
-                     stages=2, tiles=2, glu=True, bulk="bulk" in target, cta=target.endswith("cta"))
+                     stages=2, tiles=2, glu=True, bulk=target.endswith("bulk"))
     mem = Memory()
     params = dict(w=mem.alloc_array(_pad16(raw)), x=mem.alloc_array(x), y=mem.alloc(4 * ffn), out_dim=ffn)
     simt_run(k.ptx, grid=(-(-ffn // k.meta["rows_per_cta"]),), block=(k.meta["block"],), params=params, memory=mem,

@@ -56,10 +56,9 @@ PLANE, XSUM, INVF, XSLOT = 272, 4 * 272, 4 * 272 + 32, 4 * 272 + 48
 TABLE_ROW = 48
 
 
-def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, tiles: int = 1, cta: bool = False) -> dict:
+def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, tiles: int = 1) -> dict:
     """Validated shape and the dynamic shared-memory layout (byte offsets) of a variant (``tiles``:
-    16-row MMA tiles per warp; ``cta``: one ring per row group shared by its K parts, rows of
-    ``kparts * unit + 16`` bytes, else one per warp with rows of ``unit`` bytes)."""
+    16-row MMA tiles per warp)."""
     if wtype not in UNIT_BYTES:
         raise ValueError(f"the tensor-core GEMV handles {MMA_TYPES}, not {wtype}")
     if mtiles not in range(1, 9) or kparts not in (1, 2, 4, 8) or tiles not in (1, 2) or mtiles * kparts > 8:
@@ -81,18 +80,17 @@ def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, tiles
         off[name] = pos
         pos += -(-nbytes // 16) * 16
 
-    row_stride = kparts * unit + 16 if cta else unit  # (+16: ldmatrix rows 16 bytes apart mod 128)
-    take("ring", (mtiles if cta else warps) * stages * rows * row_stride)
+    take("ring", warps * stages * rows * unit)
     take("xbuf", warps * 2 * XSLOT)
     take("table", warps * rows * TABLE_ROW)
     take("red", warps * rows * 4 if kparts > 1 else 0)
-    take("mbar", (mtiles * stages * 16) if cta else warps * stages * 8)  # sm_90: per ring slot (full, empty)
+    take("mbar", warps * stages * 8)  # sm_90: one mbarrier per ring slot
     if pos > MAX_DYN_SMEM:
         raise ValueError(f"{wtype} rows of {in_dim} with mtiles={mtiles}, kparts={kparts}, stages={stages}, "
                          f"tiles={tiles} need {pos} bytes of shared memory, more than {MAX_DYN_SMEM}: fewer warps or "
                          f"stages")
     return dict(unit=unit, units=in_dim // 256, per_warp=in_dim // 256 // kparts, warps=warps, smem=pos, off=off,
-                row_bytes=in_dim // 256 * unit, rows=rows, row_stride=row_stride)
+                row_bytes=in_dim // 256 * unit, rows=rows)
 
 
 def _mod(k: KernelBuilder, j: Reg, n: int) -> Reg:
@@ -167,10 +165,8 @@ def _convert_x(k: KernelBuilder, wtype: str, vals: list, slot: Reg, xc: dict) ->
 
 
 def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, bias: bool,
-          residual: bool, tiles: int = 1, bulk: bool = False, glu: bool = False, cta: bool = False) -> KernelBuilder:
-    lay = layout(wtype, in_dim, mtiles, kparts, stages, tiles, cta)
-    if cta and not bulk:
-        raise ValueError("cta (a ring shared by the K parts) is filled by bulk copies: it needs bulk=True")
+          residual: bool, tiles: int = 1, bulk: bool = False, glu: bool = False) -> KernelBuilder:
+    lay = layout(wtype, in_dim, mtiles, kparts, stages, tiles)
     if glu and (tiles != 2 or bias or residual):
         raise ValueError("glu needs tiles=2 (a warp's 16 gate rows and their 16 up rows) and no bias/residual")
     if bulk and m.target.compute_capability < (9, 0):
@@ -178,7 +174,7 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
     U, n_units, warps, R = lay["unit"], lay["per_warp"], lay["warps"], lay["rows"]
     params = gemv_params(bias, residual)
     name = (f"gemv_mma_{wtype.lower()}_k{in_dim}_m{mtiles}_p{kparts}_s{stages}" + (f"_t{tiles}" if tiles > 1 else "")
-            + ("_bulk" if bulk else "") + ("_cta" if cta else "") + ("_glu" if glu else "")
+            + ("_bulk" if bulk else "") + ("_glu" if glu else "")
             + ("_bias" if bias else "") + ("_res" if residual else ""))
     k = m.kernel(name, params)
     k.max_threads = 32 * warps  # .maxntid: ptxas keeps the registers within what the whole CTA can get
@@ -200,13 +196,8 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
         o = k.min(k.add(row_base, k.and_(r, 15)), last)
         return k.mad(k.shr(r, 4), out_dim, o)
     smem = k.dynamic_shared()
-    RS = lay["row_stride"]
-    stage_bytes = R * RS
-    owner = (mt if mtiles > 1 else None) if cta else warp  # whose ring: the row group's or the warp's
-    ring = k.add(smem, k.add(k.mul(owner, stages * stage_bytes), lay["off"]["ring"]) if owner is not None
-                 else lay["off"]["ring"])
-    if cta:  # the warp's unit within its group's stage: kp U bytes into each row
-        ring = k.add(ring, k.mul(kp, U)) if kp is not None else ring
+    stage_bytes = R * U
+    ring = k.add(smem, k.add(k.mul(warp, stages * stage_bytes), lay["off"]["ring"]))
     w = k.global_ptr("w")
     k.global_ptr("y")
     # the warp's units of a row are kp, kp + kparts, kp + 2 kparts, ...: at any time the K parts of a
@@ -214,46 +205,7 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
     wbase = w if kp is None else k.add(w, k.mul_wide(kp, U))
 
     tma = bulk
-    if cta:
-        # sm_90 ``cta``: the K parts of a row group read neighbouring units, so the group shares one
-        # ring: per stage the first part's warp copies each row's kparts * U contiguous bytes with one
-        # bulk copy (lane r: row r), completing on the slot's "full" mbarrier; every part's warp, done
-        # with the slot, arrives on its "empty" mbarrier, which the copying warp waits on before
-        # refilling it
-        mbar = k.add(smem, k.add(k.mul(mt, 16 * stages), lay["off"]["mbar"]) if mtiles > 1 else lay["off"]["mbar"])
-        lane0 = k.setp("eq", lane, 0)
-        producer = k.setp("eq", kp if kp is not None else k.mov(0, "u32"), 0)
-        for i in range(stages):
-            k.mbarrier_init(k.add(mbar, 16 * i), 1, pred=k.and_(producer, lane0))
-            k.mbarrier_init(k.add(mbar, 16 * i + 8), kparts, pred=k.and_(producer, lane0))
-        k.fence_mbarrier_init()
-        k.bar_sync()
-        row_lane = k.and_(producer, k.setp("lt", lane, R))
-        src_lane = k.add(w, k.mul_wide(weight_row(lane), lay["row_bytes"]))
-        dst_lane = k.sub(k.add(ring, k.mul(lane, RS)), k.mul(kp, U)) if kp is not None else k.add(ring, k.mul(lane, RS))
-
-        def issue(j: Reg | int, slot_off: Reg | int, valid: Reg | None) -> None:
-            slot = _mod(k, j, stages) if isinstance(j, Reg) else j % stages
-            full = k.add(mbar, k.shl(slot, 4)) if isinstance(slot, Reg) else k.add(mbar, 16 * slot)
-            k.mbarrier_expect_tx(full, R * U * kparts, pred=k.and_(k.and_(producer, lane0), valid)
-                                 if valid is not None else k.and_(producer, lane0))
-            src = k.add(src_lane, k.mul_wide(j, U * kparts) if isinstance(j, Reg) else j * U * kparts)
-            dst = k.add(dst_lane, slot_off) if isinstance(slot_off, Reg) or slot_off else dst_lane
-            k.cp_async_bulk(dst, src, U * kparts, full, pred=row_lane if valid is None else k.and_(row_lane, valid))
-
-        def wait(j: Reg) -> None:
-            slot = _mod(k, j, stages)
-            k.mbarrier_wait(k.add(mbar, k.shl(slot, 4)), k.and_(_div(k, j, stages), 1))
-            k.bar_warp_sync()  # (the x slot the warp's lanes wrote last step)
-
-        def release(j: Reg) -> None:
-            """The warp is done with unit j's slot; the copying warp waits for every part's release."""
-            slot = _mod(k, j, stages)
-            k.fence_proxy_async()
-            k.mbarrier_arrive(k.add(k.add(mbar, k.shl(slot, 4)), 8), pred=lane0)
-            with k.if_(k.and_(producer, k.setp("lt", k.add(j, stages), n_units))):  # warp-uniform
-                k.mbarrier_wait(k.add(k.add(mbar, k.shl(slot, 4)), 8), k.and_(_div(k, j, stages), 1))
-    elif tma:
+    if tma:
         # sm_90 ``bulk``: lane r < R copies row r's U bytes of a unit with one bulk copy (the tensor
         # memory accelerator: no per-16-byte instructions, no load-store queue); lane 0 announces the
         # stage's bytes to the slot's mbarrier, whose phase completes when they have all landed. Copies
@@ -341,14 +293,13 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
         # the per-unit table, row r at r * TABLE_ROW, filled by lane r (< R)
         "table": k.add(smem, k.add(k.mul(warp, R * TABLE_ROW), lay["off"]["table"])),
         "t_lane": k.setp("lt", lane, R),
-        "row_stage": k.mul(lane, RS),  # lane r's row in a staged unit
-        "RS": RS,
+        "row_stage": k.mul(lane, U),  # lane r's row in a staged unit
         "t4": k.shl(t, 2),
     }
     ctx["t_mine"] = k.add(ctx["table"], k.mul(lane, TABLE_ROW))
     ctx["t_g"] = k.add(ctx["table"], k.mul(g, TABLE_ROW))  # + 8 * TABLE_ROW * (2 r + h): row 16 r + 8 h + g
     if wtype == "Q4_K":
-        ctx["ldm"] = k.add(k.mul(k.add(k.and_(lane, 7), k.shl(k.and_(k.shr(lane, 3), 1), 3)), RS),
+        ctx["ldm"] = k.add(k.mul(k.add(k.and_(lane, 7), k.shl(k.and_(k.shr(lane, 3), 1), 3)), U),
                            k.shl(k.shr(lane, 4), 4))
     acc = [[k.var("f32", 0.0) for _ in range(4)] for _ in range(tiles)]  # [g][2t], [g][2t+1], [g+8][2t], [g+8][2t+1]
     minacc = k.var("f32", 0.0) if wtype == "Q4_K" else None  # lane r: row r's min term
@@ -365,9 +316,7 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
         else:
             _unit_q8_0(k, ctx, sbase, xslot, acc)
         k.bar_warp_sync()  # every lane is done with the ring slot and the x slot: refill them
-        if cta:
-            release(j)
-        elif tma:
+        if tma:
             k.fence_proxy_async()  # (the reads above come before the bulk copy's writes)
         nxt = k.add(j, stages)
         issue(nxt, slot_off, k.setp("lt", nxt, n_units))
@@ -436,7 +385,7 @@ def _unit_q4k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, mina
     for i in range(4):  # sub-block pair i: bytes 16 + 32 i .. of each row
         b = k.load("shared", "u32", bj, 64 * i, vec=4, pred=c["b_ok"], other=0)
         for r in range(c["tiles"]):
-            regs = k.ldmatrix_x4(k.add(sbase, c["ldm"]), 16 * r * c["RS"] + 16 + 32 * i)
+            regs = k.ldmatrix_x4(k.add(sbase, c["ldm"]), 16 * r * U + 16 + 32 * i)
             lo = [k.and_(x, 0x0F0F0F0F) for x in regs]
             hi = [k.and_(k.shr(x, 4), 0x0F0F0F0F) for x in regs]
             da = k.mma_s8(lo, b[0:2], c["zeros"])
@@ -470,8 +419,7 @@ def _unit_q8_0(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list) -> 
         k.store("shared", "f32", c["t_mine"], ds[:4])
         k.store("shared", "f32", c["t_mine"], ds[4:], 16)
     k.bar_warp_sync()
-    RS = c["RS"]
-    rg_t = k.add(k.add(sbase, k.mul(c["g"], RS)), c["t4"])
+    rg_t = k.add(k.add(sbase, k.mul(c["g"], U)), c["t4"])
     bj = k.add(xslot, c["b_lane"])
     b = None
     for blk in range(8):
@@ -480,8 +428,8 @@ def _unit_q8_0(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list) -> 
         q = 34 * blk + 2  # the codes; 4-byte aligned for odd blocks, 2 for even ones
         for r in range(c["tiles"]):
             words = []
-            for roff, half in ((0, 0), (8 * RS, 0), (0, 16), (8 * RS, 16)):
-                off = 16 * r * RS + roff + q + half
+            for roff, half in ((0, 0), (8 * U, 0), (0, 16), (8 * U, 16)):
+                off = 16 * r * U + roff + q + half
                 if off % 4 == 0:
                     words.append(k.load("shared", "u32", rg_t, off))
                 else:
@@ -563,14 +511,13 @@ def _grid_shapes() -> list[dict]:
 @kernel("gemv_mma", grid=_grid_shapes())
 def gemv_mma(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, mtiles: int = 2, kparts: int = 4, stages: int = 4,
              bias: bool = False, residual: bool = False, tiles: int = 1, bulk: bool = False,
-             glu: bool = False, cta: bool = False) -> KernelBuilder:
+             glu: bool = False) -> KernelBuilder:
     """y[r] = sum_k W[r, k] x[k] (+ bias[r]) (+ residual[r]) for r < out_dim, W in Q4_K or Q8_0 blocks, on
     tensor cores (exact int8 MMAs of the codes with x as four base-256 digits).
     ``tiles``: 16-row MMA tiles per warp (2: each x digit fragment and weight-scale step serves 32 rows);
     ``bulk`` (sm_90): the ring is filled by bulk copies (one per row and unit) instead of cp.async.
     ``glu`` (tiles=2): W is [gate; up] (2 out_dim rows) and y[o] = silu(gate_o . x) * (up_o . x); each
-    warp's 32 rows are 16 gate rows and the 16 up rows of the same outputs. ``cta`` (with ``bulk``): the
-    K parts of a row group share one ring, each row's parts copied with one bulk copy.
+    warp's 32 rows are 16 gate rows and the 16 up rows of the same outputs.
     Launch: grid ceil(out_dim / (16 tiles mtiles)), block 32 mtiles kparts, meta["dyn_smem"] dynamic shared
     bytes."""
-    return build(m, wtype, in_dim, mtiles, kparts, stages, bias, residual, tiles, bulk, glu, cta)
+    return build(m, wtype, in_dim, mtiles, kparts, stages, bias, residual, tiles, bulk, glu)

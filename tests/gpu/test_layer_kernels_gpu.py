@@ -99,7 +99,7 @@ def _activation(rng, n: int, scale: float, spikes: int) -> np.ndarray:
 @settings(max_examples=60, deadline=None)
 @given(data=st.data(), wtype=st.sampled_from(["Q4_K", "Q8_0"]), out_dim=st.integers(1, 600),
        mtiles=st.integers(1, 8), kparts=st.sampled_from([1, 2, 4, 8]), stages=st.sampled_from([2, 3, 4, 8]),
-       tiles=st.sampled_from([1, 2]), bulk=st.sampled_from(["", "bulk", "cta"]), bias=st.booleans(), residual=st.sampled_from([None, "separate", "in_place"]),
+       tiles=st.sampled_from([1, 2]), bulk=st.booleans(), bias=st.booleans(), residual=st.sampled_from([None, "separate", "in_place"]),
        scale=st.sampled_from([1e-4, 1.0, 30.0, 3e3]), spikes=st.integers(0, 4), seed=st.integers(0, 2**32 - 1))
 def test_gemv_mma_matches_float64_oracle(ops, data, wtype, out_dim, mtiles, kparts, stages, tiles, bulk, bias,
                                          residual, scale, spikes, seed):
@@ -109,7 +109,7 @@ def test_gemv_mma_matches_float64_oracle(ops, data, wtype, out_dim, mtiles, kpar
         kparts, mtiles = (kparts // 2, mtiles) if kparts > 1 else (kparts, mtiles - 1)
     while True:  # shrink to what fits the shared memory (a 16-warp ring of 8 Q8_0 stages does not)
         try:
-            mma_layout(wtype, 256 * kparts * 7, mtiles, kparts, stages, tiles, bulk == "cta")
+            mma_layout(wtype, 256 * kparts * 7, mtiles, kparts, stages, tiles)
             break
         except ValueError:
             stages, mtiles = ({8: 4, 4: 3, 3: 2}[stages], mtiles) if stages > 2 else (stages, mtiles - 1)
@@ -122,8 +122,7 @@ def test_gemv_mma_matches_float64_oracle(ops, data, wtype, out_dim, mtiles, kpar
     w = GpuWeight(data=raw, ggml_type=wtype, shape=(out_dim, in_dim))
     dy = _poisoned(out_dim) if residual != "in_place" else _buf(r)
     dr = dy if residual == "in_place" else (_buf(r) if residual else None)
-    sm90 = ops.device.target.compute_capability >= (9, 0)
-    cfg = MmaConfig(mtiles, kparts, stages, tiles, bool(bulk) and sm90, bulk == "cta" and sm90)
+    cfg = MmaConfig(mtiles, kparts, stages, tiles, bulk and ops.device.target.compute_capability >= (9, 0))
     ops.gemv(w, _buf(x), dy, bias=_buf(b) if bias else None, residual=dr, config=cfg)
     wd = dequant(raw, wtype, out_dim, in_dim).astype(np.float64)
     ref = wd @ x.astype(np.float64) + (b if bias else 0) + (r if residual else 0)
@@ -168,7 +167,7 @@ def test_gemv_real_shapes(ops, wtype, out_dim, in_dim):
 @settings(max_examples=30, deadline=None)
 @given(wtype=st.sampled_from(["Q4_K", "Q8_0"]), ffn=st.integers(1, 400), mtiles=st.sampled_from([1, 2, 4, 8]),
        kparts=st.sampled_from([1, 2, 4, 8]), stages=st.sampled_from([2, 3, 4]), units=st.integers(1, 4),
-       bulk=st.sampled_from(["", "bulk", "cta"]), seed=st.integers(0, 2**32 - 1))
+       bulk=st.booleans(), seed=st.integers(0, 2**32 - 1))
 def test_gemv_glu_mma_matches_oracle(ops, wtype, ffn, mtiles, kparts, stages, units, bulk, seed):
     """The tensor-core fused gate/up GEMV (a warp's 16 gate rows and their 16 up rows, silu(g) * u)."""
     while mtiles * kparts > 8:
@@ -176,7 +175,7 @@ def test_gemv_glu_mma_matches_oracle(ops, wtype, ffn, mtiles, kparts, stages, un
     in_dim = 256 * kparts * units
     while True:
         try:
-            mma_layout(wtype, in_dim, mtiles, kparts, stages, 2, bulk == "cta")
+            mma_layout(wtype, in_dim, mtiles, kparts, stages, 2)
             break
         except ValueError:
             stages, mtiles = ({4: 3, 3: 2}[stages], mtiles) if stages > 2 else (stages, mtiles // 2)
@@ -185,8 +184,7 @@ def test_gemv_glu_mma_matches_oracle(ops, wtype, ffn, mtiles, kparts, stages, un
     x = _activation(rng, in_dim, 1.0, 2)
     w = GpuWeight(data=raw, ggml_type=wtype, shape=(2 * ffn, in_dim))
     dy = _poisoned(ffn)
-    sm90 = ops.device.target.compute_capability >= (9, 0)
-    cfg = MmaConfig(mtiles, kparts, stages, 2, bool(bulk) and sm90, bulk == "cta" and sm90)
+    cfg = MmaConfig(mtiles, kparts, stages, 2, bulk and ops.device.target.compute_capability >= (9, 0))
     ops.gemv_glu(w, _buf(x), dy, config=cfg)
     wd = dequant(raw, wtype, 2 * ffn, in_dim).astype(np.float64)
     g, u = wd[:ffn] @ x, wd[ffn:] @ x
