@@ -233,8 +233,9 @@ class KernelBuilder:
     def min(self, a: Operand, b: Operand, t: str | None = None) -> Reg:
         return self._binary("min", a, b, t)
 
-    def max(self, a: Operand, b: Operand, t: str | None = None) -> Reg:
-        return self._binary("max", a, b, t)
+    def max(self, a: Operand, b: Operand, t: str | None = None, nan: bool = False) -> Reg:
+        """``max``; floats ignore a NaN operand unless ``nan`` (``max.NaN``, sm_80+: NaN wins)."""
+        return self._binary("max", a, b, t, ".NaN" if nan else "")
 
     def _bitwise(self, op: str, a: Operand, b: Operand, t: str | None, b_type: str | None = None) -> Reg:
         """``op.b<bits>``; the result keeps the operand's type (u32 stays u32) for later arithmetic."""
@@ -640,8 +641,10 @@ class KernelBuilder:
         return d
 
     def warp_reduce(self, value: Reg, op: str = "add", width: int = 32) -> Reg:
-        """Butterfly reduction over ``width`` lanes; every lane receives the result."""
-        fn = {"add": self.add, "max": self.max, "min": self.min}[op]
+        """Butterfly reduction over ``width`` lanes; every lane receives the result (``"max_nan"``: a
+        float max that a NaN wins)."""
+        fn = {"add": self.add, "max": self.max, "min": self.min,
+              "max_nan": lambda a, b: self.max(a, b, nan=True)}[op]
         acc = value
         offset = width // 2
         while offset >= 1:

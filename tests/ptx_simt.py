@@ -633,8 +633,8 @@ class _Launch:
                 res = a % np.where(b == 0, 1, b)
         elif op == "min":
             res = np.fmin(a, b) if t.startswith("f") else np.minimum(a, b)
-        elif op == "max":
-            res = np.fmax(a, b) if t.startswith("f") else np.maximum(a, b)
+        elif op == "max":  # max.f32 ignores a NaN operand, max.NaN.f32 returns it
+            res = (np.maximum(a, b) if "NaN" in mods else np.fmax(a, b)) if t.startswith("f") else np.maximum(a, b)
         elif op in ("and", "or", "xor"):
             ua, ub = a.view(_RAW[_BITS[t]]), b.view(_RAW[_BITS[t]])
             res = {"and": ua & ub, "or": ua | ub, "xor": ua ^ ub}[op].view(a.dtype)

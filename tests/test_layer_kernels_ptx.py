@@ -636,3 +636,20 @@ def test_activations_are_read_with_coherent_loads():
                 assert "L1::no_allocate" in line, (shape, line)
     for shape in catalog.spec("gemv_mma").grid:
         assert "ld.global.nc" not in catalog.emit("gemv_mma", target="sm_90", **shape).ptx, shape
+
+
+@pytest.mark.parametrize("wtype", ["Q4_K", "Q8_0"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_gemv_mma_poisons_rows_for_nan_or_inf_x(wtype, bad):
+    """An Inf or NaN in x cannot be written as digits: every row comes out NaN (never finite garbage,
+    which would hide an upstream bug; a float dot product gives NaN or +-Inf there)."""
+    rng = np.random.default_rng(1)
+    in_dim, out_dim = 512, 16
+    raw = random_weight(rng, wtype, out_dim, in_dim)
+    x = rng.standard_normal(in_dim).astype(np.float32)
+    x[300] = bad
+    k = catalog.emit("gemv_mma", target="sm_80", wtype=wtype, in_dim=in_dim, mtiles=1, kparts=2, stages=2)
+    mem = Memory()
+    params = dict(w=mem.alloc_array(_pad16(raw)), x=mem.alloc_array(x), y=mem.alloc(4 * out_dim), out_dim=out_dim)
+    simt_run(k.ptx, grid=(1,), block=(k.meta["block"],), params=params, memory=mem, shared_bytes=k.meta["dyn_smem"])
+    assert np.isnan(mem.read(params["y"], np.float32, out_dim)).all()

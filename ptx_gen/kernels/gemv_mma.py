@@ -145,11 +145,14 @@ def _convert_x(k: KernelBuilder, wtype: str, vals: list, slot: Reg, xc: dict) ->
     of x per 32 values. Warp-collective: every lane must take part."""
     mx = k.abs(vals[0])
     for v in vals[1:]:
-        mx = k.max(mx, k.abs(v))
-    mx = k.warp_reduce(mx, "max")
+        mx = k.max(mx, k.abs(v), nan=True)
+    mx = k.warp_reduce(mx, "max_nan")  # an Inf or NaN in the unit makes the max one too
     e = k.max(k.and_(k.shr(k.bitcast(mx, "u32"), 23), 0xFF), 30)  # biased exponent of max |x| (>= 30)
     f = k.bitcast(k.shl(k.sub(283, e), 23), "f32")  # 2**(156 - e): |x| f < 2**30
-    k.store("shared", "f32", slot, k.bitcast(k.shl(k.sub(e, 29), 23), "f32"), INVF, pred=xc["lane0"])  # 1 / f
+    # 1 / f = 2**(e - 156); NaN for a unit holding an Inf or NaN (exponent 255), which its digits cannot
+    # represent: every row's result becomes NaN, as a float dot product with such an x at best is
+    inv_f = k.selp(float("nan"), k.bitcast(k.shl(k.sub(e, 29), 23), "f32"), k.setp("eq", e, 255), "f32")
+    k.store("shared", "f32", slot, inv_f, INVF, pred=xc["lane0"])
     addr = k.add(slot, xc["woff"])
     for h in range(2):
         v = vals[4 * h:4 * h + 4]
@@ -374,11 +377,10 @@ def _unit_q4k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, mina
         inv_f = k.load("shared", "f32", xslot, INVF)  # the unit's x digits are x f
         k.store("shared", "f32", c["t_mine"], k.mul(k.cvt(Reg(d_h.name, ql._f16), "f32"), inv_f), 32)
         sx = list(k.load("shared", "f32", xslot, XSUM, vec=4)) + list(k.load("shared", "f32", xslot, XSUM + 16, vec=4))
-        msum = None
-        for i in range(8):
+        dmin = k.cvt(Reg(dmin_h.name, ql._f16), "f32")
+        for i in range(8):  # dmin m_j first: sum_j m_j sum(x) alone could overflow where the result does not
             mf = k.add(k.bitcast(k.prmt(mn_lo if i < 4 else mn_hi, 0x4B000000, 0x7440 | (i % 4)), "f32"), -8388608.0)
-            msum = k.mul(mf, sx[i]) if msum is None else k.fma(mf, sx[i], msum)
-        k.assign(minacc, k.fma(k.cvt(Reg(dmin_h.name, ql._f16), "f32"), msum, minacc))
+            k.assign(minacc, k.fma(k.mul(mf, dmin), sx[i], minacc))
     k.bar_warp_sync()
     ints = [[None] * 4 for _ in range(c["tiles"])]
     bj = k.add(xslot, c["b_lane"])

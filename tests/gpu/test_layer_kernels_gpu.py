@@ -131,6 +131,21 @@ def test_gemv_mma_matches_float64_oracle(ops, data, wtype, out_dim, mtiles, kpar
 
 
 @pytest.mark.parametrize("wtype", ["Q4_K", "Q8_0"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize("bulk", [False, True])
+def test_gemv_mma_nan_or_inf_x_gives_nan_rows(ops, wtype, bad, bulk):
+    """An Inf or NaN in x makes every row NaN on the tensor-core kernel (never finite garbage)."""
+    rng = np.random.default_rng(5)
+    raw = random_weight(rng, wtype, 300, 2048)
+    x = rng.standard_normal(2048).astype(np.float32)
+    x[1234] = bad
+    dy = _buf(np.zeros(300, np.float32))  # zeros, not NaN: a NaN read back was written by the kernel
+    cfg = MmaConfig(1, 8, 2, 2, bulk and ops.device.target.compute_capability >= (9, 0))
+    ops.gemv(GpuWeight(data=raw, ggml_type=wtype, shape=(300, 2048)), _buf(x), dy, config=cfg)
+    assert np.isnan(dy.to_numpy()).all()
+
+
+@pytest.mark.parametrize("wtype", ["Q4_K", "Q8_0"])
 @pytest.mark.parametrize("out_dim,in_dim", [(4096, 14336), (14336, 4096), (4096, 4096), (2000, 2048)])
 def test_gemv_mma_dispatch_at_real_shapes(ops, wtype, out_dim, in_dim):
     """The dispatcher's tensor-core pick at the decode shapes, vs the oracle and vs the SIMT kernel."""
