@@ -64,15 +64,13 @@ def rmsnorm_oracle(x, weight, eps, residual=None):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight, x
 
 
-def rope_oracle(v: np.ndarray, pos: int, theta: float, neox: bool, rot_dim: int | None = None) -> np.ndarray:
-    """RoPE of ``v`` [heads, head_dim] at position ``pos``: interleaved pairs (2i, 2i+1) (llama GGUF)
-    or NeoX halves (i, i + d/2); frequency i uses theta ** (-2i / d)."""
+def rope_oracle(v: np.ndarray, ang: np.ndarray, neox: bool, rot_dim: int | None = None) -> np.ndarray:
+    """RoPE of ``v`` [heads, head_dim] by the angles ``ang`` [rot_dim / 2] (position times each pair's
+    frequency): interleaved pairs (2i, 2i+1) (llama GGUF) or NeoX halves (i, i + rot_dim/2); the
+    dimensions past ``rot_dim`` (default head_dim) pass through."""
     v = np.asarray(v, np.float64)
-    heads, d = v.shape
-    rd = rot_dim or d
+    rd = rot_dim or v.shape[1]
     half = rd // 2
-    inv = theta ** (-np.arange(half, dtype=np.float64) * 2.0 / rd)
-    ang = pos * inv
     cos, sin = np.cos(ang), np.sin(ang)
     out = v.copy()
     if neox:

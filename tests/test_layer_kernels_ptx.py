@@ -17,7 +17,7 @@ from ptx_gen.kernels.rmsnorm import default_block
 from ptx_gen.kernels.rope import inv_freq_table
 from ptx_gen.ptxas import assemble
 from realizar.layers import gemv_config
-from tests.layer_oracles import dequant, random_weight, rmsnorm_oracle, silu
+from tests.layer_oracles import dequant, random_weight, rmsnorm_oracle, rope_oracle, silu
 from tests.ptx_simt import Memory, run as simt_run
 
 TARGETS = ("sm_80", "sm_90")
@@ -450,16 +450,8 @@ def test_rope_emulated(head_dim, partial, neox, pb, nq, nkv, seed):
         got = mem.read(p[name], np.float32, v.size).reshape(v.shape)
         for t in range(T):
             ang = (np.float32(pos[t]) * inv).astype(np.float64)  # the f32 angle of a float32 reference
-            c, s = np.cos(ang), np.sin(ang)
             src = v[t].astype(np.float64)
-            ref = src.copy()
-            h = rot // 2
-            if neox:
-                a, b = src[:, :h], src[:, h:rot]
-                ref[:, :h], ref[:, h:rot] = a * c - b * s, a * s + b * c
-            else:
-                a, b = src[:, 0:rot:2], src[:, 1:rot:2]
-                ref[:, 0:rot:2], ref[:, 1:rot:2] = a * c - b * s, a * s + b * c
+            ref = rope_oracle(src, ang, neox, rot)
             np.testing.assert_allclose(got[t], ref, atol=2e-6 * np.abs(src).max(), err_msg=f"{name}[{t}]")
 
 

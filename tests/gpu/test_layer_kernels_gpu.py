@@ -15,7 +15,7 @@ from ptx_gen.kernels.gemv_mma import layout as mma_layout
 from ptx_gen.kernels.quant_layout import DENSE, K_QUANTS, WEIGHT_TYPES
 from realizar import cuda
 from realizar.layers import GemvConfig, GpuWeight, LayerOps, MmaConfig, inv_freq_table
-from tests.layer_oracles import dequant, random_weight, rmsnorm_oracle, silu
+from tests.layer_oracles import dequant, random_weight, rmsnorm_oracle, rope_oracle, silu
 
 pytestmark = pytest.mark.gpu
 
@@ -303,16 +303,8 @@ def test_rope(ops, head_dim, partial, neox, from_buffer, nq, nkv, n_tok, theta, 
     for name, src, got in (("q", q, dq.to_numpy(q.shape)), ("k", k, dk.to_numpy(k.shape))):
         for t in range(n_tok):
             ang = (np.float32(positions[t]) * inv).astype(np.float64)  # the f32 angle of a float32 reference
-            c, s = np.cos(ang), np.sin(ang)
             v = src[t].astype(np.float64)
-            ref = v.copy()
-            h = rot // 2
-            if neox:
-                a, b = v[:, :h], v[:, h:rot]
-                ref[:, :h], ref[:, h:rot] = a * c - b * s, a * s + b * c
-            else:
-                a, b = v[:, 0:rot:2], v[:, 1:rot:2]
-                ref[:, 0:rot:2], ref[:, 1:rot:2] = a * c - b * s, a * s + b * c
+            ref = rope_oracle(v, ang, neox, rot)
             # sin/cos.approx after an exact-enough range reduction: ~5e-7 absolute
             np.testing.assert_allclose(got[t], ref, atol=4e-6 * np.abs(v).max(), err_msg=f"{name}[{t}]")
 
