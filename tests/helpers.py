@@ -25,3 +25,20 @@ def assert_close(actual: np.ndarray, expected: np.ndarray, rtol: float, what: st
     assert err.flat[worst] <= rtol * scale, (
         f"{what}: max abs error {err.flat[worst]:.3e} at flat index {worst} exceeds {rtol:g} x max|ref| {scale:.3e}"
     )
+
+
+def fit_mma_shape(wtype: str, units: int, mtiles: int, kparts: int, stages: int, tiles: int) -> tuple[int, ...]:
+    """A drawn tensor-core GEMV launch shape shrunk to one that exists: at most 8 warps (fewer K parts
+    first, then fewer warps along the rows), then a ring that fits the shared memory (fewer stages,
+    then fewer warps along the rows). Returns (in_dim, mtiles, kparts, stages), in_dim = 256 kparts units."""
+    from ptx_gen.kernels.gemv_mma import layout
+
+    while mtiles * kparts > 8:
+        kparts, mtiles = (kparts // 2, mtiles) if kparts > 1 else (kparts, mtiles - 1)
+    in_dim = 256 * kparts * units
+    while True:
+        try:
+            layout(wtype, in_dim, mtiles, kparts, stages, tiles)
+            return in_dim, mtiles, kparts, stages
+        except ValueError:  # more shared memory than a CTA may have
+            stages, mtiles = ({8: 4, 4: 3, 3: 2}[stages], mtiles) if stages > 2 else (stages, mtiles - 1)

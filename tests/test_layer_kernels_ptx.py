@@ -17,6 +17,7 @@ from ptx_gen.kernels.rmsnorm import default_block
 from ptx_gen.kernels.rope import inv_freq_table
 from ptx_gen.ptxas import assemble
 from realizar.layers import gemv_config
+from tests.helpers import fit_mma_shape
 from tests.layer_oracles import dequant, random_weight, rmsnorm_oracle, rope_oracle, silu
 from tests.ptx_simt import Memory, run as simt_run
 
@@ -515,21 +516,8 @@ def test_gemv_mma_emulated_matches_oracle(wtype, out_dim, mtiles, kparts, stages
     """The tensor-core GEMV on the emulator (ldmatrix, int8 mma, a ring with wrap-around filled by
     cp.async, or on sm_90 by bulk copies + mbarriers, K parts combined in shared memory) vs the
     float64 oracle; x spans 1e-3..500 with one outlier."""
-    from ptx_gen.kernels.gemv_mma import layout
     rng = np.random.default_rng(seed)
-    while mtiles * kparts > 8:
-        kparts //= 2
-    in_dim = 256 * kparts * units
-
-    def fits(st: int) -> bool:
-        try:
-            layout(wtype, in_dim, mtiles, kparts, st, tiles)
-            return True
-        except ValueError:  # more shared memory than a CTA may have: a smaller ring
-            return False
-
-    while not fits(stages):
-        stages = {8: 4, 4: 3, 3: 2}[stages]
+    in_dim, mtiles, kparts, stages = fit_mma_shape(wtype, units, mtiles, kparts, stages, tiles)
     raw = random_weight(rng, wtype, out_dim, in_dim)
     x = (rng.standard_normal(in_dim) * scale).astype(np.float32)
     x[rng.integers(0, in_dim)] *= 300

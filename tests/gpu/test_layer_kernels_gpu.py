@@ -11,10 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ptx_gen.kernels.gemv import MAX_STATIC_SMEM, shared_bytes
-from ptx_gen.kernels.gemv_mma import layout as mma_layout
 from ptx_gen.kernels.quant_layout import DENSE, K_QUANTS, WEIGHT_TYPES
 from realizar import cuda
 from realizar.layers import GemvConfig, GpuWeight, LayerOps, MmaConfig, inv_freq_table
+from tests.helpers import fit_mma_shape
 from tests.layer_oracles import dequant, random_weight, rmsnorm_oracle, rope_oracle, silu
 
 pytestmark = pytest.mark.gpu
@@ -105,15 +105,8 @@ def test_gemv_mma_matches_float64_oracle(ops, data, wtype, out_dim, mtiles, kpar
                                          residual, scale, spikes, seed):
     """The tensor-core GEMV (x as int8 digits, exact int8 MMAs) at every launch shape, x from 1e-4 to
     3e3 in size with outliers; rows 256 * kparts * (1..7) long (ring wrap-around included)."""
-    while mtiles * kparts > 8:
-        kparts, mtiles = (kparts // 2, mtiles) if kparts > 1 else (kparts, mtiles - 1)
-    while True:  # shrink to what fits the shared memory (a 16-warp ring of 8 Q8_0 stages does not)
-        try:
-            mma_layout(wtype, 256 * kparts * 7, mtiles, kparts, stages, tiles)
-            break
-        except ValueError:
-            stages, mtiles = ({8: 4, 4: 3, 3: 2}[stages], mtiles) if stages > 2 else (stages, mtiles - 1)
-    in_dim = 256 * kparts * data.draw(st.integers(1, 7), label="units per warp")
+    units = data.draw(st.integers(1, 7), label="units per warp")
+    in_dim, mtiles, kparts, stages = fit_mma_shape(wtype, units, mtiles, kparts, stages, tiles)
     rng = np.random.default_rng(seed)
     raw = random_weight(rng, wtype, out_dim, in_dim)
     x = _activation(rng, in_dim, scale, spikes)
@@ -185,15 +178,7 @@ def test_gemv_real_shapes(ops, wtype, out_dim, in_dim):
        bulk=st.booleans(), seed=st.integers(0, 2**32 - 1))
 def test_gemv_glu_mma_matches_oracle(ops, wtype, ffn, mtiles, kparts, stages, units, bulk, seed):
     """The tensor-core fused gate/up GEMV (a warp's 16 gate rows and their 16 up rows, silu(g) * u)."""
-    while mtiles * kparts > 8:
-        kparts //= 2
-    in_dim = 256 * kparts * units
-    while True:
-        try:
-            mma_layout(wtype, in_dim, mtiles, kparts, stages, 2)
-            break
-        except ValueError:
-            stages, mtiles = ({4: 3, 3: 2}[stages], mtiles) if stages > 2 else (stages, mtiles // 2)
+    in_dim, mtiles, kparts, stages = fit_mma_shape(wtype, units, mtiles, kparts, stages, 2)
     rng = np.random.default_rng(seed)
     raw = random_weight(rng, wtype, 2 * ffn, in_dim)
     x = _activation(rng, in_dim, 1.0, 2)
