@@ -186,9 +186,8 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
     out_dim = k.param("out_dim")
     tid = k.tid()
     lane, warp = k.and_(tid, 31), k.shr(tid, 5)
-    mt = k.rem(warp, mtiles) if mtiles > 1 else 0
+    row_base = _first_output(k, warp, mtiles, 16 if glu else R)
     kp = k.div(warp, mtiles) if kparts > 1 else None
-    row_base = k.mul(k.add(k.mul(k.ctaid(), mtiles), mt) if mtiles > 1 else k.ctaid(), 16 if glu else R)
     last = k.sub(out_dim, 1)
 
     def weight_row(r: Reg) -> Reg:
@@ -448,6 +447,12 @@ def _unit_q8_0(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list) -> 
                 k.assign(acc[r][n], k.fma(s, _exact_float(k, d[n]), acc[r][n]))
 
 
+def _first_output(k: KernelBuilder, warp: Reg, mtiles: int, outs: int) -> Reg:
+    """The first output of ``warp``: warps mt = warp % mtiles of a CTA take ``outs`` outputs each."""
+    group = k.add(k.mul(k.ctaid(), mtiles), k.rem(warp, mtiles)) if mtiles > 1 else k.ctaid()
+    return k.mul(group, outs)
+
+
 def _epilogue(k, lay, mtiles, kparts, sums, smem, tid, lane, g, t, out_dim, bias, residual, glu) -> None:
     """Store (or, with K parts, combine in order and store) the warp's rows, + bias/residual. ``sums``:
     rows g, g + 8 (, g + 16, g + 24) of the warp, complete in lanes t == 0. With ``glu`` output o of
@@ -455,8 +460,7 @@ def _epilogue(k, lay, mtiles, kparts, sums, smem, tid, lane, g, t, out_dim, bias
     R = lay["rows"]
     outs = 16 if glu else R
     warp = k.shr(tid, 5)
-    mt = k.rem(warp, mtiles) if mtiles > 1 else 0
-    row_base = k.mul(k.add(k.mul(k.ctaid(), mtiles), mt) if mtiles > 1 else k.ctaid(), outs)
+    row_base = _first_output(k, warp, mtiles, outs)
 
     def store(val: Reg, r: Reg) -> None:
         off = k.mul_wide(r, 4)
