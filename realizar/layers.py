@@ -19,6 +19,7 @@ ids that change per step are read from device buffers (``pos`` / ``tokens`` as b
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -317,10 +318,7 @@ class LayerOps:
         if cfg is None:
             cfg = gemv_config(weight.out_dim, self.sm_count, weight.in_dim, weight.wtype)
         if isinstance(cfg, MmaConfig):
-            kern = self.kernel("gemv_mma", wtype=weight.wtype, in_dim=weight.in_dim, mtiles=cfg.mtiles,
-                               kparts=cfg.kparts, stages=cfg.stages, tiles=cfg.tiles, bulk=cfg.bulk,
-                               bias=bias is not None,
-                               residual=residual is not None)
+            kern = self._mma_kernel(weight, cfg, bias=bias is not None, residual=residual is not None)
         else:
             kern = self.kernel("gemv", wtype=weight.wtype, in_dim=weight.in_dim, rows=cfg.rows, warps=cfg.warps,
                                bias=bias is not None, residual=residual is not None, ksplit=cfg.ksplit)
@@ -332,6 +330,10 @@ class LayerOps:
             values["residual"] = self._addr(residual, weight.out_dim, "residual", align=4)
         values["out_dim"] = weight.out_dim
         self._launch(kern, -(-weight.out_dim // kern.meta["rows_per_cta"]), values, stream)
+
+    def _mma_kernel(self, weight: GpuWeight, cfg: MmaConfig, **flags):
+        return self.kernel("gemv_mma", wtype=weight.wtype, in_dim=weight.in_dim, mtiles=cfg.mtiles, kparts=cfg.kparts,
+                           stages=cfg.stages, tiles=cfg.tiles, bulk=cfg.bulk, **flags)
 
     def mma_config(self, out_dim: int, in_dim: int, wtype: str, glu: bool = False) -> MmaConfig | None:
         """The tensor-core GEMV's launch shape on this device (None: not applicable, or before sm_80)."""
@@ -351,8 +353,7 @@ class LayerOps:
         if cfg is None:
             cfg = gemv_config(gate_up.out_dim, self.sm_count, gate_up.in_dim, gate_up.wtype)
         if isinstance(cfg, MmaConfig):
-            kern = self.kernel("gemv_mma", wtype=gate_up.wtype, in_dim=gate_up.in_dim, mtiles=cfg.mtiles,
-                               kparts=cfg.kparts, stages=cfg.stages, tiles=2, bulk=cfg.bulk, glu=True)
+            kern = self._mma_kernel(gate_up, dataclasses.replace(cfg, tiles=2), glu=True)
         else:
             rows = max(2, cfg.rows - cfg.rows % 2)  # weight rows per warp: a gate row and its up row per output
             kern = self.kernel("gemv", wtype=gate_up.wtype, in_dim=gate_up.in_dim, rows=rows, warps=cfg.warps,
