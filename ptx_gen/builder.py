@@ -506,8 +506,7 @@ class KernelBuilder:
     def prefetch_l2(self, addr: Reg, nbytes: Operand) -> None:
         """``cp.async.bulk.prefetch.L2.global``: ask the L2 to fetch ``nbytes`` (a multiple of 16) from
         the 16-byte aligned global ``addr`` (sm_90+; a hint with no effect on results)."""
-        if self.target.compute_capability < (9, 0):
-            raise ValueError(f"cp.async.bulk.prefetch.L2 needs sm_90 or newer, the target is {self.target}")
+        self._need_sm90("cp.async.bulk.prefetch.L2")
         self._emit(f"cp.async.bulk.prefetch.L2.global [{addr}], {self._op(nbytes, ptx_type('u32'))};")
 
     def cp_async(self, dst: Reg, src: Reg, pred: Reg | None = None, dst_offset: int = 0, src_offset: int = 0) -> None:
