@@ -20,6 +20,7 @@ ids that change per step are read from device buffers (``pos`` / ``tokens`` as b
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -127,6 +128,7 @@ class GemvConfig:
 TARGET_WARPS_PER_SM = 24
 
 
+@functools.lru_cache(maxsize=None)  # pure, and asked at every eager GEMV launch (~6 us uncached)
 def gemv_config(out_dim: int, sm_count: int = 132, in_dim: int | None = None, wtype: str | None = None) -> GemvConfig:
     """Launch shape of the GEMV of ``out_dim`` weight rows of ``in_dim`` values of ``wtype``.
 
@@ -199,6 +201,7 @@ class MmaConfig:
 MMA_EXTRA_CTA = 0.1  # the tensor-core GEMV dispatcher's cost of each further CTA on an SM
 
 
+@functools.lru_cache(maxsize=None)  # pure, and asked at every eager GEMV launch (~22 us uncached)
 def mma_config(out_dim: int, in_dim: int, wtype: str, sm_count: int = 132,
                max_smem: int = 227 * 1024, bulk_ok: bool = False, glu: bool = False) -> MmaConfig | None:
     """The tensor-core GEMV's launch shape for ``out_dim`` rows of ``in_dim`` values, or None where it
