@@ -14,7 +14,7 @@ from ptx_gen.kernels.gemv import MAX_STATIC_SMEM, shared_bytes
 from ptx_gen.kernels.quant_layout import DENSE, K_QUANTS, WEIGHT_TYPES
 from realizar import cuda
 from realizar.layers import GemvConfig, GpuWeight, LayerOps, MmaConfig, inv_freq_table
-from tests.helpers import fit_mma_shape
+from tests.helpers import fit_mma_shape, random_array
 from tests.layer_oracles import dequant, random_weight, rmsnorm_oracle, rope_oracle, silu
 
 pytestmark = pytest.mark.gpu
@@ -89,10 +89,9 @@ def test_gemv_matches_float64_oracle(ops, data, wtype, out_dim, cfg, bias, resid
 def _activation(rng, n: int, scale: float, spikes: int) -> np.ndarray:
     """Normal values times ``scale`` with a few outliers 50-1000x larger (as LLM activations have); no
     exact zeros."""
-    x = rng.standard_normal(n) * scale
+    x = random_array(rng, n, scale, np.float64)
     idx = rng.integers(0, n, spikes)
     x[idx] *= rng.uniform(50, 1000, spikes) * rng.choice([-1, 1], spikes)
-    x[x == 0] = scale
     return x.astype(np.float32)
 
 
