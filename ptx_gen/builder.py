@@ -509,13 +509,16 @@ class KernelBuilder:
         self._need_sm90("cp.async.bulk.prefetch.L2")
         self._emit(f"cp.async.bulk.prefetch.L2.global [{addr}], {self._op(nbytes, ptx_type('u32'))};")
 
-    def cp_async(self, dst: Reg, src: Reg, pred: Reg | None = None, dst_offset: int = 0, src_offset: int = 0) -> None:
+    def cp_async(self, dst: Reg, src: Reg, pred: Reg | None = None, dst_offset: int = 0, src_offset: int = 0,
+                 src_size: Operand | None = None) -> None:
         """``cp.async.cg.shared.global [dst], [src], 16``: copy 16 bytes (both addresses 16-byte aligned)
         from global to shared memory without passing through registers, bypassing L1 (sm_80+). The
         copy lands at some point before this thread's :meth:`cp_async_wait_all`; other threads see it
-        after a barrier that follows the wait."""
-        self._emit(f"cp.async.cg.shared.global {self._address(dst, dst_offset)}, {self._address(src, src_offset)}, 16;",
-                   pred)
+        after a barrier that follows the wait. ``src_size`` (0..16, may be a register): only that many
+        bytes are read from global, the rest of the 16 are zero-filled."""
+        size = "" if src_size is None else f", {self._op(src_size, ptx_type('u32'))}"
+        self._emit(f"cp.async.cg.shared.global {self._address(dst, dst_offset)}, {self._address(src, src_offset)}, "
+                   f"16{size};", pred)
 
     def grid_dependency_wait(self) -> None:
         """Place the ``griddepcontrol.wait`` of programmatic dependent launch here instead of at the
@@ -588,9 +591,11 @@ class KernelBuilder:
                    f"{self._address(addr, offset)};")
         return ds
 
-    def mma_s8(self, a: Sequence[Reg], b: Sequence[Reg], c: Sequence[Operand]) -> tuple[Reg, Reg, Reg, Reg]:
+    def mma_s8(self, a: Sequence[Reg], b: Sequence[Reg], c: Sequence[Operand],
+               a_unsigned: bool = False) -> tuple[Reg, Reg, Reg, Reg]:
         """``mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32`` (warp-collective, sm_80+): D = A B + C
-        exactly in int32, A 16x32 and B 32x8 of signed bytes. With ``g = lane / 4``, ``t = lane % 4``:
+        exactly in int32, A 16x32 and B 32x8 of signed bytes (``a_unsigned``: A's bytes are unsigned,
+        ``.u8.s8``). With ``g = lane / 4``, ``t = lane % 4``:
         a[0] = A[g][4t..4t+3], a[1] = A[g+8][4t..4t+3], a[2] = A[g][16+4t..], a[3] = A[g+8][16+4t..]
         (4 bytes each, lowest k in the lowest byte); b[0] = B[4t..4t+3][g], b[1] = B[16+4t..16+4t+3][g];
         c and d: [g][2t], [g][2t+1], [g+8][2t], [g+8][2t+1]."""
@@ -600,7 +605,8 @@ class KernelBuilder:
         cs = [x if isinstance(x, Reg) else self.mov(x, "s32") for x in c]
         ds = tuple(self.reg(s32) for _ in range(4))
         fmt = lambda regs: "{" + ", ".join(map(str, regs)) + "}"  # noqa: E731
-        self._emit(f"mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {fmt(ds)}, {fmt(a)}, {fmt(b)}, {fmt(cs)};")
+        atype = "u8" if a_unsigned else "s8"
+        self._emit(f"mma.sync.aligned.m16n8k32.row.col.s32.{atype}.s8.s32 {fmt(ds)}, {fmt(a)}, {fmt(b)}, {fmt(cs)};")
         return ds
 
     def cp_async_wait_all(self) -> None:

@@ -205,7 +205,8 @@ MMA_EXTRA_CTA = 0.1  # the tensor-core GEMV dispatcher's cost of each further CT
 def mma_config(out_dim: int, in_dim: int, wtype: str, sm_count: int = 132,
                max_smem: int = 227 * 1024, bulk_ok: bool = False, glu: bool = False) -> MmaConfig | None:
     """The tensor-core GEMV's launch shape for ``out_dim`` rows of ``in_dim`` values, or None where it
-    does not apply (types other than Q4_K/Q8_0, rows not a multiple of 256 values) or would keep fewer
+    does not apply (types other than Q4_K/Q8_0/Q6_K, rows not a multiple of 256 values, or of 2048 for
+    Q6_K) or would keep fewer
     than half the SMs busy (small GEMVs, where the SIMT kernel's lower start-up cost wins).
 
     Fitted to ``tools/bench_gemv.py --sweep`` on an H200: CTAs of 8 warps and a 2-stage ring; warps of
@@ -240,7 +241,7 @@ def mma_config(out_dim: int, in_dim: int, wtype: str, sm_count: int = 132,
     best = max((c for c in cands if c[0] >= top - 0.02), key=lambda c: c[1:3])[-1]
     if -(-out_dim // ((16 if glu else 16 * best.tiles) * best.mtiles)) < sm_count // 2:
         return None  # under half the SMs busy: the SIMT kernel is faster (576 x 1536 Q8_0: 2.2 us vs 3.7)
-    if bulk_ok and units // best.kparts <= 2:
+    if bulk_ok and wtype != "Q6_K" and units // best.kparts <= 2:  # (Q6_K blocks are 2-byte aligned)
         best = MmaConfig(best.mtiles, best.kparts, best.stages, best.tiles, True)
     return best
 
@@ -313,8 +314,8 @@ class LayerOps:
              stream: Any = None, config: GemvConfig | MmaConfig | None = None) -> None:
         """out = W x (+ bias) (+ residual); ``residual`` may be ``out`` itself (in-place add).
 
-        Q4_K and Q8_0 rows of a multiple of 256 values go to the tensor-core kernel (on sm_80+), the
-        rest to the SIMT one; ``config`` forces either (a :class:`MmaConfig` or a :class:`GemvConfig`)."""
+        Q4_K and Q8_0 rows of a multiple of 256 values and Q6_K rows of a multiple of 2048 go to the
+        tensor-core kernel (on sm_80+, where it keeps at least half the SMs busy), the rest to the SIMT one; ``config`` forces either (a :class:`MmaConfig` or a :class:`GemvConfig`)."""
         cfg = config
         if cfg is None:
             cfg = self.mma_config(weight.out_dim, weight.in_dim, weight.wtype)
@@ -348,7 +349,7 @@ class LayerOps:
     def gemv_glu(self, gate_up: GpuWeight, x: Any, out: Any, stream: Any = None,
                  config: GemvConfig | MmaConfig | None = None) -> None:
         """out[i] = silu(gate_i . x) * (up_i . x) with ``gate_up`` = [gate; up] (``GpuWeight.concat``).
-        Q4_K/Q8_0 rows of multiples of 256 values run on the tensor-core kernel (as :meth:`gemv`)."""
+        Rows the tensor-core kernel takes (see :meth:`gemv`) run on it."""
         if gate_up.out_dim % 2:
             raise ShapeError(f"gate_up must hold 2 * ffn rows, got {gate_up.out_dim}")
         ffn = gate_up.out_dim // 2

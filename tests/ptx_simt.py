@@ -776,9 +776,11 @@ class _Launch:
                 self._write(d, full, who, "b32")
 
     def _mma(self, inst: Inst, act: np.ndarray) -> None:
-        """``mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32``, exact int32 (wrapping) arithmetic."""
-        if inst.mods != ["sync", "aligned", "m16n8k32", "row", "col", "s32", "s8", "s8", "s32"]:
+        """``mma.sync.aligned.m16n8k32.row.col.s32.{s8,u8}.s8.s32``, exact int32 (wrapping) arithmetic."""
+        if (inst.mods[:6] != ["sync", "aligned", "m16n8k32", "row", "col", "s32"] or inst.mods[6] not in ("s8", "u8")
+                or inst.mods[7:] != ["s8", "s32"]):
             raise EmulatorError(f"mma form not emulated: {inst.text}")
+        a_type = np.uint8 if inst.mods[6] == "u8" else np.int8
         warps = self._whole_warps(inst, act)
         dn, an, bn, cn = (self._reg_list(x) for x in inst.args)
         a = [self._read(x, "b32").astype(np.uint32) for x in an]
@@ -791,8 +793,8 @@ class _Launch:
             base = 32 * w
             A = np.zeros((16, 32), np.int64)
             B = np.zeros((32, 8), np.int64)
-            sb = lambda v: v[base:base + 32].copy().view(np.int8).reshape(32, 4).astype(np.int64)  # noqa: E731
-            a_b = [sb(x) for x in a]
+            sb = lambda v, ty=np.int8: v[base:base + 32].copy().view(ty).reshape(32, 4).astype(np.int64)  # noqa: E731
+            a_b = [sb(x, a_type) for x in a]
             b_b = [sb(x) for x in b]
             for i in range(32):
                 A[g[i], 4 * t[i]:4 * t[i] + 4] = a_b[0][i]
@@ -836,12 +838,24 @@ class _Launch:
             return self._land(inst, act, None)
         if kind == "wait_group":  # every group but the newest N committed ones lands
             return self._land(inst, act, self.cp_group - int(inst.args[0]))
-        if kind not in ("ca", "cg") or inst.mods[2:] != ["shared", "global"] or len(inst.args) != 3:
+        if kind not in ("ca", "cg") or inst.mods[2:] != ["shared", "global"] or len(inst.args) not in (3, 4):
             raise EmulatorError(f"cp.async form not emulated: {inst.text}")
         size = int(inst.args[2])
         dst, _ = self._addr(inst.args[0], "shared")
         src, _ = self._addr(inst.args[1], "global")
-        data = self.mem.gather(src[act], size, inst.text)
+        if len(inst.args) == 3:
+            data = self.mem.gather(src[act], size, inst.text)
+        else:  # a source size: only that many bytes are read (and checked), the rest zero-filled
+            srcsize = self._read(inst.args[3], "u32").astype(np.int64)[act]
+            if (srcsize > size).any():
+                raise EmulatorError(f"cp.async source size above the copy size: {inst.text}")
+            if (src[act] % size).any():
+                raise EmulatorError(f"misaligned cp.async source: {inst.text}")
+            data = np.zeros((int(act.sum()), size), np.uint8)
+            for n in np.unique(srcsize):
+                sel = srcsize == n
+                for i in range(int(n)):  # byte by byte: the bytes past the source size are never touched
+                    data[sel, i] = self.mem.gather(src[act][sel] + i, 1, inst.text)[:, 0]
         rows, cols = self._shared_idx(dst, size, act, inst)
         self._check_landed(rows, cols, inst)
         self.inflight[rows[:, None], cols] = True

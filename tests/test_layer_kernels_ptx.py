@@ -17,7 +17,7 @@ from ptx_gen.kernels.rmsnorm import default_block
 from ptx_gen.kernels.rope import inv_freq_table
 from ptx_gen.ptxas import assemble
 from realizar.layers import gemv_config
-from tests.helpers import fit_mma_shape
+from tests.helpers import fit_mma_shape, random_array
 from tests.layer_oracles import dequant, random_weight, rmsnorm_oracle, rope_oracle, silu
 from tests.ptx_simt import Memory, run as simt_run
 
@@ -505,9 +505,9 @@ def test_argmax_emulated_exact(n, parts, mode, seed):
     assert int(mem.read(do, np.uint32, 1)[0]) == int(np.argmax(x))
 
 
-@settings(max_examples=30, deadline=None)
-@given(wtype=st.sampled_from(["Q4_K", "Q8_0"]), out_dim=st.integers(1, 40), mtiles=st.integers(1, 3),
-       kparts=st.sampled_from([1, 2, 4]), stages=st.sampled_from([2, 3, 4, 8]), tiles=st.sampled_from([1, 2]),
+@settings(max_examples=40, deadline=None)
+@given(wtype=st.sampled_from(["Q4_K", "Q8_0", "Q6_K"]), out_dim=st.integers(1, 40), mtiles=st.integers(1, 3),
+       kparts=st.sampled_from([1, 2, 4, 8]), stages=st.sampled_from([2, 3, 4, 8]), tiles=st.sampled_from([1, 2]),
        units=st.integers(1, 5), target=st.sampled_from(["sm_80", "sm_90", "sm_90 bulk"]),
        bias=st.booleans(), residual=st.booleans(), scale=st.sampled_from([1e-3, 1.0, 500.0]),
        seed=st.integers(0, 2**32 - 1))
@@ -515,18 +515,22 @@ def test_gemv_mma_emulated_matches_oracle(wtype, out_dim, mtiles, kparts, stages
                                           scale, seed):
     """The tensor-core GEMV on the emulator (ldmatrix, int8 mma, a ring with wrap-around filled by
     cp.async, or on sm_90 by bulk copies + mbarriers, K parts combined in shared memory) vs the
-    float64 oracle; x spans 1e-3..500 with one outlier."""
+    float64 oracle; x spans 1e-3..500 with one outlier. Q6_K: units at all 8 phases of a 16-byte chunk
+    (in_dim up to 10240), its last chunk read only up to the block's end (the emulator checks bounds)."""
     rng = np.random.default_rng(seed)
+    if wtype == "Q6_K":
+        target, units = target.replace(" bulk", ""), min(units, 3)
     in_dim, mtiles, kparts, stages = fit_mma_shape(wtype, units, mtiles, kparts, stages, tiles)
     raw = random_weight(rng, wtype, out_dim, in_dim)
-    x = (rng.standard_normal(in_dim) * scale).astype(np.float32)
+    x = random_array(rng, in_dim, scale)
     x[rng.integers(0, in_dim)] *= 300
     b = rng.standard_normal(out_dim).astype(np.float32) if bias else None
     r = rng.standard_normal(out_dim).astype(np.float32) if residual else None
     k = catalog.emit("gemv_mma", target=target.split()[0], wtype=wtype, in_dim=in_dim, mtiles=mtiles, kparts=kparts,
                      stages=stages, bias=bias, residual=residual, tiles=tiles, bulk=target.endswith("bulk"))
     mem = Memory()
-    params = dict(w=mem.alloc_array(_pad16(raw)), x=mem.alloc_array(x), y=mem.alloc(4 * out_dim), out_dim=out_dim)
+    params = dict(w=mem.alloc_array(raw if wtype == "Q6_K" else _pad16(raw)), x=mem.alloc_array(x),
+                  y=mem.alloc(4 * out_dim), out_dim=out_dim)
     if bias:
         params["bias"] = mem.alloc_array(b)
     if residual:
@@ -550,10 +554,12 @@ def test_mma_config_balances_the_grid():
     two FFN shapes (bench_gemv --sweep, H200)."""
     from ptx_gen.kernels.gemv_mma import layout
     from realizar.layers import mma_config
-    assert mma_config(4096, 4096, "Q6_K") is None and mma_config(576, 576, "Q8_0") is None
+    assert mma_config(4096, 4096, "Q5_K") is None and mma_config(576, 576, "Q8_0") is None
+    assert mma_config(4096, 3072, "Q6_K") is None  # Q6_K rows of 3072: blocks at different phases per row
     assert mma_config(576, 1536, "Q8_0") is None  # 36 CTAs on 132 SMs: the SIMT kernel
+    assert not mma_config(4096, 4096, "Q6_K", 132, bulk_ok=True).bulk  # 2-byte aligned blocks: cp.async
     for out_dim, in_dim in ((4096, 14336), (14336, 4096), (4096, 4096), (6144, 4096), (28672, 4096), (2048, 8192)):
-        for wt in ("Q4_K", "Q8_0"):
+        for wt in ("Q4_K", "Q8_0", "Q6_K"):
             cfg = mma_config(out_dim, in_dim, wt, 132)
             ctas = -(-out_dim // (16 * cfg.tiles * cfg.mtiles))
             assert ctas / 132 / -(-ctas // 132) > 0.8, (out_dim, in_dim, wt, cfg)
@@ -562,7 +568,7 @@ def test_mma_config_balances_the_grid():
     assert mma_config(14336, 4096, "Q8_0", 132) == type(cfg)(4, 2, 2, 2)
 
 
-@pytest.mark.parametrize("wtype", ["Q4_K", "Q8_0"])
+@pytest.mark.parametrize("wtype", ["Q4_K", "Q8_0", "Q6_K"])
 def test_gemv_mma_dispatcher_picks_assemble_without_spills(wtype):
     """Every tensor-core launch shape the dispatcher picks at real decode shapes (and 32-row warps at
     their 8-warp maximum) assembles for sm_80 and sm_90 without local-memory spills."""
@@ -581,14 +587,16 @@ def test_gemv_mma_dispatcher_picks_assemble_without_spills(wtype):
                 assert r.spill_stores == 0 and r.spill_loads == 0, (cfg, sm, r)
 
 
-@settings(max_examples=12, deadline=None)
-@given(wtype=st.sampled_from(["Q4_K", "Q8_0"]), ffn=st.integers(1, 40), mtiles=st.integers(1, 3),
+@settings(max_examples=15, deadline=None)
+@given(wtype=st.sampled_from(["Q4_K", "Q8_0", "Q6_K"]), ffn=st.integers(1, 40), mtiles=st.integers(1, 3),
        kparts=st.sampled_from([1, 2]), units=st.integers(1, 3), target=st.sampled_from(["sm_80", "sm_90 bulk"]),
        seed=st.integers(0, 2**32 - 1))
 def test_gemv_glu_mma_emulated_matches_oracle(wtype, ffn, mtiles, kparts, units, target, seed):
     """The tensor-core fused gate/up GEMV on the emulator: y = silu(gate . x) * (up . x)."""
     rng = np.random.default_rng(seed)
-    in_dim = 256 * kparts * units
+    in_dim = 2048 * units if wtype == "Q6_K" else 256 * kparts * units
+    if wtype == "Q6_K":
+        target = target.replace(" bulk", "")
     raw = random_weight(rng, wtype, 2 * ffn, in_dim)
     x = rng.standard_normal(in_dim).astype(np.float32)
     k = catalog.emit("gemv_mma", target=target.split()[0], wtype=wtype, in_dim=in_dim, mtiles=mtiles, kparts=kparts,
@@ -618,13 +626,13 @@ def test_activations_are_read_with_coherent_loads():
         assert "ld.global.nc" not in catalog.emit("gemv_mma", target="sm_90", **shape).ptx, shape
 
 
-@pytest.mark.parametrize("wtype", ["Q4_K", "Q8_0"])
+@pytest.mark.parametrize("wtype", ["Q4_K", "Q8_0", "Q6_K"])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_gemv_mma_poisons_rows_for_nan_or_inf_x(wtype, bad):
     """An Inf or NaN in x cannot be written as digits: every row comes out NaN (never finite garbage,
     which would hide an upstream bug; a float dot product gives NaN or +-Inf there)."""
     rng = np.random.default_rng(1)
-    in_dim, out_dim = 512, 16
+    in_dim, out_dim = 4096 if wtype == "Q6_K" else 512, 16
     raw = random_weight(rng, wtype, out_dim, in_dim)
     x = rng.standard_normal(in_dim).astype(np.float32)
     x[300] = bad

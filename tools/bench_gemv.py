@@ -120,7 +120,7 @@ def sweep_configs(wtype: str, in_dim: int, bulk_ok: bool = False) -> list[GemvCo
     if wtype in MMA_TYPES and in_dim % 256 == 0:
         for tl, mt, kp in ((1, 1, 4), (1, 1, 8), (1, 2, 4), (1, 4, 2), (1, 8, 1),
                            (2, 1, 4), (2, 1, 8), (2, 2, 2), (2, 2, 4), (2, 4, 2), (2, 8, 1)):
-            for st, bulk in itertools.product((2, 4), (False, True) if bulk_ok else (False,)):
+            for st, bulk in itertools.product((2, 4), (False, True) if bulk_ok and wtype != "Q6_K" else (False,)):
                 try:
                     mma_layout(wtype, in_dim, mt, kp, st, tl)
                     cfgs.append(MmaConfig(mt, kp, st, tl, bulk))

@@ -6,6 +6,8 @@ small launches of every kernel over awkward shapes, each checked against its flo
 
 from __future__ import annotations
 
+import dataclasses
+
 import sys
 from pathlib import Path
 
@@ -52,10 +54,13 @@ def cases(cache, rng, small: bool) -> None:
         table.free()
     # the tensor-core GEMV: ring wrap-around, K parts, rows past the end, both ring fills on sm_90
     bulk_ok = ops.device.target.compute_capability >= (9, 0)
-    for wt in ("Q4_K", "Q8_0"):
+    for wt in ("Q4_K", "Q8_0", "Q6_K"):
         for out_dim, cfg in ((37, MmaConfig(1, 2, 2, 2)), (70, MmaConfig(2, 4, 4, 1)),
                              (19, MmaConfig(1, 2, 2, 1, bulk_ok)), (45, MmaConfig(2, 2, 2, 2, bulk_ok))):
-            _gemv_case(ops, rng, wt, out_dim, 256 * cfg.kparts * 3, cfg)
+            if wt == "Q6_K":  # (2-byte aligned blocks: cp.async only; rows of 2048 multiples)
+                _gemv_case(ops, rng, wt, out_dim, 2048 * 3, dataclasses.replace(cfg, bulk=False))
+            else:
+                _gemv_case(ops, rng, wt, out_dim, 256 * cfg.kparts * 3, cfg)
     # fused gate/up and the prefill GEMM
     raw = random_weight(rng, "Q4_K", 2 * 7, 256)
     w = GpuWeight(data=raw, ggml_type="Q4_K", shape=(14, 256))

@@ -1,4 +1,4 @@
-"""Tensor-core GEMV ``y = W x (+ bias) (+ residual)`` for decode, W in Q4_K or Q8_0 blocks: the
+"""Tensor-core GEMV ``y = W x (+ bias) (+ residual)`` for decode, W in Q4_K, Q8_0 or Q6_K blocks: the
 weights' integer codes go into exact int8 MMAs (``mma.m16n8k32.s32.s8.s8``), so decoding a weight
 costs a fraction of an instruction instead of a float conversion and an FMA each.
 
@@ -27,7 +27,11 @@ their int32 results are weighted by the integer sub-block scales (``mad``), and 
 converted to float and multiplied by the row's ``d``. The mins contribute
 ``-dmin m_j sum(x over sub-block j)`` with the sums of x kept per 32 values in shared memory.
 Q8_0: the block's 32 signed codes are A directly (two-byte aligned, realigned with ``prmt``); one MMA
-per block, scaled by the block's ``d`` in float.
+per block, scaled by the block's ``d`` in float. Q6_K (210-byte blocks, so a unit starts at any even
+byte of a 16-byte chunk: the 14 chunks covering it are staged, words realigned with funnel shifts):
+the 6-bit codes are assembled from their ql/qh bits as unsigned bytes; each MMA pairs two 16-value
+sub-blocks, one per half of B's 8 columns, so every lane's sums carry one integer scale
+(:func:`_unit_q6k`); the codes' offset of 32 is a float term per row.
 
 End: each row's sum is spread over the 4 lanes of its group (digit columns) and weighted by
 1, 256, 65536 and 2**24; with ``kparts > 1`` the parts meet in shared memory (one
@@ -35,7 +39,7 @@ End: each row's sum is spread over the 4 lanes of its group (digit columns) and 
 
 Launch: grid ``ceil(out_dim / (16 tiles mtiles))``, block ``32 mtiles kparts``, dynamic shared memory
 ``meta["dyn_smem"]`` bytes (above 48 KiB: the launcher raises the limit). ``in_dim`` must be a
-multiple of ``256 kparts``; rows start 16-byte aligned (row bytes are multiples of 16 for these types).
+multiple of ``256 kparts`` (Q6_K: also of 2048); W starts 16-byte aligned.
 """
 
 from __future__ import annotations
@@ -45,15 +49,26 @@ from ptx_gen.catalog import kernel
 from ptx_gen.kernels import quant_layout as ql
 from ptx_gen.kernels.gemv import _silu_mul, gemv_params
 
-UNIT_BYTES = {"Q4_K": 144, "Q8_0": 272}  # bytes of 256 values of one row
+UNIT_BYTES = {"Q4_K": 144, "Q8_0": 272, "Q6_K": 210}  # bytes of 256 values of one row
 MMA_TYPES = tuple(UNIT_BYTES)
+# bytes between two rows of a staged unit: Q6_K copies the 14 aligned 16-byte chunks that cover a
+# block at any 2-byte phase into rows of 15 chunks (240 bytes: 60 words, so that the 8 rows of an MMA
+# tile read distinct banks)
+STRIDE = {"Q4_K": 144, "Q8_0": 272, "Q6_K": 240}
+Q6K_CHUNKS = 14
 PARTS = 4  # base-256 digits of x
 MAX_DYN_SMEM = 227 * 1024
-# per warp, two x slots (units j and j + 1): 4 digit planes of 256 bytes, 272 apart (16 mod 128: the
-# four planes' B loads hit distinct banks), the sums of x per 32 values (Q4_K) and the unit's 1 / f
-PLANE, XSUM, INVF, XSLOT = 272, 4 * 272, 4 * 272 + 32, 4 * 272 + 48
-# per warp and row, per unit: 8 int32 sub-block scales and d / f (Q4_K), or 8 block scales d / f (Q8_0)
-TABLE_ROW = 48
+# per warp, two x slots (units j and j + 1). Q4_K/Q8_0: 4 digit planes of 256 bytes, 272 apart (16
+# mod 128: the four planes' B loads hit distinct banks), the sums of x per 32 values (Q4_K) and the
+# unit's 1 / f. Q6_K: the B fragments of its 8 MMAs as the lanes load them (see _unit_q6k), half of
+# them zeros, then the sums of x per 16 values and 1 / f
+PLANE = 272
+XSUM = {"Q4_K": 4 * 272, "Q8_0": 4 * 272, "Q6_K": 2048}
+INVF = {wt: XSUM[wt] + (64 if wt == "Q6_K" else 32) for wt in XSUM}
+XSLOT = {wt: INVF[wt] + 16 for wt in XSUM}
+# per warp and row, per unit: 8 int32 sub-block scales and d / f (Q4_K), 8 block scales d / f (Q8_0),
+# or 16 int32 sub-block scales (as the two lane classes use them) and d / f (Q6_K)
+TABLE_ROW = {"Q4_K": 48, "Q8_0": 48, "Q6_K": 80}
 
 
 def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, tiles: int = 1) -> dict:
@@ -69,8 +84,12 @@ def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, tiles
         raise ValueError(f"stages must be 2, 3, 4 or 8, got {stages}")
     if in_dim <= 0 or in_dim % (256 * kparts):
         raise ValueError(f"in_dim must be a positive multiple of 256 * kparts = {256 * kparts}, got {in_dim}")
+    if wtype == "Q6_K" and in_dim % 2048:
+        # 8 blocks = 1680 bytes = 105 16-byte chunks: then every row starts 16-byte aligned and all rows
+        # of a unit share its phase
+        raise ValueError(f"the tensor-core Q6_K GEMV needs in_dim a multiple of 2048, got {in_dim}")
     warps = mtiles * kparts
-    unit = UNIT_BYTES[wtype]
+    unit = STRIDE[wtype]
     rows = 16 * tiles
     off = {}
     pos = 0
@@ -81,8 +100,8 @@ def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, tiles
         pos += -(-nbytes // 16) * 16
 
     take("ring", warps * stages * rows * unit)
-    take("xbuf", warps * 2 * XSLOT)
-    take("table", warps * rows * TABLE_ROW)
+    take("xbuf", warps * 2 * XSLOT[wtype])
+    take("table", warps * rows * TABLE_ROW[wtype])
     take("red", warps * rows * 4 if kparts > 1 else 0)
     take("mbar", warps * stages * 8)  # sm_90: one mbarrier per ring slot
     if pos > MAX_DYN_SMEM:
@@ -90,7 +109,7 @@ def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, tiles
                          f"tiles={tiles} need {pos} bytes of shared memory, more than {MAX_DYN_SMEM}: fewer warps or "
                          f"stages")
     return dict(unit=unit, units=in_dim // 256, per_warp=in_dim // 256 // kparts, warps=warps, smem=pos, off=off,
-                row_bytes=in_dim // 256 * unit, rows=rows)
+                row_bytes=in_dim // 256 * UNIT_BYTES[wtype], rows=rows)
 
 
 def _mod(k: KernelBuilder, j: Reg, n: int) -> Reg:
@@ -116,15 +135,26 @@ def _digits(k: KernelBuilder, v: Reg, f: Reg) -> Reg:
     return k.xor(k.add(u, 0xF5408080), 0x80808080)
 
 
-def _x_lane_constants(k: KernelBuilder, lane: Reg) -> dict:
-    """Where lane l's two quads of a unit's x (values 4l.. and 128 + 4l..) go in an x slot: chunk
-    c = q / 8 (32 values), u = q % 8, word [pair c / 2][t = u % 4][c % 2][hi = u / 4] of each plane
-    (the B fragments of lane (g, t) are then one 16-byte load per pair); the second quad is 128 bytes on."""
+def _x_lane_constants(k: KernelBuilder, wtype: str, lane: Reg) -> dict:
+    """Where lane l's two quads of a unit's x (values 4l.. and 128 + 4l..) go in an x slot.
+
+    Q4_K/Q8_0: chunk c = q / 8 (32 values), u = q % 8, word [pair c / 2][t = u % 4][c % 2][hi = u / 4]
+    of each plane (the B fragments of lane (g, t) are then one 16-byte load per pair); the second quad
+    is 128 bytes on. Q6_K: quad q = 32 n + 8 i + 4 lh + t (value 128 n + 32 i + 16 lh + 4 t.., i.e. sub-block
+    8 n + 2 i + lh) feeds MMA m = 4 n + 2 (i % 2) + lh as column class i / 2, at word
+    [m / 2][column 4 (i / 2) + digit][t][m % 2][i / 2] (see _unit_q6k); the sums are per 16 values."""
+    if wtype == "Q6_K":
+        cls = k.shr(lane, 4)
+        woff = k.add(k.add(k.shl(k.and_(k.shr(lane, 3), 1), 9), k.mul(cls, 260)),
+                     k.add(k.shl(k.and_(lane, 3), 4), k.shl(k.and_(k.shr(lane, 2), 1), 3)))
+        return {"woff": woff, "sum_off": k.add(k.shl(k.shr(lane, 2), 2), XSUM[wtype]),
+                "sum_lane": k.setp("eq", k.and_(lane, 3), 0), "lane0": k.setp("eq", lane, 0),
+                "plane": 64, "half": 1024, "sum_width": 4, "sum_half": 32}
     c, u = k.shr(lane, 3), k.and_(lane, 7)
     woff = k.add(k.add(k.shl(k.shr(c, 1), 6), k.shl(k.and_(u, 3), 4)),
                  k.add(k.shl(k.and_(c, 1), 3), k.shl(k.shr(u, 2), 2)))
-    return {"woff": woff, "sum_off": k.add(k.shl(c, 2), XSUM), "sum_lane": k.setp("eq", u, 0),
-            "lane0": k.setp("eq", lane, 0)}
+    return {"woff": woff, "sum_off": k.add(k.shl(c, 2), XSUM[wtype]), "sum_lane": k.setp("eq", u, 0),
+            "lane0": k.setp("eq", lane, 0), "plane": PLANE, "half": 128, "sum_width": 8, "sum_half": 16}
 
 
 def _load_x(k: KernelBuilder, x: Reg, lane16: Reg, unit: Reg | int, valid: Reg | None, into: list | None = None) -> list:
@@ -152,7 +182,7 @@ def _convert_x(k: KernelBuilder, wtype: str, vals: list, slot: Reg, xc: dict) ->
     # 1 / f = 2**(e - 156); NaN for a unit holding an Inf or NaN (exponent 255), which its digits cannot
     # represent: every row's result becomes NaN, as a float dot product with such an x at best is
     inv_f = k.selp(float("nan"), k.bitcast(k.shl(k.sub(e, 29), 23), "f32"), k.setp("eq", e, 255), "f32")
-    k.store("shared", "f32", slot, inv_f, INVF, pred=xc["lane0"])
+    k.store("shared", "f32", slot, inv_f, INVF[wtype], pred=xc["lane0"])
     addr = k.add(slot, xc["woff"])
     for h in range(2):
         v = vals[4 * h:4 * h + 4]
@@ -161,10 +191,10 @@ def _convert_x(k: KernelBuilder, wtype: str, vals: list, slot: Reg, xc: dict) ->
         t2, t3 = k.prmt(ws[0], ws[1], 0x7362), k.prmt(ws[2], ws[3], 0x7362)
         planes = (k.prmt(t0, t1, 0x5410), k.prmt(t0, t1, 0x7632), k.prmt(t2, t3, 0x5410), k.prmt(t2, t3, 0x7632))
         for p, word in enumerate(planes):
-            k.store("shared", "u32", addr, word, p * PLANE + 128 * h)
-        if wtype == "Q4_K":
-            sm = k.warp_reduce(k.add(k.add(v[0], v[1]), k.add(v[2], v[3])), "add", width=8)
-            k.store("shared", "f32", k.add(slot, xc["sum_off"]), sm, 16 * h, pred=xc["sum_lane"])
+            k.store("shared", "u32", addr, word, p * xc["plane"] + xc["half"] * h)
+        if wtype != "Q8_0":
+            sm = k.warp_reduce(k.add(k.add(v[0], v[1]), k.add(v[2], v[3])), "add", width=xc["sum_width"])
+            k.store("shared", "f32", k.add(slot, xc["sum_off"]), sm, xc["sum_half"] * h, pred=xc["sum_lane"])
 
 
 def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, bias: bool,
@@ -174,6 +204,8 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
         raise ValueError("glu needs tiles=2 (a warp's 16 gate rows and their 16 up rows) and no bias/residual")
     if bulk and m.target.compute_capability < (9, 0):
         raise ValueError(f"bulk copies need sm_90 or newer, the target is {m.target}")
+    if bulk and wtype == "Q6_K":
+        raise ValueError("Q6_K blocks (210 bytes) are not 16-byte aligned: no bulk copies")
     U, n_units, warps, R = lay["unit"], lay["per_warp"], lay["warps"], lay["rows"]
     params = gemv_params(bias, residual)
     name = (f"gemv_mma_{wtype.lower()}_k{in_dim}_m{mtiles}_p{kparts}_s{stages}" + (f"_t{tiles}" if tiles > 1 else "")
@@ -204,7 +236,13 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
     k.global_ptr("y")
     # the warp's units of a row are kp, kp + kparts, kp + 2 kparts, ...: at any time the K parts of a
     # tile read neighbouring units, i.e. kparts * U contiguous bytes of each row
-    wbase = w if kp is None else k.add(w, k.mul_wide(kp, U))
+    wbase = w if kp is None or wtype == "Q6_K" else k.add(w, k.mul_wide(kp, U))
+    kp0 = kp if kp is not None else 0
+
+    def unit_of(j: Reg | int) -> Reg | int:  # the row's unit index of the warp's j-th unit
+        if isinstance(j, int) and kp is None:
+            return j * kparts
+        return k.mad(j, kparts, kp0) if isinstance(j, Reg) else k.add(kp0, j * kparts)
 
     tma = bulk
     if tma:
@@ -235,6 +273,36 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
             slot = _mod(k, j, stages)
             k.mbarrier_wait(k.add(mbar, k.shl(slot, 3)), k.and_(_div(k, j, stages), 1))  # the slot's use count
             k.bar_warp_sync()  # (the x slot the warp's lanes wrote last step)
+    elif wtype == "Q6_K":
+        # unit u of a row is 210 u.. (phase p = 210 u % 16 = 2 (u % 8) for all rows): the 14 chunks from
+        # 210 u - p, row r's at r * 240 in the ring. The last chunk holds p + 2 of the block's bytes and
+        # reads only those (the rest zero-filled): never a byte past the block, so never past the tensor
+        nchunks = R * Q6K_CHUNKS
+        chunks = []
+        for q in range(-(-nchunks // 32)):
+            c = k.add(lane, 32 * q) if q else lane
+            row = k.div(c, Q6K_CHUNKS)
+            col16 = k.shl(k.sub(c, k.mul(row, Q6K_CHUNKS)), 4)
+            off = k.add(k.mul_wide(weight_row(row), lay["row_bytes"]), k.cvt(col16, "u64"))
+            dst = k.add(ring, k.add(k.mul(row, U), col16))
+            chunks.append((off, dst, k.setp("eq", col16, 16 * (Q6K_CHUNKS - 1)),
+                           k.setp("lt", c, nchunks) if (q + 1) * 32 > nchunks else None))
+
+        def issue(j: Reg | int, slot_off: Reg | int, valid: Reg | None) -> None:
+            u = unit_of(j)
+            u = u if isinstance(u, Reg) else k.mov(u, "u32")
+            p2 = k.shl(k.and_(u, 7), 1)
+            base = k.add(w, k.cvt(k.sub(k.mul(u, 210), p2), "u64"))
+            last_size = k.add(p2, 2)
+            for off, dst, is_last, ok in chunks:
+                pred = ok if valid is None else (valid if ok is None else k.and_(ok, valid))
+                d = k.add(dst, slot_off) if isinstance(slot_off, Reg) or slot_off else dst
+                k.cp_async(d, k.add(base, off), pred=pred, src_size=k.selp(last_size, 16, is_last, "u32"))
+            k.cp_async_commit()
+
+        def wait(j: Reg) -> None:
+            k.cp_async_wait_group(stages - 1)
+            k.bar_warp_sync()
     else:
         # 16-byte chunk c = lane + 32 q of a unit is row c / (U / 16), col c % (U / 16), copied with
         # cp.async; in the ring it lands at 16 c (rows of U bytes, back to back)
@@ -270,15 +338,13 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
     # x, unit by unit, converted by each warp for itself one unit ahead of its use (loaded two ahead)
     x = k.global_ptr("x")
     lane16 = k.cvt(k.shl(lane, 4), "u64")
-    xc = _x_lane_constants(k, lane)
-    xbuf = k.add(smem, k.add(k.mul(warp, 2 * XSLOT), lay["off"]["xbuf"]))
-    kp0 = kp if kp is not None else 0
-
-    def unit_of(j: Reg | int) -> Reg | int:  # the row's unit index of the warp's j-th unit
-        if isinstance(j, int) and kp is None:
-            return j * kparts
-        return k.mad(j, kparts, kp0) if isinstance(j, Reg) else k.add(kp0, j * kparts)
-
+    xc = _x_lane_constants(k, wtype, lane)
+    XS = XSLOT[wtype]
+    xbuf = k.add(smem, k.add(k.mul(warp, 2 * XS), lay["off"]["xbuf"]))
+    if wtype == "Q6_K":  # the B words that stay zero (lane (g, t): word [m / 2][g][t][m % 2][g < 4])
+        zero = k.add(xbuf, k.add(k.shl(lane, 4), k.selp(4, 0, k.setp("lt", lane, 16), "u32")))
+        for off in (sl * XS + 512 * mp + 8 * m2 for sl in range(2) for mp in range(4) for m2 in range(2)):
+            k.store("shared", "u32", zero, k.mov(0, "u32"), off)
     _convert_x(k, wtype, _load_x(k, x, lane16, unit_of(0), None), xbuf, xc)
     # x of units j + 1 and j + 2 in flight in registers: odd units in xregs[1], even ones in xregs[0]
     # (the loop is unrolled by two so no register is copied while its load is still in flight)
@@ -287,34 +353,42 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
         if jj < n_units:
             _load_x(k, x, lane16, unit_of(jj), None, into=xregs[jj % 2])
     g, t = k.shr(lane, 2), k.and_(lane, 3)
+    TR = TABLE_ROW[wtype]
     ctx = {
         "g": g, "R": R, "tiles": tiles, "U": U,
         "b_ok": k.setp("lt", g, PARTS),
         "b_lane": k.add(k.mul(g, PLANE), k.shl(t, 4)),  # lane (g, t)'s B fragments: plane g, word group t
         "zeros": [k.mov(0, "s32")] * 4,
         # the per-unit table, row r at r * TABLE_ROW, filled by lane r (< R)
-        "table": k.add(smem, k.add(k.mul(warp, R * TABLE_ROW), lay["off"]["table"])),
+        "table": k.add(smem, k.add(k.mul(warp, R * TR), lay["off"]["table"])), "TR": TR,
         "t_lane": k.setp("lt", lane, R),
         "row_stage": k.mul(lane, U),  # lane r's row in a staged unit
         "t4": k.shl(t, 2),
     }
-    ctx["t_mine"] = k.add(ctx["table"], k.mul(lane, TABLE_ROW))
-    ctx["t_g"] = k.add(ctx["table"], k.mul(g, TABLE_ROW))  # + 8 * TABLE_ROW * (2 r + h): row 16 r + 8 h + g
+    ctx["t_mine"] = k.add(ctx["table"], k.mul(lane, TR))
+    ctx["t_g"] = k.add(ctx["table"], k.mul(g, TR))  # + 8 * TR * (2 r + h): row 16 r + 8 h + g
+    if wtype == "Q6_K":
+        ctx["b_q6"] = k.add(k.shl(g, 6), k.shl(t, 4))  # lane (g, t)'s B words: [m / 2][g][t][m % 2][2]
+        ctx["t_gc"] = k.add(ctx["t_g"], k.shl(k.shr(t, 1), 5))  # its scales: class t / 2 of row g
+        ctx["a_lane"] = k.add(k.mul(g, U), ctx["t4"])  # its A words: row g, bytes 4t + 16 m'
     if wtype == "Q4_K":
         ctx["ldm"] = k.add(k.mul(k.add(k.and_(lane, 7), k.shl(k.and_(k.shr(lane, 3), 1), 3)), U),
                            k.shl(k.shr(lane, 4), 4))
     acc = [[k.var("f32", 0.0) for _ in range(4)] for _ in range(tiles)]  # [g][2t], [g][2t+1], [g+8][2t], [g+8][2t+1]
-    minacc = k.var("f32", 0.0) if wtype == "Q4_K" else None  # lane r: row r's min term
+    minacc = k.var("f32", 0.0) if wtype != "Q8_0" else None  # lane r: row r's min (Q4_K) or offset (Q6_K) term
 
     def step(j: Reg) -> None:
         """Unit j: wait for its weights, compute, refill the ring slot, convert unit j + 1's x (in the
         registers of its parity), start loading unit j + 3's into them."""
         slot_off = k.mul(_mod(k, j, stages), stage_bytes)
         sbase = k.add(ring, slot_off)
-        xslot = k.add(xbuf, k.mul(k.and_(j, 1), XSLOT))
+        xslot = k.add(xbuf, k.mul(k.and_(j, 1), XS))
         wait(j)
         if wtype == "Q4_K":
             _unit_q4k(k, ctx, sbase, xslot, acc, minacc)
+        elif wtype == "Q6_K":
+            u = unit_of(j)
+            _unit_q6k(k, ctx, sbase, xslot, acc, minacc, k.shl(k.and_(u, 7), 1))
         else:
             _unit_q8_0(k, ctx, sbase, xslot, acc)
         k.bar_warp_sync()  # every lane is done with the ring slot and the x slot: refill them
@@ -325,7 +399,7 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
         j1 = k.add(j, 1)
         regs = xregs[parity[0]]
         with k.if_(k.setp("lt", j1, n_units)):  # warp-uniform
-            _convert_x(k, wtype, list(regs), k.add(xbuf, k.mul(k.and_(j1, 1), XSLOT)), xc)
+            _convert_x(k, wtype, list(regs), k.add(xbuf, k.mul(k.and_(j1, 1), XS)), xc)
         j3 = k.add(j, 3)
         _load_x(k, x, lane16, unit_of(j3), k.setp("lt", j3, n_units), into=regs)
         parity[0] ^= 1
@@ -340,11 +414,13 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
     if not tma:
         k.cp_async_wait_all()
 
-    # --- row sums: digit columns weighted 1, 256 (lane t = 0), 65536 and 2**24 (t = 1)
+    # --- row sums: digit columns weighted 1, 256 (lane t = 0), 65536 and 2**24 (t = 1); Q6_K's
+    # columns 4..7 (lanes t = 2, 3) are the same digits of its second sub-block of each MMA
     tid = k.tid()
     lane = k.and_(tid, 31)
     g, t = k.shr(lane, 2), k.and_(lane, 3)
-    t_is0, t_is1 = k.setp("eq", t, 0), k.setp("eq", t, 1)
+    tt = k.and_(t, 1) if wtype == "Q6_K" else t
+    t_is0, t_is1 = k.setp("eq", tt, 0), k.setp("eq", tt, 1)
     w0 = k.selp(1.0, k.selp(65536.0, 0.0, t_is1, "f32"), t_is0, "f32")
     w1 = k.selp(256.0, k.selp(16777216.0, 0.0, t_is1, "f32"), t_is0, "f32")
     sums = []  # rows g, g + 8, 16 + g, 24 + g
@@ -373,9 +449,9 @@ def _unit_q4k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, mina
         k.store("shared", "u32", c["t_mine"], [k.prmt(sc_lo, 0, 0x4440 | i) for i in range(4)])
         k.store("shared", "u32", c["t_mine"], [k.prmt(sc_hi, 0, 0x4440 | i) for i in range(4)], 16)
         d_h, dmin_h = k.unpack_b32(dm)
-        inv_f = k.load("shared", "f32", xslot, INVF)  # the unit's x digits are x f
+        inv_f = k.load("shared", "f32", xslot, INVF["Q4_K"])  # the unit's x digits are x f
         k.store("shared", "f32", c["t_mine"], k.mul(k.cvt(Reg(d_h.name, ql._f16), "f32"), inv_f), 32)
-        sx = list(k.load("shared", "f32", xslot, XSUM, vec=4)) + list(k.load("shared", "f32", xslot, XSUM + 16, vec=4))
+        sx = [v for o in (0, 16) for v in k.load("shared", "f32", xslot, XSUM["Q4_K"] + o, vec=4)]
         dmin = k.cvt(Reg(dmin_h.name, ql._f16), "f32")
         msum = None
         for i in range(8):  # dmin m_j first: sum_j m_j sum(x) alone could overflow where the result does not
@@ -394,16 +470,91 @@ def _unit_q4k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, mina
             hi = [k.and_(k.shr(x, 4), 0x0F0F0F0F) for x in regs]
             da = k.mma_s8(lo, b[0:2], c["zeros"])
             db = k.mma_s8(hi, b[2:4], c["zeros"])
-            sg = k.load("shared", "u32", c["t_g"], 16 * r * TABLE_ROW + 8 * i, vec=2)
-            sg8 = k.load("shared", "u32", c["t_g"], (16 * r + 8) * TABLE_ROW + 8 * i, vec=2)
+            sg = k.load("shared", "u32", c["t_g"], 16 * r * c["TR"] + 8 * i, vec=2)
+            sg8 = k.load("shared", "u32", c["t_g"], (16 * r + 8) * c["TR"] + 8 * i, vec=2)
             for n, scs in ((0, sg), (1, sg), (2, sg8), (3, sg8)):
                 v = k.mad(db[n], k.bitcast(scs[1], "s32"), k.mul(da[n], k.bitcast(scs[0], "s32")))
                 ints[r][n] = v if ints[r][n] is None else k.add(ints[r][n], v)
     for r in range(c["tiles"]):
-        dg = k.load("shared", "f32", c["t_g"], 16 * r * TABLE_ROW + 32)
-        dg8 = k.load("shared", "f32", c["t_g"], (16 * r + 8) * TABLE_ROW + 32)
+        dg = k.load("shared", "f32", c["t_g"], 16 * r * c["TR"] + 32)
+        dg8 = k.load("shared", "f32", c["t_g"], (16 * r + 8) * c["TR"] + 32)
         for n, d in ((0, dg), (1, dg), (2, dg8), (3, dg8)):
             k.assign(acc[r][n], k.fma(d, k.cvt(ints[r][n], "f32"), acc[r][n]))
+
+
+def _sext_byte(k: KernelBuilder, word: Reg, b: int) -> Reg:
+    """Byte ``b`` of ``word`` sign-extended to 32 bits (one ``prmt`` in sign-replicate mode)."""
+    s = 8 | b
+    return k.prmt(word, 0, (s << 12) | (s << 8) | (s << 4) | b)
+
+
+def _unit_q6k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, offacc, p: Reg) -> None:
+    """One Q6_K block of the warp's rows, staged at ``sbase`` + 240 r + ``p`` (row r; p = 0, 2, .., 14).
+
+    Block: ql (128 bytes: value 128 n + 32 i + l has the low nibble (i < 2) or high nibble (i >= 2) of
+    ql[64 n + 32 (i % 2) + l]), qh (64: its bits 2i, 2i + 1 of qh[32 n + l]), 16 int8 scales (one per
+    16 values: sub-block 8 n + 2 i + l / 16), d. The codes c = low | high << 4 (0..63) stand for c - 32.
+
+    MMA m = 4 n + 2 i0 + lh (i0, lh in {0, 1}) takes sub-block a = (n, i0, lh) as k 0..15 and
+    b = (n, i0 + 2, lh) as k 16..31: both come from the same ql word (low / high nibbles) and qh word
+    of each lane (byte 16 m + 4 t of ql, 128 + 16 (2 n + lh) + 4 t, for row g). B's columns 0..3 are the
+    four digits of sub-block a's x (zero at k >= 16), columns 4..7 those of b's (zero at k < 16): the
+    lanes t = 0, 1 receive sub-block a's sums, t = 2, 3 b's, each weighted by its own integer scale.
+    Codes go in unsigned (``.u8.s8``); the offset, -32 d sum_s sc_s sum(x over s), is each row's lane's
+    float term (like Q4_K's mins). Staged words are 2 bytes off for odd p / 2: two loads and a funnel
+    shift each."""
+    S, TR = 240, c["TR"]
+    sh = k.shl(k.and_(p, 2), 3)  # 0 or 16 bits
+    pw = k.and_(p, 12)  # the block's first word, p rounded down to 4
+    with k.if_(c["t_lane"]):  # lane r: row r's scales (table [class 0: m 0..7][class 1: m 0..7]), d / f, offset
+        row = k.add(sbase, k.add(c["row_stage"], pw))
+        ws = [k.load("shared", "u32", row, 192 + 4 * i) for i in range(5)]
+        sw = [k.shf("r", ws[i], ws[i + 1], sh) for i in range(4)]  # scales 4i..4i+3
+        d = k.cvt(Reg(k.unpack_b32(k.shf("r", ws[4], ws[4], sh))[0].name, ql._f16), "f32")
+        scs = [[_sext_byte(k, w_, b) for b in range(4)] for w_ in sw]
+        for o, i in ((0, 0), (16, 2), (32, 1), (48, 3)):  # class 0: scales 0..3, 8..11; class 1: 4..7, 12..15
+            k.store("shared", "u32", c["t_mine"], scs[i], o)
+        inv_f = k.load("shared", "f32", xslot, INVF["Q6_K"])  # the unit's x digits are x f
+        k.store("shared", "f32", c["t_mine"], k.mul(d, inv_f), 64)
+        sx = [v for o in range(0, 64, 16) for v in k.load("shared", "f32", xslot, XSUM["Q6_K"] + o, vec=4)]
+        d32 = k.mul(d, 32.0)
+        osum = None
+        for si in range(16):  # 32 d sc_s first, then times the sum of x (no overflow the result has not)
+            sc = k.mul(_exact_float(k, scs[si // 4][si % 4]), d32)
+            osum = k.mul(sc, sx[si]) if osum is None else k.fma(sc, sx[si], osum)
+        k.assign(offacc, k.add(offacc, osum))
+    k.bar_warp_sync()
+    bfr = [k.load("shared", "u32", k.add(xslot, c["b_q6"]), 512 * mp, vec=4) for mp in range(4)]
+    a0 = k.add(sbase, k.add(c["a_lane"], pw))
+    for r in range(c["tiles"]):
+        words, scales = [], []
+        for h in (0, 8):  # rows 16 r + g, 16 r + 8 + g
+            ro = (16 * r + h) * S
+
+            def word(mi: int) -> Reg:
+                lo = k.load("shared", "u32", a0, ro + 16 * mi)
+                hi = k.load("shared", "u32", a0, ro + 16 * mi + 4)
+                return k.shf("r", lo, hi, sh)
+            words.append([word(mi) for mi in range(12)])
+            scales.append([v for o in (0, 16) for v in k.load("shared", "u32", c["t_gc"], (16 * r + h) * TR + o, vec=4)])
+        ints = [None] * 4
+        for m in range(8):
+            n, i0, lh = m >> 2, (m >> 1) & 1, m & 1
+            a_lo, a_hi = [], []
+            for wd in words:
+                qlw, qhw = wd[m], wd[8 + 2 * n + lh]
+                a_lo.append(k.or_(k.and_(qlw, 0x0F0F0F0F), k.and_(k.shl(qhw, 4 - 2 * i0), 0x30303030)))
+                a_hi.append(k.or_(k.and_(k.shr(qlw, 4), 0x0F0F0F0F),
+                                  k.and_(k.shr(qhw, 2) if i0 else qhw, 0x30303030)))
+            b = bfr[m >> 1][2 * (m & 1):2 * (m & 1) + 2]
+            dd = k.mma_s8([a_lo[0], a_lo[1], a_hi[0], a_hi[1]], b, c["zeros"], a_unsigned=True)
+            for nn in range(4):
+                sc = k.bitcast(scales[nn // 2][m], "s32")
+                ints[nn] = k.mul(dd[nn], sc) if ints[nn] is None else k.mad(dd[nn], sc, ints[nn])
+        dg = k.load("shared", "f32", c["t_g"], 16 * r * TR + 64)
+        dg8 = k.load("shared", "f32", c["t_g"], (16 * r + 8) * TR + 64)
+        for nn, dv in ((0, dg), (1, dg), (2, dg8), (3, dg8)):
+            k.assign(acc[r][nn], k.fma(dv, k.cvt(ints[nn], "f32"), acc[r][nn]))
 
 
 def _exact_float(k: KernelBuilder, i: Reg) -> Reg:
@@ -417,7 +568,7 @@ def _unit_q8_0(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list) -> 
     U = 272
     # the blocks' scales d / f as floats: lane r converts row r's 8
     with k.if_(c["t_lane"]):
-        inv_f = k.load("shared", "f32", xslot, INVF)  # the unit's x digits are x f
+        inv_f = k.load("shared", "f32", xslot, INVF["Q8_0"])  # the unit's x digits are x f
         row = k.add(sbase, c["row_stage"])
         ds = [k.mul(ql.lds_f16(k, row, 34 * i), inv_f) for i in range(8)]
         k.store("shared", "f32", c["t_mine"], ds[:4])
@@ -441,8 +592,8 @@ def _unit_q8_0(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list) -> 
                     w1 = k.load("shared", "u32", rg_t, off + 2)
                     words.append(k.prmt(w0, w1, 0x5432))
             d = k.mma_s8(words, b[0:2] if blk % 2 == 0 else b[2:4], c["zeros"])
-            sg = k.load("shared", "f32", c["t_g"], 16 * r * TABLE_ROW + 4 * blk)
-            sg8 = k.load("shared", "f32", c["t_g"], (16 * r + 8) * TABLE_ROW + 4 * blk)
+            sg = k.load("shared", "f32", c["t_g"], 16 * r * c["TR"] + 4 * blk)
+            sg8 = k.load("shared", "f32", c["t_g"], (16 * r + 8) * c["TR"] + 4 * blk)
             for n, s in ((0, sg), (1, sg), (2, sg8), (3, sg8)):  # |d| <= 32 * 128 * 128 < 2**22
                 k.assign(acc[r][n], k.fma(s, _exact_float(k, d[n]), acc[r][n]))
 
@@ -514,6 +665,9 @@ def _grid_shapes() -> list[dict]:
                    {"wtype": wt, "in_dim": 4096, "mtiles": 8, "kparts": 1, "stages": 2, "tiles": 2, "glu": True},
                    {"wtype": wt, "in_dim": 4096, "mtiles": 2, "kparts": 4, "stages": 2, "tiles": 2, "glu": True},
                    {"wtype": wt, "in_dim": 4096, "mtiles": 8, "kparts": 1, "stages": 4, "bias": True}]
+    for sh in shapes:
+        if sh["wtype"] == "Q6_K" and sh["in_dim"] == 256:
+            sh["in_dim"] = 2048
     return shapes
 
 
@@ -521,10 +675,10 @@ def _grid_shapes() -> list[dict]:
 def gemv_mma(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, mtiles: int = 2, kparts: int = 4, stages: int = 4,
              bias: bool = False, residual: bool = False, tiles: int = 1, bulk: bool = False,
              glu: bool = False) -> KernelBuilder:
-    """y[r] = sum_k W[r, k] x[k] (+ bias[r]) (+ residual[r]) for r < out_dim, W in Q4_K or Q8_0 blocks, on
-    tensor cores (exact int8 MMAs of the codes with x as four base-256 digits).
+    """y[r] = sum_k W[r, k] x[k] (+ bias[r]) (+ residual[r]) for r < out_dim, W in Q4_K, Q8_0 or Q6_K (in_dim
+    a multiple of 2048) blocks, on tensor cores (exact int8 MMAs of the codes with x as four base-256 digits).
     ``tiles``: 16-row MMA tiles per warp (2: each x digit fragment and weight-scale step serves 32 rows);
-    ``bulk`` (sm_90): the ring is filled by bulk copies (one per row and unit) instead of cp.async.
+    ``bulk`` (sm_90; not Q6_K): the ring is filled by bulk copies (one per row and unit) instead of cp.async.
     ``glu`` (tiles=2): W is [gate; up] (2 out_dim rows) and y[o] = silu(gate_o . x) * (up_o . x); each
     warp's 32 rows are 16 gate rows and the 16 up rows of the same outputs.
     Launch: grid ceil(out_dim / (16 tiles mtiles)), block 32 mtiles kparts, meta["dyn_smem"] dynamic shared

@@ -86,6 +86,11 @@ def test_gemv_matches_float64_oracle(ops, data, wtype, out_dim, cfg, bias, resid
     _check_gemv(y, ref, scale, f"{wtype} {out_dim}x{in_dim} {cfg}")
 
 
+def _bulk(ops, drawn: bool, wtype: str) -> bool:
+    """Bulk copies where drawn and possible (sm_90; not Q6_K's 2-byte aligned blocks)."""
+    return drawn and ops.device.target.compute_capability >= (9, 0) and wtype != "Q6_K"
+
+
 def _activation(rng, n: int, scale: float, spikes: int) -> np.ndarray:
     """Normal values times ``scale`` with a few outliers 50-1000x larger (as LLM activations have); no
     exact zeros."""
@@ -96,14 +101,15 @@ def _activation(rng, n: int, scale: float, spikes: int) -> np.ndarray:
 
 
 @settings(max_examples=60, deadline=None)
-@given(data=st.data(), wtype=st.sampled_from(["Q4_K", "Q8_0"]), out_dim=st.integers(1, 600),
+@given(data=st.data(), wtype=st.sampled_from(["Q4_K", "Q8_0", "Q6_K"]), out_dim=st.integers(1, 600),
        mtiles=st.integers(1, 8), kparts=st.sampled_from([1, 2, 4, 8]), stages=st.sampled_from([2, 3, 4, 8]),
        tiles=st.sampled_from([1, 2]), bulk=st.booleans(), bias=st.booleans(), residual=st.sampled_from([None, "separate", "in_place"]),
        scale=st.sampled_from([1e-4, 1.0, 30.0, 3e3]), spikes=st.integers(0, 4), seed=st.integers(0, 2**32 - 1))
 def test_gemv_mma_matches_float64_oracle(ops, data, wtype, out_dim, mtiles, kparts, stages, tiles, bulk, bias,
                                          residual, scale, spikes, seed):
     """The tensor-core GEMV (x as int8 digits, exact int8 MMAs) at every launch shape, x from 1e-4 to
-    3e3 in size with outliers; rows 256 * kparts * (1..7) long (ring wrap-around included)."""
+    3e3 in size with outliers; rows 256 * kparts * (1..7) long (Q6_K: 2048 * (1..7)), ring wrap-around
+    included."""
     units = data.draw(st.integers(1, 7), label="units per warp")
     in_dim, mtiles, kparts, stages = fit_mma_shape(wtype, units, mtiles, kparts, stages, tiles)
     rng = np.random.default_rng(seed)
@@ -114,7 +120,7 @@ def test_gemv_mma_matches_float64_oracle(ops, data, wtype, out_dim, mtiles, kpar
     w = GpuWeight(data=raw, ggml_type=wtype, shape=(out_dim, in_dim))
     dy = _poisoned(out_dim) if residual != "in_place" else _buf(r)
     dr = dy if residual == "in_place" else (_buf(r) if residual else None)
-    cfg = MmaConfig(mtiles, kparts, stages, tiles, bulk and ops.device.target.compute_capability >= (9, 0))
+    cfg = MmaConfig(mtiles, kparts, stages, tiles, _bulk(ops, bulk, wtype))
     ops.gemv(w, _buf(x), dy, bias=_buf(b) if bias else None, residual=dr, config=cfg)
     wd = dequant(raw, wtype, out_dim, in_dim).astype(np.float64)
     ref = wd @ x.astype(np.float64) + (b if bias else 0) + (r if residual else 0)
@@ -122,7 +128,7 @@ def test_gemv_mma_matches_float64_oracle(ops, data, wtype, out_dim, mtiles, kpar
     _check_gemv(dy.to_numpy(), ref, scl, f"{wtype} {out_dim}x{in_dim} {cfg} scale={scale} spikes={spikes}")
 
 
-@pytest.mark.parametrize("wtype", ["Q4_K", "Q8_0"])
+@pytest.mark.parametrize("wtype", ["Q4_K", "Q8_0", "Q6_K"])
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 @pytest.mark.parametrize("bulk", [False, True])
 def test_gemv_mma_nan_or_inf_x_gives_nan_rows(ops, wtype, bad, bulk):
@@ -132,12 +138,12 @@ def test_gemv_mma_nan_or_inf_x_gives_nan_rows(ops, wtype, bad, bulk):
     x = rng.standard_normal(2048).astype(np.float32)
     x[1234] = bad
     dy = _buf(np.zeros(300, np.float32))  # zeros, not NaN: a NaN read back was written by the kernel
-    cfg = MmaConfig(1, 8, 2, 2, bulk and ops.device.target.compute_capability >= (9, 0))
+    cfg = MmaConfig(1, 8, 2, 2, _bulk(ops, bulk, wtype))
     ops.gemv(GpuWeight(data=raw, ggml_type=wtype, shape=(300, 2048)), _buf(x), dy, config=cfg)
     assert np.isnan(dy.to_numpy()).all()
 
 
-@pytest.mark.parametrize("wtype", ["Q4_K", "Q8_0"])
+@pytest.mark.parametrize("wtype", ["Q4_K", "Q8_0", "Q6_K"])
 @pytest.mark.parametrize("out_dim,in_dim", [(4096, 14336), (14336, 4096), (4096, 4096), (2000, 2048)])
 def test_gemv_mma_dispatch_at_real_shapes(ops, wtype, out_dim, in_dim):
     """The dispatcher's tensor-core pick at the decode shapes, vs the oracle and vs the SIMT kernel."""
@@ -172,7 +178,7 @@ def test_gemv_real_shapes(ops, wtype, out_dim, in_dim):
 
 
 @settings(max_examples=30, deadline=None)
-@given(wtype=st.sampled_from(["Q4_K", "Q8_0"]), ffn=st.integers(1, 400), mtiles=st.sampled_from([1, 2, 4, 8]),
+@given(wtype=st.sampled_from(["Q4_K", "Q8_0", "Q6_K"]), ffn=st.integers(1, 400), mtiles=st.sampled_from([1, 2, 4, 8]),
        kparts=st.sampled_from([1, 2, 4, 8]), stages=st.sampled_from([2, 3, 4]), units=st.integers(1, 4),
        bulk=st.booleans(), seed=st.integers(0, 2**32 - 1))
 def test_gemv_glu_mma_matches_oracle(ops, wtype, ffn, mtiles, kparts, stages, units, bulk, seed):
@@ -183,7 +189,7 @@ def test_gemv_glu_mma_matches_oracle(ops, wtype, ffn, mtiles, kparts, stages, un
     x = _activation(rng, in_dim, 1.0, 2)
     w = GpuWeight(data=raw, ggml_type=wtype, shape=(2 * ffn, in_dim))
     dy = _poisoned(ffn)
-    cfg = MmaConfig(mtiles, kparts, stages, 2, bulk and ops.device.target.compute_capability >= (9, 0))
+    cfg = MmaConfig(mtiles, kparts, stages, 2, _bulk(ops, bulk, wtype))
     ops.gemv_glu(w, _buf(x), dy, config=cfg)
     wd = dequant(raw, wtype, 2 * ffn, in_dim).astype(np.float64)
     g, u = wd[:ffn] @ x, wd[ffn:] @ x
