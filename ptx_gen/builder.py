@@ -509,16 +509,13 @@ class KernelBuilder:
         self._need_sm90("cp.async.bulk.prefetch.L2")
         self._emit(f"cp.async.bulk.prefetch.L2.global [{addr}], {self._op(nbytes, ptx_type('u32'))};")
 
-    def cp_async(self, dst: Reg, src: Reg, pred: Reg | None = None, dst_offset: int = 0, src_offset: int = 0,
-                 src_size: Operand | None = None) -> None:
+    def cp_async(self, dst: Reg, src: Reg, pred: Reg | None = None, dst_offset: int = 0, src_offset: int = 0) -> None:
         """``cp.async.cg.shared.global [dst], [src], 16``: copy 16 bytes (both addresses 16-byte aligned)
         from global to shared memory without passing through registers, bypassing L1 (sm_80+). The
         copy lands at some point before this thread's :meth:`cp_async_wait_all`; other threads see it
-        after a barrier that follows the wait. ``src_size`` (0..16, may be a register): only that many
-        bytes are read from global, the rest of the 16 are zero-filled."""
-        size = "" if src_size is None else f", {self._op(src_size, ptx_type('u32'))}"
-        self._emit(f"cp.async.cg.shared.global {self._address(dst, dst_offset)}, {self._address(src, src_offset)}, "
-                   f"16{size};", pred)
+        after a barrier that follows the wait."""
+        self._emit(f"cp.async.cg.shared.global {self._address(dst, dst_offset)}, {self._address(src, src_offset)}, 16;",
+                   pred)
 
     def grid_dependency_wait(self) -> None:
         """Place the ``griddepcontrol.wait`` of programmatic dependent launch here instead of at the

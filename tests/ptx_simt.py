@@ -838,24 +838,12 @@ class _Launch:
             return self._land(inst, act, None)
         if kind == "wait_group":  # every group but the newest N committed ones lands
             return self._land(inst, act, self.cp_group - int(inst.args[0]))
-        if kind not in ("ca", "cg") or inst.mods[2:] != ["shared", "global"] or len(inst.args) not in (3, 4):
+        if kind not in ("ca", "cg") or inst.mods[2:] != ["shared", "global"] or len(inst.args) != 3:
             raise EmulatorError(f"cp.async form not emulated: {inst.text}")
         size = int(inst.args[2])
         dst, _ = self._addr(inst.args[0], "shared")
         src, _ = self._addr(inst.args[1], "global")
-        if len(inst.args) == 3:
-            data = self.mem.gather(src[act], size, inst.text)
-        else:  # a source size: only that many bytes are read (and checked), the rest zero-filled
-            srcsize = self._read(inst.args[3], "u32").astype(np.int64)[act]
-            if (srcsize > size).any():
-                raise EmulatorError(f"cp.async source size above the copy size: {inst.text}")
-            if (src[act] % size).any():
-                raise EmulatorError(f"misaligned cp.async source: {inst.text}")
-            data = np.zeros((int(act.sum()), size), np.uint8)
-            for n in np.unique(srcsize):
-                sel = srcsize == n
-                for i in range(int(n)):  # byte by byte: the bytes past the source size are never touched
-                    data[sel, i] = self.mem.gather(src[act][sel] + i, 1, inst.text)[:, 0]
+        data = self.mem.gather(src[act], size, inst.text)
         rows, cols = self._shared_idx(dst, size, act, inst)
         self._check_landed(rows, cols, inst)
         self.inflight[rows[:, None], cols] = True

@@ -44,6 +44,8 @@ multiple of ``256 kparts`` (Q6_K: also of 2048); W starts 16-byte aligned.
 
 from __future__ import annotations
 
+import contextlib
+
 from ptx_gen.builder import KernelBuilder, Module, Reg
 from ptx_gen.catalog import kernel
 from ptx_gen.kernels import quant_layout as ql
@@ -274,9 +276,12 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
             k.mbarrier_wait(k.add(mbar, k.shl(slot, 3)), k.and_(_div(k, j, stages), 1))  # the slot's use count
             k.bar_warp_sync()  # (the x slot the warp's lanes wrote last step)
     elif wtype == "Q6_K":
-        # unit u of a row is 210 u.. (phase p = 210 u % 16 = 2 (u % 8) for all rows): the 14 chunks from
-        # 210 u - p, row r's at r * 240 in the ring. The last chunk holds p + 2 of the block's bytes and
-        # reads only those (the rest zero-filled): never a byte past the block, so never past the tensor
+        # unit u of a row is 210 u.. (phase p = 210 u % 16 = 2 (u % 8), the same for all rows as rows are
+        # 16-byte multiples): the 14 chunks from 210 u - p, chunk c = lane + 32 q of the unit being row
+        # c / 14, col c % 14, at row * 240 + 16 col in the ring. The last unit of a row has p = 14, so its
+        # chunks end exactly at the row's end: nothing past the tensor is read. (Lane pairs copying a row
+        # each, 16 rows x 32 bytes per instruction with immediate offsets, were much slower: 23 us vs 17
+        # at 4096 x 14336; each copy instruction is best kept to few, contiguous rows)
         nchunks = R * Q6K_CHUNKS
         chunks = []
         for q in range(-(-nchunks // 32)):
@@ -284,20 +289,17 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
             row = k.div(c, Q6K_CHUNKS)
             col16 = k.shl(k.sub(c, k.mul(row, Q6K_CHUNKS)), 4)
             off = k.add(k.mul_wide(weight_row(row), lay["row_bytes"]), k.cvt(col16, "u64"))
-            dst = k.add(ring, k.add(k.mul(row, U), col16))
-            chunks.append((off, dst, k.setp("eq", col16, 16 * (Q6K_CHUNKS - 1)),
+            chunks.append((off, k.add(ring, k.add(k.mul(row, U), col16)),
                            k.setp("lt", c, nchunks) if (q + 1) * 32 > nchunks else None))
 
         def issue(j: Reg | int, slot_off: Reg | int, valid: Reg | None) -> None:
             u = unit_of(j)
             u = u if isinstance(u, Reg) else k.mov(u, "u32")
-            p2 = k.shl(k.and_(u, 7), 1)
-            base = k.add(w, k.cvt(k.sub(k.mul(u, 210), p2), "u64"))
-            last_size = k.add(p2, 2)
-            for off, dst, is_last, ok in chunks:
+            base = k.add(w, k.cvt(k.sub(k.mul(u, 210), k.shl(k.and_(u, 7), 1)), "u64"))
+            for off, dst, ok in chunks:
                 pred = ok if valid is None else (valid if ok is None else k.and_(ok, valid))
-                d = k.add(dst, slot_off) if isinstance(slot_off, Reg) or slot_off else dst
-                k.cp_async(d, k.add(base, off), pred=pred, src_size=k.selp(last_size, 16, is_last, "u32"))
+                k.cp_async(k.add(dst, slot_off) if isinstance(slot_off, Reg) or slot_off else dst, k.add(base, off),
+                           pred=pred)
             k.cp_async_commit()
 
         def wait(j: Reg) -> None:
@@ -361,7 +363,8 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
         "zeros": [k.mov(0, "s32")] * 4,
         # the per-unit table, row r at r * TABLE_ROW, filled by lane r (< R)
         "table": k.add(smem, k.add(k.mul(warp, R * TR), lay["off"]["table"])), "TR": TR,
-        "t_lane": k.setp("lt", lane, R),
+        # (32-row warps: every lane has a row; no branch, so the table's work can mix with the rest)
+        "t_lane": k.setp("lt", lane, R) if R < 32 else None,
         "row_stage": k.mul(lane, U),  # lane r's row in a staged unit
         "t4": k.shl(t, 2),
     }
@@ -396,10 +399,11 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
             k.fence_proxy_async()  # (the reads above come before the bulk copy's writes)
         nxt = k.add(j, stages)
         issue(nxt, slot_off, k.setp("lt", nxt, n_units))
+        # unit j + 1's x into its slot (no branch: past the last unit the registers hold stale x,
+        # converted into a slot no unit reads)
         j1 = k.add(j, 1)
         regs = xregs[parity[0]]
-        with k.if_(k.setp("lt", j1, n_units)):  # warp-uniform
-            _convert_x(k, wtype, list(regs), k.add(xbuf, k.mul(k.and_(j1, 1), XS)), xc)
+        _convert_x(k, wtype, list(regs), k.add(xbuf, k.mul(k.and_(j1, 1), XS)), xc)
         j3 = k.add(j, 3)
         _load_x(k, x, lane16, unit_of(j3), k.setp("lt", j3, n_units), into=regs)
         parity[0] ^= 1
@@ -436,11 +440,16 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
     return k
 
 
+def _lanes_with_rows(k: KernelBuilder, c: dict):
+    """The lanes r < R (one per row of the warp) only: a branch for 16-row warps, nothing for 32."""
+    return k.if_(c["t_lane"]) if c["t_lane"] is not None else contextlib.nullcontext()
+
+
 def _unit_q4k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, minacc) -> None:
     """One Q4_K super-block of the warp's rows (staged at ``sbase``)."""
     U = 144
     # the table: lane r unpacks row r's 8 sub-block scales, d / f, and adds its min terms
-    with k.if_(c["t_lane"]):
+    with _lanes_with_rows(k, c):
         dm, s0, s1, s2 = k.load("shared", "u32", k.add(sbase, c["row_stage"]), vec=4)
         sc_lo = k.and_(s0, 0x3F3F3F3F)
         sc_hi = k.or_(k.and_(s2, 0x0F0F0F0F), k.and_(k.shr(s0, 2), 0x30303030))
@@ -506,7 +515,7 @@ def _unit_q6k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, offa
     S, TR = 240, c["TR"]
     sh = k.shl(k.and_(p, 2), 3)  # 0 or 16 bits
     pw = k.and_(p, 12)  # the block's first word, p rounded down to 4
-    with k.if_(c["t_lane"]):  # lane r: row r's scales (table [class 0: m 0..7][class 1: m 0..7]), d / f, offset
+    with _lanes_with_rows(k, c):  # lane r: row r's scales (table [class 0: m 0..7][class 1: m 0..7]), d / f, offset
         row = k.add(sbase, k.add(c["row_stage"], pw))
         ws = [k.load("shared", "u32", row, 192 + 4 * i) for i in range(5)]
         sw = [k.shf("r", ws[i], ws[i + 1], sh) for i in range(4)]  # scales 4i..4i+3
@@ -537,15 +546,20 @@ def _unit_q6k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, offa
                 return k.shf("r", lo, hi, sh)
             words.append([word(mi) for mi in range(12)])
             scales.append([v for o in (0, 16) for v in k.load("shared", "u32", c["t_gc"], (16 * r + h) * TR + o, vec=4)])
+        # codes: bits 0..3 from ql, 4..5 from qh, as one bitwise select (LOP3) each: the qh word is
+        # masked once into its bit pairs 0 and 2 (qa) and 1 and 3 (qb), whose shifts leave bits 6, 7 zero
+        qab = [[(k.and_(wd[8 + i], 0x33333333), k.and_(wd[8 + i], 0xCCCCCCCC)) for i in range(4)] for wd in words]
+
+        def code(low: Reg, high: Reg) -> Reg:
+            return k.or_(k.and_(low, 0x0F0F0F0F), k.and_(high, 0xF0F0F0F0))
         ints = [None] * 4
         for m in range(8):
             n, i0, lh = m >> 2, (m >> 1) & 1, m & 1
             a_lo, a_hi = [], []
-            for wd in words:
-                qlw, qhw = wd[m], wd[8 + 2 * n + lh]
-                a_lo.append(k.or_(k.and_(qlw, 0x0F0F0F0F), k.and_(k.shl(qhw, 4 - 2 * i0), 0x30303030)))
-                a_hi.append(k.or_(k.and_(k.shr(qlw, 4), 0x0F0F0F0F),
-                                  k.and_(k.shr(qhw, 2) if i0 else qhw, 0x30303030)))
+            for wd, qh in zip(words, qab):
+                qlw, (qa, qb) = wd[m], qh[2 * n + lh]
+                a_lo.append(code(qlw, k.shl(qb, 2) if i0 else k.shl(qa, 4)))
+                a_hi.append(code(k.shr(qlw, 4), k.shr(qb, 2) if i0 else qa))
             b = bfr[m >> 1][2 * (m & 1):2 * (m & 1) + 2]
             dd = k.mma_s8([a_lo[0], a_lo[1], a_hi[0], a_hi[1]], b, c["zeros"], a_unsigned=True)
             for nn in range(4):
@@ -567,7 +581,7 @@ def _unit_q8_0(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list) -> 
     """Eight Q8_0 blocks (34 bytes each) of the warp's rows (staged at ``sbase``)."""
     U = 272
     # the blocks' scales d / f as floats: lane r converts row r's 8
-    with k.if_(c["t_lane"]):
+    with _lanes_with_rows(k, c):
         inv_f = k.load("shared", "f32", xslot, INVF["Q8_0"])  # the unit's x digits are x f
         row = k.add(sbase, c["row_stage"])
         ds = [k.mul(ql.lds_f16(k, row, 34 * i), inv_f) for i in range(8)]
