@@ -8,7 +8,8 @@ the shared memory allows) next to the dispatcher's pick, checks each one's resul
 table of all of them per type and shape (to tune ``realizar.layers.gemv_config``).
 
 Shapes (out x in): 4096x4096, 14336x4096 (FFN up/gate), 4096x14336 (FFN down), and SmolLM2's
-576x576, 1536x576, 576x1536, 49152x576 (the tied output projection).
+576x576, 1536x576, 576x1536, 49152x576 (the tied output projection), and Llama-3-8B's output projection
+128256x4096 (Q6_K in its Q4_K_M file).
 
 Method: each measurement replays a CUDA graph of N launches (falling back to back-to-back launches
 when graphs are unavailable, which then include the host's launch cost) timed with CUDA events,
@@ -50,6 +51,7 @@ SHAPES = [  # (label, out_dim, in_dim)
     ("1536x576", 1536, 576),
     ("576x1536", 576, 1536),
     ("49152x576 (lm head)", 49152, 576),
+    ("128256x4096 (8B lm head)", 128256, 4096),
 ]
 L2_BYTES = 60 << 20
 
