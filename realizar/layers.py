@@ -162,8 +162,10 @@ def gemv_config(out_dim: int, sm_count: int = 132, in_dim: int | None = None, wt
         return ks
 
     if quantized and per_sm >= 16:  # the large decode shapes: picks measured by bench_gemv --sweep on an H200
-        if wtype == "Q6_K":  # 4096x14336: r2 w8 s8 53% (r2 w4 s4 49%); 14336x4096: r4 w4 s4 58% (r4 w4 s2 52%)
-            cfg = GemvConfig(2, 8, 8) if rounds >= 32 else GemvConfig(4, 4, 4) if rounds >= 16 else None
+        if wtype == "Q6_K":  # 4096x14336: r2 w8 s8 53% (r2 w4 s4 49%); 14336x4096: r4 w4 s4 58% (r4 w4 s2 52%);
+            # 128256x4096 (Llama-3-8B's output): r4 w4 s2 86% (r4 w4 s4 77%)
+            cfg = (GemvConfig(2, 8, 8) if rounds >= 32 else GemvConfig(4, 4, 2 if per_sm >= Q6K_MANY_ROWS_PER_SM else 4)
+                   if rounds >= 16 else None)
         else:  # Q4_K / Q8_0 4096x14336: r4 w4 s2 47% / 68% (r2 w4 s4 37%, r2 w8 s8 60%); 14336x4096: r4 w4 s1
             cfg = GemvConfig(4, 4, 2 if rounds >= 32 else 1)
         if cfg is not None and shared_bytes(wtype, in_dim, cfg.rows, cfg.warps, cfg.ksplit) <= MAX_STATIC_SMEM \
@@ -199,6 +201,10 @@ class MmaConfig:
 
 
 MMA_EXTRA_CTA = 0.1  # the tensor-core GEMV dispatcher's cost of each further CTA on an SM
+# Q6_K GEMVs of at least this many rows per SM stay on the SIMT kernel (128256 x 4096: 120 us, 86% of
+# the copy bandwidth, vs 127 us for the best tensor-core shape: each warp of the tensor-core kernel
+# converts every unit of x it uses, a cost that grows with the rows)
+Q6K_MANY_ROWS_PER_SM = 256
 
 
 @functools.lru_cache(maxsize=None)  # pure, and asked at every eager GEMV launch (~22 us uncached)
@@ -222,6 +228,10 @@ def mma_config(out_dim: int, in_dim: int, wtype: str, sm_count: int = 132,
     if wtype not in MMA_TYPES or in_dim % 256:
         return None
     units = in_dim // 256
+    if wtype == "Q6_K" and out_dim >= Q6K_MANY_ROWS_PER_SM * sm_count:
+        return None
+    if wtype == "Q6_K" and glu and out_dim * (in_dim // 256 * 210) >= 2**31:
+        return None  # (the kernel's 32-bit copy offsets reach from a warp's gate rows to its up rows)
     if wtype == "Q6_K" and not glu and units % 4 == 0 and -(-out_dim // 16) >= 4 * sm_count:
         # many rows: CTAs of 4 warps of 16 rows, >= 4 of them per SM. Q6_K's heavier per-unit work
         # gains from the extra warps an SM then holds (14336 x 4096: 18.0 us vs 19.3 for the pick below)

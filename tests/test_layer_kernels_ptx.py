@@ -566,6 +566,11 @@ def test_mma_config_balances_the_grid():
             assert layout(wt, in_dim, cfg.mtiles, cfg.kparts, cfg.stages, cfg.tiles)["smem"] <= 227 * 1024
     assert mma_config(4096, 14336, "Q4_K", 132) == type(cfg)(1, 8, 2, 2)
     assert mma_config(14336, 4096, "Q8_0", 132) == type(cfg)(4, 2, 2, 2)
+    # Q6_K: 4-warp CTAs for many rows, the SIMT kernel for a vocabulary's worth (Llama-3-8B's output)
+    assert mma_config(4096, 14336, "Q6_K", 132) == type(cfg)(1, 8, 2, 2)
+    assert mma_config(14336, 4096, "Q6_K", 132) == type(cfg)(1, 4, 2, 1)
+    assert mma_config(128256, 4096, "Q6_K", 132) is None
+    assert gemv_config(128256, 132, 4096, "Q6_K") == gemv_config(128256, 132, 4096, "Q6_K").__class__(4, 4, 2)
 
 
 @pytest.mark.parametrize("wtype", ["Q4_K", "Q8_0", "Q6_K"])

@@ -282,24 +282,27 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
         # chunks end exactly at the row's end: nothing past the tensor is read. (Lane pairs copying a row
         # each, 16 rows x 32 bytes per instruction with immediate offsets, were much slower: 23 us vs 17
         # at 4096 x 14336; each copy instruction is best kept to few, contiguous rows)
+        # The chunks' offsets are kept as 32-bit offsets from the warp's first row (3 registers per
+        # copy otherwise: 178 registers at 32 rows, spills on sm_80). Layout checks bound them.
         nchunks = R * Q6K_CHUNKS
         chunks = []
         for q in range(-(-nchunks // 32)):
             c = k.add(lane, 32 * q) if q else lane
             row = k.div(c, Q6K_CHUNKS)
             col16 = k.shl(k.sub(c, k.mul(row, Q6K_CHUNKS)), 4)
-            off = k.add(k.mul_wide(weight_row(row), lay["row_bytes"]), k.cvt(col16, "u64"))
-            chunks.append((off, k.add(ring, k.add(k.mul(row, U), col16)),
+            off = k.add(k.mul(k.sub(weight_row(row), row_base), lay["row_bytes"]), col16)  # may be < 0: s32
+            chunks.append((k.bitcast(off, "s32"), k.add(ring, k.add(k.mul(row, U), col16)),
                            k.setp("lt", c, nchunks) if (q + 1) * 32 > nchunks else None))
+        wrow = k.add(w, k.mul_wide(row_base, lay["row_bytes"]))
 
         def issue(j: Reg | int, slot_off: Reg | int, valid: Reg | None) -> None:
             u = unit_of(j)
             u = u if isinstance(u, Reg) else k.mov(u, "u32")
-            base = k.add(w, k.cvt(k.sub(k.mul(u, 210), k.shl(k.and_(u, 7), 1)), "u64"))
+            base = k.add(wrow, k.cvt(k.sub(k.mul(u, 210), k.shl(k.and_(u, 7), 1)), "u64"))
             for off, dst, ok in chunks:
                 pred = ok if valid is None else (valid if ok is None else k.and_(ok, valid))
-                k.cp_async(k.add(dst, slot_off) if isinstance(slot_off, Reg) or slot_off else dst, k.add(base, off),
-                           pred=pred)
+                k.cp_async(k.add(dst, slot_off) if isinstance(slot_off, Reg) or slot_off else dst,
+                           k.add(base, k.cvt(off, "s64")), pred=pred)
             k.cp_async_commit()
 
         def wait(j: Reg) -> None:
