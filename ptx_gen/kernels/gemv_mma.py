@@ -4,7 +4,7 @@ costs a fraction of an instruction instead of a float conversion and an FMA each
 
 x as integers, exactly enough: each 256 values of x (a *unit*) are scaled by a power of two ``f`` (from
 their max |x|, so that ``|x f| < 2**30``), rounded to ``X`` and written as four signed base-256 digits
-``X = c0 + 256 c1 + 2**16 c2 + 2**24 c3`` (each in [-128, 127]) into shared memory, about 10
+``X = c0 + 256 c1 + 2**16 c2 + 2**24 c3`` (each in [-128, 127]) into shared memory, about 6
 instructions a value (see :func:`_digits`). The digits are four columns of the MMA's B operand (the
 other four are zero), so one MMA gives, for 16 weight rows at once, the exact integer dot products of
 a block's codes with each digit; rounding x to 31 bits of its unit's max is the only approximation
@@ -125,16 +125,12 @@ def _div(k: KernelBuilder, j: Reg, n: int) -> Reg:
 def _digits(k: KernelBuilder, v: Reg, f: Reg) -> Reg:
     """The four signed base-256 digits of X = round(v f) (|v f| < 2**30) as the bytes of a word.
 
-    v f is exact (f is a power of two). H = round(v f / 256) is the mantissa of v f / 256 + 1.5 * 2**23
-    (one FMA rounds), r = v f - 256 H is exact in float, L = round(r) likewise; X = 256 H + L. Balanced
-    digits (each in [-128, 127]) are the bytes of X + 0x80808080 each minus 128, i.e. that word
-    xor 0x80808080 -- with both magic offsets folded into one constant."""
-    vf = k.mul(v, f)
-    h = k.fma(vf, 1.0 / 256, 12582912.0)
-    r = k.fma(k.add(h, -12582912.0), -256.0, vf)
-    lo = k.add(r, 12582912.0)
-    u = k.mad(k.bitcast(h, "u32"), 256, k.bitcast(lo, "u32"))
-    return k.xor(k.add(u, 0xF5408080), 0x80808080)
+    v f is exact (f is a power of two) and rounds to X exactly (``cvt.rni``). Balanced digits (each in
+    [-128, 127]) are the bytes of X + 0x80808080, each minus 128: that word xor 0x80808080. Four
+    instructions (a float-only rounding in two halves took eight; the conversion unit's quarter rate
+    is far from a limit here)."""
+    x = k.cvt(k.mul(v, f), "s32", rounding="rni")
+    return k.xor(k.add(k.bitcast(x, "u32"), 0x80808080), 0x80808080)
 
 
 def _x_lane_constants(k: KernelBuilder, wtype: str, lane: Reg) -> dict:
