@@ -207,6 +207,12 @@ MMA_EXTRA_CTA = 0.1  # the tensor-core GEMV dispatcher's cost of each further CT
 Q6K_MANY_ROWS_PER_SM = 256
 
 
+def q6k_glu_offsets_fit(ffn: int, in_dim: int) -> bool:
+    """Whether the tensor-core Q6_K kernel's 32-bit copy offsets (from a warp's first gate row to the
+    last chunk of its last up row, ffn + 16 rows on) stay below 2**31 for a fused gate/up GEMV."""
+    return (ffn + 16) * (in_dim // 256 * 210) + 224 < 2**31
+
+
 @functools.lru_cache(maxsize=None)  # pure, and asked at every eager GEMV launch (~22 us uncached)
 def mma_config(out_dim: int, in_dim: int, wtype: str, sm_count: int = 132,
                max_smem: int = 227 * 1024, bulk_ok: bool = False, glu: bool = False) -> MmaConfig | None:
@@ -230,16 +236,8 @@ def mma_config(out_dim: int, in_dim: int, wtype: str, sm_count: int = 132,
     units = in_dim // 256
     if wtype == "Q6_K" and out_dim >= Q6K_MANY_ROWS_PER_SM * sm_count:
         return None
-    if wtype == "Q6_K" and glu and out_dim * (in_dim // 256 * 210) >= 2**31:
-        return None  # (the kernel's 32-bit copy offsets reach from a warp's gate rows to its up rows)
-    if wtype == "Q6_K" and not glu and units % 4 == 0 and -(-out_dim // 16) >= 4 * sm_count:
-        # many rows: CTAs of 4 warps of 16 rows, >= 4 of them per SM. Q6_K's heavier per-unit work
-        # gains from the extra warps an SM then holds (14336 x 4096: 18.0 us vs 19.3 for the pick below)
-        try:
-            if mma_layout(wtype, in_dim, 1, 4, 2, 1)["smem"] <= max_smem:
-                return MmaConfig(1, 4, 2, 1)
-        except ValueError:
-            pass
+    if wtype == "Q6_K" and glu and not q6k_glu_offsets_fit(out_dim, in_dim):
+        return None
     cands = []
     for tiles, (mtiles, kparts) in itertools.product((2,) if glu else (1, 2), ((1, 8), (2, 4), (4, 2), (8, 1))):
         if units % kparts:
@@ -375,6 +373,9 @@ class LayerOps:
         if cfg is None:
             cfg = gemv_config(gate_up.out_dim, self.sm_count, gate_up.in_dim, gate_up.wtype)
         if isinstance(cfg, MmaConfig):
+            if gate_up.wtype == "Q6_K" and not q6k_glu_offsets_fit(ffn, gate_up.in_dim):
+                raise ShapeError(f"the tensor-core Q6_K gate/up GEMV cannot address {ffn} x {gate_up.in_dim} "
+                                 f"rows (32-bit offsets); leave config unset or use a GemvConfig")
             kern = self._mma_kernel(gate_up, dataclasses.replace(cfg, tiles=2), glu=True)
         else:
             rows = max(2, cfg.rows - cfg.rows % 2)  # weight rows per warp: a gate row and its up row per output

@@ -548,6 +548,42 @@ def test_gemv_mma_emulated_matches_oracle(wtype, out_dim, mtiles, kparts, stages
     assert err.max() < 1e-6, f"{wtype} {out_dim}x{in_dim} m{mtiles} p{kparts} s{stages} t{tiles}: error {err.max():.2e}"
 
 
+@pytest.mark.parametrize("target", ["sm_80", "sm_90"])
+def test_gemv_mma_q6k_small_weights_are_exact(target):
+    """Q6_K codes near 32 stand for small weights (the common case): the offset of 32 enters the
+    integer MMA exactly, so all-zero rows give exactly 0 and rows of codes 32 / 33 at the largest scale
+    keep float32-level error (a float offset term lost three orders of magnitude there)."""
+    rng = np.random.default_rng(3)
+    out_dim, in_dim = 32, 4096
+    blk = random_weight(rng, "Q6_K", out_dim, in_dim).reshape(out_dim, in_dim // 256, 210).copy()
+    blk[:, :, :128], blk[:, :, 128:192], blk[:, :, 192:208] = 0x00, 0xAA, 127  # codes 0 | 2 << 4 = 32
+    blk[1:, :, :128] = rng.integers(0, 2, (out_dim - 1, in_dim // 256, 128), dtype=np.uint8) * 0x11  # 32 or 33
+    raw = blk.reshape(-1)
+    x = np.abs(random_array(rng, in_dim))  # one sign: no cancellation in x to hide the offset's
+    k = catalog.emit("gemv_mma", target=target, wtype="Q6_K", in_dim=in_dim, mtiles=1, kparts=2, stages=2, tiles=2)
+    mem = Memory()
+    params = dict(w=mem.alloc_array(raw), x=mem.alloc_array(x), y=mem.alloc(4 * out_dim), out_dim=out_dim)
+    simt_run(k.ptx, grid=(1,), block=(k.meta["block"],), params=params, memory=mem, shared_bytes=k.meta["dyn_smem"])
+    y = mem.read(params["y"], np.float32, out_dim)
+    w = dequant(raw, "Q6_K", out_dim, in_dim).astype(np.float64)
+    assert y[0] == 0.0
+    err = np.abs(y[1:] - w[1:] @ x) / (np.abs(w[1:]) @ x)
+    assert err.max() < 1e-7, err.max()
+
+
+def test_q6k_glu_offset_guard():
+    """The fused gate/up Q6_K kernel addresses up rows by 32-bit offsets from a warp's first gate row:
+    shapes past that go to the SIMT kernel (and the bound counts the last warp's 16 rows)."""
+    from realizar.layers import mma_config, q6k_glu_offsets_fit
+    in_dim = 77824  # 304 blocks of 210 bytes a row
+    row = in_dim // 256 * 210
+    ffn = (2**31 - 224) // row - 16  # the largest that fits
+    assert q6k_glu_offsets_fit(ffn, in_dim) and not q6k_glu_offsets_fit(ffn + 1, in_dim)
+    assert (ffn + 16) * row + 224 < 2**31 <= (ffn + 17) * row + 224
+    assert mma_config(ffn, in_dim, "Q6_K", 1000, glu=True) is not None
+    assert mma_config(ffn + 1, in_dim, "Q6_K", 1000, glu=True) is None
+
+
 def test_mma_config_balances_the_grid():
     """The tensor-core dispatcher: None where the kernel does not apply; else a shape that fits, with
     the busiest SM at most 1.25x the mean at the real decode shapes, and the sweep's best picks at the
@@ -566,9 +602,9 @@ def test_mma_config_balances_the_grid():
             assert layout(wt, in_dim, cfg.mtiles, cfg.kparts, cfg.stages, cfg.tiles)["smem"] <= 227 * 1024
     assert mma_config(4096, 14336, "Q4_K", 132) == type(cfg)(1, 8, 2, 2)
     assert mma_config(14336, 4096, "Q8_0", 132) == type(cfg)(4, 2, 2, 2)
-    # Q6_K: 4-warp CTAs for many rows, the SIMT kernel for a vocabulary's worth (Llama-3-8B's output)
+    # Q6_K: as the others, but the SIMT kernel for a vocabulary's worth of rows (Llama-3-8B's output)
     assert mma_config(4096, 14336, "Q6_K", 132) == type(cfg)(1, 8, 2, 2)
-    assert mma_config(14336, 4096, "Q6_K", 132) == type(cfg)(1, 4, 2, 1)
+    assert mma_config(14336, 4096, "Q6_K", 132) == type(cfg)(4, 2, 2, 2)
     assert mma_config(128256, 4096, "Q6_K", 132) is None
     assert gemv_config(128256, 132, 4096, "Q6_K") == gemv_config(128256, 132, 4096, "Q6_K").__class__(4, 4, 2)
 

@@ -4,7 +4,7 @@ costs a fraction of an instruction instead of a float conversion and an FMA each
 
 x as integers, exactly enough: each 256 values of x (a *unit*) are scaled by a power of two ``f`` (from
 their max |x|, so that ``|x f| < 2**30``), rounded to ``X`` and written as four signed base-256 digits
-``X = c0 + 256 c1 + 2**16 c2 + 2**24 c3`` (each in [-128, 127]) into shared memory, about 6
+``X = c0 + 256 c1 + 2**16 c2 + 2**24 c3`` (each in [-128, 127]) into shared memory, a few
 instructions a value (see :func:`_digits`). The digits are four columns of the MMA's B operand (the
 other four are zero), so one MMA gives, for 16 weight rows at once, the exact integer dot products of
 a block's codes with each digit; rounding x to 31 bits of its unit's max is the only approximation
@@ -30,8 +30,8 @@ Q8_0: the block's 32 signed codes are A directly (two-byte aligned, realigned wi
 per block, scaled by the block's ``d`` in float. Q6_K (210-byte blocks, so a unit starts at any even
 byte of a 16-byte chunk: the 14 chunks covering it are staged, words realigned with funnel shifts):
 the 6-bit codes are assembled from their ql/qh bits as unsigned bytes; each MMA pairs two 16-value
-sub-blocks, one per half of B's 8 columns, so every lane's sums carry one integer scale
-(:func:`_unit_q6k`); the codes' offset of 32 is a float term per row.
+sub-blocks, one per half of B's 8 columns, so every lane's sums carry one integer scale; the codes'
+offset of 32 enters exactly, as the MMA's accumulator input (:func:`_unit_q6k`).
 
 End: each row's sum is spread over the 4 lanes of its group (digit columns) and weighted by
 1, 256, 65536 and 2**24; with ``kparts > 1`` the parts meet in shared memory (one
@@ -63,11 +63,11 @@ MAX_DYN_SMEM = 227 * 1024
 # per warp, two x slots (units j and j + 1). Q4_K/Q8_0: 4 digit planes of 256 bytes, 272 apart (16
 # mod 128: the four planes' B loads hit distinct banks), the sums of x per 32 values (Q4_K) and the
 # unit's 1 / f. Q6_K: the B fragments of its 8 MMAs as the lanes load them (see _unit_q6k), half of
-# them zeros, then the sums of x per 16 values and 1 / f
+# them zeros, then 1 / f
 PLANE = 272
-XSUM = {"Q4_K": 4 * 272, "Q8_0": 4 * 272, "Q6_K": 2048}
-INVF = {wt: XSUM[wt] + (64 if wt == "Q6_K" else 32) for wt in XSUM}
-XSLOT = {wt: INVF[wt] + 16 for wt in XSUM}
+XSUM = {"Q4_K": 4 * 272, "Q8_0": 4 * 272}
+INVF = {"Q4_K": XSUM["Q4_K"] + 32, "Q8_0": XSUM["Q8_0"] + 32, "Q6_K": 2048}
+XSLOT = {wt: INVF[wt] + 16 for wt in INVF}
 # per warp and row, per unit: 8 int32 sub-block scales and d / f (Q4_K), 8 block scales d / f (Q8_0),
 # or 16 int32 sub-block scales (as the two lane classes use them) and d / f (Q6_K)
 TABLE_ROW = {"Q4_K": 48, "Q8_0": 48, "Q6_K": 80}
@@ -110,7 +110,7 @@ def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, tiles
         raise ValueError(f"{wtype} rows of {in_dim} with mtiles={mtiles}, kparts={kparts}, stages={stages}, "
                          f"tiles={tiles} need {pos} bytes of shared memory, more than {MAX_DYN_SMEM}: fewer warps or "
                          f"stages")
-    return dict(unit=unit, units=in_dim // 256, per_warp=in_dim // 256 // kparts, warps=warps, smem=pos, off=off,
+    return dict(stride=unit, units=in_dim // 256, per_warp=in_dim // 256 // kparts, warps=warps, smem=pos, off=off,
                 row_bytes=in_dim // 256 * UNIT_BYTES[wtype], rows=rows)
 
 
@@ -140,19 +140,17 @@ def _x_lane_constants(k: KernelBuilder, wtype: str, lane: Reg) -> dict:
     of each plane (the B fragments of lane (g, t) are then one 16-byte load per pair); the second quad
     is 128 bytes on. Q6_K: quad q = 32 n + 8 i + 4 lh + t (value 128 n + 32 i + 16 lh + 4 t.., i.e. sub-block
     8 n + 2 i + lh) feeds MMA m = 4 n + 2 (i % 2) + lh as column class i / 2, at word
-    [m / 2][column 4 (i / 2) + digit][t][m % 2][i / 2] (see _unit_q6k); the sums are per 16 values."""
+    [m / 2][column 4 (i / 2) + digit][t][m % 2][i / 2] (see _unit_q6k)."""
     if wtype == "Q6_K":
         cls = k.shr(lane, 4)
         woff = k.add(k.add(k.shl(k.and_(k.shr(lane, 3), 1), 9), k.mul(cls, 260)),
                      k.add(k.shl(k.and_(lane, 3), 4), k.shl(k.and_(k.shr(lane, 2), 1), 3)))
-        return {"woff": woff, "sum_off": k.add(k.shl(k.shr(lane, 2), 2), XSUM[wtype]),
-                "sum_lane": k.setp("eq", k.and_(lane, 3), 0), "lane0": k.setp("eq", lane, 0),
-                "plane": 64, "half": 1024, "sum_width": 4, "sum_half": 32}
+        return {"woff": woff, "lane0": k.setp("eq", lane, 0), "plane": 64, "half": 1024}
     c, u = k.shr(lane, 3), k.and_(lane, 7)
     woff = k.add(k.add(k.shl(k.shr(c, 1), 6), k.shl(k.and_(u, 3), 4)),
                  k.add(k.shl(k.and_(c, 1), 3), k.shl(k.shr(u, 2), 2)))
     return {"woff": woff, "sum_off": k.add(k.shl(c, 2), XSUM[wtype]), "sum_lane": k.setp("eq", u, 0),
-            "lane0": k.setp("eq", lane, 0), "plane": PLANE, "half": 128, "sum_width": 8, "sum_half": 16}
+            "lane0": k.setp("eq", lane, 0), "plane": PLANE, "half": 128}
 
 
 def _load_x(k: KernelBuilder, x: Reg, lane16: Reg, unit: Reg | int, valid: Reg | None, into: list | None = None) -> list:
@@ -190,9 +188,9 @@ def _convert_x(k: KernelBuilder, wtype: str, vals: list, slot: Reg, xc: dict) ->
         planes = (k.prmt(t0, t1, 0x5410), k.prmt(t0, t1, 0x7632), k.prmt(t2, t3, 0x5410), k.prmt(t2, t3, 0x7632))
         for p, word in enumerate(planes):
             k.store("shared", "u32", addr, word, p * xc["plane"] + xc["half"] * h)
-        if wtype != "Q8_0":
-            sm = k.warp_reduce(k.add(k.add(v[0], v[1]), k.add(v[2], v[3])), "add", width=xc["sum_width"])
-            k.store("shared", "f32", k.add(slot, xc["sum_off"]), sm, xc["sum_half"] * h, pred=xc["sum_lane"])
+        if wtype == "Q4_K":
+            sm = k.warp_reduce(k.add(k.add(v[0], v[1]), k.add(v[2], v[3])), "add", width=8)
+            k.store("shared", "f32", k.add(slot, xc["sum_off"]), sm, 16 * h, pred=xc["sum_lane"])
 
 
 def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, bias: bool,
@@ -204,7 +202,7 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
         raise ValueError(f"bulk copies need sm_90 or newer, the target is {m.target}")
     if bulk and wtype == "Q6_K":
         raise ValueError("Q6_K blocks (210 bytes) are not 16-byte aligned: no bulk copies")
-    U, n_units, warps, R = lay["unit"], lay["per_warp"], lay["warps"], lay["rows"]
+    U, n_units, warps, R = lay["stride"], lay["per_warp"], lay["warps"], lay["rows"]  # U: a staged row's bytes
     params = gemv_params(bias, residual)
     name = (f"gemv_mma_{wtype.lower()}_k{in_dim}_m{mtiles}_p{kparts}_s{stages}" + (f"_t{tiles}" if tiles > 1 else "")
             + ("_bulk" if bulk else "") + ("_glu" if glu else "")
@@ -279,7 +277,8 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
         # each, 16 rows x 32 bytes per instruction with immediate offsets, were much slower: 23 us vs 17
         # at 4096 x 14336; each copy instruction is best kept to few, contiguous rows)
         # The chunks' offsets are kept as 32-bit offsets from the warp's first row (3 registers per
-        # copy otherwise: 178 registers at 32 rows, spills on sm_80). Layout checks bound them.
+        # copy otherwise: 178 registers at 32 rows, spills on sm_80): < 32 row_bytes, or with glu up
+        # to (out_dim + 16) row_bytes, which realizar.layers.mma_config keeps below 2**31.
         nchunks = R * Q6K_CHUNKS
         chunks = []
         for q in range(-(-nchunks // 32)):
@@ -370,6 +369,7 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
     ctx["t_mine"] = k.add(ctx["table"], k.mul(lane, TR))
     ctx["t_g"] = k.add(ctx["table"], k.mul(g, TR))  # + 8 * TR * (2 r + h): row 16 r + 8 h + g
     if wtype == "Q6_K":
+        ctx["minus32"] = [k.mov(0xE0E0E0E0, "u32")] * 4  # -32 in every byte of A
         ctx["b_q6"] = k.add(k.shl(g, 6), k.shl(t, 4))  # lane (g, t)'s B words: [m / 2][g][t][m % 2][2]
         ctx["t_gc"] = k.add(ctx["t_g"], k.shl(k.shr(t, 1), 5))  # its scales: class t / 2 of row g
         ctx["a_lane"] = k.add(k.mul(g, U), ctx["t4"])  # its A words: row g, bytes 4t + 16 m'
@@ -377,7 +377,7 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
         ctx["ldm"] = k.add(k.mul(k.add(k.and_(lane, 7), k.shl(k.and_(k.shr(lane, 3), 1), 3)), U),
                            k.shl(k.shr(lane, 4), 4))
     acc = [[k.var("f32", 0.0) for _ in range(4)] for _ in range(tiles)]  # [g][2t], [g][2t+1], [g+8][2t], [g+8][2t+1]
-    minacc = k.var("f32", 0.0) if wtype != "Q8_0" else None  # lane r: row r's min (Q4_K) or offset (Q6_K) term
+    minacc = k.var("f32", 0.0) if wtype == "Q4_K" else None  # lane r: row r's min term
 
     def step(j: Reg) -> None:
         """Unit j: wait for its weights, compute, refill the ring slot, convert unit j + 1's x (in the
@@ -390,7 +390,7 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
             _unit_q4k(k, ctx, sbase, xslot, acc, minacc)
         elif wtype == "Q6_K":
             u = unit_of(j)
-            _unit_q6k(k, ctx, sbase, xslot, acc, minacc, k.shl(k.and_(u, 7), 1))
+            _unit_q6k(k, ctx, sbase, xslot, acc, k.shl(k.and_(u, 7), 1))
         else:
             _unit_q8_0(k, ctx, sbase, xslot, acc)
         k.bar_warp_sync()  # every lane is done with the ring slot and the x slot: refill them
@@ -448,7 +448,7 @@ def _lanes_with_rows(k: KernelBuilder, c: dict):
 
 def _unit_q4k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, minacc) -> None:
     """One Q4_K super-block of the warp's rows (staged at ``sbase``)."""
-    U = 144
+    U = c["U"]
     # the table: lane r unpacks row r's 8 sub-block scales, d / f, and adds its min terms
     with _lanes_with_rows(k, c):
         dm, s0, s1, s2 = k.load("shared", "u32", k.add(sbase, c["row_stage"]), vec=4)
@@ -498,7 +498,7 @@ def _sext_byte(k: KernelBuilder, word: Reg, b: int) -> Reg:
     return k.prmt(word, 0, (s << 12) | (s << 8) | (s << 4) | b)
 
 
-def _unit_q6k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, offacc, p: Reg) -> None:
+def _unit_q6k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, p: Reg) -> None:
     """One Q6_K block of the warp's rows, staged at ``sbase`` + 240 r + ``p`` (row r; p = 0, 2, .., 14).
 
     Block: ql (128 bytes: value 128 n + 32 i + l has the low nibble (i < 2) or high nibble (i >= 2) of
@@ -510,13 +510,15 @@ def _unit_q6k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, offa
     of each lane (byte 16 m + 4 t of ql, 128 + 16 (2 n + lh) + 4 t, for row g). B's columns 0..3 are the
     four digits of sub-block a's x (zero at k >= 16), columns 4..7 those of b's (zero at k < 16): the
     lanes t = 0, 1 receive sub-block a's sums, t = 2, 3 b's, each weighted by its own integer scale.
-    Codes go in unsigned (``.u8.s8``); the offset, -32 d sum_s sc_s sum(x over s), is each row's lane's
-    float term (like Q4_K's mins). Staged words are 2 bytes off for odd p / 2: two loads and a funnel
-    shift each."""
-    S, TR = 240, c["TR"]
+    Codes go in unsigned (``.u8.s8``); the offset of 32 goes in as the accumulator: an MMA of A = -32
+    in every byte with the same B gives -32 times the sums of the digits over each sub-block (the same
+    for every row), exactly, so the result is sum (c - 32) X in integers (a float offset term lost
+    accuracy where codes sit near 32, i.e. small weights, and its own instructions cost more). Staged
+    words are 2 bytes off for odd p / 2: two loads and a funnel shift each."""
+    S, TR = c["U"], c["TR"]
     sh = k.shl(k.and_(p, 2), 3)  # 0 or 16 bits
     pw = k.and_(p, 12)  # the block's first word, p rounded down to 4
-    with _lanes_with_rows(k, c):  # lane r: row r's scales (table [class 0: m 0..7][class 1: m 0..7]), d / f, offset
+    with _lanes_with_rows(k, c):  # lane r: row r's scales (table [class 0: m 0..7][class 1: m 0..7]) and d / f
         row = k.add(sbase, k.add(c["row_stage"], pw))
         ws = [k.load("shared", "u32", row, 192 + 4 * i) for i in range(5)]
         sw = [k.shf("r", ws[i], ws[i + 1], sh) for i in range(4)]  # scales 4i..4i+3
@@ -526,13 +528,6 @@ def _unit_q6k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, offa
             k.store("shared", "u32", c["t_mine"], scs[i], o)
         inv_f = k.load("shared", "f32", xslot, INVF["Q6_K"])  # the unit's x digits are x f
         k.store("shared", "f32", c["t_mine"], k.mul(d, inv_f), 64)
-        sx = [v for o in range(0, 64, 16) for v in k.load("shared", "f32", xslot, XSUM["Q6_K"] + o, vec=4)]
-        d32 = k.mul(d, 32.0)
-        osum = None
-        for si in range(16):  # 32 d sc_s first, then times the sum of x (no overflow the result has not)
-            sc = k.mul(_exact_float(k, scs[si // 4][si % 4]), d32)
-            osum = k.mul(sc, sx[si]) if osum is None else k.fma(sc, sx[si], osum)
-        k.assign(offacc, k.add(offacc, osum))
     k.bar_warp_sync()
     bfr = [k.load("shared", "u32", k.add(xslot, c["b_q6"]), 512 * mp, vec=4) for mp in range(4)]
     a0 = k.add(sbase, k.add(c["a_lane"], pw))
@@ -562,7 +557,8 @@ def _unit_q6k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, offa
                 a_lo.append(code(qlw, k.shl(qb, 2) if i0 else k.shl(qa, 4)))
                 a_hi.append(code(k.shr(qlw, 4), k.shr(qb, 2) if i0 else qa))
             b = bfr[m >> 1][2 * (m & 1):2 * (m & 1) + 2]
-            dd = k.mma_s8([a_lo[0], a_lo[1], a_hi[0], a_hi[1]], b, c["zeros"], a_unsigned=True)
+            off = k.mma_s8(c["minus32"], b, c["zeros"])  # -32 sum of B over k, per column (row-independent)
+            dd = k.mma_s8([a_lo[0], a_lo[1], a_hi[0], a_hi[1]], b, off, a_unsigned=True)
             for nn in range(4):
                 sc = k.bitcast(scales[nn // 2][m], "s32")
                 ints[nn] = k.mul(dd[nn], sc) if ints[nn] is None else k.mad(dd[nn], sc, ints[nn])
@@ -580,7 +576,7 @@ def _exact_float(k: KernelBuilder, i: Reg) -> Reg:
 
 def _unit_q8_0(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list) -> None:
     """Eight Q8_0 blocks (34 bytes each) of the warp's rows (staged at ``sbase``)."""
-    U = 272
+    U = c["U"]
     # the blocks' scales d / f as floats: lane r converts row r's 8
     with _lanes_with_rows(k, c):
         inv_f = k.load("shared", "f32", xslot, INVF["Q8_0"])  # the unit's x digits are x f
