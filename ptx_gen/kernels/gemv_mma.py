@@ -356,8 +356,6 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
     TR = TABLE_ROW[wtype]
     ctx = {
         "g": g, "R": R, "tiles": tiles, "U": U,
-        "b_ok": k.setp("lt", g, PARTS),
-        "b_lane": k.add(k.mul(g, PLANE), k.shl(t, 4)),  # lane (g, t)'s B fragments: plane g, word group t
         "zeros": [k.mov(0, "s32")] * 4,
         # the per-unit table, row r at r * TABLE_ROW, filled by lane r (< R)
         "table": k.add(smem, k.add(k.mul(warp, R * TR), lay["off"]["table"])), "TR": TR,
@@ -368,6 +366,9 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
     }
     ctx["t_mine"] = k.add(ctx["table"], k.mul(lane, TR))
     ctx["t_g"] = k.add(ctx["table"], k.mul(g, TR))  # + 8 * TR * (2 r + h): row 16 r + 8 h + g
+    if wtype != "Q6_K":  # lane (g, t)'s B fragments: plane g (g < 4; zero columns past), word group t
+        ctx["b_ok"] = k.setp("lt", g, PARTS)
+        ctx["b_lane"] = k.add(k.mul(g, PLANE), k.shl(t, 4))
     if wtype == "Q6_K":
         ctx["minus32"] = [k.mov(0xE0E0E0E0, "u32")] * 4  # -32 in every byte of A
         ctx["b_q6"] = k.add(k.shl(g, 6), k.shl(t, 4))  # lane (g, t)'s B words: [m / 2][g][t][m % 2][2]
