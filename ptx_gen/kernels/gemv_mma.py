@@ -299,10 +299,6 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
                 k.cp_async(k.add(dst, slot_off) if isinstance(slot_off, Reg) or slot_off else dst,
                            k.add(base, k.cvt(off, "s64")), pred=pred)
             k.cp_async_commit()
-
-        def wait(j: Reg) -> None:
-            k.cp_async_wait_group(stages - 1)
-            k.bar_warp_sync()
     else:
         # 16-byte chunk c = lane + 32 q of a unit is row c / (U / 16), col c % (U / 16), copied with
         # cp.async; in the ring it lands at 16 c (rows of U bytes, back to back)
@@ -324,7 +320,8 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
                 k.cp_async(dst, k.add(base, off), pred=pred, dst_offset=512 * q)
             k.cp_async_commit()
 
-        def wait(j: Reg) -> None:
+    if not tma:
+        def wait(j: Reg) -> None:  # (cp.async groups: the oldest of the stages in flight has landed)
             k.cp_async_wait_group(stages - 1)
             k.bar_warp_sync()
 
