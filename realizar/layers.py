@@ -30,6 +30,7 @@ import numpy as np
 from ptx_gen.kernels.gemv import MAX_STATIC_SMEM, shared_bytes, tiles_per_slice
 from ptx_gen.kernels.gemv_mma import MMA_TYPES
 from ptx_gen.kernels.gemv_mma import layout as mma_layout
+from ptx_gen.kernels.gemv_mma import q6k_glu_offsets_fit
 from ptx_gen.kernels.quant_layout import WEIGHT_TYPES, check_in_dim, type_info
 from ptx_gen.kernels.rmsnorm import MAX_HIDDEN, default_block
 from ptx_gen.kernels.rope import inv_freq_table
@@ -207,19 +208,13 @@ MMA_EXTRA_CTA = 0.1  # the tensor-core GEMV dispatcher's cost of each further CT
 Q6K_MANY_ROWS_PER_SM = 256
 
 
-def q6k_glu_offsets_fit(ffn: int, in_dim: int) -> bool:
-    """Whether the tensor-core Q6_K kernel's 32-bit copy offsets (from a warp's first gate row to the
-    last chunk of its last up row, ffn + 16 rows on) stay below 2**31 for a fused gate/up GEMV."""
-    return (ffn + 16) * (in_dim // 256 * 210) + 224 < 2**31
-
-
 @functools.lru_cache(maxsize=None)  # pure, and asked at every eager GEMV launch (~22 us uncached)
 def mma_config(out_dim: int, in_dim: int, wtype: str, sm_count: int = 132,
                max_smem: int = 227 * 1024, bulk_ok: bool = False, glu: bool = False) -> MmaConfig | None:
     """The tensor-core GEMV's launch shape for ``out_dim`` rows of ``in_dim`` values, or None where it
     does not apply (types other than Q4_K/Q8_0/Q6_K, rows not a multiple of 256 values, or of 2048 for
-    Q6_K) or would keep fewer
-    than half the SMs busy (small GEMVs, where the SIMT kernel's lower start-up cost wins).
+    Q6_K) or would keep fewer than half the SMs busy (small GEMVs, where the SIMT kernel's lower
+    start-up cost wins).
 
     Fitted to ``tools/bench_gemv.py --sweep`` on an H200: CTAs of 8 warps and a 2-stage ring; warps of
     32 rows (each unit of x the warp converts serves twice the rows) split K in ``kparts`` so that the

@@ -574,7 +574,8 @@ def test_gemv_mma_q6k_small_weights_are_exact(target):
 def test_q6k_glu_offset_guard():
     """The fused gate/up Q6_K kernel addresses up rows by 32-bit offsets from a warp's first gate row:
     shapes past that go to the SIMT kernel (and the bound counts the last warp's 16 rows)."""
-    from realizar.layers import mma_config, q6k_glu_offsets_fit
+    from ptx_gen.kernels.gemv_mma import q6k_glu_offsets_fit
+    from realizar.layers import mma_config
     in_dim = 77824  # 304 blocks of 210 bytes a row
     row = in_dim // 256 * 210
     ffn = (2**31 - 224) // row - 16  # the largest that fits

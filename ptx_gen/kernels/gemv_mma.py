@@ -73,6 +73,12 @@ XSLOT = {wt: INVF[wt] + 16 for wt in INVF}
 TABLE_ROW = {"Q4_K": 48, "Q8_0": 48, "Q6_K": 80}
 
 
+def q6k_glu_offsets_fit(ffn: int, in_dim: int) -> bool:
+    """Whether the Q6_K kernel's 32-bit copy offsets, from a warp's first gate row to the end of the
+    last chunk of its last up row (ffn + 16 rows on), stay below 2**31 in a fused gate/up GEMV."""
+    return (ffn + 16) * (in_dim // 256 * UNIT_BYTES["Q6_K"]) + 16 * Q6K_CHUNKS < 2**31
+
+
 def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, tiles: int = 1) -> dict:
     """Validated shape and the dynamic shared-memory layout (byte offsets) of a variant (``tiles``:
     16-row MMA tiles per warp)."""
@@ -240,8 +246,7 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
             return j * kparts
         return k.mad(j, kparts, kp0) if isinstance(j, Reg) else k.add(kp0, j * kparts)
 
-    tma = bulk
-    if tma:
+    if bulk:
         # sm_90 ``bulk``: lane r < R copies row r's U bytes of a unit with one bulk copy (the tensor
         # memory accelerator: no per-16-byte instructions, no load-store queue); lane 0 announces the
         # stage's bytes to the slot's mbarrier, whose phase completes when they have all landed. Copies
@@ -278,7 +283,7 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
         # at 4096 x 14336; each copy instruction is best kept to few, contiguous rows)
         # The chunks' offsets are kept as 32-bit offsets from the warp's first row (3 registers per
         # copy otherwise: 178 registers at 32 rows, spills on sm_80): < 32 row_bytes, or with glu up
-        # to (out_dim + 16) row_bytes, which realizar.layers.mma_config keeps below 2**31.
+        # to (out_dim + 16) row_bytes: see q6k_glu_offsets_fit.
         nchunks = R * Q6K_CHUNKS
         chunks = []
         for q in range(-(-nchunks // 32)):
@@ -320,7 +325,7 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
                 k.cp_async(dst, k.add(base, off), pred=pred, dst_offset=512 * q)
             k.cp_async_commit()
 
-    if not tma:
+    if not bulk:
         def wait(j: Reg) -> None:  # (cp.async groups: the oldest of the stages in flight has landed)
             k.cp_async_wait_group(stages - 1)
             k.bar_warp_sync()
@@ -328,7 +333,7 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
     for j in range(stages):  # the first units, before waiting for the kernel that writes x
         if j < n_units:
             issue(j, j * stage_bytes, None)
-        elif not tma:
+        elif not bulk:
             k.cp_async_commit()  # empty groups keep the count uniform
     k.grid_dependency_wait()
 
@@ -366,7 +371,7 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
     if wtype != "Q6_K":  # lane (g, t)'s B fragments: plane g (g < 4; zero columns past), word group t
         ctx["b_ok"] = k.setp("lt", g, PARTS)
         ctx["b_lane"] = k.add(k.mul(g, PLANE), k.shl(t, 4))
-    if wtype == "Q6_K":
+    else:
         ctx["minus32"] = [k.mov(0xE0E0E0E0, "u32")] * 4  # -32 in every byte of A
         ctx["b_q6"] = k.add(k.shl(g, 6), k.shl(t, 4))  # lane (g, t)'s B words: [m / 2][g][t][m % 2][2]
         ctx["t_gc"] = k.add(ctx["t_g"], k.shl(k.shr(t, 1), 5))  # its scales: class t / 2 of row g
@@ -392,7 +397,7 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
         else:
             _unit_q8_0(k, ctx, sbase, xslot, acc)
         k.bar_warp_sync()  # every lane is done with the ring slot and the x slot: refill them
-        if tma:
+        if bulk:
             k.fence_proxy_async()  # (the reads above come before the bulk copy's writes)
         nxt = k.add(j, stages)
         issue(nxt, slot_off, k.setp("lt", nxt, n_units))
@@ -414,7 +419,7 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
             step(k.add(j, 1))
     if n_units % 2:
         step(k.mov(n_units - 1, "u32"))
-    if not tma:
+    if not bulk:
         k.cp_async_wait_all()
 
     # --- row sums: digit columns weighted 1, 256 (lane t = 0), 65536 and 2**24 (t = 1); Q6_K's
