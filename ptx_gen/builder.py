@@ -249,6 +249,12 @@ class KernelBuilder:
     def and_(self, a: Operand, b: Operand, t: str | None = None) -> Reg:
         return self._bitwise("and", a, b, t)
 
+    def both(self, a: Reg | None, b: Reg | None) -> Reg | None:
+        """The predicate ``a and b``, where None stands for "always" (so None when both are)."""
+        if a is None:
+            return b
+        return a if b is None else self.and_(a, b)
+
     def or_(self, a: Operand, b: Operand, t: str | None = None) -> Reg:
         return self._bitwise("or", a, b, t)
 

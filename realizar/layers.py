@@ -245,15 +245,15 @@ def mma_config(out_dim: int, in_dim: int, wtype: str, sm_count: int = 132,
         ctas = -(-out_dim // ((16 if glu else 16 * tiles) * mtiles))
         per_sm = -(-ctas // sm_count)
         score = ctas / sm_count / per_sm * max(0.1, 1 - MMA_EXTRA_CTA * (per_sm - 1))
-        cands.append((score, tiles, -per_sm, MmaConfig(mtiles, kparts, 2, tiles)))
+        cands.append((score, tiles, -per_sm, ctas, MmaConfig(mtiles, kparts, 2, tiles)))
     if not cands:
         return None
     top = max(c[0] for c in cands)
-    best = max((c for c in cands if c[0] >= top - 0.02), key=lambda c: c[1:3])[-1]
-    if -(-out_dim // ((16 if glu else 16 * best.tiles) * best.mtiles)) < sm_count // 2:
+    *_, ctas, best = max((c for c in cands if c[0] >= top - 0.02), key=lambda c: c[1:3])
+    if ctas < sm_count // 2:
         return None  # under half the SMs busy: the SIMT kernel is faster (576 x 1536 Q8_0: 2.2 us vs 3.7)
     if bulk_ok and wtype != "Q6_K" and units // best.kparts <= 2:  # (Q6_K blocks are only 2-byte aligned)
-        best = MmaConfig(best.mtiles, best.kparts, best.stages, best.tiles, True)
+        best = dataclasses.replace(best, bulk=True)
     return best
 
 
@@ -326,7 +326,8 @@ class LayerOps:
         """out = W x (+ bias) (+ residual); ``residual`` may be ``out`` itself (in-place add).
 
         Q4_K and Q8_0 rows of a multiple of 256 values and Q6_K rows of a multiple of 2048 go to the
-        tensor-core kernel (on sm_80+, where it keeps at least half the SMs busy), the rest to the SIMT one; ``config`` forces either (a :class:`MmaConfig` or a :class:`GemvConfig`)."""
+        tensor-core kernel (on sm_80+, where it keeps at least half the SMs busy), the rest to the SIMT
+        one; ``config`` forces either (a :class:`MmaConfig` or a :class:`GemvConfig`)."""
         cfg = config
         if cfg is None:
             cfg = self.mma_config(weight.out_dim, weight.in_dim, weight.wtype)

@@ -361,7 +361,7 @@ def _scatter_setup(k: KernelBuilder, lay: DecodeLayout, lanes: Lanes, tag: str) 
     u_masks = [1 << (b - le + drop) for b in range(le, lu)]
     writer = k.setp("eq", k.and_(lanes.j, (1 << drop) - 1), 0) if drop else None
     first_row = k.setp("eq", mu, 0) if mu is not None and E < U else None
-    head_writer = _both(k, writer, first_row)
+    head_writer = k.both(writer, first_row)
     xs = lay.exchange_floats
     buf = k.shared_array(f"{tag}_x", "f32", lay.warps * R * 2 * xs)
     slot = k.mul(lanes.warp, R)
@@ -393,7 +393,7 @@ def load_q(k: KernelBuilder, lay: DecodeLayout, lanes: Lanes, head0: Reg) -> lis
         per_c = []
         for c in range(C):
             addr = k.add(qrow, k.mul_wide(lanes.chunk_idx[c], 16))
-            ok = _both(k, lanes.chunk_ok[c], head_ok)
+            ok = k.both(lanes.chunk_ok[c], head_ok)
             vals = k.load("global", "f32", addr, vec=4, pred=ok, other=0.0) if ok is not None \
                 else k.load("global", "f32", addr, vec=4)
             per_c.append(tuple(k.mul(x, qscale) for x in vals))
@@ -403,12 +403,6 @@ def load_q(k: KernelBuilder, lay: DecodeLayout, lanes: Lanes, head0: Reg) -> lis
 
 def _plus(k: KernelBuilder, a: Reg, b: Reg | int) -> Reg:
     return a if isinstance(b, int) and b == 0 else k.add(a, b)
-
-
-def _both(k: KernelBuilder, a: Reg | None, b: Reg | None) -> Reg | None:
-    if a is None:
-        return b
-    return a if b is None else k.and_(a, b)
 
 
 def build_decode_pass(
@@ -455,7 +449,7 @@ def build_decode_pass(
             per_c = []
             for c in range(C):
                 addr = k.add(kv_lane[c], roff)
-                ok = _both(k, chunk_ok[c], guard)
+                ok = k.both(chunk_ok[c], guard)
                 per_c.append(k.load("global", "f32", addr, vec=4, pred=ok, other=0.0) if ok is not None
                              else k.load("global", "f32", addr, vec=4))
             rows.append(per_c)

@@ -265,10 +265,10 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
         def issue(j: Reg | int, slot_off: Reg | int, valid: Reg | None) -> None:
             slot = _mod(k, j, stages) if isinstance(j, Reg) else j % stages
             mb = k.add(mbar, k.shl(slot, 3)) if isinstance(slot, Reg) else k.add(mbar, 8 * slot)
-            k.mbarrier_expect_tx(mb, R * U, pred=lane0 if valid is None else k.and_(lane0, valid))
+            k.mbarrier_expect_tx(mb, R * U, pred=k.both(lane0, valid))
             src = k.add(src_lane, k.mul_wide(j, U * kparts) if isinstance(j, Reg) else j * U * kparts)
             dst = k.add(dst_lane, slot_off) if isinstance(slot_off, Reg) or slot_off else dst_lane
-            k.cp_async_bulk(dst, src, U, mb, pred=row_lane if valid is None else k.and_(row_lane, valid))
+            k.cp_async_bulk(dst, src, U, mb, pred=k.both(row_lane, valid))
 
         def wait(j: Reg) -> None:
             slot = _mod(k, j, stages)
@@ -300,7 +300,7 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
             u = u if isinstance(u, Reg) else k.mov(u, "u32")
             base = k.add(wrow, k.cvt(k.sub(k.mul(u, 210), k.shl(k.and_(u, 7), 1)), "u64"))
             for off, dst, ok in chunks:
-                pred = ok if valid is None else (valid if ok is None else k.and_(ok, valid))
+                pred = k.both(ok, valid)
                 k.cp_async(k.add(dst, slot_off) if isinstance(slot_off, Reg) or slot_off else dst,
                            k.add(base, k.cvt(off, "s64")), pred=pred)
             k.cp_async_commit()
@@ -321,7 +321,7 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
             base = k.add(wbase, k.mul_wide(j, U * kparts) if isinstance(j, Reg) else j * U * kparts)
             dst = k.add(dst0, slot_off) if isinstance(slot_off, Reg) or slot_off else dst0
             for q, (off, ok) in enumerate(srcs):
-                pred = ok if valid is None else (valid if ok is None else k.and_(ok, valid))
+                pred = k.both(ok, valid)
                 k.cp_async(dst, k.add(base, off), pred=pred, dst_offset=512 * q)
             k.cp_async_commit()
 
