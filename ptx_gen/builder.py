@@ -648,6 +648,18 @@ class KernelBuilder:
         )
         return d
 
+    def redux(self, value: Reg, op: str = "max") -> Reg:
+        """``redux.sync.<op>`` over the whole warp (sm_80+): one instruction for a 32-bit integer
+        add/min/max/and/or/xor that every lane receives (``value``: u32 or s32)."""
+        if op not in ("add", "min", "max", "and", "or", "xor"):
+            raise ValueError(f"unknown redux op {op!r}")
+        if value.type.name not in ("u32", "s32", "b32"):
+            raise TypeError(f"redux reduces 32-bit integers, got {value.type}")
+        t = "b32" if op in ("and", "or", "xor") else ("s32" if value.type.name == "s32" else "u32")
+        d = self.reg(value.type)
+        self._emit(f"redux.sync.{op}.{t} {d}, {value}, 0xffffffff;")
+        return d
+
     def warp_reduce(self, value: Reg, op: str = "add", width: int = 32) -> Reg:
         """Butterfly reduction over ``width`` lanes; every lane receives the result (``"max_nan"``: a
         float max that a NaN wins)."""

@@ -560,6 +560,8 @@ class _Launch:
             return self._cvt(inst, act)
         if op == "shfl":
             return self._shfl(inst, act, mask)
+        if op == "redux":
+            return self._redux(inst, act)
         if op == "ldmatrix":
             return self._ldmatrix(inst, act)
         if op == "mma":
@@ -730,6 +732,22 @@ class _Launch:
         j = np.where(ok, j, lane)
         src = np.arange(self.n) - lane + j
         self._write(d, val[src], act, "b32")
+
+    def _redux(self, inst: Inst, act: np.ndarray) -> None:
+        """``redux.sync.<op>.<type>`` over full warps (every lane gets the warp's result)."""
+        rop, ty = inst.mods[1], inst.mods[2]
+        d, a, membermask = inst.args
+        if int(membermask, 0) & 0xFFFFFFFF != 0xFFFFFFFF:
+            raise EmulatorError(f"only full-mask reductions are emulated: {inst.text}")
+        self._whole_warps(inst, act)
+        val = self._read(a, ty).astype(np.int64).reshape(-1, 32)
+        fn = {"add": lambda v: v.sum(axis=1), "min": lambda v: v.min(axis=1), "max": lambda v: v.max(axis=1),
+              "and": lambda v: np.bitwise_and.reduce(v, axis=1), "or": lambda v: np.bitwise_or.reduce(v, axis=1),
+              "xor": lambda v: np.bitwise_xor.reduce(v, axis=1)}[rop]
+        res = np.repeat(fn(val), 32) & 0xFFFFFFFF
+        if ty == "s32":
+            res = np.where(res >= 2**31, res - 2**32, res)
+        self._write(d, res.astype(_NP[ty]), act, ty)
 
     def _whole_warps(self, inst: Inst, act: np.ndarray) -> np.ndarray:
         """The warps executing a warp-collective instruction (all 32 lanes of each, or an error)."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -70,6 +72,8 @@ def _kitchen_sink(target: str) -> str:
     w = k.add(w, k.shfl("up", w, 1))
     w = k.add(w, k.shfl("idx", w, 0))
     iw = k.shfl("bfly", r5, 4)
+    iw = k.add(k.redux(iw, "max"), k.redux(k.bitcast(r4, "s32"), "min"))
+    iw = k.xor(iw, k.redux(r3, "xor"))
     # shared memory, static and dynamic, barriers, atomics
     sm = k.shared_array("tile", "f32", 256)
     dyn = k.dynamic_shared()
@@ -236,3 +240,36 @@ def test_parameters_first_used_inside_a_branch_are_loaded_at_entry():
     loads = [i for i, line in enumerate(lines) if line.startswith(("ld.param", "cvta.to.global"))]
     assert len(loads) == 3 and max(loads) < first_branch
     assemble(m.emit(), "sm_90")
+
+
+@settings(max_examples=25, deadline=None)
+@given(op=st.sampled_from(["add", "min", "max", "and", "or", "xor"]), signed=st.booleans(), warps=st.integers(1, 3),
+       seed=st.integers(0, 2**32 - 1))
+def test_redux_matches_numpy_on_the_emulator(op, signed, warps, seed):
+    """``redux.sync`` (one whole-warp integer reduction) against numpy, every lane of every warp checked:
+    values over the whole 32-bit range (sums wrap modulo 2**32 as the hardware's do)."""
+    from tests.ptx_simt import Memory, run as simt_run
+
+    t = "s32" if signed else "u32"
+    m = Module(Target("sm_80"))
+    k = m.kernel("redux_probe", [("x", "u64"), ("y", "u64")])
+    tid = k.tid()
+    off = k.mul_wide(tid, 4)
+    v = k.load("global", t, k.add(k.global_ptr("x"), off))
+    k.store("global", t, k.add(k.global_ptr("y"), off), k.redux(v, op))
+    k.ret()
+    rng = np.random.default_rng(seed)
+    n = 32 * warps
+    dt = np.int32 if signed else np.uint32
+    x = rng.integers(np.iinfo(dt).min, np.iinfo(dt).max, n, endpoint=True).astype(dt)
+    mem = Memory()
+    dx, dy = mem.alloc_array(x), mem.alloc(4 * n)
+    simt_run(m.emit(), grid=(1,), block=(n,), params=dict(x=dx, y=dy), memory=mem)
+    y = mem.read(dy, dt, n)
+    fn = {"add": np.add, "min": np.minimum, "max": np.maximum, "and": np.bitwise_and, "or": np.bitwise_or,
+          "xor": np.bitwise_xor}[op]
+    for w in range(warps):
+        lanes = x[32 * w:32 * w + 32].astype(np.int64)
+        want = fn.reduce(lanes) & 0xFFFFFFFF
+        got = y[32 * w:32 * w + 32].astype(np.int64) & 0xFFFFFFFF
+        assert (got == want).all(), (op, t, w)

@@ -20,12 +20,14 @@ while the previous kernel ends. Each warp turns the x units it needs into digits
 ahead of its use (loaded two ahead), into two slots of its own: no CTA-wide step before the first
 MMA, and x arrives alongside the weights.
 
-Per unit (Q4_K): the 16 rows' 6-bit scales and mins are unpacked into a table (two lanes per row);
-each of the 4 sub-block pairs is one ``ldmatrix.x4`` (lane (g, t) gets 4 code bytes of rows g and
-g + 8 at k = 4t.. and 16 + 4t..), masked into low / high nibbles = two MMAs (sub-blocks 2i, 2i+1);
-their int32 results are weighted by the integer sub-block scales (``mad``), and once per unit
-converted to float and multiplied by the row's ``d``. The mins contribute
-``-dmin m_j sum(x over sub-block j)`` with the sums of x kept per 32 values in shared memory.
+Per unit (Q4_K): each row's 6-bit scales and mins are unpacked into a table by one lane; each of
+the 4 sub-block pairs is one ``ldmatrix.x4`` (lane (g, t) gets 4 code bytes of rows g and g + 8 in
+each half of the pair) feeding two MMAs that each take the low nibbles of sub-block 2i (class 0) as
+k 0..15 and the high nibbles of 2i + 1 (class 1, masked in place) as k 16..31, against x digits in B's
+columns 0..3 and 4..7 (see :func:`_unit_q4k`); their int32 results are weighted by the integer
+sub-block scales (``mad``), and once per unit converted to float and multiplied by the row's ``d``.
+The mins contribute ``-dmin m_j sum(x over sub-block j)`` with the sums of x kept per 32 values in
+shared memory.
 Q8_0: the block's 32 signed codes are A directly (two-byte aligned, realigned with ``prmt``); one MMA
 per block, scaled by the block's ``d`` in float. Q6_K (210-byte blocks, so a unit starts at any even
 byte of a 16-byte chunk: the 14 chunks covering it are staged, words realigned with funnel shifts):
@@ -60,12 +62,12 @@ STRIDE = {"Q4_K": 144, "Q8_0": 272, "Q6_K": 240}
 Q6K_CHUNKS = 14
 PARTS = 4  # base-256 digits of x
 MAX_DYN_SMEM = 227 * 1024
-# per warp, two x slots (units j and j + 1). Q4_K/Q8_0: 4 digit planes of 256 bytes, 272 apart (16
-# mod 128: the four planes' B loads hit distinct banks), the sums of x per 32 values (Q4_K) and the
-# unit's 1 / f. Q6_K: the B fragments of its 8 MMAs as the lanes load them (see _unit_q6k), half of
-# them zeros, then 1 / f
+# per warp, two x slots (units j and j + 1). Q8_0: 4 digit planes of 256 bytes, 272 apart (16 mod 128:
+# the four planes' B loads hit distinct banks), then 1 / f. Q4_K: its B words in the order the lanes
+# load them (1 KiB, see _x_lane_constants), the sums of x per 32 values and 1 / f. Q6_K: the B
+# fragments of its 8 MMAs as the lanes load them (see _unit_q6k), half of them zeros, then 1 / f
 PLANE = 272
-XSUM = {"Q4_K": 4 * 272, "Q8_0": 4 * 272}
+XSUM = {"Q4_K": 1024, "Q8_0": 4 * 272}
 INVF = {"Q4_K": XSUM["Q4_K"] + 32, "Q8_0": XSUM["Q8_0"] + 32, "Q6_K": 2048}
 XSLOT = {wt: INVF[wt] + 16 for wt in INVF}
 # per warp and row, per unit: 8 int32 sub-block scales and d / f (Q4_K), 8 block scales d / f (Q8_0),
@@ -153,6 +155,14 @@ def _x_lane_constants(k: KernelBuilder, wtype: str, lane: Reg) -> dict:
                      k.add(k.shl(k.and_(lane, 3), 4), k.shl(k.and_(k.shr(lane, 2), 1), 3)))
         return {"woff": woff, "lane0": k.setp("eq", lane, 0), "plane": 64, "half": 1024}
     c, u = k.shr(lane, 3), k.and_(lane, 7)
+    if wtype == "Q4_K":
+        # quad q = 16 j + 8 c + 4 h + t (pair j, class c) feeds MMA 2 j + h, lane t, as column class c:
+        # digit d at word [j][4 c + d][t][h] (no zero words: _unit_q4k masks them in), the 8 sums of x
+        # per 32 values after the fragments
+        woff = k.add(k.add(k.shl(k.shr(lane, 4), 8), k.shl(k.and_(c, 1), 7)),
+                     k.add(k.shl(k.and_(lane, 3), 3), k.shl(k.and_(k.shr(lane, 2), 1), 2)))
+        return {"woff": woff, "lane0": k.setp("eq", lane, 0), "plane": 32, "half": 512,
+                "sum_off": k.add(k.shl(c, 2), XSUM[wtype]), "sum_lane": k.setp("eq", u, 0)}
     woff = k.add(k.add(k.shl(k.shr(c, 1), 6), k.shl(k.and_(u, 3), 4)),
                  k.add(k.shl(k.and_(c, 1), 3), k.shl(k.shr(u, 2), 2)))
     return {"woff": woff, "sum_off": k.add(k.shl(c, 2), XSUM[wtype]), "sum_lane": k.setp("eq", u, 0),
@@ -175,11 +185,13 @@ def _convert_x(k: KernelBuilder, wtype: str, vals: list, slot: Reg, xc: dict) ->
     """One unit of x (lane l's 8 values) -> the warp's x slot: ``f`` = a power of two with
     max |x f| < 2**30 over the unit (a warp max), the four digit planes, 1 / f, and (Q4_K) the sums
     of x per 32 values. Warp-collective: every lane must take part."""
-    mx = k.abs(vals[0])
-    for v in vals[1:]:
-        mx = k.max(mx, k.abs(v), nan=True)
-    mx = k.warp_reduce(mx, "max_nan")  # an Inf or NaN in the unit makes the max one too
-    e = k.max(k.and_(k.shr(k.bitcast(mx, "u32"), 23), 0xFF), 30)  # biased exponent of max |x| (>= 30)
+    # max |x| as the integer max of the bit patterns without their signs (those of an Inf or NaN are
+    # the largest: one in the unit makes the max one too), over the warp in one redux
+    mags = [k.and_(k.bitcast(v, "u32"), 0x7FFFFFFF) for v in vals]
+    mx = mags[0]
+    for v in mags[1:]:
+        mx = k.max(mx, v)
+    e = k.max(k.shr(k.redux(mx, "max"), 23), 30)  # biased exponent of max |x| (>= 30)
     f = k.bitcast(k.shl(k.sub(283, e), 23), "f32")  # 2**(156 - e): |x| f < 2**30
     # 1 / f = 2**(e - 156); NaN for a unit holding an Inf or NaN (exponent 255), which its digits cannot
     # represent: every row's result becomes NaN, as a float dot product with such an x at best is
@@ -347,13 +359,15 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
         zero = k.add(xbuf, k.add(k.shl(lane, 4), k.selp(4, 0, k.setp("lt", lane, 16), "u32")))
         for off in (sl * XS + 512 * mp + 8 * m2 for sl in range(2) for mp in range(4) for m2 in range(2)):
             k.store("shared", "u32", zero, k.mov(0, "u32"), off)
-    _convert_x(k, wtype, _load_x(k, x, lane16, unit_of(0), None), xbuf, xc)
-    # x of units j + 1 and j + 2 in flight in registers: odd units in xregs[1], even ones in xregs[0]
-    # (the loop is unrolled by two so no register is copied while its load is still in flight)
+    # x of units 0, 1 and 2 requested together before unit 0's is converted; those of units j + 1 and
+    # j + 2 stay in flight in registers: odd units in xregs[1], even ones in xregs[0] (the loop is
+    # unrolled by two so no register is copied while its load is still in flight)
+    x0 = _load_x(k, x, lane16, unit_of(0), None)
     xregs = [[k.var("f32", 0.0) for _ in range(8)] for _ in range(2)]
     for jj in (1, 2):
         if jj < n_units:
             _load_x(k, x, lane16, unit_of(jj), None, into=xregs[jj % 2])
+    _convert_x(k, wtype, x0, xbuf, xc)
     g, t = k.shr(lane, 2), k.and_(lane, 3)
     TR = TABLE_ROW[wtype]
     ctx = {
@@ -377,6 +391,11 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
         ctx["t_gc"] = k.add(ctx["t_g"], k.shl(k.shr(t, 1), 5))  # its scales: class t / 2 of row g
         ctx["a_lane"] = k.add(k.mul(g, U), ctx["t4"])  # its A words: row g, bytes 4t + 16 m'
     if wtype == "Q4_K":
+        ctx["t_gc"] = k.add(ctx["t_g"], k.shl(k.shr(t, 1), 4))  # lane (g, t)'s scales: class t / 2 of row g
+        ctx["t_gd"] = k.add(ctx["t_g"], k.add(k.shl(k.shr(t, 1), 2), 32))  # and its d / f
+        ctx["b_q4"] = k.add(k.shl(g, 5), k.shl(t, 3))  # its B words: [j][g][t][h]
+        lo_cols = k.setp("lt", g, 4)  # columns 0..3 (class 0: B's k < 16), else 4..7 (k >= 16)
+        ctx["b_mask"] = (k.selp(0xFFFFFFFF, 0, lo_cols, "u32"), k.selp(0, 0xFFFFFFFF, lo_cols, "u32"))
         ctx["ldm"] = k.add(k.mul(k.add(k.and_(lane, 7), k.shl(k.and_(k.shr(lane, 3), 1), 3)), U),
                            k.shl(k.shr(lane, 4), 4))
     acc = [[k.var("f32", 0.0) for _ in range(4)] for _ in range(tiles)]  # [g][2t], [g][2t+1], [g+8][2t], [g+8][2t+1]
@@ -427,7 +446,7 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
     tid = k.tid()
     lane = k.and_(tid, 31)
     g, t = k.shr(lane, 2), k.and_(lane, 3)
-    tt = k.and_(t, 1) if wtype == "Q6_K" else t
+    tt = k.and_(t, 1) if wtype != "Q8_0" else t
     t_is0, t_is1 = k.setp("eq", tt, 0), k.setp("eq", tt, 1)
     w0 = k.selp(1.0, k.selp(65536.0, 0.0, t_is1, "f32"), t_is0, "f32")
     w1 = k.selp(256.0, k.selp(16777216.0, 0.0, t_is1, "f32"), t_is0, "f32")
@@ -450,20 +469,33 @@ def _lanes_with_rows(k: KernelBuilder, c: dict):
 
 
 def _unit_q4k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, minacc) -> None:
-    """One Q4_K super-block of the warp's rows (staged at ``sbase``)."""
-    U = c["U"]
-    # the table: lane r unpacks row r's 8 sub-block scales, d / f, and adds its min terms
+    """One Q4_K super-block of the warp's rows (staged at ``sbase``).
+
+    Block: d, dmin (f16), 12 bytes of 6-bit scales and mins, qs (128 bytes: byte 32 j + l holds value
+    64 j + l of sub-block 2 j in its low nibble and value 64 j + 32 + l of sub-block 2 j + 1 in its
+    high nibble). MMA 2 j + h (h = 0, 1) takes values 16 h .. 16 h + 15 of sub-block 2 j (low nibbles,
+    class 0) as k 0..15 and the same values of sub-block 2 j + 1 (high nibbles, class 1) as k 16..31:
+    both come from one staged word per lane and row, the high nibbles masked in place (16 times the
+    code, as unsigned bytes) with no shift. B's columns 0..3 are the digits of class 0's x (zero at
+    k >= 16), 4..7 those of class 1's (zero at k < 16), so lanes t = 0, 1 receive sub-block 2 j's sums
+    and t = 2, 3 those of 2 j + 1; the two halves h chain through the accumulator and each lane weights
+    its sums by one integer scale (class 1's 1 / 16 goes into its d)."""
+    U, TR = c["U"], c["TR"]
+    # the table: lane r unpacks row r's scales by class ([0, 2, 4, 6][1, 3, 5, 7] as int32), d / f for
+    # class 0 and d / 16 f for class 1, and adds its min terms
     with _lanes_with_rows(k, c):
         dm, s0, s1, s2 = k.load("shared", "u32", k.add(sbase, c["row_stage"]), vec=4)
         sc_lo = k.and_(s0, 0x3F3F3F3F)
         sc_hi = k.or_(k.and_(s2, 0x0F0F0F0F), k.and_(k.shr(s0, 2), 0x30303030))
         mn_lo = k.and_(s1, 0x3F3F3F3F)
         mn_hi = k.or_(k.and_(k.shr(s2, 4), 0x0F0F0F0F), k.and_(k.shr(s1, 2), 0x30303030))
-        k.store("shared", "u32", c["t_mine"], [k.prmt(sc_lo, 0, 0x4440 | i) for i in range(4)])
-        k.store("shared", "u32", c["t_mine"], [k.prmt(sc_hi, 0, 0x4440 | i) for i in range(4)], 16)
+        for o, sel in ((0, 0x6420), (16, 0x7531)):
+            cls = k.prmt(sc_lo, sc_hi, sel)
+            k.store("shared", "u32", c["t_mine"], [k.prmt(cls, 0, 0x4440 | i) for i in range(4)], o)
         d_h, dmin_h = k.unpack_b32(dm)
         inv_f = k.load("shared", "f32", xslot, INVF["Q4_K"])  # the unit's x digits are x f
-        k.store("shared", "f32", c["t_mine"], k.mul(k.cvt(Reg(d_h.name, ql._f16), "f32"), inv_f), 32)
+        dq = k.mul(k.cvt(Reg(d_h.name, ql._f16), "f32"), inv_f)
+        k.store("shared", "f32", c["t_mine"], [dq, k.mul(dq, 0.0625)], 32)
         sx = [v for o in (0, 16) for v in k.load("shared", "f32", xslot, XSUM["Q4_K"] + o, vec=4)]
         dmin = k.cvt(Reg(dmin_h.name, ql._f16), "f32")
         msum = None
@@ -473,26 +505,27 @@ def _unit_q4k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, mina
             msum = k.mul(mf, sx[i]) if msum is None else k.fma(mf, sx[i], msum)
         k.assign(minacc, k.add(minacc, msum))  # (one update of the loop-carried register: 8 cost 30% at 14336)
     k.bar_warp_sync()
-    ints = [[None] * 4 for _ in range(c["tiles"])]
-    bj = k.add(xslot, c["b_lane"])
-    for i in range(4):  # sub-block pair i: bytes 16 + 32 i .. of each row
-        b = k.load("shared", "u32", bj, 64 * i, vec=4, pred=c["b_ok"], other=0)
-        for r in range(c["tiles"]):
-            regs = k.ldmatrix_x4(k.add(sbase, c["ldm"]), 16 * r * U + 16 + 32 * i)
-            lo = [k.and_(x, 0x0F0F0F0F) for x in regs]
-            hi = [k.and_(k.shr(x, 4), 0x0F0F0F0F) for x in regs]
-            da = k.mma_s8(lo, b[0:2], c["zeros"])
-            db = k.mma_s8(hi, b[2:4], c["zeros"])
-            sg = k.load("shared", "u32", c["t_g"], 16 * r * c["TR"] + 8 * i, vec=2)
-            sg8 = k.load("shared", "u32", c["t_g"], (16 * r + 8) * c["TR"] + 8 * i, vec=2)
-            for n, scs in ((0, sg), (1, sg), (2, sg8), (3, sg8)):
-                v = k.mad(db[n], k.bitcast(scs[1], "s32"), k.mul(da[n], k.bitcast(scs[0], "s32")))
-                ints[r][n] = v if ints[r][n] is None else k.add(ints[r][n], v)
+    bfr = []  # MMAs 2j, 2j+1: B words (b0, b1) of half 0, then of half 1; the zero half masked in
+    for j in range(4):
+        w0, w1 = k.load("shared", "u32", k.add(xslot, c["b_q4"]), 256 * j, vec=2)
+        bfr.append([k.and_(w, m) for w in (w0, w1) for m in c["b_mask"]])
     for r in range(c["tiles"]):
-        dg = k.load("shared", "f32", c["t_g"], 16 * r * c["TR"] + 32)
-        dg8 = k.load("shared", "f32", c["t_g"], (16 * r + 8) * c["TR"] + 32)
+        # lane (g, t)'s scales (class t / 2 of rows g and g + 8, one per j); |sums| <= 4 * 32 * 240 * 128 * 63
+        scl = [k.load("shared", "u32", c["t_gc"], (16 * r + h) * TR, vec=4) for h in (0, 8)]
+        ints = [None] * 4
+        for j in range(4):
+            regs = k.ldmatrix_x4(k.add(sbase, c["ldm"]), 16 * r * U + 16 + 32 * j)
+            lo = [k.and_(x, 0x0F0F0F0F) for x in regs]
+            hi = [k.and_(x, 0xF0F0F0F0) for x in regs]
+            dd = k.mma_s8([lo[0], lo[1], hi[0], hi[1]], bfr[j][0:2], c["zeros"], a_unsigned=True)
+            dd = k.mma_s8([lo[2], lo[3], hi[2], hi[3]], bfr[j][2:4], dd, a_unsigned=True)
+            for n in range(4):
+                sc = k.bitcast(scl[n // 2][j], "s32")
+                ints[n] = k.mul(dd[n], sc) if ints[n] is None else k.mad(dd[n], sc, ints[n])
+        dg = k.load("shared", "f32", c["t_gd"], 16 * r * TR)
+        dg8 = k.load("shared", "f32", c["t_gd"], (16 * r + 8) * TR)
         for n, d in ((0, dg), (1, dg), (2, dg8), (3, dg8)):
-            k.assign(acc[r][n], k.fma(d, k.cvt(ints[r][n], "f32"), acc[r][n]))
+            k.assign(acc[r][n], k.fma(d, k.cvt(ints[n], "f32"), acc[r][n]))
 
 
 def _sext_byte(k: KernelBuilder, word: Reg, b: int) -> Reg:
