@@ -17,8 +17,12 @@ after a warm-up; the median of several replays is reported per launch. The launc
 enough copies of the weights (>= 3x the L2 size in total) that L2 cannot serve them: every launch
 reads its weights from HBM, as a decode step does. Bandwidth counts the weight bytes (x and y are
 negligible); "% copy" divides by the device-to-device copy bandwidth measured in the same run with
-cuMemcpyDtoD of 1 GiB (bytes read + written). The torch peer is ``W16 @ x16`` with the same rotation.
-A spot check compares 64 rows of each result with the float64 oracle.
+cuMemcpyDtoD of 1 GiB (bytes read + written). "read µs" is the yardstick of the launch size: a plain
+streaming read of the same number of bytes (the ``stream_read`` kernel: 16-byte loads, 4 in flight a
+thread, 4 CTAs of 256 threads an SM) in the same harness and rotation, the fastest a single launch
+of that size reads memory here; "% read" is its time over the GEMV's. The torch peer is
+``W16 @ x16`` with the same rotation. A spot check compares 64 rows of each result with the float64
+oracle.
 """
 
 from __future__ import annotations
@@ -108,6 +112,26 @@ def _time_launches(fn_list, stream: cuda.Stream, use_graph: bool, reps: int) -> 
         if i:
             times.append(e0.elapsed_ms(e1) * 1e3 / len(fn_list))
     return statistics.median(times), mode
+
+
+def bench_read(ops, stream, nbytes: int, use_graph: bool) -> float:
+    """Microseconds per launch of the ``stream_read`` kernel over ``nbytes`` (rounded down to 16), in
+    the GEMV harness: rotating buffers totalling >= 3x L2, graph replay, the same PDL setting."""
+    n16 = nbytes // 16
+    bufs = [cuda.GpuBuffer(n16 * 16, np.uint8) for _ in range(n_copies(n16 * 16))]
+    kern = ops.kernel("stream_read", unroll=4, block=256)
+    grid = 4 * ops.sm_count
+    out = cuda.GpuBuffer(grid * kern.meta["block"], np.uint32)
+    try:
+        for b in bufs:
+            b.fill_bytes(1)
+        fns = [(lambda b=bufs[i % len(bufs)]: ops._launch(kern, grid, {"src": b.ptr, "n16": n16, "out": out.ptr}, stream))
+               for i in range(max(len(bufs), 20))]
+        return time_launches(fns, stream, use_graph)[0]
+    finally:
+        for b in bufs:
+            b.free()
+        out.free()
 
 
 def n_copies(nbytes: int, cap: int = 1024) -> int:
@@ -269,11 +293,13 @@ def main() -> int:
         f"totalling >= 3x L2), weight bytes only. Programmatic dependent launch: "
         f"{'off' if a.no_pdl else 'on (as in the decode graph)'}.",
         "",
-        "| type | shape (out x in) | MB | µs | GB/s | % copy BW | config | check | torch f16 µs | torch GB/s |",
-        "|---|---|---:|---:|---:|---:|---|---|---:|---:|",
+        "| type | shape (out x in) | MB | µs | GB/s | % copy BW | read µs | % read | config | check | torch f16 µs "
+        "| torch GB/s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|",
     ]
     print("\n".join(lines))
     torch_cache = {}
+    read_cache: dict[int, float] = {}
     sweep_rows: list[str] = []
     t_start = time.time()
     for label, out_dim, in_dim in shapes:
@@ -285,7 +311,7 @@ def main() -> int:
                 continue
             bs = type_info(wt).block_values
             if in_dim % bs or (wt in K_QUANTS and in_dim % 256):
-                lines.append(f"| {wt} | {label} | — | — | — | — | rows of {in_dim} not possible | | | |")
+                lines.append(f"| {wt} | {label} | — | — | — | — | — | — | rows of {in_dim} not possible | | | |")
                 print(lines[-1])
                 continue
             nbytes, results = bench_type_shape(ops, stream, wt, out_dim, in_dim, rng, a.sweep, not a.no_graph)
@@ -306,9 +332,12 @@ def main() -> int:
             if simt is not None:
                 cfg_txt += f"; SIMT {cfg_text(simt_cfg)}: {simt[0]:.1f} µs ({pct(simt[0]):.0f}%)"
             tcol = f"{tres[0]:.1f} | {tres[1] / tres[0] / 1e3:.0f}" if tres else "— | —"
+            if nbytes not in read_cache:
+                read_cache[nbytes] = bench_read(ops, stream, nbytes, not a.no_graph)
+            rd = read_cache[nbytes]
             all_ok = all(r[4] for r in results)
             lines.append(f"| {wt} | {label} | {nbytes / 1e6:.1f} | {us:.1f} | {gbs:.0f} | {gbs / (bw / 1e9) * 100:.0f}% | "
-                         f"{cfg_txt} | {'ok' if all_ok else '**FAIL**'} | {tcol} |")
+                         f"{rd:.1f} | {rd / us * 100:.0f}% | {cfg_txt} | {'ok' if all_ok else '**FAIL**'} | {tcol} |")
             print(lines[-1], flush=True)
             if a.sweep:
                 sweep_rows.append(f"| {wt} | {label} | " + ", ".join(
