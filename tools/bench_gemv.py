@@ -125,7 +125,8 @@ def bench_read(ops, stream, nbytes: int, use_graph: bool) -> float:
     try:
         for b in bufs:
             b.fill_bytes(1)
-        fns = [(lambda b=bufs[i % len(bufs)]: ops._launch(kern, grid, {"src": b.ptr, "n16": n16, "out": out.ptr}, stream))
+        fns = [(lambda b=bufs[i % len(bufs)]:
+                ops._launch(kern, grid, {"src": b.ptr, "n16": n16, "out": out.ptr}, stream))
                for i in range(max(len(bufs), 20))]
         return time_launches(fns, stream, use_graph)[0]
     finally:
@@ -311,7 +312,8 @@ def main() -> int:
                 continue
             bs = type_info(wt).block_values
             if in_dim % bs or (wt in K_QUANTS and in_dim % 256):
-                lines.append(f"| {wt} | {label} | — | — | — | — | — | — | rows of {in_dim} not possible | | | |")
+                lines.append(f"| {wt} | {label} | — | — | — | — | — | — | rows of {in_dim} not possible "
+                             f"| | | |")
                 print(lines[-1])
                 continue
             nbytes, results = bench_type_shape(ops, stream, wt, out_dim, in_dim, rng, a.sweep, not a.no_graph)
