@@ -7,7 +7,6 @@ small launches of every kernel over awkward shapes, each checked against its flo
 from __future__ import annotations
 
 import dataclasses
-
 import sys
 from pathlib import Path
 

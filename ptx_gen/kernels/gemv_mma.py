@@ -144,9 +144,9 @@ def _digits(k: KernelBuilder, v: Reg, f: Reg) -> Reg:
 def _x_lane_constants(k: KernelBuilder, wtype: str, lane: Reg) -> dict:
     """Where lane l's two quads of a unit's x (values 4l.. and 128 + 4l..) go in an x slot.
 
-    Q4_K/Q8_0: chunk c = q / 8 (32 values), u = q % 8, word [pair c / 2][t = u % 4][c % 2][hi = u / 4]
-    of each plane (the B fragments of lane (g, t) are then one 16-byte load per pair); the second quad
-    is 128 bytes on. Q6_K: quad q = 32 n + 8 i + 4 lh + t (value 128 n + 32 i + 16 lh + 4 t.., i.e. sub-block
+    Q8_0: chunk c = q / 8 (32 values), u = q % 8, word [pair c / 2][t = u % 4][c % 2][hi = u / 4] of
+    each plane (the B fragments of lane (g, t) are then one 16-byte load per pair); the second quad is
+    128 bytes on. Q4_K: see below. Q6_K: quad q = 32 n + 8 i + 4 lh + t (value 128 n + 32 i + 16 lh + 4 t.., i.e. sub-block
     8 n + 2 i + lh) feeds MMA m = 4 n + 2 (i % 2) + lh as column class i / 2, at word
     [m / 2][column 4 (i / 2) + digit][t][m % 2][i / 2] (see _unit_q6k)."""
     if wtype == "Q6_K":
@@ -165,8 +165,7 @@ def _x_lane_constants(k: KernelBuilder, wtype: str, lane: Reg) -> dict:
                 "sum_off": k.add(k.shl(c, 2), XSUM[wtype]), "sum_lane": k.setp("eq", u, 0)}
     woff = k.add(k.add(k.shl(k.shr(c, 1), 6), k.shl(k.and_(u, 3), 4)),
                  k.add(k.shl(k.and_(c, 1), 3), k.shl(k.shr(u, 2), 2)))
-    return {"woff": woff, "sum_off": k.add(k.shl(c, 2), XSUM[wtype]), "sum_lane": k.setp("eq", u, 0),
-            "lane0": k.setp("eq", lane, 0), "plane": PLANE, "half": 128}
+    return {"woff": woff, "lane0": k.setp("eq", lane, 0), "plane": PLANE, "half": 128}
 
 
 def _load_x(k: KernelBuilder, x: Reg, lane16: Reg, unit: Reg | int, valid: Reg | None, into: list | None = None) -> list:
@@ -382,10 +381,10 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
     }
     ctx["t_mine"] = k.add(ctx["table"], k.mul(lane, TR))
     ctx["t_g"] = k.add(ctx["table"], k.mul(g, TR))  # + 8 * TR * (2 r + h): row 16 r + 8 h + g
-    if wtype != "Q6_K":  # lane (g, t)'s B fragments: plane g (g < 4; zero columns past), word group t
+    if wtype == "Q8_0":  # lane (g, t)'s B fragments: plane g (g < 4; zero columns past), word group t
         ctx["b_ok"] = k.setp("lt", g, PARTS)
         ctx["b_lane"] = k.add(k.mul(g, PLANE), k.shl(t, 4))
-    else:
+    elif wtype == "Q6_K":
         ctx["minus32"] = [k.mov(0xE0E0E0E0, "u32")] * 4  # -32 in every byte of A
         ctx["b_q6"] = k.add(k.shl(g, 6), k.shl(t, 4))  # lane (g, t)'s B words: [m / 2][g][t][m % 2][2]
         ctx["t_gc"] = k.add(ctx["t_g"], k.shl(k.shr(t, 1), 5))  # its scales: class t / 2 of row g
