@@ -28,6 +28,8 @@ from ptx_gen.types import REG_CLASS_ORDER, PtxType, format_immediate, ptx_type
 SPACES = ("global", "shared", "local", "param", "const")
 SHUFFLE_MODES = ("down", "up", "bfly", "idx")
 COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge")
+PREFETCH_SIZES = ("64B", "128B", "256B")  # cp.async's .L2::<size> hint
+L2_EVICT = ("evict_first", "evict_last", "evict_normal", "evict_unchanged")  # createpolicy's L2 priorities
 
 
 @dataclass(frozen=True)
@@ -515,13 +517,39 @@ class KernelBuilder:
         self._need_sm90("cp.async.bulk.prefetch.L2")
         self._emit(f"cp.async.bulk.prefetch.L2.global [{addr}], {self._op(nbytes, ptx_type('u32'))};")
 
-    def cp_async(self, dst: Reg, src: Reg, pred: Reg | None = None, dst_offset: int = 0, src_offset: int = 0) -> None:
+    def cp_async(self, dst: Reg, src: Reg, pred: Reg | None = None, dst_offset: int = 0, src_offset: int = 0,
+                 *, prefetch: str | None = None, policy: Reg | None = None) -> None:
         """``cp.async.cg.shared.global [dst], [src], 16``: copy 16 bytes (both addresses 16-byte aligned)
         from global to shared memory without passing through registers, bypassing L1 (sm_80+). The
         copy lands at some point before this thread's :meth:`cp_async_wait_all`; other threads see it
-        after a barrier that follows the wait."""
-        self._emit(f"cp.async.cg.shared.global {self._address(dst, dst_offset)}, {self._address(src, src_offset)}, 16;",
-                   pred)
+        after a barrier that follows the wait.
+
+        Hints that change no result: ``prefetch`` ("64B", "128B" or "256B", ``.L2::<size>``) lets the L2
+        fetch that much around the 16 bytes on a miss; ``policy`` (from :meth:`create_policy`,
+        ``.L2::cache_hint``) says how the L2 should keep the bytes."""
+        hints = ""
+        if policy is not None:
+            if not isinstance(policy, Reg) or policy.type.bits != 64:
+                raise TypeError(f"policy must be a 64-bit register from create_policy, got {policy!r}")
+            hints += ".L2::cache_hint"
+        if prefetch is not None:
+            if prefetch not in PREFETCH_SIZES:
+                raise ValueError(f"prefetch must be one of {PREFETCH_SIZES}, got {prefetch!r}")
+            hints += f".L2::{prefetch}"
+        tail = f", {policy}" if policy is not None else ""
+        self._emit(f"cp.async.cg.shared.global{hints} {self._address(dst, dst_offset)}, "
+                   f"{self._address(src, src_offset)}, 16{tail};", pred)
+
+    def create_policy(self, evict: str = "evict_first", fraction: float = 1.0) -> Reg:
+        """``createpolicy.fractional.L2::<evict>.b64``: an L2 cache policy (sm_80+) for the given
+        ``fraction`` (0, 1] of the accesses that use it, e.g. ``evict_first`` for data streamed once."""
+        if evict not in L2_EVICT:
+            raise ValueError(f"evict must be one of {L2_EVICT}, got {evict!r}")
+        if not 0.0 < fraction <= 1.0:
+            raise ValueError(f"fraction must lie in (0, 1], got {fraction}")
+        d = self.reg("b64")
+        self._emit(f"createpolicy.fractional.L2::{evict}.b64 {d}, {float(fraction)!r};")
+        return d
 
     def grid_dependency_wait(self) -> None:
         """Place the ``griddepcontrol.wait`` of programmatic dependent launch here instead of at the

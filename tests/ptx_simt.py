@@ -566,6 +566,8 @@ class _Launch:
             return self._ldmatrix(inst, act)
         if op == "mma":
             return self._mma(inst, act)
+        if op == "createpolicy":  # an opaque L2 cache policy: only hints take it
+            return self._write(inst.args[0], np.zeros(self.n, np.uint64), act, "b64")
         if op == "griddepcontrol":  # programmatic dependent launch: one grid at a time here, a no-op
             return
         if op == "membar" or op == "fence":
@@ -856,8 +858,13 @@ class _Launch:
             return self._land(inst, act, None)
         if kind == "wait_group":  # every group but the newest N committed ones lands
             return self._land(inst, act, self.cp_group - int(inst.args[0]))
-        if kind not in ("ca", "cg") or inst.mods[2:] != ["shared", "global"] or len(inst.args) != 3:
+        hints = inst.mods[4:]  # L2 hints change no result: a cache policy operand, a prefetch size
+        policy = "L2::cache_hint" in hints
+        if (kind not in ("ca", "cg") or inst.mods[2:4] != ["shared", "global"] or len(inst.args) != 3 + policy
+                or not set(hints) <= {"L2::cache_hint", "L2::64B", "L2::128B", "L2::256B"}):
             raise EmulatorError(f"cp.async form not emulated: {inst.text}")
+        if policy:
+            self._read(inst.args[3], "b64")  # (defined, like any operand)
         size = int(inst.args[2])
         dst, _ = self._addr(inst.args[0], "shared")
         src, _ = self._addr(inst.args[1], "global")

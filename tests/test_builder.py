@@ -79,6 +79,12 @@ def _kitchen_sink(target: str) -> str:
     slot = k.add(sm, k.shl(t, 2))
     k.store("shared", "f32", slot, w)
     k.store("shared", "f32", k.add(dyn, k.shl(t, 2)), w)
+    stage = k.add(dyn, k.add(k.shl(t, 4), 1024))  # async copies, with and without L2 hints
+    k.cp_async(stage, k.add(x, off), pred=inb, prefetch="128B", policy=k.create_policy("evict_first"))
+    k.cp_async(stage, k.add(x, off), src_offset=16, prefetch="256B")
+    k.cp_async(stage, k.add(x, off), policy=k.create_policy("evict_last", 0.5))
+    k.cp_async_commit()
+    k.cp_async_wait_all()
     k.bar_sync()
     back_s = k.load("shared", "f32", slot)
     k.atom("shared", "add", "f32", sm, back_s)
@@ -185,6 +191,14 @@ def test_bad_inputs_raise_clear_errors():
         format_immediate(1 << 40, ptx_type("u32"))
     with pytest.raises(ValueError, match="unsupported target"):
         Target("sm_70")
+    with pytest.raises(ValueError, match="prefetch must be one of"):
+        k.cp_async(k.mov(0, "u32"), k.mov(0, "u64"), prefetch="32B")
+    with pytest.raises(TypeError, match="64-bit register from create_policy"):
+        k.cp_async(k.mov(0, "u32"), k.mov(0, "u64"), policy=k.mov(0, "u32"))
+    with pytest.raises(ValueError, match="evict must be one of"):
+        k.create_policy("evict_soon")
+    with pytest.raises(ValueError, match="fraction"):
+        k.create_policy("evict_first", 0.0)
 
 
 def test_ptxas_errors_carry_the_log():

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from ptx_gen import catalog
@@ -330,6 +330,8 @@ def test_gemv_split_k_emulated_matches_oracle(data, wtype, out_dim, ksplit, mode
     rows = data.draw(st.sampled_from([2, 4] if glu else [1, 2, 3, 4]), label="rows")
     if gv.shared_bytes(wtype, in_dim, rows, warps, ksplit) > gv.MAX_STATIC_SMEM:
         rows, warps = (2 if glu else 1), ksplit
+    # (the smallest CTA can still be too large: F32 GLU rows of 4104 with ksplit 8 need 49216 bytes)
+    assume(gv.shared_bytes(wtype, in_dim, rows, warps, ksplit) <= gv.MAX_STATIC_SMEM)
     residual = {"residual": True, "in_place": "in_place", "both": "in_place"}.get(mode, False)
     _emulate_gemm(np.random.default_rng(seed), wtype, in_dim, out_dim, 1, 0, rows, warps, mode in ("bias", "both"),
                   residual, glu, ksplit=ksplit)
