@@ -29,29 +29,31 @@ def _f32_buffer(tensor) -> cuda.GpuBuffer:
 
 
 class _Layer:
-    """One transformer block's weights on the device."""
+    """One transformer block's weights on the device, each laid out for the GEMV that reads it
+    (:meth:`LayerOps.upload`: tile-major where the tensor-core GEMV runs)."""
 
-    def __init__(self, tensors: dict, i: int, cfg: ModelConfig):
+    def __init__(self, tensors: dict, i: int, cfg: ModelConfig, ops: LayerOps):
         t = lambda name: tensors[f"blk.{i}.{name}"]  # noqa: E731
         self.attn_norm = _f32_buffer(t("attn_norm.weight"))
         self.ffn_norm = _f32_buffer(t("ffn_norm.weight"))
         q, k, v = t("attn_q.weight"), t("attn_k.weight"), t("attn_v.weight")
         if q.ggml_type == k.ggml_type == v.ggml_type:
-            self.qkv = [GpuWeight.concat([q, k, v], name=f"blk.{i}.attn_qkv")]
+            self.qkv = [ops.upload([q, k, v], name=f"blk.{i}.attn_qkv")]
         else:
-            self.qkv = [GpuWeight(q), GpuWeight(k), GpuWeight(v)]
+            self.qkv = [ops.upload(q), ops.upload(k), ops.upload(v)]
         self.qkv_bias = None
         if cfg.qkv_bias:
             bias = np.concatenate([t(f"attn_{n}.bias").dequantize().reshape(-1) for n in "qkv"]).astype(np.float32)
             self.qkv_bias = cuda.GpuBuffer.from_numpy(bias)
         self.q_norm = _f32_buffer(t("attn_q_norm.weight")) if cfg.qk_norm else None
         self.k_norm = _f32_buffer(t("attn_k_norm.weight")) if cfg.qk_norm else None
-        self.attn_out = GpuWeight(t("attn_output.weight"))
+        self.attn_out = ops.upload(t("attn_output.weight"))
         gate, up = t("ffn_gate.weight"), t("ffn_up.weight")
-        self.gate_up = GpuWeight.concat([gate, up], name=f"blk.{i}.ffn_gate_up") if gate.ggml_type == up.ggml_type else None
-        self.gate = None if self.gate_up else GpuWeight(gate)
-        self.up = None if self.gate_up else GpuWeight(up)
-        self.down = GpuWeight(t("ffn_down.weight"))
+        fused = gate.ggml_type == up.ggml_type
+        self.gate_up = ops.upload([gate, up], glu=True, name=f"blk.{i}.ffn_gate_up") if fused else None
+        self.gate = None if self.gate_up else ops.upload(gate)
+        self.up = None if self.gate_up else ops.upload(up)
+        self.down = ops.upload(t("ffn_down.weight"))
 
 
 class DeviceLogits:
@@ -94,9 +96,10 @@ class GpuModel:
         self.ops = LayerOps(self.device)
         self.executor = CudaExecutor(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.max_len,
                                      self.device)
-        self.layers = [_Layer(tensors, i, cfg) for i in range(cfg.num_layers)]
-        self.embed = GpuWeight(tensors["token_embd.weight"])
-        self.lm_head = self.embed if cfg.tied_embeddings or "output.weight" not in tensors else GpuWeight(
+        self.layers = [_Layer(tensors, i, cfg, self.ops) for i in range(cfg.num_layers)]
+        self.embed = GpuWeight(tensors["token_embd.weight"])  # GGUF rows: the embedding reads them
+        # (tied: the LM head's GEMV reads the embedding's rows)
+        self.lm_head = self.embed if cfg.tied_embeddings or "output.weight" not in tensors else self.ops.upload(
             tensors["output.weight"])
         self.output_norm = _f32_buffer(tensors["output_norm.weight"])
         ff = tensors.get("rope_freqs.weight")

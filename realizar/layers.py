@@ -2,7 +2,8 @@
 SwiGLU, residual/bias add, embedding lookup and argmax.
 
     ops = LayerOps()                                   # per device: kernel memo + argument cache
-    w = GpuWeight(tensor)                               # a QuantTensor's raw blocks, uploaded once
+    w = ops.upload(tensor)                              # a QuantTensor's raw blocks, uploaded once, laid
+                                                        # out for the GEMV that will read them
     ops.gemv(w, x_buf, y_buf, residual=h_buf)           # y = W x + h  (y may be h: in place)
     ops.rmsnorm(h_buf, norm_w_buf, y_buf, eps=1e-5)
     ops.rope(q_buf, k_buf, inv_freq_buf, pos_buf, n_q=32, n_kv=8, head_dim=128)
@@ -28,7 +29,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ptx_gen.kernels.gemv import MAX_STATIC_SMEM, shared_bytes, tiles_per_slice
-from ptx_gen.kernels.gemv_mma import MMA_TYPES
+from ptx_gen.kernels.gemv_mma import MMA_TYPES, tile_major
 from ptx_gen.kernels.gemv_mma import layout as mma_layout
 from ptx_gen.kernels.gemv_mma import q6k_glu_offsets_fit
 from ptx_gen.kernels.quant_layout import WEIGHT_TYPES, check_in_dim, type_info
@@ -57,15 +58,22 @@ def _wtype_name(ggml_type: Any) -> str:
     return name
 
 
+LAYOUTS = ("rows", "tiles", "glu-tiles")
+
+
 class GpuWeight:
     """A 2-D weight ``(out_dim, in_dim)`` in GGUF block form on the GPU, uploaded once.
 
     The allocation is rounded up to a multiple of 16 bytes (the kernels read whole 16-byte vectors).
     Build it from a :class:`~realizar.models.tensor.QuantTensor` or from raw bytes, type and shape.
+    ``layout``: "rows" keeps GGUF's rows; "tiles" stores the blocks tile-major for the tensor-core GEMV
+    (:func:`ptx_gen.kernels.gemv_mma.tile_major`), "glu-tiles" likewise for the fused gate/up GEMV of a
+    [gate; up] weight. Only the tensor-core GEMV reads tile-major weights; :meth:`LayerOps.upload`
+    picks the layout the weight's GEMV wants. ``nbytes`` counts the weight's own bytes (not padding).
     """
 
     def __init__(self, tensor: Any = None, *, data: np.ndarray | None = None, ggml_type: Any = None,
-                 shape: Sequence[int] | None = None, name: str = ""):
+                 shape: Sequence[int] | None = None, name: str = "", layout: str = "rows"):
         if tensor is not None:
             data, ggml_type, shape, name = tensor.data, tensor.ggml_type, tensor.shape, tensor.name
         if data is None or ggml_type is None or shape is None:
@@ -87,6 +95,17 @@ class GpuWeight:
             raise ShapeError(f"GpuWeight {name!r}: {self.wtype} {shape} needs {self.row_bytes * self.out_dim} "
                              f"bytes, got {raw.size}")
         self.nbytes = raw.size
+        if layout not in LAYOUTS:
+            raise ShapeError(f"GpuWeight {name!r}: layout must be one of {LAYOUTS}, got {layout!r}")
+        if layout != "rows":
+            if self.wtype not in MMA_TYPES:
+                raise ShapeError(f"GpuWeight {name!r}: only {', '.join(MMA_TYPES)} weights can be stored tile-major, "
+                                 f"not {self.wtype}")
+            try:
+                raw = tile_major(raw, self.wtype, self.out_dim, self.in_dim, glu=layout == "glu-tiles")
+            except ValueError as exc:
+                raise ShapeError(f"GpuWeight {name!r}: {exc}") from None
+        self.layout = layout
         padded = -(-raw.size // 16) * 16
         self.buffer = cuda.GpuBuffer(padded, np.uint8)
         if padded != raw.size:
@@ -94,7 +113,7 @@ class GpuWeight:
         self.buffer.copy_from_host_at(raw, 0)
 
     @classmethod
-    def concat(cls, tensors: Sequence[Any], name: str = "") -> "GpuWeight":
+    def concat(cls, tensors: Sequence[Any], name: str = "", layout: str = "rows") -> "GpuWeight":
         """Stack the rows of several tensors of one type and row length (e.g. [gate; up] for the
         fused SwiGLU GEMV, or Q/K/V for one QKV GEMV)."""
         types = {_wtype_name(t.ggml_type) for t in tensors}
@@ -103,7 +122,8 @@ class GpuWeight:
             raise ShapeError(f"concat needs one weight type and row length, got {sorted(types)} / {sorted(ins)}")
         data = np.concatenate([np.ascontiguousarray(t.data).reshape(-1).view(np.uint8) for t in tensors])
         out = sum(int(t.shape[0]) for t in tensors)
-        return cls(data=data, ggml_type=types.pop(), shape=(out, ins.pop()), name=name or "+".join(t.name for t in tensors))
+        return cls(data=data, ggml_type=types.pop(), shape=(out, ins.pop()), name=name or "+".join(t.name for t in tensors),
+                   layout=layout)
 
     @property
     def ptr(self) -> int:
@@ -113,7 +133,14 @@ class GpuWeight:
         self.buffer.free()
 
     def __repr__(self) -> str:
-        return f"GpuWeight({self.name!r}, {self.wtype}, ({self.out_dim}, {self.in_dim}))"
+        tail = "" if self.layout == "rows" else f", {self.layout}"
+        return f"GpuWeight({self.name!r}, {self.wtype}, ({self.out_dim}, {self.in_dim}){tail})"
+
+    def require_rows(self, what: str) -> None:
+        """Raise unless the weight keeps GGUF's rows (``what`` reads it that way)."""
+        if self.layout != "rows":
+            raise ShapeError(f"{what} reads GGUF rows, but GpuWeight {self.name!r} is stored {self.layout} for the "
+                             f"tensor-core GEMV; upload it with layout='rows' for this use")
 
 
 @dataclass(frozen=True)
@@ -199,6 +226,7 @@ class MmaConfig:
     stages: int  # cp.async ring depth per warp (units of 256 values)
     tiles: int = 1  # 16-row MMA tiles per warp
     bulk: bool = False  # sm_90: fill the ring with bulk copies (cp.async.bulk + mbarrier)
+    solo: bool = False  # shared memory raised so that one CTA holds an SM (see gemv_mma.SOLO_SMEM)
 
 
 MMA_EXTRA_CTA = 0.1  # the tensor-core GEMV dispatcher's cost of each further CTA on an SM
@@ -329,10 +357,15 @@ class LayerOps:
         tensor-core kernel (on sm_80+, where it keeps at least half the SMs busy), the rest to the SIMT
         one; ``config`` forces either (a :class:`MmaConfig` or a :class:`GemvConfig`)."""
         cfg = config
+        if weight.layout == "glu-tiles":
+            raise ShapeError(f"GpuWeight {weight.name!r} is stored for the fused gate/up GEMV: use gemv_glu")
         if cfg is None:
-            cfg = self.mma_config(weight.out_dim, weight.in_dim, weight.wtype)
+            cfg = self.mma_config(weight.out_dim, weight.in_dim, weight.wtype, layout=weight.layout)
         if cfg is None:
+            weight.require_rows("the SIMT GEMV")  # (upload picks tiles only where the tensor-core GEMV runs)
             cfg = gemv_config(weight.out_dim, self.sm_count, weight.in_dim, weight.wtype)
+        if not isinstance(cfg, MmaConfig):
+            weight.require_rows("the SIMT GEMV (a GemvConfig)")
         if isinstance(cfg, MmaConfig):
             kern = self._mma_kernel(weight, cfg, bias=bias is not None, residual=residual is not None)
         else:
@@ -349,14 +382,57 @@ class LayerOps:
 
     def _mma_kernel(self, weight: GpuWeight, cfg: MmaConfig, **flags):
         return self.kernel("gemv_mma", wtype=weight.wtype, in_dim=weight.in_dim, mtiles=cfg.mtiles, kparts=cfg.kparts,
-                           stages=cfg.stages, tiles=cfg.tiles, bulk=cfg.bulk, **flags)
+                           stages=cfg.stages, tiles=cfg.tiles, bulk=cfg.bulk, tiled=weight.layout != "rows",
+                           solo=cfg.solo, **flags)
 
-    def mma_config(self, out_dim: int, in_dim: int, wtype: str, glu: bool = False) -> MmaConfig | None:
-        """The tensor-core GEMV's launch shape on this device (None: not applicable, or before sm_80)."""
+    def mma_config(self, out_dim: int, in_dim: int, wtype: str, glu: bool = False,
+                   layout: str = "rows") -> MmaConfig | None:
+        """The tensor-core GEMV's launch shape on this device (None: not applicable, or before sm_80) for
+        a weight stored in ``layout``. On tile-major weights a launch of at most one CTA per SM asks for
+        ``solo`` shared memory (a second CTA of the launch on some SMs while others idle: 4096 x 14336 Q4_K
+        12.0 us instead of 9.6), and on sm_90 a warp's stage is one bulk copy where that measured faster
+        than cp.async: Q6_K always (14.5 vs 16.2 us at 4096 x 14336), Q4_K with one row tile per CTA
+        (4096 x 14336 9.6 vs 9.9; 14336 x 4096, 4 tiles a CTA: 10.4 vs 9.95), Q8_0 with at most two
+        units per warp (4096 x 4096 5.9 vs 6.4; 4096 x 14336 15.9 vs 15.5)."""
         cc = self.device.target.compute_capability
         if cc < (8, 0):
             return None
-        return mma_config(out_dim, in_dim, wtype, self.sm_count, self._max_smem, bulk_ok=cc >= (9, 0), glu=glu)
+        cfg = mma_config(out_dim, in_dim, wtype, self.sm_count, self._max_smem, bulk_ok=cc >= (9, 0), glu=glu)
+        if cfg is None or layout == "rows":
+            return cfg
+        ctas = -(-out_dim // ((16 if glu else 16 * cfg.tiles) * cfg.mtiles))
+        bulk = cc >= (9, 0) and (wtype == "Q6_K" or (wtype == "Q4_K" and cfg.mtiles == 1)
+                                 or (wtype == "Q8_0" and in_dim // 256 // cfg.kparts <= 2))
+        return dataclasses.replace(cfg, bulk=bulk, solo=ctas <= self.sm_count)
+
+    def weight_layout(self, out_dim: int, in_dim: int, wtype: str, glu: bool = False) -> str:
+        """How a weight should be stored for its decode GEMV on this device: tile-major where the
+        tensor-core kernel reads it (``glu``: a [gate; up] weight of 2 ``out_dim`` rows), else GGUF rows.
+        Exception: Q4_K rows of at most two units per warp, which the kernel streams with one bulk copy
+        per row and unit (4096 x 4096: 4.2 us on rows, 4.5 tile-major, on an H200)."""
+        cfg = self.mma_config(out_dim, in_dim, wtype, glu=glu)
+        if cfg is None or (wtype == "Q4_K" and cfg.bulk):
+            return "rows"
+        return "glu-tiles" if glu else "tiles"
+
+    def upload(self, tensors: Any, glu: bool = False, name: str = "") -> GpuWeight:
+        """A weight for :meth:`gemv` (or, with ``glu``, [gate; up] for :meth:`gemv_glu`) from one tensor or
+        a list to stack (:meth:`GpuWeight.concat`), in the layout its GEMV reads fastest
+        (:meth:`weight_layout`). Weights the embedding or the GEMM also read must stay in GGUF rows:
+        use ``GpuWeight`` directly."""
+        many = isinstance(tensors, (list, tuple))
+        first = tensors[0] if many else tensors
+        out_dim = sum(int(t.shape[0]) for t in tensors) if many else int(first.shape[0])
+        wtype, in_dim = _wtype_name(first.ggml_type), int(first.shape[-1])
+        if glu and out_dim % 2:
+            raise ShapeError(f"a gate/up weight holds 2 * ffn rows, got {out_dim}")
+        layout = "rows"
+        if wtype in MMA_TYPES and in_dim % 256 == 0:
+            layout = self.weight_layout(out_dim // 2 if glu else out_dim, in_dim, wtype, glu=glu)
+        if many:
+            return GpuWeight.concat(tensors, name=name, layout=layout)
+        return GpuWeight(first, layout=layout) if not name else GpuWeight(
+            data=first.data, ggml_type=first.ggml_type, shape=first.shape, name=name, layout=layout)
 
     def gemv_glu(self, gate_up: GpuWeight, x: Any, out: Any, stream: Any = None,
                  config: GemvConfig | MmaConfig | None = None) -> None:
@@ -365,11 +441,18 @@ class LayerOps:
         if gate_up.out_dim % 2:
             raise ShapeError(f"gate_up must hold 2 * ffn rows, got {gate_up.out_dim}")
         ffn = gate_up.out_dim // 2
-        cfg = config if config is not None else self.mma_config(ffn, gate_up.in_dim, gate_up.wtype, glu=True)
+        if gate_up.layout == "tiles":
+            raise ShapeError(f"GpuWeight {gate_up.name!r} is stored for a plain GEMV; the fused gate/up GEMV needs "
+                             f"layout 'glu-tiles' or 'rows'")
+        cfg = config if config is not None else self.mma_config(ffn, gate_up.in_dim, gate_up.wtype, glu=True,
+                                                                layout=gate_up.layout)
         if cfg is None:
+            gate_up.require_rows("the SIMT gate/up GEMV")
             cfg = gemv_config(gate_up.out_dim, self.sm_count, gate_up.in_dim, gate_up.wtype)
+        if not isinstance(cfg, MmaConfig):
+            gate_up.require_rows("the SIMT gate/up GEMV (a GemvConfig)")
         if isinstance(cfg, MmaConfig):
-            if gate_up.wtype == "Q6_K" and not q6k_glu_offsets_fit(ffn, gate_up.in_dim):
+            if gate_up.wtype == "Q6_K" and gate_up.layout == "rows" and not q6k_glu_offsets_fit(ffn, gate_up.in_dim):
                 raise ShapeError(f"the tensor-core Q6_K gate/up GEMV cannot address {ffn} x {gate_up.in_dim} "
                                  f"rows (32-bit offsets); leave config unset or use a GemvConfig")
             kern = self._mma_kernel(gate_up, dataclasses.replace(cfg, tiles=2), glu=True)
@@ -385,6 +468,7 @@ class LayerOps:
              stream: Any = None, tokens_per_cta: int = 4, glu: bool = False, config: GemvConfig | None = None) -> None:
         """Prefill: out[t] = W x[t] (+ bias) (+ residual[t]) for t < n_tokens (x: [n_tokens, in_dim],
         out: [n_tokens, out_dim] row-major). With ``glu`` the weight is [gate; up]."""
+        weight.require_rows("the GEMM")
         n_tokens = self._count("n_tokens", n_tokens)
         tokens_per_cta = self._count("tokens_per_cta", tokens_per_cta)
         if tokens_per_cta > 8 or (glu and tokens_per_cta > 4):
@@ -490,6 +574,7 @@ class LayerOps:
     def embedding(self, table: GpuWeight, tokens: Any, out: Any, n_tokens: int = 1, stream: Any = None) -> None:
         """out[t] = dequantized row tokens[t] of ``table`` (u32 ids in a device buffer; ids past the
         vocabulary are clamped to the last row)."""
+        table.require_rows("the embedding")
         n_tokens = self._count("n_tokens", n_tokens)
         warps = 4 if table.in_dim >= 1024 else 2
         kern = self.kernel("embedding", wtype=table.wtype, hidden=table.in_dim, warps=warps)

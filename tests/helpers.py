@@ -27,19 +27,20 @@ def assert_close(actual: np.ndarray, expected: np.ndarray, rtol: float, what: st
     )
 
 
-def fit_mma_shape(wtype: str, units: int, mtiles: int, kparts: int, stages: int, tiles: int) -> tuple[int, ...]:
+def fit_mma_shape(wtype: str, units: int, mtiles: int, kparts: int, stages: int, tiles: int,
+                  tiled: bool = False) -> tuple[int, ...]:
     """A drawn tensor-core GEMV launch shape shrunk to one that exists: at most 8 warps (fewer K parts
     first, then fewer warps along the rows), then a ring that fits the shared memory (fewer stages,
     then fewer warps along the rows). Returns (in_dim, mtiles, kparts, stages), in_dim = 256 kparts units
-    (Q6_K: 2048 units, the multiple its tensor-core kernel needs)."""
+    (Q6_K on GGUF rows: 2048 units, the multiple its tensor-core kernel needs)."""
     from ptx_gen.kernels.gemv_mma import layout
 
     while mtiles * kparts > 8:
         kparts, mtiles = (kparts // 2, mtiles) if kparts > 1 else (kparts, mtiles - 1)
-    in_dim = 2048 * units if wtype == "Q6_K" else 256 * kparts * units
+    in_dim = 2048 * units if wtype == "Q6_K" and not tiled else 256 * kparts * units
     while True:
         try:
-            layout(wtype, in_dim, mtiles, kparts, stages, tiles)
+            layout(wtype, in_dim, mtiles, kparts, stages, tiles, tiled)
             return in_dim, mtiles, kparts, stages
         except ValueError:  # more shared memory than a CTA may have
             stages, mtiles = ({8: 4, 4: 3, 3: 2}[stages], mtiles) if stages > 2 else (stages, mtiles - 1)

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from ptx_gen import catalog
 from ptx_gen.kernels import gemv as gv
+from ptx_gen.kernels.gemv_mma import tile_major
 from ptx_gen.kernels.quant_layout import DENSE, K_QUANTS, WEIGHT_TYPES, type_info
 from ptx_gen.kernels.rmsnorm import default_block
 from ptx_gen.kernels.rope import inv_freq_table
@@ -512,26 +513,30 @@ def test_argmax_emulated_exact(n, parts, mode, seed):
        kparts=st.sampled_from([1, 2, 4, 8]), stages=st.sampled_from([2, 3, 4, 8]), tiles=st.sampled_from([1, 2]),
        units=st.integers(1, 5), target=st.sampled_from(["sm_80", "sm_90", "sm_90 bulk"]),
        bias=st.booleans(), residual=st.booleans(), scale=st.sampled_from([1e-3, 1.0, 500.0]),
-       seed=st.integers(0, 2**32 - 1))
+       tiled=st.booleans(), solo=st.booleans(), seed=st.integers(0, 2**32 - 1))
 def test_gemv_mma_emulated_matches_oracle(wtype, out_dim, mtiles, kparts, stages, tiles, units, target, bias, residual,
-                                          scale, seed):
+                                          scale, tiled, solo, seed):
     """The tensor-core GEMV on the emulator (ldmatrix, int8 mma, a ring with wrap-around filled by
     cp.async, or on sm_90 by bulk copies + mbarriers, K parts combined in shared memory) vs the
     float64 oracle; x spans 1e-3..500 with one outlier. Q6_K: units at all 8 phases of a 16-byte chunk
-    (in_dim up to 10240), its last chunk read only up to the block's end (the emulator checks bounds)."""
+    (in_dim up to 10240), its last chunk read only up to the block's end (the emulator checks bounds).
+    ``tiled``: W tile-major (tile_major, zero-filled past out_dim; Q6_K rows at every 2-byte phase of
+    a word, any in_dim multiple of 256, bulk copies too); ``solo``: the larger shared-memory request."""
     rng = np.random.default_rng(seed)
-    if wtype == "Q6_K":
+    if wtype == "Q6_K" and not tiled:
         target, units = target.replace(" bulk", ""), min(units, 3)
-    in_dim, mtiles, kparts, stages = fit_mma_shape(wtype, units, mtiles, kparts, stages, tiles)
+    in_dim, mtiles, kparts, stages = fit_mma_shape(wtype, units, mtiles, kparts, stages, tiles, tiled)
     raw = random_weight(rng, wtype, out_dim, in_dim)
     x = random_array(rng, in_dim, scale)
     x[rng.integers(0, in_dim)] *= 300
     b = rng.standard_normal(out_dim).astype(np.float32) if bias else None
     r = rng.standard_normal(out_dim).astype(np.float32) if residual else None
     k = catalog.emit("gemv_mma", target=target.split()[0], wtype=wtype, in_dim=in_dim, mtiles=mtiles, kparts=kparts,
-                     stages=stages, bias=bias, residual=residual, tiles=tiles, bulk=target.endswith("bulk"))
+                     stages=stages, bias=bias, residual=residual, tiles=tiles, bulk=target.endswith("bulk"),
+                     tiled=tiled, solo=solo)
     mem = Memory()
-    params = dict(w=mem.alloc_array(raw if wtype == "Q6_K" else _pad16(raw)), x=mem.alloc_array(x),
+    wbytes = tile_major(raw, wtype, out_dim, in_dim) if tiled else raw if wtype == "Q6_K" else _pad16(raw)
+    params = dict(w=mem.alloc_array(wbytes), x=mem.alloc_array(x),
                   y=mem.alloc(4 * out_dim), out_dim=out_dim)
     if bias:
         params["bias"] = mem.alloc_array(b)
@@ -634,19 +639,21 @@ def test_gemv_mma_dispatcher_picks_assemble_without_spills(wtype):
 @settings(max_examples=15, deadline=None)
 @given(wtype=st.sampled_from(["Q4_K", "Q8_0", "Q6_K"]), ffn=st.integers(1, 40), mtiles=st.integers(1, 3),
        kparts=st.sampled_from([1, 2]), units=st.integers(1, 3), target=st.sampled_from(["sm_80", "sm_90 bulk"]),
-       seed=st.integers(0, 2**32 - 1))
-def test_gemv_glu_mma_emulated_matches_oracle(wtype, ffn, mtiles, kparts, units, target, seed):
-    """The tensor-core fused gate/up GEMV on the emulator: y = silu(gate . x) * (up . x)."""
+       tiled=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_gemv_glu_mma_emulated_matches_oracle(wtype, ffn, mtiles, kparts, units, target, tiled, seed):
+    """The tensor-core fused gate/up GEMV on the emulator: y = silu(gate . x) * (up . x); ``tiled``: W
+    tile-major with gate and up rows paired in each tile (tile_major(glu=True))."""
     rng = np.random.default_rng(seed)
-    in_dim = 2048 * units if wtype == "Q6_K" else 256 * kparts * units
-    if wtype == "Q6_K":
+    in_dim = 2048 * units if wtype == "Q6_K" and not tiled else 256 * kparts * units
+    if wtype == "Q6_K" and not tiled:
         target = target.replace(" bulk", "")
     raw = random_weight(rng, wtype, 2 * ffn, in_dim)
     x = rng.standard_normal(in_dim).astype(np.float32)
     k = catalog.emit("gemv_mma", target=target.split()[0], wtype=wtype, in_dim=in_dim, mtiles=mtiles, kparts=kparts,
-                     stages=2, tiles=2, glu=True, bulk=target.endswith("bulk"))
+                     stages=2, tiles=2, glu=True, bulk=target.endswith("bulk"), tiled=tiled)
     mem = Memory()
-    params = dict(w=mem.alloc_array(_pad16(raw)), x=mem.alloc_array(x), y=mem.alloc(4 * ffn), out_dim=ffn)
+    wbytes = tile_major(raw, wtype, 2 * ffn, in_dim, glu=True) if tiled else _pad16(raw)
+    params = dict(w=mem.alloc_array(wbytes), x=mem.alloc_array(x), y=mem.alloc(4 * ffn), out_dim=ffn)
     simt_run(k.ptx, grid=(-(-ffn // k.meta["rows_per_cta"]),), block=(k.meta["block"],), params=params, memory=mem,
              shared_bytes=k.meta["dyn_smem"])
     y = mem.read(params["y"], np.float32, ffn)
@@ -685,3 +692,46 @@ def test_gemv_mma_poisons_rows_for_nan_or_inf_x(wtype, bad):
     params = dict(w=mem.alloc_array(_pad16(raw)), x=mem.alloc_array(x), y=mem.alloc(4 * out_dim), out_dim=out_dim)
     simt_run(k.ptx, grid=(1,), block=(k.meta["block"],), params=params, memory=mem, shared_bytes=k.meta["dyn_smem"])
     assert np.isnan(mem.read(params["y"], np.float32, out_dim)).all()
+
+
+@pytest.mark.parametrize("wtype", ["Q4_K", "Q8_0", "Q6_K"])
+@pytest.mark.parametrize("out_dim", [1, 31, 32, 45, 64])
+def test_tile_major_places_every_unit_where_the_kernel_reads_it(wtype, out_dim):
+    """tile_major: row r's unit u at ((r // 32) * units + u) * 32 T + (r % 32) T (T = TILE_UNIT: Q6_K's
+    210 bytes padded with 2 zeros), zeros past out_dim; with glu, tile T holds gate rows 16 T.. then up
+    rows 16 T.. (the rows of outputs 16 T..16 T + 15)."""
+    from ptx_gen.kernels.gemv_mma import TILE_ROWS, TILE_UNIT, UNIT_BYTES
+
+    ub, tu, units = UNIT_BYTES[wtype], TILE_UNIT[wtype], 3
+    raw = np.random.default_rng(out_dim).integers(1, 256, out_dim * units * ub, dtype=np.uint8)
+    rows = raw.reshape(out_dim, units, ub)
+    zero = np.zeros(tu, np.uint8)
+
+    def unit(r, u):
+        return np.r_[rows[r, u], np.zeros(tu - ub, np.uint8)]
+    t = tile_major(raw, wtype, out_dim, 256 * units)
+    n_t = -(-out_dim // TILE_ROWS)
+    assert t.size == n_t * TILE_ROWS * units * tu
+    for r in range(n_t * TILE_ROWS):
+        for u in range(units):
+            at = ((r // TILE_ROWS) * units + u) * TILE_ROWS * tu + (r % TILE_ROWS) * tu
+            assert (t[at:at + tu] == (unit(r, u) if r < out_dim else zero)).all(), (r, u)
+    if out_dim % 2 == 0:  # [gate; up] with ffn = out_dim / 2 outputs
+        ffn, half = out_dim // 2, TILE_ROWS // 2
+        g = tile_major(raw, wtype, out_dim, 256 * units, glu=True)
+        assert g.size == -(-ffn // half) * TILE_ROWS * units * tu
+        for o in range(-(-ffn // half) * half):
+            for u in range(units):
+                base = ((o // half) * units + u) * TILE_ROWS * tu
+                for which, at in ((0, base + (o % half) * tu), (1, base + (half + o % half) * tu)):
+                    want = unit(which * ffn + o, u) if o < ffn else zero
+                    assert (g[at:at + tu] == want).all(), (o, u, which)
+
+
+def test_tile_major_rejects_wrong_sizes():
+    with pytest.raises(ValueError, match="multiple of 256"):
+        tile_major(np.zeros(10 * 144, np.uint8), "Q4_K", 10, 300)
+    with pytest.raises(ValueError, match="needs in_dim a multiple of 256 and 1440 bytes"):
+        tile_major(np.zeros(100, np.uint8), "Q4_K", 10, 256)
+    with pytest.raises(ValueError, match="2 ffn rows"):
+        tile_major(np.zeros(3 * 144, np.uint8), "Q4_K", 3, 256, glu=True)

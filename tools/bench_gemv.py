@@ -158,21 +158,31 @@ def sweep_configs(wtype: str, in_dim: int, bulk_ok: bool = False) -> list[GemvCo
 
 def cfg_text(cfg: GemvConfig | MmaConfig) -> str:
     if isinstance(cfg, MmaConfig):
-        return f"mma m{cfg.mtiles} p{cfg.kparts} s{cfg.stages} t{cfg.tiles}" + (" bulk" if cfg.bulk else "")
+        return (f"mma m{cfg.mtiles} p{cfg.kparts} s{cfg.stages} t{cfg.tiles}" + (" bulk" if cfg.bulk else "")
+                + (" solo" if cfg.solo else ""))
     return f"r{cfg.rows} w{cfg.warps} s{cfg.ksplit}"
 
 
-def bench_type_shape(ops, stream, wtype, out_dim, in_dim, rng, sweep: bool, use_graph: bool):
-    raw = random_weight(rng, wtype, out_dim, in_dim)
-    base = GpuWeight(data=raw, ggml_type=wtype, shape=(out_dim, in_dim))
-    nbytes = base.nbytes
-    copies = [base]
-    for _ in range(n_copies(nbytes) - 1):
+def _copies(base: GpuWeight, n: int) -> list[GpuWeight]:
+    """``base`` and n - 1 copies of its bytes (a rotation over them keeps the L2 from serving them)."""
+    out = [base]
+    for _ in range(n - 1):
         w = GpuWeight.__new__(GpuWeight)
         w.__dict__.update(base.__dict__)
         w.buffer = cuda.GpuBuffer(base.buffer.count, np.uint8)
         w.buffer.copy_from(base.buffer)
-        copies.append(w)
+        out.append(w)
+    return out
+
+
+def bench_type_shape(ops, stream, wtype, out_dim, in_dim, rng, sweep: bool, use_graph: bool):
+    """Each configuration timed on the layout it reads: the dispatcher's pick on the weight as
+    ``LayerOps.upload`` stores it (tile-major for the tensor-core GEMV), the rest on GGUF rows."""
+    raw = random_weight(rng, wtype, out_dim, in_dim)
+    base = GpuWeight(data=raw, ggml_type=wtype, shape=(out_dim, in_dim))
+    nbytes = base.nbytes
+    layout = ops.weight_layout(out_dim, in_dim, wtype) if wtype in MMA_TYPES and in_dim % 256 == 0 else "rows"
+    copies = {"rows": _copies(base, n_copies(nbytes))}
     x = rng.standard_normal(in_dim).astype(np.float32)
     dx = cuda.GpuBuffer.from_numpy(x)
     dy = cuda.GpuBuffer(out_dim)
@@ -181,32 +191,37 @@ def bench_type_shape(ops, stream, wtype, out_dim, in_dim, rng, sweep: bool, use_
     wd = dequant(raw.reshape(out_dim, base.row_bytes)[pick].reshape(-1), wtype, pick.size, in_dim).astype(np.float64)
     ref = wd @ x
 
-    def check(cfg: GemvConfig) -> bool:
+    def check(cfg: GemvConfig, w: GpuWeight) -> bool:
         dy.poison(stream)
-        ops.gemv(base, dx, dy, config=cfg, stream=stream)
+        ops.gemv(w, dx, dy, config=cfg, stream=stream)
         stream.synchronize()
         got = dy.to_numpy()[pick]
         return bool(np.isfinite(got).all() and np.abs(got - ref).max() <= 1e-4 * max(np.abs(ref).max(), 1e-30))
 
     simt = gemv_config(out_dim, ops.sm_count, in_dim, wtype)
-    default = ops.mma_config(out_dim, in_dim, wtype) or simt
+    default = ops.mma_config(out_dim, in_dim, wtype, layout=layout) or simt
+    if layout != "rows":
+        tiled = GpuWeight(data=raw, ggml_type=wtype, shape=(out_dim, in_dim), layout=layout)
+        copies[layout] = _copies(tiled, n_copies(nbytes))
     configs = [default] + ([simt] if simt != default else [])
     bulk_ok = ops.device.target.compute_capability >= (9, 0)
     configs += [c for c in sweep_configs(wtype, in_dim, bulk_ok) if c not in configs] if sweep else []
     results = []
     n_launch = max(len(copies), 20)
     for cfg in configs:
+        ws = copies[layout if cfg is default else "rows"]
         try:
-            ok = check(cfg)
-            fns = [(lambda w=copies[i % len(copies)], c=cfg: ops.gemv(w, dx, dy, stream=stream, config=c))
+            ok = check(cfg, ws[0])
+            fns = [(lambda w=ws[i % len(ws)], c=cfg: ops.gemv(w, dx, dy, stream=stream, config=c))
                    for i in range(n_launch)]
             us, mode = time_launches(fns, stream, use_graph)
         except Exception as exc:  # noqa: BLE001 - report and go on with the other configurations
             print(f"  {wtype} {out_dim}x{in_dim} {cfg_text(cfg)}: {exc}")
             continue
         results.append((us, cfg, mode, cfg is default, ok))
-    for w in copies:
-        w.free()
+    for ws in copies.values():
+        for w in ws:
+            w.free()
     dx.free()
     dy.free()
     return nbytes, results
@@ -378,10 +393,11 @@ def write(path: Path | None, lines: list[str]) -> None:
 def bench_glu(ops, stream, wtype, ffn, hidden, rng, use_graph: bool) -> tuple[float, float]:
     """(µs of gate GEMV + up GEMV + swiglu, µs of the fused GLU GEMV), rotating weight copies."""
     raw = random_weight(rng, wtype, 2 * ffn, hidden)
-    fused = GpuWeight(data=raw, ggml_type=wtype, shape=(2 * ffn, hidden))
+    glu_layout, layout = ops.weight_layout(ffn, hidden, wtype, glu=True), ops.weight_layout(ffn, hidden, wtype)
+    fused = GpuWeight(data=raw, ggml_type=wtype, shape=(2 * ffn, hidden), layout=glu_layout)
     half = fused.row_bytes * ffn
-    gate = GpuWeight(data=raw[:half], ggml_type=wtype, shape=(ffn, hidden))
-    up = GpuWeight(data=raw[half:], ggml_type=wtype, shape=(ffn, hidden))
+    gate = GpuWeight(data=raw[:half], ggml_type=wtype, shape=(ffn, hidden), layout=layout)
+    up = GpuWeight(data=raw[half:], ggml_type=wtype, shape=(ffn, hidden), layout=layout)
     n = n_copies(fused.nbytes, cap=16)
     sets = [(fused, gate, up)]
     for _ in range(n - 1):

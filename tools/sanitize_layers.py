@@ -20,12 +20,12 @@ from realizar.layers import GemvConfig, GpuWeight, LayerOps, MmaConfig, inv_freq
 from tests.layer_oracles import dequant, random_weight, rmsnorm_oracle, silu  # noqa: E402
 
 
-def _gemv_case(ops, rng, wt: str, out_dim: int, in_dim: int, cfg) -> None:
+def _gemv_case(ops, rng, wt: str, out_dim: int, in_dim: int, cfg, layout: str = "rows") -> None:
     """y = W x + y (in place) with launch shape ``cfg``, checked against float64."""
     raw = random_weight(rng, wt, out_dim, in_dim)
     x = rng.standard_normal(in_dim).astype(np.float32)
     r = rng.standard_normal(out_dim).astype(np.float32)
-    w = GpuWeight(data=raw, ggml_type=wt, shape=(out_dim, in_dim))
+    w = GpuWeight(data=raw, ggml_type=wt, shape=(out_dim, in_dim), layout=layout)
     with cuda.GpuBuffer.from_numpy(x) as dx, cuda.GpuBuffer.from_numpy(r) as dy:
         ops.gemv(w, dx, dy, residual=dy, config=cfg)
         ref = dequant(raw, wt, out_dim, in_dim).astype(np.float64) @ x + r
@@ -60,6 +60,8 @@ def cases(cache, rng, small: bool) -> None:
                 _gemv_case(ops, rng, wt, out_dim, 2048 * 3, dataclasses.replace(cfg, bulk=False))
             else:
                 _gemv_case(ops, rng, wt, out_dim, 256 * cfg.kparts * 3, cfg)
+            # tile-major weights (the last tile zero-filled past out_dim), one CTA an SM
+            _gemv_case(ops, rng, wt, out_dim, 256 * cfg.kparts * 3, dataclasses.replace(cfg, solo=True), "tiles")
     # fused gate/up and the prefill GEMM
     raw = random_weight(rng, "Q4_K", 2 * 7, 256)
     w = GpuWeight(data=raw, ggml_type="Q4_K", shape=(14, 256))
@@ -71,6 +73,11 @@ def cases(cache, rng, small: bool) -> None:
         assert np.abs(dy.to_numpy() - ref).max() <= 1e-4 * np.abs(ref).max()
         ops.gemm(w, dx, dz, 5, tokens_per_cta=3)
         assert np.abs(dz.to_numpy((5, 14)) - X @ wd.T).max() <= 1e-4 * np.abs(X @ wd.T).max()
+        wg = GpuWeight(data=raw, ggml_type="Q4_K", shape=(14, 256), layout="glu-tiles")
+        dy.poison()
+        ops.gemv_glu(wg, dx, dy, config=MmaConfig(1, 1, 2, 2, bulk_ok))
+        assert np.abs(dy.to_numpy() - ref).max() <= 1e-4 * np.abs(ref).max()
+        wg.free()
     w.free()
     # norms, rope, elementwise, argmax
     for hidden in (64, 4100):

@@ -48,6 +48,8 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
+
 from ptx_gen.builder import KernelBuilder, Module, Reg
 from ptx_gen.catalog import kernel
 from ptx_gen.kernels import quant_layout as ql
@@ -73,6 +75,15 @@ XSLOT = {wt: INVF[wt] + 16 for wt in INVF}
 # per warp and row, per unit: 8 int32 sub-block scales and d / f (Q4_K), 8 block scales d / f (Q8_0),
 # or 16 int32 sub-block scales (as the two lane classes use them) and d / f (Q6_K)
 TABLE_ROW = {"Q4_K": 48, "Q8_0": 48, "Q6_K": 80}
+TILE_ROWS = 32  # rows of a tile of tile-major weights (tile_major)
+# bytes of a row's unit in a tile: Q6_K's 210 padded to 212, so that every row starts on a word (its
+# words then load as they are, with no second load and funnel shift: 4096 x 14336 Q6_K measured
+# faster with the 1% more bytes)
+TILE_UNIT = {"Q4_K": 144, "Q8_0": 272, "Q6_K": 212}
+# shared memory a ``solo`` CTA asks for, so that no second CTA fits its SM (two need 2 x (this + 1 KiB)
+# > 228 KiB). Found on an H200: where two CTAs of one long-K launch (or of two launches under
+# programmatic dependent launch) share SMs while others idle, 4096 x 14336 Q4_K takes 12.0 us, not 9.7
+SOLO_SMEM = 120 * 1024
 
 
 def q6k_glu_offsets_fit(ffn: int, in_dim: int) -> bool:
@@ -81,9 +92,11 @@ def q6k_glu_offsets_fit(ffn: int, in_dim: int) -> bool:
     return (ffn + 16) * (in_dim // 256 * UNIT_BYTES["Q6_K"]) + 16 * Q6K_CHUNKS < 2**31
 
 
-def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, tiles: int = 1) -> dict:
+def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, tiles: int = 1, tiled: bool = False,
+           solo: bool = False) -> dict:
     """Validated shape and the dynamic shared-memory layout (byte offsets) of a variant (``tiles``:
-    16-row MMA tiles per warp)."""
+    16-row MMA tiles per warp; ``tiled``: W tile-major, see :func:`tile_major`; ``solo``: at least
+    ``SOLO_SMEM`` bytes, so that one CTA holds an SM)."""
     if wtype not in UNIT_BYTES:
         raise ValueError(f"the tensor-core GEMV handles {MMA_TYPES}, not {wtype}")
     if mtiles not in range(1, 9) or kparts not in (1, 2, 4, 8) or tiles not in (1, 2) or mtiles * kparts > 8:
@@ -94,12 +107,12 @@ def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, tiles
         raise ValueError(f"stages must be 2, 3, 4 or 8, got {stages}")
     if in_dim <= 0 or in_dim % (256 * kparts):
         raise ValueError(f"in_dim must be a positive multiple of 256 * kparts = {256 * kparts}, got {in_dim}")
-    if wtype == "Q6_K" and in_dim % 2048:
+    if wtype == "Q6_K" and in_dim % 2048 and not tiled:
         # 8 blocks = 1680 bytes = 105 16-byte chunks: then every row starts 16-byte aligned and all rows
         # of a unit share its phase
         raise ValueError(f"the tensor-core Q6_K GEMV needs in_dim a multiple of 2048, got {in_dim}")
     warps = mtiles * kparts
-    unit = STRIDE[wtype]
+    unit = TILE_UNIT[wtype] if tiled else STRIDE[wtype]  # (tile-major: a stage is its tile's bytes as they are)
     rows = 16 * tiles
     off = {}
     pos = 0
@@ -119,7 +132,41 @@ def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, tiles
                          f"tiles={tiles} need {pos} bytes of shared memory, more than {MAX_DYN_SMEM}: fewer warps or "
                          f"stages")
     return dict(stride=unit, units=in_dim // 256, per_warp=in_dim // 256 // kparts, warps=warps, smem=pos, off=off,
-                row_bytes=in_dim // 256 * UNIT_BYTES[wtype], rows=rows)
+                row_bytes=in_dim // 256 * UNIT_BYTES[wtype], rows=rows, launch_smem=max(pos, SOLO_SMEM) if solo else pos)
+
+
+def tile_major(raw: np.ndarray, wtype: str, out_dim: int, in_dim: int, glu: bool = False) -> np.ndarray:
+    """W's bytes (GGUF rows, ``out_dim`` x ``in_dim``) as the ``tiled`` kernels read them: tiles of
+    ``TILE_ROWS`` rows, and within a tile unit by unit, each unit's ``TILE_ROWS`` rows of 256 values back
+    to back, ``TILE_UNIT`` bytes apart (Q6_K: its 210 bytes and 2 zero bytes), i.e. ``TILE_ROWS *
+    TILE_UNIT`` contiguous bytes, what one warp stages. Tile T, unit u starts at byte ``(T * units + u)
+    * TILE_ROWS * TILE_UNIT``; the last tile is zero-filled past ``out_dim``.
+    With ``glu`` W is [gate; up] (``out_dim`` = 2 ffn rows) and tile T holds gate rows 16 T .. 16 T + 15
+    and then up rows 16 T .. 16 T + 15 (the rows a warp of the fused gate/up GEMV takes)."""
+    ub, tu, units = UNIT_BYTES[wtype], TILE_UNIT[wtype], in_dim // 256
+    rows = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+    if in_dim % 256 or rows.size != out_dim * units * ub:
+        raise ValueError(f"tile_major: {wtype} {out_dim} x {in_dim} needs in_dim a multiple of 256 and "
+                         f"{out_dim * units * ub} bytes, got in_dim {in_dim} and {rows.size} bytes")
+    rows = rows.reshape(out_dim, units, ub)
+    if tu != ub:
+        rows = np.concatenate([rows, np.zeros((out_dim, units, tu - ub), np.uint8)], axis=2)
+        ub = tu
+    if glu:
+        if out_dim % 2:
+            raise ValueError(f"tile_major: a gate/up weight holds 2 ffn rows, got {out_dim}")
+        half = TILE_ROWS // 2
+        ffn = out_dim // 2
+        n_t = -(-ffn // half)
+        pad = np.zeros((2, n_t * half, units, ub), np.uint8)
+        pad[0, :ffn], pad[1, :ffn] = rows[:ffn], rows[ffn:]
+        tiles = pad.reshape(2, n_t, half, units, ub).transpose(1, 3, 0, 2, 4)  # (T, u, gate/up, row, bytes)
+    else:
+        n_t = -(-out_dim // TILE_ROWS)
+        pad = np.zeros((n_t * TILE_ROWS, units, ub), np.uint8)
+        pad[:out_dim] = rows
+        tiles = pad.reshape(n_t, TILE_ROWS, units, ub).transpose(0, 2, 1, 3)  # (T, u, row, bytes)
+    return np.ascontiguousarray(tiles).reshape(-1)
 
 
 def _mod(k: KernelBuilder, j: Reg, n: int) -> Reg:
@@ -211,23 +258,24 @@ def _convert_x(k: KernelBuilder, wtype: str, vals: list, slot: Reg, xc: dict) ->
 
 
 def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, bias: bool,
-          residual: bool, tiles: int = 1, bulk: bool = False, glu: bool = False) -> KernelBuilder:
-    lay = layout(wtype, in_dim, mtiles, kparts, stages, tiles)
+          residual: bool, tiles: int = 1, bulk: bool = False, glu: bool = False, tiled: bool = False,
+          solo: bool = False) -> KernelBuilder:
+    lay = layout(wtype, in_dim, mtiles, kparts, stages, tiles, tiled, solo)
     if glu and (tiles != 2 or bias or residual):
         raise ValueError("glu needs tiles=2 (a warp's 16 gate rows and their 16 up rows) and no bias/residual")
     if bulk and m.target.compute_capability < (9, 0):
         raise ValueError(f"bulk copies need sm_90 or newer, the target is {m.target}")
-    if bulk and wtype == "Q6_K":
-        raise ValueError("Q6_K blocks (210 bytes) are not 16-byte aligned: no bulk copies")
+    if bulk and wtype == "Q6_K" and not tiled:
+        raise ValueError("Q6_K rows (210-byte blocks) are not 16-byte aligned: no bulk copies unless tile-major")
     U, n_units, warps, R = lay["stride"], lay["per_warp"], lay["warps"], lay["rows"]  # U: a staged row's bytes
     params = gemv_params(bias, residual)
     name = (f"gemv_mma_{wtype.lower()}_k{in_dim}_m{mtiles}_p{kparts}_s{stages}" + (f"_t{tiles}" if tiles > 1 else "")
-            + ("_bulk" if bulk else "") + ("_glu" if glu else "")
+            + ("_bulk" if bulk else "") + ("_tiled" if tiled else "") + ("_solo" if solo else "") + ("_glu" if glu else "")
             + ("_bias" if bias else "") + ("_res" if residual else ""))
     k = m.kernel(name, params)
     k.max_threads = 32 * warps  # .maxntid: ptxas keeps the registers within what the whole CTA can get
-    k.meta.update(block=32 * warps, rows_per_cta=(16 if glu else R) * mtiles, dyn_smem=lay["smem"],
-                  row_bytes=lay["row_bytes"])
+    k.meta.update(block=32 * warps, rows_per_cta=(16 if glu else R) * mtiles, dyn_smem=lay["launch_smem"],
+                  row_bytes=lay["row_bytes"], tiled=tiled)
     out_dim = k.param("out_dim")
     tid = k.tid()
     lane, warp = k.and_(tid, 31), k.shr(tid, 5)
@@ -263,6 +311,21 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
             return j * kparts
         return k.mad(j, kparts, kp0) if isinstance(j, Reg) else k.add(kp0, j * kparts)
 
+    if tiled:
+        # W tile-major (tile_major): the warp's R rows of unit u are R U contiguous bytes of tile T, the
+        # tile of its first row (glu: of its first output, 16 a tile). Stored like that, each stage is one
+        # stream of bytes, and the launch reads whole tiles side by side: 4096 x 14336 Q4_K 9.7 us against
+        # 10.5 for the same kernel on GGUF rows, where a stage is R pieces of U bytes, 8 U apart... (H200)
+        # (warps whose rows all lie past out_dim read the last rows instead, and store nothing)
+        rt = 16 if glu else R
+        first = k.min(row_base, k.and_(last, (0xFFFFFFFF // rt) * rt))
+        tile0 = k.add(w, k.mul_wide(k.mul(k.shr(first, 4 if glu else 5), lay["units"]), TILE_ROWS * U))
+        if not glu and R < TILE_ROWS:  # 16-row warps: the second half of a tile starts 16 U in
+            tile0 = k.add(tile0, k.cvt(k.mul(k.and_(first, TILE_ROWS - 1), U), "u64"))
+
+        def tile_src(j: Reg | int) -> Reg:
+            u = unit_of(j)
+            return k.add(tile0, k.mul_wide(u, TILE_ROWS * U) if isinstance(u, Reg) else u * TILE_ROWS * U)
     if bulk:
         # sm_90 ``bulk``: lane r < R copies row r's U bytes of a unit with one bulk copy (the tensor
         # memory accelerator: no per-16-byte instructions, no load-store queue); lane 0 announces the
@@ -283,6 +346,10 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
             slot = _mod(k, j, stages) if isinstance(j, Reg) else j % stages
             mb = k.add(mbar, k.shl(slot, 3)) if isinstance(slot, Reg) else k.add(mbar, 8 * slot)
             k.mbarrier_expect_tx(mb, R * U, pred=k.both(lane0, valid))
+            if tiled:  # the whole stage, one copy
+                k.cp_async_bulk(k.add(ring, slot_off) if isinstance(slot_off, Reg) or slot_off else ring, tile_src(j),
+                                R * U, mb, pred=k.both(lane0, valid))
+                return
             src = k.add(src_lane, k.mul_wide(j, U * kparts) if isinstance(j, Reg) else j * U * kparts)
             dst = k.add(dst_lane, slot_off) if isinstance(slot_off, Reg) or slot_off else dst_lane
             k.cp_async_bulk(dst, src, U, mb, pred=k.both(row_lane, valid))
@@ -291,6 +358,20 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
             slot = _mod(k, j, stages)
             k.mbarrier_wait(k.add(mbar, k.shl(slot, 3)), k.and_(_div(k, j, stages), 1))  # the slot's use count
             k.bar_warp_sync()  # (the x slot the warp's lanes wrote last step)
+    elif tiled:
+        # 16-byte chunk c = lane + 32 q of the stage, from the tile's bytes to the same offset in the ring
+        nchunks = R * U // 16
+        lane16w = k.cvt(k.shl(lane, 4), "u64")
+        dst0 = k.add(ring, k.shl(lane, 4))
+        oks = [k.setp("lt", k.add(lane, 32 * q), nchunks) if (q + 1) * 32 > nchunks else None
+               for q in range(-(-nchunks // 32))]
+
+        def issue(j: Reg | int, slot_off: Reg | int, valid: Reg | None) -> None:
+            src = k.add(tile_src(j), lane16w)
+            dst = k.add(dst0, slot_off) if isinstance(slot_off, Reg) or slot_off else dst0
+            for q, ok in enumerate(oks):
+                k.cp_async(dst, src, pred=k.both(ok, valid), dst_offset=512 * q, src_offset=512 * q, **hints)
+            k.cp_async_commit()
     elif wtype == "Q6_K":
         # unit u of a row is 210 u.. (phase p = 210 u % 16 = 2 (u % 8), the same for all rows as rows are
         # 16-byte multiples): the 14 chunks from 210 u - p, chunk c = lane + 32 q of the unit being row
@@ -417,7 +498,7 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
             _unit_q4k(k, ctx, sbase, xslot, acc, minacc)
         elif wtype == "Q6_K":
             u = unit_of(j)
-            _unit_q6k(k, ctx, sbase, xslot, acc, k.shl(k.and_(u, 7), 1))
+            _unit_q6k(k, ctx, sbase, xslot, acc, None if tiled else k.shl(k.and_(u, 7), 1))
         else:
             _unit_q8_0(k, ctx, sbase, xslot, acc)
         k.bar_warp_sync()  # every lane is done with the ring slot and the x slot: refill them
@@ -539,8 +620,9 @@ def _sext_byte(k: KernelBuilder, word: Reg, b: int) -> Reg:
     return k.prmt(word, 0, (s << 12) | (s << 8) | (s << 4) | b)
 
 
-def _unit_q6k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, p: Reg) -> None:
-    """One Q6_K block of the warp's rows, staged at ``sbase`` + 240 r + ``p`` (row r; p = 0, 2, .., 14).
+def _unit_q6k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, p: Reg | None) -> None:
+    """One Q6_K block of the warp's rows, staged at ``sbase`` + 240 r + ``p`` (row r; p = 0, 2, .., 14),
+    or with ``p`` None (tile-major weights) at ``sbase`` + 212 r, word-aligned.
 
     Block: ql (128 bytes: value 128 n + 32 i + l has the low nibble (i < 2) or high nibble (i >= 2) of
     ql[64 n + 32 (i % 2) + l]), qh (64: its bits 2i, 2i + 1 of qh[32 n + l]), 16 int8 scales (one per
@@ -557,13 +639,23 @@ def _unit_q6k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, p: R
     accuracy where codes sit near 32, i.e. small weights, and its own instructions cost more). Staged
     words are 2 bytes off for odd p / 2: two loads and a funnel shift each."""
     S, TR = c["U"], c["TR"]
-    sh = k.shl(k.and_(p, 2), 3)  # 0 or 16 bits
-    pw = k.and_(p, 12)  # the block's first word, p rounded down to 4
+    if p is None:  # word-aligned rows
+        row_w, a_w = c["row_stage"], c["a_lane"]
+    else:
+        sh = k.shl(k.and_(p, 2), 3)  # 0 or 16 bits
+        pw = k.and_(p, 12)  # the block's first word, p rounded down to 4
+        row_w, a_w = k.add(c["row_stage"], pw), k.add(c["a_lane"], pw)
+
+    def realign(lo: Reg, hi: Reg) -> Reg:
+        return lo if p is None else k.shf("r", lo, hi, sh)
     with _lanes_with_rows(k, c):  # lane r: row r's scales (table [class 0: m 0..7][class 1: m 0..7]) and d / f
-        row = k.add(sbase, k.add(c["row_stage"], pw))
-        ws = [k.load("shared", "u32", row, 192 + 4 * i) for i in range(5)]
-        sw = [k.shf("r", ws[i], ws[i + 1], sh) for i in range(4)]  # scales 4i..4i+3
-        d = k.cvt(Reg(k.unpack_b32(k.shf("r", ws[4], ws[4], sh))[0].name, ql._f16), "f32")
+        row = k.add(sbase, row_w)
+        ws = [k.load("shared", "u32", row, 192 + 4 * i) for i in range(4 if p is None else 5)]
+        sw = [realign(ws[i], ws[i + 1] if i < 3 or p is not None else None) for i in range(4)]  # scales 4i..4i+3
+        if p is None:
+            d = ql.lds_f16(k, row, 208)
+        else:
+            d = k.cvt(Reg(k.unpack_b32(realign(ws[4], ws[4]))[0].name, ql._f16), "f32")
         scs = [[_sext_byte(k, w_, b) for b in range(4)] for w_ in sw]
         for o, i in ((0, 0), (16, 2), (32, 1), (48, 3)):  # class 0: scales 0..3, 8..11; class 1: 4..7, 12..15
             k.store("shared", "u32", c["t_mine"], scs[i], o)
@@ -571,7 +663,9 @@ def _unit_q6k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, p: R
         k.store("shared", "f32", c["t_mine"], k.mul(d, inv_f), 64)
     k.bar_warp_sync()
     bfr = [k.load("shared", "u32", k.add(xslot, c["b_q6"]), 512 * mp, vec=4) for mp in range(4)]
-    a0 = k.add(sbase, k.add(c["a_lane"], pw))
+    # -32 times the sums of B over k, per column: the same for every row, so once for the warp's tiles
+    offs = [k.mma_s8(c["minus32"], bfr[m >> 1][2 * (m & 1):2 * (m & 1) + 2], c["zeros"]) for m in range(8)]
+    a0 = k.add(sbase, a_w)
     for r in range(c["tiles"]):
         words, scales = [], []
         for h in (0, 8):  # rows 16 r + g, 16 r + 8 + g
@@ -579,8 +673,7 @@ def _unit_q6k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, p: R
 
             def word(mi: int) -> Reg:
                 lo = k.load("shared", "u32", a0, ro + 16 * mi)
-                hi = k.load("shared", "u32", a0, ro + 16 * mi + 4)
-                return k.shf("r", lo, hi, sh)
+                return lo if p is None else realign(lo, k.load("shared", "u32", a0, ro + 16 * mi + 4))
             words.append([word(mi) for mi in range(12)])
             scales.append([v for o in (0, 16) for v in k.load("shared", "u32", c["t_gc"], (16 * r + h) * TR + o, vec=4)])
         # codes: bits 0..3 from ql, 4..5 from qh, as one bitwise select (LOP3) each: the qh word is
@@ -598,8 +691,7 @@ def _unit_q6k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, p: R
                 a_lo.append(code(qlw, k.shl(qb, 2) if i0 else k.shl(qa, 4)))
                 a_hi.append(code(k.shr(qlw, 4), k.shr(qb, 2) if i0 else qa))
             b = bfr[m >> 1][2 * (m & 1):2 * (m & 1) + 2]
-            off = k.mma_s8(c["minus32"], b, c["zeros"])  # -32 sum of B over k, per column (row-independent)
-            dd = k.mma_s8([a_lo[0], a_lo[1], a_hi[0], a_hi[1]], b, off, a_unsigned=True)
+            dd = k.mma_s8([a_lo[0], a_lo[1], a_hi[0], a_hi[1]], b, offs[m], a_unsigned=True)
             for nn in range(4):
                 sc = k.bitcast(scales[nn // 2][m], "s32")
                 ints[nn] = k.mul(dd[nn], sc) if ints[nn] is None else k.mad(dd[nn], sc, ints[nn])
@@ -716,7 +808,12 @@ def _grid_shapes() -> list[dict]:
                    {"wtype": wt, "in_dim": 4096, "mtiles": 4, "kparts": 2, "stages": 2, "tiles": 2, "bias": True},
                    {"wtype": wt, "in_dim": 4096, "mtiles": 8, "kparts": 1, "stages": 2, "tiles": 2, "glu": True},
                    {"wtype": wt, "in_dim": 4096, "mtiles": 2, "kparts": 4, "stages": 2, "tiles": 2, "glu": True},
-                   {"wtype": wt, "in_dim": 4096, "mtiles": 8, "kparts": 1, "stages": 4, "bias": True}]
+                   {"wtype": wt, "in_dim": 4096, "mtiles": 8, "kparts": 1, "stages": 4, "bias": True},
+                   {"wtype": wt, "in_dim": 14336, "mtiles": 1, "kparts": 8, "stages": 2, "tiles": 2, "tiled": True,
+                    "solo": True, "residual": True},
+                   {"wtype": wt, "in_dim": 4096, "mtiles": 2, "kparts": 4, "stages": 2, "tiled": True, "bias": True},
+                   {"wtype": wt, "in_dim": 4096, "mtiles": 4, "kparts": 2, "stages": 2, "tiles": 2, "glu": True,
+                    "tiled": True}]
     for sh in shapes:
         if sh["wtype"] == "Q6_K" and sh["in_dim"] == 256:
             sh["in_dim"] = 2048
@@ -726,13 +823,15 @@ def _grid_shapes() -> list[dict]:
 @kernel("gemv_mma", grid=_grid_shapes())
 def gemv_mma(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, mtiles: int = 2, kparts: int = 4, stages: int = 4,
              bias: bool = False, residual: bool = False, tiles: int = 1, bulk: bool = False,
-             glu: bool = False) -> KernelBuilder:
+             glu: bool = False, tiled: bool = False, solo: bool = False) -> KernelBuilder:
     """y[r] = sum_k W[r, k] x[k] (+ bias[r]) (+ residual[r]) for r < out_dim, W in Q4_K, Q8_0 or Q6_K (in_dim
     a multiple of 2048) blocks, on tensor cores (exact int8 MMAs of the codes with x as four base-256 digits).
     ``tiles``: 16-row MMA tiles per warp (2: each x digit fragment and weight-scale step serves 32 rows);
     ``bulk`` (sm_90; not Q6_K): the ring is filled by bulk copies (one per row and unit) instead of cp.async.
     ``glu`` (tiles=2): W is [gate; up] (2 out_dim rows) and y[o] = silu(gate_o . x) * (up_o . x); each
     warp's 32 rows are 16 gate rows and the 16 up rows of the same outputs.
+    ``tiled``: W is stored tile-major (:func:`tile_major`; any in_dim multiple of 256, bulk copies for
+    Q6_K too); ``solo``: shared memory raised to ``SOLO_SMEM`` so that one CTA holds an SM.
     Launch: grid ceil(out_dim / (16 tiles mtiles)), block 32 mtiles kparts, meta["dyn_smem"] dynamic shared
     bytes."""
-    return build(m, wtype, in_dim, mtiles, kparts, stages, bias, residual, tiles, bulk, glu)
+    return build(m, wtype, in_dim, mtiles, kparts, stages, bias, residual, tiles, bulk, glu, tiled, solo)

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from ptx_gen.kernels.gemv import MAX_STATIC_SMEM, shared_bytes
 from ptx_gen.kernels.quant_layout import DENSE, K_QUANTS, WEIGHT_TYPES
 from realizar import cuda
+from realizar.errors import ShapeError
 from realizar.layers import GemvConfig, GpuWeight, LayerOps, MmaConfig, inv_freq_table
 from tests.helpers import fit_mma_shape, random_array
 from tests.layer_oracles import dequant, random_weight, rmsnorm_oracle, rope_oracle, silu
@@ -86,9 +87,9 @@ def test_gemv_matches_float64_oracle(ops, data, wtype, out_dim, cfg, bias, resid
     _check_gemv(y, ref, scale, f"{wtype} {out_dim}x{in_dim} {cfg}")
 
 
-def _bulk(ops, drawn: bool, wtype: str) -> bool:
-    """Bulk copies where drawn and possible (sm_90; not Q6_K's 2-byte aligned blocks)."""
-    return drawn and ops.device.target.compute_capability >= (9, 0) and wtype != "Q6_K"
+def _bulk(ops, drawn: bool, wtype: str, tiled: bool = False) -> bool:
+    """Bulk copies where drawn and possible (sm_90; not Q6_K's 2-byte aligned GGUF rows)."""
+    return drawn and ops.device.target.compute_capability >= (9, 0) and (wtype != "Q6_K" or tiled)
 
 
 def _activation(rng, n: int, scale: float, spikes: int) -> np.ndarray:
@@ -104,23 +105,24 @@ def _activation(rng, n: int, scale: float, spikes: int) -> np.ndarray:
 @given(data=st.data(), wtype=st.sampled_from(["Q4_K", "Q8_0", "Q6_K"]), out_dim=st.integers(1, 600),
        mtiles=st.integers(1, 8), kparts=st.sampled_from([1, 2, 4, 8]), stages=st.sampled_from([2, 3, 4, 8]),
        tiles=st.sampled_from([1, 2]), bulk=st.booleans(), bias=st.booleans(), residual=st.sampled_from([None, "separate", "in_place"]),
-       scale=st.sampled_from([1e-4, 1.0, 30.0, 3e3]), spikes=st.integers(0, 4), seed=st.integers(0, 2**32 - 1))
+       scale=st.sampled_from([1e-4, 1.0, 30.0, 3e3]), spikes=st.integers(0, 4), tiled=st.booleans(), solo=st.booleans(),
+       seed=st.integers(0, 2**32 - 1))
 def test_gemv_mma_matches_float64_oracle(ops, data, wtype, out_dim, mtiles, kparts, stages, tiles, bulk, bias,
-                                         residual, scale, spikes, seed):
+                                         residual, scale, spikes, tiled, solo, seed):
     """The tensor-core GEMV (x as int8 digits, exact int8 MMAs) at every launch shape, x from 1e-4 to
-    3e3 in size with outliers; rows 256 * kparts * (1..7) long (Q6_K: 2048 * (1..7)), ring wrap-around
-    included."""
+    3e3 in size with outliers; rows 256 * kparts * (1..7) long (Q6_K on GGUF rows: 2048 * (1..7)), ring
+    wrap-around included; W on GGUF rows or tile-major (``tiled``), one CTA an SM or not (``solo``)."""
     units = data.draw(st.integers(1, 7), label="units per warp")
-    in_dim, mtiles, kparts, stages = fit_mma_shape(wtype, units, mtiles, kparts, stages, tiles)
+    in_dim, mtiles, kparts, stages = fit_mma_shape(wtype, units, mtiles, kparts, stages, tiles, tiled)
     rng = np.random.default_rng(seed)
     raw = random_weight(rng, wtype, out_dim, in_dim)
     x = _activation(rng, in_dim, scale, spikes)
     b = rng.standard_normal(out_dim).astype(np.float32) if bias else None
     r = rng.standard_normal(out_dim).astype(np.float32) if residual else None
-    w = GpuWeight(data=raw, ggml_type=wtype, shape=(out_dim, in_dim))
+    w = GpuWeight(data=raw, ggml_type=wtype, shape=(out_dim, in_dim), layout="tiles" if tiled else "rows")
     dy = _poisoned(out_dim) if residual != "in_place" else _buf(r)
     dr = dy if residual == "in_place" else (_buf(r) if residual else None)
-    cfg = MmaConfig(mtiles, kparts, stages, tiles, _bulk(ops, bulk, wtype))
+    cfg = MmaConfig(mtiles, kparts, stages, tiles, _bulk(ops, bulk, wtype, tiled), solo)
     ops.gemv(w, _buf(x), dy, bias=_buf(b) if bias else None, residual=dr, config=cfg)
     wd = dequant(raw, wtype, out_dim, in_dim).astype(np.float64)
     ref = wd @ x.astype(np.float64) + (b if bias else 0) + (r if residual else 0)
@@ -131,35 +133,65 @@ def test_gemv_mma_matches_float64_oracle(ops, data, wtype, out_dim, mtiles, kpar
 @pytest.mark.parametrize("wtype", ["Q4_K", "Q8_0", "Q6_K"])
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 @pytest.mark.parametrize("bulk", [False, True])
-def test_gemv_mma_nan_or_inf_x_gives_nan_rows(ops, wtype, bad, bulk):
+@pytest.mark.parametrize("layout", ["rows", "tiles"])
+def test_gemv_mma_nan_or_inf_x_gives_nan_rows(ops, wtype, bad, bulk, layout):
     """An Inf or NaN in x makes every row NaN on the tensor-core kernel (never finite garbage)."""
     rng = np.random.default_rng(5)
     raw = random_weight(rng, wtype, 300, 2048)
     x = rng.standard_normal(2048).astype(np.float32)
     x[1234] = bad
     dy = _buf(np.zeros(300, np.float32))  # zeros, not NaN: a NaN read back was written by the kernel
-    cfg = MmaConfig(1, 8, 2, 2, _bulk(ops, bulk, wtype))
-    ops.gemv(GpuWeight(data=raw, ggml_type=wtype, shape=(300, 2048)), _buf(x), dy, config=cfg)
+    cfg = MmaConfig(1, 8, 2, 2, _bulk(ops, bulk, wtype, layout == "tiles"))
+    ops.gemv(GpuWeight(data=raw, ggml_type=wtype, shape=(300, 2048), layout=layout), _buf(x), dy, config=cfg)
     assert np.isnan(dy.to_numpy()).all()
 
 
 @pytest.mark.parametrize("wtype", ["Q4_K", "Q8_0", "Q6_K"])
 @pytest.mark.parametrize("out_dim,in_dim", [(4096, 14336), (14336, 4096), (4096, 4096), (2000, 2048)])
 def test_gemv_mma_dispatch_at_real_shapes(ops, wtype, out_dim, in_dim):
-    """The dispatcher's tensor-core pick at the decode shapes, vs the oracle and vs the SIMT kernel."""
+    """The dispatcher's tensor-core pick at the decode shapes, on the tile-major weight ``upload`` makes
+    and on GGUF rows, vs the oracle and vs the SIMT kernel."""
     cfg = ops.mma_config(out_dim, in_dim, wtype)
     assert cfg is not None
     rng = np.random.default_rng(out_dim + in_dim)
     raw = random_weight(rng, wtype, out_dim, in_dim)
     x = _activation(rng, in_dim, 1.0, 8)
     w = GpuWeight(data=raw, ggml_type=wtype, shape=(out_dim, in_dim))
-    dy, dy_simt = _poisoned(out_dim), _poisoned(out_dim)
+    wt = GpuWeight(data=raw, ggml_type=wtype, shape=(out_dim, in_dim), layout="tiles")
+    dy, dy_t, dy_simt = _poisoned(out_dim), _poisoned(out_dim), _poisoned(out_dim)
     ops.gemv(w, _buf(x), dy)
+    ops.gemv(wt, _buf(x), dy_t)
     ops.gemv(w, _buf(x), dy_simt, config=GemvConfig(2, 4))
     wd = dequant(raw, wtype, out_dim, in_dim).astype(np.float64)
     ref, scl = wd @ x, np.abs(wd) @ np.abs(x)
     _check_gemv(dy.to_numpy(), ref, scl, f"{wtype} {out_dim}x{in_dim} {cfg}")
+    _check_gemv(dy_t.to_numpy(), ref, scl, f"{wtype} {out_dim}x{in_dim} tile-major "
+                f"{ops.mma_config(out_dim, in_dim, wtype, layout='tiles')}")
     _check_gemv(dy_simt.to_numpy(), ref, scl, f"{wtype} {out_dim}x{in_dim} SIMT")
+
+
+def test_tile_major_weights_are_refused_by_row_readers(ops):
+    """A tile-major weight read as GGUF rows would give wrong numbers silently: the SIMT GEMV, the GEMM,
+    the embedding and the wrong fused/plain GEMV refuse it with a ShapeError naming the layout."""
+    rng = np.random.default_rng(3)
+    raw = random_weight(rng, "Q4_K", 64, 512)
+    wt = GpuWeight(data=raw, ggml_type="Q4_K", shape=(64, 512), layout="tiles")
+    wg = GpuWeight(data=raw, ggml_type="Q4_K", shape=(64, 512), layout="glu-tiles")
+    x, y = _buf(np.ones(512 * 4, np.float32)), _poisoned(64 * 4)
+    with pytest.raises(ShapeError, match="stored tiles"):
+        ops.gemv(wt, x, y, config=GemvConfig(2, 4))
+    with pytest.raises(ShapeError, match="GEMM reads GGUF rows"):
+        ops.gemm(wt, x, y, 2)
+    with pytest.raises(ShapeError, match="embedding reads GGUF rows"):
+        ops.embedding(wt, _buf(np.zeros(1, np.uint32)), y)
+    with pytest.raises(ShapeError, match="use gemv_glu"):
+        ops.gemv(wg, x, y)
+    with pytest.raises(ShapeError, match="needs layout 'glu-tiles' or 'rows'"):
+        ops.gemv_glu(wt, x, y)
+    with pytest.raises(ShapeError, match="only Q4_K, Q8_0, Q6_K"):
+        GpuWeight(data=random_weight(rng, "Q4_0", 8, 64), ggml_type="Q4_0", shape=(8, 64), layout="tiles")
+    with pytest.raises(ShapeError, match="layout must be one of"):
+        GpuWeight(data=raw, ggml_type="Q4_K", shape=(64, 512), layout="columns")
 
 
 @pytest.mark.parametrize("wtype", WEIGHT_TYPES)
@@ -180,16 +212,17 @@ def test_gemv_real_shapes(ops, wtype, out_dim, in_dim):
 @settings(max_examples=30, deadline=None)
 @given(wtype=st.sampled_from(["Q4_K", "Q8_0", "Q6_K"]), ffn=st.integers(1, 400), mtiles=st.sampled_from([1, 2, 4, 8]),
        kparts=st.sampled_from([1, 2, 4, 8]), stages=st.sampled_from([2, 3, 4]), units=st.integers(1, 4),
-       bulk=st.booleans(), seed=st.integers(0, 2**32 - 1))
-def test_gemv_glu_mma_matches_oracle(ops, wtype, ffn, mtiles, kparts, stages, units, bulk, seed):
-    """The tensor-core fused gate/up GEMV (a warp's 16 gate rows and their 16 up rows, silu(g) * u)."""
-    in_dim, mtiles, kparts, stages = fit_mma_shape(wtype, units, mtiles, kparts, stages, 2)
+       bulk=st.booleans(), tiled=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_gemv_glu_mma_matches_oracle(ops, wtype, ffn, mtiles, kparts, stages, units, bulk, tiled, seed):
+    """The tensor-core fused gate/up GEMV (a warp's 16 gate rows and their 16 up rows, silu(g) * u), on
+    GGUF rows or tile-major (gate and up rows paired in each tile)."""
+    in_dim, mtiles, kparts, stages = fit_mma_shape(wtype, units, mtiles, kparts, stages, 2, tiled)
     rng = np.random.default_rng(seed)
     raw = random_weight(rng, wtype, 2 * ffn, in_dim)
     x = _activation(rng, in_dim, 1.0, 2)
-    w = GpuWeight(data=raw, ggml_type=wtype, shape=(2 * ffn, in_dim))
+    w = GpuWeight(data=raw, ggml_type=wtype, shape=(2 * ffn, in_dim), layout="glu-tiles" if tiled else "rows")
     dy = _poisoned(ffn)
-    cfg = MmaConfig(mtiles, kparts, stages, 2, _bulk(ops, bulk, wtype))
+    cfg = MmaConfig(mtiles, kparts, stages, 2, _bulk(ops, bulk, wtype, tiled))
     ops.gemv_glu(w, _buf(x), dy, config=cfg)
     wd = dequant(raw, wtype, 2 * ffn, in_dim).astype(np.float64)
     g, u = wd[:ffn] @ x, wd[ffn:] @ x
