@@ -597,12 +597,17 @@ class KernelBuilder:
         self._emit(f"mbarrier.arrive.expect_tx.shared::cta.b64 _, [{addr}], {self._op(nbytes, ptx_type('u32'))};",
                    pred)
 
-    def cp_async_bulk(self, dst: Reg, src: Reg, nbytes: int, mbar: Reg, pred: Reg | None = None) -> None:
+    def cp_async_bulk(self, dst: Reg, src: Reg, nbytes: int, mbar: Reg, pred: Reg | None = None,
+                      policy: Reg | None = None) -> None:
         """``cp.async.bulk`` global -> shared of ``nbytes`` (a multiple of 16; both addresses 16-byte
-        aligned) by the tensor memory accelerator; its bytes count towards the phase of ``mbar``."""
+        aligned) by the tensor memory accelerator; its bytes count towards the phase of ``mbar``.
+        ``policy`` (from :meth:`create_policy`): an L2 cache hint for the bytes read."""
         self._need_sm90("cp.async.bulk")
-        self._emit(f"cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [{dst}], [{src}], {int(nbytes)}, "
-                   f"[{mbar}];", pred)
+        if policy is not None and (not isinstance(policy, Reg) or policy.type.bits != 64):
+            raise TypeError(f"policy must be a 64-bit register from create_policy, got {policy!r}")
+        hint, tail = (".L2::cache_hint", f", {policy}") if policy is not None else ("", "")
+        self._emit(f"cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes{hint} [{dst}], [{src}], "
+                   f"{int(nbytes)}, [{mbar}]{tail};", pred)
 
     def mbarrier_wait(self, addr: Reg, parity: Operand) -> None:
         """Spin until the barrier's phase of ``parity`` (0 or 1) has completed (its arrivals and bytes)."""

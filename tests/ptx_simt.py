@@ -879,8 +879,12 @@ class _Launch:
         """``cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [dst], [src], n, [mbar]``:
         the global bytes are read now (and checked) and land when a thread waits on the barrier; the
         destination may not be touched before (the issuing thread's write, for the race check)."""
-        if inst.mods != ["async", "bulk", "shared::cluster", "global", "mbarrier::complete_tx::bytes"]:
+        hint = inst.mods[5:] == ["L2::cache_hint"]  # an L2 policy operand after [mbar]: changes no result
+        if inst.mods[:5] != ["async", "bulk", "shared::cluster", "global", "mbarrier::complete_tx::bytes"] or \
+                inst.mods[5:] not in ([], ["L2::cache_hint"]) or len(inst.args) != 4 + hint:
             raise EmulatorError(f"bulk copy form not emulated: {inst.text}")
+        if hint:
+            self._read(inst.args[4], "b64")
         size = int(inst.args[2])
         dst, _ = self._addr(inst.args[0], "shared")
         src, _ = self._addr(inst.args[1], "global")

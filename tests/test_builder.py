@@ -195,6 +195,8 @@ def test_bad_inputs_raise_clear_errors():
         k.cp_async(k.mov(0, "u32"), k.mov(0, "u64"), prefetch="32B")
     with pytest.raises(TypeError, match="64-bit register from create_policy"):
         k.cp_async(k.mov(0, "u32"), k.mov(0, "u64"), policy=k.mov(0, "u32"))
+    with pytest.raises(TypeError, match="64-bit register from create_policy"):
+        k.cp_async_bulk(k.mov(0, "u32"), k.mov(0, "u64"), 16, k.mov(0, "u32"), policy=k.mov(0, "u32"))
     with pytest.raises(ValueError, match="evict must be one of"):
         k.create_policy("evict_soon")
     with pytest.raises(ValueError, match="fraction"):

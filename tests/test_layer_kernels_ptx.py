@@ -629,11 +629,15 @@ def test_gemv_mma_dispatcher_picks_assemble_without_spills(wtype):
     picks.add(type(next(iter(picks)))(8, 1, 2, 2))
     for cfg in picks:
         in_dim = 14336 if 14336 % (256 * cfg.kparts) == 0 else 4096
-        for sm in ("sm_80", "sm_90"):
+        # GGUF rows on both targets; tile-major as LayerOps runs it (bulk copies and solo on sm_90)
+        for sm, tiled in (("sm_80", False), ("sm_90", False), ("sm_80", True), ("sm_90", True)):
             src = catalog.emit("gemv_mma", target=sm, wtype=wtype, in_dim=in_dim, mtiles=cfg.mtiles,
-                               kparts=cfg.kparts, stages=cfg.stages, tiles=cfg.tiles, residual=True)
+                               kparts=cfg.kparts, stages=cfg.stages, tiles=cfg.tiles, residual=True, tiled=tiled,
+                               bulk=tiled and sm == "sm_90", solo=tiled)
+            if tiled and sm == "sm_90":
+                assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint" in src.ptx
             for r in assemble(src.ptx, sm):
-                assert r.spill_stores == 0 and r.spill_loads == 0, (cfg, sm, r)
+                assert r.spill_stores == 0 and r.spill_loads == 0, (cfg, sm, tiled, r)
 
 
 @settings(max_examples=15, deadline=None)
