@@ -29,7 +29,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ptx_gen.kernels.gemv import MAX_STATIC_SMEM, shared_bytes, tiles_per_slice
-from ptx_gen.kernels.gemv_mma import MMA_TYPES, tile_major
+from ptx_gen.kernels.gemv_mma import MMA_TYPES, SOLO_SMEM, tile_major
 from ptx_gen.kernels.gemv_mma import layout as mma_layout
 from ptx_gen.kernels.gemv_mma import q6k_glu_offsets_fit
 from ptx_gen.kernels.quant_layout import WEIGHT_TYPES, check_in_dim, type_info
@@ -403,7 +403,8 @@ class LayerOps:
         ctas = -(-out_dim // ((16 if glu else 16 * cfg.tiles) * cfg.mtiles))
         bulk = cc >= (9, 0) and (wtype == "Q6_K" or (wtype == "Q4_K" and cfg.mtiles == 1)
                                  or (wtype == "Q8_0" and in_dim // 256 // cfg.kparts <= 2))
-        return dataclasses.replace(cfg, bulk=bulk, solo=ctas <= self.sm_count)
+        # (solo only where a CTA may ask for that much: not on sm_86/sm_89, whose limit is 99 KiB)
+        return dataclasses.replace(cfg, bulk=bulk, solo=ctas <= self.sm_count and SOLO_SMEM <= self._max_smem)
 
     def weight_layout(self, out_dim: int, in_dim: int, wtype: str, glu: bool = False) -> str:
         """How a weight should be stored for its decode GEMV on this device: tile-major where the

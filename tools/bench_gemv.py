@@ -207,7 +207,7 @@ def bench_type_shape(ops, stream, wtype, out_dim, in_dim, rng, sweep: bool, use_
     bulk_ok = ops.device.target.compute_capability >= (9, 0)
     configs += [c for c in sweep_configs(wtype, in_dim, bulk_ok) if c not in configs] if sweep else []
     results = []
-    n_launch = max(len(copies), 20)
+    n_launch = max(n_copies(nbytes), 20)  # (every copy in the rotation: fewer could sit in the L2)
     for cfg in configs:
         ws = copies[layout if cfg is default else "rows"]
         try:
