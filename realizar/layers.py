@@ -362,10 +362,9 @@ class LayerOps:
         if cfg is None:
             cfg = self.mma_config(weight.out_dim, weight.in_dim, weight.wtype, layout=weight.layout)
         if cfg is None:
-            weight.require_rows("the SIMT GEMV")  # (upload picks tiles only where the tensor-core GEMV runs)
             cfg = gemv_config(weight.out_dim, self.sm_count, weight.in_dim, weight.wtype)
-        if not isinstance(cfg, MmaConfig):
-            weight.require_rows("the SIMT GEMV (a GemvConfig)")
+        if not isinstance(cfg, MmaConfig):  # (upload picks tiles only where the tensor-core GEMV runs)
+            weight.require_rows("the SIMT GEMV")
         if isinstance(cfg, MmaConfig):
             kern = self._mma_kernel(weight, cfg, bias=bias is not None, residual=residual is not None)
         else:
@@ -448,10 +447,9 @@ class LayerOps:
         cfg = config if config is not None else self.mma_config(ffn, gate_up.in_dim, gate_up.wtype, glu=True,
                                                                 layout=gate_up.layout)
         if cfg is None:
-            gate_up.require_rows("the SIMT gate/up GEMV")
             cfg = gemv_config(gate_up.out_dim, self.sm_count, gate_up.in_dim, gate_up.wtype)
         if not isinstance(cfg, MmaConfig):
-            gate_up.require_rows("the SIMT gate/up GEMV (a GemvConfig)")
+            gate_up.require_rows("the SIMT gate/up GEMV")
         if isinstance(cfg, MmaConfig):
             if gate_up.wtype == "Q6_K" and gate_up.layout == "rows" and not q6k_glu_offsets_fit(ffn, gate_up.in_dim):
                 raise ShapeError(f"the tensor-core Q6_K gate/up GEMV cannot address {ffn} x {gate_up.in_dim} "
