@@ -7,8 +7,8 @@ allocated, so a malformed or hostile file gives a :class:`ModelFormatError` (or
 hang, or a huge allocation. Tensor data are not copied: each :class:`QuantTensor` holds a read-only
 uint8 view of one memory map of the file.
 
-``gguf.GGUFReader`` is not used on the load path: it takes ~1.6 s on SmolLM2 (it builds a NumPy
-object per token string) and raises arbitrary exceptions on garbage. ``tests/test_gguf_loader.py``
+``gguf.GGUFReader`` is not used on the load path: it builds a NumPy object per token string (slow
+on large vocabularies) and raises arbitrary exceptions on garbage. ``tests/test_gguf_loader.py``
 checks that this parser agrees with it on every key and tensor.
 
 File layout (GGUF v2/v3, little-endian)::
@@ -35,8 +35,11 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from realizar.errors import ModelFormatError, RealizarError, UnsupportedError
 from realizar.models import names
+from realizar.models.chat_template import chat_template_from_gguf
 from realizar.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from realizar.models.loaded import LoadedModel
 from realizar.models.quants import SUPPORTED_TYPES, type_name
+from realizar.models.rope import rope_scaling_from_gguf
 from realizar.models.tensor import QuantTensor
 
 GGUF_MAGIC = b"GGUF"
@@ -406,11 +409,6 @@ def config_from_gguf(md: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...
     extra: dict[str, Any] = {"warnings": warnings}
     if "tokenizer.ggml.add_bos_token" in md:
         extra["add_bos_token"] = bool(md["tokenizer.ggml.add_bos_token"])
-    scaling = {
-        k[len(p + "rope.scaling.") :]: v for k, v in md.items() if k.startswith(p + "rope.scaling.")
-    }
-    if scaling and scaling.get("type", "none") != "none":
-        extra["rope_scaling"] = scaling
     if "rope_freqs.weight" in tensor_shapes:
         extra["rope_freqs"] = "rope_freqs.weight"  # llama3-style per-dimension frequency factors
     if p + "attention.sliding_window" in md:
@@ -427,6 +425,7 @@ def config_from_gguf(md: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...
         intermediate_size=ffn,
         rope_theta=_float(md, p + "rope.freq_base", 10000.0),
         rope_type=ROPE_TYPE_BY_ARCH[arch],
+        rope_scaling=rope_scaling_from_gguf(md, arch),
         rms_norm_eps=_float(md, p + "attention.layer_norm_rms_epsilon", 1e-5),
         context_length=ctx,
         tied_embeddings=names.OUTPUT not in tensor_shapes,
@@ -439,10 +438,8 @@ def config_from_gguf(md: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...
     )
 
 
-def load_gguf(path: str | os.PathLike):
+def load_gguf(path: str | os.PathLike) -> LoadedModel:
     """Load a GGUF model: validated config, tensors (memory-mapped), metadata, chat template."""
-    from realizar.models.loader import LoadedModel
-
     path = Path(path)
     try:
         f = read_gguf(path)
@@ -454,7 +451,6 @@ def load_gguf(path: str | os.PathLike):
         raise
     except (ValueError, OverflowError, struct.error, MemoryError, IndexError, KeyError, TypeError) as e:
         raise ModelFormatError(f"{path.name}: malformed GGUF file: {type(e).__name__}: {e}") from e
-    template = f.metadata.get("tokenizer.chat_template")
     return LoadedModel(
         config=config,
         tensors=tensors,
@@ -462,5 +458,5 @@ def load_gguf(path: str | os.PathLike):
         format="gguf",
         path=path,
         tokenizer_json=None,
-        chat_template=template if isinstance(template, str) else None,
+        chat_template=chat_template_from_gguf(f.metadata),
     )
