@@ -2,12 +2,12 @@
 
 * Tiny random llama / qwen2 / qwen3 / mistral models (tests/model_factory.py), loaded from safetensors
   and from GGUF F32: logits at every position within float32 noise of transformers' (max abs diff
-  ≤ 1e-5 × max|logit|; measured ≤ 1e-6 ×).
+  ≤ 1e-5 × max|logit|).
 * Quantized GGUF (every block type we read): against transformers loading the *same* GGUF with
   ``gguf_file=`` (it dequantizes to float32), same tolerance.
 * Incremental decoding (prefill then decode, chunked prefill, truncate, reset) equals a full prefill.
 * SmolLM2-135M-Instruct Q4_1 against transformers loading the same GGUF: top-1 agreement at every
-  position of a set of prompts, and max abs logit difference ≤ 1e-3 (measured ~5e-5, logits up to ~25).
+  position of a set of prompts, and max abs logit difference ≤ 1e-3.
 """
 
 from __future__ import annotations

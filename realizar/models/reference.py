@@ -83,8 +83,8 @@ def _lazy_zeros(shape: tuple[int, ...], dtype) -> np.ndarray:
     """A zero-filled array whose pages are committed on first write, 4 KiB at a time.
 
     ``np.zeros`` of a large array asks for transparent huge pages, so the first write of a few
-    positions per head would zero a whole 2 MiB page per head and layer (~1 s for SmolLM2's 8192
-    positions); an anonymous ``mmap`` is zeroed by the kernel page by page as it is touched.
+    positions per head would zero a whole 2 MiB page per head and layer (slow for long contexts);
+    an anonymous ``mmap`` is zeroed by the kernel page by page as it is touched.
     """
     nbytes = math.prod(shape) * np.dtype(dtype).itemsize
     if nbytes < (1 << 20):
