@@ -14,7 +14,7 @@ from realizar.models.gguf_loader import load_gguf
 from realizar.models.loaded import LoadedModel
 from realizar.models.safetensors_loader import load_safetensors
 
-__all__ = ["LoadedModel", "load_model"]
+__all__ = ["load_model"]
 
 
 def load_model(path: str | os.PathLike) -> LoadedModel:
