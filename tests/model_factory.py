@@ -346,6 +346,45 @@ _FILE_TYPES = {
 }
 
 
+def _add_tokenizer(w, hf_dir: Path, vocab_size: int) -> None:
+    """The HF directory's tokenizer (or a fresh one) as ``tokenizer.ggml.*``, with the chat template."""
+    tok_path = hf_dir / "tokenizer.json"
+    if tok_path.exists():
+        from tokenizers import Tokenizer
+
+        tokens, types, merges = tokenizer_tables(Tokenizer.from_file(str(tok_path)))
+    else:
+        tokens, types, merges = tokenizer_tables(make_tokenizer(vocab_size))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(BOS_ID)
+    w.add_eos_token_id(EOS_ID)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+
+def _tensor_order(hf_name: str) -> tuple:
+    """llama.cpp's order: token_embd, the layers in index order, then the rest."""
+    g = gguf_tensor_name(hf_name)
+    if g.startswith("blk."):
+        return (1, int(g.split(".")[1]), g)
+    return (0 if g == "token_embd.weight" else 2, 0, g)
+
+
+def _gguf_tensor(x: np.ndarray, name: str, qtype: str, heads: tuple[int, int] | None):
+    """One tensor as the converter writes it: Q/K permuted when ``heads`` = (n_head, n_kv) is given,
+    1-D tensors F32, the rest quantized to ``qtype``."""
+    part = name.split(".")[-2]
+    if heads is not None and part == "attn_q":
+        x = permute_qk(x, heads[0])
+    elif heads is not None and part == "attn_k":
+        x = permute_qk(x, heads[1])
+    return quantize(x, "F32" if x.ndim == 1 else qtype)
+
+
 def hf_to_gguf(
     hf_dir: str | Path,
     out_path: str | Path,
@@ -394,48 +433,15 @@ def hf_to_gguf(
     w.add_vocab_size(cfg["vocab_size"])
     w.add_file_type(gguf.LlamaFileType[_FILE_TYPES[qtype]])
 
-    tok_path = hf_dir / "tokenizer.json"
-    if tok_path.exists():
-        from tokenizers import Tokenizer
-
-        tokens, types, merges = tokenizer_tables(Tokenizer.from_file(str(tok_path)))
-    else:
-        tok = make_tokenizer(cfg["vocab_size"])
-        tokens, types, merges = tokenizer_tables(tok)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(BOS_ID)
-    w.add_eos_token_id(EOS_ID)
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE)
+    _add_tokenizer(w, hf_dir, cfg["vocab_size"])
     for key, value in (extra_metadata or {}).items():
         w.add_key_value(key, value[0], value[1]) if isinstance(value, tuple) else _add_kv(w, key, value)
 
-    def order(name: str) -> tuple:
-        g = gguf_tensor_name(name)
-        if g.startswith("blk."):
-            return (1, int(g.split(".")[1]), g)
-        return (0 if g == "token_embd.weight" else 2, 0, g)
-
-    for hf_name in sorted(tensors, key=order):
-        x = tensors[hf_name]
+    types = {"token_embd.weight": embd_qtype or qtype, "output.weight": output_qtype or qtype}
+    heads = (n_head, n_kv) if permute else None
+    for hf_name in sorted(tensors, key=_tensor_order):
         name = gguf_tensor_name(hf_name)
-        if permute and name.split(".")[-2] == "attn_q":
-            x = permute_qk(x, n_head)
-        elif permute and name.split(".")[-2] == "attn_k":
-            x = permute_qk(x, n_kv)
-        if x.ndim == 1:
-            t = "F32"
-        elif name == "token_embd.weight":
-            t = embd_qtype or qtype
-        elif name == "output.weight":
-            t = output_qtype or qtype
-        else:
-            t = qtype
-        arr, raw = quantize(x, t)
+        arr, raw = _gguf_tensor(tensors[hf_name], name, types.get(name, qtype), heads)
         w.add_tensor(name, arr, raw_dtype=raw)
     w.write_header_to_file()
     w.write_kv_data_to_file()

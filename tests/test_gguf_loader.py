@@ -26,7 +26,9 @@ from tests.model_factory import (
 )
 from realizar.errors import ModelFormatError, RealizarError, UnsupportedError
 from realizar.models.gguf_loader import load_gguf, read_gguf
-from realizar.models.loader import LoadedModel, load_model
+from realizar.models.config import RopeScaling
+from realizar.models.loaded import LoadedModel
+from realizar.models.loader import load_model
 from realizar.models.names import expected_shapes, hf_to_canonical
 
 # ------------------------------------------------------------------------------------ SmolLM2
@@ -246,7 +248,7 @@ def test_config_extras(workdir, tiny_gguf):
         },
     )
     c = load_model(p).config
-    assert c.extra["rope_scaling"] == {"type": "linear", "factor": 2.0}
+    assert c.rope_scaling == RopeScaling("linear", factor=2.0)
     assert c.eos_token_ids == (EOS_ID, 0)
     assert c.pad_token_id is None and "padding_token_id" in c.extra["warnings"][0]
 

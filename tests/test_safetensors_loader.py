@@ -13,7 +13,8 @@ from gguf import GGMLQuantizationType as T
 
 from tests.model_factory import ARCHS, BOS_ID, CHAT_TEMPLATE, EOS_ID, hf_to_gguf, make_hf_model, unpermute_qk
 from realizar.errors import ModelFormatError, UnsupportedError
-from realizar.models.config import ModelConfig
+from realizar.models.chat_template import chat_template_from_gguf, chat_template_from_hf, template_from_config
+from realizar.models.config import ModelConfig, RopeScaling
 from realizar.models.loader import load_model
 from realizar.models.names import canonical_to_hf, expected_shapes, hf_to_canonical
 from realizar.models.safetensors_loader import load_safetensors, read_safetensors_file
@@ -156,9 +157,26 @@ def test_chat_template_sources(workdir, models):
     (d / "tokenizer_config.json").write_text(json.dumps(tc))
     assert load_model(d).chat_template == "D"
     (d / "tokenizer_config.json").unlink()
+    (d / "chat_template.json").write_text(json.dumps({"chat_template": "J"}))
+    assert load_model(d).chat_template == "J"
+    (d / "chat_template.json").unlink()
     (d / "tokenizer.json").unlink()
     m = load_model(d)
     assert m.chat_template is None and m.tokenizer_json is None
+
+
+def test_chat_template_lookup(tmp_path):
+    assert template_from_config("") is None and template_from_config(3) is None
+    assert template_from_config([{"name": "tool_use", "template": "T"}]) == "T"
+    assert chat_template_from_gguf({"tokenizer.chat_template": "G"}) == "G"
+    assert chat_template_from_gguf({}) is None
+    assert chat_template_from_hf(tmp_path, {"chat_template": "C"}) == "C"
+    (tmp_path / "chat_template.jinja").write_text("F")
+    assert chat_template_from_hf(tmp_path, {"chat_template": "C"}) == "F"  # the file wins
+    (tmp_path / "tokenizer_config.json").write_text("{not json")
+    (tmp_path / "chat_template.jinja").unlink()
+    with pytest.raises(ModelFormatError, match="tokenizer_config.json"):
+        chat_template_from_hf(tmp_path)
 
 
 def test_rope_settings(workdir, models):
@@ -175,13 +193,17 @@ def test_rope_settings(workdir, models):
     }
     (d / "config.json").write_text(json.dumps(cfg))
     c = load_model(d).config
-    assert c.rope_theta == 500000.0 and c.extra["rope_scaling"]["rope_type"] == "llama3"
+    assert c.rope_theta == 500000.0
+    assert c.rope_scaling == RopeScaling("llama3", 32.0, 1.0, 4.0, 8192)
     # transformers 4.x layout
     del cfg["rope_parameters"]
     cfg["rope_theta"] = 1e6
     (d / "config.json").write_text(json.dumps(cfg))
     c = load_model(d).config
-    assert c.rope_theta == 1e6 and "rope_scaling" not in c.extra
+    assert c.rope_theta == 1e6 and c.rope_scaling is None
+    cfg["rope_scaling"] = {"type": "linear", "factor": 2.0}
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert load_model(d).config.rope_scaling == RopeScaling("linear", 2.0)
 
 
 # ------------------------------------------------------------------------------ malformed input
@@ -353,6 +375,32 @@ def test_bad_entries(tmp_path, entry, match):
     p = tmp_path / "bad.safetensors"
     p.write_bytes(struct.pack("<Q", len(h)) + h + b"\0" * 16)
     with pytest.raises(ModelFormatError, match=match):
+        read_safetensors_file(p)
+
+
+@pytest.mark.parametrize(
+    "second,match",
+    [
+        ((4, 12), "invalid offset"),  # overlaps the first tensor
+        ((12, 20), "invalid offset"),  # leaves a gap after it
+    ],
+)
+def test_overlapping_or_gapped_offsets(tmp_path, second, match):
+    h = json.dumps({
+        "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+        "b": {"dtype": "F32", "shape": [2], "data_offsets": list(second)},
+    }).encode()  # fmt: skip
+    p = tmp_path / "bad.safetensors"
+    p.write_bytes(struct.pack("<Q", len(h)) + h + b"\0" * second[1])
+    with pytest.raises(ModelFormatError, match=f"bad.safetensors: .*{match}"):
+        read_safetensors_file(p)
+
+
+def test_trailing_bytes(tmp_path):
+    p = tmp_path / "trail.safetensors"
+    _write_safetensors(p, {"w": ("F32", (2,), b"\0" * 8)})
+    p.write_bytes(p.read_bytes() + b"\0" * 4)
+    with pytest.raises(ModelFormatError, match="trail.safetensors"):
         read_safetensors_file(p)
 
 

@@ -7,8 +7,8 @@ allocated, so a malformed or hostile file gives a :class:`ModelFormatError` (or
 hang, or a huge allocation. Tensor data are not copied: each :class:`QuantTensor` holds a read-only
 uint8 view of one memory map of the file.
 
-``gguf.GGUFReader`` is not used on the load path: it takes ~1.6 s on SmolLM2 (it builds a NumPy
-object per token string) and raises arbitrary exceptions on garbage. ``tests/test_gguf_loader.py``
+``gguf.GGUFReader`` is not used on the load path: it builds a NumPy object per token string (slow
+on large vocabularies) and raises arbitrary exceptions on garbage. ``tests/test_gguf_loader.py``
 checks that this parser agrees with it on every key and tensor.
 
 File layout (GGUF v2/v3, little-endian)::
@@ -35,8 +35,11 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from realizar.errors import ModelFormatError, RealizarError, UnsupportedError
 from realizar.models import names
+from realizar.models.chat_template import chat_template_from_gguf
 from realizar.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from realizar.models.loaded import LoadedModel
 from realizar.models.quants import SUPPORTED_TYPES, type_name
+from realizar.models.rope import rope_scaling_from_gguf
 from realizar.models.tensor import QuantTensor
 
 GGUF_MAGIC = b"GGUF"
@@ -190,6 +193,90 @@ def _open_buffer(path: Path) -> tuple[mmap.mmap | bytes, int]:
         raise ModelFormatError(f"cannot read {path}: {e}") from e
 
 
+def _check_version(path: Path, version: int) -> None:
+    if version in (2, 3):
+        return
+    if version == 1:
+        raise UnsupportedError(f"{path.name}: GGUF version 1 is not supported (only 2 and 3)")
+    if version in (0x02000000, 0x03000000):
+        raise UnsupportedError(f"{path.name}: big-endian GGUF files are not supported")
+    raise ModelFormatError(f"{path.name}: unknown GGUF version {version}")
+
+
+def _read_metadata(r: _Reader, n_kv: int) -> dict[str, Any]:
+    metadata: dict[str, Any] = {}
+    for i in range(n_kv):
+        key = r.string(f"key of metadata entry {i}", max_len=MAX_KEY_LEN, strict=True)
+        if key in metadata:
+            raise r.fail(f"duplicate metadata key {key!r}")
+        vtype = r.u32(f"value type of {key!r}")
+        metadata[key] = r.value(vtype, f"metadata {key!r}")
+    return metadata
+
+
+def _alignment(path: Path, metadata: dict[str, Any]) -> int:
+    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if (
+        not isinstance(alignment, int)
+        or isinstance(alignment, bool)
+        or alignment <= 0
+        or alignment & (alignment - 1)
+        or alignment > 1 << 20
+    ):
+        raise ModelFormatError(f"{path.name}: general.alignment {alignment!r} is not a power of two")
+    return alignment
+
+
+def _read_tensor_records(r: _Reader, n_tensors: int) -> list[tuple[str, list[int], int, int]]:
+    """``(name, ne, ggml_type, offset)`` of each tensor-info record, as stored."""
+    records = []
+    for i in range(n_tensors):
+        name = r.string(f"name of tensor {i}", max_len=MAX_KEY_LEN, strict=True)
+        n_dims = r.u32(f"dimension count of {name!r}")
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise r.fail(f"tensor {name!r} has {n_dims} dimensions (1..{MAX_DIMS} allowed)")
+        ne = [r.u64(f"dimension {d} of {name!r}") for d in range(n_dims)]
+        ggml_type = r.u32(f"type of {name!r}")
+        offset = r.u64(f"offset of {name!r}")
+        records.append((name, ne, ggml_type, offset))
+    return records
+
+
+def _tensor_info(path: Path, record: tuple[str, list[int], int, int], alignment: int,
+                 data_offset: int, data_size: int) -> TensorInfo:
+    """One record checked against the data section: non-empty, whole blocks, aligned, inside."""
+    name, ne, ggml_type, offset = record
+    if any(d == 0 for d in ne):
+        raise ModelFormatError(f"{path.name}: tensor {name!r} has an empty dimension: ne={ne}")
+    n_elems = 1
+    for d in ne:
+        n_elems *= d
+    if n_elems > data_size * 8:  # no supported type uses fewer than 1 bit per value
+        raise ModelFormatError(f"{path.name}: tensor {name!r} with ne={ne} cannot fit in {data_size} bytes of data")
+    shape = tuple(int(d) for d in reversed(ne))
+    nbytes = None
+    try:
+        qtype = GGMLQuantizationType(ggml_type)
+        block_size, type_size = GGML_QUANT_SIZES[qtype]
+    except (ValueError, KeyError):
+        qtype = None
+    if qtype is not None:
+        if ne[0] % block_size:
+            raise ModelFormatError(
+                f"{path.name}: tensor {name!r} of type {qtype.name} has rows of {ne[0]} values, "
+                f"not a multiple of the block size {block_size}"
+            )
+        nbytes = n_elems // block_size * type_size
+    if offset % alignment:
+        raise ModelFormatError(f"{path.name}: tensor {name!r} offset {offset} is not aligned to {alignment}")
+    if nbytes is not None and offset + nbytes > data_size:
+        raise ModelFormatError(
+            f"{path.name}: file truncated: tensor {name!r} ({type_name(ggml_type)}, shape {shape}) "
+            f"needs bytes {offset}..{offset + nbytes} of the data section, which has {data_size}"
+        )
+    return TensorInfo(name, int(ggml_type), shape, data_offset + offset, nbytes)
+
+
 def read_gguf(path: str | os.PathLike) -> GGUFFile:
     """Parse and validate the structure of the GGUF file at ``path`` (no architecture knowledge)."""
     path = Path(path)
@@ -200,12 +287,7 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
         raise ModelFormatError(f"{path.name}: not a GGUF file (magic {got!r}, expected {GGUF_MAGIC!r})")
     r.pos = 4
     version = r.u32("version")
-    if version not in (2, 3):
-        if version == 1:
-            raise UnsupportedError(f"{path.name}: GGUF version 1 is not supported (only 2 and 3)")
-        if version in (0x02000000, 0x03000000):
-            raise UnsupportedError(f"{path.name}: big-endian GGUF files are not supported")
-        raise ModelFormatError(f"{path.name}: unknown GGUF version {version}")
+    _check_version(path, version)
     n_tensors = r.u64("tensor count")
     n_kv = r.u64("metadata key/value count")
     # A key/value takes at least 8 (key length) + 4 (type) + 1 bytes, a tensor info at least
@@ -214,89 +296,25 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
         raise r.fail(f"metadata count {n_kv} cannot fit in a file of {size} bytes")
     if n_tensors > r.remaining() // 32:
         raise r.fail(f"tensor count {n_tensors} cannot fit in a file of {size} bytes")
-
-    metadata: dict[str, Any] = {}
-    for i in range(n_kv):
-        key = r.string(f"key of metadata entry {i}", max_len=MAX_KEY_LEN, strict=True)
-        if key in metadata:
-            raise r.fail(f"duplicate metadata key {key!r}")
-        vtype = r.u32(f"value type of {key!r}")
-        metadata[key] = r.value(vtype, f"metadata {key!r}")
-
-    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
-    if (
-        not isinstance(alignment, int)
-        or isinstance(alignment, bool)
-        or alignment <= 0
-        or alignment & (alignment - 1)
-        or alignment > 1 << 20
-    ):
-        raise ModelFormatError(f"{path.name}: general.alignment {alignment!r} is not a power of two")
-
-    raw_infos = []
-    for i in range(n_tensors):
-        name = r.string(f"name of tensor {i}", max_len=MAX_KEY_LEN, strict=True)
-        n_dims = r.u32(f"dimension count of {name!r}")
-        if not 1 <= n_dims <= MAX_DIMS:
-            raise r.fail(f"tensor {name!r} has {n_dims} dimensions (1..{MAX_DIMS} allowed)")
-        ne = [r.u64(f"dimension {d} of {name!r}") for d in range(n_dims)]
-        ggml_type = r.u32(f"type of {name!r}")
-        offset = r.u64(f"offset of {name!r}")
-        raw_infos.append((name, ne, ggml_type, offset))
+    metadata = _read_metadata(r, n_kv)
+    alignment = _alignment(path, metadata)
+    records = _read_tensor_records(r, n_tensors)
 
     data_offset = -(-r.pos // alignment) * alignment
     if data_offset > size:
         raise ModelFormatError(f"{path.name}: file truncated before the tensor data (offset {data_offset})")
-    data_size = size - data_offset
-
     infos: dict[str, TensorInfo] = {}
-    unsupported: list[str] = []
-    for name, ne, ggml_type, offset in raw_infos:
-        if name in infos:
-            raise ModelFormatError(f"{path.name}: duplicate tensor name {name!r}")
-        if any(d == 0 for d in ne):
-            raise ModelFormatError(f"{path.name}: tensor {name!r} has an empty dimension: ne={ne}")
-        n_elems = 1
-        for d in ne:
-            n_elems *= d
-        if n_elems > data_size * 8:  # no supported type uses fewer than 1 bit per value
-            raise ModelFormatError(
-                f"{path.name}: tensor {name!r} with ne={ne} cannot fit in {data_size} bytes of data"
-            )
-        shape = tuple(int(d) for d in reversed(ne))
-        nbytes = None
-        try:
-            qtype = GGMLQuantizationType(ggml_type)
-            block_size, type_size = GGML_QUANT_SIZES[qtype]
-        except (ValueError, KeyError):
-            qtype = None
-        if qtype is not None:
-            if ne[0] % block_size:
-                raise ModelFormatError(
-                    f"{path.name}: tensor {name!r} of type {qtype.name} has rows of {ne[0]} values, "
-                    f"not a multiple of the block size {block_size}"
-                )
-            nbytes = n_elems // block_size * type_size
-        if offset % alignment:
-            raise ModelFormatError(
-                f"{path.name}: tensor {name!r} offset {offset} is not aligned to {alignment}"
-            )
-        if nbytes is not None and offset + nbytes > data_size:
-            raise ModelFormatError(
-                f"{path.name}: file truncated: tensor {name!r} ({type_name(ggml_type)}, shape {shape}) "
-                f"needs bytes {offset}..{offset + nbytes} of the data section, which has {data_size}"
-            )
-        if ggml_type not in SUPPORTED_TYPES:
-            unsupported.append(f"{name!r} ({type_name(ggml_type)})")
-        infos[name] = TensorInfo(name, int(ggml_type), shape, data_offset + offset, nbytes)
-
+    for record in records:
+        if record[0] in infos:
+            raise ModelFormatError(f"{path.name}: duplicate tensor name {record[0]!r}")
+        infos[record[0]] = _tensor_info(path, record, alignment, data_offset, size - data_offset)
+    unsupported = [f"{i.name!r} ({type_name(i.ggml_type)})" for i in infos.values() if i.ggml_type not in SUPPORTED_TYPES]
     if unsupported:
         more = f" and {len(unsupported) - 1} more" if len(unsupported) > 1 else ""
         raise UnsupportedError(
             f"{path.name}: unsupported tensor type in {unsupported[0]}{more}; supported: "
             + ", ".join(GGMLQuantizationType(t).name for t in sorted(SUPPORTED_TYPES))
         )
-
     buffer = np.frombuffer(buf, dtype=np.uint8) if size else np.zeros(0, np.uint8)
     return GGUFFile(path, version, metadata, infos, alignment, data_offset, buffer)
 
@@ -341,6 +359,36 @@ def _token_id(md: dict, key: str, vocab: int, warnings: list[str]) -> int | None
     return v
 
 
+def _special_tokens(md: dict, vocab: int, warnings: list[str]) -> tuple[int | None, tuple[int, ...], int | None]:
+    """BOS, end-of-generation ids (EOS, EOT, EOM in that order, without repeats) and padding."""
+    bos = _token_id(md, "tokenizer.ggml.bos_token_id", vocab, warnings)
+    eos: list[int] = []
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        t = _token_id(md, key, vocab, warnings)
+        if t is not None and t not in eos:
+            eos.append(t)
+    return bos, tuple(eos), _token_id(md, "tokenizer.ggml.padding_token_id", vocab, warnings)
+
+
+def _head_dim(md: dict, p: str, hidden: int, n_heads: int) -> int:
+    """The per-head size; keys and values must agree and RoPE must rotate all of it."""
+    if p + "attention.key_length" in md:
+        head_dim = _positive_int(md, p + "attention.key_length")
+    else:
+        if hidden % n_heads:
+            raise ModelFormatError(f"hidden size {hidden} is not a multiple of the head count {n_heads}")
+        head_dim = hidden // n_heads
+    v_dim = _positive_int(md, p + "attention.value_length", default=head_dim)
+    if v_dim != head_dim:
+        raise UnsupportedError(f"value head size {v_dim} differs from key head size {head_dim}")
+    rope_dims = _positive_int(md, p + "rope.dimension_count", default=head_dim)
+    if rope_dims != head_dim:
+        raise UnsupportedError(f"partial RoPE ({rope_dims} of {head_dim} dims) is not supported")
+    if head_dim % 2:
+        raise ModelFormatError(f"head_dim {head_dim} is odd; RoPE needs pairs")
+    return head_dim
+
+
 def config_from_gguf(md: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) -> ModelConfig:
     """Build the :class:`ModelConfig` of a GGUF model from its metadata and tensor shapes."""
     arch = md.get("general.architecture")
@@ -366,20 +414,7 @@ def config_from_gguf(md: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...
         )
     if n_heads % n_kv:
         raise ModelFormatError(f"head count {n_heads} is not a multiple of the KV head count {n_kv}")
-    if p + "attention.key_length" in md:
-        head_dim = _positive_int(md, p + "attention.key_length")
-    else:
-        if hidden % n_heads:
-            raise ModelFormatError(f"hidden size {hidden} is not a multiple of the head count {n_heads}")
-        head_dim = hidden // n_heads
-    v_dim = _positive_int(md, p + "attention.value_length", default=head_dim)
-    if v_dim != head_dim:
-        raise UnsupportedError(f"value head size {v_dim} differs from key head size {head_dim}")
-    rope_dims = _positive_int(md, p + "rope.dimension_count", default=head_dim)
-    if rope_dims != head_dim:
-        raise UnsupportedError(f"partial RoPE ({rope_dims} of {head_dim} dims) is not supported")
-    if head_dim % 2:
-        raise ModelFormatError(f"head_dim {head_dim} is odd; RoPE needs pairs")
+    head_dim = _head_dim(md, p, hidden, n_heads)
 
     if names.TOKEN_EMBD not in tensor_shapes:
         raise ModelFormatError(f"missing tensor {names.TOKEN_EMBD!r}")
@@ -395,22 +430,11 @@ def config_from_gguf(md: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...
         )
 
     warnings: list[str] = []
-    bos = _token_id(md, "tokenizer.ggml.bos_token_id", vocab, warnings)
-    eos: list[int] = []
-    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-        t = _token_id(md, key, vocab, warnings)
-        if t is not None and t not in eos:
-            eos.append(t)
-    pad = _token_id(md, "tokenizer.ggml.padding_token_id", vocab, warnings)
+    bos, eos, pad = _special_tokens(md, vocab, warnings)
 
     extra: dict[str, Any] = {"warnings": warnings}
     if "tokenizer.ggml.add_bos_token" in md:
         extra["add_bos_token"] = bool(md["tokenizer.ggml.add_bos_token"])
-    scaling = {
-        k[len(p + "rope.scaling.") :]: v for k, v in md.items() if k.startswith(p + "rope.scaling.")
-    }
-    if scaling and scaling.get("type", "none") != "none":
-        extra["rope_scaling"] = scaling
     if "rope_freqs.weight" in tensor_shapes:
         extra["rope_freqs"] = "rope_freqs.weight"  # llama3-style per-dimension frequency factors
     if p + "attention.sliding_window" in md:
@@ -427,22 +451,21 @@ def config_from_gguf(md: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...
         intermediate_size=ffn,
         rope_theta=_float(md, p + "rope.freq_base", 10000.0),
         rope_type=ROPE_TYPE_BY_ARCH[arch],
+        rope_scaling=rope_scaling_from_gguf(md, arch),
         rms_norm_eps=_float(md, p + "attention.layer_norm_rms_epsilon", 1e-5),
         context_length=ctx,
         tied_embeddings=names.OUTPUT not in tensor_shapes,
         qkv_bias=names.layer_name(0, "attn_q", "bias") in tensor_shapes,
         qk_norm=names.layer_name(0, "attn_q_norm") in tensor_shapes,
         bos_token_id=bos,
-        eos_token_ids=tuple(eos),
+        eos_token_ids=eos,
         pad_token_id=pad,
         extra=extra,
     )
 
 
-def load_gguf(path: str | os.PathLike):
+def load_gguf(path: str | os.PathLike) -> LoadedModel:
     """Load a GGUF model: validated config, tensors (memory-mapped), metadata, chat template."""
-    from realizar.models.loader import LoadedModel
-
     path = Path(path)
     try:
         f = read_gguf(path)
@@ -454,7 +477,6 @@ def load_gguf(path: str | os.PathLike):
         raise
     except (ValueError, OverflowError, struct.error, MemoryError, IndexError, KeyError, TypeError) as e:
         raise ModelFormatError(f"{path.name}: malformed GGUF file: {type(e).__name__}: {e}") from e
-    template = f.metadata.get("tokenizer.chat_template")
     return LoadedModel(
         config=config,
         tensors=tensors,
@@ -462,5 +484,5 @@ def load_gguf(path: str | os.PathLike):
         format="gguf",
         path=path,
         tokenizer_json=None,
-        chat_template=template if isinstance(template, str) else None,
+        chat_template=chat_template_from_gguf(f.metadata),
     )

@@ -1,7 +1,6 @@
 """The NumPy reference model: a llama-family decoder computed in float32 on the CPU.
 
-This is ``OwnedQuantizedModel`` of the Rust original: weights are dequantized once, at construction,
-and every step is plain vectorised NumPy (a whole prompt is one set of matrix products). It is the
+Weights are dequantized once, at construction, and every step is plain vectorised NumPy (a whole prompt is one set of matrix products). It is the
 oracle for the GPU model and the fallback when no GPU is present.
 
 Per layer::
@@ -25,16 +24,16 @@ from realizar.errors import (
     InvalidRequestError,
     ModelFormatError,
     ShapeError,
-    UnsupportedError,
 )
 from realizar.models.attention import gqa_attention
 from realizar.models.config import ModelConfig
+from realizar.models.rope import rope_inv_freq
 
 if TYPE_CHECKING:  # pragma: no cover
-    from realizar.models.loader import LoadedModel
+    from realizar.models.loaded import LoadedModel
     from realizar.models.tensor import QuantTensor
 
-__all__ = ["KVCache", "ReferenceModel", "rms_norm", "apply_rope", "rope_inv_freq"]
+__all__ = ["KVCache", "ReferenceModel", "rms_norm", "apply_rope"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -51,42 +50,6 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 def silu(x: np.ndarray) -> np.ndarray:
     # x * sigmoid(x), written to avoid overflow warnings of exp(-x) for very negative x.
     return x * (0.5 * (1.0 + np.tanh(0.5 * x))).astype(x.dtype)
-
-
-def rope_inv_freq(config: ModelConfig, freq_factors: np.ndarray | None = None) -> np.ndarray:
-    """Inverse frequencies ``theta ** (-2i / head_dim)`` (float64, length ``head_dim // 2``).
-
-    ``freq_factors`` (the GGUF ``rope_freqs.weight`` tensor of llama-3 files) divide the frequencies
-    one by one; an HF ``rope_scaling`` of type ``llama3`` in ``config.extra`` is applied the same way
-    transformers applies it.
-    """
-    d = config.head_dim
-    inv = 1.0 / (float(config.rope_theta) ** (np.arange(0, d, 2, dtype=np.float64) / d))
-    if freq_factors is not None:
-        ff = np.asarray(freq_factors, dtype=np.float64).reshape(-1)
-        if ff.shape[0] != inv.shape[0]:
-            raise ModelFormatError(f"rope_freqs has {ff.shape[0]} entries, expected {inv.shape[0]}")
-        return inv / ff
-    scaling = config.extra.get("rope_scaling") if isinstance(config.extra, dict) else None
-    if isinstance(scaling, dict):
-        kind = scaling.get("rope_type", scaling.get("type"))
-        if kind == "llama3":
-            factor = float(scaling["factor"])
-            low = float(scaling.get("low_freq_factor", 1.0))
-            high = float(scaling.get("high_freq_factor", 4.0))
-            old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
-            low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
-            wavelen = 2 * math.pi / inv
-            scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
-            smooth = (old_ctx / wavelen - low) / (high - low)
-            smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-            medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-            return np.where(medium, smoothed, scaled)
-        if kind == "linear":
-            return inv / float(scaling["factor"])
-        if kind not in (None, "default", "none"):
-            raise UnsupportedError(f"RoPE scaling of type {kind!r} (supported: llama3, linear)")
-    return inv
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rope_type: str) -> np.ndarray:
@@ -120,8 +83,8 @@ def _lazy_zeros(shape: tuple[int, ...], dtype) -> np.ndarray:
     """A zero-filled array whose pages are committed on first write, 4 KiB at a time.
 
     ``np.zeros`` of a large array asks for transparent huge pages, so the first write of a few
-    positions per head would zero a whole 2 MiB page per head and layer (~1 s for SmolLM2's 8192
-    positions); an anonymous ``mmap`` is zeroed by the kernel page by page as it is touched.
+    positions per head would zero a whole 2 MiB page per head and layer (slow for long contexts);
+    an anonymous ``mmap`` is zeroed by the kernel page by page as it is touched.
     """
     nbytes = math.prod(shape) * np.dtype(dtype).itemsize
     if nbytes < (1 << 20):
@@ -205,8 +168,9 @@ class ReferenceModel:
     ``decode(token_id)`` runs one token. ``reset()`` empties the cache. ``max_len`` caps the KV cache
     (default: the model's context length).
 
-    RoPE scaling: llama-3 ``rope_freqs.weight`` factors, HF ``llama3`` and ``linear`` scaling; other
-    kinds (yarn, ...) raise :class:`UnsupportedError`. A sliding attention window
+    RoPE frequencies come from :func:`realizar.models.rope.rope_inv_freq` (llama-3
+    ``rope_freqs.weight`` factors, ``llama3`` and ``linear`` scaling; other kinds raise
+    :class:`UnsupportedError`). A sliding attention window
     (``config.extra["sliding_window"]``) is not applied, so results are exact only up to the window.
     """
 

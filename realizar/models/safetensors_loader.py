@@ -1,17 +1,20 @@
 """HF-layout directories: ``config.json`` + ``model.safetensors`` (or shards listed in
 ``model.safetensors.index.json``), ``tokenizer.json``, ``tokenizer_config.json``.
 
-The safetensors header is parsed here (an 8-byte little-endian length, then JSON naming each tensor's
-dtype, shape and byte range), with every size checked against the file, and each tensor becomes a
-:class:`QuantTensor` of type F32/F16/BF16 holding a read-only view of a memory map of its file — bf16
-needs no conversion since its raw bytes are exactly GGML's BF16. HF names are mapped to the canonical
-GGUF names (:mod:`realizar.models.names`). HF checkpoints use rotate-half ("neox") RoPE for every
+Each file's header (an 8-byte little-endian length, then JSON naming each tensor's dtype, shape and
+byte range) is checked here entry by entry, with messages naming the tensor, and then by the
+``safetensors`` package's own parser, which also rejects overlapping byte ranges, gaps between
+tensors and bytes past the last one. Each tensor becomes a :class:`QuantTensor` of type
+F32/F16/BF16 holding a read-only view of a memory map of its file (no copy; bf16 needs no
+conversion since its raw bytes are exactly GGML's BF16). HF names are mapped to the canonical GGUF
+names (:mod:`realizar.models.names`). HF checkpoints use rotate-half ("neox") RoPE for every
 architecture, so ``rope_type`` is ``"neox"`` and no Q/K permutation is applied.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import struct
@@ -19,11 +22,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import safetensors
 from gguf import GGMLQuantizationType as T
 
 from realizar.errors import ModelFormatError, RealizarError, UnsupportedError
 from realizar.models import names
+from realizar.models.chat_template import chat_template_from_hf
 from realizar.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from realizar.models.loaded import LoadedModel
+from realizar.models.rope import rope_scaling_from_hf
 from realizar.models.tensor import QuantTensor
 
 _DTYPES = {"F32": (T.F32, 4), "F16": (T.F16, 2), "BF16": (T.BF16, 2)}
@@ -45,17 +52,8 @@ _ARCH_CLASSES = {
 }
 
 
-def read_safetensors_file(path: Path) -> tuple[dict[str, QuantTensor], dict[str, str]]:
-    """Parse one ``.safetensors`` file into ``{hf_name: QuantTensor}`` (views of a memory map) and
-    its ``__metadata__``. Tensors of dtypes other than F32/F16/BF16 raise :class:`UnsupportedError`."""
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            if size < 8:
-                raise ModelFormatError(f"{path.name}: too short for a safetensors file ({size} bytes)")
-            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    except OSError as e:
-        raise ModelFormatError(f"cannot read {path}: {e}") from e
+def _header(path: Path, buf: mmap.mmap, size: int) -> tuple[dict[str, Any], int]:
+    """The header JSON object of a safetensors file and the offset where its data start."""
     (hlen,) = struct.unpack_from("<Q", buf, 0)
     if hlen > MAX_HEADER_BYTES or 8 + hlen > size:
         raise ModelFormatError(f"{path.name}: header length {hlen} does not fit in a file of {size} bytes")
@@ -65,42 +63,64 @@ def read_safetensors_file(path: Path) -> tuple[dict[str, QuantTensor], dict[str,
         raise ModelFormatError(f"{path.name}: header is not valid JSON: {e}") from e
     if not isinstance(header, dict):
         raise ModelFormatError(f"{path.name}: header is not a JSON object")
-    meta = header.pop("__metadata__", None) or {}
-    data_start = 8 + hlen
-    data_size = size - data_start
-    whole = np.frombuffer(buf, dtype=np.uint8)
-    out: dict[str, QuantTensor] = {}
-    for name, info in header.items():
-        try:
-            dtype = info["dtype"]
-            shape = tuple(int(s) for s in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
-        except (TypeError, KeyError, ValueError) as e:
-            raise ModelFormatError(f"{path.name}: bad header entry for {name!r}: {info!r}") from e
-        if dtype in _DTYPES:
-            ggml_type, itemsize = _DTYPES[dtype]
-        elif dtype in _OTHER_DTYPES:
-            raise UnsupportedError(
-                f"{path.name}: tensor {name!r} has dtype {dtype}; supported: F32, F16, BF16"
-            )
-        else:
-            raise ModelFormatError(f"{path.name}: tensor {name!r} has unknown dtype {dtype!r}")
-        if any(s < 0 for s in shape):
-            raise ModelFormatError(f"{path.name}: tensor {name!r} has negative shape {shape}")
-        n = 1
-        for s in shape:
-            n *= s
-        if not 0 <= begin <= end <= data_size or end - begin != n * itemsize:
-            raise ModelFormatError(
-                f"{path.name}: tensor {name!r} ({dtype}, shape {shape}) has byte range "
-                f"[{begin}, {end}) inconsistent with its size or the file ({data_size} data bytes)"
-            )
-        out[name] = QuantTensor(
-            name=name,
-            ggml_type=int(ggml_type),
-            shape=shape,
-            data=whole[data_start + begin : data_start + end],
+    return header, 8 + hlen
+
+
+def _entry(path: Path, name: str, info: Any, data_size: int) -> tuple[int, tuple[int, ...], int, int]:
+    """``(ggml_type, shape, begin, end)`` of one header entry, checked against the data size."""
+    try:
+        dtype = info["dtype"]
+        shape = tuple(int(s) for s in info["shape"])
+        begin, end = (int(x) for x in info["data_offsets"])
+    except (TypeError, KeyError, ValueError) as e:
+        raise ModelFormatError(f"{path.name}: bad header entry for {name!r}: {info!r}") from e
+    if dtype in _DTYPES:
+        ggml_type, itemsize = _DTYPES[dtype]
+    elif dtype in _OTHER_DTYPES:
+        raise UnsupportedError(f"{path.name}: tensor {name!r} has dtype {dtype}; supported: F32, F16, BF16")
+    else:
+        raise ModelFormatError(f"{path.name}: tensor {name!r} has unknown dtype {dtype!r}")
+    if any(s < 0 for s in shape):
+        raise ModelFormatError(f"{path.name}: tensor {name!r} has negative shape {shape}")
+    if not 0 <= begin <= end <= data_size or end - begin != math.prod(shape) * itemsize:
+        raise ModelFormatError(
+            f"{path.name}: tensor {name!r} ({dtype}, shape {shape}) has byte range "
+            f"[{begin}, {end}) inconsistent with its size or the file ({data_size} data bytes)"
         )
+    return int(ggml_type), shape, begin, end
+
+
+def _check_layout(path: Path) -> None:
+    """The ``safetensors`` package's validation of the whole file: byte ranges that tile the data
+    section exactly, in order, with no overlap, gap or trailing bytes."""
+    try:
+        with safetensors.safe_open(str(path), framework="numpy"):
+            pass
+    except Exception as e:  # safetensors raises its own SafetensorError (not importable) or OSError
+        raise ModelFormatError(f"{path.name}: invalid safetensors file: {e}") from e
+
+
+def read_safetensors_file(path: Path) -> tuple[dict[str, QuantTensor], dict[str, str]]:
+    """Parse one ``.safetensors`` file into ``{hf_name: QuantTensor}`` (views of a memory map) and
+    its ``__metadata__``. Tensors of dtypes other than F32/F16/BF16 raise :class:`UnsupportedError`;
+    a malformed file raises :class:`ModelFormatError` naming it."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            if size < 8:
+                raise ModelFormatError(f"{path.name}: too short for a safetensors file ({size} bytes)")
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except OSError as e:
+        raise ModelFormatError(f"cannot read {path}: {e}") from e
+    header, data_start = _header(path, buf, size)
+    meta = header.pop("__metadata__", None) or {}
+    entries = {name: _entry(path, name, info, size - data_start) for name, info in header.items()}
+    _check_layout(path)
+    whole = np.frombuffer(buf, dtype=np.uint8)
+    out = {
+        name: QuantTensor(name=name, ggml_type=t, shape=shape, data=whole[data_start + begin : data_start + end])
+        for name, (t, shape, begin, end) in entries.items()
+    }
     return out, meta
 
 
@@ -189,13 +209,8 @@ def config_from_hf(cfg: dict[str, Any], present: set[str]) -> ModelConfig:
     if "full_attention" in rope and isinstance(rope["full_attention"], dict):
         rope = rope["full_attention"]
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    scaling = cfg.get("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"}
+    scaling = rope_scaling_from_hf(cfg.get("rope_scaling") or rope)
     extra: dict[str, Any] = {"warnings": []}
-    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) not in (
-        "default",
-        None,
-    ):
-        extra["rope_scaling"] = dict(scaling)
     if cfg.get("partial_rotary_factor", 1.0) not in (1, 1.0):
         raise UnsupportedError(f"partial RoPE (partial_rotary_factor {cfg['partial_rotary_factor']})")
     if cfg.get("hidden_act", "silu") != "silu":
@@ -226,6 +241,7 @@ def config_from_hf(cfg: dict[str, Any], present: set[str]) -> ModelConfig:
         intermediate_size=_get_int(cfg, "intermediate_size"),
         rope_theta=theta,
         rope_type="neox",
+        rope_scaling=scaling,
         rms_norm_eps=eps,
         context_length=_get_int(cfg, "max_position_embeddings", 2048),
         tied_embeddings=names.OUTPUT not in present,
@@ -238,30 +254,8 @@ def config_from_hf(cfg: dict[str, Any], present: set[str]) -> ModelConfig:
     )
 
 
-def _chat_template(d: Path) -> str | None:
-    jinja = d / "chat_template.jinja"
-    if jinja.exists():
-        try:
-            return jinja.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise ModelFormatError(f"cannot read {jinja}: {e}") from e
-    tc = d / "tokenizer_config.json"
-    if tc.exists():
-        data = _read_json(tc)
-        t = data.get("chat_template") if isinstance(data, dict) else None
-        if isinstance(t, str):
-            return t
-        if isinstance(t, list):  # [{"name": "default", "template": "..."}, ...]
-            by_name = {x.get("name"): x.get("template") for x in t if isinstance(x, dict)}
-            t = by_name.get("default") or next(iter(by_name.values()), None)
-            return t if isinstance(t, str) else None
-    return None
-
-
-def load_safetensors(directory: str | os.PathLike):
-    """Load an HF-layout directory as a :class:`~realizar.models.loader.LoadedModel`."""
-    from realizar.models.loader import LoadedModel
-
+def load_safetensors(directory: str | os.PathLike) -> LoadedModel:
+    """Load an HF-layout directory as a :class:`~realizar.models.loaded.LoadedModel`."""
     d = Path(directory)
     cfg_path = d / "config.json"
     if not cfg_path.exists():
@@ -299,5 +293,5 @@ def load_safetensors(directory: str | os.PathLike):
         format="safetensors",
         path=d,
         tokenizer_json=tok if tok.exists() else None,
-        chat_template=_chat_template(d),
+        chat_template=chat_template_from_hf(d),
     )

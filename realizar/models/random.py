@@ -1,0 +1,139 @@
+"""Random weights in GGUF block form: single tensors and whole models, for tests, benchmarks and
+kernel experiments without a model file.
+
+Any byte pattern is a valid quantized block once its f16 scale fields hold finite numbers, so these
+builders draw the codes uniformly and set the scales explicitly. Two flavours:
+
+* :func:`random_weight` — raw bytes with varied scales (values of every magnitude the format can
+  express), for numerical comparisons of kernels against :func:`dequant`;
+* :func:`random_tensor` / :func:`random_model` — :class:`QuantTensor` objects with small constant
+  scales, so a many-layer forward pass stays finite; for speed measurements at real model shapes.
+
+Type names are GGML's (``"Q4_K"``, ``"Q8_0"``, ``"F32"``, ...).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from realizar.models import names
+from realizar.models.config import ModelConfig
+from realizar.models.quants import LAYOUTS, dequantize
+from realizar.models.tensor import QuantTensor
+
+__all__ = ["dequant", "random_model", "random_tensor", "random_weight"]
+
+# f16 fields of each quantized block that must hold finite numbers
+_F16_FIELDS = {
+    "Q8_0": ("d",), "Q4_0": ("d",), "Q4_1": ("d", "m"), "Q5_0": ("d",), "Q5_1": ("d", "m"),
+    "Q4_K": ("d", "dmin"), "Q5_K": ("d", "dmin"), "Q6_K": ("d",),
+}  # fmt: skip
+_K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+
+
+def _type(wtype: str) -> GGMLQuantizationType:
+    try:
+        return GGMLQuantizationType[wtype]
+    except KeyError:
+        raise ValueError(f"unknown GGML type {wtype!r}") from None
+
+
+def _float_bytes(values: np.ndarray, wtype: str) -> np.ndarray:
+    """``values`` (float64/float32) encoded as F32, F16 or BF16 (truncated), as flat uint8."""
+    f = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
+    if wtype == "F32":
+        return f.view(np.uint8)
+    if wtype == "F16":
+        return f.astype(np.float16).view(np.uint8)
+    return (f.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+
+
+def random_weight(rng: np.random.Generator, wtype: str, out_dim: int, in_dim: int, scale: float = 1.0) -> np.ndarray:
+    """Raw GGUF bytes (flat uint8) of an ``out_dim x in_dim`` matrix of type ``wtype``.
+
+    Float types hold ``scale * N(0, 1)``. Quantized types hold uniform random codes; each f16 scale
+    field is ``±U(0.25, 1) * scale / 16`` (``/ 64`` for K-quants, whose sub-block scales multiply it
+    again). ``in_dim`` must be a multiple of the type's block size.
+    """
+    if wtype in ("F32", "F16", "BF16"):
+        return _float_bytes(rng.standard_normal((out_dim, in_dim)) * scale, wtype)
+    lay = LAYOUTS[_type(wtype)]
+    nb = out_dim * in_dim // lay.block_size
+    raw = rng.integers(0, 256, size=(nb, lay.type_size), dtype=np.uint8)
+    mag = scale / (64.0 if wtype in _K_QUANTS else 16.0)
+    for name in _F16_FIELDS[wtype]:
+        off = lay.offset(name)
+        vals = (rng.uniform(0.25, 1.0, nb) * mag * rng.choice([-1.0, 1.0], nb)).astype(np.float16)
+        raw[:, off : off + 2] = vals.view(np.uint8).reshape(nb, 2)
+    return raw.reshape(-1)
+
+
+def dequant(raw: np.ndarray, wtype: str, out_dim: int, in_dim: int) -> np.ndarray:
+    """The float32 ``[out_dim, in_dim]`` values of raw GGUF bytes of type ``wtype``."""
+    return dequantize(raw, _type(wtype), (out_dim, in_dim))
+
+
+def random_tensor(rng: np.random.Generator, name: str, wtype: str, shape: tuple[int, ...]) -> QuantTensor:
+    """A :class:`QuantTensor` of ``shape`` and type ``wtype``: float types hold ``0.02 * N(0, 1)``;
+    quantized types hold uniform random codes with every f16 scale field ``0.002`` (``dmin``
+    ``0.001``), which bounds every value by ~8. The last dimension must be a multiple of the type's
+    block size."""
+    t = _type(wtype)
+    n = math.prod(shape)
+    if wtype in ("F32", "F16", "BF16"):
+        return QuantTensor(name, int(t), tuple(shape), _float_bytes(rng.standard_normal(n) * 0.02, wtype))
+    lay = LAYOUTS[t]
+    if shape[-1] % lay.block_size:
+        raise ValueError(f"{name}: rows of {shape[-1]} values are not whole {wtype} blocks of {lay.block_size}")
+    blocks = rng.integers(0, 256, size=n // lay.block_size * lay.type_size, dtype=np.uint8)
+    blocks = blocks.reshape(-1, lay.type_size)
+    for f in lay.fields:
+        if f.dtype == "f16":
+            value = np.float16(0.001 if f.name == "dmin" else 0.002)
+            blocks[:, f.offset : f.offset + 2] = np.frombuffer(value.tobytes(), np.uint8)
+    return QuantTensor(name, int(t), tuple(shape), blocks.reshape(-1))
+
+
+def random_model(
+    config: ModelConfig,
+    weight_type: str,
+    embedding_type: str | None = None,
+    output_type: str | None = None,
+    seed: int = 0,
+) -> dict[str, QuantTensor]:
+    """Every tensor ``config`` requires (canonical names, see :func:`names.expected_shapes`), drawn by
+    :func:`random_tensor`: the layer matrices of ``weight_type``, ``token_embd`` of
+    ``embedding_type`` (default ``weight_type``), ``output`` (untied models only) of ``output_type``
+    (default ``weight_type``), norms and biases F32. The result can be passed wherever a loaded
+    model's ``tensors`` go (the reference model, the GPU model)."""
+    rng = np.random.default_rng(seed)
+    shapes = names.expected_shapes(config)
+
+    def draw(name: str, wtype: str) -> QuantTensor:
+        return random_tensor(rng, name, wtype, shapes[name])
+
+    tensors = {
+        names.TOKEN_EMBD: draw(names.TOKEN_EMBD, embedding_type or weight_type),
+        names.OUTPUT_NORM: draw(names.OUTPUT_NORM, "F32"),
+    }
+    if not config.tied_embeddings:
+        tensors[names.OUTPUT] = draw(names.OUTPUT, output_type or weight_type)
+    matrices = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    vectors = ("attn_norm", "ffn_norm")
+    if config.qk_norm:
+        vectors += ("attn_q_norm", "attn_k_norm")
+    for i in range(config.num_layers):
+        for part in matrices:
+            name = names.layer_name(i, part)
+            tensors[name] = draw(name, weight_type)
+        for part in vectors:
+            name = names.layer_name(i, part)
+            tensors[name] = draw(name, "F32")
+        if config.qkv_bias:
+            for part in names.LAYER_BIASES:
+                name = names.layer_name(i, part, "bias")
+                tensors[name] = draw(name, "F32")
+    return tensors
