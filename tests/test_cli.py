@@ -242,10 +242,63 @@ def test_bench(tiny):
     r = json.loads(p.stdout)
     assert r["device"] == "cpu" and r["prompt_tokens"] == 8 and r["gen_tokens"] == 4
     assert r["prefill_tokens_per_second"] > 0 and r["decode_tokens_per_second"] > 0
+    assert r["time_to_first_token_seconds"] > 0
     p = run("bench", "-m", str(tiny), "-p", "8", "-g", "2", "-r", "1")
     assert p.returncode == 0, p.stderr
-    assert "| decode tok/s |" in p.stdout.splitlines()[0]
+    header = p.stdout.splitlines()[0]
+    assert "| time to first token ms |" in header and "| prefill tok/s |" in header and "| decode tok/s |" in header
     assert_clean_error(run("bench", "-m", str(tiny), "-p", "100000"), match="exceeds the context")
+
+
+class _DeviceLogits:
+    """Logits left on the device: the greedy path reads only the argmax; copying them is an error."""
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def greedy_token(self) -> int:
+        return self.token
+
+    def __array__(self, dtype=None, copy=None):
+        raise AssertionError("bench copied the whole logits vector")
+
+
+class _CountingModel:
+    """Returns token (previous + 1); records the calls."""
+
+    context_length = 64
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+
+    def reset(self):
+        self.calls.append(("reset",))
+
+    def prefill(self, ids):
+        self.calls.append(("prefill", len(ids)))
+        return _DeviceLogits(ids[-1] + 1)
+
+    def decode(self, token):
+        self.calls.append(("decode", token))
+        return _DeviceLogits(token + 1)
+
+
+def test_bench_takes_the_greedy_read_back_path():
+    """run_bench picks tokens like generate does: through greedy_token, never the logits vector."""
+    from types import SimpleNamespace
+
+    from realizar.cli.bench import run_bench
+
+    class Tok:
+        def encode(self, text, add_special_tokens=True):
+            return list(range(10))
+
+    model = _CountingModel()
+    engine = SimpleNamespace(model=model, tokenizer=Tok(), context_length=64, name="stub", device="cuda")
+    r = run_bench(engine, prompt_tokens=5, gen_tokens=3, repeats=2, warmup=1)
+    one_run = [("reset",), ("prefill", 5), ("decode", 5), ("decode", 6), ("decode", 7)]
+    assert model.calls == one_run * 3
+    assert r["gen_tokens"] == 3 and r["repeats"] == 2 and r["device"] == "cuda"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -387,6 +440,8 @@ def test_ptx_errors():
     assert_clean_error(run("ptx", "emit", "no_such_kernel"), match="no kernel 'no_such_kernel'")
     assert_clean_error(run("ptx", "emit", "vector_add", "-s", "bogus=1"), match="no shape parameter")
     assert_clean_error(run("ptx", "emit", "vector_add", "-s", "vec"), code=2, match="NAME=VALUE")
+    assert_clean_error(run("ptx", "emit", "gemv", "-s", "in_dim=abc"), code=2, match="shape parameter in_dim")
+    assert_clean_error(run("ptx", "check", "gemv", "-s", "in_dim=abc"), code=2, match="shape parameter in_dim")
     assert_clean_error(run("ptx", "emit", "vector_add", "--target", "sm_70"), match="unsupported target")
     assert_clean_error(run("ptx", "diff", "no_such_kernel", "a=1", "a=2"), match="no kernel")
     assert run("ptx", "check", "--target", "sm_70").returncode == 2

@@ -37,19 +37,56 @@ def test_same_model_same_tokens_from_both_formats(tiny_paths):
     assert (a.prompt_tokens, a.token_ids, a.text) == (b.prompt_tokens, b.token_ids, b.text)
 
 
-def test_auto_falls_back_to_cpu_without_gpu_model(tiny_paths):
+def _no_gpu(monkeypatch):
+    monkeypatch.setattr(cuda, "unavailable_reason", lambda: "no NVIDIA driver (stubbed)")
+
+
+def test_auto_falls_back_to_cpu_without_a_gpu(tiny_paths, monkeypatch):
+    _no_gpu(monkeypatch)
     engine = load_engine(tiny_paths[1], device="auto")
-    assert engine.device == "cpu"
+    assert engine.device == "cpu" and isinstance(engine.model, ReferenceModel)
 
 
-def test_cuda_raises_a_clear_error(tiny_paths):
-    with pytest.raises(GpuUnavailableError) as e:
+def test_cuda_without_a_gpu_says_why(tiny_paths, monkeypatch):
+    _no_gpu(monkeypatch)
+    with pytest.raises(GpuUnavailableError, match=r"no usable GPU: no NVIDIA driver \(stubbed\)"):
         load_engine(tiny_paths[1], device="cuda")
-    msg = str(e.value)
-    if cuda.is_available():
-        assert "not available yet" in msg
-    else:
-        assert "GPU" in msg
+
+
+def test_a_model_the_gpu_cannot_run(tiny_paths, monkeypatch):
+    """A GPU is present but the GPU model refuses the model: cuda says why, auto runs on the CPU."""
+    import realizar.gpu_model
+    from realizar.errors import UnsupportedError
+
+    def refuse(loaded, max_len=None, **kw):
+        raise UnsupportedError("tensor type XYZ (stubbed)")
+
+    monkeypatch.setattr(cuda, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(realizar.gpu_model.GpuModel, "from_loaded", staticmethod(refuse))
+    with pytest.raises(GpuUnavailableError, match=r"cannot run on the GPU: tensor type XYZ \(stubbed\)"):
+        load_engine(tiny_paths[1], device="cuda")
+    assert load_engine(tiny_paths[1], device="auto").device == "cpu"
+
+
+@pytest.mark.parametrize("device", ["auto", "cuda"])
+def test_the_gpu_model_is_taken_when_it_loads(tiny_paths, monkeypatch, device):
+    """With a GPU model available, auto and cuda both run on it, with the cap on the context passed
+    through; the stand-in is the CPU model, so the tokens must match a CPU engine's."""
+    import realizar.gpu_model
+
+    made = []
+
+    def stand_in(loaded, max_len=None, **kw):
+        made.append(max_len)
+        return ReferenceModel.from_loaded(loaded, max_len=max_len or loaded.config.context_length)
+
+    monkeypatch.setattr(cuda, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(realizar.gpu_model.GpuModel, "from_loaded", staticmethod(stand_in))
+    engine = load_engine(tiny_paths[1], device=device, max_context=32)
+    assert engine.device == "cuda" and made == [32] and engine.context_length == 32
+    p = SamplingParams(max_tokens=4)
+    assert engine.generate("the and of", p).token_ids == load_engine(tiny_paths[1], device="cpu").generate(
+        "the and of", p).token_ids
 
 
 def test_bad_arguments(tiny_paths):

@@ -541,6 +541,7 @@ def test_fuzz_structured_headers(tmp_path_factory, n_tensors, n_kv, key_len, vty
     _load_bytes(tmp_path_factory, head + struct.pack("<I", vtype) + tail)
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("arch", ARCHS)
 def test_factory_gguf_is_faithful_for_transformers(arch, workdir):
     """Oracle for the factory itself: transformers reading our GGUF (it un-permutes llama Q/K) gives

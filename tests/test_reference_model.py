@@ -21,6 +21,7 @@ from realizar.models.reference import KVCache, ReferenceModel
 from tests.helpers import assert_close
 from tests.model_factory import KQUANT_DIMS, hf_logits, hf_to_gguf, make_hf_model
 
+pytestmark = pytest.mark.oracle
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 

@@ -187,6 +187,7 @@ def test_smol_properties(smol, smol_md):
     assert smol.encode("") == []
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("text", CORPUS)
 def test_smol_ids_match_transformers(smol, smol_hf, text):
     ids = smol.encode(text)
@@ -196,6 +197,7 @@ def test_smol_ids_match_transformers(smol, smol_hf, text):
     assert smol.decode(ids, skip_special_tokens=True) == smol_hf.decode(ids, skip_special_tokens=True)
 
 
+@pytest.mark.oracle
 def test_transformers_gguf_loader_differs_only_on_digits(smol, smol_path):
     raw = _hf_gguf_tokenizer(smol_path)  # as transformers builds it from the GGUF, unpatched
     for text in CORPUS:
@@ -213,6 +215,7 @@ def test_smol_known_ids(smol):
     assert smol.encode("Hello world! 123") == [19556, 905, 17, 216, 33, 34, 35]
 
 
+@pytest.mark.oracle
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=_MIXED)
 def test_smol_drawn_text_matches_transformers(smol, smol_hf, text):
@@ -434,6 +437,7 @@ def pre_variants(smol_md, tmp_path_factory):
     return out
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("pre", ["llama-bpe", "qwen2"])
 def test_pre_variants_match_transformers(pre_variants, pre):
     mine, hf = pre_variants[pre]
@@ -641,6 +645,7 @@ def _hf_comparable(text: str) -> bool:
     return not text.startswith((" ", "\u2581")) and "<s>" not in text and "</s>" not in text and "<|im_end|>" not in text and "<tool>" not in text
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("text", [t for t in SPM_CORPUS if _hf_comparable(t)])
 def test_spm_matches_transformers(spm, spm_hf, text):
     ids = spm.encode(text)
@@ -649,6 +654,7 @@ def test_spm_matches_transformers(spm, spm_hf, text):
     assert spm.decode(ids, skip_special_tokens=True) == spm_hf.decode(ids, skip_special_tokens=True)
 
 
+@pytest.mark.oracle
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=_MIXED)
 def test_spm_drawn_text_matches_transformers(spm, spm_hf, text):
@@ -759,6 +765,7 @@ def _load_config(d: Path) -> dict:
     return json.loads(p.read_text()) if p.is_file() else {}
 
 
+@pytest.mark.oracle
 def test_tokenizer_json_matches_transformers(smol_json_dir, smol_hf, smol):
     tok = Tokenizer.from_tokenizer_json(smol_json_dir / "tokenizer.json", _load_config(smol_json_dir))
     assert tok.kind == "json" and tok.vocab_size == smol.vocab_size

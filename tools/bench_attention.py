@@ -2,7 +2,7 @@
 
     python tools/bench_attention.py --out docs/results/attention.md
     python tools/bench_attention.py --quick              # fewer repetitions
-    python tools/bench_attention.py --sanitize-shapes    # the small checked cases (for compute-sanitizer)
+    REALIZAR_DEVICE=emulate python tools/bench_attention.py --smoke   # control flow only, tiny shapes
 
 Decode rows, for (heads, kv_heads, head_dim) in {(14,2,64), (28,4,128), (32,8,128)} x L in {512, 4096,
 32768} on the same random f32 data:
@@ -28,17 +28,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import statistics
-import sys
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from realizar import cuda  # noqa: E402
 from realizar.cuda.driver import call  # noqa: E402
 from realizar.executor import CudaExecutor  # noqa: E402
-from tools.roofline import copy_bandwidth  # noqa: E402
+from realizar.cuda.bench import copy_bandwidth
 
 SHAPES = [(14, 2, 64), (28, 4, 128), (32, 8, 128)]
 LENGTHS = [512, 4096, 32768]
@@ -77,7 +74,10 @@ def _graph_of(fn, stream, calls: int, pdl: bool = False):
 class TorchSdpa:
     """torch's scaled_dot_product_attention on the same data (None fields when torch is missing)."""
 
-    def __init__(self):
+    def __init__(self, enabled: bool = True):
+        self.torch = None
+        if not enabled:
+            return
         try:
             import torch
             import torch.nn.functional as F
@@ -355,30 +355,26 @@ def _registers(ex: CudaExecutor) -> str:
         return "?"
 
 
-def sanitize_shapes() -> None:
-    from tools.sanitize_attention import cases
-
-    cases(cuda.module_cache(), np.random.default_rng(0), small=False)
-    cuda.current_device().synchronize()
-    print("ok: attention sanitize shapes")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path)
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
-    ap.add_argument("--sanitize-shapes", action="store_true", help="run the small checked cases and exit")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny shapes, one repetition, no torch, no copy-bandwidth run: checks the control flow "
+                         "(argument packing, graph capture, table rows), e.g. on the emulated device; the "
+                         "numbers mean nothing")
     ap.add_argument("--no-prefill", action="store_true")
     ap.add_argument("--no-tune", action="store_true", help="skip the flash-decoding variant sweep")
     a = ap.parse_args()
-    if a.sanitize_shapes:
-        sanitize_shapes()
-        return
     dev = cuda.current_device()
     stream = cuda.Stream()
-    reps = 5 if a.quick else 15
-    copy_bw = copy_bandwidth(stream) / 1e6  # bytes per µs
-    torch_sdpa = TorchSdpa()
+    reps = 1 if a.smoke else 5 if a.quick else 15
+    shapes, lengths, tune_lengths, prefill, calls = SHAPES, LENGTHS, TUNE_LENGTHS, PREFILL, None
+    if a.smoke:
+        shapes, lengths, tune_lengths, prefill, calls = [(4, 2, 64)], [40], [33], [20], 2
+        copy_bw, torch_sdpa = float("nan"), TorchSdpa(enabled=False)
+    else:
+        copy_bw, torch_sdpa = copy_bandwidth(stream) / 1e6, TorchSdpa()  # bytes per µs
     lines = [
         f"# Attention kernels — {dev.name}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
         "",
@@ -391,16 +387,16 @@ def main() -> None:
         "",
     ]
     print("\n".join(lines), flush=True)
-    lines += bench_decode(dev, stream, copy_bw, reps, torch_sdpa, LENGTHS, SHAPES)
+    lines += bench_decode(dev, stream, copy_bw, reps, torch_sdpa, lengths, shapes, calls)
     if not a.no_tune:
         lines += ["", "Flash-decoding variants (same data; graph timing; the defaults are the first row; regs: "
                   "registers per thread of the decode kernel):", ""]
         print("\n".join(lines[-3:]), flush=True)
-        lines += bench_tuning(dev, stream, copy_bw, reps, SHAPES, TUNE_LENGTHS)
+        lines += bench_tuning(dev, stream, copy_bw, reps, shapes, tune_lengths, calls)
     if not a.no_prefill:
         lines += ["", "Prefill (causal flash attention, f32, from the KV cache in place):", ""]
         print("\n".join(lines[-3:]), flush=True)
-        lines += bench_prefill(dev, stream, reps, torch_sdpa, SHAPES, PREFILL)
+        lines += bench_prefill(dev, stream, reps, torch_sdpa, shapes, prefill)
     table = "\n".join(lines) + "\n"
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -14,20 +14,17 @@ The llama.cpp column is llama-bench tg on an H200 from ../shared/GUIDE.md (same 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from realizar import cuda  # noqa: E402
 from realizar.gpu_model import GpuModel  # noqa: E402
 from realizar.models.config import ModelConfig  # noqa: E402
 from realizar.models.quants import LAYOUTS, row_nbytes  # noqa: E402
 from realizar.models.tensor import QuantTensor  # noqa: E402
-from tools.roofline import copy_bandwidth  # noqa: E402
+from realizar.cuda.bench import copy_bandwidth
 
 T = {lay.name: t for t, lay in LAYOUTS.items()}
 

@@ -30,13 +30,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ptx_gen.kernels.gemv import KSPLITS, MAX_STATIC_SMEM, shared_bytes  # noqa: E402
 from ptx_gen.kernels.quant_layout import K_QUANTS, WEIGHT_TYPES, type_info  # noqa: E402
@@ -44,8 +41,8 @@ from realizar import cuda  # noqa: E402
 from ptx_gen.kernels.gemv_mma import MMA_TYPES  # noqa: E402
 from ptx_gen.kernels.gemv_mma import layout as mma_layout  # noqa: E402
 from realizar.layers import GemvConfig, GpuWeight, LayerOps, MmaConfig, gemv_config  # noqa: E402
-from tests.layer_oracles import dequant, random_weight  # noqa: E402
-from tools.roofline import copy_bandwidth  # noqa: E402
+from realizar.models.random import dequant, random_weight
+from realizar.cuda.bench import copy_bandwidth
 
 SHAPES = [  # (label, out_dim, in_dim)
     ("4096x4096", 4096, 4096),

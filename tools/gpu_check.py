@@ -25,10 +25,15 @@ ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
 
-def stages(out: Path, tests: list[str], pytest_args: list[str]) -> dict[str, tuple[list[str], int]]:
-    """name -> (command, timeout seconds)."""
+SANITIZED = ["tools/sanitize_cases.py", "tools/sanitize_attention.py", "tools/sanitize_layers.py"]
+
+
+def stages(out: Path, tests: list[str], pytest_args: list[str]) -> dict[str, tuple[list[list[str]], int]]:
+    """name -> (commands run in turn, timeout seconds for all of them)."""
     san = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
-    return {
+    memcheck = [[san, "--tool", "memcheck", "--error-exitcode", "3", PY, script] for script in SANITIZED]
+    racecheck = [[san, "--tool", "racecheck", "--error-exitcode", "3", PY, script, "--small"] for script in SANITIZED]
+    single = {
         "env": ([PY, "-c", (
             "import platform, numpy, cuda.bindings; from realizar import cuda as c; d = c.current_device(); "
             "print('python', platform.python_version(), 'numpy', numpy.__version__, 'cuda-bindings', "
@@ -36,9 +41,6 @@ def stages(out: Path, tests: list[str], pytest_args: list[str]) -> dict[str, tup
         )], 60),
         "tests": ([PY, "-m", "pytest", "-m", "gpu", *tests, "-q", "-rs", "-p", "no:cacheprovider",
                    f"--junitxml={out}/gpu_tests.xml", *pytest_args], 420),
-        "sanitize": ([san, "--tool", "memcheck", "--error-exitcode", "3", PY, "tools/sanitize_cases.py"], 240),
-        "racecheck": ([san, "--tool", "racecheck", "--error-exitcode", "3", PY, "tools/sanitize_cases.py",
-                       "--small"], 240),
         "bench_graphs": ([PY, "tools/bench_graphs.py", "--out", str(out / "bench_graphs.md")], 120),
         "bench_attention": ([PY, "tools/bench_attention.py", "--out", str(out / "bench_attention.md")], 300),
         "bench_gemv": ([PY, "tools/bench_gemv.py", "--out", str(out / "bench_gemv.md")], 300),
@@ -46,6 +48,31 @@ def stages(out: Path, tests: list[str], pytest_args: list[str]) -> dict[str, tup
         "real_model": ([PY, "tools/gpu_real_model.py", "--gguf", os.environ.get("SMOLLM2_GGUF", "/tmp/smollm2.gguf"),
                         "--out", str(out / "smollm2_gpu.md")], 300),
     }
+    return {**{name: ([cmd], limit) for name, (cmd, limit) in single.items()},
+            "sanitize": (memcheck, 300), "racecheck": (racecheck, 300)}
+
+
+def run_stage(cmds: list[list[str]], limit: float, env: dict, log) -> str:
+    """Run ``cmds`` in turn (stopping at the first failure) within ``limit`` seconds in all; their
+    output goes to ``log`` and stdout. Returns the status: ok, exit N or timeout."""
+    deadline = time.time() + limit
+    for cmd in cmds:
+        header = f"\n===== {' '.join(cmd)}\n"
+        print(header, flush=True)
+        log.write(header)
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                                  timeout=max(1.0, deadline - time.time()))
+            text, status = proc.stdout + proc.stderr, ("ok" if proc.returncode == 0 else f"exit {proc.returncode}")
+        except subprocess.TimeoutExpired as exc:
+            text = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            status = f"timeout {limit:.0f}s"
+        log.write(text)
+        log.flush()
+        print(text[-3000:], flush=True)
+        if status != "ok":
+            return status
+    return "ok"
 
 
 def main() -> int:
@@ -56,6 +83,7 @@ def main() -> int:
     ap.add_argument("--pytest-args", default="", help="extra pytest arguments, space separated")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
+    # the package from this checkout, whether or not it is installed
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
     all_stages = stages(a.out, a.tests.split(), a.pytest_args.split())
     summary = []
@@ -65,27 +93,18 @@ def main() -> int:
         if name not in all_stages:
             print(f"unknown stage {name}; known: {list(all_stages)}")
             return 2
-        cmd, limit = all_stages[name]
-        if not Path(cmd[0]).exists() and shutil.which(cmd[0]) is None:
+        cmds, limit = all_stages[name]
+        if not Path(cmds[0][0]).exists() and shutil.which(cmds[0][0]) is None:
             summary.append((name, "missing tool", 0.0))
             continue
-        if any(c.endswith(".py") and c.startswith("tools/") and not (ROOT / c).exists() for c in cmd):
+        scripts = [c for cmd in cmds for c in cmd if c.endswith(".py") and c.startswith("tools/")]
+        if any(not (ROOT / c).exists() for c in scripts):
             summary.append((name, "no script", 0.0))
             continue
         t0 = time.time()
-        header = f"\n===== {name}: {' '.join(cmd)}\n"
-        print(header, flush=True)
-        log.write(header)
-        try:
-            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit)
-            text, status = proc.stdout + proc.stderr, ("ok" if proc.returncode == 0 else f"exit {proc.returncode}")
-        except subprocess.TimeoutExpired as exc:
-            text = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-            status = f"timeout {limit}s"
+        log.write(f"\n##### stage {name}\n")
+        status = run_stage(cmds, limit, env, log)
         elapsed = time.time() - t0
-        log.write(text)
-        log.flush()
-        print(text[-3000:], flush=True)
         summary.append((name, status, elapsed))
     table = "\n| stage | status | seconds |\n|---|---|---:|\n" + "\n".join(
         f"| {name} | {status} | {elapsed:.0f} |" for name, status, elapsed in summary)

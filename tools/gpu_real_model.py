@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from realizar.default_model import DEFAULT_MODEL_SHA256  # noqa: E402
 from realizar.engine import load_engine  # noqa: E402

@@ -6,16 +6,12 @@
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from realizar import cuda  # noqa: E402
 from realizar.layers import GpuWeight, LayerOps  # noqa: E402
-from tests.layer_oracles import random_weight  # noqa: E402
+from realizar.models.random import random_weight
 
 
 def main() -> None:

@@ -16,12 +16,8 @@ only under the sanitizer is noticed too.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ptx_gen.kernels.flash_decoding import fused_buffer_sizes  # noqa: E402
 from realizar import cuda  # noqa: E402

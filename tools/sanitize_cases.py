@@ -1,7 +1,10 @@
-"""Small launches of every kernel family, run under compute-sanitizer (memcheck, racecheck).
+"""Small launches of the basic kernels (vector add, row sum), run under compute-sanitizer.
 
     compute-sanitizer --tool memcheck python tools/sanitize_cases.py
     compute-sanitizer --tool racecheck python tools/sanitize_cases.py --small
+
+The attention and transformer-layer kernels have their own scripts (tools/sanitize_attention.py,
+tools/sanitize_layers.py); tools/gpu_check.py runs all three under both sanitizers.
 
 Each case checks its own result against NumPy, so a kernel that misbehaves only under the sanitizer
 is noticed too. Awkward sizes (not multiples of the block or vector width) are chosen on purpose.
@@ -10,14 +13,10 @@ is noticed too. Awkward sizes (not multiples of the block or vector width) are c
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from realizar import cuda  # noqa: E402
+from realizar import cuda
 
 CASES = []
 
@@ -44,23 +43,13 @@ def basic_kernels(cache, rng, small):
             np.testing.assert_allclose(o.to_numpy(), x.sum(1), rtol=1e-4, atol=1e-4)
 
 
-def _optional(module: str, fn: str):
-    """Cases contributed by kernel families that provide ``sanitize_cases(cache, rng, small)``."""
-    try:
-        mod = __import__(module, fromlist=[fn])
-    except ImportError:
-        return None
-    return getattr(mod, fn, None)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="fewer, smaller cases (racecheck is slow)")
     a = ap.parse_args()
     cache = cuda.module_cache()
     rng = np.random.default_rng(0)
-    extra = [f for f in (_optional("tools.sanitize_attention", "cases"), _optional("tools.sanitize_layers", "cases")) if f]
-    for fn in CASES + extra:
+    for fn in CASES:
         fn(cache, rng, a.small)
         cuda.current_device().synchronize()
         print(f"ok {fn.__module__}.{fn.__name__}")

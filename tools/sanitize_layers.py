@@ -1,23 +1,34 @@
-"""Sanitizer cases of the transformer-layer kernels (picked up by tools/sanitize_cases.py):
-small launches of every kernel over awkward shapes, each checked against its float64 oracle.
+"""Sanitizer cases of the transformer-layer kernels: small launches of every kernel over awkward
+shapes, each checked against its float64 oracle.
 
-    compute-sanitizer --tool memcheck python tools/sanitize_cases.py
+    compute-sanitizer --tool memcheck  python tools/sanitize_layers.py
+    compute-sanitizer --tool racecheck python tools/sanitize_layers.py --small
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
-import sys
-from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ptx_gen.kernels.quant_layout import K_QUANTS, WEIGHT_TYPES  # noqa: E402
 from realizar import cuda  # noqa: E402
 from realizar.layers import GemvConfig, GpuWeight, LayerOps, MmaConfig, inv_freq_table  # noqa: E402
-from tests.layer_oracles import dequant, random_weight, rmsnorm_oracle, silu  # noqa: E402
+from realizar.models.random import dequant, random_weight
+
+
+def silu(g):
+    g = np.asarray(g, np.float64)
+    return g / (1.0 + np.exp(-g))
+
+
+def rmsnorm_oracle(x, weight, eps, residual=None):
+    """float64 RMSNorm of ``x`` (+ ``residual``) and the summed input."""
+    x = np.asarray(x, np.float64)
+    if residual is not None:
+        x = x + residual
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight, x
 
 
 def _gemv_case(ops, rng, wt: str, out_dim: int, in_dim: int, cfg, layout: str = "rows") -> None:
@@ -105,3 +116,16 @@ def cases(cache, rng, small: bool) -> None:
         ops.bias_add(dg, du, 7, 143)
         ops.argmax(do, best, n)
         assert int(best.to_numpy()[0]) == int(np.argmax(do.to_numpy()))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--small", action="store_true", help="fewer weight types (racecheck is slow)")
+    a = ap.parse_args()
+    cases(cuda.module_cache(), np.random.default_rng(0), a.small)
+    cuda.current_device().synchronize()
+    print("ok layer sanitize cases")
+
+
+if __name__ == "__main__":
+    main()

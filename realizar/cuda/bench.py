@@ -1,4 +1,4 @@
-"""The memory-bandwidth ceiling the benchmarks compare against: a large device-to-device copy."""
+"""Measurement helpers shared by the benchmarks: the memory-bandwidth ceiling they compare against."""
 
 from __future__ import annotations
 
@@ -6,17 +6,20 @@ import statistics
 
 import numpy as np
 
-from realizar import cuda
+from realizar.cuda.memory import GpuBuffer
+from realizar.cuda.stream import Event, Stream
+
+__all__ = ["copy_bandwidth"]
 
 
-def copy_bandwidth(stream: cuda.Stream, nbytes: int = 1 << 30, reps: int = 10) -> float:
+def copy_bandwidth(stream: Stream, nbytes: int = 1 << 30, reps: int = 10) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read + written: median of ``reps``
     event-timed copies of ``nbytes`` after two warm-up copies."""
-    with cuda.GpuBuffer(nbytes, np.uint8) as a, cuda.GpuBuffer(nbytes, np.uint8) as b:
+    with GpuBuffer(nbytes, np.uint8) as a, GpuBuffer(nbytes, np.uint8) as b:
         a.fill_bytes(1)
         times = []
         for i in range(reps + 2):
-            e0, e1 = cuda.Event(), cuda.Event()
+            e0, e1 = Event(), Event()
             e0.record(stream)
             b.copy_from(a, stream=stream)
             e1.record(stream)
