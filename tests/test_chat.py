@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from realizar.chat import CHATML_TEMPLATE, ChatTemplateError, render_chat
+from realizar.text.chat import CHATML_TEMPLATE, ChatTemplateError, render_chat
 from realizar.errors import TokenizerError
-from realizar.tokenizer import Tokenizer
+from realizar.text.tokenizer import Tokenizer
 
 
 

@@ -23,7 +23,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from realizar.errors import TokenizerError
-from realizar.tokenizer import PRE_TOKENIZER_SPLITS, StreamDecoder, Tokenizer
+from realizar.text.gguf_vocab import PRE_TOKENIZER_SPLITS
+from realizar.text.tokenizer import StreamDecoder, Tokenizer
 
 
 # ----------------------------------------------------------------------------------------------
@@ -115,6 +116,19 @@ def smol_hf(smol_path):
     return hf
 
 
+def _gpt2_byte_alphabet() -> dict[int, str]:
+    """GPT-2's map from the 256 byte values to printable characters: printable Latin-1 bytes stand
+    for themselves, the other 68 take the code points from U+0100 upwards in order."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = {b: chr(b) for b in printable}
+    for extra, b in enumerate(b for b in range(256) if b not in table):
+        table[b] = chr(0x100 + extra)
+    return table
+
+
+_BYTE_TO_CHAR = _gpt2_byte_alphabet()
+
+
 CORPUS = [
     "",
     " ",
@@ -168,8 +182,6 @@ def _spellable(tok: Tokenizer, text: str) -> bool:
     """Whether every byte of ``text`` has a token: SmolLM2 was trained on a restricted byte alphabet
     (no token for 0x04, 0xF1, 0xFF, ...), and a byte without one is dropped -- by transformers and
     llama.cpp alike -- so only such text survives a round trip."""
-    from realizar.tokenizer import _BYTE_TO_CHAR
-
     return all(tok.token_to_id(_BYTE_TO_CHAR[b]) is not None for b in set(text.encode("utf-8")))
 
 
@@ -330,8 +342,6 @@ def _pieces(tok: Tokenizer, text: str) -> list[str]:
 
 
 def _byte_alphabet():
-    from realizar.tokenizer import _BYTE_TO_CHAR
-
     return _BYTE_TO_CHAR
 
 
@@ -789,7 +799,7 @@ def test_tokenizer_json_sentencepiece_decoder(spm, tmp_path):
     p = tmp_path / "tokenizer.json"
     p.write_text(spm.backend.to_str())
     tok = Tokenizer.from_tokenizer_json(p, {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True})
-    assert tok.token_bytes(tok.token_to_id("<0x41>")) == b"A"
+    assert tok.decode([tok.token_to_id("<0x41>")]) == "A"
     for text in STREAM_TEXTS + ["hello world", " lead"]:
         ids = tok.encode(text)
         assert ids == spm.encode(text)
@@ -811,7 +821,6 @@ def test_tokenizer_json_unknown_decoder_falls_back(tmp_path):
     ids = tok.encode("hello world hé")
     assert ids == [1, 2, 3, 4, 5, 6]
     assert tok.decode(ids) == "hello world hé"
-    assert tok.token_bytes(1) is None
     assert "".join(_stream(tok, ids)) == "hello world hé"
 
 

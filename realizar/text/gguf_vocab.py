@@ -84,6 +84,7 @@ PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
     # punctuation runs, GPT-2 words, digit runs, then digit runs cut into threes
     "default": (_PUNCT_RUN, _GPT2, r"\p{N}+", _DIGITS3),
     "gpt-2": (_GPT2,),
+    "gpt2": (_GPT2,),
     "smollm": (r"\p{N}", _GPT2),  # single digits first, then the GPT-2 pattern
     "llama-bpe": (_LLAMA3,),
     "llama3": (_LLAMA3,),
