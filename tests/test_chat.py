@@ -1,4 +1,4 @@
-"""Chat templates rendered by realizar.chat equal transformers' ``apply_chat_template(tokenize=False)``."""
+"""Chat templates rendered by realizar.text.chat equal transformers' ``apply_chat_template(tokenize=False)``."""
 
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 from realizar.text.tokenizer import Tokenizer
 from tests.tokenizer_cases import (  # noqa: F401 - fixtures
@@ -201,3 +202,16 @@ def test_spm_explicit_merges_are_used(tmp_path):
     tok = Tokenizer.from_gguf_metadata(gguf_metadata(path))
     t = HAND_TOKENS.index
     assert tok.encode("hello", add_special_tokens=False) == [t("\u2581he"), t("ll"), t("o")]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_stream_decoder_spm_any_ids(spm, data):
+    # byte tokens in an impossible order make the library rewrite text it already decoded; the
+    # stream carries on, and wherever the ids spell valid UTF-8 it equals decode()
+    ids = data.draw(st.lists(st.integers(0, spm.vocab_size - 1), max_size=10))
+    for skip in (False, True):
+        text = "".join(stream_deltas(spm, ids, skip))
+        full = spm.decode(ids, skip_special_tokens=skip)
+        if "\ufffd" not in full:
+            assert text == full

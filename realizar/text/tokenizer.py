@@ -31,29 +31,55 @@ class StreamDecoder:
 
     Text that ends in an incomplete UTF-8 character is held back until the rest arrives;
     :meth:`flush` releases whatever is left at the end (an incomplete sequence as U+FFFD). The
-    concatenation of all deltas plus the flush equals ``tokenizer.decode(ids)``.
+    concatenation of all deltas plus the flush equals ``tokenizer.decode(ids)`` for any ids that
+    spell valid UTF-8.
+
+    Invalid UTF-8 (ids a model sampled in an impossible order) can make the library's decoder
+    rewrite text it already produced (SentencePiece byte tokens decode as a group, one U+FFFD per
+    byte); text already handed out cannot be taken back, so the stream then starts afresh at that
+    token (with the one before as context) and carries on.
     """
 
     def __init__(self, tokenizer: "Tokenizer", skip_special_tokens: bool = False):
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
-        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-        self._ids: list[int] = []  # every id fed, for the decode of a held-back tail at flush
+        self._restart()
+
+    def _restart(self) -> None:
+        self._stream = DecodeStream(skip_special_tokens=self._skip)
+        self._ids: list[int] = []  # ids fed since the (re)start, for the decode of a held-back tail
         self._emitted: list[str] = []
         self._held = False  # the last ids fed have not produced text yet
 
     def step(self, token_id: int) -> str:
         """Feed one id; returns the text it completes (possibly ``""``)."""
         tid = self._tokenizer._library_id(token_id)
-        self._ids.append(tid)
+        backend = self._tokenizer.backend
         try:
-            text = self._stream.step(self._tokenizer.backend, tid)
-        except Exception as e:  # the library raises plain Exception when it cannot go on
-            raise TokenizerError(f"cannot decode token {token_id} in this stream: {e}") from e
+            text = self._stream.step(backend, tid)
+        except Exception:  # the library's "invalid prefix": the decoded window changed behind us
+            text = self._restart_at(tid)
+        self._ids.append(tid)
         self._held = text is None
         if text:
             self._emitted.append(text)
         return text or ""
+
+    def _restart_at(self, tid: int) -> str | None:
+        """A fresh stream with the previous id as context (its text, if any, is out already; held
+        bytes of it come out with ``tid``'s text), then ``tid``; without context if that fails too."""
+        backend = self._tokenizer.backend
+        prev = self._ids[-1:]
+        self._restart()
+        if prev:
+            done = self._stream.step(backend, prev[0])
+            self._ids = prev
+            self._emitted = [done] if done else []
+            try:
+                return self._stream.step(backend, tid)
+            except Exception:
+                self._restart()
+        return self._stream.step(backend, tid)
 
     def feed(self, token_ids: Iterable[int]) -> str:
         """Feed several ids; returns the text they complete."""
@@ -63,12 +89,10 @@ class StreamDecoder:
         """End of the stream: the text still held back (incomplete bytes become U+FFFD)."""
         if not self._held:
             return ""
-        self._held = False
         full = self._tokenizer.backend.decode(self._ids, skip_special_tokens=self._skip)
         done = "".join(self._emitted)
-        tail = full[len(done) :] if full.startswith(done) else ""
-        self._emitted = [full]
-        return tail
+        self._restart()
+        return full[len(done) :] if full.startswith(done) else ""
 
 
 class Tokenizer:
