@@ -88,7 +88,7 @@ class Engine:
 def load_tokenizer(loaded) -> Any:
     """The tokenizer of a :class:`~realizar.models.loader.LoadedModel`: from the GGUF metadata, or
     from ``tokenizer.json`` (+ ``tokenizer_config.json``) of a safetensors directory."""
-    from realizar.tokenizer import Tokenizer
+    from realizar.text.tokenizer import Tokenizer
 
     if loaded.format == "gguf":
         return Tokenizer.from_gguf_metadata(loaded.metadata)

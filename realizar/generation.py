@@ -1,9 +1,10 @@
 """Text generation: prompt → prefill → sample/decode loop, streaming text with exact stop strings.
 
 The model object only needs ``prefill(ids) -> logits``, ``decode(id) -> logits``, ``reset()`` and
-``context_length`` — the NumPy :class:`~realizar.models.reference.ReferenceModel` today, the GPU model
-later. The tokenizer needs ``encode(text) -> list[int]``, ``decode(ids) -> str``, ``eos_token_ids`` and
-(optionally) a streaming decoder; see :func:`make_stream_decoder`.
+``context_length`` (the NumPy :class:`~realizar.models.reference.ReferenceModel` or the GPU model). The tokenizer needs ``encode(text) -> list[int]``, ``eos_token_ids`` and
+``stream_decoder(skip_special_tokens=True)`` returning an object with ``step(id) -> str`` and
+``flush() -> str`` (:class:`realizar.text.tokenizer.StreamDecoder`: control tokens the model emits
+are not shown as text).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ __all__ = [
     "GenerationStream",
     "Generator",
     "StopStringMatcher",
-    "make_stream_decoder",
 ]
 
 
@@ -136,75 +136,6 @@ class StopStringMatcher:
         return out
 
 
-# ----------------------------------------------------------------------------------------------
-# Streaming detokenization
-# ----------------------------------------------------------------------------------------------
-
-
-class _PrefixDiffDecoder:
-    """Incremental detokenizer built on ``tokenizer.decode`` alone: decodes a short window of recent
-    ids and emits the text that grew, holding it back while it ends in an incomplete UTF-8 sequence
-    (U+FFFD)."""
-
-    def __init__(self, tokenizer: Any):
-        self._decode = tokenizer.decode
-        self.ids: list[int] = []
-        self.prefix = 0
-        self.read = 0
-
-    def step(self, token_id: int) -> str:
-        self.ids.append(int(token_id))
-        before = self._decode(self.ids[self.prefix : self.read])
-        now = self._decode(self.ids[self.prefix :])
-        if len(now) > len(before) and not now.endswith("\ufffd"):
-            self.prefix, self.read = self.read, len(self.ids)
-            return now[len(before) :]
-        return ""
-
-    def flush(self) -> str:
-        before = self._decode(self.ids[self.prefix : self.read])
-        now = self._decode(self.ids[self.prefix :])
-        self.prefix = self.read = len(self.ids)
-        return now[len(before) :]
-
-
-class _DecoderAdapter:
-    """Gives any stream decoder the ``step(id) -> str`` / ``flush() -> str`` shape used here."""
-
-    def __init__(self, inner: Any):
-        self.inner = inner
-        for name in ("step", "push", "feed", "add", "decode", "put"):
-            fn = getattr(inner, name, None)
-            if callable(fn):
-                self._step = fn
-                break
-        else:
-            raise TypeError(f"{type(inner).__name__} has no step/push/feed method")
-        self._flush = next(
-            (getattr(inner, n) for n in ("flush", "finish", "end", "close") if callable(getattr(inner, n, None))),
-            None,
-        )
-
-    def step(self, token_id: int) -> str:
-        return self._step(int(token_id)) or ""
-
-    def flush(self) -> str:
-        return (self._flush() or "") if self._flush is not None else ""
-
-
-def make_stream_decoder(tokenizer: Any):
-    """A fresh streaming detokenizer for one generation: the tokenizer's own when it has one
-    (``tokenizer.stream_decoder(skip_special_tokens=True)``: control tokens the model emits are not
-    shown as text), else a prefix-diff decoder over ``tokenizer.decode``."""
-    factory = getattr(tokenizer, "stream_decoder", None)
-    if callable(factory):
-        try:
-            return _DecoderAdapter(factory(skip_special_tokens=True))
-        except TypeError:
-            return _DecoderAdapter(factory())
-    return _PrefixDiffDecoder(tokenizer)
-
-
 def _eos_ids(tokenizer: Any) -> tuple[int, ...]:
     ids = getattr(tokenizer, "eos_token_ids", ())
     if callable(ids):
@@ -299,7 +230,7 @@ class Generator:
     def _run(self, ids: list[int], params: SamplingParams, state: dict) -> Iterator[TokenChunk]:
         sampler = Sampler(params.temperature, params.top_k, params.top_p, params.repetition_penalty, params.seed)
         stop_ids = set(self.eos_token_ids) | {int(t) for t in params.stop_token_ids}
-        decoder = make_stream_decoder(self.tokenizer)
+        decoder = self.tokenizer.stream_decoder(skip_special_tokens=True)
         matcher = StopStringMatcher(params.stop)
         generated: list[int] = []
         pieces: list[str] = []

@@ -1,4 +1,4 @@
-"""Chat templates rendered by realizar.chat equal transformers' ``apply_chat_template(tokenize=False)``."""
+"""Chat templates rendered by realizar.text.chat equal transformers' ``apply_chat_template(tokenize=False)``."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from realizar.chat import CHATML_TEMPLATE, ChatTemplateError, render_chat
+from realizar.text.chat import CHATML_TEMPLATE, ChatTemplateError, render_chat
 from realizar.errors import TokenizerError
-from realizar.tokenizer import Tokenizer
+from realizar.text.tokenizer import Tokenizer
 
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import codecs
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -11,7 +13,7 @@ from realizar.errors import ContextOverflowError, InvalidRequestError
 from realizar.generation import Generator, SamplingParams, StopStringMatcher, TokenChunk
 from realizar.models.loader import load_model
 from realizar.models.reference import ReferenceModel
-from realizar.tokenizer import Tokenizer
+from realizar.text.tokenizer import Tokenizer
 from tests.model_factory import make_gguf_model
 
 # ----------------------------------------------------------------------------------------------
@@ -49,8 +51,22 @@ class ScriptedModel:
         return self._logits()
 
 
+class ByteStreamDecoder:
+    """Deltas of a byte-piece stream: incomplete UTF-8 held back, flushed as U+FFFD at the end."""
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def step(self, token_id):
+        return self.utf8.decode(self.pieces[token_id])
+
+    def flush(self):
+        return self.utf8.decode(b"", final=True)
+
+
 class ByteTokenizer:
-    """Token i is ``pieces[i]`` (bytes); id 0 is EOS. No stream decoder of its own."""
+    """Token i is ``pieces[i]`` (bytes); id 0 is EOS."""
 
     def __init__(self, pieces):
         self.pieces = [p if isinstance(p, bytes) else p.encode() for p in pieces]
@@ -61,6 +77,9 @@ class ByteTokenizer:
 
     def decode(self, ids):
         return b"".join(self.pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+    def stream_decoder(self, skip_special_tokens=False):
+        return ByteStreamDecoder(self.pieces)
 
 
 PIECES = ["<eos>", "x", "Hello", " wor", "ld", "!", " ST", "OP", " more", b"\xc3", b"\xa9", "S", "T"]

@@ -19,6 +19,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 pytest.importorskip("fastapi")
+pytest.importorskip("prometheus_client")
 
 from realizar.engine import load_engine  # noqa: E402
 from realizar.generation import SamplingParams  # noqa: E402
@@ -485,6 +486,15 @@ def test_metrics_parse_with_prometheus_client(client, live):
         assert inf and all(s.value >= 1 for s in inf)
     assert m["realizar_queue_depth"].type == "gauge"
     assert _sample(m, "realizar_model_info", model=live.engine.name, device="cpu") == 1
+
+
+def test_each_app_has_its_own_metrics():
+    from realizar.server.metrics import ServerMetrics
+
+    a, b = ServerMetrics("a", "cpu"), ServerMetrics("b", "cpu")
+    a.generation_tokens.inc(5)
+    assert b"realizar_generation_tokens_total 5.0" in a.render()
+    assert b"realizar_generation_tokens_total 0.0" in b.render()
 
 
 def test_binds_loopback_by_default():

@@ -48,7 +48,7 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-class _Request(BaseModel):
+class GenerationRequest(BaseModel):
     # OpenAI clients send fields we do not model (user, metadata, ...): keep them, ignore them.
     model_config = ConfigDict(extra="allow")
 
@@ -103,7 +103,7 @@ class _Request(BaseModel):
             raise ServerError(400, "stream_options is only allowed with stream=true", param="stream_options")
 
 
-class CompletionRequest(_Request):
+class CompletionRequest(GenerationRequest):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     echo: bool | None = False
     suffix: str | None = None
@@ -157,7 +157,7 @@ class ChatMessage(BaseModel):
         return "".join(pieces)
 
 
-class ChatCompletionRequest(_Request):
+class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     tools: list[Any] | None = None

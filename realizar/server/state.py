@@ -1,0 +1,188 @@
+"""What every route of one app shares: the engine, the scheduler, the metrics and the model's
+limits, with the steps a generation request goes through (checks, sampling parameters, queueing,
+waiting for the whole answer or streaming it as Server-Sent Events)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from realizar.errors import RealizarError
+from realizar.generation import SamplingParams
+from realizar.server import protocol as P
+from realizar.server.errors import as_server_error
+from realizar.server.metrics import ServerMetrics
+from realizar.server.scheduler import Job, QueueFullError, Scheduler
+
+__all__ = ["ServerState", "EventStream", "get_state"]
+
+log = logging.getLogger("realizar.server")
+
+
+@dataclass
+class ServerState:
+    engine: Any
+    name: str  # the model id clients pass as ``model``
+    device: str
+    metrics: ServerMetrics
+    scheduler: Scheduler
+    context_length: int
+    vocab_size: int
+    created: int
+    default_max_tokens: int | None  # for chat completions without max_tokens (None: the rest of the context)
+
+    def check_model(self, model: str) -> None:
+        if model != self.name:
+            raise P.ServerError(404, f"the model {model!r} does not exist; this server serves {self.name!r}",
+                                param="model", code="model_not_found")  # fmt: skip
+
+    def check_ids(self, ids: list[int]) -> list[int]:
+        if not ids:
+            raise P.ServerError(400, "the prompt is empty", param="prompt", code="invalid_value")
+        for t in ids:
+            if not 0 <= t < self.vocab_size:
+                raise P.ServerError(400, f"token id {t} is outside the vocabulary (0..{self.vocab_size - 1})",
+                                    param="prompt", code="invalid_value")  # fmt: skip
+        return ids
+
+    def sampling(
+        self, req: P.GenerationRequest, n_prompt: int, max_tokens: int | None, default: int | None, param: str
+    ) -> SamplingParams:
+        """The request's sampling parameters, with ``max_tokens`` checked against (or, when absent,
+        taken from) the room left in the context."""
+        ctx = self.context_length
+        room = ctx - n_prompt
+        if room <= 0:
+            raise P.ServerError(
+                400,
+                f"this model's maximum context length is {ctx} tokens, but the prompt has {n_prompt}",
+                param="messages" if param == "max_completion_tokens" else "prompt",
+                code="context_length_exceeded",
+            )
+        if max_tokens is None:
+            max_tokens = room if default is None else min(default, room)
+        elif max_tokens > room:
+            raise P.ServerError(
+                400,
+                f"this model's maximum context length is {ctx} tokens; you requested "
+                f"{n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} for the completion)",
+                param=param,
+                code="context_length_exceeded",
+            )
+        params = SamplingParams(
+            max_tokens=int(max_tokens),
+            temperature=1.0 if req.temperature is None else float(req.temperature),
+            top_k=0 if req.top_k is None else int(req.top_k),
+            top_p=1.0 if req.top_p is None else float(req.top_p),
+            repetition_penalty=1.0 if req.repetition_penalty is None else float(req.repetition_penalty),
+            seed=req.seed,
+            stop=req.stop_tuple(),
+            stop_token_ids=tuple(int(t) for t in (req.stop_token_ids or ())),
+        )
+        try:
+            params.validate()
+        except RealizarError as e:
+            raise P.ServerError(400, str(e), code="invalid_value") from None
+        return params
+
+    def start(self, ids: list[int], params: SamplingParams) -> Job:
+        job = Job(prompt_ids=ids, params=params, loop=asyncio.get_running_loop())
+        try:
+            self.scheduler.submit(job)
+        except QueueFullError as e:
+            raise P.ServerError(429, f"the server is busy: {e}; retry later", "rate_limit_error",
+                                code="queue_full") from None  # fmt: skip
+        return job
+
+    async def collect(self, job: Job, request: Request) -> tuple[str, Any]:
+        """Wait for a whole generation, stopping it if the client goes away meanwhile."""
+        watcher = asyncio.create_task(_watch_disconnect(request, lambda: self.scheduler.cancel(job)))
+        pieces: list[str] = []
+        try:
+            async for kind, payload in job.events():
+                if kind == "token":
+                    pieces.append(payload.text)
+                elif kind == "done":
+                    return "".join(pieces), payload
+                elif kind == "error":
+                    raise payload
+                else:  # cancelled: the client is gone, nobody reads the answer
+                    raise P.ServerError(499, "the client closed the request", code="client_closed")
+        except asyncio.CancelledError:
+            self.scheduler.cancel(job)
+            raise
+        finally:
+            watcher.cancel()
+        raise P.ServerError(500, "the generation ended without a result", "server_error")
+
+    def stream(self, job: Job, render: Callable[[str, Any], list[dict]]) -> "EventStream":
+        """The SSE response for ``job``: ``render(kind, payload)`` gives the chunks of each event
+        (``"start"``, ``"token"``, ``"done"``); it ends with ``data: [DONE]``."""
+        return EventStream(self._events(job, render), lambda: self.scheduler.cancel(job))
+
+    async def _events(self, job: Job, render: Callable[[str, Any], list[dict]]) -> AsyncIterator[str]:
+        finished = False
+        try:
+            for chunk in render("start", None):
+                yield _sse(chunk)
+            async for kind, payload in job.events():
+                if kind == "error":
+                    err = as_server_error(payload)
+                    if err.status >= 500:
+                        log.error("generation failed: %r", payload)
+                    yield _sse(err.body())
+                    break
+                if kind == "cancelled":
+                    break
+                for chunk in render(kind, payload):
+                    yield _sse(chunk)
+            finished = True
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:
+                self.scheduler.cancel(job)
+
+
+def get_state(request: Request) -> ServerState:
+    """FastAPI dependency: the state of the app serving ``request``."""
+    return request.app.state.server
+
+
+def _sse(obj: dict) -> str:
+    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that calls ``on_close`` however it ends — finished, failed, or cancelled
+    because the client went away, even before the body iterator ever started."""
+
+    def __init__(self, body: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+async def _watch_disconnect(request: Request, on_disconnect: Callable[[], None]) -> None:
+    """Wait for the client to go away (the request body has been read by then) and call back."""
+    try:
+        while True:
+            message = await request.receive()
+            if message.get("type") == "http.disconnect":
+                on_disconnect()
+                return
+    except asyncio.CancelledError:
+        pass
+    except Exception:  # noqa: BLE001 - a watcher never takes the request down
+        pass
