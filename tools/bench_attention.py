@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from realizar import cuda  # noqa: E402
 from realizar.cuda.driver import call  # noqa: E402
-from realizar.executor import CudaExecutor  # noqa: E402
+from realizar.gpu.executor import CudaExecutor  # noqa: E402
 from tools.roofline import copy_bandwidth  # noqa: E402
 
 SHAPES = [(14, 2, 64), (28, 4, 128), (32, 8, 128)]

@@ -23,7 +23,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from realizar import cuda  # noqa: E402
-from realizar.gpu_model import GpuModel  # noqa: E402
+from realizar.gpu.model import GpuModel  # noqa: E402
 from realizar.models.config import ModelConfig  # noqa: E402
 from realizar.models.quants import LAYOUTS, row_nbytes  # noqa: E402
 from realizar.models.tensor import QuantTensor  # noqa: E402

@@ -14,7 +14,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from realizar import cuda  # noqa: E402
-from realizar.layers import GpuWeight, LayerOps  # noqa: E402
+from realizar.gpu.ops import GpuWeight, LayerOps  # noqa: E402
 from tests.layer_oracles import random_weight  # noqa: E402
 
 

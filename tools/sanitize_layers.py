@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ptx_gen.kernels.quant_layout import K_QUANTS, WEIGHT_TYPES  # noqa: E402
 from realizar import cuda  # noqa: E402
-from realizar.layers import GemvConfig, GpuWeight, LayerOps, MmaConfig, inv_freq_table  # noqa: E402
+from realizar.gpu.ops import GemvConfig, GpuWeight, LayerOps, MmaConfig, inv_freq_table  # noqa: E402
 from tests.layer_oracles import dequant, random_weight, rmsnorm_oracle, silu  # noqa: E402
 
 

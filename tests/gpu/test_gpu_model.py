@@ -8,7 +8,7 @@ import pytest
 
 from realizar.engine import load_engine
 from realizar.generation import SamplingParams
-from realizar.gpu_model import GpuModel
+from realizar.gpu.model import GpuModel
 from realizar.models.loader import load_model
 from realizar.models.reference import ReferenceModel
 from tests.model_factory import KQUANT_DIMS, make_gguf_model
