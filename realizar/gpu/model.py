@@ -116,7 +116,8 @@ class GpuModel:
             tensors["output.weight"])
         self.output_norm = _f32_buffer(ops, tensors["output_norm.weight"])
         ff = tensors.get("rope_freqs.weight")
-        self.inv_freq = ops.to_device(np.asarray(rope_inv_freq(cfg, None if ff is None else ff.dequantize()), np.float32))
+        freqs = rope_inv_freq(cfg, None if ff is None else ff.dequantize())
+        self.inv_freq = ops.to_device(np.asarray(freqs, np.float32))
         # activations
         qkv_n = cfg.q_dim + 2 * cfg.kv_dim
         self.x = ops.buffer(cfg.hidden_size)
