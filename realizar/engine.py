@@ -116,7 +116,7 @@ def _load_gpu_model(loaded, max_context: int | None):
     if reason is not None:
         raise GpuUnavailableError(f"no usable GPU: {reason}")
     from realizar.errors import ShapeError, UnsupportedError
-    from realizar.gpu_model import GpuModel
+    from realizar.gpu.model import GpuModel
 
     try:
         return GpuModel.from_loaded(loaded, max_len=max_context)

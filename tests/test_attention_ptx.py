@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import realizar.executor as executor_module
+import realizar.gpu.dispatch as executor_module
 from ptx_gen import catalog
 from ptx_gen.builder import Module
 from ptx_gen.kernels.decode_core import _choose_lanes, active_chunks, chunk_rows, decode_layout, loop_registers
@@ -27,7 +27,7 @@ from ptx_gen.kernels.flash_attention import prefill_tiles
 from ptx_gen.ptxas import assemble
 from realizar import cuda
 from realizar.errors import CacheStateError, ContextOverflowError, ShapeError
-from realizar.executor import AttentionConfig, CudaExecutor, default_num_chunks
+from realizar.gpu.executor import AttentionConfig, CudaExecutor, default_num_chunks
 from realizar.models.attention import attention_with_cache_gqa, gqa_attention
 from tests.attention_cases import prefill_case
 from tests.ptx_simt import EmulatorError, FakeCuda, Memory, run

@@ -17,7 +17,7 @@ from ptx_gen.kernels.quant_layout import DENSE, K_QUANTS, WEIGHT_TYPES, type_inf
 from ptx_gen.kernels.rmsnorm import default_block
 from ptx_gen.kernels.rope import inv_freq_table
 from ptx_gen.ptxas import assemble
-from realizar.layers import gemv_config
+from realizar.gpu.gemv import gemv_config
 from tests.helpers import fit_mma_shape, random_array
 from tests.layer_oracles import dequant, random_weight, rmsnorm_oracle, rope_oracle, silu
 from tests.ptx_simt import Memory, run as simt_run
@@ -167,7 +167,7 @@ def test_bad_parameters_rejected():
 
 def test_gpu_weight_rejects_bad_rows_before_touching_the_gpu():
     from realizar.errors import ShapeError, UnsupportedError
-    from realizar.layers import GpuWeight
+    from realizar.gpu.weights import GpuWeight
 
     with pytest.raises(ShapeError, match="not a multiple of the block size 256"):
         GpuWeight(data=np.zeros(144, np.uint8), ggml_type="Q4_K", shape=(1, 320))
@@ -582,7 +582,7 @@ def test_q6k_glu_offset_guard():
     """The fused gate/up Q6_K kernel addresses up rows by 32-bit offsets from a warp's first gate row:
     shapes past that go to the SIMT kernel (and the bound counts the last warp's 16 rows)."""
     from ptx_gen.kernels.gemv_mma import q6k_glu_offsets_fit
-    from realizar.layers import mma_config
+    from realizar.gpu.gemv import mma_config
     in_dim = 77824  # 304 blocks of 210 bytes a row
     row = in_dim // 256 * 210
     ffn = (2**31 - 224) // row - 16  # the largest that fits
@@ -597,7 +597,7 @@ def test_mma_config_balances_the_grid():
     the busiest SM at most 1.25x the mean at the real decode shapes, and the sweep's best picks at the
     two FFN shapes (bench_gemv --sweep, H200)."""
     from ptx_gen.kernels.gemv_mma import layout
-    from realizar.layers import mma_config
+    from realizar.gpu.gemv import mma_config
     assert mma_config(4096, 4096, "Q5_K") is None and mma_config(576, 576, "Q8_0") is None
     assert mma_config(4096, 3072, "Q6_K") is None  # Q6_K rows of 3072: blocks at different phases per row
     assert mma_config(576, 1536, "Q8_0") is None  # 36 CTAs on 132 SMs: the SIMT kernel
@@ -621,7 +621,7 @@ def test_mma_config_balances_the_grid():
 def test_gemv_mma_dispatcher_picks_assemble_without_spills(wtype):
     """Every tensor-core launch shape the dispatcher picks at real decode shapes (and 32-row warps at
     their 8-warp maximum) assembles for sm_80 and sm_90 without local-memory spills."""
-    from realizar.layers import mma_config
+    from realizar.gpu.gemv import mma_config
     picks = {mma_config(o, i, wtype, 132) for o, i in ((4096, 14336), (14336, 4096), (4096, 4096), (28672, 4096),
                                                        (6144, 4096), (2048, 8192), (2048, 2048))}
     picks |= {mma_config(o, i, wtype, 132, glu=True) for o, i in ((14336, 4096), (8192, 2048))}

@@ -34,7 +34,7 @@ import numpy as np
 
 from realizar import cuda  # noqa: E402
 from realizar.cuda.driver import call  # noqa: E402
-from realizar.executor import CudaExecutor  # noqa: E402
+from realizar.gpu.executor import CudaExecutor
 from realizar.cuda.bench import copy_bandwidth
 
 SHAPES = [(14, 2, 64), (28, 4, 128), (32, 8, 128)]

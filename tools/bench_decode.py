@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from realizar import cuda  # noqa: E402
-from realizar.gpu_model import GpuModel  # noqa: E402
+from realizar.gpu.model import GpuModel  # noqa: E402
 from realizar.models.config import ModelConfig  # noqa: E402
 from realizar.models.quants import LAYOUTS, row_nbytes  # noqa: E402
 from realizar.models.tensor import QuantTensor  # noqa: E402

@@ -5,7 +5,7 @@ bandwidth and torch's f16 matmul of the same shape.
 
 ``--sweep`` times every launch configuration (rows per warp 1/2/4, warps 4/8, split-K 1/2/4/8 where
 the shared memory allows) next to the dispatcher's pick, checks each one's result, and appends a
-table of all of them per type and shape (to tune ``realizar.layers.gemv_config``).
+table of all of them per type and shape (to tune ``realizar.gpu.gemv.gemv_config``).
 
 Shapes (out x in): 4096x4096, 14336x4096 (FFN up/gate), 4096x14336 (FFN down), and SmolLM2's
 576x576, 1536x576, 576x1536, 49152x576 (the tied output projection), and Llama-3-8B's output projection
@@ -40,7 +40,7 @@ from ptx_gen.kernels.quant_layout import K_QUANTS, WEIGHT_TYPES, type_info  # no
 from realizar import cuda  # noqa: E402
 from ptx_gen.kernels.gemv_mma import MMA_TYPES  # noqa: E402
 from ptx_gen.kernels.gemv_mma import layout as mma_layout  # noqa: E402
-from realizar.layers import GemvConfig, GpuWeight, LayerOps, MmaConfig, gemv_config  # noqa: E402
+from realizar.gpu.ops import GemvConfig, GpuWeight, LayerOps, MmaConfig, gemv_config
 from realizar.models.random import dequant, random_weight
 from realizar.cuda.bench import copy_bandwidth
 
@@ -123,7 +123,7 @@ def bench_read(ops, stream, nbytes: int, use_graph: bool) -> float:
         for b in bufs:
             b.fill_bytes(1)
         fns = [(lambda b=bufs[i % len(bufs)]:
-                ops._launch(kern, grid, {"src": b.ptr, "n16": n16, "out": out.ptr}, stream))
+                ops.launch(kern, grid, {"src": b.ptr, "n16": n16, "out": out.ptr}, stream))
                for i in range(max(len(bufs), 20))]
         return time_launches(fns, stream, use_graph)[0]
     finally:

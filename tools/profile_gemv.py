@@ -10,7 +10,7 @@ import argparse
 import numpy as np
 
 from realizar import cuda  # noqa: E402
-from realizar.layers import GpuWeight, LayerOps  # noqa: E402
+from realizar.gpu.ops import GpuWeight, LayerOps
 from realizar.models.random import random_weight
 
 

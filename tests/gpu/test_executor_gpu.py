@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from realizar import cuda
 from realizar.errors import CacheStateError, ContextOverflowError, ShapeError
-from realizar.executor import CudaExecutor
+from realizar.gpu.executor import CudaExecutor
 from realizar.models.attention import attention_with_cache_gqa, gqa_attention
 from tests.helpers import assert_close
 

@@ -1,5 +1,6 @@
 """The GPU model against the NumPy reference model: same logits (float32 noise), same greedy tokens,
-for every architecture and a spread of GGUF weight types, eager and through the captured graph."""
+for every architecture and a spread of GGUF weight types, eager, through the captured graph and through
+the manually built one."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 
 from realizar.engine import load_engine
 from realizar.generation import SamplingParams
-from realizar.gpu_model import GpuModel
+from realizar.gpu.model import GpuModel
 from realizar.models.loader import load_model
 from realizar.models.reference import ReferenceModel
 from tests.model_factory import KQUANT_DIMS, make_gguf_model
@@ -113,3 +114,41 @@ def test_programmatic_dependent_launch_changes_nothing_but_speed(tmp_path):
     for tok in (3, 4, 5):
         a, b = (np.asarray(m.decode(tok)) for m in models)
         assert a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("arch,qtype", [("llama", "Q8_0"), ("qwen3", "Q4_K")])
+def test_captured_and_manual_decode_graphs_replay_bit_identically(tmp_path, arch, qtype):
+    """The decode graph built by stream capture and the one built node by node (``graph="manual"``)
+    replay the same kernels with the same arguments: the same logits bytes and tokens as each other
+    and as eager launches, and the reference model's greedy tokens."""
+    dims = {**DIMS, **(KQUANT_DIMS if qtype.endswith("_K") else {})}
+    path, _, _ = make_gguf_model(arch, tmp_path, qtype, seed=17, **dims)
+    loaded = load_model(path)
+    ref = ReferenceModel.from_loaded(loaded, max_len=32)
+    models = {"eager": GpuModel.from_loaded(loaded, max_len=32, use_graph=False),
+              "capture": GpuModel.from_loaded(loaded, max_len=32, graph="capture"),
+              "manual": GpuModel.from_loaded(loaded, max_len=32, graph="manual")}
+    prompt = [7, 250, 31, 99, 4, 180]
+    ref_logits = ref.prefill(prompt)
+    logits = {name: m.prefill(prompt) for name, m in models.items()}
+    assert models["capture"]._graph.graph.kind == "captured"
+    assert models["manual"]._graph.graph.kind == "manual"
+    assert models["manual"]._graph.graph.num_kernels == models["capture"]._graph.graph.num_kernels
+    for step in range(8):
+        ref_tok = int(np.argmax(ref_logits))
+        host = {name: np.asarray(lg) for name, lg in logits.items()}
+        tokens = {name: lg.greedy_token() for name, lg in logits.items()}
+        assert set(tokens.values()) == {ref_tok}, f"step {step}: tokens {tokens}, reference {ref_tok}"
+        for name in ("capture", "manual"):
+            assert host[name].tobytes() == host["eager"].tobytes(), f"step {step}: {name} logits differ from eager"
+        _logits_close(host["manual"], ref_logits, f"{arch}/{qtype} step {step}")
+        ref_logits = ref.decode(ref_tok)
+        logits = {name: m.decode(ref_tok) for name, m in models.items()}
+
+
+def test_unknown_graph_mode_is_refused(tmp_path):
+    from realizar.errors import ShapeError
+
+    path, _, _ = make_gguf_model("llama", tmp_path, "Q8_0", seed=2, **DIMS)
+    with pytest.raises(ShapeError, match="graph must be one of"):
+        GpuModel.from_loaded(load_model(path), max_len=16, graph="replay")

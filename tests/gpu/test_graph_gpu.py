@@ -233,7 +233,7 @@ def test_attention_decode_chain_is_bit_identical_eager_captured_manual(device):
     """Two layers of KV append + flash decoding per token, positions and lengths advancing on the
     device: eager launches, one stream-captured graph and one manually built graph replayed for every
     token must write exactly the same bytes (outputs of every token and both KV caches)."""
-    from realizar.executor import CudaExecutor
+    from realizar.gpu.executor import CudaExecutor
 
     layers, heads, kv_heads, head_dim, tokens = 2, 8, 2, 64, 9
     rng = np.random.default_rng(21)

@@ -1,4 +1,4 @@
-"""GPU tests of the transformer-layer kernels through :class:`realizar.layers.LayerOps`: each kernel
+"""GPU tests of the transformer-layer kernels through :class:`realizar.gpu.ops.LayerOps`: each kernel
 against its float64 oracle with fresh random weights/activations (hypothesis), outputs NaN-poisoned
 before every launch so an unwritten element fails. Quantized GEMV: relative error <= 1e-4 against the
 float64 dot product of the dequantized weights; argmax exact including ties."""
@@ -14,7 +14,7 @@ from ptx_gen.kernels.gemv import MAX_STATIC_SMEM, shared_bytes
 from ptx_gen.kernels.quant_layout import DENSE, K_QUANTS, WEIGHT_TYPES
 from realizar import cuda
 from realizar.errors import ShapeError
-from realizar.layers import GemvConfig, GpuWeight, LayerOps, MmaConfig, inv_freq_table
+from realizar.gpu.ops import GemvConfig, GpuWeight, LayerOps, MmaConfig, inv_freq_table
 from tests.helpers import fit_mma_shape, random_array
 from tests.layer_oracles import dequant, random_weight, rmsnorm_oracle, rope_oracle, silu
 

@@ -1,13 +1,20 @@
 """The GPU model: a llama-family decoder run entirely on the GPU, one CUDA graph per token.
 
 Weights stay in their GGUF block form on the device; activations, the KV cache and the sampled token
-never leave it. A decode step is recorded once as a graph (embedding → 30 × [RMSNorm, QKV GEMV, RoPE fused with
-the KV append, flash decoding, O GEMV + residual, RMSNorm, gate/up GEMV + SwiGLU, down GEMV + residual]
-→ final norm → LM head → argmax); afterwards a token costs one async copy of the step values
-(token, position, sequence length) and one graph launch. Greedy decoding reads back 4 bytes.
+never leave it. A decode step (embedding → per layer [RMSNorm, QKV GEMV, RoPE fused with the KV
+append, flash decoding, O GEMV + residual, RMSNorm, gate/up GEMV + SwiGLU, down GEMV + residual] →
+final norm → LM head → argmax) is built once into a CUDA graph; afterwards a token costs one async copy
+of the step values (token, position, sequence length) and one graph launch. Greedy decoding reads
+back 4 bytes.
 
     model = GpuModel.from_loaded(load_model(path))
     token = model.forward_gpu_resident_to_token_id(token_id, position)
+
+``graph`` chooses how the decode graph is built: ``"capture"`` (default) records the step's launches
+by stream capture (with programmatic dependent launch edges on sm_90 when ``pdl``); ``"manual"``
+builds it node by node from the launches of one eager step (:func:`realizar.cuda.record_graph`),
+for drivers or tools where stream capture is not available. Both replay the same kernels with the
+same arguments in the same order. ``use_graph=False`` issues every step eagerly.
 """
 
 from __future__ import annotations
@@ -16,16 +23,20 @@ import numpy as np
 
 from realizar import cuda
 from realizar.errors import ContextOverflowError, InvalidRequestError, ShapeError
-from realizar.executor import CudaExecutor
-from realizar.layers import GpuWeight, LayerOps
+from realizar.gpu.kv_cache import KVCache
+from realizar.gpu.ops import LayerOps
+from realizar.gpu.weights import GpuWeight
 from realizar.models.config import ModelConfig
 from realizar.models.reference import rope_inv_freq
 
+__all__ = ["DEFAULT_MAX_LEN", "DeviceLogits", "GRAPH_MODES", "GpuModel"]
+
 DEFAULT_MAX_LEN = 8192
+GRAPH_MODES = ("capture", "manual")
 
 
-def _f32_buffer(tensor) -> cuda.GpuBuffer:
-    return cuda.GpuBuffer.from_numpy(np.ascontiguousarray(tensor.dequantize(), np.float32).reshape(-1))
+def _f32_buffer(ops: LayerOps, tensor) -> cuda.GpuBuffer:
+    return ops.to_device(np.ascontiguousarray(tensor.dequantize(), np.float32).reshape(-1))
 
 
 class _Layer:
@@ -34,8 +45,8 @@ class _Layer:
 
     def __init__(self, tensors: dict, i: int, cfg: ModelConfig, ops: LayerOps):
         t = lambda name: tensors[f"blk.{i}.{name}"]  # noqa: E731
-        self.attn_norm = _f32_buffer(t("attn_norm.weight"))
-        self.ffn_norm = _f32_buffer(t("ffn_norm.weight"))
+        self.attn_norm = _f32_buffer(ops, t("attn_norm.weight"))
+        self.ffn_norm = _f32_buffer(ops, t("ffn_norm.weight"))
         q, k, v = t("attn_q.weight"), t("attn_k.weight"), t("attn_v.weight")
         if q.ggml_type == k.ggml_type == v.ggml_type:
             self.qkv = [ops.upload([q, k, v], name=f"blk.{i}.attn_qkv")]
@@ -44,9 +55,9 @@ class _Layer:
         self.qkv_bias = None
         if cfg.qkv_bias:
             bias = np.concatenate([t(f"attn_{n}.bias").dequantize().reshape(-1) for n in "qkv"]).astype(np.float32)
-            self.qkv_bias = cuda.GpuBuffer.from_numpy(bias)
-        self.q_norm = _f32_buffer(t("attn_q_norm.weight")) if cfg.qk_norm else None
-        self.k_norm = _f32_buffer(t("attn_k_norm.weight")) if cfg.qk_norm else None
+            self.qkv_bias = ops.to_device(bias)
+        self.q_norm = _f32_buffer(ops, t("attn_q_norm.weight")) if cfg.qk_norm else None
+        self.k_norm = _f32_buffer(ops, t("attn_k_norm.weight")) if cfg.qk_norm else None
         self.attn_out = ops.upload(t("attn_output.weight"))
         gate, up = t("ffn_gate.weight"), t("ffn_up.weight")
         fused = gate.ggml_type == up.ggml_type
@@ -84,40 +95,43 @@ class DeviceLogits:
 
 class GpuModel:
     """Model object for :class:`realizar.generation.Generator`: ``prefill``, ``decode``, ``reset``,
-    ``context_length``; plus :meth:`forward_gpu_resident_to_token_id` for greedy decoding."""
+    ``context_length``; plus :meth:`forward_gpu_resident_to_token_id` for greedy decoding.
+    ``graph``: how the decode graph is built (see the module docstring)."""
 
     def __init__(self, config: ModelConfig, tensors: dict, max_len: int | None = None, device=None,
-                 use_graph: bool = True, pdl: bool = True):
+                 use_graph: bool = True, pdl: bool = True, graph: str = "capture"):
+        if graph not in GRAPH_MODES:
+            raise ShapeError(f"graph must be one of {GRAPH_MODES}, got {graph!r}")
         self.config = cfg = config
         self.device = device or cuda.current_device()
         self.max_len = int(min(cfg.context_length, max_len or DEFAULT_MAX_LEN))
         if self.max_len < 1:
             raise ShapeError(f"max_len must be positive, got {self.max_len}")
-        self.ops = LayerOps(self.device)
-        self.executor = CudaExecutor(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.max_len,
-                                     self.device)
-        self.layers = [_Layer(tensors, i, cfg, self.ops) for i in range(cfg.num_layers)]
-        self.embed = GpuWeight(tensors["token_embd.weight"])  # GGUF rows: the embedding reads them
+        self.ops = ops = LayerOps(self.device)
+        self.kv = KVCache(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.max_len, ops=ops)
+        self.layers = [_Layer(tensors, i, cfg, ops) for i in range(cfg.num_layers)]
+        self.embed = GpuWeight(tensors["token_embd.weight"], device=self.device)  # GGUF rows: the embedding reads them
         # (tied: the LM head's GEMV reads the embedding's rows)
-        self.lm_head = self.embed if cfg.tied_embeddings or "output.weight" not in tensors else self.ops.upload(
+        self.lm_head = self.embed if cfg.tied_embeddings or "output.weight" not in tensors else ops.upload(
             tensors["output.weight"])
-        self.output_norm = _f32_buffer(tensors["output_norm.weight"])
+        self.output_norm = _f32_buffer(ops, tensors["output_norm.weight"])
         ff = tensors.get("rope_freqs.weight")
-        self.inv_freq = cuda.GpuBuffer.from_numpy(
-            np.asarray(rope_inv_freq(cfg, None if ff is None else ff.dequantize()), np.float32))
+        freqs = rope_inv_freq(cfg, None if ff is None else ff.dequantize())
+        self.inv_freq = ops.to_device(np.asarray(freqs, np.float32))
         # activations
         qkv_n = cfg.q_dim + 2 * cfg.kv_dim
-        self.x = cuda.GpuBuffer(cfg.hidden_size)
-        self.h = cuda.GpuBuffer(cfg.hidden_size)
-        self.qkv = cuda.GpuBuffer(qkv_n)
-        self.attn = cuda.GpuBuffer(cfg.q_dim)
-        self.ffn = cuda.GpuBuffer(cfg.intermediate_size)
-        self.ffn_up = None if all(lay.gate_up for lay in self.layers) else cuda.GpuBuffer(cfg.intermediate_size)
-        self.logits = cuda.GpuBuffer(cfg.vocab_size)
-        self.token_out = cuda.GpuBuffer(1, np.uint32)
+        self.x = ops.buffer(cfg.hidden_size)
+        self.h = ops.buffer(cfg.hidden_size)
+        self.qkv = ops.buffer(qkv_n)
+        self.attn = ops.buffer(cfg.q_dim)
+        self.ffn = ops.buffer(cfg.intermediate_size)
+        self.ffn_up = None if all(lay.gate_up for lay in self.layers) else ops.buffer(cfg.intermediate_size)
+        self.logits = ops.buffer(cfg.vocab_size)
+        self.token_out = ops.buffer(1, np.uint32)
         self.step_values = cuda.StepValues(("token", "pos", "seq_len"))
         self.stream = cuda.Stream(self.device)
         self.use_graph = use_graph
+        self.graph_mode = graph
         self.pdl = pdl  # programmatic dependent launch between the graph's kernels (sm_90)
         self._graph: cuda.GraphExec | None = None
         self._token_host = cuda.PinnedArray(1, np.uint32)
@@ -137,7 +151,7 @@ class GpuModel:
         return (self.step_values.device, self.step_values.index(name))
 
     def _issue_step(self) -> None:
-        cfg, ops, s = self.config, self.ops, self.stream
+        cfg, ops, kv, s = self.config, self.ops, self.kv, self.stream
         eps = cfg.rms_norm_eps
         q_dim, kv_dim, hd = cfg.q_dim, cfg.kv_dim, cfg.head_dim
         ops.embedding(self.embed, self._step_value("token"), self.x, stream=s)
@@ -153,10 +167,9 @@ class GpuModel:
                 ops.rmsnorm((self.qkv, 0), lay.q_norm, (self.qkv, 0), eps, hidden=hd, rows=cfg.num_heads, stream=s)
                 ops.rmsnorm((self.qkv, q_dim), lay.k_norm, (self.qkv, q_dim), eps, hidden=hd, rows=cfg.num_kv_heads,
                             stream=s)
-            ops.rope_kv_append(self.qkv, self.executor.k_cache(i), self.executor.v_cache(i), self.inv_freq,
-                               self._step_value("pos"), cfg.num_heads, cfg.num_kv_heads, hd, self.max_len,
-                               neox=cfg.rope_type == "neox", stream=s)
-            self.executor.flash_decoding(i, (self.qkv, 0), self.attn, self._step_value("seq_len"), stream=s)
+            kv.rope_append(i, self.qkv, self.inv_freq, self._step_value("pos"), neox=cfg.rope_type == "neox",
+                           stream=s)
+            kv.flash_decoding(i, (self.qkv, 0), self.attn, self._step_value("seq_len"), stream=s)
             ops.gemv(lay.attn_out, self.attn, self.x, residual=self.x, stream=s)
             ops.rmsnorm(self.x, lay.ffn_norm, self.h, eps, stream=s)
             if lay.gate_up is not None:
@@ -170,6 +183,18 @@ class GpuModel:
         ops.gemv(self.lm_head, self.h, self.logits, stream=s)
         ops.argmax(self.logits, self.token_out, stream=s)
 
+    def _build_graph(self) -> cuda.GraphExec:
+        """Run this step eagerly and build the decode graph from it (by capture or node by node)."""
+        with cuda.programmatic_dependent_launch(self.pdl):
+            if self.graph_mode == "manual":
+                with cuda.record_graph() as rec:  # runs the step while recording its launches
+                    self._issue_step()
+                return rec.graph.instantiate()
+            self._issue_step()  # eager: loads every kernel, so the capture below loads none
+            with cuda.capture(self.stream) as cap:
+                self._issue_step()
+            return cap.graph.instantiate()
+
     def _run_step(self, token: int, position: int) -> None:
         self.device.make_current()  # the server runs generations on a worker thread
         if not 0 <= token < self.config.vocab_size:
@@ -177,16 +202,15 @@ class GpuModel:
         if position >= self.max_len:
             raise ContextOverflowError(f"position {position} is past the KV cache's max_len of {self.max_len}")
         self.step_values.set(token=token, pos=position, seq_len=position + 1)
-        if self._graph is None:
-            self.step_values.upload(self.stream)
-            with cuda.programmatic_dependent_launch(self.pdl):
-                self._issue_step()  # eager: loads every kernel, so the capture below loads none
-                if self.use_graph:
-                    with cuda.capture(self.stream) as cap:
-                        self._issue_step()
-                    self._graph = cap.graph.instantiate()
-        else:
+        if self._graph is not None:
             self._graph.replay(self.stream, self.step_values)
+        else:
+            self.step_values.upload(self.stream)
+            if self.use_graph:
+                self._graph = self._build_graph()
+            else:
+                with cuda.programmatic_dependent_launch(self.pdl):
+                    self._issue_step()
         self.steps += 1
 
     def forward_gpu_resident_to_token_id(self, token: int, position: int) -> int:

@@ -1,0 +1,296 @@
+"""GEMV, fused gate/up GEMV and GEMM on GGUF weights: their launch policy beside their host calls.
+
+Two kernels compute a decode GEMV: the SIMT one (:mod:`ptx_gen.kernels.gemv`, shape
+:class:`GemvConfig` from :func:`gemv_config`) and the tensor-core one (:mod:`ptx_gen.kernels.gemv_mma`,
+shape :class:`MmaConfig` from :func:`mma_config`). :class:`GemvOps` picks one per weight on its device,
+and the weight's layout to match (:meth:`GemvOps.upload`: tile-major where the tensor-core kernel reads
+it). The policies are tuned with ``tools/bench_gemv.py --sweep``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+from ptx_gen.kernels.gemv import MAX_STATIC_SMEM, shared_bytes, tiles_per_slice
+from ptx_gen.kernels.gemv_mma import MMA_TYPES, SOLO_SMEM, q6k_glu_offsets_fit
+from ptx_gen.kernels.gemv_mma import layout as mma_layout
+from ptx_gen.kernels.quant_layout import type_info
+from realizar.errors import ShapeError
+from realizar.gpu.dispatch import Dispatcher
+from realizar.gpu.weights import GpuWeight, weight_type_name
+
+__all__ = ["GemvConfig", "GemvOps", "MmaConfig", "gemv_config", "mma_config"]
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Launch shape of the SIMT GEMV (:mod:`ptx_gen.kernels.gemv`)."""
+
+    rows: int  # output rows per warp (weight rows per warp for the fused gate/up GEMV)
+    warps: int  # warps per CTA
+    ksplit: int = 1  # warps sharing a row group, each summing one K slice (divides warps)
+
+
+# a grid of at least this many warps per SM: about one wave of the warps a split kernel keeps resident
+# (registers, shared memory). More splitting than that only adds per-warp work (setup, the partial
+# sums) to kernels whose decode already keeps the SMs' issue slots busy (Q4_K, Q6_K)
+TARGET_WARPS_PER_SM = 24
+# Q6_K GEMVs of at least this many rows per SM stay on the SIMT kernel: each warp of the tensor-core
+# kernel converts every unit of x it uses, a cost that grows with the rows
+Q6K_MANY_ROWS_PER_SM = 256
+MMA_EXTRA_CTA = 0.1  # the tensor-core GEMV dispatcher's cost of each further CTA on an SM
+
+
+@functools.lru_cache(maxsize=None)  # pure, and asked at every eager GEMV launch
+def gemv_config(out_dim: int, sm_count: int = 132, in_dim: int | None = None, wtype: str | None = None) -> GemvConfig:
+    """Launch shape of the SIMT GEMV of ``out_dim`` weight rows of ``in_dim`` values of ``wtype``.
+
+    Without ``in_dim``/``wtype`` (or for rows too short to split) only rows per warp are chosen by
+    ``out_dim``: 4 rows (x loads reused 4 times) for >= 48 rows per SM, 2 for >= 16, else 1. With
+    them, K is split (``ksplit`` warps per row group, each one slice) while
+
+    * the grid has fewer than ``TARGET_WARPS_PER_SM`` warps per SM (a warp walking a long row tile
+      after tile is latency bound), or
+    * a quantized row would still be walked in several tiles: a one-tile slice is copied at once with
+      ``cp.async`` (every load in flight, no registers held) rather than tile after tile,
+
+    keeping at least 2 rounds (512 values) per slice. Rows per warp: 4 for >= 48 rows per SM of a
+    quantized type when 4-row slices are single tiles that fit the shared memory (x reused 4 times),
+    else 2 (1 below 16 rows per SM). The large quantized decode shapes take fixed picks from the sweep."""
+    per_sm = out_dim / sm_count
+    by_rows = GemvConfig(4 if per_sm >= 48 else 2 if per_sm >= 16 else 1, 4)
+    if in_dim is None or wtype is None:
+        return by_rows
+    rounds = -(-in_dim // 256)
+    quantized = type_info(wtype).block_values > 1
+
+    def ksplit_for(rows: int) -> int:
+        ks = 1
+        while ks < 8 and rounds >= 4 * ks and (
+                -(-out_dim // rows) * ks < TARGET_WARPS_PER_SM * sm_count
+                or (quantized and tiles_per_slice(wtype, in_dim, ks) > 1)):
+            ks *= 2
+        return ks
+
+    if quantized and per_sm >= 16:  # the large decode shapes
+        if wtype == "Q6_K":
+            cfg = (GemvConfig(2, 8, 8) if rounds >= 32 else GemvConfig(4, 4, 2 if per_sm >= Q6K_MANY_ROWS_PER_SM else 4)
+                   if rounds >= 16 else None)
+        else:  # Q4_K / Q8_0
+            cfg = GemvConfig(4, 4, 2 if rounds >= 32 else 1)
+        if cfg is not None and shared_bytes(wtype, in_dim, cfg.rows, cfg.warps, cfg.ksplit) <= MAX_STATIC_SMEM \
+                and (cfg.ksplit == 1 or rounds >= 2 * cfg.ksplit):
+            return cfg
+    if by_rows.rows == 4 and quantized:  # (dense rows decode cheaply: they keep 2 rows per warp)
+        ks = ksplit_for(4)
+        fits = shared_bytes(wtype, in_dim, 4, max(4, ks), ks) <= MAX_STATIC_SMEM
+        if ks == 1 or (tiles_per_slice(wtype, in_dim, ks) == 1 and fits):
+            return GemvConfig(4, max(4, ks), ks)
+    rows = min(by_rows.rows, 2)
+    ks = ksplit_for(rows)
+    return GemvConfig(rows, max(4, ks), ks)
+
+
+@dataclass(frozen=True)
+class MmaConfig:
+    """Launch shape of the tensor-core GEMV (:mod:`ptx_gen.kernels.gemv_mma`)."""
+
+    mtiles: int  # warps along the rows of a CTA
+    kparts: int  # warps sharing those rows, each one part of K
+    stages: int  # cp.async ring depth per warp (units of 256 values)
+    tiles: int = 1  # 16-row MMA tiles per warp
+    bulk: bool = False  # sm_90: fill the ring with bulk copies (cp.async.bulk + mbarrier)
+    solo: bool = False  # shared memory raised so that one CTA holds an SM (see gemv_mma.SOLO_SMEM)
+
+
+@functools.lru_cache(maxsize=None)  # pure, and asked at every eager GEMV launch
+def mma_config(out_dim: int, in_dim: int, wtype: str, sm_count: int = 132,
+               max_smem: int = 227 * 1024, bulk_ok: bool = False, glu: bool = False) -> MmaConfig | None:
+    """The tensor-core GEMV's launch shape for ``out_dim`` rows of ``in_dim`` values, or None where it
+    does not apply (types other than Q4_K/Q8_0/Q6_K, rows not a multiple of 256 values, or of 2048 for
+    Q6_K) or would keep fewer than half the SMs busy (small GEMVs: the SIMT kernel starts faster).
+
+    CTAs of 8 warps with a 2-stage ring; warps of 32 rows (each unit of x a warp converts serves twice
+    the rows) split K in ``kparts`` so that the grid is balanced over the SMs (the busiest SM runs
+    ``ceil(ctas / sm_count)`` CTAs), each CTA beyond the first on an SM costing ``MMA_EXTRA_CTA`` (one
+    CTA streaming many units per warp beats several short ones). Among shapes scoring within 2% of the
+    best: 32-row warps, then fewer CTAs per SM. With ``bulk_ok`` (sm_90) warps that stream at most two
+    units use bulk copies. ``glu``: the fused gate/up GEMV of ``out_dim`` outputs (2 out_dim weight
+    rows; a warp takes 16 outputs' gate and up rows, so 32-row warps only)."""
+    if wtype not in MMA_TYPES or in_dim % 256:
+        return None
+    units = in_dim // 256
+    if wtype == "Q6_K" and out_dim >= Q6K_MANY_ROWS_PER_SM * sm_count:
+        return None
+    if wtype == "Q6_K" and glu and not q6k_glu_offsets_fit(out_dim, in_dim):
+        return None
+    cands = []
+    for tiles, (mtiles, kparts) in itertools.product((2,) if glu else (1, 2), ((1, 8), (2, 4), (4, 2), (8, 1))):
+        if units % kparts:
+            continue
+        try:
+            if mma_layout(wtype, in_dim, mtiles, kparts, 2, tiles)["smem"] > max_smem:
+                continue
+        except ValueError:
+            continue
+        ctas = -(-out_dim // ((16 if glu else 16 * tiles) * mtiles))
+        per_sm = -(-ctas // sm_count)
+        score = ctas / sm_count / per_sm * max(0.1, 1 - MMA_EXTRA_CTA * (per_sm - 1))
+        cands.append((score, tiles, -per_sm, ctas, MmaConfig(mtiles, kparts, 2, tiles)))
+    if not cands:
+        return None
+    top = max(c[0] for c in cands)
+    *_, ctas, best = max((c for c in cands if c[0] >= top - 0.02), key=lambda c: c[1:3])
+    if ctas < sm_count // 2:
+        return None  # under half the SMs busy: the SIMT kernel is faster
+    if bulk_ok and wtype != "Q6_K" and units // best.kparts <= 2:  # (Q6_K blocks are only 2-byte aligned)
+        best = dataclasses.replace(best, bulk=True)
+    return best
+
+
+class GemvOps(Dispatcher):
+    """GEMV, fused gate/up GEMV and GEMM launches, and the weight layout they read."""
+
+    # ---- launch policy on this device ----------------------------------------------------------------
+    def mma_config(self, out_dim: int, in_dim: int, wtype: str, glu: bool = False,
+                   layout: str = "rows") -> MmaConfig | None:
+        """The tensor-core GEMV's launch shape on this device (None: not applicable, or before sm_80) for
+        a weight stored in ``layout``. On tile-major weights a launch of at most one CTA per SM asks for
+        ``solo`` shared memory (so that no SM runs a second CTA of the launch while others idle), and on
+        sm_90 a warp's stage is one bulk copy where that is the faster fill: Q6_K always, Q4_K with one
+        row tile per CTA, Q8_0 with at most two units per warp."""
+        cc = self.device.target.compute_capability
+        if cc < (8, 0):
+            return None
+        max_smem = self.device.max_shared_per_block_optin
+        cfg = mma_config(out_dim, in_dim, wtype, self.sm_count, max_smem, bulk_ok=cc >= (9, 0), glu=glu)
+        if cfg is None or layout == "rows":
+            return cfg
+        ctas = -(-out_dim // ((16 if glu else 16 * cfg.tiles) * cfg.mtiles))
+        bulk = cc >= (9, 0) and (wtype == "Q6_K" or (wtype == "Q4_K" and cfg.mtiles == 1)
+                                 or (wtype == "Q8_0" and in_dim // 256 // cfg.kparts <= 2))
+        # (solo only where a CTA may ask for that much: not on sm_86/sm_89, whose limit is 99 KiB)
+        return dataclasses.replace(cfg, bulk=bulk, solo=ctas <= self.sm_count and SOLO_SMEM <= max_smem)
+
+    def weight_layout(self, out_dim: int, in_dim: int, wtype: str, glu: bool = False) -> str:
+        """How a weight should be stored for its decode GEMV on this device: tile-major where the
+        tensor-core kernel reads it (``glu``: a [gate; up] weight of 2 ``out_dim`` rows), else GGUF rows.
+        Exception: Q4_K rows of at most two units per warp, which the kernel streams faster with one
+        bulk copy per row and unit."""
+        cfg = self.mma_config(out_dim, in_dim, wtype, glu=glu)
+        if cfg is None or (wtype == "Q4_K" and cfg.bulk):
+            return "rows"
+        return "glu-tiles" if glu else "tiles"
+
+    def upload(self, tensors: Any, glu: bool = False, name: str = "") -> GpuWeight:
+        """A weight for :meth:`gemv` (or, with ``glu``, [gate; up] for :meth:`gemv_glu`) from one tensor or
+        a list to stack (:meth:`GpuWeight.concat`), in the layout its GEMV reads fastest
+        (:meth:`weight_layout`). Weights the embedding or the GEMM also read must stay in GGUF rows:
+        use ``GpuWeight`` directly."""
+        many = isinstance(tensors, (list, tuple))
+        first = tensors[0] if many else tensors
+        out_dim = sum(int(t.shape[0]) for t in tensors) if many else int(first.shape[0])
+        wtype, in_dim = weight_type_name(first.ggml_type), int(first.shape[-1])
+        if glu and out_dim % 2:
+            raise ShapeError(f"a gate/up weight holds 2 * ffn rows, got {out_dim}")
+        layout = "rows"
+        if wtype in MMA_TYPES and in_dim % 256 == 0:
+            layout = self.weight_layout(out_dim // 2 if glu else out_dim, in_dim, wtype, glu=glu)
+        if many:
+            return GpuWeight.concat(tensors, name=name, layout=layout, device=self.device)
+        return GpuWeight(first, layout=layout, device=self.device) if not name else GpuWeight(
+            data=first.data, ggml_type=first.ggml_type, shape=first.shape, name=name, layout=layout,
+            device=self.device)
+
+    def _mma_kernel(self, weight: GpuWeight, cfg: MmaConfig, **flags):
+        return self.kernel("gemv_mma", wtype=weight.wtype, in_dim=weight.in_dim, mtiles=cfg.mtiles, kparts=cfg.kparts,
+                           stages=cfg.stages, tiles=cfg.tiles, bulk=cfg.bulk, tiled=weight.layout != "rows",
+                           solo=cfg.solo, **flags)
+
+    # ---- launches ------------------------------------------------------------------------------------
+    def gemv(self, weight: GpuWeight, x: Any, out: Any, bias: Any = None, residual: Any = None,
+             stream: Any = None, config: GemvConfig | MmaConfig | None = None) -> None:
+        """out = W x (+ bias) (+ residual); ``residual`` may be ``out`` itself (in-place add).
+
+        Q4_K and Q8_0 rows of a multiple of 256 values and Q6_K rows of a multiple of 2048 go to the
+        tensor-core kernel (on sm_80+, where it keeps at least half the SMs busy), the rest to the SIMT
+        one; ``config`` forces either (a :class:`MmaConfig` or a :class:`GemvConfig`)."""
+        cfg = config
+        if weight.layout == "glu-tiles":
+            raise ShapeError(f"GpuWeight {weight.name!r} is stored for the fused gate/up GEMV: use gemv_glu")
+        if cfg is None:
+            cfg = self.mma_config(weight.out_dim, weight.in_dim, weight.wtype, layout=weight.layout)
+        if cfg is None:
+            cfg = gemv_config(weight.out_dim, self.sm_count, weight.in_dim, weight.wtype)
+        if not isinstance(cfg, MmaConfig):  # (upload picks tiles only where the tensor-core GEMV runs)
+            weight.require_rows("the SIMT GEMV")
+        if isinstance(cfg, MmaConfig):
+            kern = self._mma_kernel(weight, cfg, bias=bias is not None, residual=residual is not None)
+        else:
+            kern = self.kernel("gemv", wtype=weight.wtype, in_dim=weight.in_dim, rows=cfg.rows, warps=cfg.warps,
+                               bias=bias is not None, residual=residual is not None, ksplit=cfg.ksplit)
+        values = {"w": weight.ptr, "x": self.addr(x, weight.in_dim, "x"),
+                  "y": self.addr(out, weight.out_dim, "out", align=4)}
+        if bias is not None:
+            values["bias"] = self.addr(bias, weight.out_dim, "bias", align=4)
+        if residual is not None:
+            values["residual"] = self.addr(residual, weight.out_dim, "residual", align=4)
+        values["out_dim"] = weight.out_dim
+        self.launch(kern, -(-weight.out_dim // kern.meta["rows_per_cta"]), values, stream)
+
+    def gemv_glu(self, gate_up: GpuWeight, x: Any, out: Any, stream: Any = None,
+                 config: GemvConfig | MmaConfig | None = None) -> None:
+        """out[i] = silu(gate_i . x) * (up_i . x) with ``gate_up`` = [gate; up] (``GpuWeight.concat``).
+        Rows the tensor-core kernel takes (see :meth:`gemv`) run on it."""
+        if gate_up.out_dim % 2:
+            raise ShapeError(f"gate_up must hold 2 * ffn rows, got {gate_up.out_dim}")
+        ffn = gate_up.out_dim // 2
+        if gate_up.layout == "tiles":
+            raise ShapeError(f"GpuWeight {gate_up.name!r} is stored for a plain GEMV; the fused gate/up GEMV needs "
+                             f"layout 'glu-tiles' or 'rows'")
+        cfg = config if config is not None else self.mma_config(ffn, gate_up.in_dim, gate_up.wtype, glu=True,
+                                                                layout=gate_up.layout)
+        if cfg is None:
+            cfg = gemv_config(gate_up.out_dim, self.sm_count, gate_up.in_dim, gate_up.wtype)
+        if not isinstance(cfg, MmaConfig):
+            gate_up.require_rows("the SIMT gate/up GEMV")
+        if isinstance(cfg, MmaConfig):
+            if gate_up.wtype == "Q6_K" and gate_up.layout == "rows" and not q6k_glu_offsets_fit(ffn, gate_up.in_dim):
+                raise ShapeError(f"the tensor-core Q6_K gate/up GEMV cannot address {ffn} x {gate_up.in_dim} "
+                                 f"rows (32-bit offsets); leave config unset or use a GemvConfig")
+            kern = self._mma_kernel(gate_up, dataclasses.replace(cfg, tiles=2), glu=True)
+        else:
+            rows = max(2, cfg.rows - cfg.rows % 2)  # weight rows per warp: a gate row and its up row per output
+            kern = self.kernel("gemv", wtype=gate_up.wtype, in_dim=gate_up.in_dim, rows=rows, warps=cfg.warps,
+                               glu=True, ksplit=cfg.ksplit)
+        values = {"w": gate_up.ptr, "x": self.addr(x, gate_up.in_dim, "x"),
+                  "y": self.addr(out, ffn, "out", align=4), "out_dim": ffn}
+        self.launch(kern, -(-ffn // kern.meta["rows_per_cta"]), values, stream)
+
+    def gemm(self, weight: GpuWeight, x: Any, out: Any, n_tokens: int, bias: Any = None, residual: Any = None,
+             stream: Any = None, tokens_per_cta: int = 4, glu: bool = False, config: GemvConfig | None = None) -> None:
+        """Prefill: out[t] = W x[t] (+ bias) (+ residual[t]) for t < n_tokens (x: [n_tokens, in_dim],
+        out: [n_tokens, out_dim] row-major). With ``glu`` the weight is [gate; up]."""
+        weight.require_rows("the GEMM")
+        n_tokens = self.check_int("n_tokens", n_tokens)
+        tokens_per_cta = self.check_int("tokens_per_cta", tokens_per_cta)
+        if tokens_per_cta > 8 or (glu and tokens_per_cta > 4):
+            raise ShapeError(f"tokens_per_cta must be 1..8 (1..4 with glu), got {tokens_per_cta}")
+        out_dim = weight.out_dim // 2 if glu else weight.out_dim
+        cfg = config or GemvConfig(2 if glu or tokens_per_cta <= 4 else 1, 4)
+        kern = self.kernel("gemm", wtype=weight.wtype, in_dim=weight.in_dim, rows=cfg.rows, warps=cfg.warps,
+                           tokens=tokens_per_cta, bias=bias is not None, residual=residual is not None, glu=glu)
+        values = {"w": weight.ptr, "x": self.addr(x, n_tokens * weight.in_dim, "x"),
+                  "y": self.addr(out, n_tokens * out_dim, "out", align=4)}
+        if bias is not None:
+            values["bias"] = self.addr(bias, out_dim, "bias", align=4)
+        if residual is not None:
+            values["residual"] = self.addr(residual, n_tokens * out_dim, "residual", align=4)
+        values["out_dim"] = out_dim
+        values["n_tokens"] = n_tokens
+        grid = (-(-out_dim // kern.meta["rows_per_cta"]), -(-n_tokens // tokens_per_cta))
+        self.launch(kern, grid, values, stream)
