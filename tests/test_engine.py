@@ -55,14 +55,14 @@ def test_cuda_without_a_gpu_says_why(tiny_paths, monkeypatch):
 
 def test_a_model_the_gpu_cannot_run(tiny_paths, monkeypatch):
     """A GPU is present but the GPU model refuses the model: cuda says why, auto runs on the CPU."""
-    import realizar.gpu_model
+    import realizar.gpu.model
     from realizar.errors import UnsupportedError
 
     def refuse(loaded, max_len=None, **kw):
         raise UnsupportedError("tensor type XYZ (stubbed)")
 
     monkeypatch.setattr(cuda, "unavailable_reason", lambda: None)
-    monkeypatch.setattr(realizar.gpu_model.GpuModel, "from_loaded", staticmethod(refuse))
+    monkeypatch.setattr(realizar.gpu.model.GpuModel, "from_loaded", staticmethod(refuse))
     with pytest.raises(GpuUnavailableError, match=r"cannot run on the GPU: tensor type XYZ \(stubbed\)"):
         load_engine(tiny_paths[1], device="cuda")
     assert load_engine(tiny_paths[1], device="auto").device == "cpu"
@@ -72,7 +72,7 @@ def test_a_model_the_gpu_cannot_run(tiny_paths, monkeypatch):
 def test_the_gpu_model_is_taken_when_it_loads(tiny_paths, monkeypatch, device):
     """With a GPU model available, auto and cuda both run on it, with the cap on the context passed
     through; the stand-in is the CPU model, so the tokens must match a CPU engine's."""
-    import realizar.gpu_model
+    import realizar.gpu.model
 
     made = []
 
@@ -81,7 +81,7 @@ def test_the_gpu_model_is_taken_when_it_loads(tiny_paths, monkeypatch, device):
         return ReferenceModel.from_loaded(loaded, max_len=max_len or loaded.config.context_length)
 
     monkeypatch.setattr(cuda, "unavailable_reason", lambda: None)
-    monkeypatch.setattr(realizar.gpu_model.GpuModel, "from_loaded", staticmethod(stand_in))
+    monkeypatch.setattr(realizar.gpu.model.GpuModel, "from_loaded", staticmethod(stand_in))
     engine = load_engine(tiny_paths[1], device=device, max_context=32)
     assert engine.device == "cuda" and made == [32] and engine.context_length == 32
     p = SamplingParams(max_tokens=4)

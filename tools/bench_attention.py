@@ -32,8 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-from realizar import cuda  # noqa: E402
-from realizar.cuda.driver import call  # noqa: E402
+from realizar import cuda
+from realizar.cuda.driver import call
 from realizar.gpu.executor import CudaExecutor
 from realizar.cuda.bench import copy_bandwidth
 

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 
 def main(argv: list[str] | None = None) -> int:

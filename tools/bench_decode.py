@@ -19,11 +19,11 @@ from pathlib import Path
 
 import numpy as np
 
-from realizar import cuda  # noqa: E402
-from realizar.gpu.model import GpuModel  # noqa: E402
-from realizar.models.config import ModelConfig  # noqa: E402
-from realizar.models.quants import LAYOUTS, row_nbytes  # noqa: E402
-from realizar.models.tensor import QuantTensor  # noqa: E402
+from realizar import cuda
+from realizar.gpu.model import GpuModel
+from realizar.models.config import ModelConfig
+from realizar.models.quants import LAYOUTS, row_nbytes
+from realizar.models.tensor import QuantTensor
 from realizar.cuda.bench import copy_bandwidth
 
 T = {lay.name: t for t, lay in LAYOUTS.items()}

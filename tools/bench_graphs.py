@@ -14,7 +14,7 @@ import statistics
 import time
 from pathlib import Path
 
-from realizar import cuda  # noqa: E402
+from realizar import cuda
 
 
 def main() -> None:

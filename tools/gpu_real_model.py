@@ -13,9 +13,9 @@ import hashlib
 import time
 from pathlib import Path
 
-from realizar.default_model import DEFAULT_MODEL_SHA256  # noqa: E402
-from realizar.engine import load_engine  # noqa: E402
-from realizar.generation import SamplingParams  # noqa: E402
+from realizar.default_model import DEFAULT_MODEL_SHA256
+from realizar.engine import load_engine
+from realizar.generation import SamplingParams
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "The three primary colors are"]
 

@@ -9,7 +9,7 @@ import argparse
 
 import numpy as np
 
-from realizar import cuda  # noqa: E402
+from realizar import cuda
 from realizar.gpu.ops import GpuWeight, LayerOps
 from realizar.models.random import random_weight
 

@@ -19,9 +19,9 @@ import argparse
 
 import numpy as np
 
-from ptx_gen.kernels.flash_decoding import fused_buffer_sizes  # noqa: E402
-from realizar import cuda  # noqa: E402
-from realizar.models.attention import attention_with_cache_gqa, gqa_attention  # noqa: E402
+from ptx_gen.kernels.flash_decoding import fused_buffer_sizes
+from realizar import cuda
+from realizar.models.attention import attention_with_cache_gqa, gqa_attention
 
 # (num_heads, num_kv_heads, head_dim, seq_len, max_len)
 DECODE_SHAPES = [(4, 2, 80, 33, 40), (6, 3, 48, 17, 17), (7, 1, 64, 65, 70), (8, 2, 128, 129, 130), (2, 1, 256, 9, 12)]

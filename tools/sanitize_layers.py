@@ -12,8 +12,8 @@ import dataclasses
 
 import numpy as np
 
-from ptx_gen.kernels.quant_layout import K_QUANTS, WEIGHT_TYPES  # noqa: E402
-from realizar import cuda  # noqa: E402
+from ptx_gen.kernels.quant_layout import K_QUANTS, WEIGHT_TYPES
+from realizar import cuda
 from realizar.gpu.ops import GemvConfig, GpuWeight, LayerOps, MmaConfig, inv_freq_table
 from realizar.models.random import dequant, random_weight
 

@@ -27,7 +27,7 @@ from realizar.gpu.kv_cache import KVCache
 from realizar.gpu.ops import LayerOps
 from realizar.gpu.weights import GpuWeight
 from realizar.models.config import ModelConfig
-from realizar.models.reference import rope_inv_freq
+from realizar.models.rope import rope_inv_freq
 
 __all__ = ["DEFAULT_MAX_LEN", "DeviceLogits", "GRAPH_MODES", "GpuModel"]
 
