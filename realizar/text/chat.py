@@ -13,12 +13,11 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from functools import lru_cache
-from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from realizar.errors import TokenizerError
 
-__all__ = ["render_chat", "find_chat_template", "template_from_config", "CHATML_TEMPLATE", "ChatTemplateError"]
+__all__ = ["render_chat", "CHATML_TEMPLATE", "ChatTemplateError"]
 
 #: The plain ChatML layout, used only when a caller asks for it (``fallback_chatml=True``).
 CHATML_TEMPLATE = (
@@ -34,42 +33,6 @@ _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 class ChatTemplateError(TokenizerError):
     """The chat template is missing, does not compile, or failed while rendering."""
-
-
-def template_from_config(value: Any) -> str | None:
-    """The template a ``chat_template`` entry of ``tokenizer_config.json`` names: a string, or a
-    list of named templates (``[{"name": "default", "template": ...}, {"name": "tool_use", ...}]``),
-    of which the default one (else the first) is used."""
-    if isinstance(value, str):
-        return value or None
-    if isinstance(value, list):
-        named = {d.get("name"): d.get("template") for d in value if isinstance(d, Mapping)}
-        t = named.get("default")
-        if t is None and named:
-            t = next(iter(named.values()))
-        return t if isinstance(t, str) and t else None
-    return None
-
-
-def find_chat_template(directory: str | Path, tokenizer_config: Mapping[str, Any] | None = None) -> str | None:
-    """A Hugging Face model directory's chat template: ``chat_template`` of ``tokenizer_config``
-    (the parsed ``tokenizer_config.json``), else ``chat_template.jinja``, else
-    ``chat_template.json`` in ``directory``; None when there is none. (A GGUF file carries its
-    template in the ``tokenizer.chat_template`` metadata key.)"""
-    template = template_from_config((tokenizer_config or {}).get("chat_template"))
-    if template is not None:
-        return template
-    directory = Path(directory)
-    jinja = directory / "chat_template.jinja"
-    if jinja.is_file():
-        return jinja.read_text(encoding="utf-8") or None
-    js = directory / "chat_template.json"
-    if js.is_file():
-        try:
-            return template_from_config(json.loads(js.read_text(encoding="utf-8")).get("chat_template"))
-        except (ValueError, AttributeError):
-            return None
-    return None
 
 
 def _jinja():

@@ -25,6 +25,7 @@ import tokenizers as tk
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
 from realizar.errors import TokenizerError
+from realizar.models.chat_template import chat_template_from_gguf
 
 __all__ = [
     "GGUFVocab",
@@ -382,7 +383,7 @@ def from_gguf_metadata(md: Mapping[str, Any]) -> GGUFVocab:
         raise TokenizerError("tokenizer.ggml.add_eos_token is true but the file names no EOS token")
     if add_bos or add_eos:
         backend.post_processor = special_tokens_processor(backend, bos, eos, add_bos, add_eos)
-    template = md.get("tokenizer.chat_template")
+    template = chat_template_from_gguf(md)
     return GGUFVocab(
         backend=backend,
         kind=kind,
@@ -393,7 +394,7 @@ def from_gguf_metadata(md: Mapping[str, Any]) -> GGUFVocab:
         unk_token_id=_opt_id(md, "tokenizer.ggml.unknown_token_id", n),
         add_bos=add_bos,
         add_eos=add_eos,
-        chat_template=template if isinstance(template, str) and template else None,
+        chat_template=template,
         aliases=aliases,
     )
 

@@ -9,7 +9,6 @@ model's end-of-generation ids and its chat template.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from pathlib import Path
@@ -21,7 +20,8 @@ from tokenizers.decoders import DecodeStream
 
 from realizar.errors import TokenizerError
 from realizar.text import gguf_vocab
-from realizar.text.chat import find_chat_template, render_chat
+from realizar.models.chat_template import chat_template_from_hf
+from realizar.text.chat import render_chat
 
 __all__ = ["Tokenizer", "StreamDecoder"]
 
@@ -160,7 +160,7 @@ class Tokenizer:
     ) -> "Tokenizer":
         """Load a HF ``tokenizer.json``. ``tokenizer_config`` (the parsed ``tokenizer_config.json``)
         supplies the BOS/EOS/pad tokens, ``add_bos_token``/``add_eos_token`` and the chat template
-        (see :func:`realizar.text.chat.find_chat_template`). ``eos_token_ids`` adds end-of-sequence
+        (see :func:`realizar.models.chat_template.chat_template_from_hf`). ``eos_token_ids`` adds end-of-sequence
         ids (e.g. from ``generation_config.json``)."""
         path = Path(path)
         if path.is_dir():
@@ -200,7 +200,7 @@ class Tokenizer:
             unk_token_id=token_id(cfg.get("unk_token")),
             add_bos=add_bos,
             add_eos=add_eos,
-            chat_template=find_chat_template(path.parent, cfg),
+            chat_template=chat_template_from_hf(path.parent, cfg),
         )
 
     # -- vocabulary -----------------------------------------------------------------------------
