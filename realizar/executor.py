@@ -48,7 +48,6 @@ __all__ = ["AttentionConfig", "CudaExecutor", "default_num_chunks"]
 
 _MAX_CHUNKS = 256
 _BLOCKS_PER_SM = 4  # flash-decoding blocks (4 warps each) aimed at per SM
-_WARPS_PER_SM = 16  # the occupancy assumed where the driver cannot tell (emulated runtime)
 _MIN_CHUNK_ROWS = 32  # default fewest rows per chunk
 _GROW_STEPS = 2  # single launch: chunks grow to 2 block steps to keep a short sequence in one combine set
 
@@ -154,16 +153,6 @@ def default_num_chunks(sm_count: int, blocks_per_chunk: int, blocks_per_sm: int 
     return max(1, min(_MAX_CHUNKS, blocks_per_sm * sm_count // blocks_per_chunk))
 
 
-def _resident_blocks(kernel, threads: int) -> int:
-    """Blocks of ``kernel`` an SM holds at once (the driver's occupancy calculator); a guess without one."""
-    try:
-        from realizar.cuda.driver import call
-
-        return max(1, int(call("cuOccupancyMaxActiveBlocksPerMultiprocessor", kernel.function, threads, 0)))
-    except Exception:  # no driver function (emulated runtime): assume the usual
-        return max(1, _WARPS_PER_SM * 32 // threads)
-
-
 class CudaExecutor:
     """Per-layer GPU KV caches ``[num_kv_heads, max_len, head_dim]`` (f32) and attention on them.
 
@@ -239,7 +228,7 @@ class CudaExecutor:
         self._kernel("kv_append", head_dim=cfg.head_dim, indirect=True)
         grid_x = cfg.num_kv_heads * layout.subgroups
         self.num_chunks = num_chunks or default_num_chunks(
-            self.device.sm_count, grid_x, _resident_blocks(decode, layout.threads))
+            self.device.sm_count, grid_x, max(1, self.device.occupancy(decode, layout.threads)))
         if not self.fused:
             self._kernel("flash_decoding_reduce", head_dim=cfg.head_dim, num_chunks=self.num_chunks, indirect=True)
         self.min_chunk = min_chunk or min(max(_MIN_CHUNK_ROWS, layout.rows_per_step), cfg.max_len)
@@ -249,7 +238,7 @@ class CudaExecutor:
         self._k: list = []
         self._v: list = []
         for _ in range(cfg.num_layers):
-            kb, vb = cuda.GpuBuffer(n), cuda.GpuBuffer(n)
+            kb, vb = cuda.GpuBuffer(n, device=self.device), cuda.GpuBuffer(n, device=self.device)
             kb.fill_bytes(0)
             vb.fill_bytes(0)
             self._k.append(kb)
@@ -258,16 +247,17 @@ class CudaExecutor:
         self._counters = None
         if self.fused:
             n_acc, n_ml, n_cnt = fused_buffer_sizes(h, grid_x, self.num_chunks, d)
-            self._counters = cuda.GpuBuffer(n_cnt, np.uint32)  # zero between calls: each call leaves it so
+            # zero between calls: each call leaves it so
+            self._counters = cuda.GpuBuffer(n_cnt, np.uint32, device=self.device)
             self._counters.fill_bytes(0)
         else:
             n_acc, n_ml = h * self.num_chunks * d, h * self.num_chunks * 2
-        self._part_acc = cuda.GpuBuffer(n_acc)
-        self._part_ml = cuda.GpuBuffer(n_ml)
-        self._q_stage = cuda.GpuBuffer(h * d)
-        self._out_stage = cuda.GpuBuffer(h * d)
-        self._k_stage = cuda.GpuBuffer(kvh * d)
-        self._v_stage = cuda.GpuBuffer(kvh * d)
+        self._part_acc = cuda.GpuBuffer(n_acc, device=self.device)
+        self._part_ml = cuda.GpuBuffer(n_ml, device=self.device)
+        self._q_stage = cuda.GpuBuffer(h * d, device=self.device)
+        self._out_stage = cuda.GpuBuffer(h * d, device=self.device)
+        self._k_stage = cuda.GpuBuffer(kvh * d, device=self.device)
+        self._v_stage = cuda.GpuBuffer(kvh * d, device=self.device)
         self._lengths = [0] * cfg.num_layers
         self._args_cache: dict[tuple, Any] = {}
 
@@ -552,7 +542,8 @@ class CudaExecutor:
                 # next call's copy cannot overtake this kernel
                 self._launch_append(layer, self._k_stage.ptr, self._v_stage.ptr, count, position, None, {})
             else:
-                kb, vb = cuda.GpuBuffer.from_numpy(ka), cuda.GpuBuffer.from_numpy(va)
+                dev = self.device
+                kb, vb = cuda.GpuBuffer.from_numpy(ka, device=dev), cuda.GpuBuffer.from_numpy(va, device=dev)
                 try:
                     self._launch_append(layer, kb.ptr, vb.ptr, count, position, None, {})
                     self.device.synchronize()
@@ -652,8 +643,8 @@ class CudaExecutor:
                                 or not out.flags.c_contiguous):
             raise ShapeError(f"out must be a C-contiguous float32 array of shape {qa.shape}")
         result = out if out is not None else np.empty(qa.shape, np.float32)
-        bufs = [cuda.GpuBuffer.from_numpy(qa), cuda.GpuBuffer.from_numpy(ka), cuda.GpuBuffer.from_numpy(va),
-                cuda.GpuBuffer(qa.size)]
+        bufs = [cuda.GpuBuffer.from_numpy(a, device=self.device) for a in (qa, ka, va)]
+        bufs.append(cuda.GpuBuffer(qa.size, device=self.device))
         try:
             qb, kb, vb, ob = bufs
             self._launch_prefill(qb.ptr, kb.ptr, vb.ptr, ob.ptr, s, sk, sk - s, sk, causal, None)
@@ -679,7 +670,7 @@ class CudaExecutor:
             raise ShapeError(f"out must be a C-contiguous float32 array of shape {qa.shape}")
         self.append_kv(layer, ka, va)
         result = out if out is not None else np.empty(qa.shape, np.float32)
-        qb, ob = cuda.GpuBuffer.from_numpy(qa), cuda.GpuBuffer(qa.size)
+        qb, ob = cuda.GpuBuffer.from_numpy(qa, device=self.device), cuda.GpuBuffer(qa.size, device=self.device)
         try:
             self._launch_prefill(qb.ptr, self._k[layer].ptr, self._v[layer].ptr, ob.ptr, s, start + s, start,
                                  cfg.max_len, causal, None)

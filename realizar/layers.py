@@ -210,11 +210,8 @@ def gemv_config(out_dim: int, sm_count: int = 132, in_dim: int | None = None, wt
 
 
 def _max_block_smem(device: Any) -> int:
-    """Shared memory one CTA may opt into (227 KB on sm_90, 163 KB on sm_80); 48 KB if unknown."""
-    try:
-        return int(device.attribute("MAX_SHARED_MEMORY_PER_BLOCK_OPTIN"))
-    except Exception:  # noqa: BLE001 - an emulated device without the attribute
-        return 48 * 1024
+    """Shared memory one CTA may opt into (227 KB on sm_90, 163 KB on sm_80)."""
+    return int(device.max_shared_per_block_optin)
 
 
 @dataclass(frozen=True)
@@ -295,7 +292,7 @@ class LayerOps:
         self._max_smem = _max_block_smem(self.device)
         self._memo: dict[tuple, Any] = {}
         self._args_cache: dict[tuple, Any] = {}
-        self._argmax_scratch = cuda.GpuBuffer(_ARGMAX_PARTIALS, np.uint64)
+        self._argmax_scratch = cuda.GpuBuffer(_ARGMAX_PARTIALS, np.uint64, device=self.device)
 
     # ---- plumbing ------------------------------------------------------------------------------------
     def kernel(self, name: str, **shape):
@@ -313,11 +310,6 @@ class LayerOps:
         occupancy, which for kernels staging kilobytes per warp can shrink L1 to 28 KB. The preference
         is a percentage of the SM's maximum shared memory; the driver rounds it up to a supported size,
         so the largest supported size that fits is asked for, rounded down."""
-        function = getattr(kern, "function", None)
-        if function is None:  # an emulated device (tests)
-            return
-        from realizar.cuda.driver import call, drv
-
         max_smem = self.device.attribute("MAX_SHARED_MEMORY_PER_MULTIPROCESSOR")
         unified = max_smem + 28 * 1024  # L1 + shared per SM: 192 KB (sm_80), 256 KB (sm_90), 128 KB (sm_86/89)
         want = max(kern.meta.get("smem", 0), unified - kern.meta["l1_bytes"])
@@ -325,8 +317,7 @@ class LayerOps:
         fits = [s for s in sizes if s <= want]
         size = fits[-1] if fits and fits[-1] >= kern.meta.get("smem", 0) else next(
             (s for s in sizes if s >= kern.meta.get("smem", 0)), max_smem)
-        attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
-        call("cuFuncSetAttribute", function, attr, max(1, size * 100 // max_smem))
+        self.device.set_shared_carveout(kern, max(1, size * 100 // max_smem))
 
     def _launch(self, kern, grid, values: dict, stream) -> None:
         key = (kern.source.key, tuple(values.items()))
