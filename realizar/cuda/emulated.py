@@ -124,12 +124,13 @@ class EmulatedDevice:
         pass  # every operation has completed when its call returns
 
     def occupancy(self, kernel, threads: int, dyn_smem: int = 0) -> int:
-        """Resident blocks per SM from the thread, block, register (``_ASSUMED_REGISTERS`` per thread)
-        and shared-memory limits of the target."""
+        """Resident blocks per SM from the thread, block, register (``_ASSUMED_REGISTERS`` per thread, or
+        fewer where a block of ``threads`` could not launch with that many) and shared-memory limits."""
         a = self._attributes
         warps = -(-int(threads) // 32)
         by_threads = a["MAX_THREADS_PER_MULTIPROCESSOR"] // (32 * warps)
-        by_regs = a["MAX_REGISTERS_PER_MULTIPROCESSOR"] // (_ASSUMED_REGISTERS * 32 * warps)
+        regs = min(_ASSUMED_REGISTERS, a["MAX_REGISTERS_PER_BLOCK"] // (32 * warps))  # a launchable block fits
+        by_regs = a["MAX_REGISTERS_PER_MULTIPROCESSOR"] // (regs * 32 * warps)
         smem = getattr(kernel, "static_shared", 0) + int(dyn_smem) + _RESERVED_SMEM_PER_BLOCK
         by_smem = a["MAX_SHARED_MEMORY_PER_MULTIPROCESSOR"] // smem
         return max(0, min(a["MAX_BLOCKS_PER_MULTIPROCESSOR"], by_threads, by_regs, by_smem))
