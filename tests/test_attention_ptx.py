@@ -3,12 +3,12 @@
 * every kernel variant assembles with ptxas for sm_80 and sm_90 over drawn shapes, without spills;
 * the index math (chunk split, lane mapping, reduce-scatter permutation, causal key range) covers
   every position exactly once;
-* the generated PTX *runs* on the emulator in ``tests/ptx_simt.py`` (memcheck-, barrier- and
+* the generated PTX *runs* on the emulator ``ptx_gen.emulator`` (memcheck-, barrier- and
   racecheck-like checks included) and matches the float64 oracle — and planted bugs (an online-softmax
   rescale forced to 1, a combine counter never reset) are caught by the same data;
 * single-launch flash decoding keeps its counters at zero across repeated calls (graph replays) and
   handles seq_len 0, 1 and chunk boundaries +-1 with NaN-poisoned outputs and partial buffers;
-* the executor validates its arguments before touching a GPU, and runs end to end on the emulator.
+* the executor validates its arguments before touching a GPU, and runs end to end on an EmulatedDevice.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import realizar.gpu.dispatch as executor_module
 from ptx_gen import catalog
 from ptx_gen.builder import Module
 from ptx_gen.kernels.decode_core import _choose_lanes, active_chunks, chunk_rows, decode_layout, loop_registers
@@ -30,7 +29,7 @@ from realizar.errors import CacheStateError, ContextOverflowError, ShapeError
 from realizar.gpu.executor import AttentionConfig, CudaExecutor, default_num_chunks
 from realizar.models.attention import attention_with_cache_gqa, gqa_attention
 from tests.attention_cases import prefill_case
-from tests.ptx_simt import EmulatorError, FakeCuda, Memory, run
+from ptx_gen.emulator import EmulatorError, Memory, run
 
 HEAD_DIMS = [32, 48, 64, 80, 96, 128, 256]
 TARGETS = ("sm_80", "sm_90")
@@ -504,20 +503,23 @@ def test_valid_config_without_gpu_reports_no_gpu():
 
 
 @pytest.fixture
-def fake(monkeypatch):
-    f = FakeCuda()
-    monkeypatch.setattr(executor_module, "cuda", f)
-    return f
+def emu():
+    """An emulated device: the executor's real kernels and argument packing run on the CPU."""
+    return cuda.EmulatedDevice()
+
+
+def _buffer(dev, count, dtype=np.float32):
+    return cuda.GpuBuffer(count, dtype, device=dev)
 
 
 def _caches(ex: CudaExecutor, layer: int):
     return ex.cache_to_numpy(layer)
 
 
-def test_executor_decode_prefill_and_bookkeeping(fake):
+def test_executor_decode_prefill_and_bookkeeping(emu):
     rng = np.random.default_rng(3)
     h, kvh, d, max_len = 6, 2, 48, 40
-    ex = CudaExecutor(3, h, kvh, d, max_len, num_chunks=4)
+    ex = CudaExecutor(3, h, kvh, d, max_len, num_chunks=4, device=emu)
     # prefill 13 tokens on layer 1, then decode 5 more with flash_attention_cached
     s = 13
     q = rng.standard_normal((h, s, d)).astype(np.float32) * 4
@@ -557,12 +559,14 @@ def test_executor_decode_prefill_and_bookkeeping(fake):
 
 
 @pytest.mark.parametrize("fused", [True, False])
-def test_executor_device_resident_flash_decoding(fake, fused):
+def test_executor_device_resident_flash_decoding(emu, fused):
     rng = np.random.default_rng(4)
     h, kvh, d, max_len = 8, 2, 64, 64
-    ex = CudaExecutor(1, h, kvh, d, max_len, num_chunks=3, min_chunk=4, decode_fused=fused)
+    ex = CudaExecutor(1, h, kvh, d, max_len, num_chunks=3, min_chunk=4, decode_fused=fused, device=emu)
     assert ex.decode_launches == (1 if fused else 2)
-    G = fake.GpuBuffer
+    def G(count, dtype=np.float32):
+        return _buffer(emu, count, dtype)
+
     pos = G(2, np.uint32)  # [position, seq_len] as a graph's step values would hold them
     qb, ob, kb, vb = G(h * d), G(h * d), G(kvh * d), G(kvh * d)
     kall = np.zeros((kvh, 0, d), np.float32)
@@ -575,17 +579,17 @@ def test_executor_device_resident_flash_decoding(fake, fused):
         kb.copy_from_host(kt.reshape(-1))
         vb.copy_from_host(vt.reshape(-1))
         ob.poison()
-        n_launch = len(fake.launches)
+        n_launch = len(emu.launches)
         ex.append_kv(0, kb, vb, position=(pos, 0))
         ex.flash_decoding(0, qb, ob, seq_len=(pos, 1))
-        assert len(fake.launches) == n_launch + 1 + ex.decode_launches
+        assert len(emu.launches) == n_launch + 1 + ex.decode_launches
         ref = attention_with_cache_gqa(qt.astype(np.float64), kall.astype(np.float64), vall.astype(np.float64),
                                        kt.astype(np.float64), vt.astype(np.float64))
         assert _rel(ob.to_numpy((h, d)), ref) < RTOL
         kall = np.concatenate([kall, kt[:, None]], 1)
         vall = np.concatenate([vall, vt[:, None]], 1)
     # fixed launch shapes and cached argument packs: a graph of these launches never changes
-    shapes = {(name, grid, block) for name, grid, block, _, _ in fake.launches[-20 * (1 + ex.decode_launches):]}
+    shapes = {(name, grid, block) for name, grid, block, _, _ in emu.launches[-20 * (1 + ex.decode_launches):]}
     assert len(shapes) == 1 + ex.decode_launches
     assert ex.lengths == (0,)  # device-positioned appends do not touch the host length
     ex.set_length(0, 20)
@@ -594,8 +598,8 @@ def test_executor_device_resident_flash_decoding(fake, fused):
     assert ex.lengths == (21,)
 
 
-def test_executor_argument_errors(fake):
-    ex = CudaExecutor(2, 4, 2, 32, 8, num_chunks=2)
+def test_executor_argument_errors(emu):
+    ex = CudaExecutor(2, 4, 2, 32, 8, num_chunks=2, device=emu)
     q = np.zeros((4, 32), np.float32)
     kv = np.zeros((2, 32), np.float32)
     out = np.empty((4, 32), np.float32)
@@ -623,21 +627,21 @@ def test_executor_argument_errors(fake):
         ex.append_kv(1, kv, kv, position=3)
     with pytest.raises(CacheStateError, match="holds 8 positions, asked to attend over 9"):
         ex.incremental_attention_gpu(0, q, seq_len=9)
-    qb, ob = fake.GpuBuffer(4 * 32), fake.GpuBuffer(4 * 31)
+    qb, ob = _buffer(emu, 4 * 32), _buffer(emu, 4 * 31)
     with pytest.raises(ShapeError, match="out needs 128 elements"):
         ex.flash_decoding(0, qb, ob, seq_len=3)
     with pytest.raises(ShapeError, match="seq_len must hold uint32"):
-        ex.flash_decoding(0, qb, fake.GpuBuffer(128), seq_len=fake.GpuBuffer(1))
+        ex.flash_decoding(0, qb, _buffer(emu, 128), seq_len=_buffer(emu, 1))
     with pytest.raises(ShapeError, match="16-byte aligned"):
-        ex.flash_decoding(0, (fake.GpuBuffer(130), 1), fake.GpuBuffer(128), seq_len=3)
+        ex.flash_decoding(0, (_buffer(emu, 130), 1), _buffer(emu, 128), seq_len=3)
     with pytest.raises(ShapeError, match="GpuBuffer"):
         ex.flash_decoding(0, q, ob, seq_len=3)
     assert ex.lengths == (8, 0)  # failed calls changed nothing
 
 
-def test_executor_multi_head_matches_oracle(fake):
+def test_executor_multi_head_matches_oracle(emu):
     rng = np.random.default_rng(9)
-    ex = CudaExecutor(1, 4, 1, 80, 16)
+    ex = CudaExecutor(1, 4, 1, 80, 16, device=emu)
     for causal in (True, False):
         q = rng.standard_normal((4, 21, 80)).astype(np.float32) * 3
         k = rng.standard_normal((1, 30, 80)).astype(np.float32)
@@ -652,9 +656,11 @@ def test_sanitize_cases_and_benchmark_run_on_the_emulator(monkeypatch):
     import tools.bench_attention as bench
     import tools.sanitize_attention as sanitize
 
-    f = FakeCuda(sm_count=4)  # few chunks: a small emulated grid
-    for mod in (bench, sanitize, executor_module):
-        monkeypatch.setattr(mod, "cuda", f)
+    import realizar.cuda.emulated as emulated
+
+    dev = cuda.EmulatedDevice(sm_count=4)  # few chunks: a small emulated grid
+    monkeypatch.setattr(emulated, "_default", dev)
+    monkeypatch.setenv("REALIZAR_DEVICE", "emulate")  # the tools allocate on cuda.current_device()
     monkeypatch.setattr(bench, "call", lambda *args: None)
 
     class NoTorch:
@@ -663,10 +669,10 @@ def test_sanitize_cases_and_benchmark_run_on_the_emulator(monkeypatch):
         def time(self, *args, **kwargs):
             return None
 
-    sanitize.cases(f.module_cache(), np.random.default_rng(0), small=True)
-    rows = bench.bench_decode(f.current_device(), f.Stream(), 1e6, 1, NoTorch(), [40], [(4, 2, 64)], calls=2)
+    sanitize.cases(cuda.module_cache(), np.random.default_rng(0), small=True)
+    rows = bench.bench_decode(dev, cuda.Stream(dev), 1e6, 1, NoTorch(), [40], [(4, 2, 64)], calls=2)
     assert len(rows) == 3 and rows[-1].startswith("| 4/2/64 | 40 |")
-    rows = bench.bench_tuning(f.current_device(), f.Stream(), 1e6, 1, [(4, 2, 64)], [33], calls=1)
+    rows = bench.bench_tuning(dev, cuda.Stream(dev), 1e6, 1, [(4, 2, 64)], [33], calls=1)
     assert len(rows) == 2 + len(bench.TUNE_VARIANTS) and "**best**" in "".join(rows)
-    rows = bench.bench_prefill(f.current_device(), f.Stream(), 1, NoTorch(), [(2, 1, 32)], [20])
+    rows = bench.bench_prefill(dev, cuda.Stream(dev), 1, NoTorch(), [(2, 1, 32)], [20])
     assert len(rows) == 3 and rows[-1].startswith("| 2/1/32 | 20 |")

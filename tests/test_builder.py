@@ -263,7 +263,7 @@ def test_parameters_first_used_inside_a_branch_are_loaded_at_entry():
 def test_redux_matches_numpy_on_the_emulator(op, signed, warps, seed):
     """``redux.sync`` (one whole-warp integer reduction) against numpy, every lane of every warp checked:
     values over the whole 32-bit range (sums wrap modulo 2**32 as the hardware's do)."""
-    from tests.ptx_simt import Memory, run as simt_run
+    from ptx_gen.emulator import Memory, run as simt_run
 
     t = "s32" if signed else "u32"
     m = Module(Target("sm_80"))

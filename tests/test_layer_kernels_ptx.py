@@ -1,6 +1,6 @@
 """CPU tests of the transformer-layer kernels: every kernel assembles with ptxas for sm_80 and sm_90
 over hypothesis-drawn shapes, the GEMV family does not spill at real shapes, bad shapes are rejected
-with a clear error, and (through the PTX emulator ``tests/ptx_simt.py``) every kernel matches its
+with a clear error, and (through the PTX emulator ``ptx_gen.emulator``) every kernel matches its
 float64 oracle on small shapes, with memcheck/racecheck-style checks on every access."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ptx_gen.ptxas import assemble
 from realizar.gpu.gemv import gemv_config
 from tests.helpers import fit_mma_shape, random_array
 from tests.layer_oracles import dequant, random_weight, rmsnorm_oracle, rope_oracle, silu
-from tests.ptx_simt import Memory, run as simt_run
+from ptx_gen.emulator import Memory, run as simt_run
 
 TARGETS = ("sm_80", "sm_90")
 
@@ -353,7 +353,7 @@ def test_emulator_catches_cp_async_misuse():
     """The checks the split-K tests rely on: reading a cp.async destination before cp.async.wait_all
     (or another lane's copy before a barrier) is reported, as is a copy from outside an allocation."""
     from ptx_gen.builder import Module
-    from tests.ptx_simt import EmulatorError
+    from ptx_gen.emulator import EmulatorError
 
     def kernel(wait: bool, sync: bool, other_lane: bool):
         m = Module("sm_90")

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from ptx_gen.catalog import emit
 from realizar.models.reference import apply_rope
-from tests.ptx_simt import Memory, run
+from ptx_gen.emulator import Memory, run
 
 
 def _oracle_rotate(x: np.ndarray, pos: int, inv_freq: np.ndarray, neox: bool) -> np.ndarray:

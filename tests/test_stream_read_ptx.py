@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ptx_gen import catalog
-from tests.ptx_simt import Memory, run as simt_run
+from ptx_gen.emulator import Memory, run as simt_run
 
 
 @settings(max_examples=20, deadline=None)

@@ -1,4 +1,5 @@
-"""``realizar ptx``: list, emit, check (ptxas -v), disassemble and diff the kernel catalog."""
+"""``realizar ptx``: list, emit, check (ptxas -v), disassemble and diff the kernel catalog, and run a kernel
+on the CPU PTX emulator."""
 
 from __future__ import annotations
 
@@ -136,6 +137,19 @@ def cmd_ptx_diff(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ptx_run(args: argparse.Namespace) -> int:
+    from ptx_gen.emulator import run_example
+
+    try:
+        report = run_example(args.kernel, _shape_arg(args.shape, args.kernel), target=args.target, seed=args.seed)
+    except (ValueError, TypeError, KeyError) as e:
+        raise CliError(str(e).strip("'\""), 2) from None
+    print(f"{report.kernel} {report.shape} grid {report.grid} block {report.block} shared {report.shared_bytes}")
+    for line in report.summary():
+        print(line, file=sys.stdout if report.ok else sys.stderr)
+    return 0 if report.ok else 1
+
+
 def register(command) -> None:
     """Add the subcommand's parser; ``command(name, help, description)`` makes one."""
     from ptx_gen.target import DEFAULT_TARGET, SUPPORTED_TARGETS
@@ -191,3 +205,12 @@ def register(command) -> None:
     q.add_argument("--target-b", metavar="TARGET", help="target of SHAPE_B (default: --target)")
     q.add_argument("-U", "--context", type=nonneg_int, default=3, metavar="N", help="context lines (default: 3)")
     q.set_defaults(func=cmd_ptx_diff)
+
+    q = ptx_action("run", "run one kernel on random inputs on the CPU PTX emulator (no GPU needed)")
+    q.add_argument("kernel", metavar="KERNEL")
+    q.add_argument("-s", "--shape", action="append", metavar="NAME=VALUE",
+                   help=shape_help + "; also problem sizes of the example (n, tokens, seq_len, ...)")
+    q.add_argument("--target", default=DEFAULT_TARGET, help=target_help)
+    q.add_argument("--emulate", action="store_true", required=True, help="run on the emulator (the only mode)")
+    q.add_argument("--seed", type=nonneg_int, default=0, help="random seed of the inputs (default: 0)")
+    q.set_defaults(func=cmd_ptx_run)

@@ -5,6 +5,9 @@
         k = cuda.module_cache().get("vector_add", vec=4)
         with cuda.GpuBuffer.from_numpy(a) as da, ...:
             cuda.launch(k, grid, k.meta["block"], k.args(da, db, dout, n))
+
+Without a GPU, ``cuda.EmulatedDevice()`` passed as ``device=`` (or ``REALIZAR_DEVICE=emulate``) runs
+the same calls on the CPU PTX emulator.
 """
 
 from realizar.cuda.args import KernelArgs
@@ -13,6 +16,7 @@ from realizar.cuda.graph import (
     ABReport, Graph, GraphCaptureError, GraphError, GraphExec, ab_check, build_graph, capture, record_graph,
 )
 from realizar.cuda.driver import CudaError, CudaUnavailableError, is_available, unavailable_reason
+from realizar.cuda.emulated import EmulatedDevice
 from realizar.cuda.launch import LaunchRecord, launch, pop_recorder, programmatic_dependent_launch, push_recorder
 from realizar.cuda.memory import BufferFreedError, GpuBuffer
 from realizar.cuda.module import CompiledKernel, JitError, ModuleCache, module_cache
@@ -22,7 +26,7 @@ from realizar.cuda.stream import Event, Stream
 __all__ = [
     "ABReport", "Graph", "GraphCaptureError", "GraphError", "GraphExec", "ab_check", "build_graph", "capture",
     "record_graph", "PinnedArray", "StepValues",
-    "BufferFreedError", "CompiledKernel", "CudaError", "CudaUnavailableError", "Device", "Event",
+    "BufferFreedError", "CompiledKernel", "CudaError", "CudaUnavailableError", "Device", "EmulatedDevice", "Event",
     "GpuBuffer", "JitError", "KernelArgs", "LaunchRecord", "ModuleCache", "Stream", "current_device",
     "is_available", "launch", "programmatic_dependent_launch", "module_cache", "pop_recorder", "push_recorder", "unavailable_reason",
 ]

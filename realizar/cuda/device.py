@@ -1,17 +1,24 @@
-"""Devices and their primary contexts."""
+"""Devices and their primary contexts.
+
+A device object is also the one place buffers, streams, events, module caches and launches go for
+their few low-level operations (allocate, copy, set, load a module, create a stream...), so that the
+same runtime works on :class:`realizar.cuda.EmulatedDevice`, which implements them on the CPU.
+"""
 
 from __future__ import annotations
 
+import os
 import threading
 from functools import cached_property
 
 from ptx_gen.target import Target
-from realizar.cuda.driver import call, drv, ensure_initialized
+from realizar.cuda.driver import call, drv, ensure_initialized, release
 
 
 class Device:
     """One CUDA device with its retained primary context, made current on creation."""
 
+    emulated = False
     _instances: dict[int, "Device"] = {}
     _lock = threading.Lock()
 
@@ -75,11 +82,116 @@ class Device:
         self.make_current()
         call("cuCtxSynchronize")
 
+    def occupancy(self, kernel, threads: int, dyn_smem: int = 0) -> int:
+        """Blocks of ``kernel`` (a CompiledKernel) one SM holds at once with ``threads`` threads per
+        block and ``dyn_smem`` bytes of dynamic shared memory (the driver's occupancy calculator)."""
+        return int(call("cuOccupancyMaxActiveBlocksPerMultiprocessor", kernel.function, int(threads), int(dyn_smem)))
+
+    def set_shared_carveout(self, kernel, percent: int) -> None:
+        """Prefer ``percent`` of the SM's maximum shared memory as shared (the rest is L1) for ``kernel``."""
+        attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+        call("cuFuncSetAttribute", kernel.function, attr, int(percent))
+
+    # ---- low-level operations that GpuBuffer, Stream, Event, PinnedArray and ModuleCache delegate --
+    # (addresses are ints; ``stream`` is a Stream or None for the legacy default stream)
+    def mem_alloc(self, nbytes: int) -> int:
+        return int(call("cuMemAlloc", nbytes))
+
+    def mem_release(self, ptr: int) -> None:
+        """Free device memory; from finalizers too (deferred while a stream capture is running)."""
+        release("cuMemFree", ptr)
+
+    def memcpy_htod(self, dst: int, src: int, nbytes: int, stream=None) -> None:
+        if stream is None:
+            call("cuMemcpyHtoD", dst, src, nbytes)
+        else:
+            call("cuMemcpyHtoDAsync", dst, src, nbytes, stream.handle)
+
+    def memcpy_dtoh(self, dst: int, src: int, nbytes: int, stream=None) -> None:
+        if stream is None:
+            call("cuMemcpyDtoH", dst, src, nbytes)
+        else:
+            call("cuMemcpyDtoHAsync", dst, src, nbytes, stream.handle)
+
+    def memcpy_dtod(self, dst: int, src: int, nbytes: int, stream=None) -> None:
+        """Asynchronous on ``stream``; without one, on the default stream and waited for."""
+        call("cuMemcpyDtoDAsync", dst, src, nbytes, stream.handle if stream is not None else drv.CUstream(0))
+        if stream is None:
+            call("cuStreamSynchronize", drv.CUstream(0))
+
+    def memset_d8(self, ptr: int, value: int, nbytes: int, stream=None) -> None:
+        """Asynchronous on ``stream``; without one, on the default stream and waited for."""
+        call("cuMemsetD8Async", ptr, int(value) & 0xFF, nbytes, stream.handle if stream is not None else drv.CUstream(0))
+        if stream is None:
+            call("cuStreamSynchronize", drv.CUstream(0))
+
+    def host_alloc(self, nbytes: int) -> int:
+        """Page-locked host memory."""
+        return int(call("cuMemAllocHost", nbytes))
+
+    def host_release(self, ptr: int) -> None:
+        release("cuMemFreeHost", ptr)
+
+    def stream_create(self):
+        return call("cuStreamCreate", drv.CUstream_flags.CU_STREAM_NON_BLOCKING)
+
+    def stream_release(self, handle) -> None:
+        release("cuStreamDestroy", handle)
+
+    def null_stream(self):
+        return drv.CUstream(0)
+
+    def stream_synchronize(self, handle) -> None:
+        call("cuStreamSynchronize", handle)
+
+    def stream_query(self, handle) -> bool:
+        status = drv.cuStreamQuery(handle)[0]
+        if status == drv.CUresult.CUDA_ERROR_NOT_READY:
+            return False
+        call("cuStreamQuery", handle)  # raises on real errors
+        return True
+
+    def stream_wait(self, handle, event_handle) -> None:
+        call("cuStreamWaitEvent", handle, event_handle, 0)
+
+    def event_create(self, timing: bool):
+        flags = drv.CUevent_flags.CU_EVENT_DEFAULT if timing else drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        return call("cuEventCreate", flags)
+
+    def event_release(self, handle) -> None:
+        release("cuEventDestroy", handle)
+
+    def event_record(self, handle, stream=None) -> None:
+        call("cuEventRecord", handle, stream.handle if stream is not None else drv.CUstream(0))
+
+    def event_synchronize(self, handle) -> None:
+        call("cuEventSynchronize", handle)
+
+    def event_elapsed_ms(self, start, end) -> float:
+        return float(call("cuEventElapsedTime", start, end))
+
+    def load_kernel(self, source, cache):
+        """Load ``source`` (a catalog PtxKernel) through ``cache``'s JIT/cubin path."""
+        from realizar.cuda.module import CompiledKernel
+
+        self.make_current()
+        module, info = cache._load_module(source)
+        function = call("cuModuleGetFunction", module, source.entry.encode())
+        return CompiledKernel(source, function, module, info)
+
     def __repr__(self) -> str:
         major, minor = self.compute_capability
         return f"Device({self.ordinal}: {self.name}, sm_{major}{minor}, {self.sm_count} SMs)"
 
 
-def current_device() -> Device:
-    """Device 0, initialising the driver and its primary context on first use."""
+def current_device():
+    """Device 0, initialising the driver and its primary context on first use; with
+    ``REALIZAR_DEVICE=emulate`` the process-wide :class:`~realizar.cuda.EmulatedDevice` instead."""
+    choice = os.environ.get("REALIZAR_DEVICE", "")
+    if choice == "emulate":
+        from realizar.cuda.emulated import default_emulated_device
+
+        return default_emulated_device()
+    if choice not in ("", "cuda", "gpu"):
+        raise ValueError(f"REALIZAR_DEVICE={choice!r}: expected 'emulate', 'cuda' or unset")
     return Device(0)

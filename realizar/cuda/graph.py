@@ -9,6 +9,9 @@ so a recording sees every kernel.
         model.decode_step(...)
     exe = rec.graph.instantiate()
     step.set(pos=7); exe.replay(stream, step)   # per-step values: one async copy, then the graph
+
+On an EmulatedDevice a graph has no driver handle (``handle is None``): it is its list of launch
+records, and a replay runs them again, in order, on the emulator.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ class GraphCaptureError(GraphError):
     """Stream capture failed or was invalidated (e.g. a synchronous call inside the capture)."""
 
 
+def _no_release() -> None:
+    """The finalizer of an emulated graph: nothing to release."""
 
 
 class _Recorder:
@@ -57,7 +62,8 @@ class Graph:
         self.records = records
         self.nodes = nodes or []
         self.kind = kind
-        self._finalizer = weakref.finalize(self, release, "cuGraphDestroy", handle)
+        self._finalizer = weakref.finalize(self, *((release, "cuGraphDestroy", handle) if handle is not None
+                                                   else (_no_release,)))
 
     @property
     def num_kernels(self) -> int:
@@ -65,11 +71,13 @@ class Graph:
 
     def node_count(self) -> int:
         """Nodes the driver sees in the graph (equals num_kernels for kernel-only graphs)."""
+        if self.handle is None:
+            return len(self.records)
         _, n = check(drv.cuGraphGetNodes(self.handle, 0), "cuGraphGetNodes")
         return int(n)
 
     def instantiate(self) -> "GraphExec":
-        exe = call("cuGraphInstantiate", self.handle, 0)
+        exe = call("cuGraphInstantiate", self.handle, 0) if self.handle is not None else None
         return GraphExec(exe, self)
 
     def close(self) -> None:
@@ -83,7 +91,8 @@ class GraphExec:
         self.handle = handle
         self.graph = graph
         self._buffers = self._referenced_buffers()
-        self._finalizer = weakref.finalize(self, release, "cuGraphExecDestroy", handle)
+        self._finalizer = weakref.finalize(self, *((release, "cuGraphExecDestroy", handle) if handle is not None
+                                                   else (_no_release,)))
 
     def _referenced_buffers(self) -> list:
         """Each distinct buffer the graph's kernels use, once (checked on every replay)."""
@@ -108,6 +117,10 @@ class GraphExec:
         if not self._finalizer.alive:
             raise GraphError("replay of a closed graph")
         self._check_buffers()
+        if self.handle is None:  # emulated: run the recorded launches again
+            for rec in self.graph.records:
+                rec.kernel.launcher(rec.kernel, rec.grid, rec.block, rec.shared_bytes, stream, rec.args)
+            return
         check(drv.cuGraphLaunch(self.handle, stream.handle), "cuGraphLaunch")
 
     def replay(self, stream: Stream, step: StepValues | None = None) -> None:
@@ -119,9 +132,13 @@ class GraphExec:
     def update(self, graph: Graph) -> None:
         """Take the parameters of a re-captured/re-recorded graph of the same topology
         (``cuGraphExecUpdate``); raise GraphError with the driver's reason when it cannot."""
-        status, info = drv.cuGraphExecUpdate(self.handle, graph.handle)
-        if int(status) != 0:
-            raise GraphError(f"cuGraphExecUpdate refused the new graph: {info.result.name}")
+        if self.handle is None:
+            if [r.kernel.source.key for r in graph.records] != [r.kernel.source.key for r in self.graph.records]:
+                raise GraphError("cannot update an emulated graph with one of other kernels")
+        else:
+            status, info = drv.cuGraphExecUpdate(self.handle, graph.handle)
+            if int(status) != 0:
+                raise GraphError(f"cuGraphExecUpdate refused the new graph: {info.result.name}")
         self.graph = graph
         self._buffers = self._referenced_buffers()
 
@@ -133,8 +150,9 @@ class GraphExec:
         if args.params != rec.kernel.source.params:
             raise GraphError(f"node {node} runs {rec.kernel.name}{args.signature}: signature mismatch")
         owned = args.copy()
-        params = _node_params(LaunchRecord(rec.kernel, rec.grid, rec.block, rec.shared_bytes, owned, rec.stream))
-        call("cuGraphExecKernelNodeSetParams", self.handle, self.graph.nodes[node], params)
+        if self.handle is not None:
+            params = _node_params(LaunchRecord(rec.kernel, rec.grid, rec.block, rec.shared_bytes, owned, rec.stream))
+            call("cuGraphExecKernelNodeSetParams", self.handle, self.graph.nodes[node], params)
         rec.args = owned  # the driver copied the values; the record mirrors what the node now runs
         self._buffers = self._referenced_buffers()
 
@@ -178,6 +196,16 @@ def capture(stream: Stream, mode: str = "global") -> Iterator[Capture]:
         raise GraphError(f"unknown capture mode {mode!r}; expected one of {sorted(modes)}")
     result = Capture(stream)
     recorder = _Recorder()
+    if stream.device.emulated:  # launches on the stream are recorded, not run
+        stream.device.begin_capture(stream)
+        push_recorder(recorder)
+        try:
+            yield result
+        finally:
+            pop_recorder(recorder)
+            stream.device.end_capture(stream)
+        result.graph = Graph(None, recorder.records, kind="captured")
+        return
     begin_capture_scope()  # finalizers now queue their frees instead of invalidating the capture
     try:
         call("cuStreamBeginCapture", stream.handle, modes[mode])
@@ -247,6 +275,8 @@ def build_graph(records: list[LaunchRecord], dependencies: str = "chain") -> Gra
     """Add one kernel node per record with ``cuGraphAddKernelNode``."""
     if not records:
         raise GraphError("no kernel launches were recorded: an empty graph would do nothing")
+    if records[0].kernel.launcher is not None:  # emulated: replayed in the recorded (eager) order
+        return Graph(None, list(records), list(range(len(records))), kind="manual")
     handle = call("cuGraphCreate", 0)
     graph_nodes: list = []
     try:

@@ -106,11 +106,16 @@ def launch(
         raise ShapeError(f"arguments {args.signature} do not match kernel {kernel.name}")
     if shared_bytes:
         kernel.ensure_dynamic_shared(shared_bytes)
-    ensure_initialized()
-    handle = stream.handle if stream is not None else drv.CUstream(0)
-    if getattr(_local, "pdl", False) and kernel.source.target in _PDL_TARGETS:
+    runner = kernel.launcher
+    if runner is not None:  # a kernel of an EmulatedDevice
+        runner(kernel, g, b, int(shared_bytes), stream, args)
+    elif getattr(_local, "pdl", False) and kernel.source.target in _PDL_TARGETS:
+        ensure_initialized()
+        handle = stream.handle if stream is not None else drv.CUstream(0)
         _launch_programmatic(kernel, g, b, shared_bytes, handle, args)
     else:
+        ensure_initialized()
+        handle = stream.handle if stream is not None else drv.CUstream(0)
         check(
             drv.cuLaunchKernel(kernel.function, *g, *b, int(shared_bytes), handle, args.address, 0),
             f"cuLaunchKernel({kernel.name})",

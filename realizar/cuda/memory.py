@@ -7,7 +7,6 @@ import weakref
 import numpy as np
 
 from realizar.cuda.device import Device, current_device
-from realizar.cuda.driver import call, drv, release
 from realizar.cuda.stream import Stream
 from realizar.errors import RealizarError, ShapeError
 
@@ -16,17 +15,12 @@ class BufferFreedError(RealizarError, RuntimeError):
     """A GpuBuffer was used after it was freed."""
 
 
-
-
-def _stream_handle(stream: Stream | None):
-    return stream.handle if stream is not None else drv.CUstream(0)
-
-
 class GpuBuffer:
     """``count`` elements of ``dtype`` in device memory.
 
     Freed by :meth:`free`, on leaving a ``with`` block, or by its finalizer when garbage collected.
-    Element offsets (``*_at`` methods) are in elements, not bytes.
+    Element offsets (``*_at`` methods) are in elements, not bytes. ``device`` (default:
+    :func:`current_device`) does the allocation and the copies; an EmulatedDevice works the same.
     """
 
     def __init__(self, count: int, dtype=np.float32, device: Device | None = None):
@@ -37,20 +31,20 @@ class GpuBuffer:
         self.dtype = np.dtype(dtype)
         self.count = count
         self.nbytes = count * self.dtype.itemsize
-        self._ptr = int(call("cuMemAlloc", self.nbytes))
-        self._finalizer = weakref.finalize(self, release, "cuMemFree", self._ptr)
+        self._ptr = self.device.mem_alloc(self.nbytes)
+        self._finalizer = weakref.finalize(self, self.device.mem_release, self._ptr)
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
-    def from_numpy(cls, array: np.ndarray, stream: Stream | None = None) -> "GpuBuffer":
+    def from_numpy(cls, array: np.ndarray, stream: Stream | None = None, device: Device | None = None) -> "GpuBuffer":
         array = np.ascontiguousarray(array)
-        buf = cls(array.size, array.dtype)
+        buf = cls(array.size, array.dtype, device or (stream.device if stream is not None else None))
         buf.copy_from_host(array, stream=stream)
         return buf
 
     @classmethod
-    def zeros(cls, count: int, dtype=np.float32) -> "GpuBuffer":
-        buf = cls(count, dtype)
+    def zeros(cls, count: int, dtype=np.float32, device: Device | None = None) -> "GpuBuffer":
+        buf = cls(count, dtype, device)
         buf.fill_bytes(0)
         return buf
 
@@ -104,11 +98,7 @@ class GpuBuffer:
         array = self._host_view(array, offset, "copy_from_host_at")
         if array.size == 0:
             return
-        dst = self.ptr + offset * self.dtype.itemsize
-        if stream is None:
-            call("cuMemcpyHtoD", dst, array.ctypes.data, array.nbytes)
-        else:
-            call("cuMemcpyHtoDAsync", dst, array.ctypes.data, array.nbytes, stream.handle)
+        self.device.memcpy_htod(self.ptr + offset * self.dtype.itemsize, array.ctypes.data, array.nbytes, stream)
 
     def copy_from_host(self, array: np.ndarray, stream: Stream | None = None) -> None:
         array = np.asarray(array)
@@ -130,10 +120,7 @@ class GpuBuffer:
         if count == 0:
             return out
         src = self.ptr + offset * self.dtype.itemsize
-        if stream is None:
-            call("cuMemcpyDtoH", out_view.ctypes.data, src, out_view.nbytes)
-        else:
-            call("cuMemcpyDtoHAsync", out_view.ctypes.data, src, out_view.nbytes, stream.handle)
+        self.device.memcpy_dtoh(out_view.ctypes.data, src, out_view.nbytes, stream)
         return out
 
     def copy_to_host(self, out: np.ndarray | None = None, stream: Stream | None = None) -> np.ndarray:
@@ -161,15 +148,11 @@ class GpuBuffer:
         size = count * self.dtype.itemsize
         src = other.ptr + src_offset * self.dtype.itemsize
         dst = self.ptr + dst_offset * self.dtype.itemsize
-        call("cuMemcpyDtoDAsync", dst, src, size, _stream_handle(stream))
-        if stream is None:
-            call("cuStreamSynchronize", drv.CUstream(0))
+        self.device.memcpy_dtod(dst, src, size, stream)
 
     def fill_bytes(self, value: int, stream: Stream | None = None) -> None:
         """Set every byte to ``value`` (0xFF poisons float32 buffers with NaN)."""
-        call("cuMemsetD8Async", self.ptr, int(value) & 0xFF, self.nbytes, _stream_handle(stream))
-        if stream is None:
-            call("cuStreamSynchronize", drv.CUstream(0))
+        self.device.memset_d8(self.ptr, value, self.nbytes, stream)
 
     def poison(self, stream: Stream | None = None) -> None:
         """Fill with NaN (all-ones bytes) so unwritten outputs are caught by tests."""

@@ -37,6 +37,7 @@ class CompiledKernel:
     module: object  # CUmodule (kept alive with the function)
     info_log: str = ""
     _dynamic_shared_limit: int = field(default=48 * 1024)
+    launcher = None  # (not a field) an emulated kernel's runner; None: launched through the driver
 
     @property
     def name(self) -> str:
@@ -83,10 +84,7 @@ class ModuleCache:
             hit = self._kernels.get(source.key)
             if hit is not None:
                 return hit
-            self.device.make_current()
-            module, info = self._load_module(source)
-            function = call("cuModuleGetFunction", module, source.entry.encode())
-            compiled = CompiledKernel(source, function, module, info)
+            compiled = self.device.load_kernel(source, self)
             self._kernels[source.key] = compiled
             self.loads += 1
             return compiled
@@ -151,12 +149,13 @@ def _keep_ptx(source: PtxKernel) -> Path:
     return Path(name)
 
 
-_default_caches: dict[int, ModuleCache] = {}
+_default_caches: dict[object, ModuleCache] = {}
 
 
 def module_cache(device: Device | None = None) -> ModuleCache:
-    """The process-wide module cache of ``device`` (default device 0)."""
+    """The process-wide module cache of ``device`` (default :func:`current_device`)."""
     device = device or current_device()
-    if device.ordinal not in _default_caches:
-        _default_caches[device.ordinal] = ModuleCache(device)
-    return _default_caches[device.ordinal]
+    key = device.ordinal if not device.emulated else device  # each emulated device has its own
+    if key not in _default_caches:
+        _default_caches[key] = ModuleCache(device)
+    return _default_caches[key]

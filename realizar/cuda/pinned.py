@@ -12,22 +12,21 @@ import weakref
 
 import numpy as np
 
-from realizar.cuda.driver import call, check, drv, release
+from realizar.cuda.device import Device, current_device
 from realizar.cuda.memory import GpuBuffer
 from realizar.cuda.stream import Stream
 from realizar.errors import ShapeError
 
 
-
-
 class PinnedArray:
     """A NumPy array backed by ``cuMemAllocHost`` (page-locked) memory: truly async copies."""
 
-    def __init__(self, count: int, dtype=np.uint32):
+    def __init__(self, count: int, dtype=np.uint32, device: Device | None = None):
         self.dtype = np.dtype(dtype)
+        self.device = device or current_device()
         nbytes = max(int(count), 1) * self.dtype.itemsize
-        self._ptr = int(call("cuMemAllocHost", nbytes))
-        self._finalizer = weakref.finalize(self, release, "cuMemFreeHost", self._ptr)
+        self._ptr = self.device.host_alloc(nbytes)
+        self._finalizer = weakref.finalize(self, self.device.host_release, self._ptr)
         raw = (ctypes.c_uint8 * nbytes).from_address(self._ptr)
         self.array = np.frombuffer(raw, dtype=self.dtype, count=int(count))
 
@@ -49,7 +48,7 @@ class StepValues:
     queued. Before a slot is reused the stream is synchronised once (every ``ring`` uploads).
     """
 
-    def __init__(self, names: tuple[str, ...], dtype=np.uint32, ring: int = 256):
+    def __init__(self, names: tuple[str, ...], dtype=np.uint32, ring: int = 256, device: Device | None = None):
         if len(set(names)) != len(names) or not names:
             raise ShapeError(f"step value names must be unique and non-empty, got {names}")
         if ring < 1:
@@ -58,9 +57,9 @@ class StepValues:
         self._index = {n: i for i, n in enumerate(names)}
         self._n = len(names)
         self.ring = ring
-        self.host = PinnedArray(ring * self._n, dtype)
+        self.host = PinnedArray(ring * self._n, dtype, device)
         self.host.array[:] = 0
-        self.device = GpuBuffer(self._n, dtype)
+        self.device = GpuBuffer(self._n, dtype, self.host.device)
         self.device.copy_from_host(self.host.array[: self._n])
         self._slot = 0
         self._uploads = 0
@@ -88,16 +87,16 @@ class StepValues:
 
     def upload(self, stream: Stream | None = None) -> None:
         """Async copy of the current values to the device; later ``set`` calls write the next slot."""
-        handle = stream.handle if stream is not None else drv.CUstream(0)
+        dev = self.host.device
         src = self.host._ptr + self._slot * self._n * self.device.dtype.itemsize
-        check(drv.cuMemcpyHtoDAsync(self.device.ptr, src, self.device.nbytes, handle), "cuMemcpyHtoDAsync")
+        dev.memcpy_htod(self.device.ptr, src, self.device.nbytes, stream if stream is not None else Stream.null(dev))
         self._uploads += 1
         nxt = (self._slot + 1) % self.ring
         if nxt == 0:  # about to overwrite slots whose copies may still be queued
             if stream is not None:
                 stream.synchronize()
             else:
-                call("cuStreamSynchronize", drv.CUstream(0))
+                dev.stream_synchronize(dev.null_stream())
         self.host.array[nxt * self._n:(nxt + 1) * self._n] = self._current()
         self._slot = nxt
 

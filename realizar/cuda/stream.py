@@ -1,13 +1,10 @@
-"""Streams and events."""
+"""Streams and events (their driver operations are the device's: see ``Device.stream_create``...)."""
 
 from __future__ import annotations
 
 import weakref
 
 from realizar.cuda.device import Device, current_device
-from realizar.cuda.driver import call, drv, release
-
-
 
 
 class Stream:
@@ -19,28 +16,24 @@ class Stream:
             self.handle = _handle
             self._finalizer = None
         else:
-            flags = drv.CUstream_flags.CU_STREAM_NON_BLOCKING
-            self.handle = call("cuStreamCreate", flags)
-            self._finalizer = weakref.finalize(self, release, "cuStreamDestroy", self.handle)
+            self.handle = self.device.stream_create()
+            self._finalizer = weakref.finalize(self, self.device.stream_release, self.handle)
 
     @classmethod
     def null(cls, device: Device | None = None) -> "Stream":
-        return cls(device, _handle=drv.CUstream(0))
+        device = device or current_device()
+        return cls(device, _handle=device.null_stream())
 
     def synchronize(self) -> None:
-        call("cuStreamSynchronize", self.handle)
+        self.device.stream_synchronize(self.handle)
 
     def query(self) -> bool:
         """True when all work on the stream has completed."""
-        status = drv.cuStreamQuery(self.handle)[0]
-        if status == drv.CUresult.CUDA_ERROR_NOT_READY:
-            return False
-        call("cuStreamQuery", self.handle)  # raises on real errors
-        return True
+        return self.device.stream_query(self.handle)
 
     def wait(self, event: "Event") -> None:
         """Make future work on this stream wait for ``event``."""
-        call("cuStreamWaitEvent", self.handle, event.handle, 0)
+        self.device.stream_wait(self.handle, event.handle)
 
     def close(self) -> None:
         if self._finalizer is not None:
@@ -62,20 +55,19 @@ class Event:
 
     def __init__(self, timing: bool = True, device: Device | None = None):
         self.device = device or current_device()
-        flags = drv.CUevent_flags.CU_EVENT_DEFAULT if timing else drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
-        self.handle = call("cuEventCreate", flags)
-        self._finalizer = weakref.finalize(self, release, "cuEventDestroy", self.handle)
+        self.handle = self.device.event_create(timing)
+        self._finalizer = weakref.finalize(self, self.device.event_release, self.handle)
 
     def record(self, stream: Stream | None = None) -> "Event":
-        call("cuEventRecord", self.handle, stream.handle if stream else drv.CUstream(0))
+        self.device.event_record(self.handle, stream)
         return self
 
     def synchronize(self) -> None:
-        call("cuEventSynchronize", self.handle)
+        self.device.event_synchronize(self.handle)
 
     def elapsed_ms(self, end: "Event") -> float:
         """Milliseconds from this event to ``end`` (both must have completed)."""
-        return float(call("cuEventElapsedTime", self.handle, end.handle))
+        return self.device.event_elapsed_ms(self.handle, end.handle)
 
     def close(self) -> None:
         self._finalizer()

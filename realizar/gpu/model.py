@@ -128,13 +128,13 @@ class GpuModel:
         self.ffn_up = None if all(lay.gate_up for lay in self.layers) else ops.buffer(cfg.intermediate_size)
         self.logits = ops.buffer(cfg.vocab_size)
         self.token_out = ops.buffer(1, np.uint32)
-        self.step_values = cuda.StepValues(("token", "pos", "seq_len"))
+        self.step_values = cuda.StepValues(("token", "pos", "seq_len"), device=self.device)
         self.stream = cuda.Stream(self.device)
         self.use_graph = use_graph
         self.graph_mode = graph
         self.pdl = pdl  # programmatic dependent launch between the graph's kernels (sm_90)
         self._graph: cuda.GraphExec | None = None
-        self._token_host = cuda.PinnedArray(1, np.uint32)
+        self._token_host = cuda.PinnedArray(1, np.uint32, device=self.device)
         self.position = 0
         self.steps = 0
 

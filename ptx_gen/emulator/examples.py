@@ -1,0 +1,348 @@
+"""Example launches of every catalog kernel on random inputs, for running a kernel on the emulator
+without a GPU (``realizar ptx run KERNEL --emulate``) and for testing the emulator on every family.
+
+A builder ``fn(kernel, sizes, rng) -> Example`` gets the emitted kernel (its ``meta`` holds the launch
+hints) and the problem sizes that are not kernel shape parameters (``n``, ``tokens``, ``seq_len``...,
+each with a small default), and returns the parameters (NumPy arrays become device buffers, other
+values scalars), the grid, block and dynamic shared memory, and which buffers are outputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from ptx_gen import catalog
+from ptx_gen.emulator.machine import run
+from ptx_gen.emulator.memory import EmulatorError, Memory
+
+
+@dataclass
+class Example:
+    params: dict  # parameter name -> np.ndarray (a buffer) or int/float
+    grid: tuple
+    block: tuple
+    outputs: tuple[str, ...]
+    shared_bytes: int = 0
+
+
+@dataclass
+class Report:
+    """What :func:`run_example` saw: the launch, the output buffers, or the emulator's error."""
+
+    kernel: str
+    shape: dict
+    grid: tuple
+    block: tuple
+    shared_bytes: int
+    outputs: dict[str, np.ndarray] = field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def summary(self) -> list[str]:
+        """One line per output buffer (or the error)."""
+        if self.error is not None:
+            return [f"emulator error: {self.error}"]
+        lines = []
+        for name, a in self.outputs.items():
+            f = a.astype(np.float64)
+            finite = np.isfinite(f)
+            stats = (f"min {f[finite].min():.6g} max {f[finite].max():.6g} mean {f[finite].mean():.6g}"
+                     if finite.any() else "no finite values")
+            lines.append(f"{name}: {a.size} x {a.dtype}, {stats}, {int((~finite).sum())} non-finite, "
+                         f"first {np.array2string(a.reshape(-1)[:4], precision=4, separator=' ')}")
+        return lines
+
+
+Builder = Callable[[object, dict, np.random.Generator], Example]
+EXAMPLES: dict[str, Builder] = {}
+
+
+def example(*names: str) -> Callable[[Builder], Builder]:
+    def register(fn: Builder) -> Builder:
+        for name in names:
+            EXAMPLES[name] = fn
+        return fn
+
+    return register
+
+
+def _f32(rng, *shape, scale=1.0) -> np.ndarray:
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _weights(rng, wtype: str, rows: int, in_dim: int) -> np.ndarray:
+    """``rows`` GGUF rows of random weights (as bytes, padded to 16); quantized blocks get random codes
+    and finite scales."""
+    from ptx_gen.kernels.quant_layout import type_info
+
+    if wtype in ("F32", "F16"):
+        raw = _f32(rng, rows * in_dim).astype(np.float32 if wtype == "F32" else np.float16).view(np.uint8)
+    elif wtype == "BF16":
+        raw = (_f32(rng, rows * in_dim).view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    else:
+        raw = rng.integers(0, 256, rows * type_info(wtype).row_bytes(in_dim), dtype=np.uint8)
+        raw[1::2] &= 0x3B  # every 16-bit word a finite, modest f16: scales stay finite
+    return np.concatenate([raw, np.zeros(-raw.size % 16, np.uint8)])
+
+
+def _elementwise(out: str, inputs: tuple[str, ...]) -> Builder:
+    def build(k, sizes, rng) -> Example:
+        n = sizes.get("n", 1000)
+        params = {name: _f32(rng, n) for name in inputs}
+        params.update({out: np.full(n, np.nan, np.float32), "n": n})
+        per_cta = k.meta["block"] * k.meta.get("per_thread", 1)
+        return Example(params, (_cdiv(n, per_cta),), (k.meta["block"],), (out,))
+
+    return build
+
+
+example("vector_add", "residual_add")(_elementwise("out", ("a", "b")))
+example("swiglu")(_elementwise("out", ("gate", "up")))
+
+
+@example("axpy")
+def _axpy(k, sizes, rng) -> Example:
+    n = sizes.get("n", 1000)
+    per_cta = k.meta["block"] * k.meta.get("per_thread", 1)
+    return Example({"x": _f32(rng, n), "y": _f32(rng, n), "alpha": 1.5, "n": n}, (_cdiv(n, per_cta),),
+                   (k.meta["block"],), ("y",))
+
+
+@example("bias_add")
+def _bias_add(k, sizes, rng) -> Example:
+    cols, tokens = sizes.get("n_cols", 300), sizes.get("tokens", 2)
+    return Example({"y": _f32(rng, tokens * cols), "bias": _f32(rng, cols), "n_cols": cols},
+                   (_cdiv(cols, 256), tokens), (256,), ("y",))
+
+
+@example("row_sum")
+def _row_sum(k, sizes, rng) -> Example:
+    rows, cols = sizes.get("rows", 3), sizes.get("cols", 500)
+    return Example({"x": _f32(rng, rows * cols), "out": np.full(rows, np.nan, np.float32), "cols": cols},
+                   (rows,), (k.meta["block"],), ("out",))
+
+
+@example("copy_row_indirect")
+def _copy_row(k, sizes, rng) -> Example:
+    rows, cols = sizes.get("rows", 4), sizes.get("cols", 64)
+    return Example({"src": _f32(rng, cols), "dst": _f32(rng, rows * cols), "row_ptr": np.array([rows - 1], np.uint32),
+                    "rows": rows, "cols": cols}, (_cdiv(cols, k.meta["block"]),), (k.meta["block"],), ("dst",))
+
+
+@example("stream_read")
+def _stream_read(k, sizes, rng) -> Example:
+    n16, grid = sizes.get("n16", 512), sizes.get("grid", 2)
+    src = rng.integers(0, 2**32, n16 * 4, dtype=np.uint32)
+    return Example({"src": src, "n16": n16, "out": np.zeros(grid * k.meta["block"], np.uint32)}, (grid,),
+                   (k.meta["block"],), ("out",))
+
+
+@example("argmax_partial")
+def _argmax_partial(k, sizes, rng) -> Example:
+    n, parts = sizes.get("n", 5000), sizes.get("partials", 4)
+    return Example({"x": _f32(rng, n), "partials": np.zeros(parts, np.uint64), "n": n}, (parts,),
+                   (k.meta["block"],), ("partials",))
+
+
+@example("argmax_final")
+def _argmax_final(k, sizes, rng) -> Example:
+    parts = sizes.get("partials", 40)
+    vals = _f32(rng, parts)
+    key = vals.view(np.uint32).astype(np.uint64)  # an order-preserving packing of (value, index)
+    key = np.where(vals >= 0, key | (1 << 31), ~key & 0xFFFFFFFF)
+    partials = (key << np.uint64(32)) | rng.integers(0, 2**20, parts).astype(np.uint64)
+    return Example({"partials": partials.astype(np.uint64), "out": np.zeros(1, np.uint64), "n_partials": parts},
+                   (1,), (k.meta["block"],), ("out",))
+
+
+@example("rmsnorm")
+def _rmsnorm(k, sizes, rng) -> Example:
+    hidden, rows = k.shape_dict["hidden"], sizes.get("rows", 2)
+    params = {"x": _f32(rng, rows * hidden), "weight": _f32(rng, hidden), "y": np.full(rows * hidden, np.nan, np.float32),
+              "eps": 1e-5}
+    outputs = ("y",)
+    if "residual" in {p.name for p in k.params}:
+        params["residual"] = _f32(rng, rows * hidden)
+        outputs = ("y", "residual")
+    return Example(params, (rows,), (k.meta["block"],), outputs)
+
+
+def _optional(k, params: dict, rng, **arrays) -> None:
+    """Add the optional parameters (bias, residual...) the kernel has."""
+    names = {p.name for p in k.params}
+    params.update({name: fn() for name, fn in arrays.items() if name in names})
+
+
+@example("gemv", "gemm", "gemv_mma")
+def _gemv(k, sizes, rng) -> Example:
+    shape = k.shape_dict
+    in_dim, glu = shape["in_dim"], shape.get("glu", False)
+    out_dim, tokens = sizes.get("out_dim", 32), (sizes.get("tokens", 3) if k.name == "gemm" else 1)
+    rows = out_dim * (2 if glu else 1)
+    params = {"w": _weights(rng, shape["wtype"], rows, in_dim), "x": _f32(rng, tokens * in_dim),
+              "y": np.full(tokens * out_dim, np.nan, np.float32), "out_dim": out_dim}
+    _optional(k, params, rng, bias=lambda: _f32(rng, out_dim), residual=lambda: _f32(rng, tokens * out_dim))
+    grid = (_cdiv(out_dim, k.meta["rows_per_cta"]),)
+    if k.name == "gemm":
+        params["n_tokens"] = tokens
+        grid += (_cdiv(tokens, k.meta["tokens_per_cta"]),)
+    return Example(params, grid, (k.meta["block"],), ("y",), k.meta.get("dyn_smem", 0))
+
+
+@example("embedding")
+def _embedding(k, sizes, rng) -> Example:
+    shape = k.shape_dict
+    vocab, tokens, hidden = sizes.get("vocab", 10), sizes.get("tokens", 3), shape["hidden"]
+    params = {"table": _weights(rng, shape["wtype"], vocab, hidden),
+              "tokens": rng.integers(0, vocab, tokens).astype(np.uint32),
+              "out": np.full(tokens * hidden, np.nan, np.float32), "vocab": vocab}
+    return Example(params, (tokens,), (k.meta["block"],), ("out",))
+
+
+@example("rope")
+def _rope(k, sizes, rng) -> Example:
+    shape = k.shape_dict
+    d = shape["head_dim"]
+    n_q, n_kv, tokens = sizes.get("n_q", 4), sizes.get("n_kv", 2), sizes.get("tokens", 2)
+    pairs = k.meta["pairs_per_head"]
+    params = {"q": _f32(rng, tokens * n_q * d), "k": _f32(rng, tokens * n_kv * d),
+              "inv_freq": (10000.0 ** (-np.arange(pairs) / pairs)).astype(np.float32), "n_q": n_q, "n_kv": n_kv}
+    if "positions" in {p.name for p in k.params}:
+        params["positions"] = rng.integers(0, 100, tokens).astype(np.uint32)
+    else:
+        params["pos"] = sizes.get("pos", 7)
+    return Example(params, (_cdiv((n_q + n_kv) * pairs, 128), tokens), (k.meta["block"],), ("q", "k"))
+
+
+@example("rope_kv_append")
+def _rope_kv_append(k, sizes, rng) -> Example:
+    d = k.shape_dict["head_dim"]
+    n_q, n_kv, max_len = sizes.get("n_q", 4), sizes.get("n_kv", 2), sizes.get("max_len", 8)
+    params = {"qkv": _f32(rng, (n_q + 2 * n_kv) * d), "k_cache": np.zeros(n_kv * max_len * d, np.float32),
+              "v_cache": np.zeros(n_kv * max_len * d, np.float32),
+              "inv_freq": (10000.0 ** (-np.arange(d // 2) / (d // 2))).astype(np.float32),
+              "pos_ptr": np.array([sizes.get("pos", 3)], np.uint32), "n_q": n_q, "n_kv": n_kv, "max_len": max_len}
+    return Example(params, (_cdiv((n_q + 2 * n_kv) * d // 2, 128),), (k.meta["block"],), ("qkv", "k_cache", "v_cache"))
+
+
+@example("kv_append")
+def _kv_append(k, sizes, rng) -> Example:
+    d = k.shape_dict["head_dim"]
+    kvh, count, max_len, pos = sizes.get("n_kv", 2), sizes.get("count", 3), sizes.get("max_len", 8), sizes.get("pos", 2)
+    params = {"k_cache": np.zeros(kvh * max_len * d, np.float32), "v_cache": np.zeros(kvh * max_len * d, np.float32),
+              "k_new": _f32(rng, kvh * count * d), "v_new": _f32(rng, kvh * count * d), "count": count,
+              "max_len": max_len}
+    names = {p.name for p in k.params}
+    params.update({"pos_ptr": np.array([pos], np.uint32)} if "pos_ptr" in names else {"pos": pos})
+    return Example(params, (_cdiv(count * d // 4, k.meta["block"]), kvh), (k.meta["block"],), ("k_cache", "v_cache"))
+
+
+def _decode_inputs(k, sizes, rng) -> tuple[dict, int, int, int]:
+    """q and the caches of a decode kernel, the seq_len parameter (by value or pointer); (params, heads, d, kvh)."""
+    shape = k.shape_dict
+    d, group = shape["head_dim"], shape.get("group", 1)
+    kvh, max_len = sizes.get("n_kv", 2), sizes.get("max_len", 40)
+    h = kvh * group
+    params = {"q": _f32(rng, h * d, scale=3.0), "k_cache": _f32(rng, kvh * max_len * d),
+              "v_cache": _f32(rng, kvh * max_len * d), "max_len": max_len}
+    seq_len = sizes.get("seq_len", 37)
+    names = {p.name for p in k.params}
+    params.update({"seq_len_ptr": np.array([seq_len], np.uint32)} if "seq_len_ptr" in names else {"seq_len": seq_len})
+    return params, h, d, kvh
+
+
+@example("incremental_attention")
+def _incremental(k, sizes, rng) -> Example:
+    params, h, d, kvh = _decode_inputs(k, sizes, rng)
+    params["out"] = np.full(h * d, np.nan, np.float32)
+    return Example(params, (kvh * k.meta["subgroups"],), (k.meta["block"],), ("out",))
+
+
+@example("flash_decoding_chunk")
+def _decode_chunk(k, sizes, rng) -> Example:
+    params, h, d, kvh = _decode_inputs(k, sizes, rng)
+    nch = sizes.get("num_chunks", 3)
+    params.update(part_acc=np.full(h * nch * d, np.nan, np.float32), part_ml=np.full(h * nch * 2, np.nan, np.float32),
+                  min_chunk=k.meta["quantum"])
+    return Example(params, (kvh * k.meta["subgroups"], nch), (k.meta["block"],), ("part_acc", "part_ml"))
+
+
+@example("flash_decoding")
+def _decode_fused(k, sizes, rng) -> Example:
+    from ptx_gen.kernels.flash_decoding import fused_buffer_sizes
+
+    params, h, d, kvh = _decode_inputs(k, sizes, rng)
+    nch, gx = sizes.get("num_chunks", 3), kvh * k.meta["subgroups"]
+    n_acc, n_ml, n_cnt = fused_buffer_sizes(h, gx, nch, d)
+    params.update(out=np.full(h * d, np.nan, np.float32), part_acc=np.full(n_acc, np.nan, np.float32),
+                  part_ml=np.full(n_ml, np.nan, np.float32), counters=np.zeros(n_cnt, np.uint32),
+                  min_chunk=k.meta["quantum"], grow_rows=0)
+    return Example(params, (gx, nch), (k.meta["block"],), ("out", "counters"))
+
+
+@example("flash_decoding_reduce")
+def _decode_reduce(k, sizes, rng) -> Example:
+    shape = k.shape_dict
+    d, nch, h, max_len = shape["head_dim"], shape["num_chunks"], sizes.get("heads", 2), sizes.get("max_len", 40)
+    ml = np.stack([_f32(rng, h * nch), np.abs(_f32(rng, h * nch)) + 0.5], axis=1)  # (running max, sum) per chunk
+    params = {"part_acc": _f32(rng, h * nch * d), "part_ml": ml.astype(np.float32).reshape(-1),
+              "out": np.full(h * d, np.nan, np.float32), "max_len": max_len}
+    seq_len = sizes.get("seq_len", 37)
+    names = {p.name for p in k.params}
+    params.update({"seq_len_ptr": np.array([seq_len], np.uint32)} if "seq_len_ptr" in names else {"seq_len": seq_len})
+    return Example(params, (h,), (k.meta["block"],), ("out",))
+
+
+@example("flash_attention")
+def _flash_attention(k, sizes, rng) -> Example:
+    shape = k.shape_dict
+    d, group = shape["head_dim"], shape.get("group", 1)
+    kvh, seq_q, seq_k = sizes.get("n_kv", 1), sizes.get("seq_q", 5), sizes.get("seq_k", 9)
+    h = kvh * group
+    params = {"q": _f32(rng, h * seq_q * d, scale=2.0), "k": _f32(rng, kvh * seq_k * d), "v": _f32(rng, kvh * seq_k * d),
+              "out": np.full(h * seq_q * d, np.nan, np.float32), "seq_q": seq_q, "seq_k": seq_k,
+              "q_offset": seq_k - seq_q, "kv_stride": seq_k}
+    return Example(params, (_cdiv(seq_q, k.meta["block_q"]), h), (k.meta["block"],), ("out",),
+                   k.meta.get("dyn_smem", k.meta.get("shared_bytes", 0)))
+
+
+def run_example(name: str, shape: dict, target: str = "sm_90", seed: int = 0, racecheck: bool = True) -> Report:
+    """Emit kernel ``name`` (the kernel's shape parameters from ``shape``; the other keys are problem
+    sizes for its example), run it on the emulator on random inputs, and report the outputs or the
+    error the emulator raised (memcheck, racecheck, barrier divergence, ...)."""
+    if name not in EXAMPLES:
+        raise ValueError(f"no example launch for kernel {name!r}; have {sorted(EXAMPLES)}")
+    spec = catalog.spec(name)
+    kernel_shape = {key: v for key, v in shape.items() if key in spec.shape_params}
+    sizes = {key: v for key, v in shape.items() if key not in spec.shape_params}
+    kern = catalog.emit(name, target=target, **kernel_shape)
+    ex = EXAMPLES[name](kern, sizes, np.random.default_rng(seed))
+    report = Report(name, kern.shape_dict, ex.grid, ex.block, ex.shared_bytes)
+    mem = Memory()
+    addrs, values = {}, {}
+    for p in kern.params:
+        value = ex.params[p.name]
+        if isinstance(value, np.ndarray):
+            addrs[p.name] = mem.alloc_array(value)
+            values[p.name] = addrs[p.name]
+        else:
+            values[p.name] = value
+    try:
+        run(kern.ptx, ex.grid, ex.block, values, mem, ex.shared_bytes, racecheck=racecheck)
+    except EmulatorError as exc:
+        report.error = str(exc)
+        return report
+    for out in ex.outputs:
+        a = ex.params[out]
+        report.outputs[out] = mem.read(addrs[out], a.dtype, a.size).copy()
+    return report
