@@ -549,7 +549,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _shape_arg(items: Sequence[str] | None) -> dict:
-    from realizar.ptx_tools import parse_shape
+    from ptx_gen.inspect import parse_shape
 
     try:
         return parse_shape(items or [])
@@ -558,7 +558,7 @@ def _shape_arg(items: Sequence[str] | None) -> dict:
 
 
 def cmd_ptx_list(args: argparse.Namespace) -> int:
-    from realizar.ptx_tools import list_kernels
+    from ptx_gen.inspect import list_kernels
 
     kernels = list_kernels()
     if args.json:
@@ -572,7 +572,7 @@ def cmd_ptx_list(args: argparse.Namespace) -> int:
 
 
 def cmd_ptx_emit(args: argparse.Namespace) -> int:
-    from realizar.ptx_tools import ptx_text
+    from ptx_gen.inspect import ptx_text
 
     text = ptx_text(args.kernel, args.target, **_shape_arg(args.shape))
     if args.output:
@@ -584,7 +584,7 @@ def cmd_ptx_emit(args: argparse.Namespace) -> int:
 
 
 def cmd_ptx_check(args: argparse.Namespace) -> int:
-    from realizar import ptx_tools
+    from ptx_gen import inspect as ptx_tools
 
     targets = args.target or list(ptx_tools.CHECK_TARGETS)
     if args.kernel and not args.grid:
@@ -620,14 +620,14 @@ def cmd_ptx_check(args: argparse.Namespace) -> int:
 
 
 def cmd_ptx_sass(args: argparse.Namespace) -> int:
-    from realizar.ptx_tools import sass
+    from ptx_gen.inspect import sass
 
     sys.stdout.write(sass(args.kernel, args.target, **_shape_arg(args.shape)))
     return 0
 
 
 def cmd_ptx_diff(args: argparse.Namespace) -> int:
-    from realizar.ptx_tools import diff
+    from ptx_gen.inspect import diff
 
     a, b = _shape_arg([args.shape_a]), _shape_arg([args.shape_b])
     out = diff(args.kernel, a, b, target=args.target, target_b=args.target_b, context=args.context)

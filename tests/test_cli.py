@@ -363,7 +363,7 @@ def test_ptx_check_one_kernel_and_shape():
 
 
 def test_ptx_sass():
-    from realizar.ptx_tools import SassToolNotFound, find_sass_tool
+    from ptx_gen.inspect import SassToolNotFound, find_sass_tool
 
     p = run("ptx", "sass", "vector_add", "-s", "vec=4")
     try:
