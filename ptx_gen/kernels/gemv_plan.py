@@ -66,7 +66,7 @@ def split(wtype: str, in_dim: int, ksplit: int) -> dict:
     Slices start a multiple of 4 bytes apart (Q6_K: an even number of its 210-byte rounds; every
     other type's rounds are whole 16-byte pieces), so ``phase`` (see :func:`plan`) is known. A slice
     is walked in tiles of ``rpt`` rounds (whole 16-byte pieces): ``TILE_ROUNDS`` for ``ksplit == 1``
-    (the unsplit kernel, as it was); a slice of at most ``SPLIT_TILE_BYTES`` per row is one tile;
+    (the unsplit kernel); a slice of at most ``SPLIT_TILE_BYTES`` per row is one tile;
     a longer one is cut into equal tiles of at most ``TILE_ROUNDS`` (14 rounds -> 2 x 7, not 8 + 6)."""
     ql.check_in_dim(wtype, in_dim)
     if ksplit not in KSPLITS:
