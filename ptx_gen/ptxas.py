@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from ptx_gen import toolchain
+from ptx_gen.toolchain import ToolNotFound
 
-class PtxasNotFound(RuntimeError):
+
+class PtxasNotFound(ToolNotFound):
     """No ptxas binary: install the test extra (``nvidia-cuda-nvcc``) or a CUDA toolkit."""
 
 
@@ -46,31 +47,11 @@ class ResourceReport:
 
 @lru_cache(maxsize=1)
 def find_ptxas() -> str:
-    """Path of ptxas: $PTXAS, the nvidia-cuda-nvcc wheel, $CUDA_HOME/bin, then PATH."""
-    candidates = []
-    if os.environ.get("PTXAS"):
-        candidates.append(Path(os.environ["PTXAS"]))
+    """Path of ptxas (see :mod:`ptx_gen.toolchain` for where it is looked for)."""
     try:
-        import nvidia  # namespace package provided by the nvidia-* wheels
-
-        for root in nvidia.__path__:
-            for sub in ("cu13", "cuda_nvcc", "cu12"):
-                candidates.append(Path(root) / sub / "bin" / "ptxas")
-    except ImportError:
-        pass
-    for env in ("CUDA_HOME", "CUDA_PATH"):
-        if os.environ.get(env):
-            candidates.append(Path(os.environ[env]) / "bin" / "ptxas")
-    which = shutil.which("ptxas")
-    if which:
-        candidates.append(Path(which))
-    candidates.append(Path("/usr/local/cuda/bin/ptxas"))
-    for c in candidates:
-        if c.is_file() and os.access(c, os.X_OK):
-            return str(c)
-    raise PtxasNotFound(
-        "ptxas not found: pip install nvidia-cuda-nvcc (the test extra), or set $PTXAS"
-    )
+        return toolchain.find_tool("ptxas", "pip install nvidia-cuda-nvcc (the test extra), or set $PTXAS")
+    except ToolNotFound as e:
+        raise PtxasNotFound(str(e)) from None
 
 
 _REG = re.compile(r"Used (\d+) registers")

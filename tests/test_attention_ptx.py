@@ -87,7 +87,7 @@ def test_reduce_and_append_assemble(d, chunks, indirect):
 def test_flash_attention_assembles(d, group, causal):
     _assemble_clean("flash_attention", head_dim=d, group=group, causal=causal)
     pk = catalog.emit("flash_attention", target="sm_90", head_dim=d, group=group, causal=causal)
-    assert pk.meta["shared_bytes"] <= 227 * 1024  # dynamic shared memory, opt-in limit of sm_90
+    assert pk.launch.dyn_smem <= 227 * 1024  # dynamic shared memory, opt-in limit of sm_90
 
 
 def test_generator_rejects_bad_shapes():
@@ -354,7 +354,7 @@ def test_a_counter_left_behind_is_caught():
     resets = [i for i, x in enumerate(lines) if x.strip().startswith("st.global.u32") and x.strip().endswith(", 0;")]
     assert len(resets) == 2  # one per combine level
     broken = catalog.PtxKernel(src.name, src.entry, src.target, src.shape,
-                               "\n".join(x for i, x in enumerate(lines) if i not in resets), src.params, src.meta)
+                               "\n".join(x for i, x in enumerate(lines) if i not in resets), src.params, src.launch, src.meta)
     rng = np.random.default_rng(2)
     q, kc, vc, ref = _decode_data(rng, 2, 1, 32, 30, 30, 2.0, False)
     assert _rel(_run_fused(src, q, kc, vc, [30, 30], 30, 8, 4, 1)[1], ref) < RTOL
@@ -401,7 +401,7 @@ def test_flash_attention_emulated(hk, d, sq, extra, slack, causal, scale, seed):
     pq, pk, pv, po = mem.alloc_array(q), mem.alloc_array(k), mem.alloc_array(v), mem.alloc(q.nbytes)
     run(src.ptx, (-(-sq // src.meta["block_q"]), h), (src.meta["block"],),
         {"q": pq, "k": pk, "v": pv, "out": po, "seq_q": sq, "seq_k": sk, "q_offset": sk - sq, "kv_stride": stride},
-        mem, shared_bytes=src.meta["shared_bytes"])
+        mem, shared_bytes=src.launch.dyn_smem)
     got = mem.read(po, np.float32, q.size).reshape(q.shape)
     assert _rel(got, ref) < RTOL
 
@@ -452,7 +452,8 @@ def test_the_data_catches_a_missing_rescale(monkeypatch, scores):
             monkeypatch.setattr(KernelBuilder, "ex2", ex2)
         k = ia.incremental_attention(m, head_dim=64, group=2, indirect=False, warps=1, unroll=1, scores=scores)
         monkeypatch.setattr(KernelBuilder, "ex2", real_ex2)
-        return catalog.PtxKernel("t", k.name, "sm_90", (("buggy", buggy),), m.emit(), k.params, dict(k.meta))
+        return catalog.PtxKernel("t", k.name, "sm_90", (("buggy", buggy),), m.emit(), k.params,
+                                 catalog.LaunchHints.from_meta("t", k.meta), dict(k.meta))
 
     rng = np.random.default_rng(5)
     q, kc, vc, ref = _decode_data(rng, 4, 2, 64, 90, 96, 3.0, True)
@@ -474,7 +475,7 @@ def test_emulator_catches_a_missing_barrier():
     with pytest.raises(EmulatorError, match="race"):
         run(broken, (1, 1), (src.meta["block"],), {"q": ptrs[0], "k": ptrs[1], "v": ptrs[2], "out": mem.alloc(x.nbytes),
                                                    "seq_q": 40, "seq_k": 40, "q_offset": 0, "kv_stride": 40},
-            mem, shared_bytes=src.meta["shared_bytes"])
+            mem, shared_bytes=src.launch.dyn_smem)
 
 
 # ---- the executor: validation without a GPU, then end to end on the emulator --------------------------

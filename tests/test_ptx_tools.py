@@ -1,12 +1,12 @@
-"""realizar.ptx_tools: PTX text, ptxas resource reports over the whole catalog, SASS, diffs."""
+"""ptx_gen.inspect: PTX text, ptxas resource reports over the whole catalog, SASS, diffs; shape text
+parsing and the CUDA tool lookup (ptx_gen.toolchain)."""
 
 from __future__ import annotations
 
 import pytest
 
-from ptx_gen import catalog
-from realizar import ptx_tools
-
+from ptx_gen import catalog, toolchain
+from ptx_gen import inspect as ptx_tools
 
 
 def _first_shape(name: str) -> dict:
@@ -33,7 +33,10 @@ def test_ptx_text_is_a_module_for_the_target(name):
 
 
 def test_check_all_covers_every_catalog_kernel_and_grid_shape():
-    results = ptx_tools.check_all()
+    calls = []
+    results = ptx_tools.check_all(progress=lambda done, total, label: calls.append((done, total, label)))
+    assert [c[0] for c in calls] == list(range(1, len(results) + 1))
+    assert {c[1] for c in calls} == {len(results)}
     failed = [r.summary() for r in results if not r.ok]
     assert not failed, "\n".join(failed)
     seen = {(r.name, r.target, tuple(sorted(r.shape.items()))) for r in results}
@@ -132,6 +135,60 @@ def test_sass_or_a_clear_error():
 
 
 def test_sass_tool_missing_message(monkeypatch, tmp_path):
-    monkeypatch.setattr(ptx_tools, "_tool_candidates", lambda tool: [tmp_path / tool])
+    monkeypatch.setattr(toolchain, "tool_candidates", lambda tool: [tmp_path / tool])
     with pytest.raises(ptx_tools.SassToolNotFound, match="pip install nvidia-cuda-nvdisasm"):
         ptx_tools.find_sass_tool()
+
+
+def test_toolchain_finds_a_tool_from_its_environment_variable(monkeypatch, tmp_path):
+    exe = tmp_path / "nvdisasm"
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    monkeypatch.setenv("NVDISASM", str(exe))
+    assert toolchain.tool_candidates("nvdisasm")[0] == exe
+    assert toolchain.find_tool("nvdisasm") == str(exe)
+    assert ptx_tools.find_sass_tool() == ("nvdisasm", str(exe))
+    monkeypatch.setattr(toolchain, "tool_candidates", lambda tool: [tmp_path / "absent"])
+    with pytest.raises(toolchain.ToolNotFound, match="no_such_tool not found: try this"):
+        toolchain.find_tool("no_such_tool", "try this")
+
+
+def test_check_all_progress_bar(monkeypatch, capsys):
+    monkeypatch.setattr(ptx_tools, "check", lambda name, target, **shape: ptx_tools.CheckResult(name, target, shape))
+    name = "axpy"
+    results = ptx_tools.check_all(names=[name], progress=True)
+    assert len(results) == len(catalog.spec(name).grid) * len(ptx_tools.CHECK_TARGETS)
+    assert "ptx check" in capsys.readouterr().err
+
+
+def test_parse_shape_arg_converts_to_the_default_types():
+    assert ptx_tools.parse_shape_arg("gemv", "in_dim=0x100,wtype=Q4_K") == {"in_dim": 256, "wtype": "Q4_K"}
+    assert ptx_tools.parse_shape_arg("gemv", ["rows=4", "in_dim=512", "glu=true"]) == {"rows": 4, "in_dim": 512, "glu": True}
+    assert ptx_tools.parse_shape_arg("gemv", None) == {}
+    assert ptx_tools.parse_shape_arg("gemv", {"in_dim": "512"}) == {"in_dim": 512}
+    bools = [p for p, d in catalog.spec("rmsnorm").defaults.items() if isinstance(d, bool)]
+    for p in bools:
+        assert ptx_tools.parse_shape_arg("rmsnorm", f"{p}=true") == {p: True}
+        assert ptx_tools.parse_shape_arg("rmsnorm", f"{p}=0") == {p: False}
+
+
+@pytest.mark.parametrize(
+    "kernel, text, match",
+    [
+        ("gemv", "in_dim=abc", "kernel gemv: shape parameter 'in_dim' must be an int \\(default 4096\\), got 'abc'"),
+        ("gemv", "in_dim=1.5", "'in_dim' must be an int"),
+        ("gemv", "no_such=1", "no shape parameter 'no_such'"),
+        ("gemv", "in_dim", "expected NAME=VALUE"),
+        ("gemv", "in_dim=1,in_dim=2", "given twice"),
+    ],
+)
+def test_parse_shape_arg_errors_name_the_parameter(kernel, text, match):
+    with pytest.raises(ValueError, match=match):
+        ptx_tools.parse_shape_arg(kernel, text)
+
+
+def test_text_for_a_numeric_parameter_is_a_clean_error_at_emit():
+    with pytest.raises(ValueError, match="shape parameter 'in_dim' must be an int"):
+        catalog.emit("gemv", "sm_90", in_dim="abc")
+    with pytest.raises(ValueError, match="'in_dim' must be an int"):
+        ptx_tools.check("gemv", "sm_90", in_dim="4096")

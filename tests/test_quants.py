@@ -1,4 +1,4 @@
-"""realizar.models.quants: block layouts and dequantization, bit for bit against gguf.quants."""
+"""realizar.models.quants and ptx_gen.ggml: block layouts, sizes and dequantization."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from gguf import GGMLQuantizationType as T
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ptx_gen import ggml
 from realizar.errors import ShapeError, UnsupportedError
 from realizar.models import quants
 from realizar.models.quants import LAYOUTS, dequantize, layout, row_nbytes, tensor_nbytes
@@ -264,9 +265,25 @@ def test_dequantize_wrong_size():
         dequantize(np.zeros(34, np.uint8), T.Q8_0, (33,))
 
 
-@pytest.mark.parametrize("t", [T.Q4_1, T.Q6_K], ids=lambda t: t.name)
-def test_dequantize_in_chunks(t, monkeypatch):
-    monkeypatch.setattr(quants, "_CHUNK_BLOCKS", 3)
-    x = np.random.default_rng(1).standard_normal((5, 512)).astype(np.float32)
-    raw = encode(x, t)
-    assert same_bits(dequantize(raw, t, x.shape), gguf.quants.dequantize(raw, t))
+@pytest.mark.parametrize("t", [T.Q4_1, T.Q6_K, T.F32], ids=lambda t: t.name)
+def test_dequantize_many_rows_row_by_row(t):
+    """A tensor of many rows (gguf works through groups of them) decodes as its rows one by one."""
+    x = np.random.default_rng(1).standard_normal((37, 512)).astype(np.float32)
+    raw = encode(x, t).reshape(37, -1)
+    whole = dequantize(raw, t, x.shape)
+    assert all(same_bits(whole[i], dequantize(raw[i], t, (512,))) for i in range(37))
+    if t == T.F32:
+        assert not np.shares_memory(whole, raw)
+
+
+def test_ggml_tables_need_no_realizar():
+    """ptx_gen.ggml: the same tables, type ids equal to gguf's, plain ValueErrors."""
+    assert quants.LAYOUTS is ggml.LAYOUTS
+    for t in ggml.GGMLType:
+        assert int(t) == int(T[t.name])
+        assert ggml.layout(t.name) is ggml.layout(int(t)) is LAYOUTS[T[t.name]]
+    with pytest.raises(ValueError, match="unsupported tensor type"):
+        ggml.layout(int(T.Q2_K))
+    with pytest.raises(ValueError, match="not a multiple of the block size 256"):
+        ggml.row_nbytes("Q4_K", 100)
+    assert ggml.row_nbytes("Q8_0", 64) == 68

@@ -103,7 +103,7 @@ def prefill_cases(cache, rng, shapes) -> None:
         with cuda.GpuBuffer.from_numpy(q) as dq, cuda.GpuBuffer.from_numpy(k) as dk, \
                 cuda.GpuBuffer.from_numpy(v) as dv, cuda.GpuBuffer(q.size) as out:
             cuda.launch(kern, (-(-sq // kern.meta["block_q"]), h), kern.meta["block"],
-                        kern.args(dq, dk, dv, out, sq, sk, sk - sq, stride), kern.meta["shared_bytes"])
+                        kern.args(dq, dk, dv, out, sq, sk, sk - sq, stride), kern.launch.dyn_smem)
             _check(out.to_numpy(q.shape), ref, f"flash attention {h}/{kvh}/{d} {sq}x{sk} causal={causal}")
 
 

@@ -313,7 +313,7 @@ def _flash_attention(k, sizes, rng) -> Example:
               "out": np.full(h * seq_q * d, np.nan, np.float32), "seq_q": seq_q, "seq_k": seq_k,
               "q_offset": seq_k - seq_q, "kv_stride": seq_k}
     return Example(params, (_cdiv(seq_q, k.meta["block_q"]), h), (k.meta["block"],), ("out",),
-                   k.meta.get("dyn_smem", k.meta.get("shared_bytes", 0)))
+                   k.launch.dyn_smem)
 
 
 def run_example(name: str, shape: dict, target: str = "sm_90", seed: int = 0, racecheck: bool = True) -> Report:

@@ -61,7 +61,7 @@ def flash_attention(
 ) -> KernelBuilder:
     """Multi-head (GQA) attention of seq_q queries over seq_k keys, causal or not, tiled through
     shared memory. Launch: grid (ceil(seq_q / meta['block_q']), num_heads), block meta['block'],
-    dynamic shared memory meta['shared_bytes']."""
+    dynamic shared memory meta['dyn_smem']."""
     R, KC, TY, BQ, BK, DP, BKP, smem = prefill_tiles(head_dim, rows_per_thread, keys_per_thread, row_groups)
     if not isinstance(group, int) or group < 1:
         raise ValueError(f"group must be a positive integer, got {group!r}")
@@ -73,7 +73,7 @@ def flash_attention(
               ("q_offset", "u32"), ("kv_stride", "u32")]
     # no .maxntid: with it ptxas caps registers near 128 and spills the D = 48/80/96 variants
     k = m.kernel(name, params)
-    k.meta.update(block=NT, block_q=BQ, block_k=BK, shared_bytes=smem)
+    k.meta.update(block=NT, block_q=BQ, block_k=BK, dyn_smem=smem)
     seq_q, seq_k, q_offset, kv_stride = (k.param(p) for p in ("seq_q", "seq_k", "q_offset", "kv_stride"))
     tid = k.tid()
     ty, tx = k.shr(tid, 3), k.and_(tid, 7)

@@ -1,6 +1,6 @@
 """PTX-side decoding of GGUF weight blocks, shared by the GEMV, GEMM and embedding kernels.
 
-Block layouts come from :mod:`realizar.models.quants` (written down once there). The kernels stage a
+Block layouts come from :mod:`ptx_gen.ggml` (written down once there). The kernels stage a
 row's raw bytes in shared memory with 16-byte coalesced loads and decode from there, so a block may
 sit at any 2-byte alignment.
 
@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ptx_gen.builder import KernelBuilder, Reg
+from ptx_gen.ggml import layout as _layout
 
 ROUND = 256  # values per round (32 lanes x 8 values)
 PER_LANE = 8
@@ -59,17 +60,6 @@ class TypeInfo:
 
     def row_bytes(self, in_dim: int) -> int:
         return in_dim // self.block_values * self.block_bytes
-
-
-def _layout(wtype: str):
-    """The block layout from :mod:`realizar.models.quants` (imported here, not at module import: the
-    catalog loads every kernel module, and ``gguf`` behind quants may be absent where only other
-    kernels are used)."""
-    from gguf import GGMLQuantizationType as T
-
-    from realizar.models.quants import LAYOUTS
-
-    return LAYOUTS[T[wtype]]
 
 
 @lru_cache(maxsize=None)

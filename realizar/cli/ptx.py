@@ -13,37 +13,23 @@ from realizar.cli.common import CliError, add_common, nonneg_int, note
 
 
 def _shape_arg(items: Sequence[str] | None, kernel: str | None = None) -> dict:
-    """``-s NAME=VALUE`` items as a shape; with ``kernel``, a text value where that kernel's defaults
-    and validation grid hold numbers (``in_dim=abc``) is a usage error naming the parameter."""
-    from realizar.ptx_tools import parse_shape
-
-    try:
-        shape = parse_shape(items or [])
-    except ValueError as e:
-        raise CliError(str(e), 2) from None
-    if kernel is not None:
-        _check_value_types(kernel, shape)
-    return shape
-
-
-def _check_value_types(kernel: str, shape: dict) -> None:
+    """``-s NAME=VALUE`` items as a shape. With ``kernel``, each value is converted to the type of that
+    kernel's parameter, and an unknown parameter or a value that does not parse (``in_dim=abc``) is a
+    one-line usage error naming the parameter."""
     from ptx_gen import catalog
 
-    if kernel not in catalog.names():
-        return  # the emitter's own error names the kernel
-    spec = catalog.spec(kernel)
-    for key, value in shape.items():
-        if not isinstance(value, str):
-            continue
-        known = [s[key] for s in (spec.defaults, *spec.grid) if key in s]
-        numbers = [v for v in known if isinstance(v, (int, float)) and not isinstance(v, bool)]
-        if numbers and len(numbers) == len(known):
-            kind = "an integer" if all(isinstance(v, int) for v in numbers) else "a number"
-            raise CliError(f"shape parameter {key}={value!r}: expected {kind} (e.g. {key}={numbers[0]})", 2)
+    try:
+        if kernel is None:
+            return catalog.parse_shape(items or [])
+        return catalog.parse_shape_arg(kernel, items or [])
+    except KeyError as e:  # no such kernel
+        raise CliError(str(e).strip("'\""), 1) from None
+    except ValueError as e:
+        raise CliError(str(e), 2) from None
 
 
 def cmd_ptx_list(args: argparse.Namespace) -> int:
-    from realizar.ptx_tools import list_kernels
+    from ptx_gen.inspect import list_kernels
 
     kernels = list_kernels()
     if args.json:
@@ -57,7 +43,7 @@ def cmd_ptx_list(args: argparse.Namespace) -> int:
 
 
 def cmd_ptx_emit(args: argparse.Namespace) -> int:
-    from realizar.ptx_tools import ptx_text
+    from ptx_gen.inspect import ptx_text
 
     text = ptx_text(args.kernel, args.target, **_shape_arg(args.shape, args.kernel))
     if args.output:
@@ -68,23 +54,8 @@ def cmd_ptx_emit(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_with_progress(ptx_tools, targets: list[str], names: list[str] | None) -> list:
-    """``check_all`` kernel by kernel, with a progress bar on a terminal (stderr)."""
-    from tqdm import tqdm
-
-    from ptx_gen import catalog
-
-    results = []
-    names = names or catalog.names()
-    with tqdm(names, desc="ptxas", unit="kernel", file=sys.stderr, leave=False, disable=None) as bar:
-        for name in bar:
-            bar.set_postfix_str(name, refresh=False)
-            results += ptx_tools.check_all(targets, [name])
-    return results
-
-
 def cmd_ptx_check(args: argparse.Namespace) -> int:
-    from realizar import ptx_tools
+    from ptx_gen import inspect as ptx_tools
 
     targets = args.target or list(ptx_tools.CHECK_TARGETS)
     if args.kernel and not args.grid:
@@ -93,7 +64,8 @@ def cmd_ptx_check(args: argparse.Namespace) -> int:
     else:
         if args.shape:
             raise CliError("--shape needs a KERNEL (and not --grid)", 2)
-        results = _check_with_progress(ptx_tools, targets, [args.kernel] if args.kernel else None)
+        results = ptx_tools.check_all(targets, [args.kernel] if args.kernel else None,
+                                       progress=sys.stderr.isatty())
     failed = [r for r in results if not r.ok]
     spilled = [r for r in results if r.ok and r.spills]
     if args.json:
@@ -119,14 +91,14 @@ def cmd_ptx_check(args: argparse.Namespace) -> int:
 
 
 def cmd_ptx_sass(args: argparse.Namespace) -> int:
-    from realizar.ptx_tools import sass
+    from ptx_gen.inspect import sass
 
     sys.stdout.write(sass(args.kernel, args.target, **_shape_arg(args.shape, args.kernel)))
     return 0
 
 
 def cmd_ptx_diff(args: argparse.Namespace) -> int:
-    from realizar.ptx_tools import diff
+    from ptx_gen.inspect import diff
 
     a, b = _shape_arg([args.shape_a], args.kernel), _shape_arg([args.shape_b], args.kernel)
     out = diff(args.kernel, a, b, target=args.target, target_b=args.target_b, context=args.context)
@@ -141,7 +113,7 @@ def cmd_ptx_run(args: argparse.Namespace) -> int:
     from ptx_gen.emulator import run_example
 
     try:
-        report = run_example(args.kernel, _shape_arg(args.shape, args.kernel), target=args.target, seed=args.seed)
+        report = run_example(args.kernel, _shape_arg(args.shape), target=args.target, seed=args.seed)
     except (ValueError, TypeError, KeyError) as e:
         raise CliError(str(e).strip("'\""), 2) from None
     print(f"{report.kernel} {report.shape} grid {report.grid} block {report.block} shared {report.shared_bytes}")

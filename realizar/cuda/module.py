@@ -47,6 +47,11 @@ class CompiledKernel:
     def meta(self) -> dict:
         return self.source.meta
 
+    @property
+    def launch(self):
+        """The generator's launch hints (:class:`ptx_gen.catalog.LaunchHints`)."""
+        return self.source.launch
+
     def args(self, *values, **named) -> KernelArgs:
         """Pack kernel arguments (positional or by parameter name) into reusable ctypes storage."""
         return KernelArgs(self.source.params, *values, **named)

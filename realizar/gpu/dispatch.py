@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from ptx_gen.catalog import LaunchHints
 from realizar import cuda
 from realizar.cuda.memory import device_address, is_buffer_arg
 from realizar.errors import ShapeError
@@ -29,17 +30,6 @@ _ARGS_CACHE_LIMIT = 8192  # distinct argument packs kept (a decode step needs a 
 
 
 @dataclass(frozen=True)
-class LaunchHints:
-    """What a kernel says about how to launch it: threads per block, dynamic shared memory, and the
-    L1 (``l1_bytes``) / shared memory (``smem``) per SM it wants kept for it."""
-
-    block: Any
-    dyn_smem: int = 0
-    l1_bytes: int = 0
-    smem: int = 0
-
-
-@dataclass(frozen=True)
 class LaunchConfig:
     """One launch's shape: grid, block and dynamic shared memory (bytes)."""
 
@@ -49,10 +39,8 @@ class LaunchConfig:
 
 
 def launch_hints(kernel: Any) -> LaunchHints:
-    """The launch hints of a compiled kernel (the single reader of the generator's hints)."""
-    meta = kernel.meta
-    return LaunchHints(meta["block"], int(meta.get("dyn_smem", meta.get("shared_bytes", 0))),
-                       int(meta.get("l1_bytes", 0)), int(meta.get("smem", 0)))
+    """The launch hints a compiled kernel's generator gave (:class:`ptx_gen.catalog.LaunchHints`)."""
+    return kernel.source.launch
 
 
 def check_int(name: str, value: Any, lo: int = 1) -> int:

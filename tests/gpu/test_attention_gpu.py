@@ -231,7 +231,7 @@ def test_flash_attention(kernels, hk, d, sq, extra, slack, causal, scale, seed):
         out.poison()
         grid = (-(-sq // kern.meta["block_q"]), h)
         cuda.launch(kern, grid, kern.meta["block"], kern.args(dq, dk, dv, out, sq, sk, sk - sq, stride),
-                    kern.meta["shared_bytes"])
+                    kern.launch.dyn_smem)
         got = out.to_numpy(q.shape)
     assert_close(got, ref, RTOL, f"flash attention H={h} KVH={kvh} D={d} Sq={sq} Sk={sk} causal={causal}")
 
@@ -248,7 +248,7 @@ def test_flash_attention_short_sequences_are_not_zero(kernels, d, s):
             cuda.GpuBuffer(q.size) as out:
         out.poison()
         cuda.launch(kern, (-(-s // kern.meta["block_q"]), 2), kern.meta["block"],
-                    kern.args(dq, dk, dv, out, s, s, 0, s), kern.meta["shared_bytes"])
+                    kern.args(dq, dk, dv, out, s, s, 0, s), kern.launch.dyn_smem)
         got = out.to_numpy(q.shape)
     assert_close(got, ref, RTOL, f"S={s} D={d}")
 

@@ -75,7 +75,7 @@ def test_kernels_compile_once_per_shape(device):
 def test_broken_ptx_raises_with_jit_log(device):
     good = emit("vector_add", target=device.target.sm, vec=1)
     broken_text = good.ptx.replace("add.f32", "add.f99", 1)
-    broken = PtxKernel("broken_add", good.entry, good.target, (("case", 1),), broken_text, good.params)
+    broken = PtxKernel("broken_add", good.entry, good.target, (("case", 1),), broken_text, good.params, good.launch)
     with pytest.raises(cuda.JitError) as info:
         cuda.ModuleCache(device).load(broken)
     err = info.value

@@ -1,28 +1,29 @@
 """Inspect the kernel catalog from Python: PTX text, ptxas resource reports, SASS, and diffs.
 
-    from realizar import ptx_tools
-    print(ptx_tools.ptx_text("axpy", "sm_90", vec=4))
-    r = ptx_tools.check("axpy", "sm_90", vec=4)        # registers, spills, stack, shared memory
-    for r in ptx_tools.check_all():                     # every kernel over its validation grid
+    from ptx_gen import inspect as ptx_inspect
+    print(ptx_inspect.ptx_text("axpy", "sm_90", vec=4))
+    r = ptx_inspect.check("axpy", "sm_90", vec=4)       # registers, spills, stack, shared memory
+    for r in ptx_inspect.check_all(progress=True):      # every kernel over its validation grid
         print(r.summary())
-    print(ptx_tools.sass("axpy", "sm_90", vec=4))       # needs nvdisasm or cuobjdump
-    print(ptx_tools.diff("axpy", {"vec": 1}, {"vec": 4}))
+    print(ptx_inspect.sass("axpy", "sm_90", vec=4))     # needs nvdisasm or cuobjdump
+    print(ptx_inspect.diff("axpy", {"vec": 1}, {"vec": 4}))
 
+Shape parameters given as text (``"in_dim=4096,wtype=Q4_K"``) go through
+:func:`ptx_gen.catalog.parse_shape_arg`, which checks them against the kernel's parameters.
 The same functions back ``realizar ptx list|emit|check|sass|diff``.
 """
 
 from __future__ import annotations
 
 import difflib
-import os
-import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
-from ptx_gen import catalog
+from ptx_gen import catalog, toolchain
+from ptx_gen.catalog import parse_shape, parse_shape_arg
 from ptx_gen.ptxas import PtxasError, PtxasNotFound, ResourceReport, assemble
 from ptx_gen.target import DEFAULT_TARGET, as_target
 
@@ -38,6 +39,7 @@ __all__ = [
     "kernel_info",
     "list_kernels",
     "parse_shape",
+    "parse_shape_arg",
     "ptx_text",
     "sass",
 ]
@@ -46,7 +48,7 @@ __all__ = [
 CHECK_TARGETS = ("sm_80", "sm_90")
 
 
-class SassToolNotFound(RuntimeError):
+class SassToolNotFound(toolchain.ToolNotFound):
     """Neither nvdisasm nor cuobjdump is installed."""
 
 
@@ -89,45 +91,6 @@ def list_kernels() -> list[KernelInfo]:
 # ----------------------------------------------------------------------------------------------
 # Shapes
 # ----------------------------------------------------------------------------------------------
-
-
-def _parse_value(text: str) -> Any:
-    low = text.strip().lower()
-    if low in ("true", "false"):
-        return low == "true"
-    if low in ("none", "null"):
-        return None
-    for conv in (int, float):
-        try:
-            return conv(text.strip(), 0) if conv is int else conv(text.strip())
-        except ValueError:
-            pass
-    return text.strip()
-
-
-def parse_shape(items: str | Iterable[str] | Mapping[str, Any] | None) -> dict[str, Any]:
-    """Shape parameters from ``"a=1,b=2"``, ``["a=1", "b=2"]`` or a mapping. Values become ``int``,
-    ``float``, ``bool`` (``true``/``false``) or ``None`` where they parse as such, else stay text."""
-    if items is None:
-        return {}
-    if isinstance(items, Mapping):
-        return dict(items)
-    if isinstance(items, str):
-        items = [items]
-    shape: dict[str, Any] = {}
-    for item in items:
-        for part in str(item).split(","):
-            part = part.strip()
-            if not part:
-                continue
-            key, sep, value = part.partition("=")
-            key = key.strip()
-            if not sep or not key.isidentifier():
-                raise ValueError(f"bad shape parameter {part!r}: expected NAME=VALUE (e.g. vec=4)")
-            if key in shape:
-                raise ValueError(f"shape parameter {key!r} given twice")
-            shape[key] = _parse_value(value)
-    return shape
 
 
 def _format_shape(shape: Mapping[str, Any]) -> str:
@@ -223,32 +186,57 @@ def check(name: str, target: str = DEFAULT_TARGET, **shape: Any) -> CheckResult:
     )
 
 
+Progress = Callable[[int, int, str], None]
+
+
 def check_all(
     targets: Sequence[str] = CHECK_TARGETS,
     names: Sequence[str] | None = None,
+    progress: bool | Progress = False,
 ) -> list[CheckResult]:
     """:func:`check` every kernel (or those in ``names``) over each shape of its validation grid, for
     each target. A kernel that fails to generate or assemble gives a result with ``ok=False`` instead
-    of raising, so one bad kernel does not hide the others. (Unknown names still raise ``KeyError``.)"""
-    results: list[CheckResult] = []
+    of raising, so one bad kernel does not hide the others. (Unknown names still raise ``KeyError``.)
+
+    ``progress``: ``True`` draws a tqdm bar on stderr; a callable is called as ``progress(done, total,
+    label)`` after each assembly."""
     wanted = list(names) if names else catalog.names()
-    for name in wanted:
-        spec = catalog.spec(name)
-        for shape in spec.grid:
-            for target in targets:
-                sm = str(as_target(target))
-                try:
-                    results.append(check(name, sm, **shape))
-                except PtxasNotFound:
-                    raise
-                except PtxasError as e:
-                    first = next((ln for ln in e.log.splitlines() if "error" in ln.lower()), str(e))
-                    results.append(CheckResult(name, sm, dict(shape), ok=False, error=first.strip()))
-                except (ValueError, TypeError, RuntimeError, AssertionError) as e:
-                    results.append(
-                        CheckResult(name, sm, dict(shape), ok=False, error=f"{type(e).__name__}: {e}")
-                    )
+    jobs = [
+        (name, dict(shape), str(as_target(target)))
+        for name in wanted
+        for shape in catalog.spec(name).grid
+        for target in targets
+    ]
+    bar = None
+    if progress is True:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(jobs), desc="ptx check", unit="kernel", leave=False)
+    results: list[CheckResult] = []
+    try:
+        for done, (name, shape, sm) in enumerate(jobs, 1):
+            results.append(_check_one(name, shape, sm))
+            if bar is not None:
+                bar.update(1)
+            elif callable(progress):
+                progress(done, len(jobs), f"{name} {sm}")
+    finally:
+        if bar is not None:
+            bar.close()
     return results
+
+
+def _check_one(name: str, shape: dict[str, Any], sm: str) -> CheckResult:
+    """:func:`check`, with generation and ptxas failures turned into a result with ``ok=False``."""
+    try:
+        return check(name, sm, **shape)
+    except PtxasNotFound:
+        raise
+    except PtxasError as e:
+        first = next((ln for ln in e.log.splitlines() if "error" in ln.lower()), str(e))
+        return CheckResult(name, sm, shape, ok=False, error=first.strip())
+    except (ValueError, TypeError, RuntimeError, AssertionError) as e:
+        return CheckResult(name, sm, shape, ok=False, error=f"{type(e).__name__}: {e}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -256,36 +244,14 @@ def check_all(
 # ----------------------------------------------------------------------------------------------
 
 
-def _tool_candidates(tool: str) -> list[Path]:
-    out: list[Path] = []
-    env = os.environ.get(tool.upper())
-    if env:
-        out.append(Path(env))
-    try:
-        import nvidia  # namespace package of the nvidia-* wheels (nvidia-cuda-nvdisasm, ...)
-
-        for root in nvidia.__path__:
-            for sub in ("cu13", "cuda_nvdisasm", "cuda_cuobjdump", "cu12"):
-                out.append(Path(root) / sub / "bin" / tool)
-    except ImportError:
-        pass
-    for var in ("CUDA_HOME", "CUDA_PATH"):
-        if os.environ.get(var):
-            out.append(Path(os.environ[var]) / "bin" / tool)
-    which = shutil.which(tool)
-    if which:
-        out.append(Path(which))
-    out.append(Path("/usr/local/cuda/bin") / tool)
-    return out
-
-
 def find_sass_tool() -> tuple[str, str]:
-    """``(kind, path)`` of a disassembler: ``nvdisasm`` preferred, else ``cuobjdump``. Looks at
-    ``$NVDISASM`` / ``$CUOBJDUMP``, the nvidia-* wheels, ``$CUDA_HOME/bin`` and ``PATH``."""
+    """``(kind, path)`` of a disassembler: ``nvdisasm`` preferred, else ``cuobjdump`` (looked for by
+    :func:`ptx_gen.toolchain.find_tool`)."""
     for tool in ("nvdisasm", "cuobjdump"):
-        for c in _tool_candidates(tool):
-            if c.is_file() and os.access(c, os.X_OK):
-                return tool, str(c)
+        try:
+            return tool, toolchain.find_tool(tool)
+        except toolchain.ToolNotFound:
+            pass
     raise SassToolNotFound(
         "no SASS disassembler found: pip install nvidia-cuda-nvdisasm (or nvidia-cuda-cuobjdump), "
         "or set $NVDISASM to an nvdisasm binary"
@@ -329,7 +295,7 @@ def diff(
 ) -> str:
     """Unified diff of the PTX of kernel ``name`` at two shapes (``{"vec": 1}`` or ``"vec=1"``),
     optionally also at two targets. Empty when both give the same PTX."""
-    sa, sb = parse_shape(shape_a), parse_shape(shape_b)
+    sa, sb = parse_shape_arg(name, shape_a), parse_shape_arg(name, shape_b)
     ta, tb = str(as_target(target)), str(as_target(target_b or target))
     a = catalog.emit(name, ta, **sa)
     b = catalog.emit(name, tb, **sb)

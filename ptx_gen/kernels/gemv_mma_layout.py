@@ -1,0 +1,119 @@
+"""Geometry of the tensor-core GEMV (:mod:`ptx_gen.kernels.gemv_mma`): block and stage sizes, the
+validated dynamic shared-memory layout of a variant (:func:`layout`), and the tile-major weight
+layout (:func:`tile_major`) its ``tiled`` variants read."""
+
+from __future__ import annotations
+
+import numpy as np
+
+UNIT_BYTES = {"Q4_K": 144, "Q8_0": 272, "Q6_K": 210}  # bytes of 256 values of one row
+MMA_TYPES = tuple(UNIT_BYTES)
+# bytes between two rows of a staged unit: Q6_K copies the 14 aligned 16-byte chunks that cover a
+# block at any 2-byte phase into rows of 15 chunks (240 bytes: 60 words, so that the 8 rows of an MMA
+# tile read distinct banks)
+STRIDE = {"Q4_K": 144, "Q8_0": 272, "Q6_K": 240}
+Q6K_CHUNKS = 14
+PARTS = 4  # base-256 digits of x
+MAX_DYN_SMEM = 227 * 1024
+# per warp, two x slots (units j and j + 1). Q8_0: 4 digit planes of 256 bytes, 272 apart (16 mod 128:
+# the four planes' B loads hit distinct banks), then 1 / f. Q4_K: its B words in the order the lanes
+# load them (1 KiB, see _x_lane_constants), the sums of x per 32 values and 1 / f. Q6_K: the B
+# fragments of its 8 MMAs as the lanes load them (see _unit_q6k), half of them zeros, then 1 / f
+PLANE = 272
+XSUM = {"Q4_K": 1024, "Q8_0": 4 * 272}
+INVF = {"Q4_K": XSUM["Q4_K"] + 32, "Q8_0": XSUM["Q8_0"] + 32, "Q6_K": 2048}
+XSLOT = {wt: INVF[wt] + 16 for wt in INVF}
+# per warp and row, per unit: 8 int32 sub-block scales and d / f (Q4_K), 8 block scales d / f (Q8_0),
+# or 16 int32 sub-block scales (as the two lane classes use them) and d / f (Q6_K)
+TABLE_ROW = {"Q4_K": 48, "Q8_0": 48, "Q6_K": 80}
+TILE_ROWS = 32  # rows of a tile of tile-major weights (tile_major)
+# bytes of a row's unit in a tile: Q6_K's 210 padded to 212, so that every row starts on a word (its
+# words then load as they are, with no second load and funnel shift, worth the 1% more bytes)
+TILE_UNIT = {"Q4_K": 144, "Q8_0": 272, "Q6_K": 212}
+# shared memory a ``solo`` CTA asks for, so that no second CTA fits its SM (two need 2 x (this + 1 KiB)
+# > 228 KiB): where two CTAs of one long-K launch (or of two launches under programmatic dependent
+# launch) share an SM while other SMs idle, the launch takes as long as those two CTAs in a row
+SOLO_SMEM = 120 * 1024
+
+
+def q6k_glu_offsets_fit(ffn: int, in_dim: int) -> bool:
+    """Whether the Q6_K kernel's 32-bit copy offsets, from a warp's first gate row to the end of the
+    last chunk of its last up row (ffn + 16 rows on), stay below 2**31 in a fused gate/up GEMV."""
+    return (ffn + 16) * (in_dim // 256 * UNIT_BYTES["Q6_K"]) + 16 * Q6K_CHUNKS < 2**31
+
+
+def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, tiles: int = 1, tiled: bool = False,
+           solo: bool = False) -> dict:
+    """Validated shape and the dynamic shared-memory layout (byte offsets) of a variant (``tiles``:
+    16-row MMA tiles per warp; ``tiled``: W tile-major, see :func:`tile_major`; ``solo``: at least
+    ``SOLO_SMEM`` bytes, so that one CTA holds an SM)."""
+    if wtype not in UNIT_BYTES:
+        raise ValueError(f"the tensor-core GEMV handles {MMA_TYPES}, not {wtype}")
+    if mtiles not in range(1, 9) or kparts not in (1, 2, 4, 8) or tiles not in (1, 2) or mtiles * kparts > 8:
+        # (16-warp CTAs would leave 128 registers a thread: some variants spill)
+        raise ValueError(f"mtiles must be 1..8, kparts 1, 2, 4 or 8 and tiles 1 or 2, with at most 8 warps; got "
+                         f"mtiles={mtiles}, kparts={kparts}, tiles={tiles}")
+    if stages not in (2, 3, 4, 8):
+        raise ValueError(f"stages must be 2, 3, 4 or 8, got {stages}")
+    if in_dim <= 0 or in_dim % (256 * kparts):
+        raise ValueError(f"in_dim must be a positive multiple of 256 * kparts = {256 * kparts}, got {in_dim}")
+    if wtype == "Q6_K" and in_dim % 2048 and not tiled:
+        # 8 blocks = 1680 bytes = 105 16-byte chunks: then every row starts 16-byte aligned and all rows
+        # of a unit share its phase
+        raise ValueError(f"the tensor-core Q6_K GEMV needs in_dim a multiple of 2048, got {in_dim}")
+    warps = mtiles * kparts
+    unit = TILE_UNIT[wtype] if tiled else STRIDE[wtype]  # (tile-major: a stage is its tile's bytes as they are)
+    rows = 16 * tiles
+    off = {}
+    pos = 0
+
+    def take(name: str, nbytes: int) -> None:
+        nonlocal pos
+        off[name] = pos
+        pos += -(-nbytes // 16) * 16
+
+    take("ring", warps * stages * rows * unit)
+    take("xbuf", warps * 2 * XSLOT[wtype])
+    take("table", warps * rows * TABLE_ROW[wtype])
+    take("red", warps * rows * 4 if kparts > 1 else 0)
+    take("mbar", warps * stages * 8)  # sm_90: one mbarrier per ring slot
+    if pos > MAX_DYN_SMEM:
+        raise ValueError(f"{wtype} rows of {in_dim} with mtiles={mtiles}, kparts={kparts}, stages={stages}, "
+                         f"tiles={tiles} need {pos} bytes of shared memory, more than {MAX_DYN_SMEM}: fewer warps or "
+                         f"stages")
+    return dict(stride=unit, units=in_dim // 256, per_warp=in_dim // 256 // kparts, warps=warps, smem=pos, off=off,
+                row_bytes=in_dim // 256 * UNIT_BYTES[wtype], rows=rows, launch_smem=max(pos, SOLO_SMEM) if solo else pos)
+
+
+def tile_major(raw: np.ndarray, wtype: str, out_dim: int, in_dim: int, glu: bool = False) -> np.ndarray:
+    """W's bytes (GGUF rows, ``out_dim`` x ``in_dim``) as the ``tiled`` kernels read them: tiles of
+    ``TILE_ROWS`` rows, and within a tile unit by unit, each unit's ``TILE_ROWS`` rows of 256 values back
+    to back, ``TILE_UNIT`` bytes apart (Q6_K: its 210 bytes and 2 zero bytes), i.e. ``TILE_ROWS *
+    TILE_UNIT`` contiguous bytes, what one warp stages. Tile T, unit u starts at byte ``(T * units + u)
+    * TILE_ROWS * TILE_UNIT``; the last tile is zero-filled past ``out_dim``.
+    With ``glu`` W is [gate; up] (``out_dim`` = 2 ffn rows) and tile T holds gate rows 16 T .. 16 T + 15
+    and then up rows 16 T .. 16 T + 15 (the rows a warp of the fused gate/up GEMV takes)."""
+    ub, tu, units = UNIT_BYTES[wtype], TILE_UNIT[wtype], in_dim // 256
+    rows = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+    if in_dim % 256 or rows.size != out_dim * units * ub:
+        raise ValueError(f"tile_major: {wtype} {out_dim} x {in_dim} needs in_dim a multiple of 256 and "
+                         f"{out_dim * units * ub} bytes, got in_dim {in_dim} and {rows.size} bytes")
+    rows = rows.reshape(out_dim, units, ub)
+    if tu != ub:
+        rows = np.concatenate([rows, np.zeros((out_dim, units, tu - ub), np.uint8)], axis=2)
+        ub = tu
+    if glu:
+        if out_dim % 2:
+            raise ValueError(f"tile_major: a gate/up weight holds 2 ffn rows, got {out_dim}")
+        half = TILE_ROWS // 2
+        ffn = out_dim // 2
+        n_t = -(-ffn // half)
+        pad = np.zeros((2, n_t * half, units, ub), np.uint8)
+        pad[0, :ffn], pad[1, :ffn] = rows[:ffn], rows[ffn:]
+        tiles = pad.reshape(2, n_t, half, units, ub).transpose(1, 3, 0, 2, 4)  # (T, u, gate/up, row, bytes)
+    else:
+        n_t = -(-out_dim // TILE_ROWS)
+        pad = np.zeros((n_t * TILE_ROWS, units, ub), np.uint8)
+        pad[:out_dim] = rows
+        tiles = pad.reshape(n_t, TILE_ROWS, units, ub).transpose(0, 2, 1, 3)  # (T, u, row, bytes)
+    return np.ascontiguousarray(tiles).reshape(-1)

@@ -1,0 +1,289 @@
+"""Building blocks of the tensor-core GEMV (:mod:`ptx_gen.kernels.gemv_mma`): x turned into base-256
+digit fragments in a warp's x slot, and the per-unit MMA bodies of each weight type."""
+
+from __future__ import annotations
+
+import contextlib
+
+from ptx_gen.builder import KernelBuilder, Reg
+from ptx_gen.kernels import quant_layout as ql
+from ptx_gen.kernels.gemv_mma_layout import INVF, PLANE, XSUM
+
+def _mod(k: KernelBuilder, j: Reg, n: int) -> Reg:
+    return k.and_(j, n - 1) if n & (n - 1) == 0 else k.rem(j, n)
+
+
+def _div(k: KernelBuilder, j: Reg, n: int) -> Reg:
+    return k.shr(j, n.bit_length() - 1) if n & (n - 1) == 0 else k.div(j, n)
+
+
+def _digits(k: KernelBuilder, v: Reg, f: Reg) -> Reg:
+    """The four signed base-256 digits of X = round(v f) (|v f| < 2**30) as the bytes of a word.
+
+    v f is exact (f is a power of two) and rounds to X exactly (``cvt.rni``). Balanced digits (each in
+    [-128, 127]) are the bytes of X + 0x80808080, each minus 128: that word xor 0x80808080. Four
+    instructions; the conversion unit's quarter rate is far from a limit here."""
+    x = k.cvt(k.mul(v, f), "s32", rounding="rni")
+    return k.xor(k.add(k.bitcast(x, "u32"), 0x80808080), 0x80808080)
+
+
+def _x_lane_constants(k: KernelBuilder, wtype: str, lane: Reg) -> dict:
+    """Where lane l's two quads of a unit's x (values 4l.. and 128 + 4l..) go in an x slot.
+
+    Q8_0: chunk c = q / 8 (32 values), u = q % 8, word [pair c / 2][t = u % 4][c % 2][hi = u / 4] of
+    each plane (the B fragments of lane (g, t) are then one 16-byte load per pair); the second quad is
+    128 bytes on. Q4_K: see below. Q6_K: quad q = 32 n + 8 i + 4 lh + t (value 128 n + 32 i + 16 lh + 4 t.., i.e. sub-block
+    8 n + 2 i + lh) feeds MMA m = 4 n + 2 (i % 2) + lh as column class i / 2, at word
+    [m / 2][column 4 (i / 2) + digit][t][m % 2][i / 2] (see _unit_q6k)."""
+    if wtype == "Q6_K":
+        cls = k.shr(lane, 4)
+        woff = k.add(k.add(k.shl(k.and_(k.shr(lane, 3), 1), 9), k.mul(cls, 260)),
+                     k.add(k.shl(k.and_(lane, 3), 4), k.shl(k.and_(k.shr(lane, 2), 1), 3)))
+        return {"woff": woff, "lane0": k.setp("eq", lane, 0), "plane": 64, "half": 1024}
+    c, u = k.shr(lane, 3), k.and_(lane, 7)
+    if wtype == "Q4_K":
+        # quad q = 16 j + 8 c + 4 h + t (pair j, class c) feeds MMA 2 j + h, lane t, as column class c:
+        # digit d at word [j][4 c + d][t][h] (no zero words: _unit_q4k masks them in), the 8 sums of x
+        # per 32 values after the fragments
+        woff = k.add(k.add(k.shl(k.shr(lane, 4), 8), k.shl(k.and_(c, 1), 7)),
+                     k.add(k.shl(k.and_(lane, 3), 3), k.shl(k.and_(k.shr(lane, 2), 1), 2)))
+        return {"woff": woff, "lane0": k.setp("eq", lane, 0), "plane": 32, "half": 512,
+                "sum_off": k.add(k.shl(c, 2), XSUM[wtype]), "sum_lane": k.setp("eq", u, 0)}
+    woff = k.add(k.add(k.shl(k.shr(c, 1), 6), k.shl(k.and_(u, 3), 4)),
+                 k.add(k.shl(k.and_(c, 1), 3), k.shl(k.shr(u, 2), 2)))
+    return {"woff": woff, "lane0": k.setp("eq", lane, 0), "plane": PLANE, "half": 128}
+
+
+def _load_x(k: KernelBuilder, x: Reg, lane16: Reg, unit: Reg | int, valid: Reg | None, into: list | None = None) -> list:
+    """Lane l's 8 values of x unit ``unit`` (256 values): quads l and 32 + l (``into``: into Vars)."""
+    base = k.add(x, k.add(k.mul_wide(unit, 1024) if isinstance(unit, Reg) else unit * 1024, lane16))
+    out = []
+    for h in range(2):
+        dst = into[4 * h:4 * h + 4] if into is not None else None
+        v = k.load("global", "f32", base, 512 * h, vec=4, pred=valid, into=dst,
+                   other=None if into is not None or valid is None else 0.0)
+        out += list(v)
+    return out
+
+
+def _convert_x(k: KernelBuilder, wtype: str, vals: list, slot: Reg, xc: dict) -> None:
+    """One unit of x (lane l's 8 values) -> the warp's x slot: ``f`` = a power of two with
+    max |x f| < 2**30 over the unit (a warp max), the four digit planes, 1 / f, and (Q4_K) the sums
+    of x per 32 values. Warp-collective: every lane must take part."""
+    # max |x| as the integer max of the bit patterns without their signs (those of an Inf or NaN are
+    # the largest: one in the unit makes the max one too), over the warp in one redux
+    mags = [k.and_(k.bitcast(v, "u32"), 0x7FFFFFFF) for v in vals]
+    mx = mags[0]
+    for v in mags[1:]:
+        mx = k.max(mx, v)
+    e = k.max(k.shr(k.redux(mx, "max"), 23), 30)  # biased exponent of max |x| (>= 30)
+    f = k.bitcast(k.shl(k.sub(283, e), 23), "f32")  # 2**(156 - e): |x| f < 2**30
+    # 1 / f = 2**(e - 156); NaN for a unit holding an Inf or NaN (exponent 255), which its digits cannot
+    # represent: every row's result becomes NaN, as a float dot product with such an x at best is
+    inv_f = k.selp(float("nan"), k.bitcast(k.shl(k.sub(e, 29), 23), "f32"), k.setp("eq", e, 255), "f32")
+    k.store("shared", "f32", slot, inv_f, INVF[wtype], pred=xc["lane0"])
+    addr = k.add(slot, xc["woff"])
+    for h in range(2):
+        v = vals[4 * h:4 * h + 4]
+        ws = [_digits(k, val, f) for val in v]
+        t0, t1 = k.prmt(ws[0], ws[1], 0x5140), k.prmt(ws[2], ws[3], 0x5140)  # a 4 x 4 byte transpose
+        t2, t3 = k.prmt(ws[0], ws[1], 0x7362), k.prmt(ws[2], ws[3], 0x7362)
+        planes = (k.prmt(t0, t1, 0x5410), k.prmt(t0, t1, 0x7632), k.prmt(t2, t3, 0x5410), k.prmt(t2, t3, 0x7632))
+        for p, word in enumerate(planes):
+            k.store("shared", "u32", addr, word, p * xc["plane"] + xc["half"] * h)
+        if wtype == "Q4_K":
+            sm = k.warp_reduce(k.add(k.add(v[0], v[1]), k.add(v[2], v[3])), "add", width=8)
+            k.store("shared", "f32", k.add(slot, xc["sum_off"]), sm, 16 * h, pred=xc["sum_lane"])
+
+
+def _lanes_with_rows(k: KernelBuilder, c: dict):
+    """The lanes r < R (one per row of the warp) only: a branch for 16-row warps, nothing for 32."""
+    return k.if_(c["t_lane"]) if c["t_lane"] is not None else contextlib.nullcontext()
+
+
+def _unit_q4k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, minacc) -> None:
+    """One Q4_K super-block of the warp's rows (staged at ``sbase``).
+
+    Block: d, dmin (f16), 12 bytes of 6-bit scales and mins, qs (128 bytes: byte 32 j + l holds value
+    64 j + l of sub-block 2 j in its low nibble and value 64 j + 32 + l of sub-block 2 j + 1 in its
+    high nibble). MMA 2 j + h (h = 0, 1) takes values 16 h .. 16 h + 15 of sub-block 2 j (low nibbles,
+    class 0) as k 0..15 and the same values of sub-block 2 j + 1 (high nibbles, class 1) as k 16..31:
+    both come from one staged word per lane and row, the high nibbles masked in place (16 times the
+    code, as unsigned bytes) with no shift. B's columns 0..3 are the digits of class 0's x (zero at
+    k >= 16), 4..7 those of class 1's (zero at k < 16), so lanes t = 0, 1 receive sub-block 2 j's sums
+    and t = 2, 3 those of 2 j + 1; the two halves h chain through the accumulator and each lane weights
+    its sums by one integer scale (class 1's 1 / 16 goes into its d)."""
+    U, TR = c["U"], c["TR"]
+    # the table: lane r unpacks row r's scales by class ([0, 2, 4, 6][1, 3, 5, 7] as int32), d / f for
+    # class 0 and d / 16 f for class 1, and adds its min terms
+    with _lanes_with_rows(k, c):
+        dm, s0, s1, s2 = k.load("shared", "u32", k.add(sbase, c["row_stage"]), vec=4)
+        sc_lo = k.and_(s0, 0x3F3F3F3F)
+        sc_hi = k.or_(k.and_(s2, 0x0F0F0F0F), k.and_(k.shr(s0, 2), 0x30303030))
+        mn_lo = k.and_(s1, 0x3F3F3F3F)
+        mn_hi = k.or_(k.and_(k.shr(s2, 4), 0x0F0F0F0F), k.and_(k.shr(s1, 2), 0x30303030))
+        for o, sel in ((0, 0x6420), (16, 0x7531)):
+            cls = k.prmt(sc_lo, sc_hi, sel)
+            k.store("shared", "u32", c["t_mine"], [k.prmt(cls, 0, 0x4440 | i) for i in range(4)], o)
+        d_h, dmin_h = k.unpack_b32(dm)
+        inv_f = k.load("shared", "f32", xslot, INVF["Q4_K"])  # the unit's x digits are x f
+        dq = k.mul(k.cvt(Reg(d_h.name, ql._f16), "f32"), inv_f)
+        k.store("shared", "f32", c["t_mine"], [dq, k.mul(dq, 0.0625)], 32)
+        sx = [v for o in (0, 16) for v in k.load("shared", "f32", xslot, XSUM["Q4_K"] + o, vec=4)]
+        dmin = k.cvt(Reg(dmin_h.name, ql._f16), "f32")
+        msum = None
+        for i in range(8):  # dmin m_j first: sum_j m_j sum(x) alone could overflow where the result does not
+            mf = k.add(k.bitcast(k.prmt(mn_lo if i < 4 else mn_hi, 0x4B000000, 0x7440 | (i % 4)), "f32"), -8388608.0)
+            mf = k.mul(mf, dmin)
+            msum = k.mul(mf, sx[i]) if msum is None else k.fma(mf, sx[i], msum)
+        k.assign(minacc, k.add(minacc, msum))  # (one update of the loop-carried register: 8 cost 30% at 14336)
+    k.bar_warp_sync()
+    bfr = []  # MMAs 2j, 2j+1: B words (b0, b1) of half 0, then of half 1; the zero half masked in
+    for j in range(4):
+        w0, w1 = k.load("shared", "u32", k.add(xslot, c["b_q4"]), 256 * j, vec=2)
+        bfr.append([k.and_(w, m) for w in (w0, w1) for m in c["b_mask"]])
+    for r in range(c["tiles"]):
+        # lane (g, t)'s scales (class t / 2 of rows g and g + 8, one per j); |sums| <= 4 * 32 * 240 * 128 * 63
+        scl = [k.load("shared", "u32", c["t_gc"], (16 * r + h) * TR, vec=4) for h in (0, 8)]
+        ints = [None] * 4
+        for j in range(4):
+            regs = k.ldmatrix_x4(k.add(sbase, c["ldm"]), 16 * r * U + 16 + 32 * j)
+            lo = [k.and_(x, 0x0F0F0F0F) for x in regs]
+            hi = [k.and_(x, 0xF0F0F0F0) for x in regs]
+            dd = k.mma_s8([lo[0], lo[1], hi[0], hi[1]], bfr[j][0:2], c["zeros"], a_unsigned=True)
+            dd = k.mma_s8([lo[2], lo[3], hi[2], hi[3]], bfr[j][2:4], dd, a_unsigned=True)
+            for n in range(4):
+                sc = k.bitcast(scl[n // 2][j], "s32")
+                ints[n] = k.mul(dd[n], sc) if ints[n] is None else k.mad(dd[n], sc, ints[n])
+        dg = k.load("shared", "f32", c["t_gd"], 16 * r * TR)
+        dg8 = k.load("shared", "f32", c["t_gd"], (16 * r + 8) * TR)
+        for n, d in ((0, dg), (1, dg), (2, dg8), (3, dg8)):
+            k.assign(acc[r][n], k.fma(d, k.cvt(ints[n], "f32"), acc[r][n]))
+
+
+def _sext_byte(k: KernelBuilder, word: Reg, b: int) -> Reg:
+    """Byte ``b`` of ``word`` sign-extended to 32 bits (one ``prmt`` in sign-replicate mode)."""
+    s = 8 | b
+    return k.prmt(word, 0, (s << 12) | (s << 8) | (s << 4) | b)
+
+
+def _unit_q6k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, p: Reg | None) -> None:
+    """One Q6_K block of the warp's rows, staged at ``sbase`` + 240 r + ``p`` (row r; p = 0, 2, .., 14),
+    or with ``p`` None (tile-major weights) at ``sbase`` + 212 r, word-aligned.
+
+    Block: ql (128 bytes: value 128 n + 32 i + l has the low nibble (i < 2) or high nibble (i >= 2) of
+    ql[64 n + 32 (i % 2) + l]), qh (64: its bits 2i, 2i + 1 of qh[32 n + l]), 16 int8 scales (one per
+    16 values: sub-block 8 n + 2 i + l / 16), d. The codes c = low | high << 4 (0..63) stand for c - 32.
+
+    MMA m = 4 n + 2 i0 + lh (i0, lh in {0, 1}) takes sub-block a = (n, i0, lh) as k 0..15 and
+    b = (n, i0 + 2, lh) as k 16..31: both come from the same ql word (low / high nibbles) and qh word
+    of each lane (byte 16 m + 4 t of ql, 128 + 16 (2 n + lh) + 4 t, for row g). B's columns 0..3 are the
+    four digits of sub-block a's x (zero at k >= 16), columns 4..7 those of b's (zero at k < 16): the
+    lanes t = 0, 1 receive sub-block a's sums, t = 2, 3 b's, each weighted by its own integer scale.
+    Codes go in unsigned (``.u8.s8``); the offset of 32 goes in as the accumulator: an MMA of A = -32
+    in every byte with the same B gives -32 times the sums of the digits over each sub-block (the same
+    for every row), exactly, so the result is sum (c - 32) X in integers (a float offset term lost
+    accuracy where codes sit near 32, i.e. small weights, and its own instructions cost more). Staged
+    words are 2 bytes off for odd p / 2: two loads and a funnel shift each."""
+    S, TR = c["U"], c["TR"]
+    if p is None:  # word-aligned rows
+        row_w, a_w = c["row_stage"], c["a_lane"]
+    else:
+        sh = k.shl(k.and_(p, 2), 3)  # 0 or 16 bits
+        pw = k.and_(p, 12)  # the block's first word, p rounded down to 4
+        row_w, a_w = k.add(c["row_stage"], pw), k.add(c["a_lane"], pw)
+
+    def realign(lo: Reg, hi: Reg) -> Reg:
+        return lo if p is None else k.shf("r", lo, hi, sh)
+    with _lanes_with_rows(k, c):  # lane r: row r's scales (table [class 0: m 0..7][class 1: m 0..7]) and d / f
+        row = k.add(sbase, row_w)
+        ws = [k.load("shared", "u32", row, 192 + 4 * i) for i in range(4 if p is None else 5)]
+        sw = [realign(ws[i], ws[i + 1] if i < 3 or p is not None else None) for i in range(4)]  # scales 4i..4i+3
+        if p is None:
+            d = ql.lds_f16(k, row, 208)
+        else:
+            d = k.cvt(Reg(k.unpack_b32(realign(ws[4], ws[4]))[0].name, ql._f16), "f32")
+        scs = [[_sext_byte(k, w_, b) for b in range(4)] for w_ in sw]
+        for o, i in ((0, 0), (16, 2), (32, 1), (48, 3)):  # class 0: scales 0..3, 8..11; class 1: 4..7, 12..15
+            k.store("shared", "u32", c["t_mine"], scs[i], o)
+        inv_f = k.load("shared", "f32", xslot, INVF["Q6_K"])  # the unit's x digits are x f
+        k.store("shared", "f32", c["t_mine"], k.mul(d, inv_f), 64)
+    k.bar_warp_sync()
+    bfr = [k.load("shared", "u32", k.add(xslot, c["b_q6"]), 512 * mp, vec=4) for mp in range(4)]
+    # -32 times the sums of B over k, per column: the same for every row, so once for the warp's tiles
+    offs = [k.mma_s8(c["minus32"], bfr[m >> 1][2 * (m & 1):2 * (m & 1) + 2], c["zeros"]) for m in range(8)]
+    a0 = k.add(sbase, a_w)
+    for r in range(c["tiles"]):
+        words, scales = [], []
+        for h in (0, 8):  # rows 16 r + g, 16 r + 8 + g
+            ro = (16 * r + h) * S
+
+            def word(mi: int) -> Reg:
+                lo = k.load("shared", "u32", a0, ro + 16 * mi)
+                return lo if p is None else realign(lo, k.load("shared", "u32", a0, ro + 16 * mi + 4))
+            words.append([word(mi) for mi in range(12)])
+            scales.append([v for o in (0, 16) for v in k.load("shared", "u32", c["t_gc"], (16 * r + h) * TR + o, vec=4)])
+        # codes: bits 0..3 from ql, 4..5 from qh, as one bitwise select (LOP3) each: the qh word is
+        # masked once into its bit pairs 0 and 2 (qa) and 1 and 3 (qb), whose shifts leave bits 6, 7 zero
+        qab = [[(k.and_(wd[8 + i], 0x33333333), k.and_(wd[8 + i], 0xCCCCCCCC)) for i in range(4)] for wd in words]
+
+        def code(low: Reg, high: Reg) -> Reg:
+            return k.or_(k.and_(low, 0x0F0F0F0F), k.and_(high, 0xF0F0F0F0))
+        ints = [None] * 4
+        for m in range(8):
+            n, i0, lh = m >> 2, (m >> 1) & 1, m & 1
+            a_lo, a_hi = [], []
+            for wd, qh in zip(words, qab):
+                qlw, (qa, qb) = wd[m], qh[2 * n + lh]
+                a_lo.append(code(qlw, k.shl(qb, 2) if i0 else k.shl(qa, 4)))
+                a_hi.append(code(k.shr(qlw, 4), k.shr(qb, 2) if i0 else qa))
+            b = bfr[m >> 1][2 * (m & 1):2 * (m & 1) + 2]
+            dd = k.mma_s8([a_lo[0], a_lo[1], a_hi[0], a_hi[1]], b, offs[m], a_unsigned=True)
+            for nn in range(4):
+                sc = k.bitcast(scales[nn // 2][m], "s32")
+                ints[nn] = k.mul(dd[nn], sc) if ints[nn] is None else k.mad(dd[nn], sc, ints[nn])
+        dg = k.load("shared", "f32", c["t_g"], 16 * r * TR + 64)
+        dg8 = k.load("shared", "f32", c["t_g"], (16 * r + 8) * TR + 64)
+        for nn, dv in ((0, dg), (1, dg), (2, dg8), (3, dg8)):
+            k.assign(acc[r][nn], k.fma(dv, k.cvt(ints[nn], "f32"), acc[r][nn]))
+
+
+def _exact_float(k: KernelBuilder, i: Reg) -> Reg:
+    """float(i) for |i| < 2**22 with two ALU instructions (no conversion unit): the float whose
+    mantissa is i + 2**22, minus 1.5 * 2**23."""
+    return k.add(k.bitcast(k.add(k.bitcast(i, "u32"), 0x4B400000), "f32"), -12582912.0)
+
+
+def _unit_q8_0(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list) -> None:
+    """Eight Q8_0 blocks (34 bytes each) of the warp's rows (staged at ``sbase``)."""
+    U = c["U"]
+    # the blocks' scales d / f as floats: lane r converts row r's 8
+    with _lanes_with_rows(k, c):
+        inv_f = k.load("shared", "f32", xslot, INVF["Q8_0"])  # the unit's x digits are x f
+        row = k.add(sbase, c["row_stage"])
+        ds = [k.mul(ql.lds_f16(k, row, 34 * i), inv_f) for i in range(8)]
+        k.store("shared", "f32", c["t_mine"], ds[:4])
+        k.store("shared", "f32", c["t_mine"], ds[4:], 16)
+    k.bar_warp_sync()
+    rg_t = k.add(k.add(sbase, k.mul(c["g"], U)), c["t4"])
+    bj = k.add(xslot, c["b_lane"])
+    b = None
+    for blk in range(8):
+        if blk % 2 == 0:
+            b = k.load("shared", "u32", bj, 32 * blk, vec=4, pred=c["b_ok"], other=0)
+        q = 34 * blk + 2  # the codes; 4-byte aligned for odd blocks, 2 for even ones
+        for r in range(c["tiles"]):
+            words = []
+            for roff, half in ((0, 0), (8 * U, 0), (0, 16), (8 * U, 16)):
+                off = 16 * r * U + roff + q + half
+                if off % 4 == 0:
+                    words.append(k.load("shared", "u32", rg_t, off))
+                else:
+                    w0 = k.load("shared", "u32", rg_t, off - 2)
+                    w1 = k.load("shared", "u32", rg_t, off + 2)
+                    words.append(k.prmt(w0, w1, 0x5432))
+            d = k.mma_s8(words, b[0:2] if blk % 2 == 0 else b[2:4], c["zeros"])
+            sg = k.load("shared", "f32", c["t_g"], 16 * r * c["TR"] + 4 * blk)
+            sg8 = k.load("shared", "f32", c["t_g"], (16 * r + 8) * c["TR"] + 4 * blk)
+            for n, s in ((0, sg), (1, sg), (2, sg8), (3, sg8)):  # |d| <= 32 * 128 * 128 < 2**22
+                k.assign(acc[r][n], k.fma(s, _exact_float(k, d[n]), acc[r][n]))
