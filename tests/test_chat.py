@@ -67,6 +67,7 @@ CONVERSATIONS = {
 }
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("name", sorted(CONVERSATIONS))
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_smollm2_template_matches_transformers(smol, smol_hf, name, add_generation_prompt):
@@ -171,6 +172,7 @@ TOOLS = [
 ]
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("template", sorted(TEMPLATES))
 @pytest.mark.parametrize("name", sorted(CONVERSATIONS))
 @pytest.mark.parametrize("add_generation_prompt", [True, False])

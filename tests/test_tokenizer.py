@@ -187,6 +187,7 @@ def test_smol_properties(smol, smol_md):
     assert smol.encode("") == []
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("text", CORPUS)
 def test_smol_ids_match_transformers(smol, smol_hf, text):
     ids = smol.encode(text)
@@ -196,6 +197,7 @@ def test_smol_ids_match_transformers(smol, smol_hf, text):
     assert smol.decode(ids, skip_special_tokens=True) == smol_hf.decode(ids, skip_special_tokens=True)
 
 
+@pytest.mark.oracle
 def test_transformers_gguf_loader_differs_only_on_digits(smol, smol_path):
     raw = _hf_gguf_tokenizer(smol_path)  # as transformers builds it from the GGUF, unpatched
     for text in CORPUS:
@@ -213,6 +215,7 @@ def test_smol_known_ids(smol):
     assert smol.encode("Hello world! 123") == [19556, 905, 17, 216, 33, 34, 35]
 
 
+@pytest.mark.oracle
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=_MIXED)
 def test_smol_drawn_text_matches_transformers(smol, smol_hf, text):
@@ -224,6 +227,7 @@ def test_smol_drawn_text_matches_transformers(smol, smol_hf, text):
         assert smol.decode(ids) == smol_hf.decode(ids)
 
 
+@pytest.mark.oracle
 def test_smol_unspellable_bytes_are_dropped(smol, smol_hf):
     # U+40000 is F1 80 80 80; SmolLM2 has no token for the byte F1
     assert not _spellable(smol, "\U00040000")
@@ -232,6 +236,7 @@ def test_smol_unspellable_bytes_are_dropped(smol, smol_hf):
     assert smol.decode(ids) == smol_hf.decode(ids)
 
 
+@pytest.mark.oracle
 def test_smol_special_tokens(smol, smol_hf):
     text = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>"
     ids = smol.encode(text)
@@ -434,6 +439,7 @@ def pre_variants(smol_md, tmp_path_factory):
     return out
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("pre", ["llama-bpe", "qwen2"])
 def test_pre_variants_match_transformers(pre_variants, pre):
     mine, hf = pre_variants[pre]
@@ -441,6 +447,7 @@ def test_pre_variants_match_transformers(pre_variants, pre):
         assert mine.encode(text) == _hf_ids(hf, text), text
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("pre", ["llama-bpe", "qwen2"])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=_MIXED)
@@ -641,6 +648,7 @@ def _hf_comparable(text: str) -> bool:
     return not text.startswith((" ", "\u2581")) and "<s>" not in text and "</s>" not in text and "<|im_end|>" not in text and "<tool>" not in text
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("text", [t for t in SPM_CORPUS if _hf_comparable(t)])
 def test_spm_matches_transformers(spm, spm_hf, text):
     ids = spm.encode(text)
@@ -649,6 +657,7 @@ def test_spm_matches_transformers(spm, spm_hf, text):
     assert spm.decode(ids, skip_special_tokens=True) == spm_hf.decode(ids, skip_special_tokens=True)
 
 
+@pytest.mark.oracle
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=_MIXED)
 def test_spm_drawn_text_matches_transformers(spm, spm_hf, text):
@@ -759,6 +768,7 @@ def _load_config(d: Path) -> dict:
     return json.loads(p.read_text()) if p.is_file() else {}
 
 
+@pytest.mark.oracle
 def test_tokenizer_json_matches_transformers(smol_json_dir, smol_hf, smol):
     tok = Tokenizer.from_tokenizer_json(smol_json_dir / "tokenizer.json", _load_config(smol_json_dir))
     assert tok.kind == "json" and tok.vocab_size == smol.vocab_size
@@ -771,6 +781,7 @@ def test_tokenizer_json_matches_transformers(smol_json_dir, smol_hf, smol):
         assert "".join(_stream(tok, ids)) == tok.decode(ids)
 
 
+@pytest.mark.oracle
 def test_tokenizer_json_directory_and_template_file(smol_json_dir, tmp_path):
     import shutil
 
@@ -909,6 +920,7 @@ def test_spm_without_bos_or_byte_tokens():
     assert tok.decode(tok.encode("ab c")) == "ab <unk>"
 
 
+@pytest.mark.oracle
 def test_tokenizer_json_truncation_is_ignored(smol_json_dir, tmp_path):
     spec = json.loads((smol_json_dir / "tokenizer.json").read_text())
     spec["truncation"] = {"direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0}
