@@ -184,7 +184,7 @@ def test_llama_qk_are_stored_permuted(workdir, hf_models):
     """The GGUF keeps llama Q/K as stored (interleaved); undoing llama.cpp's permutation gives HF's."""
     hf_dir, hf_model = hf_models["llama"]
     m = load_model(hf_to_gguf(hf_dir, workdir / "perm.gguf", "F32"))
-    sd = {k: v.numpy() for k, v in hf_model.state_dict().items()}
+    sd = hf_model.tensors
     q = m.tensors["blk.1.attn_q.weight"].dequantize()
     k = m.tensors["blk.1.attn_k.weight"].dequantize()
     assert not np.array_equal(q, sd["model.layers.1.self_attn.q_proj.weight"])
@@ -205,7 +205,7 @@ def test_k_quant_models(name, qtype, workdir, hf_models):
         assert m.config.head_dim == 128 and m.config.q_dim == 512
     assert m.tensors["token_embd.weight"].ggml_type == T.Q8_0
     assert m.tensors["blk.0.ffn_down.weight"].ggml_type == T[qtype]
-    sd = {k: v.numpy() for k, v in hf_model.state_dict().items()}
+    sd = hf_model.tensors
     down = m.tensors["blk.1.ffn_down.weight"].dequantize()
     ref = sd["model.layers.1.mlp.down_proj.weight"]
     assert down.shape == ref.shape
@@ -545,15 +545,14 @@ def test_fuzz_structured_headers(tmp_path_factory, n_tensors, n_kv, key_len, vty
 @pytest.mark.parametrize("arch", ARCHS)
 def test_factory_gguf_is_faithful_for_transformers(arch, workdir):
     """Oracle for the factory itself: transformers reading our GGUF (it un-permutes llama Q/K) gives
-    the logits of the HF model the GGUF was made from — exactly for F32. (transformers ignores
-    qwen3's attention.key_length and assumes head_dim 128, so the qwen3 model uses head_dim 128.)"""
-    import transformers
-
-    from tests.model_factory import hf_logits
+    the logits of transformers reading the HF directory the GGUF was made from — exactly for F32.
+    (transformers ignores qwen3's attention.key_length and assumes head_dim 128, so the qwen3 model
+    uses head_dim 128.)"""
+    from tests.model_factory import hf_logits, load_hf_model
 
     dims = {"head_dim": 128} if arch == "qwen3" else {}
-    hf_dir, hf_model = make_hf_model(arch, workdir, seed=21, name=f"oracle-{arch}", **dims)
+    hf_dir, _ = make_hf_model(arch, workdir, seed=21, name=f"oracle-{arch}", **dims)
     path = hf_to_gguf(hf_dir, workdir / f"oracle-{arch}.gguf", "F32")
-    tf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name).eval()
+    tf = load_hf_model(path.parent, gguf_file=path.name)
     ids = [1, 5, 70, 200, 33, 9, 100, 7]
-    assert np.array_equal(hf_logits(tf, ids), hf_logits(hf_model, ids))
+    assert np.array_equal(hf_logits(tf, ids), hf_logits(load_hf_model(hf_dir), ids))

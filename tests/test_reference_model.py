@@ -1,4 +1,5 @@
-"""The NumPy reference model against an independent oracle: HF transformers + torch on the CPU.
+"""The NumPy reference model against an independent oracle: HF transformers + torch on the CPU
+(those tests are marked ``oracle``; the incremental-decoding ones need neither).
 
 * Tiny random llama / qwen2 / qwen3 / mistral models (tests/model_factory.py), loaded from safetensors
   and from GGUF F32: logits at every position within float32 noise of transformers' (max abs diff
@@ -19,11 +20,7 @@ from realizar.errors import ContextOverflowError, InvalidRequestError, ModelForm
 from realizar.models.loader import load_model
 from realizar.models.reference import KVCache, ReferenceModel
 from tests.helpers import assert_close
-from tests.model_factory import KQUANT_DIMS, hf_logits, hf_to_gguf, make_hf_model
-
-pytestmark = pytest.mark.oracle
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+from tests.model_factory import KQUANT_DIMS, hf_logits, hf_to_gguf, load_hf_model, make_hf_model
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 RTOL = 1e-5  # relative to max |logit|: float32 noise for these depths
@@ -41,30 +38,29 @@ def _ref(path, **kw) -> ReferenceModel:
 # F32 weights: safetensors and GGUF
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("fmt", ["safetensors", "gguf-f32", "safetensors-f16"])
 def test_logits_match_transformers(arch, fmt, tmp_path):
     dtype = "float16" if fmt == "safetensors-f16" else "float32"
-    hf_dir, hf_model = make_hf_model(arch, tmp_path, seed=1, dtype=dtype)
+    hf_dir, _ = make_hf_model(arch, tmp_path, seed=1, dtype=dtype)
     path = hf_to_gguf(hf_dir, tmp_path / "m.gguf", "F32") if fmt == "gguf-f32" else hf_dir
     model = _ref(path)
     if fmt == "gguf-f32" and arch in ("llama", "mistral"):
         assert model.config.rope_type == "normal"  # permuted Q/K, interleaved RoPE
-    if dtype != "float32":
-        # The factory's returned model went through .to(float16) and back, which also rounds its
-        # RoPE buffers; the oracle is transformers reading the saved checkpoint in float32.
-        hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    hf_model = load_hf_model(hf_dir)  # transformers reading the saved checkpoint in float32
     ids = _ids(2, 40)
     ours = model.prefill(ids, all_logits=True)
     assert ours.dtype == np.float32 and ours.shape == (40, 320)
     assert_close(ours, hf_logits(hf_model, ids), RTOL, f"{arch} {fmt}")
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_tied_embeddings_and_long_positions(arch, tmp_path):
-    hf_dir, hf_model = make_hf_model(arch, tmp_path, seed=3, tie_word_embeddings=True, max_position_embeddings=512)
+    hf_dir, _ = make_hf_model(arch, tmp_path, seed=3, tie_word_embeddings=True, max_position_embeddings=512)
     ids = _ids(4, 300)
-    ref = hf_logits(hf_model, ids)
+    ref = hf_logits(load_hf_model(hf_dir), ids)
     for path in (hf_dir, hf_to_gguf(hf_dir, tmp_path / "m.gguf", "F32")):
         loaded = load_model(path)
         assert "output.weight" not in loaded.tensors
@@ -73,12 +69,14 @@ def test_tied_embeddings_and_long_positions(arch, tmp_path):
         assert_close(model.prefill(ids, all_logits=True), ref, RTOL, f"{arch} tied {path}")
 
 
+@pytest.mark.oracle
 def test_qwen3_head_dim_differs_from_hidden_over_heads(tmp_path):
-    hf_dir, hf_model = make_hf_model("qwen3", tmp_path, seed=5, hidden_size=64, num_heads=4, head_dim=48)
+    hf_dir, _ = make_hf_model("qwen3", tmp_path, seed=5, hidden_size=64, num_heads=4, head_dim=48)
     model = _ref(hf_dir)
     assert model.config.head_dim == 48 and model.config.qk_norm
     ids = _ids(6, 25)
-    assert_close(model.prefill(ids, all_logits=True), hf_logits(hf_model, ids), RTOL, "qwen3 head_dim 48")
+    ref = hf_logits(load_hf_model(hf_dir), ids)
+    assert_close(model.prefill(ids, all_logits=True), ref, RTOL, "qwen3 head_dim 48")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -88,11 +86,10 @@ QTYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16",
 
 
 def _hf_from_gguf(path):
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    return load_hf_model(path.parent, gguf_file=path.name)
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_quantized_gguf_matches_transformers_gguf(arch, qtype, tmp_path):
@@ -232,6 +229,7 @@ SMOL_PROMPTS = [
 def smol():
     from realizar.default_model import default_model_path
 
+    transformers = pytest.importorskip("transformers")
     path = default_model_path()
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     hf_model = _hf_from_gguf(path)
@@ -239,6 +237,7 @@ def smol():
     return path, hf_tok, hf_model, model
 
 
+@pytest.mark.oracle
 @pytest.mark.slow
 def test_smollm2_matches_transformers_gguf(smol):
     _, hf_tok, hf_model, model = smol
@@ -253,6 +252,7 @@ def test_smollm2_matches_transformers_gguf(smol):
     assert worst <= 1e-3, worst
 
 
+@pytest.mark.oracle
 @pytest.mark.slow
 def test_smollm2_greedy_paris_and_decode_consistency(smol):
     _, hf_tok, _, model = smol

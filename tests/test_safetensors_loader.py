@@ -8,10 +8,18 @@ import struct
 
 import numpy as np
 import pytest
-import torch
 from gguf import GGMLQuantizationType as T
 
-from tests.model_factory import ARCHS, BOS_ID, CHAT_TEMPLATE, EOS_ID, hf_to_gguf, make_hf_model, unpermute_qk
+from tests.model_factory import (
+    ARCHS,
+    BOS_ID,
+    CHAT_TEMPLATE,
+    EOS_ID,
+    bf16_bits,
+    hf_to_gguf,
+    make_hf_model,
+    unpermute_qk,
+)
 from realizar.errors import ModelFormatError, UnsupportedError
 from realizar.models.chat_template import chat_template_from_gguf, chat_template_from_hf, template_from_config
 from realizar.models.config import ModelConfig, RopeScaling
@@ -31,7 +39,7 @@ def models(workdir):
 
 
 def _state(model) -> dict[str, np.ndarray]:
-    return {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    return dict(model.tensors)  # float32 values of the saved (rounded) weights
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -79,12 +87,22 @@ def test_half_precision(dtype, ggml, workdir):
 
 
 def test_bf16_bytes_are_raw(workdir):
-    """bf16 goes through without NumPy support for it: raw bytes equal torch's."""
+    """bf16 goes through without NumPy support for it: raw bytes equal the saved bf16 bits."""
     d, hf = make_hf_model("qwen2", workdir, seed=4, dtype="bfloat16")
     m = load_model(d)
-    w = hf.model.layers[0].self_attn.q_proj.weight.detach().to(torch.bfloat16)
-    want = w.view(torch.int16).numpy().view(np.uint8).reshape(-1)
+    want = bf16_bits(hf.tensors["model.layers.0.self_attn.q_proj.weight"]).view(np.uint8).reshape(-1)
     assert np.array_equal(m.tensors["blk.0.attn_q.weight"].data, want)
+
+
+@pytest.mark.oracle
+def test_factory_bf16_rounding_is_torchs():
+    """The factory's float32 -> bf16 rounding (round to nearest even) is torch's."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.standard_normal(4096).astype(np.float32) * 10,
+                        np.array([np.inf, -np.inf, 0.0, -0.0, 1e-40, 3.4e38, 1.00390625, 1.01171875], np.float32)])
+    want = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(bf16_bits(x), want)
 
 
 def test_sharded(workdir, models):

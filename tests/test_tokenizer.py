@@ -48,6 +48,7 @@ def test_smol_properties(smol, smol_md):
     assert smol.encode("") == []
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("text", CORPUS)
 def test_smol_ids_match_transformers(smol, smol_hf, text):
     ids = smol.encode(text)
@@ -57,6 +58,7 @@ def test_smol_ids_match_transformers(smol, smol_hf, text):
     assert smol.decode(ids, skip_special_tokens=True) == smol_hf.decode(ids, skip_special_tokens=True)
 
 
+@pytest.mark.oracle
 def test_transformers_gguf_loader_differs_only_on_digits(smol, smol_path):
     raw = hf_gguf_tokenizer(smol_path)  # as transformers builds it from the GGUF, unpatched
     for text in CORPUS:
@@ -74,6 +76,7 @@ def test_smol_known_ids(smol):
     assert smol.encode("Hello world! 123") == [19556, 905, 17, 216, 33, 34, 35]
 
 
+@pytest.mark.oracle
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=MIXED)
 def test_smol_drawn_text_matches_transformers(smol, smol_hf, text):
@@ -85,6 +88,7 @@ def test_smol_drawn_text_matches_transformers(smol, smol_hf, text):
         assert smol.decode(ids) == smol_hf.decode(ids)
 
 
+@pytest.mark.oracle
 def test_smol_unspellable_bytes_are_dropped(smol, smol_hf):
     # U+40000 is F1 80 80 80; SmolLM2 has no token for the byte F1
     assert not spellable(smol, "\U00040000")
@@ -93,6 +97,7 @@ def test_smol_unspellable_bytes_are_dropped(smol, smol_hf):
     assert smol.decode(ids) == smol_hf.decode(ids)
 
 
+@pytest.mark.oracle
 def test_smol_special_tokens(smol, smol_hf):
     text = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>"
     ids = smol.encode(text)
@@ -279,6 +284,7 @@ def pre_variants(smol_md, tmp_path_factory):
     return out
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("pre", ["llama-bpe", "qwen2"])
 def test_pre_variants_match_transformers(pre_variants, pre):
     mine, hf = pre_variants[pre]
@@ -286,6 +292,7 @@ def test_pre_variants_match_transformers(pre_variants, pre):
         assert mine.encode(text) == hf_ids(hf, text), text
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("pre", ["llama-bpe", "qwen2"])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=MIXED)

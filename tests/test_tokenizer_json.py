@@ -44,6 +44,7 @@ def _load_config(d: Path) -> dict:
     return json.loads(p.read_text()) if p.is_file() else {}
 
 
+@pytest.mark.oracle
 def test_tokenizer_json_matches_transformers(smol_json_dir, smol_hf, smol):
     tok = Tokenizer.from_tokenizer_json(smol_json_dir / "tokenizer.json", _load_config(smol_json_dir))
     assert tok.kind == "json" and tok.vocab_size == smol.vocab_size
@@ -56,6 +57,7 @@ def test_tokenizer_json_matches_transformers(smol_json_dir, smol_hf, smol):
         assert "".join(stream_deltas(tok, ids)) == tok.decode(ids)
 
 
+@pytest.mark.oracle
 def test_tokenizer_json_directory_and_template_file(smol_json_dir, tmp_path):
     import shutil
 
@@ -193,6 +195,7 @@ def test_spm_without_bos_or_byte_tokens():
     assert tok.decode(tok.encode("ab c")) == "ab <unk>"
 
 
+@pytest.mark.oracle
 def test_tokenizer_json_truncation_is_ignored(smol_json_dir, tmp_path):
     spec = json.loads((smol_json_dir / "tokenizer.json").read_text())
     spec["truncation"] = {"direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0}

@@ -120,6 +120,7 @@ def _hf_comparable(text: str) -> bool:
     return not text.startswith((" ", "\u2581")) and "<s>" not in text and "</s>" not in text and "<|im_end|>" not in text and "<tool>" not in text
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("text", [t for t in SPM_CORPUS if _hf_comparable(t)])
 def test_spm_matches_transformers(spm, spm_hf, text):
     ids = spm.encode(text)
@@ -128,6 +129,7 @@ def test_spm_matches_transformers(spm, spm_hf, text):
     assert spm.decode(ids, skip_special_tokens=True) == spm_hf.decode(ids, skip_special_tokens=True)
 
 
+@pytest.mark.oracle
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=MIXED)
 def test_spm_drawn_text_matches_transformers(spm, spm_hf, text):
