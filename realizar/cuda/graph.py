@@ -204,7 +204,10 @@ def capture(stream: Stream, mode: str = "global") -> Iterator[Capture]:
         finally:
             pop_recorder(recorder)
             stream.device.end_capture(stream)
-        result.graph = Graph(None, recorder.records, kind="captured")
+        # as a driver's capture, the graph holds only the captured stream's work: launches on other
+        # streams inside the block ran eagerly (EmulatedDevice.launch_kernel) and must not replay
+        ours = [r for r in recorder.records if r.stream is stream]
+        result.graph = Graph(None, ours, kind="captured")
         return
     begin_capture_scope()  # finalizers now queue their frees instead of invalidating the capture
     try:
