@@ -8,8 +8,10 @@
     print(engine.chat([{"role": "user", "content": "Hi!"}]).text)
 
 ``device="cpu"`` runs the NumPy :class:`~realizar.models.reference.ReferenceModel`; ``"cuda"`` asks for
-the GPU model and ``"auto"`` takes it when it exists and a GPU is present, else the CPU. The GPU model
-plugs in at :func:`_load_gpu_model` — the single place that knows about it.
+the GPU model and ``"auto"`` takes it when it exists and a GPU is present, else the CPU; ``"emulate"``
+runs the GPU model's real kernels on the CPU PTX emulator (:class:`realizar.cuda.EmulatedDevice`:
+slow, for tiny models and for checking kernels without a GPU). The GPU model plugs in at
+:func:`_load_gpu_model` — the single place that knows about it.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from realizar.models.config import ModelConfig
 
 __all__ = ["Engine", "load_engine", "load_tokenizer", "DEVICES"]
 
-DEVICES = ("auto", "cpu", "cuda")
+DEVICES = ("auto", "cpu", "cuda", "emulate")
 
 
 class GpuUnavailableError(RealizarError, RuntimeError):
@@ -36,7 +38,7 @@ class GpuUnavailableError(RealizarError, RuntimeError):
 
 @dataclass
 class Engine:
-    """A ready-to-run model. ``device`` is where it actually runs ("cpu" or "cuda").
+    """A ready-to-run model. ``device`` is where it actually runs ("cpu", "cuda" or "emulate").
 
     One generation at a time: the model holds a single KV cache, so callers that share an engine
     between threads (a server) must serialize generate/stream/chat calls."""
@@ -107,19 +109,21 @@ def load_tokenizer(loaded) -> Any:
     )
 
 
-def _load_gpu_model(loaded, max_context: int | None):
+def _load_gpu_model(loaded, max_context: int | None, emulate: bool = False):
     """THE hook for the GPU model: return a model object with ``prefill``/``decode``/``reset``/
-    ``context_length``, or raise :class:`GpuUnavailableError` saying why there is none."""
+    ``context_length``, or raise :class:`GpuUnavailableError` saying why there is none. ``emulate``
+    runs it on a new :class:`~realizar.cuda.EmulatedDevice` instead of the GPU."""
     from realizar import cuda
 
-    reason = cuda.unavailable_reason()
+    gpu = cuda.EmulatedDevice() if emulate else None
+    reason = None if emulate else cuda.unavailable_reason()
     if reason is not None:
         raise GpuUnavailableError(f"no usable GPU: {reason}")
     from realizar.errors import ShapeError, UnsupportedError
     from realizar.gpu.model import GpuModel
 
     try:
-        return GpuModel.from_loaded(loaded, max_len=max_context)
+        return GpuModel.from_loaded(loaded, max_len=max_context, device=gpu)
     except (UnsupportedError, ShapeError) as e:
         raise GpuUnavailableError(f"this model cannot run on the GPU: {e}") from e
 
@@ -148,7 +152,9 @@ def load_engine(
     tokenizer = load_tokenizer(loaded)
 
     model = None
-    if device in ("cuda", "auto"):
+    if device == "emulate":
+        model = _load_gpu_model(loaded, max_context, emulate=True)
+    elif device in ("cuda", "auto"):
         try:
             model = _load_gpu_model(loaded, max_context)
             device = "cuda"

@@ -120,3 +120,18 @@ def test_chat_renders_the_template(tiny_paths):
     assert streamed == res.text
     with pytest.raises(InvalidRequestError):
         engine.chat([])
+
+
+def test_emulate_runs_the_gpu_model_on_the_emulator(tiny_paths, monkeypatch):
+    """device="emulate" takes the GPU model on an EmulatedDevice, GPU or not, and its greedy text
+    equals the CPU reference model's."""
+    from realizar.gpu.model import GpuModel
+
+    _no_gpu(monkeypatch)
+    p = SamplingParams(max_tokens=6)
+    emu = load_engine(tiny_paths[1], device="emulate", max_context=32)
+    assert emu.device == "emulate" and isinstance(emu.model, GpuModel)
+    assert isinstance(emu.model.device, cuda.EmulatedDevice)
+    ref = load_engine(tiny_paths[1], device="cpu", max_context=32)
+    a, b = emu.generate("the and of", p), ref.generate("the and of", p)
+    assert a.token_ids == b.token_ids and a.text == b.text
