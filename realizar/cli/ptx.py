@@ -114,8 +114,10 @@ def cmd_ptx_run(args: argparse.Namespace) -> int:
 
     try:
         report = run_example(args.kernel, _shape_arg(args.shape), target=args.target, seed=args.seed)
-    except (ValueError, TypeError, KeyError) as e:
-        raise CliError(str(e).strip("'\""), 2) from None
+    except KeyError as e:  # no such kernel
+        raise CliError(str(e).strip("'\""), 1) from None
+    except (ValueError, TypeError) as e:
+        raise CliError(str(e), 2) from None
     print(f"{report.kernel} {report.shape} grid {report.grid} block {report.block} shared {report.shared_bytes}")
     for line in report.summary():
         print(line, file=sys.stdout if report.ok else sys.stderr)
