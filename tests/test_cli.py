@@ -51,7 +51,7 @@ def assert_clean_error(p: subprocess.CompletedProcess, code: int = 1, match: str
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
-    from tests.model_factory import shared_tiny_gguf
+    from tests.gguf_factory import shared_tiny_gguf
 
     return shared_tiny_gguf(tmp_path_factory)
 

@@ -9,7 +9,8 @@ from realizar.engine import GpuUnavailableError, load_engine
 from realizar.errors import InvalidRequestError
 from realizar.generation import SamplingParams
 from realizar.models.reference import ReferenceModel
-from tests.model_factory import hf_to_gguf, make_hf_model
+from tests.gguf_factory import hf_to_gguf
+from tests.model_factory import make_hf_model
 
 
 @pytest.fixture(scope="module")

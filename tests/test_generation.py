@@ -14,7 +14,7 @@ from realizar.generation import Generator, SamplingParams, StopStringMatcher, To
 from realizar.models.loader import load_model
 from realizar.models.reference import ReferenceModel
 from realizar.text.tokenizer import Tokenizer
-from tests.model_factory import make_gguf_model
+from tests.gguf_factory import make_gguf_model
 
 # ----------------------------------------------------------------------------------------------
 # Fakes: a model that emits a fixed script, a tokenizer whose tokens are byte strings

@@ -12,17 +12,14 @@ from gguf import GGMLQuantizationType as T
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.gguf_factory import hf_to_gguf, quantize, rewrite_gguf, unpermute_qk
 from tests.model_factory import (
     ARCHS,
     BOS_ID,
     EOS_ID,
     KQUANT_DIMS,
     make_hf_model,
-    hf_to_gguf,
     read_hf_tensors,
-    rewrite_gguf,
-    unpermute_qk,
-    quantize,
 )
 from realizar.errors import ModelFormatError, RealizarError, UnsupportedError
 from realizar.models.gguf_loader import load_gguf, read_gguf
@@ -129,11 +126,11 @@ def _expected_gguf_tensor(hf_name, x, cfg, arch_permutes):
     name = hf_to_canonical(hf_name)
     part = name.split(".")[-2]
     if arch_permutes and part == "attn_q":
-        from tests.model_factory import permute_qk
+        from tests.gguf_factory import permute_qk
 
         x = permute_qk(x, cfg.num_attention_heads)
     elif arch_permutes and part == "attn_k":
-        from tests.model_factory import permute_qk
+        from tests.gguf_factory import permute_qk
 
         x = permute_qk(x, cfg.num_key_value_heads)
     return name, x

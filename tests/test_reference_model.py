@@ -1,9 +1,9 @@
 """The NumPy reference model against an independent oracle: HF transformers + torch on the CPU
 (those tests are marked ``oracle``; the incremental-decoding ones need neither).
 
-* Tiny random llama / qwen2 / qwen3 / mistral models (tests/model_factory.py), loaded from safetensors
-  and from GGUF F32: logits at every position within float32 noise of transformers' (max abs diff
-  ≤ 1e-5 × max|logit|).
+* Tiny random llama / qwen2 / qwen3 / mistral models (tests/model_factory.py, tests/gguf_factory.py),
+  loaded from safetensors and from GGUF F32: logits at every position within float32 noise of
+  transformers' (max abs diff ≤ 1e-5 × max|logit|).
 * Quantized GGUF (every block type we read): against transformers loading the *same* GGUF with
   ``gguf_file=`` (it dequantizes to float32), same tolerance.
 * Incremental decoding (prefill then decode, chunked prefill, truncate, reset) equals a full prefill.
@@ -20,7 +20,8 @@ from realizar.errors import ContextOverflowError, InvalidRequestError, ModelForm
 from realizar.models.loader import load_model
 from realizar.models.reference import KVCache, ReferenceModel
 from tests.helpers import assert_close
-from tests.model_factory import KQUANT_DIMS, hf_logits, hf_to_gguf, load_hf_model, make_hf_model
+from tests.gguf_factory import hf_to_gguf
+from tests.model_factory import KQUANT_DIMS, hf_logits, load_hf_model, make_hf_model
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 RTOL = 1e-5  # relative to max |logit|: float32 noise for these depths

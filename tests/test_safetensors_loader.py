@@ -10,15 +10,14 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
+from tests.gguf_factory import hf_to_gguf, unpermute_qk
 from tests.model_factory import (
     ARCHS,
     BOS_ID,
     CHAT_TEMPLATE,
     EOS_ID,
     bf16_bits,
-    hf_to_gguf,
     make_hf_model,
-    unpermute_qk,
 )
 from realizar.errors import ModelFormatError, UnsupportedError
 from realizar.models.chat_template import chat_template_from_gguf, chat_template_from_hf, template_from_config

@@ -1,6 +1,6 @@
 """The OpenAI-compatible server, driven by the official ``openai`` client over loopback.
 
-A tiny random llama GGUF (tests/model_factory.py) runs on the CPU; a live uvicorn server listens on a
+A tiny random llama GGUF (tests/gguf_factory.py) runs on the CPU; a live uvicorn server listens on a
 free port of 127.0.0.1 in a background thread. Its generator is wrapped so that a test can slow the
 tokens down (to disconnect mid-stream); expected texts come from a second, independent engine.
 """
@@ -38,7 +38,7 @@ MESSAGES = [
 
 
 def _tiny_gguf(tmp_path_factory) -> Path:
-    from tests.model_factory import shared_tiny_gguf
+    from tests.gguf_factory import shared_tiny_gguf
 
     return shared_tiny_gguf(tmp_path_factory)
 

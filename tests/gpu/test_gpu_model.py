@@ -12,7 +12,8 @@ from realizar.generation import SamplingParams
 from realizar.gpu.model import GpuModel
 from realizar.models.loader import load_model
 from realizar.models.reference import ReferenceModel
-from tests.model_factory import KQUANT_DIMS, make_gguf_model
+from tests.gguf_factory import make_gguf_model
+from tests.model_factory import KQUANT_DIMS
 
 pytestmark = pytest.mark.gpu
 

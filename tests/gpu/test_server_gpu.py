@@ -13,7 +13,7 @@ pytest.importorskip("uvicorn", reason="the device image lacks uvicorn unless its
 
 from realizar.engine import load_engine  # noqa: E402
 from realizar.generation import SamplingParams  # noqa: E402
-from tests.model_factory import make_gguf_model  # noqa: E402
+from tests.gguf_factory import make_gguf_model  # noqa: E402
 from tests.test_server import LiveServer  # noqa: E402
 
 pytestmark = pytest.mark.gpu
