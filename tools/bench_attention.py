@@ -1,6 +1,6 @@
 """Attention kernels on the GPU: µs per call, KV bandwidth, % of the measured copy bandwidth, vs torch.
 
-    python tools/bench_attention.py --out docs/results/attention.md
+    python tools/bench_attention.py --out docs/results/bench_attention_h200.md
     python tools/bench_attention.py --quick              # fewer repetitions
     REALIZAR_DEVICE=emulate python tools/bench_attention.py --smoke   # control flow only, tiny shapes
 

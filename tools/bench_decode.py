@@ -1,7 +1,7 @@
 """Decode tokens/s of the GPU model at real model shapes (random weights), against llama.cpp's figures
 and the weight-bandwidth roofline.
 
-    python tools/bench_decode.py --out docs/results/bench_decode.md [--shapes smollm2-135m,llama-3.2-1b]
+    python tools/bench_decode.py --out docs/results/bench_decode_h200.md [--shapes smollm2-135m,llama-3.2-1b]
     python tools/bench_decode.py --gguf path/to/model.gguf      # a real file instead
 
 Weights are random GGUF blocks with sane f16 scales (quantized kernels read every byte whatever the

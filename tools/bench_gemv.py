@@ -1,7 +1,7 @@
 """GEMV benchmark: every weight type at the decode shapes that matter, against the device's copy
 bandwidth and torch's f16 matmul of the same shape.
 
-    python tools/bench_gemv.py --out docs/results/bench_gemv.md [--quick] [--types Q4_K,Q8_0] [--sweep]
+    python tools/bench_gemv.py --out docs/results/bench_gemv_h200.md [--quick] [--types Q4_K,Q8_0] [--sweep]
 
 ``--sweep`` times every launch configuration (rows per warp 1/2/4, warps 4/8, split-K 1/2/4/8 where
 the shared memory allows) next to the dispatcher's pick, checks each one's result, and appends a

@@ -1,6 +1,6 @@
 """Host and GPU time per decode-like step of N small kernels: eager launches vs captured vs manual graph.
 
-    python tools/bench_graphs.py --kernels 300 --steps 200 --out docs/results/graphs.md
+    python tools/bench_graphs.py --kernels 300 --steps 200 --out docs/results/bench_graphs_h200.md
 
 Host time is wall-clock around issuing one step (no synchronisation inside the step); GPU time is
 CUDA events around many steps. The per-step copy of the step values (one 4-byte async copy from

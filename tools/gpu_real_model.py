@@ -1,6 +1,6 @@
 """The real SmolLM2-135M-Instruct Q4_1 on the GPU: greedy text vs the CPU reference, then tok/s.
 
-    python tools/gpu_real_model.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out docs/results/smollm2_gpu.md
+    python tools/gpu_real_model.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out smollm2_gpu.md
 
 (On the lent GPU machine the 98 MB file arrives in two carried halves that the caller joins; the
 sha256 is checked here.)
