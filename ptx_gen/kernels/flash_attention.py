@@ -17,8 +17,9 @@ the end), P to shared memory, then O += P V.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
-from ptx_gen.builder import KernelBuilder, Module
+from ptx_gen.builder import KernelBuilder, Module, Reg
 from ptx_gen.catalog import kernel
 from ptx_gen.kernels.decode_core import LOG2E, NEG_INF, check_head_dim, guard_base, safe_reciprocal
 
@@ -54,6 +55,41 @@ def prefill_tiles(head_dim: int, rows_per_thread: int | None, keys_per_thread: i
     return r, keys_per_thread, row_groups, bq, bk, dp, bkp, smem
 
 
+@dataclass
+class _Prefill:
+    """What the phases of :func:`flash_attention` share: the builder, the tiling, and the block's
+    registers (thread coordinates, sequence lengths, shared-memory tiles)."""
+    k: KernelBuilder
+    D: int  # head_dim
+    R: int  # query rows per thread
+    KC: int  # keys per thread of a key tile
+    BQ: int  # query rows per block
+    BK: int  # keys per key tile
+    DP: int  # padded row of a shared Q/K/V tile, floats
+    BKP: int  # padded row of the shared P tile, floats
+    NT: int  # threads per block
+    causal: bool
+    seq_q: Reg
+    seq_k: Reg
+    q_offset: Reg
+    tid: Reg
+    ty: Reg
+    tx: Reg
+    q0: Reg  # the block's first query row
+    q_s: Reg
+    k_s: Reg
+    v_s: Reg
+    p_s: Reg
+
+    @property
+    def NC(self) -> int:  # float4 columns of a row
+        return self.D // 4
+
+    @property
+    def NJ(self) -> int:  # float4 output columns per thread (the last may not exist for every tx)
+        return -(-self.NC // 8)
+
+
 @kernel("flash_attention", grid=_GRID)
 def flash_attention(
     m: Module, head_dim: int = 128, group: int = 1, causal: bool = True,
@@ -83,25 +119,10 @@ def flash_attention(
     q0 = k.mul(qtile, BQ)
 
     smem_base = k.dynamic_shared()
-    q_s = smem_base
-    k_s = k.add(smem_base, BQ * DP * 4)
-    v_s = k.add(smem_base, (BQ + BK) * DP * 4)
-    p_s = k.add(smem_base, (BQ + 2 * BK) * DP * 4)
-
-    # ---- Q tile -> shared, scaled into the log2 domain; rows past seq_q are zeros
-    qscale = LOG2E / math.sqrt(D)
-    q_head = k.add(k.global_ptr("q"), k.mul(k.mul_wide(head, seq_q), D * 4, "u64"))
-    for it in range(-(-BQ * NC // NT)):
-        i = k.add(tid, it * NT) if it else tid
-        row, c4 = k.div(i, NC), k.rem(i, NC)
-        ok = k.setp("lt", k.add(q0, row), seq_q)
-        if (it + 1) * NT > BQ * NC:
-            ok = k.and_(ok, k.setp("lt", i, BQ * NC))
-        src = k.add(q_head, k.mul_wide(k.mad(k.add(q0, row), NC, c4), 16))
-        vals = k.load("global", "f32", src, vec=4, pred=ok, other=0.0)
-        dst = k.add(q_s, k.shl(k.mad(row, DP // 4, c4), 4))
-        st_ok = k.setp("lt", i, BQ * NC) if (it + 1) * NT > BQ * NC else None
-        k.store("shared", "f32", dst, [k.mul(x, qscale) for x in vals], pred=st_ok)
+    t = _Prefill(k, D, R, KC, BQ, BK, DP, BKP, NT, causal, seq_q, seq_k, q_offset, tid, ty, tx, q0,
+                 q_s=smem_base, k_s=k.add(smem_base, BQ * DP * 4), v_s=k.add(smem_base, (BQ + BK) * DP * 4),
+                 p_s=k.add(smem_base, (BQ + 2 * BK) * DP * 4))
+    _load_q_tile(t, head)
 
     kv_off = k.mul(k.mul_wide(kvh, kv_stride), D * 4, "u64")
     k_head = k.add(k.global_ptr("k"), kv_off)
@@ -121,100 +142,150 @@ def flash_attention(
     col_ok = [k.setp("lt", k.add(tx, 8 * j), NC) if 8 * (j + 1) > NC else None for j in range(NJ)]
 
     with k.loop(0, kend, BK) as k0:
-        # ---- K, V tiles -> shared; rows past seq_k are zeros (their scores are masked anyway)
-        for it in range(-(-BK * NC // NT)):
-            i = k.add(tid, it * NT) if it else tid
-            row, c4 = k.div(i, NC), k.rem(i, NC)
-            in_tile = k.setp("lt", i, BK * NC) if (it + 1) * NT > BK * NC else None
-            ok = k.setp("lt", k.add(k0, row), seq_k)
-            if in_tile is not None:
-                ok = k.and_(ok, in_tile)
-            goff = k.mul_wide(k.mad(k.add(k0, row), NC, c4), 16)
-            kvals = k.load("global", "f32", k.add(k_head, goff), vec=4, pred=ok, other=0.0)
-            vvals = k.load("global", "f32", k.add(v_head, goff), vec=4, pred=ok, other=0.0)
-            soff = k.shl(k.mad(row, DP // 4, c4), 4)
-            k.store("shared", "f32", k.add(k_s, soff), list(kvals), pred=in_tile)
-            k.store("shared", "f32", k.add(v_s, soff), list(vvals), pred=in_tile)
+        _load_kv_tile(t, k0, k_head, v_head)
+        k.bar_sync()
+        s, keys = _scores(t, k0, rows)
+        _online_softmax(t, s, keys, qpos, rows, m_run, l_run, acc)
+        k.bar_sync()
+        _accumulate_pv(t, rows, col_ok, acc)
         k.bar_sync()
 
-        # ---- scores s[a][b] for rows ty*R + a, keys tx + 8b
-        q_row_addr = [k.add(q_s, k.mul(r, DP * 4)) for r in rows]
-        k_row_addr = [k.add(k_s, k.mul(k.add(tx, 8 * b), DP * 4)) for b in range(KC)]
-        # blocked accumulation: fma chains of 32 elements, then one add per block (a 256-long chain
-        # loses ~2.5x more precision; at head_dim 256 that alone approaches the 1e-5 tolerance)
-        s = [[None] * KC for _ in range(R)]
-        part = [[None] * KC for _ in range(R)]
-        for d4 in range(NC):
-            qv = [k.load("shared", "f32", q_row_addr[a], d4 * 16, vec=4) for a in range(R)]
-            kv = [k.load("shared", "f32", k_row_addr[b], d4 * 16, vec=4) for b in range(KC)]
-            for a in range(R):
-                for b in range(KC):
-                    x = None if d4 % _SCORE_BLOCK == 0 else part[a][b]
-                    for e in range(4):
-                        x = k.mul(qv[a][e], kv[b][e]) if x is None else k.fma(qv[a][e], kv[b][e], x)
-                    part[a][b] = x
-                    if d4 % _SCORE_BLOCK == _SCORE_BLOCK - 1 or d4 == NC - 1:
-                        s[a][b] = x if s[a][b] is None else k.add(s[a][b], x)
-        keys = [k.add(k0, k.add(tx, 8 * b)) for b in range(KC)]
-        key_ok = [k.setp("lt", kp, seq_k) for kp in keys]
+    _store_out(t, head, rows, l_run, acc, col_ok)
+    k.ret()
+    return k
 
-        # ---- online softmax per row; P to shared
+
+def _load_q_tile(t: _Prefill, head: Reg) -> None:
+    """Emits the block's Q tile -> shared memory, scaled by log2(e) / sqrt(D) into the log2 domain
+    (the softmax then uses ex2); rows past seq_q are zeros."""
+    k, D, NC, NT, BQ, DP = t.k, t.D, t.NC, t.NT, t.BQ, t.DP
+    qscale = LOG2E / math.sqrt(D)
+    q_head = k.add(k.global_ptr("q"), k.mul(k.mul_wide(head, t.seq_q), D * 4, "u64"))
+    for it in range(-(-BQ * NC // NT)):
+        i = k.add(t.tid, it * NT) if it else t.tid
+        row, c4 = k.div(i, NC), k.rem(i, NC)
+        ok = k.setp("lt", k.add(t.q0, row), t.seq_q)
+        if (it + 1) * NT > BQ * NC:
+            ok = k.and_(ok, k.setp("lt", i, BQ * NC))
+        src = k.add(q_head, k.mul_wide(k.mad(k.add(t.q0, row), NC, c4), 16))
+        vals = k.load("global", "f32", src, vec=4, pred=ok, other=0.0)
+        dst = k.add(t.q_s, k.shl(k.mad(row, DP // 4, c4), 4))
+        st_ok = k.setp("lt", i, BQ * NC) if (it + 1) * NT > BQ * NC else None
+        k.store("shared", "f32", dst, [k.mul(x, qscale) for x in vals], pred=st_ok)
+
+
+def _load_kv_tile(t: _Prefill, k0: Reg, k_head: Reg, v_head: Reg) -> None:
+    """Emits the copy of the K and V tiles of keys k0.. to shared memory (float4 a thread a step);
+    rows past seq_k are zeros (their scores are masked anyway)."""
+    k, NC, NT, BK, DP = t.k, t.NC, t.NT, t.BK, t.DP
+    for it in range(-(-BK * NC // NT)):
+        i = k.add(t.tid, it * NT) if it else t.tid
+        row, c4 = k.div(i, NC), k.rem(i, NC)
+        in_tile = k.setp("lt", i, BK * NC) if (it + 1) * NT > BK * NC else None
+        ok = k.setp("lt", k.add(k0, row), t.seq_k)
+        if in_tile is not None:
+            ok = k.and_(ok, in_tile)
+        goff = k.mul_wide(k.mad(k.add(k0, row), NC, c4), 16)
+        kvals = k.load("global", "f32", k.add(k_head, goff), vec=4, pred=ok, other=0.0)
+        vvals = k.load("global", "f32", k.add(v_head, goff), vec=4, pred=ok, other=0.0)
+        soff = k.shl(k.mad(row, DP // 4, c4), 4)
+        k.store("shared", "f32", k.add(t.k_s, soff), list(kvals), pred=in_tile)
+        k.store("shared", "f32", k.add(t.v_s, soff), list(vvals), pred=in_tile)
+
+
+def _scores(t: _Prefill, k0: Reg, rows: list) -> tuple[list, list]:
+    """Emits the scores s[a][b] of the thread's rows ty*R + a against keys k0 + tx + 8b from the shared
+    Q and K tiles, in blocked accumulation: fma chains of 32 elements, then one add per block (a
+    256-long chain loses ~2.5x more precision; at head_dim 256 that alone approaches the 1e-5
+    tolerance). Returns ``(s, keys)``, keys the absolute key positions."""
+    k, R, KC, NC, DP, tx = t.k, t.R, t.KC, t.NC, t.DP, t.tx
+    q_row_addr = [k.add(t.q_s, k.mul(r, DP * 4)) for r in rows]
+    k_row_addr = [k.add(t.k_s, k.mul(k.add(tx, 8 * b), DP * 4)) for b in range(KC)]
+    s = [[None] * KC for _ in range(R)]
+    part = [[None] * KC for _ in range(R)]
+    for d4 in range(NC):
+        qv = [k.load("shared", "f32", q_row_addr[a], d4 * 16, vec=4) for a in range(R)]
+        kv = [k.load("shared", "f32", k_row_addr[b], d4 * 16, vec=4) for b in range(KC)]
         for a in range(R):
-            masked = []
             for b in range(KC):
-                ok = key_ok[b]
-                if causal:
-                    ok = k.and_(ok, k.setp("le", keys[b], qpos[a]))
-                masked.append(k.selp(s[a][b], NEG_INF, ok))
-            tmax = masked[0]
-            for x in masked[1:]:
-                tmax = k.max(tmax, x)
-            for off in (1, 2, 4):
-                tmax = k.max(tmax, k.shfl("bfly", tmax, off))
-            mx = k.max(m_run[a], tmax)
-            base = guard_base(k, mx)
-            alpha = k.ex2(k.sub(m_run[a], base))
-            probs = [k.ex2(k.sub(x, base)) for x in masked]
-            psum = probs[0]
-            for p in probs[1:]:
-                psum = k.add(psum, p)
-            k.assign(l_run[a], k.fma(l_run[a], alpha, psum))
-            for j in range(NJ):
+                x = None if d4 % _SCORE_BLOCK == 0 else part[a][b]
                 for e in range(4):
-                    k.assign(acc[a][j][e], k.mul(acc[a][j][e], alpha))
-            k.assign(m_run[a], mx)
-            prow = k.add(p_s, k.shl(k.mad(rows[a], BKP, tx), 2))
-            for b in range(KC):
-                k.store("shared", "f32", prow, probs[b], offset=8 * b * 4)
-        k.bar_sync()
+                    x = k.mul(qv[a][e], kv[b][e]) if x is None else k.fma(qv[a][e], kv[b][e], x)
+                part[a][b] = x
+                if d4 % _SCORE_BLOCK == _SCORE_BLOCK - 1 or d4 == NC - 1:
+                    s[a][b] = x if s[a][b] is None else k.add(s[a][b], x)
+    keys = [k.add(k0, k.add(tx, 8 * b)) for b in range(KC)]
+    return s, keys
 
-        # ---- O += P V
-        p_row_addr = [k.add(p_s, k.mul(r, BKP * 4)) for r in rows]
-        v_col_addr = [k.add(v_s, k.shl(k.add(tx, 8 * j), 4)) for j in range(NJ)]
-        for c in range(BK):
-            pv = [k.load("shared", "f32", p_row_addr[a], c * 4) for a in range(R)]
-            for j in range(NJ):
-                if col_ok[j] is not None:
-                    vv = k.load("shared", "f32", v_col_addr[j], c * DP * 4, vec=4, pred=col_ok[j], other=0.0)
-                else:
-                    vv = k.load("shared", "f32", v_col_addr[j], c * DP * 4, vec=4)
-                for a in range(R):
-                    for e in range(4):
-                        k.assign(acc[a][j][e], k.fma(pv[a], vv[e], acc[a][j][e]))
-        k.bar_sync()
 
-    # ---- normalise and store rows < seq_q
-    out_head = k.add(k.global_ptr("out"), k.mul(k.mul_wide(head, seq_q), D * 4, "u64"))
-    for a in range(R):
+def _online_softmax(t: _Prefill, s: list, keys: list, qpos: list, rows: list, m_run: list, l_run: list,
+                    acc: list) -> None:
+    """Emits the online softmax step of each of the thread's rows: mask keys past seq_k (and, causal,
+    past the row's position), the tile's row max over the 8 lanes of a row by butterfly, rescale the
+    running sum and the output accumulators by ex2(m_old - m_new), and write the probabilities P to
+    shared memory for the P V step."""
+    k, KC, NJ = t.k, t.KC, t.NJ
+    key_ok = [k.setp("lt", kp, t.seq_k) for kp in keys]
+    for a in range(t.R):
+        masked = []
+        for b in range(KC):
+            ok = key_ok[b]
+            if t.causal:
+                ok = k.and_(ok, k.setp("le", keys[b], qpos[a]))
+            masked.append(k.selp(s[a][b], NEG_INF, ok))
+        tmax = masked[0]
+        for x in masked[1:]:
+            tmax = k.max(tmax, x)
+        for off in (1, 2, 4):
+            tmax = k.max(tmax, k.shfl("bfly", tmax, off))
+        mx = k.max(m_run[a], tmax)
+        base = guard_base(k, mx)
+        alpha = k.ex2(k.sub(m_run[a], base))
+        probs = [k.ex2(k.sub(x, base)) for x in masked]
+        psum = probs[0]
+        for p in probs[1:]:
+            psum = k.add(psum, p)
+        k.assign(l_run[a], k.fma(l_run[a], alpha, psum))
+        for j in range(NJ):
+            for e in range(4):
+                k.assign(acc[a][j][e], k.mul(acc[a][j][e], alpha))
+        k.assign(m_run[a], mx)
+        prow = k.add(t.p_s, k.shl(k.mad(rows[a], t.BKP, t.tx), 2))
+        for b in range(KC):
+            k.store("shared", "f32", prow, probs[b], offset=8 * b * 4)
+
+
+def _accumulate_pv(t: _Prefill, rows: list, col_ok: list, acc: list) -> None:
+    """Emits O += P V for the thread's rows and float4 output columns tx + 8j, from the shared P and V
+    tiles (columns past head_dim read as zeros)."""
+    k, R, NJ, DP = t.k, t.R, t.NJ, t.DP
+    p_row_addr = [k.add(t.p_s, k.mul(r, t.BKP * 4)) for r in rows]
+    v_col_addr = [k.add(t.v_s, k.shl(k.add(t.tx, 8 * j), 4)) for j in range(NJ)]
+    for c in range(t.BK):
+        pv = [k.load("shared", "f32", p_row_addr[a], c * 4) for a in range(R)]
+        for j in range(NJ):
+            if col_ok[j] is not None:
+                vv = k.load("shared", "f32", v_col_addr[j], c * DP * 4, vec=4, pred=col_ok[j], other=0.0)
+            else:
+                vv = k.load("shared", "f32", v_col_addr[j], c * DP * 4, vec=4)
+            for a in range(R):
+                for e in range(4):
+                    k.assign(acc[a][j][e], k.fma(pv[a], vv[e], acc[a][j][e]))
+
+
+def _store_out(t: _Prefill, head: Reg, rows: list, l_run: list, acc: list, col_ok: list) -> None:
+    """Emits the end: each row's softmax sum reduced over its 8 lanes, the accumulators normalised by
+    it, and rows < seq_q stored to ``out``."""
+    k, D = t.k, t.D
+    out_head = k.add(k.global_ptr("out"), k.mul(k.mul_wide(head, t.seq_q), D * 4, "u64"))
+    for a in range(t.R):
         total = l_run[a]
         for off in (1, 2, 4):
             total = k.add(total, k.shfl("bfly", total, off))
         inv = safe_reciprocal(k, total)
-        grow = k.add(q0, rows[a])
-        with k.if_(k.setp("lt", grow, seq_q)):
+        grow = k.add(t.q0, rows[a])
+        with k.if_(k.setp("lt", grow, t.seq_q)):
             row_addr = k.add(out_head, k.mul_wide(grow, D * 4))
-            for j in range(NJ):
-                addr = k.add(row_addr, k.shl(k.cvt(k.add(tx, 8 * j), "u64"), 4))
+            for j in range(t.NJ):
+                addr = k.add(row_addr, k.shl(k.cvt(k.add(t.tx, 8 * j), "u64"), 4))
                 k.store("global", "f32", addr, [k.mul(acc[a][j][e], inv) for e in range(4)], pred=col_ok[j])
-    k.ret()
-    return k

@@ -33,6 +33,8 @@ parameter; ``out_dim`` is a runtime argument. ``residual`` may alias ``y`` (in-p
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ptx_gen.builder import KernelBuilder, Module, Reg
 from ptx_gen.catalog import kernel
 from ptx_gen.kernels import quant_layout as ql
@@ -377,15 +379,8 @@ def gemv_params(bias: bool, residual: bool) -> list[tuple[str, str]]:
             + ([("residual", "u64")] if residual else []) + [("out_dim", "u32")])
 
 
-def build(m: Module, wtype: str, in_dim: int, rows: int, warps: int, bias: bool, residual: bool,
-          tokens: int = 0, glu: bool = False, ksplit: int = 1) -> KernelBuilder:
-    """The GEMV (``tokens == 0``: one x vector) or the token-tiled GEMM (``tokens`` x vectors per CTA,
-    grid.y over token tiles). With ``glu`` the weight holds ``2 * out_dim`` rows (gate rows, then up
-    rows) and ``y[o] = silu(gate_o . x) * (up_o . x)``. With ``ksplit > 1`` (GEMV only) the CTA's warps
-    form ``warps / ksplit`` groups; the ``ksplit`` warps of a group own the same rows and each walks one
-    K slice of them; the slices' row sums meet in shared memory (one ``bar.sync``) and the group's
-    first warp applies the epilogue, one output per lane."""
-    sp = split(wtype, in_dim, ksplit)
+def _check_shape(rows: int, warps: int, glu: bool, bias: bool, residual: bool, tokens: int, ksplit: int) -> None:
+    """Rejects the shapes :func:`build` cannot emit (emits nothing)."""
     if rows not in (1, 2, 3, 4) or warps not in (1, 2, 4, 8):
         raise ValueError(f"rows must be 1..4 and warps 1, 2, 4 or 8; got rows={rows}, warps={warps}")
     if glu and (rows % 2 or bias or residual):
@@ -396,6 +391,70 @@ def build(m: Module, wtype: str, in_dim: int, rows: int, warps: int, bias: bool,
     if ksplit > warps or (tokens and ksplit > 1):
         raise ValueError(f"ksplit must divide warps (and be 1 for the GEMM); got ksplit={ksplit}, warps={warps}, "
                          f"tokens={tokens}")
+
+
+@dataclass
+class _Setup:
+    """The registers :func:`_prologue` emits for the rest of :func:`build`."""
+    out_dim: Reg
+    row0: Reg  # the warp's first output
+    s: Reg | None  # the warp's K slice (ksplit > 1)
+    done_label: object  # the early exit of warps past out_dim (ksplit == 1)
+    w: Reg
+    x: Reg
+    wbase: Reg  # the warp's staging area in shared memory
+    last: Reg  # out_dim - 1
+    xs: list  # the x rows (one per token)
+    lc: dict  # the lane's decode constants
+
+
+def _prologue(k: KernelBuilder, name: str, wtype: str, in_dim: int, warps: int, rows: int, tokens: int, ksplit: int,
+              outs_per_warp: int, per_row: int, nt: int) -> _Setup:
+    """Emits the warp's coordinates and first output (with ksplit == 1 the warp-uniform early exit of
+    warps past out_dim), its staging area in shared memory, the global pointers, the token tile's x
+    rows (GEMM) and the lane's decode constants."""
+    groups = warps // ksplit
+    s = done_label = None
+    out_dim = k.param("out_dim")
+    tid = k.tid()
+    lane, warp = k.and_(tid, 31), k.shr(tid, 5)
+    if ksplit == 1:
+        row0 = k.mul(k.mad(k.ctaid(), warps, warp), outs_per_warp)
+        done_label = k.new_label("done")
+        k.bra(done_label, k.setp("ge", row0, out_dim), uniform=True)
+    else:  # no early exit: every warp must reach the bar.sync (rows past the end are clamped, not stored)
+        s = k.and_(warp, ksplit - 1)
+        row0 = k.mul(k.mad(k.ctaid(), groups, k.shr(warp, ksplit.bit_length() - 1)), outs_per_warp)
+    smem = k.shared_array(f"{name}_stage", "u8", per_row * rows * warps)
+    wbase = k.add(smem, k.mul(warp, per_row * rows))
+    w, x = k.global_ptr("w"), k.global_ptr("x")
+    k.global_ptr("y")  # converted once, up front: every store of the epilogue reuses it
+    last = k.sub(out_dim, 1)
+    # token tile: x rows m0 .. m0 + nt - 1 (clamped for loads; stores are guarded)
+    if tokens:
+        n_tok = k.param("n_tokens")
+        m0 = k.mul(k.ctaid("y"), nt)
+        last_tok = k.sub(n_tok, 1)
+        tok = [k.min(k.add(m0, j), last_tok) if j else k.min(m0, last_tok) for j in range(nt)]
+        xs = [k.add(x, k.mul_wide(tk, in_dim * 4)) for tk in tok]
+    else:
+        xs = [x]
+    lc = ql.lane_constants(k, wtype, lane)
+    if wtype in K_TABLE:
+        lc.update(_k_table_constants(k, lane))
+    return _Setup(out_dim, row0, s, done_label, w, x, wbase, last, xs, lc)
+
+
+def build(m: Module, wtype: str, in_dim: int, rows: int, warps: int, bias: bool, residual: bool,
+          tokens: int = 0, glu: bool = False, ksplit: int = 1) -> KernelBuilder:
+    """The GEMV (``tokens == 0``: one x vector) or the token-tiled GEMM (``tokens`` x vectors per CTA,
+    grid.y over token tiles). With ``glu`` the weight holds ``2 * out_dim`` rows (gate rows, then up
+    rows) and ``y[o] = silu(gate_o . x) * (up_o . x)``. With ``ksplit > 1`` (GEMV only) the CTA's warps
+    form ``warps / ksplit`` groups; the ``ksplit`` warps of a group own the same rows and each walks one
+    K slice of them; the slices' row sums meet in shared memory (one ``bar.sync``) and the group's
+    first warp applies the epilogue, one output per lane."""
+    sp = split(wtype, in_dim, ksplit)
+    _check_shape(rows, warps, glu, bias, residual, tokens, ksplit)
     info = type_info(wtype)
     row_bytes = info.row_bytes(in_dim)
     p_full, p_last = _slice_plans(wtype, sp)
@@ -428,40 +487,35 @@ def build(m: Module, wtype: str, in_dim: int, rows: int, warps: int, bias: bool,
         k.meta["l1_bytes"] = 4 * in_dim + L1_MARGIN
     nt = max(tokens, 1)
 
-    out_dim = k.param("out_dim")
+    g = _prologue(k, name, wtype, in_dim, warps, rows, tokens, ksplit, outs_per_warp, per_row, nt)
+    out_dim, x, s, lc = g.out_dim, g.x, g.s, g.lc
+    ctx_args = (wtype, rows, glu, g.row0, g.last, out_dim, g.w, g.wbase, per_row, stage, lc, nt, row_bytes)
+
+    accs = _accumulate(k, p_full, p_last, sp, wtype, rows, ksplit, ctx_args, lc, g.xs, x, s)
+
+    totals = [[k.warp_reduce(a) for a in acc] for acc in accs]
+    # recompute the indices rather than keep them live across the loop (ptxas otherwise may spill them)
     tid = k.tid()
     lane, warp = k.and_(tid, 31), k.shr(tid, 5)
-    if ksplit == 1:
-        row0 = k.mul(k.mad(k.ctaid(), warps, warp), outs_per_warp)
-        done_label = k.new_label("done")
-        k.bra(done_label, k.setp("ge", row0, out_dim), uniform=True)
-    else:  # no early exit: every warp must reach the bar.sync (rows past the end are clamped, not stored)
-        s = k.and_(warp, ksplit - 1)
-        row0 = k.mul(k.mad(k.ctaid(), groups, k.shr(warp, ksplit.bit_length() - 1)), outs_per_warp)
-    smem = k.shared_array(f"{name}_stage", "u8", per_row * rows * warps)
-    wbase = k.add(smem, k.mul(warp, per_row * rows))
-    w, x = k.global_ptr("w"), k.global_ptr("x")
-    k.global_ptr("y")  # converted once, up front: every store of the epilogue reuses it
-    last = k.sub(out_dim, 1)
-    # token tile: x rows m0 .. m0 + nt - 1 (clamped for loads; stores are guarded)
-    if tokens:
-        n_tok = k.param("n_tokens")
-        m0 = k.mul(k.ctaid("y"), nt)
-        last_tok = k.sub(n_tok, 1)
-        tok = [k.min(k.add(m0, j), last_tok) if j else k.min(m0, last_tok) for j in range(nt)]
-        xs = [k.add(x, k.mul_wide(tk, in_dim * 4)) for tk in tok]
-    else:
-        m0 = None
-        xs = [x]
-    lc = ql.lane_constants(k, wtype, lane)
-    if wtype in K_TABLE:
-        lc.update(_k_table_constants(k, lane))
-    ctx_args = (wtype, rows, glu, row0, last, out_dim, w, wbase, per_row, stage, lc, nt, row_bytes)
+    if ksplit > 1:
+        _combine_slices(k, name, totals, lane, warp, rows, warps, ksplit, outs_per_warp, glu, bias, residual)
+        k.ret()
+        return k
+    _store_rows(k, totals, lane, warp, warps, outs_per_warp, nt, tokens, glu, out_dim, bias, residual)
+    k.label(g.done_label)
+    k.ret()
+    return k
 
+
+def _accumulate(k: KernelBuilder, p_full: dict, p_last: dict | None, sp: dict, wtype: str, rows: int, ksplit: int,
+                ctx_args: tuple, lc: dict, xs: list, x: Reg, s: Reg | None) -> list:
+    """Emits the walk over K: the warp's rows over all of K (ksplit == 1), or over its K slice, with
+    warp-uniform branches for the full slices, the short last slice and idle warps. Returns the rows'
+    accumulators ([row][token])."""
     if ksplit == 1:
         row_ctx, sels = _row_contexts(k, p_full, *ctx_args)
         _walk(k, p_full, wtype, row_ctx, lc, sels, xs)
-        accs = [row.acc for row in row_ctx]
+        return [row.acc for row in row_ctx]
     else:
         accs = [[k.var("f32", 0.0)] for _ in range(rows)]
 
@@ -486,14 +540,13 @@ def build(m: Module, wtype: str, in_dim: int, rows: int, warps: int, bias: bool,
                 k.label(after_last)
             k.grid_dependency_wait()  # (the idle warps', before the epilogue; a second wait is a no-op)
 
-    totals = [[k.warp_reduce(a) for a in acc] for acc in accs]
-    # recompute the indices rather than keep them live across the loop (ptxas otherwise may spill them)
-    tid = k.tid()
-    lane, warp = k.and_(tid, 31), k.shr(tid, 5)
-    if ksplit > 1:
-        _combine_slices(k, name, totals, lane, warp, rows, warps, ksplit, outs_per_warp, glu, bias, residual)
-        k.ret()
-        return k
+    return accs
+
+
+def _store_rows(k: KernelBuilder, totals: list, lane: Reg, warp: Reg, warps: int, outs_per_warp: int, nt: int,
+                tokens: int, glu: bool, out_dim: Reg, bias: bool, residual: bool) -> None:
+    """Emits the one-slice epilogue: lane 0 stores each of the warp's outputs (per token; silu(g) * u
+    with glu) for rows < out_dim (and tokens < n_tokens), + bias/residual."""
     row0 = k.mul(k.mad(k.ctaid(), warps, warp), outs_per_warp)
     if tokens:
         m0 = k.mul(k.ctaid("y"), nt)
@@ -515,9 +568,6 @@ def build(m: Module, wtype: str, in_dim: int, rows: int, warps: int, bias: bool,
                 idx = r
             with k.if_(ok):
                 _store_out(k, val, r, idx, bias, residual)
-    k.label(done_label)
-    k.ret()
-    return k
 
 
 def _combine_slices(k: KernelBuilder, name: str, totals: list, lane: Reg, warp: Reg, rows: int, warps: int,

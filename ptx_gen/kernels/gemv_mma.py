@@ -52,6 +52,7 @@ multiple of ``256 kparts`` (Q6_K on GGUF rows: also of 2048); W starts 16-byte a
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 from ptx_gen.builder import KernelBuilder, Module, Reg
 from ptx_gen.catalog import kernel
@@ -78,6 +79,74 @@ __all__ = ["gemv_mma", "build", "layout", "tile_major", "q6k_glu_offsets_fit", "
            "TILE_ROWS", "TILE_UNIT", "UNIT_BYTES"]
 
 
+@dataclass
+class _Warp:
+    """What the phases of :func:`build` share: the builder, the shape, and the registers that the
+    prologue (:func:`_prologue`) sets up for the warp."""
+    k: KernelBuilder
+    lay: dict
+    wtype: str
+    kparts: int
+    stages: int
+    tiles: int
+    bulk: bool
+    glu: bool
+    tiled: bool
+    out_dim: Reg
+    lane: Reg
+    warp: Reg
+    row_base: Reg  # the warp's first output
+    kp: Reg | None  # the warp's K part (None: one part)
+    last: Reg  # out_dim - 1
+    smem: Reg | None = None
+    ring: Reg | None = None  # the warp's ring of ``stages`` weight stages
+    w: Reg | None = None  # the weights
+    wbase: Reg | None = None
+    wpol: Reg | None = None  # the weights' L2 policy (evict first)
+    tile0: Reg | None = None  # tile-major: the warp's tile
+
+    @property
+    def U(self) -> int:  # a staged row's bytes
+        return self.lay["stride"]
+
+    @property
+    def R(self) -> int:  # rows per warp
+        return self.lay["rows"]
+
+    @property
+    def n_units(self) -> int:  # units per warp
+        return self.lay["per_warp"]
+
+    @property
+    def stage_bytes(self) -> int:
+        return self.R * self.U
+
+    @property
+    def hints(self) -> dict:
+        return dict(prefetch="128B", policy=self.wpol)
+
+    def weight_row(self, r: Reg) -> Reg:
+        """The weight row of the warp's row ``r`` (rows past the end re-read the last one, not stored);
+        with ``glu`` rows 0..15 are gate rows and 16..31 the up rows of the same outputs."""
+        k = self.k
+        if not self.glu:
+            return k.min(k.add(self.row_base, r), self.last)
+        o = k.min(k.add(self.row_base, k.and_(r, 15)), self.last)
+        return k.mad(k.shr(r, 4), self.out_dim, o)
+
+    def unit_of(self, j: Reg | int) -> Reg | int:
+        """The row's unit index of the warp's j-th unit."""
+        k, kp0 = self.k, self.kp if self.kp is not None else 0
+        if isinstance(j, int) and self.kp is None:
+            return j * self.kparts
+        return k.mad(j, self.kparts, kp0) if isinstance(j, Reg) else k.add(kp0, j * self.kparts)
+
+    def tile_src(self, j: Reg | int) -> Reg:
+        """Tile-major: the address of the warp's stage of its j-th unit."""
+        k, u = self.k, self.unit_of(j)
+        return k.add(self.tile0, k.mul_wide(u, TILE_ROWS * self.U) if isinstance(u, Reg) else u * TILE_ROWS * self.U)
+
+
 def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, bias: bool,
           residual: bool, tiles: int = 1, bulk: bool = False, glu: bool = False, tiled: bool = False,
           solo: bool = False) -> KernelBuilder:
@@ -88,7 +157,7 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
         raise ValueError(f"bulk copies need sm_90 or newer, the target is {m.target}")
     if bulk and wtype == "Q6_K" and not tiled:
         raise ValueError("Q6_K rows (210-byte blocks) are not 16-byte aligned: no bulk copies unless tile-major")
-    U, n_units, warps, R = lay["stride"], lay["per_warp"], lay["warps"], lay["rows"]  # U: a staged row's bytes
+    warps, R = lay["warps"], lay["rows"]
     params = gemv_params(bias, residual)
     name = (f"gemv_mma_{wtype.lower()}_k{in_dim}_m{mtiles}_p{kparts}_s{stages}" + (f"_t{tiles}" if tiles > 1 else "")
             + ("_bulk" if bulk else "") + ("_tiled" if tiled else "") + ("_solo" if solo else "") + ("_glu" if glu else "")
@@ -97,41 +166,47 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
     k.max_threads = 32 * warps  # .maxntid: ptxas keeps the registers within what the whole CTA can get
     k.meta.update(block=32 * warps, rows_per_cta=(16 if glu else R) * mtiles, dyn_smem=lay["launch_smem"],
                   row_bytes=lay["row_bytes"], tiled=tiled)
+    s = _prologue(k, lay, wtype, mtiles, kparts, stages, tiles, bulk, glu, tiled)
+    issue, wait = _weight_copies(s)
+    _fill_ring(s, issue)
+    xs = _x_prologue(s)
+    ctx = _lane_context(s)
+    acc = [[k.var("f32", 0.0) for _ in range(4)] for _ in range(tiles)]  # [g][2t], [g][2t+1], [g+8][2t], [g+8][2t+1]
+    minacc = k.var("f32", 0.0) if wtype == "Q4_K" else None  # lane r: row r's min term
+    _main_loop(s, ctx, xs, issue, wait, acc, minacc)
+    if not bulk:
+        k.cp_async_wait_all()
+    sums, tid, lane, g, t = _row_sums(k, wtype, tiles, acc, minacc)
+    _epilogue(k, lay, mtiles, kparts, sums, s.smem, tid, lane, g, t, s.out_dim, bias, residual, glu)
+    k.ret()
+    return k
+
+
+def _prologue(k: KernelBuilder, lay: dict, wtype: str, mtiles: int, kparts: int, stages: int, tiles: int,
+              bulk: bool, glu: bool, tiled: bool) -> _Warp:
+    """Emits the warp's coordinates (lane, warp, first output, K part), its ring's address in shared
+    memory, the weights' pointer and L2 policy, and (tile-major) the address of its tile: everything
+    the copies and the unit loop address from."""
     out_dim = k.param("out_dim")
     tid = k.tid()
     lane, warp = k.and_(tid, 31), k.shr(tid, 5)
-    row_base = _first_output(k, warp, mtiles, 16 if glu else R)
+    row_base = _first_output(k, warp, mtiles, 16 if glu else lay["rows"])
     kp = k.div(warp, mtiles) if kparts > 1 else None
     last = k.sub(out_dim, 1)
-
-    def weight_row(r: Reg) -> Reg:
-        """The weight row of the warp's row ``r`` (rows past the end re-read the last one, not stored);
-        with ``glu`` rows 0..15 are gate rows and 16..31 the up rows of the same outputs."""
-        if not glu:
-            return k.min(k.add(row_base, r), last)
-        o = k.min(k.add(row_base, k.and_(r, 15)), last)
-        return k.mad(k.shr(r, 4), out_dim, o)
-    smem = k.dynamic_shared()
-    stage_bytes = R * U
-    ring = k.add(smem, k.add(k.mul(warp, stages * stage_bytes), lay["off"]["ring"]))
-    w = k.global_ptr("w")
+    s = _Warp(k, lay, wtype, kparts, stages, tiles, bulk, glu, tiled, out_dim, lane, warp, row_base, kp, last)
+    U, R = s.U, s.R
+    s.smem = k.dynamic_shared()
+    s.ring = k.add(s.smem, k.add(k.mul(warp, stages * s.stage_bytes), lay["off"]["ring"]))
+    s.w = w = k.global_ptr("w")
     # the weights' copies: each miss fetches the whole 128-byte line (a staged row of a unit is 144-240
     # bytes at any offset, and the K parts of a tile read the neighbouring units soon after), and the
     # bytes, read once, are evicted first, so that they leave L2 to x and the outputs (128 bytes: the
     # line; tile-major bulk copies take the same policy)
-    wpol = k.create_policy("evict_first") if not bulk or tiled else None
-    hints = dict(prefetch="128B", policy=wpol)
+    s.wpol = k.create_policy("evict_first") if not bulk or tiled else None
     k.global_ptr("y")
     # the warp's units of a row are kp, kp + kparts, kp + 2 kparts, ...: at any time the K parts of a
     # tile read neighbouring units, i.e. kparts * U contiguous bytes of each row
-    wbase = w if kp is None or wtype == "Q6_K" else k.add(w, k.mul_wide(kp, U))
-    kp0 = kp if kp is not None else 0
-
-    def unit_of(j: Reg | int) -> Reg | int:  # the row's unit index of the warp's j-th unit
-        if isinstance(j, int) and kp is None:
-            return j * kparts
-        return k.mad(j, kparts, kp0) if isinstance(j, Reg) else k.add(kp0, j * kparts)
-
+    s.wbase = w if kp is None or wtype == "Q6_K" else k.add(w, k.mul_wide(kp, U))
     if tiled:
         # W tile-major (tile_major): the warp's R rows of unit u are R U contiguous bytes of tile T, the
         # tile of its first row (glu: of its first output, 16 a tile). Stored like that, each stage is one
@@ -140,147 +215,209 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
         # (warps whose rows all lie past out_dim read the last rows instead, and store nothing)
         rt = 16 if glu else R
         first = k.min(row_base, k.and_(last, (0xFFFFFFFF // rt) * rt))
-        tile0 = k.add(w, k.mul_wide(k.mul(k.shr(first, 4 if glu else 5), lay["units"]), TILE_ROWS * U))
+        s.tile0 = k.add(w, k.mul_wide(k.mul(k.shr(first, 4 if glu else 5), lay["units"]), TILE_ROWS * U))
         if not glu and R < TILE_ROWS:  # 16-row warps: the second half of a tile starts 16 U in
-            tile0 = k.add(tile0, k.cvt(k.mul(k.and_(first, TILE_ROWS - 1), U), "u64"))
+            s.tile0 = k.add(s.tile0, k.cvt(k.mul(k.and_(first, TILE_ROWS - 1), U), "u64"))
+    return s
 
-        def tile_src(j: Reg | int) -> Reg:
-            u = unit_of(j)
-            return k.add(tile0, k.mul_wide(u, TILE_ROWS * U) if isinstance(u, Reg) else u * TILE_ROWS * U)
-    if bulk:
-        # sm_90 ``bulk``: lane r < R copies row r's U bytes of a unit with one bulk copy (the tensor
-        # memory accelerator: no per-16-byte instructions, no load-store queue); lane 0 announces the
-        # stage's bytes to the slot's mbarrier, whose phase completes when they have all landed. Copies
-        # of 144-272 bytes are small for it: it pays where a warp has only a unit or two to stream,
-        # not on long rows, so the launch policy picks it by shape
-        mbar = k.add(smem, k.add(k.mul(warp, 8 * stages), lay["off"]["mbar"]))
-        lane0 = k.setp("eq", lane, 0)
-        for i in range(stages):
-            k.mbarrier_init(k.add(mbar, 8 * i) if i else mbar, 1, pred=lane0)
-        k.fence_mbarrier_init()
-        k.bar_warp_sync()
-        row_lane = k.setp("lt", lane, R)
-        src_lane = k.add(wbase, k.mul_wide(weight_row(lane), lay["row_bytes"]))
-        dst_lane = k.add(ring, k.mul(lane, U))
 
-        def issue(j: Reg | int, slot_off: Reg | int, valid: Reg | None) -> None:
-            slot = _mod(k, j, stages) if isinstance(j, Reg) else j % stages
-            mb = k.add(mbar, k.shl(slot, 3)) if isinstance(slot, Reg) else k.add(mbar, 8 * slot)
-            k.mbarrier_expect_tx(mb, R * U, pred=k.both(lane0, valid))
-            if tiled:  # the whole stage, one copy
-                k.cp_async_bulk(k.add(ring, slot_off) if isinstance(slot_off, Reg) or slot_off else ring, tile_src(j),
-                                R * U, mb, pred=k.both(lane0, valid), policy=wpol)
-                return
-            src = k.add(src_lane, k.mul_wide(j, U * kparts) if isinstance(j, Reg) else j * U * kparts)
-            dst = k.add(dst_lane, slot_off) if isinstance(slot_off, Reg) or slot_off else dst_lane
-            k.cp_async_bulk(dst, src, U, mb, pred=k.both(row_lane, valid))
-
-        def wait(j: Reg) -> None:
-            slot = _mod(k, j, stages)
-            k.mbarrier_wait(k.add(mbar, k.shl(slot, 3)), k.and_(_div(k, j, stages), 1))  # the slot's use count
-            k.bar_warp_sync()  # (the x slot the warp's lanes wrote last step)
-    elif tiled:
-        # 16-byte chunk c = lane + 32 q of the stage, from the tile's bytes to the same offset in the ring
-        nchunks = R * U // 16
-        lane16w = k.cvt(k.shl(lane, 4), "u64")
-        dst0 = k.add(ring, k.shl(lane, 4))
-        oks = [k.setp("lt", k.add(lane, 32 * q), nchunks) if (q + 1) * 32 > nchunks else None
-               for q in range(-(-nchunks // 32))]
-
-        def issue(j: Reg | int, slot_off: Reg | int, valid: Reg | None) -> None:
-            src = k.add(tile_src(j), lane16w)
-            dst = k.add(dst0, slot_off) if isinstance(slot_off, Reg) or slot_off else dst0
-            for q, ok in enumerate(oks):
-                k.cp_async(dst, src, pred=k.both(ok, valid), dst_offset=512 * q, src_offset=512 * q, **hints)
-            k.cp_async_commit()
-    elif wtype == "Q6_K":
-        # unit u of a row is 210 u.. (phase p = 210 u % 16 = 2 (u % 8), the same for all rows as rows are
-        # 16-byte multiples): the 14 chunks from 210 u - p, chunk c = lane + 32 q of the unit being row
-        # c / 14, col c % 14, at row * 240 + 16 col in the ring. The last unit of a row has p = 14, so its
-        # chunks end exactly at the row's end: nothing past the tensor is read. Each copy instruction
-        # covers few, contiguous rows (consecutive lanes take consecutive chunks of one row).
-        # The chunks' offsets are kept as 32-bit offsets from the warp's first row (3 registers per
-        # copy otherwise: 178 registers at 32 rows, spills on sm_80): < 32 row_bytes, or with glu up
-        # to (out_dim + 16) row_bytes: see q6k_glu_offsets_fit.
-        nchunks = R * Q6K_CHUNKS
-        chunks = []
-        for q in range(-(-nchunks // 32)):
-            c = k.add(lane, 32 * q) if q else lane
-            row = k.div(c, Q6K_CHUNKS)
-            col16 = k.shl(k.sub(c, k.mul(row, Q6K_CHUNKS)), 4)
-            off = k.add(k.mul(k.sub(weight_row(row), row_base), lay["row_bytes"]), col16)  # may be < 0: s32
-            chunks.append((k.bitcast(off, "s32"), k.add(ring, k.add(k.mul(row, U), col16)),
-                           k.setp("lt", c, nchunks) if (q + 1) * 32 > nchunks else None))
-        wrow = k.add(w, k.mul_wide(row_base, lay["row_bytes"]))
-
-        def issue(j: Reg | int, slot_off: Reg | int, valid: Reg | None) -> None:
-            u = unit_of(j)
-            u = u if isinstance(u, Reg) else k.mov(u, "u32")
-            base = k.add(wrow, k.cvt(k.sub(k.mul(u, 210), k.shl(k.and_(u, 7), 1)), "u64"))
-            for off, dst, ok in chunks:
-                pred = k.both(ok, valid)
-                k.cp_async(k.add(dst, slot_off) if isinstance(slot_off, Reg) or slot_off else dst,
-                           k.add(base, k.cvt(off, "s64")), pred=pred, **hints)
-            k.cp_async_commit()
+def _weight_copies(s: _Warp):
+    """Emits the per-lane setup of the weights' copies and returns ``(issue, wait)``:
+    ``issue(j, slot_off, valid)`` emits the copies of the warp's j-th unit into the ring slot at
+    ``slot_off``, ``wait(j)`` waits until unit j's stage has landed. Four ways: bulk copies (sm_90),
+    cp.async of a tile-major stage, of Q6_K's unaligned units, or of GGUF rows."""
+    k, stages = s.k, s.stages
+    if s.bulk:
+        return _bulk_copies(s)
+    if s.tiled:
+        issue = _tiled_copies(s)
+    elif s.wtype == "Q6_K":
+        issue = _q6k_copies(s)
     else:
-        # 16-byte chunk c = lane + 32 q of a unit is row c / (U / 16), col c % (U / 16), copied with
-        # cp.async; in the ring it lands at 16 c (rows of U bytes, back to back)
-        cpr = U // 16
-        nchunks = R * cpr
-        srcs = []
-        for q in range(-(-nchunks // 32)):
-            c = k.add(lane, 32 * q) if q else lane
-            row = k.div(c, cpr)
-            off = k.add(k.mul_wide(weight_row(row), lay["row_bytes"]), k.cvt(k.shl(k.sub(c, k.mul(row, cpr)), 4), "u64"))
-            srcs.append((off, k.setp("lt", c, nchunks) if (q + 1) * 32 > nchunks else None))
-        dst0 = k.add(ring, k.shl(lane, 4))
+        issue = _row_copies(s)
 
-        def issue(j: Reg | int, slot_off: Reg | int, valid: Reg | None) -> None:
-            base = k.add(wbase, k.mul_wide(j, U * kparts) if isinstance(j, Reg) else j * U * kparts)
-            dst = k.add(dst0, slot_off) if isinstance(slot_off, Reg) or slot_off else dst0
-            for q, (off, ok) in enumerate(srcs):
-                pred = k.both(ok, valid)
-                k.cp_async(dst, k.add(base, off), pred=pred, dst_offset=512 * q, **hints)
-            k.cp_async_commit()
+    def wait(j: Reg) -> None:  # (cp.async groups: the oldest of the stages in flight has landed)
+        k.cp_async_wait_group(stages - 1)
+        k.bar_warp_sync()
+    return issue, wait
 
-    if not bulk:
-        def wait(j: Reg) -> None:  # (cp.async groups: the oldest of the stages in flight has landed)
-            k.cp_async_wait_group(stages - 1)
-            k.bar_warp_sync()
 
-    for j in range(stages):  # the first units, before waiting for the kernel that writes x
-        if j < n_units:
-            issue(j, j * stage_bytes, None)
-        elif not bulk:
-            k.cp_async_commit()  # empty groups keep the count uniform
-    k.grid_dependency_wait()
+def _bulk_copies(s: _Warp):
+    """sm_90 ``bulk``: emits the ring's mbarriers (one a slot, initialised by lane 0) and the lanes'
+    row addresses; returns ``(issue, wait)`` for bulk copies. Lane r < R copies row r's U bytes of a
+    unit with one bulk copy (the tensor memory accelerator: no per-16-byte instructions, no load-store
+    queue), or (tile-major) lane 0 the whole stage; lane 0 announces the stage's bytes to the slot's
+    mbarrier, whose phase completes when they have all landed. Copies of 144-272 bytes are small for
+    it: it pays where a warp has only a unit or two to stream, not on long rows, so the launch policy
+    picks it by shape."""
+    k, lane, U, R, stages, kparts = s.k, s.lane, s.U, s.R, s.stages, s.kparts
+    mbar = k.add(s.smem, k.add(k.mul(s.warp, 8 * stages), s.lay["off"]["mbar"]))
+    lane0 = k.setp("eq", lane, 0)
+    for i in range(stages):
+        k.mbarrier_init(k.add(mbar, 8 * i) if i else mbar, 1, pred=lane0)
+    k.fence_mbarrier_init()
+    k.bar_warp_sync()
+    row_lane = k.setp("lt", lane, R)
+    src_lane = k.add(s.wbase, k.mul_wide(s.weight_row(lane), s.lay["row_bytes"]))
+    dst_lane = k.add(s.ring, k.mul(lane, U))
 
-    # x, unit by unit, converted by each warp for itself one unit ahead of its use (loaded two ahead)
+    def issue(j: Reg | int, slot_off: Reg | int, valid: Reg | None) -> None:
+        slot = _mod(k, j, stages) if isinstance(j, Reg) else j % stages
+        mb = k.add(mbar, k.shl(slot, 3)) if isinstance(slot, Reg) else k.add(mbar, 8 * slot)
+        k.mbarrier_expect_tx(mb, R * U, pred=k.both(lane0, valid))
+        if s.tiled:  # the whole stage, one copy
+            k.cp_async_bulk(k.add(s.ring, slot_off) if isinstance(slot_off, Reg) or slot_off else s.ring,
+                            s.tile_src(j), R * U, mb, pred=k.both(lane0, valid), policy=s.wpol)
+            return
+        src = k.add(src_lane, k.mul_wide(j, U * kparts) if isinstance(j, Reg) else j * U * kparts)
+        dst = k.add(dst_lane, slot_off) if isinstance(slot_off, Reg) or slot_off else dst_lane
+        k.cp_async_bulk(dst, src, U, mb, pred=k.both(row_lane, valid))
+
+    def wait(j: Reg) -> None:
+        slot = _mod(k, j, stages)
+        k.mbarrier_wait(k.add(mbar, k.shl(slot, 3)), k.and_(_div(k, j, stages), 1))  # the slot's use count
+        k.bar_warp_sync()  # (the x slot the warp's lanes wrote last step)
+    return issue, wait
+
+
+def _tiled_copies(s: _Warp):
+    """Tile-major cp.async: emits the lanes' chunk offsets and returns ``issue``. 16-byte chunk
+    c = lane + 32 q of the stage goes from the tile's bytes to the same offset in the ring."""
+    k, lane = s.k, s.lane
+    nchunks = s.R * s.U // 16
+    lane16w = k.cvt(k.shl(lane, 4), "u64")
+    dst0 = k.add(s.ring, k.shl(lane, 4))
+    oks = [k.setp("lt", k.add(lane, 32 * q), nchunks) if (q + 1) * 32 > nchunks else None
+           for q in range(-(-nchunks // 32))]
+
+    def issue(j: Reg | int, slot_off: Reg | int, valid: Reg | None) -> None:
+        src = k.add(s.tile_src(j), lane16w)
+        dst = k.add(dst0, slot_off) if isinstance(slot_off, Reg) or slot_off else dst0
+        for q, ok in enumerate(oks):
+            k.cp_async(dst, src, pred=k.both(ok, valid), dst_offset=512 * q, src_offset=512 * q, **s.hints)
+        k.cp_async_commit()
+    return issue
+
+
+def _q6k_copies(s: _Warp):
+    """Q6_K on GGUF rows: emits the lanes' chunk offsets and ring addresses, returns ``issue``.
+
+    Unit u of a row is 210 u.. (phase p = 210 u % 16 = 2 (u % 8), the same for all rows as rows are
+    16-byte multiples): the 14 chunks from 210 u - p, chunk c = lane + 32 q of the unit being row
+    c / 14, col c % 14, at row * 240 + 16 col in the ring. The last unit of a row has p = 14, so its
+    chunks end exactly at the row's end: nothing past the tensor is read. Each copy instruction
+    covers few, contiguous rows (consecutive lanes take consecutive chunks of one row).
+    The chunks' offsets are kept as 32-bit offsets from the warp's first row (3 registers per
+    copy otherwise: 178 registers at 32 rows, spills on sm_80): < 32 row_bytes, or with glu up
+    to (out_dim + 16) row_bytes: see q6k_glu_offsets_fit."""
+    k, lane, U = s.k, s.lane, s.U
+    nchunks = s.R * Q6K_CHUNKS
+    chunks = []
+    for q in range(-(-nchunks // 32)):
+        c = k.add(lane, 32 * q) if q else lane
+        row = k.div(c, Q6K_CHUNKS)
+        col16 = k.shl(k.sub(c, k.mul(row, Q6K_CHUNKS)), 4)
+        off = k.add(k.mul(k.sub(s.weight_row(row), s.row_base), s.lay["row_bytes"]), col16)  # may be < 0: s32
+        chunks.append((k.bitcast(off, "s32"), k.add(s.ring, k.add(k.mul(row, U), col16)),
+                       k.setp("lt", c, nchunks) if (q + 1) * 32 > nchunks else None))
+    wrow = k.add(s.w, k.mul_wide(s.row_base, s.lay["row_bytes"]))
+
+    def issue(j: Reg | int, slot_off: Reg | int, valid: Reg | None) -> None:
+        u = s.unit_of(j)
+        u = u if isinstance(u, Reg) else k.mov(u, "u32")
+        base = k.add(wrow, k.cvt(k.sub(k.mul(u, 210), k.shl(k.and_(u, 7), 1)), "u64"))
+        for off, dst, ok in chunks:
+            pred = k.both(ok, valid)
+            k.cp_async(k.add(dst, slot_off) if isinstance(slot_off, Reg) or slot_off else dst,
+                       k.add(base, k.cvt(off, "s64")), pred=pred, **s.hints)
+        k.cp_async_commit()
+    return issue
+
+
+def _row_copies(s: _Warp):
+    """Q4_K / Q8_0 on GGUF rows: emits the lanes' source offsets, returns ``issue``. 16-byte chunk
+    c = lane + 32 q of a unit is row c / (U / 16), col c % (U / 16), copied with cp.async; in the ring
+    it lands at 16 c (rows of U bytes, back to back)."""
+    k, lane, U, kparts = s.k, s.lane, s.U, s.kparts
+    cpr = U // 16
+    nchunks = s.R * cpr
+    srcs = []
+    for q in range(-(-nchunks // 32)):
+        c = k.add(lane, 32 * q) if q else lane
+        row = k.div(c, cpr)
+        off = k.add(k.mul_wide(s.weight_row(row), s.lay["row_bytes"]), k.cvt(k.shl(k.sub(c, k.mul(row, cpr)), 4), "u64"))
+        srcs.append((off, k.setp("lt", c, nchunks) if (q + 1) * 32 > nchunks else None))
+    dst0 = k.add(s.ring, k.shl(lane, 4))
+
+    def issue(j: Reg | int, slot_off: Reg | int, valid: Reg | None) -> None:
+        base = k.add(s.wbase, k.mul_wide(j, U * kparts) if isinstance(j, Reg) else j * U * kparts)
+        dst = k.add(dst0, slot_off) if isinstance(slot_off, Reg) or slot_off else dst0
+        for q, (off, ok) in enumerate(srcs):
+            pred = k.both(ok, valid)
+            k.cp_async(dst, k.add(base, off), pred=pred, dst_offset=512 * q, **s.hints)
+        k.cp_async_commit()
+    return issue
+
+
+def _fill_ring(s: _Warp, issue) -> None:
+    """Emits the copies of the warp's first ``stages`` units, then ``griddepcontrol.wait``: they are
+    weights (no kernel writes them), so under programmatic dependent launch they stream in while the
+    previous kernel ends. Empty cp.async groups keep the group count uniform past the last unit."""
+    for j in range(s.stages):
+        if j < s.n_units:
+            issue(j, j * s.stage_bytes, None)
+        elif not s.bulk:
+            s.k.cp_async_commit()
+    s.k.grid_dependency_wait()
+
+
+@dataclass
+class _XState:
+    """x's per-warp state: its pointer, the lane's 16-byte offset, the conversion constants, the
+    warp's two digit slots, and the registers holding the loads of the next odd / even unit."""
+    x: Reg
+    lane16: Reg
+    xc: dict
+    xbuf: Reg
+    xregs: list
+
+
+def _x_prologue(s: _Warp) -> _XState:
+    """Emits x's setup: the warp's two x slots (Q6_K: their B words that stay zero are zeroed), the
+    loads of units 0, 1 and 2 (requested together), and unit 0's conversion to digits. Units j + 1 and
+    j + 2 then stay in flight in registers: odd units in xregs[1], even ones in xregs[0] (the loop is
+    unrolled by two so no register is copied while its load is still in flight)."""
+    k, lane, wtype = s.k, s.lane, s.wtype
     x = k.global_ptr("x")
     lane16 = k.cvt(k.shl(lane, 4), "u64")
     xc = _x_lane_constants(k, wtype, lane)
     XS = XSLOT[wtype]
-    xbuf = k.add(smem, k.add(k.mul(warp, 2 * XS), lay["off"]["xbuf"]))
+    xbuf = k.add(s.smem, k.add(k.mul(s.warp, 2 * XS), s.lay["off"]["xbuf"]))
     if wtype == "Q6_K":  # the B words that stay zero (lane (g, t): word [m / 2][g][t][m % 2][g < 4])
         zero = k.add(xbuf, k.add(k.shl(lane, 4), k.selp(4, 0, k.setp("lt", lane, 16), "u32")))
         for off in (sl * XS + 512 * mp + 8 * m2 for sl in range(2) for mp in range(4) for m2 in range(2)):
             k.store("shared", "u32", zero, k.mov(0, "u32"), off)
-    # x of units 0, 1 and 2 requested together before unit 0's is converted; those of units j + 1 and
-    # j + 2 stay in flight in registers: odd units in xregs[1], even ones in xregs[0] (the loop is
-    # unrolled by two so no register is copied while its load is still in flight)
-    x0 = _load_x(k, x, lane16, unit_of(0), None)
+    x0 = _load_x(k, x, lane16, s.unit_of(0), None)
     xregs = [[k.var("f32", 0.0) for _ in range(8)] for _ in range(2)]
     for jj in (1, 2):
-        if jj < n_units:
-            _load_x(k, x, lane16, unit_of(jj), None, into=xregs[jj % 2])
+        if jj < s.n_units:
+            _load_x(k, x, lane16, s.unit_of(jj), None, into=xregs[jj % 2])
     _convert_x(k, wtype, x0, xbuf, xc)
+    return _XState(x, lane16, xc, xbuf, xregs)
+
+
+def _lane_context(s: _Warp) -> dict:
+    """Emits the lane's fixed addresses and constants for the unit bodies (:func:`_unit_q4k`,
+    :func:`_unit_q6k`, :func:`_unit_q8_0`): the warp's scale table, the lane's rows in a stage, its A /
+    B fragment offsets and masks, by weight type."""
+    k, lane, wtype, U, R = s.k, s.lane, s.wtype, s.U, s.R
     g, t = k.shr(lane, 2), k.and_(lane, 3)
     TR = TABLE_ROW[wtype]
     ctx = {
-        "g": g, "R": R, "tiles": tiles, "U": U,
+        "g": g, "R": R, "tiles": s.tiles, "U": U,
         "zeros": [k.mov(0, "s32")] * 4,
         # the per-unit table, row r at r * TABLE_ROW, filled by lane r (< R)
-        "table": k.add(smem, k.add(k.mul(warp, R * TR), lay["off"]["table"])), "TR": TR,
+        "table": k.add(s.smem, k.add(k.mul(s.warp, R * TR), s.lay["off"]["table"])), "TR": TR,
         # (32-row warps: every lane has a row; no branch, so the table's work can mix with the rest)
         "t_lane": k.setp("lt", lane, R) if R < 32 else None,
         "row_stage": k.mul(lane, U),  # lane r's row in a staged unit
@@ -304,25 +441,33 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
         ctx["b_mask"] = (k.selp(0xFFFFFFFF, 0, lo_cols, "u32"), k.selp(0, 0xFFFFFFFF, lo_cols, "u32"))
         ctx["ldm"] = k.add(k.mul(k.add(k.and_(lane, 7), k.shl(k.and_(k.shr(lane, 3), 1), 3)), U),
                            k.shl(k.shr(lane, 4), 4))
-    acc = [[k.var("f32", 0.0) for _ in range(4)] for _ in range(tiles)]  # [g][2t], [g][2t+1], [g+8][2t], [g+8][2t+1]
-    minacc = k.var("f32", 0.0) if wtype == "Q4_K" else None  # lane r: row r's min term
+    return ctx
+
+
+def _main_loop(s: _Warp, ctx: dict, xs: _XState, issue, wait, acc: list, minacc: Reg | None) -> None:
+    """Emits the loop over the warp's units, unrolled by two (the x registers alternate by the unit's
+    parity), plus the odd last unit: each step waits for unit j's weights, runs the unit body into
+    ``acc`` (and ``minacc``), refills the ring slot with unit j + stages, converts unit j + 1's x and
+    starts loading unit j + 3's."""
+    k, wtype, stages, n_units = s.k, s.wtype, s.stages, s.n_units
+    XS = XSLOT[wtype]
 
     def step(j: Reg) -> None:
         """Unit j: wait for its weights, compute, refill the ring slot, convert unit j + 1's x (in the
         registers of its parity), start loading unit j + 3's into them."""
-        slot_off = k.mul(_mod(k, j, stages), stage_bytes)
-        sbase = k.add(ring, slot_off)
-        xslot = k.add(xbuf, k.mul(k.and_(j, 1), XS))
+        slot_off = k.mul(_mod(k, j, stages), s.stage_bytes)
+        sbase = k.add(s.ring, slot_off)
+        xslot = k.add(xs.xbuf, k.mul(k.and_(j, 1), XS))
         wait(j)
         if wtype == "Q4_K":
             _unit_q4k(k, ctx, sbase, xslot, acc, minacc)
         elif wtype == "Q6_K":
-            u = unit_of(j)
-            _unit_q6k(k, ctx, sbase, xslot, acc, None if tiled else k.shl(k.and_(u, 7), 1))
+            u = s.unit_of(j)
+            _unit_q6k(k, ctx, sbase, xslot, acc, None if s.tiled else k.shl(k.and_(u, 7), 1))
         else:
             _unit_q8_0(k, ctx, sbase, xslot, acc)
         k.bar_warp_sync()  # every lane is done with the ring slot and the x slot: refill them
-        if bulk:
+        if s.bulk:
             k.fence_proxy_async()  # (the reads above come before the bulk copy's writes)
         nxt = k.add(j, stages)
         issue(nxt, slot_off, k.setp("lt", nxt, n_units))
@@ -330,11 +475,11 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
         # stale x, converted into a slot no unit reads), which suits its longer unit body; the others
         # skip the conversion past the last unit
         j1 = k.add(j, 1)
-        regs = xregs[parity[0]]
+        regs = xs.xregs[parity[0]]
         with k.if_(k.setp("lt", j1, n_units)) if wtype != "Q6_K" else contextlib.nullcontext():
-            _convert_x(k, wtype, list(regs), k.add(xbuf, k.mul(k.and_(j1, 1), XS)), xc)
+            _convert_x(k, wtype, list(regs), k.add(xs.xbuf, k.mul(k.and_(j1, 1), XS)), xs.xc)
         j3 = k.add(j, 3)
-        _load_x(k, x, lane16, unit_of(j3), k.setp("lt", j3, n_units), into=regs)
+        _load_x(k, xs.x, xs.lane16, s.unit_of(j3), k.setp("lt", j3, n_units), into=regs)
         parity[0] ^= 1
 
     parity = [1]  # unit j + 1 of the first step is odd
@@ -344,11 +489,13 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
             step(k.add(j, 1))
     if n_units % 2:
         step(k.mov(n_units - 1, "u32"))
-    if not bulk:
-        k.cp_async_wait_all()
 
-    # --- row sums: digit columns weighted 1, 256 (lane t = 0), 65536 and 2**24 (t = 1); Q6_K's
-    # columns 4..7 (lanes t = 2, 3) are the same digits of its second sub-block of each MMA
+
+def _row_sums(k: KernelBuilder, wtype: str, tiles: int, acc: list, minacc: Reg | None):
+    """Emits each row's sum from the MMA accumulators: digit columns weighted 1, 256 (lane t = 0),
+    65536 and 2**24 (t = 1), summed over the 4 lanes of the group; Q6_K's columns 4..7 (lanes t = 2, 3)
+    are the same digits of its second sub-block of each MMA; Q4_K subtracts the rows' min terms.
+    Returns ``(sums, tid, lane, g, t)``, sums of rows g, g + 8 (, 16 + g, 24 + g)."""
     tid = k.tid()
     lane = k.and_(tid, 31)
     g, t = k.shr(lane, 2), k.and_(lane, 3)
@@ -359,14 +506,12 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
     sums = []  # rows g, g + 8, 16 + g, 24 + g
     for r in range(tiles):
         for a0, a1 in ((acc[r][0], acc[r][1]), (acc[r][2], acc[r][3])):
-            s = k.fma(a1, w1, k.mul(a0, w0))
-            s = k.add(s, k.shfl("bfly", s, 1))
-            sums.append(k.add(s, k.shfl("bfly", s, 2)))
+            sm = k.fma(a1, w1, k.mul(a0, w0))
+            sm = k.add(sm, k.shfl("bfly", sm, 1))
+            sums.append(k.add(sm, k.shfl("bfly", sm, 2)))
     if minacc is not None:  # lane r holds row r's min term
         sums = [k.sub(sm, k.shfl("idx", minacc, k.add(g, 8 * i) if i else g)) for i, sm in enumerate(sums)]
-    _epilogue(k, lay, mtiles, kparts, sums, smem, tid, lane, g, t, out_dim, bias, residual, glu)
-    k.ret()
-    return k
+    return sums, tid, lane, g, t
 
 
 def _first_output(k: KernelBuilder, warp: Reg, mtiles: int, outs: int) -> Reg:
