@@ -109,16 +109,15 @@ def launch(
     runner = kernel.launcher
     if runner is not None:  # a kernel of an EmulatedDevice
         runner(kernel, g, b, int(shared_bytes), stream, args)
-    elif getattr(_local, "pdl", False) and kernel.source.target in _PDL_TARGETS:
-        ensure_initialized()
-        handle = stream.handle if stream is not None else drv.CUstream(0)
-        _launch_programmatic(kernel, g, b, shared_bytes, handle, args)
     else:
         ensure_initialized()
         handle = stream.handle if stream is not None else drv.CUstream(0)
-        check(
-            drv.cuLaunchKernel(kernel.function, *g, *b, int(shared_bytes), handle, args.address, 0),
-            f"cuLaunchKernel({kernel.name})",
-        )
+        if getattr(_local, "pdl", False) and kernel.source.target in _PDL_TARGETS:
+            _launch_programmatic(kernel, g, b, shared_bytes, handle, args)
+        else:
+            check(
+                drv.cuLaunchKernel(kernel.function, *g, *b, int(shared_bytes), handle, args.address, 0),
+                f"cuLaunchKernel({kernel.name})",
+            )
     for recorder in _recorders():
         recorder.record(LaunchRecord(kernel, g, b, int(shared_bytes), args.copy(), stream))

@@ -1,8 +1,8 @@
 """The one dispatcher every GPU op family builds on.
 
 A :class:`Dispatcher` owns, for one device: the kernel memo (name + shape -> compiled kernel, over
-``cuda.module_cache(device)``), the launch configuration read from a kernel's hints
-(:func:`launch_hints`, the only place that reads them), the cache of packed kernel arguments (a
+``cuda.module_cache(device)``), the launch shape taken from the kernel's typed hints
+(:class:`ptx_gen.catalog.LaunchHints`, read in :meth:`Dispatcher.launch` only), the cache of packed kernel arguments (a
 launch with the same values reuses its :class:`~realizar.cuda.KernelArgs`), the checks of device
 operands (size, dtype, alignment) and of integer arguments, device allocations, and the one call to
 :func:`realizar.cuda.launch`. Op families (:mod:`realizar.gpu.gemv`, :mod:`~realizar.gpu.norms`, ...)
@@ -12,7 +12,6 @@ synchronises, so launches issued through it can be captured into a CUDA graph.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -22,25 +21,11 @@ from realizar import cuda
 from realizar.cuda.memory import device_address, is_buffer_arg
 from realizar.errors import ShapeError
 
-__all__ = ["Dispatcher", "LaunchConfig", "LaunchHints", "check_int", "is_buffer_arg", "launch_hints"]
+__all__ = ["Dispatcher", "LaunchHints", "check_int", "is_buffer_arg"]
 
 # shared-memory sizes (KB) an SM can be configured with (sm_80..sm_90), up to its maximum
 _CARVEOUTS_KB = (0, 8, 16, 32, 64, 100, 132, 164, 196, 228)
 _ARGS_CACHE_LIMIT = 8192  # distinct argument packs kept (a decode step needs a few hundred)
-
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    """One launch's shape: grid, block and dynamic shared memory (bytes)."""
-
-    grid: Any
-    block: Any
-    dyn_smem: int = 0
-
-
-def launch_hints(kernel: Any) -> LaunchHints:
-    """The launch hints a compiled kernel's generator gave (:class:`ptx_gen.catalog.LaunchHints`)."""
-    return kernel.source.launch
 
 
 def check_int(name: str, value: Any, lo: int = 1) -> int:
@@ -59,7 +44,6 @@ class Dispatcher:
         self.kernels = cuda.module_cache(self.device)
         self.sm_count = self.device.sm_count
         self._memo: dict[tuple, Any] = {}
-        self._hints: dict[int, LaunchHints] = {}
         self._args_cache: dict[tuple, Any] = {}
 
     # ---- kernels and their launch configuration ------------------------------------------------------
@@ -69,20 +53,9 @@ class Dispatcher:
         k = self._memo.get(key)
         if k is None:
             k = self._memo[key] = self.kernels.get(name, **shape)
-            hints = self._hints[id(k)] = launch_hints(k)
-            if hints.l1_bytes:
-                self._keep_l1(k, hints)
+            if k.launch.l1_bytes:
+                self._keep_l1(k, k.launch)
         return k
-
-    def hints(self, kernel: Any) -> LaunchHints:
-        h = self._hints.get(id(kernel))
-        if h is None:
-            h = self._hints[id(kernel)] = launch_hints(kernel)
-        return h
-
-    def launch_config(self, kernel: Any, grid: Any) -> LaunchConfig:
-        h = self.hints(kernel)
-        return LaunchConfig(grid, h.block, h.dyn_smem)
 
     def _keep_l1(self, kern: Any, hints: LaunchHints) -> None:
         """Prefer a shared-memory carveout that leaves ``hints.l1_bytes`` of L1 (the split GEMV's x
@@ -125,8 +98,8 @@ class Dispatcher:
                cache: bool = True) -> None:
         """Launch ``kern`` on ``grid`` with the block and dynamic shared memory its hints ask for."""
         args = self.args(kern, values, buffers, cache)
-        cfg = self.launch_config(kern, grid)
-        cuda.launch(kern, cfg.grid, cfg.block, args, shared_bytes=cfg.dyn_smem, stream=stream)
+        hints = kern.launch
+        cuda.launch(kern, grid, hints.block, args, shared_bytes=hints.dyn_smem, stream=stream)
 
     # ---- operands and allocations --------------------------------------------------------------------
     @staticmethod
