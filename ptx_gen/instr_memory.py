@@ -123,7 +123,7 @@ class MemoryOps:
         self._emit(f"cp.async.bulk.prefetch.L2.global [{addr}], {self._op(nbytes, ptx_type('u32'))};")
 
     def cp_async(self, dst: Reg, src: Reg, pred: Reg | None = None, dst_offset: int = 0, src_offset: int = 0,
-                 *, prefetch: str | None = None, policy: Reg | None = None) -> None:
+                 *, prefetch: str | None = None, policy: Reg | None = None, src_size: Reg | None = None) -> None:
         """``cp.async.cg.shared.global [dst], [src], 16``: copy 16 bytes (both addresses 16-byte aligned)
         from global to shared memory without passing through registers, bypassing L1 (sm_80+). The
         copy lands at some point before this thread's :meth:`cp_async_wait_all`; other threads see it
@@ -131,7 +131,10 @@ class MemoryOps:
 
         Hints that change no result: ``prefetch`` ("64B", "128B" or "256B", ``.L2::<size>``) lets the L2
         fetch that much around the 16 bytes on a miss; ``policy`` (from :meth:`create_policy`,
-        ``.L2::cache_hint``) says how the L2 should keep the bytes."""
+        ``.L2::cache_hint``) says how the L2 should keep the bytes.
+
+        ``src_size`` (a u32 register, 0..16): only that many bytes are read from ``src``; the rest of the
+        16 shared bytes are zero-filled (a tail or an out-of-range row costs no branch)."""
         hints = ""
         if policy is not None:
             if not isinstance(policy, Reg) or policy.type.bits != 64:
@@ -141,7 +144,8 @@ class MemoryOps:
             if prefetch not in PREFETCH_SIZES:
                 raise ValueError(f"prefetch must be one of {PREFETCH_SIZES}, got {prefetch!r}")
             hints += f".L2::{prefetch}"
-        tail = f", {policy}" if policy is not None else ""
+        tail = f", {src_size}" if src_size is not None else ""
+        tail += f", {policy}" if policy is not None else ""
         self._emit(f"cp.async.cg.shared.global{hints} {self._address(dst, dst_offset)}, "
                    f"{self._address(src, src_offset)}, 16{tail};", pred)
 
@@ -248,6 +252,28 @@ class MemoryOps:
         fmt = lambda regs: "{" + ", ".join(map(str, regs)) + "}"  # noqa: E731
         atype = "u8" if a_unsigned else "s8"
         self._emit(f"mma.sync.aligned.m16n8k32.row.col.s32.{atype}.s8.s32 {fmt(ds)}, {fmt(a)}, {fmt(b)}, {fmt(cs)};")
+        return ds
+
+    def mma_f16(self, a: Sequence[Reg], b: Sequence[Reg], c: Sequence[Operand],
+                into: Sequence[Reg] | None = None) -> tuple[Reg, ...]:
+        """``mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32`` (warp-collective, sm_80+): D = A B + C,
+        A 16x16 and B 16x8 of f16 (two per 32-bit register, lower k in the low half), C and D f32.
+        With ``g = lane / 4``, ``t = lane % 4``: a[0] = A[g][2t..2t+1], a[1] = A[g+8][2t..],
+        a[2] = A[g][8+2t..], a[3] = A[g+8][8+2t..]; b[0] = B[2t..2t+1][g], b[1] = B[8+2t..8+2t+1][g];
+        c and d: [g][2t], [g][2t+1], [g+8][2t], [g+8][2t+1]. ``into`` (four f32 :class:`Var`) makes D
+        those registers, so an accumulator stays in place (``c`` may be the same four)."""
+        if len(a) != 4 or len(b) != 2 or len(c) != 4:
+            raise ValueError("mma m16n8k16 takes 4 A, 2 B and 4 C registers")
+        f32 = ptx_type("f32")
+        cs = [x if isinstance(x, Reg) else self.mov(float(x), "f32") for x in c]
+        if into is not None:
+            if len(into) != 4 or any(not isinstance(v, Var) or v.type.name != "f32" for v in into):
+                raise TypeError("into must be four f32 Vars")
+            ds = tuple(into)
+        else:
+            ds = tuple(self.reg(f32) for _ in range(4))
+        fmt = lambda regs: "{" + ", ".join(map(str, regs)) + "}"  # noqa: E731
+        self._emit(f"mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {fmt(ds)}, {fmt(a)}, {fmt(b)}, {fmt(cs)};")
         return ds
 
     def cp_async_wait_all(self) -> None:

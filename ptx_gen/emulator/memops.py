@@ -53,20 +53,37 @@ def _cp_async(m, inst: Inst, act: np.ndarray) -> None:
         return _land(m, inst, act, m.cp_group - int(inst.args[0]))
     hints = inst.mods[4:]  # L2 hints change no result: a cache policy operand, a prefetch size
     policy = "L2::cache_hint" in hints
-    if (kind not in ("ca", "cg") or inst.mods[2:4] != ["shared", "global"] or len(inst.args) != 3 + policy
+    sized = len(inst.args) == 4 + policy  # a source size: the bytes past it are zero-filled
+    if (kind not in ("ca", "cg") or inst.mods[2:4] != ["shared", "global"] or len(inst.args) != 3 + policy + sized
             or not set(hints) <= {"L2::cache_hint", "L2::64B", "L2::128B", "L2::256B"}):
         raise EmulatorError(f"cp.async form not emulated: {inst.text}")
     if policy:
-        m.read(inst.args[3], "b64")  # (defined, like any operand)
+        m.read(inst.args[-1], "b64")  # (defined, like any operand)
     size = int(inst.args[2])
     dst, _ = m.addr(inst.args[0], "shared")
     src, _ = m.addr(inst.args[1], "global")
-    data = m.mem.gather(src[act], size, inst.text)
+    if sized:
+        data = _gather_sized(m, inst, src, act, size, m.read(inst.args[3], "u32").astype(np.int64))
+    else:
+        data = m.mem.gather(src[act], size, inst.text)
     rows, cols = m.shared_idx(dst, size, act, inst)
     m.check_landed(rows, cols, inst)
     m.inflight[rows[:, None], cols] = True
     tids = np.flatnonzero(act)
     m.pending.append((tids, rows, cols, data, m.cp_group[tids].copy()))
+
+
+def _gather_sized(m, inst: Inst, src: np.ndarray, act: np.ndarray, size: int, n: np.ndarray) -> np.ndarray:
+    """The ``size`` bytes each active thread's sized cp.async lands: its first ``n`` source bytes (read
+    and checked like any load; none when ``n`` is 0), zeros after them."""
+    n = n[act]
+    if ((n < 0) | (n > size)).any():
+        raise EmulatorError(f"cp.async source size outside 0..{size}: {inst.text}")
+    data = np.zeros((int(act.sum()), size), np.uint8)
+    for full in np.unique(n[n > 0]):
+        sel = n == full
+        data[sel, :full] = m.mem.gather(src[act][sel], int(full), inst.text)
+    return data
 
 
 def _cp_bulk(m, inst: Inst, act: np.ndarray) -> None:

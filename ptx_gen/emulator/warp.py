@@ -97,7 +97,10 @@ def ldmatrix(m, inst: Inst, act: np.ndarray, mask: np.ndarray) -> None:
 
 @op("mma")
 def mma(m, inst: Inst, act: np.ndarray, mask: np.ndarray) -> None:
-    """``mma.sync.aligned.m16n8k32.row.col.s32.{s8,u8}.s8.s32``, exact int32 (wrapping) arithmetic."""
+    """``mma.sync.aligned.m16n8k32.row.col.s32.{s8,u8}.s8.s32``, exact int32 (wrapping) arithmetic, and
+    ``mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32`` (:func:`_mma_f16`)."""
+    if inst.mods == ["sync", "aligned", "m16n8k16", "row", "col", "f32", "f16", "f16", "f32"]:
+        return _mma_f16(m, inst, act)
     if (inst.mods[:6] != ["sync", "aligned", "m16n8k32", "row", "col", "s32"] or inst.mods[6] not in ("s8", "u8")
             or inst.mods[7:] != ["s8", "s32"]):
         raise EmulatorError(f"mma form not emulated: {inst.text}")
@@ -133,3 +136,32 @@ def mma(m, inst: Inst, act: np.ndarray, mask: np.ndarray) -> None:
         wrapped = ((out[k] + (1 << 31)) % (1 << 32) - (1 << 31)).astype(np.int32)
         m.write(d, wrapped, act, "s32")
 
+
+
+def _mma_f16(m, inst: Inst, act: np.ndarray) -> None:
+    """f16 A (16x16) times f16 B (16x8) plus f32 C: the exact products summed in float64, plus C, rounded
+    once to f32 (the hardware rounds at least as finely: tests compare with a tolerance)."""
+    warps = m.whole_warps(inst, act)
+    dn, an, bn, cn = (_reg_list(x) for x in inst.args)
+    halves = lambda x: m.read(x, "b32").astype(np.uint32).view(np.float16).reshape(-1, 2).astype(np.float64)  # noqa: E731
+    a = [halves(x) for x in an]  # [n, 2] each: (low k, high k)
+    b = [halves(x) for x in bn]
+    c = [m.read(x, "f32").astype(np.float64) for x in cn]
+    lane = np.arange(32)
+    g, t = lane // 4, lane % 4
+    out = [np.zeros(m.n, np.float64) for _ in range(4)]
+    for w in warps:
+        s = slice(32 * w, 32 * w + 32)
+        A = np.zeros((16, 16))
+        B = np.zeros((16, 8))
+        for (r, k0), frag in zip(((0, 0), (8, 0), (0, 8), (8, 8)), a):
+            A[g + r, k0 + 2 * t] = frag[s, 0]
+            A[g + r, k0 + 2 * t + 1] = frag[s, 1]
+        for k0, frag in zip((0, 8), b):
+            B[k0 + 2 * t, g] = frag[s, 0]
+            B[k0 + 2 * t + 1, g] = frag[s, 1]
+        D = A @ B
+        for k, (r, dc) in enumerate(((0, 0), (0, 1), (8, 0), (8, 1))):
+            out[k][s] = D[g + r, 2 * t + dc] + c[k][s]
+    for k, d in enumerate(dn):
+        m.write(d, out[k].astype(np.float32), act, "f32")

@@ -21,13 +21,14 @@ from __future__ import annotations
 from realizar.gpu.argmax import ArgmaxOps
 from realizar.gpu.elementwise import ElementwiseOps
 from realizar.gpu.embedding import EmbeddingOps
+from realizar.gpu.gemm import GemmConfig, GemmOps, gemm_config
 from realizar.gpu.gemv import GemvConfig, GemvOps, MmaConfig, gemv_config, mma_config
 from realizar.gpu.norms import NormOps
 from realizar.gpu.rope import RopeOps, inv_freq_table
 from realizar.gpu.weights import GpuWeight
 
-__all__ = ["GemvConfig", "GpuWeight", "LayerOps", "MmaConfig", "gemv_config", "inv_freq_table", "mma_config"]
+__all__ = ["GemmConfig", "GemvConfig", "GpuWeight", "LayerOps", "MmaConfig", "gemv_config", "inv_freq_table", "gemm_config", "mma_config"]
 
 
-class LayerOps(GemvOps, NormOps, RopeOps, ElementwiseOps, EmbeddingOps, ArgmaxOps):
+class LayerOps(GemvOps, GemmOps, NormOps, RopeOps, ElementwiseOps, EmbeddingOps, ArgmaxOps):
     """Launches the layer kernels on one device (kernels loaded once, arguments packed once)."""
