@@ -17,68 +17,13 @@ import argparse
 import time
 from pathlib import Path
 
-import numpy as np
-
 from realizar import cuda
-from realizar.gpu.model import GpuModel
-from realizar.models.config import ModelConfig
-from realizar.models.quants import LAYOUTS, row_nbytes
-from realizar.models.tensor import QuantTensor
 from realizar.cuda.bench import copy_bandwidth
+from realizar.gpu.model import GpuModel
+from realizar.models.random import BENCH_SHAPES, bench_model, token_read_bytes
 
-T = {lay.name: t for t, lay in LAYOUTS.items()}
-
-# name: (config kwargs, weight type, embedding type, output type, llama.cpp tok/s on H200)
-SHAPES = {
-    "smollm2-135m": (dict(architecture="llama", vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9,
-                          num_kv_heads=3, head_dim=64, intermediate_size=1536, rope_theta=1e5, rope_type="normal",
-                          rms_norm_eps=1e-5, context_length=8192, tied_embeddings=True), "Q4_1", "Q8_0", None, 957),
-    "llama-3.2-1b": (dict(architecture="llama", vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32,
-                          num_kv_heads=8, head_dim=64, intermediate_size=8192, rope_theta=5e5, rope_type="normal",
-                          rms_norm_eps=1e-5, context_length=8192, tied_embeddings=True), "Q4_K", "Q6_K", None, 903),
-    "llama-3-8b": (dict(architecture="llama", vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32,
-                        num_kv_heads=8, head_dim=128, intermediate_size=14336, rope_theta=5e5, rope_type="normal",
-                        rms_norm_eps=1e-5, context_length=8192, tied_embeddings=False), "Q4_K", "Q4_K", "Q6_K", 277),
-}
-
-
-def random_tensor(rng: np.random.Generator, name: str, wtype: str, shape: tuple[int, ...]) -> QuantTensor:
-    """Random blocks of ``wtype`` with every f16 scale field set to a small finite value."""
-    t = T[wtype]
-    lay = LAYOUTS[t]
-    if wtype == "F32":
-        data = (rng.standard_normal(int(np.prod(shape))) * 0.02).astype(np.float32).view(np.uint8)
-        return QuantTensor(name, t, shape, data)
-    nbytes = shape[0] * row_nbytes(t, shape[1])
-    blocks = rng.integers(0, 256, size=nbytes, dtype=np.uint8).reshape(-1, lay.type_size)
-    for f in lay.fields:
-        if f.dtype == "f16":
-            blocks[:, f.offset:f.offset + 2] = np.frombuffer(np.float16(0.002 if f.name != "dmin" else 0.001).tobytes(),
-                                                             np.uint8)
-    if wtype == "F16":
-        blocks = (rng.standard_normal(blocks.shape[0]) * 0.02).astype(np.float16).view(np.uint8).reshape(-1, 2)
-    return QuantTensor(name, t, shape, blocks.reshape(-1))
-
-
-def build(shape: str, seed: int = 0) -> tuple[ModelConfig, dict, int]:
-    cfg_kw, wtype, etype, otype, _ = SHAPES[shape]
-    cfg = ModelConfig(**cfg_kw)
-    rng = np.random.default_rng(seed)
-    h, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    tensors = {"token_embd.weight": random_tensor(rng, "token_embd.weight", etype, (v, h)),
-               "output_norm.weight": random_tensor(rng, "output_norm.weight", "F32", (h,))}
-    if otype:
-        tensors["output.weight"] = random_tensor(rng, "output.weight", otype, (v, h))
-    for i in range(cfg.num_layers):
-        for n, shp in (("attn_q", (cfg.q_dim, h)), ("attn_k", (cfg.kv_dim, h)), ("attn_v", (cfg.kv_dim, h)),
-                       ("attn_output", (h, cfg.q_dim)), ("ffn_gate", (f, h)), ("ffn_up", (f, h)), ("ffn_down", (h, f))):
-            tensors[f"blk.{i}.{n}.weight"] = random_tensor(rng, f"blk.{i}.{n}.weight", wtype, shp)
-        for n in ("attn_norm", "ffn_norm"):
-            tensors[f"blk.{i}.{n}.weight"] = random_tensor(rng, n, "F32", (h,))
-    weight_bytes = sum(t.nbytes for n, t in tensors.items() if n != "token_embd.weight")
-    if cfg.tied_embeddings:
-        weight_bytes += tensors["token_embd.weight"].nbytes  # the LM head reads the whole table
-    return cfg, tensors, weight_bytes
+# llama-bench tg128 tok/s on an H200, random weights at the same shapes (../shared/GUIDE.md, 2026-11-21)
+LLAMA_CPP_TG = {"smollm2-135m": 957, "llama-3.2-1b": 903, "llama-3-8b": 277}
 
 
 def bench(model: GpuModel, tokens: int) -> tuple[float, float]:
@@ -102,7 +47,7 @@ def bench(model: GpuModel, tokens: int) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--shapes", default=",".join(BENCH_SHAPES))
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--gguf", type=Path, help="benchmark a real GGUF file instead")
     ap.add_argument("--out", type=Path)
@@ -115,10 +60,9 @@ def main() -> None:
 
         loaded = load_model(a.gguf)
         t = loaded.tensors
-        wb = sum(x.nbytes for n, x in t.items() if n != "token_embd.weight" or loaded.config.tied_embeddings)
-        jobs = [(a.gguf.name, loaded.config, t, wb, None)]
+        jobs = [(a.gguf.name, loaded.config, t, token_read_bytes(loaded.config, t), None)]
     else:
-        jobs = [(s, *build(s), SHAPES[s][4]) for s in a.shapes.split(",")]
+        jobs = [(s, *bench_model(s), LLAMA_CPP_TG.get(s)) for s in a.shapes.split(",")]
     for name, cfg, tensors, wbytes, peer in jobs:
         model = GpuModel(cfg, tensors, max_len=4096, device=dev, pdl=False)
         tps_plain, gpu_plain = bench(model, a.tokens)  # graph without programmatic dependent launch

@@ -1,7 +1,8 @@
 """One device call: every GPU test, the sanitizers and the benchmarks, logs written to $OUT.
 
 What comes back from $OUT is limited to 8 files: gpu_check.log (every stage's output), the JUnit
-XML of the tests, and one Markdown table per benchmark.
+XML of the tests, and one Markdown table per benchmark (bench_graphs, bench_attention, bench_gemv,
+bench_decode, prefill: bench_prefill.md; real_model, not a default stage: smollm2_gpu.md).
 
     python tools/gpu_check.py --out "$OUT"                      # everything
     python tools/gpu_check.py --out "$OUT" --stages tests,bench_graphs
@@ -45,6 +46,7 @@ def stages(out: Path, tests: list[str], pytest_args: list[str]) -> dict[str, tup
         "bench_attention": ([PY, "tools/bench_attention.py", "--out", str(out / "bench_attention.md")], 300),
         "bench_gemv": ([PY, "tools/bench_gemv.py", "--out", str(out / "bench_gemv.md")], 300),
         "bench_decode": ([PY, "tools/bench_decode.py", "--out", str(out / "bench_decode.md")], 300),
+        "prefill": ([PY, "tools/bench_prefill.py", "--out", str(out / "bench_prefill.md")], 420),
         "real_model": ([PY, "tools/gpu_real_model.py", "--gguf", os.environ.get("SMOLLM2_GGUF", "/tmp/smollm2.gguf"),
                         "--out", str(out / "smollm2_gpu.md")], 300),
     }
@@ -78,7 +80,8 @@ def run_stage(cmds: list[list[str]], limit: float, env: dict, log) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_out")))
-    ap.add_argument("--stages", default="env,tests,sanitize,racecheck,bench_graphs,bench_attention,bench_gemv,bench_decode")
+    ap.add_argument("--stages", default="env,tests,sanitize,racecheck,bench_graphs,bench_attention,bench_gemv,bench_decode,"
+                                        "prefill")
     ap.add_argument("--tests", default="tests/gpu", help="test paths, space separated")
     ap.add_argument("--pytest-args", default="", help="extra pytest arguments, space separated")
     a = ap.parse_args()

@@ -7,7 +7,8 @@ builders draw the codes uniformly and set the scales explicitly. Two flavours:
 * :func:`random_weight` — raw bytes with varied scales (values of every magnitude the format can
   express), for numerical comparisons of kernels against :func:`dequant`;
 * :func:`random_tensor` / :func:`random_model` — :class:`QuantTensor` objects with small constant
-  scales, so a many-layer forward pass stays finite; for speed measurements at real model shapes.
+  scales, so a many-layer forward pass stays finite; for speed measurements at real model shapes
+  (:data:`BENCH_SHAPES` and :func:`bench_model`: the shapes the benchmark tools share).
 
 Type names are GGML's (``"Q4_K"``, ``"Q8_0"``, ``"F32"``, ...).
 """
@@ -15,6 +16,7 @@ Type names are GGML's (``"Q4_K"``, ``"Q8_0"``, ``"F32"``, ...).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 from gguf import GGMLQuantizationType
@@ -24,7 +26,8 @@ from realizar.models.config import ModelConfig
 from realizar.models.quants import LAYOUTS, dequantize
 from realizar.models.tensor import QuantTensor
 
-__all__ = ["dequant", "random_model", "random_tensor", "random_weight"]
+__all__ = ["BENCH_SHAPES", "BenchShape", "bench_model", "dequant", "random_model", "random_tensor", "random_weight",
+           "token_read_bytes"]
 
 # f16 fields of each quantized block that must hold finite numbers
 _F16_FIELDS = {
@@ -137,3 +140,50 @@ def random_model(
                 name = names.layer_name(i, part, "bias")
                 tensors[name] = draw(name, "F32")
     return tensors
+
+
+class BenchShape(NamedTuple):
+    """A real model's shape with random weights: :class:`ModelConfig` keyword arguments and the GGML
+    types of the layer matrices, the token embedding and the output matrix (``None``: tied)."""
+
+    config: dict
+    weight_type: str
+    embedding_type: str
+    output_type: str | None
+
+
+_LLAMA = dict(architecture="llama", rope_type="normal", rms_norm_eps=1e-5, context_length=8192)
+
+# the model shapes the benchmark tools measure (llama.cpp's figures in ../shared/GUIDE.md use the same)
+BENCH_SHAPES = {
+    "smollm2-135m": BenchShape(dict(_LLAMA, vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9,
+                                    num_kv_heads=3, head_dim=64, intermediate_size=1536, rope_theta=1e5,
+                                    tied_embeddings=True), "Q4_1", "Q8_0", None),
+    "llama-3.2-1b": BenchShape(dict(_LLAMA, vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32,
+                                    num_kv_heads=8, head_dim=64, intermediate_size=8192, rope_theta=5e5,
+                                    tied_embeddings=True), "Q4_K", "Q6_K", None),
+    "llama-3-8b": BenchShape(dict(_LLAMA, vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32,
+                                  num_kv_heads=8, head_dim=128, intermediate_size=14336, rope_theta=5e5,
+                                  tied_embeddings=False), "Q4_K", "Q4_K", "Q6_K"),
+}  # fmt: skip
+
+
+def token_read_bytes(config: ModelConfig, tensors: dict[str, QuantTensor]) -> int:
+    """Weight bytes one decode step reads: every tensor but the embedding table, plus the whole table
+    when the LM head is tied to it."""
+    total = sum(t.nbytes for n, t in tensors.items() if n != names.TOKEN_EMBD)
+    if config.tied_embeddings:
+        total += tensors[names.TOKEN_EMBD].nbytes
+    return total
+
+
+def bench_model(shape: str | BenchShape, seed: int = 0) -> tuple[ModelConfig, dict[str, QuantTensor], int]:
+    """``(config, tensors, token_read_bytes)`` of a :data:`BENCH_SHAPES` entry (by name) or of any
+    :class:`BenchShape`, with weights drawn by :func:`random_model`."""
+    if isinstance(shape, str):
+        if shape not in BENCH_SHAPES:
+            raise ValueError(f"unknown benchmark shape {shape!r}; known: {', '.join(BENCH_SHAPES)}")
+        shape = BENCH_SHAPES[shape]
+    config = ModelConfig(**shape.config)
+    tensors = random_model(config, shape.weight_type, shape.embedding_type, shape.output_type, seed=seed)
+    return config, tensors, token_read_bytes(config, tensors)

@@ -1,0 +1,144 @@
+"""The benchmark tools' control flow on the CPU: tools/bench_prefill.py end to end on the emulated
+device with its tiny shape, and the shared random benchmark shapes of realizar.models.random."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+import tools.bench_prefill as bench_prefill
+from realizar.models import names
+from realizar.models.random import BENCH_SHAPES, BenchShape, bench_model, token_read_bytes
+
+
+def _rows(text: str, first_cell: str) -> list[list[str]]:
+    """The cells of the Markdown table rows of ``text`` whose first cell is ``first_cell``."""
+    rows = [line.strip("|").split("|") for line in text.splitlines() if line.startswith("|")]
+    return [[c.strip() for c in r] for r in rows if r[0].strip() == first_cell]
+
+
+@pytest.mark.parametrize("peer", ["none", "cpu"])
+def test_bench_prefill_tiny_on_the_emulator(tmp_path, capsys, peer):
+    if peer == "cpu" and importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed")
+    out = tmp_path / "prefill.md"
+    argv = ["--device", "emulate", "--tiny", "--lengths", "2,3", "--runs", "1", "--warmup", "1",
+            "--torch", peer, "--peak-tflops", "1", "--out", str(out)]
+    assert bench_prefill.main(argv) == 0
+    text = out.read_text()
+    assert text in capsys.readouterr().out  # the log is printed too
+    assert "- GPU: emulated sm_90" in text and "- date: " in text
+    assert f"- command: `python tools/bench_prefill.py {' '.join(argv)}`" in text
+    assert "llama-bench -ngl 99 -p 512" in text and "2026-11-21" in text
+    rows = _rows(text, "tiny")
+    assert len(rows) == 3  # two lengths, then the summary row
+    detail, summary = rows[:2], rows[2]
+    for row, s in zip(detail, (2, 3)):
+        assert row[1] == str(s) and float(row[2]) > 0 and float(row[4]) > 0  # tok/s, TTFT
+        assert row[6].endswith("%")  # --peak-tflops gives a roofline
+        assert row[7] == row[8] == "-"  # no llama.cpp figure for the toy shape
+        assert (row[9] == "-") == (peer == "none")
+    assert len(summary) == 8 and summary[1] == detail[0][2]
+    if peer == "none":
+        assert "torch peer: skipped: disabled (--torch none)" in text
+    else:
+        assert "on cpu, eager, f16" in text and float(summary[7]) > 0
+
+
+def test_bench_prefill_figures():
+    assert bench_prefill.peak_tflops("NVIDIA H200") == 989.0
+    assert bench_prefill.peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
+    assert bench_prefill.peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert bench_prefill.peak_tflops("emulated sm_90") is None
+    cfg, _, _ = bench_model(bench_prefill.TINY)
+    h, f = cfg.hidden_size, cfg.intermediate_size
+    per_layer = h * cfg.q_dim + 2 * h * cfg.kv_dim + cfg.q_dim * h + 3 * h * f
+    assert bench_prefill.matmul_params(cfg) == cfg.num_layers * per_layer
+    r = dict(cfg=cfg, realizar={512: (0.5, 0.6)}, llama=1024, torch={512: 0.25})
+    v = bench_prefill.row_values(r, 512, peak=1.0)
+    assert v["tps"] == 1024 and v["x_llama"] == 1.0 and v["x_torch"] == 0.5
+    assert v["frac"] == pytest.approx(1024 * 2 * bench_prefill.matmul_params(cfg) / 1e12)
+
+
+def test_bench_prefill_skips_torch_with_a_reason(monkeypatch):
+    peer = bench_prefill.TorchPeer("none")
+    assert peer.torch is None and "disabled" in peer.label
+    if importlib.util.find_spec("torch") is None:
+        return
+    peer = bench_prefill.TorchPeer("cpu")
+    monkeypatch.setattr(peer, "_free_bytes", lambda: 1 << 20)
+    cfg, _, _ = bench_model(bench_prefill.TINY)
+    times, why = bench_prefill.bench_torch(peer, cfg, [512], None)
+    assert times == {} and "GiB free" in why
+
+
+def test_bench_shapes_are_the_documented_models():
+    assert list(BENCH_SHAPES) == ["smollm2-135m", "llama-3.2-1b", "llama-3-8b"]
+    assert [s.weight_type for s in BENCH_SHAPES.values()] == ["Q4_1", "Q4_K", "Q4_K"]
+    with pytest.raises(ValueError, match="unknown benchmark shape"):
+        bench_model("no-such-shape")
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_bench_model_and_token_read_bytes(tied):
+    shape = BenchShape(dict(bench_prefill.TINY.config, tied_embeddings=tied), "Q4_1", "Q8_0", None if tied else "Q8_0")
+    cfg, tensors, nbytes = bench_model(shape, seed=3)
+    assert set(tensors) == set(names.expected_shapes(cfg))
+    embd = tensors[names.TOKEN_EMBD].nbytes
+    rest = sum(t.nbytes for n, t in tensors.items() if n != names.TOKEN_EMBD)
+    assert nbytes == token_read_bytes(cfg, tensors) == rest + (embd if tied else 0)
+
+
+def test_realizar_bench_takes_a_pp512_prompt_length():
+    """``realizar bench --prompt-tokens 512`` (the pp512 prompt) parses; run_bench times that many."""
+    from types import SimpleNamespace
+
+    from realizar.cli import build_parser
+    from realizar.cli.bench import run_bench
+
+    args = build_parser().parse_args(["bench", "--prompt-tokens", "512", "--gen-tokens", "0"])
+    assert args.prompt_tokens == 512 and args.gen_tokens == 0
+
+    class Model:
+        context_length = 1024
+
+        def reset(self):
+            self.seen = []
+
+        def prefill(self, ids):
+            self.seen.append(len(ids))
+            return SimpleNamespace(greedy_token=lambda: 7)
+
+    class Tok:
+        def encode(self, text, add_special_tokens=True):
+            return list(range(50))
+
+    model = Model()
+    engine = SimpleNamespace(model=model, tokenizer=Tok(), context_length=1024, name="stub", device="cuda")
+    r = run_bench(engine, args.prompt_tokens, args.gen_tokens, repeats=1, warmup=0)
+    assert model.seen == [512] and r["prompt_tokens"] == 512
+    assert r["prefill_tokens_per_second"] > 0 and r["time_to_first_token_seconds"] > 0
+
+
+def test_bench_prefill_passes_prefill_chunk_only_when_taken(monkeypatch):
+    from realizar import cuda
+    from realizar.gpu.model import GpuModel
+
+    cfg, tensors, _ = bench_model(bench_prefill.TINY)
+    dev = cuda.EmulatedDevice(sm_count=4, racecheck=False)
+    _, path = bench_prefill.make_model(cfg, tensors, 16, dev, prefill_chunk=8)
+    assert path.startswith("token by token") and "--prefill-chunk ignored" in path
+    seen = {}
+
+    class Chunked(GpuModel):
+        def __init__(self, *args, prefill_chunk: int = 128, **kw):
+            seen["chunk"] = prefill_chunk
+            self.prefill_chunk = prefill_chunk
+            super().__init__(*args, **kw)
+
+    monkeypatch.setattr(bench_prefill, "GpuModel", Chunked)
+    _, path = bench_prefill.make_model(cfg, tensors, 16, dev, prefill_chunk=8)
+    assert seen["chunk"] == 8 and path == "batched, prefill_chunk=8"
+    _, path = bench_prefill.make_model(cfg, tensors, 16, dev, prefill_chunk=None)
+    assert seen["chunk"] == 128 and path == "batched, prefill_chunk=128"
