@@ -25,6 +25,7 @@ from realizar import cuda
 from realizar.errors import ContextOverflowError, InvalidRequestError, ShapeError
 from realizar.gpu.kv_cache import KVCache
 from realizar.gpu.ops import LayerOps
+from realizar.gpu.prefill import PREFILL_CHUNK, PREFILL_MIN_BATCH, BatchedPrefill, batched_prefill_unsupported
 from realizar.gpu.weights import GpuWeight
 from realizar.models.config import ModelConfig
 from realizar.models.rope import rope_inv_freq
@@ -99,7 +100,8 @@ class GpuModel:
     ``graph``: how the decode graph is built (see the module docstring)."""
 
     def __init__(self, config: ModelConfig, tensors: dict, max_len: int | None = None, device=None,
-                 use_graph: bool = True, pdl: bool = True, graph: str = "capture"):
+                 use_graph: bool = True, pdl: bool = True, graph: str = "capture",
+                 prefill_chunk: int | None = PREFILL_CHUNK, prefill_min_batch: int = PREFILL_MIN_BATCH):
         if graph not in GRAPH_MODES:
             raise ShapeError(f"graph must be one of {GRAPH_MODES}, got {graph!r}")
         self.config = cfg = config
@@ -137,6 +139,13 @@ class GpuModel:
         self._token_host = cuda.PinnedArray(1, np.uint32, device=self.device)
         self.position = 0
         self.steps = 0
+        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or int(prefill_chunk) < 1):
+            raise ShapeError(f"prefill_chunk must be a positive number of tokens or None, got {prefill_chunk!r}")
+        self.prefill_chunk = None if prefill_chunk is None else int(min(prefill_chunk, self.max_len))
+        self.prefill_min_batch = max(1, int(prefill_min_batch))
+        #: why prompts go token by token through the decode graph (None: chunks of prefill_chunk tokens)
+        self.batched_prefill_off = "prefill_chunk is None" if prefill_chunk is None else batched_prefill_unsupported(self)
+        self._prefill: BatchedPrefill | None = None
 
     @classmethod
     def from_loaded(cls, loaded, max_len: int | None = None, **kw) -> "GpuModel":
@@ -229,10 +238,29 @@ class GpuModel:
         if self.position + len(ids) > self.max_len:
             raise ContextOverflowError(
                 f"{self.position} cached + {len(ids)} new tokens exceed the KV cache's max_len of {self.max_len}")
-        for t in ids:
-            self._run_step(t, self.position)
-            self.position += 1
+        if self.batched_prefill_off is None and len(ids) >= self.prefill_min_batch:
+            self._prefill_batched(ids)
+        else:
+            for t in ids:
+                self._run_step(t, self.position)
+                self.position += 1
         return DeviceLogits(self)
+
+    def _prefill_batched(self, ids: list[int]) -> None:
+        """The prompt in chunks of ``prefill_chunk`` tokens through every layer at once
+        (:mod:`realizar.gpu.prefill`); the logits and greedy token end up where a decode step leaves them."""
+        self.device.make_current()
+        if any(not 0 <= t < self.config.vocab_size for t in ids):
+            bad = next(t for t in ids if not 0 <= t < self.config.vocab_size)
+            raise InvalidRequestError(f"token id {bad} outside the vocabulary of {self.config.vocab_size}")
+        if self._prefill is None:
+            self._prefill = BatchedPrefill(self, self.prefill_chunk)
+        c = self.prefill_chunk
+        for start in range(0, len(ids), c):
+            part = ids[start:start + c]
+            self._prefill.run_chunk(part, self.position, last=start + c >= len(ids))
+            self.position += len(part)
+        self.steps += 1
 
     def decode(self, token: int) -> DeviceLogits:
         self._run_step(int(token), self.position)

@@ -1,0 +1,107 @@
+"""Batched prefill: a chunk of S prompt tokens through every layer at once, on tensor cores.
+
+Per layer, for the chunk's rows (x: the f32 residual stream ``[S, hidden]``):
+
+1. RMSNorm of every row, written as f16 (the GEMM's A operand);
+2. each weight is expanded into f16 rows (``dequant_f16``) in one scratch buffer reused by every GEMM
+   (one weight at a time: the quantized copy the decode GEMV reads stays the only copy of the model),
+   then ``gemm_f16`` (f16 ``mma.sync``, f32 accumulation) computes QKV (+ bias);
+3. RoPE (after qwen3's per-head q/k norm) for positions ``pos0 .. pos0 + S - 1``, K and V appended to
+   the cache, Q laid out per head; causal flash attention over the cache (any tokens already cached
+   included), written token-major as f16;
+4. the O projection adds into x (residual epilogue), RMSNorm, the gate/up GEMM applies SwiGLU in its
+   epilogue (gate and up rows interleaved by the expansion) and writes f16, the down GEMM adds into x.
+
+After the last chunk the final norm, the LM head GEMV and the on-device argmax run on the last row
+only, into the same buffers a decode step uses, so the model's logits and greedy token are those of
+the prompt's last position and decoding continues from the cache as after any step.
+
+Rounding, stated: activations enter the GEMMs as f16 (11-bit significands) and weights are rounded
+to f16 when expanded; products accumulate in f32. The token-by-token path keeps x in f32 and
+weights exact, so logits differ at the level of f16 rounding (relative ~1e-3), not more.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from realizar import cuda
+from realizar.errors import ShapeError
+
+__all__ = ["BatchedPrefill", "PREFILL_CHUNK", "PREFILL_MIN_BATCH", "batched_prefill_unsupported"]
+
+PREFILL_CHUNK = 2048  # tokens per chunk: bounded scratch whatever the prompt length
+# Shorter prompts go token by token through the decode graph: below this, expanding every weight to f16
+# costs more than the decode steps it saves.
+PREFILL_MIN_BATCH = 16
+
+
+def batched_prefill_unsupported(model) -> str | None:
+    """Why ``model`` cannot take the batched path (None: it can)."""
+    dev, cfg = model.device, model.config
+    if dev.target.compute_capability < (8, 0):
+        return f"the tensor-core GEMM needs sm_80 or newer, this device is {dev.target}"
+    if cfg.hidden_size % 8 or cfg.intermediate_size % 8 or cfg.q_dim % 8:
+        return "the f16 GEMM needs hidden, FFN and attention widths that are multiples of 8"
+    if any(lay.gate_up is None for lay in model.layers):
+        return "gate and up weights of different types (the fused SwiGLU GEMM needs one [gate; up] weight)"
+    return None
+
+
+class BatchedPrefill:
+    """Scratch buffers for chunks of up to ``chunk`` tokens, and the launches of one chunk."""
+
+    def __init__(self, model, chunk: int = PREFILL_CHUNK):
+        cfg, ops = model.config, model.ops
+        self.model = model
+        self.chunk = c = int(chunk)
+        if c < 1:
+            raise ShapeError(f"prefill chunk must be a positive number of tokens, got {chunk}")
+        self.qkv_n = cfg.q_dim + 2 * cfg.kv_dim
+        weights = [w for lay in model.layers for w in (*lay.qkv, lay.attn_out, lay.gate_up, lay.down)]
+        self.w16 = ops.buffer(max(w.out_dim * w.in_dim for w in weights), np.float16)
+        self.ids = ops.buffer(c, np.uint32)
+        self.x = ops.buffer(c * cfg.hidden_size)
+        self.h16 = ops.buffer(c * max(cfg.hidden_size, cfg.q_dim), np.float16)
+        self.qkv = ops.buffer(c * self.qkv_n)
+        self.q = ops.buffer(c * cfg.q_dim)
+        self.ffn16 = ops.buffer(c * cfg.intermediate_size, np.float16)
+
+    def free(self) -> None:
+        for b in (self.w16, self.ids, self.x, self.h16, self.qkv, self.q, self.ffn16):
+            b.free()
+
+    def _linear(self, weight, x16, out, rows: int, *, ldy: int | None = None, glu: bool = False, **epilogue) -> None:
+        ops, s = self.model.ops, self.model.stream
+        ops.dequantize_f16(weight, self.w16, interleave=glu, stream=s)
+        ops.gemm_f16(x16, self.w16, out, rows, weight.out_dim, weight.in_dim, ldy=ldy, glu=glu, stream=s,
+                     **epilogue)
+
+    def run_chunk(self, ids: list[int], pos0: int, last: bool) -> None:
+        """Prefill ``ids`` (at most ``chunk``) at positions ``pos0 ..``; with ``last``, the logits and
+        greedy token of the final position."""
+        m, cfg, ops, kv, s = self.model, self.model.config, self.model.ops, self.model.kv, self.model.stream
+        n, eps = len(ids), cfg.rms_norm_eps
+        s.synchronize()  # the previous chunk's embedding has read the ids buffer
+        self.ids.copy_from_host_at(np.asarray(ids, np.uint32), 0)
+        ops.embedding(m.embed, self.ids, self.x, n_tokens=n, stream=s)
+        kv.set_length(None, pos0)  # (decode steps append on the device; the host count catches up here)
+        for i, lay in enumerate(m.layers):
+            ops.rmsnorm(self.x, lay.attn_norm, self.h16, eps, rows=n, out_f16=True, stream=s)
+            off = 0
+            for w in lay.qkv:
+                bias = None if lay.qkv_bias is None else (lay.qkv_bias, off)
+                self._linear(w, self.h16, (self.qkv, off), n, ldy=self.qkv_n, bias=bias)
+                off += w.out_dim
+            kv.rope_append_rows(i, self.qkv, m.inv_freq, pos0, n, self.q, neox=cfg.rope_type == "neox",
+                                q_norm=lay.q_norm, k_norm=lay.k_norm, eps=eps, stream=s)
+            kv.prefill_attention(i, self.q, self.h16, seq_q=n, q_offset=pos0, seq_k=pos0 + n, causal=True,
+                                 out_layout="tokens-f16", stream=s)
+            self._linear(lay.attn_out, self.h16, self.x, n, residual=self.x)
+            ops.rmsnorm(self.x, lay.ffn_norm, self.h16, eps, rows=n, out_f16=True, stream=s)
+            self._linear(lay.gate_up, self.h16, self.ffn16, n, glu=True, out_f16=True)
+            self._linear(lay.down, self.ffn16, self.x, n, residual=self.x)
+        if last:
+            ops.rmsnorm((self.x, (n - 1) * cfg.hidden_size), m.output_norm, m.h, eps, stream=s)
+            ops.gemv(m.lm_head, m.h, m.logits, stream=s)
+            ops.argmax(m.logits, m.token_out, stream=s)
