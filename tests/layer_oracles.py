@@ -7,6 +7,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from realizar.models.quants import LAYOUTS, dequantize
+from realizar.models.reference import apply_rope, rms_norm
 
 # f16 fields of each block that must hold finite numbers (name -> offset)
 _F16_FIELDS = {
@@ -87,3 +88,21 @@ def rope_oracle(v: np.ndarray, ang: np.ndarray, neox: bool, rot_dim: int | None 
 def silu(g):
     g = np.asarray(g, np.float64)
     return g / (1.0 + np.exp(-g))
+
+
+def rope_append_rows_oracle(qkv: np.ndarray, n_q: int, n_kv: int, d: int, pos0: int, inv: np.ndarray, neox: bool,
+                            q_norm: np.ndarray | None = None, k_norm: np.ndarray | None = None, eps: float = 1e-6):
+    """float64 (q [n_q, S, d], k [n_kv, S, d], v [n_kv, S, d]) of ``qkv [S, (n_q + 2 n_kv) d]`` (token s
+    at position pos0 + s): the reference model's rms_norm (with q_norm/k_norm) and apply_rope, at the
+    f32 angle ``f32(pos) * inv_freq`` the kernels use."""
+    s = qkv.shape[0]
+    x = qkv.astype(np.float64).reshape(s, n_q + 2 * n_kv, d)
+    q, k, v = x[:, :n_q], x[:, n_q:n_q + n_kv], x[:, n_q + n_kv:]
+    if q_norm is not None:
+        q = rms_norm(q, q_norm.astype(np.float64), eps)
+        k = rms_norm(k, k_norm.astype(np.float64), eps)
+    pos = (pos0 + np.arange(s)).astype(np.float32)
+    ang = (pos[:, None] * inv[None, :].astype(np.float32)).astype(np.float64)
+    kind = "neox" if neox else "normal"
+    q, k = apply_rope(q, np.cos(ang), np.sin(ang), kind), apply_rope(k, np.cos(ang), np.sin(ang), kind)
+    return q.transpose(1, 0, 2), k.transpose(1, 0, 2), v.transpose(1, 0, 2)

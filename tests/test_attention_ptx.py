@@ -70,10 +70,11 @@ def test_reduce_and_append_assemble(d, chunks, indirect):
 
 
 @settings(max_examples=6, deadline=None)
-@given(d=st.sampled_from(HEAD_DIMS), group=st.integers(1, 8), causal=st.booleans())
-def test_flash_attention_assembles(d, group, causal):
-    _assemble_clean("flash_attention", head_dim=d, group=group, causal=causal)
-    pk = catalog.emit("flash_attention", target="sm_90", head_dim=d, group=group, causal=causal)
+@given(d=st.sampled_from(HEAD_DIMS), group=st.integers(1, 8), causal=st.booleans(), tokens_f16=st.booleans())
+def test_flash_attention_assembles(d, group, causal, tokens_f16):
+    name = "flash_attention_tokens_f16" if tokens_f16 else "flash_attention"
+    _assemble_clean(name, head_dim=d, group=group, causal=causal)
+    pk = catalog.emit(name, target="sm_90", head_dim=d, group=group, causal=causal)
     assert pk.launch.dyn_smem <= 227 * 1024  # dynamic shared memory, opt-in limit of sm_90
 
 
@@ -197,6 +198,47 @@ def test_flash_attention_emulated(hk, d, sq, extra, slack, causal, scale, seed):
         mem, shared_bytes=src.launch.dyn_smem)
     got = mem.read(po, np.float32, q.size).reshape(q.shape)
     assert _rel(got, ref) < RTOL
+
+
+def _f16_ulps(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    def ordered(x):
+        bits = np.asarray(x, np.float16).view(np.uint16).astype(np.int32)
+        return np.where(bits & 0x8000, -(bits & 0x7FFF), bits)
+    return np.abs(ordered(a) - ordered(b))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(hk=heads, d=st.sampled_from(HEAD_DIMS), sq=st.sampled_from([1, 2, 7, 63, 64, 65, 130]), extra=st.integers(0, 80),
+       slack=st.integers(0, 9), causal=st.booleans(), scale=st.floats(0.1, 20), seed=st.integers(0, 2**32 - 1))
+def test_flash_attention_tokens_f16_emulated(hk, d, sq, extra, slack, causal, scale, seed):
+    """The token-major f16 output ``out[i, h * D + j]`` is the f32 kernel's ``out[h, i, j]`` rounded to
+    nearest (within 1 ulp) and within f16 rounding of the float64 oracle, queries continuing after
+    ``extra`` cached positions (q_offset > 0) included."""
+    h, kvh = hk
+    if h * sq * d > 120_000:  # keep the emulated launch small
+        h, kvh = 1, 1
+    rng = np.random.default_rng(seed)
+    sk = sq + extra
+    q, k, v, ref = prefill_case(rng, h, kvh, d, sq, sk, slack, scale, causal)
+    outs = {}
+    for name, shape in (("flash_attention", (h, sq, d)), ("flash_attention_tokens_f16", (sq, h * d))):
+        src = catalog.emit(name, target="sm_90", head_dim=d, group=h // kvh, causal=causal)
+        dtype = np.float16 if name.endswith("f16") else np.float32
+        mem = Memory()
+        pq, pk, pv = mem.alloc_array(q), mem.alloc_array(k), mem.alloc_array(v)
+        po = mem.alloc_array(np.full(shape, np.nan, dtype))
+        params = {"q": pq, "k": pk, "v": pv, "out": po, "seq_q": sq, "seq_k": sk, "q_offset": extra,
+                  "kv_stride": sk + slack}
+        run(src.ptx, (-(-sq // src.meta["block_q"]), h), (src.meta["block"],), params, mem,
+            shared_bytes=src.launch.dyn_smem)
+        outs[name] = mem.read(po, dtype, q.size).reshape(shape)
+    got = outs["flash_attention_tokens_f16"]
+    assert np.isfinite(got).all()
+    want16 = outs["flash_attention"].transpose(1, 0, 2).reshape(sq, h * d).astype(np.float16)
+    assert _f16_ulps(got, want16).max() <= 1
+    ref_t = ref.transpose(1, 0, 2).reshape(sq, h * d)
+    err = np.abs(got.astype(np.float64) - ref_t)
+    assert (err <= 2.0**-11 * np.abs(ref_t) + 2.0**-24 + RTOL * np.abs(ref_t).max()).all()
 
 
 @settings(max_examples=10, deadline=None)

@@ -32,9 +32,9 @@ def test_embedding_assembles(data, wtype, warps):
 
 
 @settings(max_examples=12, deadline=None)
-@given(hidden=st.integers(1, 4096).map(lambda n: 4 * n), residual=st.booleans())
-def test_rmsnorm_assembles(hidden, residual):
-    _assemble_all("rmsnorm", hidden=hidden, block=default_block(hidden), residual=residual)
+@given(hidden=st.integers(1, 4096).map(lambda n: 4 * n), residual=st.booleans(), f16=st.booleans())
+def test_rmsnorm_assembles(hidden, residual, f16):
+    _assemble_all("rmsnorm_f16" if f16 else "rmsnorm", hidden=hidden, block=default_block(hidden), residual=residual)
 
 
 @settings(max_examples=12, deadline=None)
@@ -139,6 +139,72 @@ def test_rmsnorm_emulated(hidden, rows, residual, seed):
     np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     if residual:
         np.testing.assert_array_equal(mem.read(p["residual"], np.float32, x.size).reshape(x.shape), r + x)
+
+
+def _f16_ulps(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Distance in f16 units in the last place between two f16 arrays (both finite)."""
+    def ordered(x):
+        bits = np.asarray(x, np.float16).view(np.uint16).astype(np.int32)
+        return np.where(bits & 0x8000, -(bits & 0x7FFF), bits)
+    return np.abs(ordered(a) - ordered(b))
+
+
+@settings(max_examples=10, deadline=None)
+@given(hidden=st.sampled_from([64, 576, 896, 4100, 16384]), rows=st.integers(1, 5), residual=st.booleans(),
+       scale=st.sampled_from([1e-3, 1.0, 50.0]), seed=st.integers(0, 2**32 - 1))
+def test_rmsnorm_f16_emulated(hidden, rows, residual, scale, seed):
+    """The f16 output is the f32 kernel's result rounded to nearest (within 1 ulp) and within f16
+    rounding of the float64 oracle; the residual is written back in f32 as in the f32 kernel."""
+    rng = np.random.default_rng(seed)
+    blk = default_block(hidden)
+    x = rng.standard_normal((rows, hidden)).astype(np.float32)
+    w = (rng.standard_normal(hidden) * scale).astype(np.float32)
+    r = rng.standard_normal((rows, hidden)).astype(np.float32)
+    outs = {}
+    for name, dtype in (("rmsnorm", np.float32), ("rmsnorm_f16", np.float16)):
+        mem = Memory()
+        p = dict(x=mem.alloc_array(x), weight=mem.alloc_array(w), y=mem.alloc_array(np.full(x.shape, np.nan, dtype)),
+                 eps=1e-5)
+        if residual:
+            p["residual"] = mem.alloc_array(r)
+        k = catalog.emit(name, hidden=hidden, block=blk, residual=residual)
+        simt_run(k.ptx, grid=(rows,), block=(blk,), params=p, memory=mem)
+        outs[name] = mem.read(p["y"], dtype, x.size).reshape(x.shape)
+        if residual:
+            np.testing.assert_array_equal(mem.read(p["residual"], np.float32, x.size).reshape(x.shape), r + x)
+    y16 = outs["rmsnorm_f16"]
+    assert np.isfinite(y16).all()
+    assert _f16_ulps(y16, outs["rmsnorm"].astype(np.float16)).max() <= 1
+    ref, _ = rmsnorm_oracle(x, w, 1e-5, r if residual else None)
+    err = np.abs(y16.astype(np.float64) - ref)
+    assert (err <= 2.0**-11 * np.abs(ref) + 2.0**-24 + 1e-5 * np.abs(ref).max()).all()
+
+
+def test_layer_ops_rmsnorm_rows_to_f16():
+    """LayerOps.rmsnorm(rows=S, out_f16=True) on an emulated device: S rows into a float16 buffer (the
+    residual form too); a float32 ``out`` is refused."""
+    from realizar import cuda
+    from realizar.errors import ShapeError
+    from realizar.gpu.ops import LayerOps
+
+    ops = LayerOps(cuda.EmulatedDevice(sm_count=4))
+    rng = np.random.default_rng(5)
+    rows, hidden = 9, 576
+    x = rng.standard_normal((rows, hidden)).astype(np.float32)
+    w = rng.standard_normal(hidden).astype(np.float32)
+    r = rng.standard_normal((rows, hidden)).astype(np.float32)
+    for residual in (None, r):
+        out = ops.buffer(rows * hidden, np.float16)
+        out.poison()
+        res = ops.to_device(residual) if residual is not None else None
+        ops.rmsnorm(ops.to_device(x), ops.to_device(w), out, 1e-6, rows=rows, residual=res, out_f16=True)
+        ref, h = rmsnorm_oracle(x, w, 1e-6, residual)
+        y = out.to_numpy((rows, hidden)).astype(np.float64)
+        assert np.isfinite(y).all() and (np.abs(y - ref) <= 2.0**-11 * np.abs(ref) + 1e-5 * np.abs(ref).max()).all()
+        if res is not None:
+            np.testing.assert_array_equal(res.to_numpy((rows, hidden)), r + x)
+    with pytest.raises(ShapeError, match="out must hold float16"):
+        ops.rmsnorm(ops.to_device(x), ops.to_device(w), ops.buffer(rows * hidden), 1e-6, rows=rows, out_f16=True)
 
 
 @settings(max_examples=10, deadline=None)

@@ -38,6 +38,7 @@ def test_catalog_kernel_assembles(case, target):
 # tests). Any other shape parameter must take at least two values over its kernel's grid.
 FIXED_IN_GRID = {
     "flash_attention": {"rows_per_thread", "keys_per_thread", "row_groups"},
+    "flash_attention_tokens_f16": {"rows_per_thread", "keys_per_thread", "row_groups"},
     "flash_decoding": {"indirect", "heads_per_block", "warps", "l2_prefetch"},
     "flash_decoding_chunk": {"indirect", "heads_per_block", "warps", "unroll", "l2_prefetch"},
     "flash_decoding_reduce": {"indirect"},

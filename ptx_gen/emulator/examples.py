@@ -165,10 +165,11 @@ def _argmax_final(k, sizes, rng) -> Example:
                    (1,), (k.meta["block"],), ("out",))
 
 
-@example("rmsnorm")
+@example("rmsnorm", "rmsnorm_f16")
 def _rmsnorm(k, sizes, rng) -> Example:
     hidden, rows = k.shape_dict["hidden"], sizes.get("rows", 2)
-    params = {"x": _f32(rng, rows * hidden), "weight": _f32(rng, hidden), "y": np.full(rows * hidden, np.nan, np.float32),
+    y_type = np.float16 if k.name == "rmsnorm_f16" else np.float32
+    params = {"x": _f32(rng, rows * hidden), "weight": _f32(rng, hidden), "y": np.full(rows * hidden, np.nan, y_type),
               "eps": 1e-5}
     outputs = ("y",)
     if "residual" in {p.name for p in k.params}:
@@ -233,6 +234,23 @@ def _rope_kv_append(k, sizes, rng) -> Example:
               "inv_freq": (10000.0 ** (-np.arange(d // 2) / (d // 2))).astype(np.float32),
               "pos_ptr": np.array([sizes.get("pos", 3)], np.uint32), "n_q": n_q, "n_kv": n_kv, "max_len": max_len}
     return Example(params, (_cdiv((n_q + 2 * n_kv) * d // 2, 128),), (k.meta["block"],), ("qkv", "k_cache", "v_cache"))
+
+
+@example("rope_append_rows")
+def _rope_append_rows(k, sizes, rng) -> Example:
+    shape = k.shape_dict
+    d = shape["head_dim"]
+    n_q, n_kv, max_len = sizes.get("n_q", 4), sizes.get("n_kv", 2), sizes.get("max_len", 8)
+    count, pos0 = sizes.get("count", 3), sizes.get("pos0", 2)
+    rows = n_q + 2 * n_kv
+    params = {"qkv": _f32(rng, count * rows * d), "q_out": np.full(n_q * count * d, np.nan, np.float32),
+              "k_cache": np.zeros(n_kv * max_len * d, np.float32), "v_cache": np.zeros(n_kv * max_len * d, np.float32),
+              "inv_freq": (10000.0 ** (-np.arange(d // 2) / (d // 2))).astype(np.float32)}
+    if shape["qk_norm"]:
+        params.update(q_norm=_f32(rng, d), k_norm=_f32(rng, d), eps=1e-6)
+    params.update(pos0=pos0, count=count, n_q=n_q, n_kv=n_kv, max_len=max_len)
+    grid = (count, _cdiv(rows, k.meta["warps"]))
+    return Example(params, grid, (k.meta["block"],), ("q_out", "k_cache", "v_cache"))
 
 
 @example("kv_append")
@@ -303,14 +321,15 @@ def _decode_reduce(k, sizes, rng) -> Example:
     return Example(params, (h,), (k.meta["block"],), ("out",))
 
 
-@example("flash_attention")
+@example("flash_attention", "flash_attention_tokens_f16")
 def _flash_attention(k, sizes, rng) -> Example:
     shape = k.shape_dict
     d, group = shape["head_dim"], shape.get("group", 1)
     kvh, seq_q, seq_k = sizes.get("n_kv", 1), sizes.get("seq_q", 5), sizes.get("seq_k", 9)
     h = kvh * group
+    out_type = np.float16 if k.name == "flash_attention_tokens_f16" else np.float32
     params = {"q": _f32(rng, h * seq_q * d, scale=2.0), "k": _f32(rng, kvh * seq_k * d), "v": _f32(rng, kvh * seq_k * d),
-              "out": np.full(h * seq_q * d, np.nan, np.float32), "seq_q": seq_q, "seq_k": seq_k,
+              "out": np.full(h * seq_q * d, np.nan, out_type), "seq_q": seq_q, "seq_k": seq_k,
               "q_offset": seq_k - seq_q, "kv_stride": seq_k}
     return Example(params, (_cdiv(seq_q, k.meta["block_q"]), h), (k.meta["block"],), ("out",),
                    k.launch.dyn_smem)

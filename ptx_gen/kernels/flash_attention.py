@@ -12,6 +12,10 @@ Block layout: ``8 * row_groups`` threads; thread ``(ty, tx)`` owns query rows ``
 Per key tile: load K and V tiles to shared memory, scores from shared Q and K, online softmax per
 row (row max over the 8 lanes of a row by butterfly, the row sum kept per thread and reduced once at
 the end), P to shared memory, then O += P V.
+
+``flash_attention_tokens_f16`` is the same kernel writing its output token-major in f16,
+``out[i, h * head_dim + j]`` (rows ``num_heads * head_dim`` apart, ``num_heads`` = grid.y; rounded to
+nearest even): the A operand of the output projection's f16 tensor-core GEMM.
 """
 
 from __future__ import annotations
@@ -32,6 +36,14 @@ _GRID = [
     {"head_dim": 48, "group": 3, "causal": True},
     {"head_dim": 96, "group": 1, "causal": True},
     {"head_dim": 32, "group": 2, "causal": False},
+]
+_GRID_TOKENS_F16 = [
+    {"head_dim": 64, "group": 3, "causal": True},
+    {"head_dim": 64, "group": 4, "causal": True},
+    {"head_dim": 128, "group": 4, "causal": True},
+    {"head_dim": 80, "group": 1, "causal": False},
+    {"head_dim": 256, "group": 2, "causal": True},
+    {"head_dim": 96, "group": 7, "causal": True},
 ]
 
 
@@ -80,6 +92,7 @@ class _Prefill:
     k_s: Reg
     v_s: Reg
     p_s: Reg
+    out_tokens_f16: bool = False  # out is [seq_q, num_heads * D] f16 instead of [num_heads, seq_q, D] f32
 
     @property
     def NC(self) -> int:  # float4 columns of a row
@@ -98,6 +111,23 @@ def flash_attention(
     """Multi-head (GQA) attention of seq_q queries over seq_k keys, causal or not, tiled through
     shared memory. Launch: grid (ceil(seq_q / meta['block_q']), num_heads), block meta['block'],
     dynamic shared memory meta['dyn_smem']."""
+    return build_flash_attention(m, head_dim, group, causal, rows_per_thread, keys_per_thread, row_groups)
+
+
+@kernel("flash_attention_tokens_f16", grid=_GRID_TOKENS_F16)
+def flash_attention_tokens_f16(
+    m: Module, head_dim: int = 128, group: int = 1, causal: bool = True,
+    rows_per_thread: int | None = None, keys_per_thread: int = 4, row_groups: int = 16,
+) -> KernelBuilder:
+    """:func:`flash_attention` writing the output token-major in f16: ``out [seq_q, num_heads *
+    head_dim]`` (num_heads = grid.y). Launch: as flash_attention."""
+    return build_flash_attention(m, head_dim, group, causal, rows_per_thread, keys_per_thread, row_groups,
+                                 out_tokens_f16=True)
+
+
+def build_flash_attention(m: Module, head_dim: int, group: int, causal: bool, rows_per_thread: int | None,
+                          keys_per_thread: int, row_groups: int, out_tokens_f16: bool = False) -> KernelBuilder:
+    """The kernel of :func:`flash_attention` (``out_tokens_f16``: of :func:`flash_attention_tokens_f16`)."""
     R, KC, TY, BQ, BK, DP, BKP, smem = prefill_tiles(head_dim, rows_per_thread, keys_per_thread, row_groups)
     if not isinstance(group, int) or group < 1:
         raise ValueError(f"group must be a positive integer, got {group!r}")
@@ -105,6 +135,7 @@ def flash_attention(
     NJ = -(-NC // 8)  # float4 output columns per thread (the last may not exist for every tx)
     NT = 8 * TY
     name = f"flash_attention_d{D}_g{group}_{'causal' if causal else 'full'}_r{R}k{KC}t{TY}"
+    name += "_tok16" if out_tokens_f16 else ""
     params = [("q", "u64"), ("k", "u64"), ("v", "u64"), ("out", "u64"), ("seq_q", "u32"), ("seq_k", "u32"),
               ("q_offset", "u32"), ("kv_stride", "u32")]
     # no .maxntid: with it ptxas caps registers near 128 and spills the D = 48/80/96 variants
@@ -121,7 +152,7 @@ def flash_attention(
     smem_base = k.dynamic_shared()
     t = _Prefill(k, D, R, KC, BQ, BK, DP, BKP, NT, causal, seq_q, seq_k, q_offset, tid, ty, tx, q0,
                  q_s=smem_base, k_s=k.add(smem_base, BQ * DP * 4), v_s=k.add(smem_base, (BQ + BK) * DP * 4),
-                 p_s=k.add(smem_base, (BQ + 2 * BK) * DP * 4))
+                 p_s=k.add(smem_base, (BQ + 2 * BK) * DP * 4), out_tokens_f16=out_tokens_f16)
     _load_q_tile(t, head)
 
     kv_off = k.mul(k.mul_wide(kvh, kv_stride), D * 4, "u64")
@@ -273,19 +304,47 @@ def _accumulate_pv(t: _Prefill, rows: list, col_ok: list, acc: list) -> None:
                     k.assign(acc[a][j][e], k.fma(pv[a], vv[e], acc[a][j][e]))
 
 
+def _row_scale(k: KernelBuilder, l_part: Reg) -> Reg:
+    """Emits 1 / (the row's softmax sum: the thread's part summed over the 8 lanes of the row), 0 for
+    an empty sum."""
+    total = l_part
+    for off in (1, 2, 4):
+        total = k.add(total, k.shfl("bfly", total, off))
+    return safe_reciprocal(k, total)
+
+
 def _store_out(t: _Prefill, head: Reg, rows: list, l_run: list, acc: list, col_ok: list) -> None:
     """Emits the end: each row's softmax sum reduced over its 8 lanes, the accumulators normalised by
-    it, and rows < seq_q stored to ``out``."""
+    it, and rows < seq_q stored to ``out`` (f32 head-major, or f16 token-major)."""
     k, D = t.k, t.D
+    if t.out_tokens_f16:
+        _store_out_tokens_f16(t, head, rows, l_run, acc, col_ok)
+        return
     out_head = k.add(k.global_ptr("out"), k.mul(k.mul_wide(head, t.seq_q), D * 4, "u64"))
     for a in range(t.R):
-        total = l_run[a]
-        for off in (1, 2, 4):
-            total = k.add(total, k.shfl("bfly", total, off))
-        inv = safe_reciprocal(k, total)
+        inv = _row_scale(k, l_run[a])
         grow = k.add(t.q0, rows[a])
         with k.if_(k.setp("lt", grow, t.seq_q)):
             row_addr = k.add(out_head, k.mul_wide(grow, D * 4))
             for j in range(t.NJ):
                 addr = k.add(row_addr, k.shl(k.cvt(k.add(t.tx, 8 * j), "u64"), 4))
                 k.store("global", "f32", addr, [k.mul(acc[a][j][e], inv) for e in range(4)], pred=col_ok[j])
+
+
+def _store_out_tokens_f16(t: _Prefill, head: Reg, rows: list, l_run: list, acc: list, col_ok: list) -> None:
+    """:func:`_store_out` for the token-major f16 output: row ``q0 + r`` of head ``head`` goes to
+    ``out[q0 + r, head * D ...]`` (rows ``num_heads * D`` f16 apart, num_heads = grid.y), each float4 of
+    a thread as four f16 in one 8-byte store."""
+    k, D = t.k, t.D
+    out = k.global_ptr("out")
+    num_heads = k.sreg("nctaid.y")
+    for a in range(t.R):
+        inv = _row_scale(k, l_run[a])
+        grow = k.add(t.q0, rows[a])
+        with k.if_(k.setp("lt", grow, t.seq_q)):
+            row_addr = k.add(out, k.mul_wide(k.mad(grow, num_heads, head), D * 2))
+            for j in range(t.NJ):
+                addr = k.add(row_addr, k.shl(k.cvt(k.add(t.tx, 8 * j), "u64"), 3))
+                half = [k.cvt(k.mul(acc[a][j][e], inv), "f16") for e in range(4)]
+                words = [k.pack_b32(half[0], half[1]), k.pack_b32(half[2], half[3])]
+                k.store("global", "b32", addr, words, pred=col_ok[j])

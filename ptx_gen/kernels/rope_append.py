@@ -22,7 +22,10 @@ from ptx_gen.kernels.rope import TWO_PI_HI, TWO_PI_LO
 BLOCK = 128
 
 
-def _rotate(k: KernelBuilder, x0: Reg, x1: Reg, pos: Reg, inv: Reg) -> tuple[Reg, Reg]:
+def rotate_pair(k: KernelBuilder, x0: Reg, x1: Reg, pos: Reg, inv: Reg) -> tuple[Reg, Reg]:
+    """Emits the rotation of the pair (x0, x1) by the angle ``f32(pos) * inv`` (u32 ``pos``), reduced to
+    [-pi, pi] before ``sin/cos.approx``; the decode and the batched append kernels share it so that a
+    position rotates to the same bits in both."""
     angle = k.mul(k.cvt(pos, "f32"), inv)
     turns = k.cvt(k.cvt(k.mul(angle, 1.0 / (2 * math.pi)), "s32", rounding="rni"), "f32")
     r = k.fma(k.neg(turns), TWO_PI_HI, angle)
@@ -67,7 +70,7 @@ def rope_kv_append(m: Module, head_dim: int = 128, neox: bool = False) -> Kernel
     kv_head = k.sub(head, n_q)  # valid for k items; for v items subtract n_kv more
     with k.if_(k.setp("lt", idx, rot_items)):
         inv = k.load("global", "f32", k.add(k.global_ptr("inv_freq"), k.mul_wide(i, 4)), nc=True)
-        o0, o1 = _rotate(k, x0, x1, pos, inv)
+        o0, o1 = rotate_pair(k, x0, x1, pos, inv)
         with k.if_(k.setp("lt", head, n_q)):  # a Q pair: back in place
             k.store("global", "f32", k.add(src, k.mul_wide(e0, 4)), o0)
             k.store("global", "f32", k.add(src, k.mul_wide(e1, 4)), o1)

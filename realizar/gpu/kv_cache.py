@@ -7,6 +7,10 @@ Layout: per layer one K and one V buffer ``[num_kv_heads, max_len, head_dim]`` f
     cache.rope_append(layer, qkv_buf, inv_freq_buf, pos=step_pos)    # decode: RoPE fused with the append
     cache.flash_decoding(layer, (qkv_buf, 0), out_buf, seq_len=step_len, stream=s)
     cache.prefill_attention(layer, q_buf, out_buf, seq_q, q_offset, seq_k)
+    # batched prefill of S tokens at positions pos0..: (qk-norm,) RoPE, Q out, K/V into the cache, then
+    # causal attention over the cache with the output token-major in f16 for the O projection
+    cache.rope_append_rows(layer, qkv_rows, inv_freq_buf, pos0, S, q_heads)
+    cache.prefill_attention(layer, q_heads, attn_f16, S, pos0, pos0 + S, out_layout="tokens-f16")
 
 Decode calls take positions and lengths from a small device buffer (``cuda.StepValues``), have launch
 shapes independent of the length and never synchronise or allocate, so a decode step can be captured
@@ -41,6 +45,7 @@ _MAX_CHUNKS = 256
 _BLOCKS_PER_SM = 4  # flash-decoding blocks (4 warps each) aimed at per SM
 _MIN_CHUNK_ROWS = 32  # default fewest rows per chunk
 _GROW_STEPS = 2  # single launch: chunks grow to 2 block steps to keep a short sequence in one combine set
+_OUT_LAYOUTS = ("heads", "tokens-f16")  # prefill attention outputs: [H, S, D] f32 or [S, H * D] f16
 
 
 @dataclass(frozen=True)
@@ -314,6 +319,38 @@ class KVCache:
         items = (n_q + 2 * n_kv) * (head_dim // 2)
         ops.launch(kern, -(-items // kern.meta["block"]), values, stream)
 
+    def rope_append_rows(self, layer: int, qkv: Any, inv_freq: Any, pos0: int, count: int, q_out: Any, *,
+                         neox: bool = False, q_norm: Any = None, k_norm: Any = None, eps: float = 1e-6,
+                         stream: Any = None) -> None:
+        """Batched prefill form of :meth:`rope_append` for ``count`` tokens at positions ``pos0 ..
+        pos0 + count - 1`` of ``layer``: ``qkv`` ([count, (H + 2 KVH) * D] f32, rows [q; k; v], only
+        read) -> optional per-head RMSNorm of Q and K (``q_norm``/``k_norm``: [D] f32 weights, both or
+        neither; ``eps``), RoPE of Q into ``q_out`` ([H, count, D] f32, the query layout of
+        :meth:`prefill_attention`) and of K into the cache, V copied into the cache. Buffers are
+        GpuBuffers or (buffer, offset). The host length becomes at least ``pos0 + count``;
+        ContextOverflowError past max_len, CacheStateError for a position that would leave a hole."""
+        cfg, ops = self.config, self.ops
+        layer = cfg.check_layer(layer)
+        pos0, count = check_int("pos0", pos0, lo=0), check_int("count", count)
+        if (q_norm is None) != (k_norm is None):
+            raise ShapeError("q_norm and k_norm go together: pass both weights (qk-norm models) or neither")
+        self.check_append(layer, pos0, count)
+        n_q, n_kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qk_norm = q_norm is not None
+        kern = ops.kernel("rope_append_rows", head_dim=d, neox=bool(neox), qk_norm=qk_norm)
+        values = {"qkv": ops.addr(qkv, count * (n_q + 2 * n_kv) * d, "qkv", align=8),
+                  "q_out": ops.addr(q_out, n_q * count * d, "q_out", align=8),
+                  "k_cache": self._k[layer].ptr, "v_cache": self._v[layer].ptr,
+                  "inv_freq": ops.addr(inv_freq, d // 2, "inv_freq", align=4)}
+        if qk_norm:
+            values["q_norm"] = ops.addr(q_norm, d, "q_norm", align=8)
+            values["k_norm"] = ops.addr(k_norm, d, "k_norm", align=8)
+            values["eps"] = float(eps)
+        values.update(pos0=pos0, count=count, n_q=n_q, n_kv=n_kv, max_len=cfg.max_len)
+        grid = (count, -(-(n_q + 2 * n_kv) // kern.meta["warps"]))
+        ops.launch(kern, grid, values, stream, cache=False)
+        self._lengths[layer] = max(self._lengths[layer], pos0 + count)
+
     def append(self, layer: int, k_addr: int, v_addr: int, count: int, position: Any, stream: Any = None,
                buffers: dict | None = None) -> None:
         """Copy ``count`` positions of K and V (device addresses, ``[num_kv_heads, count, head_dim]``)
@@ -380,19 +417,26 @@ class KVCache:
                    cache=indirect)
 
     def flash_attention(self, q_addr: int, k_addr: int, v_addr: int, out_addr: int, seq_q: int, seq_k: int,
-                        q_offset: int, kv_stride: int, causal: bool, stream: Any = None) -> None:
+                        q_offset: int, kv_stride: int, causal: bool, stream: Any = None,
+                        out_tokens_f16: bool = False) -> None:
         """Prefill attention of ``q [H, seq_q, D]`` over keys ``[KVH, seq_k, D]`` laid out with a row
-        stride of ``kv_stride`` positions (the cache's ``max_len``, or ``seq_k`` for packed inputs)."""
+        stride of ``kv_stride`` positions (the cache's ``max_len``, or ``seq_k`` for packed inputs);
+        the output is ``[H, seq_q, D]`` f32, or with ``out_tokens_f16`` ``[seq_q, H * D]`` f16."""
         cfg = self.config
-        kern = self.ops.kernel("flash_attention", head_dim=cfg.head_dim, group=cfg.group, causal=bool(causal))
+        name = "flash_attention_tokens_f16" if out_tokens_f16 else "flash_attention"
+        kern = self.ops.kernel(name, head_dim=cfg.head_dim, group=cfg.group, causal=bool(causal))
         values = {"q": q_addr, "k": k_addr, "v": v_addr, "out": out_addr, "seq_q": seq_q, "seq_k": seq_k,
                   "q_offset": q_offset, "kv_stride": kv_stride}
         self.ops.launch(kern, (-(-seq_q // kern.meta["block_q"]), cfg.num_heads), values, stream, cache=False)
 
     def prefill_attention(self, layer: int, q: Any, out: Any, seq_q: int, q_offset: int, seq_k: int,
-                          causal: bool = True, *, stream: Any = None) -> None:
-        """Prefill attention straight from ``layer``'s cache: ``q``/``out`` GpuBuffers ``[H, seq_q, D]``;
-        keys ``[0, seq_k)`` of the cache; query i at position ``q_offset + i``."""
+                          causal: bool = True, *, out_layout: str = "heads", stream: Any = None) -> None:
+        """Prefill attention straight from ``layer``'s cache: ``q`` a GpuBuffer ``[H, seq_q, D]`` f32;
+        keys ``[0, seq_k)`` of the cache; query i at position ``q_offset + i``. ``out_layout``:
+        ``"heads"``, ``out`` ``[H, seq_q, D]`` f32; ``"tokens-f16"``, ``out`` ``[seq_q, H * D]`` f16
+        (token-major, values rounded to nearest even: the A operand of the output projection's GEMM)."""
+        if out_layout not in _OUT_LAYOUTS:
+            raise ShapeError(f"out_layout must be one of {_OUT_LAYOUTS}, got {out_layout!r}")
         cfg = self.config
         layer = cfg.check_layer(layer)
         seq_q, seq_k = check_int("seq_q", seq_q), check_int("seq_k", seq_k)
@@ -401,9 +445,15 @@ class KVCache:
         if causal and q_offset + seq_q > seq_k:
             raise ShapeError(f"causal queries at positions {q_offset}..{q_offset + seq_q - 1} need {q_offset + seq_q} "
                              f"keys, seq_k is {seq_k}")
-        q_addr, o_addr, _ = self._qo(q, out, cfg.num_heads * seq_q * cfg.head_dim)
+        n = cfg.num_heads * seq_q * cfg.head_dim
+        tokens_f16 = out_layout == "tokens-f16"
+        if tokens_f16:
+            q_addr = self.ops.addr(q, n, "q")
+            o_addr = self.ops.addr(out, n, "out", np.float16)
+        else:
+            q_addr, o_addr, _ = self._qo(q, out, n)
         self.flash_attention(q_addr, self._k[layer].ptr, self._v[layer].ptr, o_addr, seq_q, seq_k, q_offset,
-                             cfg.max_len, causal, stream)
+                             cfg.max_len, causal, stream, out_tokens_f16=tokens_f16)
 
     def close(self) -> None:
         """Free every device buffer of the cache."""
