@@ -118,11 +118,53 @@ def cases(cache, rng, small: bool) -> None:
         assert int(best.to_numpy()[0]) == int(np.argmax(do.to_numpy()))
 
 
+def prefill_cases(rng, small: bool) -> None:
+    """The batched-prefill kernels on ragged shapes: f16 weight expansion (every layout), the tensor-core
+    GEMM with each epilogue, batched RMSNorm to f16."""
+    ops = LayerOps()
+    for wt in (("Q4_K", "Q8_0", "Q4_1") if small else WEIGHT_TYPES):
+        in_dim = 512 if wt in K_QUANTS else 96
+        for layout in ("rows", "tiles", "glu-tiles") if wt in ("Q4_K", "Q8_0", "Q6_K") and in_dim % 256 == 0 else ("rows",):
+            out_dim = 38
+            raw = random_weight(rng, wt, out_dim, in_dim)
+            w = GpuWeight(data=raw, ggml_type=wt, shape=(out_dim, in_dim), layout=layout)
+            with cuda.GpuBuffer(out_dim * in_dim, np.float16) as out:
+                out.poison()
+                ops.dequantize_f16(w, out, interleave=layout == "glu-tiles")
+                want = dequant(raw, wt, out_dim, in_dim).astype(np.float16)
+                if layout == "glu-tiles":
+                    want = np.stack([want[:out_dim // 2], want[out_dim // 2:]], 1).reshape(out_dim, in_dim)
+                assert np.array_equal(out.to_numpy((out_dim, in_dim)).view(np.uint16), want.view(np.uint16)), (wt, layout)
+            w.free()
+    m, n, k = 37, 70, 200
+    x = rng.standard_normal((m, k)).astype(np.float16)
+    w16 = rng.standard_normal((n, k)).astype(np.float16)
+    b = rng.standard_normal(n).astype(np.float32)
+    full = x.astype(np.float64) @ w16.astype(np.float64).T
+    with cuda.GpuBuffer.from_numpy(x) as dx, cuda.GpuBuffer.from_numpy(w16) as dw, cuda.GpuBuffer.from_numpy(b) as db, \
+            cuda.GpuBuffer(m * n) as dy, cuda.GpuBuffer(m * n // 2, np.float16) as dh:
+        dy.fill_bytes(0)
+        ops.gemm_f16(dx, dw, dy, m, n, k, bias=db, residual=dy)
+        np.testing.assert_allclose(dy.to_numpy((m, n)), full + b, rtol=1e-4, atol=1e-3)
+        ops.gemm_f16(dx, dw, dh, m, n, k, glu=True, out_f16=True)
+        g, u = full[:, 0::2], full[:, 1::2]
+        np.testing.assert_allclose(dh.to_numpy((m, n // 2)).astype(np.float64), silu(g) * u, rtol=2e-2, atol=2e-2)
+    hidden = 576
+    xs = rng.standard_normal((3, hidden)).astype(np.float32)
+    wn = rng.standard_normal(hidden).astype(np.float32)
+    with cuda.GpuBuffer.from_numpy(xs) as dx, cuda.GpuBuffer.from_numpy(wn) as dw, \
+            cuda.GpuBuffer(3 * hidden, np.float16) as dy:
+        ops.rmsnorm(dx, dw, dy, 1e-5, rows=3, out_f16=True)
+        ref, _ = rmsnorm_oracle(xs, wn, 1e-5)
+        np.testing.assert_allclose(dy.to_numpy((3, hidden)).astype(np.float64), ref, rtol=2e-3, atol=2e-3)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="fewer weight types (racecheck is slow)")
     a = ap.parse_args()
     cases(cuda.module_cache(), np.random.default_rng(0), a.small)
+    prefill_cases(np.random.default_rng(1), a.small)
     cuda.current_device().synchronize()
     print("ok layer sanitize cases")
 
