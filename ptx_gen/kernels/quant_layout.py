@@ -333,14 +333,7 @@ def k_scale_pair(k: KernelBuilder, wtype: str, bb: Reg, sel: dict) -> list[Reg]:
     the top two bits of ``scales[j - 4]`` / ``scales[j]`` above it), then each byte becomes the float
     ``2**23 + n`` with one ``prmt`` and an FMA removes the ``2**23``: A = (32 or 64) d sc and
     C = -(A / 2 + dmin mn), each rounded once (as ``d * sc`` and ``dmin * mn`` would be)."""
-    h0, h1, h2, h3 = k.load("shared", "u32", bb, 0, vec=4)
-    lo_sc = k.prmt(h1, h3, sel["word"])  # scales[0..3] (j < 4) or scales[8..11]
-    lo_mn = k.prmt(h2, h3, sel["word"])  # scales[4..7] (j < 4) or scales[8..11]
-    sc = k.or_(k.and_(lo_sc, sel["m1"]), k.and_(k.shr(h1, 2), sel["m2"]))
-    mn = k.or_(k.and_(k.shr(lo_mn, sel["shm"]), sel["m1"]), k.and_(k.shr(h2, 2), sel["m2"]))
-    dlo, dhi = k.unpack_b32(h0)
-    d = k.cvt(Reg(dlo.name, _f16), "f32")
-    dmin = k.cvt(Reg(dhi.name, _f16), "f32")
+    sc, mn, d, dmin = k_scale_codes(k, bb, sel)
     # 4-bit: n = 32 f - 16 -> d sc n - dmin mn = 32 d sc f - (16 d sc + dmin mn); 5-bit: 64 d sc f - ...
     da = k.mul(d, 32.0 if wtype == "Q4_K" else 64.0)
     da_off = k.mul(da, -8388608.0)  # -(2**23) da: exact
@@ -352,6 +345,21 @@ def k_scale_pair(k: KernelBuilder, wtype: str, bb: Reg, sel: dict) -> list[Reg]:
         neg_ml = k.fma(k.bitcast(k.prmt(mn, 0x4B000000, sel[byte]), "f32"), ndmin, dmin_off)
         out += [a, k.fma(a, -0.5, neg_ml)]
     return out
+
+
+def k_scale_codes(k: KernelBuilder, bb: Reg, sel: dict) -> tuple[Reg, Reg, Reg, Reg]:
+    """(sc, mn, d, dmin) of the Q4_K/Q5_K block at ``bb`` (16-aligned) for :func:`k_scale_pair`: the 6-bit
+    scales and mins of four sub-blocks (2u, 2u + 1 in the bytes ``sel["b0"]``, ``sel["b1"]`` select), one
+    per byte of ``sc`` and ``mn``, and the block's d and dmin as f32."""
+    h0, h1, h2, h3 = k.load("shared", "u32", bb, 0, vec=4)
+    lo_sc = k.prmt(h1, h3, sel["word"])  # scales[0..3] (j < 4) or scales[8..11]
+    lo_mn = k.prmt(h2, h3, sel["word"])  # scales[4..7] (j < 4) or scales[8..11]
+    sc = k.or_(k.and_(lo_sc, sel["m1"]), k.and_(k.shr(h1, 2), sel["m2"]))
+    mn = k.or_(k.and_(k.shr(lo_mn, sel["shm"]), sel["m1"]), k.and_(k.shr(h2, 2), sel["m2"]))
+    dlo, dhi = k.unpack_b32(h0)
+    d = k.cvt(Reg(dlo.name, _f16), "f32")
+    dmin = k.cvt(Reg(dhi.name, _f16), "f32")
+    return sc, mn, d, dmin
 
 
 def k_pair_selectors(k: KernelBuilder, u: Reg) -> dict:

@@ -19,6 +19,7 @@ a CUDA graph and replayed; positions and token ids that change per step are read
 from __future__ import annotations
 
 from realizar.gpu.argmax import ArgmaxOps
+from realizar.gpu.dequant import DequantOps
 from realizar.gpu.elementwise import ElementwiseOps
 from realizar.gpu.embedding import EmbeddingOps
 from realizar.gpu.gemm import GemmConfig, GemmOps, gemm_config
@@ -30,5 +31,5 @@ from realizar.gpu.weights import GpuWeight
 __all__ = ["GemmConfig", "GemvConfig", "GpuWeight", "LayerOps", "MmaConfig", "gemv_config", "inv_freq_table", "gemm_config", "mma_config"]
 
 
-class LayerOps(GemvOps, GemmOps, NormOps, RopeOps, ElementwiseOps, EmbeddingOps, ArgmaxOps):
+class LayerOps(GemvOps, GemmOps, DequantOps, NormOps, RopeOps, ElementwiseOps, EmbeddingOps, ArgmaxOps):
     """Launches the layer kernels on one device (kernels loaded once, arguments packed once)."""
