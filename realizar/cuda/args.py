@@ -58,7 +58,7 @@ class KernelArgs:
         except KeyError as exc:
             raise ShapeError(f"unsupported kernel parameter type {exc}") from None
         self._pointers = (ctypes.c_void_p * max(len(self.params), 1))(
-            *[ctypes.cast(ctypes.pointer(s), ctypes.c_void_p) for s in self._slots]
+            *[ctypes.addressof(s) for s in self._slots]
         )
         self.buffers: dict[str, Any] = {}  # GpuBuffers referenced, for lifetime checks in graphs
         if len(values) > len(self.params):
@@ -109,7 +109,7 @@ class KernelArgs:
         dup.params, dup._index = self.params, self._index
         dup._slots = [type(s)(s.value) for s in self._slots]
         dup._pointers = (ctypes.c_void_p * max(len(self.params), 1))(
-            *[ctypes.cast(ctypes.pointer(s), ctypes.c_void_p) for s in dup._slots]
+            *[ctypes.addressof(s) for s in dup._slots]
         )
         dup.buffers = dict(self.buffers)
         return dup

@@ -167,19 +167,37 @@ def is_buffer_arg(x) -> bool:
     return hasattr(x, "ptr") and hasattr(x, "count") and hasattr(x, "dtype")
 
 
+_DTYPES: dict = {}  # dtype spellings (np.float32, "float32", np.dtype) -> np.dtype, resolved once
+
+
+def _as_dtype(dtype) -> np.dtype:
+    try:
+        return _DTYPES[dtype]
+    except (KeyError, TypeError):
+        resolved = np.dtype(dtype)
+        try:
+            _DTYPES[dtype] = resolved
+        except TypeError:
+            pass
+        return resolved
+
+
 def device_address(x, count: int, what: str, dtype=np.float32, align: int = 1) -> tuple[int, object]:
     """(device address, owning buffer) of a buffer or ``(buffer, element offset)`` holding at least
-    ``count`` elements of ``dtype`` from the offset, aligned to ``align`` bytes; ShapeError otherwise."""
+    ``count`` elements of ``dtype`` from the offset, aligned to ``align`` bytes; ShapeError otherwise.
+    (Called for every operand of every launch: the common case, a GpuBuffer and an int offset, takes
+    the shortest path through the same checks.)"""
     buf, off = (x if isinstance(x, tuple) else (x, 0))
-    if not is_buffer_arg(buf):
+    if type(buf) is not GpuBuffer and not is_buffer_arg(buf):
         raise ShapeError(f"{what} must be a GpuBuffer or (GpuBuffer, element offset), got {type(buf).__name__}")
-    if np.dtype(buf.dtype) != np.dtype(dtype):
-        raise ShapeError(f"{what} must hold {np.dtype(dtype)}, got {buf.dtype}")
-    if isinstance(off, bool) or not isinstance(off, (int, np.integer)) or off < 0:
+    want = _as_dtype(dtype)
+    if buf.dtype is not want and _as_dtype(buf.dtype) != want:
+        raise ShapeError(f"{what} must hold {want}, got {buf.dtype}")
+    if type(off) is not int and (isinstance(off, bool) or not isinstance(off, (int, np.integer))) or off < 0:
         raise ShapeError(f"{what}: element offset must be a non-negative integer, got {off!r}")
     if off + count > buf.count:
         raise ShapeError(f"{what} needs {count} elements from offset {off}; the buffer holds {buf.count}")
-    addr = int(buf.ptr) + int(off) * np.dtype(dtype).itemsize
+    addr = int(buf.ptr) + int(off) * want.itemsize
     if addr % align:
         raise ShapeError(f"{what} must be {align}-byte aligned (element offset {off})")
     return addr, buf

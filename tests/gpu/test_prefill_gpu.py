@@ -20,7 +20,8 @@ from tests.model_factory import KQUANT_DIMS
 
 pytestmark = pytest.mark.gpu
 
-DIMS = dict(vocab_size=320, hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, num_layers=2)
+DIMS = dict(vocab_size=320, hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, num_layers=2,
+            max_position_embeddings=1024)
 CASES = [
     ("llama", "F32"), ("llama", "Q8_0"), ("llama", "Q4_1"), ("qwen2", "Q4_0"), ("qwen3", "F16"),
     ("mistral", "Q5_0"), ("llama", "Q5_1"), ("llama", "Q4_K"), ("qwen2", "Q6_K"), ("llama", "Q5_K"),
