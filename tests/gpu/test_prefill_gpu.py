@@ -6,6 +6,8 @@ float64)."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -27,7 +29,7 @@ CASES = [
     ("mistral", "Q5_0"), ("llama", "Q5_1"), ("llama", "Q4_K"), ("qwen2", "Q6_K"), ("llama", "Q5_K"),
     ("qwen3", "BF16"),
 ]
-LENGTHS = [1, 2, 63, 64, 65, 511, 512, 513]
+LENGTHS = [1, 2, 63, 64, 65, 511, 512, 513]  # (+ 600 below: across two chunk boundaries)
 RTOL = 1e-2  # f16 GEMM operands: max |gpu - ref| / max |ref|
 CONTINUE = 32
 
@@ -38,12 +40,24 @@ def _rel_err(got, want) -> float:
     return float(np.abs(got - want).max() / np.abs(want).max())
 
 
-def _continue(model, logits, n: int) -> list[int]:
-    toks = []
-    for _ in range(n):
-        toks.append(logits.greedy_token() if hasattr(logits, "greedy_token") else int(np.argmax(logits)))
-        logits = model.decode(toks[-1])
-    return toks
+def _continue_greedily(gpu, ref, gpu_logits, ref_logits, n: int, what: str) -> int:
+    """Greedy decoding of both models side by side for ``n`` tokens; returns how many agreed. The tokens
+    must be identical, with one exemption: a near-tie, where both models' logits agree within ``RTOL``
+    and the reference's two best logits lie closer together than the models differ (either token is
+    then the right one to the precision the models share). Decoding stops at such a step."""
+    for step in range(n):
+        want, got = int(np.argmax(ref_logits)), gpu_logits.greedy_token()
+        if got != want:
+            g, r = np.asarray(gpu_logits, np.float64), np.asarray(ref_logits, np.float64)
+            err = float(np.abs(g - r).max())
+            top2 = np.sort(r)[-2:]
+            msg = (f"{what}: step {step} token {got} != {want}, logits differ by {err:.2e}, "
+                   f"reference margin {top2[1] - top2[0]:.2e}")
+            assert err < RTOL * np.abs(r).max() and top2[1] - top2[0] <= 2 * err and r[got] >= top2[0] - 2 * err, msg
+            warnings.warn(f"near-tie accepted: {msg}")
+            return step
+        gpu_logits, ref_logits = gpu.decode(want), ref.decode(want)
+    return n
 
 
 @pytest.mark.parametrize("arch,qtype", CASES)
@@ -61,8 +75,7 @@ def test_batched_prefill_matches_reference(tmp_path, arch, qtype):
         gpu.reset()
         ref_logits, gpu_logits = ref.prefill(prompt), gpu.prefill(prompt)
         assert _rel_err(gpu_logits, ref_logits) < RTOL, f"{arch}/{qtype} length {length}"
-        n = CONTINUE if length + CONTINUE <= 640 else 640 - length
-        assert _continue(gpu, gpu_logits, n) == _continue(ref, ref_logits, n), f"{arch}/{qtype} length {length}"
+        _continue_greedily(gpu, ref, gpu_logits, ref_logits, CONTINUE, f"{arch}/{qtype} length {length}")
 
 
 @pytest.mark.parametrize("wtype", ["Q4_K", "Q6_K", "Q8_0", "Q4_1", "F16", "Q5_K"])
