@@ -34,6 +34,8 @@ PREFILL_CHUNK = 2048  # tokens per chunk: bounded scratch whatever the prompt le
 # Shorter prompts go token by token through the decode graph: below this, expanding every weight to f16
 # costs more than the decode steps it saves.
 PREFILL_MIN_BATCH = 16
+GRAPH_ROWS = 64  # with graphs, chunk rows are padded to a multiple of this so lengths share a graph
+MAX_GRAPHS = 16  # chunk graphs kept (least recently used dropped)
 
 
 def batched_prefill_unsupported(model) -> str | None:
@@ -66,8 +68,13 @@ class BatchedPrefill:
         self.qkv = ops.buffer(c * self.qkv_n)
         self.q = ops.buffer(c * cfg.q_dim)
         self.ffn16 = ops.buffer(c * cfg.intermediate_size, np.float16)
+        self._graphs: dict[tuple[int, int], cuda.GraphExec] = {}  # (rows, pos0) -> the chunk's graph
+        self._seen: dict[tuple[int, int], None] = {}  # (rows, pos0) run eagerly once
 
     def free(self) -> None:
+        for g in self._graphs.values():
+            g.close()
+        self._graphs.clear()
         for b in (self.w16, self.ids, self.x, self.h16, self.qkv, self.q, self.ffn16):
             b.free()
 
@@ -79,13 +86,46 @@ class BatchedPrefill:
 
     def run_chunk(self, ids: list[int], pos0: int, last: bool) -> None:
         """Prefill ``ids`` (at most ``chunk``) at positions ``pos0 ..``; with ``last``, the logits and
-        greedy token of the final position."""
-        m, cfg, ops, kv, s = self.model, self.model.config, self.model.ops, self.model.kv, self.model.stream
-        n, eps = len(ids), cfg.rms_norm_eps
+        greedy token of the final position.
+
+        With graphs on, the chunk runs ``rows`` = ``len(ids)`` rounded up to :data:`GRAPH_ROWS` (the
+        extra rows take token 0; they only write cache positions past the chunk, which nothing reads
+        before a later append overwrites them, and the causal mask keeps them out of the real rows).
+        The first chunk of a (rows, pos0) runs eagerly; the second captures a graph of the chunk's
+        launches, which later ones of that (rows, pos0) replay: a fresh prompt of a recurring length
+        then costs one graph launch instead of a few hundred kernel launches from Python."""
+        m, kv, s = self.model, self.model.kv, self.model.stream
+        n = len(ids)
+        rows = min(-(-n // GRAPH_ROWS) * GRAPH_ROWS, self.chunk, m.max_len - pos0) if m.use_graph else n
         s.synchronize()  # the previous chunk's embedding has read the ids buffer
-        self.ids.copy_from_host_at(np.asarray(ids, np.uint32), 0)
-        ops.embedding(m.embed, self.ids, self.x, n_tokens=n, stream=s)
+        self.ids.copy_from_host_at(np.asarray(list(ids) + [0] * (rows - n), np.uint32), 0)
         kv.set_length(None, pos0)  # (decode steps append on the device; the host count catches up here)
+        key = (rows, pos0)
+        graph = self._graphs.pop(key, None)
+        if graph is None and key in self._seen:
+            with cuda.capture(s) as cap:
+                self._issue(rows, pos0)
+            graph = cap.graph.instantiate()
+        if graph is not None:
+            graph.launch(s)
+            self._graphs[key] = graph  # (most recently used last)
+            while len(self._graphs) > MAX_GRAPHS:
+                self._graphs.pop(next(iter(self._graphs))).close()
+        else:
+            self._issue(rows, pos0)
+            if m.use_graph:
+                self._seen[key] = None
+                while len(self._seen) > 4 * MAX_GRAPHS:
+                    self._seen.pop(next(iter(self._seen)))
+        kv.set_length(None, pos0 + n)
+        if last:
+            self._last_row(n)
+
+    def _issue(self, n: int, pos0: int) -> None:
+        """The launches of one chunk of ``n`` rows at ``pos0`` (no host synchronisation: capturable)."""
+        m, cfg, ops, kv, s = self.model, self.model.config, self.model.ops, self.model.kv, self.model.stream
+        eps = cfg.rms_norm_eps
+        ops.embedding(m.embed, self.ids, self.x, n_tokens=n, stream=s)
         for i, lay in enumerate(m.layers):
             ops.rmsnorm(self.x, lay.attn_norm, self.h16, eps, rows=n, out_f16=True, stream=s)
             off = 0
@@ -101,7 +141,11 @@ class BatchedPrefill:
             ops.rmsnorm(self.x, lay.ffn_norm, self.h16, eps, rows=n, out_f16=True, stream=s)
             self._linear(lay.gate_up, self.h16, self.ffn16, n, glu=True, out_f16=True)
             self._linear(lay.down, self.ffn16, self.x, n, residual=self.x)
-        if last:
-            ops.rmsnorm((self.x, (n - 1) * cfg.hidden_size), m.output_norm, m.h, eps, stream=s)
-            ops.gemv(m.lm_head, m.h, m.logits, stream=s)
-            ops.argmax(m.logits, m.token_out, stream=s)
+
+    def _last_row(self, n: int) -> None:
+        """Final norm, LM head and argmax of row ``n - 1``, into the buffers a decode step uses."""
+        m, cfg, ops, s = self.model, self.model.config, self.model.ops, self.model.stream
+        eps = cfg.rms_norm_eps
+        ops.rmsnorm((self.x, (n - 1) * cfg.hidden_size), m.output_norm, m.h, eps, stream=s)
+        ops.gemv(m.lm_head, m.h, m.logits, stream=s)
+        ops.argmax(m.logits, m.token_out, stream=s)
