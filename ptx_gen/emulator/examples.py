@@ -200,6 +200,40 @@ def _gemv(k, sizes, rng) -> Example:
     return Example(params, grid, (k.meta["block"],), ("y",), k.meta.get("dyn_smem", 0))
 
 
+@example("dequant_f16")
+def _dequant_f16(k, sizes, rng) -> Example:
+    from ptx_gen.kernels.dequant import total_rounds
+    from ptx_gen.kernels.gemv_mma_layout import tile_major
+
+    shape = k.shape_dict
+    wtype, in_dim, layout = shape["wtype"], shape["in_dim"], shape["layout"]
+    out_dim = sizes.get("out_dim", 34)
+    raw = _weights(rng, wtype, out_dim, in_dim)
+    if layout != "rows":
+        from ptx_gen.kernels.quant_layout import type_info
+
+        raw = tile_major(raw[:out_dim * type_info(wtype).row_bytes(in_dim)], wtype, out_dim, in_dim,
+                         glu=layout == "glu-tiles")
+        raw = np.concatenate([raw, np.zeros(-raw.size % 16, np.uint8)])
+    params = {"w": raw, "out": np.full(out_dim * in_dim, np.nan, np.float16), "out_dim": out_dim}
+    grid = (_cdiv(total_rounds(wtype, in_dim, layout, out_dim), k.meta["rounds_per_cta"]),)
+    return Example(params, grid, (k.meta["block"],), ("out",))
+
+
+@example("gemm_f16")
+def _gemm_f16(k, sizes, rng) -> Example:
+    shape = k.shape_dict
+    m, n, kdim = sizes.get("m", 37), sizes.get("n", 70), sizes.get("k", 72)
+    cols = n // 2 if shape["glu"] else n
+    out = np.float16 if shape["out_f16"] else np.float32
+    params = {"x": _f32(rng, m * kdim).astype(np.float16), "w": _f32(rng, n * kdim).astype(np.float16),
+              "y": np.full(m * cols, np.nan, out)}
+    _optional(k, params, rng, bias=lambda: _f32(rng, n), residual=lambda: _f32(rng, m * cols))
+    params.update(m=m, n=n, k=kdim, lda=kdim, ldy=cols)
+    grid = (_cdiv(m, k.meta["bm"]), _cdiv(n, k.meta["bn"]))
+    return Example(params, grid, (k.meta["block"],), ("y",), k.meta["dyn_smem"])
+
+
 @example("embedding")
 def _embedding(k, sizes, rng) -> Example:
     shape = k.shape_dict
