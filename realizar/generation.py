@@ -43,6 +43,9 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    #: callables ``fn(generated_ids, logits) -> logits`` applied in order to each step's logits (a
+    #: float32 host copy) before sampling: constraints (a -inf mask), penalties, biases
+    logits_processors: tuple = ()
 
     def validate(self) -> None:
         if int(self.max_tokens) != self.max_tokens or self.max_tokens < 0:
@@ -259,6 +262,10 @@ class Generator:
         logits = self.model.prefill(ids)
         t_step: float | None = None
         while True:
+            if params.logits_processors:
+                logits = np.array(logits, dtype=np.float32)
+                for process in params.logits_processors:
+                    logits = process(generated, logits)
             tok = sampler(logits, history)
             now = time.perf_counter()
             if t_step is None:

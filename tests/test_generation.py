@@ -302,3 +302,51 @@ def test_real_tokenizer_stop_string(tiny):
     cut = gen.generate(PROMPT, SamplingParams(max_tokens=30, temperature=1.0, seed=3, stop=(stop,)))
     assert cut.text == text[: text.find(stop)] and cut.finish_reason == "stop"
     assert cut.token_ids == res.token_ids[: len(cut.token_ids)]
+
+
+def test_logits_processors_run_in_order_before_sampling():
+    """Each step's logits pass through the processors (here: ban the greedy token, then record) before the
+    sampler sees them; they get the tokens generated so far."""
+    from realizar.generation import Generator, SamplingParams
+
+    class Fixed:
+        context_length = 64
+
+        def reset(self):
+            pass
+
+        def prefill(self, ids):
+            return np.arange(8, dtype=np.float32)
+
+        def decode(self, tok):
+            return np.arange(8, dtype=np.float32)
+
+    seen = []
+
+    def ban_top(generated, logits):
+        logits[int(np.argmax(logits))] = -np.inf
+        return logits
+
+    def record(generated, logits):
+        seen.append((list(generated), int(np.argmax(logits))))
+        return logits
+
+    class Tok:
+        eos_token_ids = ()
+
+        def encode(self, text, add_special_tokens=True):
+            return [1]
+
+        def stream_decoder(self, skip_special_tokens=True):
+            class D:
+                def step(self, t):
+                    return str(t)
+
+                def flush(self):
+                    return ""
+            return D()
+
+    gen = Generator(Fixed(), Tok(), eos_token_ids=())
+    result = gen.generate([1, 2], SamplingParams(max_tokens=3, logits_processors=(ban_top, record)))
+    assert result.token_ids == [6, 6, 6]
+    assert seen == [([], 6), ([6], 6), ([6, 6], 6)]
