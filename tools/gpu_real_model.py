@@ -18,6 +18,11 @@ from realizar.engine import load_engine
 from realizar.generation import SamplingParams
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "The three primary colors are"]
+# long prompts take the batched prefill (16 tokens or more): a paragraph, and one past a 512-token chunk
+PARAGRAPH = ("The river rose slowly through the night, and by morning the low fields east of the town were "
+             "under water. Farmers moved their animals to the hills, the school closed, and the mayor asked "
+             "volunteers to fill sandbags along the old stone bridge. ")
+LONG_PROMPTS = [PARAGRAPH + "What happened to the school?", PARAGRAPH * 14 + "Summarize the story in one sentence:"]
 
 
 def main() -> None:
@@ -30,12 +35,13 @@ def main() -> None:
     gpu = load_engine(a.gguf, device="cuda", max_context=4096)
     cpu = load_engine(a.gguf, device="cpu", max_context=4096)
     lines = ["| prompt | GPU greedy (32 tokens) | same tokens as CPU reference |", "|---|---|---|"]
-    for p in PROMPTS:
+    for p in PROMPTS + LONG_PROMPTS:
         params = SamplingParams(max_tokens=32, temperature=0.0)
         g, c = gpu.generate(p, params), cpu.generate(p, params)
         same = g.token_ids == c.token_ids
         first_diff = next((i for i, (x, y) in enumerate(zip(g.token_ids, c.token_ids)) if x != y), None)
-        lines.append(f"| {p!r} | {g.text!r} | {'yes' if same else f'no (first difference at token {first_diff})'} |")
+        shown = p if len(p) < 60 else f"{p[:40]}... ({g.prompt_tokens} tokens)"
+        lines.append(f"| {shown!r} | {g.text!r} | {'yes' if same else f'no (first difference at token {first_diff})'} |")
     france = gpu.generate(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0.0)).text
     assert "Paris" in france, france
     params = SamplingParams(max_tokens=256, temperature=0.0)
