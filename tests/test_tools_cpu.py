@@ -121,24 +121,12 @@ def test_realizar_bench_takes_a_pp512_prompt_length():
     assert r["prefill_tokens_per_second"] > 0 and r["time_to_first_token_seconds"] > 0
 
 
-def test_bench_prefill_passes_prefill_chunk_only_when_taken(monkeypatch):
+def test_bench_prefill_names_the_prefill_path():
     from realizar import cuda
-    from realizar.gpu.model import GpuModel
 
     cfg, tensors, _ = bench_model(bench_prefill.TINY)
     dev = cuda.EmulatedDevice(sm_count=4, racecheck=False)
-    _, path = bench_prefill.make_model(cfg, tensors, 16, dev, prefill_chunk=8)
-    assert path.startswith("token by token") and "--prefill-chunk ignored" in path
-    seen = {}
-
-    class Chunked(GpuModel):
-        def __init__(self, *args, prefill_chunk: int = 128, **kw):
-            seen["chunk"] = prefill_chunk
-            self.prefill_chunk = prefill_chunk
-            super().__init__(*args, **kw)
-
-    monkeypatch.setattr(bench_prefill, "GpuModel", Chunked)
-    _, path = bench_prefill.make_model(cfg, tensors, 16, dev, prefill_chunk=8)
-    assert seen["chunk"] == 8 and path == "batched, prefill_chunk=8"
-    _, path = bench_prefill.make_model(cfg, tensors, 16, dev, prefill_chunk=None)
-    assert seen["chunk"] == 128 and path == "batched, prefill_chunk=128"
+    model, path = bench_prefill.make_model(cfg, tensors, 16, dev, prefill_chunk=8)
+    assert model.prefill_chunk == 8 and path.startswith("batched, prefill_chunk=8")
+    model, path = bench_prefill.make_model(cfg, tensors, 64, dev, prefill_chunk=None)
+    assert path.startswith(f"batched, prefill_chunk={model.prefill_chunk}")

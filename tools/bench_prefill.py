@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import inspect
 import os
 import shlex
 import statistics
@@ -75,19 +74,12 @@ def matmul_params(cfg: ModelConfig) -> int:
 
 # ---- realizar ---------------------------------------------------------------------------------------
 def make_model(cfg: ModelConfig, tensors: dict, max_len: int, device, prefill_chunk: int | None):
-    """(GpuModel, description of its prefill path); ``prefill_chunk`` goes to the constructor only
-    when it takes one."""
-    params = inspect.signature(GpuModel).parameters
-    kw = {}
-    if "prefill_chunk" in params:
-        if prefill_chunk is not None:
-            kw["prefill_chunk"] = prefill_chunk
-        model = GpuModel(cfg, tensors, max_len=max_len, device=device, **kw)
-        default = params["prefill_chunk"].default
-        return model, f"batched, prefill_chunk={getattr(model, 'prefill_chunk', kw.get('prefill_chunk', default))}"
-    model = GpuModel(cfg, tensors, max_len=max_len, device=device)
-    note = "" if prefill_chunk is None else " (--prefill-chunk ignored: this GpuModel takes no prefill_chunk)"
-    return model, "token by token through the decode graph" + note
+    """(GpuModel, description of its prefill path); ``prefill_chunk`` None keeps the model's default."""
+    kw = {} if prefill_chunk is None else {"prefill_chunk": prefill_chunk}
+    model = GpuModel(cfg, tensors, max_len=max_len, device=device, **kw)
+    if model.batched_prefill_off:
+        return model, f"token by token through the decode graph ({model.batched_prefill_off})"
+    return model, f"batched, prefill_chunk={model.prefill_chunk} (prompts of {model.prefill_min_batch} tokens or more)"
 
 
 def first_token(logits) -> int:
