@@ -13,7 +13,6 @@ import pytest
 
 from realizar.gpu.model import GpuModel
 from realizar.gpu.ops import LayerOps
-from realizar.gpu.weights import GpuWeight
 from realizar.models.loader import load_model
 from realizar.models.reference import ReferenceModel
 from tests.gguf_factory import make_gguf_model
