@@ -226,13 +226,16 @@ class MemoryOps:
         self._emit(f"mbarrier.try_wait.parity.shared::cta.b64 {ok}, [{addr}], {self._op(parity, ptx_type('u32'))};")
         self.bra(top, ok, negate=True)
 
-    def ldmatrix_x4(self, addr: Reg, offset: int = 0) -> tuple[Reg, Reg, Reg, Reg]:
+    def ldmatrix_x4(self, addr: Reg, offset: int = 0, trans: bool = False) -> tuple[Reg, Reg, Reg, Reg]:
         """``ldmatrix.sync.aligned.m8n8.x4.shared.b16`` (warp-collective, sm_75+): four 8x8 matrices of
         16-bit elements, i.e. 8 rows of 16 bytes each; lane ``8 j + r`` gives the (16-byte aligned)
         shared address of row ``r`` of matrix ``j``. Lane ``l`` receives, for each matrix, bytes
-        ``4 (l % 4) .. 4 (l % 4) + 3`` of row ``l / 4``: register ``j`` from matrix ``j``."""
+        ``4 (l % 4) .. 4 (l % 4) + 3`` of row ``l / 4``: register ``j`` from matrix ``j``. With ``trans``
+        (``.trans``) it receives the transposed matrix's: elements ``2 (l % 4)`` and ``2 (l % 4) + 1``
+        of column ``l / 4`` (an MMA's B fragment from a row-major K x N tile)."""
         ds = tuple(self.reg("b32") for _ in range(4))
-        self._emit(f"ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{{', '.join(map(str, ds))}}}, "
+        form = ".trans" if trans else ""
+        self._emit(f"ldmatrix.sync.aligned.m8n8.x4{form}.shared.b16 {{{', '.join(map(str, ds))}}}, "
                    f"{self._address(addr, offset)};")
         return ds
 

@@ -146,10 +146,14 @@ def _chunk(cache, rng, layer, pos0, s, neox, norms, inv_buf, inv):
     return out_buf.to_numpy((s, H * D)), q, k, v
 
 
+@pytest.mark.parametrize("tensor_cores", [True, False])
 @pytest.mark.parametrize("neox, qk_norm", [(False, False), (True, True)])
-def test_kv_cache_prefill_in_two_chunks(cache, neox, qk_norm):
+def test_kv_cache_prefill_in_two_chunks(cache, neox, qk_norm, tensor_cores):
     """Chunk 1 at positions 0..6, chunk 2 at 7..16 continuing over the cache: the token-major f16
-    attention output of each matches float64 causal attention over everything cached so far."""
+    attention output of each matches float64 causal attention over everything cached so far (f32 SIMT
+    kernel: within the f16 output rounding; tensor-core kernel: within its f16 operands' rounding)."""
+    cache.use_tensor_cores = tensor_cores
+    assert cache.tensor_core_attention == tensor_cores
     rng = np.random.default_rng(7)
     inv = inv_freq_table(D, 10000.0)
     inv_buf = cache.ops.to_device(inv)
@@ -164,7 +168,8 @@ def test_kv_cache_prefill_in_two_chunks(cache, neox, qk_norm):
         ref = ref.transpose(1, 0, 2).reshape(s, H * D)
         assert np.isfinite(got).all()
         err = np.abs(got.astype(np.float64) - ref)
-        assert (err <= 2.0**-11 * np.abs(ref) + 2e-5 * np.abs(ref).max()).all(), err.max()
+        bound = 4e-3 * np.abs(ref).max() if tensor_cores else 2.0**-11 * np.abs(ref) + 2e-5 * np.abs(ref).max()
+        assert (err <= bound).all(), err.max()
     kc = cache.k_cache(1).to_numpy((KVH, MAX_LEN, D))
     _close(kc[:, :17], np.concatenate(ks, 1), 4e-6, "k_cache")
 

@@ -355,16 +355,18 @@ def _decode_reduce(k, sizes, rng) -> Example:
     return Example(params, (h,), (k.meta["block"],), ("out",))
 
 
-@example("flash_attention", "flash_attention_tokens_f16")
+@example("flash_attention", "flash_attention_tokens_f16", "flash_attention_mma")
 def _flash_attention(k, sizes, rng) -> Example:
     shape = k.shape_dict
     d, group = shape["head_dim"], shape.get("group", 1)
     kvh, seq_q, seq_k = sizes.get("n_kv", 1), sizes.get("seq_q", 5), sizes.get("seq_k", 9)
     h = kvh * group
-    out_type = np.float16 if k.name == "flash_attention_tokens_f16" else np.float32
+    out_type = np.float16 if k.name in ("flash_attention_tokens_f16", "flash_attention_mma") else np.float32
     params = {"q": _f32(rng, h * seq_q * d, scale=2.0), "k": _f32(rng, kvh * seq_k * d), "v": _f32(rng, kvh * seq_k * d),
               "out": np.full(h * seq_q * d, np.nan, out_type), "seq_q": seq_q, "seq_k": seq_k,
               "q_offset": seq_k - seq_q, "kv_stride": seq_k}
+    if k.name == "flash_attention_mma":
+        params["num_heads"] = h
     return Example(params, (_cdiv(seq_q, k.meta["block_q"]), h), (k.meta["block"],), ("out",),
                    k.launch.dyn_smem)
 

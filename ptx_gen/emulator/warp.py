@@ -67,9 +67,11 @@ def redux(m, inst: Inst, act: np.ndarray, mask: np.ndarray) -> None:
 
 @op("ldmatrix")
 def ldmatrix(m, inst: Inst, act: np.ndarray, mask: np.ndarray) -> None:
-    """``ldmatrix.sync.aligned.m8n8.x4.shared.b16``: lane 8j + r addresses row r of matrix j (16
-    bytes); lane l gets bytes 4 (l % 4) .. + 3 of row l / 4 of each matrix."""
-    if inst.mods != ["sync", "aligned", "m8n8", "x4", "shared", "b16"]:
+    """``ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16``: lane 8j + r addresses row r of matrix j (16
+    bytes); lane l gets bytes 4 (l % 4) .. + 3 of row l / 4 of each matrix (``.trans``: 16-bit elements
+    2 (l % 4) and 2 (l % 4) + 1 of column l / 4)."""
+    trans = inst.mods == ["sync", "aligned", "m8n8", "x4", "trans", "shared", "b16"]
+    if inst.mods != ["sync", "aligned", "m8n8", "x4", "shared", "b16"] and not trans:
         raise EmulatorError(f"ldmatrix form not emulated: {inst.text}")
     warps = m.whole_warps(inst, act)
     addrs, _ = m.addr(inst.args[1], "shared")
@@ -86,8 +88,13 @@ def ldmatrix(m, inst: Inst, act: np.ndarray, mask: np.ndarray) -> None:
     for w in warps:
         base = 32 * w
         for j, d in enumerate(dests):
-            src_rows = data[base + 8 * j + lane // 4]  # [32, 16]: the row each lane reads from
-            words = np.stack([src_rows[i, 4 * (i % 4): 4 * (i % 4) + 4] for i in range(32)]).copy().view(np.uint32)[:, 0]
+            if trans:  # lane i: elements (2 (i % 4), i / 4) and (2 (i % 4) + 1, i / 4) of matrix j
+                mat = data[base + 8 * j: base + 8 * j + 8].view(np.uint16)  # [8 rows, 8 columns]
+                pairs = np.stack([mat[2 * (lane % 4), lane // 4], mat[2 * (lane % 4) + 1, lane // 4]], 1)
+                words = np.ascontiguousarray(pairs).view(np.uint32)[:, 0]
+            else:
+                src_rows = data[base + 8 * j + lane // 4]  # [32, 16]: the row each lane reads from
+                words = np.stack([src_rows[i, 4 * (i % 4): 4 * (i % 4) + 4] for i in range(32)]).copy().view(np.uint32)[:, 0]
             full = m.reg(d).copy() if d in m.regs else np.zeros(m.n, np.uint32)
             full[base:base + 32] = words
             who = np.zeros(m.n, bool)

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from ptx_gen.kernels.decode_core import DEFAULT_L2_PREFETCH, MAX_HEAD_DIM, decode_layout, default_decode_warps
+from ptx_gen.kernels.flash_attention_mma import HEAD_DIMS as MMA_HEAD_DIMS
 from ptx_gen.kernels.flash_decoding import fused_buffer_sizes
 from realizar.errors import CacheStateError, ContextOverflowError, ShapeError
 from realizar.gpu.dispatch import Dispatcher, check_int, is_buffer_arg
@@ -122,7 +123,9 @@ class KVCache:
     ``ptx_gen.kernels.decode_core``), ``decode_warps`` (default 8 where the block's shared memory stays
     within 32 KB, else 4), ``decode_unroll`` (rows per lane group loaded per step), ``decode_prefetch``
     (load step i+1 into registers while computing i) and ``decode_l2_prefetch`` (steps of rows
-    requested from the L2 ahead of the loads, sm_90; 0: off). ``ops``: the dispatcher to launch with
+    requested from the L2 ahead of the loads, sm_90; 0: off). ``use_tensor_cores``: token-major f16
+    prefill attention on tensor cores where it applies (:attr:`tensor_core_attention`; False: the f32
+    SIMT kernel). ``ops``: the dispatcher to launch with
     (shared with the model's other ops); default: a new one on ``device``.
     """
 
@@ -130,8 +133,10 @@ class KVCache:
                  device: Any = None, *, ops: Dispatcher | None = None, num_chunks: int | None = None,
                  min_chunk: int | None = None, grow_rows: int | None = None, decode_warps: int | None = None,
                  decode_unroll: int | None = None, decode_prefetch: bool = False, decode_fused: bool = True,
-                 decode_scores: str | None = None, decode_l2_prefetch: int = DEFAULT_L2_PREFETCH):
+                 decode_scores: str | None = None, decode_l2_prefetch: int = DEFAULT_L2_PREFETCH,
+                 use_tensor_cores: bool = True):
         cfg = AttentionConfig(num_layers, num_heads, num_kv_heads, head_dim, max_len)
+        self.use_tensor_cores = bool(use_tensor_cores)
         try:
             if decode_warps is None:
                 decode_warps = default_decode_warps(cfg.head_dim, cfg.group)
@@ -423,11 +428,22 @@ class KVCache:
         stride of ``kv_stride`` positions (the cache's ``max_len``, or ``seq_k`` for packed inputs);
         the output is ``[H, seq_q, D]`` f32, or with ``out_tokens_f16`` ``[seq_q, H * D]`` f16."""
         cfg = self.config
-        name = "flash_attention_tokens_f16" if out_tokens_f16 else "flash_attention"
-        kern = self.ops.kernel(name, head_dim=cfg.head_dim, group=cfg.group, causal=bool(causal))
         values = {"q": q_addr, "k": k_addr, "v": v_addr, "out": out_addr, "seq_q": seq_q, "seq_k": seq_k,
                   "q_offset": q_offset, "kv_stride": kv_stride}
+        if out_tokens_f16 and self.tensor_core_attention:
+            kern = self.ops.kernel("flash_attention_mma", head_dim=cfg.head_dim, group=cfg.group, causal=bool(causal))
+            values["num_heads"] = cfg.num_heads
+        else:
+            name = "flash_attention_tokens_f16" if out_tokens_f16 else "flash_attention"
+            kern = self.ops.kernel(name, head_dim=cfg.head_dim, group=cfg.group, causal=bool(causal))
         self.ops.launch(kern, (-(-seq_q // kern.meta["block_q"]), cfg.num_heads), values, stream, cache=False)
+
+    @property
+    def tensor_core_attention(self) -> bool:
+        """Whether token-major f16 prefill attention runs on tensor cores (``flash_attention_mma``:
+        sm_80+, head_dim a multiple of 16 up to 128); otherwise the f32 SIMT kernel computes it."""
+        return (self.ops.device.target.compute_capability >= (8, 0) and self.config.head_dim in MMA_HEAD_DIMS
+                and self.use_tensor_cores)
 
     def prefill_attention(self, layer: int, q: Any, out: Any, seq_q: int, q_offset: int, seq_k: int,
                           causal: bool = True, *, out_layout: str = "heads", stream: Any = None) -> None:
