@@ -105,6 +105,15 @@ def prefill_cases(cache, rng, shapes) -> None:
             cuda.launch(kern, (-(-sq // kern.meta["block_q"]), h), kern.meta["block"],
                         kern.args(dq, dk, dv, out, sq, sk, sk - sq, stride), kern.launch.dyn_smem)
             _check(out.to_numpy(q.shape), ref, f"flash attention {h}/{kvh}/{d} {sq}x{sk} causal={causal}")
+        if d % 16 == 0 and d <= 128:  # the tensor-core kernel: token-major f16 output, f16 operands
+            kern = cache.get("flash_attention_mma", head_dim=d, group=h // kvh, causal=causal)
+            with cuda.GpuBuffer.from_numpy(q) as dq, cuda.GpuBuffer.from_numpy(k) as dk, \
+                    cuda.GpuBuffer.from_numpy(v) as dv, cuda.GpuBuffer(q.size, np.float16) as out:
+                cuda.launch(kern, (-(-sq // kern.meta["block_q"]), h), kern.meta["block"],
+                            kern.args(dq, dk, dv, out, sq, sk, sk - sq, stride, h), kern.launch.dyn_smem)
+                got = out.to_numpy((sq, h, d)).transpose(1, 0, 2).astype(np.float64)
+                err = np.abs(got - ref).max() / np.abs(ref).max()
+                assert err < 4e-3, f"tensor-core flash attention {h}/{kvh}/{d} {sq}x{sk}: relative error {err:.2e}"
 
 
 def cases(cache, rng, small: bool) -> None:
