@@ -63,6 +63,8 @@ class SamplingParams:
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
         )
+        if self.seed is not None and (int(self.seed) != self.seed or not 0 <= self.seed < 2**64):
+            raise InvalidRequestError(f"seed must be an integer in [0, 2**64), got {self.seed}")
         if self.logprobs is not None and (int(self.logprobs) != self.logprobs or self.logprobs < 0):
             raise InvalidRequestError(f"logprobs must be None or an integer >= 0, got {self.logprobs}")
         if isinstance(self.stop, str):
