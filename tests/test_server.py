@@ -323,6 +323,7 @@ def _bad_requests(name: str, oracle) -> list[tuple[str, str, object, int, str | 
         ("best-of-below-n", c, {"model": name, "prompt": "hi", "n": 3, "best_of": 2}, 400, "best_of"),
         ("best-of-streamed", c, {"model": name, "prompt": "hi", "n": 1, "best_of": 2, "stream": True}, 400, "best_of"),
         ("too-many-prompts", c, {"model": name, "prompt": ["hi"] * 33}, 400, "prompt"),
+        ("too-many-generations", c, {"model": name, "prompt": ["hi"] * 8, "n": 9}, 400, "n"),
         ("seed-too-big", c, {"model": name, "prompt": "hi", "seed": 2**64}, 400, "seed"),
         ("echo-logprobs", c, {"model": name, "prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
         ("penalty-out-of-range", c, {"model": name, "prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),

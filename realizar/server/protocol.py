@@ -23,6 +23,7 @@ __all__ = [
 MAX_CHOICES = 16  # n (or best_of) per prompt: each choice is a generation of its own
 MAX_PROMPTS = 32  # prompts in one completions request
 MAX_TOP_LOGPROBS = 20
+MAX_GENERATIONS = 64  # generations one request may queue (prompts x best_of, or x n)
 
 
 class ServerError(Exception):
@@ -131,7 +132,12 @@ class CompletionRequest(GenerationRequest):
         if len(p) > MAX_PROMPTS:
             raise ServerError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(p)}", param="prompt",
                               code="invalid_value")  # fmt: skip
-        return [x if isinstance(x, str) else list(x) for x in p]  # type: ignore[misc]
+        out = [x if isinstance(x, str) else list(x) for x in p]  # type: ignore[misc]
+        runs = len(out) * (self.best_of or self.choices_per_prompt())
+        if runs > MAX_GENERATIONS:
+            raise ServerError(400, f"{len(out)} prompts x {self.best_of or self.choices_per_prompt()} choices = {runs} "
+                              f"generations; at most {MAX_GENERATIONS} per request", param="n", code="invalid_value")
+        return out
 
 
 class TextPart(BaseModel):
