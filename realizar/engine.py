@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,6 +86,12 @@ class Engine:
         self, messages: Sequence[Mapping[str, Any]], params: SamplingParams | None = None
     ) -> GenerationStream:
         return self.generator.stream(self.chat_prompt(messages), params)
+
+
+def model_id(name: str) -> str:
+    """``name`` as a model id clients can type: each run of whitespace becomes one ``-``."""
+    slug = re.sub(r"\s+", "-", name.strip()).strip("-")
+    return slug or "model"
 
 
 def load_tokenizer(loaded) -> Any:
@@ -172,8 +179,9 @@ def load_engine(
 
     eos = tuple(dict.fromkeys([*getattr(tokenizer, "eos_token_ids", ()), *loaded.config.eos_token_ids]))
     name = loaded.metadata.get("general.name") if loaded.format == "gguf" else None
-    if not isinstance(name, str) or not name:
+    if not isinstance(name, str) or not name.strip():
         name = path.stem if path.is_file() else path.name
+    name = model_id(name)
     return Engine(
         config=loaded.config,
         tokenizer=tokenizer,

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from realizar.errors import ContextOverflowError, InvalidRequestError
-from realizar.sampling import Sampler, validate
+from realizar.sampling import Sampler, log_softmax, top_logprobs, validate
 
 __all__ = [
     "SamplingParams",
@@ -33,7 +33,9 @@ class SamplingParams:
     """How to generate. ``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` disable
     those filters; ``seed`` makes sampling reproducible; generation ends at ``max_tokens``, at an
     end-of-sequence token (the tokenizer's EOS ids plus ``stop_token_ids``) or just before the first
-    occurrence of any ``stop`` string, which is never emitted."""
+    occurrence of any ``stop`` string, which is never emitted. ``presence_penalty`` and
+    ``frequency_penalty`` are OpenAI's (over the generated tokens). ``logprobs``: None, or how many
+    of the most likely tokens each :class:`TokenChunk` lists besides the chosen token's logprob."""
 
     max_tokens: int = 128
     temperature: float = 0.0
@@ -46,6 +48,9 @@ class SamplingParams:
     #: callables ``fn(generated_ids, logits) -> logits`` applied in order to each step's logits (a
     #: float32 host copy) before sampling: constraints (a -inf mask), penalties, biases
     logits_processors: tuple = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
 
     def validate(self) -> None:
         if int(self.max_tokens) != self.max_tokens or self.max_tokens < 0:
@@ -55,7 +60,13 @@ class SamplingParams:
             top_k=self.top_k,
             top_p=self.top_p,
             repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
         )
+        if self.seed is not None and (int(self.seed) != self.seed or not 0 <= self.seed < 2**64):
+            raise InvalidRequestError(f"seed must be an integer in [0, 2**64), got {self.seed}")
+        if self.logprobs is not None and (int(self.logprobs) != self.logprobs or self.logprobs < 0):
+            raise InvalidRequestError(f"logprobs must be None or an integer >= 0, got {self.logprobs}")
         if isinstance(self.stop, str):
             raise InvalidRequestError("stop must be a tuple of strings, not a single string")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
@@ -65,10 +76,15 @@ class SamplingParams:
 @dataclass(frozen=True)
 class TokenChunk:
     """One generated token and the text it released (possibly ``""``: an incomplete UTF-8 sequence,
-    text held back because it may begin a stop string, or the end-of-sequence token)."""
+    text held back because it may begin a stop string, or the end-of-sequence token). When
+    ``SamplingParams.logprobs`` is set: ``logprob`` of this token and the ``top_logprobs``
+    ``(token_id, logprob)`` pairs, most likely first, from the log-softmax of the model's raw logits
+    (before penalties, processors and temperature)."""
 
     token_id: int
     text: str
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -231,7 +247,8 @@ class Generator:
         return stream.result
 
     def _run(self, ids: list[int], params: SamplingParams, state: dict) -> Iterator[TokenChunk]:
-        sampler = Sampler(params.temperature, params.top_k, params.top_p, params.repetition_penalty, params.seed)
+        sampler = Sampler(params.temperature, params.top_k, params.top_p, params.repetition_penalty, params.seed,
+                          params.presence_penalty, params.frequency_penalty)  # fmt: skip
         stop_ids = set(self.eos_token_ids) | {int(t) for t in params.stop_token_ids}
         decoder = self.tokenizer.stream_decoder(skip_special_tokens=True)
         matcher = StopStringMatcher(params.stop)
@@ -262,11 +279,15 @@ class Generator:
         logits = self.model.prefill(ids)
         t_step: float | None = None
         while True:
+            logprobs = None
+            if params.logprobs is not None:
+                logits = np.asarray(logits)  # a GPU model's logits come to the host only here
+                logprobs = log_softmax(logits)
             if params.logits_processors:
                 logits = np.array(logits, dtype=np.float32)
                 for process in params.logits_processors:
                     logits = process(generated, logits)
-            tok = sampler(logits, history)
+            tok = sampler(logits, history, generated)
             now = time.perf_counter()
             if t_step is None:
                 prefill_s = now - t0  # prefill and the first sample
@@ -291,10 +312,14 @@ class Generator:
                     else:
                         text += matcher.release()
             pieces.append(text)
+            chunk = TokenChunk(tok, text)
+            if logprobs is not None:
+                tops = tuple(top_logprobs(logprobs, params.logprobs or 0))
+                chunk = TokenChunk(tok, text, float(logprobs[tok]), tops)
             if last:
                 finish_up()
-                yield TokenChunk(tok, text)
+                yield chunk
                 return
-            yield TokenChunk(tok, text)
+            yield chunk
             t_step = time.perf_counter()
             logits = self.model.decode(tok)

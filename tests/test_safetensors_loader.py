@@ -434,3 +434,23 @@ def test_load_safetensors_direct(models):
     d, _ = models["mistral"]
     m = load_safetensors(d)
     assert m.config.architecture == "mistral"
+
+
+def test_single_safetensors_file_path(copy_of):
+    """``--model dir/x.safetensors`` loads that file's tensors (other files beside it are ignored),
+    and errors name the file."""
+    d = copy_of("llama")
+    whole = load_model(d)
+    (d / "model.safetensors").rename(d / "x.safetensors")
+    (d / "y.safetensors").write_bytes((d / "x.safetensors").read_bytes()[:100])  # a broken neighbour
+    m = load_model(d / "x.safetensors")
+    assert set(m.tensors) == set(whole.tensors)
+    for k, t in whole.tensors.items():
+        assert np.array_equal(m.tensors[k].dequantize(), t.dequantize()), k
+    with pytest.raises(ModelFormatError, match="y.safetensors"):
+        load_model(d / "y.safetensors")
+    with pytest.raises(ModelFormatError, match="y.safetensors"):
+        load_model(d)  # the directory reads every *.safetensors file
+    (d / "config.json").unlink()
+    with pytest.raises(ModelFormatError, match=r"x\.safetensors: no config.json"):
+        load_model(d / "x.safetensors")

@@ -167,7 +167,7 @@ def add_sampling_args(p: argparse.ArgumentParser, temperature: float, top_p: flo
                    help=f"nucleus sampling threshold, 1 = off (default: {top_p:g})")
     p.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
                    help="penalise tokens already seen, 1 = off (default: 1)")
-    p.add_argument("--seed", type=int, help="random seed for reproducible sampling")
+    p.add_argument("--seed", type=nonneg_int, help="random seed for reproducible sampling (an integer >= 0)")
     p.add_argument("--stop", action="append", metavar="TEXT",
                    help="stop before this text (repeatable); it is not printed")
     p.set_defaults(max_tokens_given=False)

@@ -94,7 +94,12 @@ def model_info(path: str) -> dict:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    path = Path(args.model).expanduser()
+    if args.model is None:
+        from realizar.default_model import default_model_path
+
+        path = default_model_path()  # downloaded once and cached, as for the other commands
+    else:
+        path = Path(args.model).expanduser()
     if not path.exists():
         raise CliError(f"no model at {path}")
     info = model_info(str(path))
@@ -152,8 +157,10 @@ def cmd_info(args: argparse.Namespace) -> int:
 def register(command) -> None:
     """Add the subcommand's parser; ``command(name, help, description)`` makes one."""
     p = command("info", "describe a model file: architecture, shapes, tensors, tokenizer",
-                "Describe MODEL (a GGUF file or a safetensors directory) without loading its weights.")
-    p.add_argument("model", metavar="MODEL", help="GGUF file or HF safetensors directory")
+                "Describe MODEL (a GGUF file or a safetensors directory; default: the default model) "
+                "without loading its weights.")
+    p.add_argument("model", metavar="MODEL", nargs="?",
+                   help="GGUF file or HF safetensors directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--tensors", action="store_true", help="also list every tensor (name, type, shape, bytes)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_info)

@@ -31,6 +31,8 @@ def load_model(path: str | os.PathLike) -> LoadedModel:
             raise ModelFormatError(f"{p} holds {len(ggufs)} GGUF files ({listed}); pass one of them")
         else:
             return load_safetensors(p)
-    if p.suffix == ".safetensors" or p.name == "model.safetensors.index.json":
+    if p.suffix == ".safetensors":
+        return load_safetensors(p.parent, p)
+    if p.name == "model.safetensors.index.json":
         return load_safetensors(p.parent)
     return load_gguf(p)

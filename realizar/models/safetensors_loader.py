@@ -254,18 +254,33 @@ def config_from_hf(cfg: dict[str, Any], present: set[str]) -> ModelConfig:
     )
 
 
-def load_safetensors(directory: str | os.PathLike) -> LoadedModel:
-    """Load an HF-layout directory as a :class:`~realizar.models.loaded.LoadedModel`."""
+def _weight_files(d: Path, weights: Path | None) -> list[Path]:
+    """The files holding the model's tensors: the directory's (index, ``model.safetensors`` or every
+    ``*.safetensors``), or only ``weights`` when given (all shards if an index lists it as one)."""
+    if weights is None:
+        return _shard_files(d)
+    if (d / "model.safetensors.index.json").exists():
+        shards = _shard_files(d)
+        if weights in shards:
+            return shards
+    return [weights]
+
+
+def load_safetensors(directory: str | os.PathLike, weights: str | os.PathLike | None = None) -> LoadedModel:
+    """Load an HF-layout directory as a :class:`~realizar.models.loaded.LoadedModel`; ``weights``
+    (a ``.safetensors`` file in it) picks that file's tensors, and errors then name it."""
     d = Path(directory)
+    wfile = Path(weights) if weights is not None else None
+    where = str(wfile) if wfile is not None else str(d)
     cfg_path = d / "config.json"
     if not cfg_path.exists():
-        raise ModelFormatError(f"{d}: no config.json")
+        raise ModelFormatError(f"{where}: no config.json in {d}" if wfile is not None else f"{d}: no config.json")
     cfg = _read_json(cfg_path)
     if not isinstance(cfg, dict):
         raise ModelFormatError(f"{cfg_path}: not a JSON object")
     try:
         hf: dict[str, QuantTensor] = {}
-        for f in _shard_files(d):
+        for f in _weight_files(d, wfile):
             tensors, _ = read_safetensors_file(f)
             for k, v in tensors.items():
                 if k in hf:
@@ -280,11 +295,12 @@ def load_safetensors(directory: str | os.PathLike) -> LoadedModel:
             # transformers ignores lm_head when the embeddings are tied
             del tensors[names.OUTPUT]
         config = config_from_hf(cfg, set(tensors))
-        names.validate_tensor_shapes(config, {k: v.shape for k, v in tensors.items()}, source=d.name)
+        source = wfile.name if wfile is not None else d.name
+        names.validate_tensor_shapes(config, {k: v.shape for k, v in tensors.items()}, source=source)
     except RealizarError:
         raise
     except (ValueError, OverflowError, struct.error, IndexError, KeyError, TypeError) as e:
-        raise ModelFormatError(f"{d}: malformed safetensors model: {type(e).__name__}: {e}") from e
+        raise ModelFormatError(f"{where}: malformed safetensors model: {type(e).__name__}: {e}") from e
     tok = d / "tokenizer.json"
     return LoadedModel(
         config=config,

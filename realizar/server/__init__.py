@@ -40,13 +40,15 @@ def serve(
     max_queue: int = 256,
     default_max_tokens: int | None = None,
     log_level: str = "info",
+    api_key: str | None = None,
     on_ready: Callable[[str, int], None] | None = None,
 ) -> None:
     """Serve ``engine`` with uvicorn until interrupted. ``on_ready(host, port)`` is called once the
     socket is bound (with the real port when ``port`` is 0)."""
     import uvicorn
 
-    app = create_app(engine, model_name=model_name, max_queue=max_queue, default_max_tokens=default_max_tokens)
+    app = create_app(engine, model_name=model_name, max_queue=max_queue, default_max_tokens=default_max_tokens,
+                     api_key=api_key)
     sock = bind_socket(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5, lifespan="on")

@@ -2,7 +2,8 @@
 
 Endpoints (:mod:`realizar.server.routes`): ``POST /v1/completions``, ``POST /v1/chat/completions``
 (both with ``stream: true`` as Server-Sent Events in OpenAI's chunk format, ending with
-``data: [DONE]``), ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus text).
+``data: [DONE]``), ``GET /v1/models``, ``POST /tokenize`` and ``/detokenize``, ``GET /health`` and
+``GET /metrics`` (Prometheus text). An optional API key guards every route but the last two.
 Errors are answered with OpenAI's error body (:mod:`realizar.server.errors`).
 
 Generations run one at a time on a worker thread (:mod:`realizar.server.scheduler`); a client that
@@ -17,6 +18,7 @@ from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI
 
+from realizar.server.auth import ApiKeyMiddleware
 from realizar.server.errors import install_error_handlers
 from realizar.server.metrics import ServerMetrics
 from realizar.server.routes import ROUTERS
@@ -26,7 +28,7 @@ from realizar.server.state import ServerState
 __all__ = ["create_app"]
 
 GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
-KNOWN_ENDPOINTS = (*GENERATION_ENDPOINTS, "/v1/models", "/health", "/metrics")
+KNOWN_ENDPOINTS = (*GENERATION_ENDPOINTS, "/v1/models", "/health", "/metrics", "/tokenize", "/detokenize")
 
 
 def _context_length(engine: Any) -> int:
@@ -92,12 +94,14 @@ def create_app(
     model_name: str | None = None,
     max_queue: int = 256,
     default_max_tokens: int | None = None,
+    api_key: str | None = None,
 ) -> FastAPI:
     """A FastAPI app serving ``engine`` (see :func:`realizar.engine.load_engine`).
 
     ``model_name`` is the id clients pass as ``model`` (default: ``engine.name``); ``max_queue`` caps
     the requests waiting for the model (more get a 429); ``default_max_tokens`` caps chat completions
-    that give no ``max_tokens`` (default: the rest of the context, as OpenAI does).
+    that give no ``max_tokens`` (default: the rest of the context, as OpenAI does); ``api_key``: when
+    set, the ``/v1`` routes and tokenize answer 401 without ``Authorization: Bearer <api_key>``.
     """
     name = model_name or str(getattr(engine, "name", None) or "realizar")
     device = str(getattr(engine, "device", "cpu"))
@@ -122,7 +126,9 @@ def create_app(
 
     app = FastAPI(title="realizar", version=_version(), lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state  # what the routes get through realizar.server.state.get_state
-    app.add_middleware(_MetricsMiddleware, metrics=metrics)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(_MetricsMiddleware, metrics=metrics)  # outermost: 401s are counted too
     install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)

@@ -1,8 +1,7 @@
 """OpenAI-compatible request bodies (validated with pydantic), response builders and the error body.
 
-Only what realizar can honour is accepted: ``n`` must be 1, ``logprobs``/``suffix``/``tools`` are
-refused with a 400, ``presence_penalty``/``frequency_penalty`` are accepted only at their neutral 0.
-Extensions: ``top_k``, ``repetition_penalty``, ``stop_token_ids``.
+Only what realizar can honour is accepted (``suffix``, and ``echo`` with ``logprobs``, are refused
+with a 400). Extensions: ``top_k``, ``repetition_penalty``, ``stop_token_ids``.
 """
 
 from __future__ import annotations
@@ -20,6 +19,11 @@ __all__ = [
     "ServerError",
     "error_body",
 ]
+
+MAX_CHOICES = 16  # n (or best_of) per prompt: each choice is a generation of its own
+MAX_PROMPTS = 32  # prompts in one completions request
+MAX_TOP_LOGPROBS = 20
+MAX_GENERATIONS = 64  # generations one request may queue (prompts x best_of, or x n)
 
 
 class ServerError(Exception):
@@ -60,13 +64,12 @@ class GenerationRequest(BaseModel):
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    n: int | None = Field(default=None, ge=1)
-    seed: int | None = None
+    n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     stream: bool | None = False
     stream_options: dict[str, Any] | None = None
-    logprobs: Any = None
     user: str | None = None
 
     @field_validator("stop")
@@ -89,16 +92,10 @@ class GenerationRequest(BaseModel):
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
 
+    def choices_per_prompt(self) -> int:
+        return self.n or 1
+
     def refuse_unsupported(self) -> None:
-        if self.n not in (None, 1):
-            raise ServerError(400, "only n=1 is supported", param="n", code="unsupported_parameter")
-        if self.logprobs not in (None, False):
-            raise ServerError(400, "logprobs are not supported", param="logprobs", code="unsupported_parameter")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise ServerError(
-                    400, f"{name} is not supported (use repetition_penalty)", param=name, code="unsupported_parameter"
-                )
         if self.stream_options is not None and not self.stream:
             raise ServerError(400, "stream_options is only allowed with stream=true", param="stream_options")
 
@@ -107,27 +104,40 @@ class CompletionRequest(GenerationRequest):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     echo: bool | None = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
         if self.suffix:
             raise ServerError(400, "suffix is not supported", param="suffix", code="unsupported_parameter")
-        if self.best_of not in (None, 1):
-            raise ServerError(400, "only best_of=1 is supported", param="best_of", code="unsupported_parameter")
+        if self.best_of is not None and self.best_of < self.choices_per_prompt():
+            raise ServerError(400, f"best_of ({self.best_of}) must be >= n ({self.choices_per_prompt()})",
+                              param="best_of", code="invalid_value")  # fmt: skip
+        if self.best_of not in (None, self.choices_per_prompt()) and self.stream:
+            raise ServerError(400, "best_of > n cannot be streamed", param="best_of", code="invalid_value")
+        if self.echo and self.logprobs is not None:
+            raise ServerError(400, "logprobs of the echoed prompt are not supported (echo with logprobs)",
+                              param="echo", code="unsupported_parameter")  # fmt: skip
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of this request (text or token ids); batches of several are refused."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request (each text or token ids), in order."""
         p = self.prompt
         if isinstance(p, str):
-            return p
+            return [p]
         if len(p) == 0:
             raise ServerError(400, "prompt must not be empty", param="prompt")
         if all(isinstance(x, int) for x in p):
-            return list(p)  # type: ignore[arg-type]
-        if len(p) != 1:
-            raise ServerError(400, "only one prompt per request is supported", param="prompt", code="unsupported_parameter")
-        return p[0] if isinstance(p[0], str) else list(p[0])  # type: ignore[return-value]
+            return [list(p)]  # type: ignore[list-item]
+        if len(p) > MAX_PROMPTS:
+            raise ServerError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(p)}", param="prompt",
+                              code="invalid_value")  # fmt: skip
+        out = [x if isinstance(x, str) else list(x) for x in p]  # type: ignore[misc]
+        runs = len(out) * (self.best_of or self.choices_per_prompt())
+        if runs > MAX_GENERATIONS:
+            raise ServerError(400, f"{len(out)} prompts x {self.best_of or self.choices_per_prompt()} choices = {runs} "
+                              f"generations; at most {MAX_GENERATIONS} per request", param="n", code="invalid_value")
+        return out
 
 
 class TextPart(BaseModel):
@@ -163,7 +173,8 @@ class ChatCompletionRequest(GenerationRequest):
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
-    top_logprobs: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
@@ -175,6 +186,12 @@ class ChatCompletionRequest(GenerationRequest):
             )
         if self.max_tokens == 0:
             raise ServerError(400, "max_tokens must be at least 1", param="max_tokens", code="invalid_value")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ServerError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+
+    def logprobs_wanted(self) -> int | None:
+        """How many top alternatives each token lists (None: no logprobs at all)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -210,8 +227,14 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 def _envelope(rid: str, created: int, model: str, obj: str, choice: dict, u: dict | None = None) -> dict:
     """The fields every OpenAI completion object and stream chunk shares, around one choice."""
+    return envelope(rid, created, model, obj, [{"index": 0, **choice}], u)
+
+
+def envelope(rid: str, created: int, model: str, obj: str, choices: list[dict], u: dict | None = None) -> dict:
+    """The fields every OpenAI completion object and stream chunk shares, around its choices (each
+    with its ``index``)."""
     body = {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": None,
-            "choices": [{"index": 0, **choice}]}
+            "choices": choices}  # fmt: skip
     if u is not None:
         body["usage"] = u
     return body

@@ -81,9 +81,11 @@ class ServerState:
             top_k=0 if req.top_k is None else int(req.top_k),
             top_p=1.0 if req.top_p is None else float(req.top_p),
             repetition_penalty=1.0 if req.repetition_penalty is None else float(req.repetition_penalty),
-            seed=req.seed,
+            seed=None if req.seed is None else req.seed % 2**64,  # OpenAI takes any int64
             stop=req.stop_tuple(),
             stop_token_ids=tuple(int(t) for t in (req.stop_token_ids or ())),
+            presence_penalty=float(req.presence_penalty or 0.0),
+            frequency_penalty=float(req.frequency_penalty or 0.0),
         )
         try:
             params.validate()
@@ -100,14 +102,17 @@ class ServerState:
                                 code="queue_full") from None  # fmt: skip
         return job
 
-    async def collect(self, job: Job, request: Request) -> tuple[str, Any]:
-        """Wait for a whole generation, stopping it if the client goes away meanwhile."""
+    async def collect(self, job: Job, request: Request, chunks: list | None = None) -> tuple[str, Any]:
+        """Wait for a whole generation, stopping it if the client goes away meanwhile; every
+        :class:`~realizar.generation.TokenChunk` is appended to ``chunks`` when given."""
         watcher = asyncio.create_task(_watch_disconnect(request, lambda: self.scheduler.cancel(job)))
         pieces: list[str] = []
         try:
             async for kind, payload in job.events():
                 if kind == "token":
                     pieces.append(payload.text)
+                    if chunks is not None:
+                        chunks.append(payload)
                 elif kind == "done":
                     return "".join(pieces), payload
                 elif kind == "error":

@@ -1,5 +1,5 @@
 """``POST /v1/chat/completions``: messages rendered with the model's chat template, answered whole
-or streamed."""
+or streamed; ``n`` choices, ``logprobs``/``top_logprobs`` per token."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 
 from realizar.errors import RealizarError
+from realizar.server import choices as C
 from realizar.server import protocol as P
+from realizar.server.logprobs import TokenTexts, chat_logprobs
 from realizar.server.state import ServerState, get_state
 
 router = APIRouter()
@@ -36,24 +38,29 @@ async def chat_completions(req: P.ChatCompletionRequest, request: Request, state
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     params = state.sampling(req, len(ids), req.requested_max_tokens(), state.default_max_tokens, param)
     rid, ts, name = P.new_id("chatcmpl"), P.now(), state.name
-    job = state.start(ids, params)
+    n, lp = req.choices_per_prompt(), req.logprobs_wanted()
+    texts = TokenTexts(state.engine.tokenizer)
+    jobs = C.start_all(state, C.runs_for(ids, params, n, lp))
 
     if not req.stream:
-        text, result = await state.collect(job, request)
-        return P.chat_response(rid, ts, name, text, result.finish_reason,
-                               P.usage(result.prompt_tokens, result.completion_tokens))  # fmt: skip
+        outs = await C.collect_all(state, jobs, request)
+        body = [{"index": i, "message": {"role": "assistant", "content": out.text},
+                 "logprobs": chat_logprobs(texts, out.chunks) if lp is not None else None,
+                 "finish_reason": out.result.finish_reason} for i, out in enumerate(outs)]  # fmt: skip
+        u = C.usage_of([len(ids)], sum(o.result.completion_tokens for o in outs))
+        return P.envelope(rid, ts, name, "chat.completion", body, u)
 
-    include_usage = req.include_usage()
+    def chunk(i: int, delta: dict, logprobs: dict | None, finish: str | None) -> dict:
+        choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return P.envelope(rid, ts, name, "chat.completion.chunk", [choice])
 
-    def render(kind: str, payload: Any) -> list[dict]:
+    def render(i: int, kind: str, payload: Any) -> list[dict]:
         if kind == "start":
-            return [P.chat_chunk(rid, ts, name, {"role": "assistant", "content": ""}, None)]
+            return [chunk(i, {"role": "assistant", "content": ""}, None, None)]
         if kind == "token":
-            return [P.chat_chunk(rid, ts, name, {"content": payload.text}, None)] if payload.text else []
-        out = [P.chat_chunk(rid, ts, name, {}, payload.finish_reason)]
-        if include_usage:
-            out.append(P.usage_chunk(rid, ts, name, "chat.completion.chunk",
-                                     P.usage(payload.prompt_tokens, payload.completion_tokens)))  # fmt: skip
-        return out
+            logprobs = chat_logprobs(texts, [payload]) if lp is not None else None
+            return [chunk(i, {"content": payload.text}, logprobs, None)] if payload.text or logprobs else []
+        return [chunk(i, {}, None, payload.finish_reason)]
 
-    return state.stream(job, render)
+    tail = C.usage_tail(req, rid, ts, name, "chat.completion.chunk", jobs, [len(ids)])
+    return C.stream_all(state, jobs, render, tail)

@@ -1,4 +1,5 @@
-"""``POST /v1/completions``: a text (or token-id) prompt continued, whole or streamed."""
+"""``POST /v1/completions``: text (or token-id) prompts continued, whole or streamed; ``n`` choices
+per prompt (``best_of`` candidates ranked by mean logprob), ``logprobs: N`` per token."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
+from realizar.server import choices as C
 from realizar.server import protocol as P
+from realizar.server.logprobs import TokenTexts, completion_logprobs
 from realizar.server.state import ServerState, get_state
 
 router = APIRouter()
@@ -15,41 +18,71 @@ router = APIRouter()
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
-@router.post("/v1/completions")
-async def completions(req: P.CompletionRequest, request: Request, state: ServerState = Depends(get_state)) -> Any:
-    req.refuse_unsupported()
-    state.check_model(req.model)
-    prompt = req.single_prompt()
+async def _prompt(state: ServerState, prompt: str | list[int], echo: bool) -> tuple[list[int], str]:
+    """Token ids of one prompt and its text (for ``echo``)."""
     tok = state.engine.tokenizer
     if isinstance(prompt, str):
         if not prompt:
             raise P.ServerError(400, "prompt must not be empty", param="prompt", code="invalid_value")
-        ids = state.check_ids(await asyncio.to_thread(tok.encode, prompt))
-        prompt_text = prompt
-    else:
-        ids = state.check_ids(prompt)
-        prompt_text = await asyncio.to_thread(tok.decode, ids) if req.echo else ""
-    params = state.sampling(req, len(ids), req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, "max_tokens")
+        return state.check_ids(await asyncio.to_thread(tok.encode, prompt)), prompt
+    ids = state.check_ids(prompt)
+    return ids, (await asyncio.to_thread(tok.decode, ids) if echo else "")
+
+
+@router.post("/v1/completions")
+async def completions(req: P.CompletionRequest, request: Request, state: ServerState = Depends(get_state)) -> Any:
+    req.refuse_unsupported()
+    state.check_model(req.model)
+    prompts = [await _prompt(state, p, bool(req.echo)) for p in req.prompts()]
+    n = req.choices_per_prompt()
+    tries = req.best_of or n
+    # ranking best_of candidates needs each token's logprob even when the client asked for none
+    lp = req.logprobs if tries == n else (req.logprobs or 0)
+    runs = []
+    for ids, _ in prompts:
+        params = state.sampling(req, len(ids), req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, "max_tokens")
+        runs += C.runs_for(ids, params, tries, lp)
     rid, ts, name = P.new_id("cmpl"), P.now(), state.name
-    echo = prompt_text if req.echo else ""
-    job = state.start(ids, params)
+    echoes = [text if req.echo else "" for _, text in prompts]
+    texts = TokenTexts(state.engine.tokenizer)
+    prompt_lengths = [len(ids) for ids, _ in prompts]
+    jobs = C.start_all(state, runs)
 
     if not req.stream:
-        text, result = await state.collect(job, request)
-        return P.completion_response(rid, ts, name, echo + text, result.finish_reason,
-                                     P.usage(result.prompt_tokens, result.completion_tokens))  # fmt: skip
+        outs = await C.collect_all(state, jobs, request)
+        body = []
+        for p, echo in enumerate(echoes):
+            for i, out in enumerate(C.best_of(outs[p * tries : (p + 1) * tries], n)):
+                logprobs = completion_logprobs(texts, out.chunks, len(echo)) if req.logprobs is not None else None
+                body.append({"index": p * n + i, "text": echo + out.text, "logprobs": logprobs,
+                             "finish_reason": out.result.finish_reason})  # fmt: skip
+        u = C.usage_of(prompt_lengths, sum(o.result.completion_tokens for o in outs))
+        return P.envelope(rid, ts, name, "text_completion", body, u)
 
-    include_usage = req.include_usage()
+    return C.stream_all(state, jobs, _stream_render(req, rid, ts, name, echoes, n, texts),
+                        C.usage_tail(req, rid, ts, name, "text_completion", jobs, prompt_lengths))  # fmt: skip
 
-    def render(kind: str, payload: Any) -> list[dict]:
+
+def _stream_render(req: P.CompletionRequest, rid: str, ts: int, name: str, echoes: list[str], n: int,
+                   texts: TokenTexts) -> C.Render:  # fmt: skip
+    offsets = [0] * (len(echoes) * n)  # characters of each choice's text so far
+
+    def chunk(i: int, text: str, logprobs: dict | None, finish: str | None) -> dict:
+        choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        return P.envelope(rid, ts, name, "text_completion", [choice])
+
+    def render(i: int, kind: str, payload: Any) -> list[dict]:
         if kind == "start":
-            return [P.completion_chunk(rid, ts, name, echo, None)] if echo else []
+            echo = echoes[i // n]
+            offsets[i] = len(echo)
+            return [chunk(i, echo, None, None)] if echo else []
         if kind == "token":
-            return [P.completion_chunk(rid, ts, name, payload.text, None)] if payload.text else []
-        out = [P.completion_chunk(rid, ts, name, "", payload.finish_reason)]
-        if include_usage:
-            out.append(P.usage_chunk(rid, ts, name, "text_completion",
-                                     P.usage(payload.prompt_tokens, payload.completion_tokens)))  # fmt: skip
-        return out
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = completion_logprobs(texts, [payload], offsets[i])
+            offsets[i] += len(payload.text)
+            return [chunk(i, payload.text, logprobs, None)] if payload.text or logprobs else []
+        return [chunk(i, "", None, payload.finish_reason)]
 
-    return state.stream(job, render)
+    return render
+
