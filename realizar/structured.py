@@ -140,15 +140,16 @@ def _ll_tokenizer(tokenizer: Any) -> Any:
         return found
 
 
-def compile_grammar(tokenizer: Any, grammar: str) -> "GrammarLogitsProcessor":
+def compile_grammar(tokenizer: Any, grammar: str, eos_token_ids: Sequence[int] = ()) -> "GrammarLogitsProcessor":
     """Check ``grammar`` against ``tokenizer``'s vocabulary; raises :class:`StructuredOutputError`
-    with llguidance's message when it does not compile. Returns a fresh processor for one request."""
+    with llguidance's message when it does not compile. Returns a fresh processor for one request;
+    the ids that end its generation are the tokenizer's EOS ids and ``eos_token_ids``."""
     llg = _llg()
     ll_tok = _ll_tokenizer(tokenizer)
     is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, ll_tok)
     if is_error:
         raise StructuredOutputError(f"invalid JSON schema: {messages[0] if messages else 'does not compile'}")
-    return GrammarLogitsProcessor(ll_tok, grammar, tokenizer.eos_token_ids)
+    return GrammarLogitsProcessor(ll_tok, grammar, (*tokenizer.eos_token_ids, *eos_token_ids))
 
 
 class GrammarLogitsProcessor:
