@@ -67,12 +67,19 @@ class Engine:
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> GenerationStream:
         return self.generator.stream(prompt, params)
 
-    def chat_prompt(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def chat_prompt(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int]:
         """Token ids of ``messages`` rendered with the model's chat template (special tokens written
-        by the template are parsed; no BOS/EOS added beyond what the template writes)."""
+        by the template are parsed; no BOS/EOS added beyond what the template writes); ``tools``
+        (OpenAI function definitions) are handed to the template as ``tools``."""
         if not messages:
             raise InvalidRequestError("chat needs at least one message")
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt, tokenize=True))
+        extra = {"tools": list(tools)} if tools else {}
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt, tokenize=True, **extra))
 
     def chat(
         self,

@@ -170,20 +170,15 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    tools: list[Any] | None = None
+    tools: list[Any] | None = None  # checked by realizar.text.tool_calls
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None  # checked by realizar.structured
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.tools:
-            raise ServerError(400, "tools are not supported", param="tools", code="unsupported_parameter")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise ServerError(
-                400, "only response_format type 'text' is supported", param="response_format", code="unsupported_parameter"
-            )
         if self.max_tokens == 0:
             raise ServerError(400, "max_tokens must be at least 1", param="max_tokens", code="invalid_value")
         if self.top_logprobs is not None and not self.logprobs:
@@ -196,11 +191,21 @@ class ChatCompletionRequest(GenerationRequest):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def plain_messages(self) -> list[dict[str, str]]:
+    def plain_messages(self) -> list[dict[str, Any]]:
+        """Messages for the chat template: role and text, with the tool-calling fields
+        (``tool_calls``, ``tool_call_id``, ``name``) of assistant and tool messages kept."""
         out = []
         for m in self.messages:
             role = "system" if m.role == "developer" else m.role
-            out.append({"role": role, "content": m.text()})
+            msg: dict[str, Any] = {"role": role, "content": m.text()}
+            extra = m.model_extra or {}
+            if role == "assistant" and isinstance(extra.get("tool_calls"), list):
+                msg["tool_calls"] = extra["tool_calls"]
+            if role == "tool" and isinstance(extra.get("tool_call_id"), str):
+                msg["tool_call_id"] = extra["tool_call_id"]
+            if m.name is not None:
+                msg["name"] = m.name
+            out.append(msg)
         return out
 
 

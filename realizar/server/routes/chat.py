@@ -1,5 +1,7 @@
 """``POST /v1/chat/completions``: messages rendered with the model's chat template, answered whole
-or streamed; ``n`` choices, ``logprobs``/``top_logprobs`` per token."""
+or streamed; ``n`` choices, ``logprobs``/``top_logprobs`` per token; ``response_format`` and forced
+``tool_choice`` constrain the sampling to a JSON grammar, and with ``tools`` the answer is parsed into
+``tool_calls`` (see :mod:`realizar.server.structured_chat`)."""
 
 from __future__ import annotations
 
@@ -13,30 +15,36 @@ from realizar.server import choices as C
 from realizar.server import protocol as P
 from realizar.server.logprobs import TokenTexts, chat_logprobs
 from realizar.server.state import ServerState, get_state
+from realizar.server.structured_chat import plan_chat
 
 router = APIRouter()
 
 
-def _chat_prompt(engine: Any, messages: list[dict]) -> list[int]:
+def _chat_prompt(engine: Any, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    extra = {"tools": tools} if tools else {}
     render = getattr(engine, "chat_prompt", None)
     if callable(render):
-        return list(render(messages))
-    return list(engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+        return list(render(messages, **extra))
+    return list(engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra))
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(req: P.ChatCompletionRequest, request: Request, state: ServerState = Depends(get_state)) -> Any:
     req.refuse_unsupported()
     state.check_model(req.model)
-    messages = req.plain_messages()
+    eos = getattr(getattr(state.engine, "generator", None), "eos_token_ids", ())
+    plan = await asyncio.to_thread(plan_chat, req, state.engine.tokenizer, eos)
+    messages = plan.messages(req.plain_messages())
     try:
-        ids = await asyncio.to_thread(_chat_prompt, state.engine, messages)
+        ids = await asyncio.to_thread(_chat_prompt, state.engine, messages, plan.template_tools())
     except RealizarError as e:
         raise P.ServerError(400, f"cannot apply the chat template: {e}", param="messages",
                             code="invalid_value") from None  # fmt: skip
     ids = state.check_ids(list(ids))
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    params = state.sampling(req, len(ids), req.requested_max_tokens(), state.default_max_tokens, param)
+    # (one grammar processor serves the choices in turn: jobs run one after another and it rolls back
+    # to where a new sequence departs from the last)
+    params = plan.constrain(state.sampling(req, len(ids), req.requested_max_tokens(), state.default_max_tokens, param))
     rid, ts, name = P.new_id("chatcmpl"), P.now(), state.name
     n, lp = req.choices_per_prompt(), req.logprobs_wanted()
     texts = TokenTexts(state.engine.tokenizer)
@@ -44,9 +52,14 @@ async def chat_completions(req: P.ChatCompletionRequest, request: Request, state
 
     if not req.stream:
         outs = await C.collect_all(state, jobs, request)
-        body = [{"index": i, "message": {"role": "assistant", "content": out.text},
-                 "logprobs": chat_logprobs(texts, out.chunks) if lp is not None else None,
-                 "finish_reason": out.result.finish_reason} for i, out in enumerate(outs)]  # fmt: skip
+        body = []
+        for i, out in enumerate(outs):
+            message, finish = {"role": "assistant", "content": out.text}, out.result.finish_reason
+            if plan.parses_tools:
+                message, finish = plan.message(out.text, finish)
+            body.append({"index": i, "message": message,
+                         "logprobs": chat_logprobs(texts, out.chunks) if lp is not None else None,
+                         "finish_reason": finish})  # fmt: skip
         u = C.usage_of([len(ids)], sum(o.result.completion_tokens for o in outs))
         return P.envelope(rid, ts, name, "chat.completion", body, u)
 
@@ -54,13 +67,27 @@ async def chat_completions(req: P.ChatCompletionRequest, request: Request, state
         choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return P.envelope(rid, ts, name, "chat.completion.chunk", [choice])
 
+    held: dict[int, list[str]] = {}  # with tools, each choice's text is held back until it is known to be calls
+
     def render(i: int, kind: str, payload: Any) -> list[dict]:
         if kind == "start":
             return [chunk(i, {"role": "assistant", "content": ""}, None, None)]
         if kind == "token":
             logprobs = chat_logprobs(texts, [payload]) if lp is not None else None
+            if plan.parses_tools:
+                held.setdefault(i, []).append(payload.text)
+                return [chunk(i, {}, logprobs, None)] if logprobs else []
             return [chunk(i, {"content": payload.text}, logprobs, None)] if payload.text or logprobs else []
-        return [chunk(i, {}, None, payload.finish_reason)]
+        finish, out = payload.finish_reason, []
+        if plan.parses_tools:
+            message, finish = plan.message("".join(held.pop(i, [])), finish)
+            delta = {"content": message["content"]} if message.get("content") else {}
+            if "tool_calls" in message:
+                delta["tool_calls"] = [{"index": j, **c} for j, c in enumerate(message["tool_calls"])]
+            if delta:
+                out.append(chunk(i, delta, None, None))
+        out.append(chunk(i, {}, None, finish))
+        return out
 
     tail = C.usage_tail(req, rid, ts, name, "chat.completion.chunk", jobs, [len(ids)])
     return C.stream_all(state, jobs, render, tail)
