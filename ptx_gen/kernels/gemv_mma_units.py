@@ -358,10 +358,6 @@ def _unit_b32(k: KernelBuilder, wtype: str, c: dict, sbase: Reg, xslot: Reg, acc
     k.bar_warp_sync()
     rg_t = k.add(k.add(sbase, k.mul(c["g"], U)), c["t4"])
     bj = k.add(xslot, c["b_lane"])
-    qh = None
-    if f["qh"] is not None:  # lane (g, t)'s qh words: rows 16 r + g, 16 r + 8 + g, all 8 blocks
-        qh = [[w for o in (32, 48) for w in k.load("shared", "u32", c["t_g"], (16 * r + h) * TR + o, vec=4)]
-              for r in range(c["tiles"]) for h in (0, 8)]
     b = None
     for blk in range(8):
         if blk % 2 == 0:
@@ -374,8 +370,8 @@ def _unit_b32(k: KernelBuilder, wtype: str, c: dict, sbase: Reg, xslot: Reg, acc
             ws = [_word(k, rg_t, 16 * r * U + roff + bs * blk + f["qs"]) for roff in (0, 8 * U)]
             lo = [k.and_(w, 0x0F0F0F0F) for w in ws]
             hi = [k.and_(k.shr(w, 4), 0x0F0F0F0F) for w in ws]
-            if qh is not None:
-                hq = (qh[2 * r][blk], qh[2 * r + 1][blk])
+            if f["qh"] is not None:  # the block's qh words of rows 16 r + g, 16 r + 8 + g
+                hq = [k.load("shared", "u32", c["t_g"], (16 * r + h) * TR + 32 + 4 * blk) for h in (0, 8)]
                 lo = [k.or_(v, _spread_bit4(k, h, c["t4"])) for v, h in zip(lo, hq)]
                 hi = [k.or_(v, _spread_bit4(k, h, c["t4_16"])) for v, h in zip(hi, hq)]
             d = k.mma_s8([lo[0], lo[1], hi[0], hi[1]], bb, cin, a_unsigned=True)
