@@ -47,6 +47,9 @@ MMA_EXTRA_CTA = 0.1  # the tensor-core GEMV dispatcher's cost of each further CT
 # types whose 32-row warps (tiles=2) spill on sm_80/sm_89 (their fifth bits take registers): 16-row
 # warps only, so no fused gate/up GEMV on tensor cores either
 MMA_ONE_TILE = ("Q5_0", "Q5_1")
+# types the tensor-core kernel handles but streams slower than the SIMT one (bench_gemv, H200): the
+# dispatcher leaves them on the SIMT kernel (a forced MmaConfig still runs it)
+MMA_SLOWER = ("Q5_1",)
 
 
 @functools.lru_cache(maxsize=None)  # pure, and asked at every eager GEMV launch
@@ -125,7 +128,7 @@ def mma_config(out_dim: int, in_dim: int, wtype: str, sm_count: int = 132,
     best: 32-row warps, then fewer CTAs per SM. With ``bulk_ok`` (sm_90) warps that stream at most two
     units use bulk copies. ``glu``: the fused gate/up GEMV of ``out_dim`` outputs (2 out_dim weight
     rows; a warp takes 16 outputs' gate and up rows, so 32-row warps only)."""
-    if wtype not in MMA_TYPES or in_dim % 256:
+    if wtype not in MMA_TYPES or wtype in MMA_SLOWER or in_dim % 256:
         return None
     units = in_dim // 256
     if glu and wtype in MMA_ONE_TILE:
