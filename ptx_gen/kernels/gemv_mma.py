@@ -610,6 +610,11 @@ def _grid_shapes() -> list[dict]:
     for sh in shapes:
         if sh["wtype"] == "Q6_K" and sh["in_dim"] == 256:
             sh["in_dim"] = 2048
+    # Q5_0 / Q5_1 (fifth bits from qh): 32-row warps spill, so 16-row warps only (and no glu)
+    shapes = [sh for sh in shapes if not (sh["wtype"] in ("Q5_0", "Q5_1") and sh.get("glu"))]
+    for sh in shapes:
+        if sh["wtype"] in ("Q5_0", "Q5_1"):
+            sh["tiles"] = 1
     return shapes
 
 
