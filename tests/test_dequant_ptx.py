@@ -223,7 +223,7 @@ def test_kernel_shape_errors():
     with pytest.raises(ValueError, match="layout must be one of"):
         emit(wtype="Q4_K", in_dim=256, layout="cols")
     with pytest.raises(ValueError, match="stored tile-major"):
-        emit(wtype="Q4_0", in_dim=256, layout="tiles")
+        emit(wtype="F16", in_dim=256, layout="tiles")
     with pytest.raises(ValueError, match="stored tile-major"):
         emit(wtype="Q8_0", in_dim=576, layout="glu-tiles")
     with pytest.raises(ValueError, match="multiple of the block size"):

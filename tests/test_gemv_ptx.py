@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from ptx_gen import catalog
 from ptx_gen.kernels import gemv as gv
-from ptx_gen.kernels.gemv_mma import tile_major
+from ptx_gen.kernels.gemv_mma import MMA_TYPES, tile_major
 from ptx_gen.kernels.quant_layout import DENSE, K_QUANTS, WEIGHT_TYPES, type_info
 from ptx_gen.ptxas import assemble
 from realizar.gpu.gemv import gemv_config
@@ -303,8 +303,8 @@ def test_emulator_catches_cp_async_misuse():
         simt_run(kernel(True, True, False), grid=(1,), block=(32,), params=dict(src=small, dst=dst), memory=mem)
 
 
-@settings(max_examples=40, deadline=None)
-@given(wtype=st.sampled_from(["Q4_K", "Q8_0", "Q6_K"]), out_dim=st.integers(1, 40), mtiles=st.integers(1, 3),
+@settings(max_examples=80, deadline=None)
+@given(wtype=st.sampled_from(MMA_TYPES), out_dim=st.integers(1, 40), mtiles=st.integers(1, 3),
        kparts=st.sampled_from([1, 2, 4, 8]), stages=st.sampled_from([2, 3, 4, 8]), tiles=st.sampled_from([1, 2]),
        units=st.integers(1, 5), target=st.sampled_from(["sm_80", "sm_90", "sm_90 bulk"]),
        bias=st.booleans(), residual=st.booleans(), scale=st.sampled_from([1e-3, 1.0, 500.0]),
@@ -393,12 +393,13 @@ def test_mma_config_balances_the_grid():
     two FFN shapes (bench_gemv --sweep, H200)."""
     from ptx_gen.kernels.gemv_mma import layout
     from realizar.gpu.gemv import mma_config
-    assert mma_config(4096, 4096, "Q5_K") is None and mma_config(576, 576, "Q8_0") is None
+    assert mma_config(4096, 4096, "F16") is None and mma_config(576, 576, "Q8_0") is None
+    assert mma_config(4096, 2080, "Q4_0") is None  # rows not whole units of 256 values
     assert mma_config(4096, 3072, "Q6_K") is None  # Q6_K rows of 3072: blocks at different phases per row
     assert mma_config(576, 1536, "Q8_0") is None  # 36 CTAs on 132 SMs: the SIMT kernel
     assert not mma_config(4096, 4096, "Q6_K", 132, bulk_ok=True).bulk  # 2-byte aligned blocks: cp.async
     for out_dim, in_dim in ((4096, 14336), (14336, 4096), (4096, 4096), (6144, 4096), (28672, 4096), (2048, 8192)):
-        for wt in ("Q4_K", "Q8_0", "Q6_K"):
+        for wt in (wt for wt in MMA_TYPES if wt != "Q5_1"):  # (Q5_1: the SIMT kernel, see test_new_mma_types_policy)
             cfg = mma_config(out_dim, in_dim, wt, 132)
             ctas = -(-out_dim // (16 * cfg.tiles * cfg.mtiles))
             assert ctas / 132 / -(-ctas // 132) > 0.8, (out_dim, in_dim, wt, cfg)
@@ -412,20 +413,22 @@ def test_mma_config_balances_the_grid():
     assert gemv_config(128256, 132, 4096, "Q6_K") == gemv_config(128256, 132, 4096, "Q6_K").__class__(4, 4, 2)
 
 
-@pytest.mark.parametrize("wtype", ["Q4_K", "Q8_0", "Q6_K"])
+@pytest.mark.parametrize("wtype", MMA_TYPES)
 def test_gemv_mma_dispatcher_picks_assemble_without_spills(wtype):
-    """Every tensor-core launch shape the dispatcher picks at real decode shapes (and 32-row warps at
-    their 8-warp maximum) assembles for sm_80 and sm_90 without local-memory spills."""
-    from realizar.gpu.gemv import mma_config
+    """Every tensor-core launch shape the dispatcher picks at real decode shapes (and its widest warps at
+    their 8-warp maximum) assembles for sm_80 and sm_90 (and tile-major for sm_89) without local-memory
+    spills."""
+    from realizar.gpu.gemv import MMA_ONE_TILE, MmaConfig, mma_config
     picks = {mma_config(o, i, wtype, 132) for o, i in ((4096, 14336), (14336, 4096), (4096, 4096), (28672, 4096),
                                                        (6144, 4096), (2048, 8192), (2048, 2048))}
     picks |= {mma_config(o, i, wtype, 132, glu=True) for o, i in ((14336, 4096), (8192, 2048))}
     picks.discard(None)
-    picks.add(type(next(iter(picks)))(8, 1, 2, 2))
+    picks.add(MmaConfig(8, 1, 2, 1 if wtype in MMA_ONE_TILE else 2))
+    picks.add(MmaConfig(1, 8, 2, 1 if wtype in MMA_ONE_TILE else 2))
     for cfg in picks:
         in_dim = 14336 if 14336 % (256 * cfg.kparts) == 0 else 4096
         # GGUF rows on both targets; tile-major as LayerOps runs it (bulk copies and solo on sm_90)
-        for sm, tiled in (("sm_80", False), ("sm_90", False), ("sm_80", True), ("sm_90", True)):
+        for sm, tiled in (("sm_80", False), ("sm_90", False), ("sm_80", True), ("sm_89", True), ("sm_90", True)):
             src = catalog.emit("gemv_mma", target=sm, wtype=wtype, in_dim=in_dim, mtiles=cfg.mtiles,
                                kparts=cfg.kparts, stages=cfg.stages, tiles=cfg.tiles, residual=True, tiled=tiled,
                                bulk=tiled and sm == "sm_90", solo=tiled)
@@ -435,8 +438,8 @@ def test_gemv_mma_dispatcher_picks_assemble_without_spills(wtype):
                 assert r.spill_stores == 0 and r.spill_loads == 0, (cfg, sm, tiled, r)
 
 
-@settings(max_examples=15, deadline=None)
-@given(wtype=st.sampled_from(["Q4_K", "Q8_0", "Q6_K"]), ffn=st.integers(1, 40), mtiles=st.integers(1, 3),
+@settings(max_examples=30, deadline=None)
+@given(wtype=st.sampled_from(MMA_TYPES), ffn=st.integers(1, 40), mtiles=st.integers(1, 3),
        kparts=st.sampled_from([1, 2]), units=st.integers(1, 3), target=st.sampled_from(["sm_80", "sm_90 bulk"]),
        tiled=st.booleans(), seed=st.integers(0, 2**32 - 1))
 def test_gemv_glu_mma_emulated_matches_oracle(wtype, ffn, mtiles, kparts, units, target, tiled, seed):
@@ -476,7 +479,7 @@ def test_activations_are_read_with_coherent_loads():
         assert "ld.global.nc" not in catalog.emit("gemv_mma", target="sm_90", **shape).ptx, shape
 
 
-@pytest.mark.parametrize("wtype", ["Q4_K", "Q8_0", "Q6_K"])
+@pytest.mark.parametrize("wtype", MMA_TYPES)
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_gemv_mma_poisons_rows_for_nan_or_inf_x(wtype, bad):
     """An Inf or NaN in x cannot be written as digits: every row comes out NaN (never finite garbage,
@@ -493,7 +496,7 @@ def test_gemv_mma_poisons_rows_for_nan_or_inf_x(wtype, bad):
     assert np.isnan(mem.read(params["y"], np.float32, out_dim)).all()
 
 
-@pytest.mark.parametrize("wtype", ["Q4_K", "Q8_0", "Q6_K"])
+@pytest.mark.parametrize("wtype", MMA_TYPES)
 @pytest.mark.parametrize("out_dim", [1, 31, 32, 45, 64])
 def test_tile_major_places_every_unit_where_the_kernel_reads_it(wtype, out_dim):
     """tile_major: row r's unit u at ((r // 32) * units + u) * 32 T + (r % 32) T (T = TILE_UNIT: Q6_K's
@@ -534,3 +537,73 @@ def test_tile_major_rejects_wrong_sizes():
         tile_major(np.zeros(100, np.uint8), "Q4_K", 10, 256)
     with pytest.raises(ValueError, match="2 ffn rows"):
         tile_major(np.zeros(3 * 144, np.uint8), "Q4_K", 3, 256, glu=True)
+
+
+@pytest.mark.parametrize("wtype,zero", [("Q4_0", 8), ("Q5_0", 16)])
+def test_gemv_mma_offset_codes_are_exact(wtype, zero):
+    """Q4_0 / Q5_0 codes stand for q - 8 / q - 16: the offset enters the integer MMA exactly (as its
+    accumulator input), so rows of codes at the offset give exactly 0, and rows of codes offset + 1 at
+    one block scale give float32-level error (no cancellation of a float offset term)."""
+    from ptx_gen.ggml import LAYOUTS, GGMLType
+    lay = LAYOUTS[GGMLType[wtype]]
+    rng = np.random.default_rng(4)
+    out_dim, in_dim = 16, 512
+    blk = random_weight(rng, wtype, out_dim, in_dim).reshape(out_dim, in_dim // 32, lay.type_size).copy()
+    qs, n = lay.offset("qs"), lay.type_size - lay.offset("qs")
+    blk[:, :, qs:] = (zero & 15) * 0x11  # every low 4 bits at the offset's
+    if wtype == "Q5_0":  # fifth bits: all 1 (16) in row 0; rows 1.. code 16 or 17 (bit 4 set, low bit random)
+        blk[:, :, 2:6] = 0xFF
+    blk[1:, :, qs:] = rng.integers(0, 2, (out_dim - 1, in_dim // 32, n), dtype=np.uint8) * 0x11 + (zero & 15) * 0x11
+    raw = blk.reshape(-1)
+    x = np.abs(random_array(rng, in_dim))
+    k = catalog.emit("gemv_mma", target="sm_80", wtype=wtype, in_dim=in_dim, mtiles=1, kparts=2, stages=2)
+    mem = Memory()
+    params = dict(w=mem.alloc_array(_pad16(raw)), x=mem.alloc_array(x), y=mem.alloc(4 * out_dim), out_dim=out_dim)
+    simt_run(k.ptx, grid=(1,), block=(k.meta["block"],), params=params, memory=mem, shared_bytes=k.meta["dyn_smem"])
+    y = mem.read(params["y"], np.float32, out_dim)
+    w = dequant(raw, wtype, out_dim, in_dim).astype(np.float64)
+    assert (w[0] == 0).all() and y[0] == 0.0
+    err = np.abs(y[1:] - w[1:] @ x) / (np.abs(w[1:]) @ x)
+    assert err.max() < 1e-7, err.max()
+
+
+def test_new_mma_types_policy():
+    """The tensor-core GEMV takes Q4_0, Q4_1, Q5_0, Q5_1 and Q5_K at the real decode shapes; Q5_0 / Q5_1
+    in 16-row warps only (their 32-row warps spill), hence no fused gate/up GEMV on tensor cores; Q5_1
+    stays on the SIMT kernel (slower on tensor cores as measured); on an
+    sm_90 device LayerOps stores them tile-major (Q5_K rows where Q4_K's are), and the emulated GEMV of
+    such an upload matches the oracle."""
+    from realizar import cuda
+    from realizar.gpu.gemv import MMA_ONE_TILE, MmaConfig, mma_config
+    from realizar.gpu.ops import LayerOps
+    assert mma_config(4096, 14336, "Q5_1", 132) is None
+    for wt in ("Q4_0", "Q4_1", "Q5_0", "Q5_K"):
+        for o, i in ((4096, 14336), (14336, 4096), (4096, 4096), (28672, 4096)):
+            cfg = mma_config(o, i, wt, 132)
+            assert isinstance(cfg, MmaConfig) and (cfg.tiles == 1 or wt not in MMA_ONE_TILE), (wt, o, i, cfg)
+        assert (mma_config(14336, 4096, wt, 132, glu=True) is None) == (wt in MMA_ONE_TILE)
+    ops = LayerOps(cuda.EmulatedDevice(sm_count=132))
+    assert ops.weight_layout(4096, 14336, "Q5_1") == "rows"
+    for wt in ("Q4_0", "Q4_1", "Q5_0", "Q5_K"):
+        assert ops.weight_layout(4096, 14336, wt) == "tiles"
+        assert ops.mma_config(4096, 14336, wt, layout="tiles").solo
+    assert ops.weight_layout(14336, 4096, "Q4_1") == "tiles"
+    assert ops.weight_layout(14336, 4096, "Q5_K") == ops.weight_layout(14336, 4096, "Q4_K")
+    from types import SimpleNamespace
+    small = LayerOps(cuda.EmulatedDevice(sm_count=2))
+    rng = np.random.default_rng(9)
+    for wt in ("Q4_1", "Q5_0"):
+        out_dim, in_dim = 64, 512
+        raw = random_weight(rng, wt, out_dim, in_dim)
+        from ptx_gen.ggml import GGMLType
+        t = SimpleNamespace(data=raw, ggml_type=int(GGMLType[wt]), shape=(out_dim, in_dim), name=wt)
+        w = small.upload(t)
+        assert w.layout == "tiles", w
+        x = rng.standard_normal(in_dim).astype(np.float32)
+        out = small.buffer(out_dim)
+        out.poison()
+        small.gemv(w, small.to_device(x), out)
+        ref = dequant(raw, wt, out_dim, in_dim).astype(np.float64) @ x
+        scl = np.abs(dequant(raw, wt, out_dim, in_dim).astype(np.float64)) @ np.abs(x)
+        y = out.to_numpy()
+        assert np.isfinite(y).all() and (np.abs(y - ref) / scl).max() < 1e-6

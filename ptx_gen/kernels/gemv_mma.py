@@ -58,10 +58,13 @@ from ptx_gen.builder import KernelBuilder, Module, Reg
 from ptx_gen.catalog import kernel
 from ptx_gen.kernels.gemv import _silu_mul, gemv_params
 from ptx_gen.kernels.gemv_mma_layout import (
+    BLOCK32,
+    MINS,
     MMA_TYPES,
     PARTS,
     PLANE,
     Q6K_CHUNKS,
+    Q8_DIGITS,
     SOLO_SMEM,
     TABLE_ROW,
     TILE_ROWS,
@@ -72,7 +75,17 @@ from ptx_gen.kernels.gemv_mma_layout import (
     q6k_glu_offsets_fit,
     tile_major,
 )
-from ptx_gen.kernels.gemv_mma_units import _convert_x, _div, _load_x, _mod, _unit_q4k, _unit_q6k, _unit_q8_0, _x_lane_constants
+from ptx_gen.kernels.gemv_mma_units import (
+    _convert_x,
+    _div,
+    _load_x,
+    _mod,
+    _unit_b32,
+    _unit_q4k,
+    _unit_q6k,
+    _unit_q8_0,
+    _x_lane_constants,
+)
 
 # The geometry lives in gemv_mma_layout; the GEMV launch policy and tests take it from here.
 __all__ = ["gemv_mma", "build", "layout", "tile_major", "q6k_glu_offsets_fit", "MMA_TYPES", "SOLO_SMEM",
@@ -172,7 +185,7 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
     xs = _x_prologue(s)
     ctx = _lane_context(s)
     acc = [[k.var("f32", 0.0) for _ in range(4)] for _ in range(tiles)]  # [g][2t], [g][2t+1], [g+8][2t], [g+8][2t+1]
-    minacc = k.var("f32", 0.0) if wtype == "Q4_K" else None  # lane r: row r's min term
+    minacc = k.var("f32", 0.0) if wtype in MINS else None  # lane r: row r's min term
     _main_loop(s, ctx, xs, issue, wait, acc, minacc)
     if not bulk:
         k.cp_async_wait_all()
@@ -425,15 +438,21 @@ def _lane_context(s: _Warp) -> dict:
     }
     ctx["t_mine"] = k.add(ctx["table"], k.mul(lane, TR))
     ctx["t_g"] = k.add(ctx["table"], k.mul(g, TR))  # + 8 * TR * (2 r + h): row 16 r + 8 h + g
-    if wtype == "Q8_0":  # lane (g, t)'s B fragments: plane g (g < 4; zero columns past), word group t
+    if wtype in Q8_DIGITS:  # lane (g, t)'s B fragments: plane g (g < 4; zero columns past), word group t
         ctx["b_ok"] = k.setp("lt", g, PARTS)
         ctx["b_lane"] = k.add(k.mul(g, PLANE), k.shl(t, 4))
+    if wtype in BLOCK32:
+        zero = BLOCK32[wtype]["zero"]
+        if zero:
+            ctx["minus_zero"] = k.mov((-zero & 0xFF) * 0x01010101, "u32")  # -zero in every byte of A
+        if BLOCK32[wtype]["qh"] is not None:
+            ctx["t4_16"] = k.add(ctx["t4"], 16)
     elif wtype == "Q6_K":
         ctx["minus32"] = [k.mov(0xE0E0E0E0, "u32")] * 4  # -32 in every byte of A
         ctx["b_q6"] = k.add(k.shl(g, 6), k.shl(t, 4))  # lane (g, t)'s B words: [m / 2][g][t][m % 2][2]
         ctx["t_gc"] = k.add(ctx["t_g"], k.shl(k.shr(t, 1), 5))  # its scales: class t / 2 of row g
         ctx["a_lane"] = k.add(k.mul(g, U), ctx["t4"])  # its A words: row g, bytes 4t + 16 m'
-    if wtype == "Q4_K":
+    if wtype in ("Q4_K", "Q5_K"):
         ctx["t_gc"] = k.add(ctx["t_g"], k.shl(k.shr(t, 1), 4))  # lane (g, t)'s scales: class t / 2 of row g
         ctx["t_gd"] = k.add(ctx["t_g"], k.add(k.shl(k.shr(t, 1), 2), 32))  # and its d / f
         ctx["b_q4"] = k.add(k.shl(g, 5), k.shl(t, 3))  # its B words: [j][g][t][h]
@@ -459,11 +478,13 @@ def _main_loop(s: _Warp, ctx: dict, xs: _XState, issue, wait, acc: list, minacc:
         sbase = k.add(s.ring, slot_off)
         xslot = k.add(xs.xbuf, k.mul(k.and_(j, 1), XS))
         wait(j)
-        if wtype == "Q4_K":
-            _unit_q4k(k, ctx, sbase, xslot, acc, minacc)
+        if wtype in ("Q4_K", "Q5_K"):
+            _unit_q4k(k, ctx, sbase, xslot, acc, minacc, q5=wtype == "Q5_K")
         elif wtype == "Q6_K":
             u = s.unit_of(j)
             _unit_q6k(k, ctx, sbase, xslot, acc, None if s.tiled else k.shl(k.and_(u, 7), 1))
+        elif wtype in BLOCK32:
+            _unit_b32(k, wtype, ctx, sbase, xslot, acc, minacc)
         else:
             _unit_q8_0(k, ctx, sbase, xslot, acc)
         k.bar_warp_sync()  # every lane is done with the ring slot and the x slot: refill them
@@ -499,7 +520,7 @@ def _row_sums(k: KernelBuilder, wtype: str, tiles: int, acc: list, minacc: Reg |
     tid = k.tid()
     lane = k.and_(tid, 31)
     g, t = k.shr(lane, 2), k.and_(lane, 3)
-    tt = k.and_(t, 1) if wtype != "Q8_0" else t
+    tt = k.and_(t, 1) if wtype not in Q8_DIGITS else t
     t_is0, t_is1 = k.setp("eq", tt, 0), k.setp("eq", tt, 1)
     w0 = k.selp(1.0, k.selp(65536.0, 0.0, t_is1, "f32"), t_is0, "f32")
     w1 = k.selp(256.0, k.selp(16777216.0, 0.0, t_is1, "f32"), t_is0, "f32")
@@ -589,6 +610,11 @@ def _grid_shapes() -> list[dict]:
     for sh in shapes:
         if sh["wtype"] == "Q6_K" and sh["in_dim"] == 256:
             sh["in_dim"] = 2048
+    # Q5_0 / Q5_1 (fifth bits from qh): 32-row warps spill, so 16-row warps only (and no glu)
+    shapes = [sh for sh in shapes if not (sh["wtype"] in ("Q5_0", "Q5_1") and sh.get("glu"))]
+    for sh in shapes:
+        if sh["wtype"] in ("Q5_0", "Q5_1"):
+            sh["tiles"] = 1
     return shapes
 
 

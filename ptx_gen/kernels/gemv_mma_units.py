@@ -7,7 +7,7 @@ import contextlib
 
 from ptx_gen.builder import KernelBuilder, Reg
 from ptx_gen.kernels import quant_layout as ql
-from ptx_gen.kernels.gemv_mma_layout import INVF, PLANE, XSUM
+from ptx_gen.kernels.gemv_mma_layout import BLOCK32, INVF, MINS, PLANE, XSUM
 
 def _mod(k: KernelBuilder, j: Reg, n: int) -> Reg:
     return k.and_(j, n - 1) if n & (n - 1) == 0 else k.rem(j, n)
@@ -41,7 +41,7 @@ def _x_lane_constants(k: KernelBuilder, wtype: str, lane: Reg) -> dict:
                      k.add(k.shl(k.and_(lane, 3), 4), k.shl(k.and_(k.shr(lane, 2), 1), 3)))
         return {"woff": woff, "lane0": k.setp("eq", lane, 0), "plane": 64, "half": 1024}
     c, u = k.shr(lane, 3), k.and_(lane, 7)
-    if wtype == "Q4_K":
+    if wtype in ("Q4_K", "Q5_K"):
         # quad q = 16 j + 8 c + 4 h + t (pair j, class c) feeds MMA 2 j + h, lane t, as column class c:
         # digit d at word [j][4 c + d][t][h] (no zero words: _unit_q4k masks them in), the 8 sums of x
         # per 32 values after the fragments
@@ -51,7 +51,10 @@ def _x_lane_constants(k: KernelBuilder, wtype: str, lane: Reg) -> dict:
                 "sum_off": k.add(k.shl(c, 2), XSUM[wtype]), "sum_lane": k.setp("eq", u, 0)}
     woff = k.add(k.add(k.shl(k.shr(c, 1), 6), k.shl(k.and_(u, 3), 4)),
                  k.add(k.shl(k.and_(c, 1), 3), k.shl(k.shr(u, 2), 2)))
-    return {"woff": woff, "lane0": k.setp("eq", lane, 0), "plane": PLANE, "half": 128}
+    xc = {"woff": woff, "lane0": k.setp("eq", lane, 0), "plane": PLANE, "half": 128}
+    if wtype in MINS:  # (Q4_1, Q5_1) the sums of x per block, after the digit planes
+        xc.update(sum_off=k.add(k.shl(c, 2), XSUM[wtype]), sum_lane=k.setp("eq", u, 0))
+    return xc
 
 
 def _load_x(k: KernelBuilder, x: Reg, lane16: Reg, unit: Reg | int, valid: Reg | None, into: list | None = None) -> list:
@@ -91,7 +94,7 @@ def _convert_x(k: KernelBuilder, wtype: str, vals: list, slot: Reg, xc: dict) ->
         planes = (k.prmt(t0, t1, 0x5410), k.prmt(t0, t1, 0x7632), k.prmt(t2, t3, 0x5410), k.prmt(t2, t3, 0x7632))
         for p, word in enumerate(planes):
             k.store("shared", "u32", addr, word, p * xc["plane"] + xc["half"] * h)
-        if wtype == "Q4_K":
+        if "sum_off" in xc:
             sm = k.warp_reduce(k.add(k.add(v[0], v[1]), k.add(v[2], v[3])), "add", width=8)
             k.store("shared", "f32", k.add(slot, xc["sum_off"]), sm, 16 * h, pred=xc["sum_lane"])
 
@@ -101,7 +104,7 @@ def _lanes_with_rows(k: KernelBuilder, c: dict):
     return k.if_(c["t_lane"]) if c["t_lane"] is not None else contextlib.nullcontext()
 
 
-def _unit_q4k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, minacc) -> None:
+def _unit_q4k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, minacc, q5: bool = False) -> None:
     """One Q4_K super-block of the warp's rows (staged at ``sbase``).
 
     Block: d, dmin (f16), 12 bytes of 6-bit scales and mins, qs (128 bytes: byte 32 j + l holds value
@@ -112,8 +115,14 @@ def _unit_q4k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, mina
     code, as unsigned bytes) with no shift. B's columns 0..3 are the digits of class 0's x (zero at
     k >= 16), 4..7 those of class 1's (zero at k < 16), so lanes t = 0, 1 receive sub-block 2 j's sums
     and t = 2, 3 those of 2 j + 1; the two halves h chain through the accumulator and each lane weights
-    its sums by one integer scale (class 1's 1 / 16 goes into its d)."""
+    its sums by one integer scale (class 1's 1 / 16 goes into its d).
+
+    ``q5`` (Q5_K: 32 bytes of qh between the scales and qs): bit j of qh[l] is the fifth bit of value
+    32 j + l, so the qh bytes l..l+3 of a row match its qs word of each pair j: one ``ldmatrix.x4`` of
+    qh per tile serves all four pairs, its bits 2 j and 2 j + 1 moved to bit 4 of each byte; class 1's
+    codes are shifted down (5-bit codes do not fit an unsigned byte as 16 times the code)."""
     U, TR = c["U"], c["TR"]
+    qs0 = 48 if q5 else 16
     # the table: lane r unpacks row r's scales by class ([0, 2, 4, 6][1, 3, 5, 7] as int32), d / f for
     # class 0 and d / 16 f for class 1, and adds its min terms
     with _lanes_with_rows(k, c):
@@ -128,7 +137,7 @@ def _unit_q4k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, mina
         d_h, dmin_h = k.unpack_b32(dm)
         inv_f = k.load("shared", "f32", xslot, INVF["Q4_K"])  # the unit's x digits are x f
         dq = k.mul(k.cvt(Reg(d_h.name, ql._f16), "f32"), inv_f)
-        k.store("shared", "f32", c["t_mine"], [dq, k.mul(dq, 0.0625)], 32)
+        k.store("shared", "f32", c["t_mine"], [dq, dq if q5 else k.mul(dq, 0.0625)], 32)
         sx = [v for o in (0, 16) for v in k.load("shared", "f32", xslot, XSUM["Q4_K"] + o, vec=4)]
         dmin = k.cvt(Reg(dmin_h.name, ql._f16), "f32")
         msum = None
@@ -146,10 +155,15 @@ def _unit_q4k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, mina
         # lane (g, t)'s scales (class t / 2 of rows g and g + 8, one per j); |sums| <= 4 * 32 * 240 * 128 * 63
         scl = [k.load("shared", "u32", c["t_gc"], (16 * r + h) * TR, vec=4) for h in (0, 8)]
         ints = [None] * 4
+        qh = k.ldmatrix_x4(k.add(sbase, c["ldm"]), 16 * r * U + 16) if q5 else None
         for j in range(4):
-            regs = k.ldmatrix_x4(k.add(sbase, c["ldm"]), 16 * r * U + 16 + 32 * j)
-            lo = [k.and_(x, 0x0F0F0F0F) for x in regs]
-            hi = [k.and_(x, 0xF0F0F0F0) for x in regs]
+            regs = k.ldmatrix_x4(k.add(sbase, c["ldm"]), 16 * r * U + qs0 + 32 * j)
+            if q5:
+                lo = [_or_bit4(k, k.and_(x, 0x0F0F0F0F), h, 2 * j) for x, h in zip(regs, qh)]
+                hi = [_or_bit4(k, k.and_(k.shr(x, 4), 0x0F0F0F0F), h, 2 * j + 1) for x, h in zip(regs, qh)]
+            else:
+                lo = [k.and_(x, 0x0F0F0F0F) for x in regs]
+                hi = [k.and_(x, 0xF0F0F0F0) for x in regs]
             dd = k.mma_s8([lo[0], lo[1], hi[0], hi[1]], bfr[j][0:2], c["zeros"], a_unsigned=True)
             dd = k.mma_s8([lo[2], lo[3], hi[2], hi[3]], bfr[j][2:4], dd, a_unsigned=True)
             for n in range(4):
@@ -159,6 +173,12 @@ def _unit_q4k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, mina
         dg8 = k.load("shared", "f32", c["t_gd"], (16 * r + 8) * TR)
         for n, d in ((0, dg), (1, dg), (2, dg8), (3, dg8)):
             k.assign(acc[r][n], k.fma(d, k.cvt(ints[n], "f32"), acc[r][n]))
+
+
+def _or_bit4(k: KernelBuilder, codes: Reg, bits: Reg, b: int) -> Reg:
+    """``codes`` (4-bit codes, one a byte) with bit ``b`` of each byte of ``bits`` as their bit 4."""
+    moved = bits if b == 4 else k.shl(bits, 4 - b) if b < 4 else k.shr(bits, b - 4)
+    return k.or_(codes, k.and_(moved, 0x10101010))
 
 
 def _sext_byte(k: KernelBuilder, word: Reg, b: int) -> Reg:
@@ -286,4 +306,76 @@ def _unit_q8_0(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list) -> 
             sg = k.load("shared", "f32", c["t_g"], 16 * r * c["TR"] + 4 * blk)
             sg8 = k.load("shared", "f32", c["t_g"], (16 * r + 8) * c["TR"] + 4 * blk)
             for n, s in ((0, sg), (1, sg), (2, sg8), (3, sg8)):  # |d| <= 32 * 128 * 128 < 2**22
+                k.assign(acc[r][n], k.fma(s, _exact_float(k, d[n]), acc[r][n]))
+
+
+def _word(k: KernelBuilder, base: Reg, off: int) -> Reg:
+    """The 32-bit word at ``base`` + ``off`` in shared memory (``off`` even: two aligned loads and a
+    ``prmt`` where it is 2 mod 4)."""
+    if off % 4 == 0:
+        return k.load("shared", "u32", base, off)
+    return k.prmt(k.load("shared", "u32", base, off - 2), k.load("shared", "u32", base, off + 2), 0x5432)
+
+
+def _spread_bit4(k: KernelBuilder, qh: Reg, shift: Reg) -> Reg:
+    """Bits ``shift`` .. ``shift`` + 3 of ``qh`` as bit 4 of the bytes 0..3 of a word (one multiply: the
+    nibble's four copies 7 bits apart land each bit in its byte, none overlapping)."""
+    return k.and_(k.mul(k.and_(k.shr(qh, shift), 0xF), 0x02040810), 0x10101010)
+
+
+def _unit_b32(k: KernelBuilder, wtype: str, c: dict, sbase: Reg, xslot: Reg, acc: list, minacc) -> None:
+    """Eight blocks of 32 values (Q4_0, Q4_1, Q5_0, Q5_1; GGUF's bytes, :data:`BLOCK32`) of the warp's
+    rows, staged at ``sbase``.
+
+    One MMA a block, as Q8_0: k is the value's index in the block, so lane (g, t)'s A words are the
+    low nibbles (k 4t..) and high nibbles (k 16 + 4t..) of the block's qs word t, of rows g and g + 8,
+    as unsigned bytes; the fifth bits (Q5_0, Q5_1) are bits 4t.. and 16 + 4t.. of its qh, moved to
+    bit 4 of each byte. B's columns 0..3 are the four digits of the block's x. Q4_0 / Q5_0's offset
+    (codes stand for q - 8 / q - 16) enters exactly as the accumulator input: an MMA of -8 (-16) in
+    every byte of A with the same B, once per block for the warp (as Q6_K's). Q4_1 / Q5_1's min adds
+    ``m sum(x over the block)`` per row, from the sums of x per block kept in the x slot, by the lane
+    of the row (subtracted from its negative in :func:`_row_sums`, as Q4_K's)."""
+    f = BLOCK32[wtype]
+    U, TR, bs = c["U"], c["TR"], f["bs"]
+    # the table: lane r converts row r's 8 block scales d / f (and gathers its qh words, adds its mins)
+    with _lanes_with_rows(k, c):
+        inv_f = k.load("shared", "f32", xslot, INVF[wtype])  # the unit's x digits are x f
+        row = k.add(sbase, c["row_stage"])
+        ds = [k.mul(ql.lds_f16(k, row, bs * i), inv_f) for i in range(8)]
+        k.store("shared", "f32", c["t_mine"], ds[:4])
+        k.store("shared", "f32", c["t_mine"], ds[4:], 16)
+        if f["qh"] is not None:
+            qhs = [_word(k, row, bs * i + f["qh"]) for i in range(8)]
+            k.store("shared", "u32", c["t_mine"], qhs[:4], 32)
+            k.store("shared", "u32", c["t_mine"], qhs[4:], 48)
+        if f["m"] is not None:
+            sx = [v for o in (0, 16) for v in k.load("shared", "f32", xslot, XSUM[wtype] + o, vec=4)]
+            msum = None
+            for i in range(8):
+                mi = ql.lds_f16(k, row, bs * i + f["m"])
+                msum = k.mul(mi, sx[i]) if msum is None else k.fma(mi, sx[i], msum)
+            k.assign(minacc, k.sub(minacc, msum))
+    k.bar_warp_sync()
+    rg_t = k.add(k.add(sbase, k.mul(c["g"], U)), c["t4"])
+    bj = k.add(xslot, c["b_lane"])
+    b = None
+    for blk in range(8):
+        if blk % 2 == 0:
+            b = k.load("shared", "u32", bj, 32 * blk, vec=4, pred=c["b_ok"], other=0)
+        bb = b[0:2] if blk % 2 == 0 else b[2:4]
+        cin = c["zeros"]
+        if f["zero"]:  # -zero times the block's sums of x digits, per column
+            cin = k.mma_s8([c["minus_zero"]] * 4, bb, c["zeros"])
+        for r in range(c["tiles"]):
+            ws = [_word(k, rg_t, 16 * r * U + roff + bs * blk + f["qs"]) for roff in (0, 8 * U)]
+            lo = [k.and_(w, 0x0F0F0F0F) for w in ws]
+            hi = [k.and_(k.shr(w, 4), 0x0F0F0F0F) for w in ws]
+            if f["qh"] is not None:  # the block's qh words of rows 16 r + g, 16 r + 8 + g
+                hq = [k.load("shared", "u32", c["t_g"], (16 * r + h) * TR + 32 + 4 * blk) for h in (0, 8)]
+                lo = [k.or_(v, _spread_bit4(k, h, c["t4"])) for v, h in zip(lo, hq)]
+                hi = [k.or_(v, _spread_bit4(k, h, c["t4_16"])) for v, h in zip(hi, hq)]
+            d = k.mma_s8([lo[0], lo[1], hi[0], hi[1]], bb, cin, a_unsigned=True)
+            sg = k.load("shared", "f32", c["t_g"], 16 * r * TR + 4 * blk)
+            sg8 = k.load("shared", "f32", c["t_g"], (16 * r + 8) * TR + 4 * blk)
+            for n, s in ((0, sg), (1, sg), (2, sg8), (3, sg8)):  # |d| <= 32 * 31 * 128 + 16 * 32 * 128 < 2**22
                 k.assign(acc[r][n], k.fma(s, _exact_float(k, d[n]), acc[r][n]))

@@ -17,6 +17,7 @@ from typing import Any
 
 from ptx_gen.kernels.gemv import MAX_STATIC_SMEM, shared_bytes, tiles_per_slice
 from ptx_gen.kernels.gemv_mma import MMA_TYPES, SOLO_SMEM, q6k_glu_offsets_fit
+from ptx_gen.kernels.gemv_mma_layout import Q8_DIGITS
 from ptx_gen.kernels.gemv_mma import layout as mma_layout
 from ptx_gen.kernels.quant_layout import type_info
 from realizar.errors import ShapeError
@@ -43,6 +44,12 @@ TARGET_WARPS_PER_SM = 24
 # kernel converts every unit of x it uses, a cost that grows with the rows
 Q6K_MANY_ROWS_PER_SM = 256
 MMA_EXTRA_CTA = 0.1  # the tensor-core GEMV dispatcher's cost of each further CTA on an SM
+# types whose 32-row warps (tiles=2) spill on sm_80/sm_89 (their fifth bits take registers): 16-row
+# warps only, so no fused gate/up GEMV on tensor cores either
+MMA_ONE_TILE = ("Q5_0", "Q5_1")
+# types the tensor-core kernel handles but streams slower than the SIMT one (bench_gemv, H200): the
+# dispatcher leaves them on the SIMT kernel (a forced MmaConfig still runs it)
+MMA_SLOWER = ("Q5_1",)
 
 
 @functools.lru_cache(maxsize=None)  # pure, and asked at every eager GEMV launch
@@ -111,8 +118,8 @@ class MmaConfig:
 def mma_config(out_dim: int, in_dim: int, wtype: str, sm_count: int = 132,
                max_smem: int = 227 * 1024, bulk_ok: bool = False, glu: bool = False) -> MmaConfig | None:
     """The tensor-core GEMV's launch shape for ``out_dim`` rows of ``in_dim`` values, or None where it
-    does not apply (types other than Q4_K/Q8_0/Q6_K, rows not a multiple of 256 values, or of 2048 for
-    Q6_K) or would keep fewer than half the SMs busy (small GEMVs: the SIMT kernel starts faster).
+    does not apply (types other than those of ``MMA_TYPES``, rows not a multiple of 256 values, or of
+    2048 for Q6_K; Q5_0 / Q5_1 gate/up weights) or would keep fewer than half the SMs busy (small GEMVs: the SIMT kernel starts faster).
 
     CTAs of 8 warps with a 2-stage ring; warps of 32 rows (each unit of x a warp converts serves twice
     the rows) split K in ``kparts`` so that the grid is balanced over the SMs (the busiest SM runs
@@ -121,15 +128,18 @@ def mma_config(out_dim: int, in_dim: int, wtype: str, sm_count: int = 132,
     best: 32-row warps, then fewer CTAs per SM. With ``bulk_ok`` (sm_90) warps that stream at most two
     units use bulk copies. ``glu``: the fused gate/up GEMV of ``out_dim`` outputs (2 out_dim weight
     rows; a warp takes 16 outputs' gate and up rows, so 32-row warps only)."""
-    if wtype not in MMA_TYPES or in_dim % 256:
+    if wtype not in MMA_TYPES or wtype in MMA_SLOWER or in_dim % 256:
         return None
     units = in_dim // 256
+    if glu and wtype in MMA_ONE_TILE:
+        return None
     if wtype == "Q6_K" and out_dim >= Q6K_MANY_ROWS_PER_SM * sm_count:
         return None
     if wtype == "Q6_K" and glu and not q6k_glu_offsets_fit(out_dim, in_dim):
         return None
     cands = []
-    for tiles, (mtiles, kparts) in itertools.product((2,) if glu else (1, 2), ((1, 8), (2, 4), (4, 2), (8, 1))):
+    tile_opts = (2,) if glu else (1,) if wtype in MMA_ONE_TILE else (1, 2)
+    for tiles, (mtiles, kparts) in itertools.product(tile_opts, ((1, 8), (2, 4), (4, 2), (8, 1))):
         if units % kparts:
             continue
         try:
@@ -161,8 +171,8 @@ class GemvOps(Dispatcher):
         """The tensor-core GEMV's launch shape on this device (None: not applicable, or before sm_80) for
         a weight stored in ``layout``. On tile-major weights a launch of at most one CTA per SM asks for
         ``solo`` shared memory (so that no SM runs a second CTA of the launch while others idle), and on
-        sm_90 a warp's stage is one bulk copy where that is the faster fill: Q6_K always, Q4_K with one
-        row tile per CTA, Q8_0 with at most two units per warp."""
+        sm_90 a warp's stage is one bulk copy where that is the faster fill: Q6_K always, Q4_K / Q5_K with
+        one row tile per CTA, Q8_0 and the 32-value block types with at most two units per warp."""
         cc = self.device.target.compute_capability
         if cc < (8, 0):
             return None
@@ -171,18 +181,18 @@ class GemvOps(Dispatcher):
         if cfg is None or layout == "rows":
             return cfg
         ctas = -(-out_dim // ((16 if glu else 16 * cfg.tiles) * cfg.mtiles))
-        bulk = cc >= (9, 0) and (wtype == "Q6_K" or (wtype == "Q4_K" and cfg.mtiles == 1)
-                                 or (wtype == "Q8_0" and in_dim // 256 // cfg.kparts <= 2))
+        bulk = cc >= (9, 0) and (wtype == "Q6_K" or (wtype in ("Q4_K", "Q5_K") and cfg.mtiles == 1)
+                                 or (wtype in Q8_DIGITS and in_dim // 256 // cfg.kparts <= 2))
         # (solo only where a CTA may ask for that much: not on sm_86/sm_89, whose limit is 99 KiB)
         return dataclasses.replace(cfg, bulk=bulk, solo=ctas <= self.sm_count and SOLO_SMEM <= max_smem)
 
     def weight_layout(self, out_dim: int, in_dim: int, wtype: str, glu: bool = False) -> str:
         """How a weight should be stored for its decode GEMV on this device: tile-major where the
         tensor-core kernel reads it (``glu``: a [gate; up] weight of 2 ``out_dim`` rows), else GGUF rows.
-        Exception: Q4_K rows of at most two units per warp, which the kernel streams faster with one
-        bulk copy per row and unit."""
+        Exception: Q4_K / Q5_K rows of at most two units per warp, which the kernel streams faster with
+        one bulk copy per row and unit."""
         cfg = self.mma_config(out_dim, in_dim, wtype, glu=glu)
-        if cfg is None or (wtype == "Q4_K" and cfg.bulk):
+        if cfg is None or (wtype in ("Q4_K", "Q5_K") and cfg.bulk):
             return "rows"
         return "glu-tiles" if glu else "tiles"
 
@@ -216,7 +226,7 @@ class GemvOps(Dispatcher):
              stream: Any = None, config: GemvConfig | MmaConfig | None = None) -> None:
         """out = W x (+ bias) (+ residual); ``residual`` may be ``out`` itself (in-place add).
 
-        Q4_K and Q8_0 rows of a multiple of 256 values and Q6_K rows of a multiple of 2048 go to the
+        Rows of a multiple of 256 values of the ``MMA_TYPES`` (Q6_K: of 2048 unless tile-major) go to the
         tensor-core kernel (on sm_80+, where it keeps at least half the SMs busy), the rest to the SIMT
         one; ``config`` forces either (a :class:`MmaConfig` or a :class:`GemvConfig`)."""
         cfg = config

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ptx_gen.kernels.gemv import MAX_STATIC_SMEM, shared_bytes
+from ptx_gen.kernels.gemv_mma import MMA_TYPES
 from ptx_gen.kernels.quant_layout import DENSE, K_QUANTS, WEIGHT_TYPES
 from realizar import cuda
 from realizar.errors import ShapeError
@@ -102,7 +103,7 @@ def _activation(rng, n: int, scale: float, spikes: int) -> np.ndarray:
 
 
 @settings(max_examples=60, deadline=None)
-@given(data=st.data(), wtype=st.sampled_from(["Q4_K", "Q8_0", "Q6_K"]), out_dim=st.integers(1, 600),
+@given(data=st.data(), wtype=st.sampled_from(MMA_TYPES), out_dim=st.integers(1, 600),
        mtiles=st.integers(1, 8), kparts=st.sampled_from([1, 2, 4, 8]), stages=st.sampled_from([2, 3, 4, 8]),
        tiles=st.sampled_from([1, 2]), bulk=st.booleans(), bias=st.booleans(), residual=st.sampled_from([None, "separate", "in_place"]),
        scale=st.sampled_from([1e-4, 1.0, 30.0, 3e3]), spikes=st.integers(0, 4), tiled=st.booleans(), solo=st.booleans(),
@@ -130,7 +131,7 @@ def test_gemv_mma_matches_float64_oracle(ops, data, wtype, out_dim, mtiles, kpar
     _check_gemv(dy.to_numpy(), ref, scl, f"{wtype} {out_dim}x{in_dim} {cfg} scale={scale} spikes={spikes}")
 
 
-@pytest.mark.parametrize("wtype", ["Q4_K", "Q8_0", "Q6_K"])
+@pytest.mark.parametrize("wtype", MMA_TYPES)
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 @pytest.mark.parametrize("bulk", [False, True])
 @pytest.mark.parametrize("layout", ["rows", "tiles"])
@@ -146,7 +147,7 @@ def test_gemv_mma_nan_or_inf_x_gives_nan_rows(ops, wtype, bad, bulk, layout):
     assert np.isnan(dy.to_numpy()).all()
 
 
-@pytest.mark.parametrize("wtype", ["Q4_K", "Q8_0", "Q6_K"])
+@pytest.mark.parametrize("wtype", MMA_TYPES)
 @pytest.mark.parametrize("out_dim,in_dim", [(4096, 14336), (14336, 4096), (4096, 4096), (2000, 2048)])
 def test_gemv_mma_dispatch_at_real_shapes(ops, wtype, out_dim, in_dim):
     """The dispatcher's tensor-core pick at the decode shapes, on the tile-major weight ``upload`` makes
