@@ -211,8 +211,9 @@ def bench_decode(dev, stream, copy_bw: float, reps: int, torch_sdpa: TorchSdpa, 
 
 
 def bench_prefill(dev, stream, reps: int, torch_sdpa: TorchSdpa, shapes, seqs) -> list[str]:
-    rows = ["| heads/kv/dim | S (causal) | flash attention µs | TFLOP/s | torch f32 µs | vs torch f32 |",
-            "|---|---:|---:|---:|---:|---:|"]
+    rows = ["| heads/kv/dim | S (causal) | flash attention µs | TFLOP/s | torch f32 µs | vs torch f32 "
+            "| tensor cores (f16 in, token-major f16 out) µs | TFLOP/s | torch f16 µs | vs torch f16 |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     rng = np.random.default_rng(1)
     for h, kvh, d in shapes:
         for s in seqs:
@@ -229,8 +230,17 @@ def bench_prefill(dev, stream, reps: int, torch_sdpa: TorchSdpa, shapes, seqs) -
                         ex.prefill_device(0, qb, ob, s, 0, s, True, stream=stream)
 
                 t = _median_us(run, stream, 3, max(3, reps // 4))
+                t16 = None
+                if ex.cache.tensor_core_attention:
+                    with cuda.GpuBuffer(q.size, np.float16) as o16:
+                        def run16():
+                            for _ in range(3):
+                                ex.cache.prefill_attention(0, qb, o16, s, 0, s, True, out_layout="tokens-f16",
+                                                           stream=stream)
+
+                        t16 = _median_us(run16, stream, 3, max(3, reps // 4))
             flops = 4 * h * d * s * (s + 1) / 2  # QK^T and PV over the causal half
-            t32 = None
+            t32 = tf16 = None
             if torch_sdpa.torch is not None:
                 torch, F = torch_sdpa.torch, torch_sdpa.F
                 try:
@@ -247,12 +257,25 @@ def bench_prefill(dev, stream, reps: int, torch_sdpa: TorchSdpa, shapes, seqs) -
                         b.synchronize()
                         samples.append(a.elapsed_time(b) * 1e3)
                     t32 = statistics.median(samples)
+                    tq, tk, tv = tq.half(), tk.half(), tv.half()
+                    F.scaled_dot_product_attention(tq, tk, tv, is_causal=True, enable_gqa=True)
+                    samples = []
+                    for _ in range(max(3, reps // 4)):
+                        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        a.record()
+                        F.scaled_dot_product_attention(tq, tk, tv, is_causal=True, enable_gqa=True)
+                        b.record()
+                        b.synchronize()
+                        samples.append(a.elapsed_time(b) * 1e3)
+                    tf16 = statistics.median(samples)
                     del tq, tk, tv
                     torch.cuda.empty_cache()
                 except Exception as exc:
                     print(f"  torch prefill: {type(exc).__name__}: {str(exc)[:120]}")
             row = (f"| {h}/{kvh}/{d} | {s} | {t:.0f} | {flops / t / 1e6:.1f} | {_fmt(t32, '.0f')} | "
-                   f"{_fmt(None if t32 is None else t32 / t, '.2f', 'x')} |")
+                   f"{_fmt(None if t32 is None else t32 / t, '.2f', 'x')} | {_fmt(t16, '.0f')} | "
+                   f"{_fmt(None if t16 is None else flops / t16 / 1e6, '.1f')} | {_fmt(tf16, '.0f')} | "
+                   f"{_fmt(None if tf16 is None or t16 is None else tf16 / t16, '.2f', 'x')} |")
             print(row, flush=True)
             rows.append(row)
             ex.close()
