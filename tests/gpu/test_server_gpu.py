@@ -54,3 +54,32 @@ def test_chat_and_concurrency_on_the_gpu(served):
     with ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(one, range(8)))
     assert answers == [expected] * 8
+
+
+def test_logprobs_n_and_json_schema_on_the_gpu(served):
+    """The API features through the GPU model: logprobs of the GPU logits equal the CPU engine's within
+    float32 noise (same greedy tokens), n seeded choices, and a JSON-schema answer that parses."""
+    import json
+
+    live, cpu = served
+    client = live.client()
+    got = client.completions.create(model=live.engine.name, prompt="hello there", max_tokens=12, temperature=0,
+                                    logprobs=3)
+    chunks = list(cpu.generator.stream("hello there", SamplingParams(max_tokens=12, temperature=0.0, logprobs=3)))
+    lp = got.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(chunks)
+    assert max(abs(a - c.logprob) for a, c in zip(lp.token_logprobs, chunks)) < 1e-3
+    assert got.choices[0].text == "".join(c.text for c in chunks)
+    three = client.completions.create(model=live.engine.name, prompt="hello", max_tokens=8, temperature=1.0, n=3,
+                                      seed=5)
+    assert [c.index for c in three.choices] == [0, 1, 2] and len({c.text for c in three.choices}) > 1
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["name", "age"], "additionalProperties": False}
+    r = client.chat.completions.create(model=live.engine.name, messages=[{"role": "user", "content": "a person"}],
+                                       max_tokens=64, temperature=0.7, seed=1,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "person", "schema": schema}})
+    assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+    data = json.loads(r.choices[0].message.content)
+    assert set(data) == {"name", "age"} and isinstance(data["age"], int) and len(data["name"]) <= 6
