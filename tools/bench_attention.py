@@ -35,26 +35,11 @@ import numpy as np
 from realizar import cuda
 from realizar.cuda.driver import call
 from realizar.gpu.executor import CudaExecutor
-from realizar.cuda.bench import copy_bandwidth
+from realizar.cuda.bench import copy_bandwidth, median_us
 
 SHAPES = [(14, 2, 64), (28, 4, 128), (32, 8, 128)]
 LENGTHS = [512, 4096, 32768]
 PREFILL = [512, 2048]
-
-
-def _median_us(run, stream, calls: int, reps: int) -> float:
-    """Median over ``reps`` of (event time of ``run()`` / calls) in µs; ``run`` issues ``calls`` calls."""
-    start, end = cuda.Event(), cuda.Event()
-    run()
-    stream.synchronize()
-    samples = []
-    for _ in range(reps):
-        start.record(stream)
-        run()
-        end.record(stream)
-        end.synchronize()
-        samples.append(start.elapsed_ms(end) * 1e3 / calls)
-    return statistics.median(samples)
 
 
 def _graph_of(fn, stream, calls: int, pdl: bool = False):
@@ -85,6 +70,21 @@ class TorchSdpa:
             self.torch = None
             return
         self.torch, self.F = torch, F
+
+    def median_us(self, run, calls: int, reps: int) -> float:
+        """Median over ``reps`` of (CUDA-event time of ``run()`` / ``calls``) in µs, after a warm-up run."""
+        torch = self.torch
+        run()
+        torch.cuda.synchronize()
+        samples = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            run()
+            b.record()
+            b.synchronize()
+            samples.append(a.elapsed_time(b) * 1e3 / calls)
+        return statistics.median(samples)
 
     def time(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, dtype: str, reps: int, graph: bool) -> float | None:
         if self.torch is None:
@@ -120,17 +120,7 @@ class TorchSdpa:
                 def run():
                     for _ in range(calls):
                         once()
-            run()
-            torch.cuda.synchronize()
-            samples = []
-            for _ in range(reps):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                run()
-                b.record()
-                b.synchronize()
-                samples.append(a.elapsed_time(b) * 1e3 / calls)
-            return statistics.median(samples)
+            return self.median_us(run, calls, reps)
         except Exception as exc:  # graph capture of some sdpa paths is unsupported
             print(f"  torch {dtype} {'graph' if graph else 'eager'}: {type(exc).__name__}: {str(exc)[:120]}")
             return None
@@ -178,16 +168,16 @@ def bench_decode(dev, stream, copy_bw: float, reps: int, torch_sdpa: TorchSdpa, 
 
             g_fd, g_inc, g_app = (_graph_of(f, stream, n_calls) for f in (fd, inc, app))
             g_pdl = _graph_of(fd, stream, n_calls, pdl=True)
-            t_fd = _median_us(lambda: g_fd.launch(stream), stream, n_calls, reps) if g_fd else None
-            t_pdl = _median_us(lambda: g_pdl.launch(stream), stream, n_calls, reps) if g_pdl else None
+            t_fd = median_us(lambda: g_fd.launch(stream), stream, n_calls, reps) if g_fd else None
+            t_pdl = median_us(lambda: g_pdl.launch(stream), stream, n_calls, reps) if g_pdl else None
 
             def eager():
                 for _ in range(n_calls):
                     fd(stream)
 
-            t_eager = _median_us(eager, stream, n_calls, reps)
-            t_inc = _median_us(lambda: g_inc.launch(stream), stream, n_calls, reps) if g_inc else None
-            t_app = _median_us(lambda: g_app.launch(stream), stream, n_calls, reps) if g_app else None
+            t_eager = median_us(eager, stream, n_calls, reps)
+            t_inc = median_us(lambda: g_inc.launch(stream), stream, n_calls, reps) if g_inc else None
+            t_app = median_us(lambda: g_app.launch(stream), stream, n_calls, reps) if g_app else None
             best = min(t for t in (t_fd, t_pdl, t_eager) if t is not None)
             gbs = kv_bytes / best / 1e3
             pct = 100 * kv_bytes / best / copy_bw
@@ -229,7 +219,7 @@ def bench_prefill(dev, stream, reps: int, torch_sdpa: TorchSdpa, shapes, seqs) -
                     for _ in range(3):
                         ex.prefill_device(0, qb, ob, s, 0, s, True, stream=stream)
 
-                t = _median_us(run, stream, 3, max(3, reps // 4))
+                t = median_us(run, stream, 3, max(3, reps // 4))
                 t16 = None
                 if ex.cache.tensor_core_attention:
                     with cuda.GpuBuffer(q.size, np.float16) as o16:
@@ -238,7 +228,7 @@ def bench_prefill(dev, stream, reps: int, torch_sdpa: TorchSdpa, shapes, seqs) -
                                 ex.cache.prefill_attention(0, qb, o16, s, 0, s, True, out_layout="tokens-f16",
                                                            stream=stream)
 
-                        t16 = _median_us(run16, stream, 3, max(3, reps // 4))
+                        t16 = median_us(run16, stream, 3, max(3, reps // 4))
             flops = 4 * h * d * s * (s + 1) / 2  # QK^T and PV over the causal half
             t32 = tf16 = None
             if torch_sdpa.torch is not None:
@@ -246,28 +236,13 @@ def bench_prefill(dev, stream, reps: int, torch_sdpa: TorchSdpa, shapes, seqs) -
                 try:
                     tq = torch.from_numpy(q).cuda()[None]
                     tk, tv = torch.from_numpy(k).cuda()[None], torch.from_numpy(v).cuda()[None]
-                    F.scaled_dot_product_attention(tq, tk, tv, is_causal=True, enable_gqa=True)
-                    torch.cuda.synchronize()
-                    samples = []
-                    for _ in range(max(3, reps // 4)):
-                        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        a.record()
-                        F.scaled_dot_product_attention(tq, tk, tv, is_causal=True, enable_gqa=True)
-                        b.record()
-                        b.synchronize()
-                        samples.append(a.elapsed_time(b) * 1e3)
-                    t32 = statistics.median(samples)
+
+                    def sdpa(a, b, c):
+                        return lambda: F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=True)
+
+                    t32 = torch_sdpa.median_us(sdpa(tq, tk, tv), 1, max(3, reps // 4))
                     tq, tk, tv = tq.half(), tk.half(), tv.half()
-                    F.scaled_dot_product_attention(tq, tk, tv, is_causal=True, enable_gqa=True)
-                    samples = []
-                    for _ in range(max(3, reps // 4)):
-                        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        a.record()
-                        F.scaled_dot_product_attention(tq, tk, tv, is_causal=True, enable_gqa=True)
-                        b.record()
-                        b.synchronize()
-                        samples.append(a.elapsed_time(b) * 1e3)
-                    tf16 = statistics.median(samples)
+                    tf16 = torch_sdpa.median_us(sdpa(tq, tk, tv), 1, max(3, reps // 4))
                     del tq, tk, tv
                     torch.cuda.empty_cache()
                 except Exception as exc:
@@ -343,13 +318,13 @@ def bench_tuning(dev, stream, copy_bw: float, reps: int, shapes, lengths, calls:
 
                 g = _graph_of(fd, stream, n_calls)
                 if g is not None:
-                    t = _median_us(lambda: g.launch(stream), stream, n_calls, reps)
+                    t = median_us(lambda: g.launch(stream), stream, n_calls, reps)
                     g.close()
                 else:
                     def eager():
                         for _ in range(n_calls):
                             fd(stream)
-                    t = _median_us(eager, stream, n_calls, reps)
+                    t = median_us(eager, stream, n_calls, reps)
                 results.append((label, ex.num_chunks, _registers(ex), t))
             best = min(r[3] for r in results)
             for label, nch, regs, t in results:

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from realizar import cuda
+from realizar.cuda.bench import median_us
 from realizar.gpu.gemm import _TILES, GemmConfig, gemm_config
 from realizar.gpu.ops import LayerOps
 
@@ -30,19 +31,13 @@ PEAK_F16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 
 
 def _median_us(fn, stream, reps: int = 10, inner: int = 5) -> float:
-    for _ in range(3):
-        fn()
-    stream.synchronize()
-    times = []
-    for _ in range(reps):
-        e0, e1 = cuda.Event(), cuda.Event()
-        e0.record(stream)
+    """Median µs per call of ``fn`` over ``reps`` event-timed runs of ``inner`` back-to-back calls."""
+
+    def run():
         for _ in range(inner):
             fn()
-        e1.record(stream)
-        e1.synchronize()
-        times.append(e0.elapsed_ms(e1) * 1e3 / inner)
-    return statistics.median(times)
+
+    return median_us(run, stream, inner, reps)
 
 
 def _check(ops, x, w, y, m, n, k, glu, cfg, stream) -> float:

@@ -26,11 +26,11 @@ import math
 
 from ptx_gen.builder import KernelBuilder, Module, Reg
 from ptx_gen.catalog import kernel
+from ptx_gen.kernels.decode_core import LOG2E
 
 BQ = 64  # queries per CTA (4 warps x 16)
 BK = 64  # keys per tile
 HEAD_DIMS = (32, 48, 64, 80, 96, 128)
-LOG2E = 1.4426950408889634
 
 
 def _row_bytes(d: int) -> int:

@@ -1,4 +1,5 @@
-"""Measurement helpers shared by the benchmarks: the memory-bandwidth ceiling they compare against."""
+"""Measurement helpers shared by the benchmarks: event timing, and the memory-bandwidth ceiling they
+compare against."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numpy as np
 from realizar.cuda.memory import GpuBuffer
 from realizar.cuda.stream import Event, Stream
 
-__all__ = ["copy_bandwidth"]
+__all__ = ["copy_bandwidth", "median_us"]
 
 
 def copy_bandwidth(stream: Stream, nbytes: int = 1 << 30, reps: int = 10) -> float:
@@ -27,3 +28,19 @@ def copy_bandwidth(stream: Stream, nbytes: int = 1 << 30, reps: int = 10) -> flo
             if i >= 2:
                 times.append(e0.elapsed_ms(e1) / 1e3)
     return 2 * nbytes / statistics.median(times)
+
+
+def median_us(run, stream: Stream, calls: int, reps: int) -> float:
+    """Median over ``reps`` of (event time of ``run()`` / ``calls``) in µs, after one warm-up ``run()``;
+    ``run`` issues ``calls`` calls on ``stream``."""
+    start, end = Event(), Event()
+    run()
+    stream.synchronize()
+    samples = []
+    for _ in range(reps):
+        start.record(stream)
+        run()
+        end.record(stream)
+        end.synchronize()
+        samples.append(start.elapsed_ms(end) * 1e3 / calls)
+    return statistics.median(samples)

@@ -250,8 +250,8 @@ class GpuModel:
         """The prompt in chunks of ``prefill_chunk`` tokens through every layer at once
         (:mod:`realizar.gpu.prefill`); the logits and greedy token end up where a decode step leaves them."""
         self.device.make_current()
-        if any(not 0 <= t < self.config.vocab_size for t in ids):
-            bad = next(t for t in ids if not 0 <= t < self.config.vocab_size)
+        bad = next((t for t in ids if not 0 <= t < self.config.vocab_size), None)
+        if bad is not None:
             raise InvalidRequestError(f"token id {bad} outside the vocabulary of {self.config.vocab_size}")
         if self._prefill is None:
             self._prefill = BatchedPrefill(self, self.prefill_chunk)
