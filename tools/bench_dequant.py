@@ -15,7 +15,6 @@ the float32 reference dequantization (bitwise). ``--sweep`` also times the kerne
 from __future__ import annotations
 
 import argparse
-import statistics
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +22,7 @@ import numpy as np
 from ptx_gen.kernels.dequant import DEFAULT_ROUNDS, total_rounds
 from ptx_gen.kernels.gemv_mma import MMA_TYPES
 from realizar import cuda
-from realizar.cuda.bench import copy_bandwidth
+from realizar.cuda.bench import copy_bandwidth, graph_median_us
 from realizar.gpu.ops import GpuWeight, LayerOps
 from realizar.models.random import dequant, random_weight
 
@@ -53,30 +52,7 @@ def _launcher(ops: LayerOps, w: GpuWeight, o, interleave: bool, stream, shape: d
 
 def _time(fns, stream) -> float:
     """Median seconds per launch: replays of a CUDA graph of the launches (back to back without graphs)."""
-    for fn in fns:
-        fn()
-    stream.synchronize()
-    exe = None
-    try:
-        with cuda.capture(stream) as cap:
-            for fn in fns:
-                fn()
-        exe = cap.graph.instantiate()
-    except Exception as exc:  # noqa: BLE001 - time eager launches instead
-        print(f"  (graph capture failed: {exc}; timing back-to-back launches)")
-    runs = []
-    for _ in range(6):
-        e0, e1 = cuda.Event(), cuda.Event()
-        e0.record(stream)
-        if exe is not None:
-            exe.replay(stream)
-        else:
-            for fn in fns:
-                fn()
-        e1.record(stream)
-        e1.synchronize()
-        runs.append(e0.elapsed_ms(e1) / 1e3 / len(fns))
-    return statistics.median(runs[1:])
+    return graph_median_us(fns, stream, reps=5)[0] / 1e6
 
 
 def _check(ops: LayerOps, raw, wtype, out_dim, in_dim, layout, interleave) -> str:

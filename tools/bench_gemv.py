@@ -42,7 +42,7 @@ from ptx_gen.kernels.gemv_mma import MMA_TYPES
 from ptx_gen.kernels.gemv_mma import layout as mma_layout
 from realizar.gpu.ops import GemvConfig, GpuWeight, LayerOps, MmaConfig, gemv_config
 from realizar.models.random import dequant, random_weight
-from realizar.cuda.bench import copy_bandwidth
+from realizar.cuda.bench import copy_bandwidth, graph_median_us
 
 SHAPES = [  # (label, out_dim, in_dim)
     ("4096x4096", 4096, 4096),
@@ -75,40 +75,7 @@ _pdl = _Pdl()
 def time_launches(fn_list, stream: cuda.Stream, use_graph: bool, reps: int = 7) -> tuple[float, str]:
     """Median microseconds per launch of the callables in fn_list (each issues one launch)."""
     with _pdl.context():
-        return _time_launches(fn_list, stream, use_graph, reps)
-
-
-def _time_launches(fn_list, stream: cuda.Stream, use_graph: bool, reps: int) -> tuple[float, str]:
-    for fn in fn_list[: min(len(fn_list), 8)]:  # warm-up (and module loads before any capture)
-        fn()
-    stream.synchronize()
-    mode = "graph"
-    exe = None
-    if use_graph and hasattr(cuda, "capture"):
-        try:
-            with cuda.capture(stream) as cap:
-                for fn in fn_list:
-                    fn()
-            exe = cap.graph.instantiate()
-        except Exception as exc:  # noqa: BLE001 - fall back to eager timing
-            print(f"  (graph capture failed: {exc}; timing back-to-back launches)")
-            exe = None
-    if exe is None:
-        mode = "eager"
-    times = []
-    for i in range(reps + 1):
-        e0, e1 = cuda.Event(), cuda.Event()
-        e0.record(stream)
-        if exe is not None:
-            exe.replay(stream)
-        else:
-            for fn in fn_list:
-                fn()
-        e1.record(stream)
-        e1.synchronize()
-        if i:
-            times.append(e0.elapsed_ms(e1) * 1e3 / len(fn_list))
-    return statistics.median(times), mode
+        return graph_median_us(fn_list, stream, use_graph, reps)
 
 
 def bench_read(ops, stream, nbytes: int, use_graph: bool) -> float:
