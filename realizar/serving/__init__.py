@@ -9,6 +9,10 @@
   ``submit`` / ``generate_batch``.
 """
 
+from realizar.serving.backend import BatchBackend, BatchOutput, RowSampling
 from realizar.serving.blocks import BlockPool, PoolStats
+from realizar.serving.engine import EngineStats, RequestHandle, ServingEngine, StepStats
+from realizar.serving.scheduler import Scheduler
 
-__all__ = ["BlockPool", "PoolStats"]
+__all__ = ["BatchBackend", "BatchOutput", "BlockPool", "EngineStats", "PoolStats", "RequestHandle", "RowSampling",
+           "Scheduler", "ServingEngine", "StepStats"]
