@@ -130,7 +130,6 @@ def test_host_sampled_seeded_requests_equal_generator(engines):
 
 
 def test_device_sampled_seeded_requests_same_alone_and_batched(engines):
-    pytest.importorskip("realizar.sampling").__dict__.get("sample_rows") or pytest.skip("sample_rows not merged yet")
     engine = engines["llama"]
     ps = [SamplingParams(max_tokens=12, temperature=t, top_k=k, top_p=p, seed=s)
           for t, k, p, s in ((0.8, 0, 1.0, 1), (1.2, 20, 0.9, 2), (0.5, 5, 1.0, 3), (1.0, 0, 0.7, 4))]
@@ -206,6 +205,8 @@ def test_requests_that_can_never_fit_are_refused(engines):
         big.submit([], SamplingParams(max_tokens=2))
     with pytest.raises(InvalidRequestError, match="vocabulary"):
         big.submit([5, 320], SamplingParams(max_tokens=2))
+    with pytest.raises(InvalidRequestError, match="finite reciprocal"):  # the device sampler's limit
+        big.submit([5, 6], SamplingParams(max_tokens=2, temperature=1e-45))
     assert serving.submit(_prompt(1, 59), SamplingParams(max_tokens=5)).done is False  # 64 fits
     _drive(serving, {0: []})
 
@@ -288,3 +289,18 @@ def test_from_engine(engines, monkeypatch):
     monkeypatch.setitem(sys.modules, "realizar.gpu.batch", None)  # an import of it fails
     with pytest.raises(UnsupportedError, match="needs realizar.gpu.batch.GpuBatchBackend"):
         ServingEngine.from_engine(FakeGpuEngine())
+
+
+def test_preempted_sampled_requests_keep_their_random_stream(engines):
+    """Device-sampled seeded requests preempted and recomputed draw the same tokens as alone (the RNG
+    counts generated tokens, not steps)."""
+    engine = engines["qwen3"]
+    items = [(_prompt(1000 + i, 6), SamplingParams(max_tokens=14, temperature=1.0, top_k=50, seed=7 + i))
+             for i in range(3)]  # fmt: skip
+    tight = _serving(engine, num_blocks=9, block_size=4, background=False)
+    handles = _drive(tight, {0: items})
+    assert tight.scheduler.preemptions >= 1
+    roomy = _serving(engine, background=False)
+    for h, item in zip(handles, items):
+        assert h.wait(0).token_ids == _drive(roomy, {0: [item]})[0].wait(0).token_ids
+    _all_free(tight)

@@ -294,6 +294,8 @@ class ServingEngine:
         if params.seed is None:
             params = dataclasses.replace(params, seed=secrets.randbits(63))
         handle = RequestHandle(self, SequenceState(ids, params, self.tokenizer, self.eos_token_ids))
+        if not handle.needs_host_logits:
+            handle.row_sampling()  # the device's limits (e.g. a float32 1/temperature) checked now
         with self._cv:
             if self._closed:
                 raise EngineClosedError("the serving engine is closed")
