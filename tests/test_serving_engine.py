@@ -18,6 +18,8 @@ import threading
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from realizar.engine import load_engine
 from realizar.errors import InvalidRequestError, UnsupportedError
@@ -304,3 +306,49 @@ def test_preempted_sampled_requests_keep_their_random_stream(engines):
     for h, item in zip(handles, items):
         assert h.wait(0).token_ids == _drive(roomy, {0: [item]})[0].wait(0).token_ids
     _all_free(tight)
+
+
+@settings(max_examples=30)
+@given(data=st.data())
+def test_random_loads_equal_alone_and_free_every_block(engines, data):
+    """Random pools (tight ones preempt), budgets, arrivals, lengths and cancellations: every request
+    that is not cancelled gets Generator's tokens; at the end every block is free."""
+    engine = engines["qwen2"]
+    bs = data.draw(st.sampled_from([2, 4, 8]))
+    n_req = data.draw(st.integers(1, 6))
+    reqs = [(data.draw(st.integers(1, 20)), data.draw(st.integers(1, 10))) for _ in range(n_req)]
+    worst = max(-(-(n + m) // bs) for n, m in reqs)
+    num_blocks = data.draw(st.integers(worst, 3 * worst)) + 1
+    serving = _serving(engine, num_blocks=num_blocks, block_size=bs, background=False,
+                       max_batched_tokens=data.draw(st.integers(4, 32)),
+                       prefix_cache=data.draw(st.booleans()))  # fmt: skip
+    prompts = [_prompt(data.draw(st.integers(0, 3)), n) for n, _ in reqs]  # few seeds: shared prefixes
+    schedule: dict[int, list] = {}
+    items = []
+    for ids, (_, m) in zip(prompts, reqs):
+        item = (ids, SamplingParams(max_tokens=m))
+        items.append(item)
+        schedule.setdefault(data.draw(st.integers(0, 8)), []).append(item)
+    cancel_at = {data.draw(st.integers(0, 30)): data.draw(st.integers(0, n_req - 1)) for _ in range(data.draw(st.integers(0, 2)))}
+    handles: list = []
+    order: list = []
+    step = 0
+    while step < 2000:
+        for item in schedule.get(step, []):
+            handles.append(serving.submit(*item))
+            order.append(item)
+        if step in cancel_at and cancel_at[step] < len(handles):
+            handles[cancel_at[step]].cancel()
+            serving.scheduler.pool.check_consistency()
+        if step > max(schedule) and all(h.done for h in handles):
+            break
+        serving.step()
+        step += 1
+    for h, (ids, p) in zip(handles, order):
+        got = h.wait(0)
+        want = engine.generate(ids, p)
+        if got.finish_reason == "cancelled":
+            assert got.token_ids == want.token_ids[: len(got.token_ids)]
+        else:
+            assert got.token_ids == want.token_ids
+    _all_free(serving)

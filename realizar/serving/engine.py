@@ -113,6 +113,7 @@ class RequestHandle:
         while True:
             item = self._queue.get()
             if item is _DONE:
+                self._queue.put(_DONE)  # a later iteration ends at once too
                 if self._error is not None:
                     raise self._error
                 return
