@@ -359,7 +359,9 @@ class SequenceState:
             return TokenChunk(tok, text, float(logprobs[tok]), tops)
         return TokenChunk(tok, text)
 
-    def result(self, prefill_seconds: float, decode_seconds: float, finish_reason: str | None = None) -> GenerationResult:
+    def result(
+        self, prefill_seconds: float, decode_seconds: float, finish_reason: str | None = None
+    ) -> GenerationResult:
         return GenerationResult(
             text="".join(self.pieces),
             token_ids=list(self.generated),

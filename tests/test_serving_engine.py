@@ -259,8 +259,10 @@ def test_generate_batch_threads_and_stats(engines):
             assert r.token_ids == engine.generate(ids, p).token_ids
         # concurrent submitters on several threads
         out: dict[int, list[int]] = {}
-        threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, serving.submit(prompts[i], p).wait(30).token_ids))
-                   for i in range(6)]  # fmt: skip
+        def client(i):
+            out[i] = serving.submit(prompts[i], p).wait(30).token_ids
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
         for t in threads:
             t.start()
         for t in threads:
@@ -329,7 +331,8 @@ def test_random_loads_equal_alone_and_free_every_block(engines, data):
         item = (ids, SamplingParams(max_tokens=m))
         items.append(item)
         schedule.setdefault(data.draw(st.integers(0, 8)), []).append(item)
-    cancel_at = {data.draw(st.integers(0, 30)): data.draw(st.integers(0, n_req - 1)) for _ in range(data.draw(st.integers(0, 2)))}
+    n_cancel = data.draw(st.integers(0, 2))
+    cancel_at = {data.draw(st.integers(0, 30)): data.draw(st.integers(0, n_req - 1)) for _ in range(n_cancel)}
     handles: list = []
     order: list = []
     step = 0

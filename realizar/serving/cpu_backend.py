@@ -72,7 +72,8 @@ class ReferenceBatchBackend:
     @property
     def kv_bytes_per_block(self) -> int:
         c = self.config
-        return 2 * c.num_layers * c.num_kv_heads * self.block_size * c.head_dim * np.dtype(KV_DTYPES[self.kv_dtype]).itemsize
+        itemsize = np.dtype(KV_DTYPES[self.kv_dtype]).itemsize
+        return 2 * c.num_layers * c.num_kv_heads * self.block_size * c.head_dim * itemsize
 
     # -- checks ------------------------------------------------------------------------------------
 
@@ -172,7 +173,9 @@ class ReferenceBatchBackend:
         if b == 0 or b > self.max_batch:
             raise ShapeError(f"a decode step takes 1..{self.max_batch} rows, got {b}")
         if pos.shape[0] != b or len(block_tables) != b:
-            raise ShapeError(f"{b} tokens need {b} positions and block tables, got {pos.shape[0]} and {len(block_tables)}")
+            raise ShapeError(
+                f"{b} tokens need {b} positions and block tables, got {pos.shape[0]} and {len(block_tables)}"
+            )
         if pos.min() < 0 or pos.max() >= self.context_length:
             raise ContextOverflowError(f"positions {pos.tolist()} must lie in 0..{self.context_length - 1}")
         self._check_tokens(ids)

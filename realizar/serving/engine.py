@@ -256,7 +256,8 @@ class ServingEngine:
             if kv_dtype not in KV_DTYPES:
                 raise UnsupportedError(f"the CPU backend stores KV as one of {tuple(KV_DTYPES)}, got {kv_dtype!r}")
             c = engine.config
-            per_block = 2 * c.num_layers * c.num_kv_heads * block_size * c.head_dim * np.dtype(KV_DTYPES[kv_dtype]).itemsize
+            itemsize = np.dtype(KV_DTYPES[kv_dtype]).itemsize
+            per_block = 2 * c.num_layers * c.num_kv_heads * block_size * c.head_dim * itemsize
             if num_blocks is None:
                 if kv_memory is not None:
                     num_blocks = int(kv_memory // per_block) + 1
