@@ -93,8 +93,9 @@ def test_batched_decode_rows_of_different_lengths(models, arch):
 
 
 def test_f16_kv_divergence_is_small(models):
-    """f16 storage of K/V: measured on these models the max logit difference stays below 1e-2 x
-    max|logit| and greedy choices agree with f32 at every position of a 48-token sequence."""
+    """f16 storage of K/V against the f32 reference: on the tiny models the max logit difference is
+    ~4-5e-4 x max|logit| over 200 positions (f32 storage: ~9e-7), greedy choices agree everywhere;
+    here a 48-token sequence must stay under 2e-3 x max|logit| with every greedy choice equal."""
     loaded = models["llama"]
     rng = np.random.default_rng(5)
     ids = rng.integers(0, 320, 48).tolist()
@@ -106,7 +107,7 @@ def test_f16_kv_divergence_is_small(models):
     got = np.stack(got)
     ref = want[15:]
     diff = np.abs(got - ref).max() / np.abs(ref).max()
-    assert 0 < diff < 1e-2  # f16 storage does change the logits, by little
+    assert 0 < diff < 2e-3  # f16 storage does change the logits, by little
     assert (got.argmax(1) == ref.argmax(1)).all()
 
 
