@@ -33,6 +33,7 @@ import numpy as np
 from realizar import cuda
 from realizar.errors import ContextOverflowError, InvalidRequestError, ShapeError, UnsupportedError
 from realizar.gpu.prefill import BatchedPrefill, batched_prefill_unsupported
+from realizar.gpu.sampling import SPEC_WORDS, pack_specs
 
 __all__ = ["BUCKETS", "GpuBatchBackend", "GpuBatchOutput", "bucket_for", "kv_block_bytes"]
 
@@ -183,12 +184,13 @@ class GpuBatchBackend:
         self.logits = ops.buffer(b * cfg.vocab_size)
         self.tokens = ops.buffer(b, np.uint32)
         self._tokens_host = cuda.PinnedArray(b, np.uint32, device=self.device)
+        self._specs_host = cuda.PinnedArray(b * SPEC_WORDS, np.uint32, device=self.device)
+        self.specs = ops.buffer(b * SPEC_WORDS, np.uint32, zero=True)
         self._w16 = None  # a larger f16 expansion scratch, only if the LM head needs one (see _ensure_scratch)
         self._graphs: dict[int, cuda.GraphExec] = {}
         self._prefill = BatchedPrefill(_PrefillModel(self), prefill_chunk)
         self.prefill_chunk = self._prefill.chunk
         self.steps = 0
-        self._sampler = None
 
     # ---- linear layers of B rows ------------------------------------------------------------------
     def _gemm_q_takes(self, weight, rows: int) -> bool:
@@ -347,13 +349,13 @@ class GpuBatchBackend:
 
     # ---- outputs ----------------------------------------------------------------------------------
     def _sample(self, rows: int, specs: Sequence[Any]) -> np.ndarray:
-        from realizar.gpu.sampling import DeviceSampler
-
-        if self._sampler is None:
-            self._sampler = DeviceSampler(self.ops, self.max_batch, self.config.vocab_size)
         self.device.make_current()
+        staged = self._specs_host.array.reshape(self.max_batch, SPEC_WORDS)
+        self.stream.synchronize()  # the previous call's spec copy has left the staging array
+        pack_specs(specs, out=staged)
+        self.specs.copy_from_host_at(self._specs_host.array[: rows * SPEC_WORDS], 0, stream=self.stream)
         out = self._tokens_host.array[:rows]
-        self._sampler.sample(self.logits, specs, self.tokens, rows, stream=self.stream)
+        self.ops.sample_rows(self.logits, self.specs, self.tokens, rows, self.config.vocab_size, stream=self.stream)
         self.tokens.copy_to_host_at(0, rows, out, stream=self.stream)
         self.stream.synchronize()
         return out.astype(np.int64)
@@ -371,6 +373,6 @@ class GpuBatchBackend:
         self._prefill.free()
         self.kv.close()
         for buf in (self.step, self.prefill_table, self.x, self.h, self.h16, self.qkv, self.attn, self.ffn,
-                    self.ffn16, self.logits, self.tokens, self._w16):
+                    self.ffn16, self.logits, self.tokens, self.specs, self._w16):
             if buf is not None:
                 buf.free()

@@ -276,7 +276,9 @@ class ServingEngine:
                     f"which cannot be imported here: {e}"
                 ) from e
             backend = GpuBatchBackend(engine.model, num_blocks=num_blocks, kv_memory=kv_memory, block_size=block_size,
-                                      kv_dtype=kv_dtype or "f16", max_batch=max_batch)  # fmt: skip
+                                      kv_dtype=kv_dtype or "f16", max_batch=max_batch,
+                                      max_context=engine.context_length)  # fmt: skip
+            engine.model.release_kv()  # the single-sequence cache: remade only if the engine is used directly
         eos = getattr(getattr(engine, "generator", None), "eos_token_ids", None)
         return cls(backend, engine.tokenizer, eos, **kwargs)
 
