@@ -86,6 +86,90 @@ def bench_batched(backend: GpuBatchBackend, batches: list[int], prompt: int, gen
     return out
 
 
+def bench_tokenizer(vocab_size: int):
+    """A byte-level tokenizer of ``vocab_size`` ids for random-weight models: the 256 byte symbols,
+    then ids spelled ``w<id>``; no end-of-sequence id, so every request runs to ``max_tokens``."""
+    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers
+
+    from realizar.text.tokenizer import Tokenizer
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab.update({f"w{i}": i for i in range(len(vocab), vocab_size)})
+    backend = Backend(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return Tokenizer(backend, kind="bpe", vocab_size=vocab_size)
+
+
+def run_load(serving, requests: list[tuple[list[int], int]]) -> dict:
+    """Submit every (prompt ids, max_tokens) at once and stream each in its own thread: aggregate
+    output tok/s, TTFT and inter-token latency percentiles (seconds)."""
+    import threading
+
+    from realizar.generation import SamplingParams
+
+    ttft, itl, counts = [], [], []
+    lock = threading.Lock()
+
+    def consume(handle, t_submit):
+        times = [time.perf_counter() for _ in handle]
+        with lock:
+            counts.append(len(times))
+            if times:
+                ttft.append(times[0] - t_submit)
+                itl.extend(np.diff(times).tolist())
+
+    t0 = time.perf_counter()
+    threads = []
+    for ids, n in requests:
+        t = time.perf_counter()
+        handle = serving.submit(ids, SamplingParams(max_tokens=n, temperature=0.0))
+        th = threading.Thread(target=consume, args=(handle, t))
+        th.start()
+        threads.append(th)
+    for th in threads:
+        th.join()
+    wall = time.perf_counter() - t0
+    return {"tok_s": sum(counts) / wall, "ttft": ttft, "itl": itl, "wall": wall, "tokens": sum(counts)}
+
+
+def bench_engine(backend, concurrency: list[int], prompt: int, gen: int, rng) -> dict[str, dict]:
+    """{label: run_load result} through a ServingEngine over ``backend``."""
+    from realizar.serving.engine import ServingEngine
+
+    vocab = backend.config.vocab_size
+    serving = ServingEngine(backend, bench_tokenizer(vocab), eos_token_ids=())
+    draw = lambda n: [int(t) for t in rng.integers(0, vocab, n)]  # noqa: E731
+    out = {}
+    try:
+        run_load(serving, [(draw(prompt), 8)])  # warm-up: kernels loaded, first graphs captured
+        for c in concurrency:
+            if c > backend.max_batch:
+                continue
+            run_load(serving, [(draw(prompt), 4) for _ in range(c)])  # capture this bucket's graph
+            out[f"{c} x ({prompt} in, {gen} out)"] = r = run_load(serving, [(draw(prompt), gen) for _ in range(c)])
+            print(f"  engine C={c}: {r['tok_s']:.0f} tok/s, TTFT p50 {1e3 * pct(r['ttft'], 50):.1f} ms, "
+                  f"ITL p50 {1e3 * pct(r['itl'], 50):.2f} ms", flush=True)
+        c = min(64, backend.max_batch)
+        lens = [(int(rng.integers(32, 1025)), int(rng.integers(16, 257))) for _ in range(c)]
+        fits = [(p, g) for p, g in lens if p + g <= backend.context_length]
+        out[f"{c} mixed (32-1024 in, 16-256 out)"] = r = run_load(serving, [(draw(p), g) for p, g in fits])
+        print(f"  engine mixed: {r['tok_s']:.0f} tok/s", flush=True)
+    finally:
+        serving.close()
+    return out
+
+
+def latency_table(name: str, part: str, res: dict[str, dict]) -> list[str]:
+    lines = [f"### {name}: {part}", "",
+             "| load | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | wall s |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for label, r in res.items():
+        lines.append(f"| {label} | {r['tok_s']:.0f} | {1e3 * pct(r['ttft'], 50):.1f} | {1e3 * pct(r['ttft'], 99):.1f} | "
+                     f"{1e3 * pct(r['itl'], 50):.2f} | {1e3 * pct(r['itl'], 99):.2f} | {r['wall']:.2f} |")
+    return lines + [""]
+
+
 def batched_table(name: str, res: dict[int, dict]) -> list[str]:
     peer = LLAMA_CPP_BATCHED.get(name, {})
     one = res.get(1, {}).get("tok_s")
@@ -104,7 +188,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=",".join(BENCH_SHAPES))
     ap.add_argument("--batches", default="1,8,32,64,128")
-    ap.add_argument("--parts", default="batched")
+    ap.add_argument("--parts", default="batched,engine")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--kv-dtype", default="f16")
@@ -119,13 +203,17 @@ def main() -> None:
     rng = np.random.default_rng(0)
     for name in a.shapes.split(","):
         cfg, tensors, _ = bench_model(name)
-        model = GpuModel(cfg, tensors, max_len=a.prompt + a.gen, device=dev, kv_cache=False)
-        need = max(batches) * -(-(a.prompt + a.gen) // a.block_size) + 1
+        model = GpuModel(cfg, tensors, max_len=16, device=dev, kv_cache=False)
+        ctx = max(a.prompt + a.gen, 1280 if "engine" in parts else 0)  # (the mixed load: up to 1024 + 256)
+        need = max(batches) * -(-ctx // a.block_size) + 1
         backend = GpuBatchBackend(model, num_blocks=need, block_size=a.block_size, kv_dtype=a.kv_dtype,
-                                  max_batch=max(batches), max_context=a.prompt + a.gen)
+                                  max_batch=max(batches), max_context=ctx)
         print(f"{name}: {backend.num_blocks} blocks of {a.block_size}, kv {a.kv_dtype}", flush=True)
         if "batched" in parts:
             lines += batched_table(name, bench_batched(backend, batches, a.prompt, a.gen, rng))
+        if "engine" in parts:
+            lines += latency_table(name, "ServingEngine, concurrent requests (greedy)",
+                                   bench_engine(backend, batches, a.prompt, a.gen, rng))
         backend.close()
         del backend, model, tensors
         gc.collect()
