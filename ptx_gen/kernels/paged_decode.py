@@ -1,7 +1,7 @@
 """Paged split-KV decode attention of a batch: B query rows, each over its own length through its own
 block table, in one launch on a grid that depends only on B (graph-capturable).
 
-``q [B, H, D]`` f32; pools ``[num_blocks, KVH, block_size, D]`` of ``kv_dtype``
+``q [B, H, D]`` f32 (rows ``q_stride`` floats apart); pools ``[num_blocks, KVH, block_size, D]`` of ``kv_dtype``
 (:mod:`ptx_gen.kernels.paged_kv`); ``seq_lens`` u32[B]; ``block_tables`` u32[B, table_stride]; ``out
 [B, H, D]`` f32 or f16 (``out_f16``: rounded to nearest even, token-major: the O projection's A operand).
 Query head ``h`` reads KV head ``h // group``; scores ``q . k / sqrt(D)`` (q pre-scaled by ``log2(e) /
@@ -183,7 +183,8 @@ def paged_decode_attention(m: Module, head_dim: int = 128, group: int = 1, block
                            kv_dtype: str = "f16", out_f16: bool = False, unroll: int = 2) -> KernelBuilder:
     """Split-KV decode attention of B rows through their block tables (see the module doc). Params: q,
     k_pool, v_pool, out, part_acc, part_ml, counters, seq_lens, block_tables, table_stride, n_kv,
-    min_chunk. Launch: grid (B * n_kv, num_chunks), block 128."""
+    min_chunk, q_stride (floats from one row of q to the next: H * D packed, or (H + 2 KVH) * D to read Q
+    straight from the rows of a qkv buffer). Launch: grid (B * n_kv, num_chunks), block 128."""
     check_shape(head_dim, group, block_size, kv_dtype, unroll)
     D, G = head_dim, group
     lay = _Layout(D, G)
@@ -193,7 +194,7 @@ def paged_decode_attention(m: Module, head_dim: int = 128, group: int = 1, block
             + ("_outf16" if out_f16 else ""))
     params = [("q", "u64"), ("k_pool", "u64"), ("v_pool", "u64"), ("out", "u64"), ("part_acc", "u64"),
               ("part_ml", "u64"), ("counters", "u64"), ("seq_lens", "u64"), ("block_tables", "u64"),
-              ("table_stride", "u32"), ("n_kv", "u32"), ("min_chunk", "u32")]
+              ("table_stride", "u32"), ("n_kv", "u32"), ("min_chunk", "u32"), ("q_stride", "u32")]
     k = m.kernel(name, params, max_threads=THREADS)
     k.meta.update(block=THREADS, lanes_per_row=T, rows_per_step=WARPS * (32 // T) * unroll)
     n_kv, stride = k.param("n_kv"), k.param("table_stride")
@@ -208,8 +209,9 @@ def paged_decode_attention(m: Module, head_dim: int = 128, group: int = 1, block
     # q of the block's heads: this lane's EPL values, pre-scaled into the log2 domain
     qscale = LOG2E / math.sqrt(D)
     q_regs = []
+    q_row = k.add(k.global_ptr("q"), k.mul_wide(k.mad(b, k.param("q_stride"), k.mul(kvh, G * D)), 4))
     for i in range(G):
-        qaddr = k.add(k.global_ptr("q"), k.mul_wide(k.mad(k.add(head0, i) if i else head0, D, k.mul(j, EPL)), 4))
+        qaddr = k.add(q_row, k.mul_wide(k.add(k.mul(j, EPL), i * D) if i else k.mul(j, EPL), 4))
         q_regs.append([k.mul(x, qscale) for x in load_values(k, qaddr, EPL, "f32")])
     # this sequence's chunk
     cap = k.mul(stride, block_size)
