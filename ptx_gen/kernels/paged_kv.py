@@ -67,8 +67,15 @@ def load_values(k: KernelBuilder, addr: Reg, n: int, kv_dtype: str, pred: Reg | 
 
 
 def narrow(k: KernelBuilder, x: Reg, kv_dtype: str) -> Reg:
-    """f32 -> the storage type's 16-bit register (rounded to nearest even)."""
-    return k.bitcast(k.cvt(x, "f16" if kv_dtype == "f16" else "bf16"), "b16")
+    """f32 -> the storage type's 16-bit register (rounded to nearest even). bf16 is rounded with integer
+    arithmetic (the bits plus 0x7FFF plus the kept lowest bit, NaN kept quiet), the same on every target."""
+    if kv_dtype == "f16":
+        return k.bitcast(k.cvt(x, "f16"), "b16")
+    bits = k.bitcast(x, "u32")
+    rounded = k.shr(k.add(bits, k.add(k.and_(k.shr(bits, 16), 1, "u32"), 0x7FFF)), 16)
+    nan = k.setp("gt", k.and_(bits, 0x7FFFFFFF, "u32"), 0x7F800000)
+    hi = k.selp(k.or_(k.shr(bits, 16), 0x40, "u32"), rounded, nan)
+    return k.bitcast(k.cvt(hi, "u16"), "b16")
 
 
 def store_pair(k: KernelBuilder, base: Reg, off: tuple, x0: Reg, x1: Reg, ok: Reg | None, neox: bool,
