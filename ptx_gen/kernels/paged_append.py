@@ -1,0 +1,172 @@
+"""RoPE + append into the paged KV pool (layout: :mod:`ptx_gen.kernels.paged_kv`).
+
+Two kernels share one body (one warp per (token, head row) of the ``n_q + 2 n_kv`` rows of a token,
+lane ``l`` holding pairs ``l + 32 j``, as :mod:`ptx_gen.kernels.rope_append_rows`; optional qwen3 per-head
+RMSNorm of Q and K first; the rotation of :func:`ptx_gen.kernels.rope_append.rotate_pair`, so a
+position rotates to the same bits as in the contiguous cache):
+
+* ``paged_append_decode``: a decode step of ``B`` sequences, one token each. ``qkv [B, (n_q + 2 n_kv)
+  * d]`` f32; row ``b`` sits at position ``positions[b]`` (device u32) and writes through block table
+  row ``b`` (``tables + b * table_stride`` u32). Q is rotated in place; K (rotated) and V go to the pools.
+* ``paged_append_rows``: a prefill chunk of ``count`` tokens of one sequence at positions ``pos0 + s``
+  through one block table. ``qkv`` is only read; Q goes to ``q_out [n_q, count, d]`` f32 (the query
+  layout of ``paged_prefill_attention``).
+
+A position whose block index is at or past ``table_stride`` (or, for the prefill form, ``max_blocks``)
+writes nothing to the pools. K/V are rounded to the pool's dtype (f16/bf16: nearest even).
+"""
+
+from __future__ import annotations
+
+from ptx_gen.builder import KernelBuilder, Module
+from ptx_gen.catalog import kernel
+from ptx_gen.kernels.paged_kv import check_paged, log2, pool_row, store_pair
+from ptx_gen.kernels.rope_append import rotate_pair
+from ptx_gen.kernels.rope_append_rows import _head_rmsnorm, _load_pair, _store_pair
+
+WARPS = 4
+BLOCK = 32 * WARPS
+
+
+def _build(k: KernelBuilder, head_dim: int, block_size: int, kv_dtype: str, neox: bool, qk_norm: bool,
+           decode: bool) -> None:
+    half = head_dim // 2
+    n_q, n_kv = k.param("n_q"), k.param("n_kv")
+    tid = k.tid()
+    lane = k.and_(tid, 31)
+    s = k.ctaid("x")  # the token: batch row (decode) or index in the chunk (prefill)
+    row = k.mad(k.ctaid("y"), WARPS, k.shr(tid, 5))  # warp-uniform: q heads, then k heads, then v heads
+    n_rows = k.add(n_q, k.shl(n_kv, 1))
+    end = k.new_label("end")
+    k.bra(end, k.setp("ge", row, n_rows))
+    stride = k.param("table_stride")
+    if decode:
+        pos = k.load("global", "u32", k.add(k.global_ptr("positions"), k.mul_wide(s, 4)))
+        table = k.add(k.global_ptr("block_tables"), k.mul_wide(k.mul(s, stride), 4))
+    else:
+        k.bra(end, k.setp("ge", s, k.param("count")))
+        pos = k.add(k.param("pos0"), s)
+        table = k.global_ptr("block_table")
+    blk = k.shr(pos, log2(block_size))
+    in_pool = k.setp("lt", blk, stride)
+    page = k.load("global", "u32", k.add(table, k.mul_wide(blk, 4)), pred=in_pool, other=0)
+    prow = k.and_(pos, block_size - 1)
+    src = k.add(k.global_ptr("qkv"), k.mul_wide(k.mad(s, n_rows, row), head_dim * 4))
+
+    idx, oks, offs, eoffs = [], [], [], []
+    for j in range(-(-half // 32)):
+        i = k.add(lane, 32 * j) if j else lane
+        idx.append(i)
+        oks.append(k.setp("lt", i, half) if 32 * (j + 1) > half else None)
+        if neox:
+            o0 = k.mul_wide(i, 4)
+            offs.append((o0, k.add(o0, half * 4)))
+            eoffs.append((i, k.add(i, half)))
+        else:
+            offs.append((k.mul_wide(i, 8), None))
+            eoffs.append((k.shl(i, 1), None))
+    xs = [_load_pair(k, src, off, ok, neox) for off, ok in zip(offs, oks)]
+
+    qk_rows = k.add(n_q, n_kv)
+    with k.if_(k.setp("ge", row, qk_rows)):  # a V row: copied as is
+        dst = pool_row(k, k.global_ptr("v_pool"), page, k.sub(row, qk_rows), n_kv, prow, block_size, head_dim,
+                       kv_dtype)
+        for (x0, x1), eo, ok in zip(xs, eoffs, oks):
+            store_pair(k, dst, eo, x0, x1, k.both(ok, in_pool), neox, kv_dtype)
+        k.bra(end)
+
+    is_q = k.setp("lt", row, n_q)
+    if qk_norm:
+        xs = _head_rmsnorm(k, xs, offs, oks, is_q, head_dim, neox)
+    if decode:
+        q_dst = src  # in place
+    else:
+        q_dst = k.add(k.global_ptr("q_out"), k.mul_wide(k.mad(row, k.param("count"), s), head_dim * 4))
+    k_dst = pool_row(k, k.global_ptr("k_pool"), page, k.sub(row, n_q), n_kv, prow, block_size, head_dim, kv_dtype)
+    inv_freq = k.global_ptr("inv_freq")
+    rotated = []
+    for (x0, x1), i, ok in zip(xs, idx, oks):
+        inv = k.load("global", "f32", k.add(inv_freq, k.mul_wide(i, 4)), nc=True) if ok is None else \
+            k.load("global", "f32", k.add(inv_freq, k.mul_wide(i, 4)), nc=True, pred=ok, other=0.0)
+        rotated.append(rotate_pair(k, x0, x1, pos, inv))
+    with k.if_(is_q):
+        for (o0, o1), off, ok in zip(rotated, offs, oks):
+            _store_pair(k, q_dst, off, o0, o1, ok, neox)
+        k.bra(end)
+    for (o0, o1), eo, ok in zip(rotated, eoffs, oks):
+        store_pair(k, k_dst, eo, o0, o1, k.both(ok, in_pool), neox, kv_dtype)
+    k.label(end)
+
+
+def _check(head_dim: int, block_size: int, kv_dtype: str) -> None:
+    if head_dim % 2 or not 2 <= head_dim <= 512:
+        raise ValueError(f"head_dim must be even and at most 512, got {head_dim}")
+    check_paged(block_size, kv_dtype)
+
+
+def _name(base, head_dim, block_size, kv_dtype, neox, qk_norm) -> str:
+    return (f"{base}_d{head_dim}_b{block_size}_{kv_dtype}" + ("_neox" if neox else "_interleaved")
+            + ("_qknorm" if qk_norm else ""))
+
+
+_DECODE_GRID = [
+    {"head_dim": 128, "block_size": 32, "kv_dtype": "f16", "neox": False, "qk_norm": False},
+    {"head_dim": 128, "block_size": 16, "kv_dtype": "f32", "neox": True, "qk_norm": True},
+    {"head_dim": 64, "block_size": 64, "kv_dtype": "bf16", "neox": True, "qk_norm": False},
+    {"head_dim": 64, "block_size": 32, "kv_dtype": "f16", "neox": True, "qk_norm": True},
+    {"head_dim": 256, "block_size": 32, "kv_dtype": "f16", "neox": True, "qk_norm": False},
+]
+
+
+@kernel("paged_append_decode", grid=_DECODE_GRID)
+def paged_append_decode(m: Module, head_dim: int = 128, block_size: int = 32, kv_dtype: str = "f16",
+                        neox: bool = False, qk_norm: bool = False) -> KernelBuilder:
+    """Decode step of B sequences: rotate Q of ``qkv`` row b in place, K rotated and V into the paged pools
+    at position ``positions[b]`` through block table row b. Params: qkv, k_pool, v_pool, inv_freq (d/2 f32),
+    positions (u32[B]), block_tables (u32[B, table_stride]), [q_norm, k_norm], table_stride, n_q, n_kv,
+    [eps]. Launch: grid (B, ceil((n_q + 2 n_kv) / 4)), block 128."""
+    _check(head_dim, block_size, kv_dtype)
+    params = [("qkv", "u64"), ("k_pool", "u64"), ("v_pool", "u64"), ("inv_freq", "u64"), ("positions", "u64"),
+              ("block_tables", "u64")]
+    if qk_norm:
+        params += [("q_norm", "u64"), ("k_norm", "u64")]
+    params += [("table_stride", "u32"), ("n_q", "u32"), ("n_kv", "u32")]
+    if qk_norm:
+        params.append(("eps", "f32"))
+    k = m.kernel(_name("paged_append_decode", head_dim, block_size, kv_dtype, neox, qk_norm), params,
+                 max_threads=BLOCK)
+    k.meta.update(block=BLOCK, warps=WARPS)
+    _build(k, head_dim, block_size, kv_dtype, neox, qk_norm, decode=True)
+    k.ret()
+    return k
+
+
+_ROWS_GRID = [
+    {"head_dim": 128, "block_size": 32, "kv_dtype": "f16", "neox": False, "qk_norm": False},
+    {"head_dim": 128, "block_size": 64, "kv_dtype": "f32", "neox": True, "qk_norm": True},
+    {"head_dim": 64, "block_size": 16, "kv_dtype": "bf16", "neox": False, "qk_norm": True},
+    {"head_dim": 64, "block_size": 32, "kv_dtype": "f16", "neox": True, "qk_norm": False},
+]
+
+
+@kernel("paged_append_rows", grid=_ROWS_GRID)
+def paged_append_rows(m: Module, head_dim: int = 128, block_size: int = 32, kv_dtype: str = "f16",
+                      neox: bool = False, qk_norm: bool = False) -> KernelBuilder:
+    """Prefill chunk of one sequence: ``count`` tokens at positions ``pos0 + s``; Q rotated to ``q_out [n_q,
+    count, d]``, K rotated and V into the paged pools through ``block_table`` (u32[table_stride]). Params:
+    qkv, q_out, k_pool, v_pool, inv_freq, block_table, [q_norm, k_norm], pos0, count, table_stride, n_q,
+    n_kv, [eps]. Launch: grid (count, ceil((n_q + 2 n_kv) / 4)), block 128."""
+    _check(head_dim, block_size, kv_dtype)
+    params = [("qkv", "u64"), ("q_out", "u64"), ("k_pool", "u64"), ("v_pool", "u64"), ("inv_freq", "u64"),
+              ("block_table", "u64")]
+    if qk_norm:
+        params += [("q_norm", "u64"), ("k_norm", "u64")]
+    params += [("pos0", "u32"), ("count", "u32"), ("table_stride", "u32"), ("n_q", "u32"), ("n_kv", "u32")]
+    if qk_norm:
+        params.append(("eps", "f32"))
+    k = m.kernel(_name("paged_append_rows", head_dim, block_size, kv_dtype, neox, qk_norm), params,
+                 max_threads=BLOCK)
+    k.meta.update(block=BLOCK, warps=WARPS)
+    _build(k, head_dim, block_size, kv_dtype, neox, qk_norm, decode=False)
+    k.ret()
+    return k

@@ -1,0 +1,278 @@
+"""PagedKVCache: per-layer paged K/V pools shared by many sequences, the appends that write them through
+block tables and the attention reads over them.
+
+Layout (one layer, K and V alike): ``[num_blocks, num_kv_heads, block_size, head_dim]`` of ``kv_dtype``
+(``f32``, ``f16``, ``bf16``: numpy float32 / float16 / uint16 bit patterns). A sequence owns a block table
+(u32 block ids); its position ``p`` lives in block ``table[p // block_size]``, row ``p % block_size``.
+Block 0 is the null block: padding rows of a batch point their tables at it (the allocator, elsewhere,
+never hands it out). Zero-filled on construction.
+
+    cache = PagedKVCache(layers, 32, 8, 128, num_blocks=4096, block_size=32, kv_dtype="f16", max_batch=64)
+    # decode step of B rows (positions, lengths and tables in device u32 buffers: graph-capturable)
+    cache.append_decode(layer, qkv, inv_freq, positions, tables, table_stride, B)
+    cache.decode_attention(layer, qkv, out, seq_lens, tables, table_stride, B, out_f16=True)
+    # prefill chunk of one sequence at positions pos0 .. pos0 + S - 1
+    cache.append_rows(layer, qkv_rows, inv_freq, pos0, S, q_heads, table)
+    cache.prefill_attention(layer, q_heads, attn_f16, S, pos0, pos0 + S, table)
+
+Decode calls never synchronise or allocate and their launch shapes depend only on ``rows`` (the split of
+each sequence into chunks happens on the device from its length), so a decode step can be captured into
+a CUDA graph per batch size. Calls of one cache share its partial buffers: issue them on one stream.
+Wrong dimensions raise :class:`ShapeError`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ptx_gen.kernels.flash_attention_mma import HEAD_DIMS as MMA_HEAD_DIMS
+from ptx_gen.kernels.paged_decode import HEAD_DIMS as DECODE_HEAD_DIMS
+from ptx_gen.kernels.paged_decode import MAX_GROUP, buffer_sizes
+from ptx_gen.kernels.paged_kv import BLOCK_SIZES, KV_DTYPES
+from realizar.errors import ShapeError
+from realizar.gpu.dispatch import Dispatcher, check_int
+
+__all__ = ["PagedKVCache", "KV_NUMPY_DTYPES", "decode_chunks"]
+
+KV_NUMPY_DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}
+_MAX_CHUNKS = 64
+_BLOCKS_PER_SM = 4  # decode blocks (4 warps) resident per SM aimed at
+_WAVES = 4  # a batch of short sequences fills about one wave; a lone long one is spread over this many
+_MIN_CHUNKS = 4  # even a full batch splits a long sequence over at least this many chunks
+_MIN_CHUNK_ROWS = 64
+
+
+def decode_chunks(rows: int, num_kv_heads: int, sm_count: int) -> int:
+    """Chunks per (row, KV head) of a decode launch of ``rows`` rows: enough blocks for ``_WAVES`` waves
+    when every chunk is active, at least ``_MIN_CHUNKS`` (a long sequence beside short ones still
+    spreads), at most 64. Inactive chunks (short sequences) return at once."""
+    want = -(-_WAVES * _BLOCKS_PER_SM * sm_count // (rows * num_kv_heads))
+    return max(_MIN_CHUNKS, min(_MAX_CHUNKS, want))
+
+
+def _table_arg(x: Any) -> bool:
+    return (isinstance(x, tuple) and len(x) == 2 and hasattr(x[0], "ptr")) or hasattr(x, "ptr")
+
+
+class PagedKVCache:
+    """Paged K/V pools for ``num_layers`` layers on one device, the batched decode append and attention,
+    and the prefill append and tensor-core attention through one block table.
+
+    ``max_batch``: most rows of a decode launch (sizes the partial buffers); ``num_chunks``: fixed chunks
+    per (row, KV head) of a decode launch (default :func:`decode_chunks`, by rows); ``min_chunk``: fewest
+    positions per chunk (default 64, rounded up to whole blocks on the device); ``decode_unroll``: rows per
+    lane group per step of the decode kernel (1, 2 or 4). ``ops``: the dispatcher to launch with."""
+
+    def __init__(self, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int, num_blocks: int,
+                 block_size: int = 32, kv_dtype: str = "f16", device: Any = None, *, ops: Dispatcher | None = None,
+                 max_batch: int = 64, num_chunks: int | None = None, min_chunk: int = _MIN_CHUNK_ROWS,
+                 decode_unroll: int = 2):
+        self.num_layers = check_int("num_layers", num_layers)
+        self.num_heads = check_int("num_heads", num_heads)
+        self.num_kv_heads = check_int("num_kv_heads", num_kv_heads)
+        self.head_dim = check_int("head_dim", head_dim)
+        self.num_blocks = check_int("num_blocks", num_blocks, lo=2)
+        self.max_batch = check_int("max_batch", max_batch)
+        self.min_chunk = check_int("min_chunk", min_chunk)
+        if self.num_heads % self.num_kv_heads:
+            raise ShapeError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.group = self.num_heads // self.num_kv_heads
+        if self.group > MAX_GROUP:
+            raise ShapeError(f"GQA group (num_heads / num_kv_heads) must be at most {MAX_GROUP}, got {self.group}")
+        if self.head_dim not in DECODE_HEAD_DIMS:
+            raise ShapeError(f"head_dim must be one of {DECODE_HEAD_DIMS}, got {head_dim}")
+        if block_size not in BLOCK_SIZES:
+            raise ShapeError(f"block_size must be one of {BLOCK_SIZES}, got {block_size!r}")
+        if kv_dtype not in KV_DTYPES:
+            raise ShapeError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+        if decode_unroll not in (1, 2, 4):
+            raise ShapeError(f"decode_unroll must be 1, 2 or 4, got {decode_unroll!r}")
+        if num_chunks is not None:
+            num_chunks = check_int("num_chunks", num_chunks)
+            if num_chunks > 1024:
+                raise ShapeError(f"num_chunks must be at most 1024, got {num_chunks}")
+        self.block_size, self.kv_dtype, self.decode_unroll = int(block_size), kv_dtype, int(decode_unroll)
+        self._fixed_chunks = num_chunks
+        self.ops = ops if ops is not None else Dispatcher(device)
+        self.device = self.ops.device
+        n = self.num_blocks * self.num_kv_heads * self.block_size * self.head_dim
+        dt = KV_NUMPY_DTYPES[kv_dtype]
+        need = 2 * self.num_layers * n * np.dtype(dt).itemsize
+        free, _ = self.device.memory_info()
+        if need > free:
+            raise ShapeError(f"the KV pools need {need / 2**30:.2f} GiB but the device has {free / 2**30:.2f} GiB "
+                             f"free: lower num_blocks")
+        self._k = [self.ops.buffer(n, dt, zero=True) for _ in range(self.num_layers)]
+        self._v = [self.ops.buffer(n, dt, zero=True) for _ in range(self.num_layers)]
+        worst = max(range(1, self.max_batch + 1), key=lambda r: r * self.chunks_for(r))
+        n_acc, n_ml, _ = buffer_sizes(worst, self.num_heads, self.num_kv_heads, self.chunks_for(worst), self.head_dim)
+        self._part_acc = self.ops.buffer(n_acc)
+        self._part_ml = self.ops.buffer(n_ml)
+        self._counters = self.ops.buffer(self.max_batch * self.num_kv_heads, np.uint32, zero=True)
+        self._decode_kernel(False)  # load now: a module load inside a stream capture could invalidate it
+        self._decode_kernel(True)
+
+    # ---- layout ------------------------------------------------------------------------------------
+    @property
+    def pool_shape(self) -> tuple[int, int, int, int]:
+        return (self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
+
+    def k_pool(self, layer: int):
+        return self._k[self._layer(layer)]
+
+    def v_pool(self, layer: int):
+        return self._v[self._layer(layer)]
+
+    def pools_to_numpy(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """(K, V) of ``layer`` as float32 ``pool_shape`` arrays (synchronous; tests and debugging)."""
+        out = []
+        for buf in (self.k_pool(layer), self.v_pool(layer)):
+            raw = buf.copy_to_host().reshape(self.pool_shape)
+            if self.kv_dtype == "bf16":
+                raw = (raw.astype(np.uint32) << 16).view(np.float32)
+            out.append(raw.astype(np.float32))
+        return out[0], out[1]
+
+    def chunks_for(self, rows: int) -> int:
+        """Chunks per (row, KV head) of a decode launch of ``rows`` rows."""
+        return self._fixed_chunks or decode_chunks(rows, self.num_kv_heads, self.device.sm_count)
+
+    def _layer(self, layer: Any) -> int:
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= int(layer) < self.num_layers:
+            raise ShapeError(f"layer must be an integer in [0, {self.num_layers}), got {layer!r}")
+        return int(layer)
+
+    def _rows(self, rows: Any) -> int:
+        rows = check_int("rows", rows)
+        if rows > self.max_batch:
+            raise ShapeError(f"rows ({rows}) must not exceed max_batch ({self.max_batch})")
+        return rows
+
+    def _norms(self, q_norm, k_norm, eps, values: dict) -> bool:
+        if (q_norm is None) != (k_norm is None):
+            raise ShapeError("q_norm and k_norm go together: pass both weights (qk-norm models) or neither")
+        if q_norm is None:
+            return False
+        d = self.head_dim
+        values["q_norm"] = self.ops.addr(q_norm, d, "q_norm", align=8)
+        values["k_norm"] = self.ops.addr(k_norm, d, "k_norm", align=8)
+        return True
+
+    def _decode_kernel(self, out_f16: bool):
+        return self.ops.kernel("paged_decode_attention", head_dim=self.head_dim, group=self.group,
+                               block_size=self.block_size, kv_dtype=self.kv_dtype, out_f16=bool(out_f16),
+                               unroll=self.decode_unroll)
+
+    # ---- decode ------------------------------------------------------------------------------------
+    def append_decode(self, layer: int, qkv: Any, inv_freq: Any, positions: Any, block_tables: Any,
+                      table_stride: int, rows: int, q_norm: Any = None, k_norm: Any = None, eps: float = 1e-6,
+                      neox: bool = False, *, stream: Any = None) -> None:
+        """Decode step of ``rows`` sequences: ``qkv [rows, (H + 2 KVH) * D]`` f32, row b at position
+        ``positions[b]`` (device u32[rows]); (optional qk-norm,) RoPE of Q in place, K rotated and V written
+        into ``layer``'s pools through block table row b (device u32 ``[rows, table_stride]``). A position
+        whose block index is >= table_stride writes nothing. Graph-capturable."""
+        layer, rows = self._layer(layer), self._rows(rows)
+        table_stride = check_int("table_stride", table_stride)
+        ops, h, kvh, d = self.ops, self.num_heads, self.num_kv_heads, self.head_dim
+        values = {"qkv": ops.addr(qkv, rows * (h + 2 * kvh) * d, "qkv", align=8),
+                  "k_pool": self._k[layer].ptr, "v_pool": self._v[layer].ptr,
+                  "inv_freq": ops.addr(inv_freq, d // 2, "inv_freq", align=4),
+                  "positions": ops.addr(positions, rows, "positions", np.uint32, align=4),
+                  "block_tables": ops.addr(block_tables, rows * table_stride, "block_tables", np.uint32, align=4)}
+        qk = self._norms(q_norm, k_norm, eps, values)
+        values.update(table_stride=table_stride, n_q=h, n_kv=kvh)
+        if qk:
+            values["eps"] = float(eps)
+        kern = ops.kernel("paged_append_decode", head_dim=d, block_size=self.block_size, kv_dtype=self.kv_dtype,
+                          neox=bool(neox), qk_norm=qk)
+        ops.launch(kern, (rows, -(-(h + 2 * kvh) // kern.meta["warps"])), values, stream)
+
+    def decode_attention(self, layer: int, q: Any, out: Any, seq_lens: Any, block_tables: Any, table_stride: int,
+                         rows: int, out_f16: bool = False, *, q_stride: int | None = None,
+                         stream: Any = None) -> None:
+        """Split-KV attention of ``rows`` query rows (``q``: f32 rows of ``H * D`` values ``q_stride`` floats
+        apart; default ``H * D``, packed; ``(H + 2 KVH) * D`` reads Q in place from the qkv rows that
+        :meth:`append_decode` rotated) each over its own length
+        ``seq_lens[b]`` (device u32[rows], clamped to table_stride * block_size) through block table row b
+        (device u32 ``[rows, table_stride]``) of ``layer``. ``out``: ``[rows, H * D]`` f32, or f16 with
+        ``out_f16``. One launch on grid (rows * KVH, chunks_for(rows)); graph-capturable."""
+        layer, rows = self._layer(layer), self._rows(rows)
+        table_stride = check_int("table_stride", table_stride)
+        ops, n = self.ops, rows * self.num_heads * self.head_dim
+        q_stride = n // rows if q_stride is None else check_int("q_stride", q_stride)
+        if q_stride < n // rows:
+            raise ShapeError(f"q_stride must be at least H * D = {n // rows}, got {q_stride}")
+        values = {"q": ops.addr(q, (rows - 1) * q_stride + n // rows, "q"), "k_pool": self._k[layer].ptr, "v_pool": self._v[layer].ptr,
+                  "out": ops.addr(out, n, "out", np.float16 if out_f16 else np.float32,
+                                  align=8 if out_f16 else 16),
+                  "part_acc": self._part_acc.ptr, "part_ml": self._part_ml.ptr, "counters": self._counters.ptr,
+                  "seq_lens": ops.addr(seq_lens, rows, "seq_lens", np.uint32, align=4),
+                  "block_tables": ops.addr(block_tables, rows * table_stride, "block_tables", np.uint32, align=4),
+                  "table_stride": table_stride, "n_kv": self.num_kv_heads, "min_chunk": self.min_chunk,
+                  "q_stride": q_stride}
+        kern = self._decode_kernel(out_f16)
+        ops.launch(kern, (rows * self.num_kv_heads, self.chunks_for(rows)), values, stream)
+
+    # ---- prefill -----------------------------------------------------------------------------------
+    def _table(self, block_table: Any, entries: int) -> int:
+        if not _table_arg(block_table):
+            raise ShapeError(f"block_table must be a u32 GpuBuffer or (buffer, offset), got {type(block_table).__name__}")
+        return self.ops.addr(block_table, entries, "block_table", np.uint32, align=4)
+
+    def append_rows(self, layer: int, qkv_rows: Any, inv_freq: Any, pos0: int, count: int, q_out: Any,
+                    block_table: Any, *, neox: bool = False, q_norm: Any = None, k_norm: Any = None,
+                    eps: float = 1e-6, stream: Any = None) -> None:
+        """Prefill chunk of one sequence: ``count`` tokens at positions ``pos0 ..``; ``qkv_rows [count,
+        (H + 2 KVH) * D]`` f32 (only read) -> (optional qk-norm,) RoPE of Q into ``q_out [H, count, D]`` f32
+        (the query layout of :meth:`prefill_attention`), K rotated and V into ``layer``'s pools through
+        ``block_table`` (u32 GpuBuffer or (buffer, offset) with at least ceil((pos0 + count) / block_size)
+        entries)."""
+        layer = self._layer(layer)
+        pos0, count = check_int("pos0", pos0, lo=0), check_int("count", count)
+        ops, h, kvh, d = self.ops, self.num_heads, self.num_kv_heads, self.head_dim
+        entries = -(-(pos0 + count) // self.block_size)
+        values = {"qkv": ops.addr(qkv_rows, count * (h + 2 * kvh) * d, "qkv_rows", align=8),
+                  "q_out": ops.addr(q_out, h * count * d, "q_out", align=8),
+                  "k_pool": self._k[layer].ptr, "v_pool": self._v[layer].ptr,
+                  "inv_freq": ops.addr(inv_freq, d // 2, "inv_freq", align=4),
+                  "block_table": self._table(block_table, entries)}
+        qk = self._norms(q_norm, k_norm, eps, values)
+        values.update(pos0=pos0, count=count, table_stride=entries, n_q=h, n_kv=kvh)
+        if qk:
+            values["eps"] = float(eps)
+        kern = ops.kernel("paged_append_rows", head_dim=d, block_size=self.block_size, kv_dtype=self.kv_dtype,
+                          neox=bool(neox), qk_norm=qk)
+        ops.launch(kern, (count, -(-(h + 2 * kvh) // kern.meta["warps"])), values, stream, cache=False)
+
+    def prefill_attention(self, layer: int, q: Any, out_f16: Any, seq_q: int, q_offset: int, seq_k: int,
+                          block_table: Any, causal: bool = True, *, stream: Any = None) -> None:
+        """Tensor-core attention of ``q [H, seq_q, D]`` f32 (query i at position ``q_offset + i``) over keys
+        ``[0, seq_k)`` of ``layer`` read through ``block_table``; ``out_f16 [seq_q, H * D]`` f16 token-major
+        (the O projection's A operand). sm_80+ and head_dim in the tensor-core kernel's set."""
+        layer = self._layer(layer)
+        seq_q, seq_k = check_int("seq_q", seq_q), check_int("seq_k", seq_k)
+        q_offset = check_int("q_offset", q_offset, lo=0)
+        if causal and q_offset + seq_q > seq_k:
+            raise ShapeError(f"causal queries at positions {q_offset}..{q_offset + seq_q - 1} need "
+                             f"{q_offset + seq_q} keys, seq_k is {seq_k}")
+        if self.head_dim not in MMA_HEAD_DIMS:
+            raise ShapeError(f"paged prefill attention takes head_dim in {MMA_HEAD_DIMS}, got {self.head_dim}")
+        ops, h, d = self.ops, self.num_heads, self.head_dim
+        n = h * seq_q * d
+        values = {"q": ops.addr(q, n, "q"), "k_pool": self._k[layer].ptr, "v_pool": self._v[layer].ptr,
+                  "block_table": self._table(block_table, -(-seq_k // self.block_size)),
+                  "out": ops.addr(out_f16, n, "out_f16", np.float16),
+                  "seq_q": seq_q, "seq_k": seq_k, "q_offset": q_offset, "num_heads": h, "n_kv": self.num_kv_heads}
+        kern = ops.kernel("paged_prefill_attention", head_dim=d, group=self.group, causal=bool(causal),
+                          block_size=self.block_size, kv_dtype=self.kv_dtype)
+        ops.launch(kern, (-(-seq_q // kern.meta["block_q"]), h), values, stream, cache=False)
+
+    def close(self) -> None:
+        for b in [*self._k, *self._v, self._part_acc, self._part_ml, self._counters]:
+            b.free()
+
+    def __repr__(self) -> str:
+        return (f"PagedKVCache(layers={self.num_layers}, heads={self.num_heads}/{self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, blocks={self.num_blocks}x{self.block_size}, kv={self.kv_dtype})")
