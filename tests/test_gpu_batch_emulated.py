@@ -20,7 +20,7 @@ from realizar.models.loader import load_model
 from realizar.models.reference import ReferenceModel
 from tests.gguf_factory import make_gguf_model
 
-TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2)
+TINY = dict(vocab_size=320, hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2)  # head_dim 32
 CASES = [("llama", "Q8_0"), ("qwen3", "Q4_1"), ("qwen2", "Q4_0")]
 BLOCK = 16
 MAX_LEN = 64

@@ -165,7 +165,8 @@ class GpuBatchBackend:
             raise ShapeError(f"the KV pool needs at least 2 blocks (block 0 is reserved), got {num_blocks}")
         self.num_blocks = int(num_blocks)
         self.kv = PagedKVCache(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.num_blocks,
-                               block_size=self.block_size, kv_dtype=kv_dtype, ops=self.ops)
+                               block_size=self.block_size, kv_dtype=kv_dtype, ops=self.ops,
+                               max_batch=self.max_batch)
         self.use_graph = use_graph
         ops, b, h = self.ops, self.max_batch, cfg.hidden_size
         self.qkv_n = cfg.q_dim + 2 * cfg.kv_dim
