@@ -18,6 +18,7 @@ from realizar.gpu.batch import GpuBatchBackend, bucket_for
 from realizar.gpu.model import GpuModel
 from realizar.models.loader import load_model
 from realizar.models.reference import ReferenceModel
+from realizar.sampling import RowSampling
 from tests.gguf_factory import make_gguf_model
 
 TINY = dict(vocab_size=320, hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2)  # head_dim 32
@@ -88,10 +89,12 @@ def test_rows_joining_and_leaving_match_alone(loaded):
                 assert pending[name] == int(np.argmax(seqs[name].logits))
         rows = list(names)
         out = be.decode([pending[n] for n in rows], [seqs[n].position for n in rows], [tables[n] for n in rows])
+        sampled = out.sample([RowSampling()] * len(rows))  # runs the step's graph, the sampler included
         for r, name in enumerate(rows):
             seqs[name].step(pending[name])
             got = out.logits(r)
             assert _rel_err(got, seqs[name].logits) < RTOL, (step, name)
+            assert int(sampled[r]) == int(np.argmax(got)), (step, name)
             pending[name] = int(np.argmax(got))
             assert pending[name] == int(np.argmax(seqs[name].logits)), (step, name)
 

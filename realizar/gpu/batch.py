@@ -7,7 +7,8 @@ weights and kernels and keeps its own :class:`~realizar.gpu.paged_kv.PagedKVCach
 
 * :meth:`GpuBatchBackend.decode`: B sequences advance one token each in one graph replay. Their token
   ids, positions, lengths and block tables travel in one packed host-to-device copy; B is padded up to
-  a *bucket* (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, ...) and each bucket's step is captured once. The
+  a *bucket* (1, 2, 4, 8, 16, 24, 32, 48, 64, ...) and each bucket's step, the sampler of every row
+  included, is captured once (launched when the output is sampled: the specs travel with the step). The
   padding rows read token 0 at position 0 through an all-zero block table: they write only the
   reserved null block 0, which no sequence owns.
   Per layer: RMSNorm of every row (f16), the linear layers as one small-M GEMM on the quantized
@@ -98,11 +99,16 @@ class _PrefillModel:
 
 
 class GpuBatchOutput:
-    """The logits of ``rows`` sequences after a step, still on the GPU (row-major ``[rows, vocab]``)."""
+    """The logits of ``rows`` sequences after a step, on the GPU (row-major ``[rows, vocab]``).
 
-    def __init__(self, backend: "GpuBatchBackend", rows: int):
+    A decode step is launched lazily: :meth:`sample` sends the rows' sampling specs with the step's
+    inputs and replays the bucket's graph, sampler included (one copy in, one graph, 4 bytes a row
+    out); :meth:`logits` first runs the step if nothing has."""
+
+    def __init__(self, backend: "GpuBatchBackend", rows: int, pending: int | None = None):
         self._backend = backend
         self.rows = rows
+        self._pending = pending  # decode: the bucket whose step has not run yet
         self._step = backend.steps
 
     def _check(self) -> None:
@@ -114,6 +120,9 @@ class GpuBatchOutput:
         self._check()
         if len(specs) != self.rows:
             raise ShapeError(f"sample needs one spec per row: {self.rows} rows, {len(specs)} specs")
+        if self._pending is not None:
+            bucket, self._pending = self._pending, None
+            return self._backend._run_decode(bucket, self.rows, specs)
         return self._backend._sample(self.rows, specs)
 
     def logits(self, i: int) -> np.ndarray:
@@ -121,6 +130,9 @@ class GpuBatchOutput:
         self._check()
         if not 0 <= i < self.rows:
             raise ShapeError(f"row {i} outside the {self.rows} rows of this step")
+        if self._pending is not None:
+            bucket, self._pending = self._pending, None
+            self._backend._run_decode(bucket, self.rows, None)
         return self._backend._row_logits(i)
 
 
@@ -170,8 +182,9 @@ class GpuBatchBackend:
         self.use_graph = use_graph
         ops, b, h = self.ops, self.max_batch, cfg.hidden_size
         self.qkv_n = cfg.q_dim + 2 * cfg.kv_dim
-        # the packed per-step values: ids [B] | positions [B] | lengths [B] | tables [B, stride]
-        self._n_step = 3 * b + b * self.table_stride
+        # the packed per-step values: ids [B] | positions [B] | lengths [B] | specs [B, 8] | tables [B, stride]
+        self._tables_at = (3 + SPEC_WORDS) * b
+        self._n_step = self._tables_at + b * self.table_stride
         self._step_host = cuda.PinnedArray(self._n_step, np.uint32, device=self.device)
         self.step = ops.buffer(self._n_step, np.uint32, zero=True)
         self.prefill_table = ops.buffer(self.table_stride, np.uint32, zero=True)
@@ -185,8 +198,9 @@ class GpuBatchBackend:
         self.logits = ops.buffer(b * cfg.vocab_size)
         self.tokens = ops.buffer(b, np.uint32)
         self._tokens_host = cuda.PinnedArray(b, np.uint32, device=self.device)
-        self._specs_host = cuda.PinnedArray(b * SPEC_WORDS, np.uint32, device=self.device)
+        self._specs_host = cuda.PinnedArray(b * SPEC_WORDS, np.uint32, device=self.device)  # prefill rows
         self.specs = ops.buffer(b * SPEC_WORDS, np.uint32, zero=True)
+        self.pdl = model.pdl  # programmatic dependent launch between the step graph's kernels (sm_90)
         self._w16 = None  # a larger f16 expansion scratch, only if the LM head needs one (see _ensure_scratch)
         self._graphs: dict[int, cuda.GraphExec] = {}
         self._prefill = BatchedPrefill(_PrefillModel(self), prefill_chunk)
@@ -229,7 +243,7 @@ class GpuBatchBackend:
         """The launches of one decode step of ``b`` rows (no host synchronisation: capturable)."""
         m, cfg, ops, kv, s = self.model, self.config, self.ops, self.kv, self.stream
         eps, mb, qkv_n = cfg.rms_norm_eps, self.max_batch, self.qkv_n
-        ids, pos, lens, tables = (self.step, 0), (self.step, mb), (self.step, 2 * mb), (self.step, 3 * mb)
+        ids, pos, lens, tables = (self.step, 0), (self.step, mb), (self.step, 2 * mb), (self.step, self._tables_at)
         neox = cfg.rope_type == "neox"
         ops.embedding(m.embed, ids, self.x, n_tokens=b, stream=s)
         for i, lay in enumerate(m.layers):
@@ -269,20 +283,26 @@ class GpuBatchBackend:
         else:
             ops.rmsnorm(self.x, m.output_norm, self.h16, eps, rows=b, out_f16=True, stream=s)
             self._linear(m.lm_head, self.h16, self.logits, b)
+        ops.sample_rows(self.logits, (self.step, 3 * mb), self.tokens, b, cfg.vocab_size, stream=s)
 
     def decode(self, tokens: Sequence[int], positions: Sequence[int],
                block_tables: Sequence[Sequence[int]]) -> GpuBatchOutput:
         """Advance ``len(tokens)`` sequences by one token each: row r feeds ``tokens[r]`` at
         ``positions[r]`` (its K/V written there, attention over positions 0..positions[r]) through
-        ``block_tables[r]``."""
+        ``block_tables[r]``. The inputs are checked and staged now; the step runs when the output is
+        sampled or read (:class:`GpuBatchOutput`)."""
         n = len(tokens)
         if not 1 <= n <= self.max_batch or len(positions) != n or len(block_tables) != n:
             raise ShapeError(f"decode takes 1..{self.max_batch} rows with one position and block table each, "
                              f"got {n} tokens, {len(positions)} positions, {len(block_tables)} tables")
         b = bucket_for(n, self.max_batch)
-        mb, stride, vocab = self.max_batch, self.table_stride, self.config.vocab_size
+        mb, stride, vocab, at = self.max_batch, self.table_stride, self.config.vocab_size, self._tables_at
+        self._check_blocks(block_tables)
+        self.device.make_current()
+        self.stream.synchronize()  # the previous step's copy has left the staging array
         host = self._step_host.array
-        host[: 3 * mb + b * stride] = 0
+        host[:3 * mb] = 0
+        host[at: at + b * stride] = 0
         for r, (tok, p, table) in enumerate(zip(tokens, positions, block_tables)):
             tok, p = int(tok), int(p)
             if not 0 <= tok < vocab:
@@ -293,29 +313,39 @@ class GpuBatchBackend:
                 raise ShapeError(f"row {r}: position {p} needs block {p // self.block_size}, the table has "
                                  f"{len(table)} blocks (at most {stride})")
             host[r], host[mb + r], host[2 * mb + r] = tok, p, p + 1
-            host[3 * mb + r * stride: 3 * mb + r * stride + len(table)] = table
-        self._check_blocks(block_tables)
-        self.device.make_current()
-        self.step.copy_from_host_at(host[: 3 * mb + b * stride], 0, stream=self.stream)
+            host[at + r * stride: at + r * stride + len(table)] = table
+        self.steps += 1
+        return GpuBatchOutput(self, n, pending=b)
+
+    def _run_decode(self, b: int, rows: int, specs: Sequence[Any] | None) -> np.ndarray:
+        """Send the staged step (and ``specs``; None: greedy) and run bucket ``b``'s step; the tokens."""
+        mb, host = self.max_batch, self._step_host.array
+        staged = host[3 * mb: 3 * mb + mb * SPEC_WORDS].reshape(mb, SPEC_WORDS)
+        staged[:] = 0
+        if specs is not None:
+            pack_specs(specs, out=staged)
+        self.step.copy_from_host_at(host[: self._tables_at + b * self.table_stride], 0, stream=self.stream)
         graph = self._graphs.get(b)
         if graph is not None:
             graph.launch(self.stream)
         else:
             self._ensure_scratch(b)
-            with cuda.programmatic_dependent_launch(False):
+            with cuda.programmatic_dependent_launch(self.pdl):
                 self._issue_decode(b)  # eager: loads every kernel before a capture
                 if self.use_graph:
                     with cuda.capture(self.stream) as cap:
                         self._issue_decode(b)
                     self._graphs[b] = cap.graph.instantiate()
-        self.steps += 1
-        return GpuBatchOutput(self, n)
+        out = self._tokens_host.array[:rows]
+        self.tokens.copy_to_host_at(0, rows, out, stream=self.stream)
+        self.stream.synchronize()
+        return out.astype(np.int64)
 
     def _check_blocks(self, tables: Sequence[Sequence[int]]) -> None:
         for table in tables:
-            for blk in table:
-                if not 0 < int(blk) < self.num_blocks:
-                    raise ShapeError(f"block id {blk} outside the pool's blocks 1..{self.num_blocks - 1}")
+            if len(table) and not (0 < min(table) and max(table) < self.num_blocks):
+                blk = next(b for b in table if not 0 < b < self.num_blocks)
+                raise ShapeError(f"block id {blk} outside the pool's blocks 1..{self.num_blocks - 1}")
 
     # ---- prefill ----------------------------------------------------------------------------------
     def prefill(self, tokens: Sequence[int], start: int, block_table: Sequence[int]) -> GpuBatchOutput:
@@ -337,6 +367,7 @@ class GpuBatchBackend:
             raise InvalidRequestError(f"token id {bad} outside the vocabulary of {self.config.vocab_size}")
         self._check_blocks([block_table])
         self.device.make_current()
+        self.steps += 1
         table = np.zeros(self.table_stride, np.uint32)
         table[: len(block_table)] = block_table
         self.stream.synchronize()  # an earlier step may still read the table buffer
@@ -345,7 +376,6 @@ class GpuBatchBackend:
         for off in range(0, n, c):
             part = ids[off: off + c]
             self._prefill.run_chunk(part, start + off, last=off + c >= n)
-        self.steps += 1
         return GpuBatchOutput(self, 1)
 
     # ---- outputs ----------------------------------------------------------------------------------
