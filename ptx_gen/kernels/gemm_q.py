@@ -55,6 +55,7 @@ MTS = (8, 16, 32, 64, 128)
 CHUNK = ROUND  # K values per chunk
 TABLE = 16 * 64  # K_TABLE types: per warp, 16 rows x 8 sub-blocks x (A, C) f32
 MAX_DYN_SMEM = 227 * 1024
+X_GROUP = 4  # column tiles whose X a lane loads at once
 
 
 def chunk_bytes(wtype: str) -> int:
@@ -77,8 +78,8 @@ def pieces(wtype: str, in_dim: int, layout: str) -> int:
 
 def seg_bytes(wtype: str, in_dim: int, layout: str) -> int:
     """Shared bytes between two rows' segments: an odd number of 16-byte pieces (the 8 rows a load
-    instruction reads then start in distinct bank groups)."""
-    p = pieces(wtype, in_dim, layout)
+    instruction reads then start in distinct bank groups), at least one more than are copied."""
+    p = pieces(wtype, in_dim, layout) + 1  # (+1: realigning reads pass a segment's end by a word)
     return 16 * (p + 1 - p % 2)
 
 
@@ -255,7 +256,7 @@ def gemm_q(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "ro
     x_ptr = k.add(k.global_ptr("x"), k.cvt(k.shl(q, 4), "u64"))
     lda2 = k.shl(k.param("lda"), 1)
     m1 = k.sub(m_tok, 1)
-    x_rows = [k.mul_wide(k.min(k.add(r, 8 * t), m1), lda2) for t in range(mt // 8)]
+    x_rows = [k.mul(k.min(k.add(r, 8 * t), m1), lda2) for t in range(mt // 8)]  # (byte offsets below 2**32)
 
     acc = [[k.var("f32", 0.0) for _ in range(4)] for _ in range(mt // 8)]
     ring = stages * slot_bytes
@@ -338,12 +339,12 @@ def _chunk(k: KernelBuilder, wtype: str, slot: Reg, c: Reg, rows_dec: list, dec_
         x_ok = None
         if tail < CHUNK and 32 * b + 32 > tail:
             x_ok = k.setp("lt", k.add(k.mad(c, CHUNK, q8), 32 * b), in_dim)
-        xs = []
-        for xr in x_rows:
+        def x_load(t: int) -> tuple:
+            addr = k.add(xc, k.cvt(x_rows[t], "u64"))
             if x_ok is None:
-                xs.append(k.load("global", "u32", k.add(xc, xr), 64 * b, vec=4))
-            else:
-                xs.append(k.load("global", "u32", k.add(xc, xr), 64 * b, vec=4, pred=x_ok, other=0))
+                return k.load("global", "u32", addr, 64 * b, vec=4)
+            return k.load("global", "u32", addr, 64 * b, vec=4, pred=x_ok, other=0)
+
         words = []
         for s, bb in enumerate(bases):
             w4 = _decode(k, wtype, info, bb, b, lc, q, q8, table, rows_dec[0], s,
@@ -353,11 +354,13 @@ def _chunk(k: KernelBuilder, wtype: str, slot: Reg, c: Reg, rows_dec: list, dec_
                 w4 = [k.selp(w, 0, live, "b32") for w in w4]
             words.append(w4)
         (a0, a1, a2, a3), (b0, b1, b2, b3) = words
-        for half in range(2):
-            afr = [a0, b0, a1, b1] if half == 0 else [a2, b2, a3, b3]
-            for t, x4 in enumerate(xs):
-                bfr = (x4[0], x4[1]) if half == 0 else (x4[2], x4[3])
-                k.mma_f16(afr, bfr, acc[t], into=acc[t])
+        for g in range(0, len(x_rows), X_GROUP):  # (X of a few column tiles at a time: fewer live registers)
+            xs = [x_load(t) for t in range(g, min(g + X_GROUP, len(x_rows)))]
+            for half in range(2):
+                afr = [a0, b0, a1, b1] if half == 0 else [a2, b2, a3, b3]
+                for t, x4 in enumerate(xs, g):
+                    bfr = (x4[0], x4[1]) if half == 0 else (x4[2], x4[3])
+                    k.mma_f16(afr, bfr, acc[t], into=acc[t])
 
 
 def _decode(k: KernelBuilder, wtype: str, info, bb: Reg, b: int, lc: dict, q: Reg, q8: Reg, table: Reg, r: Reg,
