@@ -184,7 +184,7 @@ def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="mt"):
         check_shape("Q4_K", 4096, "rows", 12, 4, 1, 4)
     with pytest.raises(ValueError, match="tile-major"):
-        check_shape("Q4_K", 4096 + 32, "tiles", 8, 4, 1, 4)
+        check_shape("Q8_0", 4096 + 32, "tiles", 8, 4, 1, 4)
     with pytest.raises(ValueError, match="K parts"):
         check_shape("Q4_K", 256, "rows", 8, 1, 2, 4)
     with pytest.raises(ValueError, match="bias"):
