@@ -69,7 +69,7 @@ def _run(wtype, layout, out_dim, in_dim, m, rng, *, mt=None, warps=1, kparts=1, 
     cols = out_dim // 2 if glu else out_dim
     ldy = ldy or cols
     if x is None:
-        x = (rng.standard_normal((m, lda)) + 0.1).astype(np.float16)
+        x = ((rng.standard_normal((m, lda)) + 0.1) / (64 if out_f16 else 1)).astype(np.float16)  # (f16 range)
     b = rng.standard_normal(cols).astype(np.float32)
     r = rng.standard_normal((m, ldy)).astype(np.float32)
     ytype = np.float16 if out_f16 else np.float32

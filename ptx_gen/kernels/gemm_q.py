@@ -160,7 +160,7 @@ def gemm_q(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "ro
 
     tid = k.tid()
     lane, warp = k.and_(tid, 31), k.shr(tid, 5)
-    mw, kp = (k.rem(warp, warps), k.div(warp, warps)) if kparts > 1 else (warp, None)
+    mw, kp = (k.and_(warp, warps - 1), k.shr(warp, warps.bit_length() - 1)) if kparts > 1 else (warp, None)
     r, q = k.shr(lane, 2), k.and_(lane, 3)
     n_rows = k.param("n")
     m_tok = k.param("m")
@@ -206,7 +206,10 @@ def gemm_q(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "ro
     n_t = -(-npieces // 2)
 
     # the warp's chunk range
-    if kparts > 1:
+    if kparts > 1 and nc % kparts == 0:
+        c_first = k.mul(kp, nc // kparts)
+        n_my = k.mov(nc // kparts, "u32")
+    elif kparts > 1:
         c_first = k.div(k.mul(kp, nc), kparts)
         c_end = k.div(k.mul(k.add(kp, 1), nc), kparts)
         n_my = k.sub(c_end, c_first)
@@ -285,15 +288,15 @@ def gemm_q(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "ro
         k.bar_sync()
         red = k.add(smem0, k.shl(lane, 2))
         part_bytes = mt * 64
-        lead = k.setp("eq", kp, 0)
-        with k.if_(lead, negate=True):
-            base = k.add(red, k.mul(k.mad(k.sub(kp, 1), warps, mw), part_bytes))
+        part = k.mad(k.sub(kp, 1), warps, mw)  # (kp = 0: wraps, unused)
+        with k.if_(k.setp("ne", kp, 0)):
+            base = k.add(red, k.mul(part, part_bytes))
             for t, a4 in enumerate(acc):
                 for e, v in enumerate(a4):
                     k.store("shared", "f32", base, v, (4 * t + e) * 128)
         k.bar_sync()
         done = k.new_label("done")
-        k.bra(done, lead, negate=True)
+        k.bra(done, k.setp("ne", kp, 0))  # (a fresh predicate: none stays live across the barrier)
         for p in range(1, kparts):
             base = k.add(red, k.mul(k.add(mw, (p - 1) * warps), part_bytes))
             for t, a4 in enumerate(acc):

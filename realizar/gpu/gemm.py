@@ -187,11 +187,11 @@ def gemm_q_config(wtype: str, in_dim: int, rows_out: int, m: int, sm_count: int 
     mt = next(t for t in MTS if t >= m)
     strips = -(-rows_out // (8 if glu else 16))
     nc = -(-in_dim // 256)
-    max_parts = 1 if mt >= 128 else 2 if mt >= 64 else 8
+    max_parts = 1 if mt >= 128 else 2 if mt >= 64 else 4
     kparts = 1
     while kparts < max_parts and strips * kparts < GEMM_Q_WARPS_PER_SM * sm_count and nc >= 4 * kparts:
         kparts *= 2
-    warps = max(1, 4 // kparts) if kparts <= 4 else 1
+    warps = max(1, 4 // kparts)
     layout = "rows"
     for limit in (max_smem // 2, max_smem):
         for stages in (4, 3, 2):
