@@ -53,7 +53,7 @@ def _run(ops, rng, wtype, layout, out_dim, in_dim, m, *, glu=False, bias=False, 
 def test_gemm_q_gpu(ops, wtype, layout, data, m, seed):
     blk = _block(wtype, layout)
     in_dim = blk * data.draw(st.integers(1, max(1, 3072 // blk)))
-    glu = layout == "glu-tiles" or data.draw(st.booleans())
+    glu = layout == "glu-tiles" or (layout == "rows" and data.draw(st.booleans()))  # (the host refuses glu on "tiles")
     out_dim = (2 if glu else 1) * data.draw(st.integers(1, 300))
     epi = "plain" if glu else data.draw(st.sampled_from(["plain", "bias", "residual", "in_place", "f16"]))
     _run(ops, np.random.default_rng(seed), wtype, layout, out_dim, in_dim, m, glu=glu, bias="bias" in epi,
