@@ -26,6 +26,7 @@ _KERNEL_MODULES = (  # imported lazily so the catalog fills on first use
     "ptx_gen.kernels.embedding", "ptx_gen.kernels.argmax", "ptx_gen.kernels.stream_read",
     "ptx_gen.kernels.rope_append_rows", "ptx_gen.kernels.sample_rows",
     "ptx_gen.kernels.paged_append", "ptx_gen.kernels.paged_decode", "ptx_gen.kernels.paged_prefill",
+    "ptx_gen.kernels.gemm_q",
 )
 _EXTRA_MODULES: list[str] = []
 

@@ -18,7 +18,7 @@ from ptx_gen.kernels.gemm_mma import check_tiling, smem_bytes
 from realizar.errors import ShapeError
 from realizar.gpu.dispatch import Dispatcher
 
-__all__ = ["GemmConfig", "GemmOps", "gemm_config"]
+__all__ = ["GemmConfig", "GemmOps", "GemmQConfig", "gemm_config", "gemm_q_config"]
 
 
 @dataclass(frozen=True)
@@ -96,3 +96,105 @@ class GemmOps(Dispatcher):
             values["residual"] = self.addr(residual, span, "residual", align=4)
         values.update(m=m, n=n, k=k, lda=lda, ldy=ldy)
         self.launch(kern, (-(-m // cfg.bm), -(-n // cfg.bn)), values, stream)
+
+    def gemm_q(self, x16: Any, weight: Any, out: Any, m: int, *, lda: int | None = None, ldy: int | None = None,
+               bias: Any = None, residual: Any = None, out_f16: bool = False, glu: bool = False,
+               config: GemmQConfig | None = None, stream: Any = None) -> None:
+        """``out[:m] = x16[:m] W^T (+ bias) (+ residual)`` for the GpuWeight W (any layout its GEMV reads;
+        f16 X ``[m, lda]``, f32 accumulation on tensor cores, each weight byte read once whatever m);
+        with ``glu`` W is [gate; up] (2 ffn rows; GGUF rows or "glu-tiles") and ``out[:m, :ffn] =
+        silu(x G^T) * (x U^T)``. ``residual`` may be ``out`` (in place). ``m``: 1..128 tokens. No
+        allocation or synchronisation: capturable in a graph. Needs sm_80 or newer."""
+        from realizar.gpu.weights import GpuWeight
+
+        if self.device.target.compute_capability < (8, 0):
+            raise ShapeError(f"gemm_q needs sm_80 or newer (tensor cores), this device is {self.device.target}")
+        if not isinstance(weight, GpuWeight):
+            raise ShapeError(f"weight must be a GpuWeight, got {type(weight).__name__}")
+        m = self.check_int("m", m)
+        if m > GEMM_Q_MAX_M:
+            raise ShapeError(f"gemm_q takes 1..{GEMM_Q_MAX_M} tokens, got m={m}")
+        n, k = weight.out_dim, weight.in_dim
+        if weight.layout == "glu-tiles" and not glu:
+            raise ShapeError(f"GpuWeight {weight.name!r} is stored glu-tiles ([gate; up] for the fused GEMV): "
+                             f"only the glu GEMM reads it")
+        if glu and (n % 2 or bias is not None or residual is not None):
+            raise ShapeError(f"the SwiGLU GEMM needs a [gate; up] weight of an even number of rows and no bias or "
+                             f"residual, got {n} rows")
+        if glu and weight.layout == "tiles":
+            raise ShapeError(f"GpuWeight {weight.name!r} is stored tiles (a plain GEMV's layout): the glu GEMM reads "
+                             f"[gate; up] as GGUF rows or glu-tiles")
+        if weight.nbytes + 16 >= 2**32:
+            raise ShapeError(f"GpuWeight {weight.name!r}: {weight.nbytes} bytes, gemm_q addresses fewer than 2**32")
+        lda = k if lda is None else self.check_int("lda", lda)
+        cols = n // 2 if glu else n
+        ldy = cols if ldy is None else self.check_int("ldy", ldy)
+        if lda % 8 or lda < k:
+            raise ShapeError(f"x16 rows are read in 16-byte pieces: lda must be a multiple of 8 and at least k={k}, "
+                             f"got {lda}")
+        if ldy < cols:
+            raise ShapeError(f"ldy={ldy} must be at least the {cols} output columns")
+        if (m - 1) * lda * 2 >= 2**32:
+            raise ShapeError(f"x16 spans {(m - 1) * lda * 2} bytes, gemm_q addresses fewer than 2**32")
+        cfg = config or gemm_q_config(weight.wtype, k, cols, m, self.sm_count, self.device.max_shared_per_block_optin,
+                                      glu=glu)
+        if cfg.mt < m:
+            raise ShapeError(f"config.mt={cfg.mt} is smaller than m={m}")
+        kern = self.kernel("gemm_q", wtype=weight.wtype, in_dim=k, layout=weight.layout, mt=cfg.mt, warps=cfg.warps,
+                           kparts=cfg.kparts, stages=cfg.stages, bias=bias is not None, residual=residual is not None,
+                           out_f16=bool(out_f16), glu=bool(glu))
+        span = (m - 1) * ldy + cols
+        values = {"w": weight.ptr, "x": self.addr(x16, (m - 1) * lda + k, "x16", np.float16),
+                  "y": self.addr(out, span, "out", np.float16 if out_f16 else np.float32, align=4)}
+        if bias is not None:
+            values["bias"] = self.addr(bias, cols, "bias", align=4)
+        if residual is not None:
+            values["residual"] = self.addr(residual, span, "residual", align=4)
+        values.update(m=m, n=n, lda=lda, ldy=ldy)
+        self.launch(kern, -(-cols // kern.meta["rows_per_cta"]), values, stream)
+
+
+# ---- small-M GEMM straight from quantized weights (the batched decode step) ----------------------------
+
+
+@dataclass(frozen=True)
+class GemmQConfig:
+    """Launch shape of :mod:`ptx_gen.kernels.gemm_q`: ``mt`` tokens per launch (8..128), ``warps`` row strips
+    (16 weight rows each) per CTA, ``kparts`` warps per strip splitting K, ``stages`` chunks in flight."""
+
+    mt: int
+    warps: int = 4
+    kparts: int = 1
+    stages: int = 4
+
+
+GEMM_Q_MAX_M = 128
+# a launch of at least this many warps per SM keeps enough bytes in flight (a warp: stages - 1 chunks)
+GEMM_Q_WARPS_PER_SM = 8
+
+
+def gemm_q_config(wtype: str, in_dim: int, rows_out: int, m: int, sm_count: int = 132,
+                  max_smem: int = 227 * 1024, glu: bool = False) -> GemmQConfig:
+    """The token tile (``m`` rounded up to 8, 16, 32, 64 or 128) and CTA shape for ``rows_out`` outputs of
+    ``in_dim`` values: K is split (``kparts``) until the grid has ``GEMM_Q_WARPS_PER_SM`` warps per SM
+    (at most 2 parts from 64 tokens on, none at 128: their accumulators leave no registers for more),
+    keeping at least 2 chunks of 256 per part; then the deepest ring (4, 3, 2 stages) whose CTA fits
+    twice in ``max_smem`` (once where none does)."""
+    from ptx_gen.kernels.gemm_q import MTS, smem_bytes
+
+    if not 1 <= m <= GEMM_Q_MAX_M:
+        raise ShapeError(f"gemm_q takes 1..{GEMM_Q_MAX_M} tokens, got m={m}")
+    mt = next(t for t in MTS if t >= m)
+    strips = -(-rows_out // (8 if glu else 16))
+    nc = -(-in_dim // 256)
+    max_parts = 1 if mt >= 128 else 2 if mt >= 64 else 4
+    kparts = 1
+    while kparts < max_parts and strips * kparts < GEMM_Q_WARPS_PER_SM * sm_count and nc >= 4 * kparts:
+        kparts *= 2
+    warps = max(1, 4 // kparts)
+    layout = "rows"
+    for limit in (max_smem // 2, max_smem):
+        for stages in (4, 3, 2):
+            if smem_bytes(wtype, in_dim, layout, mt, warps, kparts, stages) <= limit:
+                return GemmQConfig(mt, warps, kparts, stages)
+    return GemmQConfig(mt, 1, kparts, 2)
