@@ -40,7 +40,13 @@ __all__ = ["BUCKETS", "GpuBatchBackend", "GpuBatchOutput", "bucket_for", "kv_blo
 
 # decode batch sizes captured as graphs (a batch runs in the smallest bucket that holds it)
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
-GEMM_Q_MAX_ROWS = 128  # the quantized small-M GEMM's largest M; larger batches expand weights to f16
+# batches up to this many rows run their linear layers on the quantized small-M GEMM (gemm_q, each weight
+# byte read once); larger ones on the f16 GEMM (tools/bench_gemm_q.py: gemm_q is the faster of the two up
+# to about 32 rows on the 8B shapes, the f16 GEMM from 64 on)
+GEMM_Q_MAX_ROWS = 32
+# f16 copies of the weights are kept for the large batches when they take at most this share of the free
+# device memory (f16_weights=None): each step then skips expanding every weight
+F16_WEIGHTS_SHARE = 0.4
 KV_DTYPES = ("f32", "f16", "bf16", "q8_0")
 DEFAULT_MAX_CONTEXT = 8192
 
@@ -142,11 +148,13 @@ class GpuBatchBackend:
     ``num_blocks`` KV blocks of ``block_size`` positions (block 0 reserved), or as many as
     ``kv_memory`` bytes hold (a float in (0, 1]: that fraction of the free device memory);
     ``kv_dtype``: the cache's element type; ``max_batch``: most sequences per decode step;
-    ``max_context``: most positions per sequence (the block tables' width)."""
+    ``max_context``: most positions per sequence (the block tables' width); ``f16_weights``: keep f16
+    copies of the weights for batches of more than GEMM_Q_MAX_ROWS rows and the prefill GEMMs (None:
+    when they fit in F16_WEIGHTS_SHARE of the free memory; False: expand each weight per step)."""
 
     def __init__(self, model, *, num_blocks: int | None = None, kv_memory: float | int | None = None,
                  block_size: int = 32, kv_dtype: str = "f16", max_batch: int = 64, max_context: int | None = None,
-                 use_graph: bool = True, prefill_chunk: int = 512):
+                 use_graph: bool = True, prefill_chunk: int = 512, f16_weights: bool | None = None):
         from realizar.gpu.paged_kv import PagedKVCache
 
         why = batched_prefill_unsupported(model)
@@ -166,6 +174,8 @@ class GpuBatchBackend:
         self.max_batch = int(max_batch)
         self.context_length = int(min(cfg.context_length, max_context or DEFAULT_MAX_CONTEXT))
         self.table_stride = -(-self.context_length // self.block_size)
+        self._f16 = self._make_f16_weights(f16_weights)
+        self.f16_weights = bool(self._f16)
         if num_blocks is None:
             per_block = kv_block_bytes(cfg, self.block_size, kv_dtype)
             if kv_memory is None:
@@ -203,21 +213,50 @@ class GpuBatchBackend:
         self.pdl = model.pdl  # programmatic dependent launch between the step graph's kernels (sm_90)
         self._w16 = None  # a larger f16 expansion scratch, only if the LM head needs one (see _ensure_scratch)
         self._graphs: dict[int, cuda.GraphExec] = {}
-        self._prefill = BatchedPrefill(_PrefillModel(self), prefill_chunk)
+        self._prefill = BatchedPrefill(_PrefillModel(self), prefill_chunk, f16_weights=self._f16)
         self.prefill_chunk = self._prefill.chunk
         self.steps = 0
 
     # ---- linear layers of B rows ------------------------------------------------------------------
     def _gemm_q_takes(self, weight, rows: int) -> bool:
-        takes = getattr(self.ops, "gemm_q_supports", None)
-        return rows <= GEMM_Q_MAX_ROWS and takes is not None and takes(weight)
+        """Whether the quantized small-M GEMM runs ``weight`` at ``rows`` rows (a tiles-layout weight
+        is a plain GEMV's: never the fused gate/up GEMM's)."""
+        return rows <= GEMM_Q_MAX_ROWS
+
+    def _weights(self) -> list:
+        m = self.model
+        return [w for lay in m.layers for w in (*lay.qkv, lay.attn_out, lay.gate_up, lay.down)] + [m.lm_head]
+
+    def _make_f16_weights(self, wanted: bool | None) -> dict:
+        """{id(weight): its f16 rows} for the large batches' GEMMs (gate/up interleaved as the SwiGLU
+        GEMM reads them); ``wanted`` None: when they fit in F16_WEIGHTS_SHARE of the free memory."""
+        m, ops = self.model, self.ops
+        weights = list({id(w): w for w in self._weights()}.values())
+        need = sum(2 * w.out_dim * w.in_dim for w in weights)
+        free, _ = self.device.memory_info()
+        if wanted is False or (wanted is None and need > F16_WEIGHTS_SHARE * free):
+            return {}
+        if need > free:
+            raise ShapeError(f"f16 weights need {need / 2**30:.1f} GiB, the device has {free / 2**30:.1f} GiB free")
+        glu = {id(lay.gate_up) for lay in m.layers}
+        out = {}
+        for w in weights:
+            buf = ops.buffer(w.out_dim * w.in_dim, np.float16)
+            ops.dequantize_f16(w, buf, interleave=id(w) in glu, stream=self.stream)
+            out[id(w)] = buf
+        self.stream.synchronize()
+        return out
 
     def _linear(self, weight, x16, out, rows: int, **epilogue) -> None:
-        """out[:rows] = x16[:rows] W^T (+ epilogue) from W's quantized blocks where the small-M GEMM
-        reads its type; otherwise W expanded to f16 then the f16 GEMM."""
+        """out[:rows] = x16[:rows] W^T (+ epilogue): up to GEMM_Q_MAX_ROWS rows from W's quantized blocks
+        (gemm_q); more on the f16 GEMM, over W's f16 copy or W expanded into a scratch first."""
         ops, s = self.ops, self.stream
         if self._gemm_q_takes(weight, rows):
             ops.gemm_q(x16, weight, out, rows, stream=s, **epilogue)
+            return
+        kept = self._f16.get(id(weight))
+        if kept is not None:
+            ops.gemm_f16(x16, kept, out, rows, weight.out_dim, weight.in_dim, stream=s, **epilogue)
             return
         w16 = self._w16 or self._prefill.w16
         if w16.count < weight.out_dim * weight.in_dim:
@@ -230,7 +269,7 @@ class GpuBatchBackend:
         """An f16 scratch for every weight the quantized GEMM does not take at ``rows`` rows: the
         prefill's (sized for the layer weights), or a larger one when the LM head needs expanding."""
         m = self.model
-        if rows == 1 or self._gemm_q_takes(m.lm_head, rows):
+        if rows == 1 or self._gemm_q_takes(m.lm_head, rows) or id(m.lm_head) in self._f16:
             return
         need = m.lm_head.out_dim * m.lm_head.in_dim
         if need > self._prefill.w16.count and (self._w16 is None or self._w16.count < need):
@@ -404,6 +443,6 @@ class GpuBatchBackend:
         self._prefill.free()
         self.kv.close()
         for buf in (self.step, self.prefill_table, self.x, self.h, self.h16, self.qkv, self.attn, self.ffn,
-                    self.ffn16, self.logits, self.tokens, self.specs, self._w16):
+                    self.ffn16, self.logits, self.tokens, self.specs, self._w16, *self._f16.values()):
             if buf is not None:
                 buf.free()

@@ -53,15 +53,18 @@ def batched_prefill_unsupported(model) -> str | None:
 class BatchedPrefill:
     """Scratch buffers for chunks of up to ``chunk`` tokens, and the launches of one chunk."""
 
-    def __init__(self, model, chunk: int = PREFILL_CHUNK):
+    def __init__(self, model, chunk: int = PREFILL_CHUNK, f16_weights: dict | None = None):
         cfg, ops = model.config, model.ops
         self.model = model
+        self.f16_weights = f16_weights or {}  # {id(weight): f16 rows kept on the device}: no expansion
         self.chunk = c = int(chunk)
         if c < 1:
             raise ShapeError(f"prefill chunk must be a positive number of tokens, got {chunk}")
         self.qkv_n = cfg.q_dim + 2 * cfg.kv_dim
         weights = [w for lay in model.layers for w in (*lay.qkv, lay.attn_out, lay.gate_up, lay.down)]
-        self.w16 = ops.buffer(max(w.out_dim * w.in_dim for w in weights), np.float16)
+        # the expansion scratch, for the weights without an f16 copy
+        self.w16 = ops.buffer(max([w.out_dim * w.in_dim for w in weights if id(w) not in self.f16_weights] or [8]),
+                              np.float16)
         self.ids = ops.buffer(c, np.uint32)
         self.x = ops.buffer(c * cfg.hidden_size)
         self.h16 = ops.buffer(c * max(cfg.hidden_size, cfg.q_dim), np.float16)
@@ -80,9 +83,11 @@ class BatchedPrefill:
 
     def _linear(self, weight, x16, out, rows: int, *, ldy: int | None = None, glu: bool = False, **epilogue) -> None:
         ops, s = self.model.ops, self.model.stream
-        ops.dequantize_f16(weight, self.w16, interleave=glu, stream=s)
-        ops.gemm_f16(x16, self.w16, out, rows, weight.out_dim, weight.in_dim, ldy=ldy, glu=glu, stream=s,
-                     **epilogue)
+        w16 = self.f16_weights.get(id(weight))
+        if w16 is None:
+            w16 = self.w16
+            ops.dequantize_f16(weight, w16, interleave=glu, stream=s)
+        ops.gemm_f16(x16, w16, out, rows, weight.out_dim, weight.in_dim, ldy=ldy, glu=glu, stream=s, **epilogue)
 
     def run_chunk(self, ids: list[int], pos0: int, last: bool) -> None:
         """Prefill ``ids`` (at most ``chunk``) at positions ``pos0 ..``; with ``last``, the logits and

@@ -59,13 +59,14 @@ def loaded(request, tmp_path_factory):
     return load_model(path)
 
 
-def _run(loaded, kv_dtype: str, n_seqs: int, seed: int, steps: int = 24, check_ref: bool = True):
+def _run(loaded, kv_dtype: str, n_seqs: int, seed: int, steps: int = 24, check_ref: bool = True,
+         f16_weights: bool | None = None):
     """Drive n_seqs sequences through one backend; returns {seq: [logits per decode step]}."""
     rng = np.random.default_rng(seed)
     model = GpuModel.from_loaded(loaded, max_len=MAX_LEN, kv_cache=False)
     per_seq = -(-(300 + steps + 1) // BLOCK)
     be = GpuBatchBackend(model, num_blocks=1 + n_seqs * per_seq, block_size=BLOCK, kv_dtype=kv_dtype,
-                         max_batch=64, max_context=MAX_LEN)
+                         max_batch=64, max_context=MAX_LEN, f16_weights=f16_weights)
     blocks = [int(b) for b in rng.permutation(np.arange(1, be.num_blocks))]
     lengths = [int(n) for n in rng.choice([1, 2, 17, 63, 64, 65, 130, 300], n_seqs)]
     join = [int(j) for j in rng.integers(0, steps // 2, n_seqs)]
@@ -108,8 +109,11 @@ def _run(loaded, kv_dtype: str, n_seqs: int, seed: int, steps: int = 24, check_r
     return trace
 
 
-def test_batched_equals_alone(loaded):
-    _run(loaded, "f32", n_seqs=40, seed=1)
+@pytest.mark.parametrize("f16_weights", [True, False], ids=["f16-weights", "expand-per-step"])
+def test_batched_equals_alone(loaded, f16_weights):
+    """Batches up to 32 rows run gemm_q on the quantized weights, larger ones the f16 GEMM over kept f16
+    copies of the weights or over each weight expanded per step."""
+    _run(loaded, "f32", n_seqs=40, seed=1, f16_weights=f16_weights)
 
 
 def test_f16_cache_divergence(loaded):
