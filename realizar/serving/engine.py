@@ -27,6 +27,7 @@ request ends with ``finish_reason == "cancelled"``.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import queue
 import secrets
@@ -228,6 +229,9 @@ class ServingEngine:
         self._thread: threading.Thread | None = None
         self._active: set[RequestHandle] = set()
         self._last_batch = 0
+        self._inbox: collections.deque[RequestHandle] = collections.deque()  # submitted, not yet queued
+        self._wake = threading.Event()
+        self._start_lock = threading.Lock()
 
     @classmethod
     def from_engine(
@@ -300,19 +304,35 @@ class ServingEngine:
         handle = RequestHandle(self, SequenceState(ids, params, self.tokenizer, self.eos_token_ids))
         if not handle.needs_host_logits:
             handle.row_sampling()  # the device's limits (e.g. a float32 1/temperature) checked now
-        with self._cv:
-            if self._closed:
-                raise EngineClosedError("the serving engine is closed")
-            if params.max_tokens == 0:  # nothing to run (as Generator: no prefill either)
-                handle._finish()
-                return handle
-            handle._seq = self.scheduler.add(ids, params.max_tokens, handle)
-            self._active.add(handle)
-            if self._thread is None and self.background:
-                self._thread = threading.Thread(target=self._loop, name="realizar-serving", daemon=True)
-                self._thread.start()
-            self._cv.notify_all()
+        if self._closed:
+            raise EngineClosedError("the serving engine is closed")
+        if params.max_tokens == 0:  # nothing to run (as Generator: no prefill either)
+            handle._finish()
+            return handle
+        self.scheduler.check(ids, params.max_tokens)  # a request that could never fit is refused here
+        # Handed to the loop through the inbox, not the engine's lock: the loop holds that lock while a
+        # step runs and takes it again at once, so a submitter waiting on it could wait many steps.
+        self._inbox.append(handle)
+        self._wake.set()
+        if self.background and self._thread is None:
+            with self._start_lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._loop, name="realizar-serving", daemon=True)
+                    self._thread.start()
         return handle
+
+    def _drain_inbox(self) -> None:
+        """Queue the submitted requests with the scheduler (caller holds the engine's lock)."""
+        while self._inbox:
+            handle = self._inbox.popleft()
+            if handle._done.is_set():  # cancelled before it was queued
+                continue
+            try:
+                handle._seq = self.scheduler.add(handle.state.prompt_ids, handle.state.params.max_tokens, handle)
+            except BaseException as exc:  # noqa: BLE001 - checked at submit; a failure is the request's
+                handle.fail(exc)
+                continue
+            self._active.add(handle)
 
     def generate_batch(
         self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None
@@ -350,13 +370,14 @@ class ServingEngine:
         also for tests and tools that drive the engine by hand)."""
         t0 = time.perf_counter()
         with self._cv:
+            self._drain_inbox()
             out = self.scheduler.step()
             for h in [h for h in self._active if h._done.is_set()]:
                 self._active.discard(h)
             self._last_batch = out.decode_batch
             pool = self.scheduler.pool
             stats = StepStats(
-                decode_batch=out.decode_batch, prefill_tokens=out.prefill[2] if out.prefill else 0,
+                decode_batch=out.decode_batch, prefill_tokens=sum(n for _, _, n in out.prefills),
                 tokens_out=len(out.tokens), preempted=len(out.preempted), running=len(self.scheduler.running),
                 waiting=len(self.scheduler.waiting), blocks_used=pool.num_used, blocks_free=pool.num_available,
                 seconds=time.perf_counter() - t0,
@@ -368,10 +389,16 @@ class ServingEngine:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._closed and not self.scheduler.has_work:
-                    self._cv.wait()
-                if self._closed:
-                    return
+                self._drain_inbox()
+                idle = not self.scheduler.has_work
+                if idle:
+                    self._wake.clear()
+            if self._closed:
+                return
+            if idle:
+                if not self._inbox:
+                    self._wake.wait()
+                continue
             try:
                 self.step()
             except BaseException as exc:  # a backend failure: every request in flight gets it
@@ -379,6 +406,8 @@ class ServingEngine:
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._cv:
+            while self._inbox:
+                self._active.add(self._inbox.popleft())
             for h in list(self._active):
                 if h._seq is not None:
                     self.scheduler.cancel(h._seq)
@@ -390,6 +419,7 @@ class ServingEngine:
         with self._cv:
             self._closed = True
             self._cv.notify_all()
+        self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
         self._fail_all(EngineClosedError("the serving engine was closed"))

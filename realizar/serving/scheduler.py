@@ -6,8 +6,9 @@ Every :meth:`Scheduler.step`:
    backlog of admitted-but-unprefilled tokens is under the token budget (``max_batched_tokens``),
    and the pool has blocks for the whole prompt (less the full blocks found in the prefix cache:
    those positions are never prefilled);
-2. runs **one prefill chunk** of the oldest admitted sequence still prefilling, at most the budget
-   left after the decode rows; the chunk that completes a prompt yields its first token;
+2. runs **prefill chunks** of the admitted sequences still prefilling, oldest first, within the budget
+   left after the decode rows (at least one token); the chunk that completes a prompt yields its
+   first token;
 3. runs **one decode step of every running sequence** (those past their prefill), so streams keep
    flowing while prompts are processed. A sequence whose next position needs a new block and finds
    the pool empty **preempts the youngest** admitted sequence (possibly itself): its blocks are freed
@@ -71,8 +72,10 @@ class StepOutput:
     """What one :meth:`Scheduler.step` did."""
 
     admitted: list[int] = field(default_factory=list)
-    #: ``(seq_id, start, n_tokens)`` of the prefill chunk run, or None
+    #: ``(seq_id, start, n_tokens)`` of the first prefill chunk run, or None
     prefill: tuple[int, int, int] | None = None
+    #: every prefill chunk run, in order
+    prefills: list[tuple[int, int, int]] = field(default_factory=list)
     #: rows of the decode call (0: none)
     decode_batch: int = 0
     #: ``(seq_id, token)`` of every token produced, in order
@@ -116,6 +119,16 @@ class Scheduler:
 
     def add(self, prompt_ids: Seq[int], max_new_tokens: int, client: Any) -> Sequence:
         """Queue a request. Raises :class:`InvalidRequestError` when it could never fit."""
+        tokens = self.check(prompt_ids, max_new_tokens)
+        seq = Sequence(self._next_id, client, tokens, len(tokens), int(max_new_tokens), self._arrivals)
+        self._next_id += 1
+        self._arrivals += 1
+        self.waiting.append(seq)
+        return seq
+
+    def check(self, prompt_ids: Seq[int], max_new_tokens: int) -> list[int]:
+        """The prompt's token ids, or :class:`InvalidRequestError` for a request that could never fit.
+        Reads only what never changes (vocabulary, context, pool size): safe from any thread."""
         tokens = [int(t) for t in prompt_ids]
         if not tokens:
             raise InvalidRequestError("the prompt is empty (no tokens)")
@@ -137,11 +150,7 @@ class Scheduler:
                 f"prompt of {len(tokens)} tokens + max_tokens {max_new_tokens} = {total} exceeds the KV pool "
                 f"({self.pool.usable} blocks of {self.block_size} = {cap} positions)"
             )
-        seq = Sequence(self._next_id, client, tokens, len(tokens), int(max_new_tokens), self._arrivals)
-        self._next_id += 1
-        self._arrivals += 1
-        self.waiting.append(seq)
-        return seq
+        return tokens
 
     def cancel(self, seq: Sequence) -> bool:
         """Drop a waiting or running sequence at once (its blocks freed); False if already done."""
@@ -244,16 +253,22 @@ class Scheduler:
         self._admit(out)
         decoding = [s for s in self.running if s.state == DECODE]
 
-        # one prefill chunk, of the oldest admitted sequence still prefilling
-        pre = next((s for s in self.running if s.state == PREFILL), None)
-        if pre is not None:
+        # prefill chunks, oldest admitted sequence first, within the budget the decode rows leave (at
+        # least one token a step, so a prompt always advances)
+        budget = max(1, self.max_batched_tokens - len(decoding))
+        for pre in [s for s in self.running if s.state == PREFILL]:
+            if budget <= 0:
+                break
             start = pre.num_computed
-            n = min(max(1, self.max_batched_tokens - len(decoding)), len(pre.tokens) - start)
+            n = min(budget, len(pre.tokens) - start)
+            budget -= n
             output = self.backend.prefill(pre.tokens[start : start + n], start, pre.blocks)
             pre.num_computed += n
             self.prefilled_tokens += n
             self._register_full_blocks(pre)
-            out.prefill = (pre.seq_id, start, n)
+            out.prefills.append((pre.seq_id, start, n))
+            if out.prefill is None:
+                out.prefill = (pre.seq_id, start, n)
             if pre.num_computed == len(pre.tokens):
                 pre.state = DECODE  # decodes from the next step on
                 device_tok = None
