@@ -41,14 +41,16 @@ def serve(
     default_max_tokens: int | None = None,
     log_level: str = "info",
     api_key: str | None = None,
+    max_body: int | None = None,
     on_ready: Callable[[str, int], None] | None = None,
 ) -> None:
     """Serve ``engine`` with uvicorn until interrupted. ``on_ready(host, port)`` is called once the
-    socket is bound (with the real port when ``port`` is 0)."""
+    socket is bound (with the real port when ``port`` is 0); ``max_body``: the request body limit in
+    bytes (default 4 MiB, see :mod:`realizar.server.limits`)."""
     import uvicorn
 
     app = create_app(engine, model_name=model_name, max_queue=max_queue, default_max_tokens=default_max_tokens,
-                     api_key=api_key)
+                     api_key=api_key, **({} if max_body is None else {"max_body": max_body}))
     sock = bind_socket(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5, lifespan="on")

@@ -20,6 +20,7 @@ from fastapi import FastAPI
 
 from realizar.server.auth import ApiKeyMiddleware
 from realizar.server.errors import install_error_handlers
+from realizar.server.limits import DEFAULT_MAX_BODY, BodyLimitMiddleware
 from realizar.server.metrics import ServerMetrics
 from realizar.server.routes import ROUTERS
 from realizar.server.scheduler import Scheduler
@@ -95,13 +96,15 @@ def create_app(
     max_queue: int = 256,
     default_max_tokens: int | None = None,
     api_key: str | None = None,
+    max_body: int = DEFAULT_MAX_BODY,
 ) -> FastAPI:
     """A FastAPI app serving ``engine`` (see :func:`realizar.engine.load_engine`).
 
     ``model_name`` is the id clients pass as ``model`` (default: ``engine.name``); ``max_queue`` caps
     the requests waiting for the model (more get a 429); ``default_max_tokens`` caps chat completions
     that give no ``max_tokens`` (default: the rest of the context, as OpenAI does); ``api_key``: when
-    set, the ``/v1`` routes and tokenize answer 401 without ``Authorization: Bearer <api_key>``.
+    set, the ``/v1`` routes and tokenize answer 401 without ``Authorization: Bearer <api_key>``;
+    ``max_body``: request bodies over this many bytes get a 413 before they are read whole.
     """
     name = model_name or str(getattr(engine, "name", None) or "realizar")
     device = str(getattr(engine, "device", "cpu"))
@@ -128,6 +131,7 @@ def create_app(
     app.state.server = state  # what the routes get through realizar.server.state.get_state
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(BodyLimitMiddleware, max_body=max_body)
     app.add_middleware(_MetricsMiddleware, metrics=metrics)  # outermost: 401s are counted too
     install_error_handlers(app)
     for router in ROUTERS:
