@@ -43,8 +43,8 @@ def _prepare(state: ServerState, req: P.ChatCompletionRequest) -> tuple[Any, lis
                             code="invalid_value") from None  # fmt: skip
     ids = state.check_ids(list(ids))
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    # (one grammar processor serves the choices in turn: jobs run one after another and it rolls back
-    # to where a new sequence departs from the last)
+    # (one grammar processor serves every choice: the choices run in the same batch, and it follows
+    # whichever sequence it is shown, rolling back to where that one departs from the last)
     params = plan.constrain(state.sampling(req, len(ids), req.requested_max_tokens(), state.default_max_tokens, param))
     return plan, ids, params
 
