@@ -182,6 +182,31 @@ def test_chat_multi_turn_from_stdin(tiny, oracle):
     assert p.stdout == "".join(t + "\n" for t in (first, second, after_reset))
 
 
+def test_chat_keeps_earlier_turns_cached(tiny, oracle):
+    """Turn 2's prompt starts with turn 1 (prompt and reply): only the positions past the cached full
+    blocks of that shared prefix are prefilled — counted by --stats, checked against the token ids."""
+    from realizar.cli.generate import CHAT_BLOCK_SIZE as BS
+
+    system = "You answer in one short sentence and never use lists or long words."
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    turn1 = [{"role": "system", "content": system}, {"role": "user", "content": "Hello there"}]
+    ids1 = oracle.chat_prompt(turn1)
+    first = oracle.generate(ids1, params)
+    ids2 = oracle.chat_prompt([*turn1, {"role": "assistant", "content": first.text},
+                               {"role": "user", "content": "And then?"}])  # fmt: skip
+    seen = ids1 + first.token_ids[:-1]  # the last sampled token was never run through the model
+    common = next((i for i, (a, b) in enumerate(zip(seen, ids2)) if a != b), min(len(seen), len(ids2)))
+    cached = min(common, len(ids2) - 1) // BS * BS
+    assert cached >= BS, "the test needs a shared prefix of at least one block"
+
+    p = run("chat", "-m", str(tiny), "-n", "8", "-t", "0", "--stats", "--system", system,
+            input="Hello there\nAnd then?\n")  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    counts = [tuple(map(int, m)) for m in re.findall(r"prompt: (\d+) prefilled, (\d+) from the cache", p.stderr)]
+    assert counts == [(len(ids1), 0), (len(ids2) - cached, cached)], (counts, len(ids1), len(ids2), common)
+    assert len(ids2) - cached < len(ids2) - common + BS  # at most a block's worth beyond the new tokens
+
+
 def test_chat_exit_command_and_errors(tiny):
     p = run("chat", "-m", str(tiny), "-n", "2", "-t", "0", input="/exit\nnever answered\n")
     assert p.returncode == 0 and p.stdout == ""
