@@ -97,7 +97,7 @@ def test_32_concurrent_openai_clients_equal_alone_and_share_steps(live):
     steps = _sample(m, "realizar_batch_size", "realizar_batch_size_count") - steps0
     print(f"32 clients: {wall:.2f} s together, {sum_alone:.2f} s one by one; decode steps {steps:.0f}; batch sizes {hist}")
     assert hist["4.0"] < _sample(m, "realizar_batch_size", "realizar_batch_size_count"), hist  # some batch > 4
-    assert steps < CLIENTS * (MAX_TOKENS - 1) / 2, steps  # one at a time would take >= 32 x 11 decode steps
+    assert steps < CLIENTS * (MAX_TOKENS - 1) * 0.75, steps  # one at a time takes 32 x 11 decode steps
     assert _sample(m, "realizar_kv_blocks_used") == 0
 
 
