@@ -182,6 +182,31 @@ def test_chat_multi_turn_from_stdin(tiny, oracle):
     assert p.stdout == "".join(t + "\n" for t in (first, second, after_reset))
 
 
+def test_chat_keeps_earlier_turns_cached(tiny, oracle):
+    """Turn 2's prompt starts with turn 1 (prompt and reply): only the positions past the cached full
+    blocks of that shared prefix are prefilled — counted by --stats, checked against the token ids."""
+    from realizar.cli.generate import CHAT_BLOCK_SIZE as BS
+
+    system = "You answer in one short sentence and never use lists or long words."
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    turn1 = [{"role": "system", "content": system}, {"role": "user", "content": "Hello there"}]
+    ids1 = oracle.chat_prompt(turn1)
+    first = oracle.generate(ids1, params)
+    ids2 = oracle.chat_prompt([*turn1, {"role": "assistant", "content": first.text},
+                               {"role": "user", "content": "And then?"}])  # fmt: skip
+    seen = ids1 + first.token_ids[:-1]  # the last sampled token was never run through the model
+    common = next((i for i, (a, b) in enumerate(zip(seen, ids2)) if a != b), min(len(seen), len(ids2)))
+    cached = min(common, len(ids2) - 1) // BS * BS
+    assert cached >= BS, "the test needs a shared prefix of at least one block"
+
+    p = run("chat", "-m", str(tiny), "-n", "8", "-t", "0", "--stats", "--system", system,
+            input="Hello there\nAnd then?\n")  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    counts = [tuple(map(int, m)) for m in re.findall(r"prompt: (\d+) prefilled, (\d+) from the cache", p.stderr)]
+    assert counts == [(len(ids1), 0), (len(ids2) - cached, cached)], (counts, len(ids1), len(ids2), common)
+    assert len(ids2) - cached < len(ids2) - common + BS  # at most a block's worth beyond the new tokens
+
+
 def test_chat_exit_command_and_errors(tiny):
     p = run("chat", "-m", str(tiny), "-n", "2", "-t", "0", input="/exit\nnever answered\n")
     assert p.returncode == 0 and p.stdout == ""
@@ -356,6 +381,59 @@ def test_serve_port_in_use(tiny):
         s.close()
     p = run("serve", "--port", "70000")
     assert p.returncode == 2
+
+
+def test_serve_batching_flags_reach_the_server(tiny, oracle):
+    """--kv-memory / --kv-dtype / --block-size / --max-batch size the KV pool as asked (read back from
+    /metrics), and --max-body refuses a larger body with 413."""
+    httpx = pytest.importorskip("httpx")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    c = oracle.config
+    per_block = 2 * c.num_layers * c.num_kv_heads * 16 * c.head_dim * 2  # f16, 16 positions
+    gib = 40 * per_block / (1 << 30)
+    proc, url = _start_server("-m", str(tiny), "--model-name", "tiny", "--kv-memory", f"{gib!r}GiB",
+                              "--kv-dtype", "f16", "--block-size", "16", "--max-batch", "4", "--max-body", "1K")
+    try:
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 3}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        m = {f.name: f for f in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text)}
+        total = m["realizar_kv_blocks_total"].samples[0].value
+        assert total in (40, 41), total  # kv_memory // bytes per block (+ the reserved null block, not counted)
+        r = httpx.post(url + "/v1/completions", content=b" " * 1025, headers={"content-type": "application/json"},
+                       timeout=30)  # fmt: skip
+        assert r.status_code == 413
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            _, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert proc.returncode == 0, err
+
+
+@pytest.mark.parametrize("args, code, match", [
+    (["--kv-dtype", "bf16"], 1, "--kv-dtype bf16 needs the GPU"),
+    (["--kv-dtype", "q8_0"], 1, "--kv-dtype q8_0 needs the GPU"),
+    (["--kv-memory", "50%"], 1, "fraction of free GPU memory needs a GPU"),
+    (["--kv-memory", "lots"], 2, "--kv-memory: expected GiB"),
+    (["--kv-memory", "0"], 2, "--kv-memory: expected a size > 0"),
+    (["--kv-memory", "150%"], 2, "at most 100%"),
+    (["--kv-dtype", "f8"], 2, "--kv-dtype: invalid choice"),
+    (["--block-size", "24"], 2, "--block-size: invalid choice"),
+    (["--max-batch", "0"], 2, "--max-batch: expected an integer > 0"),
+    (["--max-body", "-5"], 2, "--max-body: expected a number of bytes"),
+    (["--max-body", "4X"], 2, "--max-body: expected a number of bytes"),
+])
+def test_serve_bad_batching_values_are_one_line_errors(tiny, args, code, match):
+    p = run("serve", "-m", str(tiny), "-d", "cpu", "--port", "0", *args)
+    assert p.returncode == code, (p.returncode, p.stderr)
+    assert "Traceback" not in p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert re.search(re.escape(match), lines[-1]), lines
+    if code == 1:
+        assert_clean_error(p, match=re.escape(match))
 
 
 # ----------------------------------------------------------------------------------------------

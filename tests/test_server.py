@@ -1,8 +1,9 @@
 """The OpenAI-compatible server, driven by the official ``openai`` client over loopback.
 
 A tiny random llama GGUF (tests/gguf_factory.py) runs on the CPU; a live uvicorn server listens on a
-free port of 127.0.0.1 in a background thread. Its generator is wrapped so that a test can slow the
-tokens down (to disconnect mid-stream); expected texts come from a second, independent engine.
+free port of 127.0.0.1 in a background thread. Its serving engine's batch backend is wrapped so that a
+test can slow the steps down (to disconnect mid-stream) and count what reached the model; expected
+texts come from a second, independent engine.
 """
 
 from __future__ import annotations
@@ -43,48 +44,50 @@ def _tiny_gguf(tmp_path_factory) -> Path:
     return shared_tiny_gguf(tmp_path_factory)
 
 
-class ThrottledGenerator:
-    """Wraps a Generator: sleeps ``delay`` seconds before each token and records what each stream
-    produced, so tests can slow generation down and see that a cancelled one stopped early."""
+class ThrottledBackend:
+    """Wraps a batch backend (realizar.serving): sleeps ``delay`` seconds before each forward call and
+    counts them, so tests can slow generation down and see what reached the model."""
 
     def __init__(self, inner):
         self.inner = inner
-        self.model = inner.model
         self.delay = 0.0
-        self.log: list[dict] = []
+        self.prefills = 0  # prefill calls (chunks)
+        self.decodes = 0  # decode calls (steps)
+        self.decode_rows = 0
 
-    def stream(self, prompt, params=None):
-        inner = self.inner.stream(prompt, params)
-        record = {"tokens": 0, "closed": False, "max_tokens": params.max_tokens if params else None}
-        self.log.append(record)
-        gen = self
+    def __getattr__(self, name):  # config, block_size, num_blocks, max_batch, context_length
+        return getattr(self.inner, name)
 
-        class _Stream:
-            def __iter__(self):
-                return self
+    def prefill(self, tokens, start, block_table):
+        if self.delay:
+            time.sleep(self.delay)
+        self.prefills += 1
+        return self.inner.prefill(tokens, start, block_table)
 
-            def __next__(self):
-                if gen.delay:
-                    time.sleep(gen.delay)
-                chunk = next(inner)
-                record["tokens"] += 1
-                return chunk
+    def decode(self, tokens, positions, block_tables):
+        if self.delay:
+            time.sleep(self.delay)
+        self.decodes += 1
+        self.decode_rows += len(tokens)
+        return self.inner.decode(tokens, positions, block_tables)
 
-            def close(self):
-                record["closed"] = True
-                inner.close()
 
-            @property
-            def result(self):
-                return inner.result
+def throttled_serving(engine, max_batch: int = 64):
+    """A ServingEngine for ``engine`` (CPU) whose backend is a :class:`ThrottledBackend`."""
+    from realizar.serving import ServingEngine
+    from realizar.serving.cpu_backend import ReferenceBatchBackend
 
-        return _Stream()
+    blocks = min(max_batch, 8) * (-(-engine.context_length // 32)) + 1
+    backend = ThrottledBackend(ReferenceBatchBackend(engine.model, blocks, 32, kv_dtype="f32", max_batch=max_batch))
+    return ServingEngine(backend, engine.tokenizer, engine.generator.eos_token_ids)
 
 
 class LiveServer:
     def __init__(self, engine, **app_kwargs):
         self.engine = engine
         self.app = create_app(engine, **app_kwargs)
+        self.serving = self.app.state.server.scheduler.serving
+        self.backend = self.serving.backend
         self.sock = bind_socket("127.0.0.1", 0)
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
@@ -123,17 +126,16 @@ def oracle(gguf_path):
 @pytest.fixture(scope="module")
 def live(gguf_path):
     engine = load_engine(str(gguf_path), device="cpu")
-    engine.generator = ThrottledGenerator(engine.generator)
-    srv = LiveServer(engine).start()
+    srv = LiveServer(engine, serving=throttled_serving(engine)).start()
     yield srv
     srv.stop()
 
 
 @pytest.fixture()
 def client(live):
-    live.engine.generator.delay = 0.0
+    live.backend.delay = 0.0
     yield live.client()
-    live.engine.generator.delay = 0.0
+    live.backend.delay = 0.0
 
 
 def _metrics(live) -> dict:
@@ -268,7 +270,7 @@ def test_sse_wire_format(live):
 
 def test_sixteen_concurrent_clients(live, oracle):
     expected = oracle.generate(PROMPT, SamplingParams(max_tokens=16, temperature=0.0)).text
-    live.engine.generator.delay = 0.001
+    live.backend.delay = 0.001
 
     def one(i: int) -> str:
         c = live.client()
@@ -281,7 +283,7 @@ def test_sixteen_concurrent_clients(live, oracle):
         with ThreadPoolExecutor(16) as pool:
             texts = list(pool.map(one, range(16)))
     finally:
-        live.engine.generator.delay = 0.0
+        live.backend.delay = 0.0
     assert texts == [expected] * 16
     m = _wait_idle(live)
     assert _sample(m, "realizar_queue_depth") == 0
@@ -387,13 +389,14 @@ def test_unknown_path_and_method(live):
 
 
 def test_disconnect_mid_stream_frees_the_slot(live, oracle):
-    gen = live.engine.generator
+    backend = live.backend
     before = _wait_idle(live)
     cancelled0 = _sample(before, "realizar_requests_cancelled")
-    gen.delay = 0.05
+    backend.delay = 0.05
     try:
         max_tokens = oracle.context_length - 20
         body = {"model": live.engine.name, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+        decodes0 = backend.decodes
         with httpx.Client(timeout=30) as h:
             with h.stream("POST", live.url + "/v1/completions", json=body) as r:
                 assert r.status_code == 200
@@ -406,12 +409,10 @@ def test_disconnect_mid_stream_frees_the_slot(live, oracle):
         # the connection is closed: the generation must stop soon, long before max_tokens
         m = _wait_idle(live, timeout=10)
         assert _sample(m, "realizar_requests_cancelled") == cancelled0 + 1
-        record = gen.log[-1]
-        assert record["max_tokens"] == max_tokens
-        assert record["tokens"] < max_tokens // 2
-        assert record["closed"]
+        assert backend.decodes - decodes0 < max_tokens // 2
+        assert _sample(m, "realizar_kv_blocks_used") == 0  # its KV blocks are back in the pool
     finally:
-        gen.delay = 0.0
+        backend.delay = 0.0
     # healthy, and the next request is served at once
     assert httpx.get(live.url + "/health", timeout=10).json()["status"] == "ok"
     r = httpx.post(live.url + "/v1/completions", json={
@@ -419,41 +420,44 @@ def test_disconnect_mid_stream_frees_the_slot(live, oracle):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
 
 
-def test_disconnect_while_queued_leaves_the_queue(live):
-    gen = live.engine.generator
-    before = _wait_idle(live)
-    cancelled0 = _sample(before, "realizar_requests_cancelled")
-    runs0 = len(gen.log)
-    gen.delay = 0.02
-    body = {"model": live.engine.name, "prompt": PROMPT, "max_tokens": 60, "temperature": 0, "stream": True}
+def test_disconnect_while_waiting_leaves_the_queue(gguf_path):
+    """With one sequence per batch, a second request waits; its client gives up, and it is dropped
+    without ever reaching the model."""
+    engine = load_engine(str(gguf_path), device="cpu")
+    srv = LiveServer(engine, serving=throttled_serving(engine, max_batch=1)).start()
+    backend = srv.backend
+    backend.delay = 0.02
+    body = {"model": engine.name, "prompt": PROMPT, "max_tokens": 60, "temperature": 0, "stream": True}
     result: dict = {}
 
     def long_request() -> None:
-        with httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=60) as r:
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
             result["text"] = r.read().decode()
 
     try:
         first = threading.Thread(target=long_request)
         first.start()
         deadline = time.monotonic() + 10
-        while _sample(_metrics(live), "realizar_requests_running") == 0 and time.monotonic() < deadline:
+        while _sample(_metrics(srv), "realizar_requests_running") == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
+        assert backend.prefills == 1
         # a second request waits behind the first; its client gives up after 0.3 s
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(live.url + "/v1/completions", json={**body, "stream": False},
+            httpx.post(srv.url + "/v1/completions", json={**body, "stream": False},
                        timeout=httpx.Timeout(10, read=0.3))
         first.join(timeout=60)
+        backend.delay = 0.0
+        m = _wait_idle(srv)
+        assert result["text"].rstrip().endswith("data: [DONE]")
+        assert _sample(m, "realizar_requests_cancelled") == 1
+        assert backend.prefills == 1  # the abandoned request never reached the model
     finally:
-        gen.delay = 0.0
-    m = _wait_idle(live)
-    assert result["text"].rstrip().endswith("data: [DONE]")
-    assert _sample(m, "realizar_requests_cancelled") == cancelled0 + 1
-    assert len(gen.log) == runs0 + 1  # the abandoned request never reached the model
+        srv.stop()
 
 
 def test_event_loop_stays_responsive_while_generating(live):
-    gen = live.engine.generator
-    gen.delay = 0.05
+    backend = live.backend
+    backend.delay = 0.05
     body = {"model": live.engine.name, "prompt": PROMPT, "max_tokens": 40, "temperature": 0}
     try:
         with ThreadPoolExecutor(1) as pool:
@@ -468,7 +472,7 @@ def test_event_loop_stays_responsive_while_generating(live):
                 assert h["busy"] is True
             assert fut.result().status_code == 200
     finally:
-        gen.delay = 0.0
+        backend.delay = 0.0
 
 
 def test_health(live):
@@ -487,7 +491,7 @@ def test_metrics_parse_with_prometheus_client(client, live):
     assert _sample(m, "realizar_generation_tokens") >= 3
     assert _sample(m, "realizar_prompt_tokens") > 0
     for hist in ("realizar_request_duration_seconds", "realizar_time_to_first_token_seconds",
-                 "realizar_time_per_output_token_seconds", "realizar_queue_wait_seconds"):
+                 "realizar_time_per_output_token_seconds", "realizar_batch_size", "realizar_prefill_chunk_tokens"):
         assert m[hist].type == "histogram"
         assert _sample(m, hist, hist + "_count") >= 1
         inf = [s for s in m[hist].samples if s.name == hist + "_bucket" and s.labels.get("le") == "+Inf"]
@@ -517,10 +521,10 @@ def test_binds_loopback_by_default():
 
 
 def test_queue_full_answers_429(gguf_path):
+    """One sequence runs, one may wait (max_queue=1): of four concurrent requests some get a 429."""
     engine = load_engine(str(gguf_path), device="cpu")
-    engine.generator = ThrottledGenerator(engine.generator)
-    engine.generator.delay = 0.02
-    srv = LiveServer(engine, max_queue=1).start()
+    srv = LiveServer(engine, serving=throttled_serving(engine, max_batch=1), max_queue=1).start()
+    srv.backend.delay = 0.02
     try:
         body = {"model": engine.name, "prompt": PROMPT, "max_tokens": 30, "temperature": 0}
         with ThreadPoolExecutor(4) as pool:

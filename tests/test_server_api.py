@@ -69,8 +69,12 @@ def test_n3_seeded_gives_three_different_reproducible_choices(client, live, orac
     assert [c.index for c in r.choices] == [0, 1, 2]
     assert len(set(texts)) == 3, texts
     assert [c.text for c in client.completions.create(**kw).choices] == texts
-    # choice i is the engine's generation with seed 7 + i
-    wants = [oracle.generate(PROMPT, SamplingParams(max_tokens=12, temperature=1.0, seed=7 + i)) for i in range(3)]
+    # choice i is the serving engine's generation with seed 7 + i, run alone
+    from realizar.serving import ServingEngine
+
+    with ServingEngine.from_engine(oracle, max_batch=1) as alone:
+        ids = oracle.tokenizer.encode(PROMPT)
+        wants = [alone.submit(ids, SamplingParams(max_tokens=12, temperature=1.0, seed=7 + i)).wait() for i in range(3)]
     assert texts == [w.text for w in wants]
     assert r.usage.completion_tokens == sum(w.completion_tokens for w in wants)
     assert r.usage.prompt_tokens == len(oracle.tokenizer.encode(PROMPT))

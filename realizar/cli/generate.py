@@ -55,12 +55,63 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 CHAT_HELP = "commands: /reset (forget the conversation), /exit or Ctrl-D (quit), /help"
+CHAT_BLOCK_SIZE = 16  # KV block of the chat's serving engine: a turn recomputes < 16 cached positions
+
+
+def _chat_serving(engine):
+    """A one-sequence serving engine for ``engine`` whose prefix cache keeps the KV of earlier turns
+    (each turn's prompt starts with the previous ones); None where the device has no batch backend
+    (then every turn is prefilled whole by the plain generator)."""
+    from realizar.errors import UnsupportedError
+    from realizar.serving import ServingEngine
+
+    try:
+        return ServingEngine.from_engine(engine, max_batch=1, block_size=CHAT_BLOCK_SIZE)
+    except UnsupportedError:
+        return None
+
+
+def _chat_turn(engine, serving, ids, params):
+    """Generate one reply, streaming it to stdout: (its text, its GenerationResult or None, the
+    prompt tokens prefilled and taken from the cache, or None without a serving engine)."""
+    pieces: list[str] = []
+    if serving is None:
+        stream = engine.generator.stream(ids, params)
+        try:
+            for chunk in stream:
+                pieces.append(chunk.text)
+                write(chunk.text)
+        except KeyboardInterrupt:
+            write("\n")
+        finally:
+            stream.close()
+        return "".join(pieces), stream.result, None
+    before = serving.stats()
+    handle = serving.submit(ids, params)
+    try:
+        for chunk in handle:
+            pieces.append(chunk.text)
+            write(chunk.text)
+    except KeyboardInterrupt:
+        handle.cancel()
+        write("\n")
+    after = serving.stats()
+    result = handle.result if handle.finish_reason != "cancelled" else None
+    counts = (after.prefilled_tokens - before.prefilled_tokens, after.cached_tokens - before.cached_tokens)
+    return "".join(pieces), result, counts
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from realizar.errors import ContextOverflowError
-
     engine = load_engine(args)
+    serving = _chat_serving(engine)
+    try:
+        return _chat_loop(args, engine, serving)
+    finally:
+        if serving is not None:
+            serving.close()
+
+
+def _chat_loop(args: argparse.Namespace, engine, serving) -> int:
     interactive = tty(sys.stdin)
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict] = []
@@ -108,23 +159,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
             print(f"{PROG}: that message is too long for the context ({len(ids)} tokens)", file=sys.stderr)
             continue
         params = sampling_params(args, min(args.max_tokens, room))
-        pieces: list[str] = []
-        stream = engine.generator.stream(ids, params)
-        try:
-            for chunk in stream:
-                pieces.append(chunk.text)
-                write(chunk.text)
-        except KeyboardInterrupt:
-            write("\n")
-        except ContextOverflowError as e:  # pragma: no cover - guarded above
-            print(f"{PROG}: {e}", file=sys.stderr)
-        finally:
-            stream.close()
-        reply = "".join(pieces)
+        reply, result, counts = _chat_turn(engine, serving, ids, params)
         write("\n")
         history.append({"role": "assistant", "content": reply})
-        if args.stats and stream.result is not None:
-            print(summary(stream.result, engine.device), file=sys.stderr, flush=True)
+        if args.stats and result is not None:
+            line = summary(result, engine.device)
+            if counts is not None:
+                line += f" [prompt: {counts[0]} prefilled, {counts[1]} from the cache]"
+            print(line, file=sys.stderr, flush=True)
 
 
 def register(command) -> None:

@@ -4,8 +4,81 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 
 from realizar.cli.common import CliError, add_model_args, load_engine, note, port, positive_int
+
+KV_DTYPES = ("f32", "f16", "bf16", "q8_0")
+CPU_KV_DTYPES = ("f32", "f16")
+BLOCK_SIZES = (16, 32, 64)
+_UNITS = {"": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}  # fmt: skip
+
+
+def byte_count(text: str) -> int:
+    """``--max-body``: bytes, with an optional K/M/G (KiB/MiB/GiB) suffix."""
+    m = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", text)
+    unit = _UNITS.get(m.group(2).lower()) if m else None
+    if m is None or unit is None:
+        raise argparse.ArgumentTypeError(f"expected a number of bytes such as 4194304 or 4M, got {text!r}")
+    v = int(m.group(1)) * unit
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number of bytes > 0, got {text!r}")
+    return v
+
+
+def kv_memory(text: str) -> tuple[str, float]:
+    """``--kv-memory``: ``("gib", x)`` for a size in GiB (``4``, ``4GiB``, ``0.5G``), or
+    ``("fraction", x)`` for a share of the free GPU memory (``0.9f``, ``90%``)."""
+    t = text.strip().lower()
+    kind, number = "gib", t
+    if t.endswith("%"):
+        kind, number = "fraction", t[:-1]
+    elif t.endswith("f"):
+        kind, number = "fraction", t[:-1]
+    else:
+        for suffix in ("gib", "gb", "g"):
+            if t.endswith(suffix):
+                number = t[: -len(suffix)]
+                break
+    try:
+        v = float(number)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected GiB (e.g. 4 or 4GiB) or a fraction of free GPU memory (e.g. 90% or 0.9f), got {text!r}"
+        ) from None
+    if kind == "fraction" and t.endswith("%"):
+        v /= 100.0
+    if not v > 0 or v != v or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a size > 0, got {text!r}")
+    if kind == "fraction" and v > 1:
+        raise argparse.ArgumentTypeError(f"a fraction of free GPU memory is at most 100%, got {text!r}")
+    return kind, v
+
+
+def kv_bytes(spec: tuple[str, float] | None, device: str) -> int | None:
+    """The KV pool's bytes for ``--kv-memory`` on ``device`` (None: the engine's default)."""
+    if spec is None:
+        return None
+    kind, v = spec
+    if kind == "gib":
+        return max(1, int(v * (1 << 30)))
+    if not device.startswith("cuda"):
+        raise CliError(f"--kv-memory as a fraction of free GPU memory needs a GPU (running on {device}); "
+                       "give a size in GiB instead")  # fmt: skip
+    from realizar import cuda
+
+    free, _ = cuda.current_device().memory_info()
+    return max(1, int(free * v))
+
+
+def serving_options(args: argparse.Namespace, device: str) -> dict:
+    """create_app's continuous-batching keywords from the command line, checked against ``device``."""
+    dtype = args.kv_dtype
+    if dtype is not None and device == "cpu" and dtype not in CPU_KV_DTYPES:
+        raise CliError(f"--kv-dtype {dtype} needs the GPU; the CPU backend stores KV as {' or '.join(CPU_KV_DTYPES)}")
+    return {"max_batch": args.max_batch, "block_size": args.block_size, "kv_dtype": dtype,
+            "kv_memory": kv_bytes(args.kv_memory, device), "max_body": args.max_body}  # fmt: skip
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -20,6 +93,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if api_key is not None and (not api_key.strip() or any(c.isspace() for c in api_key)):
         raise CliError("--api-key (or REALIZAR_API_KEY) must be a non-empty key without spaces")
     engine = load_engine(args)
+    options = serving_options(args, engine.device)
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         note(f"warning: listening on {args.host}, reachable beyond this machine, without an API key (--api-key)")
 
@@ -38,6 +112,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             log_level="debug" if args.verbose else args.log_level,
             api_key=api_key,
             on_ready=ready,
+            **options,
         )
     except KeyboardInterrupt:  # Ctrl-C is how a server is stopped: uvicorn has shut down cleanly
         pass
@@ -61,7 +136,18 @@ def register(command) -> None:
                    help="answer 401 to /v1 and tokenize requests without 'Authorization: Bearer KEY' "
                         "(default: the REALIZAR_API_KEY environment variable; none: no key needed)")
     p.add_argument("--max-queue", type=positive_int, default=256, metavar="N",
-                   help="requests allowed to wait for the model before answering 429 (default: 256)")
+                   help="requests allowed to wait beyond the running batch before answering 429 (default: 256)")
+    p.add_argument("--max-batch", type=positive_int, default=64, metavar="N",
+                   help="sequences advanced together per decode step at most (default: 64)")
+    p.add_argument("--kv-memory", type=kv_memory, metavar="SIZE",
+                   help="KV cache pool: GiB (4, 4GiB) or a fraction of free GPU memory (90%%, 0.9f) "
+                        "(default: room for 8 full contexts on the CPU, the backend's choice on the GPU)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, metavar="{" + ",".join(KV_DTYPES) + "}",
+                   help="KV cache precision (default: f16 on the GPU, f32 on the CPU; the CPU takes f32 or f16)")
+    p.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=32, metavar="{16,32,64}",
+                   help="positions per KV cache block (default: 32)")
+    p.add_argument("--max-body", type=byte_count, default=4 << 20, metavar="BYTES",
+                   help="refuse request bodies over this size with 413, before reading them (default: 4M)")
     p.add_argument("--default-max-tokens", type=positive_int, metavar="N",
                    help="max_tokens of chat requests that give none (default: the rest of the context)")
     p.add_argument("--log-level", default="info",

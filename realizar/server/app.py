@@ -6,20 +6,24 @@ Endpoints (:mod:`realizar.server.routes`): ``POST /v1/completions``, ``POST /v1/
 ``GET /metrics`` (Prometheus text). An optional API key guards every route but the last two.
 Errors are answered with OpenAI's error body (:mod:`realizar.server.errors`).
 
-Generations run one at a time on a worker thread (:mod:`realizar.server.scheduler`); a client that
-disconnects, mid-stream or while waiting, has its generation stopped and frees the model.
+Generations run concurrently on the continuous-batching engine (:class:`realizar.serving.ServingEngine`,
+through :mod:`realizar.server.scheduler`): every request in flight advances in the same decode steps,
+over one paged KV pool with a prefix cache. A client that disconnects, mid-stream or while waiting,
+has its generation stopped and its KV blocks freed at once. Request bodies over ``max_body`` bytes
+are refused with a 413 before they are read whole (:mod:`realizar.server.limits`).
 """
 
 from __future__ import annotations
 
 import time
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
 from fastapi import FastAPI
 
 from realizar.server.auth import ApiKeyMiddleware
 from realizar.server.errors import install_error_handlers
+from realizar.server.limits import DEFAULT_MAX_BODY, BodyLimitMiddleware
 from realizar.server.metrics import ServerMetrics
 from realizar.server.routes import ROUTERS
 from realizar.server.scheduler import Scheduler
@@ -43,19 +47,6 @@ def _context_length(engine: Any) -> int:
 def _vocab_size(engine: Any) -> int:
     n = getattr(engine.tokenizer, "vocab_size", None)
     return int(n) if isinstance(n, int) else int(engine.config.vocab_size)
-
-
-def _device_thread_init(engine: Any) -> Callable[[], None] | None:
-    """The worker thread must have the engine's CUDA context current before it launches anything."""
-    if str(getattr(engine, "device", "cpu")).startswith("cuda"):
-
-        def init() -> None:
-            from realizar import cuda
-
-            cuda.current_device()  # makes the primary context current in this thread
-
-        return init
-    return None
 
 
 class _MetricsMiddleware:
@@ -95,18 +86,37 @@ def create_app(
     max_queue: int = 256,
     default_max_tokens: int | None = None,
     api_key: str | None = None,
+    max_body: int = DEFAULT_MAX_BODY,
+    serving: Any = None,
+    max_batch: int = 64,
+    kv_memory: int | None = None,
+    kv_dtype: str | None = None,
+    block_size: int = 32,
 ) -> FastAPI:
     """A FastAPI app serving ``engine`` (see :func:`realizar.engine.load_engine`).
 
     ``model_name`` is the id clients pass as ``model`` (default: ``engine.name``); ``max_queue`` caps
     the requests waiting for the model (more get a 429); ``default_max_tokens`` caps chat completions
     that give no ``max_tokens`` (default: the rest of the context, as OpenAI does); ``api_key``: when
-    set, the ``/v1`` routes and tokenize answer 401 without ``Authorization: Bearer <api_key>``.
+    set, the ``/v1`` routes and tokenize answer 401 without ``Authorization: Bearer <api_key>``;
+    ``max_body``: request bodies over this many bytes get a 413 before they are read whole.
+
+    Generation runs on ``serving`` (a :class:`~realizar.serving.ServingEngine`; the app closes it at
+    shutdown), by default one made for ``engine`` by :meth:`ServingEngine.from_engine` with
+    ``max_batch`` sequences at most per step, a KV pool of ``kv_memory`` bytes (default: the
+    backend's) in blocks of ``block_size`` positions stored as ``kv_dtype`` (default: f32 on the
+    CPU, f16 on the GPU).
     """
     name = model_name or str(getattr(engine, "name", None) or "realizar")
     device = str(getattr(engine, "device", "cpu"))
     metrics = ServerMetrics(name, device)
-    scheduler = Scheduler(engine.generator, metrics, max_queue=max_queue, thread_init=_device_thread_init(engine))
+    if serving is None:
+        from realizar.serving import ServingEngine
+
+        serving = ServingEngine.from_engine(engine, kv_memory=kv_memory, block_size=block_size, max_batch=max_batch,
+                                            kv_dtype=kv_dtype)  # fmt: skip
+    metrics.attach(serving)
+    scheduler = Scheduler(serving, metrics, max_queue=max_queue)
     state = ServerState(
         engine=engine,
         name=name,
@@ -128,6 +138,7 @@ def create_app(
     app.state.server = state  # what the routes get through realizar.server.state.get_state
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(BodyLimitMiddleware, max_body=max_body)
     app.add_middleware(_MetricsMiddleware, metrics=metrics)  # outermost: 401s are counted too
     install_error_handlers(app)
     for router in ROUTERS:

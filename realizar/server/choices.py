@@ -1,5 +1,6 @@
 """Several choices per request: ``n`` (and ``best_of``) generations per prompt, for one or several
-prompts, each a :class:`~realizar.server.scheduler.Job` of its own run in order by the scheduler.
+prompts, each a :class:`~realizar.server.scheduler.Job` of its own; they run concurrently, in the
+same batches.
 
 Choice ``i`` of a prompt samples with ``seed + i`` when the request has a seed (independent yet
 reproducible choices); without a seed each draws fresh entropy. Answers are collected whole

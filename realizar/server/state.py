@@ -11,7 +11,10 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from realizar.errors import RealizarError
 from realizar.generation import SamplingParams
@@ -20,7 +23,7 @@ from realizar.server.errors import as_server_error
 from realizar.server.metrics import ServerMetrics
 from realizar.server.scheduler import Job, QueueFullError, Scheduler
 
-__all__ = ["ServerState", "EventStream", "get_state"]
+__all__ = ["ServerState", "EventStream", "get_state", "parse_body"]
 
 log = logging.getLogger("realizar.server")
 
@@ -152,6 +155,25 @@ class ServerState:
         finally:
             if not finished:
                 self.scheduler.cancel(job)
+
+
+def _validate(model: type[BaseModel], raw: bytes) -> BaseModel:
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        # the shape FastAPI gives its own body errors, for the app's handler (realizar.server.errors)
+        raise RequestValidationError([{**err, "loc": ("body", *err.get("loc", ()))} for err in e.errors()]) from None
+
+
+async def parse_body(request: Request, model: type[BaseModel]) -> Any:
+    """The request's JSON body validated as ``model``. The body (at most the server's ``max_body``
+    bytes, see :mod:`realizar.server.limits`) is parsed and validated on a worker thread: a body of
+    megabytes takes a while, and the event loop keeps answering meanwhile."""
+    try:
+        raw = await request.body()
+    except ClientDisconnect:  # gone, or refused by the body limit (which has answered 413 already)
+        raise P.ServerError(499, "the client closed the request", code="client_closed") from None
+    return await asyncio.to_thread(_validate, model, raw)
 
 
 def get_state(request: Request) -> ServerState:

@@ -14,7 +14,7 @@ from realizar.errors import RealizarError
 from realizar.server import choices as C
 from realizar.server import protocol as P
 from realizar.server.logprobs import TokenTexts, chat_logprobs
-from realizar.server.state import ServerState, get_state
+from realizar.server.state import ServerState, get_state, parse_body
 from realizar.server.structured_chat import plan_chat
 
 router = APIRouter()
@@ -28,23 +28,31 @@ def _chat_prompt(engine: Any, messages: list[dict], tools: list[dict] | None = N
     return list(engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra))
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(req: P.ChatCompletionRequest, request: Request, state: ServerState = Depends(get_state)) -> Any:
+def _prepare(state: ServerState, req: P.ChatCompletionRequest) -> tuple[Any, list[int], Any]:
+    """The chat plan, prompt ids and sampling parameters of ``req`` (on a worker thread: a large
+    conversation takes a while to check and render)."""
     req.refuse_unsupported()
     state.check_model(req.model)
     eos = getattr(getattr(state.engine, "generator", None), "eos_token_ids", ())
-    plan = await asyncio.to_thread(plan_chat, req, state.engine.tokenizer, eos)
+    plan = plan_chat(req, state.engine.tokenizer, eos)
     messages = plan.messages(req.plain_messages())
     try:
-        ids = await asyncio.to_thread(_chat_prompt, state.engine, messages, plan.template_tools())
+        ids = _chat_prompt(state.engine, messages, plan.template_tools())
     except RealizarError as e:
         raise P.ServerError(400, f"cannot apply the chat template: {e}", param="messages",
                             code="invalid_value") from None  # fmt: skip
     ids = state.check_ids(list(ids))
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    # (one grammar processor serves the choices in turn: jobs run one after another and it rolls back
-    # to where a new sequence departs from the last)
+    # (one grammar processor serves every choice: the choices run in the same batch, and it follows
+    # whichever sequence it is shown, rolling back to where that one departs from the last)
     params = plan.constrain(state.sampling(req, len(ids), req.requested_max_tokens(), state.default_max_tokens, param))
+    return plan, ids, params
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request, state: ServerState = Depends(get_state)) -> Any:
+    req = await parse_body(request, P.ChatCompletionRequest)
+    plan, ids, params = await asyncio.to_thread(_prepare, state, req)
     rid, ts, name = P.new_id("chatcmpl"), P.now(), state.name
     n, lp = req.choices_per_prompt(), req.logprobs_wanted()
     texts = TokenTexts(state.engine.tokenizer)

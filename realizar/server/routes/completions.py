@@ -11,29 +11,35 @@ from fastapi import APIRouter, Depends, Request
 from realizar.server import choices as C
 from realizar.server import protocol as P
 from realizar.server.logprobs import TokenTexts, completion_logprobs
-from realizar.server.state import ServerState, get_state
+from realizar.server.state import ServerState, get_state, parse_body
 
 router = APIRouter()
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
-async def _prompt(state: ServerState, prompt: str | list[int], echo: bool) -> tuple[list[int], str]:
+def _prompt(state: ServerState, prompt: str | list[int], echo: bool) -> tuple[list[int], str]:
     """Token ids of one prompt and its text (for ``echo``)."""
     tok = state.engine.tokenizer
     if isinstance(prompt, str):
         if not prompt:
             raise P.ServerError(400, "prompt must not be empty", param="prompt", code="invalid_value")
-        return state.check_ids(await asyncio.to_thread(tok.encode, prompt)), prompt
+        return state.check_ids(tok.encode(prompt)), prompt
     ids = state.check_ids(prompt)
-    return ids, (await asyncio.to_thread(tok.decode, ids) if echo else "")
+    return ids, (tok.decode(ids) if echo else "")
+
+
+def _prompts(state: ServerState, req: P.CompletionRequest) -> list[tuple[list[int], str]]:
+    """Every prompt's ids and text (on a worker thread: tokenizing megabytes takes a while)."""
+    req.refuse_unsupported()
+    state.check_model(req.model)
+    return [_prompt(state, p, bool(req.echo)) for p in req.prompts()]
 
 
 @router.post("/v1/completions")
-async def completions(req: P.CompletionRequest, request: Request, state: ServerState = Depends(get_state)) -> Any:
-    req.refuse_unsupported()
-    state.check_model(req.model)
-    prompts = [await _prompt(state, p, bool(req.echo)) for p in req.prompts()]
+async def completions(request: Request, state: ServerState = Depends(get_state)) -> Any:
+    req = await parse_body(request, P.CompletionRequest)
+    prompts = await asyncio.to_thread(_prompts, state, req)
     n = req.choices_per_prompt()
     tries = req.best_of or n
     # ranking best_of candidates needs each token's logprob even when the client asked for none

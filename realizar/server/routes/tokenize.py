@@ -13,13 +13,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from realizar.errors import RealizarError
 from realizar.server import protocol as P
 from realizar.server.logprobs import TokenTexts
-from realizar.server.state import ServerState, get_state
+from realizar.server.state import ServerState, get_state, parse_body
 
 router = APIRouter()
 
@@ -63,11 +63,10 @@ def _ids(state: ServerState, req: TokenizeRequest) -> list[int]:
         raise P.ServerError(400, f"cannot tokenize: {e}", param=given[0], code="invalid_value") from None
 
 
-@router.post("/tokenize")
-async def tokenize(req: TokenizeRequest, state: ServerState = Depends(get_state)) -> dict:
+def _tokenize(state: ServerState, req: TokenizeRequest) -> dict:
     if req.model is not None:
         state.check_model(req.model)
-    ids = await asyncio.to_thread(_ids, state, req)
+    ids = _ids(state, req)
     tokens: list[Any] = ids
     if req.with_pieces:
         texts = TokenTexts(state.engine.tokenizer)
@@ -75,13 +74,23 @@ async def tokenize(req: TokenizeRequest, state: ServerState = Depends(get_state)
     return {"tokens": tokens, "count": len(ids), "max_model_len": state.context_length}
 
 
-@router.post("/detokenize")
-async def detokenize(req: DetokenizeRequest, state: ServerState = Depends(get_state)) -> dict:
+def _detokenize(state: ServerState, req: DetokenizeRequest) -> dict:
     if req.model is not None:
         state.check_model(req.model)
     for t in req.tokens:
         if not 0 <= t < state.vocab_size:
             raise P.ServerError(400, f"token id {t} is outside the vocabulary (0..{state.vocab_size - 1})",
                                 param="tokens", code="invalid_value")  # fmt: skip
-    text = await asyncio.to_thread(state.engine.tokenizer.decode, req.tokens)
+    text = state.engine.tokenizer.decode(req.tokens)
     return {"content": text, "prompt": text}
+
+
+# (bodies are parsed, checked and (de)tokenized on worker threads: the event loop keeps answering)
+@router.post("/tokenize")
+async def tokenize(request: Request, state: ServerState = Depends(get_state)) -> dict:
+    return await asyncio.to_thread(_tokenize, state, await parse_body(request, TokenizeRequest))
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request, state: ServerState = Depends(get_state)) -> dict:
+    return await asyncio.to_thread(_detokenize, state, await parse_body(request, DetokenizeRequest))
