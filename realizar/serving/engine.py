@@ -101,6 +101,7 @@ class RequestHandle:
         self.state = state
         self._queue: queue.Queue = queue.Queue()
         self._done = threading.Event()
+        self._finish_lock = threading.Lock()
         self._result: GenerationResult | None = None
         self._error: BaseException | None = None
         self._seq = None  # the scheduler's Sequence
@@ -187,13 +188,14 @@ class RequestHandle:
             self._queue.put(_DONE)
 
     def _finish(self, now: float | None = None, reason: str | None = None) -> None:
-        if self._done.is_set():
-            return
-        now = time.perf_counter() if now is None else now
-        first = self._t_first if self._t_first is not None else now
-        self._result = self.state.result(first - self._t_submit, now - first, reason)
-        self._done.set()
-        self._queue.put(_DONE)
+        with self._finish_lock:  # a cancel on another thread may race the loop finishing it
+            if self._done.is_set():
+                return
+            now = time.perf_counter() if now is None else now
+            first = self._t_first if self._t_first is not None else now
+            self._result = self.state.result(first - self._t_submit, now - first, reason)
+            self._done.set()
+            self._queue.put(_DONE)
 
 
 class ServingEngine:
@@ -230,6 +232,8 @@ class ServingEngine:
         self._active: set[RequestHandle] = set()
         self._last_batch = 0
         self._inbox: collections.deque[RequestHandle] = collections.deque()  # submitted, not yet queued
+        self._cancels: collections.deque[RequestHandle] = collections.deque()  # cancelled during a step
+        self._snapshot: EngineStats | None = None  # stats() while a step holds the lock
         self._wake = threading.Event()
         self._start_lock = threading.Lock()
 
@@ -322,7 +326,10 @@ class ServingEngine:
         return handle
 
     def _drain_inbox(self) -> None:
-        """Queue the submitted requests with the scheduler (caller holds the engine's lock)."""
+        """Apply the cancels that came during a step and queue the submitted requests with the
+        scheduler (caller holds the engine's lock)."""
+        while self._cancels:
+            self._cancel_locked(self._cancels.popleft())
         while self._inbox:
             handle = self._inbox.popleft()
             if handle._done.is_set():  # cancelled before it was queued
@@ -355,13 +362,23 @@ class ServingEngine:
         return [h.wait() for h in handles]
 
     def _cancel(self, handle: RequestHandle) -> None:
-        with self._cv:
-            if handle._done.is_set():
-                return
-            if handle._seq is not None:
-                self.scheduler.cancel(handle._seq)
-            self._active.discard(handle)
-            handle._finish(reason="cancelled")
+        """Stop ``handle``: its stream ends now; its blocks are freed now when no step is running,
+        else by the loop before its next step (a cancel never waits for a step)."""
+        if not self._cv.acquire(blocking=False):
+            handle._finish(reason="cancelled")  # the stream ends now; the blocks go before the next step
+            self._cancels.append(handle)
+            self._wake.set()
+            return
+        try:
+            self._cancel_locked(handle)
+        finally:
+            self._cv.release()
+
+    def _cancel_locked(self, handle: RequestHandle) -> None:
+        if handle._seq is not None:
+            self.scheduler.cancel(handle._seq)  # (a no-op for a sequence already retired)
+        self._active.discard(handle)
+        handle._finish(reason="cancelled")  # (a no-op for a finished handle)
 
     # -- the loop --------------------------------------------------------------------------------------
 
@@ -382,6 +399,7 @@ class ServingEngine:
                 waiting=len(self.scheduler.waiting), blocks_used=pool.num_used, blocks_free=pool.num_available,
                 seconds=time.perf_counter() - t0,
             )  # fmt: skip
+            self._snapshot = self._stats_locked()
         if self.on_step is not None:
             self.on_step(stats)
         return out
@@ -389,15 +407,13 @@ class ServingEngine:
     def _loop(self) -> None:
         while True:
             with self._cv:
+                self._wake.clear()  # before draining: a submit or cancel after this sets it again
                 self._drain_inbox()
                 idle = not self.scheduler.has_work
-                if idle:
-                    self._wake.clear()
             if self._closed:
                 return
             if idle:
-                if not self._inbox:
-                    self._wake.wait()
+                self._wake.wait()
                 continue
             try:
                 self.step()
@@ -433,12 +449,23 @@ class ServingEngine:
     # -- metrics --------------------------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        with self._cv:
-            s, p = self.scheduler, self.scheduler.pool.stats()
-            return EngineStats(
-                running=len(s.running), waiting=len(s.waiting), blocks_total=p.usable, blocks_used=p.used,
-                blocks_free=p.free, blocks_cached=p.cached, prefix_queries=p.queries, prefix_hits=p.hits,
-                prefix_hit_tokens=p.hit_tokens, prefix_query_tokens=p.query_tokens, prefix_hit_rate=p.hit_rate,
-                prefilled_tokens=s.prefilled_tokens, cached_tokens=s.cached_tokens, decoded_tokens=s.decoded_tokens,
-                preemptions=s.preemptions, steps=s.steps, last_decode_batch=self._last_batch,
-            )  # fmt: skip
+        """Counters now, or as of the end of the last step while one is running (a metrics scrape
+        never waits for a step)."""
+        if not self._cv.acquire(blocking=False):
+            if self._snapshot is not None:
+                return self._snapshot
+            self._cv.acquire()
+        try:
+            return self._stats_locked()
+        finally:
+            self._cv.release()
+
+    def _stats_locked(self) -> EngineStats:
+        s, p = self.scheduler, self.scheduler.pool.stats()
+        return EngineStats(
+            running=len(s.running), waiting=len(s.waiting), blocks_total=p.usable, blocks_used=p.used,
+            blocks_free=p.free, blocks_cached=p.cached, prefix_queries=p.queries, prefix_hits=p.hits,
+            prefix_hit_tokens=p.hit_tokens, prefix_query_tokens=p.query_tokens, prefix_hit_rate=p.hit_rate,
+            prefilled_tokens=s.prefilled_tokens, cached_tokens=s.cached_tokens, decoded_tokens=s.decoded_tokens,
+            preemptions=s.preemptions, steps=s.steps, last_decode_batch=self._last_batch,
+        )  # fmt: skip

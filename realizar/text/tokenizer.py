@@ -270,7 +270,9 @@ class Tokenizer:
             raise TokenizerError(f"encode() takes a str, got {type(text).__name__}")
         backend = self._backend if parse_special else self._literal_backend()
         try:
-            return backend.encode(text, add_special_tokens=add_special_tokens).ids
+            # the library's batch call releases Python's global lock while it works (its single-text
+            # call does not), so encoding a long text on a worker thread never stalls the server's loop
+            return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         except Exception as e:  # e.g. lone surrogates
             raise TokenizerError(f"cannot encode text: {e}") from e
 
