@@ -202,8 +202,8 @@ class PagedKVCache:
         table_stride = check_int("table_stride", table_stride)
         ops, n = self.ops, rows * self.num_heads * self.head_dim
         q_stride = n // rows if q_stride is None else check_int("q_stride", q_stride)
-        if q_stride < n // rows:
-            raise ShapeError(f"q_stride must be at least H * D = {n // rows}, got {q_stride}")
+        if q_stride < n // rows or q_stride % 4:
+            raise ShapeError(f"q_stride must be a multiple of 4 of at least H * D = {n // rows}, got {q_stride}")
         values = {"q": ops.addr(q, (rows - 1) * q_stride + n // rows, "q"), "k_pool": self._k[layer].ptr, "v_pool": self._v[layer].ptr,
                   "out": ops.addr(out, n, "out", np.float16 if out_f16 else np.float32,
                                   align=8 if out_f16 else 16),
