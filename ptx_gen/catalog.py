@@ -24,7 +24,7 @@ _KERNEL_MODULES = (  # imported lazily so the catalog fills on first use
     "ptx_gen.kernels.flash_attention", "ptx_gen.kernels.flash_attention_mma", "ptx_gen.kernels.rope_append",
     "ptx_gen.kernels.gemv", "ptx_gen.kernels.gemv_mma", "ptx_gen.kernels.gemm_mma", "ptx_gen.kernels.rmsnorm", "ptx_gen.kernels.rope", "ptx_gen.kernels.elementwise",
     "ptx_gen.kernels.embedding", "ptx_gen.kernels.argmax", "ptx_gen.kernels.stream_read",
-    "ptx_gen.kernels.rope_append_rows",
+    "ptx_gen.kernels.rope_append_rows", "ptx_gen.kernels.sample_rows",
     "ptx_gen.kernels.paged_append", "ptx_gen.kernels.paged_decode", "ptx_gen.kernels.paged_prefill",
 )
 _EXTRA_MODULES: list[str] = []

@@ -31,3 +31,7 @@ class InvalidRequestError(RealizarError, ValueError):
 
 class CacheStateError(RealizarError, ValueError):
     """A KV-cache layer was read before it held the positions asked for (e.g. an uninitialised layer)."""
+
+
+class KVPoolExhaustedError(RealizarError, RuntimeError):
+    """The paged KV pool has fewer free blocks than were asked for."""

@@ -25,6 +25,7 @@ __all__ = [
     "GenerationStream",
     "Generator",
     "StopStringMatcher",
+    "SequenceState",
 ]
 
 
@@ -247,28 +248,12 @@ class Generator:
         return stream.result
 
     def _run(self, ids: list[int], params: SamplingParams, state: dict) -> Iterator[TokenChunk]:
-        sampler = Sampler(params.temperature, params.top_k, params.top_p, params.repetition_penalty, params.seed,
-                          params.presence_penalty, params.frequency_penalty)  # fmt: skip
-        stop_ids = set(self.eos_token_ids) | {int(t) for t in params.stop_token_ids}
-        decoder = self.tokenizer.stream_decoder(skip_special_tokens=True)
-        matcher = StopStringMatcher(params.stop)
-        generated: list[int] = []
-        pieces: list[str] = []
-        history = list(ids)
+        seq = SequenceState(ids, params, self.tokenizer, self.eos_token_ids)
         prefill_s = decode_s = 0.0
-        finish = "length"
 
         def finish_up() -> None:
-            state["finish_reason"] = finish
-            state["result"] = GenerationResult(
-                text="".join(pieces),
-                token_ids=list(generated),
-                prompt_tokens=len(ids),
-                completion_tokens=len(generated),
-                finish_reason=finish,
-                prefill_seconds=prefill_s,
-                decode_seconds=decode_s,
-            )
+            state["finish_reason"] = seq.finish_reason
+            state["result"] = seq.result(prefill_s, decode_s)
 
         if params.max_tokens == 0:
             finish_up()
@@ -279,47 +264,110 @@ class Generator:
         logits = self.model.prefill(ids)
         t_step: float | None = None
         while True:
-            logprobs = None
-            if params.logprobs is not None:
-                logits = np.asarray(logits)  # a GPU model's logits come to the host only here
-                logprobs = log_softmax(logits)
-            if params.logits_processors:
-                logits = np.array(logits, dtype=np.float32)
-                for process in params.logits_processors:
-                    logits = process(generated, logits)
-            tok = sampler(logits, history, generated)
+            logits, logprobs = seq.process_logits(logits)
+            tok = seq.sample(logits)
             now = time.perf_counter()
             if t_step is None:
                 prefill_s = now - t0  # prefill and the first sample
             else:
                 decode_s += now - t_step  # one decode step and its sample
-            generated.append(tok)
-            history.append(tok)
-            last = False
-            if tok in stop_ids:
-                finish, last = "stop", True
-                tail = matcher.feed(decoder.flush())
-                text = tail if matcher.stopped else tail + matcher.release()
-            else:
-                text = matcher.feed(decoder.step(tok))
-                if matcher.stopped:
-                    finish, last = "stop", True
-                elif len(generated) >= params.max_tokens:
-                    finish, last = "length", True
-                    text += matcher.feed(decoder.flush())
-                    if matcher.stopped:
-                        finish = "stop"
-                    else:
-                        text += matcher.release()
-            pieces.append(text)
-            chunk = TokenChunk(tok, text)
-            if logprobs is not None:
-                tops = tuple(top_logprobs(logprobs, params.logprobs or 0))
-                chunk = TokenChunk(tok, text, float(logprobs[tok]), tops)
-            if last:
+            chunk = seq.accept(tok, logprobs)
+            if seq.finished:
                 finish_up()
                 yield chunk
                 return
             yield chunk
             t_step = time.perf_counter()
             logits = self.model.decode(tok)
+
+
+class SequenceState:
+    """The per-sequence half of generation, shared by :class:`Generator` (one sequence) and the
+    serving engine (:mod:`realizar.serving`, many sequences in one batch): sampling settings and
+    their seeded random generator, the generated ids, streaming text with stop strings, EOS and
+    ``max_tokens``, logprobs and logits processors.
+
+    One step: ``logits, logprobs = process_logits(raw)``, ``tok = sample(logits)`` (or a token the
+    caller drew elsewhere when :attr:`needs_host_logits` is false), ``chunk = accept(tok, logprobs)``;
+    after the chunk that ends the sequence :attr:`finished` is true and :attr:`finish_reason` says why.
+    """
+
+    def __init__(self, prompt_ids: Sequence[int], params: SamplingParams, tokenizer: Any, eos_token_ids: Sequence[int]):
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.sampler = Sampler(params.temperature, params.top_k, params.top_p, params.repetition_penalty,
+                               params.seed, params.presence_penalty, params.frequency_penalty)  # fmt: skip
+        self.stop_ids = set(int(t) for t in eos_token_ids) | {int(t) for t in params.stop_token_ids}
+        self.decoder = tokenizer.stream_decoder(skip_special_tokens=True)
+        self.matcher = StopStringMatcher(params.stop)
+        self.generated: list[int] = []
+        self.pieces: list[str] = []
+        self.history = list(self.prompt_ids)  # prompt and output: what the repetition penalty sees
+        self.finish_reason = "length"
+        self.finished = params.max_tokens == 0
+
+    @property
+    def needs_host_logits(self) -> bool:
+        """True when choosing a token needs the whole logits row on the host: logprobs, logits
+        processors or a penalty (which depends on this sequence's history)."""
+        p = self.params
+        return (p.logprobs is not None or bool(p.logits_processors) or p.repetition_penalty != 1.0
+                or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0)  # fmt: skip
+
+    def process_logits(self, logits: Any) -> tuple[Any, np.ndarray | None]:
+        """Logprobs of the raw logits (when asked for) and the logits after the processors."""
+        params = self.params
+        logprobs = None
+        if params.logprobs is not None:
+            logits = np.asarray(logits)  # a GPU model's logits come to the host only here
+            logprobs = log_softmax(logits)
+        if params.logits_processors:
+            logits = np.array(logits, dtype=np.float32)
+            for process in params.logits_processors:
+                logits = process(self.generated, logits)
+        return logits, logprobs
+
+    def sample(self, logits: Any) -> int:
+        """Draw the next token from (processed) logits with this sequence's sampler."""
+        return self.sampler(logits, self.history, self.generated)
+
+    def accept(self, tok: int, logprobs: np.ndarray | None = None) -> TokenChunk:
+        """Record the next token; returns its :class:`TokenChunk` (the text it releases)."""
+        tok = int(tok)
+        params = self.params
+        matcher, decoder = self.matcher, self.decoder
+        self.generated.append(tok)
+        self.history.append(tok)
+        if tok in self.stop_ids:
+            self.finish_reason, self.finished = "stop", True
+            tail = matcher.feed(decoder.flush())
+            text = tail if matcher.stopped else tail + matcher.release()
+        else:
+            text = matcher.feed(decoder.step(tok))
+            if matcher.stopped:
+                self.finish_reason, self.finished = "stop", True
+            elif len(self.generated) >= params.max_tokens:
+                self.finish_reason, self.finished = "length", True
+                text += matcher.feed(decoder.flush())
+                if matcher.stopped:
+                    self.finish_reason = "stop"
+                else:
+                    text += matcher.release()
+        self.pieces.append(text)
+        if logprobs is not None:
+            tops = tuple(top_logprobs(logprobs, params.logprobs or 0))
+            return TokenChunk(tok, text, float(logprobs[tok]), tops)
+        return TokenChunk(tok, text)
+
+    def result(
+        self, prefill_seconds: float, decode_seconds: float, finish_reason: str | None = None
+    ) -> GenerationResult:
+        return GenerationResult(
+            text="".join(self.pieces),
+            token_ids=list(self.generated),
+            prompt_tokens=len(self.prompt_ids),
+            completion_tokens=len(self.generated),
+            finish_reason=finish_reason or self.finish_reason,
+            prefill_seconds=prefill_seconds,
+            decode_seconds=decode_seconds,
+        )

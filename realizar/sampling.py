@@ -9,11 +9,12 @@ The draw uses a ``numpy.random.Generator`` so a seed reproduces a sequence exact
 
 from __future__ import annotations
 
-from typing import Iterable
+from dataclasses import dataclass
+from typing import Iterable, Sequence
 
 import numpy as np
 
-from realizar.errors import InvalidRequestError
+from realizar.errors import InvalidRequestError, ShapeError
 
 __all__ = [
     "greedy",
@@ -26,6 +27,9 @@ __all__ = [
     "probabilities",
     "sample_token",
     "Sampler",
+    "RowSampling",
+    "sample_rows",
+    "top_p_margin",
 ]
 
 
@@ -230,3 +234,193 @@ class Sampler:
             frequency_penalty=self.frequency_penalty,
             generated=generated,
         )
+
+
+# --------------------------------------------------------------------------------------------------
+# Batched sampling with a counter-based RNG: the NumPy mirror of the device kernel ``sample_rows``
+# (ptx_gen/kernels/sample_rows.py). Every step below is an f32 operation with one IEEE rounding
+# (multiply, add, subtract, divide) or exact integer arithmetic, so the kernel reproduces it bit for
+# bit; the only approximate part is the top-p mass (exp and a sum whose order differs), which only
+# matters when a cumulative mass lies within ~1e-6 of ``top_p * total`` (see :func:`top_p_margin`).
+#
+#   temperature 0: argmax of the logits (lowest index on ties).
+#   otherwise, for token t of a row with spec (T, k, p, seed, step):
+#     z_t   = f32(logit_t * f32(1 / T))
+#     top-k : kth = the k-th largest z (with multiplicity); kept = {z_t >= kth}   (k = 0 or k >= V: all)
+#     top-p : w_t = exp(z_t - max z) over the kept tokens, S = sum w; tau = the largest z value v with
+#             sum_{z_t >= v} w_t >= p * S; kept &= {z_t >= tau}    (p = 1: no cut; ties at tau kept)
+#     u_t   = f32((hash(seed, step, t) >> 8) | 1) * 2**-24              (odd multiples of 2**-24)
+#     key_t = z_t - flog(-flog(u_t))                                   (Gumbel noise, f32)
+#     token = argmax over kept t of key_t (lowest index on ties)
+#
+#   fmix32(x): x ^= x >> 16; x *= 0x85EBCA6B; x ^= x >> 13; x *= 0xC2B2AE35; x ^= x >> 16 (mod 2**32)
+#   row key  = fmix32(fmix32(fmix32(seed_lo ^ 0x9E3779B9) ^ seed_hi) ^ step)
+#   hash(t)  = fmix32(fmix32(t ^ row key) + row key)
+#   flog(x)  : see :func:`_flog32` (exponent split, atanh series; f32 ops in a fixed order).
+# --------------------------------------------------------------------------------------------------
+
+_HASH_M1, _HASH_M2, _GOLDEN = 0x85EBCA6B, 0xC2B2AE35, 0x9E3779B9
+_SQRT2_BITS = 0x3FB504F3  # f32(sqrt(2)); mantissas above it are halved so that m is in [sqrt(1/2), sqrt(2)]
+_LOG_C3, _LOG_C5, _LOG_C7, _LOG_C9 = (np.float32(1 / 3), np.float32(1 / 5), np.float32(1 / 7), np.float32(1 / 9))
+_LN2_HI = np.float32(np.uint32(0x3F317200).view(np.float32))  # ln 2 to 16 bits: e * _LN2_HI is exact
+_LN2_LO = np.float32(np.log(2.0) - float(_LN2_HI))
+_MAX_SEED, _MAX_STEP = 1 << 64, 1 << 32
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """How one row of a batch is sampled on the device (or by :func:`sample_rows`).
+
+    ``temperature`` 0 means greedy; ``top_k`` 0 keeps every token; ``top_p`` 1 keeps every token;
+    ``seed`` (0 .. 2**64-1) and ``step`` (0 .. 2**32-1, the index of the token being sampled) select
+    the random numbers, so a request gives the same tokens alone or in any batch."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    step: int = 0
+
+    def __post_init__(self) -> None:
+        validate(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, repetition_penalty=1.0)
+        if self.temperature != 0.0:
+            with np.errstate(over="ignore", divide="ignore"):
+                t32 = np.float32(self.temperature)
+                if not (np.isfinite(t32) and t32 > 0 and np.isfinite(np.float32(1.0) / t32)):
+                    raise InvalidRequestError(
+                        f"temperature must be 0 or a float32 with a finite reciprocal, got {self.temperature}")
+        if self.top_k >= 1 << 32:
+            raise InvalidRequestError(f"top_k must be below 2**32, got {self.top_k}")
+        for name, value, limit in (("seed", self.seed, _MAX_SEED), ("step", self.step, _MAX_STEP)):
+            if isinstance(value, bool) or int(value) != value or not 0 <= value < limit:
+                raise InvalidRequestError(f"{name} must be an integer in [0, {limit}), got {value!r}")
+
+
+def _fmix32(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=np.uint32).copy()
+    x ^= x >> np.uint32(16)
+    x *= np.uint32(_HASH_M1)
+    x ^= x >> np.uint32(13)
+    x *= np.uint32(_HASH_M2)
+    x ^= x >> np.uint32(16)
+    return x
+
+
+def row_key(seed: int, step: int) -> int:
+    """The per-row RNG key: fmix32(fmix32(fmix32(seed_lo ^ golden) ^ seed_hi) ^ step)."""
+    lo, hi = np.uint32(seed & 0xFFFFFFFF), np.uint32(seed >> 32)
+    k = _fmix32(np.array([lo ^ np.uint32(_GOLDEN)], np.uint32))
+    k = _fmix32(k ^ hi)
+    return int(_fmix32(k ^ np.uint32(step))[0])
+
+
+def hash_uniform(seed: int, step: int, tokens: np.ndarray) -> np.ndarray:
+    """u = f32((hash(seed, step, t) >> 8) | 1) * 2**-24 for every token id t: float32 in (0, 1)."""
+    key = np.uint32(row_key(seed, step))
+    h = _fmix32(_fmix32(np.asarray(tokens, np.uint32) ^ key) + key)
+    return ((h >> np.uint32(8)) | np.uint32(1)).astype(np.float32) * np.float32(2.0**-24)
+
+
+def _flog32(x: np.ndarray) -> np.ndarray:
+    """Natural log of positive normal float32 values, with f32 operations in a fixed order (each one
+    IEEE-rounded, none fused) so the kernel computes the same bits. Accurate to a few ulp."""
+    bits = np.asarray(x, np.float32).view(np.uint32)
+    e = (bits >> np.uint32(23)).astype(np.int32) - 127
+    mb = (bits & np.uint32(0x7FFFFF)) | np.uint32(0x3F800000)
+    big = mb > np.uint32(_SQRT2_BITS)
+    mb = np.where(big, mb - np.uint32(0x00800000), mb).astype(np.uint32)
+    e = e + big.astype(np.int32)
+    m = mb.view(np.float32)
+    one = np.float32(1.0)
+    s = (m - one) / (m + one)
+    s2 = s * s
+    p = _LOG_C9 * s2
+    p = p + _LOG_C7
+    p = p * s2
+    p = p + _LOG_C5
+    p = p * s2
+    p = p + _LOG_C3
+    p = p * s2
+    r = s * p
+    r = r + s
+    r = r + r
+    ef = e.astype(np.float32)
+    r = r + ef * _LN2_LO
+    return ef * _LN2_HI + r
+
+
+def gumbel_keys(z: np.ndarray, seed: int, step: int) -> np.ndarray:
+    """key_t = z_t - flog(-flog(u_t)) in float32 (z_t + Gumbel noise)."""
+    u = hash_uniform(seed, step, np.arange(z.shape[0], dtype=np.uint32))
+    return np.asarray(z, np.float32) - _flog32(-_flog32(u))
+
+
+def _top_k_floor(z: np.ndarray, k: int) -> np.float32:
+    if k <= 0 or k >= z.shape[0]:
+        return np.float32(-np.inf)
+    return np.partition(z, z.shape[0] - k)[z.shape[0] - k]
+
+
+def _top_p_cut(z: np.ndarray, floor: np.float32, p: float) -> tuple[np.float32, float]:
+    """(tau, margin): the top-p threshold among tokens with z >= floor, and how close (relative to
+    the kept mass) the cumulative mass at tau or at the next larger value comes to ``p * S``."""
+    kept = z[z >= floor]
+    if p >= 1.0:
+        return np.float32(floor), np.inf
+    vals, inv = np.unique(kept, return_inverse=True)  # ascending
+    w = np.exp(kept.astype(np.float64) - float(kept.max()))
+    mass = np.bincount(inv.ravel(), weights=w, minlength=vals.shape[0])[::-1]  # descending values
+    cum = np.cumsum(mass)
+    total = cum[-1]
+    target = p * total
+    j = int(np.searchsorted(cum, target, side="left"))  # first cum >= target
+    j = min(j, cum.shape[0] - 1)
+    margin = abs(cum[j] - target)
+    if j > 0:
+        margin = min(margin, abs(cum[j - 1] - target))
+    return vals[::-1][j], float(margin / total)
+
+
+def top_p_margin(logits: np.ndarray, spec: RowSampling) -> float:
+    """How far (relative to the kept mass) the top-p cut of one row is from flipping: rows under
+    ~1e-5 may legitimately differ between the kernel and :func:`sample_rows` (f32 sums in another
+    order); ``inf`` when the row has no top-p cut."""
+    if spec.temperature == 0.0 or spec.top_p >= 1.0:
+        return np.inf
+    z = np.asarray(logits, np.float32) * (np.float32(1.0) / np.float32(spec.temperature))
+    return _top_p_cut(z, _top_k_floor(z, spec.top_k), spec.top_p)[1]
+
+
+def sample_rows(logits: np.ndarray, specs: Sequence[RowSampling]) -> np.ndarray:
+    """One token per row of ``logits`` [B, V] (float32; finite or -inf, at least one finite value a
+    row) drawn as the device kernel draws it (semantics above). Returns int64 [B]."""
+    x = np.asarray(logits)
+    if x.ndim != 2 or x.shape[1] == 0:
+        raise ShapeError(f"expected logits of shape [B, V] with V >= 1, got shape {x.shape}")
+    if len(specs) != x.shape[0]:
+        raise ShapeError(f"expected one RowSampling per row: {x.shape[0]} rows, got {len(specs)} specs")
+    if x.shape[1] >= 1 << 31:
+        raise ShapeError(f"expected a vocabulary below 2**31, got {x.shape[1]}")
+    x = x.astype(np.float32, copy=False)
+    if np.isnan(x).any() or np.isposinf(x).any():
+        raise InvalidRequestError("logits contain NaN or +inf")
+    if not np.isfinite(x).any(axis=1).all():
+        raise InvalidRequestError("every row of logits needs at least one finite value")
+    out = np.empty(x.shape[0], dtype=np.int64)
+    for i, spec in enumerate(specs):
+        if not isinstance(spec, RowSampling):
+            raise InvalidRequestError(f"expected RowSampling specs, got {type(spec).__name__} at row {i}")
+        row = x[i]
+        if spec.temperature == 0.0:
+            out[i] = int(np.argmax(row))
+            continue
+        with np.errstate(over="ignore"):
+            z = row * (np.float32(1.0) / np.float32(spec.temperature))
+        if np.isposinf(z).any():
+            raise InvalidRequestError(f"row {i}: logits / temperature overflow float32 (temperature {spec.temperature})")
+        floor = _top_k_floor(z, spec.top_k)
+        tau, _ = _top_p_cut(z, floor, spec.top_p)
+        key = gumbel_keys(z, spec.seed, spec.step)
+        key = np.where(z >= tau, key, np.float32(-np.inf))
+        out[i] = int(np.argmax(key))
+    return out

@@ -1,8 +1,8 @@
 """One device call: every GPU test, the sanitizers and the benchmarks, logs written to $OUT.
 
-What comes back from $OUT is limited to 8 files: gpu_check.log (every stage's output), the JUnit
+What comes back from $OUT is limited to a few files: gpu_check.log (every stage's output), the JUnit
 XML of the tests, and one Markdown table per benchmark (bench_graphs, bench_attention, bench_gemv,
-bench_decode, bench_gemm, bench_prefill; real_model, not a default stage: smollm2_gpu.md).
+bench_decode, bench_gemm, bench_prefill, bench_serving; real_model, not a default stage: smollm2_gpu.md).
 
     python tools/gpu_check.py --out "$OUT"                      # everything
     python tools/gpu_check.py --out "$OUT" --stages tests,bench_graphs
@@ -48,6 +48,7 @@ def stages(out: Path, tests: list[str], pytest_args: list[str]) -> dict[str, tup
         "bench_decode": ([PY, "tools/bench_decode.py", "--out", str(out / "bench_decode.md")], 300),
         "bench_gemm": ([PY, "tools/bench_gemm.py", "--out", str(out / "bench_gemm.md")], 240),
         "bench_prefill": ([PY, "tools/bench_prefill.py", "--out", str(out / "bench_prefill.md")], 420),
+        "bench_serving": ([PY, "tools/bench_serving.py", "--out", str(out / "bench_serving.md")], 540),
         "real_model": ([PY, "tools/gpu_real_model.py", "--gguf", os.environ.get("SMOLLM2_GGUF", "/tmp/smollm2.gguf"),
                         "--out", str(out / "smollm2_gpu.md")], 300),
     }
@@ -82,7 +83,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_out")))
     ap.add_argument("--stages", default="env,tests,sanitize,racecheck,bench_graphs,bench_attention,bench_gemv,bench_decode,"
-                                        "bench_gemm,bench_prefill")
+                                        "bench_gemm,bench_prefill,bench_serving")
     ap.add_argument("--tests", default="tests/gpu", help="test paths, space separated")
     ap.add_argument("--pytest-args", default="", help="extra pytest arguments, space separated")
     a = ap.parse_args()

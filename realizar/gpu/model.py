@@ -10,7 +10,8 @@ back 4 bytes.
     model = GpuModel.from_loaded(load_model(path))
     token = model.forward_gpu_resident_to_token_id(token_id, position)
 
-``graph`` chooses how the decode graph is built: ``"capture"`` (default) records the step's launches
+``kv_cache=False`` defers the single-sequence KV cache to first use (:class:`realizar.gpu.batch.GpuBatchBackend`
+shares the weights with a paged cache of its own). ``graph`` chooses how the decode graph is built: ``"capture"`` (default) records the step's launches
 by stream capture (with programmatic dependent launch edges on sm_90 when ``pdl``); ``"manual"``
 builds it node by node from the launches of one eager step (:func:`realizar.cuda.record_graph`),
 for drivers or tools where stream capture is not available. Both replay the same kernels with the
@@ -101,7 +102,8 @@ class GpuModel:
 
     def __init__(self, config: ModelConfig, tensors: dict, max_len: int | None = None, device=None,
                  use_graph: bool = True, pdl: bool = True, graph: str = "capture",
-                 prefill_chunk: int | None = PREFILL_CHUNK, prefill_min_batch: int = PREFILL_MIN_BATCH):
+                 prefill_chunk: int | None = PREFILL_CHUNK, prefill_min_batch: int = PREFILL_MIN_BATCH,
+                 kv_cache: bool = True):
         if graph not in GRAPH_MODES:
             raise ShapeError(f"graph must be one of {GRAPH_MODES}, got {graph!r}")
         self.config = cfg = config
@@ -110,7 +112,9 @@ class GpuModel:
         if self.max_len < 1:
             raise ShapeError(f"max_len must be positive, got {self.max_len}")
         self.ops = ops = LayerOps(self.device)
-        self.kv = KVCache(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.max_len, ops=ops)
+        self._kv: KVCache | None = None
+        if kv_cache:
+            self.kv  # noqa: B018 - allocated now, so a cache that does not fit fails here
         self.layers = [_Layer(tensors, i, cfg, ops) for i in range(cfg.num_layers)]
         self.embed = GpuWeight(tensors["token_embd.weight"], device=self.device)  # GGUF rows: the embedding reads them
         # (tied: the LM head's GEMV reads the embedding's rows)
@@ -154,6 +158,30 @@ class GpuModel:
     @property
     def context_length(self) -> int:
         return self.max_len
+
+    @property
+    def kv(self) -> KVCache:
+        """The single sequence's KV cache (``max_len`` positions f32): allocated at construction, or
+        on first use after ``kv_cache=False`` or :meth:`release_kv`."""
+        if self._kv is None:
+            cfg = self.config
+            self._kv = KVCache(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.max_len,
+                               ops=self.ops)
+        return self._kv
+
+    def release_kv(self) -> None:
+        """Free the single-sequence KV cache and the decode graph that reads it (a serving backend
+        sharing these weights keeps its own paged cache); the next single-sequence call makes them anew."""
+        if self._graph is not None:
+            self._graph.close()
+            self._graph = None
+        if self._prefill is not None:
+            self._prefill.free()
+            self._prefill = None
+        if self._kv is not None:
+            self._kv.close()
+            self._kv = None
+        self.position = 0
 
     # ---- one decode step, as launches (recorded into the graph once) --------------------------------
     def _step_value(self, name: str):

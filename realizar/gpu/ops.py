@@ -26,10 +26,11 @@ from realizar.gpu.gemm import GemmConfig, GemmOps, gemm_config
 from realizar.gpu.gemv import GemvConfig, GemvOps, MmaConfig, gemv_config, mma_config
 from realizar.gpu.norms import NormOps
 from realizar.gpu.rope import RopeOps, inv_freq_table
+from realizar.gpu.sampling import SampleOps
 from realizar.gpu.weights import GpuWeight
 
 __all__ = ["GemmConfig", "GemvConfig", "GpuWeight", "LayerOps", "MmaConfig", "gemv_config", "inv_freq_table", "gemm_config", "mma_config"]
 
 
-class LayerOps(GemvOps, GemmOps, DequantOps, NormOps, RopeOps, ElementwiseOps, EmbeddingOps, ArgmaxOps):
+class LayerOps(GemvOps, GemmOps, DequantOps, NormOps, RopeOps, ElementwiseOps, EmbeddingOps, ArgmaxOps, SampleOps):
     """Launches the layer kernels on one device (kernels loaded once, arguments packed once)."""

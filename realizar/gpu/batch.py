@@ -1,0 +1,379 @@
+"""GpuBatchBackend: many sequences per decode step on the GPU, over a paged KV cache.
+
+The backend of :class:`realizar.serving.ServingEngine` on a GPU (the protocol is
+:class:`realizar.serving.backend.BatchBackend`). It shares a :class:`~realizar.gpu.model.GpuModel`'s
+weights and kernels and keeps its own :class:`~realizar.gpu.paged_kv.PagedKVCache`: one pool of
+``block_size``-position blocks per layer, a sequence's positions found through its block table.
+
+* :meth:`GpuBatchBackend.decode`: B sequences advance one token each in one graph replay. Their token
+  ids, positions, lengths and block tables travel in one packed host-to-device copy; B is padded up to
+  a *bucket* (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, ...) and each bucket's step is captured once. The
+  padding rows read token 0 at position 0 through an all-zero block table: they write only the
+  reserved null block 0, which no sequence owns.
+  Per layer: RMSNorm of every row (f16), the linear layers as one small-M GEMM on the quantized
+  weights (:meth:`_linear`), RoPE with the K/V append through each row's table, paged flash decoding
+  of every row over its own length, the O projection + residual, RMSNorm, the fused gate/up GEMM with
+  SwiGLU, the down projection + residual; final norm and the LM head for every row. B = 1 runs the
+  single-stream decode GEMVs (f32 activations) instead, as :class:`GpuModel` does.
+* :meth:`GpuBatchBackend.prefill`: a chunk of one sequence's prompt through
+  :class:`~realizar.gpu.prefill.BatchedPrefill` (the tensor-core prefill), its K/V appended and read
+  through the sequence's block table, so a prompt whose first blocks came from the prefix cache starts
+  at the first uncached position.
+* :class:`GpuBatchOutput.sample`: every row sampled on the GPU (greedy, temperature, top-k, top-p,
+  a counter-based seed per request), 4 bytes a row read back; :meth:`GpuBatchOutput.logits` copies a
+  row's logits to the host for requests that need them (logprobs, logits processors, penalties).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from realizar import cuda
+from realizar.errors import ContextOverflowError, InvalidRequestError, ShapeError, UnsupportedError
+from realizar.gpu.prefill import BatchedPrefill, batched_prefill_unsupported
+from realizar.gpu.sampling import SPEC_WORDS, pack_specs
+
+__all__ = ["BUCKETS", "GpuBatchBackend", "GpuBatchOutput", "bucket_for", "kv_block_bytes"]
+
+# decode batch sizes captured as graphs (a batch runs in the smallest bucket that holds it)
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
+GEMM_Q_MAX_ROWS = 128  # the quantized small-M GEMM's largest M; larger batches expand weights to f16
+KV_DTYPES = ("f32", "f16", "bf16", "q8_0")
+DEFAULT_MAX_CONTEXT = 8192
+
+
+def bucket_for(rows: int, max_batch: int) -> int:
+    """The graph bucket that holds ``rows`` sequences (at most ``max_batch``)."""
+    for b in BUCKETS:
+        if b >= rows:
+            return min(b, max_batch) if rows <= max_batch else b
+    return max_batch
+
+
+def kv_block_bytes(cfg, block_size: int, kv_dtype: str) -> int:
+    """Device bytes of one KV block over all layers, K and V."""
+    per_value = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32}[kv_dtype]
+    return int(2 * cfg.num_layers * cfg.num_kv_heads * block_size * cfg.head_dim * per_value)
+
+
+class _SequenceKV:
+    """The KV interface :class:`BatchedPrefill` calls, bound to one sequence's device block table."""
+
+    def __init__(self, kv, table):
+        self.kv = kv
+        self.table = table
+
+    def set_length(self, layer, length) -> None:
+        """The paged cache keeps no host lengths: the scheduler owns them."""
+
+    def rope_append_rows(self, layer, qkv, inv_freq, pos0, count, q_out, *, neox=False, q_norm=None, k_norm=None,
+                         eps=1e-6, stream=None) -> None:
+        self.kv.append_rows(layer, qkv, inv_freq, pos0, count, q_out, self.table, neox=neox, q_norm=q_norm,
+                            k_norm=k_norm, eps=eps, stream=stream)
+
+    def prefill_attention(self, layer, q, out, seq_q, q_offset, seq_k, causal=True, *, out_layout="tokens-f16",
+                          stream=None) -> None:
+        if out_layout != "tokens-f16" or not causal:
+            raise ShapeError("the paged prefill attention is causal with token-major f16 output")
+        self.kv.prefill_attention(layer, q, out, seq_q, q_offset, seq_k, self.table, stream=stream)
+
+
+class _PrefillModel:
+    """What :class:`BatchedPrefill` reads of a model: the shared weights, a paged KV view and this
+    backend's last-row buffers (so a prefill never touches the GpuModel's own decode state)."""
+
+    def __init__(self, backend: "GpuBatchBackend"):
+        m = backend.model
+        self.config, self.ops, self.stream, self.device = m.config, m.ops, backend.stream, m.device
+        self.layers, self.embed, self.lm_head = m.layers, m.embed, m.lm_head
+        self.inv_freq, self.output_norm = m.inv_freq, m.output_norm
+        self.max_len = backend.context_length
+        self.use_graph = backend.use_graph
+        self.kv = _SequenceKV(backend.kv, backend.prefill_table)
+        self.h = backend.h
+        self.logits = backend.logits
+        self.token_out = backend.tokens
+
+
+class GpuBatchOutput:
+    """The logits of ``rows`` sequences after a step, still on the GPU (row-major ``[rows, vocab]``)."""
+
+    def __init__(self, backend: "GpuBatchBackend", rows: int):
+        self._backend = backend
+        self.rows = rows
+        self._step = backend.steps
+
+    def _check(self) -> None:
+        if self._step != self._backend.steps:
+            raise InvalidRequestError("these logits were overwritten by a later step of the model")
+
+    def sample(self, specs: Sequence[Any]) -> np.ndarray:
+        """One token per row (int64), drawn on the GPU per ``specs`` (``RowSampling``)."""
+        self._check()
+        if len(specs) != self.rows:
+            raise ShapeError(f"sample needs one spec per row: {self.rows} rows, {len(specs)} specs")
+        return self._backend._sample(self.rows, specs)
+
+    def logits(self, i: int) -> np.ndarray:
+        """Row ``i``'s logits on the host (float32 ``[vocab]``)."""
+        self._check()
+        if not 0 <= i < self.rows:
+            raise ShapeError(f"row {i} outside the {self.rows} rows of this step")
+        return self._backend._row_logits(i)
+
+
+class GpuBatchBackend:
+    """Batched decode and paged prefill over a :class:`GpuModel`'s weights (see the module docstring).
+
+    ``num_blocks`` KV blocks of ``block_size`` positions (block 0 reserved), or as many as
+    ``kv_memory`` bytes hold (a float in (0, 1]: that fraction of the free device memory);
+    ``kv_dtype``: the cache's element type; ``max_batch``: most sequences per decode step;
+    ``max_context``: most positions per sequence (the block tables' width)."""
+
+    def __init__(self, model, *, num_blocks: int | None = None, kv_memory: float | int | None = None,
+                 block_size: int = 32, kv_dtype: str = "f16", max_batch: int = 64, max_context: int | None = None,
+                 use_graph: bool = True, prefill_chunk: int = 512):
+        from realizar.gpu.paged_kv import PagedKVCache
+
+        why = batched_prefill_unsupported(model)
+        if why is not None:
+            raise UnsupportedError(f"batched decoding needs the batched prefill's kernels: {why}")
+        if kv_dtype not in KV_DTYPES:
+            raise ShapeError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= BUCKETS[-1]:
+            raise ShapeError(f"max_batch must be an integer in [1, {BUCKETS[-1]}], got {max_batch!r}")
+        self.model = m = model
+        self.config = cfg = model.config
+        self.ops, self.device = model.ops, model.device
+        self.device.make_current()
+        self.stream = cuda.Stream(self.device)
+        self.block_size = int(block_size)
+        self.kv_dtype = kv_dtype
+        self.max_batch = int(max_batch)
+        self.context_length = int(min(cfg.context_length, max_context or DEFAULT_MAX_CONTEXT))
+        self.table_stride = -(-self.context_length // self.block_size)
+        if num_blocks is None:
+            per_block = kv_block_bytes(cfg, self.block_size, kv_dtype)
+            if kv_memory is None:
+                kv_memory = 0.5
+            free, _ = self.device.memory_info()
+            budget = int(kv_memory * free) if isinstance(kv_memory, float) and kv_memory <= 1 else int(kv_memory)
+            num_blocks = budget // per_block
+        if num_blocks < 2:
+            raise ShapeError(f"the KV pool needs at least 2 blocks (block 0 is reserved), got {num_blocks}")
+        self.num_blocks = int(num_blocks)
+        self.kv = PagedKVCache(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.num_blocks,
+                               block_size=self.block_size, kv_dtype=kv_dtype, ops=self.ops,
+                               max_batch=self.max_batch)
+        self.use_graph = use_graph
+        ops, b, h = self.ops, self.max_batch, cfg.hidden_size
+        self.qkv_n = cfg.q_dim + 2 * cfg.kv_dim
+        # the packed per-step values: ids [B] | positions [B] | lengths [B] | tables [B, stride]
+        self._n_step = 3 * b + b * self.table_stride
+        self._step_host = cuda.PinnedArray(self._n_step, np.uint32, device=self.device)
+        self.step = ops.buffer(self._n_step, np.uint32, zero=True)
+        self.prefill_table = ops.buffer(self.table_stride, np.uint32, zero=True)
+        self.x = ops.buffer(b * h)
+        self.h = ops.buffer(h)  # B = 1: the normed row (f32 GEMV input); prefill: the last row
+        self.h16 = ops.buffer(b * max(h, cfg.q_dim), np.float16)
+        self.qkv = ops.buffer(b * self.qkv_n)
+        self.attn = ops.buffer(cfg.q_dim)  # B = 1: attention output (f32 GEMV input)
+        self.ffn = ops.buffer(cfg.intermediate_size)  # B = 1
+        self.ffn16 = ops.buffer(b * cfg.intermediate_size, np.float16)
+        self.logits = ops.buffer(b * cfg.vocab_size)
+        self.tokens = ops.buffer(b, np.uint32)
+        self._tokens_host = cuda.PinnedArray(b, np.uint32, device=self.device)
+        self._specs_host = cuda.PinnedArray(b * SPEC_WORDS, np.uint32, device=self.device)
+        self.specs = ops.buffer(b * SPEC_WORDS, np.uint32, zero=True)
+        self._w16 = None  # a larger f16 expansion scratch, only if the LM head needs one (see _ensure_scratch)
+        self._graphs: dict[int, cuda.GraphExec] = {}
+        self._prefill = BatchedPrefill(_PrefillModel(self), prefill_chunk)
+        self.prefill_chunk = self._prefill.chunk
+        self.steps = 0
+
+    # ---- linear layers of B rows ------------------------------------------------------------------
+    def _gemm_q_takes(self, weight, rows: int) -> bool:
+        takes = getattr(self.ops, "gemm_q_supports", None)
+        return rows <= GEMM_Q_MAX_ROWS and takes is not None and takes(weight)
+
+    def _linear(self, weight, x16, out, rows: int, **epilogue) -> None:
+        """out[:rows] = x16[:rows] W^T (+ epilogue) from W's quantized blocks where the small-M GEMM
+        reads its type; otherwise W expanded to f16 then the f16 GEMM."""
+        ops, s = self.ops, self.stream
+        if self._gemm_q_takes(weight, rows):
+            ops.gemm_q(x16, weight, out, rows, stream=s, **epilogue)
+            return
+        w16 = self._w16 or self._prefill.w16
+        if w16.count < weight.out_dim * weight.in_dim:
+            raise UnsupportedError(f"no f16 scratch for {weight!r}: _ensure_scratch runs before a step")
+        glu = epilogue.get("glu", False)
+        ops.dequantize_f16(weight, w16, interleave=glu, stream=s)
+        ops.gemm_f16(x16, w16, out, rows, weight.out_dim, weight.in_dim, stream=s, **epilogue)
+
+    def _ensure_scratch(self, rows: int) -> None:
+        """An f16 scratch for every weight the quantized GEMM does not take at ``rows`` rows: the
+        prefill's (sized for the layer weights), or a larger one when the LM head needs expanding."""
+        m = self.model
+        if rows == 1 or self._gemm_q_takes(m.lm_head, rows):
+            return
+        need = m.lm_head.out_dim * m.lm_head.in_dim
+        if need > self._prefill.w16.count and (self._w16 is None or self._w16.count < need):
+            if self._w16 is not None:
+                self._w16.free()
+            self._w16 = self.ops.buffer(need, np.float16)
+
+    # ---- one decode step --------------------------------------------------------------------------
+    def _issue_decode(self, b: int) -> None:
+        """The launches of one decode step of ``b`` rows (no host synchronisation: capturable)."""
+        m, cfg, ops, kv, s = self.model, self.config, self.ops, self.kv, self.stream
+        eps, mb, qkv_n = cfg.rms_norm_eps, self.max_batch, self.qkv_n
+        ids, pos, lens, tables = (self.step, 0), (self.step, mb), (self.step, 2 * mb), (self.step, 3 * mb)
+        neox = cfg.rope_type == "neox"
+        ops.embedding(m.embed, ids, self.x, n_tokens=b, stream=s)
+        for i, lay in enumerate(m.layers):
+            if b == 1:
+                ops.rmsnorm(self.x, lay.attn_norm, self.h, eps, stream=s)
+                off = 0
+                for w in lay.qkv:
+                    bias = None if lay.qkv_bias is None else (lay.qkv_bias, off)
+                    ops.gemv(w, self.h, (self.qkv, off), bias=bias, stream=s)
+                    off += w.out_dim
+            else:
+                ops.rmsnorm(self.x, lay.attn_norm, self.h16, eps, rows=b, out_f16=True, stream=s)
+                off = 0
+                for w in lay.qkv:
+                    bias = None if lay.qkv_bias is None else (lay.qkv_bias, off)
+                    self._linear(w, self.h16, (self.qkv, off), b, ldy=qkv_n, bias=bias)
+                    off += w.out_dim
+            kv.append_decode(i, self.qkv, m.inv_freq, pos, tables, self.table_stride, b, q_norm=lay.q_norm,
+                             k_norm=lay.k_norm, eps=eps, neox=neox, stream=s)
+            if b == 1:
+                kv.decode_attention(i, (self.qkv, 0), self.attn, lens, tables, self.table_stride, 1, q_stride=qkv_n,
+                                    stream=s)
+                ops.gemv(lay.attn_out, self.attn, self.x, residual=self.x, stream=s)
+                ops.rmsnorm(self.x, lay.ffn_norm, self.h, eps, stream=s)
+                ops.gemv_glu(lay.gate_up, self.h, self.ffn, stream=s)
+                ops.gemv(lay.down, self.ffn, self.x, residual=self.x, stream=s)
+            else:
+                kv.decode_attention(i, (self.qkv, 0), self.h16, lens, tables, self.table_stride, b, q_stride=qkv_n,
+                                    out_f16=True, stream=s)
+                self._linear(lay.attn_out, self.h16, self.x, b, residual=self.x)
+                ops.rmsnorm(self.x, lay.ffn_norm, self.h16, eps, rows=b, out_f16=True, stream=s)
+                self._linear(lay.gate_up, self.h16, self.ffn16, b, glu=True, out_f16=True)
+                self._linear(lay.down, self.ffn16, self.x, b, residual=self.x)
+        if b == 1:
+            ops.rmsnorm(self.x, m.output_norm, self.h, eps, stream=s)
+            ops.gemv(m.lm_head, self.h, self.logits, stream=s)
+        else:
+            ops.rmsnorm(self.x, m.output_norm, self.h16, eps, rows=b, out_f16=True, stream=s)
+            self._linear(m.lm_head, self.h16, self.logits, b)
+
+    def decode(self, tokens: Sequence[int], positions: Sequence[int],
+               block_tables: Sequence[Sequence[int]]) -> GpuBatchOutput:
+        """Advance ``len(tokens)`` sequences by one token each: row r feeds ``tokens[r]`` at
+        ``positions[r]`` (its K/V written there, attention over positions 0..positions[r]) through
+        ``block_tables[r]``."""
+        n = len(tokens)
+        if not 1 <= n <= self.max_batch or len(positions) != n or len(block_tables) != n:
+            raise ShapeError(f"decode takes 1..{self.max_batch} rows with one position and block table each, "
+                             f"got {n} tokens, {len(positions)} positions, {len(block_tables)} tables")
+        b = bucket_for(n, self.max_batch)
+        mb, stride, vocab = self.max_batch, self.table_stride, self.config.vocab_size
+        host = self._step_host.array
+        host[: 3 * mb + b * stride] = 0
+        for r, (tok, p, table) in enumerate(zip(tokens, positions, block_tables)):
+            tok, p = int(tok), int(p)
+            if not 0 <= tok < vocab:
+                raise InvalidRequestError(f"token id {tok} outside the vocabulary of {vocab}")
+            if not 0 <= p < self.context_length:
+                raise ContextOverflowError(f"position {p} is past the context length of {self.context_length}")
+            if len(table) * self.block_size <= p or len(table) > stride:
+                raise ShapeError(f"row {r}: position {p} needs block {p // self.block_size}, the table has "
+                                 f"{len(table)} blocks (at most {stride})")
+            host[r], host[mb + r], host[2 * mb + r] = tok, p, p + 1
+            host[3 * mb + r * stride: 3 * mb + r * stride + len(table)] = table
+        self._check_blocks(block_tables)
+        self.device.make_current()
+        self.step.copy_from_host_at(host[: 3 * mb + b * stride], 0, stream=self.stream)
+        graph = self._graphs.get(b)
+        if graph is not None:
+            graph.launch(self.stream)
+        else:
+            self._ensure_scratch(b)
+            with cuda.programmatic_dependent_launch(False):
+                self._issue_decode(b)  # eager: loads every kernel before a capture
+                if self.use_graph:
+                    with cuda.capture(self.stream) as cap:
+                        self._issue_decode(b)
+                    self._graphs[b] = cap.graph.instantiate()
+        self.steps += 1
+        return GpuBatchOutput(self, n)
+
+    def _check_blocks(self, tables: Sequence[Sequence[int]]) -> None:
+        for table in tables:
+            for blk in table:
+                if not 0 < int(blk) < self.num_blocks:
+                    raise ShapeError(f"block id {blk} outside the pool's blocks 1..{self.num_blocks - 1}")
+
+    # ---- prefill ----------------------------------------------------------------------------------
+    def prefill(self, tokens: Sequence[int], start: int, block_table: Sequence[int]) -> GpuBatchOutput:
+        """Positions ``start .. start + len(tokens) - 1`` of one sequence through every layer at once
+        (chunks of ``prefill_chunk``), K/V written through ``block_table``; returns the last token's
+        logits as a 1-row output."""
+        ids = [int(t) for t in tokens]
+        n, start = len(ids), int(start)
+        if n == 0:
+            raise InvalidRequestError("prefill needs at least one token")
+        if start < 0 or start + n > self.context_length:
+            raise ContextOverflowError(f"positions {start}..{start + n - 1} exceed the context length of "
+                                       f"{self.context_length}")
+        if len(block_table) * self.block_size < start + n or len(block_table) > self.table_stride:
+            raise ShapeError(f"positions up to {start + n - 1} need {-(-(start + n) // self.block_size)} blocks, "
+                             f"the table has {len(block_table)}")
+        bad = next((t for t in ids if not 0 <= t < self.config.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} outside the vocabulary of {self.config.vocab_size}")
+        self._check_blocks([block_table])
+        self.device.make_current()
+        table = np.zeros(self.table_stride, np.uint32)
+        table[: len(block_table)] = block_table
+        self.stream.synchronize()  # an earlier step may still read the table buffer
+        self.prefill_table.copy_from_host(table)
+        c = self.prefill_chunk
+        for off in range(0, n, c):
+            part = ids[off: off + c]
+            self._prefill.run_chunk(part, start + off, last=off + c >= n)
+        self.steps += 1
+        return GpuBatchOutput(self, 1)
+
+    # ---- outputs ----------------------------------------------------------------------------------
+    def _sample(self, rows: int, specs: Sequence[Any]) -> np.ndarray:
+        self.device.make_current()
+        staged = self._specs_host.array.reshape(self.max_batch, SPEC_WORDS)
+        self.stream.synchronize()  # the previous call's spec copy has left the staging array
+        pack_specs(specs, out=staged)
+        self.specs.copy_from_host_at(self._specs_host.array[: rows * SPEC_WORDS], 0, stream=self.stream)
+        out = self._tokens_host.array[:rows]
+        self.ops.sample_rows(self.logits, self.specs, self.tokens, rows, self.config.vocab_size, stream=self.stream)
+        self.tokens.copy_to_host_at(0, rows, out, stream=self.stream)
+        self.stream.synchronize()
+        return out.astype(np.int64)
+
+    def _row_logits(self, i: int) -> np.ndarray:
+        self.device.make_current()
+        self.stream.synchronize()
+        vocab = self.config.vocab_size
+        return self.logits.copy_to_host_at(i * vocab, vocab)
+
+    def close(self) -> None:
+        for g in self._graphs.values():
+            g.close()
+        self._graphs.clear()
+        self._prefill.free()
+        self.kv.close()
+        for buf in (self.step, self.prefill_table, self.x, self.h, self.h16, self.qkv, self.attn, self.ffn,
+                    self.ffn16, self.logits, self.tokens, self.specs, self._w16):
+            if buf is not None:
+                buf.free()

@@ -1,0 +1,62 @@
+"""Per-row sampling on the device (``sample_rows`` kernel): one launch for B rows, each with its own
+temperature / top-k / top-p / seed / step read from a device buffer, so a captured graph serves any mix
+of requests; the host reads back 4 bytes a row. ``pack_specs`` builds that buffer's contents."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from ptx_gen.kernels.sample_rows import SPEC_WORDS
+from realizar.errors import InvalidRequestError, ShapeError
+from realizar.gpu.dispatch import Dispatcher
+from realizar.sampling import RowSampling
+
+__all__ = ["SampleOps", "pack_specs", "SPEC_WORDS", "SAMPLE_BLOCK"]
+
+SAMPLE_BLOCK = 1024
+
+
+def pack_specs(specs: Sequence[RowSampling], out: np.ndarray | None = None) -> np.ndarray:
+    """The device layout of ``specs``: u32 [len(specs), 8] rows of
+    ``[temperature f32 bits, top_k, top_p f32 bits, seed & 0xFFFFFFFF, seed >> 32, step, 0, 0]``.
+    ``out`` (u32, at least that many rows) is filled in place, e.g. a pinned staging array."""
+    n = len(specs)
+    if out is None:
+        out = np.zeros((n, SPEC_WORDS), np.uint32)
+    elif out.dtype != np.uint32 or out.ndim != 2 or out.shape[1] != SPEC_WORDS or out.shape[0] < n:
+        raise ShapeError(f"expected a u32 [>= {n}, {SPEC_WORDS}] array, got {out.dtype} {out.shape}")
+    f = out[:n].view(np.float32)
+    for i, s in enumerate(specs):
+        if not isinstance(s, RowSampling):
+            raise InvalidRequestError(f"expected RowSampling specs, got {type(s).__name__} at row {i}")
+        f[i, 0] = np.float32(s.temperature)
+        out[i, 1] = s.top_k
+        f[i, 2] = np.float32(s.top_p)
+        out[i, 3], out[i, 4], out[i, 5] = s.seed & 0xFFFFFFFF, s.seed >> 32, s.step
+        out[i, 6:] = 0
+    return out
+
+
+class SampleOps(Dispatcher):
+    def sample_rows(self, logits: Any, specs: Any, out: Any, rows: int, vocab: int, ld: int | None = None,
+                    stream: Any = None) -> None:
+        """out[r] (u32) = the token drawn for row r of ``logits`` (f32 rows ``ld`` apart, default
+        ``vocab``) under the packed spec r of ``specs`` (see :func:`pack_specs`), r < ``rows``.
+        Same draw as :func:`realizar.sampling.sample_rows` (top-p cuts within rounding aside)."""
+        rows, vocab = self.check_int("rows", rows), self.check_int("vocab", vocab)
+        ld = vocab if ld is None else self.check_int("ld", ld)
+        if rows < 1 or vocab < 1:
+            raise ShapeError(f"expected rows >= 1 and vocab >= 1, got rows={rows}, vocab={vocab}")
+        if vocab >= 1 << 31 or ld < vocab or ld * (rows - 1) + vocab >= 1 << 32:
+            raise ShapeError(f"expected vocab < 2**31, ld >= vocab and rows*ld < 2**32, got vocab={vocab}, "
+                             f"ld={ld}, rows={rows}")
+        kern = self.kernel("sample_rows", block=SAMPLE_BLOCK)
+        self.launch(kern, rows, {
+            "logits": self.addr(logits, ld * (rows - 1) + vocab, "logits", np.float32, align=4),
+            "ld": ld,
+            "specs": self.addr(specs, rows * SPEC_WORDS, "specs", np.uint32, align=4),
+            "out": self.addr(out, rows, "out", np.uint32, align=4),
+            "vocab": vocab,
+        }, stream)

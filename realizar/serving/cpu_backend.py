@@ -1,0 +1,197 @@
+"""A :class:`~realizar.serving.backend.BatchBackend` in NumPy: the reference model's forward pass over
+a paged KV pool, many sequences per decode step (the CI backend and the oracle of the GPU one).
+
+The weights are those of a :class:`~realizar.models.reference.ReferenceModel` (dequantized once) and
+every step is built from its pieces (:func:`~realizar.models.reference.rms_norm`,
+:func:`~realizar.models.reference.apply_rope`, :func:`~realizar.models.attention.gqa_attention`), so a
+sequence computes what the reference model computes alone up to the rounding of differently shaped
+matrix products: a decode step does its projections for all B rows as one product, and attention
+per row over that row's own blocks.
+
+KV pool per layer: ``k, v [num_blocks, num_kv_heads, block_size, head_dim]`` in ``kv_dtype`` ("f32",
+or "f16" to measure what half-precision storage changes); attention reads them back as float32.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from realizar.errors import ContextOverflowError, InvalidRequestError, ShapeError, UnsupportedError
+from realizar.models.attention import gqa_attention
+from realizar.models.reference import ReferenceModel, apply_rope, rms_norm, silu
+from realizar.serving.backend import HostBatchOutput
+
+__all__ = ["ReferenceBatchBackend", "KV_DTYPES"]
+
+KV_DTYPES = {"f32": np.float32, "f16": np.float16}
+
+
+class ReferenceBatchBackend:
+    """Batched NumPy forward over a paged KV pool of ``num_blocks`` blocks of ``block_size``.
+
+    ``model`` is a :class:`ReferenceModel` or a loaded model (``realizar.models.loader.load_model``);
+    ``context_length`` defaults to the model's. ``max_batch`` caps the rows of one decode call."""
+
+    def __init__(
+        self,
+        model: Any,
+        num_blocks: int,
+        block_size: int = 32,
+        kv_dtype: str = "f32",
+        max_batch: int = 64,
+        context_length: int | None = None,
+    ):
+        if not isinstance(model, ReferenceModel):
+            model = ReferenceModel.from_loaded(model, max_len=context_length)
+        if kv_dtype not in KV_DTYPES:
+            raise UnsupportedError(f"the NumPy backend stores KV as one of {tuple(KV_DTYPES)}, got {kv_dtype!r}")
+        if int(num_blocks) != num_blocks or num_blocks < 2:
+            raise ShapeError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
+        if int(block_size) != block_size or block_size < 1:
+            raise ShapeError(f"block_size must be a positive integer, got {block_size}")
+        if int(max_batch) != max_batch or max_batch < 1:
+            raise ShapeError(f"max_batch must be a positive integer, got {max_batch}")
+        self.model = model
+        self.config = model.config
+        self.num_blocks = int(num_blocks)
+        self.block_size = int(block_size)
+        self.max_batch = int(max_batch)
+        self.kv_dtype = kv_dtype
+        self.context_length = int(context_length if context_length is not None else model.context_length)
+        c = self.config
+        shape = (self.num_blocks, c.num_kv_heads, self.block_size, c.head_dim)
+        dt = KV_DTYPES[kv_dtype]
+        self.k = [np.zeros(shape, dt) for _ in range(c.num_layers)]
+        self.v = [np.zeros(shape, dt) for _ in range(c.num_layers)]
+        ang = np.arange(self.context_length, dtype=np.float64)[:, None] * model.inv_freq[None, :]
+        self._cos = np.cos(ang).astype(np.float32)  # the reference model's tables, row for row
+        self._sin = np.sin(ang).astype(np.float32)
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        c = self.config
+        itemsize = np.dtype(KV_DTYPES[self.kv_dtype]).itemsize
+        return 2 * c.num_layers * c.num_kv_heads * self.block_size * c.head_dim * itemsize
+
+    # -- checks ------------------------------------------------------------------------------------
+
+    def _check_tokens(self, ids: np.ndarray) -> None:
+        vocab = self.config.vocab_size
+        bad = (ids < 0) | (ids >= vocab)
+        if bad.any():
+            raise InvalidRequestError(f"token id {int(ids[bad][0])} is outside the vocabulary of {vocab}")
+
+    def _table(self, table: Sequence[int], length: int) -> np.ndarray:
+        """The block ids holding positions ``0 .. length - 1`` (checked)."""
+        need = -(-length // self.block_size)
+        t = np.asarray(table, dtype=np.int64).reshape(-1)
+        if t.shape[0] < need:
+            raise ShapeError(f"{length} positions need {need} blocks, the block table has {t.shape[0]}")
+        t = t[:need]
+        if need and (t.min() < 1 or t.max() >= self.num_blocks):
+            raise InvalidRequestError(f"block table {t.tolist()} names blocks outside 1..{self.num_blocks - 1}")
+        return t
+
+    def _gather(self, layer: int, table: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """K and V ``[KVH, length, D]`` (float32) of a sequence's first ``length`` positions."""
+        c = self.config
+
+        def one(pool: np.ndarray) -> np.ndarray:
+            x = pool[table]  # [nb, KVH, bs, D]
+            x = x.transpose(1, 0, 2, 3).reshape(c.num_kv_heads, -1, c.head_dim)[:, :length]
+            return x.astype(np.float32, copy=False)
+
+        return one(self.k[layer]), one(self.v[layer])
+
+    # -- the forward pass ----------------------------------------------------------------------------
+
+    def _qkv(self, L, x: np.ndarray, cos: np.ndarray, sin: np.ndarray):
+        c = self.config
+        s = x.shape[0]
+        eps = c.rms_norm_eps
+        h = rms_norm(x, L.attn_norm, eps)
+        qkv = h @ L.w_qkv.T
+        if L.b_qkv is not None:
+            qkv += L.b_qkv
+        q_end, k_end = c.q_dim, c.q_dim + c.kv_dim
+        q = qkv[:, :q_end].reshape(s, c.num_heads, c.head_dim)
+        k = qkv[:, q_end:k_end].reshape(s, c.num_kv_heads, c.head_dim)
+        v = qkv[:, k_end:].reshape(s, c.num_kv_heads, c.head_dim)
+        if L.q_norm is not None:
+            q = rms_norm(q, L.q_norm, eps)
+        if L.k_norm is not None:
+            k = rms_norm(k, L.k_norm, eps)
+        return apply_rope(q, cos, sin, c.rope_type), apply_rope(k, cos, sin, c.rope_type), v
+
+    def _mlp_out(self, L, x: np.ndarray, attn: np.ndarray) -> None:
+        """``x += W_o attn``, then the feed-forward block, in place."""
+        c = self.config
+        x += attn @ L.w_o.T
+        h = rms_norm(x, L.ffn_norm, c.rms_norm_eps)
+        gu = h @ L.w_gate_up.T
+        f = c.intermediate_size
+        x += (silu(gu[:, :f]) * gu[:, f:]) @ L.w_down.T
+
+    def _logits(self, x: np.ndarray) -> np.ndarray:
+        m = self.model
+        return rms_norm(x, m.output_norm, self.config.rms_norm_eps) @ m.lm_head.T
+
+    def prefill(self, tokens: Sequence[int], start: int, block_table: Sequence[int]) -> HostBatchOutput:
+        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        s = ids.shape[0]
+        if s == 0:
+            raise InvalidRequestError("prefill needs at least one token")
+        if start < 0:
+            raise InvalidRequestError(f"prefill start must be >= 0, got {start}")
+        end = start + s
+        if end > self.context_length:
+            raise ContextOverflowError(f"positions up to {end} exceed the context length of {self.context_length}")
+        self._check_tokens(ids)
+        table = self._table(block_table, end)
+        pos = np.arange(start, end)
+        blk, row = table[pos // self.block_size], pos % self.block_size
+        cos, sin = self._cos[pos], self._sin[pos]
+        c = self.config
+        x = self.model.embedding[ids]
+        for li, L in enumerate(self.model.layers):
+            q, k, v = self._qkv(L, x, cos, sin)
+            self.k[li][blk, :, row] = k
+            self.v[li][blk, :, row] = v
+            kc, vc = self._gather(li, table, end)
+            attn = gqa_attention(q.transpose(1, 0, 2), kc, vc, causal=True)  # [nh, S, d], q_offset = start
+            self._mlp_out(L, x, attn.transpose(1, 0, 2).reshape(s, c.num_heads * c.head_dim))
+        return HostBatchOutput(self._logits(x[-1:]))
+
+    def decode(
+        self, tokens: Sequence[int], positions: Sequence[int], block_tables: Sequence[Sequence[int]]
+    ) -> HostBatchOutput:
+        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+        b = ids.shape[0]
+        if b == 0 or b > self.max_batch:
+            raise ShapeError(f"a decode step takes 1..{self.max_batch} rows, got {b}")
+        if pos.shape[0] != b or len(block_tables) != b:
+            raise ShapeError(
+                f"{b} tokens need {b} positions and block tables, got {pos.shape[0]} and {len(block_tables)}"
+            )
+        if pos.min() < 0 or pos.max() >= self.context_length:
+            raise ContextOverflowError(f"positions {pos.tolist()} must lie in 0..{self.context_length - 1}")
+        self._check_tokens(ids)
+        tables = [self._table(t, int(p) + 1) for t, p in zip(block_tables, pos)]
+        blk = np.array([t[p // self.block_size] for t, p in zip(tables, pos)], dtype=np.int64)
+        row = pos % self.block_size
+        cos, sin = self._cos[pos], self._sin[pos]
+        c = self.config
+        x = self.model.embedding[ids]  # [B, hidden]
+        for li, L in enumerate(self.model.layers):
+            q, k, v = self._qkv(L, x, cos, sin)  # rows as the "sequence" axis: per-row positions
+            self.k[li][blk, :, row] = k
+            self.v[li][blk, :, row] = v
+            attn = np.empty((b, c.num_heads * c.head_dim), np.float32)
+            for i in range(b):
+                kc, vc = self._gather(li, tables[i], int(pos[i]) + 1)
+                attn[i] = gqa_attention(q[i][:, None, :], kc, vc, causal=False).reshape(-1)
+            self._mlp_out(L, x, attn)
+        return HostBatchOutput(self._logits(x))

@@ -1,0 +1,414 @@
+"""ServingEngine: many concurrent requests over one batch backend, driven by a background thread.
+
+    from realizar.engine import load_engine
+    from realizar.serving import ServingEngine
+
+    serving = ServingEngine.from_engine(load_engine(), max_batch=64)
+    handle = serving.submit(prompt_ids, SamplingParams(max_tokens=32))   # returns at once
+    for chunk in handle:                                                  # TokenChunk as they come
+        print(chunk.text, end="")
+    print(handle.result.finish_reason)
+    results = serving.generate_batch([ids_a, ids_b], SamplingParams(max_tokens=8))
+    serving.close()
+
+Each request's text, stop strings, EOS, ``max_tokens``, logprobs, logits processors and penalties are
+handled by :class:`realizar.generation.SequenceState`, exactly as :class:`~realizar.generation.Generator`
+does for one sequence. A request that needs its logits on the host (logprobs, logits processors,
+penalties) is sampled there by its own seeded :class:`~realizar.sampling.Sampler` (the same tokens as
+``Generator`` with that seed); every other request is sampled by the backend
+(:meth:`~realizar.serving.backend.BatchOutput.sample`, the counter-based RNG of
+:func:`realizar.sampling.sample_rows`): the same tokens alone or in any batch. A request without a
+seed gets a random one.
+
+``GenerationResult.prefill_seconds`` of a served request is the time from submission to its first
+token (queueing included); ``decode_seconds`` the time from the first token to the last. A cancelled
+request ends with ``finish_reason == "cancelled"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from realizar.errors import InvalidRequestError, RealizarError, UnsupportedError
+from realizar.generation import GenerationResult, SamplingParams, SequenceState, TokenChunk, _eos_ids
+from realizar.serving.backend import BatchBackend, RowSampling
+from realizar.serving.scheduler import Scheduler, StepOutput
+
+__all__ = ["ServingEngine", "RequestHandle", "EngineStats", "StepStats", "EngineClosedError"]
+
+
+class EngineClosedError(RealizarError, RuntimeError):
+    """The serving engine was closed before the request finished (or before it was submitted)."""
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one scheduler iteration did, handed to the ``on_step`` hook (metrics)."""
+
+    decode_batch: int  # rows of the decode call
+    prefill_tokens: int  # tokens of the prefill chunk (0: none)
+    tokens_out: int  # tokens produced
+    preempted: int
+    running: int
+    waiting: int
+    blocks_used: int
+    blocks_free: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot: sequences running/waiting, KV blocks, prefix cache, counters since start."""
+
+    running: int
+    waiting: int
+    blocks_total: int
+    blocks_used: int
+    blocks_free: int
+    blocks_cached: int
+    prefix_queries: int
+    prefix_hits: int
+    prefix_hit_tokens: int
+    prefix_query_tokens: int
+    prefix_hit_rate: float
+    prefilled_tokens: int
+    cached_tokens: int
+    decoded_tokens: int
+    preemptions: int
+    steps: int
+    last_decode_batch: int
+
+
+_DONE = object()
+
+
+class RequestHandle:
+    """One submitted request: iterate it for :class:`TokenChunk` as they are produced (blocking);
+    :attr:`result` holds the :class:`GenerationResult` once it is finished (None before);
+    :meth:`cancel` stops it and frees its KV blocks at once; :meth:`wait` blocks until the end."""
+
+    def __init__(self, engine: "ServingEngine", state: SequenceState):
+        self._engine = engine
+        self.state = state
+        self._queue: queue.Queue = queue.Queue()
+        self._done = threading.Event()
+        self._result: GenerationResult | None = None
+        self._error: BaseException | None = None
+        self._seq = None  # the scheduler's Sequence
+        self._logprobs: np.ndarray | None = None
+        self._t_submit = time.perf_counter()
+        self._t_first: float | None = None
+
+    # -- the consumer's side ------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[TokenChunk]:
+        while True:
+            item = self._queue.get()
+            if item is _DONE:
+                self._queue.put(_DONE)  # a later iteration ends at once too
+                if self._error is not None:
+                    raise self._error
+                return
+            yield item
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.state.prompt_ids)
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def result(self) -> GenerationResult | None:
+        return self._result
+
+    @property
+    def finish_reason(self) -> str | None:
+        return None if self._result is None else self._result.finish_reason
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def wait(self, timeout: float | None = None) -> GenerationResult:
+        """Block until finished; the result, or the request's exception raised."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"the request did not finish within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+    def cancel(self) -> None:
+        """Stop generating (no-op when already finished); the stream ends, ``finish_reason`` is
+        ``"cancelled"``."""
+        self._engine._cancel(self)
+
+    # -- the scheduler's side (the client interface of realizar.serving.scheduler) -----------------
+
+    @property
+    def needs_host_logits(self) -> bool:
+        return self.state.needs_host_logits
+
+    def row_sampling(self) -> RowSampling:
+        p = self.state.params
+        return RowSampling(float(p.temperature), int(p.top_k), float(p.top_p), int(p.seed or 0),
+                           len(self.state.generated))  # fmt: skip
+
+    def choose(self, logits: np.ndarray) -> int:
+        logits, self._logprobs = self.state.process_logits(logits)
+        return self.state.sample(logits)
+
+    def accept(self, tok: int) -> bool:
+        now = time.perf_counter()
+        if self._t_first is None:
+            self._t_first = now
+        chunk = self.state.accept(tok, self._logprobs)
+        self._logprobs = None
+        self._queue.put(chunk)
+        if self.state.finished:
+            self._finish(now)
+        return self.state.finished
+
+    def fail(self, exc: BaseException) -> None:
+        if not self._done.is_set():
+            self._error = exc
+            self._done.set()
+            self._queue.put(_DONE)
+
+    def _finish(self, now: float | None = None, reason: str | None = None) -> None:
+        if self._done.is_set():
+            return
+        now = time.perf_counter() if now is None else now
+        first = self._t_first if self._t_first is not None else now
+        self._result = self.state.result(first - self._t_submit, now - first, reason)
+        self._done.set()
+        self._queue.put(_DONE)
+
+
+class ServingEngine:
+    """Continuous batching over ``backend`` (a :class:`~realizar.serving.backend.BatchBackend`).
+
+    ``tokenizer`` needs ``encode`` and ``stream_decoder`` (as for :class:`~realizar.generation.Generator`);
+    ``eos_token_ids`` default to the tokenizer's. ``max_batched_tokens``: the per-step token budget
+    (prefill chunk + decode rows). ``on_step(StepStats)``: called after every iteration from the
+    engine's thread (keep it quick). The thread starts with the first request and sleeps when idle;
+    with ``background=False`` there is none and the caller drives :meth:`step` (tests, tools)."""
+
+    def __init__(
+        self,
+        backend: BatchBackend,
+        tokenizer: Any,
+        eos_token_ids: Sequence[int] | None = None,
+        *,
+        max_batched_tokens: int = 2048,
+        max_batch: int | None = None,
+        prefix_cache: bool = True,
+        on_step: Callable[[StepStats], None] | None = None,
+        background: bool = True,
+    ):
+        self.background = background
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.eos_token_ids = tuple(eos_token_ids) if eos_token_ids is not None else _eos_ids(tokenizer)
+        self.scheduler = Scheduler(backend, max_batched_tokens=max_batched_tokens, prefix_cache=prefix_cache,
+                                   max_batch=max_batch)  # fmt: skip
+        self.on_step = on_step
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._active: set[RequestHandle] = set()
+        self._last_batch = 0
+
+    @classmethod
+    def from_engine(
+        cls,
+        engine: Any,
+        num_blocks: int | None = None,
+        kv_memory: int | None = None,
+        block_size: int = 32,
+        max_batch: int = 64,
+        kv_dtype: str | None = None,
+        **kwargs: Any,
+    ) -> "ServingEngine":
+        """A serving engine over a :class:`realizar.engine.Engine`'s model: the NumPy
+        :class:`~realizar.serving.cpu_backend.ReferenceBatchBackend` for a CPU engine (KV f32 by
+        default), ``realizar.gpu.batch.GpuBatchBackend`` for a GPU one (KV f16 by default). The pool
+        holds ``num_blocks`` blocks, or as many as fit in ``kv_memory`` bytes; neither given: on the
+        CPU, enough for ``min(max_batch, 8)`` full contexts. Other keywords go to the constructor."""
+        if num_blocks is not None and kv_memory is not None:
+            raise InvalidRequestError("give num_blocks or kv_memory, not both")
+        if kv_memory is not None and kv_memory <= 0:
+            raise InvalidRequestError(f"kv_memory must be a positive number of bytes, got {kv_memory}")
+        if engine.device == "cpu":
+            from realizar.serving.cpu_backend import KV_DTYPES, ReferenceBatchBackend
+
+            kv_dtype = kv_dtype or "f32"
+            if kv_dtype not in KV_DTYPES:
+                raise UnsupportedError(f"the CPU backend stores KV as one of {tuple(KV_DTYPES)}, got {kv_dtype!r}")
+            c = engine.config
+            itemsize = np.dtype(KV_DTYPES[kv_dtype]).itemsize
+            per_block = 2 * c.num_layers * c.num_kv_heads * block_size * c.head_dim * itemsize
+            if num_blocks is None:
+                if kv_memory is not None:
+                    num_blocks = int(kv_memory // per_block) + 1
+                else:
+                    num_blocks = min(max_batch, 8) * (-(-engine.context_length // block_size)) + 1
+                if num_blocks < 2:
+                    raise InvalidRequestError(f"kv_memory {kv_memory} holds no block of {per_block} bytes")
+            backend = ReferenceBatchBackend(engine.model, num_blocks, block_size, kv_dtype=kv_dtype,
+                                            max_batch=max_batch)  # fmt: skip
+        else:
+            try:
+                from realizar.gpu.batch import GpuBatchBackend
+            except ImportError as e:
+                raise UnsupportedError(
+                    f"continuous batching on the {engine.device} device needs realizar.gpu.batch.GpuBatchBackend, "
+                    f"which cannot be imported here: {e}"
+                ) from e
+            backend = GpuBatchBackend(engine.model, num_blocks=num_blocks, kv_memory=kv_memory, block_size=block_size,
+                                      kv_dtype=kv_dtype or "f16", max_batch=max_batch,
+                                      max_context=engine.context_length)  # fmt: skip
+            engine.model.release_kv()  # the single-sequence cache: remade only if the engine is used directly
+        eos = getattr(getattr(engine, "generator", None), "eos_token_ids", None)
+        return cls(backend, engine.tokenizer, eos, **kwargs)
+
+    # -- requests ------------------------------------------------------------------------------------
+
+    def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> RequestHandle:
+        """Queue a request; returns its :class:`RequestHandle` at once. Raises
+        :class:`InvalidRequestError` for bad parameters or a request that could never fit."""
+        params = params or SamplingParams()
+        params.validate()
+        if isinstance(prompt, str):
+            ids = list(self.tokenizer.encode(prompt))
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise InvalidRequestError("the prompt is empty (no tokens)")
+        if params.seed is None:
+            params = dataclasses.replace(params, seed=secrets.randbits(63))
+        handle = RequestHandle(self, SequenceState(ids, params, self.tokenizer, self.eos_token_ids))
+        if not handle.needs_host_logits:
+            handle.row_sampling()  # the device's limits (e.g. a float32 1/temperature) checked now
+        with self._cv:
+            if self._closed:
+                raise EngineClosedError("the serving engine is closed")
+            if params.max_tokens == 0:  # nothing to run (as Generator: no prefill either)
+                handle._finish()
+                return handle
+            handle._seq = self.scheduler.add(ids, params.max_tokens, handle)
+            self._active.add(handle)
+            if self._thread is None and self.background:
+                self._thread = threading.Thread(target=self._loop, name="realizar-serving", daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+        return handle
+
+    def generate_batch(
+        self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[GenerationResult]:
+        """Submit every prompt (with one params for all, or one each) and wait for all results."""
+        if params is None or isinstance(params, SamplingParams):
+            plist = [params] * len(prompts)
+        else:
+            plist = list(params)
+            if len(plist) != len(prompts):
+                raise InvalidRequestError(f"{len(prompts)} prompts but {len(plist)} sampling params")
+        handles = []
+        try:
+            for p, sp in zip(prompts, plist):
+                handles.append(self.submit(p, sp))
+        except BaseException:
+            for h in handles:
+                h.cancel()
+            raise
+        return [h.wait() for h in handles]
+
+    def _cancel(self, handle: RequestHandle) -> None:
+        with self._cv:
+            if handle._done.is_set():
+                return
+            if handle._seq is not None:
+                self.scheduler.cancel(handle._seq)
+            self._active.discard(handle)
+            handle._finish(reason="cancelled")
+
+    # -- the loop --------------------------------------------------------------------------------------
+
+    def step(self) -> StepOutput:
+        """Run one scheduler iteration now, in the calling thread (the background loop does this;
+        also for tests and tools that drive the engine by hand)."""
+        t0 = time.perf_counter()
+        with self._cv:
+            out = self.scheduler.step()
+            for h in [h for h in self._active if h._done.is_set()]:
+                self._active.discard(h)
+            self._last_batch = out.decode_batch
+            pool = self.scheduler.pool
+            stats = StepStats(
+                decode_batch=out.decode_batch, prefill_tokens=out.prefill[2] if out.prefill else 0,
+                tokens_out=len(out.tokens), preempted=len(out.preempted), running=len(self.scheduler.running),
+                waiting=len(self.scheduler.waiting), blocks_used=pool.num_used, blocks_free=pool.num_available,
+                seconds=time.perf_counter() - t0,
+            )  # fmt: skip
+        if self.on_step is not None:
+            self.on_step(stats)
+        return out
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._closed and not self.scheduler.has_work:
+                    self._cv.wait()
+                if self._closed:
+                    return
+            try:
+                self.step()
+            except BaseException as exc:  # a backend failure: every request in flight gets it
+                self._fail_all(exc)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._cv:
+            for h in list(self._active):
+                if h._seq is not None:
+                    self.scheduler.cancel(h._seq)
+                h.fail(exc)
+            self._active.clear()
+
+    def close(self, timeout: float | None = 10.0) -> None:
+        """Stop the loop; requests still in flight end with :class:`EngineClosedError`."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        self._fail_all(EngineClosedError("the serving engine was closed"))
+
+    def __enter__(self) -> "ServingEngine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- metrics --------------------------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        with self._cv:
+            s, p = self.scheduler, self.scheduler.pool.stats()
+            return EngineStats(
+                running=len(s.running), waiting=len(s.waiting), blocks_total=p.usable, blocks_used=p.used,
+                blocks_free=p.free, blocks_cached=p.cached, prefix_queries=p.queries, prefix_hits=p.hits,
+                prefix_hit_tokens=p.hit_tokens, prefix_query_tokens=p.query_tokens, prefix_hit_rate=p.hit_rate,
+                prefilled_tokens=s.prefilled_tokens, cached_tokens=s.cached_tokens, decoded_tokens=s.decoded_tokens,
+                preemptions=s.preemptions, steps=s.steps, last_decode_batch=self._last_batch,
+            )  # fmt: skip

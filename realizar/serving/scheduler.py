@@ -1,0 +1,303 @@
+"""The iteration-level scheduler: which sequences run in the next forward call, and their blocks.
+
+Every :meth:`Scheduler.step`:
+
+1. **admits** waiting sequences, oldest first, while the running set has room (``max_batch``), the
+   backlog of admitted-but-unprefilled tokens is under the token budget (``max_batched_tokens``),
+   and the pool has blocks for the whole prompt (less the full blocks found in the prefix cache:
+   those positions are never prefilled);
+2. runs **one prefill chunk** of the oldest admitted sequence still prefilling, at most the budget
+   left after the decode rows; the chunk that completes a prompt yields its first token;
+3. runs **one decode step of every running sequence** (those past their prefill), so streams keep
+   flowing while prompts are processed. A sequence whose next position needs a new block and finds
+   the pool empty **preempts the youngest** admitted sequence (possibly itself): its blocks are freed
+   and it waits again, ahead of younger ones, with its prompt plus the tokens generated so far to be
+   recomputed (the prefix cache usually keeps most of them);
+4. finished sequences **retire** at once (their blocks are freed); :meth:`Scheduler.cancel` frees a
+   sequence's blocks at once too.
+
+Full blocks are registered in the pool's prefix cache as soon as they are written, so a later request
+with the same prefix (a system prompt, earlier chat turns) skips them. A request that could never
+fit (prompt + max new tokens above the context length or the whole pool) is refused at
+:meth:`Scheduler.add` with :class:`~realizar.errors.InvalidRequestError`.
+
+Sequences are driven through a *client* (the serving engine's per-request object), duck-typed:
+``needs_host_logits`` (bool), ``row_sampling() -> RowSampling`` (device sampling of the next token),
+``choose(logits) -> int`` (host sampling from a float32 logits row), ``accept(token) -> bool``
+(record the token; True when the sequence is finished) and ``fail(exc)`` (a client call raised: the
+sequence is retired). No threads here: the caller drives :meth:`step`.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Any, Sequence as Seq
+
+from realizar.errors import InvalidRequestError
+from realizar.serving.backend import BatchBackend, RowSampling
+from realizar.serving.blocks import ROOT_KEY, BlockPool
+
+__all__ = ["Scheduler", "Sequence", "StepOutput", "WAITING", "PREFILL", "DECODE", "FINISHED", "CANCELLED"]
+
+WAITING, PREFILL, DECODE, FINISHED, CANCELLED = "waiting", "prefill", "decode", "finished", "cancelled"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's scheduling state. ``tokens`` = prompt + generated; positions ``< num_computed``
+    have K/V in ``blocks``; ``keys`` are the prefix-cache keys of its first full blocks."""
+
+    seq_id: int
+    client: Any
+    tokens: list[int]
+    prompt_len: int
+    max_new_tokens: int
+    arrival: int
+    state: str = WAITING
+    num_computed: int = 0
+    blocks: list[int] = field(default_factory=list)
+    keys: list[int] = field(default_factory=list)
+    preemptions: int = 0
+    cached_tokens: int = 0  # positions taken from the prefix cache at the last admission
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+@dataclass
+class StepOutput:
+    """What one :meth:`Scheduler.step` did."""
+
+    admitted: list[int] = field(default_factory=list)
+    #: ``(seq_id, start, n_tokens)`` of the prefill chunk run, or None
+    prefill: tuple[int, int, int] | None = None
+    #: rows of the decode call (0: none)
+    decode_batch: int = 0
+    #: ``(seq_id, token)`` of every token produced, in order
+    tokens: list[tuple[int, int]] = field(default_factory=list)
+    finished: list[int] = field(default_factory=list)
+    preempted: list[int] = field(default_factory=list)
+
+    @property
+    def idle(self) -> bool:
+        return self.prefill is None and self.decode_batch == 0
+
+
+class Scheduler:
+    """Iteration-level scheduling of sequences over ``backend`` and a :class:`BlockPool` of its
+    ``num_blocks`` blocks. Counters: ``prefilled_tokens`` (positions computed by prefill, recomputes
+    included), ``cached_tokens`` (positions taken from the prefix cache), ``decoded_tokens`` (decode
+    rows), ``preemptions``, ``steps``."""
+
+    def __init__(self, backend: BatchBackend, *, max_batched_tokens: int = 2048, prefix_cache: bool = True,
+                 max_batch: int | None = None):  # fmt: skip
+        if int(max_batched_tokens) != max_batched_tokens or max_batched_tokens < 1:
+            raise InvalidRequestError(f"max_batched_tokens must be a positive integer, got {max_batched_tokens}")
+        self.backend = backend
+        self.block_size = int(backend.block_size)
+        self.pool = BlockPool(int(backend.num_blocks), self.block_size, prefix_cache=prefix_cache)
+        self.max_batched_tokens = int(max_batched_tokens)
+        self.max_batch = int(min(max_batch or backend.max_batch, backend.max_batch))
+        self.context_length = int(backend.context_length)
+        self.waiting: list[Sequence] = []  # by arrival
+        self.running: list[Sequence] = []  # by admission
+        self._next_id = 0
+        self._arrivals = 0
+        self.prefilled_tokens = self.cached_tokens = self.decoded_tokens = 0
+        self.preemptions = self.steps = 0
+
+    # -- requests ----------------------------------------------------------------------------------
+
+    def max_sequence_tokens(self) -> int:
+        """The most positions one sequence can ever hold: context length and the whole pool."""
+        return min(self.context_length, self.pool.usable * self.block_size)
+
+    def add(self, prompt_ids: Seq[int], max_new_tokens: int, client: Any) -> Sequence:
+        """Queue a request. Raises :class:`InvalidRequestError` when it could never fit."""
+        tokens = [int(t) for t in prompt_ids]
+        if not tokens:
+            raise InvalidRequestError("the prompt is empty (no tokens)")
+        vocab = self.backend.config.vocab_size
+        bad = [t for t in tokens if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary of {vocab}")
+        if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
+            raise InvalidRequestError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens}")
+        total = len(tokens) + int(max_new_tokens)
+        if total > self.context_length:
+            raise InvalidRequestError(
+                f"prompt of {len(tokens)} tokens + max_tokens {max_new_tokens} = {total} exceeds the "
+                f"context length of {self.context_length}"
+            )
+        cap = self.pool.usable * self.block_size
+        if total > cap:
+            raise InvalidRequestError(
+                f"prompt of {len(tokens)} tokens + max_tokens {max_new_tokens} = {total} exceeds the KV pool "
+                f"({self.pool.usable} blocks of {self.block_size} = {cap} positions)"
+            )
+        seq = Sequence(self._next_id, client, tokens, len(tokens), int(max_new_tokens), self._arrivals)
+        self._next_id += 1
+        self._arrivals += 1
+        self.waiting.append(seq)
+        return seq
+
+    def cancel(self, seq: Sequence) -> bool:
+        """Drop a waiting or running sequence at once (its blocks freed); False if already done."""
+        if seq.state == WAITING:
+            self.waiting.remove(seq)
+        elif seq.state in (PREFILL, DECODE):
+            self._release(seq)
+            self.running.remove(seq)
+        else:
+            return False
+        seq.state = CANCELLED
+        return True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _release(self, seq: Sequence) -> None:
+        self.pool.free(seq.blocks)
+        seq.blocks, seq.keys, seq.num_computed = [], [], 0
+
+    def _retire(self, seq: Sequence, out: StepOutput) -> None:
+        self._release(seq)
+        self.running.remove(seq)
+        seq.state = FINISHED
+        out.finished.append(seq.seq_id)
+
+    def _preempt(self, seq: Sequence, out: StepOutput) -> None:
+        self._release(seq)
+        self.running.remove(seq)
+        seq.state = WAITING
+        seq.preemptions += 1
+        self.preemptions += 1
+        bisect.insort(self.waiting, seq, key=lambda s: s.arrival)
+        out.preempted.append(seq.seq_id)
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        bs = self.block_size
+        while len(seq.keys) < seq.num_computed // bs:
+            i = len(seq.keys)
+            parent = seq.keys[-1] if seq.keys else ROOT_KEY
+            seq.keys.append(self.pool.register(seq.blocks[i], parent, seq.tokens[i * bs : (i + 1) * bs]))
+
+    def _admit(self, out: StepOutput) -> None:
+        pool = self.pool
+        while self.waiting and len(self.running) < self.max_batch:
+            backlog = sum(len(s.tokens) - s.num_computed for s in self.running if s.state == PREFILL)
+            if backlog >= self.max_batched_tokens:
+                break
+            seq = self.waiting[0]
+            hit, _ = pool.lookup_prefix(seq.tokens)
+            need = pool.blocks_for(len(seq.tokens)) - len(hit)
+            if need > pool.num_available - pool.evictable_among(hit):
+                break  # first come, first served: nothing younger jumps the queue
+            hit, keys = pool.match_prefix(seq.tokens)
+            seq.blocks = list(hit) + pool.allocate(need)
+            seq.keys = list(keys)
+            seq.num_computed = seq.cached_tokens = len(hit) * self.block_size
+            self.cached_tokens += seq.cached_tokens
+            seq.state = PREFILL
+            self.waiting.pop(0)
+            self.running.append(seq)
+            out.admitted.append(seq.seq_id)
+
+    def _call(self, seq: Sequence, out: StepOutput, fn, *args):
+        """A client call; if it raises, the client is told and the sequence retired (None)."""
+        try:
+            return fn(*args)
+        except Exception as exc:  # noqa: BLE001 - a user's logits processor may raise anything
+            seq.client.fail(exc)
+            if seq in self.running:
+                self._retire(seq, out)
+            return None
+
+    def _emit(self, seq: Sequence, tok: int, out: StepOutput) -> None:
+        seq.tokens.append(int(tok))
+        out.tokens.append((seq.seq_id, int(tok)))
+        done = self._call(seq, out, seq.client.accept, int(tok))
+        if done is None:
+            return
+        if done or seq.generated >= seq.max_new_tokens:
+            self._retire(seq, out)
+
+    def _choose(self, seq: Sequence, output, row: int, device_tok, out: StepOutput) -> None:
+        if seq.client.needs_host_logits:
+            tok = self._call(seq, out, seq.client.choose, output.logits(row))
+            if tok is None:
+                return
+        else:
+            tok = int(device_tok)
+        self._emit(seq, tok, out)
+
+    # -- one iteration --------------------------------------------------------------------------------
+
+    def step(self) -> StepOutput:
+        out = StepOutput()
+        self.steps += 1
+        self._admit(out)
+        decoding = [s for s in self.running if s.state == DECODE]
+
+        # one prefill chunk, of the oldest admitted sequence still prefilling
+        pre = next((s for s in self.running if s.state == PREFILL), None)
+        if pre is not None:
+            start = pre.num_computed
+            n = min(max(1, self.max_batched_tokens - len(decoding)), len(pre.tokens) - start)
+            output = self.backend.prefill(pre.tokens[start : start + n], start, pre.blocks)
+            pre.num_computed += n
+            self.prefilled_tokens += n
+            self._register_full_blocks(pre)
+            out.prefill = (pre.seq_id, start, n)
+            if pre.num_computed == len(pre.tokens):
+                pre.state = DECODE  # decodes from the next step on
+                device_tok = None
+                if not pre.client.needs_host_logits:
+                    device_tok = output.sample([self._row_spec(pre)])[0]
+                self._choose(pre, output, 0, device_tok, out)
+
+        # one decode step of every sequence that was past its prefill at the start of this step
+        rows: list[Sequence] = []
+        for seq in decoding:
+            if seq.state != DECODE:
+                continue  # preempted below for an older sequence's block
+            if not self._ensure_block(seq, out):
+                continue
+            rows.append(seq)
+        rows = [s for s in rows if s.state == DECODE]
+        if rows:
+            output = self.backend.decode(
+                [s.tokens[s.num_computed] for s in rows], [s.num_computed for s in rows], [s.blocks for s in rows]
+            )
+            out.decode_batch = len(rows)
+            self.decoded_tokens += len(rows)
+            for s in rows:
+                s.num_computed += 1
+                self._register_full_blocks(s)
+            specs = [RowSampling() if s.client.needs_host_logits else self._row_spec(s) for s in rows]
+            toks = output.sample(specs) if any(not s.client.needs_host_logits for s in rows) else [None] * len(rows)
+            for i, s in enumerate(rows):
+                self._choose(s, output, i, toks[i], out)
+        return out
+
+    @staticmethod
+    def _row_spec(seq: Sequence) -> RowSampling:
+        return seq.client.row_sampling()
+
+    def _ensure_block(self, seq: Sequence, out: StepOutput) -> bool:
+        """A block for ``seq``'s next position, preempting the youngest sequences as needed; False
+        when ``seq`` itself was the one preempted."""
+        if seq.num_computed // self.block_size < len(seq.blocks):
+            return True
+        while self.pool.num_available == 0:
+            victim = max(self.running, key=lambda s: s.arrival)
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        seq.blocks += self.pool.allocate(1)
+        return True

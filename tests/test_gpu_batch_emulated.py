@@ -1,0 +1,136 @@
+"""Batched decode on the CPU: :class:`~realizar.gpu.batch.GpuBatchBackend` on an ``EmulatedDevice`` running
+the real PTX (paged RoPE + append, paged flash decoding of rows of different lengths, the batched
+linear layers, paged prefill) against the NumPy reference model run one sequence at a time.
+
+Sequences with shuffled, non-contiguous block tables join and leave the batch at different steps
+(batch sizes 1, 2, 3 — padded to the 4-row bucket — and back); every row's logits must be those of
+the same sequence alone within f16 rounding, and greedy tokens identical. A sequence whose first
+blocks are another's (a prefix-cache hit) prefills only the rest and continues like the whole prompt."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from realizar import cuda
+from realizar.errors import ContextOverflowError, InvalidRequestError, ShapeError
+from realizar.gpu.batch import GpuBatchBackend, bucket_for
+from realizar.gpu.model import GpuModel
+from realizar.models.loader import load_model
+from realizar.models.reference import ReferenceModel
+from tests.gguf_factory import make_gguf_model
+
+TINY = dict(vocab_size=320, hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2)  # head_dim 32
+CASES = [("llama", "Q8_0"), ("qwen3", "Q4_1"), ("qwen2", "Q4_0")]
+BLOCK = 16
+MAX_LEN = 64
+RTOL = 1e-2  # f16 activations and weights in the GEMMs: max |batched - ref| / max |ref|
+
+
+def _rel_err(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert np.isfinite(got).all()
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-{c[1]}")
+def loaded(request, tmp_path_factory):
+    arch, qtype = request.param
+    path, _, _ = make_gguf_model(arch, tmp_path_factory.mktemp(f"b-{arch}-{qtype}"), qtype, seed=5, num_layers=1,
+                                 **TINY)
+    return load_model(path)
+
+
+def _backend(loaded, **kw) -> GpuBatchBackend:
+    model = GpuModel.from_loaded(loaded, max_len=MAX_LEN, device=cuda.EmulatedDevice(sm_count=4), kv_cache=False)
+    kw = {"num_blocks": 24, "block_size": BLOCK, "kv_dtype": "f32", "max_batch": 4, "max_context": MAX_LEN,
+          "prefill_chunk": 8, **kw}
+    return GpuBatchBackend(model, **kw)
+
+
+class _Alone:
+    """One sequence through the reference model, step by step."""
+
+    def __init__(self, loaded, prompt):
+        self.ref = ReferenceModel.from_loaded(loaded, max_len=MAX_LEN)
+        self.logits = self.ref.prefill(prompt)
+        self.position = len(prompt)
+
+    def step(self, token):
+        self.logits = self.ref.decode(token)
+        self.position += 1
+
+
+def test_bucket_for():
+    assert [bucket_for(n, 64) for n in (1, 2, 3, 5, 9, 33, 64)] == [1, 2, 4, 8, 16, 48, 64]
+    assert bucket_for(100, 100) == 100
+
+
+def test_rows_joining_and_leaving_match_alone(loaded):
+    rng = np.random.default_rng(7)
+    be = _backend(loaded)
+    blocks = [int(b) for b in rng.permutation(np.arange(1, be.num_blocks))]  # shuffled, never block 0
+    prompts = {"a": 5, "b": 19, "c": 33}
+    seqs, tables = {}, {}
+    for name, n in prompts.items():
+        tables[name] = [blocks.pop() for _ in range(-(-(n + 8) // BLOCK))]
+    # a and b start; c joins after 2 steps; a leaves after 4; c decodes alone at the end
+    schedule = [("a", "b"), ("a", "b"), ("a", "b", "c"), ("a", "b", "c"), ("b", "c"), ("c",)]
+    pending = {}
+    for step, names in enumerate(schedule):
+        for name in names:
+            if name not in seqs:
+                prompt = [int(t) for t in rng.integers(3, 320, prompts[name])]
+                seqs[name] = _Alone(loaded, prompt)
+                out = be.prefill(prompt, 0, tables[name])
+                assert _rel_err(out.logits(0), seqs[name].logits) < RTOL, name
+                pending[name] = int(np.argmax(out.logits(0)))
+                assert pending[name] == int(np.argmax(seqs[name].logits))
+        rows = list(names)
+        out = be.decode([pending[n] for n in rows], [seqs[n].position for n in rows], [tables[n] for n in rows])
+        for r, name in enumerate(rows):
+            seqs[name].step(pending[name])
+            got = out.logits(r)
+            assert _rel_err(got, seqs[name].logits) < RTOL, (step, name)
+            pending[name] = int(np.argmax(got))
+            assert pending[name] == int(np.argmax(seqs[name].logits)), (step, name)
+
+
+def test_prefix_blocks_shared(loaded):
+    """Sequence 2 reuses sequence 1's first two full blocks and prefills only its own tail."""
+    rng = np.random.default_rng(3)
+    be = _backend(loaded)
+    prefix = [int(t) for t in rng.integers(3, 320, 2 * BLOCK)]
+    one = prefix + [int(t) for t in rng.integers(3, 320, 5)]
+    two = prefix + [int(t) for t in rng.integers(3, 320, 9)]
+    t1 = [3, 7, 11]
+    t2 = [3, 7, 12]  # blocks 3 and 7 shared
+    be.prefill(one, 0, t1)
+    out = be.prefill(two[2 * BLOCK:], 2 * BLOCK, t2)
+    alone = _Alone(loaded, two)
+    assert _rel_err(out.logits(0), alone.logits) < RTOL
+    tok = int(np.argmax(out.logits(0)))
+    assert tok == int(np.argmax(alone.logits))
+    out = be.decode([tok], [len(two)], [t2])
+    alone.step(tok)
+    assert _rel_err(out.logits(0), alone.logits) < RTOL
+
+
+def test_bad_inputs(loaded):
+    be = _backend(loaded)
+    with pytest.raises(InvalidRequestError, match="vocabulary"):
+        be.prefill([1, 320], 0, [1])
+    with pytest.raises(ShapeError, match="block id"):
+        be.prefill([1, 2], 0, [24])
+    with pytest.raises(ShapeError, match="blocks"):
+        be.prefill(list(range(1, BLOCK + 2)), 0, [1])
+    with pytest.raises(ContextOverflowError):
+        be.decode([1], [MAX_LEN], [[1] * (MAX_LEN // BLOCK)])
+    with pytest.raises(ShapeError, match="rows"):
+        be.decode([1] * 5, [0] * 5, [[1]] * 5)
+    with pytest.raises(ShapeError, match="kv_dtype"):
+        _backend(loaded, kv_dtype="int4")
+    out = be.prefill([5, 6, 7], 0, [2])
+    be.decode([1], [3], [[2]])
+    with pytest.raises(InvalidRequestError, match="overwritten"):
+        out.logits(0)

@@ -1,0 +1,227 @@
+"""Serving throughput and latency on the GPU: batched decode at the backend, and many concurrent requests
+through the serving engine and the HTTP server, beside llama.cpp's batched figures.
+
+    python tools/bench_serving.py --out docs/results/bench_serving_h200.md
+    python tools/bench_serving.py --shapes smollm2-135m --batches 1,8,64 --parts batched
+
+Parts (``--parts``):
+
+* ``batched`` — what ``llama-batched-bench -npp 128 -ntg 128`` measures: B sequences each prefilled with
+  ``--prompt`` random tokens, then ``--gen`` decode steps of all B at once through
+  :class:`realizar.gpu.batch.GpuBatchBackend` (one graph replay per step, greedy sampling on the GPU,
+  4 bytes a sequence read back). Aggregate decode tok/s = B x gen / wall time of the decode steps;
+  the ratio to our B = 1 and to llama.cpp's figure at the same B.
+* ``engine`` — C concurrent requests (prompt ``--prompt`` tokens, ``--gen`` output tokens; and a mixed
+  load of prompts 32..1024 / outputs 16..256) submitted at once to :class:`realizar.serving.ServingEngine`:
+  aggregate output tok/s, time to first token and inter-token latency p50/p99.
+* ``http`` — the same requests as streaming completions through the OpenAI-compatible server
+  (uvicorn in this process, ``httpx`` streaming clients).
+
+Random weights at the real shapes (``realizar.models.random.BENCH_SHAPES``). llama.cpp's figures:
+``llama-batched-bench -npp 128 -ntg 128`` (flash attention on) on an H200 with random weights,
+2026-11-25 (../shared/GUIDE.md); not re-run here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from realizar import cuda
+from realizar.gpu.batch import GpuBatchBackend
+from realizar.gpu.model import GpuModel
+from realizar.models.random import BENCH_SHAPES, bench_model
+
+# llama-batched-bench -npp 128 -ntg 128, aggregate tok/s at B = 1 / 8 / 32 / 64 / 128 (../shared/GUIDE.md)
+LLAMA_CPP_BATCHED = {
+    "smollm2-135m": {1: 819, 8: 4618, 32: 8256, 64: 11598, 128: 13599},
+    "llama-3.2-1b": {1: 814, 8: 3634, 32: 8964, 64: 12691, 128: 14198},
+    "llama-3-8b": {1: 281, 8: 984, 32: 3379, 64: 4765, 128: 5507},
+}
+LLAMA_CPP_ORIGIN = ("llama.cpp: `llama-batched-bench -npp 128 -ntg 128` (flash attention on), H200, random weights "
+                    "at the same shapes, 2026-11-25 (../shared/GUIDE.md); not re-run here")
+
+
+def pct(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q)) if values else float("nan")
+
+
+def bench_batched(backend: GpuBatchBackend, batches: list[int], prompt: int, gen: int, rng) -> dict[int, dict]:
+    """{B: {"tok_s", "step_ms", "prefill_s"}}: B sequences prefilled then decoded together."""
+    from realizar.sampling import RowSampling
+
+    bs = backend.block_size
+    per_seq = -(-(prompt + gen) // bs)
+    out = {}
+    for b in batches:
+        if b > backend.max_batch or 1 + b * per_seq > backend.num_blocks:
+            print(f"  B={b}: skipped (max_batch {backend.max_batch}, {backend.num_blocks} blocks)", flush=True)
+            continue
+        tables = [list(range(1 + r * per_seq, 1 + (r + 1) * per_seq)) for r in range(b)]
+        tokens = []
+        t0 = time.perf_counter()
+        for r in range(b):
+            ids = [int(t) for t in rng.integers(0, backend.config.vocab_size, prompt)]
+            tokens.append(int(backend.prefill(ids, 0, tables[r]).sample([RowSampling()])[0]))
+        prefill_s = time.perf_counter() - t0
+        specs = [RowSampling()] * b
+        # warm-up: the bucket's first step captures its graph
+        backend.decode(tokens, [prompt] * b, tables).sample(specs)
+        t0 = time.perf_counter()
+        for step in range(1, gen):
+            tokens = backend.decode(tokens, [prompt + step] * b, tables).sample(specs).tolist()
+        wall = time.perf_counter() - t0
+        steps = gen - 1
+        out[b] = {"tok_s": b * steps / wall, "step_ms": 1e3 * wall / steps, "prefill_s": prefill_s}
+        print(f"  B={b}: {out[b]['tok_s']:.0f} tok/s aggregate, {out[b]['step_ms']:.2f} ms/step "
+              f"(prefill of {b}x{prompt} tokens {prefill_s:.2f} s)", flush=True)
+    return out
+
+
+def bench_tokenizer(vocab_size: int):
+    """A byte-level tokenizer of ``vocab_size`` ids for random-weight models: the 256 byte symbols,
+    then ids spelled ``w<id>``; no end-of-sequence id, so every request runs to ``max_tokens``."""
+    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers
+
+    from realizar.text.tokenizer import Tokenizer
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab.update({f"w{i}": i for i in range(len(vocab), vocab_size)})
+    backend = Backend(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return Tokenizer(backend, kind="bpe", vocab_size=vocab_size)
+
+
+def run_load(serving, requests: list[tuple[list[int], int]]) -> dict:
+    """Submit every (prompt ids, max_tokens) at once and stream each in its own thread: aggregate
+    output tok/s, TTFT and inter-token latency percentiles (seconds)."""
+    import threading
+
+    from realizar.generation import SamplingParams
+
+    ttft, itl, counts = [], [], []
+    lock = threading.Lock()
+
+    def consume(handle, t_submit):
+        times = [time.perf_counter() for _ in handle]
+        with lock:
+            counts.append(len(times))
+            if times:
+                ttft.append(times[0] - t_submit)
+                itl.extend(np.diff(times).tolist())
+
+    t0 = time.perf_counter()
+    threads = []
+    for ids, n in requests:
+        t = time.perf_counter()
+        handle = serving.submit(ids, SamplingParams(max_tokens=n, temperature=0.0))
+        th = threading.Thread(target=consume, args=(handle, t))
+        th.start()
+        threads.append(th)
+    for th in threads:
+        th.join()
+    wall = time.perf_counter() - t0
+    return {"tok_s": sum(counts) / wall, "ttft": ttft, "itl": itl, "wall": wall, "tokens": sum(counts)}
+
+
+def bench_engine(backend, concurrency: list[int], prompt: int, gen: int, rng) -> dict[str, dict]:
+    """{label: run_load result} through a ServingEngine over ``backend``."""
+    from realizar.serving.engine import ServingEngine
+
+    vocab = backend.config.vocab_size
+    serving = ServingEngine(backend, bench_tokenizer(vocab), eos_token_ids=())
+    draw = lambda n: [int(t) for t in rng.integers(0, vocab, n)]  # noqa: E731
+    out = {}
+    try:
+        run_load(serving, [(draw(prompt), 8)])  # warm-up: kernels loaded, first graphs captured
+        for c in concurrency:
+            if c > backend.max_batch:
+                continue
+            run_load(serving, [(draw(prompt), 4) for _ in range(c)])  # capture this bucket's graph
+            out[f"{c} x ({prompt} in, {gen} out)"] = r = run_load(serving, [(draw(prompt), gen) for _ in range(c)])
+            print(f"  engine C={c}: {r['tok_s']:.0f} tok/s, TTFT p50 {1e3 * pct(r['ttft'], 50):.1f} ms, "
+                  f"ITL p50 {1e3 * pct(r['itl'], 50):.2f} ms", flush=True)
+        c = min(64, backend.max_batch)
+        lens = [(int(rng.integers(32, 1025)), int(rng.integers(16, 257))) for _ in range(c)]
+        fits = [(p, g) for p, g in lens if p + g <= backend.context_length]
+        out[f"{c} mixed (32-1024 in, 16-256 out)"] = r = run_load(serving, [(draw(p), g) for p, g in fits])
+        print(f"  engine mixed: {r['tok_s']:.0f} tok/s", flush=True)
+    finally:
+        serving.close()
+    return out
+
+
+def latency_table(name: str, part: str, res: dict[str, dict]) -> list[str]:
+    lines = [f"### {name}: {part}", "",
+             "| load | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | wall s |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for label, r in res.items():
+        lines.append(f"| {label} | {r['tok_s']:.0f} | {1e3 * pct(r['ttft'], 50):.1f} | {1e3 * pct(r['ttft'], 99):.1f} | "
+                     f"{1e3 * pct(r['itl'], 50):.2f} | {1e3 * pct(r['itl'], 99):.2f} | {r['wall']:.2f} |")
+    return lines + [""]
+
+
+def batched_table(name: str, res: dict[int, dict]) -> list[str]:
+    peer = LLAMA_CPP_BATCHED.get(name, {})
+    one = res.get(1, {}).get("tok_s")
+    lines = [f"### {name}: batched decode (prompt 128, 128 generated per sequence)", "",
+             "| B | aggregate tok/s | ms / step | x our B=1 | llama.cpp tok/s | x llama.cpp |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    for b, r in sorted(res.items()):
+        p = peer.get(b)
+        vs_one = f"{r['tok_s'] / one:.1f}" if one else "-"
+        vs_peer = f"{r['tok_s'] / p:.2f}" if p else "-"
+        lines.append(f"| {b} | {r['tok_s']:.0f} | {r['step_ms']:.2f} | {vs_one} | {p or '-'} | {vs_peer} |")
+    return lines + [""]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default=",".join(BENCH_SHAPES))
+    ap.add_argument("--batches", default="1,8,32,64,128")
+    ap.add_argument("--parts", default="batched,engine")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--kv-dtype", default="f16")
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args()
+    dev = cuda.current_device()
+    batches = [int(b) for b in a.batches.split(",")]
+    parts = a.parts.split(",")
+    lines = [f"# bench_serving — {dev.name}, {datetime.date.today()}", "",
+             f"Command: `python {' '.join(shlex.quote(x) for x in sys.argv)}`", "", LLAMA_CPP_ORIGIN, ""]
+    rng = np.random.default_rng(0)
+    for name in a.shapes.split(","):
+        cfg, tensors, _ = bench_model(name)
+        model = GpuModel(cfg, tensors, max_len=16, device=dev, kv_cache=False)
+        ctx = max(a.prompt + a.gen, 1280 if "engine" in parts else 0)  # (the mixed load: up to 1024 + 256)
+        need = max(batches) * -(-ctx // a.block_size) + 1
+        backend = GpuBatchBackend(model, num_blocks=need, block_size=a.block_size, kv_dtype=a.kv_dtype,
+                                  max_batch=max(batches), max_context=ctx)
+        print(f"{name}: {backend.num_blocks} blocks of {a.block_size}, kv {a.kv_dtype}", flush=True)
+        if "batched" in parts:
+            lines += batched_table(name, bench_batched(backend, batches, a.prompt, a.gen, rng))
+        if "engine" in parts:
+            lines += latency_table(name, "ServingEngine, concurrent requests (greedy)",
+                                   bench_engine(backend, batches, a.prompt, a.gen, rng))
+        backend.close()
+        del backend, model, tensors
+        gc.collect()
+    text = "\n".join(lines)
+    print(text)
+    if a.out:
+        a.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
