@@ -33,7 +33,9 @@ from ptx_gen.builder import KernelBuilder, Module
 from ptx_gen.catalog import kernel
 from ptx_gen.kernels.decode_combine import arrive, combine_partials
 from ptx_gen.kernels.decode_core import LOG2E, NEG_INF, BlockState, emit_combine, guard_base, safe_reciprocal
-from ptx_gen.kernels.paged_kv import check_paged, load_values, log2, narrow
+from ptx_gen.kernels.paged_kv import (
+    ELEM_BYTES, QK, check_paged, f16_bits_to_f32, kv_params, load_values, load_words, log2, narrow, q8_values,
+)
 
 WARPS = 4
 THREADS = 32 * WARPS
@@ -73,7 +75,7 @@ def check_shape(head_dim: int, group: int, block_size: int, kv_dtype: str, unrol
         raise ValueError(f"group must be an integer in 1..{MAX_GROUP}, got {group!r}")
     if unroll not in (1, 2, 4):
         raise ValueError(f"unroll must be 1, 2 or 4, got {unroll!r}")
-    check_paged(block_size, kv_dtype)
+    check_paged(block_size, kv_dtype, head_dim)
 
 
 def _pass(k: KernelBuilder, lay: _Layout, q_regs: list, kvh, n_kv, table, start, end, block_size: int,
@@ -86,8 +88,33 @@ def _pass(k: KernelBuilder, lay: _Layout, q_regs: list, kvh, n_kv, table, start,
     lane, warp = k.and_(tid, 31), k.shr(tid, 5)
     g = k.shr(lane, log2(T)) if T < 32 else None
     j = k.and_(lane, T - 1) if T < 32 else lane
-    lane_off = k.mul_wide(j, EPL * (4 if kv_dtype == "f32" else 2))
+    lane_off = k.mul_wide(j, EPL * ELEM_BYTES[kv_dtype])
     k_pool, v_pool = k.global_ptr("k_pool"), k.global_ptr("v_pool")
+    q8 = kv_dtype == "q8_0"
+    if q8:  # the lane's values [j EPL, (j + 1) EPL) use scale g_lo, or g_lo + 1 past a group's end
+        k_sc, v_sc = k.global_ptr("k_scales"), k.global_ptr("v_scales")
+        first = k.mul(j, EPL)
+        g_lo = k.shr(first, log2(QK))
+        s_off = k.mul_wide(g_lo, 2)
+        straddle = QK % EPL != 0
+        upper = s_off2 = None
+        if straddle:  # the group of the lane's last value (the same as g_lo where the slice does not cross)
+            s_off2 = k.mul_wide(k.shr(k.add(first, EPL - 1), log2(QK)), 2)
+            # a group boundary falls on a multiple of 4 values: a whole code word takes one scale
+            upper = [k.setp("ge", k.add(first, 4 * w), k.shl(k.add(g_lo, 1), log2(QK))) for w in range(EPL // 4)]
+
+    def load_row(pool, scales, a, r_in, ok):
+        if not q8:
+            return load_values(k, k.add(pool, a), EPL, kv_dtype, ok)
+        words = load_words(k, k.add(pool, a), EPL, ok)
+        srow = k.add(scales, k.mul_wide(r_in, D // QK * 2))
+        sc = f16_bits_to_f32(k, k.load("global", "b16", k.add(srow, s_off), pred=ok, other=0))
+        if not straddle:
+            return q8_values(k, words, sc)
+        sc2 = f16_bits_to_f32(k, k.load("global", "b16", k.add(srow, s_off2), pred=ok, other=0))
+        per_word = [k.selp(sc2, sc, u) for u in upper]
+        return q8_values(k, words, [per_word[e // 4] for e in range(EPL)])
+
     acc = [[k.var("f32", 0.0) for _ in range(EPL)] for _ in range(G)]
     m = [k.var("f32", NEG_INF) for _ in range(G)]
     l = [k.var("f32", 0.0) for _ in range(G)]
@@ -100,14 +127,15 @@ def _pass(k: KernelBuilder, lay: _Layout, q_regs: list, kvh, n_kv, table, start,
         base = k.add(sb, warp_row0)
         rows = [k.add(base, u * R) if u else base for u in range(U)]
         valid = [k.setp("lt", r, end) for r in rows]
-        addrs = []
+        addrs, r_ins = [], []
         for r in rows:
             rc = k.min(r, last, "u32")  # rows past the end re-read the last row's block id (loads are guarded)
             page = k.load("global", "u32", k.add(table, k.mul_wide(k.shr(rc, log2(block_size)), 4)))
             r_in = k.mad(k.mad(page, n_kv, kvh), block_size, k.and_(rc, block_size - 1))
-            addrs.append(k.add(k.mul_wide(r_in, D * (4 if kv_dtype == "f32" else 2)), lane_off))
-        krows = [load_values(k, k.add(k_pool, a), EPL, kv_dtype, v) for a, v in zip(addrs, valid)]
-        vrows = [load_values(k, k.add(v_pool, a), EPL, kv_dtype, v) for a, v in zip(addrs, valid)]
+            addrs.append(k.add(k.mul_wide(r_in, D * ELEM_BYTES[kv_dtype]), lane_off))
+            r_ins.append(r_in)
+        krows = [load_row(k_pool, k_sc if q8 else None, a, ri, v) for a, ri, v in zip(addrs, r_ins, valid)]
+        vrows = [load_row(v_pool, v_sc if q8 else None, a, ri, v) for a, ri, v in zip(addrs, r_ins, valid)]
         for i in range(G):
             scores = []
             for u in range(U):
@@ -175,6 +203,8 @@ _GRID = [
     {"head_dim": 256, "group": 2, "block_size": 32, "kv_dtype": "f16", "out_f16": False, "unroll": 2},
     {"head_dim": 32, "group": 6, "block_size": 16, "kv_dtype": "f16", "out_f16": False, "unroll": 2},
     {"head_dim": 96, "group": 4, "block_size": 32, "kv_dtype": "f16", "out_f16": False, "unroll": 2},
+    {"head_dim": 128, "group": 4, "block_size": 32, "kv_dtype": "q8_0", "out_f16": True, "unroll": 2},
+    {"head_dim": 96, "group": 2, "block_size": 16, "kv_dtype": "q8_0", "out_f16": False, "unroll": 2},
 ]
 
 
@@ -192,7 +222,7 @@ def paged_decode_attention(m: Module, head_dim: int = 128, group: int = 1, block
     EPL = D // T
     name = (f"paged_decode_attention_d{D}_g{G}_b{block_size}_{kv_dtype}_u{unroll}"
             + ("_outf16" if out_f16 else ""))
-    params = [("q", "u64"), ("k_pool", "u64"), ("v_pool", "u64"), ("out", "u64"), ("part_acc", "u64"),
+    params = [("q", "u64"), *kv_params(kv_dtype), ("out", "u64"), ("part_acc", "u64"),
               ("part_ml", "u64"), ("counters", "u64"), ("seq_lens", "u64"), ("block_tables", "u64"),
               ("table_stride", "u32"), ("n_kv", "u32"), ("min_chunk", "u32"), ("q_stride", "u32")]
     k = m.kernel(name, params, max_threads=THREADS)
