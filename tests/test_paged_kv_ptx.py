@@ -123,12 +123,16 @@ def _run_decode(cache, q, tab, stride, lengths, out_f16, repeats=1):
 @given(hk=st.sampled_from(HEADS), d=st.sampled_from([32, 64, 96, 128]), bs=st.sampled_from([16, 32, 64]),
        kv_dtype=st.sampled_from(["f16", "f32", "bf16", "q8_0"]), out_f16=st.booleans(), unroll=st.sampled_from([1, 2, 4]),
        lengths=st.lists(st.one_of(st.integers(1, 40), st.integers(60, 300)), min_size=1, max_size=3),
-       min_chunk=st.sampled_from([1, 16, 64]), scale=st.floats(0.2, 8), seed=st.integers(0, 2**32 - 1))
-def test_decode_attention_matches_oracle(hk, d, bs, kv_dtype, out_f16, unroll, lengths, min_chunk, scale, seed):
+       min_chunk=st.sampled_from([1, 16, 64]), scale=st.floats(0.2, 8), lanes=st.sampled_from([0, 0, 4, 8, 16]),
+       seed=st.integers(0, 2**32 - 1))
+def test_decode_attention_matches_oracle(hk, d, bs, kv_dtype, out_f16, unroll, lengths, min_chunk, scale, lanes,
+                                         seed):
     h, kvh = hk
+    lanes = 0 if d % (4 * max(lanes, 1)) else lanes
     rng = np.random.default_rng(seed)
     q, kpool, vpool, tab, stride, nb, ref = _decode_case(rng, h, kvh, d, bs, kv_dtype, lengths, scale)
-    cache = _cache(h, kvh, d, nb, bs, kv_dtype, max_batch=4, decode_unroll=unroll, min_chunk=min_chunk)
+    cache = _cache(h, kvh, d, nb, bs, kv_dtype, max_batch=4, decode_unroll=unroll, min_chunk=min_chunk,
+                   decode_lanes=lanes)
     _upload(cache, 0, kpool, vpool)
     got, = _run_decode(cache, q, tab, stride, lengths, out_f16)
     assert np.isfinite(got).all(), "unwritten (NaN-poisoned) outputs or a NaN pool row read"
@@ -289,6 +293,11 @@ def test_append_rows_and_prefill_attention(hk, d, bs, kv_dtype, cached, count, n
     ("paged_decode_attention", dict(head_dim=128, group=4, block_size=32, kv_dtype="q8_0", unroll=4)),
     ("paged_decode_attention", dict(head_dim=96, group=8, block_size=16, kv_dtype="q8_0", unroll=2)),
     ("paged_decode_attention", dict(head_dim=256, group=8, block_size=32, kv_dtype="q8_0", unroll=2)),
+    ("paged_decode_attention", dict(head_dim=128, group=8, block_size=32, kv_dtype="f16", unroll=2, lanes=16)),
+    ("paged_decode_attention", dict(head_dim=128, group=8, block_size=32, kv_dtype="q8_0", unroll=4, lanes=16)),
+    ("paged_decode_attention", dict(head_dim=128, group=4, block_size=32, kv_dtype="f16", unroll=2, lanes=8)),
+    ("paged_decode_attention", dict(head_dim=128, group=4, block_size=32, kv_dtype="q8_0", unroll=4, lanes=8)),
+    ("paged_decode_attention", dict(head_dim=128, group=8, block_size=32, kv_dtype="bf16", unroll=2, lanes=16)),
     ("paged_append_decode", dict(head_dim=128, block_size=32, kv_dtype="q8_0", qk_norm=True)),
     ("paged_append_decode", dict(head_dim=96, block_size=32, kv_dtype="q8_0", neox=True)),
     ("paged_append_rows", dict(head_dim=128, block_size=32, kv_dtype="q8_0", neox=True)),

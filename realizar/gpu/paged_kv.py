@@ -96,12 +96,13 @@ class PagedKVCache:
     ``max_batch``: most rows of a decode launch (sizes the partial buffers); ``num_chunks``: fixed chunks
     per (row, KV head) of a decode launch (default :func:`decode_chunks`, by rows); ``min_chunk``: fewest
     positions per chunk (default 64, rounded up to whole blocks on the device); ``decode_unroll``: rows per
-    lane group per step of the decode kernel (1, 2 or 4). ``ops``: the dispatcher to launch with."""
+    lane group per step of the decode kernel (1, 2 or 4); ``decode_lanes``: lanes reading one K/V row in the
+decode kernel (0: the kernel's default, 32 at head_dim 128; or 4, 8, 16, 32 dividing head_dim / 4). ``ops``: the dispatcher to launch with."""
 
     def __init__(self, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int, num_blocks: int,
                  block_size: int = 32, kv_dtype: str = "f16", device: Any = None, *, ops: Dispatcher | None = None,
                  max_batch: int = 64, num_chunks: int | None = None, min_chunk: int = _MIN_CHUNK_ROWS,
-                 decode_unroll: int = 2):
+                 decode_unroll: int = 2, decode_lanes: int = 0):
         self.num_layers = check_int("num_layers", num_layers)
         self.num_heads = check_int("num_heads", num_heads)
         self.num_kv_heads = check_int("num_kv_heads", num_kv_heads)
@@ -124,6 +125,10 @@ class PagedKVCache:
             raise ShapeError(f"a q8_0 pool needs head_dim a multiple of {QK}, got {head_dim}")
         if decode_unroll not in (1, 2, 4):
             raise ShapeError(f"decode_unroll must be 1, 2 or 4, got {decode_unroll!r}")
+        if decode_lanes not in (0, 4, 8, 16, 32) or (decode_lanes and self.head_dim % (4 * decode_lanes)):
+            raise ShapeError(f"decode_lanes must be 0 or 4, 8, 16, 32 dividing head_dim / 4 ({self.head_dim // 4}), "
+                             f"got {decode_lanes!r}")
+        self.decode_lanes = int(decode_lanes)
         if num_chunks is not None:
             num_chunks = check_int("num_chunks", num_chunks)
             if num_chunks > 1024:
@@ -254,7 +259,7 @@ class PagedKVCache:
     def _decode_kernel(self, out_f16: bool):
         return self.ops.kernel("paged_decode_attention", head_dim=self.head_dim, group=self.group,
                                block_size=self.block_size, kv_dtype=self.kv_dtype, out_f16=bool(out_f16),
-                               unroll=self.decode_unroll)
+                               unroll=self.decode_unroll, lanes=self.decode_lanes)
 
     # ---- decode ------------------------------------------------------------------------------------
     def append_decode(self, layer: int, qkv: Any, inv_freq: Any, positions: Any, block_tables: Any,
