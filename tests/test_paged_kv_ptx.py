@@ -23,7 +23,7 @@ from ptx_gen import catalog
 from ptx_gen.kernels.rope import inv_freq_table
 from realizar import cuda
 from realizar.errors import ShapeError
-from realizar.gpu.paged_kv import KV_NUMPY_DTYPES, PagedKVCache
+from realizar.gpu.paged_kv import KV_NUMPY_DTYPES, PagedKVCache, dequantize_q8_0, quantize_q8_0
 from realizar.models.attention import gqa_attention
 from tests.layer_kernels_ptx_cases import _assemble_all
 from tests.layer_oracles import rope_append_rows_oracle
@@ -33,8 +33,11 @@ HEADS = [(1, 1), (2, 1), (4, 2), (3, 3), (8, 1), (6, 2)]
 
 
 def _round(x: np.ndarray, kv_dtype: str) -> np.ndarray:
-    """``x`` as stored in a pool of ``kv_dtype``, back as float64 (f16/bf16: round to nearest even)."""
+    """``x`` as stored in a pool of ``kv_dtype``, back as float64 (f16/bf16: round to nearest even; q8_0:
+    quantised in groups of 32 along the last axis)."""
     x = np.asarray(x, np.float32)
+    if kv_dtype == "q8_0":
+        return dequantize_q8_0(*quantize_q8_0(x)).astype(np.float64)
     if kv_dtype == "f32":
         return x.astype(np.float64)
     if kv_dtype == "f16":
@@ -56,6 +59,9 @@ def _cache(h, kvh, d, num_blocks, bs, kv_dtype, **kw) -> PagedKVCache:
 
 
 def _upload(cache, layer, kpool, vpool):
+    if cache.kv_dtype == "q8_0":  # codes and scales (a group holding NaN gets a NaN scale)
+        cache.pools_from_numpy(layer, kpool, vpool)
+        return
     cache.k_pool(layer).copy_from_host(_encode(kpool, cache.kv_dtype).reshape(-1))
     cache.v_pool(layer).copy_from_host(_encode(vpool, cache.kv_dtype).reshape(-1))
 
@@ -114,15 +120,19 @@ def _run_decode(cache, q, tab, stride, lengths, out_f16, repeats=1):
 
 
 @settings(max_examples=14, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(hk=st.sampled_from(HEADS), d=st.sampled_from([32, 64, 128]), bs=st.sampled_from([16, 32, 64]),
-       kv_dtype=st.sampled_from(["f16", "f32", "bf16"]), out_f16=st.booleans(), unroll=st.sampled_from([1, 2, 4]),
+@given(hk=st.sampled_from(HEADS), d=st.sampled_from([32, 64, 96, 128]), bs=st.sampled_from([16, 32, 64]),
+       kv_dtype=st.sampled_from(["f16", "f32", "bf16", "q8_0"]), out_f16=st.booleans(), unroll=st.sampled_from([1, 2, 4]),
        lengths=st.lists(st.one_of(st.integers(1, 40), st.integers(60, 300)), min_size=1, max_size=3),
-       min_chunk=st.sampled_from([1, 16, 64]), scale=st.floats(0.2, 8), seed=st.integers(0, 2**32 - 1))
-def test_decode_attention_matches_oracle(hk, d, bs, kv_dtype, out_f16, unroll, lengths, min_chunk, scale, seed):
+       min_chunk=st.sampled_from([1, 16, 64]), scale=st.floats(0.2, 8), lanes=st.sampled_from([0, 0, 4, 8, 16]),
+       seed=st.integers(0, 2**32 - 1))
+def test_decode_attention_matches_oracle(hk, d, bs, kv_dtype, out_f16, unroll, lengths, min_chunk, scale, lanes,
+                                         seed):
     h, kvh = hk
+    lanes = 0 if d % (4 * max(lanes, 1)) else lanes
     rng = np.random.default_rng(seed)
     q, kpool, vpool, tab, stride, nb, ref = _decode_case(rng, h, kvh, d, bs, kv_dtype, lengths, scale)
-    cache = _cache(h, kvh, d, nb, bs, kv_dtype, max_batch=4, decode_unroll=unroll, min_chunk=min_chunk)
+    cache = _cache(h, kvh, d, nb, bs, kv_dtype, max_batch=4, decode_unroll=unroll, min_chunk=min_chunk,
+                   decode_lanes=lanes)
     _upload(cache, 0, kpool, vpool)
     got, = _run_decode(cache, q, tab, stride, lengths, out_f16)
     assert np.isfinite(got).all(), "unwritten (NaN-poisoned) outputs or a NaN pool row read"
@@ -164,8 +174,8 @@ def test_decode_attention_reads_q_from_qkv_rows():
 # ---- decode append ------------------------------------------------------------------------------------
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(hk=st.sampled_from(HEADS), d=st.sampled_from([32, 64, 128]), bs=st.sampled_from([16, 32, 64]),
-       kv_dtype=st.sampled_from(["f16", "f32", "bf16"]), neox=st.booleans(), qk_norm=st.booleans(),
+@given(hk=st.sampled_from(HEADS), d=st.sampled_from([32, 64, 96, 128]), bs=st.sampled_from([16, 32, 64]),
+       kv_dtype=st.sampled_from(["f16", "f32", "bf16", "q8_0"]), neox=st.booleans(), qk_norm=st.booleans(),
        positions=st.lists(st.integers(0, 200), min_size=1, max_size=4), seed=st.integers(0, 2**32 - 1))
 def test_append_decode_matches_oracle(hk, d, bs, kv_dtype, neox, qk_norm, positions, seed):
     h, kvh = hk
@@ -196,6 +206,14 @@ def test_append_decode_matches_oracle(hk, d, bs, kv_dtype, neox, qk_norm, positi
         np.testing.assert_array_equal(got_qkv[b, h * d:], qkv[b, h * d:])  # K and V of qkv are only read
         want_k[tab[b, p // bs], :, p % bs] = k[:, 0]
         want_v[tab[b, p // bs], :, p % bs] = _round(v[:, 0], kv_dtype)
+    if kv_dtype == "q8_0":  # K: the kernel's rotation differs from the oracle's in the last bits, so a code
+        # may land one step (max|k| / 127 of its group) off; everything else is exact
+        kq = _round(want_k, "q8_0")
+        step = np.abs(want_k).reshape(*want_k.shape[:-1], d // 32, 32).max(-1, keepdims=True) / 127
+        err = np.abs(gk - kq).reshape(step.shape[:-1] + (32,))
+        assert (err <= step * 1.001 + 1e-6).all(), f"K codes off by more than one step: {(err / step).max()}"
+        np.testing.assert_array_equal(gv, _round(want_v, "q8_0"))
+        return
     ulp = {"f32": 2e-6, "f16": 2.0 ** -10, "bf16": 2.0 ** -7}[kv_dtype]  # one rounding of the stored value
     np.testing.assert_allclose(gk, want_k, rtol=ulp, atol=tol * 4)
     np.testing.assert_array_equal(gv, want_v)
@@ -205,7 +223,7 @@ def test_append_decode_matches_oracle(hk, d, bs, kv_dtype, neox, qk_norm, positi
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(hk=st.sampled_from([(2, 1), (4, 2), (3, 3)]), d=st.sampled_from([32, 64]), bs=st.sampled_from([16, 32, 64]),
-       kv_dtype=st.sampled_from(["f16", "f32", "bf16"]), cached=st.integers(0, 80), count=st.integers(1, 70),
+       kv_dtype=st.sampled_from(["f16", "f32", "bf16", "q8_0"]), cached=st.integers(0, 80), count=st.integers(1, 70),
        neox=st.booleans(), seed=st.integers(0, 2**32 - 1))
 def test_append_rows_and_prefill_attention(hk, d, bs, kv_dtype, cached, count, neox, seed):
     """``cached`` positions already in the pool (a prefix hit), then a chunk of ``count`` tokens appended
@@ -240,8 +258,14 @@ def test_append_rows_and_prefill_attention(hk, d, bs, kv_dtype, cached, count, n
     values = np.concatenate([vc, _round(v, kv_dtype)], axis=1)
     got_k = np.stack([gk[tab[p // bs], :, p % bs] for p in range(total)], axis=1)
     got_v = np.stack([gv[tab[p // bs], :, p % bs] for p in range(total)], axis=1)
-    ulp = {"f32": 2e-6, "f16": 2.0 ** -10, "bf16": 2.0 ** -7}[kv_dtype]
-    np.testing.assert_allclose(got_k, keys, rtol=ulp, atol=1e-5)
+    if kv_dtype == "q8_0":  # one code step (max|k| / 127 of the group) where the rotations differ in the last bits
+        step = np.abs(k).reshape(kvh, count, d // 32, 32).max(-1, keepdims=True) / 127
+        err = np.abs(got_k[:, cached:] - keys[:, cached:]).reshape(step.shape[:-1] + (32,))
+        assert (err <= step * 1.001 + 1e-6).all(), f"K codes off by more than one step: {(err / step).max()}"
+        np.testing.assert_array_equal(got_k[:, :cached], keys[:, :cached])
+    else:
+        ulp = {"f32": 2e-6, "f16": 2.0 ** -10, "bf16": 2.0 ** -7}[kv_dtype]
+        np.testing.assert_allclose(got_k, keys, rtol=ulp, atol=1e-5)
     np.testing.assert_array_equal(got_v, values)
     out = cuda.GpuBuffer(count * h * d, np.float16, device=dev)
     out.poison()
@@ -265,6 +289,19 @@ def test_append_rows_and_prefill_attention(hk, d, bs, kv_dtype, cached, count, n
     ("paged_append_rows", dict(head_dim=128, block_size=32, kv_dtype="bf16", neox=True)),
     ("paged_prefill_attention", dict(head_dim=128, group=4, block_size=32, kv_dtype="f16")),
     ("paged_prefill_attention", dict(head_dim=64, group=8, block_size=16, kv_dtype="f32")),
+    ("paged_decode_attention", dict(head_dim=128, group=8, block_size=32, kv_dtype="q8_0", out_f16=True)),
+    ("paged_decode_attention", dict(head_dim=128, group=4, block_size=32, kv_dtype="q8_0", unroll=4)),
+    ("paged_decode_attention", dict(head_dim=96, group=8, block_size=16, kv_dtype="q8_0", unroll=2)),
+    ("paged_decode_attention", dict(head_dim=256, group=8, block_size=32, kv_dtype="q8_0", unroll=2)),
+    ("paged_decode_attention", dict(head_dim=128, group=8, block_size=32, kv_dtype="f16", unroll=2, lanes=16)),
+    ("paged_decode_attention", dict(head_dim=128, group=8, block_size=32, kv_dtype="q8_0", unroll=4, lanes=16)),
+    ("paged_decode_attention", dict(head_dim=128, group=4, block_size=32, kv_dtype="f16", unroll=2, lanes=8)),
+    ("paged_decode_attention", dict(head_dim=128, group=4, block_size=32, kv_dtype="q8_0", unroll=4, lanes=8)),
+    ("paged_decode_attention", dict(head_dim=128, group=8, block_size=32, kv_dtype="bf16", unroll=2, lanes=16)),
+    ("paged_append_decode", dict(head_dim=128, block_size=32, kv_dtype="q8_0", qk_norm=True)),
+    ("paged_append_decode", dict(head_dim=96, block_size=32, kv_dtype="q8_0", neox=True)),
+    ("paged_append_rows", dict(head_dim=128, block_size=32, kv_dtype="q8_0", neox=True)),
+    ("paged_prefill_attention", dict(head_dim=128, group=4, block_size=32, kv_dtype="q8_0")),
 ])
 def test_assembles_without_spills(name, shape):
     _assemble_all(name, **shape)
@@ -279,6 +316,10 @@ def test_bad_arguments_raise_shape_errors():
         _cache(4, 2, 40, 8, 16, "f16")
     with pytest.raises(ShapeError, match="multiple"):
         _cache(5, 2, 64, 8, 16, "f16")
+    with pytest.raises(ShapeError, match="q8_0 pool needs head_dim a multiple of 32"):
+        _cache(4, 2, 80, 8, 16, "q8_0")
+    with pytest.raises(ShapeError, match="only a q8_0 pool has scales"):
+        _cache(4, 2, 64, 8, 16, "f16").k_scales(0)
     cache = _cache(4, 2, 64, 8, 16, "f16", max_batch=2)
     dev = cache.device
     q, out = cuda.GpuBuffer(3 * 4 * 64, device=dev), cuda.GpuBuffer(3 * 4 * 64, device=dev)
@@ -295,6 +336,31 @@ def test_bad_arguments_raise_shape_errors():
         cache.prefill_attention(0, q, out, 4, 3, 5, tab)
     with pytest.raises(ShapeError, match="block_table"):
         cache.prefill_attention(0, q, out, 2, 0, 2, [1, 2])
+
+
+def test_quantize_q8_0_is_ggml_q8_0():
+    """The oracle of the q8_0 pools: d = max|x| / 127 in f32, codes round(x / d) within [-127, 127] (the
+    group's largest magnitude at +-127), scale f16(d), all-zero groups zero, idempotent on its own output;
+    block_bytes counts 34 bytes per 32 values."""
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((5, 3, 64)) * rng.uniform(0.01, 100, (5, 3, 1))).astype(np.float32)
+    x[0, 0, :32] = 0
+    codes, scales = quantize_q8_0(x)
+    assert codes.dtype == np.int8 and scales.dtype == np.float16 and scales.shape == (5, 3, 2)
+    g = x.reshape(5, 3, 2, 32).astype(np.float64)
+    d = np.abs(g).max(-1) / 127
+    np.testing.assert_allclose(scales.astype(np.float64), d, rtol=2.0 ** -11)
+    c = codes.reshape(5, 3, 2, 32).astype(np.int64)
+    assert np.abs(c).max() == 127 and (np.abs(c).max(-1)[d > 0] == 127).all() and not c[0, 0, 0].any()
+    exact = np.where(d[..., None] > 0, g / np.where(d > 0, d, 1)[..., None], 0)
+    assert np.abs(c - exact).max() <= 0.5 + 1e-4
+    y = dequantize_q8_0(codes, scales)
+    c2, s2 = quantize_q8_0(y)
+    np.testing.assert_array_equal(c2, codes)
+    np.testing.assert_array_equal(s2, scales)
+    cache = _cache(8, 2, 64, 8, 16, "q8_0", max_batch=1)
+    assert cache.block_bytes == 2 * 1 * 2 * 16 * 64 * 34 // 32
+    assert _cache(8, 2, 64, 8, 16, "f16", max_batch=1).block_bytes == 2 * 2 * 16 * 64 * 2
 
 
 def test_grid_is_independent_of_lengths():

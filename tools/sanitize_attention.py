@@ -9,7 +9,9 @@ Shapes are awkward on purpose: head_dim 80 (lane groups with an idle chunk) and 
 one past a chunk/tile quantum, a flash-decoding grid with more chunks than the sequence needs
 (neutral partials), single-launch flash decoding with one-row chunks (two combine levels) called
 twice on the same counters, a causal prefill whose last query tile is partial, and caches read in
-place with spare rows. Every case checks its result against the float64 oracle, so a kernel that misbehaves
+place with spare rows. The paged KV cache (f16 and q8_0 pools): a batched decode append and split-KV
+decode attention over rows of lengths 0, 1 and across block/chunk boundaries through shuffled block
+tables (twice, on the same combine counters), and a prefill chunk after a cached prefix on tensor cores. Every case checks its result against the float64 oracle, so a kernel that misbehaves
 only under the sanitizer is noticed too.
 """
 
@@ -32,9 +34,9 @@ PREFILL_SHAPES = [(2, 1, 64, 70, 70, True), (3, 3, 80, 17, 40, True), (4, 2, 48,
 PREFILL_SHAPES_SMALL = [(2, 1, 64, 70, 70, True), (3, 3, 80, 17, 40, True)]
 
 
-def _check(got: np.ndarray, ref: np.ndarray, what: str) -> None:
+def _check(got: np.ndarray, ref: np.ndarray, what: str, tol: float = 1e-5) -> None:
     err = float(np.max(np.abs(got - ref)) / max(np.max(np.abs(ref)), 1e-30))
-    if not np.all(np.isfinite(got)) or err > 1e-5:
+    if not np.all(np.isfinite(got)) or err > tol:
         raise AssertionError(f"{what}: relative error {err:.3e} (finite: {bool(np.all(np.isfinite(got)))})")
 
 
@@ -116,17 +118,93 @@ def prefill_cases(cache, rng, shapes) -> None:
                 assert err < 4e-3, f"tensor-core flash attention {h}/{kvh}/{d} {sq}x{sk}: relative error {err:.2e}"
 
 
+# (num_heads, num_kv_heads, head_dim, block_size, kv_dtype, decode lengths, prefix, chunk)
+PAGED_SHAPES = [(4, 2, 64, 16, "f16", [1, 17, 0, 70], 20, 33), (6, 2, 96, 32, "q8_0", [33, 1, 130], 40, 30),
+                (4, 1, 128, 16, "q8_0", [65, 0], 16, 70)]
+PAGED_SHAPES_SMALL = PAGED_SHAPES[:2]
+
+
+def paged_cases(rng, shapes) -> None:
+    from ptx_gen.kernels.rope import inv_freq_table
+    from realizar.gpu.paged_kv import PagedKVCache
+    for h, kvh, d, bs, kv_dtype, lengths, prefix, chunk in shapes:
+        rows = len(lengths)
+        stride = max(-(-(n + 1) // bs) for n in lengths + [prefix + chunk])
+        nb = 1 + stride * (rows + 1)
+        ids = rng.permutation(np.arange(1, nb))
+        tab = ids[:rows * stride].reshape(rows, stride).astype(np.uint32)
+        ptab = ids[rows * stride:(rows + 1) * stride].astype(np.uint32)
+        cache = PagedKVCache(1, h, kvh, d, nb, bs, kv_dtype, max_batch=rows, num_chunks=5, min_chunk=16)
+        pool = rng.standard_normal((2, nb, kvh, bs, d)).astype(np.float32)
+        cache.pools_from_numpy(0, pool[0], pool[1])
+        qn = (h + 2 * kvh) * d
+        qkv = rng.standard_normal((rows, qn)).astype(np.float32)
+        inv = inv_freq_table(d, 10000.0)
+        positions = np.array([max(n - 1, 0) for n in lengths], np.uint32)  # the appended token is the last
+        bufs = dict(qkv=cuda.GpuBuffer.from_numpy(qkv.reshape(-1)), inv=cuda.GpuBuffer.from_numpy(inv),
+                    pos=cuda.GpuBuffer.from_numpy(positions), tab=cuda.GpuBuffer.from_numpy(tab.reshape(-1)),
+                    lens=cuda.GpuBuffer.from_numpy(np.array(lengths, np.uint32)),
+                    out=cuda.GpuBuffer(rows * h * d), out16=cuda.GpuBuffer(rows * h * d, np.float16),
+                    ptab=cuda.GpuBuffer.from_numpy(ptab),
+                    pqkv=cuda.GpuBuffer.from_numpy(rng.standard_normal(chunk * qn).astype(np.float32)),
+                    pq=cuda.GpuBuffer(h * chunk * d), pout=cuda.GpuBuffer(chunk * h * d, np.float16))
+        try:
+            b = bufs
+            cache.append_decode(0, b["qkv"], b["inv"], b["pos"], b["tab"], stride, rows)
+            kp, vp = cache.pools_to_numpy(0)
+            q = b["qkv"].to_numpy((rows, qn))[:, :h * d].reshape(rows, h, d).astype(np.float64)
+            for rep in range(2):
+                b["out"].poison()
+                b["out16"].poison()
+                cache.decode_attention(0, b["qkv"], b["out"], b["lens"], b["tab"], stride, rows, q_stride=qn)
+                cache.decode_attention(0, b["qkv"], b["out16"], b["lens"], b["tab"], stride, rows, out_f16=True,
+                                       q_stride=qn)
+                got, got16 = b["out"].to_numpy((rows, h, d)), b["out16"].to_numpy((rows, h, d)).astype(np.float64)
+                for r, n in enumerate(lengths):
+                    p = np.arange(n)
+                    keys = kp[tab[r, p // bs], :, p % bs].transpose(1, 0, 2).astype(np.float64)
+                    vals = vp[tab[r, p // bs], :, p % bs].transpose(1, 0, 2).astype(np.float64)
+                    ref = gqa_attention(q[r][:, None], keys, vals, causal=False)[:, 0] if n else np.zeros((h, d))
+                    what = f"paged decode {kv_dtype} {h}/{kvh}/{d} b{bs} row {r} L={n} call {rep}"
+                    if n:
+                        _check(got[r], ref, what)
+                        _check(got16[r], ref, what + " (f16 out)", 2e-3)
+                    elif got[r].any() or got16[r].any():
+                        raise AssertionError(f"{what}: an empty row must give zeros")
+            if cache._counters.to_numpy().any():
+                raise AssertionError("paged decode left its combine counters non-zero")
+            total = prefix + chunk
+            cache.append_rows(0, b["pqkv"], b["inv"], prefix, chunk, b["pq"], b["ptab"])
+            cache.prefill_attention(0, b["pq"], b["pout"], chunk, prefix, total, b["ptab"])
+            kp, vp = cache.pools_to_numpy(0)
+            p = np.arange(total)
+            keys = kp[ptab[p // bs], :, p % bs].transpose(1, 0, 2).astype(np.float64)
+            vals = vp[ptab[p // bs], :, p % bs].transpose(1, 0, 2).astype(np.float64)
+            ref = gqa_attention(b["pq"].to_numpy((h, chunk, d)).astype(np.float64), keys, vals, True, q_offset=prefix)
+            got = b["pout"].to_numpy((chunk, h, d)).transpose(1, 0, 2).astype(np.float64)
+            _check(got, ref, f"paged prefill {kv_dtype} {h}/{kvh}/{d} b{bs} {prefix}+{chunk}", 4e-3)
+        finally:
+            for buf in bufs.values():
+                buf.free()
+            cache.close()
+
+
 def cases(cache, rng, small: bool) -> None:
     """All attention cases (``small``: the racecheck subset)."""
     decode_cases(cache, rng, DECODE_SHAPES_SMALL if small else DECODE_SHAPES)
     prefill_cases(cache, rng, PREFILL_SHAPES_SMALL if small else PREFILL_SHAPES)
+    paged_cases(rng, PAGED_SHAPES_SMALL if small else PAGED_SHAPES)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="the racecheck subset")
+    ap.add_argument("--paged", action="store_true", help="only the paged KV cache cases")
     a = ap.parse_args()
-    cases(cuda.module_cache(), np.random.default_rng(0), a.small)
+    if a.paged:
+        paged_cases(np.random.default_rng(0), PAGED_SHAPES_SMALL if a.small else PAGED_SHAPES)
+    else:
+        cases(cuda.module_cache(), np.random.default_rng(0), a.small)
     cuda.current_device().synchronize()
     print("ok attention sanitize cases")
 

@@ -13,14 +13,16 @@ position rotates to the same bits as in the contiguous cache):
   layout of ``paged_prefill_attention``).
 
 A position whose block index is at or past ``table_stride`` (or, for the prefill form, ``max_blocks``)
-writes nothing to the pools. K/V are rounded to the pool's dtype (f16/bf16: nearest even).
+writes nothing to the pools. K/V are rounded to the pool's dtype (f16/bf16: nearest even; q8_0: each
+group of 32 values of the head row quantised by the warp, max|x| by butterfly shuffles, see
+:mod:`ptx_gen.kernels.paged_kv`).
 """
 
 from __future__ import annotations
 
 from ptx_gen.builder import KernelBuilder, Module
 from ptx_gen.catalog import kernel
-from ptx_gen.kernels.paged_kv import check_paged, log2, pool_row, store_pair
+from ptx_gen.kernels.paged_kv import QK, check_paged, kv_params, log2, pool_row, quantize_q8, scale_row, store_pair
 from ptx_gen.kernels.rope_append import rotate_pair
 from ptx_gen.kernels.rope_append_rows import _head_rmsnorm, _load_pair, _store_pair
 
@@ -67,12 +69,24 @@ def _build(k: KernelBuilder, head_dim: int, block_size: int, kv_dtype: str, neox
             eoffs.append((k.shl(i, 1), None))
     xs = [_load_pair(k, src, off, ok, neox) for off, ok in zip(offs, oks)]
 
+    def row_addr(pool: str, kv_row):
+        dst = pool_row(k, k.global_ptr(pool), page, kv_row, n_kv, prow, block_size, head_dim, kv_dtype)
+        if kv_dtype != "q8_0":
+            return dst, None
+        return dst, scale_row(k, k.global_ptr(pool.replace("pool", "scales")), page, kv_row, n_kv, prow,
+                              block_size, head_dim)
+
+    def store_row(addr, pairs) -> None:
+        dst, sdst = addr
+        if kv_dtype == "q8_0":
+            _store_q8(k, dst, sdst, pairs, eoffs, oks, in_pool, lane, head_dim, neox)
+            return
+        for (x0, x1), eo, ok in zip(pairs, eoffs, oks):
+            store_pair(k, dst, eo, x0, x1, k.both(ok, in_pool), neox, kv_dtype)
+
     qk_rows = k.add(n_q, n_kv)
     with k.if_(k.setp("ge", row, qk_rows)):  # a V row: copied as is
-        dst = pool_row(k, k.global_ptr("v_pool"), page, k.sub(row, qk_rows), n_kv, prow, block_size, head_dim,
-                       kv_dtype)
-        for (x0, x1), eo, ok in zip(xs, eoffs, oks):
-            store_pair(k, dst, eo, x0, x1, k.both(ok, in_pool), neox, kv_dtype)
+        store_row(row_addr("v_pool", k.sub(row, qk_rows)), xs)
         k.bra(end)
 
     is_q = k.setp("lt", row, n_q)
@@ -82,7 +96,7 @@ def _build(k: KernelBuilder, head_dim: int, block_size: int, kv_dtype: str, neox
         q_dst = src  # in place
     else:
         q_dst = k.add(k.global_ptr("q_out"), k.mul_wide(k.mad(row, k.param("count"), s), head_dim * 4))
-    k_dst = pool_row(k, k.global_ptr("k_pool"), page, k.sub(row, n_q), n_kv, prow, block_size, head_dim, kv_dtype)
+    k_dst = row_addr("k_pool", k.sub(row, n_q))
     inv_freq = k.global_ptr("inv_freq")
     rotated = []
     for (x0, x1), i, ok in zip(xs, idx, oks):
@@ -93,15 +107,45 @@ def _build(k: KernelBuilder, head_dim: int, block_size: int, kv_dtype: str, neox
         for (o0, o1), off, ok in zip(rotated, offs, oks):
             _store_pair(k, q_dst, off, o0, o1, ok, neox)
         k.bra(end)
-    for (o0, o1), eo, ok in zip(rotated, eoffs, oks):
-        store_pair(k, k_dst, eo, o0, o1, k.both(ok, in_pool), neox, kv_dtype)
+    store_row(k_dst, rotated)
     k.label(end)
+
+
+def _store_q8(k: KernelBuilder, dst, sdst, pairs: list, eoffs: list, oks: list, in_pool, lane, head_dim: int,
+              neox: bool) -> None:
+    """Quantise the warp's head row (pairs as :func:`_build` holds them) and store codes and scales."""
+    groups, half = head_dim // QK, head_dim // 2
+
+    def grp(lo: int, hi: int):  # (group of lanes 0-15, of lanes 16-31); out-of-range: idle lanes only
+        return (lo, hi if hi < groups else lo)
+
+    slots = []
+    for jj, (x0, x1) in enumerate(pairs):
+        if neox:  # x0 is value lane + 32 j, x1 value lane + 32 j + half
+            g1 = jj + half // QK
+            slots += [(x0, jj), (x1, grp(g1, g1 + 1) if half % QK else g1)]
+        else:  # values 2 (lane + 32 j) and the next one
+            g = grp(2 * jj, 2 * jj + 1)
+            slots += [(x0, g), (x1, g)]
+    codes, scales = quantize_q8(k, slots, lane, head_dim)
+    for jj, (eo, ok) in enumerate(zip(eoffs, oks)):
+        c0, c1 = codes[2 * jj], codes[2 * jj + 1]
+        okp = k.both(ok, in_pool)
+        if neox:
+            for c, e in ((c0, eo[0]), (c1, eo[1])):
+                k.store("global", "b8", k.add(dst, k.cvt(e, "u64")), k.cvt(c, "u16"), pred=okp)
+        else:
+            word = k.or_(k.and_(c0, 0xFF, "b32"), k.shl(k.and_(c1, 0xFF, "b32"), 8, "b32"), "b32")
+            k.store("global", "b16", k.add(dst, k.cvt(eo[0], "u64")), k.cvt(k.bitcast(word, "u32"), "u16"),
+                    pred=okp)
+    for g, sc in enumerate(scales):
+        k.store("global", "b16", sdst, sc, 2 * g, pred=k.both(k.setp("eq", lane, g), in_pool))
 
 
 def _check(head_dim: int, block_size: int, kv_dtype: str) -> None:
     if head_dim % 2 or not 2 <= head_dim <= 512:
         raise ValueError(f"head_dim must be even and at most 512, got {head_dim}")
-    check_paged(block_size, kv_dtype)
+    check_paged(block_size, kv_dtype, head_dim)
 
 
 def _name(base, head_dim, block_size, kv_dtype, neox, qk_norm) -> str:
@@ -115,6 +159,8 @@ _DECODE_GRID = [
     {"head_dim": 64, "block_size": 64, "kv_dtype": "bf16", "neox": True, "qk_norm": False},
     {"head_dim": 64, "block_size": 32, "kv_dtype": "f16", "neox": True, "qk_norm": True},
     {"head_dim": 256, "block_size": 32, "kv_dtype": "f16", "neox": True, "qk_norm": False},
+    {"head_dim": 128, "block_size": 32, "kv_dtype": "q8_0", "neox": False, "qk_norm": False},
+    {"head_dim": 128, "block_size": 32, "kv_dtype": "q8_0", "neox": True, "qk_norm": True},
 ]
 
 
@@ -126,7 +172,7 @@ def paged_append_decode(m: Module, head_dim: int = 128, block_size: int = 32, kv
     positions (u32[B]), block_tables (u32[B, table_stride]), [q_norm, k_norm], table_stride, n_q, n_kv,
     [eps]. Launch: grid (B, ceil((n_q + 2 n_kv) / 4)), block 128."""
     _check(head_dim, block_size, kv_dtype)
-    params = [("qkv", "u64"), ("k_pool", "u64"), ("v_pool", "u64"), ("inv_freq", "u64"), ("positions", "u64"),
+    params = [("qkv", "u64"), *kv_params(kv_dtype), ("inv_freq", "u64"), ("positions", "u64"),
               ("block_tables", "u64")]
     if qk_norm:
         params += [("q_norm", "u64"), ("k_norm", "u64")]
@@ -146,6 +192,7 @@ _ROWS_GRID = [
     {"head_dim": 128, "block_size": 64, "kv_dtype": "f32", "neox": True, "qk_norm": True},
     {"head_dim": 64, "block_size": 16, "kv_dtype": "bf16", "neox": False, "qk_norm": True},
     {"head_dim": 64, "block_size": 32, "kv_dtype": "f16", "neox": True, "qk_norm": False},
+    {"head_dim": 128, "block_size": 32, "kv_dtype": "q8_0", "neox": False, "qk_norm": False},
 ]
 
 
@@ -157,7 +204,7 @@ def paged_append_rows(m: Module, head_dim: int = 128, block_size: int = 32, kv_d
     qkv, q_out, k_pool, v_pool, inv_freq, block_table, [q_norm, k_norm], pos0, count, table_stride, n_q,
     n_kv, [eps]. Launch: grid (count, ceil((n_q + 2 n_kv) / 4)), block 128."""
     _check(head_dim, block_size, kv_dtype)
-    params = [("qkv", "u64"), ("q_out", "u64"), ("k_pool", "u64"), ("v_pool", "u64"), ("inv_freq", "u64"),
+    params = [("qkv", "u64"), ("q_out", "u64"), *kv_params(kv_dtype), ("inv_freq", "u64"),
               ("block_table", "u64")]
     if qk_norm:
         params += [("q_norm", "u64"), ("k_norm", "u64")]

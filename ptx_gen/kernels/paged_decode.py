@@ -13,7 +13,9 @@ of ``kvh`` over chunk ``c`` of sequence ``b``. Each sequence is split on the dev
 min_chunk), block_size)`` rows per chunk (whole blocks), ``nact = ceil(L / rows)`` active chunks; the other
 blocks of the row return at once, so a short sequence next to a long one costs one chunk while the long
 one spreads over all of them. Inside a chunk a row of K/V is read by a lane group of ``T`` lanes
-(``EPL = D / T`` values each, 8- or 16-byte loads), ``U`` rows per lane group per step; each row's block
+(``lanes``; 0: the largest power of two <= 32 giving each lane a multiple of 4 values; fewer lanes a row
+mean fewer shuffles and softmax updates per row, more registers; ``EPL = D / T`` values each, 8- or
+16-byte loads), ``U`` rows per lane group per step; each row's block
 id comes from the table. Scores are reduced over the lane group (butterfly), every lane keeps the online
 softmax of every head of the group, lane groups and warps are merged in registers / shared memory
 (:func:`ptx_gen.kernels.decode_core.emit_combine`).
@@ -33,7 +35,9 @@ from ptx_gen.builder import KernelBuilder, Module
 from ptx_gen.catalog import kernel
 from ptx_gen.kernels.decode_combine import arrive, combine_partials
 from ptx_gen.kernels.decode_core import LOG2E, NEG_INF, BlockState, emit_combine, guard_base, safe_reciprocal
-from ptx_gen.kernels.paged_kv import check_paged, load_values, log2, narrow
+from ptx_gen.kernels.paged_kv import (
+    ELEM_BYTES, QK, check_paged, f16_bits_to_f32, kv_params, load_values, load_words, log2, narrow, q8_values,
+)
 
 WARPS = 4
 THREADS = 32 * WARPS
@@ -66,28 +70,55 @@ def lanes_per_row(head_dim: int) -> int:
     return t
 
 
-def check_shape(head_dim: int, group: int, block_size: int, kv_dtype: str, unroll: int) -> None:
+def check_shape(head_dim: int, group: int, block_size: int, kv_dtype: str, unroll: int, lanes: int = 0) -> None:
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"paged decode attention takes head_dim in {HEAD_DIMS}, got {head_dim!r}")
     if not isinstance(group, int) or not 1 <= group <= MAX_GROUP:
         raise ValueError(f"group must be an integer in 1..{MAX_GROUP}, got {group!r}")
     if unroll not in (1, 2, 4):
         raise ValueError(f"unroll must be 1, 2 or 4, got {unroll!r}")
-    check_paged(block_size, kv_dtype)
+    if lanes not in (0, 4, 8, 16, 32) or (lanes and head_dim % (4 * lanes)):
+        raise ValueError(f"lanes must be 0 (auto) or 4, 8, 16, 32 lanes of a multiple of 4 values each, got "
+                         f"{lanes!r} for head_dim {head_dim}")
+    check_paged(block_size, kv_dtype, head_dim)
 
 
 def _pass(k: KernelBuilder, lay: _Layout, q_regs: list, kvh, n_kv, table, start, end, block_size: int,
-          kv_dtype: str, unroll: int) -> BlockState:
+          kv_dtype: str, unroll: int, T: int) -> BlockState:
     """Rows [start, end) of the sequence for the block's heads; per-warp results to shared memory."""
     D, G = lay.head_dim, lay.heads_per_block
-    T = lanes_per_row(D)
     EPL, R, U = D // T, 32 // T, unroll
     tid = k.tid()
     lane, warp = k.and_(tid, 31), k.shr(tid, 5)
     g = k.shr(lane, log2(T)) if T < 32 else None
     j = k.and_(lane, T - 1) if T < 32 else lane
-    lane_off = k.mul_wide(j, EPL * (4 if kv_dtype == "f32" else 2))
+    lane_off = k.mul_wide(j, EPL * ELEM_BYTES[kv_dtype])
     k_pool, v_pool = k.global_ptr("k_pool"), k.global_ptr("v_pool")
+    q8 = kv_dtype == "q8_0"
+    if q8:  # the lane's values [j EPL, (j + 1) EPL) use scale g_lo, or g_lo + 1 past a group's end
+        k_sc, v_sc = k.global_ptr("k_scales"), k.global_ptr("v_scales")
+        first = k.mul(j, EPL)
+        g_lo = k.shr(first, log2(QK))
+        s_off = k.mul_wide(g_lo, 2)
+        straddle = QK % EPL != 0
+        upper = s_off2 = None
+        if straddle:  # the group of the lane's last value (the same as g_lo where the slice does not cross)
+            s_off2 = k.mul_wide(k.shr(k.add(first, EPL - 1), log2(QK)), 2)
+            # a group boundary falls on a multiple of 4 values: a whole code word takes one scale
+            upper = [k.setp("ge", k.add(first, 4 * w), k.shl(k.add(g_lo, 1), log2(QK))) for w in range(EPL // 4)]
+
+    def load_row(pool, scales, a, r_in, ok):
+        if not q8:
+            return load_values(k, k.add(pool, a), EPL, kv_dtype, ok)
+        words = load_words(k, k.add(pool, a), EPL, ok)
+        srow = k.add(scales, k.mul_wide(r_in, D // QK * 2))
+        sc = f16_bits_to_f32(k, k.load("global", "b16", k.add(srow, s_off), pred=ok, other=0))
+        if not straddle:
+            return q8_values(k, words, sc)
+        sc2 = f16_bits_to_f32(k, k.load("global", "b16", k.add(srow, s_off2), pred=ok, other=0))
+        per_word = [k.selp(sc2, sc, u) for u in upper]
+        return q8_values(k, words, [per_word[e // 4] for e in range(EPL)])
+
     acc = [[k.var("f32", 0.0) for _ in range(EPL)] for _ in range(G)]
     m = [k.var("f32", NEG_INF) for _ in range(G)]
     l = [k.var("f32", 0.0) for _ in range(G)]
@@ -100,14 +131,15 @@ def _pass(k: KernelBuilder, lay: _Layout, q_regs: list, kvh, n_kv, table, start,
         base = k.add(sb, warp_row0)
         rows = [k.add(base, u * R) if u else base for u in range(U)]
         valid = [k.setp("lt", r, end) for r in rows]
-        addrs = []
+        addrs, r_ins = [], []
         for r in rows:
             rc = k.min(r, last, "u32")  # rows past the end re-read the last row's block id (loads are guarded)
             page = k.load("global", "u32", k.add(table, k.mul_wide(k.shr(rc, log2(block_size)), 4)))
             r_in = k.mad(k.mad(page, n_kv, kvh), block_size, k.and_(rc, block_size - 1))
-            addrs.append(k.add(k.mul_wide(r_in, D * (4 if kv_dtype == "f32" else 2)), lane_off))
-        krows = [load_values(k, k.add(k_pool, a), EPL, kv_dtype, v) for a, v in zip(addrs, valid)]
-        vrows = [load_values(k, k.add(v_pool, a), EPL, kv_dtype, v) for a, v in zip(addrs, valid)]
+            addrs.append(k.add(k.mul_wide(r_in, D * ELEM_BYTES[kv_dtype]), lane_off))
+            r_ins.append(r_in)
+        krows = [load_row(k_pool, k_sc if q8 else None, a, ri, v) for a, ri, v in zip(addrs, r_ins, valid)]
+        vrows = [load_row(v_pool, v_sc if q8 else None, a, ri, v) for a, ri, v in zip(addrs, r_ins, valid)]
         for i in range(G):
             scores = []
             for u in range(U):
@@ -175,24 +207,30 @@ _GRID = [
     {"head_dim": 256, "group": 2, "block_size": 32, "kv_dtype": "f16", "out_f16": False, "unroll": 2},
     {"head_dim": 32, "group": 6, "block_size": 16, "kv_dtype": "f16", "out_f16": False, "unroll": 2},
     {"head_dim": 96, "group": 4, "block_size": 32, "kv_dtype": "f16", "out_f16": False, "unroll": 2},
+    {"head_dim": 128, "group": 4, "block_size": 32, "kv_dtype": "q8_0", "out_f16": True, "unroll": 2},
+    {"head_dim": 96, "group": 2, "block_size": 16, "kv_dtype": "q8_0", "out_f16": False, "unroll": 2},
+    {"head_dim": 128, "group": 4, "block_size": 32, "kv_dtype": "f16", "out_f16": True, "unroll": 2, "lanes": 16},
+    {"head_dim": 128, "group": 8, "block_size": 32, "kv_dtype": "q8_0", "out_f16": True, "unroll": 2, "lanes": 16},
+    {"head_dim": 64, "group": 3, "block_size": 32, "kv_dtype": "f16", "out_f16": False, "unroll": 4, "lanes": 8},
 ]
 
 
 @kernel("paged_decode_attention", grid=_GRID)
 def paged_decode_attention(m: Module, head_dim: int = 128, group: int = 1, block_size: int = 32,
-                           kv_dtype: str = "f16", out_f16: bool = False, unroll: int = 2) -> KernelBuilder:
+                           kv_dtype: str = "f16", out_f16: bool = False, unroll: int = 2,
+                           lanes: int = 0) -> KernelBuilder:
     """Split-KV decode attention of B rows through their block tables (see the module doc). Params: q,
     k_pool, v_pool, out, part_acc, part_ml, counters, seq_lens, block_tables, table_stride, n_kv,
     min_chunk, q_stride (floats from one row of q to the next: H * D packed, or (H + 2 KVH) * D to read Q
     straight from the rows of a qkv buffer). Launch: grid (B * n_kv, num_chunks), block 128."""
-    check_shape(head_dim, group, block_size, kv_dtype, unroll)
+    check_shape(head_dim, group, block_size, kv_dtype, unroll, lanes)
     D, G = head_dim, group
     lay = _Layout(D, G)
-    T = lanes_per_row(D)
+    T = lanes or lanes_per_row(D)
     EPL = D // T
     name = (f"paged_decode_attention_d{D}_g{G}_b{block_size}_{kv_dtype}_u{unroll}"
-            + ("_outf16" if out_f16 else ""))
-    params = [("q", "u64"), ("k_pool", "u64"), ("v_pool", "u64"), ("out", "u64"), ("part_acc", "u64"),
+            + (f"_t{lanes}" if lanes else "") + ("_outf16" if out_f16 else ""))
+    params = [("q", "u64"), *kv_params(kv_dtype), ("out", "u64"), ("part_acc", "u64"),
               ("part_ml", "u64"), ("counters", "u64"), ("seq_lens", "u64"), ("block_tables", "u64"),
               ("table_stride", "u32"), ("n_kv", "u32"), ("min_chunk", "u32"), ("q_stride", "u32")]
     k = m.kernel(name, params, max_threads=THREADS)
@@ -257,7 +295,7 @@ def paged_decode_attention(m: Module, head_dim: int = 128, group: int = 1, block
         k.ret()
 
     table = k.add(k.global_ptr("block_tables"), k.mul_wide(k.mul(b, stride), 4))
-    st = _pass(k, lay, q_regs, kvh, n_kv, table, start, end, block_size, kv_dtype, unroll)
+    st = _pass(k, lay, q_regs, kvh, n_kv, table, start, end, block_size, kv_dtype, unroll, T)
     with k.if_(k.setp("eq", nact, 1)):
         emit_combine(k, st, write_out)
         k.ret()

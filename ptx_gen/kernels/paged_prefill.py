@@ -23,14 +23,16 @@ from ptx_gen.kernels.decode_core import LOG2E
 from ptx_gen.kernels.flash_attention_mma import (
     BK, BQ, HEAD_DIMS, _accumulate_pv, _row_bytes, _scores, _softmax_update, _stage_f16, _store, smem_bytes,
 )
-from ptx_gen.kernels.paged_kv import ELEM_BYTES, check_paged, log2, narrow, to_f32
+from ptx_gen.kernels.paged_kv import (
+    ELEM_BYTES, QK, check_paged, f16_bits_to_f32, kv_params, log2, narrow, q8_values, to_f32,
+)
 
 
 def _stage_paged(k: KernelBuilder, pool: Reg, table: Reg, kvh: Reg, n_kv: Reg, key0: Reg, rows_valid: Reg,
-                 dst: Reg, d: int, tid: Reg, block_size: int, kv_dtype: str) -> None:
+                 dst: Reg, d: int, tid: Reg, block_size: int, kv_dtype: str, scales: Reg | None = None) -> None:
     """64 keys from ``key0`` of kv head ``kvh`` through the block table into f16 shared rows of
-    :func:`_row_bytes` (zeros for rows at or past ``rows_valid``)."""
-    per_item = 4 if kv_dtype == "f32" else 8  # values a thread moves per item (16 bytes read)
+    :func:`_row_bytes` (zeros for rows at or past ``rows_valid``; q8_0: ``code * scale`` rounded to f16)."""
+    per_item = {"f32": 4, "q8_0": 16}.get(kv_dtype, 8)  # values a thread moves per item (16 bytes read)
     items_per_row = d // per_item
     total = BK * items_per_row
     es = ELEM_BYTES[kv_dtype]
@@ -44,7 +46,16 @@ def _stage_paged(k: KernelBuilder, pool: Reg, table: Reg, kvh: Reg, n_kv: Reg, k
         r = k.mad(k.mad(page, n_kv, kvh), block_size, k.and_(key, block_size - 1))
         src = k.add(k.add(pool, k.mul_wide(r, d * es)), k.mul_wide(c, 16))
         s = k.add(dst, k.mad(row, _row_bytes(d), k.mul(c, per_item * 2)))
-        if kv_dtype == "f32":
+        if kv_dtype == "q8_0":
+            words = k.load("global", "b32", src, vec=4, pred=ok, other=0)
+            srow = k.add(scales, k.mul_wide(r, d // QK * 2))
+            sc = k.load("global", "b16", k.add(srow, k.mul_wide(k.shr(c, log2(QK // 16)), 2)), pred=ok, other=0)
+            vals = q8_values(k, list(words), f16_bits_to_f32(k, sc))
+            h = [narrow(k, x, "f16") for x in vals]
+            packed = [k.pack_b32(h[2 * i], h[2 * i + 1]) for i in range(8)]
+            k.store("shared", "b32", s, packed[:4], pred=ok_idx)
+            k.store("shared", "b32", s, packed[4:], 16, pred=ok_idx)
+        elif kv_dtype == "f32":
             v = k.load("global", "f32", src, vec=4, pred=ok, other=0.0)
             h = [narrow(k, x, "f16") for x in v]
             k.store("shared", "b32", s, [k.pack_b32(h[0], h[1]), k.pack_b32(h[2], h[3])], pred=ok_idx)
@@ -66,6 +77,8 @@ _GRID = [
     {"head_dim": 128, "group": 1, "causal": False, "block_size": 64, "kv_dtype": "bf16"},
     {"head_dim": 96, "group": 8, "causal": True, "block_size": 32, "kv_dtype": "f16"},
     {"head_dim": 32, "group": 2, "causal": True, "block_size": 64, "kv_dtype": "f16"},
+    {"head_dim": 128, "group": 4, "causal": True, "block_size": 32, "kv_dtype": "q8_0"},
+    {"head_dim": 64, "group": 1, "causal": False, "block_size": 16, "kv_dtype": "q8_0"},
 ]
 
 
@@ -80,9 +93,9 @@ def paged_prefill_attention(m: Module, head_dim: int = 128, group: int = 1, caus
         raise ValueError(f"the tensor-core prefill attention takes head_dim in {HEAD_DIMS}, got {d}")
     if not isinstance(group, int) or group < 1:
         raise ValueError(f"group must be >= 1, got {group!r}")
-    check_paged(block_size, kv_dtype)
+    check_paged(block_size, kv_dtype, d)
     name = f"paged_prefill_attention_d{d}_g{group}_b{block_size}_{kv_dtype}" + ("_causal" if causal else "")
-    k = m.kernel(name, [("q", "u64"), ("k_pool", "u64"), ("v_pool", "u64"), ("block_table", "u64"), ("out", "u64"),
+    k = m.kernel(name, [("q", "u64"), *kv_params(kv_dtype), ("block_table", "u64"), ("out", "u64"),
                         ("seq_q", "u32"), ("seq_k", "u32"), ("q_offset", "u32"), ("num_heads", "u32"),
                         ("n_kv", "u32")], max_threads=128)
     k.meta.update(block=128, dyn_smem=smem_bytes(d), block_q=BQ)
@@ -117,12 +130,15 @@ def paged_prefill_attention(m: Module, head_dim: int = 128, group: int = 1, caus
     mx = [k.var("f32", float("-inf")) for _ in range(2)]
     ls = [k.var("f32", 0.0) for _ in range(2)]
     k_pool, v_pool = k.global_ptr("k_pool"), k.global_ptr("v_pool")
+    k_sc = v_sc = None
+    if kv_dtype == "q8_0":
+        k_sc, v_sc = k.global_ptr("k_scales"), k.global_ptr("v_scales")
     with k.loop(0, n_tiles) as jt:
         key0 = k.mul(jt, BK)
         k.bar_sync()
         left = k.sub(seq_k, key0)
-        _stage_paged(k, k_pool, table, kvh, n_kv, key0, left, ks, d, tid, block_size, kv_dtype)
-        _stage_paged(k, v_pool, table, kvh, n_kv, key0, left, vs, d, tid, block_size, kv_dtype)
+        _stage_paged(k, k_pool, table, kvh, n_kv, key0, left, ks, d, tid, block_size, kv_dtype, k_sc)
+        _stage_paged(k, v_pool, table, kvh, n_kv, key0, left, vs, d, tid, block_size, kv_dtype, v_sc)
         k.bar_sync()
         s = _scores(k, qa, kb, d)
         _softmax_update(k, s, o, mx, ls, key0, t, pos, seq_k, causal)

@@ -47,12 +47,15 @@ def _case(rng, lengths, kv_dtype, scale=3.0, nan=True):
     return q, kpool, vpool, tab, stride, nb, keys, vals
 
 
-def _cache(dev, nb, kv_dtype, rows):
+def _cache(dev, nb, kv_dtype, rows, **kw):
     from realizar.gpu.paged_kv import PagedKVCache
-    return PagedKVCache(1, H, KVH, D, nb, BS, kv_dtype, device=dev, max_batch=max(rows, 1))
+    return PagedKVCache(1, H, KVH, D, nb, BS, kv_dtype, device=dev, max_batch=max(rows, 1), **kw)
 
 
 def _upload(cache, kpool, vpool):
+    if cache.kv_dtype == "q8_0":
+        cache.pools_from_numpy(0, kpool, vpool)
+        return
     cache.k_pool(0).copy_from_host(_encode(kpool, cache.kv_dtype).reshape(-1))
     cache.v_pool(0).copy_from_host(_encode(vpool, cache.kv_dtype).reshape(-1))
 
@@ -68,14 +71,15 @@ def _ref(q, keys, vals, lengths):
     return np.stack(out)
 
 
-@pytest.mark.parametrize("kv_dtype,out_f16,seed", [("f16", False, 0), ("f16", True, 1), ("f32", False, 2),
-                                                    ("bf16", False, 3)])
-def test_decode_attention_mixed_batch(dev, kv_dtype, out_f16, seed):
+@pytest.mark.parametrize("kv_dtype,out_f16,seed,lanes", [("f16", False, 0, 0), ("f16", True, 1, 0), ("f32", False, 2, 0),
+                                                          ("bf16", False, 3, 0), ("q8_0", True, 4, 0),
+                                                          ("f16", True, 5, 16), ("q8_0", False, 6, 16)])
+def test_decode_attention_mixed_batch(dev, kv_dtype, out_f16, seed, lanes):
     rng = np.random.default_rng(seed)
     lengths = [int(x) for x in rng.integers(1, 4097, 56)] + [1, 2, 31, 32, 33, 4096, 4095, 0]
     rng.shuffle(lengths)
     q, kpool, vpool, tab, stride, nb, keys, vals = _case(rng, lengths, kv_dtype)
-    cache = _cache(dev, nb, kv_dtype, len(lengths))
+    cache = _cache(dev, nb, kv_dtype, len(lengths), decode_lanes=lanes)
     _upload(cache, kpool, vpool)
     rows = len(lengths)
     ob = cuda.GpuBuffer(rows * H * D, np.float16 if out_f16 else np.float32, device=dev)
@@ -92,14 +96,15 @@ def test_decode_attention_mixed_batch(dev, kv_dtype, out_f16, seed):
     cache.close()
 
 
-def test_append_decode_real_shape(dev):
+@pytest.mark.parametrize("kv_dtype", ["f16", "q8_0"])
+def test_append_decode_real_shape(dev, kv_dtype):
     rng = np.random.default_rng(7)
     rows = 64
     positions = [int(x) for x in rng.integers(0, 4096, rows)]
     stride = 4096 // BS
     nb = 1 + rows * stride
     tab = _tables(rng, [4096] * rows, BS, nb, stride)
-    cache = _cache(dev, nb, "f16", rows)
+    cache = _cache(dev, nb, kv_dtype, rows)
     qkv = (rng.standard_normal((rows, (H + 2 * KVH) * D)) * 2).astype(np.float32)
     inv = inv_freq_table(D, 500000.0)
     qkv_b = cuda.GpuBuffer.from_numpy(qkv.reshape(-1), device=dev)
@@ -111,12 +116,18 @@ def test_append_decode_real_shape(dev):
     for b, p in enumerate(positions):
         q, k, v = rope_append_rows_oracle(qkv[b:b + 1], H, KVH, D, p, inv, False)
         np.testing.assert_allclose(got_qkv[b, :H * D].reshape(H, D), q[:, 0], rtol=0, atol=4e-6 * np.abs(q).max())
-        np.testing.assert_allclose(gk[tab[b, p // BS], :, p % BS], k[:, 0], rtol=2.0 ** -10, atol=1e-5)
-        np.testing.assert_array_equal(gv[tab[b, p // BS], :, p % BS], _round(v[:, 0], "f16"))
+        if kv_dtype == "q8_0":  # K within one code step (the rotations differ in the last bits), V exact
+            step = np.abs(k[:, 0]).reshape(KVH, D // 32, 32).max(-1, keepdims=True) / 127
+            err = np.abs(gk[tab[b, p // BS], :, p % BS] - _round(k[:, 0], "q8_0")).reshape(KVH, D // 32, 32)
+            assert (err <= step * 1.001 + 1e-6).all()
+        else:
+            np.testing.assert_allclose(gk[tab[b, p // BS], :, p % BS], k[:, 0], rtol=2.0 ** -10, atol=1e-5)
+        np.testing.assert_array_equal(gv[tab[b, p // BS], :, p % BS], _round(v[:, 0], kv_dtype))
     cache.close()
 
 
-@pytest.mark.parametrize("cached,count,kv_dtype", [(0, 1000, "f16"), (700, 300, "f16"), (64, 129, "bf16")])
+@pytest.mark.parametrize("cached,count,kv_dtype", [(0, 1000, "f16"), (700, 300, "f16"), (64, 129, "bf16"),
+                                                            (700, 300, "q8_0")])
 def test_prefill_after_cached_positions(dev, cached, count, kv_dtype):
     rng = np.random.default_rng(cached + count)
     total = cached + count
@@ -154,29 +165,45 @@ def test_prefill_after_cached_positions(dev, cached, count, kv_dtype):
 
 
 def test_decode_timings(dev):
-    """Event-timed medians (printed with -s): paged decode attention (f16 pool) at B=64 L=256 and B=1
-    L=4096, beside the contiguous f32 KVCache.flash_decoding at B=1 L=4096."""
+    """Event-timed medians (printed with -s): paged decode attention, f16 and q8_0 pools, f16 output, at
+    B=64 L=256, B=1 L=4096 and B=64 L=4096 for lanes per row (0: the kernel's default) x unroll, beside the
+    contiguous f32 KVCache.flash_decoding at B=1 L=4096. Bytes: the K/V rows read (q8_0: codes + scales)."""
     from realizar.cuda.bench import median_us
     from realizar.gpu.kv_cache import KVCache
+    from realizar.gpu.paged_kv import kv_bytes_per_row
     stream = cuda.Stream(dev)
     rng = np.random.default_rng(11)
     results = {}
     for rows, length in ((64, 256), (1, 4096), (64, 4096)):
         lengths = [length] * rows
-        q, kpool, vpool, tab, stride, nb, _, _ = _case(rng, lengths, "f16", nan=False)
-        cache = _cache(dev, nb, "f16", rows)
-        _upload(cache, kpool, vpool)
+        stride = length // BS
+        nb = 1 + rows * stride
+        tab = _tables(rng, lengths, BS, nb, stride)
+        q = (rng.standard_normal((rows, H, D)) * 3).astype(np.float32)
         qb, lb, tb = (cuda.GpuBuffer.from_numpy(x, device=dev) for x in
                       (q.reshape(-1), np.array(lengths, np.uint32), tab.reshape(-1)))
         ob = cuda.GpuBuffer(rows * H * D, np.float16, device=dev)
+        n = nb * KVH * BS * D
+        for kv_dtype in ("f16", "q8_0"):
+            cache = _cache(dev, nb, kv_dtype, rows)
+            for pool in (cache.k_pool(0), cache.v_pool(0)):  # finite contents, a repeating random pattern
+                if kv_dtype == "f16":
+                    pool.copy_from_host(np.resize(rng.standard_normal(1 << 20).astype(np.float16), n))
+                else:
+                    pool.copy_from_host(np.resize(rng.integers(-127, 128, 1 << 20).astype(np.int8), n))
+            if kv_dtype == "q8_0":
+                for sc in (cache.k_scales(0), cache.v_scales(0)):
+                    sc.copy_from_host(np.full(n // 32, 0.02, np.float16))
+            for lanes, unroll in ((0, 2), (0, 4), (16, 2), (16, 4), (8, 2), (8, 4)):
+                cache.decode_lanes, cache.decode_unroll = lanes, unroll
 
-        def run(cache=cache, qb=qb, ob=ob, lb=lb, tb=tb, stride=stride, rows=rows):
-            for _ in range(20):
-                cache.decode_attention(0, qb, ob, lb, tb, stride, rows, out_f16=True, stream=stream)
-        us = median_us(run, stream, 20, 7)
-        kv_bytes = 2 * rows * length * KVH * D * 2
-        results[f"paged f16 B={rows} L={length}"] = (us, kv_bytes / us / 1e3)
-        cache.close()
+                def run(cache=cache, qb=qb, ob=ob, lb=lb, tb=tb, stride=stride, rows=rows):
+                    for _ in range(20):
+                        cache.decode_attention(0, qb, ob, lb, tb, stride, rows, out_f16=True, stream=stream)
+                us = median_us(run, stream, 20, 5)
+                kv_bytes = 2 * rows * length * KVH * kv_bytes_per_row(D, kv_dtype)
+                results[f"paged {kv_dtype} B={rows} L={length} lanes={lanes} unroll={unroll}"] = (us, kv_bytes / us / 1e3)
+            cache.close()
     kv = KVCache(1, H, KVH, D, 4096, device=dev)
     kv.set_length(0, 4096)
     q1 = cuda.GpuBuffer.from_numpy(rng.standard_normal(H * D).astype(np.float32), device=dev)
@@ -185,7 +212,7 @@ def test_decode_timings(dev):
     def run_flat():
         for _ in range(20):
             kv.flash_decoding(0, q1, o1, 4096, stream=stream)
-    us = median_us(run_flat, stream, 20, 7)
+    us = median_us(run_flat, stream, 20, 5)
     results["KVCache.flash_decoding f32 B=1 L=4096"] = (us, 2 * 4096 * KVH * D * 4 / us / 1e3)
     kv.close()
     for name, (us, gbs) in results.items():
