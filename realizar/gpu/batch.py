@@ -33,6 +33,7 @@ import numpy as np
 
 from realizar import cuda
 from realizar.errors import ContextOverflowError, InvalidRequestError, ShapeError, UnsupportedError
+from realizar.gpu.paged_kv import kv_bytes_per_row
 from realizar.gpu.prefill import BatchedPrefill, batched_prefill_unsupported
 from realizar.gpu.sampling import SPEC_WORDS, pack_specs
 
@@ -60,9 +61,9 @@ def bucket_for(rows: int, max_batch: int) -> int:
 
 
 def kv_block_bytes(cfg, block_size: int, kv_dtype: str) -> int:
-    """Device bytes of one KV block over all layers, K and V."""
-    per_value = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32}[kv_dtype]
-    return int(2 * cfg.num_layers * cfg.num_kv_heads * block_size * cfg.head_dim * per_value)
+    """Device bytes of one KV block over all layers, K and V (q8_0: codes and scales), as
+    :attr:`PagedKVCache.block_bytes` counts them."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * block_size * kv_bytes_per_row(cfg.head_dim, kv_dtype)
 
 
 class _SequenceKV:
