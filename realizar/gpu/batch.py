@@ -16,7 +16,8 @@ weights and kernels and keeps its own :class:`~realizar.gpu.paged_kv.PagedKVCach
   of every row over its own length, the O projection + residual, RMSNorm, the fused gate/up GEMM with
   SwiGLU, the down projection + residual; final norm and the LM head for every row. B = 1 runs the
   single-stream decode GEMVs (f32 activations) instead, as :class:`GpuModel` does.
-* :meth:`GpuBatchBackend.prefill`: a chunk of one sequence's prompt through
+* :meth:`GpuBatchBackend.prefill`: a chunk of one sequence's prompt (of at least ``prefill_min_batch``
+  tokens; shorter ones go token by token through the 1-row decode step) through
   :class:`~realizar.gpu.prefill.BatchedPrefill` (the tensor-core prefill), its K/V appended and read
   through the sequence's block table, so a prompt whose first blocks came from the prefix cache starts
   at the first uncached position.
@@ -34,7 +35,7 @@ import numpy as np
 from realizar import cuda
 from realizar.errors import ContextOverflowError, InvalidRequestError, ShapeError, UnsupportedError
 from realizar.gpu.paged_kv import kv_bytes_per_row
-from realizar.gpu.prefill import BatchedPrefill, batched_prefill_unsupported
+from realizar.gpu.prefill import PREFILL_MIN_BATCH, BatchedPrefill, batched_prefill_unsupported
 from realizar.gpu.sampling import SPEC_WORDS, pack_specs
 
 __all__ = ["BUCKETS", "GpuBatchBackend", "GpuBatchOutput", "bucket_for", "kv_block_bytes"]
@@ -155,7 +156,8 @@ class GpuBatchBackend:
 
     def __init__(self, model, *, num_blocks: int | None = None, kv_memory: float | int | None = None,
                  block_size: int = 32, kv_dtype: str = "f16", max_batch: int = 64, max_context: int | None = None,
-                 use_graph: bool = True, prefill_chunk: int = 512, f16_weights: bool | None = None):
+                 use_graph: bool = True, prefill_chunk: int = 512, f16_weights: bool | None = None,
+                 prefill_min_batch: int = PREFILL_MIN_BATCH):
         from realizar.gpu.paged_kv import PagedKVCache
 
         why = batched_prefill_unsupported(model)
@@ -216,6 +218,9 @@ class GpuBatchBackend:
         self._graphs: dict[int, cuda.GraphExec] = {}
         self._prefill = BatchedPrefill(_PrefillModel(self), prefill_chunk, f16_weights=self._f16)
         self.prefill_chunk = self._prefill.chunk
+        # shorter prompts run token by token through the 1-row decode step (f32 activations, exact GEMVs):
+        # below this, the batched prefill's weight expansion and launches cost more than the steps
+        self.prefill_min_batch = int(prefill_min_batch)
         self.steps = 0
 
     # ---- linear layers of B rows ------------------------------------------------------------------
@@ -408,6 +413,11 @@ class GpuBatchBackend:
         self._check_blocks([block_table])
         self.device.make_current()
         self.steps += 1
+        if n < self.prefill_min_batch:  # a short prompt: token by token through the 1-row decode graph
+            for i, tok in enumerate(ids):
+                self.decode([tok], [start + i], [block_table])
+                self._run_decode(1, 1, None)
+            return GpuBatchOutput(self, 1)
         table = np.zeros(self.table_stride, np.uint32)
         table[: len(block_table)] = block_table
         self.stream.synchronize()  # an earlier step may still read the table buffer
