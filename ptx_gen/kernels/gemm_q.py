@@ -118,7 +118,7 @@ def _grid() -> list[dict]:
         g.append({"wtype": wt, "in_dim": 4096, "layout": "rows", "mt": 8})
         g.append({"wtype": wt, "in_dim": 4096, "layout": lay, "mt": 64, "warps": 4, "kparts": 2, "residual": True})
         g.append({"wtype": wt, "in_dim": 4096, "layout": "glu-tiles", "mt": 32, "glu": True, "out_f16": True})
-        g.append({"wtype": wt, "in_dim": 14336, "layout": lay, "mt": 128, "warps": 4, "kparts": 2, "stages": 3})
+        g.append({"wtype": wt, "in_dim": 14336, "layout": lay, "mt": 128, "warps": 2, "kparts": 1, "stages": 3})
     for wt in ("F32", "F16", "BF16", "Q5_0", "Q5_1"):  # (F32's 4-stage ring of 4 warps needs 260 KB)
         g.append({"wtype": wt, "in_dim": 576, "mt": 16, "bias": True, **({"stages": 2} if wt == "F32" else {})})
     return g

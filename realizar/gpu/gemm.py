@@ -52,8 +52,11 @@ _TILES = (GemmConfig(128, 128, 2, 2, 3), GemmConfig(64, 128, 1, 4, 4), GemmConfi
 
 def gemm_config(m: int, n: int, sm_count: int = 132, max_smem: int = 227 * 1024) -> GemmConfig:
     """The largest tile that still gives every SM a CTA (fewer, bigger tiles re-read less of X and W);
-    where none does, the smallest. Tiles asking for more shared memory than a CTA may have are skipped."""
+    where none does, the smallest; up to 64 tokens only tiles of 64 tokens. Tiles asking for more shared
+    memory than a CTA may have are skipped."""
     fits = [c for c in _TILES if c.smem <= max_smem] or [GemmConfig(64, 64, 2, 2, 2)]
+    if m <= 64:  # a batched decode step: 128-token tiles would be half padding (tools/bench_serving, H200)
+        fits = [c for c in fits if c.bm <= 64] or fits
     for cfg in fits:
         if cfg.ctas(m, n) >= sm_count:
             return cfg

@@ -1,5 +1,6 @@
 """The OpenAI-compatible server on the GPU model: the official client over loopback, greedy text equal
-to the CPU engine's, streaming equal to non-streaming, concurrent clients served one at a time."""
+to the CPU engine's, streaming equal to non-streaming, concurrent clients batched; the KV cache in f32 so
+that logprobs match the CPU engine's within float32 noise."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def served(tmp_path_factory):
     path, _, _ = make_gguf_model("llama", tmp_path_factory.mktemp("gpu-srv"), "Q8_0", seed=9, **DIMS)
     engine = load_engine(path, device="cuda")
     assert engine.device == "cuda"
-    live = LiveServer(engine).start()
+    live = LiveServer(engine, kv_dtype="f32").start()  # (the f16 default is compared in test_batch_gpu.py)
     yield live, load_engine(path, device="cpu")
     live.stop()
 
