@@ -160,6 +160,74 @@ def bench_engine(backend, concurrency: list[int], prompt: int, gen: int, rng) ->
     return out
 
 
+def bench_http(backend, name: str, concurrency: list[int], prompt: int, gen: int, rng) -> dict[str, dict]:
+    """{label: result}: C concurrent streaming completions through the OpenAI-compatible server (uvicorn
+    in this process on a loopback port, httpx clients); TTFT and ITL from the arrival of the SSE events."""
+    import asyncio
+    import json
+    import socket
+    import threading
+    from types import SimpleNamespace
+
+    import httpx
+    import uvicorn
+
+    from realizar.server.app import create_app
+    from realizar.serving.engine import ServingEngine
+
+    vocab = backend.config.vocab_size
+    tok = bench_tokenizer(vocab)
+    engine = SimpleNamespace(name=name, device="cuda", config=backend.config, tokenizer=tok,
+                             context_length=backend.context_length, generator=None)
+    serving = ServingEngine(backend, tok, eos_token_ids=())
+    app = create_app(engine, serving=serving, max_queue=1024)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions"
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+
+    async def one(client, ids, n):
+        body = {"model": name, "prompt": ids, "max_tokens": n, "temperature": 0, "stream": True}
+        t0 = time.perf_counter()
+        times = []
+        async with client.stream("POST", url, json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {") and json.loads(line[6:])["choices"][0].get("text") is not None:
+                    times.append(time.perf_counter())
+        return t0, times
+
+    async def load(reqs):
+        limits = httpx.Limits(max_connections=len(reqs) + 8, max_keepalive_connections=len(reqs) + 8)
+        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+            t0 = time.perf_counter()
+            runs = await asyncio.gather(*(one(client, ids, n) for ids, n in reqs))
+            wall = time.perf_counter() - t0
+        ttft = [ts[0] - s for s, ts in runs if ts]
+        itl = [d for _, ts in runs for d in np.diff(ts).tolist()]
+        count = sum(len(ts) for _, ts in runs)
+        return {"tok_s": count / wall, "ttft": ttft, "itl": itl, "wall": wall, "tokens": count}
+
+    draw = lambda n: [int(t) for t in rng.integers(0, vocab, n)]  # noqa: E731
+    out = {}
+    try:
+        asyncio.run(load([(draw(prompt), 8)]))
+        for c in concurrency:
+            if c > backend.max_batch:
+                continue
+            out[f"{c} x ({prompt} in, {gen} out)"] = r = asyncio.run(load([(draw(prompt), gen) for _ in range(c)]))
+            print(f"  http C={c}: {r['tok_s']:.0f} tok/s, TTFT p50 {1e3 * pct(r['ttft'], 50):.1f} ms, "
+                  f"ITL p50 {1e3 * pct(r['itl'], 50):.2f} ms", flush=True)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+    return out
+
+
 def latency_table(name: str, part: str, res: dict[str, dict]) -> list[str]:
     lines = [f"### {name}: {part}", "",
              "| load | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | wall s |",
@@ -188,7 +256,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=",".join(BENCH_SHAPES))
     ap.add_argument("--batches", default="1,8,32,64,128")
-    ap.add_argument("--parts", default="batched,engine")
+    ap.add_argument("--parts", default="batched,engine,http")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--kv-dtype", default="f16")
@@ -214,6 +282,9 @@ def main() -> None:
         if "engine" in parts:
             lines += latency_table(name, "ServingEngine, concurrent requests (greedy)",
                                    bench_engine(backend, batches, a.prompt, a.gen, rng))
+        if "http" in parts:
+            lines += latency_table(name, "HTTP server, concurrent streaming completions (greedy)",
+                                   bench_http(backend, name, batches, a.prompt, a.gen, rng))
         backend.close()
         del backend, model, tensors
         gc.collect()
