@@ -371,6 +371,152 @@ def _flash_attention(k, sizes, rng) -> Example:
                    k.launch.dyn_smem)
 
 
+@example("gemm_q")
+def _gemm_q(k, sizes, rng) -> Example:
+    from ptx_gen.kernels.gemv_mma_layout import tile_major
+    from ptx_gen.kernels.quant_layout import type_info
+
+    shape = k.shape_dict
+    wtype, in_dim, layout, glu = shape["wtype"], shape["in_dim"], shape["layout"], shape["glu"]
+    cols, m = sizes.get("out_dim", 20), min(sizes.get("tokens", 3), k.meta["mt"])
+    n = 2 * cols if glu else cols  # weight rows ([gate; up] with glu)
+    raw = _weights(rng, wtype, n, in_dim)
+    if layout != "rows":
+        raw = tile_major(raw[:n * type_info(wtype).row_bytes(in_dim)], wtype, n, in_dim, glu=layout == "glu-tiles")
+        raw = np.concatenate([raw, np.zeros(-raw.size % 16, np.uint8)])
+    out = np.float16 if shape["out_f16"] else np.float32
+    params = {"w": raw, "x": _f32(rng, m * in_dim, scale=1e-3).astype(np.float16),  # (f16 outputs stay finite)
+              "y": np.full(m * cols, np.nan, out)}
+    _optional(k, params, rng, bias=lambda: _f32(rng, cols), residual=lambda: _f32(rng, m * cols))
+    params.update(m=m, n=n, lda=in_dim, ldy=cols)
+    return Example(params, (_cdiv(cols, k.meta["rows_per_cta"]),), (k.meta["block"],), ("y",), k.meta["dyn_smem"])
+
+
+def _paged_pools(kv_dtype: str, num_blocks: int, n_kv: int, block_size: int, d: int, rng,
+                 empty: bool = False) -> dict:
+    """k_pool, v_pool (+ k_scales, v_scales for q8_0) of ``num_blocks`` blocks (layout of
+    :mod:`ptx_gen.kernels.paged_kv`): random finite contents, or zeros with ``empty``."""
+    n = num_blocks * n_kv * block_size * d
+    pools = {}
+    for name in ("k", "v"):
+        if kv_dtype == "q8_0":
+            codes = np.zeros(n, np.int8) if empty else rng.integers(-127, 128, n).astype(np.int8)
+            scales = np.zeros(n // 32, np.float16) if empty else (np.abs(_f32(rng, n // 32)) * 0.02 + 1e-3)
+            pools.update({f"{name}_pool": codes, f"{name}_scales": scales.astype(np.float16)})
+            continue
+        x = np.zeros(n, np.float32) if empty else _f32(rng, n)
+        if kv_dtype == "f16":
+            x = x.astype(np.float16)
+        elif kv_dtype == "bf16":
+            x = (x.view(np.uint32) >> 16).astype(np.uint16)
+        pools[f"{name}_pool"] = x
+    return pools
+
+
+def _pool_outputs(kv_dtype: str) -> tuple[str, ...]:
+    return ("k_pool", "v_pool") + (("k_scales", "v_scales") if kv_dtype == "q8_0" else ())
+
+
+def _block_tables(rng, rows: int, stride: int) -> tuple[np.ndarray, int]:
+    """``rows`` block tables of ``stride`` distinct real blocks (>= 1; block 0 is the null block), and
+    the pool's block count."""
+    num_blocks = 1 + rows * stride
+    return (rng.permutation(num_blocks - 1) + 1).astype(np.uint32), num_blocks
+
+
+def _inv_freq(d: int) -> np.ndarray:
+    return (10000.0 ** (-np.arange(d // 2) / (d // 2))).astype(np.float32)
+
+
+@example("paged_append_decode")
+def _paged_append_decode(k, sizes, rng) -> Example:
+    shape = k.shape_dict
+    d, bs, kv = shape["head_dim"], shape["block_size"], shape["kv_dtype"]
+    n_q, n_kv, rows = sizes.get("n_q", 4), sizes.get("n_kv", 2), sizes.get("rows", 3)
+    stride = sizes.get("table_stride", 2)
+    positions = rng.integers(0, stride * bs, rows).astype(np.uint32)
+    tables, num_blocks = _block_tables(rng, rows, stride)
+    n_rows = n_q + 2 * n_kv
+    params = {"qkv": _f32(rng, rows * n_rows * d), **_paged_pools(kv, num_blocks, n_kv, bs, d, rng, empty=True),
+              "inv_freq": _inv_freq(d), "positions": positions, "block_tables": tables}
+    if shape["qk_norm"]:
+        params.update(q_norm=_f32(rng, d), k_norm=_f32(rng, d), eps=1e-6)
+    params.update(table_stride=stride, n_q=n_q, n_kv=n_kv)
+    return Example(params, (rows, _cdiv(n_rows, k.meta["warps"])), (k.meta["block"],), ("qkv",) + _pool_outputs(kv))
+
+
+@example("paged_append_rows")
+def _paged_append_rows(k, sizes, rng) -> Example:
+    shape = k.shape_dict
+    d, bs, kv = shape["head_dim"], shape["block_size"], shape["kv_dtype"]
+    n_q, n_kv = sizes.get("n_q", 4), sizes.get("n_kv", 2)
+    count, pos0 = sizes.get("count", 3), sizes.get("pos0", bs - 1)  # (the chunk crosses a block boundary)
+    stride = _cdiv(pos0 + count, bs)
+    table, num_blocks = _block_tables(rng, 1, stride)
+    n_rows = n_q + 2 * n_kv
+    params = {"qkv": _f32(rng, count * n_rows * d), "q_out": np.full(n_q * count * d, np.nan, np.float32),
+              **_paged_pools(kv, num_blocks, n_kv, bs, d, rng, empty=True), "inv_freq": _inv_freq(d),
+              "block_table": table}
+    if shape["qk_norm"]:
+        params.update(q_norm=_f32(rng, d), k_norm=_f32(rng, d), eps=1e-6)
+    params.update(pos0=pos0, count=count, table_stride=stride, n_q=n_q, n_kv=n_kv)
+    return Example(params, (count, _cdiv(n_rows, k.meta["warps"])), (k.meta["block"],),
+                   ("q_out",) + _pool_outputs(kv))
+
+
+@example("paged_decode_attention")
+def _paged_decode(k, sizes, rng) -> Example:
+    from ptx_gen.kernels.paged_decode import buffer_sizes
+
+    shape = k.shape_dict
+    d, group, bs, kv = shape["head_dim"], shape["group"], shape["block_size"], shape["kv_dtype"]
+    n_kv, nch = sizes.get("n_kv", 1), sizes.get("num_chunks", 2)
+    lens = np.array(sizes.get("seq_lens", (bs + 5, 2 * bs + 3)), np.uint32)  # one and several chunks
+    rows, h = lens.size, n_kv * group
+    stride = _cdiv(int(lens.max()), bs)
+    tables, num_blocks = _block_tables(rng, rows, stride)
+    n_acc, n_ml, n_cnt = buffer_sizes(rows, h, n_kv, nch, d)
+    out = np.float16 if shape["out_f16"] else np.float32
+    params = {"q": _f32(rng, rows * h * d, scale=3.0), **_paged_pools(kv, num_blocks, n_kv, bs, d, rng),
+              "out": np.full(rows * h * d, np.nan, out), "part_acc": np.full(n_acc, np.nan, np.float32),
+              "part_ml": np.full(n_ml, np.nan, np.float32), "counters": np.zeros(n_cnt, np.uint32),
+              "seq_lens": lens, "block_tables": tables, "table_stride": stride, "n_kv": n_kv,
+              "min_chunk": sizes.get("min_chunk", bs), "q_stride": h * d}
+    return Example(params, (rows * n_kv, nch), (k.meta["block"],), ("out", "counters"))
+
+
+@example("paged_prefill_attention")
+def _paged_prefill(k, sizes, rng) -> Example:
+    shape = k.shape_dict
+    d, group, bs, kv = shape["head_dim"], shape["group"], shape["block_size"], shape["kv_dtype"]
+    n_kv, seq_q, seq_k = sizes.get("n_kv", 1), sizes.get("seq_q", 5), sizes.get("seq_k", bs + 4)
+    h = n_kv * group
+    stride = _cdiv(seq_k, bs)
+    table, num_blocks = _block_tables(rng, 1, stride)
+    params = {"q": _f32(rng, h * seq_q * d, scale=2.0), **_paged_pools(kv, num_blocks, n_kv, bs, d, rng),
+              "block_table": table, "out": np.full(seq_q * h * d, np.nan, np.float16), "seq_q": seq_q,
+              "seq_k": seq_k, "q_offset": seq_k - seq_q, "num_heads": h, "n_kv": n_kv}
+    return Example(params, (_cdiv(seq_q, k.meta["block_q"]), h), (k.meta["block"],), ("out",), k.meta["dyn_smem"])
+
+
+@example("sample_rows")
+def _sample_rows(k, sizes, rng) -> Example:
+    from ptx_gen.kernels.sample_rows import SPEC_WORDS
+
+    vocab = sizes.get("vocab", 300)
+    ld = sizes.get("ld", vocab + 4)
+    # rows as realizar.gpu.sampling.pack_specs packs them: (temperature, top_k, top_p, seed, step)
+    rows = [(0.0, 0, 1.0, 0, 0), (0.8, 20, 1.0, 1234, 7), (1.0, 0, 0.9, 2**40 + 5, 3), (0.7, 50, 0.8, 99, 1)]
+    specs = np.zeros((len(rows), SPEC_WORDS), np.uint32)
+    f = specs.view(np.float32)
+    for i, (temp, top_k, top_p, seed, step) in enumerate(rows):
+        f[i, 0], specs[i, 1], f[i, 2] = temp, top_k, top_p
+        specs[i, 3], specs[i, 4], specs[i, 5] = seed & 0xFFFFFFFF, seed >> 32, step
+    params = {"logits": _f32(rng, len(rows) * ld, scale=3.0), "ld": ld, "specs": specs.reshape(-1),
+              "out": np.full(len(rows), 0xFFFFFFFF, np.uint32), "vocab": vocab}
+    return Example(params, (len(rows),), (k.meta["block"],), ("out",))
+
+
 def run_example(name: str, shape: dict, target: str = "sm_90", seed: int = 0, racecheck: bool = True) -> Report:
     """Emit kernel ``name`` (the kernel's shape parameters from ``shape``; the other keys are problem
     sizes for its example), run it on the emulator on random inputs, and report the outputs or the
