@@ -202,6 +202,17 @@ class GenerationStream:
         return self._state.get("result")
 
 
+def encode_prompt(tokenizer: Any, prompt: str | Sequence[int]) -> list[int]:
+    """The token ids of ``prompt`` (text, encoded by ``tokenizer``, or ids); InvalidRequestError if none."""
+    if isinstance(prompt, str):
+        ids = list(tokenizer.encode(prompt))
+    else:
+        ids = [int(t) for t in prompt]
+    if not ids:
+        raise InvalidRequestError("the prompt is empty (no tokens)")
+    return ids
+
+
 class Generator:
     """Drives a model and a tokenizer: :meth:`stream` yields tokens as they come, :meth:`generate`
     returns the whole :class:`GenerationResult`. The KV cache is reset for every call."""
@@ -212,13 +223,7 @@ class Generator:
         self.eos_token_ids = tuple(eos_token_ids) if eos_token_ids is not None else _eos_ids(tokenizer)
 
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            ids = list(self.tokenizer.encode(prompt))
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise InvalidRequestError("the prompt is empty (no tokens)")
-        return ids
+        return encode_prompt(self.tokenizer, prompt)
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> GenerationStream:
         params = params or SamplingParams()

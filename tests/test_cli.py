@@ -358,13 +358,7 @@ def test_serve_binds_loopback_and_answers(tiny):
         r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 3}, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            _, err = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
-    assert proc.returncode == 0, err
+        err = _stop_server(proc)
     assert "Traceback" not in err
 
 
@@ -404,13 +398,7 @@ def test_serve_batching_flags_reach_the_server(tiny, oracle):
                        timeout=30)  # fmt: skip
         assert r.status_code == 413
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            _, err = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
-    assert proc.returncode == 0, err
+        _stop_server(proc)
 
 
 @pytest.mark.parametrize("args, code, match", [
@@ -556,3 +544,15 @@ def test_smollm2_info():
     assert re.search(r"parameters\s+134\.52M", p.stdout)
     assert re.search(r"Q4_1\s+210 tensors", p.stdout)
     assert re.search(r"pre-tokenizer smollm", p.stdout)
+
+
+def _stop_server(proc) -> str:
+    """SIGINT a `realizar serve` process, wait for it, check it exited cleanly; its stderr."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    assert proc.returncode == 0, err
+    return err

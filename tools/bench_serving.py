@@ -28,7 +28,6 @@ import argparse
 import datetime
 import gc
 import shlex
-import statistics
 import sys
 import time
 from pathlib import Path

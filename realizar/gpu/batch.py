@@ -167,7 +167,7 @@ class GpuBatchBackend:
             raise ShapeError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= BUCKETS[-1]:
             raise ShapeError(f"max_batch must be an integer in [1, {BUCKETS[-1]}], got {max_batch!r}")
-        self.model = m = model
+        self.model = model
         self.config = cfg = model.config
         self.ops, self.device = model.ops, model.device
         self.device.make_current()

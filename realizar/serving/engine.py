@@ -39,7 +39,9 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from realizar.errors import InvalidRequestError, RealizarError, UnsupportedError
-from realizar.generation import GenerationResult, SamplingParams, SequenceState, TokenChunk, _eos_ids
+from realizar.generation import (
+    GenerationResult, SamplingParams, SequenceState, TokenChunk, _eos_ids, encode_prompt,
+)
 from realizar.serving.backend import BatchBackend, RowSampling
 from realizar.serving.scheduler import Scheduler, StepOutput
 
@@ -297,12 +299,7 @@ class ServingEngine:
         :class:`InvalidRequestError` for bad parameters or a request that could never fit."""
         params = params or SamplingParams()
         params.validate()
-        if isinstance(prompt, str):
-            ids = list(self.tokenizer.encode(prompt))
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise InvalidRequestError("the prompt is empty (no tokens)")
+        ids = encode_prompt(self.tokenizer, prompt)
         if params.seed is None:
             params = dataclasses.replace(params, seed=secrets.randbits(63))
         handle = RequestHandle(self, SequenceState(ids, params, self.tokenizer, self.eos_token_ids))
