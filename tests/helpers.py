@@ -44,3 +44,10 @@ def fit_mma_shape(wtype: str, units: int, mtiles: int, kparts: int, stages: int,
             return in_dim, mtiles, kparts, stages
         except ValueError:  # more shared memory than a CTA may have
             stages, mtiles = ({8: 4, 4: 3, 3: 2}[stages], mtiles) if stages > 2 else (stages, mtiles - 1)
+
+
+def rel_err(got, want) -> float:
+    """max |got - want| / max |want| in float64, after checking that ``got`` is finite everywhere."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert np.isfinite(got).all()
+    return float(np.abs(got - want).max() / np.abs(want).max())

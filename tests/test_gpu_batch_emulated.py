@@ -20,18 +20,13 @@ from realizar.models.loader import load_model
 from realizar.models.reference import ReferenceModel
 from realizar.sampling import RowSampling
 from tests.gguf_factory import make_gguf_model
+from tests.helpers import rel_err as _rel_err
 
 TINY = dict(vocab_size=320, hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2)  # head_dim 32
 CASES = [("llama", "Q8_0"), ("qwen3", "Q4_1"), ("qwen2", "Q4_0")]
 BLOCK = 16
 MAX_LEN = 64
 RTOL = 1e-2  # f16 activations and weights in the GEMMs: max |batched - ref| / max |ref|
-
-
-def _rel_err(got, want) -> float:
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert np.isfinite(got).all()
-    return float(np.abs(got - want).max() / np.abs(want).max())
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-{c[1]}")

@@ -16,6 +16,7 @@ from realizar.models.loader import load_model
 from realizar.models.reference import ReferenceModel
 from tests.gguf_factory import make_gguf_model
 from tests.model_factory import KQUANT_DIMS
+from tests.helpers import rel_err as _rel_err
 
 TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2)
 CASES = [("llama", "Q8_0", 2, TINY), ("qwen2", "Q4_0", 1, TINY), ("qwen3", "Q4_1", 1, TINY),
@@ -24,12 +25,6 @@ CHUNK = 8
 MAX_LEN = 48
 RTOL = 1e-2  # f16 activations and weights in the GEMMs: max |gpu - ref| / max |ref|
 CONTINUE = 4  # greedy tokens after the prompt
-
-
-def _rel_err(got, want) -> float:
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert np.isfinite(got).all()
-    return float(np.abs(got - want).max() / np.abs(want).max())
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-{c[1]}")

@@ -19,6 +19,7 @@ from realizar.gpu.model import GpuModel
 from realizar.models.loader import load_model
 from realizar.models.reference import ReferenceModel
 from tests.gguf_factory import make_gguf_model
+from tests.helpers import rel_err as _rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -29,12 +30,6 @@ CASES = [("llama", "Q8_0"), ("llama", "Q4_1"), ("qwen2", "Q4_0"), ("qwen3", "Q4_
 RTOL = 1e-2
 BLOCK = 32
 MAX_LEN = 512
-
-
-def _rel_err(got, want) -> float:
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert np.isfinite(got).all()
-    return float(np.abs(got - want).max() / np.abs(want).max())
 
 
 def _same_token(got: int, gpu_logits, ref_logits, what: str) -> bool:

@@ -18,6 +18,7 @@ from realizar.models.reference import ReferenceModel
 from tests.gguf_factory import make_gguf_model
 from tests.layer_oracles import dequant, random_weight
 from tests.model_factory import KQUANT_DIMS
+from tests.helpers import rel_err as _rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -31,12 +32,6 @@ CASES = [
 LENGTHS = [1, 2, 63, 64, 65, 511, 512, 513]  # (+ 600 below: across two chunk boundaries)
 RTOL = 1e-2  # f16 GEMM operands: max |gpu - ref| / max |ref|
 CONTINUE = 32
-
-
-def _rel_err(got, want) -> float:
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert np.isfinite(got).all()
-    return float(np.abs(got - want).max() / np.abs(want).max())
 
 
 def _continue_greedily(gpu, ref, gpu_logits, ref_logits, n: int, what: str) -> int:
