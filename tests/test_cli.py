@@ -402,8 +402,6 @@ def test_serve_batching_flags_reach_the_server(tiny, oracle):
 
 
 @pytest.mark.parametrize("args, code, match", [
-    (["--kv-dtype", "bf16"], 1, "--kv-dtype bf16 needs the GPU"),
-    (["--kv-dtype", "q8_0"], 1, "--kv-dtype q8_0 needs the GPU"),
     (["--kv-memory", "50%"], 1, "fraction of free GPU memory needs a GPU"),
     (["--kv-memory", "lots"], 2, "--kv-memory: expected GiB"),
     (["--kv-memory", "0"], 2, "--kv-memory: expected a size > 0"),

@@ -111,6 +111,35 @@ def test_f16_kv_divergence_is_small(models):
     assert (got.argmax(1) == ref.argmax(1)).all()
 
 
+# max |logits - reference| / max |reference| each KV format may cause on the tiny models (measured over 185
+# positions: f16 4-6e-4, bf16 2.6-4.3e-3, q8_0 1.6e-2 (qwen3, head_dim 32); ~4x margin)
+KV_FORMAT_BOUND = {"f16": 2e-3, "bf16": 2e-2, "q8_0": 6e-2}
+
+
+@pytest.mark.parametrize("fmt", ["f16", "bf16", "q8_0"])
+def test_kv_format_divergence_is_bounded(models, fmt):
+    """Each KV format against the f32 reference on qwen3 (head_dim 32, so q8_0 applies): the logits
+    change (the format is really applied) by less than its bound, and greedy choices agree at >= 95%
+    of 64 positions."""
+    loaded = models["qwen3"]
+    rng = np.random.default_rng(6)
+    ids = rng.integers(0, 320, 80).tolist()
+    want = _alone(loaded, ids)[15:]
+    be = ReferenceBatchBackend(loaded, num_blocks=8, block_size=16, kv_dtype=fmt)
+    table = [5, 2, 7, 1, 3]
+    got = [be.prefill(ids[:16], 0, table).logits(0)]
+    got += [be.decode([ids[p]], [p], [table]).logits(0) for p in range(16, 80)]
+    got = np.stack(got)
+    diff = np.abs(got - want).max() / np.abs(want).max()
+    assert 1e-5 < diff < KV_FORMAT_BOUND[fmt], diff
+    assert (got.argmax(1) == want.argmax(1)).mean() >= 0.95
+
+
+def test_q8_0_needs_head_rows_of_32(models):
+    with pytest.raises(ShapeError, match="q8_0 KV cache stores groups of 32 values of a head row; head_dim is 16"):
+        ReferenceBatchBackend(models["llama"], num_blocks=4, block_size=4, kv_dtype="q8_0")
+
+
 def test_bad_calls_raise_typed_errors(models):
     be = ReferenceBatchBackend(models["qwen2"], num_blocks=4, block_size=4, max_batch=2)
     with pytest.raises(InvalidRequestError, match="outside the vocabulary of 320"):

@@ -9,7 +9,6 @@ import re
 from realizar.cli.common import CliError, add_model_args, load_engine, note, port, positive_int
 
 KV_DTYPES = ("f32", "f16", "bf16", "q8_0")
-CPU_KV_DTYPES = ("f32", "f16")
 BLOCK_SIZES = (16, 32, 64)
 _UNITS = {"": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
           "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}  # fmt: skip
@@ -75,8 +74,6 @@ def kv_bytes(spec: tuple[str, float] | None, device: str) -> int | None:
 def serving_options(args: argparse.Namespace, device: str) -> dict:
     """create_app's continuous-batching keywords from the command line, checked against ``device``."""
     dtype = args.kv_dtype
-    if dtype is not None and device == "cpu" and dtype not in CPU_KV_DTYPES:
-        raise CliError(f"--kv-dtype {dtype} needs the GPU; the CPU backend stores KV as {' or '.join(CPU_KV_DTYPES)}")
     return {"max_batch": args.max_batch, "block_size": args.block_size, "kv_dtype": dtype,
             "kv_memory": kv_bytes(args.kv_memory, device), "max_body": args.max_body}  # fmt: skip
 

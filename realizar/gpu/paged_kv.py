@@ -35,6 +35,7 @@ from ptx_gen.kernels.paged_decode import MAX_GROUP, buffer_sizes
 from ptx_gen.kernels.paged_kv import BLOCK_SIZES, KV_DTYPES, QK
 from realizar.errors import ShapeError
 from realizar.gpu.dispatch import Dispatcher, check_int
+from realizar.models.kv_formats import dequantize_q8_0, quantize_q8_0, round_bf16, row_bytes
 
 __all__ = ["PagedKVCache", "KV_NUMPY_DTYPES", "decode_chunks", "decode_tiling", "kv_bytes_per_row", "quantize_q8_0",
            "dequantize_q8_0"]
@@ -66,34 +67,7 @@ def decode_tiling(head_dim: int, group: int) -> tuple[int, int]:
     return 0, 2
 
 
-def kv_bytes_per_row(head_dim: int, kv_dtype: str) -> int:
-    """Bytes one head row (one position of one KV head, K or V) takes in a pool of ``kv_dtype``."""
-    if kv_dtype == "q8_0":
-        return head_dim + head_dim // QK * 2
-    return head_dim * np.dtype(KV_NUMPY_DTYPES[kv_dtype]).itemsize
-
-
-def quantize_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """GGML's Q8_0 over groups of 32 along the last axis, as the append kernels compute it (f32 arithmetic):
-    ``d = max|x| / 127``, ``id = 1 / d`` (0 for d = 0), codes ``rint(x * id)`` (nearest even) as int8,
-    scales ``float16(d)``. Returns (codes shaped like ``x``, scales ``[..., n / 32]`` float16). A group
-    holding NaN gets a NaN scale (codes 0)."""
-    x = np.asarray(x, np.float32)
-    if x.shape[-1] % QK:
-        raise ShapeError(f"q8_0 quantises groups of {QK} values: the last axis ({x.shape[-1]}) must be a multiple")
-    g = x.reshape(*x.shape[:-1], x.shape[-1] // QK, QK)
-    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        d = np.max(np.abs(g), axis=-1) / np.float32(127)
-        inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, np.float32(1)), np.float32(0)).astype(np.float32)
-        codes = np.rint(g * inv[..., None])
-    codes = np.nan_to_num(codes, nan=0.0).astype(np.int8).reshape(x.shape)
-    return codes, d.astype(np.float16)
-
-
-def dequantize_q8_0(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """float32 ``code * scale`` (what every kernel reads from a q8_0 pool)."""
-    g = codes.reshape(*codes.shape[:-1], codes.shape[-1] // QK, QK).astype(np.float32)
-    return (g * scales.astype(np.float32)[..., None]).reshape(codes.shape)
+kv_bytes_per_row = row_bytes  # bytes of one head row (one position of one KV head, K or V) in a pool
 
 
 def _table_arg(x: Any) -> bool:
@@ -234,10 +208,7 @@ None: :func:`decode_tiling`. ``ops``: the dispatcher to launch with."""
                 sc[self._layer(layer)].copy_from_host(scales.reshape(-1))
                 continue
             if self.kv_dtype == "bf16":
-                bits = x.view(np.uint32).astype(np.uint64)
-                nan = np.isnan(x)
-                bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-                x = np.where(nan, (x.view(np.uint32) >> 16).astype(np.uint16) | 0x40, bits)
+                x = round_bf16(x)
             buf.copy_from_host(np.ascontiguousarray(x.astype(KV_NUMPY_DTYPES[self.kv_dtype])).reshape(-1))
 
     def _pool_values(self, layer: int) -> dict:

@@ -8,8 +8,10 @@ sequence computes what the reference model computes alone up to the rounding of 
 matrix products: a decode step does its projections for all B rows as one product, and attention
 per row over that row's own blocks.
 
-KV pool per layer: ``k, v [num_blocks, num_kv_heads, block_size, head_dim]`` in ``kv_dtype`` ("f32",
-or "f16" to measure what half-precision storage changes); attention reads them back as float32.
+KV pool per layer: ``k, v [num_blocks, num_kv_heads, block_size, head_dim]``: float32 ("f32"), float16
+("f16"), or float32 holding the values a "bf16" or "q8_0" cache would read back
+(:func:`realizar.models.kv_formats.round_kv`, the GPU pools' rounding), so the CPU shows what each
+format does to a model's logits; attention reads them as float32.
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ import numpy as np
 
 from realizar.errors import ContextOverflowError, InvalidRequestError, ShapeError, UnsupportedError
 from realizar.models.attention import gqa_attention
+from realizar.models.kv_formats import QK, round_kv, row_bytes
 from realizar.models.reference import ReferenceModel, apply_rope, rms_norm, silu
 from realizar.serving.backend import HostBatchOutput
 
 __all__ = ["ReferenceBatchBackend", "KV_DTYPES"]
 
-KV_DTYPES = {"f32": np.float32, "f16": np.float16}
+# kv_dtype -> the NumPy array type of the pool (bf16 and q8_0: float32 holding the rounded values)
+KV_DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": np.float32, "q8_0": np.float32}
 
 
 class ReferenceBatchBackend:
@@ -47,6 +51,9 @@ class ReferenceBatchBackend:
             model = ReferenceModel.from_loaded(model, max_len=context_length)
         if kv_dtype not in KV_DTYPES:
             raise UnsupportedError(f"the NumPy backend stores KV as one of {tuple(KV_DTYPES)}, got {kv_dtype!r}")
+        if kv_dtype == "q8_0" and model.config.head_dim % QK:
+            raise ShapeError(f"a q8_0 KV cache stores groups of {QK} values of a head row; head_dim is "
+                             f"{model.config.head_dim}")
         if int(num_blocks) != num_blocks or num_blocks < 2:
             raise ShapeError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
         if int(block_size) != block_size or block_size < 1:
@@ -71,9 +78,13 @@ class ReferenceBatchBackend:
 
     @property
     def kv_bytes_per_block(self) -> int:
+        """Bytes of one block over all layers, K and V, in the format's own size (as a GPU pool)."""
         c = self.config
-        itemsize = np.dtype(KV_DTYPES[self.kv_dtype]).itemsize
-        return 2 * c.num_layers * c.num_kv_heads * self.block_size * c.head_dim * itemsize
+        return 2 * c.num_layers * c.num_kv_heads * self.block_size * row_bytes(c.head_dim, self.kv_dtype)
+
+    def _store(self, pool: np.ndarray, blk, row, x: np.ndarray) -> None:
+        """Write K or V rows ``x [n, KVH, D]`` at (block, row) pairs, rounded as ``kv_dtype`` stores them."""
+        pool[blk, :, row] = x if self.kv_dtype in ("f32", "f16") else round_kv(x, self.kv_dtype)
 
     # -- checks ------------------------------------------------------------------------------------
 
@@ -157,8 +168,8 @@ class ReferenceBatchBackend:
         x = self.model.embedding[ids]
         for li, L in enumerate(self.model.layers):
             q, k, v = self._qkv(L, x, cos, sin)
-            self.k[li][blk, :, row] = k
-            self.v[li][blk, :, row] = v
+            self._store(self.k[li], blk, row, k)
+            self._store(self.v[li], blk, row, v)
             kc, vc = self._gather(li, table, end)
             attn = gqa_attention(q.transpose(1, 0, 2), kc, vc, causal=True)  # [nh, S, d], q_offset = start
             self._mlp_out(L, x, attn.transpose(1, 0, 2).reshape(s, c.num_heads * c.head_dim))
@@ -187,8 +198,8 @@ class ReferenceBatchBackend:
         x = self.model.embedding[ids]  # [B, hidden]
         for li, L in enumerate(self.model.layers):
             q, k, v = self._qkv(L, x, cos, sin)  # rows as the "sequence" axis: per-row positions
-            self.k[li][blk, :, row] = k
-            self.v[li][blk, :, row] = v
+            self._store(self.k[li], blk, row, k)
+            self._store(self.v[li], blk, row, v)
             attn = np.empty((b, c.num_heads * c.head_dim), np.float32)
             for i in range(b):
                 kc, vc = self._gather(li, tables[i], int(pos[i]) + 1)

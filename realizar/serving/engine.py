@@ -42,6 +42,7 @@ from realizar.errors import InvalidRequestError, RealizarError, UnsupportedError
 from realizar.generation import (
     GenerationResult, SamplingParams, SequenceState, TokenChunk, _eos_ids, encode_prompt,
 )
+from realizar.models.kv_formats import row_bytes
 from realizar.serving.backend import BatchBackend, RowSampling
 from realizar.serving.scheduler import Scheduler, StepOutput
 
@@ -266,8 +267,7 @@ class ServingEngine:
             if kv_dtype not in KV_DTYPES:
                 raise UnsupportedError(f"the CPU backend stores KV as one of {tuple(KV_DTYPES)}, got {kv_dtype!r}")
             c = engine.config
-            itemsize = np.dtype(KV_DTYPES[kv_dtype]).itemsize
-            per_block = 2 * c.num_layers * c.num_kv_heads * block_size * c.head_dim * itemsize
+            per_block = 2 * c.num_layers * c.num_kv_heads * block_size * row_bytes(c.head_dim, kv_dtype)
             if num_blocks is None:
                 if kv_memory is not None:
                     num_blocks = int(kv_memory // per_block) + 1
