@@ -296,6 +296,18 @@ class RowSampling:
                 raise InvalidRequestError(f"{name} must be an integer in [0, {limit}), got {value!r}")
 
 
+    def at_step(self, step: int) -> "RowSampling":
+        """This spec for token index ``step``: only ``step`` is checked (the other fields were when this
+        spec was made), so a serving loop pays no validation per row and token."""
+        if isinstance(step, bool) or int(step) != step or not 0 <= step < _MAX_STEP:
+            raise InvalidRequestError(f"step must be an integer in [0, {_MAX_STEP}), got {step!r}")
+        new = object.__new__(RowSampling)
+        for name in ("temperature", "top_k", "top_p", "seed"):
+            object.__setattr__(new, name, getattr(self, name))
+        object.__setattr__(new, "step", int(step))
+        return new
+
+
 def _fmix32(x: np.ndarray) -> np.ndarray:
     x = np.asarray(x, dtype=np.uint32).copy()
     x ^= x >> np.uint32(16)

@@ -191,3 +191,13 @@ def test_bad_logits_are_refused():
         sample_rows(np.array([[3e38, 1.0]], np.float32), [RowSampling(0.5)])
     with pytest.raises(InvalidRequestError, match="RowSampling"):
         sample_rows(x, [RowSampling(), {"temperature": 1.0}])
+
+
+def test_row_sampling_at_step_keeps_the_checked_fields():
+    spec = RowSampling(temperature=0.7, top_k=40, top_p=0.9, seed=2**40 + 3, step=0)
+    later = spec.at_step(17)
+    assert later == RowSampling(temperature=0.7, top_k=40, top_p=0.9, seed=2**40 + 3, step=17)
+    assert spec.step == 0  # a new spec; the original is unchanged
+    for bad in (-1, 2**32, 1.5, True):
+        with pytest.raises(InvalidRequestError, match="step must be an integer"):
+            spec.at_step(bad)

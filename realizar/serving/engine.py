@@ -109,6 +109,7 @@ class RequestHandle:
         self._error: BaseException | None = None
         self._seq = None  # the scheduler's Sequence
         self._logprobs: np.ndarray | None = None
+        self._spec: RowSampling | None = None
         self._t_submit = time.perf_counter()
         self._t_first: float | None = None
 
@@ -165,9 +166,10 @@ class RequestHandle:
         return self.state.needs_host_logits
 
     def row_sampling(self) -> RowSampling:
-        p = self.state.params
-        return RowSampling(float(p.temperature), int(p.top_k), float(p.top_p), int(p.seed or 0),
-                           len(self.state.generated))  # fmt: skip
+        if self._spec is None:  # checked once (at submit: the device's limits), then only the step changes
+            p = self.state.params
+            self._spec = RowSampling(float(p.temperature), int(p.top_k), float(p.top_p), int(p.seed or 0), 0)
+        return self._spec.at_step(len(self.state.generated))
 
     def choose(self, logits: np.ndarray) -> int:
         logits, self._logprobs = self.state.process_logits(logits)
