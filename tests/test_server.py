@@ -112,6 +112,14 @@ class LiveServer:
         return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60, **kw)
 
 
+def serve_tiny(tmp_path_factory, **app_kwargs):
+    """Body of a module fixture (``yield from serve_tiny(...)``): a LiveServer with ``app_kwargs`` over an
+    engine of its own on the tiny model on the CPU, stopped at teardown."""
+    srv = LiveServer(load_engine(str(_tiny_gguf(tmp_path_factory)), device="cpu"), **app_kwargs).start()
+    yield srv
+    srv.stop()
+
+
 @pytest.fixture(scope="module")
 def gguf_path(tmp_path_factory) -> Path:
     return _tiny_gguf(tmp_path_factory)

@@ -16,8 +16,7 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("fastapi")
 pytest.importorskip("prometheus_client")
 
-from realizar.engine import load_engine  # noqa: E402
-from tests.test_server import LiveServer, _metrics, _sample, _tiny_gguf, _wait_idle  # noqa: E402
+from tests.test_server import _metrics, _sample, _wait_idle, serve_tiny  # noqa: E402
 
 CLIENTS = 32
 MAX_TOKENS = 12
@@ -53,10 +52,7 @@ def _run(client, model: str, spec: dict) -> str:
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
-    engine = load_engine(str(_tiny_gguf(tmp_path_factory)), device="cpu")
-    srv = LiveServer(engine, max_batch=CLIENTS).start()
-    yield srv
-    srv.stop()
+    yield from serve_tiny(tmp_path_factory, max_batch=CLIENTS)
 
 
 def test_32_concurrent_openai_clients_equal_alone_and_share_steps(live):

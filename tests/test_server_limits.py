@@ -16,17 +16,14 @@ pytest.importorskip("prometheus_client")
 
 from realizar.engine import load_engine  # noqa: E402
 from realizar.server.limits import DEFAULT_MAX_BODY, BodyLimitMiddleware  # noqa: E402
-from tests.test_server import LiveServer, _metrics, _sample, _tiny_gguf  # noqa: E402
+from tests.test_server import LiveServer, _metrics, _sample, _tiny_gguf, serve_tiny  # noqa: E402
 
 LIMIT = 64 * 1024
 
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
-    engine = load_engine(str(_tiny_gguf(tmp_path_factory)), device="cpu")
-    srv = LiveServer(engine, max_body=LIMIT).start()
-    yield srv
-    srv.stop()
+    yield from serve_tiny(tmp_path_factory, max_body=LIMIT)
 
 
 def _read_response(sock: socket.socket, timeout: float = 10.0) -> bytes:

@@ -94,3 +94,20 @@ def combine_partials(
                     k.assign(var, val)
                 k.assign(m, mx)
             write(i, c4, m, total, acc)
+
+
+def partial_writer(k: KernelBuilder, lay: DecodeLayout, head0: Reg, part_acc: Reg, part_ml: Reg, slots_per_head: Reg,
+                   slot: Reg):
+    """The ``write(i, c4, max, sum, acc4)`` (of :func:`ptx_gen.kernels.decode_core.emit_combine` and
+    :func:`combine_partials`) that stores head ``head0 + i``'s partial into ``slot``: its unnormalised
+    ``acc4`` into ``part_acc``, ``(max, sum)`` (by the ``c4 = 0`` thread) into ``part_ml``, the layout
+    :func:`combine_partials` reads."""
+
+    def write(i, c4, mx, total, acc4):
+        head = k.add(head0, i) if i is not None else head0
+        pidx = k.mad(head, slots_per_head, slot)
+        k.store("global", "f32", k.add(part_acc, k.mul_wide(k.mad(pidx, lay.nc, c4), 16)), acc4)
+        with k.if_(k.setp("eq", c4, 0)):
+            k.store("global", "f32", k.add(part_ml, k.mul_wide(pidx, 8)), [mx, total])
+
+    return write

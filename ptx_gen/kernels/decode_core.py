@@ -82,6 +82,67 @@ def guard_base(k: KernelBuilder, m: Reg) -> Reg:
     return k.selp(0.0, m, k.setp("eq", m, NEG_INF))
 
 
+def online_softmax(k: KernelBuilder, m_old: Reg, l: Reg, mx: Reg, scores: list) -> tuple[Reg, list]:
+    """One online-softmax update to the new running max ``mx`` (the max of ``m_old`` and ``scores``):
+    the factor ``alpha`` that rescales the terms kept so far, the probabilities of ``scores``, and
+    ``l = l * alpha + sum(probs)`` assigned in place (base guarded by :func:`guard_base`)."""
+    b = guard_base(k, mx)
+    alpha = k.ex2(k.sub(m_old, b))
+    probs = [k.ex2(k.sub(s, b)) for s in scores]
+    psum = probs[0]
+    for p in probs[1:]:
+        psum = k.add(psum, p)
+    k.assign(l, k.fma(l, alpha, psum))
+    return alpha, probs
+
+
+def merge_lane_groups(k: KernelBuilder, T: int, m: list, l: list, acc: list) -> None:
+    """Combine the (max, sum, acc) of the ``32 / T`` lane groups of a warp by butterflies over lanes
+    ``T, 2T, ..``: afterwards every lane holds its warp's result. ``m``, ``l``: per head (entries
+    replaced); ``acc[head]``: the lane's values of that head, flat (assigned in place)."""
+    off = T
+    while off < 32:
+        for i in range(len(m)):
+            mo = k.shfl("bfly", m[i], off)
+            lo = k.shfl("bfly", l[i], off)
+            ao = [k.shfl("bfly", a, off) for a in acc[i]]
+            mx = k.max(m[i], mo)
+            b = guard_base(k, mx)
+            fa, fb = k.ex2(k.sub(m[i], b)), k.ex2(k.sub(mo, b))
+            nl = k.fma(lo, fb, k.mul(l[i], fa))
+            for a, o in zip(acc[i], ao):
+                k.assign(a, k.fma(o, fb, k.mul(a, fa)))
+            m[i], l[i] = mx, nl
+        off *= 2
+
+
+def butterfly_heads(k: KernelBuilder, T: int, q: list, krows: list, vrows: list, valid: list, m: list, l: list,
+                    acc: list) -> None:
+    """One step of rows for every head: each dot ``q[head] . krows[u]`` summed over the lane group of
+    ``T`` lanes (butterfly), masked to -inf where ``valid[u]`` is false, then the head's online softmax
+    and ``acc[head] = acc[head] * alpha + sum_u p_u vrows[u]``. Per-lane value lists are flat."""
+    for i in range(len(m)):
+        scores = []
+        for u in range(len(krows)):
+            dot = _dot(k, q[i], krows[u])
+            off = T // 2
+            while off >= 1:
+                dot = k.add(dot, k.shfl("bfly", dot, off))
+                off //= 2
+            scores.append(k.selp(dot, NEG_INF, valid[u]))
+        mx = m[i]
+        for s in scores:
+            mx = k.max(mx, s)
+        alpha, probs = online_softmax(k, m[i], l[i], mx, scores)
+        _pv_update(k, acc[i], alpha, probs, vrows)
+        k.assign(m[i], mx)
+
+
+def _flat(chunks: list) -> list:
+    """A lane's ``[chunk][4]`` values as one list (the same registers, chunk by chunk)."""
+    return [x for c in chunks for x in c]
+
+
 def safe_reciprocal(k: KernelBuilder, total: Reg) -> Reg:
     """1 / total, or 0 when total is 0 (an empty sequence writes zeros, not NaN)."""
     return k.selp(0.0, k.rcp(total), k.setp("eq", total, 0.0))
@@ -327,21 +388,7 @@ def build_decode_pass(
         m, l = _scatter_publish_ml(k, lay, sc, m_lane, l_lane, parity)
 
     # combine the lane groups of a warp (rows were split over them)
-    off = T
-    while off < 32:
-        for i in range(HB):
-            mo = k.shfl("bfly", m[i], off)
-            lo = k.shfl("bfly", l[i], off)
-            ao = [[k.shfl("bfly", acc[i][c][e], off) for e in range(4)] for c in range(C)]
-            mx = k.max(m[i], mo)
-            b = guard_base(k, mx)
-            fa, fb = k.ex2(k.sub(m[i], b)), k.ex2(k.sub(mo, b))
-            nl = k.fma(lo, fb, k.mul(l[i], fa))
-            for c in range(C):
-                for e in range(4):
-                    k.assign(acc[i][c][e], k.fma(ao[c][e], fb, k.mul(acc[i][c][e], fa)))
-            m[i], l[i] = mx, nl
-        off *= 2
+    merge_lane_groups(k, T, m, l, [_flat(a) for a in acc])
 
     # each warp's result to shared memory: [warp][head][D] and [warp][head][max, sum]
     sm_acc = k.shared_array(f"{tag}_acc", "f32", W * HB * D)
@@ -391,48 +438,28 @@ def _l2_prefetcher(k: KernelBuilder, lay: DecodeLayout, lanes: Lanes, kv_off0: R
 
 
 def _dot(k: KernelBuilder, q: list, kr: list) -> Reg:
+    """The lane's part of ``q . k`` (flat value lists, multiplied and summed in order)."""
     dot = None
-    for c in range(len(q)):
-        for e in range(4):
-            dot = k.mul(q[c][e], kr[c][e]) if dot is None else k.fma(q[c][e], kr[c][e], dot)
+    for x, y in zip(q, kr):
+        dot = k.mul(x, y) if dot is None else k.fma(x, y, dot)
     return dot
 
 
 def _pv_update(k: KernelBuilder, acc_i: list, alpha: Reg, probs: list, vrows: list) -> None:
-    """acc_i = acc_i * alpha + sum_u probs[u] * V[u] for this lane's float4 chunks."""
-    for c in range(len(acc_i)):
-        for e in range(4):
-            a = k.mul(acc_i[c][e], alpha)
-            for u, p in enumerate(probs):
-                a = k.fma(p, vrows[u][c][e], a)
-            k.assign(acc_i[c][e], a)
+    """acc_i = acc_i * alpha + sum_u probs[u] * V[u] for this lane's values (flat lists)."""
+    for e, var in enumerate(acc_i):
+        a = k.mul(var, alpha)
+        for u, p in enumerate(probs):
+            a = k.fma(p, vrows[u][e], a)
+        k.assign(var, a)
 
 
 def _butterfly_step(k, lay, qv, krows, vrows, base, end, m, l, acc) -> None:
     """Scores reduced dot by dot over the lane group; every lane runs every head's softmax."""
-    T, U, R = lay.lanes_per_row, lay.unroll, 32 // lay.lanes_per_row
+    U, R = lay.unroll, 32 // lay.lanes_per_row
     valid = [k.setp("lt", k.add(base, u * R) if u else base, end) for u in range(U)]
-    for i in range(lay.heads_per_block):
-        scores = []
-        for u in range(U):
-            dot = _dot(k, qv[i], krows[u])
-            off = T // 2
-            while off >= 1:
-                dot = k.add(dot, k.shfl("bfly", dot, off))
-                off //= 2
-            scores.append(k.selp(dot, NEG_INF, valid[u]))
-        mx = m[i]
-        for s in scores:
-            mx = k.max(mx, s)
-        base_i = guard_base(k, mx)
-        alpha = k.ex2(k.sub(m[i], base_i))
-        probs = [k.ex2(k.sub(s, base_i)) for s in scores]
-        psum = probs[0]
-        for p in probs[1:]:
-            psum = k.add(psum, p)
-        k.assign(l[i], k.fma(l[i], alpha, psum))
-        _pv_update(k, acc[i], alpha, probs, vrows)
-        k.assign(m[i], mx)
+    butterfly_heads(k, lay.lanes_per_row, [_flat(x) for x in qv], [_flat(r) for r in krows],
+                    [_flat(r) for r in vrows], valid, m, l, [_flat(a) for a in acc])
 
 
 def _scatter_step(k, lay, sc: Scatter, qv, krows, vrows, base, end, m_lane, l_lane, parity, acc) -> None:
@@ -440,7 +467,7 @@ def _scatter_step(k, lay, sc: Scatter, qv, krows, vrows, base, end, m_lane, l_la
     probabilities and rescale factors through shared memory, then every head's P @ V update."""
     T, U, E, HB = lay.lanes_per_row, lay.unroll, lay.scatter_entries, lay.heads_per_block
     aoff = _round4(lay.scatter_values)
-    vals = [_dot(k, qv[s // U], krows[s % U]) for s in range(lay.scatter_values)]
+    vals = [_dot(k, _flat(qv[s // U]), _flat(krows[s % U])) for s in range(lay.scatter_values)]
     off = T // 2
     while len(vals) > E:  # keep the first half, receive the partner's copy of it
         half = len(vals) // 2
@@ -456,13 +483,7 @@ def _scatter_step(k, lay, sc: Scatter, qv, krows, vrows, base, end, m_lane, l_la
     for mask in sc.u_masks:
         mx = k.max(mx, k.shfl("bfly", mx, mask))
     new_m = k.max(m_lane, mx)
-    b = guard_base(k, new_m)
-    alpha = k.ex2(k.sub(m_lane, b))
-    probs = [k.ex2(k.sub(s, b)) for s in scores]
-    psum = probs[0]
-    for p in probs[1:]:
-        psum = k.add(psum, p)
-    k.assign(l_lane, k.fma(l_lane, alpha, psum))
+    alpha, probs = online_softmax(k, m_lane, l_lane, new_m, scores)
     k.assign(m_lane, new_m)
     # publish: probabilities at [idx], the head's rescale factor at [aoff + head]
     xb = k.add(sc.xbase, parity)
@@ -472,7 +493,7 @@ def _scatter_step(k, lay, sc: Scatter, qv, krows, vrows, base, end, m_lane, l_la
     alphas = _load_floats(k, xb, aoff * 4, HB)
     for i in range(HB):
         p_i = _load_floats(k, xb, i * U * 4, U)
-        _pv_update(k, acc[i], alphas[i], p_i, vrows)
+        _pv_update(k, _flat(acc[i]), alphas[i], p_i, [_flat(r) for r in vrows])
     k.assign(parity, k.xor(parity, lay.exchange_floats * 4))
 
 

@@ -57,15 +57,21 @@ def round_stride(wtype: str, layout: str) -> int:
     return TILE_UNIT[wtype] if layout != "rows" else type_info(wtype).round_bytes
 
 
-def check_shape(wtype: str, in_dim: int, layout: str, rounds: int) -> int:
-    """The rounds per warp (``rounds``, or the type's default for 0); ValueError for shapes the
-    kernel cannot emit."""
+def check_weight_layout(wtype: str, in_dim: int, layout: str) -> None:
+    """ValueError unless a ``wtype`` weight of rows of ``in_dim`` values can be streamed in ``layout``
+    (GGUF rows, or tile-major: only the MMA types, in_dim whole rounds)."""
     ql.check_in_dim(wtype, in_dim)
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if layout != "rows" and (wtype not in MMA_TYPES or in_dim % ROUND):
         raise ValueError(f"only {', '.join(MMA_TYPES)} weights with in_dim a multiple of {ROUND} are stored "
                          f"tile-major, got {wtype} with in_dim {in_dim}")
+
+
+def check_shape(wtype: str, in_dim: int, layout: str, rounds: int) -> int:
+    """The rounds per warp (``rounds``, or the type's default for 0); ValueError for shapes the
+    kernel cannot emit."""
+    check_weight_layout(wtype, in_dim, layout)
     g = rounds or DEFAULT_ROUNDS[wtype]
     if g < 1 or g > 16:
         raise ValueError(f"rounds must be 0 (the type's default) or 1..16, got {rounds}")

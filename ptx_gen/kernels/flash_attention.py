@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from ptx_gen.builder import KernelBuilder, Module, Reg
 from ptx_gen.catalog import kernel
-from ptx_gen.kernels.decode_core import LOG2E, NEG_INF, check_head_dim, guard_base, safe_reciprocal
+from ptx_gen.kernels.decode_core import LOG2E, NEG_INF, check_head_dim, online_softmax, safe_reciprocal
 
 _GRID = [
     {"head_dim": 64, "group": 1, "causal": True},
@@ -270,13 +270,7 @@ def _online_softmax(t: _Prefill, s: list, keys: list, qpos: list, rows: list, m_
         for off in (1, 2, 4):
             tmax = k.max(tmax, k.shfl("bfly", tmax, off))
         mx = k.max(m_run[a], tmax)
-        base = guard_base(k, mx)
-        alpha = k.ex2(k.sub(m_run[a], base))
-        probs = [k.ex2(k.sub(x, base)) for x in masked]
-        psum = probs[0]
-        for p in probs[1:]:
-            psum = k.add(psum, p)
-        k.assign(l_run[a], k.fma(l_run[a], alpha, psum))
+        alpha, probs = online_softmax(k, m_run[a], l_run[a], mx, masked)
         for j in range(NJ):
             for e in range(4):
                 k.assign(acc[a][j][e], k.mul(acc[a][j][e], alpha))

@@ -23,6 +23,7 @@ Launch: grid ``(ceil(seq_q / 64), num_heads)``, block 128, dynamic shared memory
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from ptx_gen.builder import KernelBuilder, Module, Reg
 from ptx_gen.catalog import kernel
@@ -90,6 +91,54 @@ def flash_attention_mma(m: Module, head_dim: int = 128, group: int = 1, causal: 
     k = m.kernel(name, [("q", "u64"), ("k", "u64"), ("v", "u64"), ("out", "u64"), ("seq_q", "u32"),
                         ("seq_k", "u32"), ("q_offset", "u32"), ("kv_stride", "u32"), ("num_heads", "u32")],
                  max_threads=128)
+    st = _setup(k, d, group, "kv_stride", wait=True)
+    kv_off = k.mul_wide(k.mul(st.kvh, st.extra), d * 4)
+    k_base, v_base = k.add(k.global_ptr("k"), kv_off), k.add(k.global_ptr("v"), kv_off)
+    _rows(k, st, d, causal)
+
+    def stage(key0: Reg) -> None:  # K and V rows key0.. of the kv head, read in place
+        off = k.mul_wide(key0, d * 4)
+        left = k.sub(st.seq_k, key0)
+        _stage_f16(k, k.add(k_base, off), left, st.ks, d, st.tid, None, d * 4)
+        _stage_f16(k, k.add(v_base, off), left, st.vs, d, st.tid, None, d * 4)
+
+    _tiles(k, st, d, causal, stage)
+    return k
+
+
+@dataclass
+class _State:
+    """Registers of the CTA's work that the kernels built on :func:`_setup` share (shared-memory tiles,
+    the lane's fragments and rows, the running softmax)."""
+
+    tid: Reg
+    warp: Reg
+    t: Reg
+    g: Reg
+    head: Reg
+    seq_q: Reg
+    seq_k: Reg
+    extra: Reg  # the kernel's own u32 parameter read right after q_offset (kv_stride, n_kv)
+    ks: Reg
+    vs: Reg
+    qa: list
+    kb: Reg
+    vb: Reg
+    kvh: Reg
+    q0: Reg
+    q_offset: Reg
+    n_tiles: Reg | None = None
+    row_a: Reg | None = None
+    pos: list | None = None
+    o: list | None = None
+    mx: list | None = None
+    ls: list | None = None
+
+
+def _setup(k: KernelBuilder, d: int, group: int, extra_param: str, wait: bool) -> _State:
+    """The part of a tensor-core prefill attention kernel before its K/V addressing: meta, lane roles,
+    the Q tile staged (scaled for the base-2 softmax) into A fragments, the ldmatrix lane addresses of
+    the K and V tiles, the kv head. ``wait``: a programmatic-dependent-launch wait before Q is read."""
     k.meta.update(block=128, dyn_smem=smem_bytes(d), block_q=BQ)
     rb = _row_bytes(d)
     tid = k.tid()
@@ -97,10 +146,11 @@ def flash_attention_mma(m: Module, head_dim: int = 128, group: int = 1, causal: 
     g, t = k.shr(lane, 2), k.and_(lane, 3)
     head, q0 = k.ctaid("y"), k.mul(k.ctaid("x"), BQ)
     seq_q, seq_k, q_offset = k.param("seq_q"), k.param("seq_k"), k.param("q_offset")
-    kv_stride = k.param("kv_stride")
+    extra = k.param(extra_param)
     smem = k.dynamic_shared()
     qs, ks, vs = smem, k.add(smem, BQ * rb), k.add(smem, (BQ + BK) * rb)
-    k.grid_dependency_wait()
+    if wait:
+        k.grid_dependency_wait()
     # Q tile -> f16 shared (pre-scaled for base-2 softmax), then into A fragments
     q_src = k.add(k.global_ptr("q"), k.mul_wide(k.mad(head, seq_q, q0), d * 4))
     _stage_f16(k, q_src, k.sub(seq_q, q0), qs, d, tid, LOG2E / math.sqrt(d), d * 4)
@@ -112,33 +162,37 @@ def flash_attention_mma(m: Module, head_dim: int = 128, group: int = 1, causal: 
     lane_v = k.mad(k.add(r8, k.shl(k.and_(j, 1), 3)), rb, k.shl(k.shr(j, 1), 4))  # V^T: (keys hi) x (d hi)
     kb, vb = k.add(ks, lane_b), k.add(vs, lane_v)
     kvh = k.div(head, group)
-    kv_off = k.mul_wide(k.mul(kvh, kv_stride), d * 4)
-    k_base, v_base = k.add(k.global_ptr("k"), kv_off), k.add(k.global_ptr("v"), kv_off)
-    # this CTA's key range and each thread's two query rows (positions)
-    key_end = seq_k
+    return _State(tid=tid, t=t, g=g, head=head, seq_q=seq_q, seq_k=seq_k, extra=extra, ks=ks, vs=vs, qa=qa,
+                  kb=kb, vb=vb, kvh=kvh, q0=q0, q_offset=q_offset, warp=warp)
+
+
+def _rows(k: KernelBuilder, st: _State, d: int, causal: bool) -> None:
+    """This CTA's key range and each thread's two query rows (positions); O, max and sum zeroed."""
+    key_end = st.seq_k
     if causal:
-        last = k.add(q_offset, k.min(k.add(q0, BQ), seq_q))
-        key_end = k.min(seq_k, last)
-    n_tiles = k.div(k.add(key_end, BK - 1), BK)
-    row_a = k.add(q0, k.mad(warp, 16, g))
-    pos = [k.add(q_offset, row_a), k.add(q_offset, k.add(row_a, 8))]
-    o = [[k.var("f32", 0.0) for _ in range(4)] for _ in range(d // 8)]
-    mx = [k.var("f32", float("-inf")) for _ in range(2)]
-    ls = [k.var("f32", 0.0) for _ in range(2)]
-    with k.loop(0, n_tiles) as jt:
+        last = k.add(st.q_offset, k.min(k.add(st.q0, BQ), st.seq_q))
+        key_end = k.min(st.seq_k, last)
+    st.n_tiles = k.div(k.add(key_end, BK - 1), BK)
+    st.row_a = k.add(st.q0, k.mad(st.warp, 16, st.g))
+    st.pos = [k.add(st.q_offset, st.row_a), k.add(st.q_offset, k.add(st.row_a, 8))]
+    st.o = [[k.var("f32", 0.0) for _ in range(4)] for _ in range(d // 8)]
+    st.mx = [k.var("f32", float("-inf")) for _ in range(2)]
+    st.ls = [k.var("f32", 0.0) for _ in range(2)]
+
+
+def _tiles(k: KernelBuilder, st: _State, d: int, causal: bool, stage) -> None:
+    """The loop over 64-key tiles (``stage(key0)`` fills the K and V tiles between the barriers), then
+    O / l stored and the kernel's return."""
+    with k.loop(0, st.n_tiles) as jt:
         key0 = k.mul(jt, BK)
         k.bar_sync()  # every warp is done with the previous K/V tile
-        off = k.mul_wide(key0, d * 4)
-        left = k.sub(seq_k, key0)
-        _stage_f16(k, k.add(k_base, off), left, ks, d, tid, None, d * 4)
-        _stage_f16(k, k.add(v_base, off), left, vs, d, tid, None, d * 4)
+        stage(key0)
         k.bar_sync()
-        s = _scores(k, qa, kb, d)
-        _softmax_update(k, s, o, mx, ls, key0, t, pos, seq_k, causal)
-        _accumulate_pv(k, s, o, vb, d)
-    _store(k, o, ls, row_a, seq_q, head, g, t, d)
+        s = _scores(k, st.qa, st.kb, d)
+        _softmax_update(k, s, st.o, st.mx, st.ls, key0, st.t, st.pos, st.seq_k, causal)
+        _accumulate_pv(k, s, st.o, st.vb, d)
+    _store(k, st.o, st.ls, st.row_a, st.seq_q, st.head, st.g, st.t, d)
     k.ret()
-    return k
 
 
 def _softmax_update(k, s, o, mx, ls, key0, t, pos, seq_k, causal) -> None:

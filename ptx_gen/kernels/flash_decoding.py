@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from ptx_gen.builder import KernelBuilder, Module
 from ptx_gen.catalog import kernel
-from ptx_gen.kernels.decode_combine import arrive, combine_batch, combine_partials
+from ptx_gen.kernels.decode_combine import arrive, combine_batch, combine_partials, partial_writer
 from ptx_gen.kernels.decode_core import (
     DEFAULT_L2_PREFETCH, NEG_INF, DecodeLayout, block_heads, build_decode_pass, check_head_dim, decode_layout,
     emit_chunk_rows, emit_combine, guard_base, lane_setup, layout_name, load_q, load_seq_len, safe_reciprocal,
@@ -200,13 +200,7 @@ def flash_decoding(
     slots_per_head = k.add(nch, ngroups_max)
 
     def write_partial(slot):
-        def write(i, c4, mx, total, acc4):
-            head = k.add(head0, i) if i is not None else head0
-            pidx = k.mad(head, slots_per_head, slot)
-            k.store("global", "f32", k.add(part_acc, k.mul_wide(k.mad(pidx, lay.nc, c4), 16)), acc4)
-            with k.if_(k.setp("eq", c4, 0)):
-                k.store("global", "f32", k.add(part_ml, k.mul_wide(pidx, 8)), [mx, total])
-        return write
+        return partial_writer(k, lay, head0, part_acc, part_ml, slots_per_head, slot)
 
     emit_combine(k, st, write_partial(cidx))
     # level 1: the last of each set of S active chunks combines the set

@@ -46,11 +46,11 @@ from __future__ import annotations
 from ptx_gen.builder import KernelBuilder, Module, Reg
 from ptx_gen.catalog import kernel
 from ptx_gen.kernels import quant_layout as ql
+from ptx_gen.kernels.dequant import check_weight_layout
 from ptx_gen.kernels.elementwise import silu
 from ptx_gen.kernels.gemv_mma_layout import MMA_TYPES, TILE_ROWS, TILE_UNIT
 from ptx_gen.kernels.quant_layout import DENSE, K_TABLE, ROUND, type_info
 
-LAYOUTS = ("rows", "tiles", "glu-tiles")
 MTS = (8, 16, 32, 64, 128)
 CHUNK = ROUND  # K values per chunk
 TABLE = 16 * 64  # K_TABLE types: per warp, 16 rows x 8 sub-blocks x (A, C) f32
@@ -90,12 +90,7 @@ def smem_bytes(wtype: str, in_dim: int, layout: str, mt: int, warps: int, kparts
 
 
 def check_shape(wtype: str, in_dim: int, layout: str, mt: int, warps: int, kparts: int, stages: int) -> None:
-    ql.check_in_dim(wtype, in_dim)
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if layout != "rows" and (wtype not in MMA_TYPES or in_dim % ROUND):
-        raise ValueError(f"only {', '.join(MMA_TYPES)} weights with in_dim a multiple of {ROUND} are stored "
-                         f"tile-major, got {wtype} with in_dim {in_dim}")
+    check_weight_layout(wtype, in_dim, layout)
     if mt not in MTS:
         raise ValueError(f"mt (tokens per launch tile) must be one of {MTS}, got {mt}")
     if warps not in (1, 2, 4, 8) or kparts not in (1, 2, 4, 8) or warps * kparts > 16:

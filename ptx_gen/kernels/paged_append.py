@@ -24,7 +24,7 @@ from ptx_gen.builder import KernelBuilder, Module
 from ptx_gen.catalog import kernel
 from ptx_gen.kernels.paged_kv import QK, check_paged, kv_params, log2, pool_row, quantize_q8, scale_row, store_pair
 from ptx_gen.kernels.rope_append import rotate_pair
-from ptx_gen.kernels.rope_append_rows import _head_rmsnorm, _load_pair, _store_pair
+from ptx_gen.kernels.rope_append_rows import _head_rmsnorm, _load_pair, _store_pair, lane_pairs, load_inv_freq
 
 WARPS = 4
 BLOCK = 32 * WARPS
@@ -55,18 +55,7 @@ def _build(k: KernelBuilder, head_dim: int, block_size: int, kv_dtype: str, neox
     prow = k.and_(pos, block_size - 1)
     src = k.add(k.global_ptr("qkv"), k.mul_wide(k.mad(s, n_rows, row), head_dim * 4))
 
-    idx, oks, offs, eoffs = [], [], [], []
-    for j in range(-(-half // 32)):
-        i = k.add(lane, 32 * j) if j else lane
-        idx.append(i)
-        oks.append(k.setp("lt", i, half) if 32 * (j + 1) > half else None)
-        if neox:
-            o0 = k.mul_wide(i, 4)
-            offs.append((o0, k.add(o0, half * 4)))
-            eoffs.append((i, k.add(i, half)))
-        else:
-            offs.append((k.mul_wide(i, 8), None))
-            eoffs.append((k.shl(i, 1), None))
+    idx, oks, offs, eoffs = lane_pairs(k, lane, half, neox, elements=True)
     xs = [_load_pair(k, src, off, ok, neox) for off, ok in zip(offs, oks)]
 
     def row_addr(pool: str, kv_row):
@@ -100,9 +89,7 @@ def _build(k: KernelBuilder, head_dim: int, block_size: int, kv_dtype: str, neox
     inv_freq = k.global_ptr("inv_freq")
     rotated = []
     for (x0, x1), i, ok in zip(xs, idx, oks):
-        inv = k.load("global", "f32", k.add(inv_freq, k.mul_wide(i, 4)), nc=True) if ok is None else \
-            k.load("global", "f32", k.add(inv_freq, k.mul_wide(i, 4)), nc=True, pred=ok, other=0.0)
-        rotated.append(rotate_pair(k, x0, x1, pos, inv))
+        rotated.append(rotate_pair(k, x0, x1, pos, load_inv_freq(k, inv_freq, i, ok)))
     with k.if_(is_q):
         for (o0, o1), off, ok in zip(rotated, offs, oks):
             _store_pair(k, q_dst, off, o0, o1, ok, neox)
@@ -148,9 +135,24 @@ def _check(head_dim: int, block_size: int, kv_dtype: str) -> None:
     check_paged(block_size, kv_dtype, head_dim)
 
 
-def _name(base, head_dim, block_size, kv_dtype, neox, qk_norm) -> str:
-    return (f"{base}_d{head_dim}_b{block_size}_{kv_dtype}" + ("_neox" if neox else "_interleaved")
+def _kernel(m: Module, base: str, pointers: list, scalars: list, head_dim: int, block_size: int, kv_dtype: str,
+            neox: bool, qk_norm: bool, decode: bool) -> KernelBuilder:
+    """One of the two kernels: params ``pointers`` (the kernel's buffers up to its block table(s)), [q_norm,
+    k_norm], ``scalars``, table_stride, n_q, n_kv, [eps]; the body of :func:`_build`."""
+    _check(head_dim, block_size, kv_dtype)
+    params = list(pointers)
+    if qk_norm:
+        params += [("q_norm", "u64"), ("k_norm", "u64")]
+    params += [*scalars, ("table_stride", "u32"), ("n_q", "u32"), ("n_kv", "u32")]
+    if qk_norm:
+        params.append(("eps", "f32"))
+    name = (f"{base}_d{head_dim}_b{block_size}_{kv_dtype}" + ("_neox" if neox else "_interleaved")
             + ("_qknorm" if qk_norm else ""))
+    k = m.kernel(name, params, max_threads=BLOCK)
+    k.meta.update(block=BLOCK, warps=WARPS)
+    _build(k, head_dim, block_size, kv_dtype, neox, qk_norm, decode)
+    k.ret()
+    return k
 
 
 _DECODE_GRID = [
@@ -171,20 +173,9 @@ def paged_append_decode(m: Module, head_dim: int = 128, block_size: int = 32, kv
     at position ``positions[b]`` through block table row b. Params: qkv, k_pool, v_pool, inv_freq (d/2 f32),
     positions (u32[B]), block_tables (u32[B, table_stride]), [q_norm, k_norm], table_stride, n_q, n_kv,
     [eps]. Launch: grid (B, ceil((n_q + 2 n_kv) / 4)), block 128."""
-    _check(head_dim, block_size, kv_dtype)
-    params = [("qkv", "u64"), *kv_params(kv_dtype), ("inv_freq", "u64"), ("positions", "u64"),
-              ("block_tables", "u64")]
-    if qk_norm:
-        params += [("q_norm", "u64"), ("k_norm", "u64")]
-    params += [("table_stride", "u32"), ("n_q", "u32"), ("n_kv", "u32")]
-    if qk_norm:
-        params.append(("eps", "f32"))
-    k = m.kernel(_name("paged_append_decode", head_dim, block_size, kv_dtype, neox, qk_norm), params,
-                 max_threads=BLOCK)
-    k.meta.update(block=BLOCK, warps=WARPS)
-    _build(k, head_dim, block_size, kv_dtype, neox, qk_norm, decode=True)
-    k.ret()
-    return k
+    return _kernel(m, "paged_append_decode", [("qkv", "u64"), *kv_params(kv_dtype), ("inv_freq", "u64"),
+                   ("positions", "u64"), ("block_tables", "u64")], [], head_dim, block_size, kv_dtype, neox,
+                   qk_norm, decode=True)
 
 
 _ROWS_GRID = [
@@ -203,17 +194,6 @@ def paged_append_rows(m: Module, head_dim: int = 128, block_size: int = 32, kv_d
     count, d]``, K rotated and V into the paged pools through ``block_table`` (u32[table_stride]). Params:
     qkv, q_out, k_pool, v_pool, inv_freq, block_table, [q_norm, k_norm], pos0, count, table_stride, n_q,
     n_kv, [eps]. Launch: grid (count, ceil((n_q + 2 n_kv) / 4)), block 128."""
-    _check(head_dim, block_size, kv_dtype)
-    params = [("qkv", "u64"), ("q_out", "u64"), *kv_params(kv_dtype), ("inv_freq", "u64"),
-              ("block_table", "u64")]
-    if qk_norm:
-        params += [("q_norm", "u64"), ("k_norm", "u64")]
-    params += [("pos0", "u32"), ("count", "u32"), ("table_stride", "u32"), ("n_q", "u32"), ("n_kv", "u32")]
-    if qk_norm:
-        params.append(("eps", "f32"))
-    k = m.kernel(_name("paged_append_rows", head_dim, block_size, kv_dtype, neox, qk_norm), params,
-                 max_threads=BLOCK)
-    k.meta.update(block=BLOCK, warps=WARPS)
-    _build(k, head_dim, block_size, kv_dtype, neox, qk_norm, decode=False)
-    k.ret()
-    return k
+    return _kernel(m, "paged_append_rows", [("qkv", "u64"), ("q_out", "u64"), *kv_params(kv_dtype),
+                   ("inv_freq", "u64"), ("block_table", "u64")], [("pos0", "u32"), ("count", "u32")], head_dim,
+                   block_size, kv_dtype, neox, qk_norm, decode=False)

@@ -33,8 +33,10 @@ from dataclasses import dataclass
 
 from ptx_gen.builder import KernelBuilder, Module
 from ptx_gen.catalog import kernel
-from ptx_gen.kernels.decode_combine import arrive, combine_partials
-from ptx_gen.kernels.decode_core import LOG2E, NEG_INF, BlockState, emit_combine, guard_base, safe_reciprocal
+from ptx_gen.kernels.decode_combine import arrive, combine_partials, partial_writer
+from ptx_gen.kernels.decode_core import (
+    LOG2E, NEG_INF, BlockState, butterfly_heads, emit_combine, merge_lane_groups, safe_reciprocal,
+)
 from ptx_gen.kernels.paged_kv import (
     ELEM_BYTES, QK, check_paged, f16_bits_to_f32, kv_params, load_values, load_words, log2, narrow, q8_values,
 )
@@ -140,48 +142,8 @@ def _pass(k: KernelBuilder, lay: _Layout, q_regs: list, kvh, n_kv, table, start,
             r_ins.append(r_in)
         krows = [load_row(k_pool, k_sc if q8 else None, a, ri, v) for a, ri, v in zip(addrs, r_ins, valid)]
         vrows = [load_row(v_pool, v_sc if q8 else None, a, ri, v) for a, ri, v in zip(addrs, r_ins, valid)]
-        for i in range(G):
-            scores = []
-            for u in range(U):
-                dot = None
-                for e in range(EPL):
-                    dot = k.mul(q_regs[i][e], krows[u][e]) if dot is None else k.fma(q_regs[i][e], krows[u][e], dot)
-                off = T // 2
-                while off >= 1:
-                    dot = k.add(dot, k.shfl("bfly", dot, off))
-                    off //= 2
-                scores.append(k.selp(dot, NEG_INF, valid[u]))
-            mx = m[i]
-            for s in scores:
-                mx = k.max(mx, s)
-            b = guard_base(k, mx)
-            alpha = k.ex2(k.sub(m[i], b))
-            probs = [k.ex2(k.sub(s, b)) for s in scores]
-            psum = probs[0]
-            for p in probs[1:]:
-                psum = k.add(psum, p)
-            k.assign(l[i], k.fma(l[i], alpha, psum))
-            for e in range(EPL):
-                a = k.mul(acc[i][e], alpha)
-                for u in range(U):
-                    a = k.fma(probs[u], vrows[u][e], a)
-                k.assign(acc[i][e], a)
-            k.assign(m[i], mx)
-    # merge the lane groups of a warp
-    off = T
-    m, l = list(m), list(l)
-    while off < 32:
-        for i in range(G):
-            mo, lo = k.shfl("bfly", m[i], off), k.shfl("bfly", l[i], off)
-            ao = [k.shfl("bfly", acc[i][e], off) for e in range(EPL)]
-            mx = k.max(m[i], mo)
-            b = guard_base(k, mx)
-            fa, fb = k.ex2(k.sub(m[i], b)), k.ex2(k.sub(mo, b))
-            nl = k.fma(lo, fb, k.mul(l[i], fa))
-            for e in range(EPL):
-                k.assign(acc[i][e], k.fma(ao[e], fb, k.mul(acc[i][e], fa)))
-            m[i], l[i] = mx, nl
-        off *= 2
+        butterfly_heads(k, T, q_regs, krows, vrows, valid, m, l, acc)
+    merge_lane_groups(k, T, m, l, acc)  # the lane groups of a warp
     # per warp to shared memory: acc [warp][head][D], (max, sum) [warp][head]
     sm_acc = k.shared_array("pd_acc", "f32", WARPS * G * D)
     sm_ml = k.shared_array("pd_ml", "f32", WARPS * G * 2)
@@ -301,14 +263,7 @@ def paged_decode_attention(m: Module, head_dim: int = 128, group: int = 1, block
         k.ret()
     part_acc, part_ml = k.global_ptr("part_acc"), k.global_ptr("part_ml")
 
-    def write_partial(i, c4, mx, total, acc4):
-        head = k.add(head0, i) if i is not None else head0
-        pidx = k.mad(head, nch, cidx)
-        k.store("global", "f32", k.add(part_acc, k.mul_wide(k.mad(pidx, lay.nc, c4), 16)), acc4)
-        with k.if_(k.setp("eq", c4, 0)):
-            k.store("global", "f32", k.add(part_ml, k.mul_wide(pidx, 8)), [mx, total])
-
-    emit_combine(k, st, write_partial)
+    emit_combine(k, st, partial_writer(k, lay, head0, part_acc, part_ml, nch, cidx))
     flag = k.shared_array("pd_flag", "u32", 1, align=4)
     arrive(k, k.add(k.global_ptr("counters"), k.mul_wide(bx, 4)), nact, flag)
     combine_partials(k, lay, head0, nch, 0, nact, write_out, 8)

@@ -15,14 +15,9 @@ Launch: grid ``(ceil(seq_q / 64), num_heads)``, block 128, dynamic shared memory
 
 from __future__ import annotations
 
-import math
-
 from ptx_gen.builder import KernelBuilder, Module, Reg
 from ptx_gen.catalog import kernel
-from ptx_gen.kernels.decode_core import LOG2E
-from ptx_gen.kernels.flash_attention_mma import (
-    BK, BQ, HEAD_DIMS, _accumulate_pv, _row_bytes, _scores, _softmax_update, _stage_f16, _store, smem_bytes,
-)
+from ptx_gen.kernels.flash_attention_mma import BK, HEAD_DIMS, _row_bytes, _rows, _setup, _tiles
 from ptx_gen.kernels.paged_kv import (
     ELEM_BYTES, QK, check_paged, f16_bits_to_f32, kv_params, log2, narrow, q8_values, to_f32,
 )
@@ -98,51 +93,18 @@ def paged_prefill_attention(m: Module, head_dim: int = 128, group: int = 1, caus
     k = m.kernel(name, [("q", "u64"), *kv_params(kv_dtype), ("block_table", "u64"), ("out", "u64"),
                         ("seq_q", "u32"), ("seq_k", "u32"), ("q_offset", "u32"), ("num_heads", "u32"),
                         ("n_kv", "u32")], max_threads=128)
-    k.meta.update(block=128, dyn_smem=smem_bytes(d), block_q=BQ)
-    rb = _row_bytes(d)
-    tid = k.tid()
-    lane, warp = k.and_(tid, 31), k.shr(tid, 5)
-    g, t = k.shr(lane, 2), k.and_(lane, 3)
-    head, q0 = k.ctaid("y"), k.mul(k.ctaid("x"), BQ)
-    seq_q, seq_k, q_offset = k.param("seq_q"), k.param("seq_k"), k.param("q_offset")
-    n_kv = k.param("n_kv")
-    smem = k.dynamic_shared()
-    qs, ks, vs = smem, k.add(smem, BQ * rb), k.add(smem, (BQ + BK) * rb)
-    q_src = k.add(k.global_ptr("q"), k.mul_wide(k.mad(head, seq_q, q0), d * 4))
-    _stage_f16(k, q_src, k.sub(seq_q, q0), qs, d, tid, LOG2E / math.sqrt(d), d * 4)
-    k.bar_sync()
-    r8, j = k.and_(lane, 7), k.shr(lane, 3)
-    lane_a = k.mad(k.add(k.mad(warp, 16, r8), k.shl(k.and_(j, 1), 3)), rb, k.shl(k.shr(j, 1), 4))
-    qa = [k.ldmatrix_x4(k.add(qs, lane_a), kk * 32) for kk in range(d // 16)]
-    lane_b = k.mad(k.add(r8, k.shl(k.shr(j, 1), 3)), rb, k.shl(k.and_(j, 1), 4))
-    lane_v = k.mad(k.add(r8, k.shl(k.and_(j, 1), 3)), rb, k.shl(k.shr(j, 1), 4))
-    kb, vb = k.add(ks, lane_b), k.add(vs, lane_v)
-    kvh = k.div(head, group)
+    st = _setup(k, d, group, "n_kv", wait=False)
     table = k.global_ptr("block_table")
-    key_end = seq_k
-    if causal:
-        last = k.add(q_offset, k.min(k.add(q0, BQ), seq_q))
-        key_end = k.min(seq_k, last)
-    n_tiles = k.div(k.add(key_end, BK - 1), BK)
-    row_a = k.add(q0, k.mad(warp, 16, g))
-    pos = [k.add(q_offset, row_a), k.add(q_offset, k.add(row_a, 8))]
-    o = [[k.var("f32", 0.0) for _ in range(4)] for _ in range(d // 8)]
-    mx = [k.var("f32", float("-inf")) for _ in range(2)]
-    ls = [k.var("f32", 0.0) for _ in range(2)]
+    _rows(k, st, d, causal)
     k_pool, v_pool = k.global_ptr("k_pool"), k.global_ptr("v_pool")
     k_sc = v_sc = None
     if kv_dtype == "q8_0":
         k_sc, v_sc = k.global_ptr("k_scales"), k.global_ptr("v_scales")
-    with k.loop(0, n_tiles) as jt:
-        key0 = k.mul(jt, BK)
-        k.bar_sync()
-        left = k.sub(seq_k, key0)
-        _stage_paged(k, k_pool, table, kvh, n_kv, key0, left, ks, d, tid, block_size, kv_dtype, k_sc)
-        _stage_paged(k, v_pool, table, kvh, n_kv, key0, left, vs, d, tid, block_size, kv_dtype, v_sc)
-        k.bar_sync()
-        s = _scores(k, qa, kb, d)
-        _softmax_update(k, s, o, mx, ls, key0, t, pos, seq_k, causal)
-        _accumulate_pv(k, s, o, vb, d)
-    _store(k, o, ls, row_a, seq_q, head, g, t, d)
-    k.ret()
+
+    def stage(key0: Reg) -> None:  # K and V rows key0.. through the block table
+        left = k.sub(st.seq_k, key0)
+        _stage_paged(k, k_pool, table, st.kvh, st.extra, key0, left, st.ks, d, st.tid, block_size, kv_dtype, k_sc)
+        _stage_paged(k, v_pool, table, st.kvh, st.extra, key0, left, st.vs, d, st.tid, block_size, kv_dtype, v_sc)
+
+    _tiles(k, st, d, causal, stage)
     return k

@@ -71,17 +71,7 @@ def rope_append_rows(m: Module, head_dim: int = 128, neox: bool = False, qk_norm
     in_cache = k.setp("lt", pos, max_len)
     src = k.add(k.global_ptr("qkv"), k.mul_wide(k.mad(s, n_rows, row), head_dim * 4))
 
-    # this lane's pairs: index i = lane + 32 j, the byte offsets of its two elements inside a head
-    idx, oks, offs = [], [], []
-    for j in range(-(-half // 32)):
-        i = k.add(lane, 32 * j) if j else lane
-        idx.append(i)
-        oks.append(k.setp("lt", i, half) if 32 * (j + 1) > half else None)
-        if neox:
-            o0 = k.mul_wide(i, 4)
-            offs.append((o0, k.add(o0, half * 4)))
-        else:
-            offs.append((k.mul_wide(i, 8), None))
+    idx, oks, offs, _ = lane_pairs(k, lane, half, neox)
     xs = [_load_pair(k, src, off, ok, neox) for off, ok in zip(offs, oks)]
 
     qk_rows = k.add(n_q, n_kv)
@@ -102,13 +92,41 @@ def rope_append_rows(m: Module, head_dim: int = 128, neox: bool = False, qk_norm
     store_ok = k.or_(is_q, in_cache)
     inv_freq = k.global_ptr("inv_freq")
     for (x0, x1), i, off, ok in zip(xs, idx, offs, oks):
-        inv = k.load("global", "f32", k.add(inv_freq, k.mul_wide(i, 4)), nc=True) if ok is None else \
-            k.load("global", "f32", k.add(inv_freq, k.mul_wide(i, 4)), nc=True, pred=ok, other=0.0)
-        o0, o1 = rotate_pair(k, x0, x1, pos, inv)
+        o0, o1 = rotate_pair(k, x0, x1, pos, load_inv_freq(k, inv_freq, i, ok))
         _store_pair(k, dst, off, o0, o1, k.both(ok, store_ok), neox)
     k.label(end)
     k.ret()
     return k
+
+
+def lane_pairs(k: KernelBuilder, lane: Reg, half: int, neox: bool, elements: bool = False):
+    """This lane's pairs of a head row (one warp a row): for pair index ``i = lane + 32 j`` the lists of
+    ``i``, its guard (``i < half``; None where every lane has the pair), the byte offsets of its two
+    f32 elements inside the row (the second None where the pair is adjacent, interleaved RoPE) and,
+    with ``elements``, their element offsets (else an empty list)."""
+    idx, oks, offs, eoffs = [], [], [], []
+    for j in range(-(-half // 32)):
+        i = k.add(lane, 32 * j) if j else lane
+        idx.append(i)
+        oks.append(k.setp("lt", i, half) if 32 * (j + 1) > half else None)
+        if neox:
+            o0 = k.mul_wide(i, 4)
+            offs.append((o0, k.add(o0, half * 4)))
+            if elements:
+                eoffs.append((i, k.add(i, half)))
+        else:
+            offs.append((k.mul_wide(i, 8), None))
+            if elements:
+                eoffs.append((k.shl(i, 1), None))
+    return idx, oks, offs, eoffs
+
+
+def load_inv_freq(k: KernelBuilder, inv_freq: Reg, i: Reg, ok: Reg | None) -> Reg:
+    """``inv_freq[i]`` (f32, read-only path; 0 where ``ok`` is false)."""
+    addr = k.add(inv_freq, k.mul_wide(i, 4))
+    if ok is None:
+        return k.load("global", "f32", addr, nc=True)
+    return k.load("global", "f32", addr, nc=True, pred=ok, other=0.0)
 
 
 def _load_pair(k: KernelBuilder, base: Reg, off: tuple, ok: Reg | None, neox: bool) -> tuple[Reg, Reg]:
