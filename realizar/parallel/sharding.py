@@ -84,7 +84,7 @@ def check_world_size(config: ModelConfig, world_size: int) -> None:
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
         raise ShapeError(f"tensor parallelism needs a whole number of ranks >= 1, got {n!r}")
     c = config
-    what = f"tensor parallelism over {n} ranks"
+    what = f"sharding over {n} ranks"
     if c.num_heads % n:
         raise ShapeError(f"{what} needs num_heads divisible by {n}; this model has {c.num_heads} query heads")
     if c.num_kv_heads % n:
