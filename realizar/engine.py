@@ -142,18 +142,42 @@ def _load_gpu_model(loaded, max_context: int | None, emulate: bool = False):
         raise GpuUnavailableError(f"this model cannot run on the GPU: {e}") from e
 
 
+def _tensor_parallel_model(loaded, n: int, device: str):
+    """The model split over ``n`` GPUs; until it exists, :class:`TensorParallelError` after the checks
+    (shardability and visible GPUs, which fail first when they fail)."""
+    from realizar.errors import TensorParallelError
+    from realizar.parallel import check_tensor_parallel
+
+    check_tensor_parallel(loaded, n, device)
+    raise TensorParallelError(
+        f"tensor parallelism over {n} GPUs is not built yet: the model shards and {n} GPUs are visible, "
+        "but the multi-GPU model does not exist yet (one GPU: --tensor-parallel 1, tensor_parallel=1)"
+    )
+
+
 def load_engine(
     model_path: str | os.PathLike | None = None,
     device: str = "auto",
     *,
     max_context: int | None = None,
+    tensor_parallel: int = 1,
 ) -> Engine:
     """Load a model file (GGUF) or directory (safetensors) — the default model when ``None`` — and
-    build its tokenizer and generator. ``max_context`` caps the KV cache below the model's context."""
+    build its tokenizer and generator. ``max_context`` caps the KV cache below the model's context.
+
+    ``tensor_parallel=N`` asks for the model split over N GPUs of this host. N = 1 (the default) is one
+    device, as always. For N > 1 the checks run — a GPU device, a model that shards over N
+    (:func:`realizar.parallel.make_plan`: heads, whole GQA groups, FFN width, whole quantized blocks),
+    N visible GPUs — and then, because **the multi-GPU execution is not built yet** (the sharding plan,
+    its NumPy oracle and the NCCL binding exist; the sharded GPU model does not),
+    :class:`~realizar.errors.TensorParallelError` is raised in every case, its message saying what is
+    missing."""
     if device not in DEVICES:
         raise InvalidRequestError(f"device must be one of {DEVICES}, got {device!r}")
     if max_context is not None and max_context <= 0:
         raise InvalidRequestError(f"max_context must be positive, got {max_context}")
+    if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
+        raise InvalidRequestError(f"tensor_parallel must be an integer >= 1, got {tensor_parallel!r}")
     from realizar.models.loader import load_model
 
     if model_path is None:
@@ -163,6 +187,8 @@ def load_engine(
     else:
         path = Path(model_path).expanduser()
     loaded = load_model(path)
+    if tensor_parallel > 1:
+        _tensor_parallel_model(loaded, tensor_parallel, device)
     tokenizer = load_tokenizer(loaded)
 
     model = None

@@ -35,3 +35,8 @@ class CacheStateError(RealizarError, ValueError):
 
 class KVPoolExhaustedError(RealizarError, RuntimeError):
     """The paged KV pool has fewer free blocks than were asked for."""
+
+
+class TensorParallelError(RealizarError, RuntimeError):
+    """Tensor parallelism over N GPUs cannot run: the model does not split over N, fewer than N GPUs are
+    visible, or (for now) the multi-GPU model itself is not built. The message says which."""

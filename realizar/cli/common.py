@@ -96,7 +96,8 @@ def load_engine(args: argparse.Namespace):
     what = args.model if args.model else "the default model (SmolLM2-135M-Instruct)"
     status(f"loading {what} ...")
     t0 = time.perf_counter()
-    engine = load_engine(args.model, device=args.device, max_context=getattr(args, "max_context", None))
+    engine = load_engine(args.model, device=args.device, max_context=getattr(args, "max_context", None),
+                         tensor_parallel=getattr(args, "tensor_parallel", 1))
     status(f"loaded {engine.name} on {engine.device} in {time.perf_counter() - t0:.1f} s")
     return engine
 
@@ -154,6 +155,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="where to run: the GPU when available (auto), or force cuda / cpu (default: auto)")
     p.add_argument("--max-context", type=positive_int, metavar="N",
                    help="cap the KV cache below the model's context length")
+
+
+def add_tensor_parallel_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tensor-parallel", dest="tensor_parallel", type=positive_int, default=1, metavar="N",
+                   help="split the model over N GPUs of this host (default: 1). N > 1 checks that the model "
+                        "shards and N GPUs are visible; the multi-GPU model itself is not built yet")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, temperature: float, top_p: float, max_tokens: int) -> None:

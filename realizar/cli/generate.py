@@ -6,7 +6,8 @@ import argparse
 import sys
 
 from realizar.cli.common import (
-    PROG, CliError, add_model_args, add_sampling_args, load_engine, sampling_params, summary, tty, write,
+    PROG, CliError, add_model_args, add_sampling_args, add_tensor_parallel_arg, load_engine, sampling_params,
+    summary, tty, write,
 )
 
 
@@ -176,6 +177,7 @@ def register(command) -> None:
                 "one-line summary (tokens, prefill and decode speed, device) to stderr.")
     p.add_argument("prompt", nargs="?", metavar="PROMPT", help="the prompt (default: read standard input)")
     add_model_args(p)
+    add_tensor_parallel_arg(p)
     add_sampling_args(p, temperature=0.0, top_p=1.0, max_tokens=64)
     p.add_argument("--chat", action="store_true",
                    help="wrap PROMPT as a user message in the model's chat template")

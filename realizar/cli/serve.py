@@ -6,7 +6,9 @@ import argparse
 import os
 import re
 
-from realizar.cli.common import CliError, add_model_args, load_engine, note, port, positive_int
+from realizar.cli.common import (
+    CliError, add_model_args, add_tensor_parallel_arg, load_engine, note, port, positive_int,
+)
 
 KV_DTYPES = ("f32", "f16", "bf16", "q8_0")
 BLOCK_SIZES = (16, 32, 64)
@@ -125,6 +127,7 @@ def register(command) -> None:
                 "Serve the model over HTTP: POST /v1/completions, /v1/chat/completions (with streaming), "
                 "GET /v1/models, POST /tokenize, /detokenize, GET /health, /metrics. Binds to 127.0.0.1 unless told otherwise.")
     add_model_args(p)
+    add_tensor_parallel_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=port, default=8000, help="TCP port, 0 = any free port (default: 8000)")
     p.add_argument("--model-id", "--model-name", dest="model_name", metavar="ID",
