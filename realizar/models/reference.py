@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from realizar.models.loaded import LoadedModel
     from realizar.models.tensor import QuantTensor
 
-__all__ = ["KVCache", "ReferenceModel", "rms_norm", "apply_rope"]
+__all__ = ["KVCache", "ReferenceModel", "apply_rope", "feed_forward", "project_qkv", "rms_norm"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -72,6 +72,35 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rope_type: str) 
     else:
         raise ModelFormatError(f"unknown rope_type {rope_type!r} (expected 'normal' or 'neox')")
     return out
+
+
+def project_qkv(L, x: np.ndarray, c: ModelConfig, cos: np.ndarray, sin: np.ndarray):
+    """One layer's attention inputs for rows ``x [S, hidden]``: RMSNorm, the QKV projection (+ bias),
+    qwen3's per-head q/k norm and RoPE; returns q ``[S, heads, D]`` and k, v ``[S, kv_heads, D]`` (head
+    counts from ``c``: a tensor-parallel rank passes its own config)."""
+    s, eps = x.shape[0], c.rms_norm_eps
+    h = rms_norm(x, L.attn_norm, eps)
+    qkv = h @ L.w_qkv.T
+    if L.b_qkv is not None:
+        qkv += L.b_qkv
+    q_end, k_end = c.q_dim, c.q_dim + c.kv_dim
+    q = qkv[:, :q_end].reshape(s, c.num_heads, c.head_dim)
+    k = qkv[:, q_end:k_end].reshape(s, c.num_kv_heads, c.head_dim)
+    v = qkv[:, k_end:].reshape(s, c.num_kv_heads, c.head_dim)
+    if L.q_norm is not None:
+        q = rms_norm(q, L.q_norm, eps)
+    if L.k_norm is not None:
+        k = rms_norm(k, L.k_norm, eps)
+    return apply_rope(q, cos, sin, c.rope_type), apply_rope(k, cos, sin, c.rope_type), v
+
+
+def feed_forward(L, x: np.ndarray, c: ModelConfig) -> np.ndarray:
+    """The feed-forward block's output for rows ``x`` (added to them by the caller):
+    ``W_down (silu(W_gate rms(x)) * W_up rms(x))``."""
+    h = rms_norm(x, L.ffn_norm, c.rms_norm_eps)
+    gu = h @ L.w_gate_up.T
+    f = c.intermediate_size
+    return (silu(gu[:, :f]) * gu[:, f:]) @ L.w_down.T
 
 
 # ----------------------------------------------------------------------------------------------
@@ -293,33 +322,16 @@ class ReferenceModel:
         self.cache.check_room(s)
         start = self.cache.length
         cos, sin = self._rope_tables(np.arange(start, start + s))
-        nh, nkv, d = c.num_heads, c.num_kv_heads, c.head_dim
-        q_end, k_end = c.q_dim, c.q_dim + c.kv_dim
-        eps = c.rms_norm_eps
+        nh, d, eps = c.num_heads, c.head_dim, c.rms_norm_eps
 
         x = self.embedding[ids]  # [S, hidden] (a copy: fancy indexing)
         for li, L in enumerate(self.layers):
-            h = rms_norm(x, L.attn_norm, eps)
-            qkv = h @ L.w_qkv.T
-            if L.b_qkv is not None:
-                qkv += L.b_qkv
-            q = qkv[:, :q_end].reshape(s, nh, d)
-            k = qkv[:, q_end:k_end].reshape(s, nkv, d)
-            v = qkv[:, k_end:].reshape(s, nkv, d)
-            if L.q_norm is not None:
-                q = rms_norm(q, L.q_norm, eps)
-            if L.k_norm is not None:
-                k = rms_norm(k, L.k_norm, eps)
-            q = apply_rope(q, cos, sin, c.rope_type)
-            k = apply_rope(k, cos, sin, c.rope_type)
+            q, k, v = project_qkv(L, x, c, cos, sin)
             self.cache.write(li, k.transpose(1, 0, 2), v.transpose(1, 0, 2))
             kc, vc = self.cache.view(li, extra=s)
             attn = gqa_attention(q.transpose(1, 0, 2), kc, vc, causal=True)  # [nh, S, d]
             x += attn.transpose(1, 0, 2).reshape(s, nh * d) @ L.w_o.T
-            h = rms_norm(x, L.ffn_norm, eps)
-            gu = h @ L.w_gate_up.T
-            f = c.intermediate_size
-            x += (silu(gu[:, :f]) * gu[:, f:]) @ L.w_down.T
+            x += feed_forward(L, x, c)
         self.cache.advance(s)
 
         if all_logits:

@@ -25,7 +25,7 @@ from realizar.errors import InvalidRequestError, ShapeError
 from realizar.models.attention import gqa_attention
 from realizar.models.config import ModelConfig
 from realizar.models.names import OUTPUT, OUTPUT_NORM, TOKEN_EMBD
-from realizar.models.reference import KVCache, apply_rope, rms_norm, silu
+from realizar.models.reference import KVCache, feed_forward, project_qkv, rms_norm
 from realizar.models.rope import rope_inv_freq
 from realizar.models.tensor import QuantTensor
 from realizar.parallel.sharding import ShardingPlan, make_plan
@@ -142,20 +142,8 @@ class _Rank:
     def attention(self, li: int, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         """This rank's partial attention output ``[S, hidden]`` (before the all-reduce)."""
         c, L = self.config, self.layers[li]
-        s, nh, nkv, d, eps = x.shape[0], c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
-        h = rms_norm(x, L.attn_norm, eps)
-        qkv = h @ L.w_qkv.T
-        if L.b_qkv is not None:
-            qkv += L.b_qkv
-        q = qkv[:, : c.q_dim].reshape(s, nh, d)
-        k = qkv[:, c.q_dim : c.q_dim + c.kv_dim].reshape(s, nkv, d)
-        v = qkv[:, c.q_dim + c.kv_dim :].reshape(s, nkv, d)
-        if L.q_norm is not None:
-            q = rms_norm(q, L.q_norm, eps)
-        if L.k_norm is not None:
-            k = rms_norm(k, L.k_norm, eps)
-        q = apply_rope(q, cos, sin, c.rope_type)
-        k = apply_rope(k, cos, sin, c.rope_type)
+        s, nh, d = x.shape[0], c.num_heads, c.head_dim
+        q, k, v = project_qkv(L, x, c, cos, sin)
         self.cache.write(li, k.transpose(1, 0, 2), v.transpose(1, 0, 2))
         kc, vc = self.cache.view(li, extra=s)
         attn = gqa_attention(q.transpose(1, 0, 2), kc, vc, causal=True)  # [nh/N, S, d]
@@ -163,10 +151,7 @@ class _Rank:
 
     def ffn(self, li: int, x: np.ndarray) -> np.ndarray:
         """This rank's partial FFN output ``[S, hidden]`` (before the all-reduce)."""
-        L, f = self.layers[li], self.config.intermediate_size
-        h = rms_norm(x, L.ffn_norm, self.config.rms_norm_eps)
-        gu = h @ L.w_gate_up.T
-        return (silu(gu[:, :f]) * gu[:, f:]) @ L.w_down.T
+        return feed_forward(self.layers[li], x, self.config)
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         """Logits of this rank's vocabulary rows for the final hidden states ``x``."""

@@ -23,7 +23,7 @@ import numpy as np
 from realizar.errors import ContextOverflowError, InvalidRequestError, ShapeError, UnsupportedError
 from realizar.models.attention import gqa_attention
 from realizar.models.kv_formats import QK, round_kv, row_bytes
-from realizar.models.reference import ReferenceModel, apply_rope, rms_norm, silu
+from realizar.models.reference import ReferenceModel, feed_forward, project_qkv, rms_norm
 from realizar.serving.backend import HostBatchOutput
 
 __all__ = ["ReferenceBatchBackend", "KV_DTYPES"]
@@ -119,31 +119,12 @@ class ReferenceBatchBackend:
     # -- the forward pass ----------------------------------------------------------------------------
 
     def _qkv(self, L, x: np.ndarray, cos: np.ndarray, sin: np.ndarray):
-        c = self.config
-        s = x.shape[0]
-        eps = c.rms_norm_eps
-        h = rms_norm(x, L.attn_norm, eps)
-        qkv = h @ L.w_qkv.T
-        if L.b_qkv is not None:
-            qkv += L.b_qkv
-        q_end, k_end = c.q_dim, c.q_dim + c.kv_dim
-        q = qkv[:, :q_end].reshape(s, c.num_heads, c.head_dim)
-        k = qkv[:, q_end:k_end].reshape(s, c.num_kv_heads, c.head_dim)
-        v = qkv[:, k_end:].reshape(s, c.num_kv_heads, c.head_dim)
-        if L.q_norm is not None:
-            q = rms_norm(q, L.q_norm, eps)
-        if L.k_norm is not None:
-            k = rms_norm(k, L.k_norm, eps)
-        return apply_rope(q, cos, sin, c.rope_type), apply_rope(k, cos, sin, c.rope_type), v
+        return project_qkv(L, x, self.config, cos, sin)
 
     def _mlp_out(self, L, x: np.ndarray, attn: np.ndarray) -> None:
         """``x += W_o attn``, then the feed-forward block, in place."""
-        c = self.config
         x += attn @ L.w_o.T
-        h = rms_norm(x, L.ffn_norm, c.rms_norm_eps)
-        gu = h @ L.w_gate_up.T
-        f = c.intermediate_size
-        x += (silu(gu[:, :f]) * gu[:, f:]) @ L.w_down.T
+        x += feed_forward(L, x, self.config)
 
     def _logits(self, x: np.ndarray) -> np.ndarray:
         m = self.model
