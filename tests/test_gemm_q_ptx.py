@@ -250,3 +250,17 @@ def test_host_gemm_q_checks_its_arguments():
                    device=ops.device)
     with pytest.raises(ShapeError, match="glu"):
         ops.gemm_q(xb, wt, y, 4)
+
+
+def test_sanitizer_cases_run_on_the_emulator(monkeypatch):
+    """tools/sanitize_layers.py's gemm_q and sample_rows cases (what compute-sanitizer runs on the GPU)
+    pass their own oracle checks on the emulated device, with its memcheck and racecheck on."""
+    import tools.sanitize_layers as sanitize
+
+    import realizar.cuda.emulated as emulated
+    from realizar import cuda
+
+    monkeypatch.setattr(emulated, "_default", cuda.EmulatedDevice(sm_count=4))
+    monkeypatch.setenv("REALIZAR_DEVICE", "emulate")
+    sanitize.gemm_q_cases(np.random.default_rng(2), sanitize.GEMM_Q_CASES_SMALL)
+    sanitize.sample_cases(np.random.default_rng(3), sanitize.SAMPLE_SHAPES_SMALL)

@@ -3,6 +3,16 @@ shapes, each checked against its float64 oracle.
 
     compute-sanitizer --tool memcheck  python tools/sanitize_layers.py
     compute-sanitizer --tool racecheck python tools/sanitize_layers.py --small
+    REALIZAR_DEVICE=emulate python tools/sanitize_layers.py --small   # the PTX emulator's memcheck/racecheck
+
+The small-M GEMM straight from quantized weights (``gemm_q``, the batched decode step): Q4_K, Q6_K, Q8_0,
+Q4_1 and F16 weights in every layout they are stored in (GGUF rows of partial chunks and unaligned
+segments, tile-major, [gate; up] glu-tiles or rows through the SwiGLU epilogue) for 1, 7 and 33 tokens
+(the last in a 64-token tile: tokens past M), strided X and Y, K split over warps, each epilogue (bias,
+residual from a buffer or in place, f16 output), against a float64 oracle over the dequantized weights and
+the f16 X, output columns past the row untouched. Per-row device sampling (``sample_rows``): greedy,
+temperature + top-k and top-p rows of logits with a row stride (NaN padding, never read), against the NumPy
+mirror (greedy exactly; sampled rows too, but for a top-p cut within rounding).
 """
 
 from __future__ import annotations
@@ -12,10 +22,14 @@ import dataclasses
 
 import numpy as np
 
+from ptx_gen.kernels.gemv_mma_layout import MMA_TYPES
 from ptx_gen.kernels.quant_layout import K_QUANTS, WEIGHT_TYPES
 from realizar import cuda
+from realizar.gpu.gemm import GemmQConfig
 from realizar.gpu.ops import GemvConfig, GpuWeight, LayerOps, MmaConfig, inv_freq_table
+from realizar.gpu.sampling import pack_specs
 from realizar.models.random import dequant, random_weight
+from realizar.sampling import RowSampling, sample_rows, top_p_margin
 
 
 def silu(g):
@@ -159,12 +173,121 @@ def prefill_cases(rng, small: bool) -> None:
         np.testing.assert_allclose(dy.to_numpy((3, hidden)).astype(np.float64), ref, rtol=2e-3, atol=2e-3)
 
 
+# gemm_q: per layout ("rows-glu": [gate; up] GGUF rows through the SwiGLU epilogue), the three token counts'
+# (m, epilogue, config, lda pad, ldy pad); config None: the launch policy's (gemm_q_config)
+_GQ_RUNS = {
+    "rows": ((1, "plain", None, 0, 0), (7, "bias+residual", GemmQConfig(8, 2, 2, 3), 8, 0),
+             (33, "bias+f16", GemmQConfig(64, 1, 2, 2), 0, 3)),
+    "tiles": ((1, "in_place", None, 0, 0), (7, "f16", GemmQConfig(8, 1, 2, 2), 0, 5),
+              (33, "bias+residual", GemmQConfig(64, 2, 1, 3), 8, 0)),
+    "glu-tiles": ((1, "glu", None, 0, 0), (7, "glu+f16", GemmQConfig(16, 2, 2, 2), 0, 2),
+                  (33, "glu", GemmQConfig(64, 1, 2, 3), 8, 0)),
+    "rows-glu": ((1, "glu+f16", None, 0, 0), (7, "glu", GemmQConfig(8, 1, 2, 3), 8, 1),
+                 (33, "glu", GemmQConfig(64, 2, 1, 2), 0, 0)),
+}
+# (weight type, in_dim of GGUF rows, in_dim tile-major): 32-value block rows of partial chunks (576), F16 rows
+# of an 8-value tail (264), K-quants of 3 chunks (K split 2 ways: a part of 2 chunks and one of 1)
+_GQ_TYPES = (("Q4_K", 768, 768), ("Q6_K", 768, 768), ("Q8_0", 576, 512), ("Q4_1", 576, 512), ("F16", 264, None))
+GEMM_Q_CASES = [(wt, layout, m, epi, cfg, lda_pad, ldy_pad, kdim if layout.startswith("rows") else tdim)
+                for wt, kdim, tdim in _GQ_TYPES
+                for layout in (("rows", "tiles", "glu-tiles") if wt in MMA_TYPES else ("rows", "rows-glu"))
+                for m, epi, cfg, lda_pad, ldy_pad in _GQ_RUNS[layout]]
+GEMM_Q_CASES_SMALL = [c for c in GEMM_Q_CASES if c[0] in ("Q4_K", "Q8_0", "F16") and c[2] != 1]
+
+
+def gemm_q_cases(rng, shapes) -> None:
+    """``GemmOps.gemm_q`` over ``shapes`` (entries of GEMM_Q_CASES), each against the float64 oracle."""
+    ops = LayerOps()
+    for wt, layout, m, epi, cfg, lda_pad, ldy_pad, in_dim in shapes:
+        glu = "glu" in epi
+        out_dim = 38 if glu else 37  # a partial row strip (16 rows; 8 outputs with glu)
+        cols = out_dim // 2 if glu else out_dim
+        lda, ldy = in_dim + lda_pad, cols + ldy_pad
+        out_f16 = "f16" in epi
+        raw = random_weight(rng, wt, out_dim, in_dim)
+        w = GpuWeight(data=raw, ggml_type=wt, shape=(out_dim, in_dim), layout=layout.replace("rows-glu", "rows"))
+        x = ((rng.standard_normal((m, lda)) + 0.1) / (64 if out_f16 else 1)).astype(np.float16)  # (f16 range)
+        b = rng.standard_normal(cols).astype(np.float32)
+        r = rng.standard_normal((m, ldy)).astype(np.float32)
+        ytype = np.float16 if out_f16 else np.float32
+        y0 = r.copy() if epi == "in_place" else np.full((m, ldy), np.nan, ytype)
+        what = f"gemm_q {wt} {layout} {out_dim}x{in_dim} m={m} {epi} {cfg}"
+        with cuda.GpuBuffer.from_numpy(x) as dx, cuda.GpuBuffer.from_numpy(b) as db, \
+                cuda.GpuBuffer.from_numpy(r) as dr, cuda.GpuBuffer.from_numpy(y0) as dy:
+            residual = dy if epi == "in_place" else dr if "residual" in epi else None
+            ops.gemm_q(dx, w, dy, m, lda=lda, ldy=ldy, bias=db if "bias" in epi else None, residual=residual,
+                       out_f16=out_f16, glu=glu, config=cfg)
+            got = dy.to_numpy((m, ldy))
+        w.free()
+        assert np.array_equal(got[:, cols:].view(np.uint8), y0[:, cols:].view(np.uint8)), f"{what}: wrote past the row"
+        wd = dequant(raw, wt, out_dim, in_dim).astype(np.float64)
+        xs = x[:, :in_dim].astype(np.float64)
+        full, scale = xs @ wd.T, np.abs(xs) @ np.abs(wd).T
+        if glu:
+            g, u = full[:, :cols], full[:, cols:]
+            with np.errstate(over="ignore"):  # (silu of a large negative gate: 0)
+                ref = silu(g) * u
+            scale = (np.abs(g) + scale[:, :cols]) * (np.abs(u) + scale[:, cols:])
+        else:
+            ref = full
+            if "bias" in epi:
+                ref, scale = ref + b, scale + np.abs(b)
+            if residual is not None:
+                ref, scale = ref + r[:, :cols], scale + np.abs(r[:, :cols])
+        # f16 weights and X, f32 products and sums (2**-11 each, summed); f16 output: one more rounding
+        err = np.abs(got[:, :cols].astype(np.float64) - ref) / (scale + 1e-30)
+        finite = bool(np.isfinite(err).all())
+        if not finite or err.max() >= (2.0 ** -9 if out_f16 else 2.0 ** -10):
+            raise AssertionError(f"{what}: relative error {np.nanmax(err):.2e} (finite: {finite})")
+
+
+# per-row device sampling: (vocab, row stride); the first is one past a block of 1024 threads' sweep
+SAMPLE_SHAPES = [(1025, 1031), (300, 307)]
+SAMPLE_SHAPES_SMALL = SAMPLE_SHAPES[1:]
+TOP_P_BOUNDARY = 1e-5  # top-p cuts closer than this (relative mass) may go either way between f32 and f64 sums
+
+
+def sample_cases(rng, shapes) -> None:
+    """``SampleOps.sample_rows`` on B=3 rows (greedy with a tied maximum, temperature + top-k, top-p) of
+    strided logits, against the NumPy mirror ``realizar.sampling.sample_rows``."""
+    ops = LayerOps()
+    for vocab, ld in shapes:
+        x = (rng.standard_normal((3, vocab)) * 3).astype(np.float32)
+        x[0, [vocab - 1, vocab // 2]] = x[0].max() + 1  # greedy ties: the lowest index
+        x[1, rng.choice(vocab, vocab // 4, replace=False)] = -np.inf  # masked tokens
+        x[1, 0] = 2.5
+        specs = [RowSampling(), RowSampling(0.8, top_k=20, seed=2**63 + 5, step=9),
+                 RowSampling(1.3, top_p=0.7, seed=11, step=2)]
+        rows = np.full((3, ld), np.nan, np.float32)  # the padding past the vocabulary is never read
+        rows[:, :vocab] = x
+        with cuda.GpuBuffer.from_numpy(rows) as dl, cuda.GpuBuffer.from_numpy(pack_specs(specs)) as ds, \
+                cuda.GpuBuffer(3, np.uint32) as out:
+            out.poison()
+            ops.sample_rows(dl, ds, out, 3, vocab, ld=ld)
+            got = out.to_numpy().astype(np.int64)
+        want = sample_rows(x, specs)
+        for r, s in enumerate(specs):
+            what = f"sample_rows vocab {vocab} ld {ld} row {r} {s}: token {got[r]}, the mirror {want[r]}"
+            if got[r] == want[r]:
+                continue
+            if s.temperature == 0.0 or not top_p_margin(x[r], s) < TOP_P_BOUNDARY:
+                raise AssertionError(what)
+            # a top-p cut within rounding: the kernel's token must still be one the top-k cut keeps
+            z = x[r] * (np.float32(1) / np.float32(s.temperature))
+            if not (got[r] < vocab and z[got[r]] >= np.sort(z)[::-1][min(vocab, max(1, s.top_k or vocab)) - 1]):
+                raise AssertionError(what + " (past the top-k cut)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="fewer weight types (racecheck is slow)")
+    ap.add_argument("--gemm-q", action="store_true", help="only the gemm_q and sample_rows cases")
     a = ap.parse_args()
-    cases(cuda.module_cache(), np.random.default_rng(0), a.small)
-    prefill_cases(np.random.default_rng(1), a.small)
+    if not a.gemm_q:
+        cases(cuda.module_cache(), np.random.default_rng(0), a.small)
+        prefill_cases(np.random.default_rng(1), a.small)
+    gemm_q_cases(np.random.default_rng(2), GEMM_Q_CASES_SMALL if a.small else GEMM_Q_CASES)
+    sample_cases(np.random.default_rng(3), SAMPLE_SHAPES_SMALL if a.small else SAMPLE_SHAPES)
     cuda.current_device().synchronize()
     print("ok layer sanitize cases")
 
