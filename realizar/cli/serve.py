@@ -9,8 +9,8 @@ import re
 from realizar.cli.common import (
     CliError, add_model_args, add_tensor_parallel_arg, load_engine, note, port, positive_int,
 )
+from realizar.models.kv_formats import KV_FORMATS
 
-KV_DTYPES = ("f32", "f16", "bf16", "q8_0")
 BLOCK_SIZES = (16, 32, 64)
 _UNITS = {"": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
           "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}  # fmt: skip
@@ -142,7 +142,7 @@ def register(command) -> None:
     p.add_argument("--kv-memory", type=kv_memory, metavar="SIZE",
                    help="KV cache pool: GiB (4, 4GiB) or a fraction of free GPU memory (90%%, 0.9f) "
                         "(default: room for 8 full contexts on the CPU, the backend's choice on the GPU)")
-    p.add_argument("--kv-dtype", choices=KV_DTYPES, metavar="{" + ",".join(KV_DTYPES) + "}",
+    p.add_argument("--kv-dtype", choices=KV_FORMATS, metavar="{" + ",".join(KV_FORMATS) + "}",
                    help="KV cache precision (default: f16 on the GPU, f32 on the CPU; the CPU takes f32 or f16)")
     p.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=32, metavar="{16,32,64}",
                    help="positions per KV cache block (default: 32)")

@@ -34,11 +34,11 @@ import numpy as np
 
 from realizar import cuda
 from realizar.errors import ContextOverflowError, InvalidRequestError, ShapeError, UnsupportedError
-from realizar.gpu.paged_kv import kv_bytes_per_row
 from realizar.gpu.prefill import PREFILL_MIN_BATCH, BatchedPrefill, batched_prefill_unsupported
 from realizar.gpu.sampling import SPEC_WORDS, pack_specs
+from realizar.models.kv_formats import KV_FORMATS, block_bytes
 
-__all__ = ["BUCKETS", "GpuBatchBackend", "GpuBatchOutput", "bucket_for", "kv_block_bytes"]
+__all__ = ["BUCKETS", "GpuBatchBackend", "GpuBatchOutput", "bucket_for"]
 
 # decode batch sizes captured as graphs (a batch runs in the smallest bucket that holds it)
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
@@ -49,7 +49,6 @@ GEMM_Q_MAX_ROWS = 32
 # f16 copies of the weights are kept for the large batches when they take at most this share of the free
 # device memory (f16_weights=None): each step then skips expanding every weight
 F16_WEIGHTS_SHARE = 0.4
-KV_DTYPES = ("f32", "f16", "bf16", "q8_0")
 DEFAULT_MAX_CONTEXT = 8192
 
 
@@ -59,12 +58,6 @@ def bucket_for(rows: int, max_batch: int) -> int:
         if b >= rows:
             return min(b, max_batch) if rows <= max_batch else b
     return max_batch
-
-
-def kv_block_bytes(cfg, block_size: int, kv_dtype: str) -> int:
-    """Device bytes of one KV block over all layers, K and V (q8_0: codes and scales), as
-    :attr:`PagedKVCache.block_bytes` counts them."""
-    return 2 * cfg.num_layers * cfg.num_kv_heads * block_size * kv_bytes_per_row(cfg.head_dim, kv_dtype)
 
 
 class _SequenceKV:
@@ -128,20 +121,24 @@ class GpuBatchOutput:
         self._check()
         if len(specs) != self.rows:
             raise ShapeError(f"sample needs one spec per row: {self.rows} rows, {len(specs)} specs")
-        if self._pending is not None:
-            bucket, self._pending = self._pending, None
-            return self._backend._run_decode(bucket, self.rows, specs)
-        return self._backend._sample(self.rows, specs)
+        tokens = self._run_pending(specs)
+        return tokens if tokens is not None else self._backend._sample(self.rows, specs)
 
     def logits(self, i: int) -> np.ndarray:
         """Row ``i``'s logits on the host (float32 ``[vocab]``)."""
         self._check()
         if not 0 <= i < self.rows:
             raise ShapeError(f"row {i} outside the {self.rows} rows of this step")
-        if self._pending is not None:
-            bucket, self._pending = self._pending, None
-            self._backend._run_decode(bucket, self.rows, None)
+        self._run_pending(None)
         return self._backend._row_logits(i)
+
+    def _run_pending(self, specs: Sequence[Any] | None) -> np.ndarray | None:
+        """Run the staged decode step with ``specs`` (None: greedy) and return its tokens; None when
+        there is no staged step (a prefill's output, or a step that has run)."""
+        if self._pending is None:
+            return None
+        bucket, self._pending = self._pending, None
+        return self._backend._run_decode(bucket, self.rows, specs)
 
 
 class GpuBatchBackend:
@@ -163,8 +160,8 @@ class GpuBatchBackend:
         why = batched_prefill_unsupported(model)
         if why is not None:
             raise UnsupportedError(f"batched decoding needs the batched prefill's kernels: {why}")
-        if kv_dtype not in KV_DTYPES:
-            raise ShapeError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+        if kv_dtype not in KV_FORMATS:
+            raise ShapeError(f"kv_dtype must be one of {KV_FORMATS}, got {kv_dtype!r}")
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= BUCKETS[-1]:
             raise ShapeError(f"max_batch must be an integer in [1, {BUCKETS[-1]}], got {max_batch!r}")
         self.model = model
@@ -180,7 +177,7 @@ class GpuBatchBackend:
         self._f16 = self._make_f16_weights(f16_weights)
         self.f16_weights = bool(self._f16)
         if num_blocks is None:
-            per_block = kv_block_bytes(cfg, self.block_size, kv_dtype)
+            per_block = block_bytes(cfg, self.block_size, kv_dtype)
             if kv_memory is None:
                 kv_memory = 0.5
             free, _ = self.device.memory_info()
@@ -224,11 +221,6 @@ class GpuBatchBackend:
         self.steps = 0
 
     # ---- linear layers of B rows ------------------------------------------------------------------
-    def _gemm_q_takes(self, weight, rows: int) -> bool:
-        """Whether the quantized small-M GEMM runs ``weight`` at ``rows`` rows (a tiles-layout weight
-        is a plain GEMV's: never the fused gate/up GEMM's)."""
-        return rows <= GEMM_Q_MAX_ROWS
-
     def _weights(self) -> list:
         m = self.model
         return [w for lay in m.layers for w in (*lay.qkv, lay.attn_out, lay.gate_up, lay.down)] + [m.lm_head]
@@ -257,7 +249,7 @@ class GpuBatchBackend:
         """out[:rows] = x16[:rows] W^T (+ epilogue): up to GEMM_Q_MAX_ROWS rows from W's quantized blocks
         (gemm_q); more on the f16 GEMM, over W's f16 copy or W expanded into a scratch first."""
         ops, s = self.ops, self.stream
-        if self._gemm_q_takes(weight, rows):
+        if rows <= GEMM_Q_MAX_ROWS:
             ops.gemm_q(x16, weight, out, rows, stream=s, **epilogue)
             return
         kept = self._f16.get(id(weight))
@@ -275,7 +267,7 @@ class GpuBatchBackend:
         """An f16 scratch for every weight the quantized GEMM does not take at ``rows`` rows: the
         prefill's (sized for the layer weights), or a larger one when the LM head needs expanding."""
         m = self.model
-        if rows == 1 or self._gemm_q_takes(m.lm_head, rows) or id(m.lm_head) in self._f16:
+        if rows <= GEMM_Q_MAX_ROWS or id(m.lm_head) in self._f16:
             return
         need = m.lm_head.out_dim * m.lm_head.in_dim
         if need > self._prefill.w16.count and (self._w16 is None or self._w16.count < need):

@@ -35,7 +35,7 @@ from ptx_gen.kernels.paged_decode import MAX_GROUP, buffer_sizes
 from ptx_gen.kernels.paged_kv import BLOCK_SIZES, KV_DTYPES, QK
 from realizar.errors import ShapeError
 from realizar.gpu.dispatch import Dispatcher, check_int
-from realizar.models.kv_formats import dequantize_q8_0, quantize_q8_0, round_bf16, row_bytes
+from realizar.models.kv_formats import block_bytes, dequantize_q8_0, quantize_q8_0, round_bf16, row_bytes
 
 __all__ = ["PagedKVCache", "KV_NUMPY_DTYPES", "decode_chunks", "decode_tiling", "kv_bytes_per_row", "quantize_q8_0",
            "dequantize_q8_0"]
@@ -160,8 +160,7 @@ None: :func:`decode_tiling`. ``ops``: the dispatcher to launch with."""
     def block_bytes(self) -> int:
         """Device bytes one block takes over all layers, K and V (q8_0: codes and scales): what a memory
         budget divides by to get num_blocks."""
-        return 2 * self.num_layers * self.num_kv_heads * self.block_size * kv_bytes_per_row(self.head_dim,
-                                                                                             self.kv_dtype)
+        return block_bytes(self, self.block_size, self.kv_dtype)
 
     def k_pool(self, layer: int):
         """K pool of ``layer`` (q8_0: the int8 codes; scales in :meth:`k_scales`)."""

@@ -17,7 +17,8 @@ import numpy as np
 
 from realizar.errors import ShapeError
 
-__all__ = ["KV_FORMATS", "QK", "dequantize_q8_0", "quantize_q8_0", "round_bf16", "round_kv", "row_bytes"]
+__all__ = ["KV_FORMATS", "QK", "block_bytes", "dequantize_q8_0", "quantize_q8_0", "round_bf16", "round_kv",
+           "row_bytes"]
 
 KV_FORMATS = ("f32", "f16", "bf16", "q8_0")
 QK = 32  # values per q8_0 group
@@ -31,6 +32,13 @@ def row_bytes(head_dim: int, kv_format: str) -> int:
     if kv_format not in KV_FORMATS:
         raise ShapeError(f"kv format must be one of {KV_FORMATS}, got {kv_format!r}")
     return head_dim * (4 if kv_format == "f32" else 2)
+
+
+def block_bytes(config, block_size: int, kv_format: str) -> int:
+    """Bytes one KV block of ``block_size`` positions takes over all layers of a model of ``config``
+    (its num_layers, num_kv_heads, head_dim), K and V: what a memory budget divides by to get the
+    number of blocks."""
+    return 2 * config.num_layers * config.num_kv_heads * block_size * row_bytes(config.head_dim, kv_format)
 
 
 def quantize_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -22,7 +22,7 @@ import numpy as np
 
 from realizar.errors import ContextOverflowError, InvalidRequestError, ShapeError, UnsupportedError
 from realizar.models.attention import gqa_attention
-from realizar.models.kv_formats import QK, round_kv, row_bytes
+from realizar.models.kv_formats import QK, block_bytes, round_kv
 from realizar.models.reference import ReferenceModel, feed_forward, project_qkv, rms_norm
 from realizar.serving.backend import HostBatchOutput
 
@@ -79,8 +79,7 @@ class ReferenceBatchBackend:
     @property
     def kv_bytes_per_block(self) -> int:
         """Bytes of one block over all layers, K and V, in the format's own size (as a GPU pool)."""
-        c = self.config
-        return 2 * c.num_layers * c.num_kv_heads * self.block_size * row_bytes(c.head_dim, self.kv_dtype)
+        return block_bytes(self.config, self.block_size, self.kv_dtype)
 
     def _store(self, pool: np.ndarray, blk, row, x: np.ndarray) -> None:
         """Write K or V rows ``x [n, KVH, D]`` at (block, row) pairs, rounded as ``kv_dtype`` stores them."""

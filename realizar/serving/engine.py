@@ -42,7 +42,7 @@ from realizar.errors import InvalidRequestError, RealizarError, UnsupportedError
 from realizar.generation import (
     GenerationResult, SamplingParams, SequenceState, TokenChunk, _eos_ids, encode_prompt,
 )
-from realizar.models.kv_formats import row_bytes
+from realizar.models.kv_formats import block_bytes
 from realizar.serving.backend import BatchBackend, RowSampling
 from realizar.serving.scheduler import Scheduler, StepOutput
 
@@ -268,8 +268,7 @@ class ServingEngine:
             kv_dtype = kv_dtype or "f32"
             if kv_dtype not in KV_DTYPES:
                 raise UnsupportedError(f"the CPU backend stores KV as one of {tuple(KV_DTYPES)}, got {kv_dtype!r}")
-            c = engine.config
-            per_block = 2 * c.num_layers * c.num_kv_heads * block_size * row_bytes(c.head_dim, kv_dtype)
+            per_block = block_bytes(engine.config, block_size, kv_dtype)
             if num_blocks is None:
                 if kv_memory is not None:
                     num_blocks = int(kv_memory // per_block) + 1
