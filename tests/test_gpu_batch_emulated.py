@@ -132,3 +132,26 @@ def test_bad_inputs(loaded):
     be.decode([1], [3], [[2]])
     with pytest.raises(InvalidRequestError, match="overwritten"):
         out.logits(0)
+
+
+def test_one_row_greedy_and_sampled_steps(loaded):
+    """A greedy single row ends its step in the argmax, a sampled one in the sampler: two variants of
+    bucket 1's graph, each drawing what the NumPy mirror draws from the same logits."""
+    from realizar.sampling import sample_rows
+
+    rng = np.random.default_rng(11)
+    be = _backend(loaded)
+    prompt = [int(t) for t in rng.integers(3, 320, 6)]
+    table = [5, 9]
+    tok = int(np.argmax(be.prefill(prompt, 0, table).logits(0)))
+    hot = RowSampling(temperature=1.5, top_k=40, seed=1234, step=0)
+    for i, spec in enumerate([RowSampling(), hot, RowSampling(), RowSampling(temperature=1.5, top_k=40, seed=1234,
+                                                                             step=1)]):
+        out = be.decode([tok], [len(prompt) + i], [table])
+        got = int(out.sample([spec])[0])
+        logits = out.logits(0)
+        assert got == int(sample_rows(logits[None, :], [spec])[0]), (i, spec)
+        if spec.temperature == 0:
+            assert got == int(np.argmax(logits))
+        tok = got
+    assert set(be._graphs) == {(1, True), (1, False)}

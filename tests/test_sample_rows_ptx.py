@@ -142,6 +142,11 @@ def test_pack_specs_layout():
         pack_specs([RowSampling()] * 5, out=staging)
     with pytest.raises(InvalidRequestError):
         pack_specs([{"temperature": 1.0}])
+    # float32 rounding as numpy rounds, and integral floats / ints where RowSampling accepts them
+    rows = pack_specs([RowSampling(0.7, 5.0, 0.9, seed=3.0, step=2), RowSampling(2, 1, 1, seed=2**64 - 1)])
+    assert rows[0].tolist() == [np.float32(0.7).view(np.uint32), 5, np.float32(0.9).view(np.uint32), 3, 0, 2, 0, 0]
+    assert rows[1].tolist() == [np.float32(2).view(np.uint32), 1, np.float32(1).view(np.uint32), 2**32 - 1,
+                                2**32 - 1, 0, 0, 0]
 
 
 def test_filters_over_many_seeds():

@@ -22,18 +22,22 @@ weights and kernels and keeps its own :class:`~realizar.gpu.paged_kv.PagedKVCach
   through the sequence's block table, so a prompt whose first blocks came from the prefix cache starts
   at the first uncached position.
 * :class:`GpuBatchOutput.sample`: every row sampled on the GPU (greedy, temperature, top-k, top-p,
-  a counter-based seed per request), 4 bytes a row read back; :meth:`GpuBatchOutput.logits` copies a
+  a counter-based seed per request), 4 bytes a row read back. A greedy single row ends its step in the
+  two-launch argmax of :class:`GpuModel`'s graph instead of the one-block-per-row sampler (a variant of
+  bucket 1's graph), so one stream served alone decodes as fast as :class:`GpuModel`; :meth:`GpuBatchOutput.logits` copies a
   row's logits to the host for requests that need them (logprobs, logits processors, penalties).
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Sequence
 
 import numpy as np
 
 from realizar import cuda
 from realizar.errors import ContextOverflowError, InvalidRequestError, ShapeError, UnsupportedError
+from realizar.gpu.argmax import ARGMAX_SCRATCH
 from realizar.gpu.prefill import PREFILL_MIN_BATCH, BatchedPrefill, batched_prefill_unsupported
 from realizar.gpu.sampling import SPEC_WORDS, pack_specs
 from realizar.models.kv_formats import KV_FORMATS, block_bytes
@@ -50,6 +54,14 @@ GEMM_Q_MAX_ROWS = 32
 # device memory (f16_weights=None): each step then skips expanding every weight
 F16_WEIGHTS_SHARE = 0.4
 DEFAULT_MAX_CONTEXT = 8192
+
+
+def _ints(values: Any, what: str) -> list[int]:
+    """``values`` (an iterable of integers) as a list of Python ints, or InvalidRequestError naming ``what``."""
+    try:
+        return [int(v) for v in values]
+    except (TypeError, ValueError) as e:
+        raise InvalidRequestError(f"{what} must be integers: {e}") from None
 
 
 def bucket_for(rows: int, max_batch: int) -> int:
@@ -210,9 +222,10 @@ class GpuBatchBackend:
         self._tokens_host = cuda.PinnedArray(b, np.uint32, device=self.device)
         self._specs_host = cuda.PinnedArray(b * SPEC_WORDS, np.uint32, device=self.device)  # prefill rows
         self.specs = ops.buffer(b * SPEC_WORDS, np.uint32, zero=True)
+        self._argmax_partials = ops.buffer(ARGMAX_SCRATCH, np.uint64)  # not the model's: its graph runs on its stream
         self.pdl = model.pdl  # programmatic dependent launch between the step graph's kernels (sm_90)
         self._w16 = None  # a larger f16 expansion scratch, only if the LM head needs one (see _ensure_scratch)
-        self._graphs: dict[int, cuda.GraphExec] = {}
+        self._graphs: dict[tuple[int, bool], cuda.GraphExec] = {}  # (bucket, ends in argmax) -> its step
         self._prefill = BatchedPrefill(_PrefillModel(self), prefill_chunk, f16_weights=self._f16)
         self.prefill_chunk = self._prefill.chunk
         # shorter prompts run token by token through the 1-row decode step (f32 activations, exact GEMVs):
@@ -276,8 +289,9 @@ class GpuBatchBackend:
             self._w16 = self.ops.buffer(need, np.float16)
 
     # ---- one decode step --------------------------------------------------------------------------
-    def _issue_decode(self, b: int) -> None:
-        """The launches of one decode step of ``b`` rows (no host synchronisation: capturable)."""
+    def _issue_decode(self, b: int, argmax: bool = False) -> None:
+        """The launches of one decode step of ``b`` rows (no host synchronisation: capturable), ending in
+        the per-row sampler, or with ``argmax`` (one greedy row) in the argmax."""
         m, cfg, ops, kv, s = self.model, self.config, self.ops, self.kv, self.stream
         eps, mb, qkv_n = cfg.rms_norm_eps, self.max_batch, self.qkv_n
         ids, pos, lens, tables = (self.step, 0), (self.step, mb), (self.step, 2 * mb), (self.step, self._tables_at)
@@ -320,7 +334,10 @@ class GpuBatchBackend:
         else:
             ops.rmsnorm(self.x, m.output_norm, self.h16, eps, rows=b, out_f16=True, stream=s)
             self._linear(m.lm_head, self.h16, self.logits, b)
-        ops.sample_rows(self.logits, (self.step, 3 * mb), self.tokens, b, cfg.vocab_size, stream=s)
+        if argmax:
+            ops.argmax(self.logits, self.tokens, n=cfg.vocab_size, stream=s, scratch=self._argmax_partials)
+        else:
+            ops.sample_rows(self.logits, (self.step, 3 * mb), self.tokens, b, cfg.vocab_size, stream=s)
 
     def decode(self, tokens: Sequence[int], positions: Sequence[int],
                block_tables: Sequence[Sequence[int]]) -> GpuBatchOutput:
@@ -334,23 +351,32 @@ class GpuBatchBackend:
                              f"got {n} tokens, {len(positions)} positions, {len(block_tables)} tables")
         b = bucket_for(n, self.max_batch)
         mb, stride, vocab, at = self.max_batch, self.table_stride, self.config.vocab_size, self._tables_at
-        self._check_blocks(block_tables)
+        # checked on Python lists (cheaper than numpy at these sizes), staged in few numpy copies: a step of
+        # one row or of 64 costs the host a few µs, not a numpy write per value
+        lens, flat = self._check_blocks(block_tables)
+        tok, pos = _ints(tokens, "token ids"), _ints(positions, "positions")
+        if min(tok) < 0 or max(tok) >= vocab:
+            raise InvalidRequestError(f"token id {next(t for t in tok if not 0 <= t < vocab)} outside the "
+                                      f"vocabulary of {vocab}")
+        if min(pos) < 0 or max(pos) >= self.context_length:
+            p = next(p for p in pos if not 0 <= p < self.context_length)
+            raise ContextOverflowError(f"position {p} is past the context length of {self.context_length}")
+        for r, (blocks, p) in enumerate(zip(lens, pos)):
+            if blocks * self.block_size <= p or blocks > stride:
+                raise ShapeError(f"row {r}: position {p} needs block {p // self.block_size}, the table has "
+                                 f"{blocks} blocks (at most {stride})")
         self.device.make_current()
         self.stream.synchronize()  # the previous step's copy has left the staging array
         host = self._step_host.array
         host[:3 * mb] = 0
+        host[:n], host[mb: mb + n], host[2 * mb: 2 * mb + n] = tok, pos, [p + 1 for p in pos]
         host[at: at + b * stride] = 0
-        for r, (tok, p, table) in enumerate(zip(tokens, positions, block_tables)):
-            tok, p = int(tok), int(p)
-            if not 0 <= tok < vocab:
-                raise InvalidRequestError(f"token id {tok} outside the vocabulary of {vocab}")
-            if not 0 <= p < self.context_length:
-                raise ContextOverflowError(f"position {p} is past the context length of {self.context_length}")
-            if len(table) * self.block_size <= p or len(table) > stride:
-                raise ShapeError(f"row {r}: position {p} needs block {p // self.block_size}, the table has "
-                                 f"{len(table)} blocks (at most {stride})")
-            host[r], host[mb + r], host[2 * mb + r] = tok, p, p + 1
-            host[at + r * stride: at + r * stride + len(table)] = table
+        if n == 1:
+            host[at: at + lens[0]] = flat
+        elif flat.size:  # row r's table at at + r * stride
+            counts = np.asarray(lens)
+            starts = np.repeat(at + stride * np.arange(n) - (np.cumsum(counts) - counts), counts)
+            host[starts + np.arange(flat.size)] = flat
         self.steps += 1
         return GpuBatchOutput(self, n, pending=b)
 
@@ -361,28 +387,39 @@ class GpuBatchBackend:
         staged[:] = 0
         if specs is not None:
             pack_specs(specs, out=staged)
+        # one greedy row: the argmax (as GpuModel's graph ends), not the sampler's one block for the whole row
+        argmax = b == 1 and (specs is None or specs[0].temperature == 0)
         self.step.copy_from_host_at(host[: self._tables_at + b * self.table_stride], 0, stream=self.stream)
-        graph = self._graphs.get(b)
+        graph = self._graphs.get((b, argmax))
         if graph is not None:
             graph.launch(self.stream)
         else:
             self._ensure_scratch(b)
             with cuda.programmatic_dependent_launch(self.pdl):
-                self._issue_decode(b)  # eager: loads every kernel before a capture
+                self._issue_decode(b, argmax)  # eager: loads every kernel before a capture
                 if self.use_graph:
                     with cuda.capture(self.stream) as cap:
-                        self._issue_decode(b)
-                    self._graphs[b] = cap.graph.instantiate()
+                        self._issue_decode(b, argmax)
+                    self._graphs[(b, argmax)] = cap.graph.instantiate()
         out = self._tokens_host.array[:rows]
         self.tokens.copy_to_host_at(0, rows, out, stream=self.stream)
         self.stream.synchronize()
         return out.astype(np.int64)
 
-    def _check_blocks(self, tables: Sequence[Sequence[int]]) -> None:
-        for table in tables:
-            if len(table) and not (0 < min(table) and max(table) < self.num_blocks):
-                blk = next(b for b in table if not 0 < b < self.num_blocks)
-                raise ShapeError(f"block id {blk} outside the pool's blocks 1..{self.num_blocks - 1}")
+    def _check_blocks(self, tables: Sequence[Sequence[int]]) -> tuple[list[int], np.ndarray]:
+        """(blocks per table, every table's block ids in a row as int64), after checking that each id is a
+        block of the pool other than the null block 0."""
+        lens = [len(t) for t in tables]
+        try:
+            flat = np.fromiter(itertools.chain.from_iterable(tables), np.int64, sum(lens))
+        except (OverflowError, TypeError, ValueError) as e:
+            raise InvalidRequestError(f"block ids must be integers: {e}") from None
+        few = flat.tolist() if flat.size <= 64 else None  # Python's min/max beat numpy's calls on a few ids
+        lo, hi = (min(few, default=1), max(few, default=1)) if few is not None else (flat.min(), flat.max())
+        if lo <= 0 or hi >= self.num_blocks:
+            blk = flat[(flat <= 0) | (flat >= self.num_blocks)][0]
+            raise ShapeError(f"block id {blk} outside the pool's blocks 1..{self.num_blocks - 1}")
+        return lens, flat
 
     # ---- prefill ----------------------------------------------------------------------------------
     def prefill(self, tokens: Sequence[int], start: int, block_table: Sequence[int]) -> GpuBatchOutput:
@@ -446,6 +483,7 @@ class GpuBatchBackend:
         self._prefill.free()
         self.kv.close()
         for buf in (self.step, self.prefill_table, self.x, self.h, self.h16, self.qkv, self.attn, self.ffn,
-                    self.ffn16, self.logits, self.tokens, self.specs, self._w16, *self._f16.values()):
+                    self.ffn16, self.logits, self.tokens, self.specs, self._argmax_partials, self._w16,
+                    *self._f16.values()):
             if buf is not None:
                 buf.free()

@@ -45,7 +45,10 @@ _MAX_CHUNKS = 64
 _BLOCKS_PER_SM = 4  # decode blocks (4 warps) resident per SM aimed at
 _WAVES = 4  # a batch of short sequences fills about one wave; a lone long one is spread over this many
 _MIN_CHUNKS = 4  # even a full batch splits a long sequence over at least this many chunks
-_MIN_CHUNK_ROWS = 64
+# fewest positions per chunk: a short lone sequence (one stream served alone) is spread over chunks of one
+# 32-position block rather than two, so its attention is not a long serial loop in a few blocks
+# (docs/performance.md, serving at B = 1)
+_MIN_CHUNK_ROWS = 32
 
 
 def decode_chunks(rows: int, num_kv_heads: int, sm_count: int) -> int:
@@ -80,7 +83,7 @@ class PagedKVCache:
 
     ``max_batch``: most rows of a decode launch (sizes the partial buffers); ``num_chunks``: fixed chunks
     per (row, KV head) of a decode launch (default :func:`decode_chunks`, by rows); ``min_chunk``: fewest
-    positions per chunk (default 64, rounded up to whole blocks on the device); ``decode_unroll``: rows per
+    positions per chunk (default 32, rounded up to whole blocks on the device); ``decode_unroll``: rows per
     lane group per step of the decode kernel (1, 2 or 4); ``decode_lanes``: lanes reading one K/V row in the
 decode kernel (0: the kernel's default, 32 at head_dim 128; or 4, 8, 16, 32 dividing head_dim / 4); both
 None: :func:`decode_tiling`. ``ops``: the dispatcher to launch with."""

@@ -4,6 +4,7 @@ of requests; the host reads back 4 bytes a row. ``pack_specs`` builds that buffe
 
 from __future__ import annotations
 
+import struct
 from typing import Any, Sequence
 
 import numpy as np
@@ -16,6 +17,9 @@ from realizar.sampling import RowSampling
 __all__ = ["SampleOps", "pack_specs", "SPEC_WORDS", "SAMPLE_BLOCK"]
 
 SAMPLE_BLOCK = 1024
+# one spec row: temperature and top_p as float32 (rounded as np.float32 rounds), the rest u32, two zero words
+_ROW = struct.Struct("<fIfIII8x")
+assert _ROW.size == 4 * SPEC_WORDS
 
 
 def pack_specs(specs: Sequence[RowSampling], out: np.ndarray | None = None) -> np.ndarray:
@@ -27,15 +31,14 @@ def pack_specs(specs: Sequence[RowSampling], out: np.ndarray | None = None) -> n
         out = np.zeros((n, SPEC_WORDS), np.uint32)
     elif out.dtype != np.uint32 or out.ndim != 2 or out.shape[1] != SPEC_WORDS or out.shape[0] < n:
         raise ShapeError(f"expected a u32 [>= {n}, {SPEC_WORDS}] array, got {out.dtype} {out.shape}")
-    f = out[:n].view(np.float32)
+    packed = bytearray(n * _ROW.size)  # packed in Python and copied once: a serving step packs every row
     for i, s in enumerate(specs):
         if not isinstance(s, RowSampling):
             raise InvalidRequestError(f"expected RowSampling specs, got {type(s).__name__} at row {i}")
-        f[i, 0] = np.float32(s.temperature)
-        out[i, 1] = s.top_k
-        f[i, 2] = np.float32(s.top_p)
-        out[i, 3], out[i, 4], out[i, 5] = s.seed & 0xFFFFFFFF, s.seed >> 32, s.step
-        out[i, 6:] = 0
+        seed = int(s.seed)
+        _ROW.pack_into(packed, i * _ROW.size, s.temperature, int(s.top_k), s.top_p, seed & 0xFFFFFFFF, seed >> 32,
+                       int(s.step))
+    out[:n] = np.frombuffer(packed, np.uint32).reshape(n, SPEC_WORDS)
     return out
 
 

@@ -1,0 +1,105 @@
+"""One decode step of GpuModel and of GpuBatchBackend at one row, side by side: host tokens/s, GPU µs per
+step (graph replays back to back), and, under Nsight Compute, the time of every kernel of one eager step.
+
+    python tools/profile_step.py --shapes smollm2-135m,llama-3-8b
+    ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
+        python tools/profile_step.py --shapes llama-3-8b --ncu > kernels.csv
+
+With ``--ncu`` only the two eager steps run, each between cuProfilerStart and cuProfilerStop, so ncu sees
+nothing else (weight uploads, graph captures). Random weights at the real shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from cuda.bindings import driver
+
+from realizar import cuda
+from realizar.gpu.batch import GpuBatchBackend
+from realizar.gpu.model import GpuModel
+from realizar.models.random import BENCH_SHAPES, bench_model
+from realizar.sampling import RowSampling
+
+PROMPT = 128
+
+
+def model_rate(model: GpuModel, tokens: int) -> tuple[float, float]:
+    """(host tok/s, GPU µs/step) of forward_gpu_resident_to_token_id after a 128-token context."""
+    tok = 1
+    for pos in range(PROMPT):
+        tok = model.forward_gpu_resident_to_token_id(tok, pos)
+    t0 = time.perf_counter()
+    for pos in range(PROMPT, PROMPT + tokens):
+        tok = model.forward_gpu_resident_to_token_id(tok, pos)
+    wall = time.perf_counter() - t0
+    e0, e1 = cuda.Event(), cuda.Event()
+    e0.record(model.stream)
+    for pos in range(PROMPT, PROMPT + tokens):
+        model.step_values.set(token=tok, pos=pos, seq_len=pos + 1)
+        model._graph.replay(model.stream, model.step_values)
+    e1.record(model.stream)
+    e1.synchronize()
+    return tokens / wall, e0.elapsed_ms(e1) * 1e3 / tokens
+
+
+def backend_rate(backend: GpuBatchBackend, tokens: int) -> tuple[float, float, float]:
+    """(host tok/s, GPU µs/step, host µs of decode()+staging per step) of one row through decode().sample()."""
+    bs = backend.block_size
+    table = list(range(1, 1 + -(-(PROMPT + tokens + 1) // bs)))
+    spec = [RowSampling()]
+    tok = int(backend.prefill(list(range(1, PROMPT + 1)), 0, table).sample(spec)[0])
+    tok = int(backend.decode([tok], [PROMPT], [table]).sample(spec)[0])  # captures bucket 1
+    t0 = time.perf_counter()
+    for pos in range(PROMPT + 1, PROMPT + tokens):
+        tok = int(backend.decode([tok], [pos], [table]).sample(spec)[0])
+    wall = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for pos in range(PROMPT + 1, PROMPT + 1 + 200):
+        backend.decode([tok], [pos], [table])  # staging only, no launch
+    stage_us = (time.perf_counter() - t0) / 200 * 1e6
+    graph = backend._graphs[1]
+    e0, e1 = cuda.Event(), cuda.Event()
+    e0.record(backend.stream)
+    for _ in range(tokens):
+        graph.launch(backend.stream)
+    e1.record(backend.stream)
+    e1.synchronize()
+    return (tokens - 1) / wall, e0.elapsed_ms(e1) * 1e3 / tokens, stage_us
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default=",".join(BENCH_SHAPES))
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--ncu", action="store_true", help="only one eager step of each, inside profiler ranges")
+    a = ap.parse_args()
+    dev = cuda.current_device()
+    for name in a.shapes.split(","):
+        cfg, tensors, _ = bench_model(name)
+        model = GpuModel(cfg, tensors, max_len=1024, device=dev, use_graph=not a.ncu)
+        backend = GpuBatchBackend(model, num_blocks=64, block_size=32, kv_dtype="f16", max_batch=1,
+                                  max_context=1024, use_graph=not a.ncu, f16_weights=False)
+        if a.ncu:
+            model.forward_gpu_resident_to_token_id(1, 0)  # loads every kernel
+            backend.decode([1], [0], [[1]]).sample([RowSampling()])
+            driver.cuProfilerStart()
+            model.forward_gpu_resident_to_token_id(1, 1)
+            driver.cuProfilerStop()
+            driver.cuProfilerStart()
+            backend.decode([1], [1], [[1]]).sample([RowSampling()])
+            driver.cuProfilerStop()
+        else:
+            m_tps, m_us = model_rate(model, a.tokens)
+            b_tps, b_us, stage_us = backend_rate(backend, a.tokens)
+            print(f"{name}: GpuModel {m_tps:.0f} tok/s host, {m_us:.1f} µs GPU/step | backend 1 row "
+                  f"{b_tps:.0f} tok/s host ({100 * b_tps / m_tps:.0f}%), {b_us:.1f} µs GPU/step, "
+                  f"decode() staging {stage_us:.1f} µs", flush=True)
+        backend.close()
+        model.release_kv()
+        del model, backend, tensors
+
+
+if __name__ == "__main__":
+    main()
