@@ -184,7 +184,9 @@ def paged_decode_attention(m: Module, head_dim: int = 128, group: int = 1, block
     """Split-KV decode attention of B rows through their block tables (see the module doc). Params: q,
     k_pool, v_pool, out, part_acc, part_ml, counters, seq_lens, block_tables, table_stride, n_kv,
     min_chunk, q_stride (floats from one row of q to the next: H * D packed, or (H + 2 KVH) * D to read Q
-    straight from the rows of a qkv buffer). Launch: grid (B * n_kv, num_chunks), block 128."""
+    straight from the rows of a qkv buffer). Launch: grid (B * n_kv, num_chunks), block 128. ``seq_lens``
+    is read before the wait of programmatic dependent launch: it must not be written by the kernels just
+    before this one (the batched decode step copies it from the host before the step)."""
     check_shape(head_dim, group, block_size, kv_dtype, unroll, lanes)
     D, G = head_dim, group
     lay = _Layout(D, G)
@@ -206,13 +208,6 @@ def paged_decode_attention(m: Module, head_dim: int = 128, group: int = 1, block
     tid = k.tid()
     lane = k.and_(tid, 31)
     j = k.and_(lane, T - 1) if T < 32 else lane
-    # q of the block's heads: this lane's EPL values, pre-scaled into the log2 domain
-    qscale = LOG2E / math.sqrt(D)
-    q_regs = []
-    q_row = k.add(k.global_ptr("q"), k.mul_wide(k.mad(b, k.param("q_stride"), k.mul(kvh, G * D)), 4))
-    for i in range(G):
-        qaddr = k.add(q_row, k.mul_wide(k.add(k.mul(j, EPL), i * D) if i else k.mul(j, EPL), 4))
-        q_regs.append([k.mul(x, qscale) for x in load_values(k, qaddr, EPL, "f32")])
     # this sequence's chunk
     cap = k.mul(stride, block_size)
     seq_len = k.min(k.load("global", "u32", k.add(k.global_ptr("seq_lens"), k.mul_wide(b, 4))), cap, "u32")
@@ -252,9 +247,21 @@ def paged_decode_attention(m: Module, head_dim: int = 128, group: int = 1, block
 
     with k.if_(k.setp("ge", cidx, nact)):  # inactive chunk (block-uniform); L = 0: chunk 0 writes zeros
         with k.if_(k.setp("eq", cidx, 0)):
+            k.grid_dependency_wait()
             zero = k.mov(0.0, "f32")
             slots(lambda i, c4: store_out(i, c4, [zero] * 4))
         k.ret()
+    # Everything above read only the lengths, written by the host before the step (the wait of programmatic
+    # dependent launch comes here, so inactive chunks leave and the chunk arithmetic is done while the kernel
+    # before, which writes q and this position's K/V, finishes)
+    k.grid_dependency_wait()
+    # q of the block's heads: this lane's EPL values, pre-scaled into the log2 domain
+    qscale = LOG2E / math.sqrt(D)
+    q_regs = []
+    q_row = k.add(k.global_ptr("q"), k.mul_wide(k.mad(b, k.param("q_stride"), k.mul(kvh, G * D)), 4))
+    for i in range(G):
+        qaddr = k.add(q_row, k.mul_wide(k.add(k.mul(j, EPL), i * D) if i else k.mul(j, EPL), 4))
+        q_regs.append([k.mul(x, qscale) for x in load_values(k, qaddr, EPL, "f32")])
 
     table = k.add(k.global_ptr("block_tables"), k.mul_wide(k.mul(b, stride), 4))
     st = _pass(k, lay, q_regs, kvh, n_kv, table, start, end, block_size, kv_dtype, unroll, T)

@@ -281,7 +281,9 @@ None: :func:`decode_tiling`. ``ops``: the dispatcher to launch with."""
         :meth:`append_decode` rotated) each over its own length
         ``seq_lens[b]`` (device u32[rows], clamped to table_stride * block_size) through block table row b
         (device u32 ``[rows, table_stride]``) of ``layer``. ``out``: ``[rows, H * D]`` f32, or f16 with
-        ``out_f16``. One launch on grid (rows * KVH, chunks_for(rows)); graph-capturable."""
+        ``out_f16``. One launch on grid (rows * KVH, chunks_for(rows)); graph-capturable. ``seq_lens`` must
+        not be written by the kernels just before this launch (it is read before the kernel's grid-dependency
+        wait on sm_90; the decode step copies it from the host)."""
         layer, rows = self._layer(layer), self._rows(rows)
         table_stride = check_int("table_stride", table_stride)
         ops, n = self.ops, rows * self.num_heads * self.head_dim
