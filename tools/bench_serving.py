@@ -10,7 +10,8 @@ Parts (``--parts``):
   ``--prompt`` random tokens, then ``--gen`` decode steps of all B at once through
   :class:`realizar.gpu.batch.GpuBatchBackend` (one graph replay per step, greedy sampling on the GPU,
   4 bytes a sequence read back). Aggregate decode tok/s = B x gen / wall time of the decode steps;
-  the ratio to our B = 1 and to llama.cpp's figure at the same B.
+  the ratio to the single-stream rate of :class:`GpuModel` (its own cache and graph, measured first in
+  the same run) and to llama.cpp's figure at the same B.
 * ``engine`` — C concurrent requests (prompt ``--prompt`` tokens, ``--gen`` output tokens; and a mixed
   load of prompts 32..1024 / outputs 16..256) submitted at once to :class:`realizar.serving.ServingEngine`:
   aggregate output tok/s, time to first token and inter-token latency p50/p99.
@@ -237,16 +238,29 @@ def latency_table(name: str, part: str, res: dict[str, dict]) -> list[str]:
     return lines + [""]
 
 
-def batched_table(name: str, res: dict[int, dict]) -> list[str]:
+def bench_single_stream(model: GpuModel, prompt: int, gen: int) -> float:
+    """Host tok/s of GpuModel's single-sequence greedy decode (its own KV cache and decode graph, the
+    path of ``realizar generate``) after ``prompt`` tokens: the single-stream rate the batched one is
+    measured against, in the same run."""
+    tok = 1
+    for pos in range(prompt):
+        tok = model.forward_gpu_resident_to_token_id(tok, pos)
+    t0 = time.perf_counter()
+    for pos in range(prompt, prompt + gen):
+        tok = model.forward_gpu_resident_to_token_id(tok, pos)
+    return gen / (time.perf_counter() - t0)
+
+
+def batched_table(name: str, res: dict[int, dict], single: float) -> list[str]:
     peer = LLAMA_CPP_BATCHED.get(name, {})
-    one = res.get(1, {}).get("tok_s")
     lines = [f"### {name}: batched decode (prompt 128, 128 generated per sequence)", "",
-             "| B | aggregate tok/s | ms / step | x our B=1 | llama.cpp tok/s | x llama.cpp |",
+             f"Single stream (GpuModel, same run, same prompt and output lengths): {single:.0f} tok/s.", "",
+             "| B | aggregate tok/s | ms / step | x single stream | llama.cpp tok/s | x llama.cpp |",
              "|---:|---:|---:|---:|---:|---:|"]
     for b, r in sorted(res.items()):
         p = peer.get(b)
-        vs_one = f"{r['tok_s'] / one:.1f}" if one else "-"
         vs_peer = f"{r['tok_s'] / p:.2f}" if p else "-"
+        vs_one = f"{r['tok_s'] / single:.2f}" if b == 1 else f"{r['tok_s'] / single:.1f}"
         lines.append(f"| {b} | {r['tok_s']:.0f} | {r['step_ms']:.2f} | {vs_one} | {p or '-'} | {vs_peer} |")
     return lines + [""]
 
@@ -270,14 +284,16 @@ def main() -> None:
     rng = np.random.default_rng(0)
     for name in a.shapes.split(","):
         cfg, tensors, _ = bench_model(name)
-        model = GpuModel(cfg, tensors, max_len=16, device=dev, kv_cache=False)
+        model = GpuModel(cfg, tensors, max_len=a.prompt + a.gen, device=dev)
+        single = bench_single_stream(model, a.prompt, a.gen) if "batched" in parts else 0.0
+        model.release_kv()  # the backend keeps its own paged cache
         ctx = max(a.prompt + a.gen, 1280 if "engine" in parts else 0)  # (the mixed load: up to 1024 + 256)
         need = max(batches) * -(-ctx // a.block_size) + 1
         backend = GpuBatchBackend(model, num_blocks=need, block_size=a.block_size, kv_dtype=a.kv_dtype,
                                   max_batch=max(batches), max_context=ctx)
         print(f"{name}: {backend.num_blocks} blocks of {a.block_size}, kv {a.kv_dtype}", flush=True)
         if "batched" in parts:
-            lines += batched_table(name, bench_batched(backend, batches, a.prompt, a.gen, rng))
+            lines += batched_table(name, bench_batched(backend, batches, a.prompt, a.gen, rng), single)
         if "engine" in parts:
             lines += latency_table(name, "ServingEngine, concurrent requests (greedy)",
                                    bench_engine(backend, batches, a.prompt, a.gen, rng))
