@@ -23,7 +23,7 @@ from ptx_gen import catalog
 from ptx_gen.kernels.rope import inv_freq_table
 from realizar import cuda
 from realizar.errors import ShapeError
-from realizar.gpu.paged_kv import KV_NUMPY_DTYPES, PagedKVCache, dequantize_q8_0, quantize_q8_0
+from realizar.gpu.paged_kv import KV_NUMPY_DTYPES, PagedKVCache, decode_min_chunk, dequantize_q8_0, quantize_q8_0
 from realizar.models.attention import gqa_attention
 from tests.layer_kernels_ptx_cases import _assemble_all
 from tests.layer_oracles import rope_append_rows_oracle
@@ -123,7 +123,7 @@ def _run_decode(cache, q, tab, stride, lengths, out_f16, repeats=1):
 @given(hk=st.sampled_from(HEADS), d=st.sampled_from([32, 64, 96, 128]), bs=st.sampled_from([16, 32, 64]),
        kv_dtype=st.sampled_from(["f16", "f32", "bf16", "q8_0"]), out_f16=st.booleans(), unroll=st.sampled_from([1, 2, 4]),
        lengths=st.lists(st.one_of(st.integers(1, 40), st.integers(60, 300)), min_size=1, max_size=3),
-       min_chunk=st.sampled_from([1, 16, 64]), scale=st.floats(0.2, 8), lanes=st.sampled_from([0, 0, 4, 8, 16]),
+       min_chunk=st.sampled_from([None, 1, 16, 64]), scale=st.floats(0.2, 8), lanes=st.sampled_from([0, 0, 4, 8, 16]),
        seed=st.integers(0, 2**32 - 1))
 def test_decode_attention_matches_oracle(hk, d, bs, kv_dtype, out_f16, unroll, lengths, min_chunk, scale, lanes,
                                          seed):
@@ -152,6 +152,17 @@ def test_decode_attention_long_and_short_rows_many_chunks():
     np.testing.assert_array_equal(first, second)
     assert not first[2].any()
     np.testing.assert_allclose(first, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
+
+
+def test_min_chunk_policy():
+    """One block per chunk while the launch's (row, KV head) pairs do not fill the SMs, two after; a
+    min_chunk given to the cache wins."""
+    assert [decode_min_chunk(rows, 8, 132) for rows in (1, 16, 17, 64)] == [32, 32, 64, 64]
+    assert decode_min_chunk(32, 3, 132) == 32 and decode_min_chunk(64, 3, 132) == 64
+    auto = _cache(4, 2, 32, 4, 16, "f16", max_batch=4)
+    sms = auto.device.sm_count
+    assert auto.min_chunk_for(1) == decode_min_chunk(1, 2, sms)
+    assert _cache(4, 2, 32, 4, 16, "f16", max_batch=4, min_chunk=7).min_chunk_for(1) == 7
 
 
 def test_decode_attention_reads_q_from_qkv_rows():

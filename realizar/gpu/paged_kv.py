@@ -37,18 +37,19 @@ from realizar.errors import ShapeError
 from realizar.gpu.dispatch import Dispatcher, check_int
 from realizar.models.kv_formats import block_bytes, dequantize_q8_0, quantize_q8_0, round_bf16, row_bytes
 
-__all__ = ["PagedKVCache", "KV_NUMPY_DTYPES", "decode_chunks", "decode_tiling", "kv_bytes_per_row", "quantize_q8_0",
-           "dequantize_q8_0"]
+__all__ = ["PagedKVCache", "KV_NUMPY_DTYPES", "decode_chunks", "decode_min_chunk", "decode_tiling", "kv_bytes_per_row",
+           "quantize_q8_0", "dequantize_q8_0"]
 
 KV_NUMPY_DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16, "q8_0": np.int8}
 _MAX_CHUNKS = 64
 _BLOCKS_PER_SM = 4  # decode blocks (4 warps) resident per SM aimed at
 _WAVES = 4  # a batch of short sequences fills about one wave; a lone long one is spread over this many
 _MIN_CHUNKS = 4  # even a full batch splits a long sequence over at least this many chunks
-# fewest positions per chunk: a short lone sequence (one stream served alone) is spread over chunks of one
-# 32-position block rather than two, so its attention is not a long serial loop in a few blocks
-# (docs/performance.md, serving at B = 1)
-_MIN_CHUNK_ROWS = 32
+# fewest positions per chunk (docs/performance.md, serving): a launch whose (row, KV head) pairs do not fill
+# the SMs once (one stream served alone, a few) splits into chunks of one 32-position block, so each pair's
+# short sequence is spread over more blocks instead of a serial loop in a few; a fuller launch keeps
+# 64-position chunks, fewer partial results to combine
+_MIN_CHUNK_FEW, _MIN_CHUNK_MANY = 32, 64
 
 
 def decode_chunks(rows: int, num_kv_heads: int, sm_count: int) -> int:
@@ -57,6 +58,11 @@ def decode_chunks(rows: int, num_kv_heads: int, sm_count: int) -> int:
     spreads), at most 64. Inactive chunks (short sequences) return at once."""
     want = -(-_WAVES * _BLOCKS_PER_SM * sm_count // (rows * num_kv_heads))
     return max(_MIN_CHUNKS, min(_MAX_CHUNKS, want))
+
+
+def decode_min_chunk(rows: int, num_kv_heads: int, sm_count: int) -> int:
+    """Fewest positions per chunk of a decode launch of ``rows`` rows (see _MIN_CHUNK_FEW)."""
+    return _MIN_CHUNK_FEW if rows * num_kv_heads < sm_count else _MIN_CHUNK_MANY
 
 
 def decode_tiling(head_dim: int, group: int) -> tuple[int, int]:
@@ -83,14 +89,14 @@ class PagedKVCache:
 
     ``max_batch``: most rows of a decode launch (sizes the partial buffers); ``num_chunks``: fixed chunks
     per (row, KV head) of a decode launch (default :func:`decode_chunks`, by rows); ``min_chunk``: fewest
-    positions per chunk (default 32, rounded up to whole blocks on the device); ``decode_unroll``: rows per
+    positions per chunk (default :func:`decode_min_chunk`, by rows; rounded up to whole blocks on the device); ``decode_unroll``: rows per
     lane group per step of the decode kernel (1, 2 or 4); ``decode_lanes``: lanes reading one K/V row in the
 decode kernel (0: the kernel's default, 32 at head_dim 128; or 4, 8, 16, 32 dividing head_dim / 4); both
 None: :func:`decode_tiling`. ``ops``: the dispatcher to launch with."""
 
     def __init__(self, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int, num_blocks: int,
                  block_size: int = 32, kv_dtype: str = "f16", device: Any = None, *, ops: Dispatcher | None = None,
-                 max_batch: int = 64, num_chunks: int | None = None, min_chunk: int = _MIN_CHUNK_ROWS,
+                 max_batch: int = 64, num_chunks: int | None = None, min_chunk: int | None = None,
                  decode_unroll: int | None = None, decode_lanes: int | None = None):
         self.num_layers = check_int("num_layers", num_layers)
         self.num_heads = check_int("num_heads", num_heads)
@@ -98,7 +104,7 @@ None: :func:`decode_tiling`. ``ops``: the dispatcher to launch with."""
         self.head_dim = check_int("head_dim", head_dim)
         self.num_blocks = check_int("num_blocks", num_blocks, lo=2)
         self.max_batch = check_int("max_batch", max_batch)
-        self.min_chunk = check_int("min_chunk", min_chunk)
+        self.min_chunk = None if min_chunk is None else check_int("min_chunk", min_chunk)
         if self.num_heads % self.num_kv_heads:
             raise ShapeError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.group = self.num_heads // self.num_kv_heads
@@ -219,6 +225,10 @@ None: :func:`decode_tiling`. ``ops``: the dispatcher to launch with."""
             values.update(k_scales=self._ks[layer].ptr, v_scales=self._vs[layer].ptr)
         return values
 
+    def min_chunk_for(self, rows: int) -> int:
+        """Fewest positions per chunk of a decode launch of ``rows`` rows."""
+        return self.min_chunk or decode_min_chunk(rows, self.num_kv_heads, self.device.sm_count)
+
     def chunks_for(self, rows: int) -> int:
         """Chunks per (row, KV head) of a decode launch of ``rows`` rows."""
         return self._fixed_chunks or decode_chunks(rows, self.num_kv_heads, self.device.sm_count)
@@ -296,7 +306,7 @@ None: :func:`decode_tiling`. ``ops``: the dispatcher to launch with."""
                   "part_acc": self._part_acc.ptr, "part_ml": self._part_ml.ptr, "counters": self._counters.ptr,
                   "seq_lens": ops.addr(seq_lens, rows, "seq_lens", np.uint32, align=4),
                   "block_tables": ops.addr(block_tables, rows * table_stride, "block_tables", np.uint32, align=4),
-                  "table_stride": table_stride, "n_kv": self.num_kv_heads, "min_chunk": self.min_chunk,
+                  "table_stride": table_stride, "n_kv": self.num_kv_heads, "min_chunk": self.min_chunk_for(rows),
                   "q_stride": q_stride}
         kern = self._decode_kernel(out_f16)
         ops.launch(kern, (rows * self.num_kv_heads, self.chunks_for(rows)), values, stream)
