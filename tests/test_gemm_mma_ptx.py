@@ -21,7 +21,7 @@ from realizar.gpu.ops import LayerOps
 from tests.layer_kernels_ptx_cases import _assemble_all
 
 TILINGS = [(128, 128, 2, 2, 3), (64, 128, 1, 4, 4), (64, 64, 2, 2, 4), (128, 256, 2, 4, 3), (32, 64, 1, 2, 2),
-           (128, 64, 2, 2, 2)]
+           (128, 64, 2, 2, 2), (32, 64, 1, 2, 6), (64, 64, 2, 2, 6)]
 
 
 def _silu(g):
@@ -134,6 +134,11 @@ def test_policy_fills_the_gpu():
     small = gemm_config(64, 576)
     assert small.bm * small.bn <= 64 * 64
     assert gemm_config(512, 4096, max_smem=99 * 1024).smem <= 99 * 1024
+    # a decode batch of 64 rows: the 8B O / down weights (4096 rows) get 32-token tiles, 128 CTAs instead
+    # of 64; the FFN's 28672 rows fill the SMs with 64 x 128 tiles
+    assert gemm_config(64, 4096) == GemmConfig(32, 64, 1, 2, 6)
+    assert gemm_config(64, 28672) == GemmConfig(64, 128, 1, 4, 4)
+    assert gemm_config(65, 4096) == GemmConfig(64, 64, 2, 2, 4)
 
 
 def _tiny_kernel(body) -> str:

@@ -19,7 +19,7 @@ import numpy as np
 
 from realizar import cuda
 from realizar.cuda.bench import median_us
-from realizar.gpu.gemm import _TILES, GemmConfig, gemm_config
+from realizar.gpu.gemm import _SMALL_M_TILES, _TILES, GemmConfig, gemm_config
 from realizar.gpu.ops import LayerOps
 
 # (label, N, K, glu): the prefill GEMMs of SmolLM2-135M, Llama-3.2-1B and Llama-3-8B
@@ -104,7 +104,7 @@ def main() -> int:
             y = ops.buffer(m * (n // 2 if glu else n), np.float16 if glu else np.float32)
             cfgs = [gemm_config(m, n, ops.sm_count, dev.max_shared_per_block_optin)]
             if args.sweep:
-                cfgs += [c for c in (*_TILES, GemmConfig(128, 256, 2, 4, 3), GemmConfig(256, 128, 4, 2, 3),
+                cfgs += [c for c in (*_TILES, *_SMALL_M_TILES, GemmConfig(128, 256, 2, 4, 3), GemmConfig(256, 128, 4, 2, 3),
                                      GemmConfig(128, 128, 2, 2, 4), GemmConfig(128, 128, 2, 4, 3))
                          if c not in cfgs and c.smem <= dev.max_shared_per_block_optin]
             best = None

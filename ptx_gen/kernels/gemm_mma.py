@@ -65,7 +65,11 @@ _GRID = ([{"bm": 128, "bn": 128, "warps_m": 2, "warps_n": 2, "stages": s} for s 
             {"bm": 128, "bn": 64, "warps_m": 2, "warps_n": 2, "stages": 4, "bias": True, "out_f16": True},
             {"bm": 128, "bn": 128, "warps_m": 2, "warps_n": 2, "stages": 3, "glu": True, "out_f16": True},
             {"bm": 64, "bn": 64, "warps_m": 2, "warps_n": 2, "stages": 3, "glu": True},
-            {"bm": 32, "bn": 64, "warps_m": 1, "warps_n": 2, "stages": 2, "bias": True, "residual": True}])
+            {"bm": 32, "bn": 64, "warps_m": 1, "warps_n": 2, "stages": 2, "bias": True, "residual": True},
+            # the batched decode step's tiles (realizar.gpu.gemm._SMALL_M_TILES)
+            {"bm": 32, "bn": 64, "warps_m": 1, "warps_n": 2, "stages": 6, "residual": True},
+            {"bm": 64, "bn": 64, "warps_m": 2, "warps_n": 2, "stages": 6, "bias": True},
+            {"bm": 64, "bn": 64, "warps_m": 2, "warps_n": 2, "stages": 6, "glu": True, "out_f16": True}])
 
 
 @dataclass

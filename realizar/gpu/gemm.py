@@ -48,15 +48,17 @@ class GemmConfig:
 
 #: tiles the policy chooses from, largest first
 _TILES = (GemmConfig(128, 128, 2, 2, 3), GemmConfig(64, 128, 1, 4, 4), GemmConfig(64, 64, 2, 2, 4))
+#: up to 64 tokens (a batched decode step): no 128-token tiles (half padding), and for weights too narrow to
+#: give every SM a 64 x 64 tile (the 8B O and down projections: 64 CTAs on 132 SMs), 32-token tiles with a
+#: deeper pipeline, which read X twice but spread the weight over twice the CTAs (tools/bench_gemm.py)
+_SMALL_M_TILES = (GemmConfig(64, 128, 1, 4, 4), GemmConfig(64, 64, 2, 2, 6), GemmConfig(32, 64, 1, 2, 6))
 
 
 def gemm_config(m: int, n: int, sm_count: int = 132, max_smem: int = 227 * 1024) -> GemmConfig:
     """The largest tile that still gives every SM a CTA (fewer, bigger tiles re-read less of X and W);
-    where none does, the smallest; up to 64 tokens only tiles of 64 tokens. Tiles asking for more shared
+    where none does, the smallest; up to 64 tokens from the small-M tiles. Tiles asking for more shared
     memory than a CTA may have are skipped."""
-    fits = [c for c in _TILES if c.smem <= max_smem] or [GemmConfig(64, 64, 2, 2, 2)]
-    if m <= 64:  # a batched decode step: 128-token tiles would be half padding (tools/bench_serving, H200)
-        fits = [c for c in fits if c.bm <= 64] or fits
+    fits = [c for c in (_SMALL_M_TILES if m <= 64 else _TILES) if c.smem <= max_smem] or [GemmConfig(64, 64, 2, 2, 2)]
     for cfg in fits:
         if cfg.ctas(m, n) >= sm_count:
             return cfg
