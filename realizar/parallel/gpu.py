@@ -151,16 +151,16 @@ class NcclReducer(Reducer):
     :func:`~realizar.parallel.nccl.load`). One device is a one-rank communicator: the collectives
     are NCCL's own, with nothing to add up."""
 
-    def __init__(self, devices: Sequence[int], lib: Any = None):
+    def __init__(self, devices: Sequence[Any], lib: Any = None):
         from realizar.parallel import nccl
 
-        ordinals = [int(d) for d in devices]
-        if not ordinals:
+        devs = [d if hasattr(d, "ordinal") else cuda.Device(int(d)) for d in devices]  # ordinals or Devices
+        if not devs:
             raise ShapeError("an NCCL reducer needs at least one GPU")
         self.lib = lib if lib is not None else nccl.load()
-        self.world_size = len(ordinals)
-        self.devices = [cuda.Device(o) for o in ordinals]
-        self.comms = self.lib.comm_init_all(ordinals)
+        self.world_size = len(devs)
+        self.devices = devs
+        self.comms = self.lib.comm_init_all([d.ordinal for d in devs])
 
     def all_reduce(self, bufs, count, streams) -> None:
         self._check(bufs, streams, "an all-reduce")
