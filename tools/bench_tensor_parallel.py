@@ -3,16 +3,17 @@ weights at Llama-3-8B and Llama-3-70B shapes (Q4_K), against the single-GPU GpuM
 
     python tools/bench_tensor_parallel.py                              # every N that the visible GPUs allow
     python tools/bench_tensor_parallel.py --shapes llama-3-8b --n 1,2 --tokens 256
-    python tools/bench_tensor_parallel.py --shapes llama-3-8b --n 2 --local   # one GPU: a smoke check
+    python tools/bench_tensor_parallel.py --shapes llama-3-8b --n 1,2 --local   # one GPU: a smoke check
 
 Each row: 8 prompt tokens, then ``--tokens`` greedy decode steps through
 ``forward_gpu_resident_to_token_id`` (every rank's graph replayed, the distributed argmax read back
 from rank 0), wall-clock from the host; then the same steps replayed back to back without read-back,
 timed with CUDA events on rank 0's stream (GPU time per token, the ranks synchronised by NCCL).
 
-``--local`` runs the N ranks on ONE GPU with the LocalReducer (one stream, all ranks' kernels in one
-graph, the all-reduce done by add kernels): a check that the split model runs at real shapes, NOT a
-tensor-parallel speed. Its rows say so.
+``--local`` runs an N larger than the visible GPU count on GPU 0 with the LocalReducer (one stream,
+all ranks' kernels in one graph, the all-reduce done by add kernels): a check that the split model
+runs at real shapes, NOT a tensor-parallel speed. Its rows say so. N up to the visible GPU count runs
+over NCCL (N = 1: a one-rank communicator).
 
 Shapes: ``llama-3-8b`` is :data:`realizar.models.random.BENCH_SHAPES`' (Q4_K layers, Q6_K LM head);
 ``llama-3-70b`` is 80 layers, hidden 8192, 64 / 8 heads of 128, FFN 28672, vocabulary 128256, Q4_K
@@ -87,7 +88,7 @@ def main() -> int:
     ap.add_argument("--n", default="1,2,4", help="rank counts (default: 1,2,4, those the GPUs allow)")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--local", action="store_true",
-                    help="run the ranks on GPU 0 with the LocalReducer (a smoke check, not TP speed)")
+                    help="run N > visible GPUs on GPU 0 with the LocalReducer (a smoke check, not TP speed)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the single-GPU GpuModel row")
     a = ap.parse_args()
     visible = visible_gpu_count()
@@ -95,16 +96,15 @@ def main() -> int:
         print("bench_tensor_parallel: needs a GPU", file=sys.stderr)
         return 1
     counts = [int(x) for x in a.n.split(",")]
-    lib = None
-    if not a.local:
-        try:
-            lib = nccl.load()
-        except nccl.NcclUnavailableError as e:
-            print(f"bench_tensor_parallel: {e}", file=sys.stderr)
-            return 1
+    try:
+        lib = nccl.load()
+    except nccl.NcclUnavailableError as e:
+        print(f"bench_tensor_parallel: {e}", file=sys.stderr)
+        return 1
     dev0 = cuda.Device(0)
-    how = ("LocalReducer on GPU 0: every rank on one GPU, NOT tensor-parallel speed" if a.local else
-           f"NCCL {'.'.join(map(str, lib.version()))} ({lib.origin})")
+    how = f"NCCL {'.'.join(map(str, lib.version()))} ({lib.origin})"
+    if a.local:
+        how += f"; N > {visible}: LocalReducer on GPU 0, every rank on one GPU, NOT tensor-parallel speed"
     print(f"{visible} visible GPUs ({dev0.name}); {how}; {a.tokens} decode tokens after {PROMPT}, max_len {MAX_LEN}")
     print("| shape | model | N | reducer | host tok/s | GPU us/token |")
     print("|---|---|---:|---|---:|---:|")
@@ -121,14 +121,15 @@ def main() -> int:
             del model
             gc.collect()
         for n in counts:
-            if not a.local and n > visible:
+            local = n > visible
+            if local and not a.local:
                 print(f"| {name} | split | {n} | NCCL | needs {n} GPUs, {visible} visible | |", flush=True)
                 continue
-            reducer = LocalReducer(n, dev0) if a.local else NcclReducer(list(range(n)), lib=lib)
+            reducer = LocalReducer(n, dev0) if local else NcclReducer(list(range(n)), lib=lib)
             try:
                 model = TensorParallelModel(config, tensors, reducer, max_len=MAX_LEN)
                 tps, us = bench(model, a.tokens)
-                label = "local (one GPU, not TP speed)" if a.local else "NCCL"
+                label = "local (one GPU, not TP speed)" if local else "NCCL"
                 print(f"| {name} | split | {n} | {label} | {tps:.1f} | {us:.1f} |", flush=True)
                 model.synchronize()
                 del model
