@@ -84,7 +84,7 @@ def test_local_ranks_at_larger_shapes(gpu, tmp_path, n):
     got = device_run(tp, PROMPT, ref.tokens[:-1])
     assert_matches(got, sharded, f"N={n} vs the sharded reference")
     assert_matches(got, ref, f"N={n} vs the reference")
-    gemvs = sorted({r.kernel.name.split("_")[0] + "_" + r.kernel.name.split("_")[1]
+    gemvs = sorted({"_".join(r.kernel.name.split("_")[:2])
                     for _, exe in tp._graphs for r in exe.graph.records if r.kernel.name.startswith("gemv")})
     layouts = sorted({w.layout for r in tp.ranks for w in (*r.layers[0].qkv, r.layers[0].attn_out, r.layers[0].down,
                                                           r.layers[0].gate_up, r.lm_head) if w is not None})
