@@ -142,17 +142,31 @@ def _load_gpu_model(loaded, max_context: int | None, emulate: bool = False):
         raise GpuUnavailableError(f"this model cannot run on the GPU: {e}") from e
 
 
-def _tensor_parallel_model(loaded, n: int, device: str):
-    """The model split over ``n`` GPUs; until it exists, :class:`TensorParallelError` after the checks
-    (shardability and visible GPUs, which fail first when they fail)."""
-    from realizar.errors import TensorParallelError
-    from realizar.parallel import check_tensor_parallel
+def _tensor_parallel_model(loaded, n: int, device: str, max_context: int | None = None):
+    """The model split over ``n`` GPUs (:class:`~realizar.parallel.gpu.TensorParallelModel` over NCCL,
+    ranks on GPUs 0..n-1), after the checks, which fail first when they fail: a GPU device, a model
+    that shards over ``n``, ``n`` visible GPUs, then NCCL's library. Each failure is one
+    :class:`TensorParallelError` line."""
+    from realizar.cuda import CudaError
+    from realizar.errors import ShapeError, TensorParallelError, UnsupportedError
+    from realizar.parallel import check_tensor_parallel, nccl
 
-    check_tensor_parallel(loaded, n, device)
-    raise TensorParallelError(
-        f"tensor parallelism over {n} GPUs is not built yet: the model shards and {n} GPUs are visible, "
-        "but the multi-GPU model does not exist yet (one GPU: --tensor-parallel 1, tensor_parallel=1)"
-    )
+    plan = check_tensor_parallel(loaded, n, device)
+    try:
+        lib = nccl.load()
+    except nccl.NcclUnavailableError as e:
+        raise TensorParallelError(f"tensor parallelism over {n} GPUs: {e}") from e
+    from realizar.parallel.gpu import NcclReducer, TensorParallelModel
+
+    try:
+        reducer = NcclReducer(range(n), lib=lib)
+    except (nccl.NcclError, CudaError) as e:
+        raise TensorParallelError(f"tensor parallelism over {n} GPUs: NCCL could not connect them: {e}") from e
+    try:
+        return TensorParallelModel.from_loaded(loaded, reducer, max_len=max_context, plan=plan)
+    except (UnsupportedError, ShapeError) as e:
+        reducer.close()
+        raise TensorParallelError(f"tensor parallelism over {n} GPUs: this model cannot run sharded: {e}") from e
 
 
 def load_engine(
@@ -165,13 +179,12 @@ def load_engine(
     """Load a model file (GGUF) or directory (safetensors) — the default model when ``None`` — and
     build its tokenizer and generator. ``max_context`` caps the KV cache below the model's context.
 
-    ``tensor_parallel=N`` asks for the model split over N GPUs of this host. N = 1 (the default) is one
-    device, as always. For N > 1 the checks run — a GPU device, a model that shards over N
-    (:func:`realizar.parallel.make_plan`: heads, whole GQA groups, FFN width, whole quantized blocks),
-    N visible GPUs — and then, because **the multi-GPU execution is not built yet** (the sharding plan,
-    its NumPy oracle and the NCCL binding exist; the sharded GPU model does not),
-    :class:`~realizar.errors.TensorParallelError` is raised in every case, its message saying what is
-    missing."""
+    ``tensor_parallel=N`` splits the model over GPUs 0..N-1 of this host (Megatron-style sharding,
+    NCCL all-reduces captured in each GPU's decode graph: :mod:`realizar.parallel.gpu`). N = 1 (the
+    default) is one device, as always. For N > 1, in this order, a GPU device, a model that shards
+    over N (:func:`realizar.parallel.make_plan`: heads, whole GQA groups, FFN width, whole quantized
+    blocks), N visible GPUs and NCCL's library (``pip install "realizar[multigpu]"``) are needed; a
+    missing one is a :class:`~realizar.errors.TensorParallelError` saying which."""
     if device not in DEVICES:
         raise InvalidRequestError(f"device must be one of {DEVICES}, got {device!r}")
     if max_context is not None and max_context <= 0:
@@ -187,12 +200,13 @@ def load_engine(
     else:
         path = Path(model_path).expanduser()
     loaded = load_model(path)
-    if tensor_parallel > 1:
-        _tensor_parallel_model(loaded, tensor_parallel, device)
     tokenizer = load_tokenizer(loaded)
 
     model = None
-    if device == "emulate":
+    if tensor_parallel > 1:
+        model = _tensor_parallel_model(loaded, tensor_parallel, device, max_context)
+        device = "cuda"
+    elif device == "emulate":
         model = _load_gpu_model(loaded, max_context, emulate=True)
     elif device in ("cuda", "auto"):
         try:

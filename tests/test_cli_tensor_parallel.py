@@ -2,7 +2,8 @@
 
 N = 1 runs as without the option (the same greedy text). N > 1 fails with one line and no traceback
 saying what is missing, checked in this order: a GPU device, a model that shards over N, N visible
-GPUs; past those, that the multi-GPU model is not built yet. The subprocess runs hide every GPU
+GPUs, NCCL's library; ``serve`` then refuses (continuous batching over a split model is not built).
+The split model itself is tested in tests/test_parallel_gpu_emulated.py and tests/gpu/. The subprocess runs hide every GPU
 (``CUDA_VISIBLE_DEVICES=""``) so that the GPU count is 0 on any machine; the in-process tests set the
 count to reach each later check."""
 
@@ -64,19 +65,40 @@ def test_usage_errors_of_the_option(tiny):
 # -- the Python API ----------------------------------------------------------------------------------
 
 
-def test_load_engine_checks_in_order_then_says_the_multi_gpu_model_is_not_built(tiny, monkeypatch):
+def test_load_engine_checks_in_order(tiny, monkeypatch):
     import realizar.parallel as parallel
+    from realizar.parallel import nccl
 
+    def no_nccl():
+        raise nccl.NcclUnavailableError("cannot load libnccl.so.2 from nowhere")
+
+    monkeypatch.setattr(nccl, "load", no_nccl)
     monkeypatch.setattr(parallel, "visible_gpu_count", lambda: 1)
     with pytest.raises(TensorParallelError, match="over 2 GPUs needs 2 visible GPUs; this machine has 1"):
         load_engine(tiny, tensor_parallel=2)
     with pytest.raises(TensorParallelError, match="num_kv_heads divisible by 4"):  # sharding before the count
         load_engine(tiny, tensor_parallel=4)
     monkeypatch.setattr(parallel, "visible_gpu_count", lambda: 8)
-    with pytest.raises(TensorParallelError, match="over 2 GPUs is not built yet: the model shards and 2 GPUs are visible"):
+    with pytest.raises(TensorParallelError, match="over 2 GPUs: NCCL is not available: cannot load libnccl.so.2"):
         load_engine(tiny, device="cuda", tensor_parallel=2)
     with pytest.raises(TensorParallelError, match="not on device 'emulate'"):
         load_engine(tiny, device="emulate", tensor_parallel=2)
+
+
+def test_serve_refuses_a_split_model_after_the_checks(tiny, monkeypatch):
+    import argparse
+
+    import realizar.parallel as parallel
+    from realizar.cli.serve import _refuse_tensor_parallel
+
+    args = argparse.Namespace(model=str(tiny), device="auto", tensor_parallel=2)
+    monkeypatch.setattr(parallel, "visible_gpu_count", lambda: 1)
+    with pytest.raises(TensorParallelError, match="needs 2 visible GPUs; this machine has 1"):
+        _refuse_tensor_parallel(args)
+    monkeypatch.setattr(parallel, "visible_gpu_count", lambda: 2)
+    with pytest.raises(TensorParallelError, match=r"^serve --tensor-parallel 2: continuous batching over a model "
+                                                  r"split across GPUs is not built yet"):
+        _refuse_tensor_parallel(args)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])

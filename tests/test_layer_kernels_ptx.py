@@ -47,7 +47,8 @@ def test_rope_assembles(half, frac, neox, pb):
 
 @pytest.mark.parametrize("name,shape", [("swiglu", {"vec": 4}), ("swiglu", {"vec": 1}), ("residual_add", {"vec": 4}),
                                         ("bias_add", {}), ("argmax_partial", {"block": 256}),
-                                        ("argmax_final", {"block": 1024})])
+                                        ("argmax_final", {"block": 1024}),
+                                        ("argmax_pack", {"block": 1024}), ("argmax_pack", {"block": 128})])
 def test_small_kernels_assemble(name, shape):
     _assemble_all(name, **shape)
 
@@ -283,4 +284,38 @@ def test_argmax_emulated_exact(n, parts, mode, seed):
              params=dict(x=dx, partials=dp, n=n), memory=mem)
     simt_run(catalog.emit("argmax_final", block=128).ptx, grid=(1,), block=(128,),
              params=dict(partials=dp, out=do, n_partials=parts), memory=mem)
+    assert int(mem.read(do, np.uint32, 1)[0]) == int(np.argmax(x))
+
+
+@settings(max_examples=12, deadline=None)
+@given(n=st.integers(2, 20000), ranks=st.integers(1, 5), parts=st.integers(1, 12),
+       mode=st.sampled_from(["plain", "ties", "nan", "zeros"]), seed=st.integers(0, 2**32 - 1))
+def test_argmax_over_slices_emulated_exact(n, ranks, parts, mode, seed):
+    """The tensor-parallel argmax: each slice of x (a rank's vocabulary piece, the last one shorter)
+    reduced to a packed candidate with its global index (argmax_partial + argmax_pack), the candidates
+    side by side reduced by argmax_final: np.argmax of the whole x, ties across slices included."""
+    rng = np.random.default_rng(seed)
+    ranks = min(ranks, n)
+    x = rng.standard_normal(n).astype(np.float32)
+    per = -(-n // ranks)
+    bounds = [(min(r * per, n), min((r + 1) * per, n)) for r in range(ranks)]
+    bounds = [(a, b) for a, b in bounds if b > a]
+    if mode == "ties":  # equal maxima in several slices: the lowest global index must win
+        x[[a + (b - a) // 2 for a, b in bounds]] = x.max() + 1
+    elif mode == "nan":
+        x[rng.integers(0, n, 2)] = np.nan
+    elif mode == "zeros":
+        x[:] = -1.0
+        x[bounds[-1][0]] = 0.0
+        x[bounds[0][0]] = -0.0
+    mem = Memory()
+    dc, do = mem.alloc(8 * len(bounds)), mem.alloc(4)
+    for r, (a, b) in enumerate(bounds):
+        dx, dp = mem.alloc_array(np.ascontiguousarray(x[a:b])), mem.alloc(8 * parts)
+        simt_run(catalog.emit("argmax_partial", block=256).ptx, grid=(parts,), block=(256,),
+                 params=dict(x=dx, partials=dp, n=b - a), memory=mem)
+        simt_run(catalog.emit("argmax_pack", block=128).ptx, grid=(1,), block=(128,),
+                 params=dict(partials=dp, out=dc + 8 * r, n_partials=parts, base=a), memory=mem)
+    simt_run(catalog.emit("argmax_final", block=128).ptx, grid=(1,), block=(128,),
+             params=dict(partials=dc, out=do, n_partials=len(bounds)), memory=mem)
     assert int(mem.read(do, np.uint32, 1)[0]) == int(np.argmax(x))

@@ -165,6 +165,14 @@ def _argmax_final(k, sizes, rng) -> Example:
                    (1,), (k.meta["block"],), ("out",))
 
 
+@example("argmax_pack")
+def _argmax_pack(k, sizes, rng) -> Example:
+    ex = _argmax_final(k, sizes, rng)
+    ex.params["partials"] = ex.params["partials"] | np.uint64(1 << 30)  # low words >= base: no borrow
+    ex.params["base"] = sizes.get("base", 1000)
+    return ex
+
+
 @example("rmsnorm", "rmsnorm_f16")
 def _rmsnorm(k, sizes, rng) -> Example:
     hidden, rows = k.shape_dict["hidden"], sizes.get("rows", 2)

@@ -100,3 +100,29 @@ def argmax_final(m: Module, block: int = 1024) -> KernelBuilder:
         k.store("global", "u32", k.global_ptr("out"), idx)
     k.ret()
     return k
+
+
+@kernel("argmax_pack", grid=[{"block": 1024}, {"block": 128}])
+def argmax_pack(m: Module, block: int = 1024) -> KernelBuilder:
+    """out[0] (u64) = the best of partials[0 .. n_partials), its index moved up by ``base``.
+
+    The candidate of a slice ``x[base : base + n]`` of a longer vector (a tensor-parallel rank's piece
+    of the vocabulary): since the low word is ``0xFFFFFFFF - index``, adding ``base`` to the index is
+    subtracting ``base`` from the packed u64 (no borrow while ``base + index < 2**32``). Candidates of
+    several slices then compare as u64 exactly as their elements would in the whole vector (larger
+    value, then lower global index), and ``argmax_final`` over them gives the global argmax.
+    Launch: grid 1, block ``block``."""
+    if block % 32 or not 32 <= block <= 1024:
+        raise ValueError(f"block must be a multiple of 32 in [32, 1024], got {block}")
+    k = m.kernel(f"argmax_pack_b{block}", [("partials", "u64"), ("out", "u64"), ("n_partials", "u32"),
+                                           ("base", "u32")], max_threads=block)
+    k.meta.update(block=block)
+    parts, np_ = k.global_ptr("partials"), k.param("n_partials")
+    best = k.var("u64", 0)
+    with k.loop(k.tid(), np_, block) as i:
+        k.assign(best, k.max(best, k.load("global", "u64", k.add(parts, k.mul_wide(i, 8)))))
+    total = _block_max_u64(k, best, block)
+    with k.if_(k.setp("eq", k.tid(), 0)):
+        k.store("global", "u64", k.global_ptr("out"), k.sub(total, k.cvt(k.param("base"), "u64"), t="u64"))
+    k.ret()
+    return k

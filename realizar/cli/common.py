@@ -159,8 +159,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def add_tensor_parallel_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel", dest="tensor_parallel", type=positive_int, default=1, metavar="N",
-                   help="split the model over N GPUs of this host (default: 1). N > 1 checks that the model "
-                        "shards and N GPUs are visible; the multi-GPU model itself is not built yet")
+                   help="split the model over N GPUs of this host (default: 1), NCCL between them "
+                        "(pip install 'realizar[multigpu]')")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, temperature: float, top_p: float, max_tokens: int) -> None:

@@ -80,6 +80,30 @@ def serving_options(args: argparse.Namespace, device: str) -> dict:
             "kv_memory": kv_bytes(args.kv_memory, device), "max_body": args.max_body}  # fmt: skip
 
 
+def _refuse_tensor_parallel(args: argparse.Namespace) -> None:
+    """``serve --tensor-parallel N`` (N > 1): the checks ``generate`` makes (a GPU device, a model that
+    shards over N, N visible GPUs), then a refusal: the server's continuous batching
+    (:class:`realizar.serving.ServingEngine`) runs on one GPU; the sharded model serves one sequence
+    at a time (``generate``, :func:`realizar.engine.load_engine`), not a batch."""
+    from realizar.errors import TensorParallelError
+    from realizar.models.loader import load_model
+    from realizar.parallel import check_tensor_parallel
+
+    n = args.tensor_parallel
+    if args.model:
+        path = args.model
+    else:
+        from realizar.default_model import default_model_path
+
+        path = default_model_path()
+    check_tensor_parallel(load_model(path), n, args.device)
+    raise TensorParallelError(
+        f"serve --tensor-parallel {n}: continuous batching over a model split across GPUs is not built yet "
+        f"(the server batches on one GPU); generate --tensor-parallel {n} and "
+        f"load_engine(tensor_parallel={n}) run the split model"
+    )
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
         import fastapi  # noqa: F401
@@ -91,6 +115,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get("REALIZAR_API_KEY") or None
     if api_key is not None and (not api_key.strip() or any(c.isspace() for c in api_key)):
         raise CliError("--api-key (or REALIZAR_API_KEY) must be a non-empty key without spaces")
+    if getattr(args, "tensor_parallel", 1) > 1:
+        _refuse_tensor_parallel(args)
     engine = load_engine(args)
     options = serving_options(args, engine.device)
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:

@@ -38,3 +38,24 @@ class ArgmaxOps(Dispatcher):
         self.launch(part, p, {"x": self.addr(x, n, "x", align=4), "partials": partials, "n": n}, stream)
         self.launch(final, 1, {"partials": partials, "out": self.addr(out, 1, "out", np.uint32, align=4),
                                "n_partials": p}, stream)
+
+    def argmax_candidate(self, x: Any, out: Any, base: int, n: int, stream: Any = None) -> None:
+        """out[0] (u64) = the packed (value, base + index) candidate of x[0:n], a slice starting at element
+        ``base`` of a longer vector (a tensor-parallel rank's vocabulary piece). Candidates of the slices,
+        gathered side by side, reduce to the whole vector's argmax with :meth:`argmax_packed`."""
+        n, base = self.check_int("n", n), self.check_int("base", base, lo=0)
+        if n + base >= 1 << 31:
+            raise ShapeError(f"argmax handles fewer than 2**31 elements, got a slice [{base}, {base + n})")
+        part = self.kernel("argmax_partial", block=256)
+        pack = self.kernel("argmax_pack", block=1024)
+        p = int(min(_ARGMAX_PARTIALS, max(1, 2 * self.sm_count), -(-n // 256)))
+        self.launch(part, p, {"x": self.addr(x, n, "x", align=4), "partials": self._argmax_scratch, "n": n}, stream)
+        self.launch(pack, 1, {"partials": self._argmax_scratch, "out": self.addr(out, 1, "out", np.uint64, align=8),
+                              "n_partials": p, "base": base}, stream)
+
+    def argmax_packed(self, candidates: Any, out: Any, n: int, stream: Any = None) -> None:
+        """out[0] (u32) = the index in the best of ``n`` packed u64 candidates (:meth:`argmax_candidate`)."""
+        n = self.check_int("n", n)
+        final = self.kernel("argmax_final", block=1024)
+        self.launch(final, 1, {"partials": self.addr(candidates, n, "candidates", np.uint64, align=8),
+                               "out": self.addr(out, 1, "out", np.uint32, align=4), "n_partials": n}, stream)

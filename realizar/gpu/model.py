@@ -188,6 +188,14 @@ class GpuModel:
         return (self.step_values.device, self.step_values.index(name))
 
     def _issue_step(self) -> None:
+        for _ in self._step_phases():
+            pass
+
+    def _step_phases(self):
+        """Issue one decode step's launches, pausing (``yield``) after each layer's O projection and after
+        its down projection: the points where a tensor-parallel rank's hidden state is summed over the
+        ranks (:mod:`realizar.parallel.gpu` issues that all-reduce while the generator is paused). Alone,
+        :meth:`_issue_step` runs it through: the same launches in the same order."""
         cfg, ops, kv, s = self.config, self.ops, self.kv, self.stream
         eps = cfg.rms_norm_eps
         q_dim, kv_dim, hd = cfg.q_dim, cfg.kv_dim, cfg.head_dim
@@ -207,7 +215,8 @@ class GpuModel:
             kv.rope_append(i, self.qkv, self.inv_freq, self._step_value("pos"), neox=cfg.rope_type == "neox",
                            stream=s)
             kv.flash_decoding(i, (self.qkv, 0), self.attn, self._step_value("seq_len"), stream=s)
-            ops.gemv(lay.attn_out, self.attn, self.x, residual=self.x, stream=s)
+            self._add_projection(lay.attn_out, self.attn, s)
+            yield
             ops.rmsnorm(self.x, lay.ffn_norm, self.h, eps, stream=s)
             if lay.gate_up is not None:
                 ops.gemv_glu(lay.gate_up, self.h, self.ffn, stream=s)
@@ -215,8 +224,18 @@ class GpuModel:
                 ops.gemv(lay.gate, self.h, self.ffn, stream=s)
                 ops.gemv(lay.up, self.h, self.ffn_up, stream=s)
                 ops.swiglu(self.ffn, self.ffn_up, self.ffn, cfg.intermediate_size, stream=s)
-            ops.gemv(lay.down, self.ffn, self.x, residual=self.x, stream=s)
-        ops.rmsnorm(self.x, self.output_norm, self.h, eps, stream=s)
+            self._add_projection(lay.down, self.ffn, s)
+            yield
+        self._issue_head(s)
+
+    def _add_projection(self, w: GpuWeight, inp: cuda.GpuBuffer, s: cuda.Stream) -> None:
+        """x += W · inp (the O and down projections, residual added in the GEMV)."""
+        self.ops.gemv(w, inp, self.x, residual=self.x, stream=s)
+
+    def _issue_head(self, s: cuda.Stream) -> None:
+        """Final norm, LM head into ``logits``, greedy token into ``token_out``."""
+        ops = self.ops
+        ops.rmsnorm(self.x, self.output_norm, self.h, self.config.rms_norm_eps, stream=s)
         ops.gemv(self.lm_head, self.h, self.logits, stream=s)
         ops.argmax(self.logits, self.token_out, stream=s)
 

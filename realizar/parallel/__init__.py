@@ -1,5 +1,6 @@
 """Tensor parallelism: sharding plans (:mod:`.sharding`), the sharded NumPy forward that is their oracle
-(:mod:`.reference`) and the NCCL binding (:mod:`.nccl`). The multi-GPU model is not built yet."""
+(:mod:`.reference`), the NCCL binding (:mod:`.nccl`) and the split GPU model over NCCL or, for tests on
+one device, a local reducer (:mod:`.gpu`, imported on demand: it needs the GPU runtime)."""
 
 from realizar.parallel.sharding import ShardingPlan, TensorSplit, check_world_size, make_plan
 

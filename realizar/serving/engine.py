@@ -262,6 +262,11 @@ class ServingEngine:
             raise InvalidRequestError("give num_blocks or kv_memory, not both")
         if kv_memory is not None and kv_memory <= 0:
             raise InvalidRequestError(f"kv_memory must be a positive number of bytes, got {kv_memory}")
+        if getattr(engine.model, "world_size", 1) > 1:
+            raise UnsupportedError(
+                f"continuous batching over a model split across {engine.model.world_size} GPUs is not built "
+                "yet: serve it on one GPU, or generate with the split model one sequence at a time"
+            )
         if engine.device == "cpu":
             from realizar.serving.cpu_backend import KV_DTYPES, ReferenceBatchBackend
 

@@ -1,7 +1,12 @@
-"""NCCL on 2+ GPUs of one host, one process driving them all (realizar.parallel.nccl): communicators from
-ncclCommInitAll and from ncclCommInitRank with one unique id, an in-place float32 all-reduce and an
-all-gather on each rank's stream, checked against NumPy. Skipped below 2 visible GPUs or without
-libnccl.so.2 (pip install "realizar[multigpu]"). Not yet run: no multi-GPU machine has been lent."""
+"""NCCL through realizar.parallel.nccl on real GPUs, one process driving them all.
+
+* One GPU: a one-rank communicator (ncclCommInitAll and ncclCommInitRank), in-place and out-of-place
+  all-reduce, all-gather, a group, and NCCL calls issued inside a CUDA stream capture then replayed.
+* 2+ GPUs (skipped below 2 visible GPUs; not yet run: no multi-GPU machine has been lent):
+  communicators from ncclCommInitAll and from ncclCommInitRank with one unique id, an in-place float32
+  all-reduce and an all-gather on each rank's stream, checked against NumPy.
+
+Skipped without libnccl.so.2 (pip install "realizar[multigpu]", or REALIZAR_NCCL_LIBRARY)."""
 
 from __future__ import annotations
 
@@ -22,6 +27,78 @@ def lib():
         return nccl.load()
     except nccl.NcclUnavailableError as e:
         pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def one_gpu():
+    if not cuda.is_available():
+        pytest.skip(f"no GPU: {cuda.unavailable_reason()}")
+    d = cuda.Device(0)
+    return d, cuda.Stream(d)
+
+
+def test_one_rank_communicator(lib, one_gpu):
+    d, s = one_gpu
+    print(f"\nNCCL {'.'.join(map(str, lib.version()))} from {lib.origin}: {lib.path}")
+    (comm,) = lib.comm_init_all([0])
+    uid = lib.unique_id()
+    with lib.group():
+        d.make_current()
+        other = lib.comm_init_rank(1, uid, 0)
+    try:
+        assert (comm.count, comm.device, comm.rank) == (1, 0, 0) == (other.count, other.device, other.rank)
+        rng = np.random.default_rng(3)
+        x = rng.standard_normal(COUNT).astype(np.float32)
+        buf, out = cuda.GpuBuffer.from_numpy(x, device=d), cuda.GpuBuffer(COUNT, device=d)
+        with lib.group():
+            lib.all_reduce(buf, buf, COUNT, np.float32, comm, s)  # in place: the sum of one rank is itself
+        lib.all_reduce(buf, out, COUNT, np.float32, other, s)
+        s.synchronize()
+        assert buf.to_numpy().tobytes() == x.tobytes() and out.to_numpy().tobytes() == x.tobytes()
+        piece = cuda.GpuBuffer.from_numpy(np.arange(16, dtype=np.int32), device=d)
+        gathered = cuda.GpuBuffer.from_numpy(np.zeros(16, np.int32), device=d)
+        lib.all_gather(piece, gathered, 16, np.int32, comm, s)
+        s.synchronize()
+        assert np.array_equal(gathered.to_numpy(), np.arange(16, dtype=np.int32))
+    finally:
+        comm.destroy()
+        other.destroy()
+
+
+def test_nccl_calls_in_a_captured_graph(lib, one_gpu):
+    """An out-of-place all-reduce and all-gather issued inside a stream capture (in one group, as the
+    decode step issues them) run when the graph is replayed, not when captured."""
+    d, s = one_gpu
+    (comm,) = lib.comm_init_all([0])
+    try:
+        rng = np.random.default_rng(4)
+        send = cuda.GpuBuffer.from_numpy(rng.standard_normal(COUNT).astype(np.float32), device=d)
+        recv = cuda.GpuBuffer(COUNT, device=d)
+        g_send = cuda.GpuBuffer.from_numpy(np.arange(8, dtype=np.uint64), device=d)
+        g_recv = cuda.GpuBuffer(8, np.uint64, device=d)
+        lib.all_reduce(send, recv, COUNT, np.float32, comm, s)  # eager first: NCCL connects outside the capture
+        s.synchronize()
+        recv.fill_bytes(0)
+        g_recv.fill_bytes(0)
+        with cuda.capture(s) as cap:
+            with lib.group():
+                lib.all_reduce(send, recv, COUNT, np.float32, comm, s)
+                lib.all_gather(g_send, g_recv, 8, np.uint64, comm, s)
+        s.synchronize()
+        assert not recv.to_numpy().any() and not g_recv.to_numpy().any()  # captured, not run
+        exe = cap.graph.instantiate()
+        print(f"\ncaptured one-rank all-reduce + all-gather: {cap.graph.node_count()} graph nodes")
+        for trial in range(3):
+            x = rng.standard_normal(COUNT).astype(np.float32)
+            ids = rng.integers(0, 2**40, 8).astype(np.uint64)
+            send.copy_from_host(x)
+            g_send.copy_from_host(ids)
+            exe.launch(s)
+            s.synchronize()
+            assert recv.to_numpy().tobytes() == x.tobytes(), trial
+            assert np.array_equal(g_recv.to_numpy(), ids), trial
+    finally:
+        comm.destroy()
 
 
 @pytest.fixture(scope="module")
