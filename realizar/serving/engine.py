@@ -262,9 +262,10 @@ class ServingEngine:
             raise InvalidRequestError("give num_blocks or kv_memory, not both")
         if kv_memory is not None and kv_memory <= 0:
             raise InvalidRequestError(f"kv_memory must be a positive number of bytes, got {kv_memory}")
-        if getattr(engine.model, "world_size", 1) > 1:
+        world = getattr(getattr(engine, "model", None), "world_size", 1)
+        if world > 1:
             raise UnsupportedError(
-                f"continuous batching over a model split across {engine.model.world_size} GPUs is not built "
+                f"continuous batching over a model split across {world} GPUs is not built "
                 "yet: serve it on one GPU, or generate with the split model one sequence at a time"
             )
         if engine.device == "cpu":
