@@ -9,12 +9,13 @@ import numpy as np
 UNIT_BYTES = {"Q4_K": 144, "Q8_0": 272, "Q6_K": 210, "Q4_0": 144, "Q4_1": 160, "Q5_0": 176, "Q5_1": 192,
               "Q5_K": 176}  # bytes of 256 values of one row
 MMA_TYPES = tuple(UNIT_BYTES)
-# the types of 32-value blocks with 4-bit codes (and a fifth bit in qh): one MMA per block as Q8_0, their
-# x digits laid out as Q8_0's. Per type: block bytes, the offsets of qs, of the min m and of qh (None:
-# none), and the codes' offset (Q4_0: 8, Q5_0: 16; the types with a min have none)
+# the types of 32-value blocks with 4-bit codes (and a fifth bit in qh): two blocks per pair of MMAs, as
+# Q4_K's two sub-blocks, their x digits laid out as Q4_K's. Per type: block bytes, the offsets of qs, of
+# the min m and of qh (None: none), and the codes' offset (Q4_0: 8, Q5_0: 16; the types with a min have none)
 BLOCK32 = {"Q4_0": dict(bs=18, qs=2, m=None, qh=None, zero=8), "Q4_1": dict(bs=20, qs=4, m=2, qh=None, zero=0),
            "Q5_0": dict(bs=22, qs=6, m=None, qh=2, zero=16), "Q5_1": dict(bs=24, qs=8, m=2, qh=4, zero=0)}
-Q8_DIGITS = ("Q8_0",) + tuple(BLOCK32)  # x digits as Q8_0 lays them out
+Q8_DIGITS = ("Q8_0",)  # x digits as Q8_0 lays them out
+PAIRED = ("Q4_K", "Q5_K") + tuple(BLOCK32)  # x digits as Q4_K lays them out (pairs of 32 values per MMA)
 MINS = ("Q4_K", "Q5_K", "Q4_1", "Q5_1")  # types with a min term (sums of x per 32 values)
 # bytes between two rows of a staged unit: Q6_K copies the 14 aligned 16-byte chunks that cover a
 # block at any 2-byte phase into rows of 15 chunks (240 bytes: 60 words, so that the 8 rows of an MMA
@@ -28,12 +29,13 @@ MAX_DYN_SMEM = 227 * 1024
 # load them (1 KiB, see _x_lane_constants), the sums of x per 32 values and 1 / f. Q6_K: the B
 # fragments of its 8 MMAs as the lanes load them (see _unit_q6k), half of them zeros, then 1 / f
 PLANE = 272
-XSUM = {"Q4_K": 1024, "Q8_0": 4 * 272, "Q5_K": 1024, **{wt: 4 * 272 for wt in BLOCK32}}
+XSUM = {"Q4_K": 1024, "Q8_0": 4 * 272, "Q5_K": 1024, **{wt: 1024 for wt in BLOCK32}}
 INVF = {**{wt: XSUM[wt] + 32 for wt in XSUM}, "Q6_K": 2048}
 XSLOT = {wt: INVF[wt] + 16 for wt in INVF}
 # per warp and row, per unit: 8 int32 sub-block scales and d / f (Q4_K), 8 block scales d / f (Q8_0),
 # or 16 int32 sub-block scales (as the two lane classes use them) and d / f (Q6_K); Q5_K as Q4_K; the
-# 32-value block types: 8 block scales d / f, then (Q5_0, Q5_1) the 8 blocks' qh words
+# 32-value block types: 8 block scales d / f (even blocks, then odd ones: a lane's four in one load), then
+# (Q5_0, Q5_1) the 8 blocks' qh words
 TABLE_ROW = {"Q4_K": 48, "Q8_0": 48, "Q6_K": 80, "Q5_K": 48, "Q4_0": 48, "Q4_1": 48, "Q5_0": 64, "Q5_1": 64}
 TILE_ROWS = 32  # rows of a tile of tile-major weights (tile_major)
 # bytes of a row's unit in a tile: Q6_K's 210 padded to 212, so that every row starts on a word (its
