@@ -120,8 +120,12 @@ class _Warp:
     tile0: Reg | None = None  # tile-major: the warp's tile
 
     @property
-    def U(self) -> int:  # a staged row's bytes
+    def U(self) -> int:  # bytes between two staged rows in shared memory
         return self.lay["stride"]
+
+    @property
+    def G(self) -> int:  # a row's bytes of a unit in W (U less ROW_PAD)
+        return self.lay["unit"]
 
     @property
     def R(self) -> int:  # rows per warp
@@ -158,7 +162,7 @@ class _Warp:
     def tile_src(self, j: Reg | int) -> Reg:
         """Tile-major: the address of the warp's stage of its j-th unit."""
         k, u = self.k, self.unit_of(j)
-        return k.add(self.tile0, k.mul_wide(u, TILE_ROWS * self.U) if isinstance(u, Reg) else u * TILE_ROWS * self.U)
+        return k.add(self.tile0, k.mul_wide(u, TILE_ROWS * self.G) if isinstance(u, Reg) else u * TILE_ROWS * self.G)
 
 
 def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, bias: bool,
@@ -208,7 +212,7 @@ def _prologue(k: KernelBuilder, lay: dict, wtype: str, mtiles: int, kparts: int,
     kp = k.div(warp, mtiles) if kparts > 1 else None
     last = k.sub(out_dim, 1)
     s = _Warp(k, lay, wtype, kparts, stages, tiles, bulk, glu, tiled, out_dim, lane, warp, row_base, kp, last)
-    U, R = s.U, s.R
+    R, G = s.R, s.G
     s.smem = k.dynamic_shared()
     s.ring = k.add(s.smem, k.add(k.mul(warp, stages * s.stage_bytes), lay["off"]["ring"]))
     s.w = w = k.global_ptr("w")
@@ -220,7 +224,7 @@ def _prologue(k: KernelBuilder, lay: dict, wtype: str, mtiles: int, kparts: int,
     k.global_ptr("y")
     # the warp's units of a row are kp, kp + kparts, kp + 2 kparts, ...: at any time the K parts of a
     # tile read neighbouring units, i.e. kparts * U contiguous bytes of each row
-    s.wbase = w if kp is None or wtype == "Q6_K" else k.add(w, k.mul_wide(kp, U))
+    s.wbase = w if kp is None or wtype == "Q6_K" else k.add(w, k.mul_wide(kp, G))
     if tiled:
         # W tile-major (tile_major): the warp's R rows of unit u are R U contiguous bytes of tile T, the
         # tile of its first row (glu: of its first output, 16 a tile). Stored like that, each stage is one
@@ -229,9 +233,9 @@ def _prologue(k: KernelBuilder, lay: dict, wtype: str, mtiles: int, kparts: int,
         # (warps whose rows all lie past out_dim read the last rows instead, and store nothing)
         rt = 16 if glu else R
         first = k.min(row_base, k.and_(last, (0xFFFFFFFF // rt) * rt))
-        s.tile0 = k.add(w, k.mul_wide(k.mul(k.shr(first, 4 if glu else 5), lay["units"]), TILE_ROWS * U))
-        if not glu and R < TILE_ROWS:  # 16-row warps: the second half of a tile starts 16 U in
-            s.tile0 = k.add(s.tile0, k.cvt(k.mul(k.and_(first, TILE_ROWS - 1), U), "u64"))
+        s.tile0 = k.add(w, k.mul_wide(k.mul(k.shr(first, 4 if glu else 5), lay["units"]), TILE_ROWS * G))
+        if not glu and R < TILE_ROWS:  # 16-row warps: the second half of a tile starts 16 G in
+            s.tile0 = k.add(s.tile0, k.cvt(k.mul(k.and_(first, TILE_ROWS - 1), G), "u64"))
     return s
 
 
@@ -264,7 +268,7 @@ def _bulk_copies(s: _Warp):
     mbarrier, whose phase completes when they have all landed. Copies of 144-272 bytes are small for
     it: it pays where a warp has only a unit or two to stream, not on long rows, so the launch policy
     picks it by shape."""
-    k, lane, U, R, stages, kparts = s.k, s.lane, s.U, s.R, s.stages, s.kparts
+    k, lane, U, G, R, stages, kparts = s.k, s.lane, s.U, s.G, s.R, s.stages, s.kparts
     mbar = k.add(s.smem, k.add(k.mul(s.warp, 8 * stages), s.lay["off"]["mbar"]))
     lane0 = k.setp("eq", lane, 0)
     for i in range(stages):
@@ -272,20 +276,26 @@ def _bulk_copies(s: _Warp):
     k.fence_mbarrier_init()
     k.bar_warp_sync()
     row_lane = k.setp("lt", lane, R)
-    src_lane = k.add(s.wbase, k.mul_wide(s.weight_row(lane), s.lay["row_bytes"]))
+    if s.tiled:  # (padded rows: lane r copies row r of the tile's stage)
+        src_lane = k.cvt(k.mul(lane, G), "u64") if U != G else None
+    else:
+        src_lane = k.add(s.wbase, k.mul_wide(s.weight_row(lane), s.lay["row_bytes"]))
     dst_lane = k.add(s.ring, k.mul(lane, U))
 
     def issue(j: Reg | int, slot_off: Reg | int, valid: Reg | None) -> None:
         slot = _mod(k, j, stages) if isinstance(j, Reg) else j % stages
         mb = k.add(mbar, k.shl(slot, 3)) if isinstance(slot, Reg) else k.add(mbar, 8 * slot)
-        k.mbarrier_expect_tx(mb, R * U, pred=k.both(lane0, valid))
-        if s.tiled:  # the whole stage, one copy
+        k.mbarrier_expect_tx(mb, R * G, pred=k.both(lane0, valid))
+        if s.tiled and U == G:  # the whole stage, one copy
             k.cp_async_bulk(k.add(s.ring, slot_off) if isinstance(slot_off, Reg) or slot_off else s.ring,
                             s.tile_src(j), R * U, mb, pred=k.both(lane0, valid), policy=s.wpol)
             return
-        src = k.add(src_lane, k.mul_wide(j, U * kparts) if isinstance(j, Reg) else j * U * kparts)
         dst = k.add(dst_lane, slot_off) if isinstance(slot_off, Reg) or slot_off else dst_lane
-        k.cp_async_bulk(dst, src, U, mb, pred=k.both(row_lane, valid))
+        if s.tiled:  # padded rows in shared memory: one copy a row
+            k.cp_async_bulk(dst, k.add(s.tile_src(j), src_lane), G, mb, pred=k.both(row_lane, valid), policy=s.wpol)
+            return
+        src = k.add(src_lane, k.mul_wide(j, G * kparts) if isinstance(j, Reg) else j * G * kparts)
+        k.cp_async_bulk(dst, src, G, mb, pred=k.both(row_lane, valid))
 
     def wait(j: Reg) -> None:
         slot = _mod(k, j, stages)
@@ -296,8 +306,12 @@ def _bulk_copies(s: _Warp):
 
 def _tiled_copies(s: _Warp):
     """Tile-major cp.async: emits the lanes' chunk offsets and returns ``issue``. 16-byte chunk
-    c = lane + 32 q of the stage goes from the tile's bytes to the same offset in the ring."""
+    c = lane + 32 q of the stage goes from the tile's bytes to the same offset in the ring; with
+    padded rows (``ROW_PAD``) lane l copies the chunks 32 / R (l / R) + 32 / R i of row l % R
+    instead (its row's offsets stay two registers)."""
     k, lane = s.k, s.lane
+    if s.U != s.G:
+        return _tiled_padded_copies(s)
     nchunks = s.R * s.U // 16
     lane16w = k.cvt(k.shl(lane, 4), "u64")
     dst0 = k.add(s.ring, k.shl(lane, 4))
@@ -309,6 +323,28 @@ def _tiled_copies(s: _Warp):
         dst = k.add(dst0, slot_off) if isinstance(slot_off, Reg) or slot_off else dst0
         for q, ok in enumerate(oks):
             k.cp_async(dst, src, pred=k.both(ok, valid), dst_offset=512 * q, src_offset=512 * q, **s.hints)
+        k.cp_async_commit()
+    return issue
+
+
+def _tiled_padded_copies(s: _Warp):
+    """Tile-major cp.async into rows padded to ``s.U`` bytes (see :func:`_tiled_copies`)."""
+    k, lane, R, G, U = s.k, s.lane, s.R, s.G, s.U
+    lanes_per_row = 32 // R
+    row, part = k.and_(lane, R - 1), k.shr(lane, R.bit_length() - 1)
+    first = k.shl(part, 4)  # the lane's first chunk of its row
+    src0 = k.cvt(k.add(k.mul(row, G), first), "u64")
+    dst0 = k.add(s.ring, k.add(k.mul(row, U), first))
+    n = G // 16
+    per = -(-n // lanes_per_row)
+    oks = [k.setp("lt", k.add(part, lanes_per_row * i), n) if (i + 1) * lanes_per_row > n else None for i in range(per)]
+
+    def issue(j: Reg | int, slot_off: Reg | int, valid: Reg | None) -> None:
+        src = k.add(s.tile_src(j), src0)
+        dst = k.add(dst0, slot_off) if isinstance(slot_off, Reg) or slot_off else dst0
+        for i, ok in enumerate(oks):
+            off = 16 * lanes_per_row * i
+            k.cp_async(dst, src, pred=k.both(ok, valid), dst_offset=off, src_offset=off, **s.hints)
         k.cp_async_commit()
     return issue
 
@@ -350,25 +386,31 @@ def _q6k_copies(s: _Warp):
 
 def _row_copies(s: _Warp):
     """Q4_K / Q8_0 on GGUF rows: emits the lanes' source offsets, returns ``issue``. 16-byte chunk
-    c = lane + 32 q of a unit is row c / (U / 16), col c % (U / 16), copied with cp.async; in the ring
-    it lands at 16 c (rows of U bytes, back to back)."""
-    k, lane, U, kparts = s.k, s.lane, s.U, s.kparts
-    cpr = U // 16
+    c = lane + 32 q of a unit is row c / (G / 16), col c % (G / 16), copied with cp.async; in the ring
+    it lands at 16 c (rows of G bytes, back to back), or with padded rows (``ROW_PAD``) at
+    row U + 16 col."""
+    k, lane, U, G, kparts = s.k, s.lane, s.U, s.G, s.kparts
+    cpr = G // 16
     nchunks = s.R * cpr
     srcs = []
     for q in range(-(-nchunks // 32)):
         c = k.add(lane, 32 * q) if q else lane
         row = k.div(c, cpr)
         off = k.add(k.mul_wide(s.weight_row(row), s.lay["row_bytes"]), k.cvt(k.shl(k.sub(c, k.mul(row, cpr)), 4), "u64"))
-        srcs.append((off, k.setp("lt", c, nchunks) if (q + 1) * 32 > nchunks else None))
+        dst = k.add(s.ring, k.add(k.mul(row, U), k.shl(k.sub(c, k.mul(row, cpr)), 4))) if U != G else None
+        srcs.append((off, dst, k.setp("lt", c, nchunks) if (q + 1) * 32 > nchunks else None))
     dst0 = k.add(s.ring, k.shl(lane, 4))
 
     def issue(j: Reg | int, slot_off: Reg | int, valid: Reg | None) -> None:
-        base = k.add(s.wbase, k.mul_wide(j, U * kparts) if isinstance(j, Reg) else j * U * kparts)
+        base = k.add(s.wbase, k.mul_wide(j, G * kparts) if isinstance(j, Reg) else j * G * kparts)
         dst = k.add(dst0, slot_off) if isinstance(slot_off, Reg) or slot_off else dst0
-        for q, (off, ok) in enumerate(srcs):
+        for q, (off, dq, ok) in enumerate(srcs):
             pred = k.both(ok, valid)
-            k.cp_async(dst, k.add(base, off), pred=pred, dst_offset=512 * q, **s.hints)
+            if dq is None:
+                k.cp_async(dst, k.add(base, off), pred=pred, dst_offset=512 * q, **s.hints)
+            else:
+                dst = k.add(dq, slot_off) if isinstance(slot_off, Reg) or slot_off else dq
+                k.cp_async(dst, k.add(base, off), pred=pred, **s.hints)
         k.cp_async_commit()
     return issue
 
@@ -455,11 +497,12 @@ def _lane_context(s: _Warp) -> dict:
         ctx["a_lane"] = k.add(k.mul(g, U), ctx["t4"])  # its A words: row g, bytes 4t + 16 m'
     if wtype in PAIRED:
         ctx["t_gc"] = k.add(ctx["t_g"], k.shl(k.shr(t, 1), 4))  # lane (g, t)'s scales: class t / 2 of row g
+        if wtype in ("Q4_K", "Q5_K"):
+            ctx["t_gd"] = k.add(ctx["t_g"], k.add(k.shl(k.shr(t, 1), 2), 32))  # and its d / f
         ctx["b_q4"] = k.add(k.shl(g, 5), k.shl(t, 3))  # its B words: [j][g][t][h]
         lo_cols = k.setp("lt", g, 4)  # columns 0..3 (class 0: B's k < 16), else 4..7 (k >= 16)
         ctx["b_mask"] = (k.selp(0xFFFFFFFF, 0, lo_cols, "u32"), k.selp(0, 0xFFFFFFFF, lo_cols, "u32"))
     if wtype in ("Q4_K", "Q5_K"):
-        ctx["t_gd"] = k.add(ctx["t_g"], k.add(k.shl(k.shr(t, 1), 2), 32))  # lane (g, t)'s d / f
         ctx["ldm"] = k.add(k.mul(k.add(k.and_(lane, 7), k.shl(k.and_(k.shr(lane, 3), 1), 3)), U),
                            k.shl(k.shr(lane, 4), 4))
     return ctx

@@ -17,7 +17,7 @@ from typing import Any
 
 from ptx_gen.kernels.gemv import MAX_STATIC_SMEM, shared_bytes, tiles_per_slice
 from ptx_gen.kernels.gemv_mma import MMA_TYPES, SOLO_SMEM, q6k_glu_offsets_fit
-from ptx_gen.kernels.gemv_mma_layout import Q8_DIGITS
+from ptx_gen.kernels.gemv_mma_layout import BLOCK32
 from ptx_gen.kernels.gemv_mma import layout as mma_layout
 from ptx_gen.kernels.quant_layout import type_info
 from realizar.errors import ShapeError
@@ -44,12 +44,12 @@ TARGET_WARPS_PER_SM = 24
 # kernel converts every unit of x it uses, a cost that grows with the rows
 Q6K_MANY_ROWS_PER_SM = 256
 MMA_EXTRA_CTA = 0.1  # the tensor-core GEMV dispatcher's cost of each further CTA on an SM
-# types whose 32-row warps (tiles=2) spill on sm_80/sm_89 (their fifth bits take registers): 16-row
-# warps only, so no fused gate/up GEMV on tensor cores either
-MMA_ONE_TILE = ("Q5_0", "Q5_1")
+# types whose 32-row warps (tiles=2) spill on sm_80/sm_89: 16-row warps only, so no fused gate/up GEMV
+# on tensor cores either (none since the 32-value block types take two blocks per pair of MMAs)
+MMA_ONE_TILE: tuple[str, ...] = ()
 # types the tensor-core kernel handles but streams slower than the SIMT one (bench_gemv, H200): the
 # dispatcher leaves them on the SIMT kernel (a forced MmaConfig still runs it)
-MMA_SLOWER = ("Q5_1",)
+MMA_SLOWER: tuple[str, ...] = ()
 
 
 @functools.lru_cache(maxsize=None)  # pure, and asked at every eager GEMV launch
@@ -182,7 +182,7 @@ class GemvOps(Dispatcher):
             return cfg
         ctas = -(-out_dim // ((16 if glu else 16 * cfg.tiles) * cfg.mtiles))
         bulk = cc >= (9, 0) and (wtype == "Q6_K" or (wtype in ("Q4_K", "Q5_K") and cfg.mtiles == 1)
-                                 or (wtype in Q8_DIGITS and in_dim // 256 // cfg.kparts <= 2))
+                                 or ((wtype == "Q8_0" or wtype in BLOCK32) and in_dim // 256 // cfg.kparts <= 2))
         # (solo only where a CTA may ask for that much: not on sm_86/sm_89, whose limit is 99 KiB)
         return dataclasses.replace(cfg, bulk=bulk, solo=ctas <= self.sm_count and SOLO_SMEM <= max_smem)
 
