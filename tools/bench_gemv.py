@@ -127,7 +127,8 @@ def mma_sweep_configs(wtype: str, out_dim: int, in_dim: int, ops) -> list[MmaCon
     sets it."""
     bulk_ok = ops.device.target.compute_capability >= (9, 0)
     out = []
-    for tl, mt, kp in ((1, 1, 8), (1, 2, 4), (1, 4, 2), (1, 7, 1), (2, 1, 8), (2, 2, 4), (2, 4, 2)):
+    for tl, mt, kp in ((1, 1, 8), (1, 2, 4), (1, 4, 2), (1, 7, 1), (1, 1, 4), (2, 1, 8), (2, 2, 4), (2, 4, 2),
+                       (2, 1, 4)):
         for st, bulk in ((2, False), (4, False)) + (((2, True),) if bulk_ok else ()):
             try:
                 mma_layout(wtype, in_dim, mt, kp, st, tl, tiled=True)

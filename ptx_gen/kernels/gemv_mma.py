@@ -182,6 +182,8 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
             + ("_bias" if bias else "") + ("_res" if residual else ""))
     k = m.kernel(name, params)
     k.max_threads = 32 * warps  # .maxntid: ptxas keeps the registers within what the whole CTA can get
+    if wtype in BLOCK32:  # (ptxas's own occupancy guess held some of these at 80 registers, with spills)
+        k.min_blocks = 2
     k.meta.update(block=32 * warps, rows_per_cta=(16 if glu else R) * mtiles, dyn_smem=lay["launch_smem"],
                   row_bytes=lay["row_bytes"], tiled=tiled)
     s = _prologue(k, lay, wtype, mtiles, kparts, stages, tiles, bulk, glu, tiled)
@@ -189,7 +191,8 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
     _fill_ring(s, issue)
     xs = _x_prologue(s)
     ctx = _lane_context(s)
-    acc = [[k.var("f32", 0.0) for _ in range(4)] for _ in range(tiles)]  # [g][2t], [g][2t+1], [g+8][2t], [g+8][2t+1]
+    # [g][2t], [g][2t+1], [g+8][2t], [g+8][2t+1] (the 32-value block types: [g], [g+8], see _unit_b32)
+    acc = [[k.var("f32", 0.0) for _ in range(2 if wtype in BLOCK32 else 4)] for _ in range(tiles)]
     minacc = k.var("f32", 0.0) if wtype in MINS else None  # lane r: row r's min term
     _main_loop(s, ctx, xs, issue, wait, acc, minacc)
     if not bulk:
@@ -560,21 +563,27 @@ def _main_loop(s: _Warp, ctx: dict, xs: _XState, issue, wait, acc: list, minacc:
 def _row_sums(k: KernelBuilder, wtype: str, tiles: int, acc: list, minacc: Reg | None):
     """Emits each row's sum from the MMA accumulators: digit columns weighted 1, 256 (lane t = 0),
     65536 and 2**24 (t = 1), summed over the 4 lanes of the group; Q6_K's columns 4..7 (lanes t = 2, 3)
-    are the same digits of its second sub-block of each MMA; Q4_K subtracts the rows' min terms.
+    are the same digits of its second sub-block of each MMA; the 32-value block types keep one
+    accumulator a row in units of 1 (t % 2 = 0) or 65536 (t % 2 = 1); Q4_K subtracts the rows' min terms.
     Returns ``(sums, tid, lane, g, t)``, sums of rows g, g + 8 (, 16 + g, 24 + g)."""
     tid = k.tid()
     lane = k.and_(tid, 31)
     g, t = k.shr(lane, 2), k.and_(lane, 3)
     tt = k.and_(t, 1) if wtype not in Q8_DIGITS else t
-    t_is0, t_is1 = k.setp("eq", tt, 0), k.setp("eq", tt, 1)
-    w0 = k.selp(1.0, k.selp(65536.0, 0.0, t_is1, "f32"), t_is0, "f32")
-    w1 = k.selp(256.0, k.selp(16777216.0, 0.0, t_is1, "f32"), t_is0, "f32")
+    t_is0 = k.setp("eq", tt, 0)
     sums = []  # rows g, g + 8, 16 + g, 24 + g
-    for r in range(tiles):
-        for a0, a1 in ((acc[r][0], acc[r][1]), (acc[r][2], acc[r][3])):
-            sm = k.fma(a1, w1, k.mul(a0, w0))
-            sm = k.add(sm, k.shfl("bfly", sm, 1))
-            sums.append(k.add(sm, k.shfl("bfly", sm, 2)))
+    if wtype in BLOCK32:  # one accumulator a row, in units of digit 2 t' (see _unit_b32)
+        w = k.selp(1.0, 65536.0, t_is0, "f32")
+        pairs = [((a, w), None) for r in range(tiles) for a in acc[r]]
+    else:
+        t_is1 = k.setp("eq", tt, 1)
+        w0 = k.selp(1.0, k.selp(65536.0, 0.0, t_is1, "f32"), t_is0, "f32")
+        w1 = k.selp(256.0, k.selp(16777216.0, 0.0, t_is1, "f32"), t_is0, "f32")
+        pairs = [((a0, w0), (a1, w1)) for r in range(tiles) for a0, a1 in ((acc[r][0], acc[r][1]), (acc[r][2], acc[r][3]))]
+    for (a0, w0_), second in pairs:
+        sm = k.mul(a0, w0_) if second is None else k.fma(second[0], second[1], k.mul(a0, w0_))
+        sm = k.add(sm, k.shfl("bfly", sm, 1))
+        sums.append(k.add(sm, k.shfl("bfly", sm, 2)))
     if minacc is not None:  # lane r holds row r's min term
         sums = [k.sub(sm, k.shfl("idx", minacc, k.add(g, 8 * i) if i else g)) for i, sm in enumerate(sums)]
     return sums, tid, lane, g, t

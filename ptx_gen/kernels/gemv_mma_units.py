@@ -334,7 +334,10 @@ def _unit_b32(k: KernelBuilder, wtype: str, c: dict, sbase: Reg, xslot: Reg, acc
     unsigned bytes; the fifth bits (Q5_0, Q5_1) are bits 16 h + 4t.. of the block's qh, moved to bit 4
     of each byte. Both MMAs of a pair accumulate into one result: the lanes t = 0, 1 then hold block
     2 p's digit sums, t = 2, 3 block 2 p + 1's, so each lane weights its results by one block scale
-    (half the float work of an MMA a block, whose lanes t = 2, 3 held zero columns). Q4_0 / Q5_0's
+    (half the float work of an MMA a block, whose lanes t = 2, 3 held zero columns). A lane's two
+    columns (digits 2 t' and 2 t' + 1, t' = t % 2) of a row are first merged into one integer,
+    ``lo + 256 hi`` (< 2**26), rounded once to float32, so one conversion and one FMA a row
+    (``acc[r]``: rows g, g + 8, see :func:`_row_sums`). Q4_0 / Q5_0's
     offset (codes stand for q - 8 / q - 16) enters exactly as the accumulator input: the MMAs of -8
     (-16) in every byte of A with the same B, once per pair for the warp (as Q6_K's). Q4_1 / Q5_1's
     min adds ``m sum(x over the block)`` per row, from the sums of x per block kept in the x slot, by
@@ -346,7 +349,11 @@ def _unit_b32(k: KernelBuilder, wtype: str, c: dict, sbase: Reg, xslot: Reg, acc
     with _lanes_with_rows(k, c):
         inv_f = k.load("shared", "f32", xslot, INVF[wtype])  # the unit's x digits are x f
         row = k.add(sbase, c["row_stage"])
-        ds = [k.mul(ql.lds_f16(k, row, bs * i), inv_f) for i in range(8)]
+        if f["m"] is not None:  # (Q4_1, Q5_1: d and m are the block's first word)
+            dms = [k.unpack_b32(k.load("shared", "u32", row, bs * i)) for i in range(8)]
+            ds = [k.mul(k.cvt(Reg(d_.name, ql._f16), "f32"), inv_f) for d_, _ in dms]
+        else:
+            ds = [k.mul(ql.lds_f16(k, row, bs * i), inv_f) for i in range(8)]
         k.store("shared", "f32", c["t_mine"], ds[0::2])
         k.store("shared", "f32", c["t_mine"], ds[1::2], 16)
         if f["qh"] is not None:
@@ -357,14 +364,17 @@ def _unit_b32(k: KernelBuilder, wtype: str, c: dict, sbase: Reg, xslot: Reg, acc
             sx = [v for o in (0, 16) for v in k.load("shared", "f32", xslot, XSUM[wtype] + o, vec=4)]
             msum = None
             for i in range(8):
-                mi = ql.lds_f16(k, row, bs * i + f["m"])
+                mi = k.cvt(Reg(dms[i][1].name, ql._f16), "f32")
                 msum = k.mul(mi, sx[i]) if msum is None else k.fma(mi, sx[i], msum)
             k.assign(minacc, k.sub(minacc, msum))
     k.bar_warp_sync()
     rg_t = k.add(k.add(sbase, k.mul(c["g"], U)), c["t4"])
     # lane (g, t)'s block scales: class t / 2 of rows g and g + 8, one per pair
-    scl = [k.load("shared", "f32", c["t_gc"], (16 * r + h) * TR, vec=4) for r in range(c["tiles"]) for h in (0, 8)]
+    scl = []
     for p in range(4):
+        if p % 2 == 0:  # (two pairs' scales at a time: fewer live registers)
+            scl = [k.load("shared", "f32", c["t_gc"], (16 * r + h) * TR + 4 * p, vec=2) for r in range(c["tiles"])
+                   for h in (0, 8)]
         w0, w1 = k.load("shared", "u32", k.add(xslot, c["b_q4"]), 256 * p, vec=2)
         bfr = [k.and_(w, m) for w in (w0, w1) for m in c["b_mask"]]  # MMA 0's (b0, b1), then MMA 1's
         cin = c["zeros"]
@@ -385,6 +395,6 @@ def _unit_b32(k: KernelBuilder, wtype: str, c: dict, sbase: Reg, xslot: Reg, acc
                 hi = [k.or_(v, _spread_bit4(k, h, c["t4_16"])) for v, h in zip(hi, hq)]
             d = k.mma_s8(lo, bfr[0:2], cin, a_unsigned=True)
             d = k.mma_s8(hi, bfr[2:4], d, a_unsigned=True)
-            sg, sg8 = scl[2 * r][p], scl[2 * r + 1][p]
-            for n, s in ((0, sg), (1, sg), (2, sg8), (3, sg8)):  # |d| <= 2 * 16 * 31 * 128 + 16 * 32 * 128 < 2**22
-                k.assign(acc[r][n], k.fma(s, _exact_float(k, d[n]), acc[r][n]))
+            for h in range(2):  # rows g, g + 8: |d| <= 2 * 16 * 31 * 128 + 16 * 32 * 128 < 2**17
+                v = k.mad(k.bitcast(d[2 * h + 1], "s32"), 256, k.bitcast(d[2 * h], "s32"))
+                k.assign(acc[r][h], k.fma(scl[2 * r + h][p % 2], k.cvt(v, "f32"), acc[r][h]))
