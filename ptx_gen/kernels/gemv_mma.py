@@ -182,7 +182,7 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
             + ("_bias" if bias else "") + ("_res" if residual else ""))
     k = m.kernel(name, params)
     k.max_threads = 32 * warps  # .maxntid: ptxas keeps the registers within what the whole CTA can get
-    if wtype in BLOCK32:  # (ptxas's own occupancy guess held some of these at 80 registers, with spills)
+    if wtype in BLOCK32 and tiled:  # (ptxas's own occupancy guess held some at 80 registers, with spills)
         k.min_blocks = 2
     k.meta.update(block=32 * warps, rows_per_cta=(16 if glu else R) * mtiles, dyn_smem=lay["launch_smem"],
                   row_bytes=lay["row_bytes"], tiled=tiled)
@@ -254,6 +254,8 @@ def _weight_copies(s: _Warp):
         issue = _tiled_copies(s)
     elif s.wtype == "Q6_K":
         issue = _q6k_copies(s)
+    elif s.wtype in BLOCK32:
+        issue = _lane_row_copies(s)
     else:
         issue = _row_copies(s)
 
@@ -310,11 +312,10 @@ def _bulk_copies(s: _Warp):
 def _tiled_copies(s: _Warp):
     """Tile-major cp.async: emits the lanes' chunk offsets and returns ``issue``. 16-byte chunk
     c = lane + 32 q of the stage goes from the tile's bytes to the same offset in the ring; with
-    padded rows (``ROW_PAD``) lane l copies the chunks 32 / R (l / R) + 32 / R i of row l % R
-    instead (its row's offsets stay two registers)."""
+    padded rows (``ROW_PAD``) see :func:`_lane_row_copies`."""
     k, lane = s.k, s.lane
     if s.U != s.G:
-        return _tiled_padded_copies(s)
+        return _lane_row_copies(s)
     nchunks = s.R * s.U // 16
     lane16w = k.cvt(k.shl(lane, 4), "u64")
     dst0 = k.add(s.ring, k.shl(lane, 4))
@@ -330,20 +331,29 @@ def _tiled_copies(s: _Warp):
     return issue
 
 
-def _tiled_padded_copies(s: _Warp):
-    """Tile-major cp.async into rows padded to ``s.U`` bytes (see :func:`_tiled_copies`)."""
-    k, lane, R, G, U = s.k, s.lane, s.R, s.G, s.U
+def _lane_row_copies(s: _Warp):
+    """cp.async of a warp's stage with lane l copying row l % R, its chunks l / R, l / R + 32 / R, ..
+    (into rows ``s.U`` bytes apart: padded where ``ROW_PAD`` says): two registers of offsets, where
+    one per 32 chunks (a 64-bit source offset each) crowded out the 32-value block types' registers.
+    From a tile-major stage (``tiled``) or from the warp's GGUF rows."""
+    k, lane, R, G, U, kparts = s.k, s.lane, s.R, s.G, s.U, s.kparts
     lanes_per_row = 32 // R
     row, part = k.and_(lane, R - 1), k.shr(lane, R.bit_length() - 1)
     first = k.shl(part, 4)  # the lane's first chunk of its row
-    src0 = k.cvt(k.add(k.mul(row, G), first), "u64")
+    if s.tiled:
+        src0 = k.cvt(k.add(k.mul(row, G), first), "u64")
+    else:
+        src0 = k.add(k.add(s.wbase, k.mul_wide(s.weight_row(row), s.lay["row_bytes"])), k.cvt(first, "u64"))
     dst0 = k.add(s.ring, k.add(k.mul(row, U), first))
     n = G // 16
     per = -(-n // lanes_per_row)
     oks = [k.setp("lt", k.add(part, lanes_per_row * i), n) if (i + 1) * lanes_per_row > n else None for i in range(per)]
 
     def issue(j: Reg | int, slot_off: Reg | int, valid: Reg | None) -> None:
-        src = k.add(s.tile_src(j), src0)
+        if s.tiled:
+            src = k.add(s.tile_src(j), src0)
+        else:
+            src = k.add(src0, k.mul_wide(j, G * kparts) if isinstance(j, Reg) else j * G * kparts)
         dst = k.add(dst0, slot_off) if isinstance(slot_off, Reg) or slot_off else dst0
         for i, ok in enumerate(oks):
             off = 16 * lanes_per_row * i
@@ -389,31 +399,25 @@ def _q6k_copies(s: _Warp):
 
 def _row_copies(s: _Warp):
     """Q4_K / Q8_0 on GGUF rows: emits the lanes' source offsets, returns ``issue``. 16-byte chunk
-    c = lane + 32 q of a unit is row c / (G / 16), col c % (G / 16), copied with cp.async; in the ring
-    it lands at 16 c (rows of G bytes, back to back), or with padded rows (``ROW_PAD``) at
-    row U + 16 col."""
-    k, lane, U, G, kparts = s.k, s.lane, s.U, s.G, s.kparts
-    cpr = G // 16
+    c = lane + 32 q of a unit is row c / (U / 16), col c % (U / 16), copied with cp.async; in the ring
+    it lands at 16 c (rows of U bytes, back to back)."""
+    k, lane, U, kparts = s.k, s.lane, s.U, s.kparts
+    cpr = U // 16
     nchunks = s.R * cpr
     srcs = []
     for q in range(-(-nchunks // 32)):
         c = k.add(lane, 32 * q) if q else lane
         row = k.div(c, cpr)
         off = k.add(k.mul_wide(s.weight_row(row), s.lay["row_bytes"]), k.cvt(k.shl(k.sub(c, k.mul(row, cpr)), 4), "u64"))
-        dst = k.add(s.ring, k.add(k.mul(row, U), k.shl(k.sub(c, k.mul(row, cpr)), 4))) if U != G else None
-        srcs.append((off, dst, k.setp("lt", c, nchunks) if (q + 1) * 32 > nchunks else None))
+        srcs.append((off, k.setp("lt", c, nchunks) if (q + 1) * 32 > nchunks else None))
     dst0 = k.add(s.ring, k.shl(lane, 4))
 
     def issue(j: Reg | int, slot_off: Reg | int, valid: Reg | None) -> None:
-        base = k.add(s.wbase, k.mul_wide(j, G * kparts) if isinstance(j, Reg) else j * G * kparts)
+        base = k.add(s.wbase, k.mul_wide(j, U * kparts) if isinstance(j, Reg) else j * U * kparts)
         dst = k.add(dst0, slot_off) if isinstance(slot_off, Reg) or slot_off else dst0
-        for q, (off, dq, ok) in enumerate(srcs):
+        for q, (off, ok) in enumerate(srcs):
             pred = k.both(ok, valid)
-            if dq is None:
-                k.cp_async(dst, k.add(base, off), pred=pred, dst_offset=512 * q, **s.hints)
-            else:
-                dst = k.add(dq, slot_off) if isinstance(slot_off, Reg) or slot_off else dq
-                k.cp_async(dst, k.add(base, off), pred=pred, **s.hints)
+            k.cp_async(dst, k.add(base, off), pred=pred, dst_offset=512 * q, **s.hints)
         k.cp_async_commit()
     return issue
 
