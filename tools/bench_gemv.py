@@ -122,14 +122,12 @@ def sweep_configs(wtype: str, in_dim: int, bulk_ok: bool = False) -> list[GemvCo
 
 def mma_sweep_configs(wtype: str, out_dim: int, in_dim: int, ops) -> list[MmaConfig]:
     """The tensor-core launch shapes of ``--mma-sweep``, timed on the tile-major weight: 16- and 32-row
-    warps over CTAs of up to 8 warps (7 x 16 rows: 112 rows a CTA, a one-wave grid for 14336 rows),
-    2- or 4-stage rings of cp.async or a 2-stage ring of (sm_90) bulk copies; ``solo`` as the dispatcher
-    sets it."""
+    warps over CTAs of 4 or 8 warps, 2-stage rings of cp.async or (sm_90) bulk copies; ``solo`` as the
+    dispatcher sets it."""
     bulk_ok = ops.device.target.compute_capability >= (9, 0)
     out = []
-    for tl, mt, kp in ((1, 1, 8), (1, 2, 4), (1, 4, 2), (1, 7, 1), (1, 1, 4), (2, 1, 8), (2, 2, 4), (2, 4, 2),
-                       (2, 1, 4)):
-        for st, bulk in ((2, False), (4, False)) + (((2, True),) if bulk_ok else ()):
+    for tl, mt, kp in ((1, 1, 8), (1, 2, 4), (1, 4, 2), (1, 1, 4), (2, 1, 8), (2, 2, 4), (2, 4, 2), (2, 1, 4)):
+        for st, bulk in ((2, False),) + (((2, True),) if bulk_ok else ()):
             try:
                 mma_layout(wtype, in_dim, mt, kp, st, tl, tiled=True)
             except ValueError:

@@ -183,7 +183,8 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
     k = m.kernel(name, params)
     k.max_threads = 32 * warps  # .maxntid: ptxas keeps the registers within what the whole CTA can get
     if wtype in BLOCK32 and tiled:  # (ptxas's own occupancy guess held some at 80 registers, with spills)
-        k.min_blocks = 2
+        # registers for two CTAs an SM, or for one where a second would not fit the shared memory (solo)
+        k.min_blocks = 1 if 2 * (lay["launch_smem"] + 1024) > 228 * 1024 else 2
     k.meta.update(block=32 * warps, rows_per_cta=(16 if glu else R) * mtiles, dyn_smem=lay["launch_smem"],
                   row_bytes=lay["row_bytes"], tiled=tiled)
     s = _prologue(k, lay, wtype, mtiles, kparts, stages, tiles, bulk, glu, tiled)
@@ -312,10 +313,10 @@ def _bulk_copies(s: _Warp):
 def _tiled_copies(s: _Warp):
     """Tile-major cp.async: emits the lanes' chunk offsets and returns ``issue``. 16-byte chunk
     c = lane + 32 q of the stage goes from the tile's bytes to the same offset in the ring; with
-    padded rows (``ROW_PAD``) see :func:`_lane_row_copies`."""
+    padded rows (``ROW_PAD``) see :func:`_tiled_padded_copies`."""
     k, lane = s.k, s.lane
     if s.U != s.G:
-        return _lane_row_copies(s)
+        return _tiled_padded_copies(s)
     nchunks = s.R * s.U // 16
     lane16w = k.cvt(k.shl(lane, 4), "u64")
     dst0 = k.add(s.ring, k.shl(lane, 4))
@@ -331,11 +332,41 @@ def _tiled_copies(s: _Warp):
     return issue
 
 
+def _tiled_padded_copies(s: _Warp):
+    """Tile-major cp.async into rows padded to ``s.U`` bytes: chunk c = lane + 32 q of the stage is
+    read as :func:`_tiled_copies` reads it (each copy instruction one contiguous run of 512 bytes: one
+    scattered 16-byte piece a lane costs the load/store unit a request each) and lands at
+    16 c + 16 (c / (G / 16)) in the ring slot, its row's padding skipped. The lane keeps those offsets
+    (< 2**16) two to a register."""
+    k, lane, G = s.k, s.lane, s.G
+    cpr = G // 16
+    nchunks = s.R * cpr
+    nq = -(-nchunks // 32)
+    lane16w = k.cvt(k.shl(lane, 4), "u64")
+    offs, oks = [], []
+    for q in range(nq):
+        c = k.add(lane, 32 * q) if q else lane
+        offs.append(k.shl(k.add(c, k.div(c, cpr)), 4))
+        oks.append(k.setp("lt", c, nchunks) if (q + 1) * 32 > nchunks else None)
+    packed = [k.or_(offs[q], k.shl(offs[q + 1], 16)) if q + 1 < nq else offs[q] for q in range(0, nq, 2)]
+
+    def issue(j: Reg | int, slot_off: Reg | int, valid: Reg | None) -> None:
+        src = k.add(s.tile_src(j), lane16w)
+        base = k.add(s.ring, slot_off) if isinstance(slot_off, Reg) or slot_off else s.ring
+        for q, ok in enumerate(oks):
+            word = packed[q // 2]
+            off = k.shr(word, 16) if q % 2 else k.and_(word, 0xFFFF) if q + 1 < nq else word
+            k.cp_async(k.add(base, off), src, pred=k.both(ok, valid), src_offset=512 * q, **s.hints)
+        k.cp_async_commit()
+    return issue
+
+
 def _lane_row_copies(s: _Warp):
     """cp.async of a warp's stage with lane l copying row l % R, its chunks l / R, l / R + 32 / R, ..
     (into rows ``s.U`` bytes apart: padded where ``ROW_PAD`` says): two registers of offsets, where
     one per 32 chunks (a 64-bit source offset each) crowded out the 32-value block types' registers.
-    From a tile-major stage (``tiled``) or from the warp's GGUF rows."""
+    The 32-value block types on GGUF rows (which LayerOps stores tile-major for this kernel); each copy
+    instruction then reads 32 pieces a row apart."""
     k, lane, R, G, U, kparts = s.k, s.lane, s.R, s.G, s.U, s.kparts
     lanes_per_row = 32 // R
     row, part = k.and_(lane, R - 1), k.shr(lane, R.bit_length() - 1)
