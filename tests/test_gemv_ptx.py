@@ -399,7 +399,7 @@ def test_mma_config_balances_the_grid():
     assert mma_config(576, 1536, "Q8_0") is None  # 36 CTAs on 132 SMs: the SIMT kernel
     assert not mma_config(4096, 4096, "Q6_K", 132, bulk_ok=True).bulk  # 2-byte aligned blocks: cp.async
     for out_dim, in_dim in ((4096, 14336), (14336, 4096), (4096, 4096), (6144, 4096), (28672, 4096), (2048, 8192)):
-        for wt in (wt for wt in MMA_TYPES if wt != "Q5_1"):  # (Q5_1: the SIMT kernel, see test_new_mma_types_policy)
+        for wt in MMA_TYPES:
             cfg = mma_config(out_dim, in_dim, wt, 132)
             ctas = -(-out_dim // (16 * cfg.tiles * cfg.mtiles))
             assert ctas / 132 / -(-ctas // 132) > 0.8, (out_dim, in_dim, wt, cfg)
@@ -418,13 +418,13 @@ def test_gemv_mma_dispatcher_picks_assemble_without_spills(wtype):
     """Every tensor-core launch shape the dispatcher picks at real decode shapes (and its widest warps at
     their 8-warp maximum) assembles for sm_80 and sm_90 (and tile-major for sm_89) without local-memory
     spills."""
-    from realizar.gpu.gemv import MMA_ONE_TILE, MmaConfig, mma_config
+    from realizar.gpu.gemv import MmaConfig, mma_config
     picks = {mma_config(o, i, wtype, 132) for o, i in ((4096, 14336), (14336, 4096), (4096, 4096), (28672, 4096),
                                                        (6144, 4096), (2048, 8192), (2048, 2048))}
     picks |= {mma_config(o, i, wtype, 132, glu=True) for o, i in ((14336, 4096), (8192, 2048))}
     picks.discard(None)
-    picks.add(MmaConfig(8, 1, 2, 1 if wtype in MMA_ONE_TILE else 2))
-    picks.add(MmaConfig(1, 8, 2, 1 if wtype in MMA_ONE_TILE else 2))
+    picks.add(MmaConfig(8, 1, 2, 2))
+    picks.add(MmaConfig(1, 8, 2, 2))
     for cfg in picks:
         in_dim = 14336 if 14336 % (256 * cfg.kparts) == 0 else 4096
         # GGUF rows on both targets; tile-major as LayerOps runs it (bulk copies and solo on sm_90)
@@ -568,23 +568,25 @@ def test_gemv_mma_offset_codes_are_exact(wtype, zero):
 
 
 def test_new_mma_types_policy():
-    """The tensor-core GEMV takes Q4_0, Q4_1, Q5_0, Q5_1 and Q5_K at the real decode shapes; Q5_0 / Q5_1
-    in 16-row warps only (their 32-row warps spill), hence no fused gate/up GEMV on tensor cores; Q5_1
-    stays on the SIMT kernel (slower on tensor cores as measured); on an
+    """The tensor-core GEMV takes Q4_0, Q4_1, Q5_0, Q5_1 and Q5_K at the real decode shapes, 32-row warps
+    and the fused gate/up GEMV included; where 8-warp CTAs of 32-row warps leave SMs idle (14336 rows:
+    112 CTAs on 132 SMs) the 32-value block types take 4-warp CTAs (bench_gemv --mma-sweep, H200); on an
     sm_90 device LayerOps stores them tile-major (Q5_K rows where Q4_K's are), and the emulated GEMV of
     such an upload matches the oracle."""
     from realizar import cuda
-    from realizar.gpu.gemv import MMA_ONE_TILE, MmaConfig, mma_config
+    from realizar.gpu.gemv import MmaConfig, mma_config
     from realizar.gpu.ops import LayerOps
-    assert mma_config(4096, 14336, "Q5_1", 132) is None
-    for wt in ("Q4_0", "Q4_1", "Q5_0", "Q5_K"):
+    for wt in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q5_K"):
         for o, i in ((4096, 14336), (14336, 4096), (4096, 4096), (28672, 4096)):
             cfg = mma_config(o, i, wt, 132)
-            assert isinstance(cfg, MmaConfig) and (cfg.tiles == 1 or wt not in MMA_ONE_TILE), (wt, o, i, cfg)
-        assert (mma_config(14336, 4096, wt, 132, glu=True) is None) == (wt in MMA_ONE_TILE)
+            assert isinstance(cfg, MmaConfig) and cfg.tiles == 2, (wt, o, i, cfg)
+        assert mma_config(14336, 4096, wt, 132, glu=True) is not None
+    for wt in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        assert mma_config(4096, 14336, wt, 132) == MmaConfig(1, 8, 2, 2)
+        assert mma_config(14336, 4096, wt, 132) == MmaConfig(1, 4, 2, 2)
+    assert mma_config(14336, 4096, "Q5_K", 132) == MmaConfig(4, 2, 2, 2)
     ops = LayerOps(cuda.EmulatedDevice(sm_count=132))
-    assert ops.weight_layout(4096, 14336, "Q5_1") == "rows"
-    for wt in ("Q4_0", "Q4_1", "Q5_0", "Q5_K"):
+    for wt in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q5_K"):
         assert ops.weight_layout(4096, 14336, wt) == "tiles"
         assert ops.mma_config(4096, 14336, wt, layout="tiles").solo
     assert ops.weight_layout(14336, 4096, "Q4_1") == "tiles"
@@ -592,7 +594,7 @@ def test_new_mma_types_policy():
     from types import SimpleNamespace
     small = LayerOps(cuda.EmulatedDevice(sm_count=2))
     rng = np.random.default_rng(9)
-    for wt in ("Q4_1", "Q5_0"):
+    for wt in ("Q4_1", "Q5_0", "Q5_1"):
         out_dim, in_dim = 64, 512
         raw = random_weight(rng, wt, out_dim, in_dim)
         from ptx_gen.ggml import GGMLType

@@ -44,12 +44,12 @@ TARGET_WARPS_PER_SM = 24
 # kernel converts every unit of x it uses, a cost that grows with the rows
 Q6K_MANY_ROWS_PER_SM = 256
 MMA_EXTRA_CTA = 0.1  # the tensor-core GEMV dispatcher's cost of each further CTA on an SM
-# types whose 32-row warps (tiles=2) spill on sm_80/sm_89: 16-row warps only, so no fused gate/up GEMV
-# on tensor cores either (none since the 32-value block types take two blocks per pair of MMAs)
-MMA_ONE_TILE: tuple[str, ...] = ()
 # types the tensor-core kernel handles but streams slower than the SIMT one (bench_gemv, H200): the
 # dispatcher leaves them on the SIMT kernel (a forced MmaConfig still runs it)
 MMA_SLOWER: tuple[str, ...] = ()
+# the 32-value block types take 4-warp CTAs where the 8-warp pick keeps less than this share of the
+# SMs' time busy (busiest SM vs the mean; bench_gemv --mma-sweep, H200)
+B32_BALANCE = 0.9
 
 
 @functools.lru_cache(maxsize=None)  # pure, and asked at every eager GEMV launch
@@ -119,26 +119,25 @@ def mma_config(out_dim: int, in_dim: int, wtype: str, sm_count: int = 132,
                max_smem: int = 227 * 1024, bulk_ok: bool = False, glu: bool = False) -> MmaConfig | None:
     """The tensor-core GEMV's launch shape for ``out_dim`` rows of ``in_dim`` values, or None where it
     does not apply (types other than those of ``MMA_TYPES``, rows not a multiple of 256 values, or of
-    2048 for Q6_K; Q5_0 / Q5_1 gate/up weights) or would keep fewer than half the SMs busy (small GEMVs: the SIMT kernel starts faster).
+    2048 for Q6_K) or would keep fewer than half the SMs busy (small GEMVs: the SIMT kernel starts faster).
 
     CTAs of 8 warps with a 2-stage ring; warps of 32 rows (each unit of x a warp converts serves twice
     the rows) split K in ``kparts`` so that the grid is balanced over the SMs (the busiest SM runs
     ``ceil(ctas / sm_count)`` CTAs), each CTA beyond the first on an SM costing ``MMA_EXTRA_CTA`` (one
     CTA streaming many units per warp beats several short ones). Among shapes scoring within 2% of the
-    best: 32-row warps, then fewer CTAs per SM. With ``bulk_ok`` (sm_90) warps that stream at most two
-    units use bulk copies. ``glu``: the fused gate/up GEMV of ``out_dim`` outputs (2 out_dim weight
-    rows; a warp takes 16 outputs' gate and up rows, so 32-row warps only)."""
+    best: 32-row warps, then fewer CTAs per SM. The 32-value block types take CTAs of 4 warps (32 rows,
+    4 K parts) where that pick balances the SMs worse than ``B32_BALANCE``. With ``bulk_ok`` (sm_90)
+    warps that stream at most two units use bulk copies. ``glu``: the fused gate/up GEMV of ``out_dim``
+    outputs (2 out_dim weight rows; a warp takes 16 outputs' gate and up rows, so 32-row warps only)."""
     if wtype not in MMA_TYPES or wtype in MMA_SLOWER or in_dim % 256:
         return None
     units = in_dim // 256
-    if glu and wtype in MMA_ONE_TILE:
-        return None
     if wtype == "Q6_K" and out_dim >= Q6K_MANY_ROWS_PER_SM * sm_count:
         return None
     if wtype == "Q6_K" and glu and not q6k_glu_offsets_fit(out_dim, in_dim):
         return None
     cands = []
-    tile_opts = (2,) if glu else (1,) if wtype in MMA_ONE_TILE else (1, 2)
+    tile_opts = (2,) if glu else (1, 2)
     for tiles, (mtiles, kparts) in itertools.product(tile_opts, ((1, 8), (2, 4), (4, 2), (8, 1))):
         if units % kparts:
             continue
@@ -157,6 +156,11 @@ def mma_config(out_dim: int, in_dim: int, wtype: str, sm_count: int = 132,
     *_, ctas, best = max((c for c in cands if c[0] >= top - 0.02), key=lambda c: c[1:3])
     if ctas < sm_count // 2:
         return None  # under half the SMs busy: the SIMT kernel is faster
+    if wtype in BLOCK32 and not glu and units % 4 == 0 and ctas / (sm_count * -(-ctas // sm_count)) < B32_BALANCE:
+        # (e.g. 14336 rows: 112 CTAs of 128 rows on 132 SMs) the 32-value block types, whose unit
+        # bodies keep an SM's issue slots busier than Q4_K's, lose the idle SMs' share: CTAs of 4 warps
+        # (32 rows, 4 K parts), several an SM, balance the grid
+        best, ctas = MmaConfig(1, 4, 2, 2), -(-out_dim // 32)
     if bulk_ok and wtype != "Q6_K" and units // best.kparts <= 2:  # (Q6_K blocks are only 2-byte aligned)
         best = dataclasses.replace(best, bulk=True)
     return best
