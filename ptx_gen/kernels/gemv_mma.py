@@ -1,4 +1,4 @@
-"""Tensor-core GEMV ``y = W x (+ bias) (+ residual)`` for decode, W in Q4_K, Q8_0 or Q6_K blocks: the
+"""Tensor-core GEMV ``y = W x (+ bias) (+ residual)`` for decode, W in the blocks of ``MMA_TYPES``: the
 weights' integer codes go into exact int8 MMAs (``mma.m16n8k32.s32.s8.s8``), so decoding a weight
 costs a fraction of an instruction instead of a float conversion and an FMA each.
 
@@ -38,7 +38,11 @@ per block, scaled by the block's ``d`` in float. Q6_K (210-byte blocks, so a uni
 byte of a 16-byte chunk: the 14 chunks covering it are staged, words realigned with funnel shifts):
 the 6-bit codes are assembled from their ql/qh bits as unsigned bytes; each MMA pairs two 16-value
 sub-blocks, one per half of B's 8 columns, so every lane's sums carry one integer scale; the codes'
-offset of 32 enters exactly, as the MMA's accumulator input (:func:`_unit_q6k`).
+offset of 32 enters exactly, as the MMA's accumulator input (:func:`_unit_q6k`). The 32-value block
+types (Q4_0, Q4_1, Q5_0, Q5_1) pair two blocks per pair of MMAs as Q4_K pairs its sub-blocks, so that a
+lane's results carry one block scale (:func:`_unit_b32`); their 160- and 192-byte rows (Q4_1, Q5_1) are
+staged 16 bytes apart more than they are stored (``ROW_PAD``), so that the rows an A word load reads
+fall in distinct shared-memory banks.
 
 End: each row's sum is spread over the 4 lanes of its group (digit columns) and weighted by
 1, 256, 65536 and 2**24; with ``kparts > 1`` the parts meet in shared memory (one
@@ -699,11 +703,10 @@ def _grid_shapes() -> list[dict]:
     for sh in shapes:
         if sh["wtype"] == "Q6_K" and sh["in_dim"] == 256:
             sh["in_dim"] = 2048
-    # Q5_0 / Q5_1 (fifth bits from qh): 32-row warps spill, so 16-row warps only (and no glu)
-    shapes = [sh for sh in shapes if not (sh["wtype"] in ("Q5_0", "Q5_1") and sh.get("glu"))]
-    for sh in shapes:
-        if sh["wtype"] in ("Q5_0", "Q5_1"):
-            sh["tiles"] = 1
+    for wt in BLOCK32:  # the dispatcher's smaller CTAs for 14336 rows (B32_UNBALANCED), tile-major
+        shapes += [{"wtype": wt, "in_dim": 4096, "mtiles": 1, "kparts": 4, "stages": 2, "tiles": 2, "tiled": True},
+                   {"wtype": wt, "in_dim": 4096, "mtiles": 2, "kparts": 4, "stages": 2, "tiles": 2, "tiled": True},
+                   {"wtype": wt, "in_dim": 4096, "mtiles": 1, "kparts": 4, "stages": 2, "tiled": True}]
     return shapes
 
 

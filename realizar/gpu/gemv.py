@@ -47,9 +47,26 @@ MMA_EXTRA_CTA = 0.1  # the tensor-core GEMV dispatcher's cost of each further CT
 # types the tensor-core kernel handles but streams slower than the SIMT one (bench_gemv, H200): the
 # dispatcher leaves them on the SIMT kernel (a forced MmaConfig still runs it)
 MMA_SLOWER: tuple[str, ...] = ()
-# the 32-value block types take 4-warp CTAs where the 8-warp pick keeps less than this share of the
-# SMs' time busy (busiest SM vs the mean; bench_gemv --mma-sweep, H200)
+
+
+
+@dataclass(frozen=True)
+class MmaConfig:
+    """Launch shape of the tensor-core GEMV (:mod:`ptx_gen.kernels.gemv_mma`)."""
+
+    mtiles: int  # warps along the rows of a CTA
+    kparts: int  # warps sharing those rows, each one part of K
+    stages: int  # cp.async ring depth per warp (units of 256 values)
+    tiles: int = 1  # 16-row MMA tiles per warp
+    bulk: bool = False  # sm_90: fill the ring with bulk copies (cp.async.bulk + mbarrier)
+    solo: bool = False  # shared memory raised so that one CTA holds an SM (see gemv_mma.SOLO_SMEM)
+
+
+# where the 8-warp pick keeps less than B32_BALANCE of the SMs' time busy (busiest SM vs the mean), these
+# 32-value block types take the shape that streamed fastest at 14336 x 4096 (bench_gemv --mma-sweep,
+# H200; Q4_1 keeps the 8-warp pick)
 B32_BALANCE = 0.9
+B32_UNBALANCED = {"Q4_0": MmaConfig(2, 4, 2, 2), "Q5_0": MmaConfig(1, 4, 2, 2), "Q5_1": MmaConfig(1, 4, 2, 1)}
 
 
 @functools.lru_cache(maxsize=None)  # pure, and asked at every eager GEMV launch
@@ -102,18 +119,6 @@ def gemv_config(out_dim: int, sm_count: int = 132, in_dim: int | None = None, wt
     return GemvConfig(rows, max(4, ks), ks)
 
 
-@dataclass(frozen=True)
-class MmaConfig:
-    """Launch shape of the tensor-core GEMV (:mod:`ptx_gen.kernels.gemv_mma`)."""
-
-    mtiles: int  # warps along the rows of a CTA
-    kparts: int  # warps sharing those rows, each one part of K
-    stages: int  # cp.async ring depth per warp (units of 256 values)
-    tiles: int = 1  # 16-row MMA tiles per warp
-    bulk: bool = False  # sm_90: fill the ring with bulk copies (cp.async.bulk + mbarrier)
-    solo: bool = False  # shared memory raised so that one CTA holds an SM (see gemv_mma.SOLO_SMEM)
-
-
 @functools.lru_cache(maxsize=None)  # pure, and asked at every eager GEMV launch
 def mma_config(out_dim: int, in_dim: int, wtype: str, sm_count: int = 132,
                max_smem: int = 227 * 1024, bulk_ok: bool = False, glu: bool = False) -> MmaConfig | None:
@@ -125,8 +130,8 @@ def mma_config(out_dim: int, in_dim: int, wtype: str, sm_count: int = 132,
     the rows) split K in ``kparts`` so that the grid is balanced over the SMs (the busiest SM runs
     ``ceil(ctas / sm_count)`` CTAs), each CTA beyond the first on an SM costing ``MMA_EXTRA_CTA`` (one
     CTA streaming many units per warp beats several short ones). Among shapes scoring within 2% of the
-    best: 32-row warps, then fewer CTAs per SM. The 32-value block types take CTAs of 4 warps (32 rows,
-    4 K parts) where that pick balances the SMs worse than ``B32_BALANCE``. With ``bulk_ok`` (sm_90)
+    best: 32-row warps, then fewer CTAs per SM. The 32-value block types of ``B32_UNBALANCED`` take its
+    shape where that pick balances the SMs worse than ``B32_BALANCE``. With ``bulk_ok`` (sm_90)
     warps that stream at most two units use bulk copies. ``glu``: the fused gate/up GEMV of ``out_dim``
     outputs (2 out_dim weight rows; a warp takes 16 outputs' gate and up rows, so 32-row warps only)."""
     if wtype not in MMA_TYPES or wtype in MMA_SLOWER or in_dim % 256:
@@ -156,11 +161,13 @@ def mma_config(out_dim: int, in_dim: int, wtype: str, sm_count: int = 132,
     *_, ctas, best = max((c for c in cands if c[0] >= top - 0.02), key=lambda c: c[1:3])
     if ctas < sm_count // 2:
         return None  # under half the SMs busy: the SIMT kernel is faster
-    if wtype in BLOCK32 and not glu and units % 4 == 0 and ctas / (sm_count * -(-ctas // sm_count)) < B32_BALANCE:
+    if (wtype in B32_UNBALANCED and not glu and units % 4 == 0
+            and ctas / (sm_count * -(-ctas // sm_count)) < B32_BALANCE):
         # (e.g. 14336 rows: 112 CTAs of 128 rows on 132 SMs) the 32-value block types, whose unit
-        # bodies keep an SM's issue slots busier than Q4_K's, lose the idle SMs' share: CTAs of 4 warps
-        # (32 rows, 4 K parts), several an SM, balance the grid
-        best, ctas = MmaConfig(1, 4, 2, 2), -(-out_dim // 32)
+        # bodies keep an SM's issue slots busier than Q4_K's, lose the idle SMs' share: smaller CTAs,
+        # several an SM, balance the grid
+        best = B32_UNBALANCED[wtype]
+        ctas = -(-out_dim // (16 * best.tiles * best.mtiles))
     if bulk_ok and wtype != "Q6_K" and units // best.kparts <= 2:  # (Q6_K blocks are only 2-byte aligned)
         best = dataclasses.replace(best, bulk=True)
     return best
