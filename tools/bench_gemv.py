@@ -351,7 +351,7 @@ def main() -> int:
     if not a.no_glu:
         lines += ["", "## Fused gate/up GEMV with SwiGLU epilogue vs two GEMVs + swiglu (ffn 14336, hidden 4096)", "",
                   "| type | two GEMVs + swiglu µs | fused µs | speed-up |", "|---|---:|---:|---:|"]
-        for wt in [t for t in ("Q4_K", "Q6_K", "Q8_0", "F16") if t in types]:
+        for wt in [t for t in ("Q4_K", "Q6_K", "Q8_0", "F16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q5_K") if t in types]:
             r = bench_glu(ops, stream, wt, 14336, 4096, rng, not a.no_graph)
             lines.append(f"| {wt} | {r[0]:.1f} | {r[1]:.1f} | {r[0] / r[1]:.2f}x |")
             print(lines[-1], flush=True)
