@@ -186,8 +186,11 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
             + ("_bias" if bias else "") + ("_res" if residual else ""))
     k = m.kernel(name, params)
     k.max_threads = 32 * warps  # .maxntid: ptxas keeps the registers within what the whole CTA can get
-    if wtype in BLOCK32 and tiled:  # (ptxas's own occupancy guess held some at 80 registers, with spills)
-        # registers for two CTAs an SM, or for one where a second would not fit the shared memory (solo)
+    if wtype in BLOCK32 and (tiled or warps < 8):
+        # ptxas's own occupancy guess held some of these at 80 (8 warps, tile-major) or 96 registers (4
+        # warps) with spills: registers for two CTAs an SM, or for one where a second would not fit the
+        # shared memory (solo). (8-warp CTAs on GGUF rows keep ptxas's guess: two CTAs' worth spills
+        # Q4_0's 32-row warps on sm_80)
         k.min_blocks = 1 if 2 * (lay["launch_smem"] + 1024) > 228 * 1024 else 2
     k.meta.update(block=32 * warps, rows_per_cta=(16 if glu else R) * mtiles, dyn_smem=lay["launch_smem"],
                   row_bytes=lay["row_bytes"], tiled=tiled)
@@ -260,7 +263,7 @@ def _weight_copies(s: _Warp):
     elif s.wtype == "Q6_K":
         issue = _q6k_copies(s)
     elif s.wtype in BLOCK32:
-        issue = _lane_row_copies(s)
+        issue = _b32_row_copies(s)
     else:
         issue = _row_copies(s)
 
@@ -365,34 +368,45 @@ def _tiled_padded_copies(s: _Warp):
     return issue
 
 
-def _lane_row_copies(s: _Warp):
-    """cp.async of a warp's stage with lane l copying row l % R, its chunks l / R, l / R + 32 / R, ..
-    (into rows ``s.U`` bytes apart: padded where ``ROW_PAD`` says): two registers of offsets, where
-    one per 32 chunks (a 64-bit source offset each) crowded out the 32-value block types' registers.
-    The 32-value block types on GGUF rows (which LayerOps stores tile-major for this kernel); each copy
-    instruction then reads 32 pieces a row apart."""
-    k, lane, R, G, U, kparts = s.k, s.lane, s.R, s.G, s.U, s.kparts
-    lanes_per_row = 32 // R
-    row, part = k.and_(lane, R - 1), k.shr(lane, R.bit_length() - 1)
-    first = k.shl(part, 4)  # the lane's first chunk of its row
-    if s.tiled:
-        src0 = k.cvt(k.add(k.mul(row, G), first), "u64")
-    else:
-        src0 = k.add(k.add(s.wbase, k.mul_wide(s.weight_row(row), s.lay["row_bytes"])), k.cvt(first, "u64"))
-    dst0 = k.add(s.ring, k.add(k.mul(row, U), first))
-    n = G // 16
-    per = -(-n // lanes_per_row)
-    oks = [k.setp("lt", k.add(part, lanes_per_row * i), n) if (i + 1) * lanes_per_row > n else None for i in range(per)]
+def _b32_row_copies(s: _Warp):
+    """The 32-value block types on GGUF rows (LayerOps stores them tile-major for this kernel, but a
+    tied output projection keeps the embedding's rows): chunk c = lane + 32 q of a unit is row
+    c / (G / 16), col c % (G / 16), as :func:`_row_copies` reads it (consecutive lanes, consecutive
+    chunks of a row), landing at 16 c (+ 16 (c / (G / 16)) past each padded row, see ``ROW_PAD``).
+    The source offsets are kept as 32-bit offsets from the warp's first row (64-bit ones, one per 32
+    chunks, crowded out these types' registers), the padded destinations two to a register."""
+    k, lane, G, U, kparts = s.k, s.lane, s.G, s.U, s.kparts
+    cpr = G // 16
+    nchunks = s.R * cpr
+    nq = -(-nchunks // 32)
+    offs, dsts, oks = [], [], []
+    for q in range(nq):
+        c = k.add(lane, 32 * q) if q else lane
+        row = k.div(c, cpr)
+        col16 = k.shl(k.sub(c, k.mul(row, cpr)), 4)
+        off = k.add(k.mul(k.sub(s.weight_row(row), s.row_base), s.lay["row_bytes"]), col16)  # may be < 0: s32
+        offs.append(k.bitcast(off, "s32"))
+        if U != G:
+            dsts.append(k.shl(k.add(c, row), 4))
+        oks.append(k.setp("lt", c, nchunks) if (q + 1) * 32 > nchunks else None)
+    packed = [k.or_(dsts[q], k.shl(dsts[q + 1], 16)) if q + 1 < nq else dsts[q] for q in range(0, len(dsts), 2)]
+    wrow = k.add(s.w, k.mul_wide(s.row_base, s.lay["row_bytes"]))
+    dst0 = k.add(s.ring, k.shl(lane, 4))
 
     def issue(j: Reg | int, slot_off: Reg | int, valid: Reg | None) -> None:
-        if s.tiled:
-            src = k.add(s.tile_src(j), src0)
-        else:
-            src = k.add(src0, k.mul_wide(j, G * kparts) if isinstance(j, Reg) else j * G * kparts)
-        dst = k.add(dst0, slot_off) if isinstance(slot_off, Reg) or slot_off else dst0
-        for i, ok in enumerate(oks):
-            off = 16 * lanes_per_row * i
-            k.cp_async(dst, src, pred=k.both(ok, valid), dst_offset=off, src_offset=off, **s.hints)
+        u = s.unit_of(j)
+        base = k.add(wrow, k.mul_wide(u, G) if isinstance(u, Reg) else u * G)
+        moved = isinstance(slot_off, Reg) or slot_off
+        ring = (k.add(s.ring, slot_off) if moved else s.ring) if U != G else None
+        plain = (k.add(dst0, slot_off) if moved else dst0) if U == G else None
+        for q, (off, ok) in enumerate(zip(offs, oks)):
+            src = k.add(base, k.cvt(off, "s64"))
+            if U == G:
+                k.cp_async(plain, src, pred=k.both(ok, valid), dst_offset=512 * q, **s.hints)
+                continue
+            word = packed[q // 2]
+            d = k.shr(word, 16) if q % 2 else k.and_(word, 0xFFFF) if q + 1 < nq else word
+            k.cp_async(k.add(ring, d), src, pred=k.both(ok, valid), **s.hints)
         k.cp_async_commit()
     return issue
 
