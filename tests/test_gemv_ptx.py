@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from ptx_gen import catalog
 from ptx_gen.kernels import gemv as gv
 from ptx_gen.kernels.gemv_mma import MMA_TYPES, tile_major
+from ptx_gen.kernels.gemv_mma_layout import BLOCK32
 from ptx_gen.kernels.quant_layout import DENSE, K_QUANTS, WEIGHT_TYPES, type_info
 from ptx_gen.ptxas import assemble
 from realizar.gpu.gemv import gemv_config
@@ -350,6 +351,49 @@ def test_gemv_mma_emulated_matches_oracle(wtype, out_dim, mtiles, kparts, stages
     assert err.max() < 1e-6, f"{wtype} {out_dim}x{in_dim} m{mtiles} p{kparts} s{stages} t{tiles}: error {err.max():.2e}"
 
 
+@settings(max_examples=40, deadline=None)
+@given(wtype=st.sampled_from(tuple(BLOCK32)), out_dim=st.integers(1, 70),
+       shape=st.sampled_from([(1, 8, 2), (1, 4, 2), (2, 4, 2), (1, 4, 1), (2, 2, 1), (3, 1, 2)]),
+       units=st.integers(1, 3), target=st.sampled_from(["sm_80", "sm_90", "sm_90 bulk"]),
+       layout=st.sampled_from(["rows", "tiles", "glu-tiles"]), scale=st.sampled_from([1e-3, 1.0, 500.0]),
+       solo=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_gemv_mma_block32_emulated_matches_oracle(wtype, out_dim, shape, units, target, layout, scale, solo, seed):
+    """The 32-value block types on the emulator: two blocks per pair of MMAs, both rows of a lane's digit
+    columns merged before one conversion, Q4_1 / Q5_1 rows padded in shared memory (tile-major stages by
+    cp.async into padded rows, or one bulk copy a row; GGUF rows by a lane a row), at the dispatcher's
+    shapes (8-warp CTAs, 4-warp ones for 14336 rows) and the fused gate/up GEMV; x from 1e-3 to 500 with
+    one outlier, outputs NaN-poisoned."""
+    mtiles, kparts, tiles = shape
+    glu = layout == "glu-tiles"
+    if glu:
+        tiles = 2
+    rng = np.random.default_rng(seed)
+    in_dim, mtiles, kparts, stages = fit_mma_shape(wtype, units, mtiles, kparts, 2, tiles, layout != "rows")
+    rows = 2 * out_dim if glu else out_dim
+    raw = random_weight(rng, wtype, rows, in_dim)
+    x = random_array(rng, in_dim, scale)
+    x[rng.integers(0, in_dim)] *= 300
+    k = catalog.emit("gemv_mma", target=target.split()[0], wtype=wtype, in_dim=in_dim, mtiles=mtiles, kparts=kparts,
+                     stages=stages, tiles=tiles, bulk=target.endswith("bulk"), tiled=layout != "rows", solo=solo,
+                     glu=glu)
+    mem = Memory()
+    wbytes = _pad16(raw) if layout == "rows" else tile_major(raw, wtype, rows, in_dim, glu=glu)
+    y = mem.alloc_array(np.full(out_dim, np.nan, np.float32))
+    params = dict(w=mem.alloc_array(wbytes), x=mem.alloc_array(x), y=y, out_dim=out_dim)
+    simt_run(k.ptx, grid=(-(-out_dim // k.meta["rows_per_cta"]),), block=(k.meta["block"],), params=params,
+             memory=mem, shared_bytes=k.meta["dyn_smem"])
+    got = mem.read(y, np.float32, out_dim)
+    w = dequant(raw, wtype, rows, in_dim).astype(np.float64)
+    assert np.isfinite(got).all(), "unwritten (NaN-poisoned) outputs"
+    if glu:
+        g, u = w[:out_dim] @ x, w[out_dim:] @ x
+        scl = (np.abs(g) + np.abs(w[:out_dim]) @ np.abs(x)) * (np.abs(u) + np.abs(w[out_dim:]) @ np.abs(x))
+        err = np.abs(got - silu(g) * u) / scl
+    else:
+        err = np.abs(got - w @ x.astype(np.float64)) / (np.abs(w) @ np.abs(x.astype(np.float64)))
+    assert err.max() < 1e-6, f"{wtype} {out_dim}x{in_dim} {shape} {target} {layout}: error {err.max():.2e}"
+
+
 @pytest.mark.parametrize("target", ["sm_80", "sm_90"])
 def test_gemv_mma_q6k_small_weights_are_exact(target):
     """Q6_K codes near 32 stand for small weights (the common case): the offset of 32 enters the
@@ -399,7 +443,7 @@ def test_mma_config_balances_the_grid():
     assert mma_config(576, 1536, "Q8_0") is None  # 36 CTAs on 132 SMs: the SIMT kernel
     assert not mma_config(4096, 4096, "Q6_K", 132, bulk_ok=True).bulk  # 2-byte aligned blocks: cp.async
     for out_dim, in_dim in ((4096, 14336), (14336, 4096), (4096, 4096), (6144, 4096), (28672, 4096), (2048, 8192)):
-        for wt in (wt for wt in MMA_TYPES if wt != "Q5_1"):  # (Q5_1: the SIMT kernel, see test_new_mma_types_policy)
+        for wt in MMA_TYPES:
             cfg = mma_config(out_dim, in_dim, wt, 132)
             ctas = -(-out_dim // (16 * cfg.tiles * cfg.mtiles))
             assert ctas / 132 / -(-ctas // 132) > 0.8, (out_dim, in_dim, wt, cfg)
@@ -418,13 +462,13 @@ def test_gemv_mma_dispatcher_picks_assemble_without_spills(wtype):
     """Every tensor-core launch shape the dispatcher picks at real decode shapes (and its widest warps at
     their 8-warp maximum) assembles for sm_80 and sm_90 (and tile-major for sm_89) without local-memory
     spills."""
-    from realizar.gpu.gemv import MMA_ONE_TILE, MmaConfig, mma_config
+    from realizar.gpu.gemv import MmaConfig, mma_config
     picks = {mma_config(o, i, wtype, 132) for o, i in ((4096, 14336), (14336, 4096), (4096, 4096), (28672, 4096),
                                                        (6144, 4096), (2048, 8192), (2048, 2048))}
     picks |= {mma_config(o, i, wtype, 132, glu=True) for o, i in ((14336, 4096), (8192, 2048))}
     picks.discard(None)
-    picks.add(MmaConfig(8, 1, 2, 1 if wtype in MMA_ONE_TILE else 2))
-    picks.add(MmaConfig(1, 8, 2, 1 if wtype in MMA_ONE_TILE else 2))
+    picks.add(MmaConfig(8, 1, 2, 2))
+    picks.add(MmaConfig(1, 8, 2, 2))
     for cfg in picks:
         in_dim = 14336 if 14336 % (256 * cfg.kparts) == 0 else 4096
         # GGUF rows on both targets; tile-major as LayerOps runs it (bulk copies and solo on sm_90)
@@ -568,23 +612,25 @@ def test_gemv_mma_offset_codes_are_exact(wtype, zero):
 
 
 def test_new_mma_types_policy():
-    """The tensor-core GEMV takes Q4_0, Q4_1, Q5_0, Q5_1 and Q5_K at the real decode shapes; Q5_0 / Q5_1
-    in 16-row warps only (their 32-row warps spill), hence no fused gate/up GEMV on tensor cores; Q5_1
-    stays on the SIMT kernel (slower on tensor cores as measured); on an
+    """The tensor-core GEMV takes Q4_0, Q4_1, Q5_0, Q5_1 and Q5_K at the real decode shapes, 32-row warps
+    and the fused gate/up GEMV included; where 8-warp CTAs of 32-row warps leave SMs idle (14336 rows:
+    112 CTAs on 132 SMs) Q4_0, Q5_0 and Q5_1 take the smaller CTAs that streamed fastest there
+    (bench_gemv --mma-sweep, H200); on an
     sm_90 device LayerOps stores them tile-major (Q5_K rows where Q4_K's are), and the emulated GEMV of
     such an upload matches the oracle."""
     from realizar import cuda
-    from realizar.gpu.gemv import MMA_ONE_TILE, MmaConfig, mma_config
+    from realizar.gpu.gemv import MmaConfig, mma_config
     from realizar.gpu.ops import LayerOps
-    assert mma_config(4096, 14336, "Q5_1", 132) is None
-    for wt in ("Q4_0", "Q4_1", "Q5_0", "Q5_K"):
+    for wt in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q5_K"):
         for o, i in ((4096, 14336), (14336, 4096), (4096, 4096), (28672, 4096)):
-            cfg = mma_config(o, i, wt, 132)
-            assert isinstance(cfg, MmaConfig) and (cfg.tiles == 1 or wt not in MMA_ONE_TILE), (wt, o, i, cfg)
-        assert (mma_config(14336, 4096, wt, 132, glu=True) is None) == (wt in MMA_ONE_TILE)
+            assert isinstance(mma_config(o, i, wt, 132), MmaConfig), (wt, o, i)
+        assert mma_config(4096, 14336, wt, 132) == MmaConfig(1, 8, 2, 2)
+        assert mma_config(14336, 4096, wt, 132, glu=True) is not None
+    for wt, cfg in (("Q4_0", MmaConfig(2, 4, 2, 2)), ("Q4_1", MmaConfig(4, 2, 2, 2)), ("Q5_0", MmaConfig(1, 4, 2, 2)),
+                    ("Q5_1", MmaConfig(1, 4, 2, 1)), ("Q5_K", MmaConfig(4, 2, 2, 2))):
+        assert mma_config(14336, 4096, wt, 132) == cfg, wt
     ops = LayerOps(cuda.EmulatedDevice(sm_count=132))
-    assert ops.weight_layout(4096, 14336, "Q5_1") == "rows"
-    for wt in ("Q4_0", "Q4_1", "Q5_0", "Q5_K"):
+    for wt in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q5_K"):
         assert ops.weight_layout(4096, 14336, wt) == "tiles"
         assert ops.mma_config(4096, 14336, wt, layout="tiles").solo
     assert ops.weight_layout(14336, 4096, "Q4_1") == "tiles"
@@ -592,7 +638,7 @@ def test_new_mma_types_policy():
     from types import SimpleNamespace
     small = LayerOps(cuda.EmulatedDevice(sm_count=2))
     rng = np.random.default_rng(9)
-    for wt in ("Q4_1", "Q5_0"):
+    for wt in ("Q4_1", "Q5_0", "Q5_1"):
         out_dim, in_dim = 64, 512
         raw = random_weight(rng, wt, out_dim, in_dim)
         from ptx_gen.ggml import GGMLType

@@ -120,6 +120,23 @@ def sweep_configs(wtype: str, in_dim: int, bulk_ok: bool = False) -> list[GemvCo
     return cfgs
 
 
+def mma_sweep_configs(wtype: str, out_dim: int, in_dim: int, ops) -> list[MmaConfig]:
+    """The tensor-core launch shapes of ``--mma-sweep``, timed on the tile-major weight: 16- and 32-row
+    warps over CTAs of 4 or 8 warps, 2-stage rings of cp.async or (sm_90) bulk copies; ``solo`` as the
+    dispatcher sets it."""
+    bulk_ok = ops.device.target.compute_capability >= (9, 0)
+    out = []
+    for tl, mt, kp in ((1, 1, 8), (1, 2, 4), (1, 4, 2), (1, 1, 4), (2, 1, 8), (2, 2, 4), (2, 4, 2), (2, 1, 4)):
+        for st, bulk in ((2, False),) + (((2, True),) if bulk_ok else ()):
+            try:
+                mma_layout(wtype, in_dim, mt, kp, st, tl, tiled=True)
+            except ValueError:
+                continue
+            ctas = -(-out_dim // (16 * tl * mt))
+            out.append(MmaConfig(mt, kp, st, tl, bulk, solo=ctas <= ops.sm_count))
+    return out
+
+
 def cfg_text(cfg: GemvConfig | MmaConfig) -> str:
     if isinstance(cfg, MmaConfig):
         return (f"mma m{cfg.mtiles} p{cfg.kparts} s{cfg.stages} t{cfg.tiles}" + (" bulk" if cfg.bulk else "")
@@ -139,7 +156,7 @@ def _copies(base: GpuWeight, n: int) -> list[GpuWeight]:
     return out
 
 
-def bench_type_shape(ops, stream, wtype, out_dim, in_dim, rng, sweep: bool, use_graph: bool):
+def bench_type_shape(ops, stream, wtype, out_dim, in_dim, rng, sweep: bool, use_graph: bool, mma_sweep: bool = False):
     """Each configuration timed on the layout it reads: the dispatcher's pick on the weight as
     ``LayerOps.upload`` stores it (tile-major for the tensor-core GEMV), the rest on GGUF rows."""
     raw = random_weight(rng, wtype, out_dim, in_dim)
@@ -170,10 +187,12 @@ def bench_type_shape(ops, stream, wtype, out_dim, in_dim, rng, sweep: bool, use_
     configs = [default] + ([simt] if simt != default else [])
     bulk_ok = ops.device.target.compute_capability >= (9, 0)
     configs += [c for c in sweep_configs(wtype, in_dim, bulk_ok) if c not in configs] if sweep else []
+    tiled_cfgs = mma_sweep_configs(wtype, out_dim, in_dim, ops) if mma_sweep and layout != "rows" else []
+    configs += [c for c in tiled_cfgs if c not in configs]
     results = []
     n_launch = max(n_copies(nbytes), 20)  # (every copy in the rotation: fewer could sit in the L2)
     for cfg in configs:
-        ws = copies[layout if cfg is default else "rows"]
+        ws = copies[layout if cfg is default or cfg in tiled_cfgs else "rows"]
         try:
             ok = check(cfg, ws[0])
             fns = [(lambda w=ws[i % len(ws)], c=cfg: ops.gemv(w, dx, dy, stream=stream, config=c))
@@ -243,6 +262,8 @@ def main() -> int:
     ap.add_argument("--shapes", default="", help="comma-separated labels' first words, e.g. 4096x4096,576x576")
     ap.add_argument("--quick", action="store_true", help="only the 4096/14336 shapes")
     ap.add_argument("--sweep", action="store_true", help="also time rows/warps alternatives to the default")
+    ap.add_argument("--mma-sweep", action="store_true",
+                    help="also time the tensor-core launch shapes on the tile-major weight (mma_sweep_configs)")
     ap.add_argument("--no-graph", action="store_true")
     ap.add_argument("--no-glu", action="store_true", help="skip the fused gate/up comparison")
     ap.add_argument("--no-pdl", action="store_true",
@@ -295,7 +316,8 @@ def main() -> int:
                              f"| | | |")
                 print(lines[-1])
                 continue
-            nbytes, results = bench_type_shape(ops, stream, wt, out_dim, in_dim, rng, a.sweep, not a.no_graph)
+            nbytes, results = bench_type_shape(ops, stream, wt, out_dim, in_dim, rng, a.sweep, not a.no_graph,
+                                               a.mma_sweep)
             if not results:
                 continue
             default = next((r for r in results if r[3]), None)
@@ -320,7 +342,7 @@ def main() -> int:
             lines.append(f"| {wt} | {label} | {nbytes / 1e6:.1f} | {us:.1f} | {gbs:.0f} | {gbs / (bw / 1e9) * 100:.0f}% | "
                          f"{rd:.1f} | {rd / us * 100:.0f}% | {cfg_txt} | {'ok' if all_ok else '**FAIL**'} | {tcol} |")
             print(lines[-1], flush=True)
-            if a.sweep:
+            if a.sweep or a.mma_sweep:
                 sweep_rows.append(f"| {wt} | {label} | " + ", ".join(
                     f"{cfg_text(c)}{'*' if d else ''} {t:.1f} ({pct(t):.0f}%){'' if k else ' **FAIL**'}"
                     for t, c, _, d, k in sorted(results, key=lambda r: r[0])) + " |")
@@ -329,7 +351,7 @@ def main() -> int:
     if not a.no_glu:
         lines += ["", "## Fused gate/up GEMV with SwiGLU epilogue vs two GEMVs + swiglu (ffn 14336, hidden 4096)", "",
                   "| type | two GEMVs + swiglu µs | fused µs | speed-up |", "|---|---:|---:|---:|"]
-        for wt in [t for t in ("Q4_K", "Q6_K", "Q8_0", "F16") if t in types]:
+        for wt in [t for t in ("Q4_K", "Q6_K", "Q8_0", "F16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q5_K") if t in types]:
             r = bench_glu(ops, stream, wt, 14336, 4096, rng, not a.no_graph)
             lines.append(f"| {wt} | {r[0]:.1f} | {r[1]:.1f} | {r[0] / r[1]:.2f}x |")
             print(lines[-1], flush=True)

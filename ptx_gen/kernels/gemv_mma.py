@@ -1,4 +1,4 @@
-"""Tensor-core GEMV ``y = W x (+ bias) (+ residual)`` for decode, W in Q4_K, Q8_0 or Q6_K blocks: the
+"""Tensor-core GEMV ``y = W x (+ bias) (+ residual)`` for decode, W in the blocks of ``MMA_TYPES``: the
 weights' integer codes go into exact int8 MMAs (``mma.m16n8k32.s32.s8.s8``), so decoding a weight
 costs a fraction of an instruction instead of a float conversion and an FMA each.
 
@@ -38,7 +38,11 @@ per block, scaled by the block's ``d`` in float. Q6_K (210-byte blocks, so a uni
 byte of a 16-byte chunk: the 14 chunks covering it are staged, words realigned with funnel shifts):
 the 6-bit codes are assembled from their ql/qh bits as unsigned bytes; each MMA pairs two 16-value
 sub-blocks, one per half of B's 8 columns, so every lane's sums carry one integer scale; the codes'
-offset of 32 enters exactly, as the MMA's accumulator input (:func:`_unit_q6k`).
+offset of 32 enters exactly, as the MMA's accumulator input (:func:`_unit_q6k`). The 32-value block
+types (Q4_0, Q4_1, Q5_0, Q5_1) pair two blocks per pair of MMAs as Q4_K pairs its sub-blocks, so that a
+lane's results carry one block scale (:func:`_unit_b32`); their 160- and 192-byte rows (Q4_1, Q5_1) are
+staged 16 bytes apart more than they are stored (``ROW_PAD``), so that the rows an A word load reads
+fall in distinct shared-memory banks.
 
 End: each row's sum is spread over the 4 lanes of its group (digit columns) and weighted by
 1, 256, 65536 and 2**24; with ``kparts > 1`` the parts meet in shared memory (one
@@ -61,6 +65,7 @@ from ptx_gen.kernels.gemv_mma_layout import (
     BLOCK32,
     MINS,
     MMA_TYPES,
+    PAIRED,
     PARTS,
     PLANE,
     Q6K_CHUNKS,
@@ -119,8 +124,12 @@ class _Warp:
     tile0: Reg | None = None  # tile-major: the warp's tile
 
     @property
-    def U(self) -> int:  # a staged row's bytes
+    def U(self) -> int:  # bytes between two staged rows in shared memory
         return self.lay["stride"]
+
+    @property
+    def G(self) -> int:  # a row's bytes of a unit in W (U less ROW_PAD)
+        return self.lay["unit"]
 
     @property
     def R(self) -> int:  # rows per warp
@@ -157,7 +166,7 @@ class _Warp:
     def tile_src(self, j: Reg | int) -> Reg:
         """Tile-major: the address of the warp's stage of its j-th unit."""
         k, u = self.k, self.unit_of(j)
-        return k.add(self.tile0, k.mul_wide(u, TILE_ROWS * self.U) if isinstance(u, Reg) else u * TILE_ROWS * self.U)
+        return k.add(self.tile0, k.mul_wide(u, TILE_ROWS * self.G) if isinstance(u, Reg) else u * TILE_ROWS * self.G)
 
 
 def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, bias: bool,
@@ -177,6 +186,12 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
             + ("_bias" if bias else "") + ("_res" if residual else ""))
     k = m.kernel(name, params)
     k.max_threads = 32 * warps  # .maxntid: ptxas keeps the registers within what the whole CTA can get
+    if wtype in BLOCK32 and (tiled or warps < 8):
+        # ptxas's own occupancy guess held some of these at 80 (8 warps, tile-major) or 96 registers (4
+        # warps) with spills: registers for two CTAs an SM, or for one where a second would not fit the
+        # shared memory (solo). (8-warp CTAs on GGUF rows keep ptxas's guess: two CTAs' worth spills
+        # Q4_0's 32-row warps on sm_80)
+        k.min_blocks = 1 if 2 * (lay["launch_smem"] + 1024) > 228 * 1024 else 2
     k.meta.update(block=32 * warps, rows_per_cta=(16 if glu else R) * mtiles, dyn_smem=lay["launch_smem"],
                   row_bytes=lay["row_bytes"], tiled=tiled)
     s = _prologue(k, lay, wtype, mtiles, kparts, stages, tiles, bulk, glu, tiled)
@@ -184,7 +199,8 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
     _fill_ring(s, issue)
     xs = _x_prologue(s)
     ctx = _lane_context(s)
-    acc = [[k.var("f32", 0.0) for _ in range(4)] for _ in range(tiles)]  # [g][2t], [g][2t+1], [g+8][2t], [g+8][2t+1]
+    # [g][2t], [g][2t+1], [g+8][2t], [g+8][2t+1] (the 32-value block types: [g], [g+8], see _unit_b32)
+    acc = [[k.var("f32", 0.0) for _ in range(2 if wtype in BLOCK32 else 4)] for _ in range(tiles)]
     minacc = k.var("f32", 0.0) if wtype in MINS else None  # lane r: row r's min term
     _main_loop(s, ctx, xs, issue, wait, acc, minacc)
     if not bulk:
@@ -207,7 +223,7 @@ def _prologue(k: KernelBuilder, lay: dict, wtype: str, mtiles: int, kparts: int,
     kp = k.div(warp, mtiles) if kparts > 1 else None
     last = k.sub(out_dim, 1)
     s = _Warp(k, lay, wtype, kparts, stages, tiles, bulk, glu, tiled, out_dim, lane, warp, row_base, kp, last)
-    U, R = s.U, s.R
+    R, G = s.R, s.G
     s.smem = k.dynamic_shared()
     s.ring = k.add(s.smem, k.add(k.mul(warp, stages * s.stage_bytes), lay["off"]["ring"]))
     s.w = w = k.global_ptr("w")
@@ -219,7 +235,7 @@ def _prologue(k: KernelBuilder, lay: dict, wtype: str, mtiles: int, kparts: int,
     k.global_ptr("y")
     # the warp's units of a row are kp, kp + kparts, kp + 2 kparts, ...: at any time the K parts of a
     # tile read neighbouring units, i.e. kparts * U contiguous bytes of each row
-    s.wbase = w if kp is None or wtype == "Q6_K" else k.add(w, k.mul_wide(kp, U))
+    s.wbase = w if kp is None or wtype == "Q6_K" else k.add(w, k.mul_wide(kp, G))
     if tiled:
         # W tile-major (tile_major): the warp's R rows of unit u are R U contiguous bytes of tile T, the
         # tile of its first row (glu: of its first output, 16 a tile). Stored like that, each stage is one
@@ -228,9 +244,9 @@ def _prologue(k: KernelBuilder, lay: dict, wtype: str, mtiles: int, kparts: int,
         # (warps whose rows all lie past out_dim read the last rows instead, and store nothing)
         rt = 16 if glu else R
         first = k.min(row_base, k.and_(last, (0xFFFFFFFF // rt) * rt))
-        s.tile0 = k.add(w, k.mul_wide(k.mul(k.shr(first, 4 if glu else 5), lay["units"]), TILE_ROWS * U))
-        if not glu and R < TILE_ROWS:  # 16-row warps: the second half of a tile starts 16 U in
-            s.tile0 = k.add(s.tile0, k.cvt(k.mul(k.and_(first, TILE_ROWS - 1), U), "u64"))
+        s.tile0 = k.add(w, k.mul_wide(k.mul(k.shr(first, 4 if glu else 5), lay["units"]), TILE_ROWS * G))
+        if not glu and R < TILE_ROWS:  # 16-row warps: the second half of a tile starts 16 G in
+            s.tile0 = k.add(s.tile0, k.cvt(k.mul(k.and_(first, TILE_ROWS - 1), G), "u64"))
     return s
 
 
@@ -246,6 +262,8 @@ def _weight_copies(s: _Warp):
         issue = _tiled_copies(s)
     elif s.wtype == "Q6_K":
         issue = _q6k_copies(s)
+    elif s.wtype in BLOCK32:
+        issue = _b32_row_copies(s)
     else:
         issue = _row_copies(s)
 
@@ -263,7 +281,7 @@ def _bulk_copies(s: _Warp):
     mbarrier, whose phase completes when they have all landed. Copies of 144-272 bytes are small for
     it: it pays where a warp has only a unit or two to stream, not on long rows, so the launch policy
     picks it by shape."""
-    k, lane, U, R, stages, kparts = s.k, s.lane, s.U, s.R, s.stages, s.kparts
+    k, lane, U, G, R, stages, kparts = s.k, s.lane, s.U, s.G, s.R, s.stages, s.kparts
     mbar = k.add(s.smem, k.add(k.mul(s.warp, 8 * stages), s.lay["off"]["mbar"]))
     lane0 = k.setp("eq", lane, 0)
     for i in range(stages):
@@ -271,20 +289,26 @@ def _bulk_copies(s: _Warp):
     k.fence_mbarrier_init()
     k.bar_warp_sync()
     row_lane = k.setp("lt", lane, R)
-    src_lane = k.add(s.wbase, k.mul_wide(s.weight_row(lane), s.lay["row_bytes"]))
+    if s.tiled:  # (padded rows: lane r copies row r of the tile's stage)
+        src_lane = k.cvt(k.mul(lane, G), "u64") if U != G else None
+    else:
+        src_lane = k.add(s.wbase, k.mul_wide(s.weight_row(lane), s.lay["row_bytes"]))
     dst_lane = k.add(s.ring, k.mul(lane, U))
 
     def issue(j: Reg | int, slot_off: Reg | int, valid: Reg | None) -> None:
         slot = _mod(k, j, stages) if isinstance(j, Reg) else j % stages
         mb = k.add(mbar, k.shl(slot, 3)) if isinstance(slot, Reg) else k.add(mbar, 8 * slot)
-        k.mbarrier_expect_tx(mb, R * U, pred=k.both(lane0, valid))
-        if s.tiled:  # the whole stage, one copy
+        k.mbarrier_expect_tx(mb, R * G, pred=k.both(lane0, valid))
+        if s.tiled and U == G:  # the whole stage, one copy
             k.cp_async_bulk(k.add(s.ring, slot_off) if isinstance(slot_off, Reg) or slot_off else s.ring,
                             s.tile_src(j), R * U, mb, pred=k.both(lane0, valid), policy=s.wpol)
             return
-        src = k.add(src_lane, k.mul_wide(j, U * kparts) if isinstance(j, Reg) else j * U * kparts)
         dst = k.add(dst_lane, slot_off) if isinstance(slot_off, Reg) or slot_off else dst_lane
-        k.cp_async_bulk(dst, src, U, mb, pred=k.both(row_lane, valid))
+        if s.tiled:  # padded rows in shared memory: one copy a row
+            k.cp_async_bulk(dst, k.add(s.tile_src(j), src_lane), G, mb, pred=k.both(row_lane, valid), policy=s.wpol)
+            return
+        src = k.add(src_lane, k.mul_wide(j, G * kparts) if isinstance(j, Reg) else j * G * kparts)
+        k.cp_async_bulk(dst, src, G, mb, pred=k.both(row_lane, valid))
 
     def wait(j: Reg) -> None:
         slot = _mod(k, j, stages)
@@ -295,8 +319,11 @@ def _bulk_copies(s: _Warp):
 
 def _tiled_copies(s: _Warp):
     """Tile-major cp.async: emits the lanes' chunk offsets and returns ``issue``. 16-byte chunk
-    c = lane + 32 q of the stage goes from the tile's bytes to the same offset in the ring."""
+    c = lane + 32 q of the stage goes from the tile's bytes to the same offset in the ring; with
+    padded rows (``ROW_PAD``) see :func:`_tiled_padded_copies`."""
     k, lane = s.k, s.lane
+    if s.U != s.G:
+        return _tiled_padded_copies(s)
     nchunks = s.R * s.U // 16
     lane16w = k.cvt(k.shl(lane, 4), "u64")
     dst0 = k.add(s.ring, k.shl(lane, 4))
@@ -308,6 +335,78 @@ def _tiled_copies(s: _Warp):
         dst = k.add(dst0, slot_off) if isinstance(slot_off, Reg) or slot_off else dst0
         for q, ok in enumerate(oks):
             k.cp_async(dst, src, pred=k.both(ok, valid), dst_offset=512 * q, src_offset=512 * q, **s.hints)
+        k.cp_async_commit()
+    return issue
+
+
+def _tiled_padded_copies(s: _Warp):
+    """Tile-major cp.async into rows padded to ``s.U`` bytes: chunk c = lane + 32 q of the stage is
+    read as :func:`_tiled_copies` reads it (each copy instruction one contiguous run of 512 bytes: one
+    scattered 16-byte piece a lane costs the load/store unit a request each) and lands at
+    16 c + 16 (c / (G / 16)) in the ring slot, its row's padding skipped. The lane keeps those offsets
+    (< 2**16) two to a register."""
+    k, lane, G = s.k, s.lane, s.G
+    cpr = G // 16
+    nchunks = s.R * cpr
+    nq = -(-nchunks // 32)
+    lane16w = k.cvt(k.shl(lane, 4), "u64")
+    offs, oks = [], []
+    for q in range(nq):
+        c = k.add(lane, 32 * q) if q else lane
+        offs.append(k.shl(k.add(c, k.div(c, cpr)), 4))
+        oks.append(k.setp("lt", c, nchunks) if (q + 1) * 32 > nchunks else None)
+    packed = [k.or_(offs[q], k.shl(offs[q + 1], 16)) if q + 1 < nq else offs[q] for q in range(0, nq, 2)]
+
+    def issue(j: Reg | int, slot_off: Reg | int, valid: Reg | None) -> None:
+        src = k.add(s.tile_src(j), lane16w)
+        base = k.add(s.ring, slot_off) if isinstance(slot_off, Reg) or slot_off else s.ring
+        for q, ok in enumerate(oks):
+            word = packed[q // 2]
+            off = k.shr(word, 16) if q % 2 else k.and_(word, 0xFFFF) if q + 1 < nq else word
+            k.cp_async(k.add(base, off), src, pred=k.both(ok, valid), src_offset=512 * q, **s.hints)
+        k.cp_async_commit()
+    return issue
+
+
+def _b32_row_copies(s: _Warp):
+    """The 32-value block types on GGUF rows (LayerOps stores them tile-major for this kernel, but a
+    tied output projection keeps the embedding's rows): chunk c = lane + 32 q of a unit is row
+    c / (G / 16), col c % (G / 16), as :func:`_row_copies` reads it (consecutive lanes, consecutive
+    chunks of a row), landing at 16 c (+ 16 (c / (G / 16)) past each padded row, see ``ROW_PAD``).
+    The source offsets are kept as 32-bit offsets from the warp's first row (64-bit ones, one per 32
+    chunks, crowded out these types' registers), the padded destinations two to a register."""
+    k, lane, G, U, kparts = s.k, s.lane, s.G, s.U, s.kparts
+    cpr = G // 16
+    nchunks = s.R * cpr
+    nq = -(-nchunks // 32)
+    offs, dsts, oks = [], [], []
+    for q in range(nq):
+        c = k.add(lane, 32 * q) if q else lane
+        row = k.div(c, cpr)
+        col16 = k.shl(k.sub(c, k.mul(row, cpr)), 4)
+        off = k.add(k.mul(k.sub(s.weight_row(row), s.row_base), s.lay["row_bytes"]), col16)  # may be < 0: s32
+        offs.append(k.bitcast(off, "s32"))
+        if U != G:
+            dsts.append(k.shl(k.add(c, row), 4))
+        oks.append(k.setp("lt", c, nchunks) if (q + 1) * 32 > nchunks else None)
+    packed = [k.or_(dsts[q], k.shl(dsts[q + 1], 16)) if q + 1 < nq else dsts[q] for q in range(0, len(dsts), 2)]
+    wrow = k.add(s.w, k.mul_wide(s.row_base, s.lay["row_bytes"]))
+    dst0 = k.add(s.ring, k.shl(lane, 4))
+
+    def issue(j: Reg | int, slot_off: Reg | int, valid: Reg | None) -> None:
+        u = s.unit_of(j)
+        base = k.add(wrow, k.mul_wide(u, G) if isinstance(u, Reg) else u * G)
+        moved = isinstance(slot_off, Reg) or slot_off
+        ring = (k.add(s.ring, slot_off) if moved else s.ring) if U != G else None
+        plain = (k.add(dst0, slot_off) if moved else dst0) if U == G else None
+        for q, (off, ok) in enumerate(zip(offs, oks)):
+            src = k.add(base, k.cvt(off, "s64"))
+            if U == G:
+                k.cp_async(plain, src, pred=k.both(ok, valid), dst_offset=512 * q, **s.hints)
+                continue
+            word = packed[q // 2]
+            d = k.shr(word, 16) if q % 2 else k.and_(word, 0xFFFF) if q + 1 < nq else word
+            k.cp_async(k.add(ring, d), src, pred=k.both(ok, valid), **s.hints)
         k.cp_async_commit()
     return issue
 
@@ -452,12 +551,14 @@ def _lane_context(s: _Warp) -> dict:
         ctx["b_q6"] = k.add(k.shl(g, 6), k.shl(t, 4))  # lane (g, t)'s B words: [m / 2][g][t][m % 2][2]
         ctx["t_gc"] = k.add(ctx["t_g"], k.shl(k.shr(t, 1), 5))  # its scales: class t / 2 of row g
         ctx["a_lane"] = k.add(k.mul(g, U), ctx["t4"])  # its A words: row g, bytes 4t + 16 m'
-    if wtype in ("Q4_K", "Q5_K"):
+    if wtype in PAIRED:
         ctx["t_gc"] = k.add(ctx["t_g"], k.shl(k.shr(t, 1), 4))  # lane (g, t)'s scales: class t / 2 of row g
-        ctx["t_gd"] = k.add(ctx["t_g"], k.add(k.shl(k.shr(t, 1), 2), 32))  # and its d / f
+        if wtype in ("Q4_K", "Q5_K"):
+            ctx["t_gd"] = k.add(ctx["t_g"], k.add(k.shl(k.shr(t, 1), 2), 32))  # and its d / f
         ctx["b_q4"] = k.add(k.shl(g, 5), k.shl(t, 3))  # its B words: [j][g][t][h]
         lo_cols = k.setp("lt", g, 4)  # columns 0..3 (class 0: B's k < 16), else 4..7 (k >= 16)
         ctx["b_mask"] = (k.selp(0xFFFFFFFF, 0, lo_cols, "u32"), k.selp(0, 0xFFFFFFFF, lo_cols, "u32"))
+    if wtype in ("Q4_K", "Q5_K"):
         ctx["ldm"] = k.add(k.mul(k.add(k.and_(lane, 7), k.shl(k.and_(k.shr(lane, 3), 1), 3)), U),
                            k.shl(k.shr(lane, 4), 4))
     return ctx
@@ -515,21 +616,27 @@ def _main_loop(s: _Warp, ctx: dict, xs: _XState, issue, wait, acc: list, minacc:
 def _row_sums(k: KernelBuilder, wtype: str, tiles: int, acc: list, minacc: Reg | None):
     """Emits each row's sum from the MMA accumulators: digit columns weighted 1, 256 (lane t = 0),
     65536 and 2**24 (t = 1), summed over the 4 lanes of the group; Q6_K's columns 4..7 (lanes t = 2, 3)
-    are the same digits of its second sub-block of each MMA; Q4_K subtracts the rows' min terms.
+    are the same digits of its second sub-block of each MMA; the 32-value block types keep one
+    accumulator a row in units of 1 (t % 2 = 0) or 65536 (t % 2 = 1); Q4_K subtracts the rows' min terms.
     Returns ``(sums, tid, lane, g, t)``, sums of rows g, g + 8 (, 16 + g, 24 + g)."""
     tid = k.tid()
     lane = k.and_(tid, 31)
     g, t = k.shr(lane, 2), k.and_(lane, 3)
     tt = k.and_(t, 1) if wtype not in Q8_DIGITS else t
-    t_is0, t_is1 = k.setp("eq", tt, 0), k.setp("eq", tt, 1)
-    w0 = k.selp(1.0, k.selp(65536.0, 0.0, t_is1, "f32"), t_is0, "f32")
-    w1 = k.selp(256.0, k.selp(16777216.0, 0.0, t_is1, "f32"), t_is0, "f32")
+    t_is0 = k.setp("eq", tt, 0)
     sums = []  # rows g, g + 8, 16 + g, 24 + g
-    for r in range(tiles):
-        for a0, a1 in ((acc[r][0], acc[r][1]), (acc[r][2], acc[r][3])):
-            sm = k.fma(a1, w1, k.mul(a0, w0))
-            sm = k.add(sm, k.shfl("bfly", sm, 1))
-            sums.append(k.add(sm, k.shfl("bfly", sm, 2)))
+    if wtype in BLOCK32:  # one accumulator a row, in units of digit 2 t' (see _unit_b32)
+        w = k.selp(1.0, 65536.0, t_is0, "f32")
+        pairs = [((a, w), None) for r in range(tiles) for a in acc[r]]
+    else:
+        t_is1 = k.setp("eq", tt, 1)
+        w0 = k.selp(1.0, k.selp(65536.0, 0.0, t_is1, "f32"), t_is0, "f32")
+        w1 = k.selp(256.0, k.selp(16777216.0, 0.0, t_is1, "f32"), t_is0, "f32")
+        pairs = [((a0, w0), (a1, w1)) for r in range(tiles) for a0, a1 in ((acc[r][0], acc[r][1]), (acc[r][2], acc[r][3]))]
+    for (a0, w0_), second in pairs:
+        sm = k.mul(a0, w0_) if second is None else k.fma(second[0], second[1], k.mul(a0, w0_))
+        sm = k.add(sm, k.shfl("bfly", sm, 1))
+        sums.append(k.add(sm, k.shfl("bfly", sm, 2)))
     if minacc is not None:  # lane r holds row r's min term
         sums = [k.sub(sm, k.shfl("idx", minacc, k.add(g, 8 * i) if i else g)) for i, sm in enumerate(sums)]
     return sums, tid, lane, g, t
@@ -610,11 +717,10 @@ def _grid_shapes() -> list[dict]:
     for sh in shapes:
         if sh["wtype"] == "Q6_K" and sh["in_dim"] == 256:
             sh["in_dim"] = 2048
-    # Q5_0 / Q5_1 (fifth bits from qh): 32-row warps spill, so 16-row warps only (and no glu)
-    shapes = [sh for sh in shapes if not (sh["wtype"] in ("Q5_0", "Q5_1") and sh.get("glu"))]
-    for sh in shapes:
-        if sh["wtype"] in ("Q5_0", "Q5_1"):
-            sh["tiles"] = 1
+    for wt in BLOCK32:  # the dispatcher's smaller CTAs for 14336 rows (B32_UNBALANCED), tile-major
+        shapes += [{"wtype": wt, "in_dim": 4096, "mtiles": 1, "kparts": 4, "stages": 2, "tiles": 2, "tiled": True},
+                   {"wtype": wt, "in_dim": 4096, "mtiles": 2, "kparts": 4, "stages": 2, "tiles": 2, "tiled": True},
+                   {"wtype": wt, "in_dim": 4096, "mtiles": 1, "kparts": 4, "stages": 2, "tiled": True}]
     return shapes
 
 

@@ -9,12 +9,13 @@ import numpy as np
 UNIT_BYTES = {"Q4_K": 144, "Q8_0": 272, "Q6_K": 210, "Q4_0": 144, "Q4_1": 160, "Q5_0": 176, "Q5_1": 192,
               "Q5_K": 176}  # bytes of 256 values of one row
 MMA_TYPES = tuple(UNIT_BYTES)
-# the types of 32-value blocks with 4-bit codes (and a fifth bit in qh): one MMA per block as Q8_0, their
-# x digits laid out as Q8_0's. Per type: block bytes, the offsets of qs, of the min m and of qh (None:
-# none), and the codes' offset (Q4_0: 8, Q5_0: 16; the types with a min have none)
+# the types of 32-value blocks with 4-bit codes (and a fifth bit in qh): two blocks per pair of MMAs, as
+# Q4_K's two sub-blocks, their x digits laid out as Q4_K's. Per type: block bytes, the offsets of qs, of
+# the min m and of qh (None: none), and the codes' offset (Q4_0: 8, Q5_0: 16; the types with a min have none)
 BLOCK32 = {"Q4_0": dict(bs=18, qs=2, m=None, qh=None, zero=8), "Q4_1": dict(bs=20, qs=4, m=2, qh=None, zero=0),
            "Q5_0": dict(bs=22, qs=6, m=None, qh=2, zero=16), "Q5_1": dict(bs=24, qs=8, m=2, qh=4, zero=0)}
-Q8_DIGITS = ("Q8_0",) + tuple(BLOCK32)  # x digits as Q8_0 lays them out
+Q8_DIGITS = ("Q8_0",)  # x digits as Q8_0 lays them out
+PAIRED = ("Q4_K", "Q5_K") + tuple(BLOCK32)  # x digits as Q4_K lays them out (pairs of 32 values per MMA)
 MINS = ("Q4_K", "Q5_K", "Q4_1", "Q5_1")  # types with a min term (sums of x per 32 values)
 # bytes between two rows of a staged unit: Q6_K copies the 14 aligned 16-byte chunks that cover a
 # block at any 2-byte phase into rows of 15 chunks (240 bytes: 60 words, so that the 8 rows of an MMA
@@ -28,17 +29,24 @@ MAX_DYN_SMEM = 227 * 1024
 # load them (1 KiB, see _x_lane_constants), the sums of x per 32 values and 1 / f. Q6_K: the B
 # fragments of its 8 MMAs as the lanes load them (see _unit_q6k), half of them zeros, then 1 / f
 PLANE = 272
-XSUM = {"Q4_K": 1024, "Q8_0": 4 * 272, "Q5_K": 1024, **{wt: 4 * 272 for wt in BLOCK32}}
+XSUM = {"Q4_K": 1024, "Q8_0": 4 * 272, "Q5_K": 1024, **{wt: 1024 for wt in BLOCK32}}
 INVF = {**{wt: XSUM[wt] + 32 for wt in XSUM}, "Q6_K": 2048}
 XSLOT = {wt: INVF[wt] + 16 for wt in INVF}
 # per warp and row, per unit: 8 int32 sub-block scales and d / f (Q4_K), 8 block scales d / f (Q8_0),
 # or 16 int32 sub-block scales (as the two lane classes use them) and d / f (Q6_K); Q5_K as Q4_K; the
-# 32-value block types: 8 block scales d / f, then (Q5_0, Q5_1) the 8 blocks' qh words
-TABLE_ROW = {"Q4_K": 48, "Q8_0": 48, "Q6_K": 80, "Q5_K": 48, "Q4_0": 48, "Q4_1": 48, "Q5_0": 64, "Q5_1": 64}
+# 32-value block types: 8 block scales d / f (even blocks, then odd ones: a lane's four in one load), then
+# (Q5_0, Q5_1) the 8 blocks' qh words
+# (Q5_0, Q5_1: 80 bytes, not 64: the lanes of a group read their row's qh words, and rows 16 words apart
+# would put every other row in the same banks)
+TABLE_ROW = {"Q4_K": 48, "Q8_0": 48, "Q6_K": 80, "Q5_K": 48, "Q4_0": 48, "Q4_1": 48, "Q5_0": 80, "Q5_1": 80}
 TILE_ROWS = 32  # rows of a tile of tile-major weights (tile_major)
 # bytes of a row's unit in a tile: Q6_K's 210 padded to 212, so that every row starts on a word (its
 # words then load as they are, with no second load and funnel shift, worth the 1% more bytes)
 TILE_UNIT = {**UNIT_BYTES, "Q6_K": 212}
+# bytes added after each staged row of a unit in shared memory (not in W): the 8 rows an A word load
+# reads (rows g of a tile, word t of a block) then fall in distinct banks. Q4_1's 160-byte rows (40
+# words) would put rows g and g + 4 in the same banks, Q5_1's 192 (48 words) rows g, g + 2, g + 4, g + 6
+ROW_PAD = {"Q4_1": 16, "Q5_1": 16}
 # shared memory a ``solo`` CTA asks for, so that no second CTA fits its SM (two need 2 x (this + 1 KiB)
 # > 228 KiB): where two CTAs of one long-K launch (or of two launches under programmatic dependent
 # launch) share an SM while other SMs idle, the launch takes as long as those two CTAs in a row
@@ -55,7 +63,8 @@ def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, tiles
            solo: bool = False) -> dict:
     """Validated shape and the dynamic shared-memory layout (byte offsets) of a variant (``tiles``:
     16-row MMA tiles per warp; ``tiled``: W tile-major, see :func:`tile_major`; ``solo``: at least
-    ``SOLO_SMEM`` bytes, so that one CTA holds an SM)."""
+    ``SOLO_SMEM`` bytes, so that one CTA holds an SM). ``stride``: bytes between two staged rows of a
+    unit in shared memory; ``unit``: a row's bytes of a unit in W (the two differ by ``ROW_PAD``)."""
     if wtype not in UNIT_BYTES:
         raise ValueError(f"the tensor-core GEMV handles {MMA_TYPES}, not {wtype}")
     if mtiles not in range(1, 9) or kparts not in (1, 2, 4, 8) or tiles not in (1, 2) or mtiles * kparts > 8:
@@ -72,6 +81,7 @@ def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, tiles
         raise ValueError(f"the tensor-core Q6_K GEMV needs in_dim a multiple of 2048, got {in_dim}")
     warps = mtiles * kparts
     unit = TILE_UNIT[wtype] if tiled else STRIDE[wtype]  # (tile-major: a stage is its tile's bytes as they are)
+    stride = unit + ROW_PAD.get(wtype, 0)
     rows = 16 * tiles
     off = {}
     pos = 0
@@ -81,7 +91,7 @@ def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, tiles
         off[name] = pos
         pos += -(-nbytes // 16) * 16
 
-    take("ring", warps * stages * rows * unit)
+    take("ring", warps * stages * rows * stride)
     take("xbuf", warps * 2 * XSLOT[wtype])
     take("table", warps * rows * TABLE_ROW[wtype])
     take("red", warps * rows * 4 if kparts > 1 else 0)
@@ -90,7 +100,7 @@ def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, tiles
         raise ValueError(f"{wtype} rows of {in_dim} with mtiles={mtiles}, kparts={kparts}, stages={stages}, "
                          f"tiles={tiles} need {pos} bytes of shared memory, more than {MAX_DYN_SMEM}: fewer warps or "
                          f"stages")
-    return dict(stride=unit, units=in_dim // 256, per_warp=in_dim // 256 // kparts, warps=warps, smem=pos, off=off,
+    return dict(stride=stride, unit=unit, units=in_dim // 256, per_warp=in_dim // 256 // kparts, warps=warps, smem=pos, off=off,
                 row_bytes=in_dim // 256 * UNIT_BYTES[wtype], rows=rows, launch_smem=max(pos, SOLO_SMEM) if solo else pos)
 
 

@@ -7,7 +7,7 @@ import contextlib
 
 from ptx_gen.builder import KernelBuilder, Reg
 from ptx_gen.kernels import quant_layout as ql
-from ptx_gen.kernels.gemv_mma_layout import BLOCK32, INVF, MINS, PLANE, XSUM
+from ptx_gen.kernels.gemv_mma_layout import BLOCK32, INVF, MINS, PAIRED, PLANE, XSUM
 
 def _mod(k: KernelBuilder, j: Reg, n: int) -> Reg:
     return k.and_(j, n - 1) if n & (n - 1) == 0 else k.rem(j, n)
@@ -41,20 +41,19 @@ def _x_lane_constants(k: KernelBuilder, wtype: str, lane: Reg) -> dict:
                      k.add(k.shl(k.and_(lane, 3), 4), k.shl(k.and_(k.shr(lane, 2), 1), 3)))
         return {"woff": woff, "lane0": k.setp("eq", lane, 0), "plane": 64, "half": 1024}
     c, u = k.shr(lane, 3), k.and_(lane, 7)
-    if wtype in ("Q4_K", "Q5_K"):
+    if wtype in PAIRED:
         # quad q = 16 j + 8 c + 4 h + t (pair j, class c) feeds MMA 2 j + h, lane t, as column class c:
-        # digit d at word [j][4 c + d][t][h] (no zero words: _unit_q4k masks them in), the 8 sums of x
-        # per 32 values after the fragments
+        # digit d at word [j][4 c + d][t][h] (no zero words: the unit bodies mask them in), and (types
+        # with mins) the 8 sums of x per 32 values after the fragments
         woff = k.add(k.add(k.shl(k.shr(lane, 4), 8), k.shl(k.and_(c, 1), 7)),
                      k.add(k.shl(k.and_(lane, 3), 3), k.shl(k.and_(k.shr(lane, 2), 1), 2)))
-        return {"woff": woff, "lane0": k.setp("eq", lane, 0), "plane": 32, "half": 512,
-                "sum_off": k.add(k.shl(c, 2), XSUM[wtype]), "sum_lane": k.setp("eq", u, 0)}
+        xc = {"woff": woff, "lane0": k.setp("eq", lane, 0), "plane": 32, "half": 512}
+        if wtype in MINS:
+            xc.update(sum_off=k.add(k.shl(c, 2), XSUM[wtype]), sum_lane=k.setp("eq", u, 0))
+        return xc
     woff = k.add(k.add(k.shl(k.shr(c, 1), 6), k.shl(k.and_(u, 3), 4)),
                  k.add(k.shl(k.and_(c, 1), 3), k.shl(k.shr(u, 2), 2)))
-    xc = {"woff": woff, "lane0": k.setp("eq", lane, 0), "plane": PLANE, "half": 128}
-    if wtype in MINS:  # (Q4_1, Q5_1) the sums of x per block, after the digit planes
-        xc.update(sum_off=k.add(k.shl(c, 2), XSUM[wtype]), sum_lane=k.setp("eq", u, 0))
-    return xc
+    return {"woff": woff, "lane0": k.setp("eq", lane, 0), "plane": PLANE, "half": 128}
 
 
 def _load_x(k: KernelBuilder, x: Reg, lane16: Reg, unit: Reg | int, valid: Reg | None, into: list | None = None) -> list:
@@ -327,23 +326,36 @@ def _unit_b32(k: KernelBuilder, wtype: str, c: dict, sbase: Reg, xslot: Reg, acc
     """Eight blocks of 32 values (Q4_0, Q4_1, Q5_0, Q5_1; GGUF's bytes, :data:`BLOCK32`) of the warp's
     rows, staged at ``sbase``.
 
-    One MMA a block, as Q8_0: k is the value's index in the block, so lane (g, t)'s A words are the
-    low nibbles (k 4t..) and high nibbles (k 16 + 4t..) of the block's qs word t, of rows g and g + 8,
-    as unsigned bytes; the fifth bits (Q5_0, Q5_1) are bits 4t.. and 16 + 4t.. of its qh, moved to
-    bit 4 of each byte. B's columns 0..3 are the four digits of the block's x. Q4_0 / Q5_0's offset
-    (codes stand for q - 8 / q - 16) enters exactly as the accumulator input: an MMA of -8 (-16) in
-    every byte of A with the same B, once per block for the warp (as Q6_K's). Q4_1 / Q5_1's min adds
-    ``m sum(x over the block)`` per row, from the sums of x per block kept in the x slot, by the lane
-    of the row (subtracted from its negative in :func:`_row_sums`, as Q4_K's)."""
+    Two blocks per pair of MMAs, as Q4_K's two sub-blocks: MMA h (h = 0, 1) of pair p takes values
+    16 h .. 16 h + 15 of block 2 p as k 0..15 and the same values of block 2 p + 1 as k 16..31, against
+    the digits of block 2 p's x in B's columns 0..3 (zero at k >= 16) and of block 2 p + 1's in columns
+    4..7 (zero at k < 16) (x laid out as Q4_K's). Lane (g, t)'s A words are the low (h = 0: values
+    4t..) or high (h = 1: values 16 + 4t..) nibbles of qs word t of both blocks, rows g and g + 8, as
+    unsigned bytes; the fifth bits (Q5_0, Q5_1) are bits 16 h + 4t.. of the block's qh, moved to bit 4
+    of each byte. Both MMAs of a pair accumulate into one result: the lanes t = 0, 1 then hold block
+    2 p's digit sums, t = 2, 3 block 2 p + 1's, so each lane weights its results by one block scale
+    (half the float work of an MMA a block, whose lanes t = 2, 3 held zero columns). A lane's two
+    columns (digits 2 t' and 2 t' + 1, t' = t % 2) of a row are first merged into one integer,
+    ``lo + 256 hi`` (< 2**26), rounded once to float32, so one conversion and one FMA a row
+    (``acc[r]``: rows g, g + 8, see :func:`_row_sums`). Q4_0 / Q5_0's
+    offset (codes stand for q - 8 / q - 16) enters exactly as the accumulator input: the MMAs of -8
+    (-16) in every byte of A with the same B, once per pair for the warp (as Q6_K's). Q4_1 / Q5_1's
+    min adds ``m sum(x over the block)`` per row, from the sums of x per block kept in the x slot, by
+    the lane of the row (subtracted from its negative in :func:`_row_sums`, as Q4_K's)."""
     f = BLOCK32[wtype]
     U, TR, bs = c["U"], c["TR"], f["bs"]
-    # the table: lane r converts row r's 8 block scales d / f (and gathers its qh words, adds its mins)
+    # the table: lane r converts row r's 8 block scales d / f (even blocks, then odd ones), gathers its
+    # qh words and adds its mins
     with _lanes_with_rows(k, c):
         inv_f = k.load("shared", "f32", xslot, INVF[wtype])  # the unit's x digits are x f
         row = k.add(sbase, c["row_stage"])
-        ds = [k.mul(ql.lds_f16(k, row, bs * i), inv_f) for i in range(8)]
-        k.store("shared", "f32", c["t_mine"], ds[:4])
-        k.store("shared", "f32", c["t_mine"], ds[4:], 16)
+        if f["m"] is not None:  # (Q4_1, Q5_1: d and m are the block's first word)
+            dms = [k.unpack_b32(k.load("shared", "u32", row, bs * i)) for i in range(8)]
+            ds = [k.mul(k.cvt(Reg(d_.name, ql._f16), "f32"), inv_f) for d_, _ in dms]
+        else:
+            ds = [k.mul(ql.lds_f16(k, row, bs * i), inv_f) for i in range(8)]
+        k.store("shared", "f32", c["t_mine"], ds[0::2])
+        k.store("shared", "f32", c["t_mine"], ds[1::2], 16)
         if f["qh"] is not None:
             qhs = [_word(k, row, bs * i + f["qh"]) for i in range(8)]
             k.store("shared", "u32", c["t_mine"], qhs[:4], 32)
@@ -352,30 +364,37 @@ def _unit_b32(k: KernelBuilder, wtype: str, c: dict, sbase: Reg, xslot: Reg, acc
             sx = [v for o in (0, 16) for v in k.load("shared", "f32", xslot, XSUM[wtype] + o, vec=4)]
             msum = None
             for i in range(8):
-                mi = ql.lds_f16(k, row, bs * i + f["m"])
+                mi = k.cvt(Reg(dms[i][1].name, ql._f16), "f32")
                 msum = k.mul(mi, sx[i]) if msum is None else k.fma(mi, sx[i], msum)
             k.assign(minacc, k.sub(minacc, msum))
     k.bar_warp_sync()
     rg_t = k.add(k.add(sbase, k.mul(c["g"], U)), c["t4"])
-    bj = k.add(xslot, c["b_lane"])
-    b = None
-    for blk in range(8):
-        if blk % 2 == 0:
-            b = k.load("shared", "u32", bj, 32 * blk, vec=4, pred=c["b_ok"], other=0)
-        bb = b[0:2] if blk % 2 == 0 else b[2:4]
+    # lane (g, t)'s block scales: class t / 2 of rows g and g + 8, one per pair
+    scl = []
+    for p in range(4):
+        if p % 2 == 0:  # (two pairs' scales at a time: fewer live registers)
+            scl = [k.load("shared", "f32", c["t_gc"], (16 * r + h) * TR + 4 * p, vec=2) for r in range(c["tiles"])
+                   for h in (0, 8)]
+        w0, w1 = k.load("shared", "u32", k.add(xslot, c["b_q4"]), 256 * p, vec=2)
+        bfr = [k.and_(w, m) for w in (w0, w1) for m in c["b_mask"]]  # MMA 0's (b0, b1), then MMA 1's
         cin = c["zeros"]
-        if f["zero"]:  # -zero times the block's sums of x digits, per column
-            cin = k.mma_s8([c["minus_zero"]] * 4, bb, c["zeros"])
+        if f["zero"]:  # -zero times the blocks' sums of x digits, per column
+            cin = k.mma_s8([c["minus_zero"]] * 4, bfr[0:2], cin)
+            cin = k.mma_s8([c["minus_zero"]] * 4, bfr[2:4], cin)
         for r in range(c["tiles"]):
-            ws = [_word(k, rg_t, 16 * r * U + roff + bs * blk + f["qs"]) for roff in (0, 8 * U)]
-            lo = [k.and_(w, 0x0F0F0F0F) for w in ws]
-            hi = [k.and_(k.shr(w, 4), 0x0F0F0F0F) for w in ws]
-            if f["qh"] is not None:  # the block's qh words of rows 16 r + g, 16 r + 8 + g
-                hq = [k.load("shared", "u32", c["t_g"], (16 * r + h) * TR + 32 + 4 * blk) for h in (0, 8)]
+            # qs word t of blocks 2p, 2p + 1 of rows 16 r + g, 16 r + 8 + g: [row g: b0, b1, row g + 8: b0, b1]
+            ws = [_word(k, rg_t, 16 * r * U + roff + bs * (2 * p + cc) + f["qs"]) for roff in (0, 8 * U) for cc in (0, 1)]
+            words = [ws[0], ws[2], ws[1], ws[3]]  # A's order: rows g, g + 8 of block 2p, then of 2p + 1
+            lo = [k.and_(w, 0x0F0F0F0F) for w in words]
+            hi = [k.and_(k.shr(w, 4), 0x0F0F0F0F) for w in words]
+            if f["qh"] is not None:  # the blocks' qh words, in A's order
+                q0 = k.load("shared", "u32", c["t_g"], 16 * r * TR + 32 + 8 * p, vec=2)
+                q8 = k.load("shared", "u32", c["t_g"], (16 * r + 8) * TR + 32 + 8 * p, vec=2)
+                hq = [q0[0], q8[0], q0[1], q8[1]]
                 lo = [k.or_(v, _spread_bit4(k, h, c["t4"])) for v, h in zip(lo, hq)]
                 hi = [k.or_(v, _spread_bit4(k, h, c["t4_16"])) for v, h in zip(hi, hq)]
-            d = k.mma_s8([lo[0], lo[1], hi[0], hi[1]], bb, cin, a_unsigned=True)
-            sg = k.load("shared", "f32", c["t_g"], 16 * r * TR + 4 * blk)
-            sg8 = k.load("shared", "f32", c["t_g"], (16 * r + 8) * TR + 4 * blk)
-            for n, s in ((0, sg), (1, sg), (2, sg8), (3, sg8)):  # |d| <= 32 * 31 * 128 + 16 * 32 * 128 < 2**22
-                k.assign(acc[r][n], k.fma(s, _exact_float(k, d[n]), acc[r][n]))
+            d = k.mma_s8(lo, bfr[0:2], cin, a_unsigned=True)
+            d = k.mma_s8(hi, bfr[2:4], d, a_unsigned=True)
+            for h in range(2):  # rows g, g + 8: |d| <= 2 * 16 * 31 * 128 + 16 * 32 * 128 < 2**17
+                v = k.mad(k.bitcast(d[2 * h + 1], "s32"), 256, k.bitcast(d[2 * h], "s32"))
+                k.assign(acc[r][h], k.fma(scl[2 * r + h][p % 2], k.cvt(v, "f32"), acc[r][h]))

@@ -17,7 +17,7 @@ from typing import Any
 
 from ptx_gen.kernels.gemv import MAX_STATIC_SMEM, shared_bytes, tiles_per_slice
 from ptx_gen.kernels.gemv_mma import MMA_TYPES, SOLO_SMEM, q6k_glu_offsets_fit
-from ptx_gen.kernels.gemv_mma_layout import Q8_DIGITS
+from ptx_gen.kernels.gemv_mma_layout import BLOCK32
 from ptx_gen.kernels.gemv_mma import layout as mma_layout
 from ptx_gen.kernels.quant_layout import type_info
 from realizar.errors import ShapeError
@@ -44,12 +44,29 @@ TARGET_WARPS_PER_SM = 24
 # kernel converts every unit of x it uses, a cost that grows with the rows
 Q6K_MANY_ROWS_PER_SM = 256
 MMA_EXTRA_CTA = 0.1  # the tensor-core GEMV dispatcher's cost of each further CTA on an SM
-# types whose 32-row warps (tiles=2) spill on sm_80/sm_89 (their fifth bits take registers): 16-row
-# warps only, so no fused gate/up GEMV on tensor cores either
-MMA_ONE_TILE = ("Q5_0", "Q5_1")
 # types the tensor-core kernel handles but streams slower than the SIMT one (bench_gemv, H200): the
 # dispatcher leaves them on the SIMT kernel (a forced MmaConfig still runs it)
-MMA_SLOWER = ("Q5_1",)
+MMA_SLOWER: tuple[str, ...] = ()
+
+
+
+@dataclass(frozen=True)
+class MmaConfig:
+    """Launch shape of the tensor-core GEMV (:mod:`ptx_gen.kernels.gemv_mma`)."""
+
+    mtiles: int  # warps along the rows of a CTA
+    kparts: int  # warps sharing those rows, each one part of K
+    stages: int  # cp.async ring depth per warp (units of 256 values)
+    tiles: int = 1  # 16-row MMA tiles per warp
+    bulk: bool = False  # sm_90: fill the ring with bulk copies (cp.async.bulk + mbarrier)
+    solo: bool = False  # shared memory raised so that one CTA holds an SM (see gemv_mma.SOLO_SMEM)
+
+
+# where the 8-warp pick keeps less than B32_BALANCE of the SMs' time busy (busiest SM vs the mean), these
+# 32-value block types take the shape that streamed fastest at 14336 x 4096 (bench_gemv --mma-sweep,
+# H200; Q4_1 keeps the 8-warp pick)
+B32_BALANCE = 0.9
+B32_UNBALANCED = {"Q4_0": MmaConfig(2, 4, 2, 2), "Q5_0": MmaConfig(1, 4, 2, 2), "Q5_1": MmaConfig(1, 4, 2, 1)}
 
 
 @functools.lru_cache(maxsize=None)  # pure, and asked at every eager GEMV launch
@@ -102,43 +119,30 @@ def gemv_config(out_dim: int, sm_count: int = 132, in_dim: int | None = None, wt
     return GemvConfig(rows, max(4, ks), ks)
 
 
-@dataclass(frozen=True)
-class MmaConfig:
-    """Launch shape of the tensor-core GEMV (:mod:`ptx_gen.kernels.gemv_mma`)."""
-
-    mtiles: int  # warps along the rows of a CTA
-    kparts: int  # warps sharing those rows, each one part of K
-    stages: int  # cp.async ring depth per warp (units of 256 values)
-    tiles: int = 1  # 16-row MMA tiles per warp
-    bulk: bool = False  # sm_90: fill the ring with bulk copies (cp.async.bulk + mbarrier)
-    solo: bool = False  # shared memory raised so that one CTA holds an SM (see gemv_mma.SOLO_SMEM)
-
-
 @functools.lru_cache(maxsize=None)  # pure, and asked at every eager GEMV launch
 def mma_config(out_dim: int, in_dim: int, wtype: str, sm_count: int = 132,
                max_smem: int = 227 * 1024, bulk_ok: bool = False, glu: bool = False) -> MmaConfig | None:
     """The tensor-core GEMV's launch shape for ``out_dim`` rows of ``in_dim`` values, or None where it
     does not apply (types other than those of ``MMA_TYPES``, rows not a multiple of 256 values, or of
-    2048 for Q6_K; Q5_0 / Q5_1 gate/up weights) or would keep fewer than half the SMs busy (small GEMVs: the SIMT kernel starts faster).
+    2048 for Q6_K) or would keep fewer than half the SMs busy (small GEMVs: the SIMT kernel starts faster).
 
     CTAs of 8 warps with a 2-stage ring; warps of 32 rows (each unit of x a warp converts serves twice
     the rows) split K in ``kparts`` so that the grid is balanced over the SMs (the busiest SM runs
     ``ceil(ctas / sm_count)`` CTAs), each CTA beyond the first on an SM costing ``MMA_EXTRA_CTA`` (one
     CTA streaming many units per warp beats several short ones). Among shapes scoring within 2% of the
-    best: 32-row warps, then fewer CTAs per SM. With ``bulk_ok`` (sm_90) warps that stream at most two
-    units use bulk copies. ``glu``: the fused gate/up GEMV of ``out_dim`` outputs (2 out_dim weight
-    rows; a warp takes 16 outputs' gate and up rows, so 32-row warps only)."""
+    best: 32-row warps, then fewer CTAs per SM. The 32-value block types of ``B32_UNBALANCED`` take its
+    shape where that pick balances the SMs worse than ``B32_BALANCE``. With ``bulk_ok`` (sm_90)
+    warps that stream at most two units use bulk copies. ``glu``: the fused gate/up GEMV of ``out_dim``
+    outputs (2 out_dim weight rows; a warp takes 16 outputs' gate and up rows, so 32-row warps only)."""
     if wtype not in MMA_TYPES or wtype in MMA_SLOWER or in_dim % 256:
         return None
     units = in_dim // 256
-    if glu and wtype in MMA_ONE_TILE:
-        return None
     if wtype == "Q6_K" and out_dim >= Q6K_MANY_ROWS_PER_SM * sm_count:
         return None
     if wtype == "Q6_K" and glu and not q6k_glu_offsets_fit(out_dim, in_dim):
         return None
     cands = []
-    tile_opts = (2,) if glu else (1,) if wtype in MMA_ONE_TILE else (1, 2)
+    tile_opts = (2,) if glu else (1, 2)
     for tiles, (mtiles, kparts) in itertools.product(tile_opts, ((1, 8), (2, 4), (4, 2), (8, 1))):
         if units % kparts:
             continue
@@ -157,6 +161,13 @@ def mma_config(out_dim: int, in_dim: int, wtype: str, sm_count: int = 132,
     *_, ctas, best = max((c for c in cands if c[0] >= top - 0.02), key=lambda c: c[1:3])
     if ctas < sm_count // 2:
         return None  # under half the SMs busy: the SIMT kernel is faster
+    if (wtype in B32_UNBALANCED and not glu and units % 4 == 0
+            and ctas / (sm_count * -(-ctas // sm_count)) < B32_BALANCE):
+        # (e.g. 14336 rows: 112 CTAs of 128 rows on 132 SMs) the 32-value block types, whose unit
+        # bodies keep an SM's issue slots busier than Q4_K's, lose the idle SMs' share: smaller CTAs,
+        # several an SM, balance the grid
+        best = B32_UNBALANCED[wtype]
+        ctas = -(-out_dim // (16 * best.tiles * best.mtiles))
     if bulk_ok and wtype != "Q6_K" and units // best.kparts <= 2:  # (Q6_K blocks are only 2-byte aligned)
         best = dataclasses.replace(best, bulk=True)
     return best
@@ -182,7 +193,7 @@ class GemvOps(Dispatcher):
             return cfg
         ctas = -(-out_dim // ((16 if glu else 16 * cfg.tiles) * cfg.mtiles))
         bulk = cc >= (9, 0) and (wtype == "Q6_K" or (wtype in ("Q4_K", "Q5_K") and cfg.mtiles == 1)
-                                 or (wtype in Q8_DIGITS and in_dim // 256 // cfg.kparts <= 2))
+                                 or ((wtype == "Q8_0" or wtype in BLOCK32) and in_dim // 256 // cfg.kparts <= 2))
         # (solo only where a CTA may ask for that much: not on sm_86/sm_89, whose limit is 99 KiB)
         return dataclasses.replace(cfg, bulk=bulk, solo=ctas <= self.sm_count and SOLO_SMEM <= max_smem)
 

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from ptx_gen.kernels.gemv import MAX_STATIC_SMEM, shared_bytes
 from ptx_gen.kernels.gemv_mma import MMA_TYPES
+from ptx_gen.kernels.gemv_mma_layout import BLOCK32
 from ptx_gen.kernels.quant_layout import DENSE, K_QUANTS, WEIGHT_TYPES
 from realizar import cuda
 from realizar.errors import ShapeError
@@ -132,6 +133,28 @@ def test_gemv_mma_matches_float64_oracle(ops, data, wtype, out_dim, mtiles, kpar
     _check_gemv(dy.to_numpy(), ref, scl, f"{wtype} {out_dim}x{in_dim} {cfg} scale={scale} spikes={spikes}")
 
 
+@settings(max_examples=40, deadline=None)
+@given(wtype=st.sampled_from(tuple(BLOCK32)), out_dim=st.integers(1, 700), mtiles=st.integers(1, 8),
+       kparts=st.sampled_from([1, 2, 4, 8]), stages=st.sampled_from([2, 3, 4]), tiles=st.sampled_from([1, 2]),
+       units=st.integers(1, 7), bulk=st.booleans(), tiled=st.booleans(), scale=st.sampled_from([1e-4, 1.0, 3e3]),
+       spikes=st.integers(0, 4), seed=st.integers(0, 2**32 - 1))
+def test_gemv_mma_block32_matches_float64_oracle(ops, wtype, out_dim, mtiles, kparts, stages, tiles, units, bulk,
+                                                 tiled, scale, spikes, seed):
+    """The 32-value block types on tensor cores (two blocks per pair of MMAs; Q4_1 / Q5_1 rows padded in
+    shared memory, copied row by row with bulk copies) at every launch shape, W on GGUF rows or tile-major."""
+    in_dim, mtiles, kparts, stages = fit_mma_shape(wtype, units, mtiles, kparts, stages, tiles, tiled)
+    rng = np.random.default_rng(seed)
+    raw = random_weight(rng, wtype, out_dim, in_dim)
+    x = _activation(rng, in_dim, scale, spikes)
+    w = GpuWeight(data=raw, ggml_type=wtype, shape=(out_dim, in_dim), layout="tiles" if tiled else "rows")
+    dy = _poisoned(out_dim)
+    cfg = MmaConfig(mtiles, kparts, stages, tiles, _bulk(ops, bulk, wtype, tiled), tiled and out_dim <= 4096)
+    ops.gemv(w, _buf(x), dy, config=cfg)
+    wd = dequant(raw, wtype, out_dim, in_dim).astype(np.float64)
+    _check_gemv(dy.to_numpy(), wd @ x.astype(np.float64), np.abs(wd) @ np.abs(x.astype(np.float64)),
+                f"{wtype} {out_dim}x{in_dim} {cfg} scale={scale} spikes={spikes}")
+
+
 @pytest.mark.parametrize("wtype", MMA_TYPES)
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 @pytest.mark.parametrize("bulk", [False, True])
@@ -216,7 +239,7 @@ def test_gemv_real_shapes(ops, wtype, out_dim, in_dim):
 
 
 @settings(max_examples=30, deadline=None)
-@given(wtype=st.sampled_from(["Q4_K", "Q8_0", "Q6_K"]), ffn=st.integers(1, 400), mtiles=st.sampled_from([1, 2, 4, 8]),
+@given(wtype=st.sampled_from(MMA_TYPES), ffn=st.integers(1, 400), mtiles=st.sampled_from([1, 2, 4, 8]),
        kparts=st.sampled_from([1, 2, 4, 8]), stages=st.sampled_from([2, 3, 4]), units=st.integers(1, 4),
        bulk=st.booleans(), tiled=st.booleans(), seed=st.integers(0, 2**32 - 1))
 def test_gemv_glu_mma_matches_oracle(ops, wtype, ffn, mtiles, kparts, stages, units, bulk, tiled, seed):
