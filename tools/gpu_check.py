@@ -2,7 +2,8 @@
 
 What comes back from $OUT is limited to a few files: gpu_check.log (every stage's output), the JUnit
 XML of the tests, and one Markdown table per benchmark (bench_graphs, bench_attention, bench_gemv,
-bench_decode, bench_gemm, bench_prefill, bench_serving; real_model, not a default stage: smollm2_gpu.md).
+bench_decode, bench_gemm, bench_prefill, bench_serving, profile_step (one served stream against GpuModel),
+bench_gemm_decode (the f16 GEMM at decode batch sizes); real_model, not a default stage: smollm2_gpu.md).
 
     python tools/gpu_check.py --out "$OUT"                      # everything
     python tools/gpu_check.py --out "$OUT" --stages tests,bench_graphs
@@ -49,6 +50,9 @@ def stages(out: Path, tests: list[str], pytest_args: list[str]) -> dict[str, tup
         "bench_gemm": ([PY, "tools/bench_gemm.py", "--out", str(out / "bench_gemm.md")], 240),
         "bench_prefill": ([PY, "tools/bench_prefill.py", "--out", str(out / "bench_prefill.md")], 420),
         "bench_serving": ([PY, "tools/bench_serving.py", "--out", str(out / "bench_serving.md")], 540),
+        "profile_step": ([PY, "tools/profile_step.py", "--out", str(out / "profile_step.md")], 240),
+        "bench_gemm_decode": ([PY, "tools/bench_gemm.py", "--tokens", "32,64", "--sweep", "--out",
+                               str(out / "bench_gemm_decode.md")], 240),
         "real_model": ([PY, "tools/gpu_real_model.py", "--gguf", os.environ.get("SMOLLM2_GGUF", "/tmp/smollm2.gguf"),
                         "--out", str(out / "smollm2_gpu.md")], 300),
     }
@@ -83,7 +87,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_out")))
     ap.add_argument("--stages", default="env,tests,sanitize,racecheck,bench_graphs,bench_attention,bench_gemv,bench_decode,"
-                                        "bench_gemm,bench_prefill,bench_serving")
+                                        "bench_gemm,bench_prefill,bench_serving,profile_step,bench_gemm_decode")
     ap.add_argument("--tests", default="tests/gpu", help="test paths, space separated")
     ap.add_argument("--pytest-args", default="", help="extra pytest arguments, space separated")
     a = ap.parse_args()

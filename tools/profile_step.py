@@ -12,7 +12,11 @@ nothing else (weight uploads, graph captures). Random weights at the real shapes
 from __future__ import annotations
 
 import argparse
+import datetime
+import shlex
+import sys
 import time
+from pathlib import Path
 
 from cuda.bindings import driver
 
@@ -74,8 +78,13 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(BENCH_SHAPES))
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--ncu", action="store_true", help="only one eager step of each, inside profiler ranges")
+    ap.add_argument("--out", type=Path, help="also write the lines to this file")
     a = ap.parse_args()
     dev = cuda.current_device()
+    lines = [f"# profile_step — {dev.name}, {datetime.date.today()}", "",
+             f"Command: `python {' '.join(shlex.quote(x) for x in sys.argv)}`", "",
+             f"Greedy decode after a {PROMPT}-token context, {a.tokens} steps; GPU µs from CUDA events over graph "
+             "replays back to back; backend: GpuBatchBackend at one row (f16 paged KV, 32-position blocks).", ""]
     for name in a.shapes.split(","):
         cfg, tensors, _ = bench_model(name)
         model = GpuModel(cfg, tensors, max_len=1024, device=dev, use_graph=not a.ncu)
@@ -93,12 +102,16 @@ def main() -> None:
         else:
             m_tps, m_us = model_rate(model, a.tokens)
             b_tps, b_us, stage_us = backend_rate(backend, a.tokens)
-            print(f"{name}: GpuModel {m_tps:.0f} tok/s host, {m_us:.1f} µs GPU/step | backend 1 row "
-                  f"{b_tps:.0f} tok/s host ({100 * b_tps / m_tps:.0f}%), {b_us:.1f} µs GPU/step, "
-                  f"decode() staging {stage_us:.1f} µs", flush=True)
+            line = (f"- {name}: GpuModel {m_tps:.0f} tok/s host, {m_us:.1f} µs GPU/step | backend 1 row "
+                    f"{b_tps:.0f} tok/s host ({100 * b_tps / m_tps:.0f}%), {b_us:.1f} µs GPU/step "
+                    f"({100 * m_us / b_us:.0f}% of GpuModel's speed), decode() staging {stage_us:.1f} µs")
+            print(line, flush=True)
+            lines.append(line)
         backend.close()
         model.release_kv()
         del model, backend, tensors
+    if a.out and not a.ncu:
+        a.out.write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
