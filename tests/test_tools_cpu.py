@@ -80,6 +80,27 @@ def test_bench_shapes_are_the_documented_models():
         bench_model("no-such-shape")
 
 
+def test_decode_shapes_add_q5_k_m_and_q4_0_at_8b():
+    from realizar.models.config import ModelConfig
+    from realizar.models.quants import type_name
+    from realizar.models.random import DECODE_SHAPES, random_model
+
+    assert list(DECODE_SHAPES)[:3] == list(BENCH_SHAPES)
+    assert DECODE_SHAPES["llama-3-8b-q5_k_m"].config == DECODE_SHAPES["llama-3-8b-q4_0"].config == \
+        BENCH_SHAPES["llama-3-8b"].config
+    # the K_M mix on 16 layers: attn_v / ffn_down Q6_K in layers 0, 1, 4, 7, 10, 13, 14, 15, the rest Q5_K
+    cfg = ModelConfig(**dict(bench_prefill.TINY.config, num_layers=16, hidden_size=256, intermediate_size=256,
+                             num_heads=4, num_kv_heads=2, head_dim=64))
+    tensors = random_model(cfg, "Q5_K", "Q5_K", "Q6_K", mix="K_M")
+    wide = [i for i in range(16) if type_name(tensors[names.layer_name(i, "ffn_down")].ggml_type) == "Q6_K"]
+    assert wide == [0, 1, 4, 7, 10, 13, 14, 15]
+    for i in range(16):
+        assert type_name(tensors[names.layer_name(i, "attn_v")].ggml_type) == ("Q6_K" if i in wide else "Q5_K")
+        assert type_name(tensors[names.layer_name(i, "attn_q")].ggml_type) == "Q5_K"
+    with pytest.raises(ValueError, match="unknown type mix"):
+        random_model(cfg, "Q5_K", mix="S")
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_bench_model_and_token_read_bytes(tied):
     shape = BenchShape(dict(bench_prefill.TINY.config, tied_embeddings=tied), "Q4_1", "Q8_0", None if tied else "Q8_0")

@@ -4,8 +4,9 @@ and the weight-bandwidth roofline.
     python tools/bench_decode.py --out docs/results/bench_decode_h200.md [--shapes smollm2-135m,llama-3.2-1b]
     python tools/bench_decode.py --gguf path/to/model.gguf      # a real file instead
 
-Weights are random GGUF blocks with sane f16 scales (quantized kernels read every byte whatever the
-values, so speed does not depend on them). Each shape: 8 prompt tokens, then ``--tokens`` greedy
+Shapes: the three of ``BENCH_SHAPES`` and the 8B shape as a Q5_K_M-like mix (Q5_K, attn_v/ffn_down of
+some layers Q6_K) and all Q4_0 (``DECODE_SHAPES``). Weights are random GGUF blocks with sane f16 scales
+(quantized kernels read every byte whatever the values, so speed does not depend on them). Each shape: 8 prompt tokens, then ``--tokens`` greedy
 decode steps through ``forward_gpu_resident_to_token_id`` (one graph replay + a 4-byte read back per
 token), wall-clock from the host as llama-bench's tg measures it; GPU time per token from CUDA events.
 The llama.cpp column is llama-bench tg on an H200 from ../shared/GUIDE.md (same shapes, random weights).
@@ -20,7 +21,7 @@ from pathlib import Path
 from realizar import cuda
 from realizar.cuda.bench import copy_bandwidth
 from realizar.gpu.model import GpuModel
-from realizar.models.random import BENCH_SHAPES, bench_model, token_read_bytes
+from realizar.models.random import DECODE_SHAPES, bench_model, token_read_bytes
 
 # llama-bench tg128 tok/s on an H200, random weights at the same shapes (../shared/GUIDE.md, 2026-11-21)
 LLAMA_CPP_TG = {"smollm2-135m": 957, "llama-3.2-1b": 903, "llama-3-8b": 277}
@@ -47,7 +48,7 @@ def bench(model: GpuModel, tokens: int) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", default=",".join(BENCH_SHAPES))
+    ap.add_argument("--shapes", default=",".join(DECODE_SHAPES))
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--gguf", type=Path, help="benchmark a real GGUF file instead")
     ap.add_argument("--out", type=Path)

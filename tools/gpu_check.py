@@ -46,7 +46,7 @@ def stages(out: Path, tests: list[str], pytest_args: list[str]) -> dict[str, tup
         "bench_graphs": ([PY, "tools/bench_graphs.py", "--out", str(out / "bench_graphs.md")], 120),
         "bench_attention": ([PY, "tools/bench_attention.py", "--out", str(out / "bench_attention.md")], 300),
         "bench_gemv": ([PY, "tools/bench_gemv.py", "--out", str(out / "bench_gemv.md")], 300),
-        "bench_decode": ([PY, "tools/bench_decode.py", "--out", str(out / "bench_decode.md")], 300),
+        "bench_decode": ([PY, "tools/bench_decode.py", "--out", str(out / "bench_decode.md")], 480),
         "bench_gemm": ([PY, "tools/bench_gemm.py", "--out", str(out / "bench_gemm.md")], 240),
         "bench_prefill": ([PY, "tools/bench_prefill.py", "--out", str(out / "bench_prefill.md")], 420),
         "bench_serving": ([PY, "tools/bench_serving.py", "--out", str(out / "bench_serving.md")], 540),

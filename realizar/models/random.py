@@ -26,8 +26,8 @@ from realizar.models.config import ModelConfig
 from realizar.models.quants import LAYOUTS, dequantize
 from realizar.models.tensor import QuantTensor
 
-__all__ = ["BENCH_SHAPES", "BenchShape", "bench_model", "dequant", "random_model", "random_tensor", "random_weight",
-           "token_read_bytes"]
+__all__ = ["BENCH_SHAPES", "BenchShape", "DECODE_SHAPES", "MIXES", "bench_model", "dequant", "random_model",
+           "random_tensor", "random_weight", "token_read_bytes"]
 
 # f16 fields of each quantized block that must hold finite numbers
 _F16_FIELDS = {
@@ -106,12 +106,15 @@ def random_model(
     embedding_type: str | None = None,
     output_type: str | None = None,
     seed: int = 0,
+    mix: str | None = None,
 ) -> dict[str, QuantTensor]:
     """Every tensor ``config`` requires (canonical names, see :func:`names.expected_shapes`), drawn by
     :func:`random_tensor`: the layer matrices of ``weight_type``, ``token_embd`` of
     ``embedding_type`` (default ``weight_type``), ``output`` (untied models only) of ``output_type``
-    (default ``weight_type``), norms and biases F32. The result can be passed wherever a loaded
-    model's ``tensors`` go (the reference model, the GPU model)."""
+    (default ``weight_type``), norms and biases F32. ``mix`` names a per-tensor recipe of the GGUF
+    quantizer that mixes types (:data:`MIXES`: ``"K_M"`` gives ``attn_v`` and ``ffn_down`` of some
+    layers :data:`MIXES`' wider type). The result can be passed wherever a loaded model's ``tensors``
+    go (the reference model, the GPU model)."""
     rng = np.random.default_rng(seed)
     shapes = names.expected_shapes(config)
 
@@ -128,10 +131,13 @@ def random_model(
     vectors = ("attn_norm", "ffn_norm")
     if config.qk_norm:
         vectors += ("attn_q_norm", "attn_k_norm")
+    if mix is not None and mix not in MIXES:
+        raise ValueError(f"unknown type mix {mix!r}; known: {', '.join(MIXES)}")
     for i in range(config.num_layers):
         for part in matrices:
             name = names.layer_name(i, part)
-            tensors[name] = draw(name, weight_type)
+            wide = mix is not None and part in ("attn_v", "ffn_down") and _more_bits(i, config.num_layers)
+            tensors[name] = draw(name, MIXES[mix] if wide else weight_type)
         for part in vectors:
             name = names.layer_name(i, part)
             tensors[name] = draw(name, "F32")
@@ -142,6 +148,16 @@ def random_model(
     return tensors
 
 
+# type mixes of the GGUF quantizer's "_M" files: Q4_K_M and Q5_K_M store attn_v and ffn_down in Q6_K in
+# the first and last eighth of the layers and every third layer between (the rest in the base type)
+MIXES = {"K_M": "Q6_K"}
+
+
+def _more_bits(layer: int, num_layers: int) -> bool:
+    eighth = num_layers // 8
+    return layer < eighth or layer >= num_layers - eighth or (layer - eighth) % 3 == 2
+
+
 class BenchShape(NamedTuple):
     """A real model's shape with random weights: :class:`ModelConfig` keyword arguments and the GGML
     types of the layer matrices, the token embedding and the output matrix (``None``: tied)."""
@@ -150,6 +166,7 @@ class BenchShape(NamedTuple):
     weight_type: str
     embedding_type: str
     output_type: str | None
+    mix: str | None = None  # a per-tensor type recipe (MIXES)
 
 
 _LLAMA = dict(architecture="llama", rope_type="normal", rms_norm_eps=1e-5, context_length=8192)
@@ -167,6 +184,13 @@ BENCH_SHAPES = {
                                   tied_embeddings=False), "Q4_K", "Q4_K", "Q6_K"),
 }  # fmt: skip
 
+# more weight types at the 8B shape (bench_decode): a Q5_K_M-like file and an all-Q4_0 one
+DECODE_SHAPES = {
+    **BENCH_SHAPES,
+    "llama-3-8b-q5_k_m": BenchShape(BENCH_SHAPES["llama-3-8b"].config, "Q5_K", "Q5_K", "Q6_K", "K_M"),
+    "llama-3-8b-q4_0": BenchShape(BENCH_SHAPES["llama-3-8b"].config, "Q4_0", "Q4_0", "Q6_K"),
+}
+
 
 def token_read_bytes(config: ModelConfig, tensors: dict[str, QuantTensor]) -> int:
     """Weight bytes one decode step reads: every tensor but the embedding table, plus the whole table
@@ -178,12 +202,13 @@ def token_read_bytes(config: ModelConfig, tensors: dict[str, QuantTensor]) -> in
 
 
 def bench_model(shape: str | BenchShape, seed: int = 0) -> tuple[ModelConfig, dict[str, QuantTensor], int]:
-    """``(config, tensors, token_read_bytes)`` of a :data:`BENCH_SHAPES` entry (by name) or of any
+    """``(config, tensors, token_read_bytes)`` of a :data:`DECODE_SHAPES` entry (by name) or of any
     :class:`BenchShape`, with weights drawn by :func:`random_model`."""
     if isinstance(shape, str):
-        if shape not in BENCH_SHAPES:
-            raise ValueError(f"unknown benchmark shape {shape!r}; known: {', '.join(BENCH_SHAPES)}")
-        shape = BENCH_SHAPES[shape]
+        if shape not in DECODE_SHAPES:
+            raise ValueError(f"unknown benchmark shape {shape!r}; known: {', '.join(DECODE_SHAPES)}")
+        shape = DECODE_SHAPES[shape]
     config = ModelConfig(**shape.config)
-    tensors = random_model(config, shape.weight_type, shape.embedding_type, shape.output_type, seed=seed)
+    tensors = random_model(config, shape.weight_type, shape.embedding_type, shape.output_type, seed=seed,
+                           mix=shape.mix)
     return config, tensors, token_read_bytes(config, tensors)
