@@ -355,7 +355,9 @@ def test_serve_binds_loopback_and_answers(tiny):
     try:
         assert httpx.get(url + "/health", timeout=10).json()["status"] == "ok"
         assert [m["id"] for m in httpx.get(url + "/v1/models", timeout=10).json()["data"]] == ["tiny"]
-        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 3}, timeout=30)
+        # greedy: the API's default temperature 1 with no seed may draw the end-of-sequence token early
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 3,
+                                                      "temperature": 0}, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     finally:
         err = _stop_server(proc)
@@ -389,7 +391,9 @@ def test_serve_batching_flags_reach_the_server(tiny, oracle):
     proc, url = _start_server("-m", str(tiny), "--model-name", "tiny", "--kv-memory", f"{gib!r}GiB",
                               "--kv-dtype", "f16", "--block-size", "16", "--max-batch", "4", "--max-body", "1K")
     try:
-        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 3}, timeout=30)
+        # greedy: the API's default temperature 1 with no seed may draw the end-of-sequence token early
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 3,
+                                                      "temperature": 0}, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         m = {f.name: f for f in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text)}
         total = m["realizar_kv_blocks_total"].samples[0].value
