@@ -82,6 +82,15 @@ def argmax_partial(m: Module, block: int = 256) -> KernelBuilder:
     return k
 
 
+def _best_partial(k: KernelBuilder, block: int):
+    """The largest of the u64 ``partials[0 .. n_partials)``, for thread 0 (the block strides over them)."""
+    parts, np_ = k.global_ptr("partials"), k.param("n_partials")
+    best = k.var("u64", 0)
+    with k.loop(k.tid(), np_, block) as i:
+        k.assign(best, k.max(best, k.load("global", "u64", k.add(parts, k.mul_wide(i, 8)))))
+    return _block_max_u64(k, best, block)
+
+
 @kernel("argmax_final", grid=[{"block": 1024}, {"block": 128}])
 def argmax_final(m: Module, block: int = 1024) -> KernelBuilder:
     """out[0] = index of the best of partials[0 .. n_partials). Launch: grid 1, block ``block``."""
@@ -90,11 +99,7 @@ def argmax_final(m: Module, block: int = 1024) -> KernelBuilder:
     k = m.kernel(f"argmax_final_b{block}", [("partials", "u64"), ("out", "u64"), ("n_partials", "u32")],
                  max_threads=block)
     k.meta.update(block=block)
-    parts, np_ = k.global_ptr("partials"), k.param("n_partials")
-    best = k.var("u64", 0)
-    with k.loop(k.tid(), np_, block) as i:
-        k.assign(best, k.max(best, k.load("global", "u64", k.add(parts, k.mul_wide(i, 8)))))
-    total = _block_max_u64(k, best, block)
+    total = _best_partial(k, block)
     with k.if_(k.setp("eq", k.tid(), 0)):
         idx = k.sub(0xFFFFFFFF, k.cvt(total, "u32"), t="u32")
         k.store("global", "u32", k.global_ptr("out"), idx)
@@ -117,11 +122,7 @@ def argmax_pack(m: Module, block: int = 1024) -> KernelBuilder:
     k = m.kernel(f"argmax_pack_b{block}", [("partials", "u64"), ("out", "u64"), ("n_partials", "u32"),
                                            ("base", "u32")], max_threads=block)
     k.meta.update(block=block)
-    parts, np_ = k.global_ptr("partials"), k.param("n_partials")
-    best = k.var("u64", 0)
-    with k.loop(k.tid(), np_, block) as i:
-        k.assign(best, k.max(best, k.load("global", "u64", k.add(parts, k.mul_wide(i, 8)))))
-    total = _block_max_u64(k, best, block)
+    total = _best_partial(k, block)
     with k.if_(k.setp("eq", k.tid(), 0)):
         k.store("global", "u64", k.global_ptr("out"), k.sub(total, k.cvt(k.param("base"), "u64"), t="u64"))
     k.ret()
