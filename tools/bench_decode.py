@@ -27,18 +27,19 @@ from realizar.models.random import DECODE_SHAPES, bench_model, token_read_bytes
 LLAMA_CPP_TG = {"smollm2-135m": 957, "llama-3.2-1b": 903, "llama-3-8b": 277}
 
 
-def bench(model: GpuModel, tokens: int) -> tuple[float, float]:
-    """(host tokens/s, GPU µs per token)."""
+def bench(model: GpuModel, tokens: int, prompt: int = 8) -> tuple[float, float]:
+    """(host tokens/s, GPU µs per token) of ``tokens`` greedy steps after ``prompt`` fed one by one
+    (also tools/profile_step.py's and tools/bench_serving.py's single-stream rate)."""
     tok = 1
-    for pos in range(8):
+    for pos in range(prompt):
         tok = model.forward_gpu_resident_to_token_id(tok, pos)
     t0 = time.perf_counter()
-    for pos in range(8, 8 + tokens):
+    for pos in range(prompt, prompt + tokens):
         tok = model.forward_gpu_resident_to_token_id(tok, pos)
     wall = time.perf_counter() - t0
     e0, e1 = cuda.Event(), cuda.Event()
     e0.record(model.stream)
-    for pos in range(8, 8 + tokens):  # GPU time: replays back to back, no read-back between them
+    for pos in range(prompt, prompt + tokens):  # GPU time: replays back to back, no read-back between them
         model.step_values.set(token=tok, pos=pos, seq_len=pos + 1)
         model._graph.replay(model.stream, model.step_values)
     e1.record(model.stream)

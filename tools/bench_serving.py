@@ -35,6 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench_decode import bench as decode_rate  # tools/ is on the path when run as a script
+
 from realizar import cuda
 from realizar.gpu.batch import GpuBatchBackend
 from realizar.gpu.model import GpuModel
@@ -238,19 +240,6 @@ def latency_table(name: str, part: str, res: dict[str, dict]) -> list[str]:
     return lines + [""]
 
 
-def bench_single_stream(model: GpuModel, prompt: int, gen: int) -> float:
-    """Host tok/s of GpuModel's single-sequence greedy decode (its own KV cache and decode graph, the
-    path of ``realizar generate``) after ``prompt`` tokens: the single-stream rate the batched one is
-    measured against, in the same run."""
-    tok = 1
-    for pos in range(prompt):
-        tok = model.forward_gpu_resident_to_token_id(tok, pos)
-    t0 = time.perf_counter()
-    for pos in range(prompt, prompt + gen):
-        tok = model.forward_gpu_resident_to_token_id(tok, pos)
-    return gen / (time.perf_counter() - t0)
-
-
 def batched_table(name: str, res: dict[int, dict], single: float) -> list[str]:
     peer = LLAMA_CPP_BATCHED.get(name, {})
     lines = [f"### {name}: batched decode (prompt 128, 128 generated per sequence)", "",
@@ -285,7 +274,8 @@ def main() -> None:
     for name in a.shapes.split(","):
         cfg, tensors, _ = bench_model(name)
         model = GpuModel(cfg, tensors, max_len=a.prompt + a.gen, device=dev)
-        single = bench_single_stream(model, a.prompt, a.gen) if "batched" in parts else 0.0
+        # GpuModel's single-stream rate (its own cache and decode graph), the ratio's denominator
+        single = decode_rate(model, a.gen, a.prompt)[0] if "batched" in parts else 0.0
         model.release_kv()  # the backend keeps its own paged cache
         ctx = max(a.prompt + a.gen, 1280 if "engine" in parts else 0)  # (the mixed load: up to 1024 + 256)
         need = max(batches) * -(-ctx // a.block_size) + 1

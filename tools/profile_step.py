@@ -20,6 +20,8 @@ from pathlib import Path
 
 from cuda.bindings import driver
 
+from bench_decode import bench as decode_rate  # tools/ is on the path when run as a script
+
 from realizar import cuda
 from realizar.gpu.batch import GpuBatchBackend
 from realizar.gpu.model import GpuModel
@@ -27,25 +29,6 @@ from realizar.models.random import BENCH_SHAPES, bench_model
 from realizar.sampling import RowSampling
 
 PROMPT = 128
-
-
-def model_rate(model: GpuModel, tokens: int) -> tuple[float, float]:
-    """(host tok/s, GPU µs/step) of forward_gpu_resident_to_token_id after a 128-token context."""
-    tok = 1
-    for pos in range(PROMPT):
-        tok = model.forward_gpu_resident_to_token_id(tok, pos)
-    t0 = time.perf_counter()
-    for pos in range(PROMPT, PROMPT + tokens):
-        tok = model.forward_gpu_resident_to_token_id(tok, pos)
-    wall = time.perf_counter() - t0
-    e0, e1 = cuda.Event(), cuda.Event()
-    e0.record(model.stream)
-    for pos in range(PROMPT, PROMPT + tokens):
-        model.step_values.set(token=tok, pos=pos, seq_len=pos + 1)
-        model._graph.replay(model.stream, model.step_values)
-    e1.record(model.stream)
-    e1.synchronize()
-    return tokens / wall, e0.elapsed_ms(e1) * 1e3 / tokens
 
 
 def backend_rate(backend: GpuBatchBackend, tokens: int) -> tuple[float, float, float]:
@@ -100,7 +83,7 @@ def main() -> None:
             backend.decode([1], [1], [[1]]).sample([RowSampling()])
             driver.cuProfilerStop()
         else:
-            m_tps, m_us = model_rate(model, a.tokens)
+            m_tps, m_us = decode_rate(model, a.tokens, PROMPT)
             b_tps, b_us, stage_us = backend_rate(backend, a.tokens)
             line = (f"- {name}: GpuModel {m_tps:.0f} tok/s host, {m_us:.1f} µs GPU/step | backend 1 row "
                     f"{b_tps:.0f} tok/s host ({100 * b_tps / m_tps:.0f}%), {b_us:.1f} µs GPU/step "
