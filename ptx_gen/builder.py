@@ -53,6 +53,7 @@ class KernelBuilder(ArithmeticOps, MemoryOps):
     _module_decls: list = field(default_factory=list)
     meta: dict = field(default_factory=dict)  # launch hints (catalog.LaunchHints.KEYS) and kernel geometry
     _deferred_wait: bool = False  # griddepcontrol.wait placed by the kernel (grid_dependency_wait)
+    _deferred_trigger: bool = False  # griddepcontrol.launch_dependents placed by the kernel (launch_dependents)
 
     # ---- registers and operands ------------------------------------------------------------
     def reg(self, t: str | PtxType) -> Reg:
@@ -222,10 +223,12 @@ class KernelBuilder(ArithmeticOps, MemoryOps):
         if self.target.compute_capability >= (9, 0):
             # Programmatic dependent launch (sm_90): wait for the grids this one depends on (unless the kernel
             # placed the wait itself, see grid_dependency_wait), then let the next kernel's blocks be
-            # scheduled while this one runs. Both are no-ops for an ordinary launch.
+            # scheduled while this one runs (unless the kernel placed that too, see launch_dependents).
+            # Both are no-ops for an ordinary launch.
             if not self._deferred_wait:
                 out.append("    griddepcontrol.wait;")
-            out.append("    griddepcontrol.launch_dependents;")
+            if not self._deferred_trigger:
+                out.append("    griddepcontrol.launch_dependents;")
         out.extend(self._prologue)
         out.extend(self._lines)
         out.append("}")

@@ -174,6 +174,16 @@ class MemoryOps:
         if self.target.compute_capability >= (9, 0):
             self._emit("griddepcontrol.wait;")
 
+    def launch_dependents(self, pred: Reg | None = None) -> None:
+        """Place the ``griddepcontrol.launch_dependents`` of programmatic dependent launch here instead of
+        at the kernel's entry (sm_90+; nothing on older targets): the next kernel's CTAs may be scheduled
+        once every CTA of this one has executed it (where ``pred`` holds) or exited. Placed late, the
+        next kernel's prologue (its weight copies) overlaps this one's last work without its CTAs taking
+        SMs, or bandwidth, from this one's start. A second trigger on a path is harmless."""
+        self._deferred_trigger = True
+        if self.target.compute_capability >= (9, 0):
+            self._emit(f"{'@' + pred.name + ' ' if pred is not None else ''}griddepcontrol.launch_dependents;")
+
     def cp_async_commit(self) -> None:
         """``cp.async.commit_group``: close this thread's group of cp.async copies issued so far."""
         self._emit("cp.async.commit_group;")

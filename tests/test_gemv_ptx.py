@@ -653,3 +653,77 @@ def test_new_mma_types_policy():
         scl = np.abs(dequant(raw, wt, out_dim, in_dim).astype(np.float64)) @ np.abs(x)
         y = out.to_numpy()
         assert np.isfinite(y).all() and (np.abs(y - ref) / scl).max() < 1e-6
+
+
+@settings(max_examples=40, deadline=None)
+@given(wtype=st.sampled_from(MMA_TYPES), out_dim=st.integers(1, 40), kparts=st.integers(2, 16),
+       mtiles=st.integers(1, 3), extra=st.integers(0, 5), target=st.sampled_from(["sm_80", "sm_90", "sm_90 bulk"]),
+       late=st.booleans(), tiled=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_gemv_mma_uneven_k_parts_and_wide_ctas_emulated(wtype, out_dim, kparts, mtiles, extra, target, late, tiled,
+                                                          seed):
+    """K parts that do not divide the units (the first parts take one unit more; down to one unit a
+    warp), CTAs of up to 16 warps, and the late launch trigger, on the emulator against the float64
+    oracle; with ``late`` the sm_90 PTX triggers the next launch only inside the unit loop (predicated),
+    never at the entry."""
+    from ptx_gen.kernels.gemv_mma import layout
+    rng = np.random.default_rng(seed)
+    if wtype == "Q6_K" and not tiled:
+        target = target.replace(" bulk", "")
+    units = kparts + extra
+    if wtype == "Q6_K" and not tiled:
+        units = -(-units // 8) * 8  # (GGUF rows of Q6_K: whole 2048-value groups)
+    in_dim = 256 * units
+    mtiles = min(mtiles, 16 // kparts) or 1
+    while mtiles > 1:
+        try:
+            layout(wtype, in_dim, mtiles, kparts, 2, 2, tiled)
+            break
+        except ValueError:
+            mtiles -= 1
+    try:
+        layout(wtype, in_dim, mtiles, kparts, 2, 2, tiled)
+    except ValueError:
+        assume(False)  # more shared memory than a CTA may have (Q8_0, Q6_K with many warps)
+    raw = random_weight(rng, wtype, out_dim, in_dim)
+    x = random_array(rng, in_dim, 1.0)
+    k = catalog.emit("gemv_mma", target=target.split()[0], wtype=wtype, in_dim=in_dim, mtiles=mtiles, kparts=kparts,
+                     stages=2, tiles=2, bulk=target.endswith("bulk"), tiled=tiled, late=late)
+    triggers = [ln.strip() for ln in k.ptx.splitlines() if "griddepcontrol.launch_dependents" in ln]
+    if target.startswith("sm_90"):
+        assert triggers and all(ln.startswith("@") for ln in triggers) if late else triggers == [
+            "griddepcontrol.launch_dependents;"]
+    else:
+        assert not triggers
+    assert units % kparts or layout(wtype, in_dim, mtiles, kparts, 2, 2, tiled)["per_warp"] == units // kparts
+    mem = Memory()
+    wbytes = tile_major(raw, wtype, out_dim, in_dim) if tiled else raw if wtype == "Q6_K" else _pad16(raw)
+    params = dict(w=mem.alloc_array(wbytes), x=mem.alloc_array(x), y=mem.alloc(4 * out_dim), out_dim=out_dim)
+    simt_run(k.ptx, grid=(-(-out_dim // k.meta["rows_per_cta"]),), block=(k.meta["block"],), params=params,
+             memory=mem, shared_bytes=k.meta["dyn_smem"])
+    y = mem.read(params["y"], np.float32, out_dim)
+    w = dequant(raw, wtype, out_dim, in_dim).astype(np.float64)
+    ref = w @ x.astype(np.float64)
+    assert np.isfinite(y).all(), "unwritten (NaN-poisoned) outputs"
+    err = np.abs(y - ref) / (np.abs(w) @ np.abs(x.astype(np.float64)))
+    assert err.max() < 1e-6, f"{wtype} {out_dim}x{in_dim} m{mtiles} p{kparts}: error {err.max():.2e}"
+
+
+def test_wide_ctas_policy():
+    """On sm_90, tile-major Q4_K rows that 8-warp CTAs spread unevenly over the SMs (14336 x 4096: 112 CTAs
+    on 132 SMs) take the 16-warp CTA of ``WIDE_UNBALANCED`` with bulk copies and the late trigger; balanced
+    grids, GGUF rows, the fused gate/up GEMV, other types and sm_80 keep their picks."""
+    from realizar import cuda
+    from realizar.gpu.gemv import WIDE_UNBALANCED, MmaConfig
+    from realizar.gpu.ops import LayerOps
+    ops = LayerOps(cuda.EmulatedDevice(sm_count=132))
+    wide = WIDE_UNBALANCED["Q4_K"]
+    assert (wide.mtiles * wide.kparts, wide.bulk, wide.late) == (16, True, True)
+    assert ops.weight_layout(14336, 4096, "Q4_K") == "tiles"
+    assert ops.mma_config(14336, 4096, "Q4_K", layout="tiles") == wide
+    assert ops.mma_config(14336, 4096, "Q4_K") == MmaConfig(4, 2, 2, 2)  # (GGUF rows)
+    assert not ops.mma_config(4096, 14336, "Q4_K", layout="tiles").late  # balanced: 128 CTAs on 132 SMs
+    assert not ops.mma_config(14336, 4096, "Q4_K", glu=True, layout="glu-tiles").late
+    assert not ops.mma_config(14336, 4096, "Q4_0", layout="tiles").late
+    old = LayerOps(cuda.EmulatedDevice(sm_count=132, target="sm_80"))
+    cfg = old.mma_config(14336, 4096, "Q4_K", layout="tiles")
+    assert (cfg.mtiles, cfg.kparts, cfg.bulk, cfg.late) == (4, 2, False, False)

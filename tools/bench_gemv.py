@@ -126,21 +126,23 @@ def mma_sweep_configs(wtype: str, out_dim: int, in_dim: int, ops) -> list[MmaCon
     dispatcher sets it."""
     bulk_ok = ops.device.target.compute_capability >= (9, 0)
     out = []
-    for tl, mt, kp in ((1, 1, 8), (1, 2, 4), (1, 4, 2), (1, 1, 4), (2, 1, 8), (2, 2, 4), (2, 4, 2), (2, 1, 4)):
+    for tl, mt, kp in ((1, 1, 8), (1, 2, 4), (1, 4, 2), (1, 1, 4), (2, 1, 8), (2, 2, 4), (2, 4, 2), (2, 1, 4),
+                       (2, 4, 4), (2, 1, 16)):
         for st, bulk in ((2, False),) + (((2, True),) if bulk_ok else ()):
             try:
                 mma_layout(wtype, in_dim, mt, kp, st, tl, tiled=True)
             except ValueError:
                 continue
             ctas = -(-out_dim // (16 * tl * mt))
-            out.append(MmaConfig(mt, kp, st, tl, bulk, solo=ctas <= ops.sm_count))
+            # (16-warp CTAs: with the late trigger, as the dispatcher runs them)
+            out.append(MmaConfig(mt, kp, st, tl, bulk, solo=ctas <= ops.sm_count, late=mt * kp > 8))
     return out
 
 
 def cfg_text(cfg: GemvConfig | MmaConfig) -> str:
     if isinstance(cfg, MmaConfig):
         return (f"mma m{cfg.mtiles} p{cfg.kparts} s{cfg.stages} t{cfg.tiles}" + (" bulk" if cfg.bulk else "")
-                + (" solo" if cfg.solo else ""))
+                + (" solo" if cfg.solo else "") + (" late" if cfg.late else ""))
     return f"r{cfg.rows} w{cfg.warps} s{cfg.ksplit}"
 
 

@@ -122,6 +122,8 @@ class _Warp:
     wbase: Reg | None = None
     wpol: Reg | None = None  # the weights' L2 policy (evict first)
     tile0: Reg | None = None  # tile-major: the warp's tile
+    n: Reg | int = 0  # the warp's units (a register where kparts does not divide the units)
+    late: bool = False  # the next kernel's launch triggered when the warp has issued its last copy
 
     @property
     def U(self) -> int:  # bytes between two staged rows in shared memory
@@ -136,8 +138,18 @@ class _Warp:
         return self.lay["rows"]
 
     @property
-    def n_units(self) -> int:  # units per warp
+    def n_units(self) -> int:  # units per warp, at most (see ``n``)
         return self.lay["per_warp"]
+
+    @property
+    def n_min(self) -> int:  # units every warp has
+        return self.lay["per_warp_min"]
+
+    def has(self, j: Reg | int) -> Reg | None:
+        """Whether the warp has a j-th unit (None: statically true; j an int below ``n_min``)."""
+        if isinstance(j, int) and j < self.n_min:
+            return None
+        return self.k.setp("lt", j, self.n)
 
     @property
     def stage_bytes(self) -> int:
@@ -171,7 +183,7 @@ class _Warp:
 
 def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, bias: bool,
           residual: bool, tiles: int = 1, bulk: bool = False, glu: bool = False, tiled: bool = False,
-          solo: bool = False) -> KernelBuilder:
+          solo: bool = False, late: bool = False) -> KernelBuilder:
     lay = layout(wtype, in_dim, mtiles, kparts, stages, tiles, tiled, solo)
     if glu and (tiles != 2 or bias or residual):
         raise ValueError("glu needs tiles=2 (a warp's 16 gate rows and their 16 up rows) and no bias/residual")
@@ -182,11 +194,12 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
     warps, R = lay["warps"], lay["rows"]
     params = gemv_params(bias, residual)
     name = (f"gemv_mma_{wtype.lower()}_k{in_dim}_m{mtiles}_p{kparts}_s{stages}" + (f"_t{tiles}" if tiles > 1 else "")
-            + ("_bulk" if bulk else "") + ("_tiled" if tiled else "") + ("_solo" if solo else "") + ("_glu" if glu else "")
+            + ("_bulk" if bulk else "") + ("_tiled" if tiled else "") + ("_solo" if solo else "") + ("_late" if late else "")
+            + ("_glu" if glu else "")
             + ("_bias" if bias else "") + ("_res" if residual else ""))
     k = m.kernel(name, params)
     k.max_threads = 32 * warps  # .maxntid: ptxas keeps the registers within what the whole CTA can get
-    if wtype in BLOCK32 and (tiled or warps < 8):
+    if wtype in BLOCK32 and (tiled or warps < 8) and warps <= 8:
         # ptxas's own occupancy guess held some of these at 80 (8 warps, tile-major) or 96 registers (4
         # warps) with spills: registers for two CTAs an SM, or for one where a second would not fit the
         # shared memory (solo). (8-warp CTAs on GGUF rows keep ptxas's guess: two CTAs' worth spills
@@ -195,6 +208,7 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
     k.meta.update(block=32 * warps, rows_per_cta=(16 if glu else R) * mtiles, dyn_smem=lay["launch_smem"],
                   row_bytes=lay["row_bytes"], tiled=tiled)
     s = _prologue(k, lay, wtype, mtiles, kparts, stages, tiles, bulk, glu, tiled)
+    s.late = late
     issue, wait = _weight_copies(s)
     _fill_ring(s, issue)
     xs = _x_prologue(s)
@@ -223,6 +237,10 @@ def _prologue(k: KernelBuilder, lay: dict, wtype: str, mtiles: int, kparts: int,
     kp = k.div(warp, mtiles) if kparts > 1 else None
     last = k.sub(out_dim, 1)
     s = _Warp(k, lay, wtype, kparts, stages, tiles, bulk, glu, tiled, out_dim, lane, warp, row_base, kp, last)
+    # the warp's units kp, kp + kparts, ... below the row's units: where kparts does not divide them, the
+    # first parts take one more
+    s.n = lay["per_warp"] if lay["per_warp"] == lay["per_warp_min"] else \
+        _div(k, k.sub(lay["units"] + kparts - 1, kp), kparts)
     R, G = s.R, s.G
     s.smem = k.dynamic_shared()
     s.ring = k.add(s.smem, k.add(k.mul(warp, stages * s.stage_bytes), lay["off"]["ring"]))
@@ -477,7 +495,7 @@ def _fill_ring(s: _Warp, issue) -> None:
     previous kernel ends. Empty cp.async groups keep the group count uniform past the last unit."""
     for j in range(s.stages):
         if j < s.n_units:
-            issue(j, j * s.stage_bytes, None)
+            issue(j, j * s.stage_bytes, s.has(j))
         elif not s.bulk:
             s.k.cp_async_commit()
     s.k.grid_dependency_wait()
@@ -513,7 +531,7 @@ def _x_prologue(s: _Warp) -> _XState:
     xregs = [[k.var("f32", 0.0) for _ in range(8)] for _ in range(2)]
     for jj in (1, 2):
         if jj < s.n_units:
-            _load_x(k, x, lane16, s.unit_of(jj), None, into=xregs[jj % 2])
+            _load_x(k, x, lane16, s.unit_of(jj), s.has(jj), into=xregs[jj % 2])
     _convert_x(k, wtype, x0, xbuf, xc)
     return _XState(x, lane16, xc, xbuf, xregs)
 
@@ -592,25 +610,34 @@ def _main_loop(s: _Warp, ctx: dict, xs: _XState, issue, wait, acc: list, minacc:
         if s.bulk:
             k.fence_proxy_async()  # (the reads above come before the bulk copy's writes)
         nxt = k.add(j, stages)
-        issue(nxt, slot_off, k.setp("lt", nxt, n_units))
+        issue(nxt, slot_off, s.has(nxt))
+        if s.late:  # (warps with fewer units than stages trigger by exiting)
+            k.launch_dependents(k.setp("eq", nxt, s.n))
         # unit j + 1's x into its slot. Q6_K without a branch (past the last unit the registers hold
         # stale x, converted into a slot no unit reads), which suits its longer unit body; the others
         # skip the conversion past the last unit
         j1 = k.add(j, 1)
         regs = xs.xregs[parity[0]]
-        with k.if_(k.setp("lt", j1, n_units)) if wtype != "Q6_K" else contextlib.nullcontext():
+        with k.if_(s.has(j1)) if wtype != "Q6_K" else contextlib.nullcontext():
             _convert_x(k, wtype, list(regs), k.add(xs.xbuf, k.mul(k.and_(j1, 1), XS)), xs.xc)
         j3 = k.add(j, 3)
-        _load_x(k, xs.x, xs.lane16, s.unit_of(j3), k.setp("lt", j3, n_units), into=regs)
+        _load_x(k, xs.x, xs.lane16, s.unit_of(j3), s.has(j3), into=regs)
         parity[0] ^= 1
 
     parity = [1]  # unit j + 1 of the first step is odd
-    if n_units >= 2:
-        with k.loop(0, n_units - n_units % 2, 2) as j:
-            step(j)
-            step(k.add(j, 1))
-    if n_units % 2:
-        step(k.mov(n_units - 1, "u32"))
+    if isinstance(s.n, int):
+        if n_units >= 2:
+            with k.loop(0, n_units - n_units % 2, 2) as j:
+                step(j)
+                step(k.add(j, 1))
+        if n_units % 2:
+            step(k.mov(n_units - 1, "u32"))
+        return
+    with k.loop(0, k.and_(s.n, 0xFFFFFFFE), 2) as j:  # (n_units >= 2: kparts <= units)
+        step(j)
+        step(k.add(j, 1))
+    with k.if_(k.setp("ne", k.and_(s.n, 1), 0)):
+        step(k.sub(s.n, 1))
 
 
 def _row_sums(k: KernelBuilder, wtype: str, tiles: int, acc: list, minacc: Reg | None):
@@ -717,6 +744,12 @@ def _grid_shapes() -> list[dict]:
     for sh in shapes:
         if sh["wtype"] == "Q6_K" and sh["in_dim"] == 256:
             sh["in_dim"] = 2048
+    # 16-warp CTAs (the dispatcher's WIDE_UNBALANCED pick, late trigger) and K parts that do not divide the units
+    shapes += [{"wtype": "Q4_K", "in_dim": 4096, "mtiles": 4, "kparts": 4, "stages": 2, "tiles": 2, "tiled": True,
+                "late": True},
+               {"wtype": "Q4_0", "in_dim": 14336, "mtiles": 1, "kparts": 16, "stages": 2, "tiles": 2, "tiled": True},
+               {"wtype": "Q5_0", "in_dim": 14336, "mtiles": 1, "kparts": 12, "stages": 2, "tiles": 2, "tiled": True,
+                "residual": True}]
     for wt in BLOCK32:  # the dispatcher's smaller CTAs for 14336 rows (B32_UNBALANCED), tile-major
         shapes += [{"wtype": wt, "in_dim": 4096, "mtiles": 1, "kparts": 4, "stages": 2, "tiles": 2, "tiled": True},
                    {"wtype": wt, "in_dim": 4096, "mtiles": 2, "kparts": 4, "stages": 2, "tiles": 2, "tiled": True},
@@ -727,7 +760,7 @@ def _grid_shapes() -> list[dict]:
 @kernel("gemv_mma", grid=_grid_shapes())
 def gemv_mma(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, mtiles: int = 2, kparts: int = 4, stages: int = 4,
              bias: bool = False, residual: bool = False, tiles: int = 1, bulk: bool = False,
-             glu: bool = False, tiled: bool = False, solo: bool = False) -> KernelBuilder:
+             glu: bool = False, tiled: bool = False, solo: bool = False, late: bool = False) -> KernelBuilder:
     """y[r] = sum_k W[r, k] x[k] (+ bias[r]) (+ residual[r]) for r < out_dim, W in Q4_K, Q8_0 or Q6_K (in_dim
     a multiple of 2048) blocks, on tensor cores (exact int8 MMAs of the codes with x as four base-256 digits).
     ``tiles``: 16-row MMA tiles per warp (2: each x digit fragment and weight-scale step serves 32 rows);
@@ -738,4 +771,4 @@ def gemv_mma(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, mtiles: int = 2
     Q6_K too); ``solo``: shared memory raised to ``SOLO_SMEM`` so that one CTA holds an SM.
     Launch: grid ceil(out_dim / (16 tiles mtiles)), block 32 mtiles kparts, meta["dyn_smem"] dynamic shared
     bytes."""
-    return build(m, wtype, in_dim, mtiles, kparts, stages, bias, residual, tiles, bulk, glu, tiled, solo)
+    return build(m, wtype, in_dim, mtiles, kparts, stages, bias, residual, tiles, bulk, glu, tiled, solo, late)

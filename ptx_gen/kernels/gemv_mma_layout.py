@@ -51,6 +51,11 @@ ROW_PAD = {"Q4_1": 16, "Q5_1": 16}
 # > 228 KiB): where two CTAs of one long-K launch (or of two launches under programmatic dependent
 # launch) share an SM while other SMs idle, the launch takes as long as those two CTAs in a row
 SOLO_SMEM = 120 * 1024
+# K parts of a CTA (warps sharing its rows, each every kparts-th unit of K; where kparts does not divide
+# the units, the first parts take one unit more) and the most warps a CTA has. A 16-warp CTA leaves 128
+# registers a thread, which every type's 32-row warps fit (bulk copies) on sm_90
+KPARTS = tuple(range(1, 17))
+MAX_WARPS = 16
 
 
 def q6k_glu_offsets_fit(ffn: int, in_dim: int) -> bool:
@@ -67,14 +72,14 @@ def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, tiles
     unit in shared memory; ``unit``: a row's bytes of a unit in W (the two differ by ``ROW_PAD``)."""
     if wtype not in UNIT_BYTES:
         raise ValueError(f"the tensor-core GEMV handles {MMA_TYPES}, not {wtype}")
-    if mtiles not in range(1, 9) or kparts not in (1, 2, 4, 8) or tiles not in (1, 2) or mtiles * kparts > 8:
-        # (16-warp CTAs would leave 128 registers a thread: some variants spill)
-        raise ValueError(f"mtiles must be 1..8, kparts 1, 2, 4 or 8 and tiles 1 or 2, with at most 8 warps; got "
+    if mtiles not in range(1, 9) or kparts not in KPARTS or tiles not in (1, 2) or mtiles * kparts > MAX_WARPS:
+        raise ValueError(f"mtiles must be 1..8, kparts 1..16 and tiles 1 or 2, with at most {MAX_WARPS} warps; got "
                          f"mtiles={mtiles}, kparts={kparts}, tiles={tiles}")
     if stages not in (2, 3, 4, 8):
         raise ValueError(f"stages must be 2, 3, 4 or 8, got {stages}")
-    if in_dim <= 0 or in_dim % (256 * kparts):
-        raise ValueError(f"in_dim must be a positive multiple of 256 * kparts = {256 * kparts}, got {in_dim}")
+    if in_dim <= 0 or in_dim % 256 or in_dim // 256 < kparts:
+        raise ValueError(f"in_dim must be a positive multiple of 256 with at least kparts = {kparts} units of 256, "
+                         f"got {in_dim}")
     if wtype == "Q6_K" and in_dim % 2048 and not tiled:
         # 8 blocks = 1680 bytes = 105 16-byte chunks: then every row starts 16-byte aligned and all rows
         # of a unit share its phase
@@ -100,7 +105,9 @@ def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, tiles
         raise ValueError(f"{wtype} rows of {in_dim} with mtiles={mtiles}, kparts={kparts}, stages={stages}, "
                          f"tiles={tiles} need {pos} bytes of shared memory, more than {MAX_DYN_SMEM}: fewer warps or "
                          f"stages")
-    return dict(stride=stride, unit=unit, units=in_dim // 256, per_warp=in_dim // 256 // kparts, warps=warps, smem=pos, off=off,
+    units = in_dim // 256
+    return dict(stride=stride, unit=unit, units=units, per_warp=-(-units // kparts), per_warp_min=units // kparts,
+                warps=warps, smem=pos, off=off,
                 row_bytes=in_dim // 256 * UNIT_BYTES[wtype], rows=rows, launch_smem=max(pos, SOLO_SMEM) if solo else pos)
 
 

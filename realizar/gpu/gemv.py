@@ -60,6 +60,7 @@ class MmaConfig:
     tiles: int = 1  # 16-row MMA tiles per warp
     bulk: bool = False  # sm_90: fill the ring with bulk copies (cp.async.bulk + mbarrier)
     solo: bool = False  # shared memory raised so that one CTA holds an SM (see gemv_mma.SOLO_SMEM)
+    late: bool = False  # the next kernel's launch triggered near the end (after the warps' last copies)
 
 
 # where the 8-warp pick keeps less than B32_BALANCE of the SMs' time busy (busiest SM vs the mean), these
@@ -67,6 +68,11 @@ class MmaConfig:
 # H200; Q4_1 keeps the 8-warp pick)
 B32_BALANCE = 0.9
 B32_UNBALANCED = {"Q4_0": MmaConfig(2, 4, 2, 2), "Q5_0": MmaConfig(1, 4, 2, 2), "Q5_1": MmaConfig(1, 4, 2, 1)}
+# likewise on sm_90 over tile-major weights, types whose pick there is a 16-warp CTA: each warp streams half
+# as many units (bulk copies) and the next launch is triggered once the warps have issued their last
+# copies (bench_gemv --mma-sweep, H200, 14336 x 4096: Q4_K 9.6 against 10.1 µs for the 8-warp pick; the
+# other types were as fast or slower with 12-16 warps, whose shared memory most of them do not fit)
+WIDE_UNBALANCED = {"Q4_K": MmaConfig(4, 4, 2, 2, bulk=True, late=True)}
 
 
 @functools.lru_cache(maxsize=None)  # pure, and asked at every eager GEMV launch
@@ -192,6 +198,11 @@ class GemvOps(Dispatcher):
         if cfg is None or layout == "rows":
             return cfg
         ctas = -(-out_dim // ((16 if glu else 16 * cfg.tiles) * cfg.mtiles))
+        wide = WIDE_UNBALANCED.get(wtype)
+        if (wide is not None and cc >= (9, 0) and not glu and in_dim // 256 % wide.kparts == 0
+                and ctas / (self.sm_count * -(-ctas // self.sm_count)) < B32_BALANCE
+                and mma_layout(wtype, in_dim, wide.mtiles, wide.kparts, wide.stages, wide.tiles, True)["smem"] <= max_smem):
+            return wide
         bulk = cc >= (9, 0) and (wtype == "Q6_K" or (wtype in ("Q4_K", "Q5_K") and cfg.mtiles == 1)
                                  or ((wtype == "Q8_0" or wtype in BLOCK32) and in_dim // 256 // cfg.kparts <= 2))
         # (solo only where a CTA may ask for that much: not on sm_86/sm_89, whose limit is 99 KiB)
@@ -230,7 +241,7 @@ class GemvOps(Dispatcher):
     def _mma_kernel(self, weight: GpuWeight, cfg: MmaConfig, **flags):
         return self.kernel("gemv_mma", wtype=weight.wtype, in_dim=weight.in_dim, mtiles=cfg.mtiles, kparts=cfg.kparts,
                            stages=cfg.stages, tiles=cfg.tiles, bulk=cfg.bulk, tiled=weight.layout != "rows",
-                           solo=cfg.solo, **flags)
+                           solo=cfg.solo, late=cfg.late, **flags)
 
     # ---- launches ------------------------------------------------------------------------------------
     def gemv(self, weight: GpuWeight, x: Any, out: Any, bias: Any = None, residual: Any = None,

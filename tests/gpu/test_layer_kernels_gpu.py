@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from ptx_gen.kernels.gemv import MAX_STATIC_SMEM, shared_bytes
@@ -131,6 +131,47 @@ def test_gemv_mma_matches_float64_oracle(ops, data, wtype, out_dim, mtiles, kpar
     ref = wd @ x.astype(np.float64) + (b if bias else 0) + (r if residual else 0)
     scl = np.abs(wd) @ np.abs(x.astype(np.float64)) + (np.abs(b) if bias else 0) + (np.abs(r) if residual else 0)
     _check_gemv(dy.to_numpy(), ref, scl, f"{wtype} {out_dim}x{in_dim} {cfg} scale={scale} spikes={spikes}")
+
+
+@settings(max_examples=40, deadline=None)
+@given(wtype=st.sampled_from(MMA_TYPES), out_dim=st.integers(1, 900), kparts=st.integers(2, 16),
+       mtiles=st.integers(1, 4), extra=st.integers(0, 9), bulk=st.booleans(), late=st.booleans(), tiled=st.booleans(),
+       scale=st.sampled_from([1e-4, 1.0, 3e3]), spikes=st.integers(0, 4), seed=st.integers(0, 2**32 - 1))
+def test_gemv_mma_uneven_k_parts_wide_ctas_matches_float64_oracle(ops, wtype, out_dim, kparts, mtiles, extra, bulk,
+                                                                  late, tiled, scale, spikes, seed):
+    """K parts that do not divide the units, CTAs of up to 16 warps and the late launch trigger on the GPU,
+    each launch run three times back to back under programmatic dependent launch (the late trigger lets the
+    next launch start while this one ends: every result must still be the oracle's)."""
+    from ptx_gen.kernels.gemv_mma import layout
+    units = kparts + extra
+    if wtype == "Q6_K" and not tiled:
+        units = -(-units // 8) * 8
+    in_dim = 256 * units
+    mtiles = min(mtiles, 16 // kparts) or 1
+    while mtiles > 1:
+        try:
+            layout(wtype, in_dim, mtiles, kparts, 2, 2, tiled)
+            break
+        except ValueError:
+            mtiles -= 1
+    try:
+        layout(wtype, in_dim, mtiles, kparts, 2, 2, tiled)
+    except ValueError:
+        assume(False)
+    rng = np.random.default_rng(seed)
+    raw = random_weight(rng, wtype, out_dim, in_dim)
+    x = _activation(rng, in_dim, scale, spikes)
+    w = GpuWeight(data=raw, ggml_type=wtype, shape=(out_dim, in_dim), layout="tiles" if tiled else "rows")
+    cfg = MmaConfig(mtiles, kparts, 2, 2, _bulk(ops, bulk, wtype, tiled), late=late)
+    wd = dequant(raw, wtype, out_dim, in_dim).astype(np.float64)
+    ref, scl = wd @ x.astype(np.float64), np.abs(wd) @ np.abs(x.astype(np.float64))
+    outs = [_poisoned(out_dim) for _ in range(3)]
+    dx = _buf(x)
+    with cuda.programmatic_dependent_launch(True):
+        for dy in outs:
+            ops.gemv(w, dx, dy, config=cfg)
+    for dy in outs:
+        _check_gemv(dy.to_numpy(), ref, scl, f"{wtype} {out_dim}x{in_dim} {cfg} scale={scale} spikes={spikes}")
 
 
 @settings(max_examples=40, deadline=None)
