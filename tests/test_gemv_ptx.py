@@ -554,6 +554,8 @@ def test_tile_major_places_every_unit_where_the_kernel_reads_it(wtype, out_dim):
     zero = np.zeros(tu, np.uint8)
 
     def unit(r, u):
+        if wtype in BLOCK32:  # re-encoded: scales, fifth bits in lane order, codes (see _tiled_b32_unit)
+            return _tiled_b32_unit(rows[r, u], wtype)
         return np.r_[rows[r, u], np.zeros(tu - ub, np.uint8)]
     t = tile_major(raw, wtype, out_dim, 256 * units)
     n_t = -(-out_dim // TILE_ROWS)
@@ -572,6 +574,37 @@ def test_tile_major_places_every_unit_where_the_kernel_reads_it(wtype, out_dim):
                 for which, at in ((0, base + (o % half) * tu), (1, base + (half + o % half) * tu)):
                     want = unit(which * ffn + o, u) if o < ffn else zero
                     assert (g[at:at + tu] == want).all(), (o, u, which)
+
+
+def _tiled_b32_unit(unit: np.ndarray, wtype: str) -> np.ndarray:
+    """A 256-value unit of GGUF blocks of a 32-value block type as tile-major weights hold it, written
+    out block by block from the GGUF layout: the 8 d (Q4_1, Q5_1: d, m) fields, the 8 qh words with
+    bit v moved to bit 8 (v % 4) + 4 (v // 16) + (v // 4) % 4, the 8 x 16 qs bytes."""
+    bs, qs, qh, sc = {"Q4_0": (18, 2, None, 2), "Q4_1": (20, 4, None, 4), "Q5_0": (22, 6, 2, 2),
+                      "Q5_1": (24, 8, 4, 4)}[wtype]
+    blocks = [unit[bs * b:bs * (b + 1)] for b in range(8)]
+    out = [b[:sc] for b in blocks]
+    if qh is not None:
+        for b in blocks:
+            word = int.from_bytes(b[qh:qh + 4].tobytes(), "little")
+            moved = sum(1 << (8 * (v % 4) + 4 * (v // 16) + (v // 4) % 4) for v in range(32) if word >> v & 1)
+            out.append(np.frombuffer(moved.to_bytes(4, "little"), np.uint8))
+    out += [b[qs:qs + 16] for b in blocks]
+    return np.concatenate(out)
+
+
+def test_lane_order_puts_each_code_words_fifth_bits_in_one_bit_of_each_byte():
+    """lane_order_qh: the fifth bits of values 16 h + 4 t + i (i = 0..3) are bit 4 h + t of bytes 0..3."""
+    from ptx_gen.kernels.gemv_mma_layout import lane_order_qh
+    rng = np.random.default_rng(7)
+    qh = rng.integers(1, 2**32, 64, dtype=np.uint64).astype(np.uint32)
+    got = lane_order_qh(qh)
+    for a, b in zip(qh.tolist(), got.tolist()):
+        for h in range(2):
+            for t in range(4):
+                want = [(a >> (16 * h + 4 * t + i)) & 1 for i in range(4)]
+                assert [(b >> (8 * i + 4 * h + t)) & 1 for i in range(4)] == want
+        assert bin(a).count("1") == bin(b).count("1")
 
 
 def test_tile_major_rejects_wrong_sizes():

@@ -147,7 +147,8 @@ def dequant_f16(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str 
     else:
         sbuf = k.add(k.shared_array(f"{name}_stage", "u8", (stage + table) * warps), k.mul(warp, stage + table))
         _stage(k, layout, wtype, in_dim, g, stride, seg, lane, out_dim, sbuf)
-        _quant(k, wtype, g, stride, sbuf, k.add(sbuf, stage) if table else None, g0, n_rounds, lane, dest)
+        _quant(k, wtype, g, stride, sbuf, k.add(sbuf, stage) if table else None, g0, n_rounds, lane, dest,
+               layout != "rows")
     k.label(done)
     k.ret()
     return k
@@ -274,12 +275,15 @@ def _stage(k: KernelBuilder, layout: str, wtype: str, in_dim: int, g: int, strid
 
 
 def _quant(k: KernelBuilder, wtype: str, g: int, stride: int, sbuf: Reg, table: Reg | None, g0: Reg, n_rounds: Reg,
-           lane: Reg, dest: _Dest) -> None:
-    """Decode the staged rounds and store them (a round past the stream's end or a padding row: not stored)."""
+           lane: Reg, dest: _Dest, tiled: bool) -> None:
+    """Decode the staged rounds and store them (a round past the stream's end or a padding row: not stored);
+    ``tiled``: tile-major weights (the 32-value block types re-encoded, see ``TILED_B32``)."""
     info = type_info(wtype)
-    lc = ql.lane_constants(k, wtype, lane)
-    sel = align = None
-    if info.block_values == 32:
+    lc = ql.lane_constants(k, wtype, lane, tiled=tiled)
+    sel = align = fields = None
+    if info.block_values == 32 and lc["tiled"]:
+        fields = ql.tiled_fields(k, wtype, sbuf, lc["blk"])  # the lane's block of round 0
+    elif info.block_values == 32:
         lane_bb = k.add(sbuf, k.mul(lc["blk"], info.block_bytes))
         if info.block_bytes % 4 == 0:
             align = 8 if info.block_bytes % 8 == 0 else 4
@@ -291,7 +295,10 @@ def _quant(k: KernelBuilder, wtype: str, g: int, stride: int, sbuf: Reg, table: 
     for i in range(g):
         ok, idx = dest.at(i)
         with k.if_(ok):
-            if info.block_values == 32:
+            if fields is not None:
+                at = tuple(None if f is None else _off(k, f, i * stride) for f in fields)
+                vals = _exact(k, ql.decode_q32(k, wtype, None, lc, None, None, None, None, at))
+            elif info.block_values == 32:
                 vals = _exact(k, ql.decode_q32(k, wtype, _off(k, lane_bb, i * stride), lc, sel, sel, align, align))
             elif wtype in K_TABLE:
                 fs = ql.decode_kq(k, wtype, _off(k, sbuf, i * stride), lc)

@@ -241,7 +241,7 @@ def gemm_q(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "ro
             k.cp_async(dst, src, pred=p_ok, dst_offset=32 * t, src_offset=32 * t, src_size=size)
 
     # ---- decode constants ----
-    lc = ql.lane_constants(k, wtype, lane) if info.block_values == 32 else {}
+    lc = ql.lane_constants(k, wtype, lane, tiled=layout != "rows") if info.block_values == 32 else {}
     q8 = k.shl(q, 3)
     if wtype in K_TABLE:
         kpair_sel = ql.k_pair_selectors(k, q)
@@ -376,13 +376,16 @@ def _decode(k: KernelBuilder, wtype: str, info, bb: Reg, b: int, lc: dict, q: Re
         vals = list(k.load("shared", "f32", a, 128 * b, vec=4)) + list(k.load("shared", "f32", a, 128 * b + 16, vec=4))
         return _pack(k, vals)
     if info.block_values == 32:
-        blk = k.add(bb, b * info.block_bytes) if b else bb
-        sel_b = align = None
-        if info.block_bytes % 4 == 0:
-            align = 8 if info.block_bytes % 8 == 0 else 4
+        if lc["tiled"]:  # (a re-encoded unit: every field aligned)
+            dec = ql.decode_q32(k, wtype, None, lc, None, None, None, None, ql.tiled_fields(k, wtype, bb, b))
         else:
-            sel_b = ql.realign_selector(k, blk, ql.field_offset(wtype, "qs"))
-        dec = ql.decode_q32(k, wtype, blk, lc, sel_b, sel_b, align, align)
+            blk = k.add(bb, b * info.block_bytes) if b else bb
+            sel_b = align = None
+            if info.block_bytes % 4 == 0:
+                align = 8 if info.block_bytes % 8 == 0 else 4
+            else:
+                sel_b = ql.realign_selector(k, blk, ql.field_offset(wtype, "qs"))
+            dec = ql.decode_q32(k, wtype, blk, lc, sel_b, sel_b, align, align)
         a, cc = ql.affine(k, dec)
         return _pack(k, [k.fma(f, a, cc) if cc is not None else k.mul(f, a) for f in dec.fs])
     if wtype in K_TABLE:

@@ -22,7 +22,8 @@ MMA, and x arrives alongside the weights.
 
 Weight layout: GGUF rows, or (``tiled``) tile-major (:func:`tile_major`): tiles of 32 rows, each unit's
 32 rows back to back, so that a warp's stage is one contiguous run of bytes (one bulk copy on sm_90)
-and a launch reads whole tiles side by side. On GGUF rows a stage is 16-32 pieces of a unit's bytes,
+and a launch reads whole tiles side by side; the 32-value block types' units are re-encoded there too
+(scales side by side, fifth bits in lane order, aligned codes: ``TILED_B32``). On GGUF rows a stage is 16-32 pieces of a unit's bytes,
 one per row, a row apart, which the DRAM streams more slowly than one run per stage.
 
 Per unit (Q4_K): each row's 6-bit scales and mins are unpacked into a table by one lane; each of
@@ -50,7 +51,8 @@ End: each row's sum is spread over the 4 lanes of its group (digit columns) and 
 
 Launch: grid ``ceil(out_dim / (16 tiles mtiles))``, block ``32 mtiles kparts``, dynamic shared memory
 ``meta["dyn_smem"]`` bytes (above 48 KiB: the launcher raises the limit). ``in_dim`` must be a
-multiple of ``256 kparts`` (Q6_K on GGUF rows: also of 2048); W starts 16-byte aligned.
+multiple of 256 with at least ``kparts`` units (Q6_K on GGUF rows: a multiple of 2048); W starts 16-byte
+aligned.
 """
 
 from __future__ import annotations
@@ -552,6 +554,7 @@ def _lane_context(s: _Warp) -> dict:
         "t_lane": k.setp("lt", lane, R) if R < 32 else None,
         "row_stage": k.mul(lane, U),  # lane r's row in a staged unit
         "t4": k.shl(t, 2),
+        "tiled": s.tiled,
     }
     ctx["t_mine"] = k.add(ctx["table"], k.mul(lane, TR))
     ctx["t_g"] = k.add(ctx["table"], k.mul(g, TR))  # + 8 * TR * (2 r + h): row 16 r + 8 h + g
@@ -562,7 +565,10 @@ def _lane_context(s: _Warp) -> dict:
         zero = BLOCK32[wtype]["zero"]
         if zero:
             ctx["minus_zero"] = k.mov((-zero & 0xFF) * 0x01010101, "u32")  # -zero in every byte of A
-        if BLOCK32[wtype]["qh"] is not None:
+        ctx["gU"] = k.mul(g, U)  # lane (g, t)'s row g in a staged unit
+        if BLOCK32[wtype]["qh"] is not None and s.tiled:
+            ctx["t"], ctx["t_up"] = t, k.sub(4, t)  # (the shifts of its fifth bits, see _unit_b32)
+        elif BLOCK32[wtype]["qh"] is not None:
             ctx["t4_16"] = k.add(ctx["t4"], 16)
     elif wtype == "Q6_K":
         ctx["minus32"] = [k.mov(0xE0E0E0E0, "u32")] * 4  # -32 in every byte of A

@@ -40,6 +40,13 @@ XSLOT = {wt: INVF[wt] + 16 for wt in INVF}
 # would put every other row in the same banks)
 TABLE_ROW = {"Q4_K": 48, "Q8_0": 48, "Q6_K": 80, "Q5_K": 48, "Q4_0": 48, "Q4_1": 48, "Q5_0": 80, "Q5_1": 80}
 TILE_ROWS = 32  # rows of a tile of tile-major weights (tile_major)
+# Tile-major weights of the 32-value block types are re-encoded per row and unit (tile_major): the 8
+# blocks' scale fields side by side (d, or d and m: ``sc`` bytes a block) from byte 0, then (Q5_0, Q5_1)
+# their 8 qh words with the bits in lane order (see :func:`lane_order_qh`) from byte ``qh``, then their
+# 8 runs of 16 qs bytes from byte ``qs``: every field word-aligned and the qs 16-byte aligned (GGUF's
+# 18- and 22-byte blocks put half the code words 2 bytes off a word), the unit's size unchanged
+TILED_B32 = {"Q4_0": dict(sc=2, qh=None, qs=16), "Q4_1": dict(sc=4, qh=None, qs=32),
+             "Q5_0": dict(sc=2, qh=16, qs=48), "Q5_1": dict(sc=4, qh=32, qs=64)}
 # bytes of a row's unit in a tile: Q6_K's 210 padded to 212, so that every row starts on a word (its
 # words then load as they are, with no second load and funnel shift, worth the 1% more bytes)
 TILE_UNIT = {**UNIT_BYTES, "Q6_K": 212}
@@ -111,11 +118,39 @@ def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, tiles
                 row_bytes=in_dim // 256 * UNIT_BYTES[wtype], rows=rows, launch_smem=max(pos, SOLO_SMEM) if solo else pos)
 
 
+def lane_order_qh(qh: np.ndarray) -> np.ndarray:
+    """A 32-value block's qh word (bit v: the fifth bit of value v) with its bits in lane order: value
+    ``16 h + 4 t + i`` (h, i < 2, 4; t < 4) at bit ``8 i + 4 h + t``. Then the fifth bits of any 4
+    consecutive values 4 t'.. (a code word's low or high nibbles) are one byte apart, at bit
+    ``s = 4 h + t`` of each byte: one shift (or rotation) and one mask put them at bit 4 (or 6) of
+    their bytes, where GGUF's order needs a spreading multiply."""
+    qh = np.asarray(qh, dtype=np.uint32)
+    out = np.zeros_like(qh)
+    for v in range(32):
+        h, t, i = v >> 4, (v >> 2) & 3, v & 3
+        out |= ((qh >> np.uint32(v)) & np.uint32(1)) << np.uint32(8 * i + 4 * h + t)
+    return out
+
+
+def _repack_b32(units: np.ndarray, wtype: str) -> np.ndarray:
+    """``units`` (..., 8 GGUF blocks of ``wtype``) re-encoded as :data:`TILED_B32` lays them out."""
+    f, tb = BLOCK32[wtype], TILED_B32[wtype]
+    lead = units.shape[:-1]
+    blocks = units.reshape(*lead, 8, f["bs"])
+    parts = [blocks[..., :tb["sc"]].reshape(*lead, 8 * tb["sc"])]
+    if f["qh"] is not None:
+        qh = np.ascontiguousarray(blocks[..., f["qh"]:f["qh"] + 4]).view("<u4")[..., 0]
+        parts.append(lane_order_qh(qh).astype("<u4").view(np.uint8).reshape(*lead, 32))
+    parts.append(blocks[..., f["qs"]:f["qs"] + 16].reshape(*lead, 128))
+    return np.concatenate(parts, axis=-1)
+
+
 def tile_major(raw: np.ndarray, wtype: str, out_dim: int, in_dim: int, glu: bool = False) -> np.ndarray:
     """W's bytes (GGUF rows, ``out_dim`` x ``in_dim``) as the ``tiled`` kernels read them: tiles of
     ``TILE_ROWS`` rows, and within a tile unit by unit, each unit's ``TILE_ROWS`` rows of 256 values back
     to back, ``TILE_UNIT`` bytes apart (Q6_K: its 210 bytes and 2 zero bytes), i.e. ``TILE_ROWS *
-    TILE_UNIT`` contiguous bytes, what one warp stages. Tile T, unit u starts at byte ``(T * units + u)
+    TILE_UNIT`` contiguous bytes, what one warp stages (the 32-value block types' units re-encoded as
+    :data:`TILED_B32` says). Tile T, unit u starts at byte ``(T * units + u)
     * TILE_ROWS * TILE_UNIT``; the last tile is zero-filled past ``out_dim``.
     With ``glu`` W is [gate; up] (``out_dim`` = 2 ffn rows) and tile T holds gate rows 16 T .. 16 T + 15
     and then up rows 16 T .. 16 T + 15 (the rows a warp of the fused gate/up GEMV takes)."""
@@ -125,6 +160,8 @@ def tile_major(raw: np.ndarray, wtype: str, out_dim: int, in_dim: int, glu: bool
         raise ValueError(f"tile_major: {wtype} {out_dim} x {in_dim} needs in_dim a multiple of 256 and "
                          f"{out_dim * units * ub} bytes, got in_dim {in_dim} and {rows.size} bytes")
     rows = rows.reshape(out_dim, units, ub)
+    if wtype in BLOCK32:
+        rows = _repack_b32(rows, wtype)
     if tu != ub:
         rows = np.concatenate([rows, np.zeros((out_dim, units, tu - ub), np.uint8)], axis=2)
         ub = tu

@@ -7,7 +7,7 @@ import contextlib
 
 from ptx_gen.builder import KernelBuilder, Reg
 from ptx_gen.kernels import quant_layout as ql
-from ptx_gen.kernels.gemv_mma_layout import BLOCK32, INVF, MINS, PAIRED, PLANE, XSUM
+from ptx_gen.kernels.gemv_mma_layout import BLOCK32, INVF, MINS, PAIRED, PLANE, TILED_B32, XSUM
 
 def _mod(k: KernelBuilder, j: Reg, n: int) -> Reg:
     return k.and_(j, n - 1) if n & (n - 1) == 0 else k.rem(j, n)
@@ -341,22 +341,32 @@ def _unit_b32(k: KernelBuilder, wtype: str, c: dict, sbase: Reg, xslot: Reg, acc
     offset (codes stand for q - 8 / q - 16) enters exactly as the accumulator input: the MMAs of -8
     (-16) in every byte of A with the same B, once per pair for the warp (as Q6_K's). Q4_1 / Q5_1's
     min adds ``m sum(x over the block)`` per row, from the sums of x per block kept in the x slot, by
-    the lane of the row (subtracted from its negative in :func:`_row_sums`, as Q4_K's)."""
+    the lane of the row (subtracted from its negative in :func:`_row_sums`, as Q4_K's).
+
+    Tile-major weights (``c["tiled"]``) are re-encoded (:data:`TILED_B32`): the scales load as whole
+    vectors, every code word is aligned, and the fifth bits, in lane order, reach bit 4 of their bytes
+    with one shift and one mask, read by the lanes from the staged unit itself."""
     f = BLOCK32[wtype]
     U, TR, bs = c["U"], c["TR"], f["bs"]
+    tiled = TILED_B32[wtype] if c["tiled"] else None
     # the table: lane r converts row r's 8 block scales d / f (even blocks, then odd ones), gathers its
-    # qh words and adds its mins
+    # qh words (GGUF rows) and adds its mins
     with _lanes_with_rows(k, c):
         inv_f = k.load("shared", "f32", xslot, INVF[wtype])  # the unit's x digits are x f
         row = k.add(sbase, c["row_stage"])
-        if f["m"] is not None:  # (Q4_1, Q5_1: d and m are the block's first word)
+        if tiled is not None:  # d (and m) of the 8 blocks side by side
+            words = [w for o in range(0, 8 * tiled["sc"], 16) for w in k.load("shared", "u32", row, o, vec=4)]
+            halves = [h for w in words for h in k.unpack_b32(w)]
+            dms = list(zip(halves[0::2], halves[1::2])) if f["m"] is not None else [(h, None) for h in halves]
+            ds = [k.mul(k.cvt(Reg(d_.name, ql._f16), "f32"), inv_f) for d_, _ in dms]
+        elif f["m"] is not None:  # (Q4_1, Q5_1: d and m are the block's first word)
             dms = [k.unpack_b32(k.load("shared", "u32", row, bs * i)) for i in range(8)]
             ds = [k.mul(k.cvt(Reg(d_.name, ql._f16), "f32"), inv_f) for d_, _ in dms]
         else:
             ds = [k.mul(ql.lds_f16(k, row, bs * i), inv_f) for i in range(8)]
         k.store("shared", "f32", c["t_mine"], ds[0::2])
         k.store("shared", "f32", c["t_mine"], ds[1::2], 16)
-        if f["qh"] is not None:
+        if f["qh"] is not None and tiled is None:
             qhs = [_word(k, row, bs * i + f["qh"]) for i in range(8)]
             k.store("shared", "u32", c["t_mine"], qhs[:4], 32)
             k.store("shared", "u32", c["t_mine"], qhs[4:], 48)
@@ -368,7 +378,8 @@ def _unit_b32(k: KernelBuilder, wtype: str, c: dict, sbase: Reg, xslot: Reg, acc
                 msum = k.mul(mi, sx[i]) if msum is None else k.fma(mi, sx[i], msum)
             k.assign(minacc, k.sub(minacc, msum))
     k.bar_warp_sync()
-    rg_t = k.add(k.add(sbase, k.mul(c["g"], U)), c["t4"])
+    rg = k.add(sbase, c["gU"])
+    rg_t = k.add(rg, c["t4"])
     # lane (g, t)'s block scales: class t / 2 of rows g and g + 8, one per pair
     scl = []
     for p in range(4):
@@ -383,11 +394,23 @@ def _unit_b32(k: KernelBuilder, wtype: str, c: dict, sbase: Reg, xslot: Reg, acc
             cin = k.mma_s8([c["minus_zero"]] * 4, bfr[2:4], cin)
         for r in range(c["tiles"]):
             # qs word t of blocks 2p, 2p + 1 of rows 16 r + g, 16 r + 8 + g: [row g: b0, b1, row g + 8: b0, b1]
-            ws = [_word(k, rg_t, 16 * r * U + roff + bs * (2 * p + cc) + f["qs"]) for roff in (0, 8 * U) for cc in (0, 1)]
+            if tiled is not None:
+                ws = [k.load("shared", "u32", rg_t, 16 * r * U + roff + tiled["qs"] + 16 * (2 * p + cc))
+                      for roff in (0, 8 * U) for cc in (0, 1)]
+            else:
+                ws = [_word(k, rg_t, 16 * r * U + roff + bs * (2 * p + cc) + f["qs"]) for roff in (0, 8 * U)
+                      for cc in (0, 1)]
             words = [ws[0], ws[2], ws[1], ws[3]]  # A's order: rows g, g + 8 of block 2p, then of 2p + 1
             lo = [k.and_(w, 0x0F0F0F0F) for w in words]
             hi = [k.and_(k.shr(w, 4), 0x0F0F0F0F) for w in words]
-            if f["qh"] is not None:  # the blocks' qh words, in A's order
+            if tiled is not None and tiled["qh"] is not None:  # lane order: values 4t.. at bit t of each
+                # byte, values 16 + 4t.. at bit 4 + t (see lane_order_qh)
+                q0, q8 = (k.load("shared", "u32", rg, 16 * r * U + roff + tiled["qh"] + 8 * p, vec=2)
+                          for roff in (0, 8 * U))
+                hq = [q0[0], q8[0], q0[1], q8[1]]
+                lo = [k.or_(v, k.and_(k.shl(h, c["t_up"]), 0x10101010)) for v, h in zip(lo, hq)]
+                hi = [k.or_(v, k.and_(k.shr(h, c["t"]), 0x10101010)) for v, h in zip(hi, hq)]
+            elif f["qh"] is not None:  # the blocks' qh words, in A's order
                 q0 = k.load("shared", "u32", c["t_g"], 16 * r * TR + 32 + 8 * p, vec=2)
                 q8 = k.load("shared", "u32", c["t_g"], (16 * r + 8) * TR + 32 + 8 * p, vec=2)
                 hq = [q0[0], q8[0], q0[1], q8[1]]

@@ -35,6 +35,7 @@ from functools import lru_cache
 
 from ptx_gen.builder import KernelBuilder, Reg
 from ptx_gen.ggml import layout as _layout
+from ptx_gen.kernels.gemv_mma_layout import TILED_B32
 
 ROUND = 256  # values per round (32 lanes x 8 values)
 PER_LANE = 8
@@ -226,8 +227,9 @@ def spread4(k: KernelBuilder, bits4: Reg) -> Reg:
 # and returns (fs[8], A, C).
 
 
-def lane_constants(k: KernelBuilder, wtype: str, lane: Reg) -> dict:
-    """Per-lane constants (registers computed once) used by the decoders."""
+def lane_constants(k: KernelBuilder, wtype: str, lane: Reg, tiled: bool = False) -> dict:
+    """Per-lane constants (registers computed once) used by the decoders; ``tiled``: also those of the
+    re-encoded 32-value blocks of tile-major weights (:func:`decode_q32`'s ``fields``)."""
     c: dict = {"lane": lane}
     if wtype in DENSE:
         return c
@@ -241,6 +243,11 @@ def lane_constants(k: KernelBuilder, wtype: str, lane: Reg) -> dict:
         c["rot4"] = k.sub(3, k.shl(hi, 2))  # 4-bit codes to bits 3..6: rotl 3 (low) or rotl 31 (high)
         c["rot4"] = k.and_(c["rot4"], 31)
         c["rot5"] = k.and_(k.sub(2, k.shl(hi, 2)), 31)  # to bits 2..5: rotl 2 or rotl 30
+        c["tiled"] = tiled and wtype in TILED_B32
+        if c["tiled"] and wtype in ("Q5_0", "Q5_1"):
+            # fifth bits in lane order: those of the lane's word w (values pos + 4 w ..) at bit 2 u + w of
+            # each byte (lane_order_qh), to bit 6: rotl 6 - 2 u - w
+            c["qhrot"] = [k.and_(k.sub(6 - w, k.shl(u, 1)), 31) for w in (0, 1)]
         return c
     # K-quants: lane l owns values [8l, 8l + 8) of the 256-value block
     c["pos8"] = k.shl(lane, 3)
@@ -291,9 +298,15 @@ def decode_dense(k: KernelBuilder, wtype: str, bb: Reg, offset: int) -> Decoded:
     return Decoded(fs, 1.0)
 
 
-def decode_q32(k: KernelBuilder, wtype: str, bb: Reg, lc: dict, sel_qs: Reg | None, sel_qh: Reg | None,
-               align_qs: int | None, align_qh: int | None) -> Decoded:
-    """A 32-value block type (Q8_0/Q4_0/Q4_1/Q5_0/Q5_1) at shared address ``bb`` (the lane's block)."""
+def decode_q32(k: KernelBuilder, wtype: str, bb: Reg | None, lc: dict, sel_qs: Reg | None, sel_qh: Reg | None,
+               align_qs: int | None, align_qh: int | None, fields: tuple[Reg, Reg | None, Reg] | None = None) -> Decoded:
+    """A 32-value block type (Q8_0/Q4_0/Q4_1/Q5_0/Q5_1) at shared address ``bb`` (the lane's block).
+
+    ``fields``: the block re-encoded as tile-major weights hold it (``TILED_B32``; ``bb`` unused): the
+    shared addresses of its scale field (d, then m), its qh word (lane order, None for Q4_0 / Q4_1) and
+    its 16 qs bytes, each aligned (the lane constants made with ``tiled``)."""
+    if fields is not None:
+        return _decode_q32_tiled(k, wtype, lc, *fields)
     d = lds_f16(k, bb, 0)
     if wtype == "Q8_0":
         qs = field_offset(wtype, "qs")
@@ -314,14 +327,44 @@ def decode_q32(k: KernelBuilder, wtype: str, bb: Reg, lc: dict, sel_qs: Reg | No
             low = nibbles_to_bits(k, w, lc["rot5"], 0x3C3C3C3C)
             hi = k.shl(spread4(k, hb if i == 0 else k.shr(hb, 4)), 6)
             ts.append(k.or_(low, hi))
+    return _small_codes(k, wtype, ts, d, lambda: lds_f16(k, bb, field_offset(wtype, "m")))
+
+
+def _small_codes(k: KernelBuilder, wtype: str, ts: list[Reg], d: Reg, m) -> Decoded:
+    """The Decoded of a 4- or 5-bit block type from its two words of codes ``n << (7 - bits)`` a byte,
+    its d and (Q4_1, Q5_1) ``m()``, its min."""
     fs = magic_small(k, ts[0]) + magic_small(k, ts[1])
     # n = 2 half f - half with half = 2**bits / 2
-    half = 32.0 if five else 16.0
+    half = 32.0 if wtype in ("Q5_0", "Q5_1") else 16.0
     if wtype in ("Q4_0", "Q5_0"):
         # the code offset is half / 2 (8 or 16): d (n - half/2) = d (2 half f - 1.5 half)
         return Decoded(fs, d, 2 * half, -1.5 * half)
-    m = lds_f16(k, bb, field_offset(wtype, "m"))
-    return Decoded(fs, d, 2 * half, -half, m)  # d n + m = d (2 half f - half) + m
+    return Decoded(fs, d, 2 * half, -half, m())  # d n + m = d (2 half f - half) + m
+
+
+def tiled_fields(k: KernelBuilder, wtype: str, unit: Reg, blk: Reg | int) -> tuple[Reg, Reg | None, Reg]:
+    """:func:`decode_q32`'s ``fields`` of block ``blk`` (0..7) of a re-encoded unit (tile-major weights,
+    ``TILED_B32``) staged at shared address ``unit``."""
+    tb = TILED_B32[wtype]
+
+    def at(base: int, size: int) -> Reg:
+        if isinstance(blk, int):
+            return k.add(unit, base + size * blk) if base + size * blk else unit
+        return k.add(k.add(unit, base) if base else unit, k.mul(blk, size))
+    return at(0, tb["sc"]), (at(tb["qh"], 4) if tb["qh"] is not None else None), at(tb["qs"], 16)
+
+
+def _decode_q32_tiled(k: KernelBuilder, wtype: str, lc: dict, sc: Reg, qh: Reg | None, qs: Reg) -> Decoded:
+    """:func:`decode_q32` of a re-encoded block: every field aligned, the fifth bits in lane order."""
+    d = lds_f16(k, sc, 0)
+    words = list(k.load("shared", "u32", k.add(qs, lc["qoff"]), vec=2))
+    if qh is None:
+        ts = [nibbles_to_bits(k, w, lc["rot4"], 0x78787878) for w in words]
+    else:
+        bits = k.load("shared", "u32", qh)
+        ts = [k.or_(nibbles_to_bits(k, w, lc["rot5"], 0x3C3C3C3C), nibbles_to_bits(k, bits, lc["qhrot"][i], 0x40404040))
+              for i, w in enumerate(words)]
+    return _small_codes(k, wtype, ts, d, lambda: lds_f16(k, sc, 2))
 
 
 def k_scale_pair(k: KernelBuilder, wtype: str, bb: Reg, sel: dict) -> list[Reg]:
