@@ -648,8 +648,9 @@ def test_new_mma_types_policy():
     """The tensor-core GEMV takes Q4_0, Q4_1, Q5_0, Q5_1 and Q5_K at the real decode shapes, 32-row warps
     and the fused gate/up GEMV included; where 8-warp CTAs of 32-row warps leave SMs idle (14336 rows:
     112 CTAs on 132 SMs) Q4_0, Q5_0 and Q5_1 take the smaller CTAs that streamed fastest there
-    (bench_gemv --mma-sweep, H200); on an
-    sm_90 device LayerOps stores them tile-major (Q5_K rows where Q4_K's are), and the emulated GEMV of
+    (bench_gemv --mma-sweep, H200; Q5_0 in 16-row warps since its re-encoding); on an
+    sm_90 device LayerOps stores them tile-major (Q5_K rows where Q4_K's are), Q4_0 and Q5_0 there in
+    16-row warps where each warp streams 4 units or more (B32_ONE_TILE), and the emulated GEMV of
     such an upload matches the oracle."""
     from realizar import cuda
     from realizar.gpu.gemv import MmaConfig, mma_config
@@ -659,13 +660,15 @@ def test_new_mma_types_policy():
             assert isinstance(mma_config(o, i, wt, 132), MmaConfig), (wt, o, i)
         assert mma_config(4096, 14336, wt, 132) == MmaConfig(1, 8, 2, 2)
         assert mma_config(14336, 4096, wt, 132, glu=True) is not None
-    for wt, cfg in (("Q4_0", MmaConfig(2, 4, 2, 2)), ("Q4_1", MmaConfig(4, 2, 2, 2)), ("Q5_0", MmaConfig(1, 4, 2, 2)),
+    for wt, cfg in (("Q4_0", MmaConfig(2, 4, 2, 2)), ("Q4_1", MmaConfig(4, 2, 2, 2)), ("Q5_0", MmaConfig(1, 4, 2, 1)),
                     ("Q5_1", MmaConfig(1, 4, 2, 1)), ("Q5_K", MmaConfig(4, 2, 2, 2))):
         assert mma_config(14336, 4096, wt, 132) == cfg, wt
     ops = LayerOps(cuda.EmulatedDevice(sm_count=132))
     for wt in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q5_K"):
         assert ops.weight_layout(4096, 14336, wt) == "tiles"
-        assert ops.mma_config(4096, 14336, wt, layout="tiles").solo
+        cfg = ops.mma_config(4096, 14336, wt, layout="tiles")
+        assert cfg == MmaConfig(1, 8, 2, 1) if wt in ("Q4_0", "Q5_0") else cfg.solo, (wt, cfg)
+        assert ops.mma_config(4096, 4096, wt, layout="tiles").tiles == 2  # (2 units a warp)
     assert ops.weight_layout(14336, 4096, "Q4_1") == "tiles"
     assert ops.weight_layout(14336, 4096, "Q5_K") == ops.weight_layout(14336, 4096, "Q4_K")
     from types import SimpleNamespace
@@ -743,10 +746,12 @@ def test_gemv_mma_uneven_k_parts_and_wide_ctas_emulated(wtype, out_dim, kparts, 
 
 def test_wide_ctas_policy():
     """On sm_90, tile-major Q4_K rows that 8-warp CTAs spread unevenly over the SMs (14336 x 4096: 112 CTAs
-    on 132 SMs) take the 16-warp CTA of ``WIDE_UNBALANCED`` with bulk copies and the late trigger; balanced
-    grids, GGUF rows, the fused gate/up GEMV, other types and sm_80 keep their picks."""
+    on 132 SMs) take the 16-warp CTA of ``WIDE_UNBALANCED`` with bulk copies and the late trigger; grids of
+    one 32-row tile a CTA and an SM (4096 x 14336: 128 CTAs) the 16-warp CTA of ``WIDE_BALANCED`` (3 or 4 of
+    the 56 units a warp) where each warp keeps two units at least; GGUF rows, the fused gate/up GEMV, other
+    types and sm_80 keep their picks."""
     from realizar import cuda
-    from realizar.gpu.gemv import WIDE_UNBALANCED, MmaConfig
+    from realizar.gpu.gemv import WIDE_BALANCED, WIDE_UNBALANCED, MmaConfig
     from realizar.gpu.ops import LayerOps
     ops = LayerOps(cuda.EmulatedDevice(sm_count=132))
     wide = WIDE_UNBALANCED["Q4_K"]
@@ -754,9 +759,15 @@ def test_wide_ctas_policy():
     assert ops.weight_layout(14336, 4096, "Q4_K") == "tiles"
     assert ops.mma_config(14336, 4096, "Q4_K", layout="tiles") == wide
     assert ops.mma_config(14336, 4096, "Q4_K") == MmaConfig(4, 2, 2, 2)  # (GGUF rows)
-    assert not ops.mma_config(4096, 14336, "Q4_K", layout="tiles").late  # balanced: 128 CTAs on 132 SMs
+    assert ops.mma_config(4096, 14336, "Q4_K", layout="tiles") == WIDE_BALANCED["Q4_K"]
+    assert WIDE_BALANCED["Q4_K"] == MmaConfig(1, 16, 2, 2, bulk=True, solo=True, late=True)
+    assert ops.mma_config(4096, 4096, "Q4_K", layout="tiles") == MmaConfig(1, 8, 2, 2, bulk=True, solo=True)
+    assert not ops.mma_config(4096, 14336, "Q4_K").late  # (GGUF rows)
+    assert not ops.mma_config(4096, 14336, "Q4_K", glu=True, layout="glu-tiles").late
+    assert not ops.mma_config(4096, 14336, "Q4_1", layout="tiles").late
     assert not ops.mma_config(14336, 4096, "Q4_K", glu=True, layout="glu-tiles").late
     assert not ops.mma_config(14336, 4096, "Q4_0", layout="tiles").late
     old = LayerOps(cuda.EmulatedDevice(sm_count=132, target="sm_80"))
     cfg = old.mma_config(14336, 4096, "Q4_K", layout="tiles")
     assert (cfg.mtiles, cfg.kparts, cfg.bulk, cfg.late) == (4, 2, False, False)
+    assert old.mma_config(4096, 14336, "Q4_K", layout="tiles") == MmaConfig(1, 8, 2, 2, solo=True)

@@ -87,6 +87,12 @@ def cases(cache, rng, small: bool) -> None:
                 _gemv_case(ops, rng, wt, out_dim, 256 * cfg.kparts * 3, cfg)
             # tile-major weights (the last tile zero-filled past out_dim), one CTA an SM
             _gemv_case(ops, rng, wt, out_dim, 256 * cfg.kparts * 3, dataclasses.replace(cfg, solo=True), "tiles")
+    # the 32-value block types over re-encoded tile-major weights (TILED_B32), and 16-warp CTAs whose K
+    # parts do not divide the units with the late launch trigger
+    for wt in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        _gemv_case(ops, rng, wt, 45, 256 * 6, MmaConfig(1, 4, 2, 1), "tiles")
+        _gemv_case(ops, rng, wt, 37, 256 * 5, MmaConfig(1, 2, 2, 2, bulk_ok), "tiles")
+    _gemv_case(ops, rng, "Q4_K", 40, 256 * 19, MmaConfig(1, 16, 2, 2, bulk_ok, solo=True, late=True), "tiles")
     # fused gate/up and the prefill GEMM
     raw = random_weight(rng, "Q4_K", 2 * 7, 256)
     w = GpuWeight(data=raw, ggml_type="Q4_K", shape=(14, 256))

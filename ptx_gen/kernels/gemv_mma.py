@@ -756,6 +756,10 @@ def _grid_shapes() -> list[dict]:
                {"wtype": "Q4_0", "in_dim": 14336, "mtiles": 1, "kparts": 16, "stages": 2, "tiles": 2, "tiled": True},
                {"wtype": "Q5_0", "in_dim": 14336, "mtiles": 1, "kparts": 12, "stages": 2, "tiles": 2, "tiled": True,
                 "residual": True}]
+    # WIDE_BALANCED's Q4_K pick at 4096 x 14336 and B32_ONE_TILE's 16-row warps there
+    shapes += [{"wtype": "Q4_K", "in_dim": 14336, "mtiles": 1, "kparts": 16, "stages": 2, "tiles": 2, "tiled": True,
+                "solo": True, "late": True}]  # (bulk copies: sm_90 only, see the dispatcher test)
+    shapes += [{"wtype": wt, "in_dim": 14336, "mtiles": 1, "kparts": 8, "stages": 2, "tiled": True} for wt in ("Q4_0", "Q5_0")]
     for wt in BLOCK32:  # the dispatcher's smaller CTAs for 14336 rows (B32_UNBALANCED), tile-major
         shapes += [{"wtype": wt, "in_dim": 4096, "mtiles": 1, "kparts": 4, "stages": 2, "tiles": 2, "tiled": True},
                    {"wtype": wt, "in_dim": 4096, "mtiles": 2, "kparts": 4, "stages": 2, "tiles": 2, "tiled": True},

@@ -67,12 +67,24 @@ class MmaConfig:
 # 32-value block types take the shape that streamed fastest at 14336 x 4096 (bench_gemv --mma-sweep,
 # H200; Q4_1 keeps the 8-warp pick)
 B32_BALANCE = 0.9
-B32_UNBALANCED = {"Q4_0": MmaConfig(2, 4, 2, 2), "Q5_0": MmaConfig(1, 4, 2, 2), "Q5_1": MmaConfig(1, 4, 2, 1)}
+# (Q5_0 in 16-row warps since its tile-major units are re-encoded: 14.4 against 15.7 µs for 32-row warps,
+# H100, 2026-11-28)
+B32_UNBALANCED = {"Q4_0": MmaConfig(2, 4, 2, 2), "Q5_0": MmaConfig(1, 4, 2, 1), "Q5_1": MmaConfig(1, 4, 2, 1)}
 # likewise on sm_90 over tile-major weights, types whose pick there is a 16-warp CTA: each warp streams half
 # as many units (bulk copies) and the next launch is triggered once the warps have issued their last
 # copies (bench_gemv --mma-sweep, H200, 14336 x 4096: Q4_K 9.6 against 10.1 µs for the 8-warp pick; the
 # other types were as fast or slower with 12-16 warps, whose shared memory most of them do not fit)
 WIDE_UNBALANCED = {"Q4_K": MmaConfig(4, 4, 2, 2, bulk=True, late=True)}
+# on sm_90 over tile-major weights, where the 8-warp pick gives each SM one CTA of one 32-row tile
+# (4096 x 14336: 128 CTAs on 132 SMs), types that stream faster in 16-warp CTAs, each warp about half as
+# many units (the parts need not divide them) with bulk copies and the late trigger (bench_gemv
+# --mma-sweep, H100, 2026-11-28, 4096 x 14336: Q4_K 11.8 against 12.4 µs)
+WIDE_BALANCED = {"Q4_K": MmaConfig(1, 16, 2, 2, bulk=True, solo=True, late=True)}
+# on tile-major weights (re-encoded, see TILED_B32) types whose 8-warp CTAs of one row tile stream faster
+# in 16-row warps where each warp streams at least 4 units (bench_gemv --mma-sweep, H100, 2026-11-28,
+# 4096 x 14336: Q4_0 11.7 against 12.2 µs, Q5_0 14.3 against 15.2; at 4096 x 4096, 2 units a warp, the
+# 32-row warps stay ahead)
+B32_ONE_TILE = ("Q4_0", "Q5_0")
 
 
 @functools.lru_cache(maxsize=None)  # pure, and asked at every eager GEMV launch
@@ -198,6 +210,15 @@ class GemvOps(Dispatcher):
         if cfg is None or layout == "rows":
             return cfg
         ctas = -(-out_dim // ((16 if glu else 16 * cfg.tiles) * cfg.mtiles))
+        one_tile_warps = not glu and (cfg.mtiles, cfg.kparts, cfg.tiles) == (1, 8, 2)
+        wide = WIDE_BALANCED.get(wtype)
+        if (wide is not None and cc >= (9, 0) and one_tile_warps and ctas <= self.sm_count
+                and in_dim // 256 >= 2 * wide.kparts  # (two units a warp at least)
+                and mma_layout(wtype, in_dim, wide.mtiles, wide.kparts, wide.stages, wide.tiles, True)["smem"] <= max_smem):
+            return wide
+        if wtype in B32_ONE_TILE and one_tile_warps and in_dim // 256 // cfg.kparts >= 4:
+            cfg = dataclasses.replace(cfg, tiles=1)
+            ctas = -(-out_dim // (16 * cfg.mtiles))
         wide = WIDE_UNBALANCED.get(wtype)
         if (wide is not None and cc >= (9, 0) and not glu and in_dim // 256 % wide.kparts == 0
                 and ctas / (self.sm_count * -(-ctas // self.sm_count)) < B32_BALANCE
