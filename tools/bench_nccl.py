@@ -7,7 +7,8 @@ the cost tensor parallelism adds per decode step (two all-reduces of one hidden 
 For each GPU count N and message (f16 hidden vectors of Llama-3-8B and -70B, and 1 MiB), ``--iters``
 in-place all-reduces are issued back to back (each one group over the N communicators) and timed from
 the first issue to the end of all streams: microseconds per all-reduce, eager (not yet captured in a
-graph). Needs 2+ GPUs and libnccl.so.2 (pip install "realizar[multigpu]"). Not yet run.
+graph). Needs 2+ GPUs and libnccl.so.2 (pip install "realizar[multigpu]"). Latest run:
+docs/results/bench_tensor_parallel_h100x2.md.
 """
 
 from __future__ import annotations
