@@ -46,6 +46,26 @@ def fit_mma_shape(wtype: str, units: int, mtiles: int, kparts: int, stages: int,
             stages, mtiles = ({8: 4, 4: 3, 3: 2}[stages], mtiles) if stages > 2 else (stages, mtiles - 1)
 
 
+def fit_wide_mma_shape(wtype: str, kparts: int, extra: int, mtiles: int, tiled: bool) -> tuple[int, int] | None:
+    """A drawn shape of a tensor-core GEMV with up to 16 warps and K parts that need not divide the units:
+    (in_dim, mtiles) with kparts + extra units (Q6_K on GGUF rows: rounded up to whole 2048-value groups)
+    and the most warps along the rows, up to ``mtiles``, that fit 16 warps and the shared memory (2 stages,
+    32-row warps); None where not even one row tile fits."""
+    from ptx_gen.kernels.gemv_mma import layout
+
+    units = kparts + extra
+    if wtype == "Q6_K" and not tiled:
+        units = -(-units // 8) * 8
+    in_dim = 256 * units
+    for m in range(max(1, min(mtiles, 16 // kparts)), 0, -1):
+        try:
+            layout(wtype, in_dim, m, kparts, 2, 2, tiled)
+            return in_dim, m
+        except ValueError:  # more shared memory than a CTA may have (Q8_0, Q6_K with many warps)
+            continue
+    return None
+
+
 def rel_err(got, want) -> float:
     """max |got - want| / max |want| in float64, after checking that ``got`` is finite everywhere."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)

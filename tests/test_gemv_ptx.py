@@ -19,7 +19,7 @@ from ptx_gen.kernels.gemv_mma_layout import BLOCK32
 from ptx_gen.kernels.quant_layout import DENSE, K_QUANTS, WEIGHT_TYPES, type_info
 from ptx_gen.ptxas import assemble
 from realizar.gpu.gemv import gemv_config
-from tests.helpers import fit_mma_shape, random_array
+from tests.helpers import fit_mma_shape, fit_wide_mma_shape, random_array
 from tests.layer_oracles import dequant, random_weight, silu
 from ptx_gen.emulator import Memory, run as simt_run
 from tests.layer_kernels_ptx_cases import _assemble_all, _in_dims, _pad16
@@ -701,25 +701,12 @@ def test_gemv_mma_uneven_k_parts_and_wide_ctas_emulated(wtype, out_dim, kparts, 
     warp), CTAs of up to 16 warps, and the late launch trigger, on the emulator against the float64
     oracle; with ``late`` the sm_90 PTX triggers the next launch only inside the unit loop (predicated),
     never at the entry."""
-    from ptx_gen.kernels.gemv_mma import layout
     rng = np.random.default_rng(seed)
     if wtype == "Q6_K" and not tiled:
         target = target.replace(" bulk", "")
-    units = kparts + extra
-    if wtype == "Q6_K" and not tiled:
-        units = -(-units // 8) * 8  # (GGUF rows of Q6_K: whole 2048-value groups)
-    in_dim = 256 * units
-    mtiles = min(mtiles, 16 // kparts) or 1
-    while mtiles > 1:
-        try:
-            layout(wtype, in_dim, mtiles, kparts, 2, 2, tiled)
-            break
-        except ValueError:
-            mtiles -= 1
-    try:
-        layout(wtype, in_dim, mtiles, kparts, 2, 2, tiled)
-    except ValueError:
-        assume(False)  # more shared memory than a CTA may have (Q8_0, Q6_K with many warps)
+    shape = fit_wide_mma_shape(wtype, kparts, extra, mtiles, tiled)
+    assume(shape is not None)
+    in_dim, mtiles = shape
     raw = random_weight(rng, wtype, out_dim, in_dim)
     x = random_array(rng, in_dim, 1.0)
     k = catalog.emit("gemv_mma", target=target.split()[0], wtype=wtype, in_dim=in_dim, mtiles=mtiles, kparts=kparts,
@@ -730,7 +717,9 @@ def test_gemv_mma_uneven_k_parts_and_wide_ctas_emulated(wtype, out_dim, kparts, 
             "griddepcontrol.launch_dependents;"]
     else:
         assert not triggers
-    assert units % kparts or layout(wtype, in_dim, mtiles, kparts, 2, 2, tiled)["per_warp"] == units // kparts
+    from ptx_gen.kernels.gemv_mma import layout
+    units, lay = in_dim // 256, layout(wtype, in_dim, mtiles, kparts, 2, 2, tiled)
+    assert (lay["per_warp"], lay["per_warp_min"]) == (-(-units // kparts), units // kparts)  # (the first parts: one more)
     mem = Memory()
     wbytes = tile_major(raw, wtype, out_dim, in_dim) if tiled else raw if wtype == "Q6_K" else _pad16(raw)
     params = dict(w=mem.alloc_array(wbytes), x=mem.alloc_array(x), y=mem.alloc(4 * out_dim), out_dim=out_dim)

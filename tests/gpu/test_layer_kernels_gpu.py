@@ -18,7 +18,7 @@ from realizar import cuda
 from realizar.errors import ShapeError
 from realizar.gpu.gemv import MMA_SLOWER
 from realizar.gpu.ops import GemvConfig, GpuWeight, LayerOps, MmaConfig, inv_freq_table
-from tests.helpers import fit_mma_shape, random_array
+from tests.helpers import fit_mma_shape, fit_wide_mma_shape, random_array
 from tests.layer_oracles import dequant, random_weight, rmsnorm_oracle, rope_oracle, silu
 
 pytestmark = pytest.mark.gpu
@@ -142,22 +142,9 @@ def test_gemv_mma_uneven_k_parts_wide_ctas_matches_float64_oracle(ops, wtype, ou
     """K parts that do not divide the units, CTAs of up to 16 warps and the late launch trigger on the GPU,
     each launch run three times back to back under programmatic dependent launch (the late trigger lets the
     next launch start while this one ends: every result must still be the oracle's)."""
-    from ptx_gen.kernels.gemv_mma import layout
-    units = kparts + extra
-    if wtype == "Q6_K" and not tiled:
-        units = -(-units // 8) * 8
-    in_dim = 256 * units
-    mtiles = min(mtiles, 16 // kparts) or 1
-    while mtiles > 1:
-        try:
-            layout(wtype, in_dim, mtiles, kparts, 2, 2, tiled)
-            break
-        except ValueError:
-            mtiles -= 1
-    try:
-        layout(wtype, in_dim, mtiles, kparts, 2, 2, tiled)
-    except ValueError:
-        assume(False)
+    shape = fit_wide_mma_shape(wtype, kparts, extra, mtiles, tiled)
+    assume(shape is not None)
+    in_dim, mtiles = shape
     rng = np.random.default_rng(seed)
     raw = random_weight(rng, wtype, out_dim, in_dim)
     x = _activation(rng, in_dim, scale, spikes)
