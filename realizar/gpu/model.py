@@ -95,7 +95,56 @@ class DeviceLogits:
         return (self._model.config.vocab_size,)
 
 
-class GpuModel:
+class StepDecoder:
+    """The Generator side that the single-GPU and the split model share, over a subclass's
+    ``_run_step(token, position)`` (one decode step, its results left on the device) and its
+    ``read_token()``: positions, the checks of a step and of a prompt (all made before any work, so a
+    refused request leaves the cache as it was), decoding, and the token-by-token prefill."""
+
+    config: ModelConfig
+    max_len: int
+    position: int = 0
+
+    def _check_step(self, token: int, position: int) -> None:
+        if not 0 <= token < self.config.vocab_size:
+            raise InvalidRequestError(f"token id {token} outside the vocabulary of {self.config.vocab_size}")
+        if position >= self.max_len:
+            raise ContextOverflowError(f"position {position} is past the KV cache's max_len of {self.max_len}")
+
+    def _check_prompt(self, ids) -> list[int]:
+        """``ids`` as ints, once they are known to fit after the cached positions and the vocabulary."""
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise InvalidRequestError("prefill needs at least one token")
+        if self.position + len(ids) > self.max_len:
+            raise ContextOverflowError(
+                f"{self.position} cached + {len(ids)} new tokens exceed the KV cache's max_len of {self.max_len}")
+        bad = next((t for t in ids if not 0 <= t < self.config.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} outside the vocabulary of {self.config.vocab_size}")
+        return ids
+
+    def _prefill_steps(self, ids: list[int]) -> None:
+        """The prompt token by token through the decode step."""
+        for t in ids:
+            self._run_step(t, self.position)
+            self.position += 1
+
+    def forward_gpu_resident_to_token_id(self, token: int, position: int) -> int:
+        """Run one token at ``position`` and return the greedy next token id (4 bytes read back)."""
+        self._run_step(int(token), int(position))
+        return self.read_token()
+
+    def reset(self) -> None:
+        self.position = 0
+
+    def decode(self, token: int) -> DeviceLogits:
+        self._run_step(int(token), self.position)
+        self.position += 1
+        return DeviceLogits(self)
+
+
+class GpuModel(StepDecoder):
     """Model object for :class:`realizar.generation.Generator`: ``prefill``, ``decode``, ``reset``,
     ``context_length``; plus :meth:`forward_gpu_resident_to_token_id` for greedy decoding.
     ``graph``: how the decode graph is built (see the module docstring)."""
@@ -253,10 +302,7 @@ class GpuModel:
 
     def _run_step(self, token: int, position: int) -> None:
         self.device.make_current()  # the server runs generations on a worker thread
-        if not 0 <= token < self.config.vocab_size:
-            raise InvalidRequestError(f"token id {token} outside the vocabulary of {self.config.vocab_size}")
-        if position >= self.max_len:
-            raise ContextOverflowError(f"position {position} is past the KV cache's max_len of {self.max_len}")
+        self._check_step(token, position)
         self.step_values.set(token=token, pos=position, seq_len=position + 1)
         if self._graph is not None:
             self._graph.replay(self.stream, self.step_values)
@@ -269,37 +315,19 @@ class GpuModel:
                     self._issue_step()
         self.steps += 1
 
-    def forward_gpu_resident_to_token_id(self, token: int, position: int) -> int:
-        """Run one token at ``position`` and return the greedy next token id (4 bytes read back)."""
-        self._run_step(int(token), int(position))
-        return self.read_token()
-
-    # ---- Generator interface ------------------------------------------------------------------------
-    def reset(self) -> None:
-        self.position = 0
-
+    # ---- Generator interface (with StepDecoder's) -------------------------------------------------------
     def prefill(self, ids) -> DeviceLogits:
-        ids = [int(t) for t in ids]
-        if not ids:
-            raise InvalidRequestError("prefill needs at least one token")
-        if self.position + len(ids) > self.max_len:
-            raise ContextOverflowError(
-                f"{self.position} cached + {len(ids)} new tokens exceed the KV cache's max_len of {self.max_len}")
+        ids = self._check_prompt(ids)
         if self.batched_prefill_off is None and len(ids) >= self.prefill_min_batch:
             self._prefill_batched(ids)
         else:
-            for t in ids:
-                self._run_step(t, self.position)
-                self.position += 1
+            self._prefill_steps(ids)
         return DeviceLogits(self)
 
     def _prefill_batched(self, ids: list[int]) -> None:
-        """The prompt in chunks of ``prefill_chunk`` tokens through every layer at once
+        """The prompt (checked) in chunks of ``prefill_chunk`` tokens through every layer at once
         (:mod:`realizar.gpu.prefill`); the logits and greedy token end up where a decode step leaves them."""
         self.device.make_current()
-        bad = next((t for t in ids if not 0 <= t < self.config.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequestError(f"token id {bad} outside the vocabulary of {self.config.vocab_size}")
         if self._prefill is None:
             self._prefill = BatchedPrefill(self, self.prefill_chunk)
         c = self.prefill_chunk
@@ -308,11 +336,6 @@ class GpuModel:
             self._prefill.run_chunk(part, self.position, last=start + c >= len(ids))
             self.position += len(part)
         self.steps += 1
-
-    def decode(self, token: int) -> DeviceLogits:
-        self._run_step(int(token), self.position)
-        self.position += 1
-        return DeviceLogits(self)
 
     def read_token(self) -> int:
         self.device.make_current()

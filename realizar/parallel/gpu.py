@@ -44,9 +44,9 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from realizar import cuda
-from realizar.errors import ContextOverflowError, InvalidRequestError, ShapeError
+from realizar.errors import ShapeError
 from realizar.gpu.elementwise import ElementwiseOps
-from realizar.gpu.model import DEFAULT_MAX_LEN, DeviceLogits, GpuModel
+from realizar.gpu.model import DEFAULT_MAX_LEN, DeviceLogits, GpuModel, StepDecoder
 from realizar.models.config import ModelConfig
 from realizar.models.tensor import QuantTensor
 from realizar.parallel.sharding import ShardingPlan, make_plan
@@ -225,7 +225,7 @@ class RankModel(GpuModel):
 # ----------------------------------------------------------------------------------------------
 
 
-class TensorParallelModel:
+class TensorParallelModel(StepDecoder):
     """A model split over ``reducer.world_size`` ranks; the Generator interface of :class:`GpuModel`
     (``prefill``, ``decode``, ``reset``, ``context_length``, :class:`DeviceLogits` with
     ``greedy_token()``) and :meth:`forward_gpu_resident_to_token_id`.
@@ -323,10 +323,7 @@ class TensorParallelModel:
         return graphs
 
     def _run_step(self, token: int, position: int) -> None:
-        if not 0 <= token < self.config.vocab_size:
-            raise InvalidRequestError(f"token id {token} outside the vocabulary of {self.config.vocab_size}")
-        if position >= self.max_len:
-            raise ContextOverflowError(f"position {position} is past the KV cache's max_len of {self.max_len}")
+        self._check_step(token, position)
         for lane in self._lanes:
             lane.step_values.set(token=token, pos=position, seq_len=position + 1)
         if self._graphs is not None:
@@ -344,34 +341,10 @@ class TensorParallelModel:
                     self._issue_step()
         self.steps += 1
 
-    def forward_gpu_resident_to_token_id(self, token: int, position: int) -> int:
-        """Run one token at ``position`` and return the greedy next token id."""
-        self._run_step(int(token), int(position))
-        return self.read_token()
-
-    # ---- Generator interface ------------------------------------------------------------------------
-    def reset(self) -> None:
-        self.position = 0
-
+    # ---- Generator interface (with StepDecoder's) -------------------------------------------------------
     def prefill(self, ids) -> DeviceLogits:
         """The prompt token by token through the decode step."""
-        ids = [int(t) for t in ids]
-        if not ids:
-            raise InvalidRequestError("prefill needs at least one token")
-        if self.position + len(ids) > self.max_len:
-            raise ContextOverflowError(
-                f"{self.position} cached + {len(ids)} new tokens exceed the KV cache's max_len of {self.max_len}")
-        bad = next((t for t in ids if not 0 <= t < self.config.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequestError(f"token id {bad} outside the vocabulary of {self.config.vocab_size}")
-        for t in ids:
-            self._run_step(t, self.position)
-            self.position += 1
-        return DeviceLogits(self)
-
-    def decode(self, token: int) -> DeviceLogits:
-        self._run_step(int(token), self.position)
-        self.position += 1
+        self._prefill_steps(self._check_prompt(ids))
         return DeviceLogits(self)
 
     def read_token(self) -> int:
