@@ -28,6 +28,19 @@ from realizar.parallel import nccl, visible_gpu_count  # noqa: E402
 MESSAGES = (("8B hidden (4096 x f16)", 4096), ("70B hidden (8192 x f16)", 8192), ("1 MiB (524288 x f16)", 524288))
 
 
+def report(path: Path | None):
+    """A ``say(line)`` that prints a report line and, with ``path``, appends it to that file at once (a
+    run stopped by a time limit keeps the lines it reached)."""
+    out = open(path, "w") if path is not None else None
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+        if out is not None:
+            out.write(line + "\n")
+            out.flush()
+    return say
+
+
 def bench(lib, n: int, count: int, iters: int) -> float:
     """Microseconds per all-reduce of ``count`` f16 values over GPUs 0..n-1."""
     devices = [cuda.Device(i) for i in range(n)]
@@ -60,7 +73,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpus", type=int, help="largest GPU count to measure (default: all visible)")
     ap.add_argument("--iters", type=int, default=1000)
+    ap.add_argument("--out", type=Path, help="also write the report lines to this file (as they come)")
     args = ap.parse_args()
+    say = report(args.out)
     lib = nccl.load()
     visible = visible_gpu_count()
     top = min(args.gpus or visible, visible)
@@ -68,12 +83,12 @@ def main() -> int:
         print(f"bench_nccl: needs 2 visible GPUs, {visible} here", file=sys.stderr)
         return 1
     counts = [n for n in (2, 4, 8) if n <= top] + ([top] if top not in (2, 4, 8) else [])
-    print(f"NCCL {'.'.join(map(str, lib.version()))} ({lib.origin}), {visible} visible GPUs, "
-          f"{cuda.Device(0).name}, {args.iters} all-reduces per cell, eager")
-    print("| message | " + " | ".join(f"N={n} us" for n in counts) + " |")
-    print("|---|" + "---:|" * len(counts))
+    say(f"NCCL {'.'.join(map(str, lib.version()))} ({lib.origin}), {visible} visible GPUs, "
+        f"{cuda.Device(0).name}, {args.iters} all-reduces per cell, eager")
+    say("| message | " + " | ".join(f"N={n} us" for n in counts) + " |")
+    say("|---|" + "---:|" * len(counts))
     for label, count in MESSAGES:
-        print(f"| {label} | " + " | ".join(f"{bench(lib, n, count, args.iters):.1f}" for n in counts) + " |")
+        say(f"| {label} | " + " | ".join(f"{bench(lib, n, count, args.iters):.1f}" for n in counts) + " |")
     return 0
 
 

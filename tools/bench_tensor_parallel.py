@@ -30,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench_nccl import report  # noqa: E402  (tools/ is on the path when run as a script)
 from realizar import cuda  # noqa: E402
 from realizar.gpu.model import GpuModel  # noqa: E402
 from realizar.models.random import BENCH_SHAPES, BenchShape, bench_model  # noqa: E402
@@ -90,7 +91,9 @@ def main() -> int:
     ap.add_argument("--local", action="store_true",
                     help="run N > visible GPUs on GPU 0 with the LocalReducer (a smoke check, not TP speed)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the single-GPU GpuModel row")
+    ap.add_argument("--out", type=Path, help="also write the report lines to this file (as they come)")
     a = ap.parse_args()
+    say = report(a.out)
     visible = visible_gpu_count()
     if visible < 1:
         print("bench_tensor_parallel: needs a GPU", file=sys.stderr)
@@ -105,32 +108,32 @@ def main() -> int:
     how = f"NCCL {'.'.join(map(str, lib.version()))} ({lib.origin})"
     if a.local:
         how += f"; N > {visible}: LocalReducer on GPU 0, every rank on one GPU, NOT tensor-parallel speed"
-    print(f"{visible} visible GPUs ({dev0.name}); {how}; {a.tokens} decode tokens after {PROMPT}, max_len {MAX_LEN}")
-    print("| shape | model | N | reducer | host tok/s | GPU us/token |")
-    print("|---|---|---:|---|---:|---:|")
+    say(f"{visible} visible GPUs ({dev0.name}); {how}; {a.tokens} decode tokens after {PROMPT}, max_len {MAX_LEN}")
+    say("| shape | model | N | reducer | host tok/s | GPU us/token |")
+    say("|---|---|---:|---|---:|---:|")
     for name in a.shapes.split(","):
         t0 = time.perf_counter()
         config, tensors, read_bytes = bench_model(SHAPES[name])
-        print(f"<!-- {name}: random weights drawn in {time.perf_counter() - t0:.0f} s, "
-              f"{read_bytes / 1e9:.2f} GB read per token -->", flush=True)
+        say(f"<!-- {name}: random weights drawn in {time.perf_counter() - t0:.0f} s, "
+            f"{read_bytes / 1e9:.2f} GB read per token -->")
         if not a.no_baseline:
             dev0.make_current()
             model = GpuModel(config, tensors, max_len=MAX_LEN, device=dev0)
             tps, us = bench(model, a.tokens)
-            print(f"| {name} | GpuModel | 1 | - | {tps:.1f} | {us:.1f} |", flush=True)
+            say(f"| {name} | GpuModel | 1 | - | {tps:.1f} | {us:.1f} |")
             del model
             gc.collect()
         for n in counts:
             local = n > visible
             if local and not a.local:
-                print(f"| {name} | split | {n} | NCCL | needs {n} GPUs, {visible} visible | |", flush=True)
+                say(f"| {name} | split | {n} | NCCL | needs {n} GPUs, {visible} visible | |")
                 continue
             reducer = LocalReducer(n, dev0) if local else NcclReducer(list(range(n)), lib=lib)
             try:
                 model = TensorParallelModel(config, tensors, reducer, max_len=MAX_LEN)
                 tps, us = bench(model, a.tokens)
                 label = "local (one GPU, not TP speed)" if local else "NCCL"
-                print(f"| {name} | split | {n} | {label} | {tps:.1f} | {us:.1f} |", flush=True)
+                say(f"| {name} | split | {n} | {label} | {tps:.1f} | {us:.1f} |")
                 model.synchronize()
                 del model
                 gc.collect()

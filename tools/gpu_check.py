@@ -3,7 +3,8 @@
 What comes back from $OUT is limited to a few files: gpu_check.log (every stage's output), the JUnit
 XML of the tests, and one Markdown table per benchmark (bench_graphs, bench_attention, bench_gemv,
 bench_decode, bench_gemm, bench_prefill, bench_serving, profile_step (one served stream against GpuModel),
-bench_gemm_decode (the f16 GEMM at decode batch sizes); real_model, not a default stage: smollm2_gpu.md).
+bench_gemm_decode (the f16 GEMM at decode batch sizes); not default stages: real_model (smollm2_gpu.md),
+and on 2+ GPUs bench_tensor_parallel and bench_nccl).
 
     python tools/gpu_check.py --out "$OUT"                      # everything
     python tools/gpu_check.py --out "$OUT" --stages tests,bench_graphs
@@ -53,6 +54,10 @@ def stages(out: Path, tests: list[str], pytest_args: list[str]) -> dict[str, tup
         "profile_step": ([PY, "tools/profile_step.py", "--out", str(out / "profile_step.md")], 240),
         "bench_gemm_decode": ([PY, "tools/bench_gemm.py", "--tokens", "32,64", "--sweep", "--out",
                                str(out / "bench_gemm_decode.md")], 240),
+        # several GPUs (not default stages: they need 2 or more)
+        "bench_tensor_parallel": ([PY, "tools/bench_tensor_parallel.py", "--out", str(out / "bench_tensor_parallel.md")],
+                                  540),
+        "bench_nccl": ([PY, "tools/bench_nccl.py", "--out", str(out / "bench_nccl.md")], 120),
         "real_model": ([PY, "tools/gpu_real_model.py", "--gguf", os.environ.get("SMOLLM2_GGUF", "/tmp/smollm2.gguf"),
                         "--out", str(out / "smollm2_gpu.md")], 300),
     }
