@@ -23,8 +23,9 @@ MMA, and x arrives alongside the weights.
 Weight layout: GGUF rows, or (``tiled``) tile-major (:func:`tile_major`): tiles of 32 rows, each unit's
 32 rows back to back, so that a warp's stage is one contiguous run of bytes (one bulk copy on sm_90)
 and a launch reads whole tiles side by side; the 32-value block types' units are re-encoded there too
-(scales side by side, fifth bits in lane order, aligned codes: ``TILED_B32``). On GGUF rows a stage is 16-32 pieces of a unit's bytes,
-one per row, a row apart, which the DRAM streams more slowly than one run per stage.
+(scales side by side, fifth bits in lane order, aligned codes: ``TILED_B32``). On GGUF rows a stage is
+16-32 pieces of a unit's bytes, one per row, a row apart, which the DRAM streams more slowly than one
+run per stage.
 
 Per unit (Q4_K): each row's 6-bit scales and mins are unpacked into a table by one lane; each of
 the 4 sub-block pairs is one ``ldmatrix.x4`` (lane (g, t) gets 4 code bytes of rows g and g + 8 in

@@ -354,14 +354,15 @@ def _unit_b32(k: KernelBuilder, wtype: str, c: dict, sbase: Reg, xslot: Reg, acc
     with _lanes_with_rows(k, c):
         inv_f = k.load("shared", "f32", xslot, INVF[wtype])  # the unit's x digits are x f
         row = k.add(sbase, c["row_stage"])
+        d16 = m16 = None  # the 8 blocks' d (and m) as f16 registers, where loaded as words
         if tiled is not None:  # d (and m) of the 8 blocks side by side
             words = [w for o in range(0, 8 * tiled["sc"], 16) for w in k.load("shared", "u32", row, o, vec=4)]
             halves = [h for w in words for h in k.unpack_b32(w)]
-            dms = list(zip(halves[0::2], halves[1::2])) if f["m"] is not None else [(h, None) for h in halves]
-            ds = [k.mul(k.cvt(Reg(d_.name, ql._f16), "f32"), inv_f) for d_, _ in dms]
+            d16, m16 = (halves[0::2], halves[1::2]) if f["m"] is not None else (halves, None)
         elif f["m"] is not None:  # (Q4_1, Q5_1: d and m are the block's first word)
-            dms = [k.unpack_b32(k.load("shared", "u32", row, bs * i)) for i in range(8)]
-            ds = [k.mul(k.cvt(Reg(d_.name, ql._f16), "f32"), inv_f) for d_, _ in dms]
+            d16, m16 = zip(*(k.unpack_b32(k.load("shared", "u32", row, bs * i)) for i in range(8)))
+        if d16 is not None:
+            ds = [k.mul(k.cvt(Reg(d_.name, ql._f16), "f32"), inv_f) for d_ in d16]
         else:
             ds = [k.mul(ql.lds_f16(k, row, bs * i), inv_f) for i in range(8)]
         k.store("shared", "f32", c["t_mine"], ds[0::2])
@@ -374,7 +375,7 @@ def _unit_b32(k: KernelBuilder, wtype: str, c: dict, sbase: Reg, xslot: Reg, acc
             sx = [v for o in (0, 16) for v in k.load("shared", "f32", xslot, XSUM[wtype] + o, vec=4)]
             msum = None
             for i in range(8):
-                mi = k.cvt(Reg(dms[i][1].name, ql._f16), "f32")
+                mi = k.cvt(Reg(m16[i].name, ql._f16), "f32")
                 msum = k.mul(mi, sx[i]) if msum is None else k.fma(mi, sx[i], msum)
             k.assign(minacc, k.sub(minacc, msum))
     k.bar_warp_sync()

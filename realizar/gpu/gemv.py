@@ -210,19 +210,20 @@ class GemvOps(Dispatcher):
         if cfg is None or layout == "rows":
             return cfg
         ctas = -(-out_dim // ((16 if glu else 16 * cfg.tiles) * cfg.mtiles))
+        def fits(c: MmaConfig) -> bool:  # (tile-major, in this device's shared memory)
+            return mma_layout(wtype, in_dim, c.mtiles, c.kparts, c.stages, c.tiles, True)["smem"] <= max_smem
+
         one_tile_warps = not glu and (cfg.mtiles, cfg.kparts, cfg.tiles) == (1, 8, 2)
         wide = WIDE_BALANCED.get(wtype)
         if (wide is not None and cc >= (9, 0) and one_tile_warps and ctas <= self.sm_count
-                and in_dim // 256 >= 2 * wide.kparts  # (two units a warp at least)
-                and mma_layout(wtype, in_dim, wide.mtiles, wide.kparts, wide.stages, wide.tiles, True)["smem"] <= max_smem):
+                and in_dim // 256 >= 2 * wide.kparts and fits(wide)):  # (two units a warp at least)
             return wide
         if wtype in B32_ONE_TILE and one_tile_warps and in_dim // 256 // cfg.kparts >= 4:
             cfg = dataclasses.replace(cfg, tiles=1)
             ctas = -(-out_dim // (16 * cfg.mtiles))
         wide = WIDE_UNBALANCED.get(wtype)
         if (wide is not None and cc >= (9, 0) and not glu and in_dim // 256 % wide.kparts == 0
-                and ctas / (self.sm_count * -(-ctas // self.sm_count)) < B32_BALANCE
-                and mma_layout(wtype, in_dim, wide.mtiles, wide.kparts, wide.stages, wide.tiles, True)["smem"] <= max_smem):
+                and ctas / (self.sm_count * -(-ctas // self.sm_count)) < B32_BALANCE and fits(wide)):
             return wide
         bulk = cc >= (9, 0) and (wtype == "Q6_K" or (wtype in ("Q4_K", "Q5_K") and cfg.mtiles == 1)
                                  or ((wtype == "Q8_0" or wtype in BLOCK32) and in_dim // 256 // cfg.kparts <= 2))
