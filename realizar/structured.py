@@ -21,6 +21,7 @@ is maintained and used by several inference servers.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import weakref
@@ -132,8 +133,12 @@ def _ll_tokenizer(tokenizer: Any) -> Any:
         found = _TOKENIZERS.get(tokenizer)
         if found is None:
             eos = list(tokenizer.eos_token_ids) or None
+            make = functools.partial(_llg().LLTokenizer, tokenizer.backend.to_str(), n_vocab=int(tokenizer.vocab_size))
             try:
-                found = _llg().LLTokenizer(tokenizer.backend.to_str(), n_vocab=int(tokenizer.vocab_size), eos_token=eos)
+                try:
+                    found = make(eos_token=eos)
+                except TypeError:  # (llguidance 1.6 takes one EOS id; the grammar's processor allows them all)
+                    found = make(eos_token=eos[0] if eos else None)
             except Exception as e:  # the library's own error type
                 raise UnsupportedError(f"structured output cannot use this model's tokenizer: {e}") from e
             _TOKENIZERS[tokenizer] = found
