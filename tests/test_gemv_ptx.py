@@ -671,6 +671,22 @@ def test_new_mma_types_policy():
         assert ops.mma_config(4096, 4096, wt, layout="tiles").tiles == 2  # (2 units a warp)
     assert ops.weight_layout(14336, 4096, "Q4_1") == "tiles"
     assert ops.weight_layout(14336, 4096, "Q5_K") == ops.weight_layout(14336, 4096, "Q4_K")
+    # where the DRAM is fast for the SMs (an H200's 4.8 TB/s: 3.125 GHz x 6144 bits) Q4_0 and Q5_0 keep
+    # 32-row warps there, with bulk copies; elsewhere the picks are the H100's
+    from realizar.gpu.gemv import dram_bytes_per_sm_clock
+    h200 = LayerOps(cuda.EmulatedDevice(sm_count=132, attributes={"MEMORY_CLOCK_RATE": 3_125_000,
+                                                                  "GLOBAL_MEMORY_BUS_WIDTH": 6144}))
+    assert 18 < dram_bytes_per_sm_clock(h200.device) < 19 and 12 < dram_bytes_per_sm_clock(ops.device) < 13
+    assert h200.fast_dram and not ops.fast_dram
+    for wt in ("Q4_0", "Q5_0"):
+        assert h200.mma_config(4096, 14336, wt, layout="tiles") == MmaConfig(1, 8, 2, 2, bulk=True, solo=True)
+        assert h200.mma_config(14336, 4096, wt, layout="tiles") == ops.mma_config(14336, 4096, wt, layout="tiles")
+    for wt in ("Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0"):
+        for o, i in ((4096, 14336), (14336, 4096), (4096, 4096)):
+            assert h200.mma_config(o, i, wt, layout="tiles") == ops.mma_config(o, i, wt, layout="tiles"), (wt, o, i)
+    sm80 = LayerOps(cuda.EmulatedDevice(sm_count=108, target="sm_80", attributes={"MEMORY_CLOCK_RATE": 3_125_000,
+                                                                                   "GLOBAL_MEMORY_BUS_WIDTH": 6144}))
+    assert sm80.mma_config(4096, 14336, "Q5_0", layout="tiles").tiles == 1  # (no bulk copies before sm_90)
     from types import SimpleNamespace
     small = LayerOps(cuda.EmulatedDevice(sm_count=2))
     rng = np.random.default_rng(9)
@@ -735,18 +751,17 @@ def test_gemv_mma_uneven_k_parts_and_wide_ctas_emulated(wtype, out_dim, kparts, 
 
 def test_wide_ctas_policy():
     """On sm_90, tile-major Q4_K rows that 8-warp CTAs spread unevenly over the SMs (14336 x 4096: 112 CTAs
-    on 132 SMs) take the 16-warp CTA of ``WIDE_UNBALANCED`` with bulk copies and the late trigger; grids of
-    one 32-row tile a CTA and an SM (4096 x 14336: 128 CTAs) the 16-warp CTA of ``WIDE_BALANCED`` (3 or 4 of
-    the 56 units a warp) where each warp keeps two units at least; GGUF rows, the fused gate/up GEMV, other
-    types and sm_80 keep their picks."""
+    on 132 SMs) take the 4-warp CTA of ``TILED_UNBALANCED``; grids of one 32-row tile a CTA and an SM
+    (4096 x 14336: 128 CTAs) the 16-warp CTA of ``WIDE_BALANCED`` (3 or 4 of the 56 units a warp) where each
+    warp keeps two units at least; GGUF rows, the fused gate/up GEMV, other types and sm_80 keep their
+    picks."""
     from realizar import cuda
-    from realizar.gpu.gemv import WIDE_BALANCED, WIDE_UNBALANCED, MmaConfig
+    from realizar.gpu.gemv import TILED_UNBALANCED, WIDE_BALANCED, MmaConfig
     from realizar.gpu.ops import LayerOps
     ops = LayerOps(cuda.EmulatedDevice(sm_count=132))
-    wide = WIDE_UNBALANCED["Q4_K"]
-    assert (wide.mtiles * wide.kparts, wide.bulk, wide.late) == (16, True, True)
+    assert TILED_UNBALANCED["Q4_K"] == MmaConfig(1, 4, 2, 2)
     assert ops.weight_layout(14336, 4096, "Q4_K") == "tiles"
-    assert ops.mma_config(14336, 4096, "Q4_K", layout="tiles") == wide
+    assert ops.mma_config(14336, 4096, "Q4_K", layout="tiles") == TILED_UNBALANCED["Q4_K"]
     assert ops.mma_config(14336, 4096, "Q4_K") == MmaConfig(4, 2, 2, 2)  # (GGUF rows)
     assert ops.mma_config(4096, 14336, "Q4_K", layout="tiles") == WIDE_BALANCED["Q4_K"]
     assert WIDE_BALANCED["Q4_K"] == MmaConfig(1, 16, 2, 2, bulk=True, solo=True, late=True)

@@ -78,13 +78,14 @@ def time_launches(fn_list, stream: cuda.Stream, use_graph: bool, reps: int = 7) 
         return graph_median_us(fn_list, stream, use_graph, reps)
 
 
-def bench_read(ops, stream, nbytes: int, use_graph: bool) -> float:
+def bench_read(ops, stream, nbytes: int, use_graph: bool, unroll: int = 4, block: int = 256,
+               ctas_per_sm: int = 4) -> float:
     """Microseconds per launch of the ``stream_read`` kernel over ``nbytes`` (rounded down to 16), in
     the GEMV harness: rotating buffers totalling >= 3x L2, graph replay, the same PDL setting."""
     n16 = nbytes // 16
     bufs = [cuda.GpuBuffer(n16 * 16, np.uint8) for _ in range(n_copies(n16 * 16))]
-    kern = ops.kernel("stream_read", unroll=4, block=256)
-    grid = 4 * ops.sm_count
+    kern = ops.kernel("stream_read", unroll=unroll, block=block)
+    grid = ctas_per_sm * ops.sm_count
     out = cuda.GpuBuffer(grid * kern.meta["block"], np.uint32)
     try:
         for b in bufs:
@@ -120,15 +121,15 @@ def sweep_configs(wtype: str, in_dim: int, bulk_ok: bool = False) -> list[GemvCo
     return cfgs
 
 
-def mma_sweep_configs(wtype: str, out_dim: int, in_dim: int, ops) -> list[MmaConfig]:
+def mma_sweep_configs(wtype: str, out_dim: int, in_dim: int, ops, stages: tuple[int, ...] = (2,)) -> list[MmaConfig]:
     """The tensor-core launch shapes of ``--mma-sweep``, timed on the tile-major weight: 16- and 32-row
-    warps over CTAs of 4 or 8 warps, 2-stage rings of cp.async or (sm_90) bulk copies; ``solo`` as the
-    dispatcher sets it."""
+    warps over CTAs of 4 to 16 warps, rings of ``stages`` (each depth that fits) of cp.async or (sm_90)
+    bulk copies; ``solo`` as the dispatcher sets it."""
     bulk_ok = ops.device.target.compute_capability >= (9, 0)
     out = []
     for tl, mt, kp in ((1, 1, 8), (1, 2, 4), (1, 4, 2), (1, 1, 4), (2, 1, 8), (2, 2, 4), (2, 4, 2), (2, 1, 4),
-                       (2, 4, 4), (2, 1, 16)):
-        for st, bulk in ((2, False),) + (((2, True),) if bulk_ok else ()):
+                       (2, 4, 4), (2, 1, 16), (2, 1, 12), (2, 1, 10), (1, 7, 2), (1, 7, 1), (1, 8, 2)):
+        for st, bulk in itertools.product(stages, (False, True) if bulk_ok else (False,)):
             try:
                 mma_layout(wtype, in_dim, mt, kp, st, tl, tiled=True)
             except ValueError:
@@ -158,7 +159,8 @@ def _copies(base: GpuWeight, n: int) -> list[GpuWeight]:
     return out
 
 
-def bench_type_shape(ops, stream, wtype, out_dim, in_dim, rng, sweep: bool, use_graph: bool, mma_sweep: bool = False):
+def bench_type_shape(ops, stream, wtype, out_dim, in_dim, rng, sweep: bool, use_graph: bool, mma_sweep: bool = False,
+                     mma_stages: tuple[int, ...] = (2,)):
     """Each configuration timed on the layout it reads: the dispatcher's pick on the weight as
     ``LayerOps.upload`` stores it (tile-major for the tensor-core GEMV), the rest on GGUF rows."""
     raw = random_weight(rng, wtype, out_dim, in_dim)
@@ -189,7 +191,7 @@ def bench_type_shape(ops, stream, wtype, out_dim, in_dim, rng, sweep: bool, use_
     configs = [default] + ([simt] if simt != default else [])
     bulk_ok = ops.device.target.compute_capability >= (9, 0)
     configs += [c for c in sweep_configs(wtype, in_dim, bulk_ok) if c not in configs] if sweep else []
-    tiled_cfgs = mma_sweep_configs(wtype, out_dim, in_dim, ops) if mma_sweep and layout != "rows" else []
+    tiled_cfgs = mma_sweep_configs(wtype, out_dim, in_dim, ops, mma_stages) if mma_sweep and layout != "rows" else []
     configs += [c for c in tiled_cfgs if c not in configs]
     results = []
     n_launch = max(n_copies(nbytes), 20)  # (every copy in the rotation: fewer could sit in the L2)
@@ -266,6 +268,10 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true", help="also time rows/warps alternatives to the default")
     ap.add_argument("--mma-sweep", action="store_true",
                     help="also time the tensor-core launch shapes on the tile-major weight (mma_sweep_configs)")
+    ap.add_argument("--stages", default="2", help="ring depths of the --mma-sweep shapes, comma-separated")
+    ap.add_argument("--read-sweep", action="store_true",
+                    help="also time the stream_read yardstick's launch shapes (unroll x block x CTAs an SM) at "
+                         "each shape's byte count")
     ap.add_argument("--no-graph", action="store_true")
     ap.add_argument("--no-glu", action="store_true", help="skip the fused gate/up comparison")
     ap.add_argument("--no-pdl", action="store_true",
@@ -319,7 +325,7 @@ def main() -> int:
                 print(lines[-1])
                 continue
             nbytes, results = bench_type_shape(ops, stream, wt, out_dim, in_dim, rng, a.sweep, not a.no_graph,
-                                               a.mma_sweep)
+                                               a.mma_sweep, tuple(int(v) for v in a.stages.split(",")))
             if not results:
                 continue
             default = next((r for r in results if r[3]), None)
@@ -339,6 +345,12 @@ def main() -> int:
             tcol = f"{tres[0]:.1f} | {tres[1] / tres[0] / 1e3:.0f}" if tres else "— | —"
             if nbytes not in read_cache:
                 read_cache[nbytes] = bench_read(ops, stream, nbytes, not a.no_graph)
+                if a.read_sweep:
+                    reads = sorted((bench_read(ops, stream, nbytes, not a.no_graph, u, b, c), u, b, c)
+                                   for u in (2, 4, 8, 16) for b in (256, 512) for c in (1, 2, 4, 8) if b * c <= 2048)
+                    sweep_rows.append(f"| read {nbytes / 1e6:.1f} MB | {label} | " + ", ".join(
+                        f"u{u} b{b} c{c} {t:.1f} ({pct(t):.0f}%)" for t, u, b, c in reads) + " |")
+                    print(sweep_rows[-1], flush=True)
             rd = read_cache[nbytes]
             all_ok = all(r[4] for r in results)
             lines.append(f"| {wt} | {label} | {nbytes / 1e6:.1f} | {us:.1f} | {gbs:.0f} | {gbs / (bw / 1e9) * 100:.0f}% | "

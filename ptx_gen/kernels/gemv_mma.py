@@ -396,7 +396,7 @@ def _b32_row_copies(s: _Warp):
     chunks of a row), landing at 16 c (+ 16 (c / (G / 16)) past each padded row, see ``ROW_PAD``).
     The source offsets are kept as 32-bit offsets from the warp's first row (64-bit ones, one per 32
     chunks, crowded out these types' registers), the padded destinations two to a register."""
-    k, lane, G, U, kparts = s.k, s.lane, s.G, s.U, s.kparts
+    k, lane, G, U = s.k, s.lane, s.G, s.U
     cpr = G // 16
     nchunks = s.R * cpr
     nq = -(-nchunks // 32)
@@ -751,9 +751,11 @@ def _grid_shapes() -> list[dict]:
     for sh in shapes:
         if sh["wtype"] == "Q6_K" and sh["in_dim"] == 256:
             sh["in_dim"] = 2048
-    # 16-warp CTAs (the dispatcher's WIDE_UNBALANCED pick, late trigger) and K parts that do not divide the units
+    # 16-warp CTAs (late trigger), K parts that do not divide the units, and the dispatcher's TILED_UNBALANCED
+    # Q4_K pick for 14336 rows
     shapes += [{"wtype": "Q4_K", "in_dim": 4096, "mtiles": 4, "kparts": 4, "stages": 2, "tiles": 2, "tiled": True,
                 "late": True},
+               {"wtype": "Q4_K", "in_dim": 4096, "mtiles": 1, "kparts": 4, "stages": 2, "tiles": 2, "tiled": True},
                {"wtype": "Q4_0", "in_dim": 14336, "mtiles": 1, "kparts": 16, "stages": 2, "tiles": 2, "tiled": True},
                {"wtype": "Q5_0", "in_dim": 14336, "mtiles": 1, "kparts": 12, "stages": 2, "tiles": 2, "tiled": True,
                 "residual": True}]

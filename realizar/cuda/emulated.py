@@ -76,13 +76,14 @@ class EmulatedDevice:
     """The surface of :class:`realizar.cuda.Device` (``sm_count``, ``target``, ``name``, ``memory_info()``,
     ``synchronize()``, ``attribute()``, ``occupancy()``, ``set_shared_carveout()``...) backed by a
     :class:`ptx_gen.emulator.Memory`; ``launches`` lists every launch run, as
-    ``(kernel name, grid, block, shared bytes, {parameter: value})``."""
+    ``(kernel name, grid, block, shared bytes, {parameter: value})``. The attributes are an H100 SXM's
+    (or the ``target``'s); ``attributes`` overrides some, e.g. an H200's memory clock and bus width."""
 
     emulated = True
     ordinal = 0
 
     def __init__(self, sm_count: int = 132, target: str = "sm_90", free_bytes: int = 80 << 30,
-                 racecheck: bool = True):
+                 racecheck: bool = True, attributes: dict[str, int] | None = None):
         self.sm_count = int(sm_count)
         self.target = Target(target) if isinstance(target, str) else target
         self.name = f"emulated {self.target.sm}"
@@ -93,7 +94,7 @@ class EmulatedDevice:
         self._attributes = {**_SM90_ATTRIBUTES, **_TARGET_ATTRIBUTES.get(self.target.sm.rstrip("a"), {}),
                             "MULTIPROCESSOR_COUNT": self.sm_count,
                             "COMPUTE_CAPABILITY_MAJOR": self.target.compute_capability[0],
-                            "COMPUTE_CAPABILITY_MINOR": self.target.compute_capability[1]}
+                            "COMPUTE_CAPABILITY_MINOR": self.target.compute_capability[1], **(attributes or {})}
         self._capturing: set[int] = set()  # id() of streams being captured
         self._host: dict[int, np.ndarray] = {}  # "pinned" host allocations by address
 

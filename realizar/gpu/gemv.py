@@ -70,11 +70,11 @@ B32_BALANCE = 0.9
 # (Q5_0 in 16-row warps since its tile-major units are re-encoded: 14.4 against 15.7 µs for 32-row warps,
 # H100, 2026-11-28)
 B32_UNBALANCED = {"Q4_0": MmaConfig(2, 4, 2, 2), "Q5_0": MmaConfig(1, 4, 2, 1), "Q5_1": MmaConfig(1, 4, 2, 1)}
-# likewise on sm_90 over tile-major weights, types whose pick there is a 16-warp CTA: each warp streams half
-# as many units (bulk copies) and the next launch is triggered once the warps have issued their last
-# copies (bench_gemv --mma-sweep, H200, 14336 x 4096: Q4_K 9.6 against 10.1 µs for the 8-warp pick; the
-# other types were as fast or slower with 12-16 warps, whose shared memory most of them do not fit)
-WIDE_UNBALANCED = {"Q4_K": MmaConfig(4, 4, 2, 2, bulk=True, late=True)}
+# likewise on sm_90 over tile-major weights: Q4_K in CTAs of 4 warps of 32 rows, each warp a quarter of K
+# (bench_gemv --mma-sweep, 14336 x 4096, against the 16-warp CTA with bulk copies and the late trigger
+# picked before: H100 12.4 against 12.7 µs, H200 9.2-9.4 against 9.4-9.6 µs, 2026-11-28; the other types
+# were as fast or slower in such CTAs)
+TILED_UNBALANCED = {"Q4_K": MmaConfig(1, 4, 2, 2)}
 # on sm_90 over tile-major weights, where the 8-warp pick gives each SM one CTA of one 32-row tile
 # (4096 x 14336: 128 CTAs on 132 SMs), types that stream faster in 16-warp CTAs, each warp about half as
 # many units (the parts need not divide them) with bulk copies and the late trigger (bench_gemv
@@ -85,6 +85,25 @@ WIDE_BALANCED = {"Q4_K": MmaConfig(1, 16, 2, 2, bulk=True, solo=True, late=True)
 # 4096 x 14336: Q4_0 11.7 against 12.2 µs, Q5_0 14.3 against 15.2; at 4096 x 4096, 2 units a warp, the
 # 32-row warps stay ahead)
 B32_ONE_TILE = ("Q4_0", "Q5_0")
+# Where the DRAM delivers at least this many bytes per SM clock (peak bandwidth over SMs x clock: H200
+# 18.4, H100 SXM 12.8) an SM must turn each byte into products with fewer instructions to keep up, and the
+# 32-row warps of those types, which convert each unit of x for twice the rows, stay ahead of the 16-row
+# ones; they fill their rings with bulk copies (bench_gemv --mma-sweep, H200, 2026-11-28, 4096 x 14336,
+# three machines: Q5_0 11.3-11.5 against 12.1-12.3 µs in 16-row warps, Q4_0 9.4-9.7 against 9.3-9.5)
+FAST_DRAM_BYTES_PER_SM_CLOCK = 16.0
+
+
+def dram_bytes_per_sm_clock(device) -> float:
+    """The device's peak DRAM bandwidth (memory clock x bus width, double data rate) over its SMs' total
+    clock, in bytes per SM cycle; 0 where the driver reports no clock."""
+    try:
+        mem_khz, bus_bits = device.attribute("MEMORY_CLOCK_RATE"), device.attribute("GLOBAL_MEMORY_BUS_WIDTH")
+        sm_khz = device.attribute("CLOCK_RATE")
+    except Exception:  # noqa: BLE001 - an attribute this driver does not know: no claim on the memory's speed
+        return 0.0
+    if sm_khz <= 0:
+        return 0.0
+    return 2 * mem_khz * bus_bits / 8 / (device.sm_count * sm_khz)
 
 
 @functools.lru_cache(maxsize=None)  # pure, and asked at every eager GEMV launch
@@ -195,13 +214,19 @@ class GemvOps(Dispatcher):
     """GEMV, fused gate/up GEMV and GEMM launches, and the weight layout they read."""
 
     # ---- launch policy on this device ----------------------------------------------------------------
+    @functools.cached_property
+    def fast_dram(self) -> bool:
+        """Whether this device's DRAM is fast for its SMs (``FAST_DRAM_BYTES_PER_SM_CLOCK``)."""
+        return dram_bytes_per_sm_clock(self.device) >= FAST_DRAM_BYTES_PER_SM_CLOCK
+
     def mma_config(self, out_dim: int, in_dim: int, wtype: str, glu: bool = False,
                    layout: str = "rows") -> MmaConfig | None:
         """The tensor-core GEMV's launch shape on this device (None: not applicable, or before sm_80) for
         a weight stored in ``layout``. On tile-major weights a launch of at most one CTA per SM asks for
         ``solo`` shared memory (so that no SM runs a second CTA of the launch while others idle), and on
         sm_90 a warp's stage is one bulk copy where that is the faster fill: Q6_K always, Q4_K / Q5_K with
-        one row tile per CTA, Q8_0 and the 32-value block types with at most two units per warp."""
+        one row tile per CTA, Q8_0 and the 32-value block types with at most two units per warp, and where
+        the DRAM is fast for the SMs (``fast_dram``) Q4_0 / Q5_0 in CTAs of one 32-row tile."""
         cc = self.device.target.compute_capability
         if cc < (8, 0):
             return None
@@ -218,15 +243,18 @@ class GemvOps(Dispatcher):
         if (wide is not None and cc >= (9, 0) and one_tile_warps and ctas <= self.sm_count
                 and in_dim // 256 >= 2 * wide.kparts and fits(wide)):  # (two units a warp at least)
             return wide
-        if wtype in B32_ONE_TILE and one_tile_warps and in_dim // 256 // cfg.kparts >= 4:
+        fast_dram = self.fast_dram
+        if (wtype in B32_ONE_TILE and one_tile_warps and in_dim // 256 // cfg.kparts >= 4
+                and not (fast_dram and cc >= (9, 0))):
             cfg = dataclasses.replace(cfg, tiles=1)
             ctas = -(-out_dim // (16 * cfg.mtiles))
-        wide = WIDE_UNBALANCED.get(wtype)
-        if (wide is not None and cc >= (9, 0) and not glu and in_dim // 256 % wide.kparts == 0
-                and ctas / (self.sm_count * -(-ctas // self.sm_count)) < B32_BALANCE and fits(wide)):
-            return wide
+        other = TILED_UNBALANCED.get(wtype)
+        if (other is not None and cc >= (9, 0) and not glu and in_dim // 256 % other.kparts == 0
+                and ctas / (self.sm_count * -(-ctas // self.sm_count)) < B32_BALANCE and fits(other)):
+            return other
         bulk = cc >= (9, 0) and (wtype == "Q6_K" or (wtype in ("Q4_K", "Q5_K") and cfg.mtiles == 1)
-                                 or ((wtype == "Q8_0" or wtype in BLOCK32) and in_dim // 256 // cfg.kparts <= 2))
+                                 or ((wtype == "Q8_0" or wtype in BLOCK32) and in_dim // 256 // cfg.kparts <= 2)
+                                 or (fast_dram and wtype in B32_ONE_TILE and one_tile_warps))
         # (solo only where a CTA may ask for that much: not on sm_86/sm_89, whose limit is 99 KiB)
         return dataclasses.replace(cfg, bulk=bulk, solo=ctas <= self.sm_count and SOLO_SMEM <= max_smem)
 
