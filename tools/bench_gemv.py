@@ -28,6 +28,7 @@ oracle.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import statistics
 import time
@@ -121,10 +122,12 @@ def sweep_configs(wtype: str, in_dim: int, bulk_ok: bool = False) -> list[GemvCo
     return cfgs
 
 
-def mma_sweep_configs(wtype: str, out_dim: int, in_dim: int, ops, stages: tuple[int, ...] = (2,)) -> list[MmaConfig]:
+def mma_sweep_configs(wtype: str, out_dim: int, in_dim: int, ops, stages: tuple[int, ...] = (2,),
+                      variants: bool = False) -> list[MmaConfig]:
     """The tensor-core launch shapes of ``--mma-sweep``, timed on the tile-major weight: 16- and 32-row
     warps over CTAs of 4 to 16 warps, rings of ``stages`` (each depth that fits) of cp.async or (sm_90)
-    bulk copies; ``solo`` as the dispatcher sets it."""
+    bulk copies; ``solo`` as the dispatcher sets it (``variants``: each shape with and without ``solo`` and
+    the late trigger)."""
     bulk_ok = ops.device.target.compute_capability >= (9, 0)
     out = []
     for tl, mt, kp in ((1, 1, 8), (1, 2, 4), (1, 4, 2), (1, 1, 4), (2, 1, 8), (2, 2, 4), (2, 4, 2), (2, 1, 4),
@@ -136,7 +139,9 @@ def mma_sweep_configs(wtype: str, out_dim: int, in_dim: int, ops, stages: tuple[
                 continue
             ctas = -(-out_dim // (16 * tl * mt))
             # (16-warp CTAs: with the late trigger, as the dispatcher runs them)
-            out.append(MmaConfig(mt, kp, st, tl, bulk, solo=ctas <= ops.sm_count, late=mt * kp > 8))
+            base = MmaConfig(mt, kp, st, tl, bulk, solo=ctas <= ops.sm_count, late=mt * kp > 8)
+            out += [base] if not variants else [dataclasses.replace(base, solo=so, late=la)
+                                                for so in (False, True) for la in (False, True)]
     return out
 
 
@@ -160,7 +165,7 @@ def _copies(base: GpuWeight, n: int) -> list[GpuWeight]:
 
 
 def bench_type_shape(ops, stream, wtype, out_dim, in_dim, rng, sweep: bool, use_graph: bool, mma_sweep: bool = False,
-                     mma_stages: tuple[int, ...] = (2,)):
+                     mma_stages: tuple[int, ...] = (2,), variants: bool = False):
     """Each configuration timed on the layout it reads: the dispatcher's pick on the weight as
     ``LayerOps.upload`` stores it (tile-major for the tensor-core GEMV), the rest on GGUF rows."""
     raw = random_weight(rng, wtype, out_dim, in_dim)
@@ -191,7 +196,7 @@ def bench_type_shape(ops, stream, wtype, out_dim, in_dim, rng, sweep: bool, use_
     configs = [default] + ([simt] if simt != default else [])
     bulk_ok = ops.device.target.compute_capability >= (9, 0)
     configs += [c for c in sweep_configs(wtype, in_dim, bulk_ok) if c not in configs] if sweep else []
-    tiled_cfgs = mma_sweep_configs(wtype, out_dim, in_dim, ops, mma_stages) if mma_sweep and layout != "rows" else []
+    tiled_cfgs = mma_sweep_configs(wtype, out_dim, in_dim, ops, mma_stages, variants) if mma_sweep and layout != "rows" else []
     configs += [c for c in tiled_cfgs if c not in configs]
     results = []
     n_launch = max(n_copies(nbytes), 20)  # (every copy in the rotation: fewer could sit in the L2)
@@ -269,6 +274,8 @@ def main() -> int:
     ap.add_argument("--mma-sweep", action="store_true",
                     help="also time the tensor-core launch shapes on the tile-major weight (mma_sweep_configs)")
     ap.add_argument("--stages", default="2", help="ring depths of the --mma-sweep shapes, comma-separated")
+    ap.add_argument("--variants", action="store_true",
+                    help="--mma-sweep: each shape with and without solo shared memory and the late trigger")
     ap.add_argument("--read-sweep", action="store_true",
                     help="also time the stream_read yardstick's launch shapes (unroll x block x CTAs an SM) at "
                          "each shape's byte count")
@@ -325,7 +332,7 @@ def main() -> int:
                 print(lines[-1])
                 continue
             nbytes, results = bench_type_shape(ops, stream, wt, out_dim, in_dim, rng, a.sweep, not a.no_graph,
-                                               a.mma_sweep, tuple(int(v) for v in a.stages.split(",")))
+                                               a.mma_sweep, tuple(int(v) for v in a.stages.split(",")), a.variants)
             if not results:
                 continue
             default = next((r for r in results if r[3]), None)
