@@ -83,6 +83,14 @@ from ptx_gen.kernels.gemv_mma_layout import (
     q6k_glu_offsets_fit,
     tile_major,
 )
+from ptx_gen.kernels.gemv_mma_cols import (
+    epilogue_cols,
+    load_x_cols,
+    unit_b32_cols,
+    unit_q4k_cols,
+    unit_q6k_cols,
+    unit_q8_0_cols,
+)
 from ptx_gen.kernels.gemv_mma_units import (
     _convert_x,
     _div,
@@ -186,8 +194,9 @@ class _Warp:
 
 def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, bias: bool,
           residual: bool, tiles: int = 1, bulk: bool = False, glu: bool = False, tiled: bool = False,
-          solo: bool = False, late: bool = False) -> KernelBuilder:
-    lay = layout(wtype, in_dim, mtiles, kparts, stages, tiles, tiled, solo)
+          solo: bool = False, late: bool = False, cols: int = 1, xh: bool = False, out_f16: bool = False) -> KernelBuilder:
+    lay = layout(wtype, in_dim, mtiles, kparts, stages, tiles, tiled, solo, cols)
+    multi = cols > 1 or xh or out_f16  # (the columns kernel, gemv_mma_cols; it takes one column too)
     if glu and (tiles != 2 or bias or residual):
         raise ValueError("glu needs tiles=2 (a warp's 16 gate rows and their 16 up rows) and no bias/residual")
     if bulk and m.target.compute_capability < (9, 0):
@@ -195,25 +204,33 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
     if bulk and wtype == "Q6_K" and not tiled:
         raise ValueError("Q6_K rows (210-byte blocks) are not 16-byte aligned: no bulk copies unless tile-major")
     warps, R = lay["warps"], lay["rows"]
-    params = gemv_params(bias, residual)
+    params = gemv_params(bias, residual) + ([("ldx", "u32"), ("ldy", "u32")] if multi else [])
     name = (f"gemv_mma_{wtype.lower()}_k{in_dim}_m{mtiles}_p{kparts}_s{stages}" + (f"_t{tiles}" if tiles > 1 else "")
             + ("_bulk" if bulk else "") + ("_tiled" if tiled else "") + ("_solo" if solo else "") + ("_late" if late else "")
             + ("_glu" if glu else "")
-            + ("_bias" if bias else "") + ("_res" if residual else ""))
+            + ("_bias" if bias else "") + ("_res" if residual else "")
+            + (f"_c{cols}" if multi else "") + ("_xh" if xh else "") + ("_h" if out_f16 else ""))
     k = m.kernel(name, params)
     k.max_threads = 32 * warps  # .maxntid: ptxas keeps the registers within what the whole CTA can get
-    if wtype in BLOCK32 and (tiled or warps < 8) and warps <= 8:
+    if multi:
+        # one CTA an SM is budget enough: each column keeps the warp's accumulators, and ptxas's own
+        # occupancy guess (two or three CTAs an SM) spilled them at 64-128 registers
+        k.min_blocks = 1
+    elif wtype in BLOCK32 and (tiled or warps < 8) and warps <= 8:
         # ptxas's own occupancy guess held some of these at 80 (8 warps, tile-major) or 96 registers (4
         # warps) with spills: registers for two CTAs an SM, or for one where a second would not fit the
         # shared memory (solo). (8-warp CTAs on GGUF rows keep ptxas's guess: two CTAs' worth spills
         # Q4_0's 32-row warps on sm_80)
         k.min_blocks = 1 if 2 * (lay["launch_smem"] + 1024) > 228 * 1024 else 2
     k.meta.update(block=32 * warps, rows_per_cta=(16 if glu else R) * mtiles, dyn_smem=lay["launch_smem"],
-                  row_bytes=lay["row_bytes"], tiled=tiled)
+                  row_bytes=lay["row_bytes"], tiled=tiled, cols=cols)
     s = _prologue(k, lay, wtype, mtiles, kparts, stages, tiles, bulk, glu, tiled)
     s.late = late
     issue, wait = _weight_copies(s)
     _fill_ring(s, issue)
+    if multi:
+        _build_cols(s, issue, wait, mtiles, kparts, cols, xh, out_f16, bias, residual)
+        return k
     xs = _x_prologue(s)
     ctx = _lane_context(s)
     # [g][2t], [g][2t+1], [g+8][2t], [g+8][2t+1] (the 32-value block types: [g], [g+8], see _unit_b32)
@@ -226,6 +243,73 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
     _epilogue(k, lay, mtiles, kparts, sums, s.smem, tid, lane, g, t, s.out_dim, bias, residual, glu)
     k.ret()
     return k
+
+
+def _build_cols(s: _Warp, issue, wait, mtiles: int, kparts: int, cols: int, xh: bool, out_f16: bool, bias: bool,
+                residual: bool) -> None:
+    """The columns kernel's body (see :mod:`ptx_gen.kernels.gemv_mma_cols`) after the ring's first
+    copies: the x slots of every column, the unit loop, each column's row sums and the epilogue."""
+    k, wtype, stages = s.k, s.wtype, s.stages
+    XS = XSLOT[wtype]
+    x = k.global_ptr("x")
+    ldxb = k.mul_wide(k.param("ldx"), 2 if xh else 4)
+    xc = _x_lane_constants(k, wtype, s.lane)
+    xbuf = k.add(s.smem, k.add(k.mul(s.warp, 2 * cols * XS), s.lay["off"]["xbuf"]))  # [parity][col] slots
+    if wtype == "Q6_K":  # the B words that stay zero, in every slot (see _x_prologue)
+        zero = k.add(xbuf, k.add(k.shl(s.lane, 4), k.selp(4, 0, k.setp("lt", s.lane, 16), "u32")))
+        for off in (sl * XS + 512 * mp + 8 * m2 for sl in range(2 * cols) for mp in range(4) for m2 in range(2)):
+            k.store("shared", "u32", zero, k.mov(0, "u32"), off)
+
+    def convert(j: Reg | int, valid: Reg | None) -> None:  # unit j's x, every column, into the slots of j's parity
+        vals = load_x_cols(k, x, ldxb, s.lane, s.unit_of(j), cols, xh, valid)
+        par = xbuf if isinstance(j, int) else k.add(xbuf, k.mul(k.and_(j, 1), cols * XS))
+        for col, v in enumerate(vals):
+            _convert_x(k, wtype, v, k.add(par, col * XS) if col else par, xc)
+
+    convert(0, None)
+    ctx = _lane_context(s)
+    accs = [[[k.var("f32", 0.0) for _ in range(2 if wtype in BLOCK32 else 4)] for _ in range(s.tiles)]
+            for _ in range(cols)]
+    minaccs = [k.var("f32", 0.0) for _ in range(cols)] if wtype in MINS else None
+
+    def step(j: Reg) -> None:
+        slot_off = k.mul(_mod(k, j, stages), s.stage_bytes)
+        sbase = k.add(s.ring, slot_off)
+        par = k.add(xbuf, k.mul(k.and_(j, 1), cols * XS))
+        xslots = [k.add(par, col * XS) if col else par for col in range(cols)]
+        wait(j)
+        if wtype in ("Q4_K", "Q5_K"):
+            unit_q4k_cols(k, ctx, sbase, xslots, accs, minaccs, q5=wtype == "Q5_K")
+        elif wtype == "Q6_K":
+            unit_q6k_cols(k, ctx, sbase, xslots, accs, None if s.tiled else k.shl(k.and_(s.unit_of(j), 7), 1))
+        elif wtype in BLOCK32:
+            unit_b32_cols(k, wtype, ctx, sbase, xslots, accs, minaccs)
+        else:
+            unit_q8_0_cols(k, ctx, sbase, xslots, accs)
+        k.bar_warp_sync()  # every lane is done with the ring slot and the x slots: refill them
+        if s.bulk:
+            k.fence_proxy_async()
+        nxt = k.add(j, stages)
+        issue(nxt, slot_off, s.has(nxt))
+        if s.late:
+            k.launch_dependents(k.setp("eq", nxt, s.n))
+        j1 = k.add(j, 1)
+        more = s.has(j1)
+        with k.if_(more) if more is not None else contextlib.nullcontext():
+            convert(j1, None)
+
+    n = s.n_units if isinstance(s.n, int) else s.n
+    with k.loop(0, n, 1) as j:
+        step(j)
+    if not s.bulk:
+        k.cp_async_wait_all()
+    col_sums = []
+    for col in range(cols):
+        sums, tid, lane, g, t = _row_sums(k, wtype, s.tiles, accs[col], minaccs[col] if minaccs else None)
+        col_sums.append(sums)
+    epilogue_cols(k, s.lay, mtiles, kparts, col_sums, s.smem, tid, lane, g, t, s.row_base, s.out_dim, bias, residual,
+                  s.glu, out_f16)
+    k.ret()
 
 
 def _prologue(k: KernelBuilder, lay: dict, wtype: str, mtiles: int, kparts: int, stages: int, tiles: int,
@@ -763,6 +847,11 @@ def _grid_shapes() -> list[dict]:
     shapes += [{"wtype": "Q4_K", "in_dim": 14336, "mtiles": 1, "kparts": 16, "stages": 2, "tiles": 2, "tiled": True,
                 "solo": True, "late": True}]  # (bulk copies: sm_90 only, see the dispatcher test)
     shapes += [{"wtype": wt, "in_dim": 14336, "mtiles": 1, "kparts": 8, "stages": 2, "tiled": True} for wt in ("Q4_0", "Q5_0")]
+    for wt in MMA_TYPES:  # the columns kernel (small batches: f16 x, residual; the gate/up GEMV with f16 out)
+        shapes += [{"wtype": wt, "in_dim": 4096, "mtiles": 1, "kparts": 4, "stages": 2, "tiles": 1, "tiled": True,
+                    "residual": True, "cols": 4, "xh": True},
+                   {"wtype": wt, "in_dim": 4096, "mtiles": 4, "kparts": 2, "stages": 2, "tiles": 2, "tiled": True,
+                    "glu": True, "cols": 2, "xh": True, "out_f16": True}]
     for wt in BLOCK32:  # the dispatcher's smaller CTAs for 14336 rows (B32_UNBALANCED), tile-major
         shapes += [{"wtype": wt, "in_dim": 4096, "mtiles": 1, "kparts": 4, "stages": 2, "tiles": 2, "tiled": True},
                    {"wtype": wt, "in_dim": 4096, "mtiles": 2, "kparts": 4, "stages": 2, "tiles": 2, "tiled": True},
@@ -773,7 +862,8 @@ def _grid_shapes() -> list[dict]:
 @kernel("gemv_mma", grid=_grid_shapes())
 def gemv_mma(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, mtiles: int = 2, kparts: int = 4, stages: int = 4,
              bias: bool = False, residual: bool = False, tiles: int = 1, bulk: bool = False,
-             glu: bool = False, tiled: bool = False, solo: bool = False, late: bool = False) -> KernelBuilder:
+             glu: bool = False, tiled: bool = False, solo: bool = False, late: bool = False, cols: int = 1,
+             xh: bool = False, out_f16: bool = False) -> KernelBuilder:
     """y[r] = sum_k W[r, k] x[k] (+ bias[r]) (+ residual[r]) for r < out_dim, W in Q4_K, Q8_0 or Q6_K (in_dim
     a multiple of 2048) blocks, on tensor cores (exact int8 MMAs of the codes with x as four base-256 digits).
     ``tiles``: 16-row MMA tiles per warp (2: each x digit fragment and weight-scale step serves 32 rows);
@@ -782,6 +872,11 @@ def gemv_mma(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, mtiles: int = 2
     warp's 32 rows are 16 gate rows and the 16 up rows of the same outputs.
     ``tiled``: W is stored tile-major (:func:`tile_major`; any in_dim multiple of 256, bulk copies for
     Q6_K too); ``solo``: shared memory raised to ``SOLO_SMEM`` so that one CTA holds an SM.
+    ``cols`` (1..8), ``xh``, ``out_f16``: the columns kernel (:mod:`~ptx_gen.kernels.gemv_mma_cols`):
+    Y[c] = W X[c] (+ bias) (+ residual[c]) for c < cols, x's columns ``ldx`` values apart (f16 with ``xh``),
+    y's and the residual's ``ldy`` apart (y f16 with ``out_f16``; the residual f32); any of the three
+    selects it, and it adds the parameters ``ldx`` and ``ldy``.
     Launch: grid ceil(out_dim / (16 tiles mtiles)), block 32 mtiles kparts, meta["dyn_smem"] dynamic shared
     bytes."""
-    return build(m, wtype, in_dim, mtiles, kparts, stages, bias, residual, tiles, bulk, glu, tiled, solo, late)
+    return build(m, wtype, in_dim, mtiles, kparts, stages, bias, residual, tiles, bulk, glu, tiled, solo, late, cols,
+                 xh, out_f16)

@@ -63,6 +63,9 @@ SOLO_SMEM = 120 * 1024
 # registers a thread, which every type's 32-row warps fit (bulk copies) on sm_90
 KPARTS = tuple(range(1, 17))
 MAX_WARPS = 16
+# columns of x (tokens of a small batch) one launch multiplies by W: the weights are read and decoded once
+# for all of them, the MMAs and the float work run once per column
+MAX_COLS = 8
 
 
 def q6k_glu_offsets_fit(ffn: int, in_dim: int) -> bool:
@@ -72,11 +75,14 @@ def q6k_glu_offsets_fit(ffn: int, in_dim: int) -> bool:
 
 
 def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, tiles: int = 1, tiled: bool = False,
-           solo: bool = False) -> dict:
+           solo: bool = False, cols: int = 1) -> dict:
     """Validated shape and the dynamic shared-memory layout (byte offsets) of a variant (``tiles``:
     16-row MMA tiles per warp; ``tiled``: W tile-major, see :func:`tile_major`; ``solo``: at least
-    ``SOLO_SMEM`` bytes, so that one CTA holds an SM). ``stride``: bytes between two staged rows of a
-    unit in shared memory; ``unit``: a row's bytes of a unit in W (the two differ by ``ROW_PAD``)."""
+    ``SOLO_SMEM`` bytes, so that one CTA holds an SM; ``cols``: columns of x, 1..MAX_COLS, each with its
+    own x slots and K-part sums). ``stride``: bytes between two staged rows of a unit in shared memory;
+    ``unit``: a row's bytes of a unit in W (the two differ by ``ROW_PAD``)."""
+    if cols not in range(1, MAX_COLS + 1):
+        raise ValueError(f"cols must be 1..{MAX_COLS}, got {cols}")
     if wtype not in UNIT_BYTES:
         raise ValueError(f"the tensor-core GEMV handles {MMA_TYPES}, not {wtype}")
     if mtiles not in range(1, 9) or kparts not in KPARTS or tiles not in (1, 2) or mtiles * kparts > MAX_WARPS:
@@ -104,14 +110,14 @@ def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, tiles
         pos += -(-nbytes // 16) * 16
 
     take("ring", warps * stages * rows * stride)
-    take("xbuf", warps * 2 * XSLOT[wtype])
+    take("xbuf", warps * 2 * cols * XSLOT[wtype])
     take("table", warps * rows * TABLE_ROW[wtype])
-    take("red", warps * rows * 4 if kparts > 1 else 0)
+    take("red", warps * rows * 4 * cols if kparts > 1 else 0)
     take("mbar", warps * stages * 8)  # sm_90: one mbarrier per ring slot
     if pos > MAX_DYN_SMEM:
         raise ValueError(f"{wtype} rows of {in_dim} with mtiles={mtiles}, kparts={kparts}, stages={stages}, "
-                         f"tiles={tiles} need {pos} bytes of shared memory, more than {MAX_DYN_SMEM}: fewer warps or "
-                         f"stages")
+                         f"tiles={tiles}" + (f", cols={cols}" if cols > 1 else "") + f" need {pos} bytes of shared "
+                         f"memory, more than {MAX_DYN_SMEM}: fewer warps or stages")
     units = in_dim // 256
     return dict(stride=stride, unit=unit, units=units, per_warp=-(-units // kparts), per_warp_min=units // kparts,
                 warps=warps, smem=pos, off=off,

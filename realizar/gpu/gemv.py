@@ -15,9 +15,11 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from ptx_gen.kernels.gemv import MAX_STATIC_SMEM, shared_bytes, tiles_per_slice
 from ptx_gen.kernels.gemv_mma import MMA_TYPES, SOLO_SMEM, q6k_glu_offsets_fit
-from ptx_gen.kernels.gemv_mma_layout import BLOCK32
+from ptx_gen.kernels.gemv_mma_layout import BLOCK32, MAX_COLS
 from ptx_gen.kernels.gemv_mma import layout as mma_layout
 from ptx_gen.kernels.quant_layout import type_info
 from realizar.errors import ShapeError
@@ -85,6 +87,20 @@ WIDE_BALANCED = {"Q4_K": MmaConfig(1, 16, 2, 2, bulk=True, solo=True, late=True)
 # 4096 x 14336: Q4_0 11.7 against 12.2 µs, Q5_0 14.3 against 15.2; at 4096 x 4096, 2 units a warp, the
 # 32-row warps stay ahead)
 B32_ONE_TILE = ("Q4_0", "Q5_0")
+# the columns kernel (gemv_cols) keeps 32-row warps up to this many columns of x, per type (more would
+# spill: each column holds the warp's accumulators); 16-row warps beyond
+# (ptxas 13, sm_80 / sm_90, the dispatcher's CTAs of 32-row warps: Q4_K, Q5_K, Q4_0, Q4_1 and Q5_0 spill at 8
+# columns, Q6_K heavily, Q8_0 at 4; Q5_1 fits 8)
+COLS_WIDE_TILES = {"Q4_K": 4, "Q5_K": 4, "Q6_K": 4, "Q4_0": 4, "Q4_1": 4, "Q5_0": 4, "Q8_0": 2}
+# and the most columns one launch takes at all (Q6_K's 16-row warps spill at 8 too); gemv_cols runs more
+# in several launches
+COLS_PER_LAUNCH = {"Q6_K": 4}
+
+
+def cols_per_launch(wtype: str, glu: bool = False) -> int:
+    """The most columns of x one launch of the columns kernel takes for ``wtype`` (``glu``: the fused
+    gate/up GEMV, whose warps are 32-row ones)."""
+    return COLS_WIDE_TILES.get(wtype, MAX_COLS) if glu else COLS_PER_LAUNCH.get(wtype, MAX_COLS)
 # Where the DRAM delivers at least this many bytes per SM clock (peak bandwidth over SMs x clock: H200
 # 18.4, H100 SXM 12.8) an SM must turn each byte into products with fewer instructions to keep up, and the
 # 32-row warps of those types, which convert each unit of x for twice the rows, stay ahead of the 16-row
@@ -104,6 +120,12 @@ def dram_bytes_per_sm_clock(device) -> float:
     if sm_khz <= 0:
         return 0.0
     return 2 * mem_khz * bus_bits / 8 / (device.sm_count * sm_khz)
+
+
+def _offset(x: Any, n: int) -> tuple:
+    """``x`` (a buffer or ``(buffer, element offset)``) ``n`` elements further on."""
+    buf, off = x if isinstance(x, tuple) else (x, 0)
+    return buf, off + n
 
 
 @functools.lru_cache(maxsize=None)  # pure, and asked at every eager GEMV launch
@@ -258,6 +280,42 @@ class GemvOps(Dispatcher):
         # (solo only where a CTA may ask for that much: not on sm_86/sm_89, whose limit is 99 KiB)
         return dataclasses.replace(cfg, bulk=bulk, solo=ctas <= self.sm_count and SOLO_SMEM <= max_smem)
 
+    def mma_cols_config(self, out_dim: int, in_dim: int, wtype: str, cols: int, glu: bool = False,
+                        layout: str = "rows") -> MmaConfig | None:
+        """The launch shape of the tensor-core GEMV over ``cols`` columns of x (1..``MAX_COLS``; None where
+        the one-column kernel does not apply): the one-column pick (:meth:`mma_config`), with fewer K
+        parts, then fewer warps along the rows, then (not glu) 16-row warps until every column's x slots
+        and K-part sums fit the shared memory; CTAs of at most 8 warps for several columns, and 16-row warps
+        for more than ``COLS_WIDE_TILES`` columns (32-row warps keep 8 accumulators a column and lane: they
+        spill). None beyond :func:`cols_per_launch` columns."""
+        if cols not in range(1, MAX_COLS + 1):
+            raise ShapeError(f"the tensor-core GEMV takes 1..{MAX_COLS} columns, got {cols}")
+        cfg = self.mma_config(out_dim, in_dim, wtype, glu=glu, layout=layout)
+        if cfg is None or cols > cols_per_launch(wtype, glu):
+            return None
+        if cols > 1:  # (at most 8 warps: a 16-warp CTA leaves 128 registers a thread)
+            while cfg.mtiles * cfg.kparts > 8:
+                cfg = dataclasses.replace(cfg, kparts=cfg.kparts // 2) if cfg.kparts > 1 else \
+                    dataclasses.replace(cfg, mtiles=cfg.mtiles // 2)
+        if cols > COLS_WIDE_TILES.get(wtype, MAX_COLS):
+            cfg = dataclasses.replace(cfg, tiles=1)
+        max_smem = self.device.max_shared_per_block_optin
+        while True:
+            try:
+                if mma_layout(wtype, in_dim, cfg.mtiles, cfg.kparts, cfg.stages, cfg.tiles, layout != "rows",
+                              cfg.solo, cols)["launch_smem"] <= max_smem:
+                    return cfg
+            except ValueError:
+                pass
+            if cfg.kparts > 1:
+                cfg = dataclasses.replace(cfg, kparts=cfg.kparts // 2)
+            elif cfg.mtiles > 1:
+                cfg = dataclasses.replace(cfg, mtiles=cfg.mtiles // 2)
+            elif cfg.tiles == 2 and not glu:
+                cfg = dataclasses.replace(cfg, tiles=1)
+            else:
+                return None
+
     def weight_layout(self, out_dim: int, in_dim: int, wtype: str, glu: bool = False) -> str:
         """How a weight should be stored for its decode GEMV on this device: tile-major where the
         tensor-core kernel reads it (``glu``: a [gate; up] weight of 2 ``out_dim`` rows), else GGUF rows.
@@ -323,6 +381,60 @@ class GemvOps(Dispatcher):
             values["residual"] = self.addr(residual, weight.out_dim, "residual", align=4)
         values["out_dim"] = weight.out_dim
         self.launch(kern, -(-weight.out_dim // kern.meta["rows_per_cta"]), values, stream)
+
+    def gemv_cols(self, weight: GpuWeight, x: Any, out: Any, cols: int, *, ldx: int | None = None,
+                  ldy: int | None = None, bias: Any = None, residual: Any = None, glu: bool = False,
+                  xh: bool = False, out_f16: bool = False, stream: Any = None, config: MmaConfig | None = None) -> None:
+        """``out[c] = W x[c] (+ bias) (+ residual[c])`` for the ``cols`` columns c of x (1..8), on tensor
+        cores, each weight byte read once for all of them; with ``glu`` W is [gate; up] (layout "rows" or
+        "glu-tiles") and ``out[c] = silu(G x[c]) * (U x[c])``; more columns than one launch takes
+        (:func:`cols_per_launch`) run in several. x: f32 (f16 with ``xh``), columns ``ldx``
+        values apart (default in_dim; a multiple of 4); out (f16 with ``out_f16``) and residual (f32, may be
+        ``out`` itself when f32): columns ``ldy`` apart (default the output count). Only the types and row
+        lengths of the tensor-core GEMV (:meth:`mma_cols_config` not None). No allocation or
+        synchronisation: capturable in a graph."""
+        if not isinstance(weight, GpuWeight):
+            raise ShapeError(f"weight must be a GpuWeight, got {type(weight).__name__}")
+        cols = self.check_int("cols", cols)
+        n_in = weight.in_dim
+        if glu:
+            if weight.out_dim % 2 or weight.layout == "tiles" or bias is not None or residual is not None:
+                raise ShapeError(f"the fused gate/up GEMV needs a [gate; up] weight of an even number of rows, stored "
+                                 f"'rows' or 'glu-tiles', and no bias or residual; got {weight.out_dim} rows, layout "
+                                 f"{weight.layout!r}")
+        elif weight.layout == "glu-tiles":
+            raise ShapeError(f"GpuWeight {weight.name!r} is stored for the fused gate/up GEMV: pass glu=True")
+        n_out = weight.out_dim // 2 if glu else weight.out_dim
+        cfg = config or self.mma_cols_config(n_out, n_in, weight.wtype, cols, glu=glu, layout=weight.layout)
+        per = cols_per_launch(weight.wtype, glu)
+        if config is None and cols > per:  # launches of ``per`` columns
+            ldx = n_in if ldx is None else self.check_int("ldx", ldx)
+            ldy = n_out if ldy is None else self.check_int("ldy", ldy)
+            for c0 in range(0, cols, per):
+                self.gemv_cols(weight, _offset(x, c0 * ldx), _offset(out, c0 * ldy), min(per, cols - c0), ldx=ldx,
+                               ldy=ldy, bias=bias, residual=None if residual is None else _offset(residual, c0 * ldy),
+                               glu=glu, xh=xh, out_f16=out_f16, stream=stream)
+            return
+        if cfg is None:
+            raise ShapeError(f"no tensor-core GEMV for {weight.wtype} rows of {n_in} values ({n_out} outputs) on "
+                             f"{self.device.target}: use gemm_q")
+        ldx = n_in if ldx is None else self.check_int("ldx", ldx)
+        ldy = n_out if ldy is None else self.check_int("ldy", ldy)
+        if ldx < n_in or ldx % 4:
+            raise ShapeError(f"ldx must be a multiple of 4 and at least in_dim={n_in}, got {ldx}")
+        if ldy < n_out:
+            raise ShapeError(f"ldy={ldy} must be at least the {n_out} outputs")
+        kern = self._mma_kernel(weight, dataclasses.replace(cfg, tiles=2) if glu else cfg, bias=bias is not None,
+                                residual=residual is not None, glu=glu, cols=cols, xh=bool(xh), out_f16=bool(out_f16))
+        span = (cols - 1) * ldy + n_out
+        values = {"w": weight.ptr, "x": self.addr(x, (cols - 1) * ldx + n_in, "x", np.float16 if xh else np.float32),
+                  "y": self.addr(out, span, "out", np.float16 if out_f16 else np.float32, align=2 if out_f16 else 4)}
+        if bias is not None:
+            values["bias"] = self.addr(bias, n_out, "bias", align=4)
+        if residual is not None:
+            values["residual"] = self.addr(residual, span, "residual", align=4)
+        values.update(out_dim=n_out, ldx=ldx, ldy=ldy)
+        self.launch(kern, -(-n_out // kern.meta["rows_per_cta"]), values, stream)
 
     def gemv_glu(self, gate_up: GpuWeight, x: Any, out: Any, stream: Any = None,
                  config: GemvConfig | MmaConfig | None = None) -> None:
