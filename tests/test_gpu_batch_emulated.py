@@ -155,3 +155,35 @@ def test_one_row_greedy_and_sampled_steps(loaded):
             assert got == int(np.argmax(logits))
         tok = got
     assert set(be._graphs) == {(1, True), (1, False)}
+
+
+@pytest.mark.parametrize("qtype,settings", [("Q4_K", (8, 0)), ("Q5_0", (8,))])
+def test_linear_layers_on_gemv_columns_kernel(qtype, settings, tmp_path):
+    """Rows of 256 values: the batched step's linear layers run the tensor-core GEMV's columns kernel
+    (gemv_cols) for 2..8 rows; logits match each sequence alone, and (Q4_K) the step with
+    gemv_cols_rows=0, which runs gemm_q everywhere, within f16 rounding."""
+    dims = dict(vocab_size=320, hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2)
+    path, _, _ = make_gguf_model("llama", tmp_path, qtype, seed=11, num_layers=1, **dims)
+    loaded = load_model(path)
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(3, 320, n)] for n in (6, 11, 3)]
+    logits = {}
+    for cols_rows in settings:
+        be = _backend(loaded, gemv_cols_rows=cols_rows)
+        tables = [[1 + 3 * i, 2 + 3 * i, 3 + 3 * i] for i in range(3)]
+        alone = [_Alone(loaded, p) for p in prompts]
+        toks = [int(np.argmax(be.prefill(p, 0, t).logits(0))) for p, t in zip(prompts, tables)]
+        before = len(be.device.launches)
+        out = be.decode(toks, [len(p) for p in prompts], tables)
+        got = [out.logits(r) for r in range(3)]
+        launches = be.device.launches[before:]
+        used = [ln for ln in launches if ln[0] == "gemv_mma" and "ldx" in ln[4]]  # (the columns kernel's parameter)
+        assert bool(used) == (cols_rows > 0), [ln[0] for ln in launches]
+        for r, a in enumerate(alone):
+            a.step(toks[r])
+            assert _rel_err(got[r], a.logits) < RTOL, (cols_rows, r)
+        logits[cols_rows] = got
+    for a, b in zip(logits[8], logits.get(0, logits[8])):
+        assert _rel_err(a, b) < RTOL
+    with pytest.raises(ShapeError, match="gemv_cols_rows"):
+        _backend(loaded, gemv_cols_rows=9)

@@ -50,6 +50,10 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 # byte read once); larger ones on the f16 GEMM (tools/bench_gemm_q.py: gemm_q is the faster of the two up
 # to about 32 rows on the 8B shapes, the f16 GEMM from 64 on)
 GEMM_Q_MAX_ROWS = 32
+# batches of 2..this many rows run the linear layers whose type and row length the tensor-core GEMV takes
+# on its columns kernel (gemv_cols: each weight unit read and decoded once, the MMAs per row); the rest on
+# gemm_q. (Batches of one row run GpuModel's decode GEMVs.)
+GEMV_COLS_MAX_ROWS = 8
 # f16 copies of the weights are kept for the large batches when they take at most this share of the free
 # device memory (f16_weights=None): each step then skips expanding every weight
 F16_WEIGHTS_SHARE = 0.4
@@ -161,12 +165,14 @@ class GpuBatchBackend:
     ``kv_dtype``: the cache's element type; ``max_batch``: most sequences per decode step;
     ``max_context``: most positions per sequence (the block tables' width); ``f16_weights``: keep f16
     copies of the weights for batches of more than GEMM_Q_MAX_ROWS rows and the prefill GEMMs (None:
-    when they fit in F16_WEIGHTS_SHARE of the free memory; False: expand each weight per step)."""
+    when they fit in F16_WEIGHTS_SHARE of the free memory; False: expand each weight per step);
+    ``gemv_cols_rows``: batches of up to this many rows (0..GEMV_COLS_MAX_ROWS; 0: none) run the
+    tensor-core GEMV's columns kernel where it applies, the rest gemm_q."""
 
     def __init__(self, model, *, num_blocks: int | None = None, kv_memory: float | int | None = None,
                  block_size: int = 32, kv_dtype: str = "f16", max_batch: int = 64, max_context: int | None = None,
                  use_graph: bool = True, prefill_chunk: int = 512, f16_weights: bool | None = None,
-                 prefill_min_batch: int = PREFILL_MIN_BATCH):
+                 prefill_min_batch: int = PREFILL_MIN_BATCH, gemv_cols_rows: int = GEMV_COLS_MAX_ROWS):
         from realizar.gpu.paged_kv import PagedKVCache
 
         why = batched_prefill_unsupported(model)
@@ -176,6 +182,10 @@ class GpuBatchBackend:
             raise ShapeError(f"kv_dtype must be one of {KV_FORMATS}, got {kv_dtype!r}")
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= BUCKETS[-1]:
             raise ShapeError(f"max_batch must be an integer in [1, {BUCKETS[-1]}], got {max_batch!r}")
+        if isinstance(gemv_cols_rows, bool) or not isinstance(gemv_cols_rows, int) \
+                or not 0 <= gemv_cols_rows <= GEMV_COLS_MAX_ROWS:
+            raise ShapeError(f"gemv_cols_rows must be an integer in [0, {GEMV_COLS_MAX_ROWS}], got {gemv_cols_rows!r}")
+        self.gemv_cols_rows = gemv_cols_rows
         self.model = model
         self.config = cfg = model.config
         self.ops, self.device = model.ops, model.device
@@ -259,9 +269,13 @@ class GpuBatchBackend:
         return out
 
     def _linear(self, weight, x16, out, rows: int, **epilogue) -> None:
-        """out[:rows] = x16[:rows] W^T (+ epilogue): up to GEMM_Q_MAX_ROWS rows from W's quantized blocks
+        """out[:rows] = x16[:rows] W^T (+ epilogue): up to ``gemv_cols_rows`` rows on the tensor-core GEMV's
+        columns kernel where it takes W, else up to GEMM_Q_MAX_ROWS rows from W's quantized blocks
         (gemm_q); more on the f16 GEMM, over W's f16 copy or W expanded into a scratch first."""
         ops, s = self.ops, self.stream
+        if rows <= self.gemv_cols_rows and self._gemv_cols_applies(weight, rows, epilogue.get("glu", False)):
+            ops.gemv_cols(weight, x16, out, rows, xh=True, stream=s, **epilogue)
+            return
         if rows <= GEMM_Q_MAX_ROWS:
             ops.gemm_q(x16, weight, out, rows, stream=s, **epilogue)
             return
@@ -275,6 +289,15 @@ class GpuBatchBackend:
         glu = epilogue.get("glu", False)
         ops.dequantize_f16(weight, w16, interleave=glu, stream=s)
         ops.gemm_f16(x16, w16, out, rows, weight.out_dim, weight.in_dim, stream=s, **epilogue)
+
+    def _gemv_cols_applies(self, weight, rows: int, glu: bool) -> bool:
+        """Whether ``weight``'s layer at ``rows`` rows runs on the tensor-core GEMV's columns kernel."""
+        from realizar.gpu.gemv import cols_per_launch
+
+        n_out = weight.out_dim // 2 if glu else weight.out_dim
+        cols = min(rows, cols_per_launch(weight.wtype, glu))
+        return self.ops.mma_cols_config(n_out, weight.in_dim, weight.wtype, cols, glu=glu,
+                                        layout=weight.layout) is not None
 
     def _ensure_scratch(self, rows: int) -> None:
         """An f16 scratch for every weight the quantized GEMM does not take at ``rows`` rows: the
