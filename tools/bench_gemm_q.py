@@ -8,7 +8,9 @@ of CUDA-graph replays, :func:`realizar.cuda.bench.graph_median_us`, rotating ove
 (>= 3x the L2) that every call reads its weights from HBM), the weight bandwidth as % of the device's
 copy bandwidth (cuMemcpyDtoD, bytes read + written, measured in the same run), TFLOP/s (2 M N K), and
 the time of the same M through dequant_f16 + gemm_f16 and through M GEMV calls as ratios over gemm_q's
-("deq+gemm x", "gemv x": above 1 means gemm_q is faster). Weights are uploaded in the layout their decode
+("deq+gemm x", "gemv x": above 1 means gemm_q is faster), and for M <= 8 the tensor-core GEMV's columns
+kernel (``gemv_cols``, f16 x as the batched step passes it) with "gemv_cols x" = gemm_q's time over its
+(above 1: gemv_cols is faster) and a check of its result against gemm_q's. Weights are uploaded in the layout their decode
 GEMV reads (``GemvOps.upload``'s policy). A spot check compares gemm_q's result with dequant_f16 +
 gemm_f16's at each shape. Per model and type, the last line sums one layer's four GEMMs at each M over
 the M = 1 sum.
@@ -22,6 +24,7 @@ import numpy as np
 
 from realizar import cuda
 from realizar.cuda.bench import copy_bandwidth, graph_median_us
+from realizar.gpu.gemv import cols_per_launch
 from realizar.gpu.ops import GpuWeight, LayerOps
 from realizar.models.random import random_weight
 
@@ -55,9 +58,11 @@ def main() -> None:
         types = args.types.split(",") if model == "8b" else args.small_types.split(",")
         for wtype in types:
             print(f"\n## {model} {wtype}\n")
-            print("| shape | layout | M | µs | % copy BW | TFLOP/s | deq+gemm µs | deq+gemm x | gemv µs | gemv x |")
-            print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+            print("| shape | layout | M | µs | % copy BW | TFLOP/s | deq+gemm µs | deq+gemm x | gemv µs | gemv x "
+                  "| gemv_cols µs | gemv_cols % copy BW | gemv_cols x |")
+            print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
             layer = {m_: 0.0 for m_ in ms}
+            cols_layer = {m_: 0.0 for m_ in ms}  # gemv_cols where it applies (M <= 8), else gemm_q
             for label, rows, kdim, glu in MODELS[model]:
                 cols = rows // 2 if glu else rows
                 raw = random_weight(rng, wtype, rows, kdim)
@@ -109,8 +114,24 @@ def main() -> None:
                                         ops.gemv(w, xi, yi, stream=stream)
                             tg, _ = graph_median_us([lambda w=w: gemv_loop(w) for w in copies], stream)
                             g_s, g_x = f"{tg:.1f}", f"{tg / t:.2f}"
+                    c_s = c_p = c_x = "-"
+                    if m_ <= 8 and ops.mma_cols_config(cols, kdim, wtype, min(m_, cols_per_launch(wtype, glu)), glu=glu,
+                                                       layout=layout) is not None:
+                        tc, _ = graph_median_us([lambda w=w: ops.gemv_cols(w, x16, y2, m_, glu=glu, xh=True,
+                                                                           stream=stream) for w in copies], stream)
+                        c_s, c_p, c_x = f"{tc:.1f}", f"{w0.nbytes / (tc * 1e-6) / bw * 100:.0f}%", f"{t / tc:.2f}"
+                        cols_layer[m_] += tc
+                        ops.gemm_q(x16, w0, y, m_, glu=glu, stream=stream)
+                        ops.gemv_cols(w0, x16, y2, m_, glu=glu, xh=True, stream=stream)
+                        stream.synchronize()
+                        a, b = y.to_numpy()[: m_ * cols], y2.to_numpy()[: m_ * cols]
+                        rel = float(np.abs(a - b).max() / (np.abs(a).max() + 1e-30))
+                        if not rel < 1e-2:
+                            c_x += f" **MISMATCH {rel:.1e}**"
+                    else:
+                        cols_layer[m_] += t
                     print(f"| {label} | {layout} | {m_} | {t:.1f} | {pct:.0f}% | {flops:.1f} | {d_s} | {d_x} | "
-                          f"{g_s} | {g_x} |", flush=True)
+                          f"{g_s} | {g_x} | {c_s} | {c_p} | {c_x} |", flush=True)
                 for w in copies:
                     w.free()
                 for buf in (x16, x32, y, y2, w16):
@@ -118,6 +139,8 @@ def main() -> None:
             base = layer[ms[0]]
             print("\nlayer (4 GEMMs): " + ", ".join(f"M={m_}: {layer[m_]:.0f} µs ({layer[m_] / base:.2f}x)"
                                                      for m_ in ms))
+            print("layer with gemv_cols up to M=8: " + ", ".join(
+                f"M={m_}: {cols_layer[m_]:.0f} µs ({cols_layer[m_] / base:.2f}x)" for m_ in ms if m_ <= 8))
 
 
 if __name__ == "__main__":

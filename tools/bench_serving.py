@@ -38,7 +38,7 @@ import numpy as np
 from bench_decode import bench as decode_rate  # tools/ is on the path when run as a script
 
 from realizar import cuda
-from realizar.gpu.batch import GpuBatchBackend
+from realizar.gpu.batch import GEMV_COLS_MAX_ROWS, GpuBatchBackend
 from realizar.gpu.model import GpuModel
 from realizar.models.random import BENCH_SHAPES, bench_model
 
@@ -264,6 +264,9 @@ def main() -> None:
     ap.add_argument("--kv-dtype", default="f16")
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--gemv-cols-rows", default=str(GEMV_COLS_MAX_ROWS),
+                    help="GpuBatchBackend's gemv_cols_rows; several (comma-separated): the batched part once each, "
+                         "on a backend of its own (0: gemm_q for every batch)")
     a = ap.parse_args()
     dev = cuda.current_device()
     batches = [int(b) for b in a.batches.split(",")]
@@ -279,11 +282,26 @@ def main() -> None:
         model.release_kv()  # the backend keeps its own paged cache
         ctx = max(a.prompt + a.gen, 1280 if "engine" in parts else 0)  # (the mixed load: up to 1024 + 256)
         need = max(batches) * -(-ctx // a.block_size) + 1
+        settings = [int(v) for v in a.gemv_cols_rows.split(",")]
+        for extra in settings[1:] if "batched" in parts else ():
+            backend = GpuBatchBackend(model, num_blocks=need, block_size=a.block_size, kv_dtype=a.kv_dtype,
+                                      max_batch=max(batches), max_context=ctx, gemv_cols_rows=extra)
+            table = batched_table(name, bench_batched(backend, batches, a.prompt, a.gen, rng), single)
+            table[0] += f" (gemv_cols_rows={extra})"
+            lines += table
+            print("\n".join(table), flush=True)
+            backend.close()
+            del backend
+            gc.collect()
         backend = GpuBatchBackend(model, num_blocks=need, block_size=a.block_size, kv_dtype=a.kv_dtype,
-                                  max_batch=max(batches), max_context=ctx)
+                                  max_batch=max(batches), max_context=ctx, gemv_cols_rows=settings[0])
         print(f"{name}: {backend.num_blocks} blocks of {a.block_size}, kv {a.kv_dtype}", flush=True)
         if "batched" in parts:
-            lines += batched_table(name, bench_batched(backend, batches, a.prompt, a.gen, rng), single)
+            table = batched_table(name, bench_batched(backend, batches, a.prompt, a.gen, rng), single)
+            if len(settings) > 1:
+                table[0] += f" (gemv_cols_rows={settings[0]})"
+            lines += table
+            print("\n".join(table), flush=True)
         if "engine" in parts:
             lines += latency_table(name, "ServingEngine, concurrent requests (greedy)",
                                    bench_engine(backend, batches, a.prompt, a.gen, rng))
