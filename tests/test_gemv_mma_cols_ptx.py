@@ -200,3 +200,23 @@ def test_layer_ops_gemv_cols_emulated(wtype, glu):
         ops.gemv_cols(w, ops.to_device(x), out, cols, ldx=in_dim + 2, ldy=ldy, glu=glu, xh=True, out_f16=glu)
     with pytest.raises(ShapeError, match="1..8 columns"):
         ops.mma_cols_config(out_dim, in_dim, wtype, 9)
+
+
+def test_layer_ops_gemv_cols_one_f32_column_is_the_plain_gemv():
+    """One f32 column, f32 out: gemv_cols launches the one-column GEMV (no strides) and gets W x."""
+    from types import SimpleNamespace
+
+    from ptx_gen.ggml import GGMLType
+    from realizar import cuda
+    from realizar.gpu.ops import LayerOps
+    ops = LayerOps(cuda.EmulatedDevice(sm_count=2))
+    rng = np.random.default_rng(4)
+    raw = random_weight(rng, "Q4_K", 64, 512)
+    w = ops.upload(SimpleNamespace(data=raw, ggml_type=int(GGMLType["Q4_K"]), shape=(64, 512), name="w"))
+    x = rng.standard_normal(512).astype(np.float32)
+    out = ops.buffer(64)
+    out.poison()
+    ops.gemv_cols(w, ops.to_device(x), out, 1)
+    assert "ldx" not in ops.device.launches[-1][4]
+    wd = dequant(raw, "Q4_K", 64, 512).astype(np.float64)
+    assert (np.abs(out.to_numpy() - wd @ x) <= 1e-6 * (np.abs(wd) @ np.abs(x))).all()

@@ -38,7 +38,7 @@ import numpy as np
 from bench_decode import bench as decode_rate  # tools/ is on the path when run as a script
 
 from realizar import cuda
-from realizar.gpu.batch import GEMV_COLS_MAX_ROWS, GpuBatchBackend
+from realizar.gpu.batch import GEMV_COLS_DEFAULT_ROWS, GpuBatchBackend
 from realizar.gpu.model import GpuModel
 from realizar.models.random import BENCH_SHAPES, bench_model
 
@@ -264,7 +264,7 @@ def main() -> None:
     ap.add_argument("--kv-dtype", default="f16")
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--gemv-cols-rows", default=str(GEMV_COLS_MAX_ROWS),
+    ap.add_argument("--gemv-cols-rows", default=str(GEMV_COLS_DEFAULT_ROWS),
                     help="GpuBatchBackend's gemv_cols_rows; several (comma-separated): the batched part once each, "
                          "on a backend of its own (0: gemm_q for every batch)")
     a = ap.parse_args()

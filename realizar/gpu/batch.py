@@ -52,8 +52,12 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 GEMM_Q_MAX_ROWS = 32
 # batches of 2..this many rows run the linear layers whose type and row length the tensor-core GEMV takes
 # on its columns kernel (gemv_cols: each weight unit read and decoded once, the MMAs per row); the rest on
-# gemm_q. (Batches of one row run GpuModel's decode GEMVs.)
+# gemm_q. (Batches of one row run GpuModel's decode GEMVs.) The kernel takes up to GEMV_COLS_MAX_ROWS;
+# the default stops at 4, where it is still the faster of the two (H200, 8B shapes, tools/bench_gemm_q.py:
+# one layer's four linear layers Q4_K 60 against 106 µs at 2 rows, 85 against 108 at 4, 171 against 112
+# at 8; bench_serving 8B steps 2.44 / 3.35 against 4.04 / 4.20 ms at 2 / 4 rows, 6.30 against 4.42 at 8)
 GEMV_COLS_MAX_ROWS = 8
+GEMV_COLS_DEFAULT_ROWS = 4
 # f16 copies of the weights are kept for the large batches when they take at most this share of the free
 # device memory (f16_weights=None): each step then skips expanding every weight
 F16_WEIGHTS_SHARE = 0.4
@@ -167,12 +171,12 @@ class GpuBatchBackend:
     copies of the weights for batches of more than GEMM_Q_MAX_ROWS rows and the prefill GEMMs (None:
     when they fit in F16_WEIGHTS_SHARE of the free memory; False: expand each weight per step);
     ``gemv_cols_rows``: batches of up to this many rows (0..GEMV_COLS_MAX_ROWS; 0: none) run the
-    tensor-core GEMV's columns kernel where it applies, the rest gemm_q."""
+    tensor-core GEMV's columns kernel where it applies, the rest gemm_q (default GEMV_COLS_DEFAULT_ROWS)."""
 
     def __init__(self, model, *, num_blocks: int | None = None, kv_memory: float | int | None = None,
                  block_size: int = 32, kv_dtype: str = "f16", max_batch: int = 64, max_context: int | None = None,
                  use_graph: bool = True, prefill_chunk: int = 512, f16_weights: bool | None = None,
-                 prefill_min_batch: int = PREFILL_MIN_BATCH, gemv_cols_rows: int = GEMV_COLS_MAX_ROWS):
+                 prefill_min_batch: int = PREFILL_MIN_BATCH, gemv_cols_rows: int = GEMV_COLS_DEFAULT_ROWS):
         from realizar.gpu.paged_kv import PagedKVCache
 
         why = batched_prefill_unsupported(model)

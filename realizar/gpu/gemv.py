@@ -433,7 +433,9 @@ class GemvOps(Dispatcher):
             values["bias"] = self.addr(bias, n_out, "bias", align=4)
         if residual is not None:
             values["residual"] = self.addr(residual, span, "residual", align=4)
-        values.update(out_dim=n_out, ldx=ldx, ldy=ldy)
+        values["out_dim"] = n_out
+        if cols > 1 or xh or out_f16:  # (else the one-column kernel, which has no strides)
+            values.update(ldx=ldx, ldy=ldy)
         self.launch(kern, -(-n_out // kern.meta["rows_per_cta"]), values, stream)
 
     def gemv_glu(self, gate_up: GpuWeight, x: Any, out: Any, stream: Any = None,
