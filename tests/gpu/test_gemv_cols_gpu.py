@@ -79,7 +79,7 @@ def test_gemv_cols_gpu_8b_row_lengths(ops, wtype):
     gate/up GEMV) at 8 columns of f16 x, as the batched decode step runs them (fewer rows: the oracle's
     float64 weights)."""
     rng = np.random.default_rng(1)
-    for out_dim, in_dim, epi in ((1536, 4096, "bias"), (1024, 14336, "residual"), (2048, 4096, "glu")):
+    for out_dim, in_dim, epi in ((1536, 4096, "bias"), (2304, 14336, "residual"), (2048, 4096, "glu")):
         if wtype == "Q6_K" and epi == "glu":
             continue
         _check(ops, rng, wtype, out_dim, in_dim, 8, epi, True)
