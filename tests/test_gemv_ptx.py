@@ -553,9 +553,9 @@ def test_tile_major_places_every_unit_where_the_kernel_reads_it(wtype, out_dim):
     rows = raw.reshape(out_dim, units, ub)
     zero = np.zeros(tu, np.uint8)
 
-    def unit(r, u):
+    def unit(r, u, tile_row):
         if wtype in BLOCK32:  # re-encoded: scales, fifth bits in lane order, codes (see _tiled_b32_unit)
-            return _tiled_b32_unit(rows[r, u], wtype)
+            return _swizzled(_tiled_b32_unit(rows[r, u], wtype), wtype, tile_row)
         return np.r_[rows[r, u], np.zeros(tu - ub, np.uint8)]
     t = tile_major(raw, wtype, out_dim, 256 * units)
     n_t = -(-out_dim // TILE_ROWS)
@@ -563,7 +563,7 @@ def test_tile_major_places_every_unit_where_the_kernel_reads_it(wtype, out_dim):
     for r in range(n_t * TILE_ROWS):
         for u in range(units):
             at = ((r // TILE_ROWS) * units + u) * TILE_ROWS * tu + (r % TILE_ROWS) * tu
-            assert (t[at:at + tu] == (unit(r, u) if r < out_dim else zero)).all(), (r, u)
+            assert (t[at:at + tu] == (unit(r, u, r % TILE_ROWS) if r < out_dim else zero)).all(), (r, u)
     if out_dim % 2 == 0:  # [gate; up] with ffn = out_dim / 2 outputs
         ffn, half = out_dim // 2, TILE_ROWS // 2
         g = tile_major(raw, wtype, out_dim, 256 * units, glu=True)
@@ -572,8 +572,16 @@ def test_tile_major_places_every_unit_where_the_kernel_reads_it(wtype, out_dim):
             for u in range(units):
                 base = ((o // half) * units + u) * TILE_ROWS * tu
                 for which, at in ((0, base + (o % half) * tu), (1, base + (half + o % half) * tu)):
-                    want = unit(which * ffn + o, u) if o < ffn else zero
+                    want = unit(which * ffn + o, u, which * half + o % half) if o < ffn else zero
                     assert (g[at:at + tu] == want).all(), (o, u, which)
+
+
+def _swizzled(unit: np.ndarray, wtype: str, tile_row: int) -> np.ndarray:
+    """A unit as row ``tile_row`` of a tile holds it: Q4_1 rows 4..7 (mod 8) swap their 16-byte chunks
+    in pairs (chunk c at c ^ 1), Q5_1 rows 2 j, 2 j + 1 (mod 8) keep chunk c at c ^ j."""
+    key = {"Q4_1": (tile_row >> 2) & 1, "Q5_1": (tile_row >> 1) & 3}.get(wtype, 0)
+    chunks = unit.reshape(-1, 16)
+    return chunks[np.arange(len(chunks)) ^ key].reshape(-1)
 
 
 def _tiled_b32_unit(unit: np.ndarray, wtype: str) -> np.ndarray:
@@ -678,10 +686,15 @@ def test_new_mma_types_policy():
                                                                   "GLOBAL_MEMORY_BUS_WIDTH": 6144}))
     assert 18 < dram_bytes_per_sm_clock(h200.device) < 19 and 12 < dram_bytes_per_sm_clock(ops.device) < 13
     assert h200.fast_dram and not ops.fast_dram
-    for wt in ("Q4_0", "Q5_0"):
+    # (and Q4_1 / Q5_1, whose swizzled tile-major rows have no padded stages, take bulk copies there too)
+    for wt in ("Q4_0", "Q5_0", "Q4_1", "Q5_1"):
         assert h200.mma_config(4096, 14336, wt, layout="tiles") == MmaConfig(1, 8, 2, 2, bulk=True, solo=True)
         assert h200.mma_config(14336, 4096, wt, layout="tiles") == ops.mma_config(14336, 4096, wt, layout="tiles")
-    for wt in ("Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0"):
+    assert ops.mma_config(4096, 14336, "Q4_1", layout="tiles") == MmaConfig(1, 8, 2, 2, solo=True)
+    # tile-major Q4_1 at 14336 rows: Q4_0's CTAs of 2 x 4 warps (TILED_UNBALANCED); on GGUF rows the 8-warp pick
+    assert ops.mma_config(14336, 4096, "Q4_1", layout="tiles") == MmaConfig(2, 4, 2, 2)
+    assert ops.mma_config(14336, 4096, "Q4_1") == MmaConfig(4, 2, 2, 2)
+    for wt in ("Q4_K", "Q5_K", "Q6_K", "Q8_0"):
         for o, i in ((4096, 14336), (14336, 4096), (4096, 4096)):
             assert h200.mma_config(o, i, wt, layout="tiles") == ops.mma_config(o, i, wt, layout="tiles"), (wt, o, i)
     sm80 = LayerOps(cuda.EmulatedDevice(sm_count=108, target="sm_80", attributes={"MEMORY_CLOCK_RATE": 3_125_000,

@@ -26,10 +26,11 @@ def main() -> None:
     y = cuda.GpuBuffer(a.out_dim)
     for wtype in a.types.split(","):
         raw = random_weight(rng, wtype, a.out_dim, a.in_dim)
-        w = GpuWeight(data=raw, ggml_type=wtype, shape=(a.out_dim, a.in_dim))
+        layout = ops.weight_layout(a.out_dim, a.in_dim, wtype)  # (as LayerOps.upload stores it)
+        w = GpuWeight(data=raw, ggml_type=wtype, shape=(a.out_dim, a.in_dim), layout=layout)
         ops.gemv(w, x, y)
         cuda.current_device().synchronize()
-        print("ran", wtype)
+        print("ran", wtype, layout, ops.mma_config(a.out_dim, a.in_dim, wtype, layout=layout))
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ from ptx_gen.builder import KernelBuilder, Module, Reg
 from ptx_gen.catalog import kernel
 from ptx_gen.kernels import quant_layout as ql
 from ptx_gen.kernels.gemv import _k_table_constants
-from ptx_gen.kernels.gemv_mma_layout import MMA_TYPES, TILE_ROWS, TILE_UNIT
+from ptx_gen.kernels.gemv_mma_layout import MMA_TYPES, SWIZZLE, TILE_ROWS, TILE_UNIT
 from ptx_gen.kernels.gemv_plan import MAX_STATIC_SMEM
 from ptx_gen.kernels.quant_layout import DENSE, K_TABLE, ROUND, type_info
 
@@ -283,6 +283,9 @@ def _quant(k: KernelBuilder, wtype: str, g: int, stride: int, sbuf: Reg, table: 
     sel = align = fields = None
     if info.block_values == 32 and lc["tiled"]:
         fields = ql.tiled_fields(k, wtype, sbuf, lc["blk"])  # the lane's block of round 0
+        # (a tile-major round is a tile row, round g0 + i row (g0 + i) % 32: with chunks permuted, its key)
+        keys = [ql.swizzle_key16(k, wtype, i if g % 8 == 0 else k.add(g0, i)) if wtype in SWIZZLE else 0
+                for i in range(g)]
     elif info.block_values == 32:
         lane_bb = k.add(sbuf, k.mul(lc["blk"], info.block_bytes))
         if info.block_bytes % 4 == 0:
@@ -295,7 +298,10 @@ def _quant(k: KernelBuilder, wtype: str, g: int, stride: int, sbuf: Reg, table: 
     for i in range(g):
         ok, idx = dest.at(i)
         with k.if_(ok):
-            if fields is not None:
+            if fields is not None and (isinstance(keys[i], Reg) or keys[i]):
+                at = ql.tiled_fields(k, wtype, _off(k, sbuf, i * stride), lc["blk"], keys[i])
+                vals = _exact(k, ql.decode_q32(k, wtype, None, lc, None, None, None, None, at))
+            elif fields is not None:
                 at = tuple(None if f is None else _off(k, f, i * stride) for f in fields)
                 vals = _exact(k, ql.decode_q32(k, wtype, None, lc, None, None, None, None, at))
             elif info.block_values == 32:

@@ -242,6 +242,8 @@ def gemm_q(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "ro
 
     # ---- decode constants ----
     lc = ql.lane_constants(k, wtype, lane, tiled=layout != "rows") if info.block_values == 32 else {}
+    if lc.get("tiled"):  # the chunk permutation of the lane's rows r, r + 8 (tile rows 8 apart: one key)
+        lc["key16"] = ql.swizzle_key16(k, wtype, r)
     q8 = k.shl(q, 3)
     if wtype in K_TABLE:
         kpair_sel = ql.k_pair_selectors(k, q)
@@ -377,7 +379,7 @@ def _decode(k: KernelBuilder, wtype: str, info, bb: Reg, b: int, lc: dict, q: Re
         return _pack(k, vals)
     if info.block_values == 32:
         if lc["tiled"]:  # (a re-encoded unit: every field aligned)
-            dec = ql.decode_q32(k, wtype, None, lc, None, None, None, None, ql.tiled_fields(k, wtype, bb, b))
+            dec = ql.decode_q32(k, wtype, None, lc, None, None, None, None, ql.tiled_fields(k, wtype, bb, b, lc["key16"]))
         else:
             blk = k.add(bb, b * info.block_bytes) if b else bb
             sel_b = align = None

@@ -42,9 +42,10 @@ the 6-bit codes are assembled from their ql/qh bits as unsigned bytes; each MMA 
 sub-blocks, one per half of B's 8 columns, so every lane's sums carry one integer scale; the codes'
 offset of 32 enters exactly, as the MMA's accumulator input (:func:`_unit_q6k`). The 32-value block
 types (Q4_0, Q4_1, Q5_0, Q5_1) pair two blocks per pair of MMAs as Q4_K pairs its sub-blocks, so that a
-lane's results carry one block scale (:func:`_unit_b32`); their 160- and 192-byte rows (Q4_1, Q5_1) are
-staged 16 bytes apart more than they are stored (``ROW_PAD``), so that the rows an A word load reads
-fall in distinct shared-memory banks.
+lane's results carry one block scale (:func:`_unit_b32`). Their 160- and 192-byte rows (Q4_1, Q5_1)
+would put rows an A word load reads in the same shared-memory banks: on GGUF rows they are staged 16
+bytes apart more than they are stored (``ROW_PAD``); tile-major rows hold their 16-byte chunks permuted
+by row (``SWIZZLE``), so a stage is still one contiguous run of bytes (one bulk copy).
 
 End: each row's sum is spread over the 4 lanes of its group (digit columns) and weighted by
 1, 256, 65536 and 2**24; with ``kparts > 1`` the parts meet in shared memory (one
@@ -63,6 +64,7 @@ from dataclasses import dataclass
 
 from ptx_gen.builder import KernelBuilder, Module, Reg
 from ptx_gen.catalog import kernel
+from ptx_gen.kernels import quant_layout as ql
 from ptx_gen.kernels.gemv import _silu_mul, gemv_params
 from ptx_gen.kernels.gemv_mma_layout import (
     BLOCK32,
@@ -74,6 +76,7 @@ from ptx_gen.kernels.gemv_mma_layout import (
     Q6K_CHUNKS,
     Q8_DIGITS,
     SOLO_SMEM,
+    SWIZZLE,
     TABLE_ROW,
     TILE_ROWS,
     TILE_UNIT,
@@ -394,24 +397,19 @@ def _bulk_copies(s: _Warp):
     k.fence_mbarrier_init()
     k.bar_warp_sync()
     row_lane = k.setp("lt", lane, R)
-    if s.tiled:  # (padded rows: lane r copies row r of the tile's stage)
-        src_lane = k.cvt(k.mul(lane, G), "u64") if U != G else None
-    else:
+    if not s.tiled:
         src_lane = k.add(s.wbase, k.mul_wide(s.weight_row(lane), s.lay["row_bytes"]))
-    dst_lane = k.add(s.ring, k.mul(lane, U))
+        dst_lane = k.add(s.ring, k.mul(lane, U))
 
     def issue(j: Reg | int, slot_off: Reg | int, valid: Reg | None) -> None:
         slot = _mod(k, j, stages) if isinstance(j, Reg) else j % stages
         mb = k.add(mbar, k.shl(slot, 3)) if isinstance(slot, Reg) else k.add(mbar, 8 * slot)
         k.mbarrier_expect_tx(mb, R * G, pred=k.both(lane0, valid))
-        if s.tiled and U == G:  # the whole stage, one copy
+        if s.tiled:  # the whole stage, one copy
             k.cp_async_bulk(k.add(s.ring, slot_off) if isinstance(slot_off, Reg) or slot_off else s.ring,
                             s.tile_src(j), R * U, mb, pred=k.both(lane0, valid), policy=s.wpol)
             return
         dst = k.add(dst_lane, slot_off) if isinstance(slot_off, Reg) or slot_off else dst_lane
-        if s.tiled:  # padded rows in shared memory: one copy a row
-            k.cp_async_bulk(dst, k.add(s.tile_src(j), src_lane), G, mb, pred=k.both(row_lane, valid), policy=s.wpol)
-            return
         src = k.add(src_lane, k.mul_wide(j, G * kparts) if isinstance(j, Reg) else j * G * kparts)
         k.cp_async_bulk(dst, src, G, mb, pred=k.both(row_lane, valid))
 
@@ -424,11 +422,8 @@ def _bulk_copies(s: _Warp):
 
 def _tiled_copies(s: _Warp):
     """Tile-major cp.async: emits the lanes' chunk offsets and returns ``issue``. 16-byte chunk
-    c = lane + 32 q of the stage goes from the tile's bytes to the same offset in the ring; with
-    padded rows (``ROW_PAD``) see :func:`_tiled_padded_copies`."""
+    c = lane + 32 q of the stage goes from the tile's bytes to the same offset in the ring."""
     k, lane = s.k, s.lane
-    if s.U != s.G:
-        return _tiled_padded_copies(s)
     nchunks = s.R * s.U // 16
     lane16w = k.cvt(k.shl(lane, 4), "u64")
     dst0 = k.add(s.ring, k.shl(lane, 4))
@@ -440,35 +435,6 @@ def _tiled_copies(s: _Warp):
         dst = k.add(dst0, slot_off) if isinstance(slot_off, Reg) or slot_off else dst0
         for q, ok in enumerate(oks):
             k.cp_async(dst, src, pred=k.both(ok, valid), dst_offset=512 * q, src_offset=512 * q, **s.hints)
-        k.cp_async_commit()
-    return issue
-
-
-def _tiled_padded_copies(s: _Warp):
-    """Tile-major cp.async into rows padded to ``s.U`` bytes: chunk c = lane + 32 q of the stage is
-    read as :func:`_tiled_copies` reads it (each copy instruction one contiguous run of 512 bytes: one
-    scattered 16-byte piece a lane costs the load/store unit a request each) and lands at
-    16 c + 16 (c / (G / 16)) in the ring slot, its row's padding skipped. The lane keeps those offsets
-    (< 2**16) two to a register."""
-    k, lane, G = s.k, s.lane, s.G
-    cpr = G // 16
-    nchunks = s.R * cpr
-    nq = -(-nchunks // 32)
-    lane16w = k.cvt(k.shl(lane, 4), "u64")
-    offs, oks = [], []
-    for q in range(nq):
-        c = k.add(lane, 32 * q) if q else lane
-        offs.append(k.shl(k.add(c, k.div(c, cpr)), 4))
-        oks.append(k.setp("lt", c, nchunks) if (q + 1) * 32 > nchunks else None)
-    packed = [k.or_(offs[q], k.shl(offs[q + 1], 16)) if q + 1 < nq else offs[q] for q in range(0, nq, 2)]
-
-    def issue(j: Reg | int, slot_off: Reg | int, valid: Reg | None) -> None:
-        src = k.add(s.tile_src(j), lane16w)
-        base = k.add(s.ring, slot_off) if isinstance(slot_off, Reg) or slot_off else s.ring
-        for q, ok in enumerate(oks):
-            word = packed[q // 2]
-            off = k.shr(word, 16) if q % 2 else k.and_(word, 0xFFFF) if q + 1 < nq else word
-            k.cp_async(k.add(base, off), src, pred=k.both(ok, valid), src_offset=512 * q, **s.hints)
         k.cp_async_commit()
     return issue
 
@@ -651,6 +617,14 @@ def _lane_context(s: _Warp) -> dict:
         if zero:
             ctx["minus_zero"] = k.mov((-zero & 0xFF) * 0x01010101, "u32")  # -zero in every byte of A
         ctx["gU"] = k.mul(g, U)  # lane (g, t)'s row g in a staged unit
+        if s.tiled and wtype in SWIZZLE:  # (rows with permuted chunks: per residue j of a chunk, where the
+            # lane's row keeps it, see _b32_rows; row g's A words and fifth bits, row r's (= lane) scales)
+            kg, kr = ql.swizzle_key16(k, wtype, g), ql.swizzle_key16(k, wtype, lane)
+            moved = [kg] + [k.xor(kg, 16 * j) for j in range(1, SWIZZLE[wtype][1] + 1)]
+            ctx["a_sw"] = [k.add(ctx["gU"], k.add(ctx["t4"], m)) for m in moved]
+            if BLOCK32[wtype]["qh"] is not None:
+                ctx["h_sw"] = [k.add(ctx["gU"], m) for m in moved]
+            ctx["row_sw"] = [k.add(ctx["row_stage"], kr), k.add(ctx["row_stage"], k.xor(kr, 16))]
         if BLOCK32[wtype]["qh"] is not None and s.tiled:
             ctx["t"], ctx["t_up"] = t, k.sub(4, t)  # (the shifts of its fifth bits, see _unit_b32)
         elif BLOCK32[wtype]["qh"] is not None:

@@ -20,8 +20,8 @@ from __future__ import annotations
 from ptx_gen.builder import KernelBuilder, Reg
 from ptx_gen.kernels import quant_layout as ql
 from ptx_gen.kernels.gemv import _silu_mul
-from ptx_gen.kernels.gemv_mma_layout import BLOCK32, INVF, TILED_B32, XSUM
-from ptx_gen.kernels.gemv_mma_units import _exact_float, _lanes_with_rows, _or_bit4, _sext_byte, _spread_bit4, _word
+from ptx_gen.kernels.gemv_mma_layout import BLOCK32, INVF, XSUM
+from ptx_gen.kernels.gemv_mma_units import _b32_rows, _b32_table_row, _exact_float, _lanes_with_rows, _or_bit4, _sext_byte
 
 
 def load_x_cols(k: KernelBuilder, x: Reg, ldxb: Reg, lane: Reg, unit: Reg | int, cols: int, xh: bool,
@@ -213,27 +213,9 @@ def unit_b32_cols(k: KernelBuilder, wtype: str, c: dict, sbase: Reg, xslots: lis
     block scales), the fifth bits and the A words once; per column the offset MMAs (Q4_0 / Q5_0), the
     pair of MMAs and the min terms (Q4_1 / Q5_1)."""
     f = BLOCK32[wtype]
-    U, TR, bs = c["U"], c["TR"], f["bs"]
-    tiled = TILED_B32[wtype] if c["tiled"] else None
+    TR = c["TR"]
     with _lanes_with_rows(k, c):
-        row = k.add(sbase, c["row_stage"])
-        d16 = m16 = None
-        if tiled is not None:
-            words = [w for o in range(0, 8 * tiled["sc"], 16) for w in k.load("shared", "u32", row, o, vec=4)]
-            halves = [h for w in words for h in k.unpack_b32(w)]
-            d16, m16 = (halves[0::2], halves[1::2]) if f["m"] is not None else (halves, None)
-        elif f["m"] is not None:
-            d16, m16 = zip(*(k.unpack_b32(k.load("shared", "u32", row, bs * i)) for i in range(8)))
-        if d16 is not None:
-            ds = [k.cvt(Reg(d_.name, ql._f16), "f32") for d_ in d16]
-        else:
-            ds = [ql.lds_f16(k, row, bs * i) for i in range(8)]
-        k.store("shared", "f32", c["t_mine"], ds[0::2])
-        k.store("shared", "f32", c["t_mine"], ds[1::2], 16)
-        if f["qh"] is not None and tiled is None:
-            qhs = [_word(k, row, bs * i + f["qh"]) for i in range(8)]
-            k.store("shared", "u32", c["t_mine"], qhs[:4], 32)
-            k.store("shared", "u32", c["t_mine"], qhs[4:], 48)
+        _, m16 = _b32_table_row(k, wtype, c, sbase, None)
         if f["m"] is not None:
             ms = [k.cvt(Reg(m_.name, ql._f16), "f32") for m_ in m16]
             for xs, minacc in zip(xslots, minaccs):
@@ -244,35 +226,14 @@ def unit_b32_cols(k: KernelBuilder, wtype: str, c: dict, sbase: Reg, xslots: lis
                 k.assign(minacc, k.sub(minacc, msum))
     k.bar_warp_sync()
     inv_fs = _inv_fs(k, wtype, xslots)
-    rg = k.add(sbase, c["gU"])
-    rg_t = k.add(rg, c["t4"])
+    a_words = _b32_rows(k, wtype, c, sbase)
     scl = []
     for p in range(4):
         if p % 2 == 0:
             scl = [k.load("shared", "f32", c["t_gc"], (16 * r + h) * TR + 4 * p, vec=2) for r in range(c["tiles"])
                    for h in (0, 8)]
         for r in range(c["tiles"]):
-            if tiled is not None:
-                ws = [k.load("shared", "u32", rg_t, 16 * r * U + roff + tiled["qs"] + 16 * (2 * p + cc))
-                      for roff in (0, 8 * U) for cc in (0, 1)]
-            else:
-                ws = [_word(k, rg_t, 16 * r * U + roff + bs * (2 * p + cc) + f["qs"]) for roff in (0, 8 * U)
-                      for cc in (0, 1)]
-            words = [ws[0], ws[2], ws[1], ws[3]]
-            lo = [k.and_(w, 0x0F0F0F0F) for w in words]
-            hi = [k.and_(k.shr(w, 4), 0x0F0F0F0F) for w in words]
-            if tiled is not None and tiled["qh"] is not None:
-                q0, q8 = (k.load("shared", "u32", rg, 16 * r * U + roff + tiled["qh"] + 8 * p, vec=2)
-                          for roff in (0, 8 * U))
-                hq = [q0[0], q8[0], q0[1], q8[1]]
-                lo = [k.or_(v, k.and_(k.shl(h, c["t_up"]), 0x10101010)) for v, h in zip(lo, hq)]
-                hi = [k.or_(v, k.and_(k.shr(h, c["t"]), 0x10101010)) for v, h in zip(hi, hq)]
-            elif f["qh"] is not None:
-                q0 = k.load("shared", "u32", c["t_g"], 16 * r * TR + 32 + 8 * p, vec=2)
-                q8 = k.load("shared", "u32", c["t_g"], (16 * r + 8) * TR + 32 + 8 * p, vec=2)
-                hq = [q0[0], q8[0], q0[1], q8[1]]
-                lo = [k.or_(v, _spread_bit4(k, h, c["t4"])) for v, h in zip(lo, hq)]
-                hi = [k.or_(v, _spread_bit4(k, h, c["t4_16"])) for v, h in zip(hi, hq)]
+            lo, hi = a_words(r, p)
             for xs, inv_f, acc in zip(xslots, inv_fs, accs):
                 w0, w1 = k.load("shared", "u32", k.add(xs, c["b_q4"]), 256 * p, vec=2)
                 bfr = [k.and_(w, m) for w in (w0, w1) for m in c["b_mask"]]

@@ -50,10 +50,14 @@ TILED_B32 = {"Q4_0": dict(sc=2, qh=None, qs=16), "Q4_1": dict(sc=4, qh=None, qs=
 # bytes of a row's unit in a tile: Q6_K's 210 padded to 212, so that every row starts on a word (its
 # words then load as they are, with no second load and funnel shift, worth the 1% more bytes)
 TILE_UNIT = {**UNIT_BYTES, "Q6_K": 212}
-# bytes added after each staged row of a unit in shared memory (not in W): the 8 rows an A word load
-# reads (rows g of a tile, word t of a block) then fall in distinct banks. Q4_1's 160-byte rows (40
-# words) would put rows g and g + 4 in the same banks, Q5_1's 192 (48 words) rows g, g + 2, g + 4, g + 6
+# Q4_1's 160-byte rows (40 words) would put rows g and g + 4 of an MMA tile in the same banks where a
+# warp loads one word of a block from 8 rows (rows g of a tile, word t), Q5_1's 192-byte rows (48 words)
+# rows g, g + 2, g + 4, g + 6. On GGUF rows they are staged ``ROW_PAD`` bytes apart more than they are
+# stored; tile-major rows instead hold their 16-byte chunks permuted (``SWIZZLE``: row r of a tile keeps
+# its chunk c at chunk ``c ^ ((r >> shift) & mask)``), which spreads those rows over distinct banks with
+# no padding, so that a stage stays one contiguous run of bytes (one bulk copy) and reads as it landed
 ROW_PAD = {"Q4_1": 16, "Q5_1": 16}
+SWIZZLE = {"Q4_1": (2, 1), "Q5_1": (1, 3)}  # (shift, mask)
 # shared memory a ``solo`` CTA asks for, so that no second CTA fits its SM (two need 2 x (this + 1 KiB)
 # > 228 KiB): where two CTAs of one long-K launch (or of two launches under programmatic dependent
 # launch) share an SM while other SMs idle, the launch takes as long as those two CTAs in a row
@@ -80,7 +84,7 @@ def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, tiles
     16-row MMA tiles per warp; ``tiled``: W tile-major, see :func:`tile_major`; ``solo``: at least
     ``SOLO_SMEM`` bytes, so that one CTA holds an SM; ``cols``: columns of x, 1..MAX_COLS, each with its
     own x slots and K-part sums). ``stride``: bytes between two staged rows of a unit in shared memory;
-    ``unit``: a row's bytes of a unit in W (the two differ by ``ROW_PAD``)."""
+    ``unit``: a row's bytes of a unit in W (the two differ by ``ROW_PAD`` on GGUF rows)."""
     if cols not in range(1, MAX_COLS + 1):
         raise ValueError(f"cols must be 1..{MAX_COLS}, got {cols}")
     if wtype not in UNIT_BYTES:
@@ -99,7 +103,7 @@ def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, tiles
         raise ValueError(f"the tensor-core Q6_K GEMV needs in_dim a multiple of 2048, got {in_dim}")
     warps = mtiles * kparts
     unit = TILE_UNIT[wtype] if tiled else STRIDE[wtype]  # (tile-major: a stage is its tile's bytes as they are)
-    stride = unit + ROW_PAD.get(wtype, 0)
+    stride = unit + (0 if tiled else ROW_PAD.get(wtype, 0))
     rows = 16 * tiles
     off = {}
     pos = 0
@@ -122,6 +126,28 @@ def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, tiles
     return dict(stride=stride, unit=unit, units=units, per_warp=-(-units // kparts), per_warp_min=units // kparts,
                 warps=warps, smem=pos, off=off,
                 row_bytes=in_dim // 256 * UNIT_BYTES[wtype], rows=rows, launch_smem=max(pos, SOLO_SMEM) if solo else pos)
+
+
+def swizzle_key(wtype: str, row: int) -> int:
+    """The chunk permutation key of row ``row`` of a tile (tile-major weights, ``SWIZZLE``; 0 where the
+    type has none): the row keeps logical byte ``B`` of a unit at ``B ^ (16 key)``."""
+    if wtype not in SWIZZLE:
+        return 0
+    shift, mask = SWIZZLE[wtype]
+    return (row >> shift) & mask
+
+
+def _swizzle_rows(tiles: np.ndarray, wtype: str) -> np.ndarray:
+    """``tiles`` (..., TILE_ROWS rows, unit bytes) with each row's 16-byte chunks permuted (``SWIZZLE``)."""
+    if wtype not in SWIZZLE:
+        return tiles
+    nch = tiles.shape[-1] // 16
+    chunks = tiles.reshape(*tiles.shape[:-1], nch, 16)
+    out = np.empty_like(chunks)
+    for r in range(TILE_ROWS):
+        key = swizzle_key(wtype, r)
+        out[..., r, np.arange(nch) ^ key, :] = chunks[..., r, :, :]
+    return out.reshape(tiles.shape)
 
 
 def lane_order_qh(qh: np.ndarray) -> np.ndarray:
@@ -156,7 +182,8 @@ def tile_major(raw: np.ndarray, wtype: str, out_dim: int, in_dim: int, glu: bool
     ``TILE_ROWS`` rows, and within a tile unit by unit, each unit's ``TILE_ROWS`` rows of 256 values back
     to back, ``TILE_UNIT`` bytes apart (Q6_K: its 210 bytes and 2 zero bytes), i.e. ``TILE_ROWS *
     TILE_UNIT`` contiguous bytes, what one warp stages (the 32-value block types' units re-encoded as
-    :data:`TILED_B32` says). Tile T, unit u starts at byte ``(T * units + u)
+    :data:`TILED_B32` says, Q4_1's and Q5_1's rows with their 16-byte chunks permuted as :data:`SWIZZLE`
+    says). Tile T, unit u starts at byte ``(T * units + u)
     * TILE_ROWS * TILE_UNIT``; the last tile is zero-filled past ``out_dim``.
     With ``glu`` W is [gate; up] (``out_dim`` = 2 ffn rows) and tile T holds gate rows 16 T .. 16 T + 15
     and then up rows 16 T .. 16 T + 15 (the rows a warp of the fused gate/up GEMV takes)."""
@@ -180,9 +207,10 @@ def tile_major(raw: np.ndarray, wtype: str, out_dim: int, in_dim: int, glu: bool
         pad = np.zeros((2, n_t * half, units, ub), np.uint8)
         pad[0, :ffn], pad[1, :ffn] = rows[:ffn], rows[ffn:]
         tiles = pad.reshape(2, n_t, half, units, ub).transpose(1, 3, 0, 2, 4)  # (T, u, gate/up, row, bytes)
+        tiles = tiles.reshape(n_t, units, TILE_ROWS, ub)
     else:
         n_t = -(-out_dim // TILE_ROWS)
         pad = np.zeros((n_t * TILE_ROWS, units, ub), np.uint8)
         pad[:out_dim] = rows
         tiles = pad.reshape(n_t, TILE_ROWS, units, ub).transpose(0, 2, 1, 3)  # (T, u, row, bytes)
-    return np.ascontiguousarray(tiles).reshape(-1)
+    return np.ascontiguousarray(_swizzle_rows(tiles, wtype)).reshape(-1)

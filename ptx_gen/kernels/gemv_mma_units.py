@@ -345,32 +345,16 @@ def _unit_b32(k: KernelBuilder, wtype: str, c: dict, sbase: Reg, xslot: Reg, acc
 
     Tile-major weights (``c["tiled"]``) are re-encoded (:data:`TILED_B32`): the scales load as whole
     vectors, every code word is aligned, and the fifth bits, in lane order, reach bit 4 of their bytes
-    with one shift and one mask, read by the lanes from the staged unit itself."""
+    with one shift and one mask, read by the lanes from the staged unit itself; Q4_1's and Q5_1's rows
+    have their 16-byte chunks permuted (``SWIZZLE``), each lane's loads addressed through its rows' key
+    (:func:`_b32_rows`)."""
     f = BLOCK32[wtype]
-    U, TR, bs = c["U"], c["TR"], f["bs"]
-    tiled = TILED_B32[wtype] if c["tiled"] else None
+    TR = c["TR"]
     # the table: lane r converts row r's 8 block scales d / f (even blocks, then odd ones), gathers its
     # qh words (GGUF rows) and adds its mins
     with _lanes_with_rows(k, c):
         inv_f = k.load("shared", "f32", xslot, INVF[wtype])  # the unit's x digits are x f
-        row = k.add(sbase, c["row_stage"])
-        d16 = m16 = None  # the 8 blocks' d (and m) as f16 registers, where loaded as words
-        if tiled is not None:  # d (and m) of the 8 blocks side by side
-            words = [w for o in range(0, 8 * tiled["sc"], 16) for w in k.load("shared", "u32", row, o, vec=4)]
-            halves = [h for w in words for h in k.unpack_b32(w)]
-            d16, m16 = (halves[0::2], halves[1::2]) if f["m"] is not None else (halves, None)
-        elif f["m"] is not None:  # (Q4_1, Q5_1: d and m are the block's first word)
-            d16, m16 = zip(*(k.unpack_b32(k.load("shared", "u32", row, bs * i)) for i in range(8)))
-        if d16 is not None:
-            ds = [k.mul(k.cvt(Reg(d_.name, ql._f16), "f32"), inv_f) for d_ in d16]
-        else:
-            ds = [k.mul(ql.lds_f16(k, row, bs * i), inv_f) for i in range(8)]
-        k.store("shared", "f32", c["t_mine"], ds[0::2])
-        k.store("shared", "f32", c["t_mine"], ds[1::2], 16)
-        if f["qh"] is not None and tiled is None:
-            qhs = [_word(k, row, bs * i + f["qh"]) for i in range(8)]
-            k.store("shared", "u32", c["t_mine"], qhs[:4], 32)
-            k.store("shared", "u32", c["t_mine"], qhs[4:], 48)
+        ds, m16 = _b32_table_row(k, wtype, c, sbase, inv_f)
         if f["m"] is not None:
             sx = [v for o in (0, 16) for v in k.load("shared", "f32", xslot, XSUM[wtype] + o, vec=4)]
             msum = None
@@ -379,8 +363,7 @@ def _unit_b32(k: KernelBuilder, wtype: str, c: dict, sbase: Reg, xslot: Reg, acc
                 msum = k.mul(mi, sx[i]) if msum is None else k.fma(mi, sx[i], msum)
             k.assign(minacc, k.sub(minacc, msum))
     k.bar_warp_sync()
-    rg = k.add(sbase, c["gU"])
-    rg_t = k.add(rg, c["t4"])
+    a_words = _b32_rows(k, wtype, c, sbase)
     # lane (g, t)'s block scales: class t / 2 of rows g and g + 8, one per pair
     scl = []
     for p in range(4):
@@ -394,31 +377,101 @@ def _unit_b32(k: KernelBuilder, wtype: str, c: dict, sbase: Reg, xslot: Reg, acc
             cin = k.mma_s8([c["minus_zero"]] * 4, bfr[0:2], cin)
             cin = k.mma_s8([c["minus_zero"]] * 4, bfr[2:4], cin)
         for r in range(c["tiles"]):
-            # qs word t of blocks 2p, 2p + 1 of rows 16 r + g, 16 r + 8 + g: [row g: b0, b1, row g + 8: b0, b1]
-            if tiled is not None:
-                ws = [k.load("shared", "u32", rg_t, 16 * r * U + roff + tiled["qs"] + 16 * (2 * p + cc))
-                      for roff in (0, 8 * U) for cc in (0, 1)]
-            else:
-                ws = [_word(k, rg_t, 16 * r * U + roff + bs * (2 * p + cc) + f["qs"]) for roff in (0, 8 * U)
-                      for cc in (0, 1)]
-            words = [ws[0], ws[2], ws[1], ws[3]]  # A's order: rows g, g + 8 of block 2p, then of 2p + 1
-            lo = [k.and_(w, 0x0F0F0F0F) for w in words]
-            hi = [k.and_(k.shr(w, 4), 0x0F0F0F0F) for w in words]
-            if tiled is not None and tiled["qh"] is not None:  # lane order: values 4t.. at bit t of each
-                # byte, values 16 + 4t.. at bit 4 + t (see lane_order_qh)
-                q0, q8 = (k.load("shared", "u32", rg, 16 * r * U + roff + tiled["qh"] + 8 * p, vec=2)
-                          for roff in (0, 8 * U))
-                hq = [q0[0], q8[0], q0[1], q8[1]]
-                lo = [k.or_(v, k.and_(k.shl(h, c["t_up"]), 0x10101010)) for v, h in zip(lo, hq)]
-                hi = [k.or_(v, k.and_(k.shr(h, c["t"]), 0x10101010)) for v, h in zip(hi, hq)]
-            elif f["qh"] is not None:  # the blocks' qh words, in A's order
-                q0 = k.load("shared", "u32", c["t_g"], 16 * r * TR + 32 + 8 * p, vec=2)
-                q8 = k.load("shared", "u32", c["t_g"], (16 * r + 8) * TR + 32 + 8 * p, vec=2)
-                hq = [q0[0], q8[0], q0[1], q8[1]]
-                lo = [k.or_(v, _spread_bit4(k, h, c["t4"])) for v, h in zip(lo, hq)]
-                hi = [k.or_(v, _spread_bit4(k, h, c["t4_16"])) for v, h in zip(hi, hq)]
+            lo, hi = a_words(r, p)
             d = k.mma_s8(lo, bfr[0:2], cin, a_unsigned=True)
             d = k.mma_s8(hi, bfr[2:4], d, a_unsigned=True)
             for h in range(2):  # rows g, g + 8: |d| <= 2 * 16 * 31 * 128 + 16 * 32 * 128 < 2**17
                 v = k.mad(k.bitcast(d[2 * h + 1], "s32"), 256, k.bitcast(d[2 * h], "s32"))
                 k.assign(acc[r][h], k.fma(scl[2 * r + h][p % 2], k.cvt(v, "f32"), acc[r][h]))
+
+
+def _b32_table_row(k: KernelBuilder, wtype: str, c: dict, sbase: Reg, inv_f: Reg | None) -> tuple[list, list | None]:
+    """Lane r's (< R) part of a 32-value block type's per-unit table (:func:`_unit_b32`): row r's 8 block
+    scales d (times ``inv_f`` unless None) stored as f32, even blocks then odd ones, and (GGUF rows, Q5_0 /
+    Q5_1) its 8 qh words after them; returns the scales and (Q4_1 / Q5_1) the 8 mins as f16 registers."""
+    f = BLOCK32[wtype]
+    bs = f["bs"]
+    tiled = TILED_B32[wtype] if c["tiled"] else None
+    row = k.add(sbase, c["row_stage"])
+    d16 = m16 = None  # the 8 blocks' d (and m) as f16 registers, where loaded as words
+    if tiled is not None:  # d (and m) of the 8 blocks side by side
+        if "row_sw" in c:  # (chunks permuted: the row's chunk j at lane offset row_sw[j])
+            loads = [(k.add(sbase, c["row_sw"][o // 16]), 0) for o in range(0, 8 * tiled["sc"], 16)]
+        else:
+            loads = [(row, o) for o in range(0, 8 * tiled["sc"], 16)]
+        words = [w for a, o in loads for w in k.load("shared", "u32", a, o, vec=4)]
+        halves = [h for w in words for h in k.unpack_b32(w)]
+        d16, m16 = (halves[0::2], halves[1::2]) if f["m"] is not None else (halves, None)
+    elif f["m"] is not None:  # (Q4_1, Q5_1: d and m are the block's first word)
+        d16, m16 = zip(*(k.unpack_b32(k.load("shared", "u32", row, bs * i)) for i in range(8)))
+    if d16 is not None:
+        ds = [k.cvt(Reg(d_.name, ql._f16), "f32") for d_ in d16] if inv_f is None else \
+            [k.mul(k.cvt(Reg(d_.name, ql._f16), "f32"), inv_f) for d_ in d16]
+    else:
+        ds = [ql.lds_f16(k, row, bs * i) if inv_f is None else k.mul(ql.lds_f16(k, row, bs * i), inv_f) for i in range(8)]
+    k.store("shared", "f32", c["t_mine"], ds[0::2])
+    k.store("shared", "f32", c["t_mine"], ds[1::2], 16)
+    if f["qh"] is not None and tiled is None:
+        qhs = [_word(k, row, bs * i + f["qh"]) for i in range(8)]
+        k.store("shared", "u32", c["t_mine"], qhs[:4], 32)
+        k.store("shared", "u32", c["t_mine"], qhs[4:], 48)
+    return ds, m16
+
+
+def _b32_rows(k: KernelBuilder, wtype: str, c: dict, sbase: Reg):
+    """Lane (g, t)'s A words of a 32-value block type's unit staged at ``sbase`` (:func:`_unit_b32`):
+    returns ``a_words(r, p)``, the (lo, hi) A fragments of pair p (blocks 2 p, 2 p + 1) of rows
+    16 r + g, 16 r + 8 + g: qs word t of both blocks as unsigned bytes, low and high nibbles, with
+    their fifth bits (Q5_0, Q5_1) at bit 4. Permuted chunks (``SWIZZLE``): a row's logical byte B sits
+    at ``B - 16 j + 16 (j ^ key)``, j = (B / 16) & mask; the lane keeps ``sbase`` plus its row's offset
+    for each j (rows g + 8 n share the key)."""
+    f = BLOCK32[wtype]
+    U, TR, bs = c["U"], c["TR"], f["bs"]
+    tiled = TILED_B32[wtype] if c["tiled"] else None
+    if "a_sw" in c:
+        mask = len(c["a_sw"]) - 1
+        a_bases, h_bases = {}, {}
+
+        def at(B: int, qh: bool = False) -> tuple[Reg, int]:
+            j = (B >> 4) & mask
+            bases, offs = (h_bases, c["h_sw"]) if qh else (a_bases, c["a_sw"])
+            if j not in bases:
+                bases[j] = k.add(sbase, offs[j])
+            return bases[j], B - 16 * j
+    else:
+        rg = k.add(sbase, c["gU"])
+        rg_t = k.add(rg, c["t4"])
+
+        def at(B: int, qh: bool = False) -> tuple[Reg, int]:
+            return (rg, B) if qh else (rg_t, B)
+
+    def a_words(r: int, p: int) -> tuple[list, list]:
+        # qs word t of blocks 2p, 2p + 1 of rows 16 r + g, 16 r + 8 + g: [row g: b0, b1, row g + 8: b0, b1]
+        if tiled is not None:
+            ws = []
+            for roff in (0, 8 * U):
+                for cc in (0, 1):
+                    base, off = at(tiled["qs"] + 16 * (2 * p + cc))
+                    ws.append(k.load("shared", "u32", base, 16 * r * U + roff + off))
+        else:
+            base, _ = at(0)
+            ws = [_word(k, base, 16 * r * U + roff + bs * (2 * p + cc) + f["qs"]) for roff in (0, 8 * U)
+                  for cc in (0, 1)]
+        words = [ws[0], ws[2], ws[1], ws[3]]  # A's order: rows g, g + 8 of block 2p, then of 2p + 1
+        lo = [k.and_(w, 0x0F0F0F0F) for w in words]
+        hi = [k.and_(k.shr(w, 4), 0x0F0F0F0F) for w in words]
+        if tiled is not None and tiled["qh"] is not None:  # lane order: values 4t.. at bit t of each
+            # byte, values 16 + 4t.. at bit 4 + t (see lane_order_qh)
+            base, off = at(tiled["qh"] + 8 * p, qh=True)
+            q0, q8 = (k.load("shared", "u32", base, 16 * r * U + roff + off, vec=2) for roff in (0, 8 * U))
+            hq = [q0[0], q8[0], q0[1], q8[1]]
+            lo = [k.or_(v, k.and_(k.shl(h, c["t_up"]), 0x10101010)) for v, h in zip(lo, hq)]
+            hi = [k.or_(v, k.and_(k.shr(h, c["t"]), 0x10101010)) for v, h in zip(hi, hq)]
+        elif f["qh"] is not None:  # the blocks' qh words, in A's order
+            q0 = k.load("shared", "u32", c["t_g"], 16 * r * TR + 32 + 8 * p, vec=2)
+            q8 = k.load("shared", "u32", c["t_g"], (16 * r + 8) * TR + 32 + 8 * p, vec=2)
+            hq = [q0[0], q8[0], q0[1], q8[1]]
+            lo = [k.or_(v, _spread_bit4(k, h, c["t4"])) for v, h in zip(lo, hq)]
+            hi = [k.or_(v, _spread_bit4(k, h, c["t4_16"])) for v, h in zip(hi, hq)]
+        return lo, hi
+    return a_words

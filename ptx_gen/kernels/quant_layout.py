@@ -35,7 +35,7 @@ from functools import lru_cache
 
 from ptx_gen.builder import KernelBuilder, Reg
 from ptx_gen.ggml import layout as _layout
-from ptx_gen.kernels.gemv_mma_layout import TILED_B32
+from ptx_gen.kernels.gemv_mma_layout import SWIZZLE, TILED_B32
 
 ROUND = 256  # values per round (32 lanes x 8 values)
 PER_LANE = 8
@@ -342,15 +342,38 @@ def _small_codes(k: KernelBuilder, wtype: str, ts: list[Reg], d: Reg, m) -> Deco
     return Decoded(fs, d, 2 * half, -half, m())  # d n + m = d (2 half f - half) + m
 
 
-def tiled_fields(k: KernelBuilder, wtype: str, unit: Reg, blk: Reg | int) -> tuple[Reg, Reg | None, Reg]:
+def swizzle_key16(k: KernelBuilder, wtype: str, row: Reg | int) -> Reg | int:
+    """16 times the chunk permutation key of tile row ``row`` (``SWIZZLE``; any row congruent to it mod 8
+    has the same key): the row keeps logical byte ``B`` of its unit at ``B ^ key16``. 0 for the types
+    without one."""
+    if wtype not in SWIZZLE:
+        return 0
+    shift, mask = SWIZZLE[wtype]
+    if isinstance(row, int):
+        return ((row >> shift) & mask) << 4
+    return k.shl(k.and_(k.shr(row, shift) if shift else row, mask), 4)
+
+
+def tiled_fields(k: KernelBuilder, wtype: str, unit: Reg, blk: Reg | int,
+                 key16: Reg | int = 0) -> tuple[Reg, Reg | None, Reg]:
     """:func:`decode_q32`'s ``fields`` of block ``blk`` (0..7) of a re-encoded unit (tile-major weights,
-    ``TILED_B32``) staged at shared address ``unit``."""
+    ``TILED_B32``) staged at shared address ``unit``; ``key16``: the row's :func:`swizzle_key16` (its
+    logical byte B sits at ``B ^ key16``)."""
     tb = TILED_B32[wtype]
 
     def at(base: int, size: int) -> Reg:
         if isinstance(blk, int):
-            return k.add(unit, base + size * blk) if base + size * blk else unit
-        return k.add(k.add(unit, base) if base else unit, k.mul(blk, size))
+            off = base + size * blk
+        elif isinstance(key16, Reg) or key16:
+            off = k.add(k.mul(blk, size), base) if base else k.mul(blk, size)
+        else:
+            return k.add(k.add(unit, base) if base else unit, k.mul(blk, size))
+        if isinstance(key16, Reg) or key16:
+            if isinstance(off, int) and isinstance(key16, int):
+                off ^= key16
+            else:
+                off = k.xor(key16, off) if isinstance(key16, Reg) else k.xor(off, key16)
+        return k.add(unit, off) if isinstance(off, Reg) or off else unit
     return at(0, tb["sc"]), (at(tb["qh"], 4) if tb["qh"] is not None else None), at(tb["qs"], 16)
 
 

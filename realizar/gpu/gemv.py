@@ -67,7 +67,7 @@ class MmaConfig:
 
 # where the 8-warp pick keeps less than B32_BALANCE of the SMs' time busy (busiest SM vs the mean), these
 # 32-value block types take the shape that streamed fastest at 14336 x 4096 (bench_gemv --mma-sweep,
-# H200; Q4_1 keeps the 8-warp pick)
+# H200; Q4_1 on GGUF rows keeps the 8-warp pick, on tile-major weights see TILED_UNBALANCED)
 B32_BALANCE = 0.9
 # (Q5_0 in 16-row warps since its tile-major units are re-encoded: 14.4 against 15.7 µs for 32-row warps,
 # H100, 2026-11-28)
@@ -75,8 +75,9 @@ B32_UNBALANCED = {"Q4_0": MmaConfig(2, 4, 2, 2), "Q5_0": MmaConfig(1, 4, 2, 1), 
 # likewise on sm_90 over tile-major weights: Q4_K in CTAs of 4 warps of 32 rows, each warp a quarter of K
 # (bench_gemv --mma-sweep, 14336 x 4096, against the 16-warp CTA with bulk copies and the late trigger
 # picked before: H100 12.4 against 12.7 µs, H200 9.2-9.4 against 9.4-9.6 µs, 2026-11-28; the other types
-# were as fast or slower in such CTAs)
-TILED_UNBALANCED = {"Q4_K": MmaConfig(1, 4, 2, 2)}
+# were as fast or slower in such CTAs); Q4_1 since its tile-major rows are swizzled (SWIZZLE, no padded
+# stages) in CTAs of 2 x 4 warps of 32 rows as Q4_0 (H200 9.4 against 10.4 µs, 2026-11-28)
+TILED_UNBALANCED = {"Q4_K": MmaConfig(1, 4, 2, 2), "Q4_1": MmaConfig(2, 4, 2, 2)}
 # on sm_90 over tile-major weights, where the 8-warp pick gives each SM one CTA of one 32-row tile
 # (4096 x 14336: 128 CTAs on 132 SMs), types that stream faster in 16-warp CTAs, each warp about half as
 # many units (the parts need not divide them) with bulk copies and the late trigger (bench_gemv
@@ -87,11 +88,15 @@ WIDE_BALANCED = {"Q4_K": MmaConfig(1, 16, 2, 2, bulk=True, solo=True, late=True)
 # 4096 x 14336: Q4_0 11.7 against 12.2 µs, Q5_0 14.3 against 15.2; at 4096 x 4096, 2 units a warp, the
 # 32-row warps stay ahead)
 B32_ONE_TILE = ("Q4_0", "Q5_0")
+# where the DRAM is fast for the SMs (fast_dram), the 32-value block types whose CTAs of one 32-row tile
+# fill their rings with bulk copies (bench_gemv --mma-sweep, H200, 2026-11-28, 4096 x 14336: Q4_1 10.1
+# against 10.3 µs, Q5_1 12.1 against 12.4 since their tile-major rows are swizzled)
+FAST_DRAM_BULK = ("Q4_0", "Q5_0", "Q4_1", "Q5_1")
 # the columns kernel (gemv_cols) keeps 32-row warps up to this many columns of x, per type (more would
 # spill: each column holds the warp's accumulators); 16-row warps beyond
-# (ptxas 13, sm_80 / sm_90, the dispatcher's CTAs of 32-row warps: Q4_K, Q5_K, Q4_0, Q4_1 and Q5_0 spill at 8
-# columns, Q6_K heavily, Q8_0 at 4; Q5_1 fits 8)
-COLS_WIDE_TILES = {"Q4_K": 4, "Q5_K": 4, "Q6_K": 4, "Q4_0": 4, "Q4_1": 4, "Q5_0": 4, "Q8_0": 2}
+# (ptxas 13, sm_80 / sm_90, the dispatcher's CTAs of 32-row warps: Q4_K, Q5_K, Q4_0, Q4_1, Q5_0 and Q5_1 (its
+# swizzled rows' addresses) spill at 8 columns, Q6_K heavily, Q8_0 at 4)
+COLS_WIDE_TILES = {"Q4_K": 4, "Q5_K": 4, "Q6_K": 4, "Q4_0": 4, "Q4_1": 4, "Q5_0": 4, "Q5_1": 4, "Q8_0": 2}
 # and the most columns one launch takes at all (Q6_K's 16-row warps spill at 8 too); gemv_cols runs more
 # in several launches
 COLS_PER_LAUNCH = {"Q6_K": 4}
@@ -248,7 +253,7 @@ class GemvOps(Dispatcher):
         ``solo`` shared memory (so that no SM runs a second CTA of the launch while others idle), and on
         sm_90 a warp's stage is one bulk copy where that is the faster fill: Q6_K always, Q4_K / Q5_K with
         one row tile per CTA, Q8_0 and the 32-value block types with at most two units per warp, and where
-        the DRAM is fast for the SMs (``fast_dram``) Q4_0 / Q5_0 in CTAs of one 32-row tile."""
+        the DRAM is fast for the SMs (``fast_dram``) the 32-value block types in CTAs of one 32-row tile."""
         cc = self.device.target.compute_capability
         if cc < (8, 0):
             return None
@@ -276,7 +281,7 @@ class GemvOps(Dispatcher):
             return other
         bulk = cc >= (9, 0) and (wtype == "Q6_K" or (wtype in ("Q4_K", "Q5_K") and cfg.mtiles == 1)
                                  or ((wtype == "Q8_0" or wtype in BLOCK32) and in_dim // 256 // cfg.kparts <= 2)
-                                 or (fast_dram and wtype in B32_ONE_TILE and one_tile_warps))
+                                 or (fast_dram and wtype in FAST_DRAM_BULK and one_tile_warps))
         # (solo only where a CTA may ask for that much: not on sm_86/sm_89, whose limit is 99 KiB)
         return dataclasses.replace(cfg, bulk=bulk, solo=ctas <= self.sm_count and SOLO_SMEM <= max_smem)
 
