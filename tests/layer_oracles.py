@@ -90,6 +90,42 @@ def silu(g):
     return g / (1.0 + np.exp(-g))
 
 
+def check_gemv_cols(y, raw, wtype, out_dim, in_dim, x, *, glu=False, bias=None, residual=None, out_f16=False,
+                    padding_nan=True, what="") -> None:
+    """Assert that ``y`` [cols, ldy] (any float dtype, ldy >= out_dim) is the columns GEMV of ``x``
+    [cols, >= in_dim] (the tensor-core GEMV over several columns; x past in_dim is not read):
+    ``y[c] = W x[c] (+ bias) (+ residual[c])`` with W the dequantized ``out_dim x in_dim`` weight ``raw``,
+    or with ``glu`` ``silu(G x[c]) * (U x[c])`` with ``raw`` = [G; U] of 2 out_dim rows.
+
+    Every one of the cols x out_dim outputs must be finite (not left NaN-poisoned) and within
+    ``1e-6 * scale`` of the float64 value, scale being the size of what is summed: sum_k |W[r,k] x[c,k]|
+    (+ |bias|) (+ |residual|), or for glu (|g| + sum_k |G[r,k] x[c,k]|) (|u| + sum_k |U[r,k] x[c,k]|);
+    f16 outputs (``out_f16``) may be off by one more rounding, 2**-11 |value| + 2**-24. With
+    ``padding_nan`` every output past out_dim (``y[:, out_dim:]``) must still be NaN (no stray store)."""
+    y = np.asarray(y, np.float64)
+    what = f"{wtype} {out_dim}x{in_dim} cols={len(y)}{' glu' if glu else ''}{' ' + what if what else ''}"
+    if padding_nan:
+        assert np.isnan(y[:, out_dim:]).all(), f"{what}: a store past out_dim"
+    y = y[:, :out_dim]
+    assert np.isfinite(y).all(), f"{what}: unwritten (NaN-poisoned) outputs"
+    w = dequant(raw, wtype, 2 * out_dim if glu else out_dim, in_dim).astype(np.float64)
+    xs = np.asarray(x, np.float64)[:, :in_dim]
+    if glu:
+        g, u = xs @ w[:out_dim].T, xs @ w[out_dim:].T
+        ref = silu(g) * u
+        scale = (np.abs(g) + np.abs(xs) @ np.abs(w[:out_dim]).T) * (np.abs(u) + np.abs(xs) @ np.abs(w[out_dim:]).T)
+    else:
+        ref, scale = xs @ w.T, np.abs(xs) @ np.abs(w).T
+        if bias is not None:
+            ref, scale = ref + bias, scale + np.abs(bias)
+        if residual is not None:
+            res = np.asarray(residual, np.float64)[:, :out_dim]
+            ref, scale = ref + res, scale + np.abs(res)
+    tol = 1e-6 * scale + (2.0**-11 * np.abs(ref) + 2.0**-24 if out_f16 else 0.0)
+    bad = np.abs(y - ref) > tol
+    assert not bad.any(), f"{what}: {bad.sum()} wrong, worst {(np.abs(y - ref) / scale).max():.2e} of the scale"
+
+
 def rope_append_rows_oracle(qkv: np.ndarray, n_q: int, n_kv: int, d: int, pos0: int, inv: np.ndarray, neox: bool,
                             q_norm: np.ndarray | None = None, k_norm: np.ndarray | None = None, eps: float = 1e-6):
     """float64 (q [n_q, S, d], k [n_kv, S, d], v [n_kv, S, d]) of ``qkv [S, (n_q + 2 n_kv) d]`` (token s

@@ -253,8 +253,8 @@ def test_host_gemm_q_checks_its_arguments():
 
 
 def test_sanitizer_cases_run_on_the_emulator(monkeypatch):
-    """tools/sanitize_layers.py's gemm_q and sample_rows cases (what compute-sanitizer runs on the GPU)
-    pass their own oracle checks on the emulated device, with its memcheck and racecheck on."""
+    """tools/sanitize_layers.py's gemm_q, sample_rows and gemv_cols cases (what compute-sanitizer runs on
+    the GPU) pass their own oracle checks on the emulated device, with its memcheck and racecheck on."""
     import tools.sanitize_layers as sanitize
 
     import realizar.cuda.emulated as emulated
@@ -264,3 +264,4 @@ def test_sanitizer_cases_run_on_the_emulator(monkeypatch):
     monkeypatch.setenv("REALIZAR_DEVICE", "emulate")
     sanitize.gemm_q_cases(np.random.default_rng(2), sanitize.GEMM_Q_CASES_SMALL)
     sanitize.sample_cases(np.random.default_rng(3), sanitize.SAMPLE_SHAPES_SMALL)
+    sanitize.gemv_cols_cases(np.random.default_rng(4), sanitize.GEMV_COLS_CASES_SMALL)

@@ -15,7 +15,7 @@ from ptx_gen.emulator import Memory, run as simt_run
 from ptx_gen.kernels.gemv_mma import MMA_TYPES, layout, tile_major
 from ptx_gen.ptxas import assemble
 from tests.layer_kernels_ptx_cases import _pad16
-from tests.layer_oracles import dequant, random_weight, silu
+from tests.layer_oracles import check_gemv_cols, dequant, random_weight
 
 
 def _run_cols(wtype: str, cols: int, out_dim: int, mtiles: int, kparts: int, units: int, tiles: int, target: str,
@@ -58,28 +58,8 @@ def _run_cols(wtype: str, cols: int, out_dim: int, mtiles: int, kparts: int, uni
     params.update(out_dim=out_dim, ldx=ldx, ldy=ldy)
     simt_run(k.ptx, grid=(-(-out_dim // k.meta["rows_per_cta"]),), block=(k.meta["block"],), params=params,
              memory=mem, shared_bytes=k.meta["dyn_smem"])
-    y = mem.read(params["y"], np.float16 if out_f16 else np.float32, cols * ldy).reshape(cols, ldy).astype(np.float64)
-    assert np.isnan(y[:, out_dim:]).all(), "a store past out_dim"
-    y = y[:, :out_dim]
-    assert np.isfinite(y).all(), "unwritten (NaN-poisoned) outputs"
-    w = dequant(raw, wtype, rows, in_dim).astype(np.float64)
-    xs = x[:, :in_dim].astype(np.float64)
-    if glu:
-        g, u = xs @ w[:out_dim].T, xs @ w[out_dim:].T
-        ref = silu(g) * u
-        scale = (np.abs(g) + np.abs(xs) @ np.abs(w[:out_dim]).T) * (np.abs(u) + np.abs(xs) @ np.abs(w[out_dim:]).T)
-    else:
-        ref = xs @ w.T
-        scale = np.abs(xs) @ np.abs(w).T
-        if bias is not None:
-            ref = ref + bias
-            scale = scale + np.abs(bias)
-        if res is not None:
-            ref = ref + res[:, :out_dim]
-            scale = scale + np.abs(res[:, :out_dim])
-    tol = 1e-6 * scale + (2.0**-11 * np.abs(ref) + 2.0**-24 if out_f16 else 0.0)
-    bad = np.abs(y - ref) > tol
-    assert not bad.any(), f"{wtype} cols={cols}: {bad.sum()} wrong, worst {(np.abs(y - ref) / scale).max():.2e}"
+    y = mem.read(params["y"], np.float16 if out_f16 else np.float32, cols * ldy).reshape(cols, ldy)
+    check_gemv_cols(y, raw, wtype, out_dim, in_dim, x, glu=glu, bias=bias, residual=res, out_f16=out_f16)
 
 
 @settings(max_examples=60, deadline=None)
@@ -186,18 +166,7 @@ def test_layer_ops_gemv_cols_emulated(wtype, glu):
     ops.gemv_cols(w, ops.to_device(x), out, cols, ldx=ldx, ldy=ldy, glu=glu, xh=True, out_f16=glu)
     launches = len(ops.device.launches) - before
     assert launches == -(-cols // cols_per_launch(wtype, glu))
-    y = out.to_numpy().reshape(cols, ldy).astype(np.float64)
-    assert np.isnan(y[:, out_dim:]).all()
-    wd = dequant(raw, wtype, rows, in_dim).astype(np.float64)
-    xs = x[:, :in_dim].astype(np.float64)
-    if glu:
-        g, u = xs @ wd[:out_dim].T, xs @ wd[out_dim:].T
-        ref = silu(g) * u
-        scale = (np.abs(g) + np.abs(xs) @ np.abs(wd[:out_dim]).T) * (np.abs(u) + np.abs(xs) @ np.abs(wd[out_dim:]).T)
-        tol = 1e-6 * scale + 2.0**-11 * np.abs(ref) + 2.0**-24
-    else:
-        ref, tol = xs @ wd.T, 1e-6 * (np.abs(xs) @ np.abs(wd).T)
-    assert (np.abs(y[:, :out_dim] - ref) <= tol).all()
+    check_gemv_cols(out.to_numpy().reshape(cols, ldy), raw, wtype, out_dim, in_dim, x, glu=glu, out_f16=glu)
     with pytest.raises(ShapeError, match="ldx must be a multiple of 4"):
         ops.gemv_cols(w, ops.to_device(x), out, cols, ldx=in_dim + 2, ldy=ldy, glu=glu, xh=True, out_f16=glu)
     with pytest.raises(ShapeError, match="1..8 columns"):

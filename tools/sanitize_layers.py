@@ -10,7 +10,14 @@ Q4_1 and F16 weights in every layout they are stored in (GGUF rows of partial ch
 segments, tile-major, [gate; up] glu-tiles or rows through the SwiGLU epilogue) for 1, 7 and 33 tokens
 (the last in a 64-token tile: tokens past M), strided X and Y, K split over warps, each epilogue (bias,
 residual from a buffer or in place, f16 output), against a float64 oracle over the dequantized weights and
-the f16 X, output columns past the row untouched. Per-row device sampling (``sample_rows``): greedy,
+the f16 X, output columns past the row untouched. The tensor-core GEMV over several columns of x
+(``gemv_cols``, the batched decode step's small batches): Q4_K, Q6_K, Q8_0 and Q4_1 weights (every type of
+the tensor-core GEMV without ``--small``) in the layouts LayerOps stores them (tile-major, [gate; up]
+glu-tiles, Q4_K / Q5_K GGUF rows) for 1, 3 and 8 columns (more than a launch takes in several, at column
+offsets), an odd number of rows (outputs), f32 or f16 x at a padded stride, bias / residual from a buffer
+or in place / the SwiGLU epilogue, f32 or f16 output, K parts that do not divide the units and both ring
+fills on sm_90, every output against the float64 oracle and the padding past the rows untouched
+(``--gemv-cols``: only these). Per-row device sampling (``sample_rows``): greedy,
 temperature + top-k and top-p rows of logits with a row stride (NaN padding, never read), against the NumPy
 mirror (greedy exactly; sampled rows too, but for a top-p cut within rounding).
 """
@@ -22,10 +29,11 @@ import dataclasses
 
 import numpy as np
 
-from ptx_gen.kernels.gemv_mma_layout import MMA_TYPES
+from ptx_gen.kernels.gemv_mma_layout import MAX_COLS, MMA_TYPES
 from ptx_gen.kernels.quant_layout import K_QUANTS, WEIGHT_TYPES
 from realizar import cuda
 from realizar.gpu.gemm import GemmQConfig
+from realizar.gpu.gemv import COLS_WIDE_TILES, cols_per_launch
 from realizar.gpu.ops import GemvConfig, GpuWeight, LayerOps, MmaConfig, inv_freq_table
 from realizar.gpu.sampling import pack_specs
 from realizar.models.random import dequant, random_weight
@@ -247,6 +255,94 @@ def gemm_q_cases(rng, shapes) -> None:
             raise AssertionError(f"{what}: relative error {np.nanmax(err):.2e} (finite: {finite})")
 
 
+# gemv_cols: per kind (plain or the fused gate/up GEMV), the three column counts' (cols, epilogue, f16 x, f16
+# output, config, ldx pad, ldy pad): one f32 column of f32 out is the one-column kernel (no strides). As
+# gemv_cols's policy would, the config's 32-row warps become 16-row ones beyond COLS_WIDE_TILES columns and more
+# columns than a launch takes (cols_per_launch) run in launches of that many, at column offsets; bulk fills
+# only on sm_90
+_GC_RUNS = {
+    "plain": ((1, "bias", False, False, MmaConfig(1, 3, 2, 2, bulk=True), 0, 0),
+              (3, "residual", False, True, MmaConfig(2, 2, 2, 2), 4, 3),
+              (8, "in_place", True, False, MmaConfig(1, 2, 4, 1, bulk=True), 8, 1)),
+    "glu": ((1, "glu", False, False, MmaConfig(1, 3, 2, 2), 0, 0),
+            (3, "glu", False, True, MmaConfig(2, 1, 2, 2, bulk=True), 4, 2),
+            (8, "glu", True, True, MmaConfig(1, 2, 2, 2, solo=True), 8, 5)),
+}
+# (weight type, its plain layout, its gate/up layout) as LayerOps.upload stores them where the tensor-core GEMV
+# runs (Q4_K / Q5_K: GGUF rows where a warp streams at most two units); rows of 768 values (3 units)
+_GC_TYPES = (("Q4_K", "rows", "rows"), ("Q6_K", "tiles", "glu-tiles"), ("Q8_0", "tiles", "glu-tiles"),
+             ("Q4_1", "tiles", "glu-tiles"), ("Q4_K", "tiles", "glu-tiles"), ("Q5_K", "rows", "glu-tiles"),
+             ("Q4_0", "tiles", "glu-tiles"), ("Q5_0", "tiles", "glu-tiles"), ("Q5_1", "tiles", "glu-tiles"))
+
+
+def _gemv_cols_runs(types) -> list[tuple]:
+    """(wtype, layout, *run) for every run of _GC_RUNS over ``types`` (entries of _GC_TYPES)."""
+    return [(wt, glu_layout if kind == "glu" else layout, *run) for wt, layout, glu_layout in types
+            for kind in ("plain", "glu") for run in _GC_RUNS[kind]]
+
+
+GEMV_COLS_CASES = _gemv_cols_runs(_GC_TYPES)
+GEMV_COLS_CASES_SMALL = _gemv_cols_runs(_GC_TYPES[:4])
+
+
+def gemv_cols_cases(rng, shapes) -> None:
+    """``GemvOps.gemv_cols`` over ``shapes`` (entries of GEMV_COLS_CASES), each against the float64 oracle:
+    y[c] = W x[c] (+ bias) (+ residual[c]), or silu(G x[c]) * (U x[c]), within 1e-6 of the size of what is
+    summed (f16 output: plus its rounding); the padding past the rows keeps its bytes."""
+    ops = LayerOps()
+    bulk_ok = ops.device.target.compute_capability >= (9, 0)
+    for wt, layout, cols, epi, xh, out_f16, cfg, ldx_pad, ldy_pad in shapes:
+        glu = epi == "glu"
+        in_dim, out_dim = 768, 19 if glu else 37  # (glu: 19 outputs of 38 weight rows)
+        rows = 2 * out_dim if glu else out_dim
+        ldx, ldy = in_dim + ldx_pad, out_dim + ldy_pad
+        per = cols_per_launch(wt, glu)
+        raw = random_weight(rng, wt, rows, in_dim)
+        w = GpuWeight(data=raw, ggml_type=wt, shape=(rows, in_dim), layout=layout)
+        x = ((rng.standard_normal((cols, ldx)) + 0.1) / (64 if out_f16 else 1)).astype(np.float16 if xh else np.float32)
+        b = rng.standard_normal(out_dim).astype(np.float32)
+        r = rng.standard_normal((cols, ldy)).astype(np.float32)
+        y0 = r.copy() if epi == "in_place" else np.full((cols, ldy), np.nan, np.float16 if out_f16 else np.float32)
+        launches = [(c0, min(per, cols - c0)) for c0 in range(0, cols, per)]
+        configs = [dataclasses.replace(cfg, bulk=cfg.bulk and bulk_ok,
+                                       tiles=1 if not glu and n > COLS_WIDE_TILES.get(wt, MAX_COLS) else cfg.tiles)
+                   for _, n in launches]
+        what = (f"gemv_cols {wt} {layout} {out_dim}x{in_dim} cols={cols} {epi} xh={xh} out_f16={out_f16} "
+                f"launches {launches} {sorted(set(configs), key=str)}")
+        with cuda.GpuBuffer.from_numpy(x) as dx, cuda.GpuBuffer.from_numpy(b) as db, \
+                cuda.GpuBuffer.from_numpy(r) as dr, cuda.GpuBuffer.from_numpy(y0) as dy:
+            residual = dy if epi == "in_place" else dr if epi == "residual" else None
+            for (c0, n), c in zip(launches, configs):
+                ops.gemv_cols(w, (dx, c0 * ldx), (dy, c0 * ldy), n, ldx=ldx, ldy=ldy,
+                              bias=db if epi == "bias" else None,
+                              residual=None if residual is None else (residual, c0 * ldy), glu=glu, xh=xh,
+                              out_f16=out_f16, config=c)
+            got = dy.to_numpy((cols, ldy))
+        w.free()
+        assert np.array_equal(got[:, out_dim:].view(np.uint8), y0[:, out_dim:].view(np.uint8)), \
+            f"{what}: wrote past the rows"
+        wd = dequant(raw, wt, rows, in_dim).astype(np.float64)
+        xs = x[:, :in_dim].astype(np.float64)
+        full, scale = xs @ wd.T, np.abs(xs) @ np.abs(wd).T
+        if glu:
+            g, u = full[:, :out_dim], full[:, out_dim:]
+            with np.errstate(over="ignore"):  # (silu of a large negative gate: 0)
+                ref = silu(g) * u
+            scale = (np.abs(g) + scale[:, :out_dim]) * (np.abs(u) + scale[:, out_dim:])
+        else:
+            ref = full
+            if epi == "bias":
+                ref, scale = ref + b, scale + np.abs(b)
+            if residual is not None:
+                ref, scale = ref + r[:, :out_dim], scale + np.abs(r[:, :out_dim])
+        # (the bound of the columns kernel's tests, tests/layer_oracles.check_gemv_cols)
+        tol = 1e-6 * scale + (2.0**-11 * np.abs(ref) + 2.0**-24 if out_f16 else 0.0)
+        err = np.abs(got[:, :out_dim].astype(np.float64) - ref)
+        if not (err <= tol).all():  # (NaN: an output never written)
+            raise AssertionError(f"{what}: {np.sum(~(err <= tol))} of {err.size} wrong, worst "
+                                 f"{np.nanmax(err / scale):.2e} of the scale (finite: {bool(np.isfinite(err).all())})")
+
+
 # per-row device sampling: (vocab, row stride); the first is one past a block of 1024 threads' sweep
 SAMPLE_SHAPES = [(1025, 1031), (300, 307)]
 SAMPLE_SHAPES_SMALL = SAMPLE_SHAPES[1:]
@@ -288,12 +384,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="fewer weight types (racecheck is slow)")
     ap.add_argument("--gemm-q", action="store_true", help="only the gemm_q and sample_rows cases")
+    ap.add_argument("--gemv-cols", action="store_true", help="only the gemv_cols cases")
     a = ap.parse_args()
-    if not a.gemm_q:
+    every = not (a.gemm_q or a.gemv_cols)
+    if every:
         cases(cuda.module_cache(), np.random.default_rng(0), a.small)
         prefill_cases(np.random.default_rng(1), a.small)
-    gemm_q_cases(np.random.default_rng(2), GEMM_Q_CASES_SMALL if a.small else GEMM_Q_CASES)
-    sample_cases(np.random.default_rng(3), SAMPLE_SHAPES_SMALL if a.small else SAMPLE_SHAPES)
+    if every or a.gemm_q:
+        gemm_q_cases(np.random.default_rng(2), GEMM_Q_CASES_SMALL if a.small else GEMM_Q_CASES)
+        sample_cases(np.random.default_rng(3), SAMPLE_SHAPES_SMALL if a.small else SAMPLE_SHAPES)
+    if every or a.gemv_cols:
+        gemv_cols_cases(np.random.default_rng(4), GEMV_COLS_CASES_SMALL if a.small else GEMV_COLS_CASES)
     cuda.current_device().synchronize()
     print("ok layer sanitize cases")
 
