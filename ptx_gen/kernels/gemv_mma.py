@@ -95,6 +95,7 @@ from ptx_gen.kernels.gemv_mma_cols import (
     unit_q8_0_cols,
 )
 from ptx_gen.kernels.gemv_mma_units import (
+    _b32_ldmatrix_lanes,
     _convert_x,
     _div,
     _load_x,
@@ -617,12 +618,13 @@ def _lane_context(s: _Warp) -> dict:
         if zero:
             ctx["minus_zero"] = k.mov((-zero & 0xFF) * 0x01010101, "u32")  # -zero in every byte of A
         ctx["gU"] = k.mul(g, U)  # lane (g, t)'s row g in a staged unit
+        if s.tiled:  # (the ldmatrix rows of its A words, see _b32_rows)
+            ctx["ldm_b32"] = _b32_ldmatrix_lanes(k, wtype, lane, U)
         if s.tiled and wtype in SWIZZLE:  # (rows with permuted chunks: per residue j of a chunk, where the
-            # lane's row keeps it, see _b32_rows; row g's A words and fifth bits, row r's (= lane) scales)
+            # lane's row keeps it, see _b32_rows; row g's fifth bits, row r's (= lane) scales)
             kg, kr = ql.swizzle_key16(k, wtype, g), ql.swizzle_key16(k, wtype, lane)
-            moved = [kg] + [k.xor(kg, 16 * j) for j in range(1, SWIZZLE[wtype][1] + 1)]
-            ctx["a_sw"] = [k.add(ctx["gU"], k.add(ctx["t4"], m)) for m in moved]
             if BLOCK32[wtype]["qh"] is not None:
+                moved = [kg] + [k.xor(kg, 16 * j) for j in range(1, SWIZZLE[wtype][1] + 1)]
                 ctx["h_sw"] = [k.add(ctx["gU"], m) for m in moved]
             ctx["row_sw"] = [k.add(ctx["row_stage"], kr), k.add(ctx["row_stage"], k.xor(kr, 16))]
         if BLOCK32[wtype]["qh"] is not None and s.tiled:

@@ -7,7 +7,7 @@ import contextlib
 
 from ptx_gen.builder import KernelBuilder, Reg
 from ptx_gen.kernels import quant_layout as ql
-from ptx_gen.kernels.gemv_mma_layout import BLOCK32, INVF, MINS, PAIRED, PLANE, TILED_B32, XSUM
+from ptx_gen.kernels.gemv_mma_layout import BLOCK32, INVF, MINS, PAIRED, PLANE, SWIZZLE, TILED_B32, XSUM
 
 def _mod(k: KernelBuilder, j: Reg, n: int) -> Reg:
     return k.and_(j, n - 1) if n & (n - 1) == 0 else k.rem(j, n)
@@ -422,47 +422,47 @@ def _b32_rows(k: KernelBuilder, wtype: str, c: dict, sbase: Reg):
     """Lane (g, t)'s A words of a 32-value block type's unit staged at ``sbase`` (:func:`_unit_b32`):
     returns ``a_words(r, p)``, the (lo, hi) A fragments of pair p (blocks 2 p, 2 p + 1) of rows
     16 r + g, 16 r + 8 + g: qs word t of both blocks as unsigned bytes, low and high nibbles, with
-    their fifth bits (Q5_0, Q5_1) at bit 4. Permuted chunks (``SWIZZLE``): a row's logical byte B sits
-    at ``B - 16 j + 16 (j ^ key)``, j = (B / 16) & mask; the lane keeps ``sbase`` plus its row's offset
-    for each j (rows g + 8 n share the key)."""
+    their fifth bits (Q5_0, Q5_1) at bit 4. Tile-major units: the four qs words are one
+    ``ldmatrix.x4`` (matrix 2 cc + h: block 2 p + cc of rows 8 h + 0..7, one 16-byte row a lane, at the
+    addresses of :func:`_b32_ldmatrix_lanes`); the fifth bits load from the lane's row g, where with
+    permuted chunks (``SWIZZLE``) a row's logical byte B sits at ``B - 16 j + 16 (j ^ key)``,
+    j = (B / 16) & mask (rows g + 8 n share the key). GGUF rows: four word loads of the blocks as they
+    lie (2-byte aligned)."""
     f = BLOCK32[wtype]
     U, TR, bs = c["U"], c["TR"], f["bs"]
     tiled = TILED_B32[wtype] if c["tiled"] else None
-    if "a_sw" in c:
-        mask = len(c["a_sw"]) - 1
-        a_bases, h_bases = {}, {}
+    if tiled is not None:
+        ldm = [k.add(sbase, o) for o in c["ldm_b32"]]  # (per class of p, see _b32_ldmatrix_lanes)
+    if "h_sw" in c:
+        mask = SWIZZLE[wtype][1]
+        h_bases = {}
 
-        def at(B: int, qh: bool = False) -> tuple[Reg, int]:
+        def at(B: int) -> tuple[Reg, int]:  # (the fifth bits of row g)
             j = (B >> 4) & mask
-            bases, offs = (h_bases, c["h_sw"]) if qh else (a_bases, c["a_sw"])
-            if j not in bases:
-                bases[j] = k.add(sbase, offs[j])
-            return bases[j], B - 16 * j
+            if j not in h_bases:
+                h_bases[j] = k.add(sbase, c["h_sw"][j])
+            return h_bases[j], B - 16 * j
     else:
         rg = k.add(sbase, c["gU"])
-        rg_t = k.add(rg, c["t4"])
+        rg_t = k.add(rg, c["t4"]) if tiled is None else None
 
-        def at(B: int, qh: bool = False) -> tuple[Reg, int]:
-            return (rg, B) if qh else (rg_t, B)
+        def at(B: int) -> tuple[Reg, int]:
+            return rg, B
 
     def a_words(r: int, p: int) -> tuple[list, list]:
         # qs word t of blocks 2p, 2p + 1 of rows 16 r + g, 16 r + 8 + g: [row g: b0, b1, row g + 8: b0, b1]
-        if tiled is not None:
-            ws = []
-            for roff in (0, 8 * U):
-                for cc in (0, 1):
-                    base, off = at(tiled["qs"] + 16 * (2 * p + cc))
-                    ws.append(k.load("shared", "u32", base, 16 * r * U + roff + off))
+        if tiled is not None:  # (matrices in A's order: rows g, g + 8 of block 2p, then of 2p + 1)
+            b = p % len(ldm)
+            words = list(k.ldmatrix_x4(ldm[b], 16 * r * U + 32 * (p - b)))
         else:
-            base, _ = at(0)
-            ws = [_word(k, base, 16 * r * U + roff + bs * (2 * p + cc) + f["qs"]) for roff in (0, 8 * U)
+            ws = [_word(k, rg_t, 16 * r * U + roff + bs * (2 * p + cc) + f["qs"]) for roff in (0, 8 * U)
                   for cc in (0, 1)]
-        words = [ws[0], ws[2], ws[1], ws[3]]  # A's order: rows g, g + 8 of block 2p, then of 2p + 1
+            words = [ws[0], ws[2], ws[1], ws[3]]  # A's order: rows g, g + 8 of block 2p, then of 2p + 1
         lo = [k.and_(w, 0x0F0F0F0F) for w in words]
         hi = [k.and_(k.shr(w, 4), 0x0F0F0F0F) for w in words]
         if tiled is not None and tiled["qh"] is not None:  # lane order: values 4t.. at bit t of each
             # byte, values 16 + 4t.. at bit 4 + t (see lane_order_qh)
-            base, off = at(tiled["qh"] + 8 * p, qh=True)
+            base, off = at(tiled["qh"] + 8 * p)
             q0, q8 = (k.load("shared", "u32", base, 16 * r * U + roff + off, vec=2) for roff in (0, 8 * U))
             hq = [q0[0], q8[0], q0[1], q8[1]]
             lo = [k.or_(v, k.and_(k.shl(h, c["t_up"]), 0x10101010)) for v, h in zip(lo, hq)]
@@ -475,3 +475,24 @@ def _b32_rows(k: KernelBuilder, wtype: str, c: dict, sbase: Reg):
             hi = [k.or_(v, _spread_bit4(k, h, c["t4_16"])) for v, h in zip(hi, hq)]
         return lo, hi
     return a_words
+
+
+def _b32_ldmatrix_lanes(k: KernelBuilder, wtype: str, lane: Reg, U: int) -> list[Reg]:
+    """Lane l's row offsets in a staged tile-major unit for :func:`_b32_rows`'s ``ldmatrix.x4``: row
+    ``8 h + l % 8`` (h = (l / 8) % 2) of matrix ``2 cc + h`` (cc = l / 16), i.e. the 16 qs bytes of
+    block 2 p + cc of that row, at offset ``L[b] + 32 (p - b)``, b = p % len(L). With permuted chunks
+    the block's chunk C = qs / 16 + cc + 2 p sits at ``C ^ key`` of the row, which moves by 2 p - 2 b
+    with p (key < 2, or < 4 with two classes b of p); so one offset a class."""
+    tb = TILED_B32[wtype]
+    mask = SWIZZLE[wtype][1] if wtype in SWIZZLE else 0
+    rr = k.and_(lane, 7)
+    row = k.add(rr, k.and_(lane, 8))
+    cc = k.shr(lane, 4)
+    key = k.shr(ql.swizzle_key16(k, wtype, rr), 4) if mask else None
+    out = []
+    for b in range(max(1, (mask + 1) // 2)):
+        chunk = k.add(cc, tb["qs"] // 16 + 2 * b)
+        if key is not None:
+            chunk = k.xor(chunk, key)
+        out.append(k.mad(row, U, k.shl(chunk, 4)))
+    return out
