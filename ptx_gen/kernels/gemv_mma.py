@@ -65,7 +65,7 @@ from dataclasses import dataclass
 from ptx_gen.builder import KernelBuilder, Module, Reg
 from ptx_gen.catalog import kernel
 from ptx_gen.kernels import quant_layout as ql
-from ptx_gen.kernels.gemv import _silu_mul, gemv_params
+from ptx_gen.kernels.gemv import gemv_params
 from ptx_gen.kernels.gemv_mma_layout import (
     BLOCK32,
     MINS,
@@ -88,6 +88,7 @@ from ptx_gen.kernels.gemv_mma_layout import (
 )
 from ptx_gen.kernels.gemv_mma_cols import (
     epilogue_cols,
+    store_rows,
     load_x_cols,
     unit_b32_cols,
     unit_q4k_cols,
@@ -253,7 +254,7 @@ def _build_cols(s: _Warp, issue, wait, mtiles: int, kparts: int, cols: int, xh: 
                 residual: bool) -> None:
     """The columns kernel's body (see :mod:`ptx_gen.kernels.gemv_mma_cols`) after the ring's first
     copies: the x slots of every column, the unit loop, each column's row sums and the epilogue."""
-    k, wtype, stages = s.k, s.wtype, s.stages
+    k, wtype = s.k, s.wtype
     XS = XSLOT[wtype]
     x = k.global_ptr("x")
     ldxb = k.mul_wide(k.param("ldx"), 2 if xh else 4)
@@ -276,12 +277,11 @@ def _build_cols(s: _Warp, issue, wait, mtiles: int, kparts: int, cols: int, xh: 
             for _ in range(cols)]
     minaccs = [k.var("f32", 0.0) for _ in range(cols)] if wtype in MINS else None
 
-    def step(j: Reg) -> None:
-        slot_off = k.mul(_mod(k, j, stages), s.stage_bytes)
-        sbase = k.add(s.ring, slot_off)
+    def slots(j: Reg) -> list:  # unit j's x slots, one a column
         par = k.add(xbuf, k.mul(k.and_(j, 1), cols * XS))
-        xslots = [k.add(par, col * XS) if col else par for col in range(cols)]
-        wait(j)
+        return [k.add(par, col * XS) if col else par for col in range(cols)]
+
+    def body(j: Reg, sbase: Reg, xslots: list) -> None:
         if wtype in ("Q4_K", "Q5_K"):
             unit_q4k_cols(k, ctx, sbase, xslots, accs, minaccs, q5=wtype == "Q5_K")
         elif wtype == "Q6_K":
@@ -290,13 +290,9 @@ def _build_cols(s: _Warp, issue, wait, mtiles: int, kparts: int, cols: int, xh: 
             unit_b32_cols(k, wtype, ctx, sbase, xslots, accs, minaccs)
         else:
             unit_q8_0_cols(k, ctx, sbase, xslots, accs)
-        k.bar_warp_sync()  # every lane is done with the ring slot and the x slots: refill them
-        if s.bulk:
-            k.fence_proxy_async()
-        nxt = k.add(j, stages)
-        issue(nxt, slot_off, s.has(nxt))
-        if s.late:
-            k.launch_dependents(k.setp("eq", nxt, s.n))
+
+    def step(j: Reg) -> None:
+        _unit_step(s, j, wait, issue, slots, body)
         j1 = k.add(j, 1)
         more = s.has(j1)
         with k.if_(more) if more is not None else contextlib.nullcontext():
@@ -649,21 +645,36 @@ def _lane_context(s: _Warp) -> dict:
     return ctx
 
 
+def _unit_step(s: _Warp, j: Reg, wait, issue, slots, body) -> None:
+    """The ring's part of a step over unit j, shared by both kernels: wait for the unit's stage, run
+    ``body(j, stage, slots(j))`` on it (``slots``: the unit's x slot, or one a column), then, every lane
+    done with the ring slot and the x slots, refill the slot with unit j + stages (and, ``late``, trigger
+    the next kernel's launch at the warp's last copy; warps with fewer units than stages trigger by
+    exiting)."""
+    k = s.k
+    slot_off = k.mul(_mod(k, j, s.stages), s.stage_bytes)
+    sbase = k.add(s.ring, slot_off)
+    xslots = slots(j)
+    wait(j)
+    body(j, sbase, xslots)
+    k.bar_warp_sync()
+    if s.bulk:
+        k.fence_proxy_async()  # (the reads above come before the bulk copy's writes)
+    nxt = k.add(j, s.stages)
+    issue(nxt, slot_off, s.has(nxt))
+    if s.late:
+        k.launch_dependents(k.setp("eq", nxt, s.n))
+
+
 def _main_loop(s: _Warp, ctx: dict, xs: _XState, issue, wait, acc: list, minacc: Reg | None) -> None:
     """Emits the loop over the warp's units, unrolled by two (the x registers alternate by the unit's
     parity), plus the odd last unit: each step waits for unit j's weights, runs the unit body into
     ``acc`` (and ``minacc``), refills the ring slot with unit j + stages, converts unit j + 1's x and
     starts loading unit j + 3's."""
-    k, wtype, stages, n_units = s.k, s.wtype, s.stages, s.n_units
+    k, wtype, n_units = s.k, s.wtype, s.n_units
     XS = XSLOT[wtype]
 
-    def step(j: Reg) -> None:
-        """Unit j: wait for its weights, compute, refill the ring slot, convert unit j + 1's x (in the
-        registers of its parity), start loading unit j + 3's into them."""
-        slot_off = k.mul(_mod(k, j, stages), s.stage_bytes)
-        sbase = k.add(s.ring, slot_off)
-        xslot = k.add(xs.xbuf, k.mul(k.and_(j, 1), XS))
-        wait(j)
+    def body(j: Reg, sbase: Reg, xslot: Reg) -> None:
         if wtype in ("Q4_K", "Q5_K"):
             _unit_q4k(k, ctx, sbase, xslot, acc, minacc, q5=wtype == "Q5_K")
         elif wtype == "Q6_K":
@@ -673,13 +684,11 @@ def _main_loop(s: _Warp, ctx: dict, xs: _XState, issue, wait, acc: list, minacc:
             _unit_b32(k, wtype, ctx, sbase, xslot, acc, minacc)
         else:
             _unit_q8_0(k, ctx, sbase, xslot, acc)
-        k.bar_warp_sync()  # every lane is done with the ring slot and the x slot: refill them
-        if s.bulk:
-            k.fence_proxy_async()  # (the reads above come before the bulk copy's writes)
-        nxt = k.add(j, stages)
-        issue(nxt, slot_off, s.has(nxt))
-        if s.late:  # (warps with fewer units than stages trigger by exiting)
-            k.launch_dependents(k.setp("eq", nxt, s.n))
+
+    def step(j: Reg) -> None:
+        """Unit j (:func:`_unit_step`), then convert unit j + 1's x (in the registers of its parity) and
+        start loading unit j + 3's into them."""
+        _unit_step(s, j, wait, issue, lambda j: k.add(xs.xbuf, k.mul(k.and_(j, 1), XS)), body)
         # unit j + 1's x into its slot. Q6_K without a branch (past the last unit the registers hold
         # stale x, converted into a slot no unit reads), which suits its longer unit body; the others
         # skip the conversion past the last unit
@@ -743,53 +752,20 @@ def _first_output(k: KernelBuilder, warp: Reg, mtiles: int, outs: int) -> Reg:
 
 
 def _epilogue(k, lay, mtiles, kparts, sums, smem, tid, lane, g, t, out_dim, bias, residual, glu) -> None:
-    """Store (or, with K parts, combine in order and store) the warp's rows, + bias/residual. ``sums``:
-    rows g, g + 8 (, g + 16, g + 24) of the warp, complete in lanes t == 0. With ``glu`` output o of
-    the warp is silu(row o) * (row 16 + o)."""
-    R = lay["rows"]
-    outs = 16 if glu else R
+    """Store (or, with K parts, combine in order and store: :func:`store_rows`) the warp's rows,
+    + bias/residual. ``sums``: rows g, g + 8 (, g + 16, g + 24) of the warp, complete in lanes t == 0.
+    With ``glu`` output o of the warp is silu(row o) * (row 16 + o)."""
     warp = k.shr(tid, 5)
-    row_base = _first_output(k, warp, mtiles, outs)
+    row_base = _first_output(k, warp, mtiles, 16 if glu else lay["rows"])
 
-    def store(val: Reg, r: Reg) -> None:
+    def store(val: Reg, r: Reg, col: int) -> None:
         off = k.mul_wide(r, 4)
         if bias:
             val = k.add(val, k.load("global", "f32", k.add(k.global_ptr("bias"), off)))
         if residual:
             val = k.add(val, k.load("global", "f32", k.add(k.global_ptr("residual"), off)))
         k.store("global", "f32", k.add(k.global_ptr("y"), off), val)
-
-    t0 = k.setp("eq", t, 0)
-    if kparts == 1 and glu:
-        for i in range(2):
-            rr = k.add(row_base, k.add(g, 8 * i) if i else g)
-            with k.if_(k.and_(t0, k.setp("lt", rr, out_dim))):
-                store(_silu_mul(k, sums[i], sums[2 + i]), rr)
-        return
-    if kparts == 1:
-        for i, sm in enumerate(sums):
-            rr = k.add(row_base, k.add(g, 8 * i) if i else g)
-            with k.if_(k.and_(t0, k.setp("lt", rr, out_dim))):
-                store(sm, rr)
-        return
-    red = k.add(smem, lay["off"]["red"])
-    mine = k.add(red, k.mul(warp, 4 * R))  # red[kp][mt][R] = red[warp][R]
-    with k.if_(t0):
-        for i, sm in enumerate(sums):
-            k.store("shared", "f32", k.add(mine, k.shl(g, 2)), sm, 32 * i)
-    k.bar_sync()
-    r = k.add(row_base, lane)
-    first = k.setp("lt", warp, mtiles)  # kp == 0
-    with k.if_(k.and_(k.and_(first, k.setp("lt", lane, outs)), k.setp("lt", r, out_dim))):
-        src = k.add(mine, k.shl(lane, 2))
-
-        def part_sum(extra: int) -> Reg:
-            v = k.load("shared", "f32", src, extra)
-            for p in range(1, kparts):
-                v = k.add(v, k.load("shared", "f32", src, p * mtiles * 4 * R + extra))
-            return v
-
-        store(_silu_mul(k, part_sum(0), part_sum(64)) if glu else part_sum(0), r)
+    store_rows(k, lay, mtiles, kparts, [sums], smem, warp, lane, g, t, row_base, out_dim, glu, store)
 
 
 def _grid_shapes() -> list[dict]:

@@ -252,11 +252,8 @@ def epilogue_cols(k: KernelBuilder, lay: dict, mtiles: int, kparts: int, col_sum
                   lane: Reg, g: Reg, t: Reg, row_base: Reg, out_dim: Reg, bias: bool, residual: bool, glu: bool,
                   out_f16: bool) -> None:
     """Stores each column's rows (``col_sums[c]``: rows g, g + 8 (, 16 + g, 24 + g), complete in lanes
-    t == 0), or with K parts combines them in order through shared memory first (one ``bar.sync`` for
-    all columns); + bias (per row) and residual (per column, f32), y f32 or f16, columns ``ldy`` apart."""
-    R = lay["rows"]
-    C = len(col_sums)
-    outs = 16 if glu else R
+    t == 0) through :func:`store_rows`; + bias (per row) and residual (per column, f32), y f32 or f16,
+    columns ``ldy`` apart."""
     warp = k.shr(tid, 5)
     ldy = k.param("ldy")
     y = k.global_ptr("y")
@@ -273,7 +270,18 @@ def epilogue_cols(k: KernelBuilder, lay: dict, mtiles: int, kparts: int, col_sum
             k.store("global", "b16", addr, k.bitcast(k.cvt(val, "f16"), "b16"))
         else:
             k.store("global", "f32", addr, val)
+    store_rows(k, lay, mtiles, kparts, col_sums, smem, warp, lane, g, t, row_base, out_dim, glu, store)
 
+
+def store_rows(k: KernelBuilder, lay: dict, mtiles: int, kparts: int, col_sums: list, smem: Reg, warp: Reg,
+               lane: Reg, g: Reg, t: Reg, row_base: Reg, out_dim: Reg, glu: bool, store) -> None:
+    """The tensor-core GEMVs' end: ``store(value, row, col)`` of each column's rows below ``out_dim``
+    (``col_sums[c]``: the warp's rows g, g + 8 (, 16 + g, 24 + g), complete in lanes t == 0; with
+    ``glu`` output o is silu(row o) * (row 16 + o)). With K parts the parts meet in shared memory first
+    (one ``bar.sync`` for every column) and the first part's warp adds them in order (deterministic)."""
+    R = lay["rows"]
+    C = len(col_sums)
+    outs = 16 if glu else R
     t0 = k.setp("eq", t, 0)
     if kparts == 1:
         for i in range(2 if glu else len(col_sums[0])):
