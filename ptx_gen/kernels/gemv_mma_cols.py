@@ -21,7 +21,9 @@ from ptx_gen.builder import KernelBuilder, Reg
 from ptx_gen.kernels import quant_layout as ql
 from ptx_gen.kernels.gemv import _silu_mul
 from ptx_gen.kernels.gemv_mma_layout import BLOCK32, INVF, XSUM
-from ptx_gen.kernels.gemv_mma_units import _b32_rows, _b32_table_row, _exact_float, _lanes_with_rows, _or_bit4, _sext_byte
+from ptx_gen.kernels.gemv_mma_units import (_b32_rows, _b32_table_row, _exact_float, _lanes_with_rows, _or_bit4,
+                                             _q4k_min, _q4k_table_row, _q6k_codes, _q6k_lane, _q6k_rows,
+                                             _q6k_table_row, _q8_0_words)
 
 
 def load_x_cols(k: KernelBuilder, x: Reg, ldxb: Reg, lane: Reg, unit: Reg | int, cols: int, xh: bool,
@@ -57,20 +59,11 @@ def unit_q4k_cols(k: KernelBuilder, c: dict, sbase: Reg, xslots: list, accs: lis
     U, TR = c["U"], c["TR"]
     qs0 = 48 if q5 else 16
     with _lanes_with_rows(k, c):
-        dm, s0, s1, s2 = k.load("shared", "u32", k.add(sbase, c["row_stage"]), vec=4)
-        sc_lo = k.and_(s0, 0x3F3F3F3F)
-        sc_hi = k.or_(k.and_(s2, 0x0F0F0F0F), k.and_(k.shr(s0, 2), 0x30303030))
-        mn_lo = k.and_(s1, 0x3F3F3F3F)
-        mn_hi = k.or_(k.and_(k.shr(s2, 4), 0x0F0F0F0F), k.and_(k.shr(s1, 2), 0x30303030))
-        for o, sel in ((0, 0x6420), (16, 0x7531)):
-            cls = k.prmt(sc_lo, sc_hi, sel)
-            k.store("shared", "u32", c["t_mine"], [k.prmt(cls, 0, 0x4440 | i) for i in range(4)], o)
-        d_h, dmin_h = k.unpack_b32(dm)
+        d_h, dmin_h, mins = _q4k_table_row(k, c, sbase)
         d = k.cvt(Reg(d_h.name, ql._f16), "f32")
         k.store("shared", "f32", c["t_mine"], [d, d if q5 else k.mul(d, 0.0625)], 32)
         dmin = k.cvt(Reg(dmin_h.name, ql._f16), "f32")
-        mfs = [k.mul(k.add(k.bitcast(k.prmt(mn_lo if i < 4 else mn_hi, 0x4B000000, 0x7440 | (i % 4)), "f32"),
-                           -8388608.0), dmin) for i in range(8)]
+        mfs = [_q4k_min(k, mins, i, dmin) for i in range(8)]
         for xs, minacc in zip(xslots, minaccs):
             sx = [v for o in (0, 16) for v in k.load("shared", "f32", xs, XSUM["Q4_K"] + o, vec=4)]
             msum = k.mul(mfs[0], sx[0])
@@ -110,53 +103,19 @@ def unit_q4k_cols(k: KernelBuilder, c: dict, sbase: Reg, xslots: list, accs: lis
 def unit_q6k_cols(k: KernelBuilder, c: dict, sbase: Reg, xslots: list, accs: list, p: Reg | None) -> None:
     """:func:`~ptx_gen.kernels.gemv_mma_units._unit_q6k` over the columns of ``xslots``: the codes are
     assembled once; per column the offset MMA (-32 times its digit sums) and the code MMA."""
-    S, TR = c["U"], c["TR"]
-    if p is None:
-        row_w, a_w = c["row_stage"], c["a_lane"]
-    else:
-        sh = k.shl(k.and_(p, 2), 3)
-        pw = k.and_(p, 12)
-        row_w, a_w = k.add(c["row_stage"], pw), k.add(c["a_lane"], pw)
-
-    def realign(lo: Reg, hi: Reg) -> Reg:
-        return lo if p is None else k.shf("r", lo, hi, sh)
+    TR = c["TR"]
+    row_w, a_w, realign = _q6k_lane(k, c, p)
     with _lanes_with_rows(k, c):
-        row = k.add(sbase, row_w)
-        ws = [k.load("shared", "u32", row, 192 + 4 * i) for i in range(4 if p is None else 5)]
-        sw = [realign(ws[i], ws[i + 1] if i < 3 or p is not None else None) for i in range(4)]
-        if p is None:
-            d = ql.lds_f16(k, row, 208)
-        else:
-            d = k.cvt(Reg(k.unpack_b32(realign(ws[4], ws[4]))[0].name, ql._f16), "f32")
-        scs = [[_sext_byte(k, w_, b) for b in range(4)] for w_ in sw]
-        for o, i in ((0, 0), (16, 2), (32, 1), (48, 3)):
-            k.store("shared", "u32", c["t_mine"], scs[i], o)
+        d = _q6k_table_row(k, c, sbase, row_w, p, realign)
         k.store("shared", "f32", c["t_mine"], d, 64)
     k.bar_warp_sync()
     inv_fs = _inv_fs(k, "Q6_K", xslots)
     a0 = k.add(sbase, a_w)
     for r in range(c["tiles"]):
-        words, scales = [], []
-        for h in (0, 8):
-            ro = (16 * r + h) * S
-
-            def word(mi: int) -> Reg:
-                lo = k.load("shared", "u32", a0, ro + 16 * mi)
-                return lo if p is None else realign(lo, k.load("shared", "u32", a0, ro + 16 * mi + 4))
-            words.append([word(mi) for mi in range(12)])
-            scales.append([v for o in (0, 16) for v in k.load("shared", "u32", c["t_gc"], (16 * r + h) * TR + o, vec=4)])
-        qab = [[(k.and_(wd[8 + i], 0x33333333), k.and_(wd[8 + i], 0xCCCCCCCC)) for i in range(4)] for wd in words]
-
-        def code(low: Reg, high: Reg) -> Reg:
-            return k.or_(k.and_(low, 0x0F0F0F0F), k.and_(high, 0xF0F0F0F0))
+        words, scales, qab = _q6k_rows(k, c, a0, r, p, realign)
         ints = [[None] * 4 for _ in xslots]
         for m in range(8):
-            n, i0, lh = m >> 2, (m >> 1) & 1, m & 1
-            a_lo, a_hi = [], []
-            for wd, qh in zip(words, qab):
-                qlw, (qa, qb) = wd[m], qh[2 * n + lh]
-                a_lo.append(code(qlw, k.shl(qb, 2) if i0 else k.shl(qa, 4)))
-                a_hi.append(code(k.shr(qlw, 4), k.shr(qb, 2) if i0 else qa))
+            a_lo, a_hi = _q6k_codes(k, words, qab, m)
             for xs, it in zip(xslots, ints):
                 b = k.load("shared", "u32", k.add(xs, c["b_q6"]), 512 * (m >> 1) + 8 * (m & 1), vec=2)
                 off = k.mma_s8(c["minus32"], b, c["zeros"])
@@ -190,14 +149,7 @@ def unit_q8_0_cols(k: KernelBuilder, c: dict, sbase: Reg, xslots: list, accs: li
             bs = [k.load("shared", "u32", bj, 32 * blk, vec=4, pred=c["b_ok"], other=0) for bj in bjs]
         q = 34 * blk + 2
         for r in range(c["tiles"]):
-            words = []
-            for roff, half in ((0, 0), (8 * U, 0), (0, 16), (8 * U, 16)):
-                off = 16 * r * U + roff + q + half
-                if off % 4 == 0:
-                    words.append(k.load("shared", "u32", rg_t, off))
-                else:
-                    words.append(k.prmt(k.load("shared", "u32", rg_t, off - 2), k.load("shared", "u32", rg_t, off + 2),
-                                         0x5432))
+            words = _q8_0_words(k, rg_t, 16 * r * U + q, U)
             sg = k.load("shared", "f32", c["t_g"], 16 * r * c["TR"] + 4 * blk)
             sg8 = k.load("shared", "f32", c["t_g"], (16 * r + 8) * c["TR"] + 4 * blk)
             for b, inv_f, acc in zip(bs, inv_fs, accs):

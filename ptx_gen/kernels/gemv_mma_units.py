@@ -125,15 +125,7 @@ def _unit_q4k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, mina
     # the table: lane r unpacks row r's scales by class ([0, 2, 4, 6][1, 3, 5, 7] as int32), d / f for
     # class 0 and d / 16 f for class 1, and adds its min terms
     with _lanes_with_rows(k, c):
-        dm, s0, s1, s2 = k.load("shared", "u32", k.add(sbase, c["row_stage"]), vec=4)
-        sc_lo = k.and_(s0, 0x3F3F3F3F)
-        sc_hi = k.or_(k.and_(s2, 0x0F0F0F0F), k.and_(k.shr(s0, 2), 0x30303030))
-        mn_lo = k.and_(s1, 0x3F3F3F3F)
-        mn_hi = k.or_(k.and_(k.shr(s2, 4), 0x0F0F0F0F), k.and_(k.shr(s1, 2), 0x30303030))
-        for o, sel in ((0, 0x6420), (16, 0x7531)):
-            cls = k.prmt(sc_lo, sc_hi, sel)
-            k.store("shared", "u32", c["t_mine"], [k.prmt(cls, 0, 0x4440 | i) for i in range(4)], o)
-        d_h, dmin_h = k.unpack_b32(dm)
+        d_h, dmin_h, mins = _q4k_table_row(k, c, sbase)
         inv_f = k.load("shared", "f32", xslot, INVF["Q4_K"])  # the unit's x digits are x f
         dq = k.mul(k.cvt(Reg(d_h.name, ql._f16), "f32"), inv_f)
         k.store("shared", "f32", c["t_mine"], [dq, dq if q5 else k.mul(dq, 0.0625)], 32)
@@ -141,8 +133,7 @@ def _unit_q4k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, mina
         dmin = k.cvt(Reg(dmin_h.name, ql._f16), "f32")
         msum = None
         for i in range(8):  # dmin m_j first: sum_j m_j sum(x) alone could overflow where the result does not
-            mf = k.add(k.bitcast(k.prmt(mn_lo if i < 4 else mn_hi, 0x4B000000, 0x7440 | (i % 4)), "f32"), -8388608.0)
-            mf = k.mul(mf, dmin)
+            mf = _q4k_min(k, mins, i, dmin)
             msum = k.mul(mf, sx[i]) if msum is None else k.fma(mf, sx[i], msum)
         k.assign(minacc, k.add(minacc, msum))  # (one update of the loop-carried register: 8 cost 30% at 14336)
     k.bar_warp_sync()
@@ -172,6 +163,29 @@ def _unit_q4k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, mina
         dg8 = k.load("shared", "f32", c["t_gd"], (16 * r + 8) * TR)
         for n, d in ((0, dg), (1, dg), (2, dg8), (3, dg8)):
             k.assign(acc[r][n], k.fma(d, k.cvt(ints[n], "f32"), acc[r][n]))
+
+
+def _q4k_table_row(k: KernelBuilder, c: dict, sbase: Reg) -> tuple[Reg, Reg, tuple[Reg, Reg]]:
+    """Lane r's (< R) part of a Q4_K / Q5_K unit's table: row r's 8 sub-block scales unpacked by class
+    ([0, 2, 4, 6][1, 3, 5, 7], int32) into the table; returns d and dmin (f16 halves) and the 6-bit
+    mins packed a byte each (sub-blocks 0..3, 4..7) for :func:`_q4k_min`."""
+    dm, s0, s1, s2 = k.load("shared", "u32", k.add(sbase, c["row_stage"]), vec=4)
+    sc_lo = k.and_(s0, 0x3F3F3F3F)
+    sc_hi = k.or_(k.and_(s2, 0x0F0F0F0F), k.and_(k.shr(s0, 2), 0x30303030))
+    mn_lo = k.and_(s1, 0x3F3F3F3F)
+    mn_hi = k.or_(k.and_(k.shr(s2, 4), 0x0F0F0F0F), k.and_(k.shr(s1, 2), 0x30303030))
+    for o, sel in ((0, 0x6420), (16, 0x7531)):
+        cls = k.prmt(sc_lo, sc_hi, sel)
+        k.store("shared", "u32", c["t_mine"], [k.prmt(cls, 0, 0x4440 | i) for i in range(4)], o)
+    d_h, dmin_h = k.unpack_b32(dm)
+    return d_h, dmin_h, (mn_lo, mn_hi)
+
+
+def _q4k_min(k: KernelBuilder, mins: tuple[Reg, Reg], i: int, dmin: Reg) -> Reg:
+    """``dmin m_i`` of sub-block i from :func:`_q4k_table_row`'s packed mins (the byte made the float
+    2**23 + m by one ``prmt``, the 2**23 taken off exactly)."""
+    mf = k.add(k.bitcast(k.prmt(mins[0] if i < 4 else mins[1], 0x4B000000, 0x7440 | (i % 4)), "f32"), -8388608.0)
+    return k.mul(mf, dmin)
 
 
 def _or_bit4(k: KernelBuilder, codes: Reg, bits: Reg, b: int) -> Reg:
@@ -204,27 +218,10 @@ def _unit_q6k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, p: R
     for every row), exactly, so the result is sum (c - 32) X in integers (a float offset term lost
     accuracy where codes sit near 32, i.e. small weights, and its own instructions cost more). Staged
     words are 2 bytes off for odd p / 2: two loads and a funnel shift each."""
-    S, TR = c["U"], c["TR"]
-    if p is None:  # word-aligned rows
-        row_w, a_w = c["row_stage"], c["a_lane"]
-    else:
-        sh = k.shl(k.and_(p, 2), 3)  # 0 or 16 bits
-        pw = k.and_(p, 12)  # the block's first word, p rounded down to 4
-        row_w, a_w = k.add(c["row_stage"], pw), k.add(c["a_lane"], pw)
-
-    def realign(lo: Reg, hi: Reg) -> Reg:
-        return lo if p is None else k.shf("r", lo, hi, sh)
+    TR = c["TR"]
+    row_w, a_w, realign = _q6k_lane(k, c, p)
     with _lanes_with_rows(k, c):  # lane r: row r's scales (table [class 0: m 0..7][class 1: m 0..7]) and d / f
-        row = k.add(sbase, row_w)
-        ws = [k.load("shared", "u32", row, 192 + 4 * i) for i in range(4 if p is None else 5)]
-        sw = [realign(ws[i], ws[i + 1] if i < 3 or p is not None else None) for i in range(4)]  # scales 4i..4i+3
-        if p is None:
-            d = ql.lds_f16(k, row, 208)
-        else:
-            d = k.cvt(Reg(k.unpack_b32(realign(ws[4], ws[4]))[0].name, ql._f16), "f32")
-        scs = [[_sext_byte(k, w_, b) for b in range(4)] for w_ in sw]
-        for o, i in ((0, 0), (16, 2), (32, 1), (48, 3)):  # class 0: scales 0..3, 8..11; class 1: 4..7, 12..15
-            k.store("shared", "u32", c["t_mine"], scs[i], o)
+        d = _q6k_table_row(k, c, sbase, row_w, p, realign)
         inv_f = k.load("shared", "f32", xslot, INVF["Q6_K"])  # the unit's x digits are x f
         k.store("shared", "f32", c["t_mine"], k.mul(d, inv_f), 64)
     k.bar_warp_sync()
@@ -233,29 +230,10 @@ def _unit_q6k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, p: R
     offs = [k.mma_s8(c["minus32"], bfr[m >> 1][2 * (m & 1):2 * (m & 1) + 2], c["zeros"]) for m in range(8)]
     a0 = k.add(sbase, a_w)
     for r in range(c["tiles"]):
-        words, scales = [], []
-        for h in (0, 8):  # rows 16 r + g, 16 r + 8 + g
-            ro = (16 * r + h) * S
-
-            def word(mi: int) -> Reg:
-                lo = k.load("shared", "u32", a0, ro + 16 * mi)
-                return lo if p is None else realign(lo, k.load("shared", "u32", a0, ro + 16 * mi + 4))
-            words.append([word(mi) for mi in range(12)])
-            scales.append([v for o in (0, 16) for v in k.load("shared", "u32", c["t_gc"], (16 * r + h) * TR + o, vec=4)])
-        # codes: bits 0..3 from ql, 4..5 from qh, as one bitwise select (LOP3) each: the qh word is
-        # masked once into its bit pairs 0 and 2 (qa) and 1 and 3 (qb), whose shifts leave bits 6, 7 zero
-        qab = [[(k.and_(wd[8 + i], 0x33333333), k.and_(wd[8 + i], 0xCCCCCCCC)) for i in range(4)] for wd in words]
-
-        def code(low: Reg, high: Reg) -> Reg:
-            return k.or_(k.and_(low, 0x0F0F0F0F), k.and_(high, 0xF0F0F0F0))
+        words, scales, qab = _q6k_rows(k, c, a0, r, p, realign)
         ints = [None] * 4
         for m in range(8):
-            n, i0, lh = m >> 2, (m >> 1) & 1, m & 1
-            a_lo, a_hi = [], []
-            for wd, qh in zip(words, qab):
-                qlw, (qa, qb) = wd[m], qh[2 * n + lh]
-                a_lo.append(code(qlw, k.shl(qb, 2) if i0 else k.shl(qa, 4)))
-                a_hi.append(code(k.shr(qlw, 4), k.shr(qb, 2) if i0 else qa))
+            a_lo, a_hi = _q6k_codes(k, words, qab, m)
             b = bfr[m >> 1][2 * (m & 1):2 * (m & 1) + 2]
             dd = k.mma_s8([a_lo[0], a_lo[1], a_hi[0], a_hi[1]], b, offs[m], a_unsigned=True)
             for nn in range(4):
@@ -265,6 +243,69 @@ def _unit_q6k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, p: R
         dg8 = k.load("shared", "f32", c["t_g"], (16 * r + 8) * TR + 64)
         for nn, dv in ((0, dg), (1, dg), (2, dg8), (3, dg8)):
             k.assign(acc[r][nn], k.fma(dv, k.cvt(ints[nn], "f32"), acc[r][nn]))
+
+
+def _q6k_lane(k: KernelBuilder, c: dict, p: Reg | None):
+    """A Q6_K unit's lane offsets (its table row, its A words) and ``realign(lo, hi)``: the word 2 bytes
+    into ``lo:hi`` where the block starts 2 bytes off a word (GGUF rows, ``p`` / 2 odd), else ``lo``."""
+    if p is None:  # word-aligned rows
+        row_w, a_w = c["row_stage"], c["a_lane"]
+    else:
+        sh = k.shl(k.and_(p, 2), 3)  # 0 or 16 bits
+        pw = k.and_(p, 12)  # the block's first word, p rounded down to 4
+        row_w, a_w = k.add(c["row_stage"], pw), k.add(c["a_lane"], pw)
+
+    def realign(lo: Reg, hi: Reg) -> Reg:
+        return lo if p is None else k.shf("r", lo, hi, sh)
+    return row_w, a_w, realign
+
+
+def _q6k_table_row(k: KernelBuilder, c: dict, sbase: Reg, row_w: Reg, p: Reg | None, realign) -> Reg:
+    """Lane r's (< R) part of a Q6_K unit's table: row r's 16 int8 scales sign-extended into the table
+    ([class 0: m 0..7][class 1: m 0..7]); returns its d as f32."""
+    row = k.add(sbase, row_w)
+    ws = [k.load("shared", "u32", row, 192 + 4 * i) for i in range(4 if p is None else 5)]
+    sw = [realign(ws[i], ws[i + 1] if i < 3 or p is not None else None) for i in range(4)]  # scales 4i..4i+3
+    if p is None:
+        d = ql.lds_f16(k, row, 208)
+    else:
+        d = k.cvt(Reg(k.unpack_b32(realign(ws[4], ws[4]))[0].name, ql._f16), "f32")
+    scs = [[_sext_byte(k, w_, b) for b in range(4)] for w_ in sw]
+    for o, i in ((0, 0), (16, 2), (32, 1), (48, 3)):  # class 0: scales 0..3, 8..11; class 1: 4..7, 12..15
+        k.store("shared", "u32", c["t_mine"], scs[i], o)
+    return d
+
+
+def _q6k_rows(k: KernelBuilder, c: dict, a0: Reg, r: int, p: Reg | None, realign):
+    """Lane (g, t)'s staged words of rows 16 r + g and 16 r + 8 + g (12 each: 8 of ql, 4 of qh), its
+    scales of both rows from the table, and the qh words masked into their bit pairs 0 and 2 (qa) and
+    1 and 3 (qb), for :func:`_q6k_codes`."""
+    S, TR = c["U"], c["TR"]
+    words, scales = [], []
+    for h in (0, 8):  # rows 16 r + g, 16 r + 8 + g
+        ro = (16 * r + h) * S
+
+        def word(mi: int) -> Reg:
+            lo = k.load("shared", "u32", a0, ro + 16 * mi)
+            return lo if p is None else realign(lo, k.load("shared", "u32", a0, ro + 16 * mi + 4))
+        words.append([word(mi) for mi in range(12)])
+        scales.append([v for o in (0, 16) for v in k.load("shared", "u32", c["t_gc"], (16 * r + h) * TR + o, vec=4)])
+    qab = [[(k.and_(wd[8 + i], 0x33333333), k.and_(wd[8 + i], 0xCCCCCCCC)) for i in range(4)] for wd in words]
+    return words, scales, qab
+
+
+def _q6k_codes(k: KernelBuilder, words: list, qab: list, m: int) -> tuple[list, list]:
+    """MMA m's A fragments (codes as unsigned bytes) of both rows: bits 0..3 from ql, 4..5 from qh, as
+    one bitwise select (LOP3) each; the shifts of the masked qh bit pairs leave bits 6, 7 zero."""
+    def code(low: Reg, high: Reg) -> Reg:
+        return k.or_(k.and_(low, 0x0F0F0F0F), k.and_(high, 0xF0F0F0F0))
+    n, i0, lh = m >> 2, (m >> 1) & 1, m & 1
+    a_lo, a_hi = [], []
+    for wd, qh in zip(words, qab):
+        qlw, (qa, qb) = wd[m], qh[2 * n + lh]
+        a_lo.append(code(qlw, k.shl(qb, 2) if i0 else k.shl(qa, 4)))
+        a_hi.append(code(k.shr(qlw, 4), k.shr(qb, 2) if i0 else qa))
+    return a_lo, a_hi
 
 
 def _exact_float(k: KernelBuilder, i: Reg) -> Reg:
@@ -292,20 +333,28 @@ def _unit_q8_0(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list) -> 
             b = k.load("shared", "u32", bj, 32 * blk, vec=4, pred=c["b_ok"], other=0)
         q = 34 * blk + 2  # the codes; 4-byte aligned for odd blocks, 2 for even ones
         for r in range(c["tiles"]):
-            words = []
-            for roff, half in ((0, 0), (8 * U, 0), (0, 16), (8 * U, 16)):
-                off = 16 * r * U + roff + q + half
-                if off % 4 == 0:
-                    words.append(k.load("shared", "u32", rg_t, off))
-                else:
-                    w0 = k.load("shared", "u32", rg_t, off - 2)
-                    w1 = k.load("shared", "u32", rg_t, off + 2)
-                    words.append(k.prmt(w0, w1, 0x5432))
+            words = _q8_0_words(k, rg_t, 16 * r * U + q, U)
             d = k.mma_s8(words, b[0:2] if blk % 2 == 0 else b[2:4], c["zeros"])
             sg = k.load("shared", "f32", c["t_g"], 16 * r * c["TR"] + 4 * blk)
             sg8 = k.load("shared", "f32", c["t_g"], (16 * r + 8) * c["TR"] + 4 * blk)
             for n, s in ((0, sg), (1, sg), (2, sg8), (3, sg8)):  # |d| <= 32 * 128 * 128 < 2**22
                 k.assign(acc[r][n], k.fma(s, _exact_float(k, d[n]), acc[r][n]))
+
+
+def _q8_0_words(k: KernelBuilder, rg_t: Reg, off0: int, U: int) -> list[Reg]:
+    """Lane (g, t)'s A words of a Q8_0 block whose codes start ``off0`` bytes into row g's stage
+    (``rg_t``: row g, byte 4 t): codes 4 t.. and 16 + 4 t.. of rows g and g + 8, in A's order; a word
+    2 bytes off is two aligned loads and a ``prmt``."""
+    words = []
+    for roff, half in ((0, 0), (8 * U, 0), (0, 16), (8 * U, 16)):
+        off = off0 + roff + half
+        if off % 4 == 0:
+            words.append(k.load("shared", "u32", rg_t, off))
+        else:
+            w0 = k.load("shared", "u32", rg_t, off - 2)
+            w1 = k.load("shared", "u32", rg_t, off + 2)
+            words.append(k.prmt(w0, w1, 0x5432))
+    return words
 
 
 def _word(k: KernelBuilder, base: Reg, off: int) -> Reg:
