@@ -131,7 +131,10 @@ def mma_sweep_configs(wtype: str, out_dim: int, in_dim: int, ops, stages: tuple[
     bulk_ok = ops.device.target.compute_capability >= (9, 0)
     out = []
     for tl, mt, kp in ((1, 1, 8), (1, 2, 4), (1, 4, 2), (1, 1, 4), (2, 1, 8), (2, 2, 4), (2, 4, 2), (2, 1, 4),
-                       (2, 4, 4), (2, 1, 16), (2, 1, 12), (2, 1, 10), (1, 7, 2), (1, 7, 1), (1, 8, 2)):
+                       (2, 4, 4), (2, 1, 16), (2, 1, 12), (2, 1, 10), (1, 7, 2), (1, 7, 1), (1, 8, 2),
+                       # (small CTAs, so that more of them fit an SM's shared memory: every CTA of 14336 rows
+                       # resident at once)
+                       (2, 1, 3), (2, 1, 2), (2, 2, 2), (1, 1, 3), (1, 2, 2)):
         for st, bulk in itertools.product(stages, (False, True) if bulk_ok else (False,)):
             try:
                 mma_layout(wtype, in_dim, mt, kp, st, tl, tiled=True)
