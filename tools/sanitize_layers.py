@@ -234,25 +234,33 @@ def gemm_q_cases(rng, shapes) -> None:
             got = dy.to_numpy((m, ldy))
         w.free()
         assert np.array_equal(got[:, cols:].view(np.uint8), y0[:, cols:].view(np.uint8)), f"{what}: wrote past the row"
-        wd = dequant(raw, wt, out_dim, in_dim).astype(np.float64)
-        xs = x[:, :in_dim].astype(np.float64)
-        full, scale = xs @ wd.T, np.abs(xs) @ np.abs(wd).T
-        if glu:
-            g, u = full[:, :cols], full[:, cols:]
-            with np.errstate(over="ignore"):  # (silu of a large negative gate: 0)
-                ref = silu(g) * u
-            scale = (np.abs(g) + scale[:, :cols]) * (np.abs(u) + scale[:, cols:])
-        else:
-            ref = full
-            if "bias" in epi:
-                ref, scale = ref + b, scale + np.abs(b)
-            if residual is not None:
-                ref, scale = ref + r[:, :cols], scale + np.abs(r[:, :cols])
+        ref, scale = _oracle(raw, wt, out_dim, in_dim, x, cols, glu, b if "bias" in epi else None,
+                             None if residual is None else r[:, :cols])
         # f16 weights and X, f32 products and sums (2**-11 each, summed); f16 output: one more rounding
         err = np.abs(got[:, :cols].astype(np.float64) - ref) / (scale + 1e-30)
         finite = bool(np.isfinite(err).all())
         if not finite or err.max() >= (2.0 ** -9 if out_f16 else 2.0 ** -10):
             raise AssertionError(f"{what}: relative error {np.nanmax(err):.2e} (finite: {finite})")
+
+
+def _oracle(raw, wt: str, rows: int, in_dim: int, x: np.ndarray, outs: int, glu: bool, bias, residual):
+    """float64 (ref, scale) of the GEMM cases [tokens or columns, outs]: ``x[:, :in_dim] W^T`` (W the ``rows``
+    dequantized rows of ``raw``) (+ bias) (+ residual), or with ``glu`` (W = [G; U], rows = 2 outs)
+    silu(x G^T) * (x U^T); scale: the size of what is summed (for glu the product of both sides')."""
+    wd = dequant(raw, wt, rows, in_dim).astype(np.float64)
+    xs = x[:, :in_dim].astype(np.float64)
+    full, scale = xs @ wd.T, np.abs(xs) @ np.abs(wd).T
+    if glu:
+        g, u = full[:, :outs], full[:, outs:]
+        with np.errstate(over="ignore"):  # (silu of a large negative gate: 0)
+            ref = silu(g) * u
+        return ref, (np.abs(g) + scale[:, :outs]) * (np.abs(u) + scale[:, outs:])
+    ref = full
+    if bias is not None:
+        ref, scale = ref + bias, scale + np.abs(bias)
+    if residual is not None:
+        ref, scale = ref + residual, scale + np.abs(residual)
+    return ref, scale
 
 
 # gemv_cols: per kind (plain or the fused gate/up GEMV), the three column counts' (cols, epilogue, f16 x, f16
@@ -321,20 +329,8 @@ def gemv_cols_cases(rng, shapes) -> None:
         w.free()
         assert np.array_equal(got[:, out_dim:].view(np.uint8), y0[:, out_dim:].view(np.uint8)), \
             f"{what}: wrote past the rows"
-        wd = dequant(raw, wt, rows, in_dim).astype(np.float64)
-        xs = x[:, :in_dim].astype(np.float64)
-        full, scale = xs @ wd.T, np.abs(xs) @ np.abs(wd).T
-        if glu:
-            g, u = full[:, :out_dim], full[:, out_dim:]
-            with np.errstate(over="ignore"):  # (silu of a large negative gate: 0)
-                ref = silu(g) * u
-            scale = (np.abs(g) + scale[:, :out_dim]) * (np.abs(u) + scale[:, out_dim:])
-        else:
-            ref = full
-            if epi == "bias":
-                ref, scale = ref + b, scale + np.abs(b)
-            if residual is not None:
-                ref, scale = ref + r[:, :out_dim], scale + np.abs(r[:, :out_dim])
+        ref, scale = _oracle(raw, wt, rows, in_dim, x, out_dim, glu, b if epi == "bias" else None,
+                             None if residual is None else r[:, :out_dim])
         # (the bound of the columns kernel's tests, tests/layer_oracles.check_gemv_cols)
         tol = 1e-6 * scale + (2.0**-11 * np.abs(ref) + 2.0**-24 if out_f16 else 0.0)
         err = np.abs(got[:, :out_dim].astype(np.float64) - ref)

@@ -298,11 +298,10 @@ def _quant(k: KernelBuilder, wtype: str, g: int, stride: int, sbuf: Reg, table: 
     for i in range(g):
         ok, idx = dest.at(i)
         with k.if_(ok):
-            if fields is not None and (isinstance(keys[i], Reg) or keys[i]):
-                at = ql.tiled_fields(k, wtype, _off(k, sbuf, i * stride), lc["blk"], keys[i])
-                vals = _exact(k, ql.decode_q32(k, wtype, None, lc, None, None, None, None, at))
-            elif fields is not None:
-                at = tuple(None if f is None else _off(k, f, i * stride) for f in fields)
+            if fields is not None:  # (round 0's fields moved, or where the round's chunks are permuted its own)
+                at = (ql.tiled_fields(k, wtype, _off(k, sbuf, i * stride), lc["blk"], keys[i])
+                      if isinstance(keys[i], Reg) or keys[i] else
+                      tuple(None if f is None else _off(k, f, i * stride) for f in fields))
                 vals = _exact(k, ql.decode_q32(k, wtype, None, lc, None, None, None, None, at))
             elif info.block_values == 32:
                 vals = _exact(k, ql.decode_q32(k, wtype, _off(k, lane_bb, i * stride), lc, sel, sel, align, align))

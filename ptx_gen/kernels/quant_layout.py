@@ -360,19 +360,18 @@ def tiled_fields(k: KernelBuilder, wtype: str, unit: Reg, blk: Reg | int,
     ``TILED_B32``) staged at shared address ``unit``; ``key16``: the row's :func:`swizzle_key16` (its
     logical byte B sits at ``B ^ key16``)."""
     tb = TILED_B32[wtype]
+    swizzled = isinstance(key16, Reg) or key16 != 0
 
     def at(base: int, size: int) -> Reg:
         if isinstance(blk, int):
             off = base + size * blk
-        elif isinstance(key16, Reg) or key16:
+        elif swizzled:
             off = k.add(k.mul(blk, size), base) if base else k.mul(blk, size)
         else:
             return k.add(k.add(unit, base) if base else unit, k.mul(blk, size))
-        if isinstance(key16, Reg) or key16:
-            if isinstance(off, int) and isinstance(key16, int):
-                off ^= key16
-            else:
-                off = k.xor(key16, off) if isinstance(key16, Reg) else k.xor(off, key16)
+        if swizzled:  # (the register operand first)
+            off = off ^ key16 if isinstance(off, int) and isinstance(key16, int) else \
+                k.xor(key16, off) if isinstance(key16, Reg) else k.xor(off, key16)
         return k.add(unit, off) if isinstance(off, Reg) or off else unit
     return at(0, tb["sc"]), (at(tb["qh"], 4) if tb["qh"] is not None else None), at(tb["qs"], 16)
 

@@ -292,13 +292,11 @@ class GemvOps(Dispatcher):
         parts, then fewer warps along the rows, then (not glu) 16-row warps until every column's x slots
         and K-part sums fit the shared memory; CTAs of at most 8 warps for several columns, and 16-row warps
         for more than ``COLS_WIDE_TILES`` columns (32-row warps keep 8 accumulators a column and lane: they
-        spill). None beyond :func:`cols_per_launch` columns. Kept per argument and device limits: the
-        batched decode step asks at every launch."""
+        spill). None beyond :func:`cols_per_launch` columns. Kept per argument (the device is this
+        dispatcher's, fixed): the batched decode step asks at every launch."""
         if cols not in range(1, MAX_COLS + 1):
             raise ShapeError(f"the tensor-core GEMV takes 1..{MAX_COLS} columns, got {cols}")
-        dev = self.device
-        key = (out_dim, in_dim, wtype, cols, glu, layout, dev.target.compute_capability, dev.max_shared_per_block_optin,
-               self.sm_count, self.fast_dram)
+        key = (out_dim, in_dim, wtype, cols, glu, layout)
         try:
             return self._mma_cols_configs[key]
         except KeyError:
