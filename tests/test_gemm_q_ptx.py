@@ -265,3 +265,12 @@ def test_sanitizer_cases_run_on_the_emulator(monkeypatch):
     sanitize.gemm_q_cases(np.random.default_rng(2), sanitize.GEMM_Q_CASES_SMALL)
     sanitize.sample_cases(np.random.default_rng(3), sanitize.SAMPLE_SHAPES_SMALL)
     sanitize.gemv_cols_cases(np.random.default_rng(4), sanitize.GEMV_COLS_CASES_SMALL)
+
+
+@pytest.mark.parametrize("wtype", ["Q4_1", "Q5_1"])
+def test_gemm_q_swizzled_rows_of_any_tile_row(wtype):
+    """Tile-major Q4_1/Q5_1 rows keep their chunks permuted by their row in the tile (SWIZZLE): gate/up rows
+    of a [gate; up] weight stored as plain tiles sit at rows ffn + j, not at the lane's row mod 8 (ffn 3 and
+    11 here), and each of a lane's two rows takes its own key."""
+    for layout, glu, out_dim in (("tiles", True, 6), ("tiles", True, 22), ("tiles", False, 4), ("glu-tiles", True, 34)):
+        _run(wtype, layout, out_dim, 256, 1, np.random.default_rng(0), glu=glu)

@@ -242,8 +242,14 @@ def gemm_q(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "ro
 
     # ---- decode constants ----
     lc = ql.lane_constants(k, wtype, lane, tiled=layout != "rows") if info.block_values == 32 else {}
-    if lc.get("tiled"):  # the chunk permutation of the lane's rows r, r + 8 (tile rows 8 apart: one key)
-        lc["key16"] = ql.swizzle_key16(k, wtype, r)
+    if lc.get("tiled"):  # the chunk permutation of each of the lane's rows r, r + 8 (by its row in its tile)
+        def tile_row(s: Reg) -> Reg:
+            if not glu:
+                return k.add(n0, s)
+            j = k.add(j0, k.and_(s, 7))
+            return k.add(k.and_(j, 15), k.shl(k.shr(s, 3), 4)) if layout == "glu-tiles" else k.mad(k.shr(s, 3), ffn, j)
+        lc["key16"] = [ql.swizzle_key16(k, wtype, tile_row(s)) if wtype in ql.SWIZZLE else 0
+                       for s in (r, k.add(r, 8))]
     q8 = k.shl(q, 3)
     if wtype in K_TABLE:
         kpair_sel = ql.k_pair_selectors(k, q)
@@ -379,7 +385,7 @@ def _decode(k: KernelBuilder, wtype: str, info, bb: Reg, b: int, lc: dict, q: Re
         return _pack(k, vals)
     if info.block_values == 32:
         if lc["tiled"]:  # (a re-encoded unit: every field aligned)
-            dec = ql.decode_q32(k, wtype, None, lc, None, None, None, None, ql.tiled_fields(k, wtype, bb, b, lc["key16"]))
+            dec = ql.decode_q32(k, wtype, None, lc, None, None, None, None, ql.tiled_fields(k, wtype, bb, b, lc["key16"][s]))
         else:
             blk = k.add(bb, b * info.block_bytes) if b else bb
             sel_b = align = None
