@@ -510,6 +510,102 @@ def test_gemv_glu_mma_emulated_matches_oracle(wtype, ffn, mtiles, kparts, units,
     assert (np.abs(y - silu(g) * u) / scale).max() < 1e-6
 
 
+@settings(max_examples=40, deadline=None)
+@given(wtype=st.sampled_from(MMA_TYPES), outs=st.integers(1, 100), units=st.integers(1, 5), ctas=st.integers(1, 3),
+       warps=st.sampled_from([1, 2, 3, 4]), stages=st.sampled_from([2, 3]),
+       target=st.sampled_from(["sm_80", "sm_90", "sm_90 bulk"]), glu=st.booleans(), bias=st.booleans(),
+       residual=st.booleans(), late=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_gemv_mma_stream_k_emulated_matches_oracle(wtype, outs, units, ctas, warps, stages, target, glu, bias, residual,
+                                                   late, seed):
+    """Stream-K (tile-major, every warp of the grid an equal share of tiles x units): the outputs match the
+    float64 oracle whichever tiles a share covers whole, starts, ends or only touches the middle of; every
+    counter is back at zero after a launch, and a second launch over the same workspace gives the same
+    bits (pieces added in worker order, whatever order they arrive in)."""
+    rng = np.random.default_rng(seed)
+    if glu:
+        bias = residual = False
+    in_dim = 256 * units
+    rows = 2 * outs if glu else outs
+    n_tiles = -(-outs // (16 if glu else 32))
+    assume(ctas * warps <= n_tiles * units)
+    raw = random_weight(rng, wtype, rows, in_dim)
+    x = random_array(rng, in_dim)
+    x[rng.integers(0, in_dim)] *= 300
+    b = rng.standard_normal(outs).astype(np.float32) if bias else None
+    r = rng.standard_normal(outs).astype(np.float32) if residual else None
+    k = catalog.emit("gemv_mma", target=target.split()[0], wtype=wtype, in_dim=in_dim, mtiles=1, kparts=warps,
+                     stages=stages, bias=bias, residual=residual, tiles=2, bulk=target.endswith("bulk"), tiled=True,
+                     glu=glu, late=late, streamk=True)
+    mem = Memory()
+    params = dict(w=mem.alloc_array(tile_major(raw, wtype, rows, in_dim, glu=glu)), x=mem.alloc_array(x),
+                  y=mem.alloc(4 * outs), out_dim=outs, part=mem.alloc(2 * 128 * ctas * warps),
+                  cnt=mem.alloc_array(np.zeros(n_tiles, np.uint32)))
+    if bias:
+        params["bias"] = mem.alloc_array(b)
+    if residual:
+        params["residual"] = mem.alloc_array(r)
+    ys = []
+    for _ in range(2):
+        simt_run(k.ptx, grid=(ctas,), block=(k.meta["block"],), params=params, memory=mem,
+                 shared_bytes=k.meta["dyn_smem"])
+        ys.append(mem.read(params["y"], np.float32, outs).copy())
+        np.testing.assert_array_equal(mem.read(params["cnt"], np.uint32, n_tiles), 0)
+    y = ys[0]
+    w = dequant(raw, wtype, rows, in_dim).astype(np.float64)
+    assert np.isfinite(y).all(), "unwritten (NaN-poisoned) outputs"
+    if glu:
+        g, u = w[:outs] @ x, w[outs:] @ x
+        scale = (np.abs(g) + np.abs(w[:outs]) @ np.abs(x)) * (np.abs(u) + np.abs(w[outs:]) @ np.abs(x))
+        err = np.abs(y - silu(g) * u) / scale
+    else:
+        ref = w @ x.astype(np.float64) + (b if bias else 0) + (r if residual else 0)
+        scl = np.abs(w) @ np.abs(x.astype(np.float64)) + (np.abs(b) if bias else 0) + (np.abs(r) if residual else 0)
+        err = np.abs(y - ref) / scl
+    assert err.max() < 1e-6, f"{wtype} {outs} outputs x {in_dim}, {ctas} CTAs of {warps} warps: error {err.max():.2e}"
+    np.testing.assert_array_equal(ys[1].view(np.uint32), y.view(np.uint32))
+
+
+@pytest.mark.parametrize("wtype", ["Q5_K", "Q4_0"])
+def test_layer_ops_stream_k_emulated(wtype):
+    """LayerOps.gemv / gemv_glu with a stream-K MmaConfig on an emulated device: the grid is as many CTAs
+    as the SMs hold (at most a unit a warp), the workspace is the dispatcher's own; in-place residual,
+    the fused gate/up GEMV, and a second launch over the same counters give the oracle's values."""
+    from realizar import cuda
+    from realizar.gpu.gemv import MmaConfig
+    from realizar.gpu.ops import LayerOps
+    from realizar.gpu.weights import GpuWeight
+    ops = LayerOps(cuda.EmulatedDevice(sm_count=2))
+    rng = np.random.default_rng(5)
+    out_dim, in_dim = 80, 768
+    cfg = MmaConfig(1, 2, 2, 2, streamk=True)
+    raw = random_weight(rng, wtype, out_dim, in_dim)
+    w = GpuWeight(data=raw, ggml_type=wtype, shape=(out_dim, in_dim), layout="tiles", device=ops.device)
+    x = rng.standard_normal(in_dim).astype(np.float32)
+    r = rng.standard_normal(out_dim).astype(np.float32)
+    wd = dequant(raw, wtype, out_dim, in_dim).astype(np.float64)
+    dx = ops.to_device(x)
+    for _ in range(2):
+        out = ops.to_device(r)
+        ops.gemv(w, dx, out, residual=out, config=cfg)
+        grid = ops.device.launches[-1][1]
+        assert grid[0] == min(ops._streamk_ctas_per_sm(ops._mma_kernel(w, cfg, residual=True)) * 2, 3 * 3 // 2)
+        assert (np.abs(out.to_numpy() - (wd @ x + r)) <= 1e-6 * (np.abs(wd) @ np.abs(x) + np.abs(r))).all()
+    gu = GpuWeight(data=raw, ggml_type=wtype, shape=(out_dim, in_dim), layout="glu-tiles", device=ops.device)
+    out = ops.buffer(out_dim // 2)
+    out.poison()
+    ops.gemv_glu(gu, dx, out, config=cfg)
+    g, u = wd[:out_dim // 2] @ x, wd[out_dim // 2:] @ x
+    scale = (np.abs(g) + np.abs(wd[:out_dim // 2]) @ np.abs(x)) * (np.abs(u) + np.abs(wd[out_dim // 2:]) @ np.abs(x))
+    assert (np.abs(out.to_numpy() - silu(g) * u) <= 1e-6 * scale).all()
+
+
+def test_gemv_mma_stream_k_rejects_what_it_cannot_split():
+    for bad in (dict(tiled=False), dict(mtiles=2), dict(tiles=1), dict(cols=2)):
+        shape = dict(wtype="Q4_K", in_dim=1024, mtiles=1, kparts=4, stages=2, tiles=2, tiled=True, streamk=True) | bad
+        with pytest.raises(ValueError, match="streamk"):
+            catalog.emit("gemv_mma", target="sm_90", **shape)
+
+
 def test_activations_are_read_with_coherent_loads():
     """Under programmatic dependent launch a GEMV starts while the kernel writing its x still runs, and
     requests its weights before ``griddepcontrol.wait``; an ``ld.global.nc`` of x (read-only for the
