@@ -145,21 +145,13 @@ def mma_sweep_configs(wtype: str, out_dim: int, in_dim: int, ops, stages: tuple[
             base = MmaConfig(mt, kp, st, tl, bulk, solo=ctas <= ops.sm_count, late=mt * kp > 8)
             out += [base] if not variants else [dataclasses.replace(base, solo=so, late=la)
                                                 for so in (False, True) for la in (False, True)]
-    # stream-K: CTAs of 2 to 16 warps of one 32-row tile each, as many CTAs as the SMs hold (solo: one an SM)
-    for kp, st, bulk, solo in itertools.product((2, 3, 4, 6, 8, 12, 16), stages, (False, True) if bulk_ok else (False,),
-                                                (False, True)):
-        try:
-            mma_layout(wtype, in_dim, 1, kp, st, 2, tiled=True, streamk=True)
-        except ValueError:
-            continue
-        out.append(MmaConfig(1, kp, st, 2, bulk, solo=solo, late=kp > 8, streamk=True))
     return out
 
 
 def cfg_text(cfg: GemvConfig | MmaConfig) -> str:
     if isinstance(cfg, MmaConfig):
         return (f"mma m{cfg.mtiles} p{cfg.kparts} s{cfg.stages} t{cfg.tiles}" + (" bulk" if cfg.bulk else "")
-                + (" solo" if cfg.solo else "") + (" late" if cfg.late else "") + (" sk" if cfg.streamk else ""))
+                + (" solo" if cfg.solo else "") + (" late" if cfg.late else ""))
     return f"r{cfg.rows} w{cfg.warps} s{cfg.ksplit}"
 
 

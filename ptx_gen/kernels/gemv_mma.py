@@ -51,13 +51,6 @@ End: each row's sum is spread over the 4 lanes of its group (digit columns) and 
 1, 256, 65536 and 2**24; with ``kparts > 1`` the parts meet in shared memory (one
 ``bar.sync``) and are added in order (deterministic).
 
-Stream-K (``streamk``, tile-major): a grid of one tile per warp (group) leaves SMs idle where the tiles
-do not divide evenly over them (4096 rows: 128 tiles on 132 SMs; 14336 rows: 448 tiles, 3.4 per SM).
-Instead every warp of the grid is a worker with an equal share of the launch's tiles x units, one
-contiguous run of stages in tile-major memory (:func:`_stream_share`); where a share ends or crosses a
-tile boundary the rows summed so far are stored, or, for a piece of a tile, added to the other pieces
-in global memory by the tile's last arriving worker in a fixed order (:func:`_stream_flush`).
-
 Launch: grid ``ceil(out_dim / (16 tiles mtiles))``, block ``32 mtiles kparts``, dynamic shared memory
 ``meta["dyn_smem"]`` bytes (above 48 KiB: the launcher raises the limit). ``in_dim`` must be a
 multiple of 256 with at least ``kparts`` units (Q6_K on GGUF rows: a multiple of 2048); W starts 16-byte
@@ -72,7 +65,7 @@ from dataclasses import dataclass
 from ptx_gen.builder import KernelBuilder, Module, Reg
 from ptx_gen.catalog import kernel
 from ptx_gen.kernels import quant_layout as ql
-from ptx_gen.kernels.gemv import _silu_mul, gemv_params
+from ptx_gen.kernels.gemv import gemv_params
 from ptx_gen.kernels.gemv_mma_layout import (
     BLOCK32,
     MINS,
@@ -147,7 +140,6 @@ class _Warp:
     tile0: Reg | None = None  # tile-major: the warp's tile
     n: Reg | int = 0  # the warp's units (a register where kparts does not divide the units)
     late: bool = False  # the next kernel's launch triggered when the warp has issued its last copy
-    sk: "_StreamK | None" = None  # stream-K: the warp's share of the launch's units
 
     @property
     def U(self) -> int:  # bytes between two staged rows in shared memory
@@ -195,44 +187,21 @@ class _Warp:
     def unit_of(self, j: Reg | int) -> Reg | int:
         """The row's unit index of the warp's j-th unit."""
         k, kp0 = self.k, self.kp if self.kp is not None else 0
-        if self.sk is not None:  # (linear unit L0 + j of the launch: unit (L0 + j) % units of its tile)
-            return _mod(k, k.add(self.sk.L0, j), self.lay["units"])
         if isinstance(j, int) and self.kp is None:
             return j * self.kparts
         return k.mad(j, self.kparts, kp0) if isinstance(j, Reg) else k.add(kp0, j * self.kparts)
 
     def tile_src(self, j: Reg | int) -> Reg:
         """Tile-major: the address of the warp's stage of its j-th unit."""
-        k = self.k
-        if self.sk is not None:  # (tile T's unit u is the launch's linear unit T units + u: one stream of stages)
-            return k.add(self.w, k.mul_wide(k.add(self.sk.L0, j), TILE_ROWS * self.G))
-        u = self.unit_of(j)
+        k, u = self.k, self.unit_of(j)
         return k.add(self.tile0, k.mul_wide(u, TILE_ROWS * self.G) if isinstance(u, Reg) else u * TILE_ROWS * self.G)
-
-
-@dataclass
-class _StreamK:
-    """A stream-K warp's share: linear units ``L0 .. L0 + n`` of the launch's ``N`` (tile T's unit u is
-    linear unit ``T units + u``), worker ``wid`` of ``W``; ``part``: the workers' partial sums (two slots
-    of 32 floats a worker), ``cnt``: the tiles' arrival counters."""
-    L0: Reg
-    n: Reg
-    N: Reg
-    W: Reg
-    wid: Reg
-    part: Reg
-    cnt: Reg
 
 
 def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, bias: bool,
           residual: bool, tiles: int = 1, bulk: bool = False, glu: bool = False, tiled: bool = False,
-          solo: bool = False, late: bool = False, cols: int = 1, xh: bool = False, out_f16: bool = False,
-          streamk: bool = False) -> KernelBuilder:
+          solo: bool = False, late: bool = False, cols: int = 1, xh: bool = False, out_f16: bool = False) -> KernelBuilder:
+    lay = layout(wtype, in_dim, mtiles, kparts, stages, tiles, tiled, solo, cols)
     multi = cols > 1 or xh or out_f16  # (the columns kernel, gemv_mma_cols; it takes one column too)
-    if streamk and (not tiled or multi or mtiles != 1 or tiles != 2):
-        raise ValueError("streamk needs tile-major weights, one column, mtiles=1 and tiles=2 (32-row warps, "
-                         "one tile each)")
-    lay = layout(wtype, in_dim, mtiles, kparts, stages, tiles, tiled, solo, cols, streamk)
     if glu and (tiles != 2 or bias or residual):
         raise ValueError("glu needs tiles=2 (a warp's 16 gate rows and their 16 up rows) and no bias/residual")
     if bulk and m.target.compute_capability < (9, 0):
@@ -240,11 +209,10 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
     if bulk and wtype == "Q6_K" and not tiled:
         raise ValueError("Q6_K rows (210-byte blocks) are not 16-byte aligned: no bulk copies unless tile-major")
     warps, R = lay["warps"], lay["rows"]
-    params = (gemv_params(bias, residual) + ([("ldx", "u32"), ("ldy", "u32")] if multi else [])
-              + ([("part", "u64"), ("cnt", "u64")] if streamk else []))
+    params = gemv_params(bias, residual) + ([("ldx", "u32"), ("ldy", "u32")] if multi else [])
     name = (f"gemv_mma_{wtype.lower()}_k{in_dim}_m{mtiles}_p{kparts}_s{stages}" + (f"_t{tiles}" if tiles > 1 else "")
             + ("_bulk" if bulk else "") + ("_tiled" if tiled else "") + ("_solo" if solo else "") + ("_late" if late else "")
-            + ("_glu" if glu else "") + ("_sk" if streamk else "")
+            + ("_glu" if glu else "")
             + ("_bias" if bias else "") + ("_res" if residual else "")
             + (f"_c{cols}" if multi else "") + ("_xh" if xh else "") + ("_h" if out_f16 else ""))
     k = m.kernel(name, params)
@@ -260,8 +228,8 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
         # Q4_0's 32-row warps on sm_80)
         k.min_blocks = 1 if 2 * (lay["launch_smem"] + 1024) > 228 * 1024 else 2
     k.meta.update(block=32 * warps, rows_per_cta=(16 if glu else R) * mtiles, dyn_smem=lay["launch_smem"],
-                  row_bytes=lay["row_bytes"], tiled=tiled, cols=cols, streamk=streamk)
-    s = _prologue(k, lay, wtype, mtiles, kparts, stages, tiles, bulk, glu, tiled, streamk)
+                  row_bytes=lay["row_bytes"], tiled=tiled, cols=cols)
+    s = _prologue(k, lay, wtype, mtiles, kparts, stages, tiles, bulk, glu, tiled)
     s.late = late
     issue, wait = _weight_copies(s)
     _fill_ring(s, issue)
@@ -273,13 +241,11 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
     # [g][2t], [g][2t+1], [g+8][2t], [g+8][2t+1] (the 32-value block types: [g], [g+8], see _unit_b32)
     acc = [[k.var("f32", 0.0) for _ in range(2 if wtype in BLOCK32 else 4)] for _ in range(tiles)]
     minacc = k.var("f32", 0.0) if wtype in MINS else None  # lane r: row r's min term
-    flush = (lambda j: _stream_flush(s, j, acc, minacc, bias, residual)) if streamk else None
-    _main_loop(s, ctx, xs, issue, wait, acc, minacc, flush)
+    _main_loop(s, ctx, xs, issue, wait, acc, minacc)
     if not bulk:
         k.cp_async_wait_all()
-    if not streamk:  # (stream-K: every tile's rows were stored by the flushes)
-        sums, tid, lane, g, t = _row_sums(k, wtype, tiles, acc, minacc)
-        _epilogue(k, lay, mtiles, kparts, sums, s.smem, tid, lane, g, t, s.out_dim, bias, residual, glu)
+    sums, tid, lane, g, t = _row_sums(k, wtype, tiles, acc, minacc)
+    _epilogue(k, lay, mtiles, kparts, sums, s.smem, tid, lane, g, t, s.out_dim, bias, residual, glu)
     k.ret()
     return k
 
@@ -347,7 +313,7 @@ def _build_cols(s: _Warp, issue, wait, mtiles: int, kparts: int, cols: int, xh: 
 
 
 def _prologue(k: KernelBuilder, lay: dict, wtype: str, mtiles: int, kparts: int, stages: int, tiles: int,
-              bulk: bool, glu: bool, tiled: bool, streamk: bool = False) -> _Warp:
+              bulk: bool, glu: bool, tiled: bool) -> _Warp:
     """Emits the warp's coordinates (lane, warp, first output, K part), its ring's address in shared
     memory, the weights' pointer and L2 policy, and (tile-major) the address of its tile: everything
     the copies and the unit loop address from."""
@@ -355,17 +321,13 @@ def _prologue(k: KernelBuilder, lay: dict, wtype: str, mtiles: int, kparts: int,
     tid = k.tid()
     lane, warp = k.and_(tid, 31), k.shr(tid, 5)
     row_base = _first_output(k, warp, mtiles, 16 if glu else lay["rows"])
-    kp = k.div(warp, mtiles) if kparts > 1 and not streamk else None
+    kp = k.div(warp, mtiles) if kparts > 1 else None
     last = k.sub(out_dim, 1)
     s = _Warp(k, lay, wtype, kparts, stages, tiles, bulk, glu, tiled, out_dim, lane, warp, row_base, kp, last)
-    if streamk:
-        s.sk = _stream_share(k, lay, warp, out_dim, kparts, glu)
-        s.n = s.sk.n
     # the warp's units kp, kp + kparts, ... below the row's units: where kparts does not divide them, the
     # first parts take one more
-    if not streamk:
-        s.n = lay["per_warp"] if lay["per_warp"] == lay["per_warp_min"] else \
-            _div(k, k.sub(lay["units"] + kparts - 1, kp), kparts)
+    s.n = lay["per_warp"] if lay["per_warp"] == lay["per_warp_min"] else \
+        _div(k, k.sub(lay["units"] + kparts - 1, kp), kparts)
     R, G = s.R, s.G
     s.smem = k.dynamic_shared()
     s.ring = k.add(s.smem, k.add(k.mul(warp, stages * s.stage_bytes), lay["off"]["ring"]))
@@ -379,7 +341,7 @@ def _prologue(k: KernelBuilder, lay: dict, wtype: str, mtiles: int, kparts: int,
     # the warp's units of a row are kp, kp + kparts, kp + 2 kparts, ...: at any time the K parts of a
     # tile read neighbouring units, i.e. kparts * U contiguous bytes of each row
     s.wbase = w if kp is None or wtype == "Q6_K" else k.add(w, k.mul_wide(kp, G))
-    if tiled and not streamk:  # (stream-K: see tile_src)
+    if tiled:
         # W tile-major (tile_major): the warp's R rows of unit u are R U contiguous bytes of tile T, the
         # tile of its first row (glu: of its first output, 16 a tile). Stored like that, each stage is one
         # stream of bytes, and the launch reads whole tiles side by side (on GGUF rows a stage is R
@@ -704,11 +666,11 @@ def _unit_step(s: _Warp, j: Reg, wait, issue, slots, body) -> None:
         k.launch_dependents(k.setp("eq", nxt, s.n))
 
 
-def _main_loop(s: _Warp, ctx: dict, xs: _XState, issue, wait, acc: list, minacc: Reg | None, flush=None) -> None:
+def _main_loop(s: _Warp, ctx: dict, xs: _XState, issue, wait, acc: list, minacc: Reg | None) -> None:
     """Emits the loop over the warp's units, unrolled by two (the x registers alternate by the unit's
     parity), plus the odd last unit: each step waits for unit j's weights, runs the unit body into
     ``acc`` (and ``minacc``), refills the ring slot with unit j + stages, converts unit j + 1's x and
-    starts loading unit j + 3's, then (stream-K) ``flush(j)``."""
+    starts loading unit j + 3's."""
     k, wtype, n_units = s.k, s.wtype, s.n_units
     XS = XSLOT[wtype]
 
@@ -737,8 +699,6 @@ def _main_loop(s: _Warp, ctx: dict, xs: _XState, issue, wait, acc: list, minacc:
         j3 = k.add(j, 3)
         _load_x(k, xs.x, xs.lane16, s.unit_of(j3), s.has(j3), into=regs)
         parity[0] ^= 1
-        if flush is not None:
-            flush(j)
 
     parity = [1]  # unit j + 1 of the first step is odd
     if isinstance(s.n, int):
@@ -785,95 +745,6 @@ def _row_sums(k: KernelBuilder, wtype: str, tiles: int, acc: list, minacc: Reg |
     return sums, tid, lane, g, t
 
 
-def _stream_share(k: KernelBuilder, lay: dict, warp: Reg, out_dim: Reg, warps: int, glu: bool) -> _StreamK:
-    """Stream-K: the launch's ``N`` = tiles x units linear units (tile-major, tile T's units ``T units ..``)
-    split evenly over its ``W`` = CTAs x ``warps`` warps: worker w takes ``floor(w N / W) ..
-    floor((w + 1) N / W)``. Every SM streams the same bytes whatever the tile count, where one tile a
-    warp (group) leaves SMs idle or a second wave short. The launcher keeps ``W <= N`` (every worker at
-    least one unit) and ``(N + 1) W < 2**32``."""
-    units = lay["units"]
-    ntiles = _div(k, k.add(out_dim, (16 if glu else TILE_ROWS) - 1), 16 if glu else TILE_ROWS)
-    N = k.mul(ntiles, units)
-    W = k.mul(k.sreg("nctaid.x"), warps)
-    wid = k.mad(k.ctaid(), warps, warp)
-    L0 = k.div(k.mul(wid, N), W)
-    n = k.sub(k.div(k.mul(k.add(wid, 1), N), W), L0)
-    return _StreamK(L0, n, N, W, wid, k.global_ptr("part"), k.global_ptr("cnt"))
-
-
-def _stream_flush(s: _Warp, j: Reg, acc: list, minacc: Reg | None, bias: bool, residual: bool) -> None:
-    """Stream-K, after the warp's j-th unit: where that unit ends its tile or its share, the tile's
-    segment it has summed is done. A whole tile is stored as the other kernels store it. A piece goes to
-    the worker's slot in ``part`` (slot 0: the segment its share starts with, 1: the one it ends with),
-    then an arrival on the tile's counter; the worker that arrives last adds the tile's pieces in worker
-    order (deterministic: the same sums whatever order they arrive in), stores the rows and resets the
-    counter for the next launch. The accumulators restart at zero."""
-    k, sk, lay, units, glu = s.k, s.sk, s.lay, s.lay["units"], s.glu
-    L = k.add(sk.L0, j)
-    T = _div(k, L, units)
-    t_start = k.mul(T, units)
-    t_end = k.add(t_start, units)
-    at_end = k.setp("eq", k.add(L, 1), t_end)
-    with k.if_(k.or_(at_end, k.setp("eq", k.add(j, 1), s.n))):
-        sums, tid, lane, g, t = _row_sums(k, s.wtype, s.tiles, acc, minacc)
-        row_base = k.mul(T, 16 if glu else TILE_ROWS)
-        store = _row_store(k, bias, residual)
-        whole = k.and_(at_end, k.setp("le", sk.L0, t_start))
-        with k.if_(whole):
-            store_rows(k, lay, 1, 1, [sums], s.smem, s.warp, lane, g, t, row_base, s.out_dim, glu, store)
-        with k.if_(whole, negate=True):
-            slot = k.selp(0, 1, k.setp("ge", sk.L0, t_start), "u32")  # (starts where the share starts)
-            mine = k.add(sk.part, k.mul_wide(k.mad(sk.wid, 2, slot), 128))
-            with k.if_(k.setp("eq", t, 0)):
-                for i, sm in enumerate(sums):  # rows g, g + 8, 16 + g, 24 + g
-                    k.store("global", "f32", k.add(mine, k.cvt(k.shl(g, 2), "u64")), sm, 32 * i)
-            k.fence("gl")  # (the piece before the arrival that may let another worker read it)
-            k.bar_warp_sync()
-            cnt = k.add(sk.cnt, k.mul_wide(T, 4))
-            arrived = k.var("u32", 0)
-            with k.if_(k.setp("eq", lane, 0)):
-                k.assign(arrived, k.atom("global", "add", "u32", cnt, 1))
-            arrived = k.shfl("idx", arrived, 0)
-            # the workers holding the tile's first and last units: w holds L iff floor(w N / W) <= L <
-            # floor((w + 1) N / W), i.e. w = floor(((L + 1) W - 1) / N)
-            first = k.div(k.sub(k.mul(k.add(t_start, 1), sk.W), 1), sk.N)
-            final = k.div(k.sub(k.mul(t_end, sk.W), 1), sk.N)
-            with k.if_(k.setp("eq", arrived, k.sub(final, first))):  # (the last of final - first + 1)
-                k.fence("gl")
-                v = k.var("f32", 0.0)
-                row = k.cvt(k.shl(lane, 2), "u64")
-                with k.loop(first, k.add(final, 1)) as w:
-                    piece = k.selp(0, 1, k.setp("ge", k.div(k.mul(w, sk.N), sk.W), t_start), "u32")
-                    src = k.add(k.add(sk.part, k.mul_wide(k.mad(w, 2, piece), 128)), row)
-                    k.assign(v, k.add(v, k.load("global", "f32", src, cache="cg")))  # (L2: written elsewhere)
-                with k.if_(k.setp("eq", lane, 0)):
-                    k.store("global", "u32", cnt, k.mov(0, "u32"))
-                r = k.add(row_base, lane)
-                if glu:  # lane o < 16: output o = silu(gate row o) * (up row 16 + o)
-                    up = k.shfl("bfly", v, 16)
-                    with k.if_(k.and_(k.setp("lt", lane, 16), k.setp("lt", r, s.out_dim))):
-                        store(_silu_mul(k, v, up), r, 0)
-                else:
-                    with k.if_(k.setp("lt", r, s.out_dim)):
-                        store(v, r, 0)
-        for a in (x for tile in acc for x in tile):
-            k.assign(a, 0.0)
-        if minacc is not None:
-            k.assign(minacc, 0.0)
-
-
-def _row_store(k: KernelBuilder, bias: bool, residual: bool):
-    """``store(value, row, col)``: y[row] = value (+ bias[row]) (+ residual[row])."""
-    def store(val: Reg, r: Reg, col: int) -> None:
-        off = k.mul_wide(r, 4)
-        if bias:
-            val = k.add(val, k.load("global", "f32", k.add(k.global_ptr("bias"), off)))
-        if residual:
-            val = k.add(val, k.load("global", "f32", k.add(k.global_ptr("residual"), off)))
-        k.store("global", "f32", k.add(k.global_ptr("y"), off), val)
-    return store
-
-
 def _first_output(k: KernelBuilder, warp: Reg, mtiles: int, outs: int) -> Reg:
     """The first output of ``warp``: warps mt = warp % mtiles of a CTA take ``outs`` outputs each."""
     group = k.add(k.mul(k.ctaid(), mtiles), k.rem(warp, mtiles)) if mtiles > 1 else k.ctaid()
@@ -886,8 +757,15 @@ def _epilogue(k, lay, mtiles, kparts, sums, smem, tid, lane, g, t, out_dim, bias
     With ``glu`` output o of the warp is silu(row o) * (row 16 + o)."""
     warp = k.shr(tid, 5)
     row_base = _first_output(k, warp, mtiles, 16 if glu else lay["rows"])
-    store_rows(k, lay, mtiles, kparts, [sums], smem, warp, lane, g, t, row_base, out_dim, glu,
-               _row_store(k, bias, residual))
+
+    def store(val: Reg, r: Reg, col: int) -> None:
+        off = k.mul_wide(r, 4)
+        if bias:
+            val = k.add(val, k.load("global", "f32", k.add(k.global_ptr("bias"), off)))
+        if residual:
+            val = k.add(val, k.load("global", "f32", k.add(k.global_ptr("residual"), off)))
+        k.store("global", "f32", k.add(k.global_ptr("y"), off), val)
+    store_rows(k, lay, mtiles, kparts, [sums], smem, warp, lane, g, t, row_base, out_dim, glu, store)
 
 
 def _grid_shapes() -> list[dict]:
@@ -937,7 +815,7 @@ def _grid_shapes() -> list[dict]:
 def gemv_mma(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, mtiles: int = 2, kparts: int = 4, stages: int = 4,
              bias: bool = False, residual: bool = False, tiles: int = 1, bulk: bool = False,
              glu: bool = False, tiled: bool = False, solo: bool = False, late: bool = False, cols: int = 1,
-             xh: bool = False, out_f16: bool = False, streamk: bool = False) -> KernelBuilder:
+             xh: bool = False, out_f16: bool = False) -> KernelBuilder:
     """y[r] = sum_k W[r, k] x[k] (+ bias[r]) (+ residual[r]) for r < out_dim, W in Q4_K, Q8_0 or Q6_K (in_dim
     a multiple of 2048) blocks, on tensor cores (exact int8 MMAs of the codes with x as four base-256 digits).
     ``tiles``: 16-row MMA tiles per warp (2: each x digit fragment and weight-scale step serves 32 rows);
@@ -950,11 +828,7 @@ def gemv_mma(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, mtiles: int = 2
     Y[c] = W X[c] (+ bias) (+ residual[c]) for c < cols, x's columns ``ldx`` values apart (f16 with ``xh``),
     y's and the residual's ``ldy`` apart (y f16 with ``out_f16``; the residual f32); any of the three
     selects it, and it adds the parameters ``ldx`` and ``ldy``.
-    ``streamk`` (tile-major, one column, mtiles=1, tiles=2): the launch's tiles x units are split evenly
-    over all its warps, ``kparts`` a CTA, whatever the grid (see the module's "Stream-K"); it adds the
-    parameters ``part`` (2 x 32 floats a warp of the grid) and ``cnt`` (a u32 a tile, zero before the
-    first launch; every launch leaves them zero).
-    Launch: grid ceil(out_dim / (16 tiles mtiles)) (stream-K: any grid with at most as many warps as
-    units, e.g. CTAs per SM x SMs), block 32 mtiles kparts, meta["dyn_smem"] dynamic shared bytes."""
+    Launch: grid ceil(out_dim / (16 tiles mtiles)), block 32 mtiles kparts, meta["dyn_smem"] dynamic shared
+    bytes."""
     return build(m, wtype, in_dim, mtiles, kparts, stages, bias, residual, tiles, bulk, glu, tiled, solo, late, cols,
-                 xh, out_f16, streamk)
+                 xh, out_f16)

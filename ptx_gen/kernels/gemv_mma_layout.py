@@ -79,14 +79,12 @@ def q6k_glu_offsets_fit(ffn: int, in_dim: int) -> bool:
 
 
 def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, tiles: int = 1, tiled: bool = False,
-           solo: bool = False, cols: int = 1, streamk: bool = False) -> dict:
+           solo: bool = False, cols: int = 1) -> dict:
     """Validated shape and the dynamic shared-memory layout (byte offsets) of a variant (``tiles``:
     16-row MMA tiles per warp; ``tiled``: W tile-major, see :func:`tile_major`; ``solo``: at least
     ``SOLO_SMEM`` bytes, so that one CTA holds an SM; ``cols``: columns of x, 1..MAX_COLS, each with its
     own x slots and K-part sums). ``stride``: bytes between two staged rows of a unit in shared memory;
-    ``unit``: a row's bytes of a unit in W (the two differ by ``ROW_PAD`` on GGUF rows). ``streamk``: the
-    ``kparts`` warps of a CTA are independent workers over the launch's units (no K-part sums, any
-    number of units a row)."""
+    ``unit``: a row's bytes of a unit in W (the two differ by ``ROW_PAD`` on GGUF rows)."""
     if cols not in range(1, MAX_COLS + 1):
         raise ValueError(f"cols must be 1..{MAX_COLS}, got {cols}")
     if wtype not in UNIT_BYTES:
@@ -96,7 +94,7 @@ def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, tiles
                          f"mtiles={mtiles}, kparts={kparts}, tiles={tiles}")
     if stages not in (2, 3, 4, 8):
         raise ValueError(f"stages must be 2, 3, 4 or 8, got {stages}")
-    if in_dim <= 0 or in_dim % 256 or (in_dim // 256 < kparts and not streamk):
+    if in_dim <= 0 or in_dim % 256 or in_dim // 256 < kparts:
         raise ValueError(f"in_dim must be a positive multiple of 256 with at least kparts = {kparts} units of 256, "
                          f"got {in_dim}")
     if wtype == "Q6_K" and in_dim % 2048 and not tiled:
@@ -118,16 +116,14 @@ def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, tiles
     take("ring", warps * stages * rows * stride)
     take("xbuf", warps * 2 * cols * XSLOT[wtype])
     take("table", warps * rows * TABLE_ROW[wtype])
-    take("red", warps * rows * 4 * cols if kparts > 1 and not streamk else 0)
+    take("red", warps * rows * 4 * cols if kparts > 1 else 0)
     take("mbar", warps * stages * 8)  # sm_90: one mbarrier per ring slot
     if pos > MAX_DYN_SMEM:
         raise ValueError(f"{wtype} rows of {in_dim} with mtiles={mtiles}, kparts={kparts}, stages={stages}, "
                          f"tiles={tiles}" + (f", cols={cols}" if cols > 1 else "") + f" need {pos} bytes of shared "
                          f"memory, more than {MAX_DYN_SMEM}: fewer warps or stages")
     units = in_dim // 256
-    # (stream-K: a warp's units are known at run time; at least one, see gemv_mma's streamk)
-    per_warp, per_warp_min = (max(stages, 3), 1) if streamk else (-(-units // kparts), units // kparts)
-    return dict(stride=stride, unit=unit, units=units, per_warp=per_warp, per_warp_min=per_warp_min,
+    return dict(stride=stride, unit=unit, units=units, per_warp=-(-units // kparts), per_warp_min=units // kparts,
                 warps=warps, smem=pos, off=off,
                 row_bytes=in_dim // 256 * UNIT_BYTES[wtype], rows=rows, launch_smem=max(pos, SOLO_SMEM) if solo else pos)
 

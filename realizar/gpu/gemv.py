@@ -63,15 +63,6 @@ class MmaConfig:
     bulk: bool = False  # sm_90: fill the ring with bulk copies (cp.async.bulk + mbarrier)
     solo: bool = False  # shared memory raised so that one CTA holds an SM (see gemv_mma.SOLO_SMEM)
     late: bool = False  # the next kernel's launch triggered near the end (after the warps' last copies)
-    # stream-K (tile-major; mtiles 1, tiles 2, kparts = warps a CTA): every warp of a grid of as many CTAs as
-    # the SMs hold at once streams an equal share of the tiles x units (see gemv_mma's "Stream-K")
-    streamk: bool = False
-
-
-# stream-K workspace: the tiles' arrival counters (4 bytes a tile; a launch with more tiles than this takes
-# another shape) and 2 x 32 partial sums for each warp an SM can hold (64)
-STREAMK_MAX_TILES = 1 << 16
-STREAMK_MAX_WARPS_PER_SM = 64
 
 
 # where the 8-warp pick keeps less than B32_BALANCE of the SMs' time busy (busiest SM vs the mean), these
@@ -376,47 +367,9 @@ class GemvOps(Dispatcher):
             device=self.device)
 
     def _mma_kernel(self, weight: GpuWeight, cfg: MmaConfig, **flags):
-        if cfg.streamk:  # (the kernel's own checks name the rest: tile-major, mtiles=1, tiles=2)
-            flags["streamk"] = True
         return self.kernel("gemv_mma", wtype=weight.wtype, in_dim=weight.in_dim, mtiles=cfg.mtiles, kparts=cfg.kparts,
                            stages=cfg.stages, tiles=cfg.tiles, bulk=cfg.bulk, tiled=weight.layout != "rows",
                            solo=cfg.solo, late=cfg.late, **flags)
-
-    @functools.cached_property
-    def _streamk_workspace(self) -> tuple[Any, Any]:
-        """(partial sums, zeroed arrival counters) shared by every stream-K launch of this dispatcher: its
-        launches run one after another on a stream (each starts its stores after ``griddepcontrol.wait``,
-        i.e. after the kernel before it has ended), and every launch leaves the counters zero."""
-        part = self.buffer(self.sm_count * STREAMK_MAX_WARPS_PER_SM * 64)
-        return part, self.buffer(STREAMK_MAX_TILES, np.uint32, zero=True)
-
-    def _streamk_values(self, kern: Any, weight: GpuWeight, outs: int, glu: bool) -> tuple[int, dict]:
-        """A stream-K launch's grid (as many CTAs as the SMs hold at once, at most a unit a warp) and its
-        workspace parameters."""
-        warps = kern.meta["block"] // 32
-        tiles = -(-outs // (16 if glu else 32))
-        units = tiles * (weight.in_dim // 256)
-        if tiles > STREAMK_MAX_TILES:
-            raise ShapeError(f"stream-K takes at most {STREAMK_MAX_TILES} tiles of rows, got {tiles}: use another "
-                             f"MmaConfig")
-        per_sm = self._streamk_ctas_per_sm(kern)
-        ctas = max(1, min(per_sm * self.sm_count, units // warps))
-        if (units + 1) * ctas * warps >= 1 << 32:
-            raise ShapeError(f"stream-K over {units} units of {ctas * warps} warps overflows its 32-bit shares")
-        part, cnt = self._streamk_workspace
-        return ctas, {"part": part.ptr, "cnt": cnt.ptr}
-
-    def _streamk_ctas_per_sm(self, kern: Any) -> int:
-        """CTAs of ``kern`` one SM holds at once (the driver's occupancy calculator; kept per kernel)."""
-        memo = self.__dict__.setdefault("_streamk_occupancy", {})
-        key = kern.source.key
-        if key not in memo:
-            smem = kern.launch.dyn_smem
-            if smem:
-                kern.ensure_dynamic_shared(smem)
-            per_sm = max(1, int(self.device.occupancy(kern, kern.meta["block"], smem)))
-            memo[key] = min(per_sm, STREAMK_MAX_WARPS_PER_SM // (kern.meta["block"] // 32))
-        return memo[key]
 
     # ---- launches ------------------------------------------------------------------------------------
     def gemv(self, weight: GpuWeight, x: Any, out: Any, bias: Any = None, residual: Any = None,
@@ -447,11 +400,7 @@ class GemvOps(Dispatcher):
         if residual is not None:
             values["residual"] = self.addr(residual, weight.out_dim, "residual", align=4)
         values["out_dim"] = weight.out_dim
-        grid = -(-weight.out_dim // kern.meta["rows_per_cta"])
-        if isinstance(cfg, MmaConfig) and cfg.streamk:
-            grid, more = self._streamk_values(kern, weight, weight.out_dim, glu=False)
-            values.update(more)
-        self.launch(kern, grid, values, stream)
+        self.launch(kern, -(-weight.out_dim // kern.meta["rows_per_cta"]), values, stream)
 
     def gemv_cols(self, weight: GpuWeight, x: Any, out: Any, cols: int, *, ldx: int | None = None,
                   ldy: int | None = None, bias: Any = None, residual: Any = None, glu: bool = False,
@@ -536,11 +485,7 @@ class GemvOps(Dispatcher):
                                glu=True, ksplit=cfg.ksplit)
         values = {"w": gate_up.ptr, "x": self.addr(x, gate_up.in_dim, "x"),
                   "y": self.addr(out, ffn, "out", align=4), "out_dim": ffn}
-        grid = -(-ffn // kern.meta["rows_per_cta"])
-        if isinstance(cfg, MmaConfig) and cfg.streamk:
-            grid, more = self._streamk_values(kern, gate_up, ffn, glu=True)
-            values.update(more)
-        self.launch(kern, grid, values, stream)
+        self.launch(kern, -(-ffn // kern.meta["rows_per_cta"]), values, stream)
 
     def gemm(self, weight: GpuWeight, x: Any, out: Any, n_tokens: int, bias: Any = None, residual: Any = None,
              stream: Any = None, tokens_per_cta: int = 4, glu: bool = False, config: GemvConfig | None = None) -> None:
