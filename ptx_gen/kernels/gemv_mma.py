@@ -17,8 +17,9 @@ Q8_0 blocks): a unit of 16 rows is 16 x 144 (or 272) bytes, copied with ``cp.asy
 ``stages`` per-warp buffers. The first ``stages`` units are requested before ``griddepcontrol.wait``
 (they are weights: no kernel writes them), so under programmatic dependent launch they stream in
 while the previous kernel ends. Each warp turns the x units it needs into digits itself, one unit
-ahead of its use (loaded two ahead), into two slots of its own: no CTA-wide step before the first
-MMA, and x arrives alongside the weights.
+ahead of its use (loaded two ahead), into a slot of its own (written once every lane has read the
+unit before: one slot is enough): no CTA-wide step before the first MMA, and x arrives alongside the
+weights.
 
 Weight layout: GGUF rows, or (``tiled``) tile-major (:func:`tile_major`): tiles of 32 rows, each unit's
 32 rows back to back, so that a warp's stage is one contiguous run of bytes (one bulk copy on sm_90)
@@ -259,17 +260,16 @@ def _build_cols(s: _Warp, issue, wait, mtiles: int, kparts: int, cols: int, xh: 
     x = k.global_ptr("x")
     ldxb = k.mul_wide(k.param("ldx"), 2 if xh else 4)
     xc = _x_lane_constants(k, wtype, s.lane)
-    xbuf = k.add(s.smem, k.add(k.mul(s.warp, 2 * cols * XS), s.lay["off"]["xbuf"]))  # [parity][col] slots
+    xbuf = k.add(s.smem, k.add(k.mul(s.warp, cols * XS), s.lay["off"]["xbuf"]))  # a slot a column
     if wtype == "Q6_K":  # the B words that stay zero, in every slot (see _x_prologue)
         zero = k.add(xbuf, k.add(k.shl(s.lane, 4), k.selp(4, 0, k.setp("lt", s.lane, 16), "u32")))
-        for off in (sl * XS + 512 * mp + 8 * m2 for sl in range(2 * cols) for mp in range(4) for m2 in range(2)):
+        for off in (sl * XS + 512 * mp + 8 * m2 for sl in range(cols) for mp in range(4) for m2 in range(2)):
             k.store("shared", "u32", zero, k.mov(0, "u32"), off)
 
-    def convert(j: Reg | int, valid: Reg | None) -> None:  # unit j's x, every column, into the slots of j's parity
+    def convert(j: Reg | int, valid: Reg | None) -> None:  # unit j's x, every column, into its slot
         vals = load_x_cols(k, x, ldxb, s.lane, s.unit_of(j), cols, xh, valid)
-        par = xbuf if isinstance(j, int) else k.add(xbuf, k.mul(k.and_(j, 1), cols * XS))
         for col, v in enumerate(vals):
-            _convert_x(k, wtype, v, k.add(par, col * XS) if col else par, xc)
+            _convert_x(k, wtype, v, k.add(xbuf, col * XS) if col else xbuf, xc)
 
     convert(0, None)
     ctx = _lane_context(s)
@@ -277,9 +277,8 @@ def _build_cols(s: _Warp, issue, wait, mtiles: int, kparts: int, cols: int, xh: 
             for _ in range(cols)]
     minaccs = [k.var("f32", 0.0) for _ in range(cols)] if wtype in MINS else None
 
-    def slots(j: Reg) -> list:  # unit j's x slots, one a column
-        par = k.add(xbuf, k.mul(k.and_(j, 1), cols * XS))
-        return [k.add(par, col * XS) if col else par for col in range(cols)]
+    def slots(j: Reg) -> list:  # the x slots, one a column (unit j's during its step)
+        return [k.add(xbuf, col * XS) if col else xbuf for col in range(cols)]
 
     def body(j: Reg, sbase: Reg, xslots: list) -> None:
         if wtype in ("Q4_K", "Q5_K"):
@@ -554,7 +553,7 @@ def _fill_ring(s: _Warp, issue) -> None:
 @dataclass
 class _XState:
     """x's per-warp state: its pointer, the lane's 16-byte offset, the conversion constants, the
-    warp's two digit slots, and the registers holding the loads of the next odd / even unit."""
+    warp's digit slot, and the registers holding the loads of the next odd / even unit."""
     x: Reg
     lane16: Reg
     xc: dict
@@ -563,7 +562,7 @@ class _XState:
 
 
 def _x_prologue(s: _Warp) -> _XState:
-    """Emits x's setup: the warp's two x slots (Q6_K: their B words that stay zero are zeroed), the
+    """Emits x's setup: the warp's x slot (Q6_K: its B words that stay zero are zeroed), the
     loads of units 0, 1 and 2 (requested together), and unit 0's conversion to digits. Units j + 1 and
     j + 2 then stay in flight in registers: odd units in xregs[1], even ones in xregs[0] (the loop is
     unrolled by two so no register is copied while its load is still in flight)."""
@@ -572,10 +571,10 @@ def _x_prologue(s: _Warp) -> _XState:
     lane16 = k.cvt(k.shl(lane, 4), "u64")
     xc = _x_lane_constants(k, wtype, lane)
     XS = XSLOT[wtype]
-    xbuf = k.add(s.smem, k.add(k.mul(s.warp, 2 * XS), s.lay["off"]["xbuf"]))
+    xbuf = k.add(s.smem, k.add(k.mul(s.warp, XS), s.lay["off"]["xbuf"]))
     if wtype == "Q6_K":  # the B words that stay zero (lane (g, t): word [m / 2][g][t][m % 2][g < 4])
         zero = k.add(xbuf, k.add(k.shl(lane, 4), k.selp(4, 0, k.setp("lt", lane, 16), "u32")))
-        for off in (sl * XS + 512 * mp + 8 * m2 for sl in range(2) for mp in range(4) for m2 in range(2)):
+        for off in (512 * mp + 8 * m2 for mp in range(4) for m2 in range(2)):
             k.store("shared", "u32", zero, k.mov(0, "u32"), off)
     x0 = _load_x(k, x, lane16, s.unit_of(0), None)
     xregs = [[k.var("f32", 0.0) for _ in range(8)] for _ in range(2)]
@@ -672,7 +671,6 @@ def _main_loop(s: _Warp, ctx: dict, xs: _XState, issue, wait, acc: list, minacc:
     ``acc`` (and ``minacc``), refills the ring slot with unit j + stages, converts unit j + 1's x and
     starts loading unit j + 3's."""
     k, wtype, n_units = s.k, s.wtype, s.n_units
-    XS = XSLOT[wtype]
 
     def body(j: Reg, sbase: Reg, xslot: Reg) -> None:
         if wtype in ("Q4_K", "Q5_K"):
@@ -688,14 +686,15 @@ def _main_loop(s: _Warp, ctx: dict, xs: _XState, issue, wait, acc: list, minacc:
     def step(j: Reg) -> None:
         """Unit j (:func:`_unit_step`), then convert unit j + 1's x (in the registers of its parity) and
         start loading unit j + 3's into them."""
-        _unit_step(s, j, wait, issue, lambda j: k.add(xs.xbuf, k.mul(k.and_(j, 1), XS)), body)
-        # unit j + 1's x into its slot. Q6_K without a branch (past the last unit the registers hold
-        # stale x, converted into a slot no unit reads), which suits its longer unit body; the others
+        _unit_step(s, j, wait, issue, lambda j: xs.xbuf, body)
+        # unit j + 1's x into the slot (every lane is done with unit j's: _unit_step's bar.warp.sync
+        # after the body). Q6_K without a branch (past the last unit the registers hold stale x,
+        # converted into the slot no unit reads any more), which suits its longer unit body; the others
         # skip the conversion past the last unit
         j1 = k.add(j, 1)
         regs = xs.xregs[parity[0]]
         with k.if_(s.has(j1)) if wtype != "Q6_K" else contextlib.nullcontext():
-            _convert_x(k, wtype, list(regs), k.add(xs.xbuf, k.mul(k.and_(j1, 1), XS)), xs.xc)
+            _convert_x(k, wtype, list(regs), xs.xbuf, xs.xc)
         j3 = k.add(j, 3)
         _load_x(k, xs.x, xs.lane16, s.unit_of(j3), s.has(j3), into=regs)
         parity[0] ^= 1

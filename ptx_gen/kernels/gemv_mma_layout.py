@@ -114,7 +114,7 @@ def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, tiles
         pos += -(-nbytes // 16) * 16
 
     take("ring", warps * stages * rows * stride)
-    take("xbuf", warps * 2 * cols * XSLOT[wtype])
+    take("xbuf", warps * cols * XSLOT[wtype])  # (a warp's slot, a column: the unit's digits while it is used)
     take("table", warps * rows * TABLE_ROW[wtype])
     take("red", warps * rows * 4 * cols if kparts > 1 else 0)
     take("mbar", warps * stages * 8)  # sm_90: one mbarrier per ring slot
