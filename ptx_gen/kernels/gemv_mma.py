@@ -78,13 +78,13 @@ from ptx_gen.kernels.gemv_mma_layout import (
     Q8_DIGITS,
     SOLO_SMEM,
     SWIZZLE,
-    TABLE_ROW,
     TILE_ROWS,
     TILE_UNIT,
     UNIT_BYTES,
     XSLOT,
     layout,
     q6k_glu_offsets_fit,
+    table_row,
     tile_major,
 )
 from ptx_gen.kernels.gemv_mma_cols import (
@@ -591,11 +591,11 @@ def _lane_context(s: _Warp) -> dict:
     B fragment offsets and masks, by weight type."""
     k, lane, wtype, U, R = s.k, s.lane, s.wtype, s.U, s.R
     g, t = k.shr(lane, 2), k.and_(lane, 3)
-    TR = TABLE_ROW[wtype]
+    TR = table_row(wtype, s.tiled)
     ctx = {
         "g": g, "R": R, "tiles": s.tiles, "U": U,
         "zeros": [k.mov(0, "s32")] * 4,
-        # the per-unit table, row r at r * TABLE_ROW, filled by lane r (< R)
+        # the per-unit table, row r at r * table_row, filled by lane r (< R)
         "table": k.add(s.smem, k.add(k.mul(s.warp, R * TR), s.lay["off"]["table"])), "TR": TR,
         # (32-row warps: every lane has a row; no branch, so the table's work can mix with the rest)
         "t_lane": k.setp("lt", lane, R) if R < 32 else None,

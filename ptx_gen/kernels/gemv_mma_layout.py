@@ -39,6 +39,12 @@ XSLOT = {wt: INVF[wt] + 16 for wt in INVF}
 # (Q5_0, Q5_1: 80 bytes, not 64: the lanes of a group read their row's qh words, and rows 16 words apart
 # would put every other row in the same banks)
 TABLE_ROW = {"Q4_K": 48, "Q8_0": 48, "Q6_K": 80, "Q5_K": 48, "Q4_0": 48, "Q4_1": 48, "Q5_0": 80, "Q5_1": 80}
+
+
+def table_row(wtype: str, tiled: bool) -> int:
+    """Bytes of a row of the per-unit table: ``TABLE_ROW``, but 48 for tile-major Q5_0 / Q5_1, whose
+    lanes read the qh words from the staged unit (lane order), so that the table holds only the scales."""
+    return 48 if tiled and wtype in ("Q5_0", "Q5_1") else TABLE_ROW[wtype]
 TILE_ROWS = 32  # rows of a tile of tile-major weights (tile_major)
 # Tile-major weights of the 32-value block types are re-encoded per row and unit (tile_major): the 8
 # blocks' scale fields side by side (d, or d and m: ``sc`` bytes a block) from byte 0, then (Q5_0, Q5_1)
@@ -115,7 +121,7 @@ def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, tiles
 
     take("ring", warps * stages * rows * stride)
     take("xbuf", warps * cols * XSLOT[wtype])  # (a warp's slot, a column: the unit's digits while it is used)
-    take("table", warps * rows * TABLE_ROW[wtype])
+    take("table", warps * rows * table_row(wtype, tiled))
     take("red", warps * rows * 4 * cols if kparts > 1 else 0)
     take("mbar", warps * stages * 8)  # sm_90: one mbarrier per ring slot
     if pos > MAX_DYN_SMEM:
