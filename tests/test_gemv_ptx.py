@@ -686,17 +686,33 @@ def test_new_mma_types_policy():
                                                                   "GLOBAL_MEMORY_BUS_WIDTH": 6144}))
     assert 18 < dram_bytes_per_sm_clock(h200.device) < 19 and 12 < dram_bytes_per_sm_clock(ops.device) < 13
     assert h200.fast_dram and not ops.fast_dram
-    # (and Q4_1 / Q5_1, whose swizzled tile-major rows have no padded stages, take bulk copies there too)
+    # (and Q4_1 / Q5_1, whose swizzled tile-major rows have no padded stages, take bulk copies there too;
+    # Q4_0 and Q4_1 in the 16-warp CTAs of FAST_DRAM_WIDE)
+    from realizar.gpu.gemv import FAST_DRAM_UNBALANCED, FAST_DRAM_WIDE
     for wt in ("Q4_0", "Q5_0", "Q4_1", "Q5_1"):
-        assert h200.mma_config(4096, 14336, wt, layout="tiles") == MmaConfig(1, 8, 2, 2, bulk=True, solo=True)
-        assert h200.mma_config(14336, 4096, wt, layout="tiles") == ops.mma_config(14336, 4096, wt, layout="tiles")
+        assert h200.mma_config(4096, 14336, wt, layout="tiles") == FAST_DRAM_WIDE.get(
+            wt, MmaConfig(1, 8, 2, 2, bulk=True, solo=True))
+        assert h200.mma_config(14336, 4096, wt, layout="tiles") == FAST_DRAM_UNBALANCED.get(
+            wt, ops.mma_config(14336, 4096, wt, layout="tiles"))
     assert ops.mma_config(4096, 14336, "Q4_1", layout="tiles") == MmaConfig(1, 8, 2, 2, solo=True)
+    # there, 14336 x 4096 grids that all fit the SMs' shared memory at once (FAST_DRAM_UNBALANCED): Q5_K 448
+    # CTAs of 4 warps, 4 an SM (one x slot a warp); Q5_0 224 of 2 x 2 warps with 3 stages, two an SM
+    # (48-byte table rows); Q5_1 and Q6_K 448 of 3 warps
+    from ptx_gen.kernels.gemv_mma import layout as mma_layout
+    for wt, cfg in FAST_DRAM_UNBALANCED.items():
+        smem = mma_layout(wt, 4096, cfg.mtiles, cfg.kparts, cfg.stages, cfg.tiles, True)["smem"] + 1024
+        assert -(-14336 // (32 * cfg.mtiles)) <= 132 * (228 * 1024 // smem), (wt, cfg)
+    assert h200.mma_config(14336, 4096, "Q5_K", layout="tiles") == MmaConfig(1, 4, 2, 2)
+    assert h200.mma_config(14336, 4096, "Q5_K", glu=True, layout="glu-tiles") == ops.mma_config(
+        14336, 4096, "Q5_K", glu=True, layout="glu-tiles")  # (the fused gate/up GEMV keeps its pick)
     # tile-major Q4_1 at 14336 rows: Q4_0's CTAs of 2 x 4 warps (TILED_UNBALANCED); on GGUF rows the 8-warp pick
     assert ops.mma_config(14336, 4096, "Q4_1", layout="tiles") == MmaConfig(2, 4, 2, 2)
     assert ops.mma_config(14336, 4096, "Q4_1") == MmaConfig(4, 2, 2, 2)
     for wt in ("Q4_K", "Q5_K", "Q6_K", "Q8_0"):
         for o, i in ((4096, 14336), (14336, 4096), (4096, 4096)):
-            assert h200.mma_config(o, i, wt, layout="tiles") == ops.mma_config(o, i, wt, layout="tiles"), (wt, o, i)
+            want = (FAST_DRAM_WIDE if o < i else FAST_DRAM_UNBALANCED).get(wt) if o != i else None
+            assert h200.mma_config(o, i, wt, layout="tiles") == (want or ops.mma_config(o, i, wt, layout="tiles")), \
+                (wt, o, i)
     sm80 = LayerOps(cuda.EmulatedDevice(sm_count=108, target="sm_80", attributes={"MEMORY_CLOCK_RATE": 3_125_000,
                                                                                    "GLOBAL_MEMORY_BUS_WIDTH": 6144}))
     assert sm80.mma_config(4096, 14336, "Q5_0", layout="tiles").tiles == 1  # (no bulk copies before sm_90)

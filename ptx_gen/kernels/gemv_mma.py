@@ -222,11 +222,11 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
         # one CTA an SM is budget enough: each column keeps the warp's accumulators, and ptxas's own
         # occupancy guess (two or three CTAs an SM) spilled them at 64-128 registers
         k.min_blocks = 1
-    elif wtype in BLOCK32 and (tiled or warps < 8) and warps <= 8:
-        # ptxas's own occupancy guess held some of these at 80 (8 warps, tile-major) or 96 registers (4
-        # warps) with spills: registers for two CTAs an SM, or for one where a second would not fit the
-        # shared memory (solo). (8-warp CTAs on GGUF rows keep ptxas's guess: two CTAs' worth spills
-        # Q4_0's 32-row warps on sm_80)
+    elif wtype in BLOCK32 and (tiled or warps < 8 or tiles == 1) and warps <= 8:
+        # ptxas's own occupancy guess held some of these at 80 (8 warps, tile-major or 16-row warps) or 96
+        # registers (4 warps) with spills: registers for two CTAs an SM, or for one where a second would not
+        # fit the shared memory (solo). (8-warp CTAs of 32-row warps on GGUF rows keep ptxas's guess: two
+        # CTAs' worth spills Q4_0's on sm_80)
         k.min_blocks = 1 if 2 * (lay["launch_smem"] + 1024) > 228 * 1024 else 2
     k.meta.update(block=32 * warps, rows_per_cta=(16 if glu else R) * mtiles, dyn_smem=lay["launch_smem"],
                   row_bytes=lay["row_bytes"], tiled=tiled, cols=cols)
@@ -803,6 +803,13 @@ def _grid_shapes() -> list[dict]:
                     "residual": True, "cols": 4, "xh": True},
                    {"wtype": wt, "in_dim": 4096, "mtiles": 4, "kparts": 2, "stages": 2, "tiles": 2, "tiled": True,
                     "glu": True, "cols": 2, "xh": True, "out_f16": True}]
+    # the dispatcher's picks where the DRAM is fast (FAST_DRAM_UNBALANCED, FAST_DRAM_WIDE; bulk copies: sm_90 only)
+    shapes += [{"wtype": "Q5_0", "in_dim": 4096, "mtiles": 2, "kparts": 2, "stages": 3, "tiles": 2, "tiled": True},
+               {"wtype": "Q5_1", "in_dim": 4096, "mtiles": 1, "kparts": 3, "stages": 2, "tiles": 2, "tiled": True},
+               {"wtype": "Q6_K", "in_dim": 4096, "mtiles": 1, "kparts": 3, "stages": 2, "tiles": 2, "tiled": True,
+                "residual": True}]
+    shapes += [{"wtype": wt, "in_dim": 14336, "mtiles": 1, "kparts": kp, "stages": 2, "tiles": 2, "tiled": True,
+                "solo": True, "late": True} for wt, kp in (("Q5_K", 12), ("Q6_K", 12), ("Q4_0", 16), ("Q4_1", 16))]
     for wt in BLOCK32:  # the dispatcher's smaller CTAs for 14336 rows (B32_UNBALANCED), tile-major
         shapes += [{"wtype": wt, "in_dim": 4096, "mtiles": 1, "kparts": 4, "stages": 2, "tiles": 2, "tiled": True},
                    {"wtype": wt, "in_dim": 4096, "mtiles": 2, "kparts": 4, "stages": 2, "tiles": 2, "tiled": True},

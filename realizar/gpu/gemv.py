@@ -92,6 +92,20 @@ B32_ONE_TILE = ("Q4_0", "Q5_0")
 # fill their rings with bulk copies (bench_gemv --mma-sweep, H200, 2026-11-28, 4096 x 14336: Q4_1 10.1
 # against 10.3 µs, Q5_1 12.1 against 12.4 since their tile-major rows are swizzled)
 FAST_DRAM_BULK = ("Q4_0", "Q5_0", "Q4_1", "Q5_1")
+# where the DRAM is fast for the SMs, over tile-major weights whose 8-warp pick spreads unevenly over the
+# SMs (14336 x 4096: 112 CTAs on 132 SMs): shapes whose whole grid fits the SMs' shared memory at once
+# (one x slot a warp, 48-byte table rows for Q5_0 / Q5_1), e.g. Q5_K 448 CTAs of 4 warps, 4 an SM
+# (bench_gemv --mma-sweep, H200, 2026-11-28, docs/results/bench_gemv_sweep_h200.md, 14336 x 4096: Q5_K
+# 11.1 against 12.1 µs, Q5_0 10.9 against 11.7, Q5_1 11.5 against 12.2, Q6_K 13.7 against 14.6)
+FAST_DRAM_UNBALANCED = {"Q5_K": MmaConfig(1, 4, 2, 2), "Q5_0": MmaConfig(2, 2, 3, 2), "Q5_1": MmaConfig(1, 3, 2, 2),
+                        "Q6_K": MmaConfig(1, 3, 2, 2, bulk=True)}
+# and where the 8-warp pick gives each SM one CTA of one 32-row tile (4096 x 14336), the types that stream
+# faster in wider CTAs, as WIDE_BALANCED (same sweep, 4096 x 14336: Q5_K 11.1 against 11.3-11.6 µs, Q6_K
+# 13.5 against 13.7-13.9, Q4_0 9.2 against 9.4-9.6, Q4_1 9.8 against 10.1)
+FAST_DRAM_WIDE = {"Q5_K": MmaConfig(1, 12, 2, 2, bulk=True, solo=True, late=True),
+                  "Q6_K": MmaConfig(1, 12, 2, 2, bulk=True, solo=True, late=True),
+                  "Q4_0": MmaConfig(1, 16, 2, 2, bulk=True, solo=True, late=True),
+                  "Q4_1": MmaConfig(1, 16, 2, 2, bulk=True, solo=True, late=True)}
 # the columns kernel (gemv_cols) keeps 32-row warps up to this many columns of x, per type (more would
 # spill: each column holds the warp's accumulators); 16-row warps beyond
 # (ptxas 13, sm_80 / sm_90, the dispatcher's CTAs of 32-row warps: Q4_K, Q5_K, Q4_0, Q4_1, Q5_0 and Q5_1 (its
@@ -185,7 +199,8 @@ def gemv_config(out_dim: int, sm_count: int = 132, in_dim: int | None = None, wt
 
 @functools.lru_cache(maxsize=None)  # pure, and asked at every eager GEMV launch
 def mma_config(out_dim: int, in_dim: int, wtype: str, sm_count: int = 132,
-               max_smem: int = 227 * 1024, bulk_ok: bool = False, glu: bool = False) -> MmaConfig | None:
+               max_smem: int = 227 * 1024, bulk_ok: bool = False, glu: bool = False,
+               balance_only: bool = False) -> MmaConfig | None:
     """The tensor-core GEMV's launch shape for ``out_dim`` rows of ``in_dim`` values, or None where it
     does not apply (types other than those of ``MMA_TYPES``, rows not a multiple of 256 values, or of
     2048 for Q6_K) or would keep fewer than half the SMs busy (small GEMVs: the SIMT kernel starts faster).
@@ -197,7 +212,8 @@ def mma_config(out_dim: int, in_dim: int, wtype: str, sm_count: int = 132,
     best: 32-row warps, then fewer CTAs per SM. The 32-value block types of ``B32_UNBALANCED`` take its
     shape where that pick balances the SMs worse than ``B32_BALANCE``. With ``bulk_ok`` (sm_90)
     warps that stream at most two units use bulk copies. ``glu``: the fused gate/up GEMV of ``out_dim``
-    outputs (2 out_dim weight rows; a warp takes 16 outputs' gate and up rows, so 32-row warps only)."""
+    outputs (2 out_dim weight rows; a warp takes 16 outputs' gate and up rows, so 32-row warps only).
+    ``balance_only``: the balanced pick as it is, before the type's exceptions and bulk copies."""
     if wtype not in MMA_TYPES or wtype in MMA_SLOWER or in_dim % 256:
         return None
     units = in_dim // 256
@@ -225,6 +241,8 @@ def mma_config(out_dim: int, in_dim: int, wtype: str, sm_count: int = 132,
     *_, ctas, best = max((c for c in cands if c[0] >= top - 0.02), key=lambda c: c[1:3])
     if ctas < sm_count // 2:
         return None  # under half the SMs busy: the SIMT kernel is faster
+    if balance_only:
+        return best
     if (wtype in B32_UNBALANCED and not glu and units % 4 == 0
             and ctas / (sm_count * -(-ctas // sm_count)) < B32_BALANCE):
         # (e.g. 14336 rows: 112 CTAs of 128 rows on 132 SMs) the 32-value block types, whose unit
@@ -266,11 +284,18 @@ class GemvOps(Dispatcher):
             return mma_layout(wtype, in_dim, c.mtiles, c.kparts, c.stages, c.tiles, True)["smem"] <= max_smem
 
         one_tile_warps = not glu and (cfg.mtiles, cfg.kparts, cfg.tiles) == (1, 8, 2)
-        wide = WIDE_BALANCED.get(wtype)
+        fast_dram = self.fast_dram
+        wide = WIDE_BALANCED.get(wtype) or (FAST_DRAM_WIDE.get(wtype) if fast_dram else None)
         if (wide is not None and cc >= (9, 0) and one_tile_warps and ctas <= self.sm_count
                 and in_dim // 256 >= 2 * wide.kparts and fits(wide)):  # (two units a warp at least)
             return wide
-        fast_dram = self.fast_dram
+        unbalanced = FAST_DRAM_UNBALANCED.get(wtype) if fast_dram and cc >= (9, 0) and not glu else None
+        if unbalanced is not None and in_dim // 256 >= 2 * unbalanced.kparts and fits(unbalanced):
+            spread = mma_config(out_dim, in_dim, wtype, self.sm_count, max_smem, glu=glu, balance_only=True)
+            rows = 16 * spread.tiles * spread.mtiles
+            n = -(-out_dim // rows)
+            if n / (self.sm_count * -(-n // self.sm_count)) < B32_BALANCE:
+                return unbalanced
         if (wtype in B32_ONE_TILE and one_tile_warps and in_dim // 256 // cfg.kparts >= 4
                 and not (fast_dram and cc >= (9, 0))):
             cfg = dataclasses.replace(cfg, tiles=1)
