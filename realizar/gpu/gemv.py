@@ -271,7 +271,9 @@ class GemvOps(Dispatcher):
         ``solo`` shared memory (so that no SM runs a second CTA of the launch while others idle), and on
         sm_90 a warp's stage is one bulk copy where that is the faster fill: Q6_K always, Q4_K / Q5_K with
         one row tile per CTA, Q8_0 and the 32-value block types with at most two units per warp, and where
-        the DRAM is fast for the SMs (``fast_dram``) the 32-value block types in CTAs of one 32-row tile."""
+        the DRAM is fast for the SMs (``fast_dram``) the 32-value block types in CTAs of one 32-row tile.
+        There too, on sm_90, grids of one 32-row tile a CTA and an SM take ``FAST_DRAM_WIDE``'s wider CTAs,
+        and grids the balanced pick spreads unevenly ``FAST_DRAM_UNBALANCED``'s, which fit the SMs at once."""
         cc = self.device.target.compute_capability
         if cc < (8, 0):
             return None
