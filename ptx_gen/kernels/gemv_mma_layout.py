@@ -35,7 +35,7 @@ XSLOT = {wt: INVF[wt] + 16 for wt in INVF}
 # per warp and row, per unit: 8 int32 sub-block scales and d / f (Q4_K), 8 block scales d / f (Q8_0),
 # or 16 int32 sub-block scales (as the two lane classes use them) and d / f (Q6_K); Q5_K as Q4_K; the
 # 32-value block types: 8 block scales d / f (even blocks, then odd ones: a lane's four in one load), then
-# (Q5_0, Q5_1) the 8 blocks' qh words
+# (Q5_0, Q5_1 on GGUF rows) the 8 blocks' qh words
 # (Q5_0, Q5_1: 80 bytes, not 64: the lanes of a group read their row's qh words, and rows 16 words apart
 # would put every other row in the same banks)
 TABLE_ROW = {"Q4_K": 48, "Q8_0": 48, "Q6_K": 80, "Q5_K": 48, "Q4_0": 48, "Q4_1": 48, "Q5_0": 80, "Q5_1": 80}
@@ -45,6 +45,8 @@ def table_row(wtype: str, tiled: bool) -> int:
     """Bytes of a row of the per-unit table: ``TABLE_ROW``, but 48 for tile-major Q5_0 / Q5_1, whose
     lanes read the qh words from the staged unit (lane order), so that the table holds only the scales."""
     return 48 if tiled and wtype in ("Q5_0", "Q5_1") else TABLE_ROW[wtype]
+
+
 TILE_ROWS = 32  # rows of a tile of tile-major weights (tile_major)
 # Tile-major weights of the 32-value block types are re-encoded per row and unit (tile_major): the 8
 # blocks' scale fields side by side (d, or d and m: ``sc`` bytes a block) from byte 0, then (Q5_0, Q5_1)
