@@ -151,7 +151,7 @@ def mma_sweep_configs(wtype: str, out_dim: int, in_dim: int, ops, stages: tuple[
 def cfg_text(cfg: GemvConfig | MmaConfig) -> str:
     if isinstance(cfg, MmaConfig):
         return (f"mma m{cfg.mtiles} p{cfg.kparts} s{cfg.stages} t{cfg.tiles}" + (" bulk" if cfg.bulk else "")
-                + (" solo" if cfg.solo else "") + (" late" if cfg.late else ""))
+                + (" solo" if cfg.solo else "") + (" late" if cfg.late else "") + (f" pf{cfg.l2pre}" if cfg.l2pre else ""))
     return f"r{cfg.rows} w{cfg.warps} s{cfg.ksplit}"
 
 
@@ -168,7 +168,7 @@ def _copies(base: GpuWeight, n: int) -> list[GpuWeight]:
 
 
 def bench_type_shape(ops, stream, wtype, out_dim, in_dim, rng, sweep: bool, use_graph: bool, mma_sweep: bool = False,
-                     mma_stages: tuple[int, ...] = (2,), variants: bool = False):
+                     mma_stages: tuple[int, ...] = (2,), variants: bool = False, l2pre: tuple[int, ...] = ()):
     """Each configuration timed on the layout it reads: the dispatcher's pick on the weight as
     ``LayerOps.upload`` stores it (tile-major for the tensor-core GEMV), the rest on GGUF rows."""
     raw = random_weight(rng, wtype, out_dim, in_dim)
@@ -200,6 +200,8 @@ def bench_type_shape(ops, stream, wtype, out_dim, in_dim, rng, sweep: bool, use_
     bulk_ok = ops.device.target.compute_capability >= (9, 0)
     configs += [c for c in sweep_configs(wtype, in_dim, bulk_ok) if c not in configs] if sweep else []
     tiled_cfgs = mma_sweep_configs(wtype, out_dim, in_dim, ops, mma_stages, variants) if mma_sweep and layout != "rows" else []
+    if l2pre and isinstance(default, MmaConfig) and layout != "rows" and bulk_ok:  # (the pick with L2 prefetches)
+        tiled_cfgs += [dataclasses.replace(default, l2pre=v) for v in l2pre]
     configs += [c for c in tiled_cfgs if c not in configs]
     results = []
     n_launch = max(n_copies(nbytes), 20)  # (every copy in the rotation: fewer could sit in the L2)
@@ -282,6 +284,8 @@ def main() -> int:
     ap.add_argument("--read-sweep", action="store_true",
                     help="also time the stream_read yardstick's launch shapes (unroll x block x CTAs an SM) at "
                          "each shape's byte count")
+    ap.add_argument("--l2pre", default="", help="also time each tile-major pick with its warps' next N units past the "
+                    "ring asked of the L2 before the grid wait (sm_90), for each N of this comma-separated list")
     ap.add_argument("--no-graph", action="store_true")
     ap.add_argument("--no-glu", action="store_true", help="skip the fused gate/up comparison")
     ap.add_argument("--no-pdl", action="store_true",
@@ -335,7 +339,8 @@ def main() -> int:
                 print(lines[-1])
                 continue
             nbytes, results = bench_type_shape(ops, stream, wt, out_dim, in_dim, rng, a.sweep, not a.no_graph,
-                                               a.mma_sweep, tuple(int(v) for v in a.stages.split(",")), a.variants)
+                                               a.mma_sweep, tuple(int(v) for v in a.stages.split(",")), a.variants,
+                                               tuple(int(v) for v in a.l2pre.split(",") if v))
             if not results:
                 continue
             default = next((r for r in results if r[3]), None)
@@ -366,7 +371,7 @@ def main() -> int:
             lines.append(f"| {wt} | {label} | {nbytes / 1e6:.1f} | {us:.1f} | {gbs:.0f} | {gbs / (bw / 1e9) * 100:.0f}% | "
                          f"{rd:.1f} | {rd / us * 100:.0f}% | {cfg_txt} | {'ok' if all_ok else '**FAIL**'} | {tcol} |")
             print(lines[-1], flush=True)
-            if a.sweep or a.mma_sweep:
+            if a.sweep or a.mma_sweep or a.l2pre:
                 sweep_rows.append(f"| {wt} | {label} | " + ", ".join(
                     f"{cfg_text(c)}{'*' if d else ''} {t:.1f} ({pct(t):.0f}%){'' if k else ' **FAIL**'}"
                     for t, c, _, d, k in sorted(results, key=lambda r: r[0])) + " |")

@@ -141,6 +141,7 @@ class _Warp:
     tile0: Reg | None = None  # tile-major: the warp's tile
     n: Reg | int = 0  # the warp's units (a register where kparts does not divide the units)
     late: bool = False  # the next kernel's launch triggered when the warp has issued its last copy
+    l2pre: int = 0  # tile-major, sm_90: the warp's units past the ring asked of the L2 before the grid wait
 
     @property
     def U(self) -> int:  # bytes between two staged rows in shared memory
@@ -200,7 +201,8 @@ class _Warp:
 
 def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, bias: bool,
           residual: bool, tiles: int = 1, bulk: bool = False, glu: bool = False, tiled: bool = False,
-          solo: bool = False, late: bool = False, cols: int = 1, xh: bool = False, out_f16: bool = False) -> KernelBuilder:
+          solo: bool = False, late: bool = False, cols: int = 1, xh: bool = False, out_f16: bool = False,
+          l2pre: int = 0) -> KernelBuilder:
     lay = layout(wtype, in_dim, mtiles, kparts, stages, tiles, tiled, solo, cols)
     multi = cols > 1 or xh or out_f16  # (the columns kernel, gemv_mma_cols; it takes one column too)
     if glu and (tiles != 2 or bias or residual):
@@ -213,6 +215,7 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
     params = gemv_params(bias, residual) + ([("ldx", "u32"), ("ldy", "u32")] if multi else [])
     name = (f"gemv_mma_{wtype.lower()}_k{in_dim}_m{mtiles}_p{kparts}_s{stages}" + (f"_t{tiles}" if tiles > 1 else "")
             + ("_bulk" if bulk else "") + ("_tiled" if tiled else "") + ("_solo" if solo else "") + ("_late" if late else "")
+            + (f"_pf{l2pre}" if l2pre else "")
             + ("_glu" if glu else "")
             + ("_bias" if bias else "") + ("_res" if residual else "")
             + (f"_c{cols}" if multi else "") + ("_xh" if xh else "") + ("_h" if out_f16 else ""))
@@ -232,6 +235,9 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
                   row_bytes=lay["row_bytes"], tiled=tiled, cols=cols)
     s = _prologue(k, lay, wtype, mtiles, kparts, stages, tiles, bulk, glu, tiled)
     s.late = late
+    if l2pre and (not tiled or m.target.compute_capability < (9, 0)):
+        raise ValueError("l2pre (L2 prefetches of the units past the ring) needs tile-major weights and sm_90")
+    s.l2pre = l2pre
     issue, wait = _weight_copies(s)
     _fill_ring(s, issue)
     if multi:
@@ -547,6 +553,10 @@ def _fill_ring(s: _Warp, issue) -> None:
             issue(j, j * s.stage_bytes, s.has(j))
         elif not s.bulk:
             s.k.cp_async_commit()
+    k = s.k
+    for j in range(s.stages, min(s.stages + s.l2pre, s.n_units)):  # (one stage of R U contiguous bytes each)
+        with k.if_(k.both(k.setp("eq", s.lane, 0), s.has(j))):
+            k.prefetch_l2(s.tile_src(j), s.R * s.U)
     s.k.grid_dependency_wait()
 
 
@@ -821,7 +831,7 @@ def _grid_shapes() -> list[dict]:
 def gemv_mma(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, mtiles: int = 2, kparts: int = 4, stages: int = 4,
              bias: bool = False, residual: bool = False, tiles: int = 1, bulk: bool = False,
              glu: bool = False, tiled: bool = False, solo: bool = False, late: bool = False, cols: int = 1,
-             xh: bool = False, out_f16: bool = False) -> KernelBuilder:
+             xh: bool = False, out_f16: bool = False, l2pre: int = 0) -> KernelBuilder:
     """y[r] = sum_k W[r, k] x[k] (+ bias[r]) (+ residual[r]) for r < out_dim, W in Q4_K, Q8_0 or Q6_K (in_dim
     a multiple of 2048) blocks, on tensor cores (exact int8 MMAs of the codes with x as four base-256 digits).
     ``tiles``: 16-row MMA tiles per warp (2: each x digit fragment and weight-scale step serves 32 rows);
@@ -837,4 +847,4 @@ def gemv_mma(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, mtiles: int = 2
     Launch: grid ceil(out_dim / (16 tiles mtiles)), block 32 mtiles kparts, meta["dyn_smem"] dynamic shared
     bytes."""
     return build(m, wtype, in_dim, mtiles, kparts, stages, bias, residual, tiles, bulk, glu, tiled, solo, late, cols,
-                 xh, out_f16)
+                 xh, out_f16, l2pre)

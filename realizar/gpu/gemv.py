@@ -63,6 +63,7 @@ class MmaConfig:
     bulk: bool = False  # sm_90: fill the ring with bulk copies (cp.async.bulk + mbarrier)
     solo: bool = False  # shared memory raised so that one CTA holds an SM (see gemv_mma.SOLO_SMEM)
     late: bool = False  # the next kernel's launch triggered near the end (after the warps' last copies)
+    l2pre: int = 0  # tile-major, sm_90: each warp's next units past its ring asked of the L2 before the grid wait
 
 
 # where the 8-warp pick keeps less than B32_BALANCE of the SMs' time busy (busiest SM vs the mean), these
@@ -396,7 +397,7 @@ class GemvOps(Dispatcher):
     def _mma_kernel(self, weight: GpuWeight, cfg: MmaConfig, **flags):
         return self.kernel("gemv_mma", wtype=weight.wtype, in_dim=weight.in_dim, mtiles=cfg.mtiles, kparts=cfg.kparts,
                            stages=cfg.stages, tiles=cfg.tiles, bulk=cfg.bulk, tiled=weight.layout != "rows",
-                           solo=cfg.solo, late=cfg.late, **flags)
+                           solo=cfg.solo, late=cfg.late, **({"l2pre": cfg.l2pre} if cfg.l2pre else {}), **flags)
 
     # ---- launches ------------------------------------------------------------------------------------
     def gemv(self, weight: GpuWeight, x: Any, out: Any, bias: Any = None, residual: Any = None,
