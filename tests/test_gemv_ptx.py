@@ -7,6 +7,8 @@ included). The other layer kernels are in tests/test_layer_kernels_ptx.py."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings
@@ -309,15 +311,17 @@ def test_emulator_catches_cp_async_misuse():
        kparts=st.sampled_from([1, 2, 4, 8]), stages=st.sampled_from([2, 3, 4, 8]), tiles=st.sampled_from([1, 2]),
        units=st.integers(1, 5), target=st.sampled_from(["sm_80", "sm_90", "sm_90 bulk"]),
        bias=st.booleans(), residual=st.booleans(), scale=st.sampled_from([1e-3, 1.0, 500.0]),
-       tiled=st.booleans(), solo=st.booleans(), seed=st.integers(0, 2**32 - 1))
+       tiled=st.booleans(), solo=st.booleans(), l2pre=st.sampled_from([0, 1, 3]), seed=st.integers(0, 2**32 - 1))
 def test_gemv_mma_emulated_matches_oracle(wtype, out_dim, mtiles, kparts, stages, tiles, units, target, bias, residual,
-                                          scale, tiled, solo, seed):
+                                          scale, tiled, solo, l2pre, seed):
     """The tensor-core GEMV on the emulator (ldmatrix, int8 mma, a ring with wrap-around filled by
     cp.async, or on sm_90 by bulk copies + mbarriers, K parts combined in shared memory) vs the
     float64 oracle; x spans 1e-3..500 with one outlier. Q6_K: units at all 8 phases of a 16-byte chunk
     (in_dim up to 10240), its last chunk read only up to the block's end (the emulator checks bounds).
     ``tiled``: W tile-major (tile_major, zero-filled past out_dim; Q6_K rows at every 2-byte phase of
-    a word, any in_dim multiple of 256, bulk copies too); ``solo``: the larger shared-memory request."""
+    a word, any in_dim multiple of 256, bulk copies too); ``solo``: the larger shared-memory request;
+    ``l2pre`` (tile-major, sm_90): L2 prefetches of the warps' units past the ring (a hint: the emulator
+    checks their addresses' bounds)."""
     rng = np.random.default_rng(seed)
     if wtype == "Q6_K" and not tiled:
         target, units = target.replace(" bulk", ""), min(units, 3)
@@ -329,7 +333,7 @@ def test_gemv_mma_emulated_matches_oracle(wtype, out_dim, mtiles, kparts, stages
     r = rng.standard_normal(out_dim).astype(np.float32) if residual else None
     k = catalog.emit("gemv_mma", target=target.split()[0], wtype=wtype, in_dim=in_dim, mtiles=mtiles, kparts=kparts,
                      stages=stages, bias=bias, residual=residual, tiles=tiles, bulk=target.endswith("bulk"),
-                     tiled=tiled, solo=solo)
+                     tiled=tiled, solo=solo, l2pre=l2pre if tiled and target.startswith("sm_90") else 0)
     mem = Memory()
     wbytes = tile_major(raw, wtype, out_dim, in_dim) if tiled else raw if wtype == "Q6_K" else _pad16(raw)
     params = dict(w=mem.alloc_array(wbytes), x=mem.alloc_array(x),
@@ -687,11 +691,12 @@ def test_new_mma_types_policy():
     assert 18 < dram_bytes_per_sm_clock(h200.device) < 19 and 12 < dram_bytes_per_sm_clock(ops.device) < 13
     assert h200.fast_dram and not ops.fast_dram
     # (and Q4_1 / Q5_1, whose swizzled tile-major rows have no padded stages, take bulk copies there too;
-    # Q4_0 and Q4_1 in the 16-warp CTAs of FAST_DRAM_WIDE)
-    from realizar.gpu.gemv import FAST_DRAM_UNBALANCED, FAST_DRAM_WIDE
+    # Q4_0 and Q4_1 in the 16-warp CTAs of FAST_DRAM_WIDE, Q5_0 and Q5_1 with an L2 prefetch of each warp's
+    # next unit past its ring, FAST_DRAM_L2PRE)
+    from realizar.gpu.gemv import FAST_DRAM_L2PRE, FAST_DRAM_UNBALANCED, FAST_DRAM_WIDE
     for wt in ("Q4_0", "Q5_0", "Q4_1", "Q5_1"):
         assert h200.mma_config(4096, 14336, wt, layout="tiles") == FAST_DRAM_WIDE.get(
-            wt, MmaConfig(1, 8, 2, 2, bulk=True, solo=True))
+            wt, MmaConfig(1, 8, 2, 2, bulk=True, solo=True, l2pre=1))
         assert h200.mma_config(14336, 4096, wt, layout="tiles") == FAST_DRAM_UNBALANCED.get(
             wt, ops.mma_config(14336, 4096, wt, layout="tiles"))
     assert ops.mma_config(4096, 14336, "Q4_1", layout="tiles") == MmaConfig(1, 8, 2, 2, solo=True)
@@ -711,6 +716,8 @@ def test_new_mma_types_policy():
     for wt in ("Q4_K", "Q5_K", "Q6_K", "Q8_0"):
         for o, i in ((4096, 14336), (14336, 4096), (4096, 4096)):
             want = (FAST_DRAM_WIDE if o < i else FAST_DRAM_UNBALANCED).get(wt) if o != i else None
+            if want is None and o < i and wt in FAST_DRAM_L2PRE:
+                want = dataclasses.replace(ops.mma_config(o, i, wt, layout="tiles"), l2pre=1)
             assert h200.mma_config(o, i, wt, layout="tiles") == (want or ops.mma_config(o, i, wt, layout="tiles")), \
                 (wt, o, i)
     sm80 = LayerOps(cuda.EmulatedDevice(sm_count=108, target="sm_80", attributes={"MEMORY_CLOCK_RATE": 3_125_000,
@@ -776,6 +783,32 @@ def test_gemv_mma_uneven_k_parts_and_wide_ctas_emulated(wtype, out_dim, kparts, 
     assert np.isfinite(y).all(), "unwritten (NaN-poisoned) outputs"
     err = np.abs(y - ref) / (np.abs(w) @ np.abs(x.astype(np.float64)))
     assert err.max() < 1e-6, f"{wtype} {out_dim}x{in_dim} m{mtiles} p{kparts}: error {err.max():.2e}"
+
+
+@pytest.mark.parametrize("wtype", MMA_TYPES)
+def test_fast_dram_picks_assemble_without_spills(wtype):
+    """The H200's picks at the 8B shapes (FAST_DRAM_UNBALANCED, FAST_DRAM_WIDE, FAST_DRAM_L2PRE: bulk copies,
+    L2 prefetches, 3-stage rings) assemble for sm_90 as LayerOps launches them, with and without a
+    residual, without spills; the L2 prefetch is there only where the pick asks for it."""
+    from realizar import cuda
+    from realizar.gpu.ops import LayerOps
+    h200 = LayerOps(cuda.EmulatedDevice(sm_count=132, attributes={"MEMORY_CLOCK_RATE": 3_125_000,
+                                                                  "GLOBAL_MEMORY_BUS_WIDTH": 6144}))
+    for o, i in ((4096, 14336), (14336, 4096), (4096, 4096)):
+        layout = h200.weight_layout(o, i, wtype)
+        cfg = h200.mma_config(o, i, wtype, layout=layout)
+        for res in (False, True):
+            k = h200._mma_kernel(GpuWeightStub(wtype, i, layout), cfg, residual=res)
+            assert ("cp.async.bulk.prefetch.L2" in k.source.ptx) == bool(cfg.l2pre), (o, i, cfg)
+            for r in assemble(k.source.ptx, "sm_90"):
+                assert r.spill_stores == 0 and r.spill_loads == 0, (o, i, cfg, r)
+
+
+class GpuWeightStub:
+    """What ``GemvOps._mma_kernel`` reads of a weight."""
+
+    def __init__(self, wtype: str, in_dim: int, layout: str):
+        self.wtype, self.in_dim, self.layout = wtype, in_dim, layout
 
 
 def test_wide_ctas_policy():

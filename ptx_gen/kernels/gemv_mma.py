@@ -813,7 +813,8 @@ def _grid_shapes() -> list[dict]:
                     "residual": True, "cols": 4, "xh": True},
                    {"wtype": wt, "in_dim": 4096, "mtiles": 4, "kparts": 2, "stages": 2, "tiles": 2, "tiled": True,
                     "glu": True, "cols": 2, "xh": True, "out_f16": True}]
-    # the dispatcher's picks where the DRAM is fast (FAST_DRAM_UNBALANCED, FAST_DRAM_WIDE; bulk copies: sm_90 only)
+    # the dispatcher's picks where the DRAM is fast (FAST_DRAM_UNBALANCED, FAST_DRAM_WIDE; bulk copies and L2
+    # prefetches are sm_90 only: see test_fast_dram_picks_assemble_without_spills)
     shapes += [{"wtype": "Q5_0", "in_dim": 4096, "mtiles": 2, "kparts": 2, "stages": 3, "tiles": 2, "tiled": True},
                {"wtype": "Q5_1", "in_dim": 4096, "mtiles": 1, "kparts": 3, "stages": 2, "tiles": 2, "tiled": True},
                {"wtype": "Q6_K", "in_dim": 4096, "mtiles": 1, "kparts": 3, "stages": 2, "tiles": 2, "tiled": True,
