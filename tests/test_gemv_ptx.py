@@ -8,6 +8,7 @@ included). The other layer kernels are in tests/test_layer_kernels_ptx.py."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 import pytest
@@ -691,12 +692,11 @@ def test_new_mma_types_policy():
     assert 18 < dram_bytes_per_sm_clock(h200.device) < 19 and 12 < dram_bytes_per_sm_clock(ops.device) < 13
     assert h200.fast_dram and not ops.fast_dram
     # (and Q4_1 / Q5_1, whose swizzled tile-major rows have no padded stages, take bulk copies there too;
-    # Q4_0 and Q4_1 in the 16-warp CTAs of FAST_DRAM_WIDE, Q5_0 and Q5_1 with an L2 prefetch of each warp's
-    # next unit past its ring, FAST_DRAM_L2PRE)
-    from realizar.gpu.gemv import FAST_DRAM_L2PRE, FAST_DRAM_UNBALANCED, FAST_DRAM_WIDE
+    # Q4_0 and Q4_1 in the 16-warp CTAs of FAST_DRAM_WIDE)
+    from realizar.gpu.gemv import FAST_DRAM_UNBALANCED, FAST_DRAM_WIDE
     for wt in ("Q4_0", "Q5_0", "Q4_1", "Q5_1"):
         assert h200.mma_config(4096, 14336, wt, layout="tiles") == FAST_DRAM_WIDE.get(
-            wt, MmaConfig(1, 8, 2, 2, bulk=True, solo=True, l2pre=1))
+            wt, MmaConfig(1, 8, 2, 2, bulk=True, solo=True))
         assert h200.mma_config(14336, 4096, wt, layout="tiles") == FAST_DRAM_UNBALANCED.get(
             wt, ops.mma_config(14336, 4096, wt, layout="tiles"))
     assert ops.mma_config(4096, 14336, "Q4_1", layout="tiles") == MmaConfig(1, 8, 2, 2, solo=True)
@@ -716,8 +716,6 @@ def test_new_mma_types_policy():
     for wt in ("Q4_K", "Q5_K", "Q6_K", "Q8_0"):
         for o, i in ((4096, 14336), (14336, 4096), (4096, 4096)):
             want = (FAST_DRAM_WIDE if o < i else FAST_DRAM_UNBALANCED).get(wt) if o != i else None
-            if want is None and o < i and wt in FAST_DRAM_L2PRE:
-                want = dataclasses.replace(ops.mma_config(o, i, wt, layout="tiles"), l2pre=1)
             assert h200.mma_config(o, i, wt, layout="tiles") == (want or ops.mma_config(o, i, wt, layout="tiles")), \
                 (wt, o, i)
     sm80 = LayerOps(cuda.EmulatedDevice(sm_count=108, target="sm_80", attributes={"MEMORY_CLOCK_RATE": 3_125_000,
@@ -787,19 +785,23 @@ def test_gemv_mma_uneven_k_parts_and_wide_ctas_emulated(wtype, out_dim, kparts, 
 
 @pytest.mark.parametrize("wtype", MMA_TYPES)
 def test_fast_dram_picks_assemble_without_spills(wtype):
-    """The H200's picks at the 8B shapes (FAST_DRAM_UNBALANCED, FAST_DRAM_WIDE, FAST_DRAM_L2PRE: bulk copies,
-    L2 prefetches, 3-stage rings) assemble for sm_90 as LayerOps launches them, with and without a
-    residual, without spills; the L2 prefetch is there only where the pick asks for it."""
+    """The H200's picks at the 8B shapes (FAST_DRAM_UNBALANCED, FAST_DRAM_WIDE: bulk copies, 3-stage rings)
+    and the same with L2 prefetches of one unit past the ring (l2pre, which no pick takes) assemble for
+    sm_90 as LayerOps launches them, with and without a residual, without spills."""
     from realizar import cuda
     from realizar.gpu.ops import LayerOps
     h200 = LayerOps(cuda.EmulatedDevice(sm_count=132, attributes={"MEMORY_CLOCK_RATE": 3_125_000,
                                                                   "GLOBAL_MEMORY_BUS_WIDTH": 6144}))
     for o, i in ((4096, 14336), (14336, 4096), (4096, 4096)):
         layout = h200.weight_layout(o, i, wtype)
-        cfg = h200.mma_config(o, i, wtype, layout=layout)
-        for res in (False, True):
+        pick = h200.mma_config(o, i, wtype, layout=layout)
+        assert not pick.l2pre
+        for cfg, res in itertools.product((pick, dataclasses.replace(pick, l2pre=1)), (False, True)):
+            if cfg.l2pre and layout == "rows":
+                continue
             k = h200._mma_kernel(GpuWeightStub(wtype, i, layout), cfg, residual=res)
-            assert ("cp.async.bulk.prefetch.L2" in k.source.ptx) == bool(cfg.l2pre), (o, i, cfg)
+            past_ring = -(-(i // 256) // cfg.kparts) > cfg.stages  # (a warp has units past its ring)
+            assert ("cp.async.bulk.prefetch.L2" in k.source.ptx) == bool(cfg.l2pre and past_ring), (o, i, cfg)
             for r in assemble(k.source.ptx, "sm_90"):
                 assert r.spill_stores == 0 and r.spill_loads == 0, (o, i, cfg, r)
 

@@ -103,17 +103,14 @@ FAST_DRAM_UNBALANCED = {"Q5_K": MmaConfig(1, 4, 2, 2), "Q5_0": MmaConfig(2, 2, 3
 # and where the 8-warp pick gives each SM one CTA of one 32-row tile (4096 x 14336), the types that stream
 # faster in wider CTAs, as WIDE_BALANCED (same sweep, 4096 x 14336: Q5_K 11.1 against 11.3-11.6 µs, Q6_K
 # 13.5 against 13.7-13.9, Q4_0 9.2 against 9.4-9.6, Q4_1 9.8 against 10.1)
-FAST_DRAM_WIDE = {"Q5_K": MmaConfig(1, 12, 2, 2, bulk=True, solo=True, late=True, l2pre=1),
-                  "Q6_K": MmaConfig(1, 12, 2, 2, bulk=True, solo=True, late=True, l2pre=1),
+FAST_DRAM_WIDE = {"Q5_K": MmaConfig(1, 12, 2, 2, bulk=True, solo=True, late=True),
+                  "Q6_K": MmaConfig(1, 12, 2, 2, bulk=True, solo=True, late=True),
                   "Q4_0": MmaConfig(1, 16, 2, 2, bulk=True, solo=True, late=True),
                   "Q4_1": MmaConfig(1, 16, 2, 2, bulk=True, solo=True, late=True)}
-# there too, in grids of one 32-row tile a CTA and an SM, the types whose warps (4-7 units each) stream
-# faster with the L2 asked for each warp's next unit past its ring before the grid wait (l2pre=1; more
-# units, or warps of 3-4 units as Q4_K's, Q4_0's and Q4_1's 16-warp CTAs, and the 14336 x 4096 grids,
-# are slower: bench_gemv --l2pre, H200, 2026-11-28, docs/results/bench_gemv_l2pre_h200.md, 4096 x 14336:
-# Q5_0 11.1 against 11.5 µs, Q5_1 11.8 against 12.3, Q5_K 11.0 against 11.2, Q6_K 13.5 against 13.8, Q8_0
-# 15.4 against 16.0)
-FAST_DRAM_L2PRE = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
+# (no pick asks for L2 prefetches past the ring, MmaConfig.l2pre: one unit a warp made GEMV after GEMV of
+# 4096 x 14336 2-4% faster for Q5_0, Q5_1, Q5_K, Q6_K and Q8_0, docs/results/bench_gemv_l2pre_h200.md, but the
+# 8B Q5_K_M-like decode step 0.9% slower, 2075 against 2057 µs a token, docs/results/bench_decode_l2pre_ab_h200.md:
+# there the down GEMV follows the fused gate/up GEMV, whose end its prefetches slow)
 # the columns kernel (gemv_cols) keeps 32-row warps up to this many columns of x, per type (more would
 # spill: each column holds the warp's accumulators); 16-row warps beyond
 # (ptxas 13, sm_80 / sm_90, the dispatcher's CTAs of 32-row warps: Q4_K, Q5_K, Q4_0, Q4_1, Q5_0 and Q5_1 (its
@@ -280,9 +277,8 @@ class GemvOps(Dispatcher):
         sm_90 a warp's stage is one bulk copy where that is the faster fill: Q6_K always, Q4_K / Q5_K with
         one row tile per CTA, Q8_0 and the 32-value block types with at most two units per warp, and where
         the DRAM is fast for the SMs (``fast_dram``) the 32-value block types in CTAs of one 32-row tile.
-        There too, on sm_90, grids of one 32-row tile a CTA and an SM take ``FAST_DRAM_WIDE``'s wider CTAs
-        (or, for ``FAST_DRAM_L2PRE``'s types, an L2 prefetch of each warp's next unit past its ring), and
-        grids the balanced pick spreads unevenly ``FAST_DRAM_UNBALANCED``'s, which fit the SMs at once."""
+        There too, on sm_90, grids of one 32-row tile a CTA and an SM take ``FAST_DRAM_WIDE``'s wider CTAs,
+        and grids the balanced pick spreads unevenly ``FAST_DRAM_UNBALANCED``'s, which fit the SMs at once."""
         cc = self.device.target.compute_capability
         if cc < (8, 0):
             return None
@@ -319,9 +315,7 @@ class GemvOps(Dispatcher):
                                  or ((wtype == "Q8_0" or wtype in BLOCK32) and in_dim // 256 // cfg.kparts <= 2)
                                  or (fast_dram and wtype in FAST_DRAM_BULK and one_tile_warps))
         # (solo only where a CTA may ask for that much: not on sm_86/sm_89, whose limit is 99 KiB)
-        l2pre = int(fast_dram and cc >= (9, 0) and one_tile_warps and wtype in FAST_DRAM_L2PRE and ctas <= self.sm_count
-                    and in_dim // 256 // cfg.kparts > cfg.stages)  # (a unit past the ring to ask for)
-        return dataclasses.replace(cfg, bulk=bulk, solo=ctas <= self.sm_count and SOLO_SMEM <= max_smem, l2pre=l2pre)
+        return dataclasses.replace(cfg, bulk=bulk, solo=ctas <= self.sm_count and SOLO_SMEM <= max_smem)
 
     def mma_cols_config(self, out_dim: int, in_dim: int, wtype: str, cols: int, glu: bool = False,
                         layout: str = "rows") -> MmaConfig | None:
