@@ -1,6 +1,8 @@
 """Concurrent serving on the CPU: 32 clients through the official ``openai`` client at once against a
-live server on a tiny random model. Every stream equals the same request run alone, and the whole
-load takes well under the sum of the single-request times (the requests share decode steps)."""
+live server on a tiny random model. Every stream equals the same request run alone, and the requests
+share decode steps: the server's own metrics count fewer steps than one request at a time takes and
+steps of more than 4 sequences. (The wall times, together and one by one, are printed, not asserted:
+on a shared 2-core CI machine they swing by 2x from run to run; speed is the benchmarks' job.)"""
 
 from __future__ import annotations
 
@@ -85,7 +87,6 @@ def test_32_concurrent_openai_clients_equal_alone_and_share_steps(live):
     for i, (a, b) in enumerate(zip(alone, together)):
         assert b == a, (i, specs[i], a, b)
     assert all(alone), "a request produced no text"
-    assert wall < 0.5 * sum_alone, (wall, sum_alone)
 
     m = _wait_idle(live)
     # the requests shared decode steps: some step advanced many sequences at once
