@@ -548,16 +548,16 @@ def _fill_ring(s: _Warp, issue) -> None:
     """Emits the copies of the warp's first ``stages`` units, then ``griddepcontrol.wait``: they are
     weights (no kernel writes them), so under programmatic dependent launch they stream in while the
     previous kernel ends. Empty cp.async groups keep the group count uniform past the last unit."""
+    k = s.k
     for j in range(s.stages):
         if j < s.n_units:
             issue(j, j * s.stage_bytes, s.has(j))
         elif not s.bulk:
-            s.k.cp_async_commit()
-    k = s.k
+            k.cp_async_commit()
     for j in range(s.stages, min(s.stages + s.l2pre, s.n_units)):  # (one stage of R U contiguous bytes each)
         with k.if_(k.both(k.setp("eq", s.lane, 0), s.has(j))):
             k.prefetch_l2(s.tile_src(j), s.R * s.U)
-    s.k.grid_dependency_wait()
+    k.grid_dependency_wait()
 
 
 @dataclass

@@ -146,6 +146,16 @@ def dram_bytes_per_sm_clock(device) -> float:
     return 2 * mem_khz * bus_bits / 8 / (device.sm_count * sm_khz)
 
 
+def grid_ctas(out_dim: int, cfg: MmaConfig, glu: bool = False) -> int:
+    """CTAs of a tensor-core GEMV launch of ``out_dim`` outputs in ``cfg`` (``glu``: 16 outputs a warp)."""
+    return -(-out_dim // ((16 if glu else 16 * cfg.tiles) * cfg.mtiles))
+
+
+def grid_balance(ctas: int, sm_count: int) -> float:
+    """The SMs' mean load over the busiest SM's, for ``ctas`` equal CTAs (1.0: every SM runs as many)."""
+    return ctas / (sm_count * -(-ctas // sm_count))
+
+
 def _offset(x: Any, n: int) -> tuple:
     """``x`` (a buffer or ``(buffer, element offset)``) ``n`` elements further on."""
     buf, off = x if isinstance(x, tuple) else (x, 0)
@@ -249,12 +259,11 @@ def mma_config(out_dim: int, in_dim: int, wtype: str, sm_count: int = 132,
     if balance_only:
         return best
     if (wtype in B32_UNBALANCED and not glu and units % 4 == 0
-            and ctas / (sm_count * -(-ctas // sm_count)) < B32_BALANCE):
+            and grid_balance(ctas, sm_count) < B32_BALANCE):
         # (e.g. 14336 rows: 112 CTAs of 128 rows on 132 SMs) the 32-value block types, whose unit
         # bodies keep an SM's issue slots busier than Q4_K's, lose the idle SMs' share: smaller CTAs,
         # several an SM, balance the grid
         best = B32_UNBALANCED[wtype]
-        ctas = -(-out_dim // (16 * best.tiles * best.mtiles))
     if bulk_ok and wtype != "Q6_K" and units // best.kparts <= 2:  # (Q6_K blocks are only 2-byte aligned)
         best = dataclasses.replace(best, bulk=True)
     return best
@@ -286,7 +295,7 @@ class GemvOps(Dispatcher):
         cfg = mma_config(out_dim, in_dim, wtype, self.sm_count, max_smem, bulk_ok=cc >= (9, 0), glu=glu)
         if cfg is None or layout == "rows":
             return cfg
-        ctas = -(-out_dim // ((16 if glu else 16 * cfg.tiles) * cfg.mtiles))
+        ctas = grid_ctas(out_dim, cfg, glu)
         def fits(c: MmaConfig) -> bool:  # (tile-major, in this device's shared memory)
             return mma_layout(wtype, in_dim, c.mtiles, c.kparts, c.stages, c.tiles, True)["smem"] <= max_smem
 
@@ -298,18 +307,16 @@ class GemvOps(Dispatcher):
             return wide
         unbalanced = FAST_DRAM_UNBALANCED.get(wtype) if fast_dram and cc >= (9, 0) and not glu else None
         if unbalanced is not None and in_dim // 256 >= 2 * unbalanced.kparts and fits(unbalanced):
-            spread = mma_config(out_dim, in_dim, wtype, self.sm_count, max_smem, glu=glu, balance_only=True)
-            rows = 16 * spread.tiles * spread.mtiles
-            n = -(-out_dim // rows)
-            if n / (self.sm_count * -(-n // self.sm_count)) < B32_BALANCE:
+            spread = mma_config(out_dim, in_dim, wtype, self.sm_count, max_smem, balance_only=True)
+            if grid_balance(grid_ctas(out_dim, spread), self.sm_count) < B32_BALANCE:
                 return unbalanced
         if (wtype in B32_ONE_TILE and one_tile_warps and in_dim // 256 // cfg.kparts >= 4
                 and not (fast_dram and cc >= (9, 0))):
             cfg = dataclasses.replace(cfg, tiles=1)
-            ctas = -(-out_dim // (16 * cfg.mtiles))
+            ctas = grid_ctas(out_dim, cfg)
         other = TILED_UNBALANCED.get(wtype)
         if (other is not None and cc >= (9, 0) and not glu and in_dim // 256 % other.kparts == 0
-                and ctas / (self.sm_count * -(-ctas // self.sm_count)) < B32_BALANCE and fits(other)):
+                and grid_balance(ctas, self.sm_count) < B32_BALANCE and fits(other)):
             return other
         bulk = cc >= (9, 0) and (wtype == "Q6_K" or (wtype in ("Q4_K", "Q5_K") and cfg.mtiles == 1)
                                  or ((wtype == "Q8_0" or wtype in BLOCK32) and in_dim // 256 // cfg.kparts <= 2)
@@ -345,7 +352,6 @@ class GemvOps(Dispatcher):
         cfg = self.mma_config(out_dim, in_dim, wtype, glu=glu, layout=layout)
         if cfg is None or cols > cols_per_launch(wtype, glu):
             return None
-        cfg = dataclasses.replace(cfg, l2pre=0)  # (measured for one column only)
         if cols > 1:  # (at most 8 warps: a 16-warp CTA leaves 128 registers a thread)
             while cfg.mtiles * cfg.kparts > 8:
                 cfg = dataclasses.replace(cfg, kparts=cfg.kparts // 2) if cfg.kparts > 1 else \
@@ -402,7 +408,7 @@ class GemvOps(Dispatcher):
     def _mma_kernel(self, weight: GpuWeight, cfg: MmaConfig, **flags):
         return self.kernel("gemv_mma", wtype=weight.wtype, in_dim=weight.in_dim, mtiles=cfg.mtiles, kparts=cfg.kparts,
                            stages=cfg.stages, tiles=cfg.tiles, bulk=cfg.bulk, tiled=weight.layout != "rows",
-                           solo=cfg.solo, late=cfg.late, **({"l2pre": cfg.l2pre} if cfg.l2pre else {}), **flags)
+                           solo=cfg.solo, late=cfg.late, l2pre=cfg.l2pre, **flags)
 
     # ---- launches ------------------------------------------------------------------------------------
     def gemv(self, weight: GpuWeight, x: Any, out: Any, bias: Any = None, residual: Any = None,
