@@ -548,12 +548,14 @@ def test_gemv_mma_poisons_rows_for_nan_or_inf_x(wtype, bad):
 @pytest.mark.parametrize("wtype", MMA_TYPES)
 @pytest.mark.parametrize("out_dim", [1, 31, 32, 45, 64])
 def test_tile_major_places_every_unit_where_the_kernel_reads_it(wtype, out_dim):
-    """tile_major: row r's unit u at ((r // 32) * units + u) * 32 T + (r % 32) T (T = TILE_UNIT: Q6_K's
-    210 bytes padded with 2 zeros), zeros past out_dim; with glu, tile T holds gate rows 16 T.. then up
-    rows 16 T.. (the rows of outputs 16 T..16 T + 15)."""
+    """tile_major: row r's unit u at ((r // 32) * units + u) * 32 T + (r % 32) T (T = TILE_UNIT), zeros
+    past out_dim; Q6_K: within each 16-row half of the tile (3360 bytes), row r's first 208 bytes at
+    208 (r % 16) and its d at 3328 + 2 (r % 16); with glu, tile T holds gate rows 16 T.. then up rows
+    16 T.. (the rows of outputs 16 T..16 T + 15)."""
     from ptx_gen.kernels.gemv_mma import TILE_ROWS, TILE_UNIT, UNIT_BYTES
 
     ub, tu, units = UNIT_BYTES[wtype], TILE_UNIT[wtype], 3
+    assert tu == ub  # (no padding)
     raw = np.random.default_rng(out_dim).integers(1, 256, out_dim * units * ub, dtype=np.uint8)
     rows = raw.reshape(out_dim, units, ub)
     zero = np.zeros(tu, np.uint8)
@@ -561,14 +563,23 @@ def test_tile_major_places_every_unit_where_the_kernel_reads_it(wtype, out_dim):
     def unit(r, u, tile_row):
         if wtype in BLOCK32:  # re-encoded: scales, fifth bits in lane order, codes (see _tiled_b32_unit)
             return _swizzled(_tiled_b32_unit(rows[r, u], wtype), wtype, tile_row)
-        return np.r_[rows[r, u], np.zeros(tu - ub, np.uint8)]
+        return rows[r, u]
+
+    def placed(t, base, tile_row):  # row tile_row's unit in the tile's unit starting at t[base]
+        if wtype != "Q6_K":
+            at = base + tile_row * tu
+            return t[at:at + tu]
+        half, i = divmod(tile_row, 16)
+        at = base + 3360 * half
+        return np.r_[t[at + 208 * i:at + 208 * i + 208], t[at + 3328 + 2 * i:at + 3328 + 2 * i + 2]]
     t = tile_major(raw, wtype, out_dim, 256 * units)
     n_t = -(-out_dim // TILE_ROWS)
     assert t.size == n_t * TILE_ROWS * units * tu
     for r in range(n_t * TILE_ROWS):
         for u in range(units):
-            at = ((r // TILE_ROWS) * units + u) * TILE_ROWS * tu + (r % TILE_ROWS) * tu
-            assert (t[at:at + tu] == (unit(r, u, r % TILE_ROWS) if r < out_dim else zero)).all(), (r, u)
+            base = ((r // TILE_ROWS) * units + u) * TILE_ROWS * tu
+            got = placed(t, base, r % TILE_ROWS)
+            assert (got == (unit(r, u, r % TILE_ROWS) if r < out_dim else zero)).all(), (r, u)
     if out_dim % 2 == 0:  # [gate; up] with ffn = out_dim / 2 outputs
         ffn, half = out_dim // 2, TILE_ROWS // 2
         g = tile_major(raw, wtype, out_dim, 256 * units, glu=True)
@@ -576,9 +587,9 @@ def test_tile_major_places_every_unit_where_the_kernel_reads_it(wtype, out_dim):
         for o in range(-(-ffn // half) * half):
             for u in range(units):
                 base = ((o // half) * units + u) * TILE_ROWS * tu
-                for which, at in ((0, base + (o % half) * tu), (1, base + (half + o % half) * tu)):
+                for which in (0, 1):
                     want = unit(which * ffn + o, u, which * half + o % half) if o < ffn else zero
-                    assert (g[at:at + tu] == want).all(), (o, u, which)
+                    assert (placed(g, base, which * half + o % half) == want).all(), (o, u, which)
 
 
 def _swizzled(unit: np.ndarray, wtype: str, tile_row: int) -> np.ndarray:

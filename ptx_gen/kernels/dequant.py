@@ -16,9 +16,10 @@ a NaN (not its payload); F16 weights are copied bit for bit.
 
 **Walk.** The weight's bytes are a stream of *rounds* (256 values of one row; for GGUF rows of a
 length that is not a multiple of 256, 256 consecutive values of the flattened matrix) at a fixed
-stride: the round's bytes (GGUF rows) or ``TILE_UNIT`` (tile-major, Q6_K: 212). Each warp takes
-``rounds`` consecutive rounds, a 16-byte aligned run of bytes: its lanes copy them to the warp's
-shared-memory stage with ``cp.async`` (16-byte pieces, coalesced), then decode the rounds from there
+stride: the round's bytes (GGUF rows) or ``TILE_UNIT`` (tile-major; Q6_K's 16-row halves hold rows of 208
+bytes and then their d, see ``Q6K_HALF``). Each warp takes ``rounds`` consecutive rounds, a 16-byte aligned
+run of bytes (tile-major Q6_K: its rows' 208 bytes each, then the 16-byte pieces holding their d): its
+lanes copy them to the warp's shared-memory stage with ``cp.async`` (16-byte pieces, coalesced), then decode the rounds from there
 with the GEMV's block decoders (lane ``l`` holds values ``8l .. 8l + 7`` of a round), and each lane
 stores its 8 values as one 16-byte ``st.global.v4`` (a warp writes 512 contiguous bytes per round).
 F32, F16 and BF16 need no stage: lanes load their 8 values with 16-byte loads. Rounds past the end,
@@ -39,7 +40,7 @@ from ptx_gen.builder import KernelBuilder, Module, Reg
 from ptx_gen.catalog import kernel
 from ptx_gen.kernels import quant_layout as ql
 from ptx_gen.kernels.gemv import _k_table_constants
-from ptx_gen.kernels.gemv_mma_layout import MMA_TYPES, SWIZZLE, TILE_ROWS, TILE_UNIT
+from ptx_gen.kernels.gemv_mma_layout import MMA_TYPES, Q6K_D, Q6K_HALF, Q6K_ROW, SWIZZLE, TILE_ROWS, TILE_UNIT
 from ptx_gen.kernels.gemv_plan import MAX_STATIC_SMEM
 from ptx_gen.kernels.quant_layout import DENSE, K_TABLE, ROUND, type_info
 
@@ -53,8 +54,10 @@ HALF = TILE_ROWS // 2  # gate (or up) rows of a glu tile
 
 
 def round_stride(wtype: str, layout: str) -> int:
-    """Bytes from one round of the stream to the next."""
-    return TILE_UNIT[wtype] if layout != "rows" else type_info(wtype).round_bytes
+    """Bytes from one round to the next in a warp's stage (and, but for tile-major Q6_K's d, in the stream)."""
+    if layout != "rows":
+        return Q6K_ROW if wtype == "Q6_K" else TILE_UNIT[wtype]
+    return type_info(wtype).round_bytes
 
 
 def check_weight_layout(wtype: str, in_dim: int, layout: str) -> None:
@@ -125,7 +128,8 @@ def dequant_f16(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str 
     name = (f"dequant_f16_{wtype.lower()}_k{in_dim}_{layout.replace('-', '_')}_g{g}_w{warps}"
             + ("_il" if interleave else ""))
     stride = round_stride(wtype, layout)
-    stage = 0 if wtype in DENSE else g * stride + 16  # (+16: a realigning read may pass the last block)
+    stage = 0 if wtype in DENSE else g * stride + 16 * _q6k_d_pieces(wtype, layout, g) + 16  # (+16: a
+    # realigning read may pass the last block)
     table = g * TABLE_BYTES if wtype in K_TABLE else 0
     if (stage + table) * warps > MAX_STATIC_SMEM:
         raise ValueError(f"{wtype}: {warps} warps of {g} rounds need {(stage + table) * warps} bytes of shared memory, "
@@ -261,7 +265,16 @@ def _stage(k: KernelBuilder, layout: str, wtype: str, in_dim: int, g: int, strid
     npieces = nbytes // 16
     w = k.global_ptr("w")
     lane16 = k.shl(lane, 4)
-    src = k.add(k.add(w, k.mul_wide(seg, nbytes)), k.cvt(lane16, "u64"))
+    dpieces = _q6k_d_pieces(wtype, layout, g)
+    if dpieces:  # tile-major Q6_K: round g0 is row g0 % 16 of half g0 / 16; then the pieces of its rows' d
+        g0 = k.mul(seg, g)
+        half = k.add(w, k.mul_wide(k.shr(g0, 4), Q6K_HALF))
+        src = k.add(k.add(half, k.cvt(k.mul(k.and_(g0, 15), Q6K_ROW), "u64")), k.cvt(lane16, "u64"))
+        dsrc = k.add(half, k.cvt(k.add(k.shl(k.and_(g0, 8), 1), Q6K_D), "u64"))  # (16 bytes: 8 rows' d)
+        for q in range(dpieces):
+            k.cp_async(k.add(sbuf, nbytes + 16 * q), dsrc, pred=k.setp("eq", lane, q), src_offset=16 * q)
+    else:
+        src = k.add(k.add(w, k.mul_wide(seg, nbytes)), k.cvt(lane16, "u64"))
     dst = k.add(sbuf, lane16)
     end = k.add(w, k.mul_wide(out_dim, type_info(wtype).row_bytes(in_dim))) if layout == "rows" else None
     for q in range(-(-npieces // 32)):
@@ -272,6 +285,12 @@ def _stage(k: KernelBuilder, layout: str, wtype: str, in_dim: int, g: int, strid
     k.grid_dependency_wait()
     k.cp_async_wait_all()
     k.bar_warp_sync()
+
+
+def _q6k_d_pieces(wtype: str, layout: str, g: int) -> int:
+    """16-byte pieces of d a warp of ``g`` rounds stages after its rows (tile-major Q6_K: a piece holds
+    8 rows' d), else 0."""
+    return -(-g // 8) if wtype == "Q6_K" and layout != "rows" else 0
 
 
 def _quant(k: KernelBuilder, wtype: str, g: int, stride: int, sbuf: Reg, table: Reg | None, g0: Reg, n_rounds: Reg,
@@ -292,6 +311,9 @@ def _quant(k: KernelBuilder, wtype: str, g: int, stride: int, sbuf: Reg, table: 
             align = 8 if info.block_bytes % 8 == 0 else 4
         else:
             sel = ql.realign_selector(k, lane_bb, ql.field_offset(wtype, "qs"))
+    d_base = None  # tile-major Q6_K: round i's d at d_base + 2 i (the staged pieces start at row g0 & ~7)
+    if wtype == "Q6_K" and tiled:
+        d_base = k.add(sbuf, k.add(k.shl(k.and_(g0, 7), 1), g * stride))
     if table is not None:
         lc.update(_k_table_constants(k, lane))
         _k_table(k, g, stride, sbuf, table, lc, g0, n_rounds)
@@ -311,7 +333,8 @@ def _quant(k: KernelBuilder, wtype: str, g: int, stride: int, sbuf: Reg, table: 
                 alpha = 32.0 if wtype == "Q4_K" else 64.0  # f = 0.5 + q / alpha
                 vals = [k.sub(k.mul(dsc, k.fma(f, alpha, -alpha / 2)), dm) for f in fs]  # (d sc) q - dmin mn
             else:  # Q6_K: every round's phase is known (the stage is 16-byte aligned)
-                vals = _exact(k, ql.decode_q6k(k, _off(k, sbuf, i * stride), lc, (8, i * stride % 8)))
+                vals = _exact(k, ql.decode_q6k(k, _off(k, sbuf, i * stride), lc, (8, i * stride % 8),
+                                               d_at=None if d_base is None else _off(k, d_base, 2 * i)))
             _store(k, idx, vals)
 
 

@@ -12,7 +12,8 @@ round of the GEMV: one K-quant block, eight 32-value blocks, 256 dense values).
 **Weights.** Per chunk a warp copies the bytes of its 16 rows' chunk (one *segment* per row) into a ring
 of ``stages`` shared-memory slots with ``cp.async`` (two lanes per segment, 16-byte pieces at 32-byte
 steps; a segment not 16-byte aligned, Q6_K's 210-byte rounds or rows of 32-value blocks whose length is
-no multiple of 256, is copied from its aligned start and read at its phase). The ring runs
+no multiple of 256, is copied from its aligned start and read at its phase; a tile-major Q6_K segment is
+its row's 208 aligned bytes and the 16 bytes of its half-tile that hold the row's d). The ring runs
 ``stages - 1`` chunks ahead of the decoding, so a warp keeps that many chunks of bytes in flight.
 
 **Decoding into the A fragments.** The MMA sums over k in any order, as long as A and B agree. Lane
@@ -48,7 +49,7 @@ from ptx_gen.catalog import kernel
 from ptx_gen.kernels import quant_layout as ql
 from ptx_gen.kernels.dequant import check_weight_layout
 from ptx_gen.kernels.elementwise import silu
-from ptx_gen.kernels.gemv_mma_layout import MMA_TYPES, TILE_ROWS, TILE_UNIT
+from ptx_gen.kernels.gemv_mma_layout import MMA_TYPES, Q6K_D, Q6K_HALF, Q6K_ROW, TILE_ROWS, TILE_UNIT
 from ptx_gen.kernels.quant_layout import DENSE, K_TABLE, ROUND, type_info
 
 MTS = (8, 16, 32, 64, 128)
@@ -65,8 +66,8 @@ def chunk_bytes(wtype: str) -> int:
 
 def aligned(wtype: str, in_dim: int, layout: str) -> bool:
     """Whether every row's chunk starts 16-byte aligned (else it is read at its phase)."""
-    if layout != "rows":
-        return TILE_UNIT[wtype] % 16 == 0
+    if layout != "rows":  # (tile-major Q6_K: rows of Q6K_ROW bytes, 16-row halves of Q6K_HALF)
+        return wtype == "Q6_K" or TILE_UNIT[wtype] % 16 == 0
     return chunk_bytes(wtype) % 16 == 0 and type_info(wtype).row_bytes(in_dim) % 16 == 0
 
 
@@ -175,6 +176,12 @@ def gemm_q(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "ro
     else:
         step = TILE_ROWS * TILE_UNIT[wtype]
 
+    def tile_row_offset(pos: Reg) -> Reg:
+        """Byte offset of row ``pos`` (0..31) of a tile's unit (Q6_K: in its 16-row half, Q6K_HALF)."""
+        if wtype == "Q6_K":
+            return k.mad(k.shr(pos, 4), Q6K_HALF, k.mul(k.and_(pos, 15), Q6K_ROW))
+        return k.mul(pos, TILE_UNIT[wtype])
+
     def row_place(s: Reg) -> tuple[Reg, Reg]:
         """(byte offset of chunk 0 of MMA row ``s``, row valid) for a register ``s`` in 0..15."""
         if glu:  # rows 0-7: gate rows j0.., rows 8-15: the up rows of the same outputs
@@ -183,20 +190,27 @@ def gemm_q(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "ro
             ok = k.setp("lt", j, ffn)
             if layout == "glu-tiles":  # tile j / 16 holds gate rows 16 T.. then their up rows
                 pos = k.add(k.and_(j, 15), k.shl(up, 4))
-                return k.add(k.mul(k.shr(j, 4), units * step), k.mul(pos, TILE_UNIT[wtype])), ok
+                return k.add(k.mul(k.shr(j, 4), units * step), tile_row_offset(pos)), ok
             row = k.mad(up, ffn, j)
         else:
             row = k.add(n0, s)
             ok = k.setp("lt", row, n_rows)
         if layout == "rows":
             return k.mul(row, info.row_bytes(in_dim)), ok
-        return k.add(k.mul(k.shr(row, 5), units * step), k.mul(k.and_(row, 31), TILE_UNIT[wtype])), ok
+        return k.add(k.mul(k.shr(row, 5), units * step), tile_row_offset(k.and_(row, 31))), ok
 
     # copy plan: lanes 2s, 2s + 1 copy segment s, pieces (lane % 2) + 2 t
     cseg = k.shr(lane, 1)
     codd = k.and_(lane, 1)
     c_off, c_ok = row_place(cseg)
     c_dst = k.add(k.mul(cseg, seg), k.shl(codd, 4))
+    q6k_tiles = wtype == "Q6_K" and layout != "rows"
+    if q6k_tiles:
+        # tile-major Q6_K: the odd lane's last piece (13, bytes 208..223 of the segment) is the 16 bytes of
+        # its half holding the d of the segment's row and the 7 rows beside it, Q6K_D + 16 (pos / 8) past the
+        # half (pos: the row in its half; the MMA rows 8 apart share pos % 8), instead of bytes 208.. of the row
+        pos = k.and_(k.add(n0, cseg) if not glu else k.add(j0, k.and_(cseg, 7)), 15)
+        d_fix = k.mul(codd, k.sub(k.add(k.shl(k.shr(pos, 3), 4), Q6K_D - Q6K_ROW), k.mul(pos, Q6K_ROW)))
     w_ptr = k.global_ptr("w")
     n_t = -(-npieces // 2)
 
@@ -238,6 +252,9 @@ def gemm_q(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "ro
             size = None
             if limit is not None:
                 size = k.selp(16, 0, k.setp("lt", k.add(k.shl(codd, 4), 32 * t), limit), "u32")
+            if q6k_tiles and t == n_t - 1:
+                k.cp_async(dst, k.add(src, k.cvt(d_fix, "u64")), pred=p_ok, dst_offset=32 * t, src_offset=32 * t)
+                continue
             k.cp_async(dst, src, pred=p_ok, dst_offset=32 * t, src_offset=32 * t, src_size=size)
 
     # ---- decode constants ----
@@ -336,8 +353,11 @@ def _chunk(k: KernelBuilder, wtype: str, slot: Reg, c: Reg, rows_dec: list, dec_
             vals = ql.k_scale_pair(k, wtype, bb, kpair_sel)
             k.store("shared", "f32", k.add(table, k.add(k.shl(rows_dec[0], 6), k.shl(q, 4))), vals, 512 * s)
         k.bar_warp_sync()
-    if wtype == "Q6_K":
+    if wtype == "Q6_K" and dec_abs is not None:
         sels = [ql.realign_selector(k, bb) for bb in bases]
+    elif wtype == "Q6_K":  # (tile-major: aligned rows, each row's d 208 + 2 r into its segment, see issue)
+        sels = [None] * len(bases)
+        lc = {**lc, "q6k_d": k.add(k.shl(rows_dec[0], 1), Q6K_ROW)}
     xc = k.add(x_ptr, k.mul_wide(c, 2 * CHUNK))
     tail_blocks = tail // 32  # whole 32-value blocks of the last chunk (tail < CHUNK only)
     for b in range(CHUNK // 32):
@@ -409,7 +429,8 @@ def _decode(k: KernelBuilder, wtype: str, info, bb: Reg, b: int, lc: dict, q: Re
     rot_h = (5 - 2 * qq) % 32
     lcb = {"ql_off": k.add(q8, 64 * h + 32 * (qq & 1)) if (h or qq & 1) else q8, "qh_off": k.add(q8, 128 + 32 * h),
            "sc_off": k.add(k.shr(q, 1), 192 + 8 * h + 2 * qq), "rot_l": rot_l, "rot_h": rot_h}
-    dec = ql.decode_q6k(k, bb, lcb, None, sel)
+    dec = ql.decode_q6k(k, bb, lcb, None if sel is not None else (8, 0), sel,
+                        d_at=k.add(bb, lc["q6k_d"]) if "q6k_d" in lc else None)
     a, cc = ql.affine(k, dec)
     return _pack(k, [k.fma(f, a, cc) for f in dec.fs])
 

@@ -75,6 +75,7 @@ from ptx_gen.kernels.gemv_mma_layout import (
     PARTS,
     PLANE,
     Q6K_CHUNKS,
+    Q6K_HALF,
     Q8_DIGITS,
     SOLO_SMEM,
     SWIZZLE,
@@ -84,6 +85,7 @@ from ptx_gen.kernels.gemv_mma_layout import (
     XSLOT,
     layout,
     q6k_glu_offsets_fit,
+    stage_bytes,
     table_row,
     tile_major,
 )
@@ -171,7 +173,7 @@ class _Warp:
 
     @property
     def stage_bytes(self) -> int:
-        return self.R * self.U
+        return stage_bytes(self.wtype, self.R, self.U, self.G, self.tiled)
 
     @property
     def hints(self) -> dict:
@@ -231,6 +233,10 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
         # fit the shared memory (solo). (8-warp CTAs of 32-row warps on GGUF rows keep ptxas's guess: two
         # CTAs' worth spills Q4_0's on sm_80)
         k.min_blocks = 1 if 2 * (lay["launch_smem"] + 1024) > 228 * 1024 else 2
+    elif wtype == "Q6_K" and tiled:
+        # ptxas's own guess held some at 128 registers with a few bytes spilled (8 warps solo on sm_89, 3
+        # warps on sm_90): registers for as many CTAs as the shared memory lets an SM hold
+        k.min_blocks = max(1, min(8, 228 * 1024 // (lay["launch_smem"] + 1024)))
     k.meta.update(block=32 * warps, rows_per_cta=(16 if glu else R) * mtiles, dyn_smem=lay["launch_smem"],
                   row_bytes=lay["row_bytes"], tiled=tiled, cols=cols)
     s = _prologue(k, lay, wtype, mtiles, kparts, stages, tiles, bulk, glu, tiled)
@@ -409,7 +415,7 @@ def _bulk_copies(s: _Warp):
         k.mbarrier_expect_tx(mb, R * G, pred=k.both(lane0, valid))
         if s.tiled:  # the whole stage, one copy
             k.cp_async_bulk(k.add(s.ring, slot_off) if isinstance(slot_off, Reg) or slot_off else s.ring,
-                            s.tile_src(j), R * U, mb, pred=k.both(lane0, valid), policy=s.wpol)
+                            s.tile_src(j), s.stage_bytes, mb, pred=k.both(lane0, valid), policy=s.wpol)
             return
         dst = k.add(dst_lane, slot_off) if isinstance(slot_off, Reg) or slot_off else dst_lane
         src = k.add(src_lane, k.mul_wide(j, G * kparts) if isinstance(j, Reg) else j * G * kparts)
@@ -426,7 +432,7 @@ def _tiled_copies(s: _Warp):
     """Tile-major cp.async: emits the lanes' chunk offsets and returns ``issue``. 16-byte chunk
     c = lane + 32 q of the stage goes from the tile's bytes to the same offset in the ring."""
     k, lane = s.k, s.lane
-    nchunks = s.R * s.U // 16
+    nchunks = s.stage_bytes // 16
     lane16w = k.cvt(k.shl(lane, 4), "u64")
     dst0 = k.add(s.ring, k.shl(lane, 4))
     oks = [k.setp("lt", k.add(lane, 32 * q), nchunks) if (q + 1) * 32 > nchunks else None
@@ -556,7 +562,7 @@ def _fill_ring(s: _Warp, issue) -> None:
             k.cp_async_commit()
     for j in range(s.stages, min(s.stages + s.l2pre, s.n_units)):  # (one stage of R U contiguous bytes each)
         with k.if_(k.both(k.setp("eq", s.lane, 0), s.has(j))):
-            k.prefetch_l2(s.tile_src(j), s.R * s.U)
+            k.prefetch_l2(s.tile_src(j), s.stage_bytes)
     k.grid_dependency_wait()
 
 
@@ -641,6 +647,10 @@ def _lane_context(s: _Warp) -> dict:
         ctx["b_q6"] = k.add(k.shl(g, 6), k.shl(t, 4))  # lane (g, t)'s B words: [m / 2][g][t][m % 2][2]
         ctx["t_gc"] = k.add(ctx["t_g"], k.shl(k.shr(t, 1), 5))  # its scales: class t / 2 of row g
         ctx["a_lane"] = k.add(k.mul(g, U), ctx["t4"])  # its A words: row g, bytes 4t + 16 m'
+        # a stage's 16-row tiles are 16 U apart, or (tile-major) Q6K_HALF; lane r's row, and its d
+        ctx["tile_step"] = Q6K_HALF if s.tiled else 16 * U
+        if s.tiled:  # (its d: see _q6k_table_row)
+            ctx["row_stage"] = k.mad(k.shr(lane, 4), Q6K_HALF, k.mul(k.and_(lane, 15), U))
     if wtype in PAIRED:
         ctx["t_gc"] = k.add(ctx["t_g"], k.shl(k.shr(t, 1), 4))  # lane (g, t)'s scales: class t / 2 of row g
         if wtype in ("Q4_K", "Q5_K"):

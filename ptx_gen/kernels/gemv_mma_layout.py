@@ -55,9 +55,15 @@ TILE_ROWS = 32  # rows of a tile of tile-major weights (tile_major)
 # 18- and 22-byte blocks put half the code words 2 bytes off a word), the unit's size unchanged
 TILED_B32 = {"Q4_0": dict(sc=2, qh=None, qs=16), "Q4_1": dict(sc=4, qh=None, qs=32),
              "Q5_0": dict(sc=2, qh=16, qs=48), "Q5_1": dict(sc=4, qh=32, qs=64)}
-# bytes of a row's unit in a tile: Q6_K's 210 padded to 212, so that every row starts on a word (its
-# words then load as they are, with no second load and funnel shift, worth the 1% more bytes)
-TILE_UNIT = {**UNIT_BYTES, "Q6_K": 212}
+# bytes of a row's unit in a tile (a tile's unit is TILE_ROWS * TILE_UNIT bytes): as in GGUF
+TILE_UNIT = dict(UNIT_BYTES)
+# Tile-major Q6_K units hold each 16-row half of a tile as its 16 rows of ``Q6K_ROW`` bytes (ql, qh and
+# scales, as in GGUF: every row 16-byte aligned) and then the 16 rows' d (f16), ``Q6K_HALF`` bytes in
+# all: no padding, and rows 52 words apart, so that the 8 rows g of an MMA tile, read at word 4 m + t by
+# lane (g, t), hit distinct banks (210-byte rows padded to 212 were 53 words apart: 2-3 way conflicts)
+Q6K_ROW = 208
+Q6K_D = 16 * Q6K_ROW  # the d's offset in a half
+Q6K_HALF = 16 * UNIT_BYTES["Q6_K"]
 # Q4_1's 160-byte rows (40 words) would put rows g and g + 4 of an MMA tile in the same banks where a
 # warp loads one word of a block from 8 rows (rows g of a tile, word t), Q5_1's 192-byte rows (48 words)
 # rows g, g + 2, g + 4, g + 6. On GGUF rows they are staged ``ROW_PAD`` bytes apart more than they are
@@ -112,6 +118,8 @@ def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, tiles
     warps = mtiles * kparts
     unit = TILE_UNIT[wtype] if tiled else STRIDE[wtype]  # (tile-major: a stage is its tile's bytes as they are)
     stride = unit + (0 if tiled else ROW_PAD.get(wtype, 0))
+    if tiled and wtype == "Q6_K":  # (rows Q6K_ROW apart within each 16-row half, see Q6K_HALF)
+        stride = Q6K_ROW
     rows = 16 * tiles
     off = {}
     pos = 0
@@ -121,7 +129,7 @@ def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, tiles
         off[name] = pos
         pos += -(-nbytes // 16) * 16
 
-    take("ring", warps * stages * rows * stride)
+    take("ring", warps * stages * stage_bytes(wtype, rows, stride, unit, tiled))
     take("xbuf", warps * cols * XSLOT[wtype])  # (a warp's slot, a column: the unit's digits while it is used)
     take("table", warps * rows * table_row(wtype, tiled))
     take("red", warps * rows * 4 * cols if kparts > 1 else 0)
@@ -134,6 +142,12 @@ def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, tiles
     return dict(stride=stride, unit=unit, units=units, per_warp=-(-units // kparts), per_warp_min=units // kparts,
                 warps=warps, smem=pos, off=off,
                 row_bytes=in_dim // 256 * UNIT_BYTES[wtype], rows=rows, launch_smem=max(pos, SOLO_SMEM) if solo else pos)
+
+
+def stage_bytes(wtype: str, rows: int, stride: int, unit: int, tiled: bool) -> int:
+    """Bytes of a warp's stage of ``rows`` rows: its tile's bytes as they are (tile-major), or rows
+    ``stride`` bytes apart."""
+    return rows * (unit if tiled else stride)
 
 
 def swizzle_key(wtype: str, row: int) -> int:
@@ -188,10 +202,10 @@ def _repack_b32(units: np.ndarray, wtype: str) -> np.ndarray:
 def tile_major(raw: np.ndarray, wtype: str, out_dim: int, in_dim: int, glu: bool = False) -> np.ndarray:
     """W's bytes (GGUF rows, ``out_dim`` x ``in_dim``) as the ``tiled`` kernels read them: tiles of
     ``TILE_ROWS`` rows, and within a tile unit by unit, each unit's ``TILE_ROWS`` rows of 256 values back
-    to back, ``TILE_UNIT`` bytes apart (Q6_K: its 210 bytes and 2 zero bytes), i.e. ``TILE_ROWS *
-    TILE_UNIT`` contiguous bytes, what one warp stages (the 32-value block types' units re-encoded as
-    :data:`TILED_B32` says, Q4_1's and Q5_1's rows with their 16-byte chunks permuted as :data:`SWIZZLE`
-    says). Tile T, unit u starts at byte ``(T * units + u)
+    to back, ``TILE_UNIT`` bytes apart, i.e. ``TILE_ROWS * TILE_UNIT`` contiguous bytes, what one warp
+    stages (the 32-value block types' units re-encoded as :data:`TILED_B32` says, Q4_1's and Q5_1's rows
+    with their 16-byte chunks permuted as :data:`SWIZZLE` says; Q6_K's two halves of 16 rows each as
+    :data:`Q6K_HALF` says: rows of :data:`Q6K_ROW` bytes, then their d). Tile T, unit u starts at byte ``(T * units + u)
     * TILE_ROWS * TILE_UNIT``; the last tile is zero-filled past ``out_dim``.
     With ``glu`` W is [gate; up] (``out_dim`` = 2 ffn rows) and tile T holds gate rows 16 T .. 16 T + 15
     and then up rows 16 T .. 16 T + 15 (the rows a warp of the fused gate/up GEMV takes)."""
@@ -203,9 +217,6 @@ def tile_major(raw: np.ndarray, wtype: str, out_dim: int, in_dim: int, glu: bool
     rows = rows.reshape(out_dim, units, ub)
     if wtype in BLOCK32:
         rows = _repack_b32(rows, wtype)
-    if tu != ub:
-        rows = np.concatenate([rows, np.zeros((out_dim, units, tu - ub), np.uint8)], axis=2)
-        ub = tu
     if glu:
         if out_dim % 2:
             raise ValueError(f"tile_major: a gate/up weight holds 2 ffn rows, got {out_dim}")
@@ -221,4 +232,8 @@ def tile_major(raw: np.ndarray, wtype: str, out_dim: int, in_dim: int, glu: bool
         pad = np.zeros((n_t * TILE_ROWS, units, ub), np.uint8)
         pad[:out_dim] = rows
         tiles = pad.reshape(n_t, TILE_ROWS, units, ub).transpose(0, 2, 1, 3)  # (T, u, row, bytes)
+    if wtype == "Q6_K":  # each half: its 16 rows' first Q6K_ROW bytes, then their d (Q6K_HALF)
+        halves = tiles.reshape(*tiles.shape[:2], 2, TILE_ROWS // 2, ub)
+        tiles = np.concatenate([halves[..., :Q6K_ROW].reshape(*tiles.shape[:2], 2, Q6K_D),
+                                halves[..., Q6K_ROW:].reshape(*tiles.shape[:2], 2, Q6K_HALF - Q6K_D)], axis=-1)
     return np.ascontiguousarray(_swizzle_rows(tiles, wtype)).reshape(-1)

@@ -7,7 +7,8 @@ import contextlib
 
 from ptx_gen.builder import KernelBuilder, Reg
 from ptx_gen.kernels import quant_layout as ql
-from ptx_gen.kernels.gemv_mma_layout import BLOCK32, INVF, MINS, PAIRED, PLANE, SWIZZLE, TILED_B32, XSUM
+from ptx_gen.kernels.gemv_mma_layout import (BLOCK32, INVF, MINS, PAIRED, PLANE, Q6K_D, Q6K_ROW, SWIZZLE,
+                                             TILED_B32, XSUM)
 
 def _mod(k: KernelBuilder, j: Reg, n: int) -> Reg:
     return k.and_(j, n - 1) if n & (n - 1) == 0 else k.rem(j, n)
@@ -202,7 +203,8 @@ def _sext_byte(k: KernelBuilder, word: Reg, b: int) -> Reg:
 
 def _unit_q6k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, p: Reg | None) -> None:
     """One Q6_K block of the warp's rows, staged at ``sbase`` + 240 r + ``p`` (row r; p = 0, 2, .., 14),
-    or with ``p`` None (tile-major weights) at ``sbase`` + 212 r, word-aligned.
+    or with ``p`` None (tile-major weights, :data:`Q6K_HALF`) at ``sbase`` + 3360 (r / 16) + 208 (r % 16),
+    its d at ``sbase`` + 3360 (r / 16) + 3328 + 2 (r % 16).
 
     Block: ql (128 bytes: value 128 n + 32 i + l has the low nibble (i < 2) or high nibble (i >= 2) of
     ql[64 n + 32 (i % 2) + l]), qh (64: its bits 2i, 2i + 1 of qh[32 n + l]), 16 int8 scales (one per
@@ -264,11 +266,14 @@ def _q6k_table_row(k: KernelBuilder, c: dict, sbase: Reg, row_w: Reg, p: Reg | N
     """Lane r's (< R) part of a Q6_K unit's table: row r's 16 int8 scales sign-extended into the table
     ([class 0: m 0..7][class 1: m 0..7]); returns its d as f32."""
     row = k.add(sbase, row_w)
-    ws = [k.load("shared", "u32", row, 192 + 4 * i) for i in range(4 if p is None else 5)]
-    sw = [realign(ws[i], ws[i + 1] if i < 3 or p is not None else None) for i in range(4)]  # scales 4i..4i+3
-    if p is None:
-        d = ql.lds_f16(k, row, 208)
+    if p is None:  # (tile-major: the scales one 16-byte vector; d after the 16 rows of the half, Q6K_HALF:
+        # Q6K_D - 206 (r % 16) bytes past the row, r % 16 recomputed here rather than held in a register)
+        sw = list(k.load("shared", "u32", row, 192, vec=4))
+        r16 = k.and_(k.tid(), 15)
+        d = ql.lds_f16(k, k.sub(k.add(row, Q6K_D), k.mul(r16, Q6K_ROW - 2)), 0)
     else:
+        ws = [k.load("shared", "u32", row, 192 + 4 * i) for i in range(5)]
+        sw = [realign(ws[i], ws[i + 1]) for i in range(4)]  # scales 4i..4i+3
         d = k.cvt(Reg(k.unpack_b32(realign(ws[4], ws[4]))[0].name, ql._f16), "f32")
     scs = [[_sext_byte(k, w_, b) for b in range(4)] for w_ in sw]
     for o, i in ((0, 0), (16, 2), (32, 1), (48, 3)):  # class 0: scales 0..3, 8..11; class 1: 4..7, 12..15
@@ -283,7 +288,7 @@ def _q6k_rows(k: KernelBuilder, c: dict, a0: Reg, r: int, p: Reg | None, realign
     S, TR = c["U"], c["TR"]
     words, scales = [], []
     for h in (0, 8):  # rows 16 r + g, 16 r + 8 + g
-        ro = (16 * r + h) * S
+        ro = r * c["tile_step"] + h * S
 
         def word(mi: int) -> Reg:
             lo = k.load("shared", "u32", a0, ro + 16 * mi)

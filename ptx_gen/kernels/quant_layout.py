@@ -457,13 +457,15 @@ def decode_kq(k: KernelBuilder, wtype: str, bb: Reg, lc: dict) -> list[Reg]:
     return magic_small(k, ts[0]) + magic_small(k, ts[1])
 
 
-def decode_q6k(k: KernelBuilder, bb: Reg, lc: dict, phase: tuple[int, int] | None, sel: Reg | None = None) -> Decoded:
+def decode_q6k(k: KernelBuilder, bb: Reg, lc: dict, phase: tuple[int, int] | None, sel: Reg | None = None,
+               d_at: Reg | None = None) -> Decoded:
     """The lane's 8 values of the Q6_K block at ``bb`` (an even address). ``phase``: what is known of
     its alignment, ``(modulus, residue)`` as for :func:`lds_bits`; None when only the runtime realign
-    selector ``sel`` (:func:`realign_selector` of ``bb``) knows it."""
+    selector ``sel`` (:func:`realign_selector` of ``bb``) knows it. ``d_at``: where the block's d is, if
+    not after its scales (tile-major weights keep a half-tile's d after its rows)."""
     if phase is not None:  # ql/qh offsets are multiples of 8: the block's phase is theirs
-        lows = lds_bits(k, k.add(bb, lc["ql_off"]), 2, phase, lc["rot_l"], lc["fr_l"], 0x1E1E1E1E)
-        his = lds_bits(k, k.add(bb, lc["qh_off"]), 2, phase, lc["rot_h"], lc["fr_h"], 0x60606060)
+        lows = lds_bits(k, k.add(bb, lc["ql_off"]), 2, phase, lc["rot_l"], lc.get("fr_l"), 0x1E1E1E1E)
+        his = lds_bits(k, k.add(bb, lc["qh_off"]), 2, phase, lc["rot_h"], lc.get("fr_h"), 0x60606060)
     else:
         ql = lds_words(k, k.add(bb, lc["ql_off"]), 0, 2, None, sel)
         qh = lds_words(k, k.add(bb, lc["qh_off"]), 0, 2, None, sel)
@@ -471,7 +473,7 @@ def decode_q6k(k: KernelBuilder, bb: Reg, lc: dict, phase: tuple[int, int] | Non
         his = [nibbles_to_bits(k, w, lc["rot_h"], 0x60606060) for w in qh]
     ts = [k.or_(lo, hi) for lo, hi in zip(lows, his)]
     fs = magic_small(k, ts[0]) + magic_small(k, ts[1])
-    d = lds_f16(k, bb, field_offset("Q6_K", "d"))
+    d = lds_f16(k, bb, field_offset("Q6_K", "d")) if d_at is None else lds_f16(k, d_at, 0)
     sc8 = k.load("shared", "s8", k.add(bb, lc["sc_off"]))
     sc = k.cvt(Reg(sc8.name, ptx_type("s16")), "f32")
     # q = 128 f - 64: dl (q - 32) = dl (128 f - 96)
