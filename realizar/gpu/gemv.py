@@ -97,14 +97,17 @@ FAST_DRAM_BULK = ("Q4_0", "Q5_0", "Q4_1", "Q5_1")
 # SMs (14336 x 4096: 112 CTAs on 132 SMs): shapes whose whole grid fits the SMs' shared memory at once
 # (one x slot a warp, 48-byte table rows for Q5_0 / Q5_1), e.g. Q5_K 448 CTAs of 4 warps, 4 an SM
 # (bench_gemv --mma-sweep, H200, 2026-11-28, docs/results/bench_gemv_sweep_h200.md, 14336 x 4096: Q5_K
-# 11.1 against 12.1 µs, Q5_0 10.9 against 11.7, Q5_1 11.5 against 12.2, Q6_K 13.7 against 14.6)
+# 11.1 against 12.1 µs, Q5_0 10.9 against 11.7, Q5_1 11.5 against 12.2; Q6_K, on its tile-major halves of
+# 208-byte rows (Q6K_HALF), 8-warp CTAs of 16-row warps, 224 of them, 13.4-13.5 against 13.8 µs for 3 warps
+# of 32 rows with bulk copies, docs/results/bench_gemv_q6k_ab_h200.md)
 FAST_DRAM_UNBALANCED = {"Q5_K": MmaConfig(1, 4, 2, 2), "Q5_0": MmaConfig(2, 2, 3, 2), "Q5_1": MmaConfig(1, 3, 2, 2),
-                        "Q6_K": MmaConfig(1, 3, 2, 2, bulk=True)}
+                        "Q6_K": MmaConfig(4, 2, 2, 1)}
 # and where the 8-warp pick gives each SM one CTA of one 32-row tile (4096 x 14336), the types that stream
-# faster in wider CTAs, as WIDE_BALANCED (same sweep, 4096 x 14336: Q5_K 11.1 against 11.3-11.6 µs, Q6_K
-# 13.5 against 13.7-13.9, Q4_0 9.2 against 9.4-9.6, Q4_1 9.8 against 10.1)
+# faster in wider CTAs, as WIDE_BALANCED (same sweep, 4096 x 14336: Q5_K 11.1 against 11.3-11.6 µs, Q4_0 9.2
+# against 9.4-9.6, Q4_1 9.8 against 10.1), or (Q6_K, on its 208-byte rows) in a deeper ring: 12.9-13.0
+# against 13.3 µs for 12 warps of 2 stages
 FAST_DRAM_WIDE = {"Q5_K": MmaConfig(1, 12, 2, 2, bulk=True, solo=True, late=True),
-                  "Q6_K": MmaConfig(1, 12, 2, 2, bulk=True, solo=True, late=True),
+                  "Q6_K": MmaConfig(1, 8, 3, 2, bulk=True, solo=True),
                   "Q4_0": MmaConfig(1, 16, 2, 2, bulk=True, solo=True, late=True),
                   "Q4_1": MmaConfig(1, 16, 2, 2, bulk=True, solo=True, late=True)}
 # (no pick asks for L2 prefetches past the ring, MmaConfig.l2pre: one unit a warp made GEMV after GEMV of
@@ -116,6 +119,9 @@ FAST_DRAM_WIDE = {"Q5_K": MmaConfig(1, 12, 2, 2, bulk=True, solo=True, late=True
 # (ptxas 13, sm_80 / sm_90, the dispatcher's CTAs of 32-row warps: Q4_K, Q5_K, Q4_0, Q4_1, Q5_0 and Q5_1 (its
 # swizzled rows' addresses) spill at 8 columns, Q6_K heavily, Q8_0 at 4)
 COLS_WIDE_TILES = {"Q4_K": 4, "Q5_K": 4, "Q6_K": 4, "Q4_0": 4, "Q4_1": 4, "Q5_0": 4, "Q5_1": 4, "Q8_0": 2}
+# and before sm_90 (cp.async rings), on tile-major weights: Q6_K's 4-column kernel of 32-row warps spills 8
+# bytes at 255 registers there (ptxas 13.5, sm_80)
+COLS_WIDE_TILES_CP_ASYNC = {"Q6_K": 2}
 # and the most columns one launch takes at all (Q6_K's 16-row warps spill at 8 too); gemv_cols runs more
 # in several launches
 COLS_PER_LAUNCH = {"Q6_K": 4}
@@ -302,8 +308,10 @@ class GemvOps(Dispatcher):
         one_tile_warps = not glu and (cfg.mtiles, cfg.kparts, cfg.tiles) == (1, 8, 2)
         fast_dram = self.fast_dram
         wide = WIDE_BALANCED.get(wtype) or (FAST_DRAM_WIDE.get(wtype) if fast_dram else None)
+        units = in_dim // 256
         if (wide is not None and cc >= (9, 0) and one_tile_warps and ctas <= self.sm_count
-                and in_dim // 256 >= 2 * wide.kparts and fits(wide)):  # (two units a warp at least)
+                and units >= 2 * wide.kparts and fits(wide)  # (two units a warp at least,
+                and (wide.stages == 2 or units > wide.stages * wide.kparts)):  # and past a deeper ring)
             return wide
         unbalanced = FAST_DRAM_UNBALANCED.get(wtype) if fast_dram and cc >= (9, 0) and not glu else None
         if unbalanced is not None and in_dim // 256 >= 2 * unbalanced.kparts and fits(unbalanced):
@@ -331,7 +339,7 @@ class GemvOps(Dispatcher):
         parts, then fewer warps along the rows, then (not glu) 16-row warps until every column's x slots
         and K-part sums fit the shared memory; CTAs of at most 8 warps for several columns, and 16-row warps
         for more than ``COLS_WIDE_TILES`` columns (32-row warps keep 8 accumulators a column and lane: they
-        spill). None beyond :func:`cols_per_launch` columns. Kept per argument (the device is this
+        spill; before sm_90 on tile-major weights ``COLS_WIDE_TILES_CP_ASYNC``). None beyond :func:`cols_per_launch` columns. Kept per argument (the device is this
         dispatcher's, fixed): the batched decode step asks at every launch."""
         if cols not in range(1, MAX_COLS + 1):
             raise ShapeError(f"the tensor-core GEMV takes 1..{MAX_COLS} columns, got {cols}")
@@ -356,7 +364,10 @@ class GemvOps(Dispatcher):
             while cfg.mtiles * cfg.kparts > 8:
                 cfg = dataclasses.replace(cfg, kparts=cfg.kparts // 2) if cfg.kparts > 1 else \
                     dataclasses.replace(cfg, mtiles=cfg.mtiles // 2)
-        if cols > COLS_WIDE_TILES.get(wtype, MAX_COLS):
+        wide_cols = COLS_WIDE_TILES.get(wtype, MAX_COLS)
+        if layout != "rows" and not glu and self.device.target.compute_capability < (9, 0):
+            wide_cols = min(wide_cols, COLS_WIDE_TILES_CP_ASYNC.get(wtype, wide_cols))
+        if cols > wide_cols:
             cfg = dataclasses.replace(cfg, tiles=1)
         max_smem = self.device.max_shared_per_block_optin
         while True:
