@@ -592,6 +592,21 @@ def test_tile_major_places_every_unit_where_the_kernel_reads_it(wtype, out_dim):
                     assert (placed(g, base, which * half + o % half) == want).all(), (o, u, which)
 
 
+def test_q6k_tile_major_rows_are_read_without_bank_conflicts():
+    """Tile-major Q6_K: a staged half-tile's rows lie Q6K_ROW bytes apart, so that lane (g, t)'s A word
+    4 m' + t of row g (g < 8, t < 4, each of the 12 code words m') lands in its own bank, every row
+    16-byte aligned, and a tile's unit is exactly 32 rows of 210 bytes (no padding)."""
+    from ptx_gen.kernels.gemv_mma_layout import Q6K_D, Q6K_HALF, Q6K_ROW, TILE_ROWS, TILE_UNIT, layout
+    lay = layout("Q6_K", 4096, 1, 2, 2, 2, tiled=True)
+    assert lay["stride"] == Q6K_ROW and Q6K_ROW % 16 == 0 and Q6K_HALF % 16 == 0
+    for mi in range(12):
+        banks = {(g * Q6K_ROW // 4 + 4 * mi + t) % 32 for g in range(8) for t in range(4)}
+        assert len(banks) == 32, mi
+    assert Q6K_D == 16 * Q6K_ROW and 2 * Q6K_HALF == TILE_ROWS * TILE_UNIT["Q6_K"] == TILE_ROWS * 210
+    # (the 212-byte rows before: 53 words apart, 2-3 lanes a bank)
+    assert len({(g * 53 + t) % 32 for g in range(8) for t in range(4)}) < 32
+
+
 def _swizzled(unit: np.ndarray, wtype: str, tile_row: int) -> np.ndarray:
     """A unit as row ``tile_row`` of a tile holds it: Q4_1 rows 4..7 (mod 8) swap their 16-byte chunks
     in pairs (chunk c at c ^ 1), Q5_1 rows 2 j, 2 j + 1 (mod 8) keep chunk c at c ^ j."""

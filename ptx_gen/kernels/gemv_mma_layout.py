@@ -205,11 +205,11 @@ def tile_major(raw: np.ndarray, wtype: str, out_dim: int, in_dim: int, glu: bool
     to back, ``TILE_UNIT`` bytes apart, i.e. ``TILE_ROWS * TILE_UNIT`` contiguous bytes, what one warp
     stages (the 32-value block types' units re-encoded as :data:`TILED_B32` says, Q4_1's and Q5_1's rows
     with their 16-byte chunks permuted as :data:`SWIZZLE` says; Q6_K's two halves of 16 rows each as
-    :data:`Q6K_HALF` says: rows of :data:`Q6K_ROW` bytes, then their d). Tile T, unit u starts at byte ``(T * units + u)
-    * TILE_ROWS * TILE_UNIT``; the last tile is zero-filled past ``out_dim``.
+    :data:`Q6K_HALF` says: rows of :data:`Q6K_ROW` bytes, then their d). Tile T, unit u starts at byte
+    ``(T * units + u) * TILE_ROWS * TILE_UNIT``; the last tile is zero-filled past ``out_dim``.
     With ``glu`` W is [gate; up] (``out_dim`` = 2 ffn rows) and tile T holds gate rows 16 T .. 16 T + 15
     and then up rows 16 T .. 16 T + 15 (the rows a warp of the fused gate/up GEMV takes)."""
-    ub, tu, units = UNIT_BYTES[wtype], TILE_UNIT[wtype], in_dim // 256
+    ub, units = UNIT_BYTES[wtype], in_dim // 256  # (TILE_UNIT[wtype] == ub: no padding)
     rows = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
     if in_dim % 256 or rows.size != out_dim * units * ub:
         raise ValueError(f"tile_major: {wtype} {out_dim} x {in_dim} needs in_dim a multiple of 256 and "
