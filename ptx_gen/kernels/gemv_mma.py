@@ -173,7 +173,7 @@ class _Warp:
 
     @property
     def stage_bytes(self) -> int:
-        return stage_bytes(self.wtype, self.R, self.U, self.G, self.tiled)
+        return stage_bytes(self.R, self.U, self.G, self.tiled)
 
     @property
     def hints(self) -> dict:
@@ -647,9 +647,10 @@ def _lane_context(s: _Warp) -> dict:
         ctx["b_q6"] = k.add(k.shl(g, 6), k.shl(t, 4))  # lane (g, t)'s B words: [m / 2][g][t][m % 2][2]
         ctx["t_gc"] = k.add(ctx["t_g"], k.shl(k.shr(t, 1), 5))  # its scales: class t / 2 of row g
         ctx["a_lane"] = k.add(k.mul(g, U), ctx["t4"])  # its A words: row g, bytes 4t + 16 m'
-        # a stage's 16-row tiles are 16 U apart, or (tile-major) Q6K_HALF; lane r's row, and its d
+        # a stage's 16-row tiles are 16 U apart, or (tile-major) Q6K_HALF; there, lane r's row (its d: see
+        # _q6k_table_row)
         ctx["tile_step"] = Q6K_HALF if s.tiled else 16 * U
-        if s.tiled:  # (its d: see _q6k_table_row)
+        if s.tiled:
             ctx["row_stage"] = k.mad(k.shr(lane, 4), Q6K_HALF, k.mul(k.and_(lane, 15), U))
     if wtype in PAIRED:
         ctx["t_gc"] = k.add(ctx["t_g"], k.shl(k.shr(t, 1), 4))  # lane (g, t)'s scales: class t / 2 of row g

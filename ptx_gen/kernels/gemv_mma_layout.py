@@ -129,7 +129,7 @@ def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, tiles
         off[name] = pos
         pos += -(-nbytes // 16) * 16
 
-    take("ring", warps * stages * stage_bytes(wtype, rows, stride, unit, tiled))
+    take("ring", warps * stages * stage_bytes(rows, stride, unit, tiled))
     take("xbuf", warps * cols * XSLOT[wtype])  # (a warp's slot, a column: the unit's digits while it is used)
     take("table", warps * rows * table_row(wtype, tiled))
     take("red", warps * rows * 4 * cols if kparts > 1 else 0)
@@ -144,7 +144,7 @@ def layout(wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, tiles
                 row_bytes=in_dim // 256 * UNIT_BYTES[wtype], rows=rows, launch_smem=max(pos, SOLO_SMEM) if solo else pos)
 
 
-def stage_bytes(wtype: str, rows: int, stride: int, unit: int, tiled: bool) -> int:
+def stage_bytes(rows: int, stride: int, unit: int, tiled: bool) -> int:
     """Bytes of a warp's stage of ``rows`` rows: its tile's bytes as they are (tile-major), or rows
     ``stride`` bytes apart."""
     return rows * (unit if tiled else stride)
