@@ -312,9 +312,10 @@ def test_emulator_catches_cp_async_misuse():
        kparts=st.sampled_from([1, 2, 4, 8]), stages=st.sampled_from([2, 3, 4, 8]), tiles=st.sampled_from([1, 2]),
        units=st.integers(1, 5), target=st.sampled_from(["sm_80", "sm_90", "sm_90 bulk"]),
        bias=st.booleans(), residual=st.booleans(), scale=st.sampled_from([1e-3, 1.0, 500.0]),
-       tiled=st.booleans(), solo=st.booleans(), l2pre=st.sampled_from([0, 1, 3]), seed=st.integers(0, 2**32 - 1))
+       tiled=st.booleans(), solo=st.booleans(), l2pre=st.sampled_from([0, 1, 3]), ahead=st.sampled_from([0, 1, 2]),
+       seed=st.integers(0, 2**32 - 1))
 def test_gemv_mma_emulated_matches_oracle(wtype, out_dim, mtiles, kparts, stages, tiles, units, target, bias, residual,
-                                          scale, tiled, solo, l2pre, seed):
+                                          scale, tiled, solo, l2pre, ahead, seed):
     """The tensor-core GEMV on the emulator (ldmatrix, int8 mma, a ring with wrap-around filled by
     cp.async, or on sm_90 by bulk copies + mbarriers, K parts combined in shared memory) vs the
     float64 oracle; x spans 1e-3..500 with one outlier. Q6_K: units at all 8 phases of a 16-byte chunk
@@ -322,7 +323,8 @@ def test_gemv_mma_emulated_matches_oracle(wtype, out_dim, mtiles, kparts, stages
     ``tiled``: W tile-major (tile_major, zero-filled past out_dim; Q6_K rows at every 2-byte phase of
     a word, any in_dim multiple of 256, bulk copies too); ``solo``: the larger shared-memory request;
     ``l2pre`` (tile-major, sm_90): L2 prefetches of the warps' units past the ring (a hint: the emulator
-    checks their addresses' bounds)."""
+    checks their addresses' bounds); ``ahead``: only that many ring stages requested before the grid wait,
+    the others after x's first loads."""
     rng = np.random.default_rng(seed)
     if wtype == "Q6_K" and not tiled:
         target, units = target.replace(" bulk", ""), min(units, 3)
@@ -334,7 +336,8 @@ def test_gemv_mma_emulated_matches_oracle(wtype, out_dim, mtiles, kparts, stages
     r = rng.standard_normal(out_dim).astype(np.float32) if residual else None
     k = catalog.emit("gemv_mma", target=target.split()[0], wtype=wtype, in_dim=in_dim, mtiles=mtiles, kparts=kparts,
                      stages=stages, bias=bias, residual=residual, tiles=tiles, bulk=target.endswith("bulk"),
-                     tiled=tiled, solo=solo, l2pre=l2pre if tiled and target.startswith("sm_90") else 0)
+                     tiled=tiled, solo=solo, l2pre=l2pre if tiled and target.startswith("sm_90") else 0,
+                     ahead=min(ahead, stages - 1))
     mem = Memory()
     wbytes = tile_major(raw, wtype, out_dim, in_dim) if tiled else raw if wtype == "Q6_K" else _pad16(raw)
     params = dict(w=mem.alloc_array(wbytes), x=mem.alloc_array(x),
@@ -718,22 +721,26 @@ def test_new_mma_types_policy():
     assert 18 < dram_bytes_per_sm_clock(h200.device) < 19 and 12 < dram_bytes_per_sm_clock(ops.device) < 13
     assert h200.fast_dram and not ops.fast_dram
     # (and Q4_1 / Q5_1, whose swizzled tile-major rows have no padded stages, take bulk copies there too;
-    # Q4_0 and Q4_1 in the 16-warp CTAs of FAST_DRAM_WIDE)
-    from realizar.gpu.gemv import FAST_DRAM_UNBALANCED, FAST_DRAM_WIDE
+    # Q4_0 and Q4_1 in the 16-warp CTAs of FAST_DRAM_WIDE). The one-column GEMV takes FAST_DRAM_AHEAD_*'s
+    # picks (one ring stage before the grid wait) where they have one, the columns kernel's base the others
+    from realizar.gpu.gemv import FAST_DRAM_AHEAD_UNBALANCED, FAST_DRAM_AHEAD_WIDE, FAST_DRAM_UNBALANCED, FAST_DRAM_WIDE
     for wt in ("Q4_0", "Q5_0", "Q4_1", "Q5_1"):
-        assert h200.mma_config(4096, 14336, wt, layout="tiles") == FAST_DRAM_WIDE.get(
+        assert h200.mma_config(4096, 14336, wt, layout="tiles") == FAST_DRAM_AHEAD_WIDE[wt]
+        assert h200.mma_config(4096, 14336, wt, layout="tiles", cols=True) == FAST_DRAM_WIDE.get(
             wt, MmaConfig(1, 8, 2, 2, bulk=True, solo=True))
-        assert h200.mma_config(14336, 4096, wt, layout="tiles") == FAST_DRAM_UNBALANCED.get(
+        assert h200.mma_config(14336, 4096, wt, layout="tiles") == FAST_DRAM_AHEAD_UNBALANCED.get(
+            wt, FAST_DRAM_UNBALANCED.get(wt, ops.mma_config(14336, 4096, wt, layout="tiles")))
+        assert h200.mma_config(14336, 4096, wt, layout="tiles", cols=True) == FAST_DRAM_UNBALANCED.get(
             wt, ops.mma_config(14336, 4096, wt, layout="tiles"))
     assert ops.mma_config(4096, 14336, "Q4_1", layout="tiles") == MmaConfig(1, 8, 2, 2, solo=True)
-    # there, 14336 x 4096 grids that all fit the SMs' shared memory at once (FAST_DRAM_UNBALANCED): Q5_K 448
-    # CTAs of 4 warps, 4 an SM (one x slot a warp); Q5_0 224 of 2 x 2 warps with 3 stages, two an SM
-    # (48-byte table rows); Q5_1 448 of 3 warps; Q6_K 224 of 4 x 2 warps of 16 rows
+    # there, 14336 x 4096 grids that all fit the SMs' shared memory at once (FAST_DRAM_UNBALANCED): e.g. Q5_K
+    # 224 CTAs of 2 x 4 warps, Q5_0 448 of 4 warps, Q5_1 448 of 3 warps; Q6_K 224 of 4 x 2 warps of 16 rows
     from ptx_gen.kernels.gemv_mma import layout as mma_layout
-    for wt, cfg in FAST_DRAM_UNBALANCED.items():
+    for wt, cfg in [*FAST_DRAM_UNBALANCED.items(), *FAST_DRAM_AHEAD_UNBALANCED.items()]:
         smem = mma_layout(wt, 4096, cfg.mtiles, cfg.kparts, cfg.stages, cfg.tiles, True)["smem"] + 1024
         assert -(-14336 // (16 * cfg.tiles * cfg.mtiles)) <= 132 * (228 * 1024 // smem), (wt, cfg)
-    assert h200.mma_config(14336, 4096, "Q5_K", layout="tiles") == MmaConfig(1, 4, 2, 2)
+    assert h200.mma_config(14336, 4096, "Q5_K", layout="tiles") == MmaConfig(2, 4, 2, 2, bulk=True, ahead=1)
+    assert h200.mma_cols_config(14336, 4096, "Q5_K", 1, layout="tiles") == MmaConfig(1, 4, 2, 2)
     assert h200.mma_config(14336, 4096, "Q5_K", glu=True, layout="glu-tiles") == ops.mma_config(
         14336, 4096, "Q5_K", glu=True, layout="glu-tiles")  # (the fused gate/up GEMV keeps its pick)
     # tile-major Q4_1 at 14336 rows: Q4_0's CTAs of 2 x 4 warps (TILED_UNBALANCED); on GGUF rows the 8-warp pick
@@ -741,9 +748,12 @@ def test_new_mma_types_policy():
     assert ops.mma_config(14336, 4096, "Q4_1") == MmaConfig(4, 2, 2, 2)
     for wt in ("Q4_K", "Q5_K", "Q6_K", "Q8_0"):
         for o, i in ((4096, 14336), (14336, 4096), (4096, 4096)):
-            want = (FAST_DRAM_WIDE if o < i else FAST_DRAM_UNBALANCED).get(wt) if o != i else None
+            tables = ((FAST_DRAM_AHEAD_WIDE, FAST_DRAM_WIDE) if o < i else (FAST_DRAM_AHEAD_UNBALANCED, FAST_DRAM_UNBALANCED))
+            want = (tables[0].get(wt) or tables[1].get(wt)) if o != i else None
             assert h200.mma_config(o, i, wt, layout="tiles") == (want or ops.mma_config(o, i, wt, layout="tiles")), \
                 (wt, o, i)
+            # (no ring stage past ``ahead``: none where a warp has no unit past its ring, e.g. Q8_0 at 4096)
+            assert not h200.mma_config(o, i, wt, layout="tiles").ahead or -(-(i // 256) // want.kparts) > want.stages
     sm80 = LayerOps(cuda.EmulatedDevice(sm_count=108, target="sm_80", attributes={"MEMORY_CLOCK_RATE": 3_125_000,
                                                                                    "GLOBAL_MEMORY_BUS_WIDTH": 6144}))
     assert sm80.mma_config(4096, 14336, "Q5_0", layout="tiles").tiles == 1  # (no bulk copies before sm_90)

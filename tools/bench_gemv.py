@@ -123,11 +123,12 @@ def sweep_configs(wtype: str, in_dim: int, bulk_ok: bool = False) -> list[GemvCo
 
 
 def mma_sweep_configs(wtype: str, out_dim: int, in_dim: int, ops, stages: tuple[int, ...] = (2,),
-                      variants: bool = False) -> list[MmaConfig]:
+                      variants: bool = False, ahead: tuple[int, ...] = ()) -> list[MmaConfig]:
     """The tensor-core launch shapes of ``--mma-sweep``, timed on the tile-major weight: 16- and 32-row
     warps over CTAs of 4 to 16 warps, rings of ``stages`` (each depth that fits) of cp.async or (sm_90)
     bulk copies; ``solo`` as the dispatcher sets it (``variants``: each shape with and without ``solo`` and
-    the late trigger)."""
+    the late trigger; ``ahead``: each shape also with only that many ring stages requested before the grid
+    wait, where fewer than its stages)."""
     bulk_ok = ops.device.target.compute_capability >= (9, 0)
     out = []
     for tl, mt, kp in ((1, 1, 8), (1, 2, 4), (1, 4, 2), (1, 1, 4), (2, 1, 8), (2, 2, 4), (2, 4, 2), (2, 1, 4),
@@ -143,15 +144,17 @@ def mma_sweep_configs(wtype: str, out_dim: int, in_dim: int, ops, stages: tuple[
             ctas = -(-out_dim // (16 * tl * mt))
             # (16-warp CTAs: with the late trigger, as the dispatcher runs them)
             base = MmaConfig(mt, kp, st, tl, bulk, solo=ctas <= ops.sm_count, late=mt * kp > 8)
-            out += [base] if not variants else [dataclasses.replace(base, solo=so, late=la)
-                                                for so in (False, True) for la in (False, True)]
+            shapes = [base] if not variants else [dataclasses.replace(base, solo=so, late=la)
+                                                  for so in (False, True) for la in (False, True)]
+            out += shapes + [dataclasses.replace(c, ahead=a) for a in ahead if 0 < a < st for c in shapes]
     return out
 
 
 def cfg_text(cfg: GemvConfig | MmaConfig) -> str:
     if isinstance(cfg, MmaConfig):
         return (f"mma m{cfg.mtiles} p{cfg.kparts} s{cfg.stages} t{cfg.tiles}" + (" bulk" if cfg.bulk else "")
-                + (" solo" if cfg.solo else "") + (" late" if cfg.late else "") + (f" pf{cfg.l2pre}" if cfg.l2pre else ""))
+                + (" solo" if cfg.solo else "") + (" late" if cfg.late else "") + (f" pf{cfg.l2pre}" if cfg.l2pre else "")
+                + (f" a{cfg.ahead}" if cfg.ahead else ""))
     return f"r{cfg.rows} w{cfg.warps} s{cfg.ksplit}"
 
 
@@ -168,7 +171,8 @@ def _copies(base: GpuWeight, n: int) -> list[GpuWeight]:
 
 
 def bench_type_shape(ops, stream, wtype, out_dim, in_dim, rng, sweep: bool, use_graph: bool, mma_sweep: bool = False,
-                     mma_stages: tuple[int, ...] = (2,), variants: bool = False, l2pre: tuple[int, ...] = ()):
+                     mma_stages: tuple[int, ...] = (2,), variants: bool = False, l2pre: tuple[int, ...] = (),
+                     ahead: tuple[int, ...] = ()):
     """Each configuration timed on the layout it reads: the dispatcher's pick on the weight as
     ``LayerOps.upload`` stores it (tile-major for the tensor-core GEMV), the rest on GGUF rows."""
     raw = random_weight(rng, wtype, out_dim, in_dim)
@@ -199,7 +203,8 @@ def bench_type_shape(ops, stream, wtype, out_dim, in_dim, rng, sweep: bool, use_
     configs = [default] + ([simt] if simt != default else [])
     bulk_ok = ops.device.target.compute_capability >= (9, 0)
     configs += [c for c in sweep_configs(wtype, in_dim, bulk_ok) if c not in configs] if sweep else []
-    tiled_cfgs = mma_sweep_configs(wtype, out_dim, in_dim, ops, mma_stages, variants) if mma_sweep and layout != "rows" else []
+    tiled_cfgs = (mma_sweep_configs(wtype, out_dim, in_dim, ops, mma_stages, variants, ahead)
+                  if mma_sweep and layout != "rows" else [])
     if l2pre and isinstance(default, MmaConfig) and layout != "rows" and bulk_ok:  # (the pick with L2 prefetches)
         tiled_cfgs += [dataclasses.replace(default, l2pre=v) for v in l2pre]
     configs += [c for c in tiled_cfgs if c not in configs]
@@ -279,6 +284,8 @@ def main() -> int:
     ap.add_argument("--mma-sweep", action="store_true",
                     help="also time the tensor-core launch shapes on the tile-major weight (mma_sweep_configs)")
     ap.add_argument("--stages", default="2", help="ring depths of the --mma-sweep shapes, comma-separated")
+    ap.add_argument("--ahead", default="", help="--mma-sweep: each shape also with only N of its ring stages requested "
+                    "before the grid wait (the rest after x's first loads), for each N of this comma-separated list")
     ap.add_argument("--variants", action="store_true",
                     help="--mma-sweep: each shape with and without solo shared memory and the late trigger")
     ap.add_argument("--read-sweep", action="store_true",
@@ -340,7 +347,8 @@ def main() -> int:
                 continue
             nbytes, results = bench_type_shape(ops, stream, wt, out_dim, in_dim, rng, a.sweep, not a.no_graph,
                                                a.mma_sweep, tuple(int(v) for v in a.stages.split(",")), a.variants,
-                                               tuple(int(v) for v in a.l2pre.split(",") if v))
+                                               tuple(int(v) for v in a.l2pre.split(",") if v),
+                                               tuple(int(v) for v in a.ahead.split(",") if v))
             if not results:
                 continue
             default = next((r for r in results if r[3]), None)

@@ -14,9 +14,10 @@ Work split: a CTA has ``mtiles`` x ``kparts`` warps; warp (mt, kp) owns the 16 r
 and every ``kparts``-th unit of K from unit ``kp`` on (so the parts read neighbouring bytes at the
 same time). K is walked in *units* of 256 values (one Q4_K super-block, or 8
 Q8_0 blocks): a unit of 16 rows is 16 x 144 (or 272) bytes, copied with ``cp.async`` into a ring of
-``stages`` per-warp buffers. The first ``stages`` units are requested before ``griddepcontrol.wait``
-(they are weights: no kernel writes them), so under programmatic dependent launch they stream in
-while the previous kernel ends. Each warp turns the x units it needs into digits itself, one unit
+``stages`` per-warp buffers. The first ``stages`` units (or ``ahead`` of them) are requested before
+``griddepcontrol.wait`` (they are weights: no kernel writes them), so under programmatic dependent launch
+they stream in while the previous kernel ends; with ``ahead``, the rest of the ring right after the
+first loads of x, which then do not queue behind a whole ring of weight bytes. Each warp turns the x units it needs into digits itself, one unit
 ahead of its use (loaded two ahead), into a slot of its own (written once every lane has read the
 unit before: one slot is enough): no CTA-wide step before the first MMA, and x arrives alongside the
 weights.
@@ -143,6 +144,8 @@ class _Warp:
     tile0: Reg | None = None  # tile-major: the warp's tile
     n: Reg | int = 0  # the warp's units (a register where kparts does not divide the units)
     late: bool = False  # the next kernel's launch triggered when the warp has issued its last copy
+    ahead: int = 0  # ring stages requested before the grid wait (0: all), the others after x's first loads
+    deferred: list | None = None  # (those others' copies, emitted by _x_prologue)
     l2pre: int = 0  # tile-major, sm_90: the warp's units past the ring asked of the L2 before the grid wait
 
     @property
@@ -204,7 +207,7 @@ class _Warp:
 def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: int, bias: bool,
           residual: bool, tiles: int = 1, bulk: bool = False, glu: bool = False, tiled: bool = False,
           solo: bool = False, late: bool = False, cols: int = 1, xh: bool = False, out_f16: bool = False,
-          l2pre: int = 0) -> KernelBuilder:
+          l2pre: int = 0, ahead: int = 0) -> KernelBuilder:
     lay = layout(wtype, in_dim, mtiles, kparts, stages, tiles, tiled, solo, cols)
     multi = cols > 1 or xh or out_f16  # (the columns kernel, gemv_mma_cols; it takes one column too)
     if glu and (tiles != 2 or bias or residual):
@@ -217,7 +220,7 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
     params = gemv_params(bias, residual) + ([("ldx", "u32"), ("ldy", "u32")] if multi else [])
     name = (f"gemv_mma_{wtype.lower()}_k{in_dim}_m{mtiles}_p{kparts}_s{stages}" + (f"_t{tiles}" if tiles > 1 else "")
             + ("_bulk" if bulk else "") + ("_tiled" if tiled else "") + ("_solo" if solo else "") + ("_late" if late else "")
-            + (f"_pf{l2pre}" if l2pre else "")
+            + (f"_pf{l2pre}" if l2pre else "") + (f"_a{ahead}" if ahead else "")
             + ("_glu" if glu else "")
             + ("_bias" if bias else "") + ("_res" if residual else "")
             + (f"_c{cols}" if multi else "") + ("_xh" if xh else "") + ("_h" if out_f16 else ""))
@@ -244,6 +247,10 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
     if l2pre and (not tiled or m.target.compute_capability < (9, 0)):
         raise ValueError("l2pre (L2 prefetches of the units past the ring) needs tile-major weights and sm_90")
     s.l2pre = l2pre
+    if ahead and (multi or not 0 < ahead < stages):
+        raise ValueError(f"ahead (ring stages requested before the grid wait) must be 1..stages - 1 = {stages - 1} "
+                         f"in the one-column kernel, got {ahead}" + (" for the columns kernel" if multi else ""))
+    s.ahead = ahead
     issue, wait = _weight_copies(s)
     _fill_ring(s, issue)
     if multi:
@@ -553,13 +560,26 @@ def _row_copies(s: _Warp):
 def _fill_ring(s: _Warp, issue) -> None:
     """Emits the copies of the warp's first ``stages`` units, then ``griddepcontrol.wait``: they are
     weights (no kernel writes them), so under programmatic dependent launch they stream in while the
-    previous kernel ends. Empty cp.async groups keep the group count uniform past the last unit."""
+    previous kernel ends. Empty cp.async groups keep the group count uniform past the last unit.
+
+    With ``ahead``, only the first ``ahead`` stages come before the wait; the others are kept in
+    ``s.deferred`` (in order, cp.async groups included) for :func:`_x_prologue` to emit right after x's
+    first loads. x is read after the wait, and its loads queue behind every weight byte the SM asked for
+    before them: a full ring (e.g. 147 KB an SM for 16 warps of 2 x 4.6 KB) delays them by microseconds,
+    during which no unit can start and so no stage is refilled."""
     k = s.k
+    s.deferred = []
     for j in range(s.stages):
         if j < s.n_units:
-            issue(j, j * s.stage_bytes, s.has(j))
+            copy = (lambda j=j: issue(j, j * s.stage_bytes, s.has(j)))
         elif not s.bulk:
-            k.cp_async_commit()
+            copy = k.cp_async_commit
+        else:
+            continue
+        if s.ahead and j >= s.ahead:
+            s.deferred.append(copy)
+        else:
+            copy()
     for j in range(s.stages, min(s.stages + s.l2pre, s.n_units)):  # (one stage of R U contiguous bytes each)
         with k.if_(k.both(k.setp("eq", s.lane, 0), s.has(j))):
             k.prefetch_l2(s.tile_src(j), s.stage_bytes)
@@ -579,7 +599,8 @@ class _XState:
 
 def _x_prologue(s: _Warp) -> _XState:
     """Emits x's setup: the warp's x slot (Q6_K: its B words that stay zero are zeroed), the
-    loads of units 0, 1 and 2 (requested together), and unit 0's conversion to digits. Units j + 1 and
+    loads of units 0, 1 and 2 (requested together), the ring's deferred copies (``ahead``), and unit 0's
+    conversion to digits. Units j + 1 and
     j + 2 then stay in flight in registers: odd units in xregs[1], even ones in xregs[0] (the loop is
     unrolled by two so no register is copied while its load is still in flight)."""
     k, lane, wtype = s.k, s.lane, s.wtype
@@ -597,6 +618,8 @@ def _x_prologue(s: _Warp) -> _XState:
     for jj in (1, 2):
         if jj < s.n_units:
             _load_x(k, x, lane16, s.unit_of(jj), s.has(jj), into=xregs[jj % 2])
+    for copy in s.deferred or ():  # (the ring's stages past ``ahead``, behind x's loads)
+        copy()
     _convert_x(k, wtype, x0, xbuf, xc)
     return _XState(x, lane16, xc, xbuf, xregs)
 
@@ -832,6 +855,12 @@ def _grid_shapes() -> list[dict]:
                 "residual": True}]
     shapes += [{"wtype": wt, "in_dim": 14336, "mtiles": 1, "kparts": kp, "stages": 2, "tiles": 2, "tiled": True,
                 "solo": True, "late": True} for wt, kp in (("Q5_K", 12), ("Q6_K", 12), ("Q4_0", 16), ("Q4_1", 16))]
+    # one ring stage before the grid wait, the other after x's first loads (FAST_DRAM_AHEAD_*: bulk copies
+    # there, sm_90 only, see test_fast_dram_picks_assemble_without_spills; cp.async rings here)
+    shapes += [{"wtype": wt, "in_dim": 4096, "mtiles": 1, "kparts": 3, "stages": 2, "tiled": True, "ahead": 1}
+               for wt in ("Q8_0", "Q6_K")]
+    shapes += [{"wtype": "Q4_K", "in_dim": 14336, "mtiles": 1, "kparts": 16, "stages": 2, "tiles": 2, "tiled": True,
+                "solo": True, "late": True, "ahead": 1, "residual": True}]
     for wt in BLOCK32:  # the dispatcher's smaller CTAs for 14336 rows (B32_UNBALANCED), tile-major
         shapes += [{"wtype": wt, "in_dim": 4096, "mtiles": 1, "kparts": 4, "stages": 2, "tiles": 2, "tiled": True},
                    {"wtype": wt, "in_dim": 4096, "mtiles": 2, "kparts": 4, "stages": 2, "tiles": 2, "tiled": True},
@@ -843,7 +872,7 @@ def _grid_shapes() -> list[dict]:
 def gemv_mma(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, mtiles: int = 2, kparts: int = 4, stages: int = 4,
              bias: bool = False, residual: bool = False, tiles: int = 1, bulk: bool = False,
              glu: bool = False, tiled: bool = False, solo: bool = False, late: bool = False, cols: int = 1,
-             xh: bool = False, out_f16: bool = False, l2pre: int = 0) -> KernelBuilder:
+             xh: bool = False, out_f16: bool = False, l2pre: int = 0, ahead: int = 0) -> KernelBuilder:
     """y[r] = sum_k W[r, k] x[k] (+ bias[r]) (+ residual[r]) for r < out_dim, W in Q4_K, Q8_0 or Q6_K (in_dim
     a multiple of 2048) blocks, on tensor cores (exact int8 MMAs of the codes with x as four base-256 digits).
     ``tiles``: 16-row MMA tiles per warp (2: each x digit fragment and weight-scale step serves 32 rows);
@@ -851,7 +880,9 @@ def gemv_mma(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, mtiles: int = 2
     ``glu`` (tiles=2): W is [gate; up] (2 out_dim rows) and y[o] = silu(gate_o . x) * (up_o . x); each
     warp's 32 rows are 16 gate rows and the 16 up rows of the same outputs.
     ``tiled``: W is stored tile-major (:func:`tile_major`; any in_dim multiple of 256, bulk copies for
-    Q6_K too); ``solo``: shared memory raised to ``SOLO_SMEM`` so that one CTA holds an SM.
+    Q6_K too); ``solo``: shared memory raised to ``SOLO_SMEM`` so that one CTA holds an SM; ``ahead``
+    (1..stages - 1, one column): only that many ring stages are requested before the grid wait, the
+    others right after x's first loads.
     ``cols`` (1..8), ``xh``, ``out_f16``: the columns kernel (:mod:`~ptx_gen.kernels.gemv_mma_cols`):
     Y[c] = W X[c] (+ bias) (+ residual[c]) for c < cols, x's columns ``ldx`` values apart (f16 with ``xh``),
     y's and the residual's ``ldy`` apart (y f16 with ``out_f16``; the residual f32); any of the three
@@ -859,4 +890,4 @@ def gemv_mma(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, mtiles: int = 2
     Launch: grid ceil(out_dim / (16 tiles mtiles)), block 32 mtiles kparts, meta["dyn_smem"] dynamic shared
     bytes."""
     return build(m, wtype, in_dim, mtiles, kparts, stages, bias, residual, tiles, bulk, glu, tiled, solo, late, cols,
-                 xh, out_f16, l2pre)
+                 xh, out_f16, l2pre, ahead)

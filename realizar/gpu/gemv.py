@@ -64,6 +64,7 @@ class MmaConfig:
     solo: bool = False  # shared memory raised so that one CTA holds an SM (see gemv_mma.SOLO_SMEM)
     late: bool = False  # the next kernel's launch triggered near the end (after the warps' last copies)
     l2pre: int = 0  # tile-major, sm_90: each warp's next units past its ring asked of the L2 before the grid wait
+    ahead: int = 0  # ring stages requested before the grid wait (0: all), the others right after x's first loads
 
 
 # where the 8-warp pick keeps less than B32_BALANCE of the SMs' time busy (busiest SM vs the mean), these
@@ -94,22 +95,47 @@ B32_ONE_TILE = ("Q4_0", "Q5_0")
 # against 10.3 µs, Q5_1 12.1 against 12.4 since their tile-major rows are swizzled)
 FAST_DRAM_BULK = ("Q4_0", "Q5_0", "Q4_1", "Q5_1")
 # where the DRAM is fast for the SMs, over tile-major weights whose 8-warp pick spreads unevenly over the
-# SMs (14336 x 4096: 112 CTAs on 132 SMs): shapes whose whole grid fits the SMs' shared memory at once
-# (one x slot a warp, 48-byte table rows for Q5_0 / Q5_1), e.g. Q5_K 448 CTAs of 4 warps, 4 an SM
-# (bench_gemv --mma-sweep, H200, 2026-11-28, docs/results/bench_gemv_sweep_h200.md, 14336 x 4096: Q5_K
-# 11.1 against 12.1 µs, Q5_0 10.9 against 11.7, Q5_1 11.5 against 12.2; Q6_K, on its tile-major halves of
-# 208-byte rows (Q6K_HALF), 8-warp CTAs of 16-row warps, 224 of them, 13.4-13.5 against 13.8 µs for 3 warps
-# of 32 rows with bulk copies, docs/results/bench_gemv_q6k_ab_h200.md)
+# SMs (14336 x 4096: 112 CTAs on 132 SMs): shapes whose whole grid fits the SMs' shared memory at once (one x
+# slot a warp, 48-byte table rows for Q5_0 / Q5_1), e.g. Q5_K 448 CTAs of 4 warps, 4 an SM (bench_gemv
+# --mma-sweep, H200, 2026-11-28, docs/results/bench_gemv_sweep_h200.md, 14336 x 4096: Q5_K 11.1 against
+# 12.1 µs, Q5_0 10.9 against 11.7, Q5_1 11.5 against 12.2; Q6_K, on its tile-major halves of 208-byte rows
+# (Q6K_HALF), 8-warp CTAs of 16-row warps, 224 of them, 13.4-13.5 against 13.8 µs for 3 warps of 32 rows
+# with bulk copies, docs/results/bench_gemv_q6k_ab_h200.md). The columns kernel's base; the one-column
+# kernel takes FAST_DRAM_AHEAD_UNBALANCED's where it has one
 FAST_DRAM_UNBALANCED = {"Q5_K": MmaConfig(1, 4, 2, 2), "Q5_0": MmaConfig(2, 2, 3, 2), "Q5_1": MmaConfig(1, 3, 2, 2),
                         "Q6_K": MmaConfig(4, 2, 2, 1)}
 # and where the 8-warp pick gives each SM one CTA of one 32-row tile (4096 x 14336), the types that stream
 # faster in wider CTAs, as WIDE_BALANCED (same sweep, 4096 x 14336: Q5_K 11.1 against 11.3-11.6 µs, Q4_0 9.2
 # against 9.4-9.6, Q4_1 9.8 against 10.1), or (Q6_K, on its 208-byte rows) in a deeper ring: 12.9-13.0
-# against 13.3 µs for 12 warps of 2 stages
+# against 13.3 µs for 12 warps of 2 stages. Likewise the columns kernel's base (FAST_DRAM_AHEAD_WIDE)
 FAST_DRAM_WIDE = {"Q5_K": MmaConfig(1, 12, 2, 2, bulk=True, solo=True, late=True),
                   "Q6_K": MmaConfig(1, 8, 3, 2, bulk=True, solo=True),
                   "Q4_0": MmaConfig(1, 16, 2, 2, bulk=True, solo=True, late=True),
                   "Q4_1": MmaConfig(1, 16, 2, 2, bulk=True, solo=True, late=True)}
+# the one-column GEMV's picks there: most with bulk copies and one ring stage asked for before the grid wait,
+# the other right after x's first loads (``ahead``: x's loads then queue behind one stage of weight bytes,
+# not the whole ring; where the grid's CTAs hold one an SM, x came microseconds after the wait and no stage
+# could be refilled before it). bench_gemv --mma-sweep, H200, 2026-11-28 (docs/results/bench_gemv_ahead_h200.md),
+# 14336 x 4096: Q4_K 8.6 against 9.2 µs, Q4_0 8.5 against 8.9, Q5_K 10.7 against 11.1, Q5_0 10.2 against 10.8,
+# Q8_0 14.8 against 16.1; Q5_1 (slower with one stage ahead) and Q6_K keep FAST_DRAM_UNBALANCED's (Q6_K's
+# 12.7 µs in CTAs of 4 16-row warps with one stage ahead was one sweep's, and those 896 CTAs do not all fit
+# the SMs at once)
+FAST_DRAM_AHEAD_UNBALANCED = {"Q4_K": MmaConfig(1, 4, 2, 2, bulk=True, ahead=1),
+                              "Q4_0": MmaConfig(2, 4, 2, 2, bulk=True, ahead=1),
+                              "Q5_K": MmaConfig(2, 4, 2, 2, bulk=True, ahead=1),
+                              "Q5_0": MmaConfig(1, 4, 2, 2, bulk=True, ahead=1),
+                              "Q8_0": MmaConfig(1, 3, 2, 1, bulk=True, ahead=1)}
+# and at 4096 x 14336, with the late trigger in CTAs that hold an SM each (same sweep: Q4_K 9.0 against 9.4 µs
+# for the same CTAs with the whole ring ahead, Q4_0 8.9 against 9.0, Q4_1 9.6 against 9.8, Q5_K 11.0 against
+# 11.2, Q5_0 10.9 against 11.3 for 8 warps, Q5_1 11.5 against 12.1, Q8_0 in 8 warps 14.9 against 15.6 with
+# cp.async); Q6_K keeps its deeper ring, all of it ahead (12.8 µs; 12.7 for the best with one stage ahead)
+FAST_DRAM_AHEAD_WIDE = {"Q4_K": MmaConfig(1, 16, 2, 2, bulk=True, solo=True, late=True, ahead=1),
+                        "Q4_0": MmaConfig(1, 16, 2, 2, bulk=True, solo=True, late=True, ahead=1),
+                        "Q4_1": MmaConfig(1, 16, 2, 2, bulk=True, solo=True, late=True, ahead=1),
+                        "Q5_K": MmaConfig(1, 12, 2, 2, bulk=True, solo=True, late=True, ahead=1),
+                        "Q5_0": MmaConfig(1, 12, 2, 2, bulk=True, solo=True, late=True, ahead=1),
+                        "Q5_1": MmaConfig(1, 12, 2, 2, bulk=True, solo=True, late=True, ahead=1),
+                        "Q8_0": MmaConfig(1, 8, 2, 2, bulk=True, solo=True, ahead=1)}
 # (no pick asks for L2 prefetches past the ring, MmaConfig.l2pre: one unit a warp made GEMV after GEMV of
 # 4096 x 14336 2-4% faster for Q5_0, Q5_1, Q5_K, Q6_K and Q8_0, docs/results/bench_gemv_l2pre_h200.md, but the
 # 8B Q5_K_M-like decode step 0.9% slower, 2075 against 2057 µs a token, docs/results/bench_decode_l2pre_ab_h200.md:
@@ -285,7 +311,7 @@ class GemvOps(Dispatcher):
         return dram_bytes_per_sm_clock(self.device) >= FAST_DRAM_BYTES_PER_SM_CLOCK
 
     def mma_config(self, out_dim: int, in_dim: int, wtype: str, glu: bool = False,
-                   layout: str = "rows") -> MmaConfig | None:
+                   layout: str = "rows", cols: bool = False) -> MmaConfig | None:
         """The tensor-core GEMV's launch shape on this device (None: not applicable, or before sm_80) for
         a weight stored in ``layout``. On tile-major weights a launch of at most one CTA per SM asks for
         ``solo`` shared memory (so that no SM runs a second CTA of the launch while others idle), and on
@@ -293,7 +319,9 @@ class GemvOps(Dispatcher):
         one row tile per CTA, Q8_0 and the 32-value block types with at most two units per warp, and where
         the DRAM is fast for the SMs (``fast_dram``) the 32-value block types in CTAs of one 32-row tile.
         There too, on sm_90, grids of one 32-row tile a CTA and an SM take ``FAST_DRAM_WIDE``'s wider CTAs,
-        and grids the balanced pick spreads unevenly ``FAST_DRAM_UNBALANCED``'s, which fit the SMs at once."""
+        and grids the balanced pick spreads unevenly ``FAST_DRAM_UNBALANCED``'s, which fit the SMs at once;
+        the one-column kernel takes ``FAST_DRAM_AHEAD_*``'s where they have one (``cols``: the base of the
+        columns kernel's pick, :meth:`mma_cols_config`, which does not)."""
         cc = self.device.target.compute_capability
         if cc < (8, 0):
             return None
@@ -307,17 +335,21 @@ class GemvOps(Dispatcher):
 
         one_tile_warps = not glu and (cfg.mtiles, cfg.kparts, cfg.tiles) == (1, 8, 2)
         fast_dram = self.fast_dram
-        wide = WIDE_BALANCED.get(wtype) or (FAST_DRAM_WIDE.get(wtype) if fast_dram else None)
+        ahead = fast_dram and not cols
         units = in_dim // 256
-        if (wide is not None and cc >= (9, 0) and one_tile_warps and ctas <= self.sm_count
-                and units >= 2 * wide.kparts and fits(wide)  # (two units a warp at least,
-                and (wide.stages == 2 or units > wide.stages * wide.kparts)):  # and past a deeper ring)
-            return wide
-        unbalanced = FAST_DRAM_UNBALANCED.get(wtype) if fast_dram and cc >= (9, 0) and not glu else None
-        if unbalanced is not None and in_dim // 256 >= 2 * unbalanced.kparts and fits(unbalanced):
-            spread = mma_config(out_dim, in_dim, wtype, self.sm_count, max_smem, balance_only=True)
-            if grid_balance(grid_ctas(out_dim, spread), self.sm_count) < B32_BALANCE:
-                return unbalanced
+        for wide in ((FAST_DRAM_AHEAD_WIDE.get(wtype) if ahead else None),
+                     (FAST_DRAM_WIDE.get(wtype) if fast_dram else None) or WIDE_BALANCED.get(wtype)):
+            if (wide is not None and cc >= (9, 0) and one_tile_warps and ctas <= self.sm_count
+                    and units >= 2 * wide.kparts and fits(wide)  # (two units a warp at least,
+                    and (wide.stages == 2 and not wide.ahead  # and, for a deeper ring or one stage ahead,
+                         or units > wide.stages * wide.kparts)):  # past the ring: as measured)
+                return wide
+        for unbalanced in ((FAST_DRAM_AHEAD_UNBALANCED.get(wtype) if ahead else None), FAST_DRAM_UNBALANCED.get(wtype)):
+            if (unbalanced is not None and fast_dram and cc >= (9, 0) and not glu
+                    and units >= 2 * unbalanced.kparts and fits(unbalanced)):
+                spread = mma_config(out_dim, in_dim, wtype, self.sm_count, max_smem, balance_only=True)
+                if grid_balance(grid_ctas(out_dim, spread), self.sm_count) < B32_BALANCE:
+                    return unbalanced
         if (wtype in B32_ONE_TILE and one_tile_warps and in_dim // 256 // cfg.kparts >= 4
                 and not (fast_dram and cc >= (9, 0))):
             cfg = dataclasses.replace(cfg, tiles=1)
@@ -357,7 +389,7 @@ class GemvOps(Dispatcher):
     def _pick_mma_cols_config(self, out_dim: int, in_dim: int, wtype: str, cols: int, glu: bool,
                               layout: str) -> MmaConfig | None:
         """:meth:`mma_cols_config`, uncached."""
-        cfg = self.mma_config(out_dim, in_dim, wtype, glu=glu, layout=layout)
+        cfg = self.mma_config(out_dim, in_dim, wtype, glu=glu, layout=layout, cols=True)
         if cfg is None or cols > cols_per_launch(wtype, glu):
             return None
         if cols > 1:  # (at most 8 warps: a 16-warp CTA leaves 128 registers a thread)
@@ -419,7 +451,7 @@ class GemvOps(Dispatcher):
     def _mma_kernel(self, weight: GpuWeight, cfg: MmaConfig, **flags):
         return self.kernel("gemv_mma", wtype=weight.wtype, in_dim=weight.in_dim, mtiles=cfg.mtiles, kparts=cfg.kparts,
                            stages=cfg.stages, tiles=cfg.tiles, bulk=cfg.bulk, tiled=weight.layout != "rows",
-                           solo=cfg.solo, late=cfg.late, l2pre=cfg.l2pre, **flags)
+                           solo=cfg.solo, late=cfg.late, l2pre=cfg.l2pre, ahead=cfg.ahead, **flags)
 
     # ---- launches ------------------------------------------------------------------------------------
     def gemv(self, weight: GpuWeight, x: Any, out: Any, bias: Any = None, residual: Any = None,
