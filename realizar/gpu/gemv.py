@@ -117,13 +117,14 @@ FAST_DRAM_WIDE = {"Q5_K": MmaConfig(1, 12, 2, 2, bulk=True, solo=True, late=True
 # not the whole ring; where the grid's CTAs hold one an SM, x came microseconds after the wait and no stage
 # could be refilled before it). bench_gemv --mma-sweep, H200, 2026-11-28 (docs/results/bench_gemv_ahead_h200.md),
 # 14336 x 4096: Q4_K 8.6 against 9.2 µs, Q4_0 8.5 against 8.9, Q5_K 10.7 against 11.1, Q5_0 10.2 against 10.8,
-# Q8_0 14.8 against 16.1; Q5_1 (slower with one stage ahead) and Q6_K keep FAST_DRAM_UNBALANCED's (Q6_K's
-# 12.7 µs in CTAs of 4 16-row warps with one stage ahead was one sweep's, and those 896 CTAs do not all fit
-# the SMs at once)
+# Q8_0 14.8 against 16.1, and Q6_K in 896 CTAs of 4 16-row warps (not all resident at once) 12.7 against 13.5,
+# 12.8 against 13.6 in a second sweep on another machine; Q5_1 keeps FAST_DRAM_UNBALANCED's (slower with one
+# stage ahead)
 FAST_DRAM_AHEAD_UNBALANCED = {"Q4_K": MmaConfig(1, 4, 2, 2, bulk=True, ahead=1),
                               "Q4_0": MmaConfig(2, 4, 2, 2, bulk=True, ahead=1),
                               "Q5_K": MmaConfig(2, 4, 2, 2, bulk=True, ahead=1),
                               "Q5_0": MmaConfig(1, 4, 2, 2, bulk=True, ahead=1),
+                              "Q6_K": MmaConfig(1, 4, 2, 1, ahead=1),
                               "Q8_0": MmaConfig(1, 3, 2, 1, bulk=True, ahead=1)}
 # and at 4096 x 14336, with the late trigger in CTAs that hold an SM each (same sweep: Q4_K 9.0 against 9.4 µs
 # for the same CTAs with the whole ring ahead, Q4_0 8.9 against 9.0, Q4_1 9.6 against 9.8, Q5_K 11.0 against
