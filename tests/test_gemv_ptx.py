@@ -748,7 +748,8 @@ def test_new_mma_types_policy():
     assert ops.mma_config(14336, 4096, "Q4_1") == MmaConfig(4, 2, 2, 2)
     for wt in ("Q4_K", "Q5_K", "Q6_K", "Q8_0"):
         for o, i in ((4096, 14336), (14336, 4096), (4096, 4096)):
-            tables = ((FAST_DRAM_AHEAD_WIDE, FAST_DRAM_WIDE) if o < i else (FAST_DRAM_AHEAD_UNBALANCED, FAST_DRAM_UNBALANCED))
+            tables = ((FAST_DRAM_AHEAD_WIDE, FAST_DRAM_WIDE) if o < i
+                      else (FAST_DRAM_AHEAD_UNBALANCED, FAST_DRAM_UNBALANCED))
             want = (tables[0].get(wt) or tables[1].get(wt)) if o != i else None
             assert h200.mma_config(o, i, wt, layout="tiles") == (want or ops.mma_config(o, i, wt, layout="tiles")), \
                 (wt, o, i)

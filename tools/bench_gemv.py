@@ -153,8 +153,8 @@ def mma_sweep_configs(wtype: str, out_dim: int, in_dim: int, ops, stages: tuple[
 def cfg_text(cfg: GemvConfig | MmaConfig) -> str:
     if isinstance(cfg, MmaConfig):
         return (f"mma m{cfg.mtiles} p{cfg.kparts} s{cfg.stages} t{cfg.tiles}" + (" bulk" if cfg.bulk else "")
-                + (" solo" if cfg.solo else "") + (" late" if cfg.late else "") + (f" pf{cfg.l2pre}" if cfg.l2pre else "")
-                + (f" a{cfg.ahead}" if cfg.ahead else ""))
+                + (" solo" if cfg.solo else "") + (" late" if cfg.late else "")
+                + (f" pf{cfg.l2pre}" if cfg.l2pre else "") + (f" a{cfg.ahead}" if cfg.ahead else ""))
     return f"r{cfg.rows} w{cfg.warps} s{cfg.ksplit}"
 
 

@@ -103,11 +103,12 @@ def cases(cache, rng, small: bool) -> None:
     _gemv_case(ops, rng, "Q4_K", 40, 256 * 19, MmaConfig(1, 16, 2, 2, bulk_ok, solo=True, late=True), "tiles")
     # one ring stage before the grid wait, the rest after x's first loads (ahead): bulk and cp.async rings,
     # warps with units past the ring and without
-    for wt, out_dim, in_dim, cfg in (("Q4_K", 40, 256 * 19, MmaConfig(1, 16, 2, 2, bulk_ok, solo=True, late=True, ahead=1)),
-                                     ("Q5_0", 45, 256 * 6, MmaConfig(1, 4, 2, 2, bulk_ok, ahead=1)),
-                                     ("Q8_0", 37, 256 * 3, MmaConfig(1, 3, 2, 1, bulk_ok, ahead=1)),
-                                     ("Q6_K", 19, 256 * 4, MmaConfig(1, 2, 3, 1, ahead=2)),
-                                     ("Q5_K", 33, 256 * 2, MmaConfig(1, 2, 2, 2, ahead=1))):
+    for wt, out_dim, in_dim, cfg in (
+            ("Q4_K", 40, 256 * 19, MmaConfig(1, 16, 2, 2, bulk_ok, solo=True, late=True, ahead=1)),
+            ("Q5_0", 45, 256 * 6, MmaConfig(1, 4, 2, 2, bulk_ok, ahead=1)),
+            ("Q8_0", 37, 256 * 3, MmaConfig(1, 3, 2, 1, bulk_ok, ahead=1)),
+            ("Q6_K", 19, 256 * 4, MmaConfig(1, 2, 3, 1, ahead=2)),
+            ("Q5_K", 33, 256 * 2, MmaConfig(1, 2, 2, 2, ahead=1))):
         _gemv_case(ops, rng, wt, out_dim, in_dim, cfg, "tiles")
     # fused gate/up and the prefill GEMM
     raw = random_weight(rng, "Q4_K", 2 * 7, 256)

@@ -16,11 +16,11 @@ same time). K is walked in *units* of 256 values (one Q4_K super-block, or 8
 Q8_0 blocks): a unit of 16 rows is 16 x 144 (or 272) bytes, copied with ``cp.async`` into a ring of
 ``stages`` per-warp buffers. The first ``stages`` units (or ``ahead`` of them) are requested before
 ``griddepcontrol.wait`` (they are weights: no kernel writes them), so under programmatic dependent launch
-they stream in while the previous kernel ends; with ``ahead``, the rest of the ring right after the
-first loads of x, which then do not queue behind a whole ring of weight bytes. Each warp turns the x units it needs into digits itself, one unit
-ahead of its use (loaded two ahead), into a slot of its own (written once every lane has read the
-unit before: one slot is enough): no CTA-wide step before the first MMA, and x arrives alongside the
-weights.
+they stream in while the previous kernel ends; with ``ahead``, the rest of the ring right after the first
+loads of x, which then do not queue behind a whole ring of weight bytes. Each warp turns the x units it
+needs into digits itself, one unit ahead of its use (loaded two ahead), into a slot of its own (written
+once every lane has read the unit before: one slot is enough): no CTA-wide step before the first MMA,
+and x arrives alongside the weights.
 
 Weight layout: GGUF rows, or (``tiled``) tile-major (:func:`tile_major`): tiles of 32 rows, each unit's
 32 rows back to back, so that a warp's stage is one contiguous run of bytes (one bulk copy on sm_90)
@@ -599,10 +599,10 @@ class _XState:
 
 def _x_prologue(s: _Warp) -> _XState:
     """Emits x's setup: the warp's x slot (Q6_K: its B words that stay zero are zeroed), the
-    loads of units 0, 1 and 2 (requested together), the ring's deferred copies (``ahead``), and unit 0's
-    conversion to digits. Units j + 1 and
-    j + 2 then stay in flight in registers: odd units in xregs[1], even ones in xregs[0] (the loop is
-    unrolled by two so no register is copied while its load is still in flight)."""
+    loads of units 0, 1 and 2 (requested together), the ring's deferred copies (``ahead``), and unit
+    0's conversion to digits. Units j + 1 and j + 2 then stay in flight in registers: odd units in
+    xregs[1], even ones in xregs[0] (the loop is unrolled by two so no register is copied while its
+    load is still in flight)."""
     k, lane, wtype = s.k, s.lane, s.wtype
     x = k.global_ptr("x")
     lane16 = k.cvt(k.shl(lane, 4), "u64")
