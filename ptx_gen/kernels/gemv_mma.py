@@ -857,8 +857,8 @@ def _grid_shapes() -> list[dict]:
                 "solo": True, "late": True} for wt, kp in (("Q5_K", 12), ("Q6_K", 12), ("Q4_0", 16), ("Q4_1", 16))]
     # one ring stage before the grid wait, the other after x's first loads (FAST_DRAM_AHEAD_*: bulk copies
     # there, sm_90 only, see test_fast_dram_picks_assemble_without_spills; cp.async rings here)
-    shapes += [{"wtype": wt, "in_dim": 4096, "mtiles": 1, "kparts": 3, "stages": 2, "tiled": True, "ahead": 1}
-               for wt in ("Q8_0", "Q6_K")]
+    shapes += [{"wtype": wt, "in_dim": 4096, "mtiles": 1, "kparts": kp, "stages": 2, "tiled": True, "ahead": 1}
+               for wt, kp in (("Q8_0", 3), ("Q6_K", 4))]
     shapes += [{"wtype": "Q4_K", "in_dim": 14336, "mtiles": 1, "kparts": 16, "stages": 2, "tiles": 2, "tiled": True,
                 "solo": True, "late": True, "ahead": 1, "residual": True}]
     for wt in BLOCK32:  # the dispatcher's smaller CTAs for 14336 rows (B32_UNBALANCED), tile-major
