@@ -733,8 +733,9 @@ def test_new_mma_types_policy():
         assert h200.mma_config(14336, 4096, wt, layout="tiles", cols=True) == FAST_DRAM_UNBALANCED.get(
             wt, ops.mma_config(14336, 4096, wt, layout="tiles"))
     assert ops.mma_config(4096, 14336, "Q4_1", layout="tiles") == MmaConfig(1, 8, 2, 2, solo=True)
-    # there, 14336 x 4096 grids that all fit the SMs' shared memory at once (FAST_DRAM_UNBALANCED): e.g. Q5_K
-    # 224 CTAs of 2 x 4 warps, Q5_0 448 of 4 warps, Q5_1 448 of 3 warps; Q6_K 224 of 4 x 2 warps of 16 rows
+    # there, 14336 x 4096 grids that all fit the SMs' shared memory at once (FAST_DRAM_UNBALANCED): Q5_K 448
+    # CTAs of 4 warps, 4 an SM (one x slot a warp); Q5_0 224 of 2 x 2 warps with 3 stages, two an SM
+    # (48-byte table rows); Q5_1 448 of 3 warps; Q6_K 224 of 4 x 2 warps of 16 rows
     from ptx_gen.kernels.gemv_mma import layout as mma_layout
     for wt, cfg in FAST_DRAM_UNBALANCED.items():
         smem = mma_layout(wt, 4096, cfg.mtiles, cfg.kparts, cfg.stages, cfg.tiles, True)["smem"] + 1024
@@ -753,7 +754,7 @@ def test_new_mma_types_policy():
             want = (tables[0].get(wt) or tables[1].get(wt)) if o != i else None
             assert h200.mma_config(o, i, wt, layout="tiles") == (want or ops.mma_config(o, i, wt, layout="tiles")), \
                 (wt, o, i)
-            # (no ring stage past ``ahead``: none where a warp has no unit past its ring, e.g. Q8_0 at 4096)
+            # (one stage ahead only where a warp has units past its ring: not, e.g., Q8_0 at 4096 x 4096)
             assert not h200.mma_config(o, i, wt, layout="tiles").ahead or -(-(i // 256) // want.kparts) > want.stages
     sm80 = LayerOps(cuda.EmulatedDevice(sm_count=108, target="sm_80", attributes={"MEMORY_CLOCK_RATE": 3_125_000,
                                                                                    "GLOBAL_MEMORY_BUS_WIDTH": 6144}))

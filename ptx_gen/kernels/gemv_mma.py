@@ -62,7 +62,7 @@ aligned.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ptx_gen.builder import KernelBuilder, Module, Reg
 from ptx_gen.catalog import kernel
@@ -145,7 +145,7 @@ class _Warp:
     n: Reg | int = 0  # the warp's units (a register where kparts does not divide the units)
     late: bool = False  # the next kernel's launch triggered when the warp has issued its last copy
     ahead: int = 0  # ring stages requested before the grid wait (0: all), the others after x's first loads
-    deferred: list | None = None  # (those others' copies, emitted by _x_prologue)
+    deferred: list = field(default_factory=list)  # (those others' copies, emitted by _x_prologue)
     l2pre: int = 0  # tile-major, sm_90: the warp's units past the ring asked of the L2 before the grid wait
 
     @property
@@ -568,7 +568,6 @@ def _fill_ring(s: _Warp, issue) -> None:
     before them: a full ring (e.g. 147 KB an SM for 16 warps of 2 x 4.6 KB) delays them by microseconds,
     during which no unit can start and so no stage is refilled."""
     k = s.k
-    s.deferred = []
     for j in range(s.stages):
         if j < s.n_units:
             copy = (lambda j=j: issue(j, j * s.stage_bytes, s.has(j)))
@@ -618,7 +617,7 @@ def _x_prologue(s: _Warp) -> _XState:
     for jj in (1, 2):
         if jj < s.n_units:
             _load_x(k, x, lane16, s.unit_of(jj), s.has(jj), into=xregs[jj % 2])
-    for copy in s.deferred or ():  # (the ring's stages past ``ahead``, behind x's loads)
+    for copy in s.deferred:  # (the ring's stages past ``ahead``, behind x's loads)
         copy()
     _convert_x(k, wtype, x0, xbuf, xc)
     return _XState(x, lane16, xc, xbuf, xregs)

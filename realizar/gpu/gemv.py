@@ -345,9 +345,11 @@ class GemvOps(Dispatcher):
                     and (wide.stages == 2 and not wide.ahead  # and, for a deeper ring or one stage ahead,
                          or units > wide.stages * wide.kparts)):  # past the ring: as measured)
                 return wide
-        for unbalanced in ((FAST_DRAM_AHEAD_UNBALANCED.get(wtype) if ahead else None), FAST_DRAM_UNBALANCED.get(wtype)):
-            if (unbalanced is not None and fast_dram and cc >= (9, 0) and not glu
-                    and units >= 2 * unbalanced.kparts and fits(unbalanced)):
+        if fast_dram and cc >= (9, 0) and not glu:  # (the first unbalanced pick that fits, if the grid is uneven)
+            unbalanced = next((c for c in ((FAST_DRAM_AHEAD_UNBALANCED.get(wtype) if ahead else None),
+                                           FAST_DRAM_UNBALANCED.get(wtype))
+                               if c is not None and units >= 2 * c.kparts and fits(c)), None)
+            if unbalanced is not None:
                 spread = mma_config(out_dim, in_dim, wtype, self.sm_count, max_smem, balance_only=True)
                 if grid_balance(grid_ctas(out_dim, spread), self.sm_count) < B32_BALANCE:
                     return unbalanced
