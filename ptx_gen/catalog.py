@@ -17,16 +17,18 @@ from ptx_gen.builder import KernelBuilder, Module, Param
 from ptx_gen.target import DEFAULT_TARGET, as_target
 
 _REGISTRY: dict[str, "KernelSpec"] = {}
-_KERNEL_MODULES = (  # imported lazily so the catalog fills on first use
-    "ptx_gen.kernels.basic",
-    "ptx_gen.kernels.dequant",
-    "ptx_gen.kernels.kv_append", "ptx_gen.kernels.incremental_attention", "ptx_gen.kernels.flash_decoding",
-    "ptx_gen.kernels.flash_attention", "ptx_gen.kernels.flash_attention_mma", "ptx_gen.kernels.rope_append",
-    "ptx_gen.kernels.gemv", "ptx_gen.kernels.gemv_mma", "ptx_gen.kernels.gemm_mma", "ptx_gen.kernels.rmsnorm", "ptx_gen.kernels.rope", "ptx_gen.kernels.elementwise",
-    "ptx_gen.kernels.embedding", "ptx_gen.kernels.argmax", "ptx_gen.kernels.stream_read",
-    "ptx_gen.kernels.rope_append_rows", "ptx_gen.kernels.sample_rows",
-    "ptx_gen.kernels.paged_append", "ptx_gen.kernels.paged_decode", "ptx_gen.kernels.paged_prefill",
-    "ptx_gen.kernels.gemm_q",
+_KERNEL_MODULES = (  # imported lazily so the catalog fills on first use (by family)
+    "ptx_gen.kernels.elementwise.basic", "ptx_gen.kernels.elementwise.elementwise", "ptx_gen.kernels.elementwise.rmsnorm",
+    "ptx_gen.kernels.elementwise.rope", "ptx_gen.kernels.elementwise.embedding", "ptx_gen.kernels.elementwise.stream_read",
+    "ptx_gen.kernels.gemv.gemv", "ptx_gen.kernels.gemv.gemv_mma",
+    "ptx_gen.kernels.gemm.gemm_mma", "ptx_gen.kernels.gemm.gemm_q",
+    "ptx_gen.kernels.dequant.dequant",
+    "ptx_gen.kernels.attention.incremental_attention", "ptx_gen.kernels.attention.flash_decoding",
+    "ptx_gen.kernels.attention.flash_attention", "ptx_gen.kernels.attention.flash_attention_mma",
+    "ptx_gen.kernels.attention.paged_decode", "ptx_gen.kernels.attention.paged_prefill",
+    "ptx_gen.kernels.kv.kv_append", "ptx_gen.kernels.kv.rope_append", "ptx_gen.kernels.kv.rope_append_rows",
+    "ptx_gen.kernels.kv.paged_append",
+    "ptx_gen.kernels.sampling.argmax", "ptx_gen.kernels.sampling.sample_rows",
 )
 _EXTRA_MODULES: list[str] = []
 

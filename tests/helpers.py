@@ -33,7 +33,7 @@ def fit_mma_shape(wtype: str, units: int, mtiles: int, kparts: int, stages: int,
     first, then fewer warps along the rows), then a ring that fits the shared memory (fewer stages,
     then fewer warps along the rows). Returns (in_dim, mtiles, kparts, stages), in_dim = 256 kparts units
     (Q6_K on GGUF rows: 2048 units, the multiple its tensor-core kernel needs)."""
-    from ptx_gen.kernels.gemv_mma import layout
+    from ptx_gen.kernels.gemv.gemv_mma import layout
 
     while mtiles * kparts > 8:
         kparts, mtiles = (kparts // 2, mtiles) if kparts > 1 else (kparts, mtiles - 1)
@@ -51,7 +51,7 @@ def fit_wide_mma_shape(wtype: str, kparts: int, extra: int, mtiles: int, tiled: 
     (in_dim, mtiles) with kparts + extra units (Q6_K on GGUF rows: rounded up to whole 2048-value groups)
     and the most warps along the rows, up to ``mtiles``, that fit 16 warps and the shared memory (2 stages,
     32-row warps); None where not even one row tile fits."""
-    from ptx_gen.kernels.gemv_mma import layout
+    from ptx_gen.kernels.gemv.gemv_mma import layout
 
     units = kparts + extra
     if wtype == "Q6_K" and not tiled:

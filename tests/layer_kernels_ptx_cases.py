@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from ptx_gen import catalog
-from ptx_gen.kernels.quant_layout import DENSE, K_QUANTS
+from ptx_gen.kernels.gemv.quant_layout import DENSE, K_QUANTS
 from ptx_gen.ptxas import assemble
 
 TARGETS = ("sm_80", "sm_90")

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from ptx_gen import catalog
 from ptx_gen.builder import Module
 from ptx_gen.emulator import Memory, run
-from ptx_gen.kernels.flash_attention_mma import HEAD_DIMS
+from ptx_gen.kernels.attention.flash_attention_mma import HEAD_DIMS
 from tests.attention_cases import prefill_case
 from tests.layer_kernels_ptx_cases import _assemble_all
 

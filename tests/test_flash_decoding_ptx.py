@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 
 from ptx_gen import catalog
 from ptx_gen.builder import Module
-from ptx_gen.kernels.decode_core import active_chunks, chunk_rows
-from ptx_gen.kernels.flash_decoding import GROUP_CHUNKS, fused_buffer_sizes
+from ptx_gen.kernels.attention.decode_core import active_chunks, chunk_rows
+from ptx_gen.kernels.attention.flash_decoding import GROUP_CHUNKS, fused_buffer_sizes
 from realizar.models.attention import attention_with_cache_gqa
 from ptx_gen.emulator import Memory, run
 from tests.attention_ptx_cases import HEAD_DIMS, RTOL, _rel, heads, variants
@@ -223,7 +223,7 @@ def test_device_seq_len_is_clamped_to_max_len():
 def test_the_data_catches_a_missing_rescale(monkeypatch, scores):
     """Plant the Rust original's bug (the rescale factor exp(m_old - m_new) forced to 1): the oracle
     test's data must fail it, while the real kernel passes on the same data."""
-    import ptx_gen.kernels.incremental_attention as ia
+    import ptx_gen.kernels.attention.incremental_attention as ia
     from ptx_gen.builder import KernelBuilder
 
     real_ex2 = KernelBuilder.ex2

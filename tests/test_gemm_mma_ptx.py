@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from ptx_gen import catalog
 from ptx_gen.builder import Module
 from ptx_gen.emulator import Memory, run as simt_run
-from ptx_gen.kernels.gemm_mma import check_tiling
+from ptx_gen.kernels.gemm.gemm_mma import check_tiling
 from realizar import cuda
 from realizar.errors import ShapeError
 from realizar.gpu.gemm import GemmConfig, gemm_config

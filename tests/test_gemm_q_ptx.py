@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from ptx_gen import catalog
 from ptx_gen.emulator import Memory, run as simt_run
-from ptx_gen.kernels.gemm_q import MTS, check_shape
-from ptx_gen.kernels.gemv_mma_layout import MMA_TYPES, tile_major
-from ptx_gen.kernels.quant_layout import DENSE, K_QUANTS, WEIGHT_TYPES
+from ptx_gen.kernels.gemm.gemm_q import MTS, check_shape
+from ptx_gen.kernels.gemv.gemv_mma_layout import MMA_TYPES, tile_major
+from ptx_gen.kernels.gemv.quant_layout import DENSE, K_QUANTS, WEIGHT_TYPES
 from ptx_gen.ptxas import assemble
 from realizar import cuda
 from realizar.errors import ShapeError

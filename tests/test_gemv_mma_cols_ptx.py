@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from ptx_gen import catalog
 from ptx_gen.emulator import Memory, run as simt_run
-from ptx_gen.kernels.gemv_mma import MMA_TYPES, layout, tile_major
+from ptx_gen.kernels.gemv.gemv_mma import MMA_TYPES, layout, tile_major
 from ptx_gen.ptxas import assemble
 from tests.layer_kernels_ptx_cases import _pad16
 from tests.layer_oracles import check_gemv_cols, dequant, random_weight

@@ -16,10 +16,10 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from ptx_gen import catalog
-from ptx_gen.kernels import gemv as gv
-from ptx_gen.kernels.gemv_mma import MMA_TYPES, tile_major
-from ptx_gen.kernels.gemv_mma_layout import BLOCK32
-from ptx_gen.kernels.quant_layout import DENSE, K_QUANTS, WEIGHT_TYPES, type_info
+from ptx_gen.kernels.gemv import gemv as gv
+from ptx_gen.kernels.gemv.gemv_mma import MMA_TYPES, tile_major
+from ptx_gen.kernels.gemv.gemv_mma_layout import BLOCK32
+from ptx_gen.kernels.gemv.quant_layout import DENSE, K_QUANTS, WEIGHT_TYPES, type_info
 from ptx_gen.ptxas import assemble
 from realizar.gpu.gemv import gemv_config
 from tests.helpers import fit_mma_shape, fit_wide_mma_shape, random_array
@@ -428,7 +428,7 @@ def test_gemv_mma_q6k_small_weights_are_exact(target):
 def test_q6k_glu_offset_guard():
     """The fused gate/up Q6_K kernel addresses up rows by 32-bit offsets from a warp's first gate row:
     shapes past that go to the SIMT kernel (and the bound counts the last warp's 16 rows)."""
-    from ptx_gen.kernels.gemv_mma import q6k_glu_offsets_fit
+    from ptx_gen.kernels.gemv.gemv_mma import q6k_glu_offsets_fit
     from realizar.gpu.gemv import mma_config
     in_dim = 77824  # 304 blocks of 210 bytes a row
     row = in_dim // 256 * 210
@@ -443,7 +443,7 @@ def test_mma_config_balances_the_grid():
     """The tensor-core dispatcher: None where the kernel does not apply; else a shape that fits, with
     the busiest SM at most 1.25x the mean at the real decode shapes, and the sweep's best picks at the
     two FFN shapes (bench_gemv --sweep, H200)."""
-    from ptx_gen.kernels.gemv_mma import layout
+    from ptx_gen.kernels.gemv.gemv_mma import layout
     from realizar.gpu.gemv import mma_config
     assert mma_config(4096, 4096, "F16") is None and mma_config(576, 576, "Q8_0") is None
     assert mma_config(4096, 2080, "Q4_0") is None  # rows not whole units of 256 values
@@ -555,7 +555,7 @@ def test_tile_major_places_every_unit_where_the_kernel_reads_it(wtype, out_dim):
     past out_dim; Q6_K: within each 16-row half of the tile (3360 bytes), row r's first 208 bytes at
     208 (r % 16) and its d at 3328 + 2 (r % 16); with glu, tile T holds gate rows 16 T.. then up rows
     16 T.. (the rows of outputs 16 T..16 T + 15)."""
-    from ptx_gen.kernels.gemv_mma import TILE_ROWS, TILE_UNIT, UNIT_BYTES
+    from ptx_gen.kernels.gemv.gemv_mma import TILE_ROWS, TILE_UNIT, UNIT_BYTES
 
     ub, tu, units = UNIT_BYTES[wtype], TILE_UNIT[wtype], 3
     assert tu == ub  # (no padding)
@@ -599,7 +599,7 @@ def test_q6k_tile_major_rows_are_read_without_bank_conflicts():
     """Tile-major Q6_K: a staged half-tile's rows lie Q6K_ROW bytes apart, so that lane (g, t)'s A word
     4 m' + t of row g (g < 8, t < 4, each of the 12 code words m') lands in its own bank, every row
     16-byte aligned, and a tile's unit is exactly 32 rows of 210 bytes (no padding)."""
-    from ptx_gen.kernels.gemv_mma_layout import Q6K_D, Q6K_HALF, Q6K_ROW, TILE_ROWS, TILE_UNIT, layout
+    from ptx_gen.kernels.gemv.gemv_mma_layout import Q6K_D, Q6K_HALF, Q6K_ROW, TILE_ROWS, TILE_UNIT, layout
     lay = layout("Q6_K", 4096, 1, 2, 2, 2, tiled=True)
     assert lay["stride"] == Q6K_ROW and Q6K_ROW % 16 == 0 and Q6K_HALF % 16 == 0
     for mi in range(12):
@@ -637,7 +637,7 @@ def _tiled_b32_unit(unit: np.ndarray, wtype: str) -> np.ndarray:
 
 def test_lane_order_puts_each_code_words_fifth_bits_in_one_bit_of_each_byte():
     """lane_order_qh: the fifth bits of values 16 h + 4 t + i (i = 0..3) are bit 4 h + t of bytes 0..3."""
-    from ptx_gen.kernels.gemv_mma_layout import lane_order_qh
+    from ptx_gen.kernels.gemv.gemv_mma_layout import lane_order_qh
     rng = np.random.default_rng(7)
     qh = rng.integers(1, 2**32, 64, dtype=np.uint64).astype(np.uint32)
     got = lane_order_qh(qh)
@@ -736,7 +736,7 @@ def test_new_mma_types_policy():
     # there, 14336 x 4096 grids that all fit the SMs' shared memory at once (FAST_DRAM_UNBALANCED): Q5_K 448
     # CTAs of 4 warps, 4 an SM (one x slot a warp); Q5_0 224 of 2 x 2 warps with 3 stages, two an SM
     # (48-byte table rows); Q5_1 448 of 3 warps; Q6_K 224 of 4 x 2 warps of 16 rows
-    from ptx_gen.kernels.gemv_mma import layout as mma_layout
+    from ptx_gen.kernels.gemv.gemv_mma import layout as mma_layout
     for wt, cfg in FAST_DRAM_UNBALANCED.items():
         smem = mma_layout(wt, 4096, cfg.mtiles, cfg.kparts, cfg.stages, cfg.tiles, True)["smem"] + 1024
         assert -(-14336 // (16 * cfg.tiles * cfg.mtiles)) <= 132 * (228 * 1024 // smem), (wt, cfg)
@@ -805,7 +805,7 @@ def test_gemv_mma_uneven_k_parts_and_wide_ctas_emulated(wtype, out_dim, kparts, 
             "griddepcontrol.launch_dependents;"]
     else:
         assert not triggers
-    from ptx_gen.kernels.gemv_mma import layout
+    from ptx_gen.kernels.gemv.gemv_mma import layout
     units, lay = in_dim // 256, layout(wtype, in_dim, mtiles, kparts, 2, 2, tiled)
     assert (lay["per_warp"], lay["per_warp_min"]) == (-(-units // kparts), units // kparts)  # (the first parts: one more)
     mem = Memory()

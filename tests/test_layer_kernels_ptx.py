@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ptx_gen import catalog
-from ptx_gen.kernels.quant_layout import K_QUANTS, WEIGHT_TYPES
-from ptx_gen.kernels.rmsnorm import default_block
-from ptx_gen.kernels.rope import inv_freq_table
+from ptx_gen.kernels.gemv.quant_layout import K_QUANTS, WEIGHT_TYPES
+from ptx_gen.kernels.elementwise.rmsnorm import default_block
+from ptx_gen.kernels.elementwise.rope import inv_freq_table
 from tests.layer_oracles import dequant, random_weight, rmsnorm_oracle, rope_oracle, silu
 from ptx_gen.emulator import Memory, run as simt_run
 from tests.layer_kernels_ptx_cases import _assemble_all, _in_dims, _pad16

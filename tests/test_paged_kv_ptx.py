@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ptx_gen import catalog
-from ptx_gen.kernels.rope import inv_freq_table
+from ptx_gen.kernels.elementwise.rope import inv_freq_table
 from realizar import cuda
 from realizar.errors import ShapeError
 from realizar.gpu.paged_kv import KV_NUMPY_DTYPES, PagedKVCache, decode_min_chunk, dequantize_q8_0, quantize_q8_0

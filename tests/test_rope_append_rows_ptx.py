@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from ptx_gen import catalog
 from ptx_gen.emulator import Memory, run
-from ptx_gen.kernels.rope import inv_freq_table
+from ptx_gen.kernels.elementwise.rope import inv_freq_table
 from ptx_gen.ptxas import assemble
 from realizar import cuda
 from realizar.errors import CacheStateError, ContextOverflowError, ShapeError

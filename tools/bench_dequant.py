@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ptx_gen.kernels.dequant import DEFAULT_ROUNDS, total_rounds
-from ptx_gen.kernels.gemv_mma import MMA_TYPES
+from ptx_gen.kernels.dequant.dequant import DEFAULT_ROUNDS, total_rounds
+from ptx_gen.kernels.gemv.gemv_mma import MMA_TYPES
 from realizar import cuda
 from realizar.cuda.bench import copy_bandwidth, graph_median_us
 from realizar.gpu.ops import GpuWeight, LayerOps

@@ -36,11 +36,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ptx_gen.kernels.gemv import KSPLITS, MAX_STATIC_SMEM, shared_bytes
-from ptx_gen.kernels.quant_layout import K_QUANTS, WEIGHT_TYPES, type_info
+from ptx_gen.kernels.gemv.gemv import KSPLITS, MAX_STATIC_SMEM, shared_bytes
+from ptx_gen.kernels.gemv.quant_layout import K_QUANTS, WEIGHT_TYPES, type_info
 from realizar import cuda
-from ptx_gen.kernels.gemv_mma import MMA_TYPES
-from ptx_gen.kernels.gemv_mma import layout as mma_layout
+from ptx_gen.kernels.gemv.gemv_mma import MMA_TYPES
+from ptx_gen.kernels.gemv.gemv_mma import layout as mma_layout
 from realizar.gpu.ops import GemvConfig, GpuWeight, LayerOps, MmaConfig, gemv_config
 from realizar.models.random import dequant, random_weight
 from realizar.cuda.bench import copy_bandwidth, graph_median_us

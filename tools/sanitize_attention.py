@@ -21,7 +21,7 @@ import argparse
 
 import numpy as np
 
-from ptx_gen.kernels.flash_decoding import fused_buffer_sizes
+from ptx_gen.kernels.attention.flash_decoding import fused_buffer_sizes
 from realizar import cuda
 from realizar.models.attention import attention_with_cache_gqa, gqa_attention
 
@@ -125,7 +125,7 @@ PAGED_SHAPES_SMALL = PAGED_SHAPES[:2]
 
 
 def paged_cases(rng, shapes) -> None:
-    from ptx_gen.kernels.rope import inv_freq_table
+    from ptx_gen.kernels.elementwise.rope import inv_freq_table
     from realizar.gpu.paged_kv import PagedKVCache
     for h, kvh, d, bs, kv_dtype, lengths, prefix, chunk in shapes:
         rows = len(lengths)

@@ -29,8 +29,8 @@ import dataclasses
 
 import numpy as np
 
-from ptx_gen.kernels.gemv_mma_layout import MAX_COLS, MMA_TYPES
-from ptx_gen.kernels.quant_layout import K_QUANTS, WEIGHT_TYPES
+from ptx_gen.kernels.gemv.gemv_mma_layout import MAX_COLS, MMA_TYPES
+from ptx_gen.kernels.gemv.quant_layout import K_QUANTS, WEIGHT_TYPES
 from realizar import cuda
 from realizar.gpu.gemm import GemmQConfig
 from realizar.gpu.gemv import COLS_WIDE_TILES, cols_per_launch

@@ -83,7 +83,7 @@ def _cdiv(a: int, b: int) -> int:
 def _weights(rng, wtype: str, rows: int, in_dim: int) -> np.ndarray:
     """``rows`` GGUF rows of random weights (as bytes, padded to 16); quantized blocks get random codes
     and finite scales."""
-    from ptx_gen.kernels.quant_layout import type_info
+    from ptx_gen.kernels.gemv.quant_layout import type_info
 
     if wtype in ("F32", "F16"):
         raw = _f32(rng, rows * in_dim).astype(np.float32 if wtype == "F32" else np.float16).view(np.uint8)
@@ -210,15 +210,15 @@ def _gemv(k, sizes, rng) -> Example:
 
 @example("dequant_f16")
 def _dequant_f16(k, sizes, rng) -> Example:
-    from ptx_gen.kernels.dequant import total_rounds
-    from ptx_gen.kernels.gemv_mma_layout import tile_major
+    from ptx_gen.kernels.dequant.dequant import total_rounds
+    from ptx_gen.kernels.gemv.gemv_mma_layout import tile_major
 
     shape = k.shape_dict
     wtype, in_dim, layout = shape["wtype"], shape["in_dim"], shape["layout"]
     out_dim = sizes.get("out_dim", 34)
     raw = _weights(rng, wtype, out_dim, in_dim)
     if layout != "rows":
-        from ptx_gen.kernels.quant_layout import type_info
+        from ptx_gen.kernels.gemv.quant_layout import type_info
 
         raw = tile_major(raw[:out_dim * type_info(wtype).row_bytes(in_dim)], wtype, out_dim, in_dim,
                          glu=layout == "glu-tiles")
@@ -339,7 +339,7 @@ def _decode_chunk(k, sizes, rng) -> Example:
 
 @example("flash_decoding")
 def _decode_fused(k, sizes, rng) -> Example:
-    from ptx_gen.kernels.flash_decoding import fused_buffer_sizes
+    from ptx_gen.kernels.attention.flash_decoding import fused_buffer_sizes
 
     params, h, d, kvh = _decode_inputs(k, sizes, rng)
     nch, gx = sizes.get("num_chunks", 3), kvh * k.meta["subgroups"]
@@ -381,8 +381,8 @@ def _flash_attention(k, sizes, rng) -> Example:
 
 @example("gemm_q")
 def _gemm_q(k, sizes, rng) -> Example:
-    from ptx_gen.kernels.gemv_mma_layout import tile_major
-    from ptx_gen.kernels.quant_layout import type_info
+    from ptx_gen.kernels.gemv.gemv_mma_layout import tile_major
+    from ptx_gen.kernels.gemv.quant_layout import type_info
 
     shape = k.shape_dict
     wtype, in_dim, layout, glu = shape["wtype"], shape["in_dim"], shape["layout"], shape["glu"]
@@ -403,7 +403,7 @@ def _gemm_q(k, sizes, rng) -> Example:
 def _paged_pools(kv_dtype: str, num_blocks: int, n_kv: int, block_size: int, d: int, rng,
                  empty: bool = False) -> dict:
     """k_pool, v_pool (+ k_scales, v_scales for q8_0) of ``num_blocks`` blocks (layout of
-    :mod:`ptx_gen.kernels.paged_kv`): random finite contents, or zeros with ``empty``."""
+    :mod:`ptx_gen.kernels.kv.paged_kv`): random finite contents, or zeros with ``empty``."""
     n = num_blocks * n_kv * block_size * d
     pools = {}
     for name in ("k", "v"):
@@ -474,7 +474,7 @@ def _paged_append_rows(k, sizes, rng) -> Example:
 
 @example("paged_decode_attention")
 def _paged_decode(k, sizes, rng) -> Example:
-    from ptx_gen.kernels.paged_decode import buffer_sizes
+    from ptx_gen.kernels.attention.paged_decode import buffer_sizes
 
     shape = k.shape_dict
     d, group, bs, kv = shape["head_dim"], shape["group"], shape["block_size"], shape["kv_dtype"]
@@ -509,7 +509,7 @@ def _paged_prefill(k, sizes, rng) -> Example:
 
 @example("sample_rows")
 def _sample_rows(k, sizes, rng) -> Example:
-    from ptx_gen.kernels.sample_rows import SPEC_WORDS
+    from ptx_gen.kernels.sampling.sample_rows import SPEC_WORDS
 
     vocab = sizes.get("vocab", 300)
     ld = sizes.get("ld", vocab + 4)

@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from ptx_gen.kernels.dequant import total_rounds
-from ptx_gen.kernels.quant_layout import DENSE
+from ptx_gen.kernels.dequant.dequant import total_rounds
+from ptx_gen.kernels.gemv.quant_layout import DENSE
 from realizar.errors import ShapeError
 from realizar.gpu.dispatch import Dispatcher
 from realizar.gpu.weights import GpuWeight

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ptx_gen.kernels.gemm_mma import check_tiling, smem_bytes
+from ptx_gen.kernels.gemm.gemm_mma import check_tiling, smem_bytes
 from realizar.errors import ShapeError
 from realizar.gpu.dispatch import Dispatcher
 
@@ -185,7 +185,7 @@ def gemm_q_config(wtype: str, in_dim: int, rows_out: int, m: int, sm_count: int 
     (at most 2 parts from 64 tokens on, none at 128: their accumulators leave no registers for more),
     keeping at least 2 chunks of 256 per part; then the deepest ring (4, 3, 2 stages) whose CTA fits
     twice in ``max_smem`` (once where none does)."""
-    from ptx_gen.kernels.gemm_q import MTS, smem_bytes
+    from ptx_gen.kernels.gemm.gemm_q import MTS, smem_bytes
 
     if not 1 <= m <= GEMM_Q_MAX_M:
         raise ShapeError(f"gemm_q takes 1..{GEMM_Q_MAX_M} tokens, got m={m}")

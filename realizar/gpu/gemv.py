@@ -17,11 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from ptx_gen.kernels.gemv import MAX_STATIC_SMEM, shared_bytes, tiles_per_slice
-from ptx_gen.kernels.gemv_mma import MMA_TYPES, SOLO_SMEM, q6k_glu_offsets_fit
-from ptx_gen.kernels.gemv_mma_layout import BLOCK32, MAX_COLS
-from ptx_gen.kernels.gemv_mma import layout as mma_layout
-from ptx_gen.kernels.quant_layout import type_info
+from ptx_gen.kernels.gemv.gemv import MAX_STATIC_SMEM, shared_bytes, tiles_per_slice
+from ptx_gen.kernels.gemv.gemv_mma import MMA_TYPES, SOLO_SMEM, q6k_glu_offsets_fit
+from ptx_gen.kernels.gemv.gemv_mma_layout import BLOCK32, MAX_COLS
+from ptx_gen.kernels.gemv.gemv_mma import layout as mma_layout
+from ptx_gen.kernels.gemv.quant_layout import type_info
 from realizar.errors import ShapeError
 from realizar.gpu.dispatch import Dispatcher
 from realizar.gpu.weights import GpuWeight, weight_type_name

@@ -34,9 +34,9 @@ from typing import Any
 
 import numpy as np
 
-from ptx_gen.kernels.decode_core import DEFAULT_L2_PREFETCH, MAX_HEAD_DIM, decode_layout, default_decode_warps
-from ptx_gen.kernels.flash_attention_mma import HEAD_DIMS as MMA_HEAD_DIMS
-from ptx_gen.kernels.flash_decoding import fused_buffer_sizes
+from ptx_gen.kernels.attention.decode_core import DEFAULT_L2_PREFETCH, MAX_HEAD_DIM, decode_layout, default_decode_warps
+from ptx_gen.kernels.attention.flash_attention_mma import HEAD_DIMS as MMA_HEAD_DIMS
+from ptx_gen.kernels.attention.flash_decoding import fused_buffer_sizes
 from realizar.errors import CacheStateError, ContextOverflowError, ShapeError
 from realizar.gpu.dispatch import Dispatcher, check_int, is_buffer_arg
 

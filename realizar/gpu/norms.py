@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from ptx_gen.kernels.rmsnorm import MAX_HIDDEN, default_block
+from ptx_gen.kernels.elementwise.rmsnorm import MAX_HIDDEN, default_block
 from realizar.errors import ShapeError
 from realizar.gpu.dispatch import Dispatcher
 

@@ -29,10 +29,10 @@ from typing import Any
 
 import numpy as np
 
-from ptx_gen.kernels.flash_attention_mma import HEAD_DIMS as MMA_HEAD_DIMS
-from ptx_gen.kernels.paged_decode import HEAD_DIMS as DECODE_HEAD_DIMS
-from ptx_gen.kernels.paged_decode import MAX_GROUP, buffer_sizes
-from ptx_gen.kernels.paged_kv import BLOCK_SIZES, KV_DTYPES, QK
+from ptx_gen.kernels.attention.flash_attention_mma import HEAD_DIMS as MMA_HEAD_DIMS
+from ptx_gen.kernels.attention.paged_decode import HEAD_DIMS as DECODE_HEAD_DIMS
+from ptx_gen.kernels.attention.paged_decode import MAX_GROUP, buffer_sizes
+from ptx_gen.kernels.kv.paged_kv import BLOCK_SIZES, KV_DTYPES, QK
 from realizar.errors import ShapeError
 from realizar.gpu.dispatch import Dispatcher, check_int
 from realizar.models.kv_formats import block_bytes, dequantize_q8_0, quantize_q8_0, round_bf16, row_bytes

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from ptx_gen.kernels.rope import inv_freq_table
+from ptx_gen.kernels.elementwise.rope import inv_freq_table
 from realizar.gpu.dispatch import Dispatcher, is_buffer_arg
 
 __all__ = ["RopeOps", "inv_freq_table"]

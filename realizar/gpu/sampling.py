@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ptx_gen.kernels.sample_rows import SPEC_WORDS
+from ptx_gen.kernels.sampling.sample_rows import SPEC_WORDS
 from realizar.errors import InvalidRequestError, ShapeError
 from realizar.gpu.dispatch import Dispatcher
 from realizar.sampling import RowSampling

@@ -8,8 +8,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ptx_gen.kernels.gemv_mma import MMA_TYPES, tile_major
-from ptx_gen.kernels.quant_layout import WEIGHT_TYPES, check_in_dim, type_info
+from ptx_gen.kernels.gemv.gemv_mma import MMA_TYPES, tile_major
+from ptx_gen.kernels.gemv.quant_layout import WEIGHT_TYPES, check_in_dim, type_info
 from realizar import cuda
 from realizar.errors import ShapeError, UnsupportedError
 

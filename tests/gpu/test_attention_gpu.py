@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ptx_gen.kernels.flash_decoding import fused_buffer_sizes
+from ptx_gen.kernels.attention.flash_decoding import fused_buffer_sizes
 from realizar import cuda
 from realizar.models.attention import attention_with_cache_gqa, gqa_attention
 from tests.attention_cases import prefill_case

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ptx_gen.kernels.gemv_mma import MMA_TYPES
-from ptx_gen.kernels.quant_layout import DENSE, K_QUANTS, WEIGHT_TYPES
+from ptx_gen.kernels.gemv.gemv_mma import MMA_TYPES
+from ptx_gen.kernels.gemv.quant_layout import DENSE, K_QUANTS, WEIGHT_TYPES
 from realizar import cuda
 from realizar.gpu.ops import GpuWeight, LayerOps
 from tests.layer_oracles import dequant, random_weight

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ptx_gen.kernels.gemv_mma import MMA_TYPES
+from ptx_gen.kernels.gemv.gemv_mma import MMA_TYPES
 from realizar.gpu.ops import GpuWeight, LayerOps
 from tests.layer_oracles import check_gemv_cols, random_weight
 

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
-from ptx_gen.kernels.gemv import MAX_STATIC_SMEM, shared_bytes
-from ptx_gen.kernels.gemv_mma import MMA_TYPES
-from ptx_gen.kernels.gemv_mma_layout import BLOCK32
-from ptx_gen.kernels.quant_layout import DENSE, K_QUANTS, WEIGHT_TYPES
+from ptx_gen.kernels.gemv.gemv import MAX_STATIC_SMEM, shared_bytes
+from ptx_gen.kernels.gemv.gemv_mma import MMA_TYPES
+from ptx_gen.kernels.gemv.gemv_mma_layout import BLOCK32
+from ptx_gen.kernels.gemv.quant_layout import DENSE, K_QUANTS, WEIGHT_TYPES
 from realizar import cuda
 from realizar.errors import ShapeError
 from realizar.gpu.gemv import MMA_SLOWER

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ptx_gen.kernels.rope import inv_freq_table
+from ptx_gen.kernels.elementwise.rope import inv_freq_table
 from realizar import cuda
 from realizar.models.attention import gqa_attention
 from tests.layer_oracles import rope_append_rows_oracle

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ptx_gen.kernels.rope import inv_freq_table
+from ptx_gen.kernels.elementwise.rope import inv_freq_table
 from realizar.gpu.kv_cache import KVCache
 from realizar.gpu.ops import LayerOps
 from realizar.models.attention import gqa_attention

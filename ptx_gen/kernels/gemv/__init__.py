@@ -1,0 +1,1 @@
+"""Decode GEMV on GGUF weights (SIMT and tensor cores), its plans, and the quantized weight layouts it decodes."""

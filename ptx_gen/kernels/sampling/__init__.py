@@ -1,0 +1,1 @@
+"""Sampling: the argmax over a vocabulary and the per-row sampler of a batch."""
