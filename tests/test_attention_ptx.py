@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ptx_gen import catalog
-from ptx_gen.kernels.attention.decode_core import _choose_lanes, active_chunks, chunk_rows, decode_layout, loop_registers
+from ptx_gen.kernels.attention.decode_core import (active_chunks, choose_lanes as _choose_lanes, chunk_rows, decode_layout,
+                                                   loop_registers)
 from ptx_gen.kernels.attention.flash_decoding import GROUP_CHUNKS
 from ptx_gen.kernels.attention.flash_attention import prefill_tiles
 from ptx_gen.ptxas import assemble

@@ -48,19 +48,19 @@ from ptx_gen.kernels.attention.decode_plan import (
     NEG_INF,
     SCORE_MODES,
     DecodeLayout,
-    _choose_lanes,
-    _round4,
     active_chunks,
     check_head_dim,
+    choose_lanes,
     chunk_rows,
     decode_layout,
     default_decode_warps,
     layout_name,
     loop_registers,
+    round4,
 )
 
 # The geometry lives in decode_plan; the kernels, the runtime and the tests take it from here.
-__all__ = ["DEFAULT_L2_PREFETCH", "LOG2E", "MAX_HEAD_DIM", "NEG_INF", "SCORE_MODES", "DecodeLayout", "_choose_lanes",
+__all__ = ["DEFAULT_L2_PREFETCH", "LOG2E", "MAX_HEAD_DIM", "NEG_INF", "SCORE_MODES", "DecodeLayout", "choose_lanes",
            "active_chunks", "check_head_dim", "chunk_rows", "decode_layout", "default_decode_warps", "layout_name",
            "loop_registers", "build_decode_pass", "emit_combine"]
 
@@ -466,7 +466,7 @@ def _scatter_step(k, lay, sc: Scatter, qv, krows, vrows, base, end, m_lane, l_la
     """Reduce-scatter the step's scores, the lane's own head's online softmax, the exchange of
     probabilities and rescale factors through shared memory, then every head's P @ V update."""
     T, U, E, HB = lay.lanes_per_row, lay.unroll, lay.scatter_entries, lay.heads_per_block
-    aoff = _round4(lay.scatter_values)
+    aoff = round4(lay.scatter_values)
     vals = [_dot(k, _flat(qv[s // U]), _flat(krows[s % U])) for s in range(lay.scatter_values)]
     off = T // 2
     while len(vals) > E:  # keep the first half, receive the partner's copy of it
@@ -526,7 +526,7 @@ def _scatter_publish_ml(k: KernelBuilder, lay: DecodeLayout, sc: Scatter, m_lane
     total = l_lane
     for mask in sc.u_masks:
         total = k.add(total, k.shfl("bfly", total, mask))
-    aoff = _round4(lay.scatter_values)
+    aoff = round4(lay.scatter_values)
     xb = k.add(sc.xbase, parity)  # the buffer the last step did not use
     k.store("shared", "f32", k.add(xb, k.shl(sc.hi, 2)), total, pred=sc.head_writer)
     k.store("shared", "f32", k.add(xb, k.shl(k.add(sc.hi, aoff), 2)), m_lane, pred=sc.head_writer)

@@ -70,7 +70,7 @@ class DecodeLayout:
     @property
     def exchange_floats(self) -> int:
         """Floats of one lane group's exchange buffer (probabilities, then per-head factors)."""
-        return _round4(self.scatter_values) + _round4(self.heads_pad)
+        return round4(self.scatter_values) + round4(self.heads_pad)
 
     def smem_bytes(self) -> int:
         combine = self.warps * self.heads_per_block * (self.head_dim + 2) * 4
@@ -85,11 +85,11 @@ def layout_name(lay: DecodeLayout) -> str:
             f"{f'_l2p{lay.l2_prefetch}' if lay.l2_prefetch else ''}")
 
 
-def _round4(n: int) -> int:
+def round4(n: int) -> int:
     return -(-n // 4) * 4
 
 
-def _choose_lanes(nc: int) -> tuple[int, int]:
+def choose_lanes(nc: int) -> tuple[int, int]:
     """(T, C): the lane-group width and chunks per lane that waste the fewest lanes for ``nc`` chunks,
     keeping C <= 3 where possible (registers) and preferring wider groups on ties."""
     cap = max(3, -(-nc // 32))
@@ -150,7 +150,7 @@ def decode_layout(
         raise ValueError(f"scores must be one of {SCORE_MODES} (or None for the default), got {scores!r}")
     if isinstance(l2_prefetch, bool) or not isinstance(l2_prefetch, int) or not 0 <= l2_prefetch <= 16:
         raise ValueError(f"l2_prefetch must be an integer number of steps in 0..16, got {l2_prefetch!r}")
-    t, c = _choose_lanes(head_dim // 4)
+    t, c = choose_lanes(head_dim // 4)
     per_head = 4 * c
     if heads_per_block is None:
         heads_per_block = max(d for d in range(1, group + 1) if group % d == 0 and (d * per_head <= 32 or d == 1))

@@ -34,18 +34,18 @@ BK = 64  # keys per tile
 HEAD_DIMS = (32, 48, 64, 80, 96, 128)
 
 
-def _row_bytes(d: int) -> int:
+def staged_row_bytes(d: int) -> int:
     return 2 * d + 16
 
 
 def smem_bytes(d: int) -> int:
-    return (BQ + 2 * BK) * _row_bytes(d)
+    return (BQ + 2 * BK) * staged_row_bytes(d)
 
 
 def _stage_f16(k: KernelBuilder, src: Reg, rows_valid: Reg, dst: Reg, d: int, tid: Reg, scale: float | None,
                row_stride: int) -> None:
     """Copy 64 rows of ``d`` f32 (``row_stride`` bytes apart from ``src``) into f16 shared rows of
-    :func:`_row_bytes`, zeros for rows at or past ``rows_valid``; ``scale`` multiplies on the way."""
+    :func:`staged_row_bytes`, zeros for rows at or past ``rows_valid``; ``scale`` multiplies on the way."""
     vecs = d // 4  # float4 per row
     total = 64 * vecs
     for i in range(-(-total // 128)):
@@ -60,7 +60,7 @@ def _stage_f16(k: KernelBuilder, src: Reg, rows_valid: Reg, dst: Reg, d: int, ti
             v = [k.mul(x, scale) for x in v]
         h = [k.cvt(x, "f16") for x in v]
         words = [k.pack_b32(h[0], h[1]), k.pack_b32(h[2], h[3])]
-        s = k.add(dst, k.mad(row, _row_bytes(d), k.shl(c4, 3)))
+        s = k.add(dst, k.mad(row, staged_row_bytes(d), k.shl(c4, 3)))
         k.store("shared", "b32", s, words, pred=ok_idx)
 
 
@@ -70,7 +70,7 @@ def _scores(k: KernelBuilder, qa: list, kb: Reg, d: int) -> list:
     acc = [[k.mov(0.0, "f32") for _ in range(4)] for _ in range(BK // 8)]
     for kk in range(d // 16):
         for nj in range(BK // 16):
-            d0, d1, d2, d3 = k.ldmatrix_x4(kb, nj * 16 * _row_bytes(d) + kk * 32)
+            d0, d1, d2, d3 = k.ldmatrix_x4(kb, nj * 16 * staged_row_bytes(d) + kk * 32)
             acc[2 * nj] = list(k.mma_f16(qa[kk], (d0, d1), acc[2 * nj]))
             acc[2 * nj + 1] = list(k.mma_f16(qa[kk], (d2, d3), acc[2 * nj + 1]))
     return acc
@@ -91,10 +91,10 @@ def flash_attention_mma(m: Module, head_dim: int = 128, group: int = 1, causal: 
     k = m.kernel(name, [("q", "u64"), ("k", "u64"), ("v", "u64"), ("out", "u64"), ("seq_q", "u32"),
                         ("seq_k", "u32"), ("q_offset", "u32"), ("kv_stride", "u32"), ("num_heads", "u32")],
                  max_threads=128)
-    st = _setup(k, d, group, "kv_stride", wait=True)
+    st = setup_cta(k, d, group, "kv_stride", wait=True)
     kv_off = k.mul_wide(k.mul(st.kvh, st.extra), d * 4)
     k_base, v_base = k.add(k.global_ptr("k"), kv_off), k.add(k.global_ptr("v"), kv_off)
-    _rows(k, st, d, causal)
+    query_rows(k, st, d, causal)
 
     def stage(key0: Reg) -> None:  # K and V rows key0.. of the kv head, read in place
         off = k.mul_wide(key0, d * 4)
@@ -102,13 +102,13 @@ def flash_attention_mma(m: Module, head_dim: int = 128, group: int = 1, causal: 
         _stage_f16(k, k.add(k_base, off), left, st.ks, d, st.tid, None, d * 4)
         _stage_f16(k, k.add(v_base, off), left, st.vs, d, st.tid, None, d * 4)
 
-    _tiles(k, st, d, causal, stage)
+    key_tile_loop(k, st, d, causal, stage)
     return k
 
 
 @dataclass
 class _State:
-    """Registers of the CTA's work that the kernels built on :func:`_setup` share (shared-memory tiles,
+    """Registers of the CTA's work that the kernels built on :func:`setup_cta` share (shared-memory tiles,
     the lane's fragments and rows, the running softmax)."""
 
     tid: Reg
@@ -135,12 +135,12 @@ class _State:
     ls: list | None = None
 
 
-def _setup(k: KernelBuilder, d: int, group: int, extra_param: str, wait: bool) -> _State:
+def setup_cta(k: KernelBuilder, d: int, group: int, extra_param: str, wait: bool) -> _State:
     """The part of a tensor-core prefill attention kernel before its K/V addressing: meta, lane roles,
     the Q tile staged (scaled for the base-2 softmax) into A fragments, the ldmatrix lane addresses of
     the K and V tiles, the kv head. ``wait``: a programmatic-dependent-launch wait before Q is read."""
     k.meta.update(block=128, dyn_smem=smem_bytes(d), block_q=BQ)
-    rb = _row_bytes(d)
+    rb = staged_row_bytes(d)
     tid = k.tid()
     lane, warp = k.and_(tid, 31), k.shr(tid, 5)
     g, t = k.shr(lane, 2), k.and_(lane, 3)
@@ -166,7 +166,7 @@ def _setup(k: KernelBuilder, d: int, group: int, extra_param: str, wait: bool) -
                   kb=kb, vb=vb, kvh=kvh, q0=q0, q_offset=q_offset, warp=warp)
 
 
-def _rows(k: KernelBuilder, st: _State, d: int, causal: bool) -> None:
+def query_rows(k: KernelBuilder, st: _State, d: int, causal: bool) -> None:
     """This CTA's key range and each thread's two query rows (positions); O, max and sum zeroed."""
     key_end = st.seq_k
     if causal:
@@ -180,7 +180,7 @@ def _rows(k: KernelBuilder, st: _State, d: int, causal: bool) -> None:
     st.ls = [k.var("f32", 0.0) for _ in range(2)]
 
 
-def _tiles(k: KernelBuilder, st: _State, d: int, causal: bool, stage) -> None:
+def key_tile_loop(k: KernelBuilder, st: _State, d: int, causal: bool, stage) -> None:
     """The loop over 64-key tiles (``stage(key0)`` fills the K and V tiles between the barriers), then
     O / l stored and the kernel's return."""
     with k.loop(0, st.n_tiles) as jt:
@@ -235,7 +235,7 @@ def _accumulate_pv(k, p, o, vb, d) -> None:
         a = (h16(p[2 * kk][0], p[2 * kk][1]), h16(p[2 * kk][2], p[2 * kk][3]),
              h16(p[2 * kk + 1][0], p[2 * kk + 1][1]), h16(p[2 * kk + 1][2], p[2 * kk + 1][3]))
         for dj in range(d // 16):
-            b0, b1, b2, b3 = k.ldmatrix_x4(vb, kk * 16 * _row_bytes(d) + dj * 32, trans=True)
+            b0, b1, b2, b3 = k.ldmatrix_x4(vb, kk * 16 * staged_row_bytes(d) + dj * 32, trans=True)
             k.mma_f16(a, (b0, b1), o[2 * dj], into=o[2 * dj])
             k.mma_f16(a, (b2, b3), o[2 * dj + 1], into=o[2 * dj + 1])
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from ptx_gen.builder import KernelBuilder, Module, Reg
 from ptx_gen.catalog import kernel
-from ptx_gen.kernels.attention.flash_attention_mma import BK, HEAD_DIMS, _row_bytes, _rows, _setup, _tiles
+from ptx_gen.kernels.attention.flash_attention_mma import (BK, HEAD_DIMS, key_tile_loop, query_rows, setup_cta,
+                                                            staged_row_bytes)
 from ptx_gen.kernels.kv.paged_kv import (
     ELEM_BYTES, QK, check_paged, f16_bits_to_f32, kv_params, log2, narrow, q8_values, to_f32,
 )
@@ -26,7 +27,7 @@ from ptx_gen.kernels.kv.paged_kv import (
 def _stage_paged(k: KernelBuilder, pool: Reg, table: Reg, kvh: Reg, n_kv: Reg, key0: Reg, rows_valid: Reg,
                  dst: Reg, d: int, tid: Reg, block_size: int, kv_dtype: str, scales: Reg | None = None) -> None:
     """64 keys from ``key0`` of kv head ``kvh`` through the block table into f16 shared rows of
-    :func:`_row_bytes` (zeros for rows at or past ``rows_valid``; q8_0: ``code * scale`` rounded to f16)."""
+    :func:`staged_row_bytes` (zeros for rows at or past ``rows_valid``; q8_0: ``code * scale`` rounded to f16)."""
     per_item = {"f32": 4, "q8_0": 16}.get(kv_dtype, 8)  # values a thread moves per item (16 bytes read)
     items_per_row = d // per_item
     total = BK * items_per_row
@@ -40,7 +41,7 @@ def _stage_paged(k: KernelBuilder, pool: Reg, table: Reg, kvh: Reg, n_kv: Reg, k
         page = k.load("global", "u32", k.add(table, k.mul_wide(k.shr(key, log2(block_size)), 4)), pred=ok, other=0)
         r = k.mad(k.mad(page, n_kv, kvh), block_size, k.and_(key, block_size - 1))
         src = k.add(k.add(pool, k.mul_wide(r, d * es)), k.mul_wide(c, 16))
-        s = k.add(dst, k.mad(row, _row_bytes(d), k.mul(c, per_item * 2)))
+        s = k.add(dst, k.mad(row, staged_row_bytes(d), k.mul(c, per_item * 2)))
         if kv_dtype == "q8_0":
             words = k.load("global", "b32", src, vec=4, pred=ok, other=0)
             srow = k.add(scales, k.mul_wide(r, d // QK * 2))
@@ -93,9 +94,9 @@ def paged_prefill_attention(m: Module, head_dim: int = 128, group: int = 1, caus
     k = m.kernel(name, [("q", "u64"), *kv_params(kv_dtype), ("block_table", "u64"), ("out", "u64"),
                         ("seq_q", "u32"), ("seq_k", "u32"), ("q_offset", "u32"), ("num_heads", "u32"),
                         ("n_kv", "u32")], max_threads=128)
-    st = _setup(k, d, group, "n_kv", wait=False)
+    st = setup_cta(k, d, group, "n_kv", wait=False)
     table = k.global_ptr("block_table")
-    _rows(k, st, d, causal)
+    query_rows(k, st, d, causal)
     k_pool, v_pool = k.global_ptr("k_pool"), k.global_ptr("v_pool")
     k_sc = v_sc = None
     if kv_dtype == "q8_0":
@@ -106,5 +107,5 @@ def paged_prefill_attention(m: Module, head_dim: int = 128, group: int = 1, caus
         _stage_paged(k, k_pool, table, st.kvh, st.extra, key0, left, st.ks, d, st.tid, block_size, kv_dtype, k_sc)
         _stage_paged(k, v_pool, table, st.kvh, st.extra, key0, left, st.vs, d, st.tid, block_size, kv_dtype, v_sc)
 
-    _tiles(k, st, d, causal, stage)
+    key_tile_loop(k, st, d, causal, stage)
     return k

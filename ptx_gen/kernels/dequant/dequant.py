@@ -39,7 +39,7 @@ from __future__ import annotations
 from ptx_gen.builder import KernelBuilder, Module, Reg
 from ptx_gen.catalog import kernel
 from ptx_gen.kernels.gemv import quant_layout as ql
-from ptx_gen.kernels.gemv.gemv import _k_table_constants
+from ptx_gen.kernels.gemv.gemv import k_table_constants
 from ptx_gen.kernels.gemv.gemv_mma_layout import MMA_TYPES, Q6K_D, Q6K_HALF, Q6K_ROW, SWIZZLE, TILE_ROWS, TILE_UNIT
 from ptx_gen.kernels.gemv.gemv_plan import MAX_STATIC_SMEM
 from ptx_gen.kernels.gemv.quant_layout import DENSE, K_TABLE, ROUND, type_info
@@ -315,7 +315,7 @@ def _quant(k: KernelBuilder, wtype: str, g: int, stride: int, sbuf: Reg, table: 
     if wtype == "Q6_K" and tiled:
         d_base = k.add(sbuf, k.add(k.shl(k.and_(g0, 7), 1), g * stride))
     if table is not None:
-        lc.update(_k_table_constants(k, lane))
+        lc.update(k_table_constants(k, lane))
         _k_table(k, g, stride, sbuf, table, lc, g0, n_rounds)
     for i in range(g):
         ok, idx = dest.at(i)

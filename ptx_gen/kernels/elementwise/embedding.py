@@ -18,15 +18,15 @@ from ptx_gen.kernels.gemv.quant_layout import K_TABLE, ROUND  # noqa: F401
 
 def _emit_tile(k: KernelBuilder, p: dict, wtype: str, row, lc: dict, sel, out, t, rounds, npieces) -> None:
     lane = lc["lane"]
-    gv._stage(k, p, [row], lane, t, npieces)
-    gv._after_store(k, p, wtype, [row], lc, len(rounds))
+    gv.stage_tile(k, p, [row], lane, t, npieces)
+    gv.after_store(k, p, wtype, [row], lc, len(rounds))
     tile_values = p["rpt"] * ROUND
     ob = k.add(out, k.mul_wide(t, tile_values * 4)) if not isinstance(t, int) else (
         k.add(out, t * tile_values * 4) if t else out)
     ob = k.add(ob, k.cvt(k.shl(lane, 5), "u64"))
 
     def one(i: int) -> None:
-        dec = gv._decode(k, p, wtype, row, lc, sel, i)
+        dec = gv.decode_round(k, p, wtype, row, lc, sel, i)
         fs = dec.fs
         a, c = ql.affine(k, dec)
         if isinstance(a, float):
@@ -75,7 +75,7 @@ def embedding(m: Module, wtype: str = "Q8_0", hidden: int = 576, warps: int = 4)
     sel = None
     lc = ql.lane_constants(k, wtype, lane)
     if wtype in K_TABLE:
-        lc.update(gv._k_table_constants(k, lane))
+        lc.update(gv.k_table_constants(k, lane))
     if info.block_values == 32:
         B = info.block_bytes
         row.lane_bb = k.add(row.bbase, k.mul(lc["blk"], B))

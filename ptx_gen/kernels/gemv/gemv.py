@@ -44,9 +44,9 @@ from ptx_gen.kernels.gemv.gemv_plan import (
     MAX_STATIC_SMEM,
     TABLE_BYTES,
     TILE_ROUNDS,
-    _slice_plans,
     plan,
     shared_bytes,
+    slice_plans,
     split,
     tiles_per_slice,
 )
@@ -130,7 +130,7 @@ def _piece_regs(k: KernelBuilder, nrows: int, npieces: int) -> list:
     return [[[k.var("u32", 0) for _ in range(4)] for _ in range(-(-npieces // 32))] for _ in range(nrows)]
 
 
-def _stage(k: KernelBuilder, p: dict, rows: list[RowCtx], lane: Reg, t: Reg | int, npieces: int) -> None:
+def stage_tile(k: KernelBuilder, p: dict, rows: list[RowCtx], lane: Reg, t: Reg | int, npieces: int) -> None:
     """Load tile ``t`` and store it to the staging buffers (no prefetch)."""
     regs = _piece_regs(k, len(rows), npieces)
     _issue(k, p, rows, lane, t, npieces, regs)
@@ -156,14 +156,14 @@ def _k_table(k: KernelBuilder, p: dict, wtype: str, rows: list[RowCtx], lc: dict
                 body()
 
 
-def _k_table_constants(k: KernelBuilder, lane: Reg) -> dict:
+def k_table_constants(k: KernelBuilder, lane: Reg) -> dict:
     """Lane constants of the K-quant scale table: the entry a lane reads when decoding (``tentry``,
     8 * sub-block j of its values) and what it builds (:func:`_k_table`)."""
     return {"tentry": k.shl(k.shr(lane, 2), 3), "kblk": k.shr(lane, 2), "kentry": k.shl(lane, 4),
             "kpair": ql.k_pair_selectors(k, k.and_(lane, 3))}
 
 
-def _decode(k: KernelBuilder, p: dict, wtype: str, row: RowCtx, lc: dict, sel, i: int) -> ql.Decoded:
+def decode_round(k: KernelBuilder, p: dict, wtype: str, row: RowCtx, lc: dict, sel, i: int) -> ql.Decoded:
     """The lane's 8 values of round ``i`` of the staged tile of ``row``."""
     info = p["info"]
     lane = lc["lane"]
@@ -223,7 +223,7 @@ def _round(k: KernelBuilder, p: dict, wtype: str, rows: list[RowCtx], lc: dict, 
         k.assign(acc, new)
 
     if len(xbases) > len(rows):
-        decs = [_decode(k, p, wtype, row, lc, sels[ri], i) for ri, row in enumerate(rows)]
+        decs = [decode_round(k, p, wtype, row, lc, sels[ri], i) for ri, row in enumerate(rows)]
         for m, xb in enumerate(xbases):
             xs, box = load_x(xb), {}
             for row, dec in zip(rows, decs):
@@ -232,7 +232,7 @@ def _round(k: KernelBuilder, p: dict, wtype: str, rows: list[RowCtx], lc: dict, 
         xss = [load_x(xb) for xb in xbases]
         boxes = [{} for _ in xbases]
         for ri, row in enumerate(rows):
-            dec = _decode(k, p, wtype, row, lc, sels[ri], i)
+            dec = decode_round(k, p, wtype, row, lc, sels[ri], i)
             for m, xs in enumerate(xss):
                 contribute(row, m, dec, xs, boxes[m])
 
@@ -258,7 +258,7 @@ def _compute(k: KernelBuilder, p: dict, wtype: str, rows: list[RowCtx], lc: dict
                 _round(k, p, wtype, rows, lc, sels, xbases, i)
 
 
-def _after_store(k: KernelBuilder, p: dict, wtype: str, rows: list[RowCtx], lc: dict, nblocks: int) -> None:
+def after_store(k: KernelBuilder, p: dict, wtype: str, rows: list[RowCtx], lc: dict, nblocks: int) -> None:
     k.bar_warp_sync()
     if wtype in K_TABLE:
         _k_table(k, p, wtype, rows, lc, nblocks)
@@ -335,7 +335,7 @@ def _walk(k: KernelBuilder, p: dict, wtype: str, row_ctx: list[RowCtx], lc: dict
     if copy_async and nfull + (1 if p["tail"] else 0) == 1:
         rounds = [(i, ROUND) for i in range(p["rpt"])] if nfull else p["tail"]
         _copy_async(k, p, row_ctx, lane, p["pieces_full"] if nfull else p["pieces_tail"])
-        _after_store(k, p, wtype, row_ctx, lc, len(rounds))
+        after_store(k, p, wtype, row_ctx, lc, len(rounds))
         _compute(k, p, wtype, row_ctx, lc, sels, xs, 0, rounds)
         return
     npieces = max(p["pieces_full"] if nfull else 0, p["pieces_tail"])
@@ -346,13 +346,13 @@ def _walk(k: KernelBuilder, p: dict, wtype: str, row_ctx: list[RowCtx], lc: dict
         full = [(i, ROUND) for i in range(p["rpt"])]
         with k.loop(0, nfull) as t:
             _store(k, row_ctx, lane, npieces, regs)
-            _after_store(k, p, wtype, row_ctx, lc, p["rpt"])
+            after_store(k, p, wtype, row_ctx, lc, p["rpt"])
             _issue(k, p, row_ctx, lane, k.add(t, 1), npieces, regs)  # the next tile, the tail, or nothing
             _compute(k, p, wtype, row_ctx, lc, sels, xs, t, full)
             k.bar_warp_sync()  # the staging buffers are overwritten by the next tile
     if p["tail"]:
         _store(k, row_ctx, lane, npieces, regs)
-        _after_store(k, p, wtype, row_ctx, lc, len(p["tail"]))
+        after_store(k, p, wtype, row_ctx, lc, len(p["tail"]))
         _compute(k, p, wtype, row_ctx, lc, sels, xs, nfull, p["tail"])
 
 
@@ -367,7 +367,7 @@ def _store_out(k: KernelBuilder, val: Reg, r: Reg, idx: Reg, bias: bool, residua
     k.store("global", "f32", k.add(k.global_ptr("y"), off), val)
 
 
-def _silu_mul(k: KernelBuilder, g: Reg, u: Reg) -> Reg:
+def silu_mul(k: KernelBuilder, g: Reg, u: Reg) -> Reg:
     """silu(g) * u = g / (1 + 2**(-g log2 e)) * u (the GLU epilogue)."""
     e = k.ex2(k.mul(g, -1.4426950408889634))
     return k.mul(k.div(g, k.add(e, 1.0)), u)  # silu(g) * u
@@ -441,7 +441,7 @@ def _prologue(k: KernelBuilder, name: str, wtype: str, in_dim: int, warps: int, 
         xs = [x]
     lc = ql.lane_constants(k, wtype, lane)
     if wtype in K_TABLE:
-        lc.update(_k_table_constants(k, lane))
+        lc.update(k_table_constants(k, lane))
     return _Setup(out_dim, row0, s, done_label, w, x, wbase, last, xs, lc)
 
 
@@ -457,7 +457,7 @@ def build(m: Module, wtype: str, in_dim: int, rows: int, warps: int, bias: bool,
     _check_shape(rows, warps, glu, bias, residual, tokens, ksplit)
     info = type_info(wtype)
     row_bytes = info.row_bytes(in_dim)
-    p_full, p_last = _slice_plans(wtype, sp)
+    p_full, p_last = slice_plans(wtype, sp)
     plans = [p for p in (p_full, p_last) if p is not None]
     params = gemv_params(bias, residual)
     if tokens:
@@ -556,7 +556,7 @@ def _store_rows(k: KernelBuilder, totals: list, lane: Reg, warp: Reg, warps: int
         ok_row = k.and_(is_lane0, k.setp("lt", r, out_dim))
         for j in range(nt):
             if glu:
-                val = _silu_mul(k, totals[o][j], totals[o + outs_per_warp][j])
+                val = silu_mul(k, totals[o][j], totals[o + outs_per_warp][j])
             else:
                 val = totals[o][j]
             ok = ok_row
@@ -601,7 +601,7 @@ def _combine_slices(k: KernelBuilder, name: str, totals: list, lane: Reg, warp: 
             return acc
 
         if glu:
-            val = _silu_mul(k, partial_sum(0), partial_sum(4 * outs_per_warp))
+            val = silu_mul(k, partial_sum(0), partial_sum(4 * outs_per_warp))
         else:
             val = partial_sum(0)
         _store_out(k, val, r, r, bias, residual)

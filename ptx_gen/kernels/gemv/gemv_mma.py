@@ -33,7 +33,7 @@ Per unit (Q4_K): each row's 6-bit scales and mins are unpacked into a table by o
 the 4 sub-block pairs is one ``ldmatrix.x4`` (lane (g, t) gets 4 code bytes of rows g and g + 8 in
 each half of the pair) feeding two MMAs that each take the low nibbles of sub-block 2i (class 0) as
 k 0..15 and the high nibbles of 2i + 1 (class 1, masked in place) as k 16..31, against x digits in B's
-columns 0..3 and 4..7 (see :func:`_unit_q4k`); their int32 results are weighted by the integer
+columns 0..3 and 4..7 (see :func:`unit_q4k`); their int32 results are weighted by the integer
 sub-block scales (``mad``), and once per unit converted to float and multiplied by the row's ``d``.
 The mins contribute ``-dmin m_j sum(x over sub-block j)`` with the sums of x kept per 32 values in
 shared memory.
@@ -42,9 +42,9 @@ per block, scaled by the block's ``d`` in float. Q6_K (210-byte blocks, so a uni
 byte of a 16-byte chunk: the 14 chunks covering it are staged, words realigned with funnel shifts):
 the 6-bit codes are assembled from their ql/qh bits as unsigned bytes; each MMA pairs two 16-value
 sub-blocks, one per half of B's 8 columns, so every lane's sums carry one integer scale; the codes'
-offset of 32 enters exactly, as the MMA's accumulator input (:func:`_unit_q6k`). The 32-value block
+offset of 32 enters exactly, as the MMA's accumulator input (:func:`unit_q6k`). The 32-value block
 types (Q4_0, Q4_1, Q5_0, Q5_1) pair two blocks per pair of MMAs as Q4_K pairs its sub-blocks, so that a
-lane's results carry one block scale (:func:`_unit_b32`). Their 160- and 192-byte rows (Q4_1, Q5_1)
+lane's results carry one block scale (:func:`unit_b32`). Their 160- and 192-byte rows (Q4_1, Q5_1)
 would put rows an A word load reads in the same shared-memory banks: on GGUF rows they are staged 16
 bytes apart more than they are stored (``ROW_PAD``); tile-major rows hold their 16-byte chunks permuted
 by row (``SWIZZLE``), so a stage is still one contiguous run of bytes (one bulk copy).
@@ -100,16 +100,16 @@ from ptx_gen.kernels.gemv.gemv_mma_cols import (
     unit_q8_0_cols,
 )
 from ptx_gen.kernels.gemv.gemv_mma_units import (
-    _b32_ldmatrix_lanes,
-    _convert_x,
-    _div,
-    _load_x,
-    _mod,
-    _unit_b32,
-    _unit_q4k,
-    _unit_q6k,
-    _unit_q8_0,
-    _x_lane_constants,
+    b32_ldmatrix_lanes,
+    convert_x,
+    div_by,
+    load_x,
+    mod_by,
+    unit_b32,
+    unit_q4k,
+    unit_q6k,
+    unit_q8_0,
+    x_lane_constants,
 )
 
 # The geometry lives in gemv_mma_layout; the GEMV launch policy and tests take it from here.
@@ -258,7 +258,7 @@ def build(m: Module, wtype: str, in_dim: int, mtiles: int, kparts: int, stages: 
         return k
     xs = _x_prologue(s)
     ctx = _lane_context(s)
-    # [g][2t], [g][2t+1], [g+8][2t], [g+8][2t+1] (the 32-value block types: [g], [g+8], see _unit_b32)
+    # [g][2t], [g][2t+1], [g+8][2t], [g+8][2t+1] (the 32-value block types: [g], [g+8], see unit_b32)
     acc = [[k.var("f32", 0.0) for _ in range(2 if wtype in BLOCK32 else 4)] for _ in range(tiles)]
     minacc = k.var("f32", 0.0) if wtype in MINS else None  # lane r: row r's min term
     _main_loop(s, ctx, xs, issue, wait, acc, minacc)
@@ -278,7 +278,7 @@ def _build_cols(s: _Warp, issue, wait, mtiles: int, kparts: int, cols: int, xh: 
     XS = XSLOT[wtype]
     x = k.global_ptr("x")
     ldxb = k.mul_wide(k.param("ldx"), 2 if xh else 4)
-    xc = _x_lane_constants(k, wtype, s.lane)
+    xc = x_lane_constants(k, wtype, s.lane)
     xbuf = k.add(s.smem, k.add(k.mul(s.warp, cols * XS), s.lay["off"]["xbuf"]))  # a slot a column
     if wtype == "Q6_K":  # the B words that stay zero, in every slot (see _x_prologue)
         zero = k.add(xbuf, k.add(k.shl(s.lane, 4), k.selp(4, 0, k.setp("lt", s.lane, 16), "u32")))
@@ -288,7 +288,7 @@ def _build_cols(s: _Warp, issue, wait, mtiles: int, kparts: int, cols: int, xh: 
     def convert(j: Reg | int, valid: Reg | None) -> None:  # unit j's x, every column, into its slot
         vals = load_x_cols(k, x, ldxb, s.lane, s.unit_of(j), cols, xh, valid)
         for col, v in enumerate(vals):
-            _convert_x(k, wtype, v, k.add(xbuf, col * XS) if col else xbuf, xc)
+            convert_x(k, wtype, v, k.add(xbuf, col * XS) if col else xbuf, xc)
 
     convert(0, None)
     ctx = _lane_context(s)
@@ -345,7 +345,7 @@ def _prologue(k: KernelBuilder, lay: dict, wtype: str, mtiles: int, kparts: int,
     # the warp's units kp, kp + kparts, ... below the row's units: where kparts does not divide them, the
     # first parts take one more
     s.n = lay["per_warp"] if lay["per_warp"] == lay["per_warp_min"] else \
-        _div(k, k.sub(lay["units"] + kparts - 1, kp), kparts)
+        div_by(k, k.sub(lay["units"] + kparts - 1, kp), kparts)
     R, G = s.R, s.G
     s.smem = k.dynamic_shared()
     s.ring = k.add(s.smem, k.add(k.mul(warp, stages * s.stage_bytes), lay["off"]["ring"]))
@@ -417,7 +417,7 @@ def _bulk_copies(s: _Warp):
         dst_lane = k.add(s.ring, k.mul(lane, U))
 
     def issue(j: Reg | int, slot_off: Reg | int, valid: Reg | None) -> None:
-        slot = _mod(k, j, stages) if isinstance(j, Reg) else j % stages
+        slot = mod_by(k, j, stages) if isinstance(j, Reg) else j % stages
         mb = k.add(mbar, k.shl(slot, 3)) if isinstance(slot, Reg) else k.add(mbar, 8 * slot)
         k.mbarrier_expect_tx(mb, R * G, pred=k.both(lane0, valid))
         if s.tiled:  # the whole stage, one copy
@@ -429,8 +429,8 @@ def _bulk_copies(s: _Warp):
         k.cp_async_bulk(dst, src, G, mb, pred=k.both(row_lane, valid))
 
     def wait(j: Reg) -> None:
-        slot = _mod(k, j, stages)
-        k.mbarrier_wait(k.add(mbar, k.shl(slot, 3)), k.and_(_div(k, j, stages), 1))  # the slot's use count
+        slot = mod_by(k, j, stages)
+        k.mbarrier_wait(k.add(mbar, k.shl(slot, 3)), k.and_(div_by(k, j, stages), 1))  # the slot's use count
         k.bar_warp_sync()  # (the x slot the warp's lanes wrote last step)
     return issue, wait
 
@@ -605,27 +605,27 @@ def _x_prologue(s: _Warp) -> _XState:
     k, lane, wtype = s.k, s.lane, s.wtype
     x = k.global_ptr("x")
     lane16 = k.cvt(k.shl(lane, 4), "u64")
-    xc = _x_lane_constants(k, wtype, lane)
+    xc = x_lane_constants(k, wtype, lane)
     XS = XSLOT[wtype]
     xbuf = k.add(s.smem, k.add(k.mul(s.warp, XS), s.lay["off"]["xbuf"]))
     if wtype == "Q6_K":  # the B words that stay zero (lane (g, t): word [m / 2][g][t][m % 2][g < 4])
         zero = k.add(xbuf, k.add(k.shl(lane, 4), k.selp(4, 0, k.setp("lt", lane, 16), "u32")))
         for off in (512 * mp + 8 * m2 for mp in range(4) for m2 in range(2)):
             k.store("shared", "u32", zero, k.mov(0, "u32"), off)
-    x0 = _load_x(k, x, lane16, s.unit_of(0), None)
+    x0 = load_x(k, x, lane16, s.unit_of(0), None)
     xregs = [[k.var("f32", 0.0) for _ in range(8)] for _ in range(2)]
     for jj in (1, 2):
         if jj < s.n_units:
-            _load_x(k, x, lane16, s.unit_of(jj), s.has(jj), into=xregs[jj % 2])
+            load_x(k, x, lane16, s.unit_of(jj), s.has(jj), into=xregs[jj % 2])
     for copy in s.deferred:  # (the ring's stages past ``ahead``, behind x's loads)
         copy()
-    _convert_x(k, wtype, x0, xbuf, xc)
+    convert_x(k, wtype, x0, xbuf, xc)
     return _XState(x, lane16, xc, xbuf, xregs)
 
 
 def _lane_context(s: _Warp) -> dict:
-    """Emits the lane's fixed addresses and constants for the unit bodies (:func:`_unit_q4k`,
-    :func:`_unit_q6k`, :func:`_unit_q8_0`): the warp's scale table, the lane's rows in a stage, its A /
+    """Emits the lane's fixed addresses and constants for the unit bodies (:func:`unit_q4k`,
+    :func:`unit_q6k`, :func:`unit_q8_0`): the warp's scale table, the lane's rows in a stage, its A /
     B fragment offsets and masks, by weight type."""
     k, lane, wtype, U, R = s.k, s.lane, s.wtype, s.U, s.R
     g, t = k.shr(lane, 2), k.and_(lane, 3)
@@ -651,17 +651,17 @@ def _lane_context(s: _Warp) -> dict:
         if zero:
             ctx["minus_zero"] = k.mov((-zero & 0xFF) * 0x01010101, "u32")  # -zero in every byte of A
         ctx["gU"] = k.mul(g, U)  # lane (g, t)'s row g in a staged unit
-        if s.tiled:  # (the ldmatrix rows of its A words, see _b32_rows)
-            ctx["ldm_b32"] = _b32_ldmatrix_lanes(k, wtype, lane, U)
+        if s.tiled:  # (the ldmatrix rows of its A words, see b32_rows)
+            ctx["ldm_b32"] = b32_ldmatrix_lanes(k, wtype, lane, U)
         if s.tiled and wtype in SWIZZLE:  # (rows with permuted chunks: per residue j of a chunk, where the
-            # lane's row keeps it, see _b32_rows; row g's fifth bits, row r's (= lane) scales)
+            # lane's row keeps it, see b32_rows; row g's fifth bits, row r's (= lane) scales)
             kg, kr = ql.swizzle_key16(k, wtype, g), ql.swizzle_key16(k, wtype, lane)
             if BLOCK32[wtype]["qh"] is not None:
                 moved = [kg] + [k.xor(kg, 16 * j) for j in range(1, SWIZZLE[wtype][1] + 1)]
                 ctx["h_sw"] = [k.add(ctx["gU"], m) for m in moved]
             ctx["row_sw"] = [k.add(ctx["row_stage"], kr), k.add(ctx["row_stage"], k.xor(kr, 16))]
         if BLOCK32[wtype]["qh"] is not None and s.tiled:
-            ctx["t"], ctx["t_up"] = t, k.sub(4, t)  # (the shifts of its fifth bits, see _unit_b32)
+            ctx["t"], ctx["t_up"] = t, k.sub(4, t)  # (the shifts of its fifth bits, see unit_b32)
         elif BLOCK32[wtype]["qh"] is not None:
             ctx["t4_16"] = k.add(ctx["t4"], 16)
     elif wtype == "Q6_K":
@@ -670,7 +670,7 @@ def _lane_context(s: _Warp) -> dict:
         ctx["t_gc"] = k.add(ctx["t_g"], k.shl(k.shr(t, 1), 5))  # its scales: class t / 2 of row g
         ctx["a_lane"] = k.add(k.mul(g, U), ctx["t4"])  # its A words: row g, bytes 4t + 16 m'
         # a stage's 16-row tiles are 16 U apart, or (tile-major) Q6K_HALF; there, lane r's row (its d: see
-        # _q6k_table_row)
+        # q6k_table_row)
         ctx["tile_step"] = Q6K_HALF if s.tiled else 16 * U
         if s.tiled:
             ctx["row_stage"] = k.mad(k.shr(lane, 4), Q6K_HALF, k.mul(k.and_(lane, 15), U))
@@ -694,7 +694,7 @@ def _unit_step(s: _Warp, j: Reg, wait, issue, slots, body) -> None:
     the next kernel's launch at the warp's last copy; warps with fewer units than stages trigger by
     exiting)."""
     k = s.k
-    slot_off = k.mul(_mod(k, j, s.stages), s.stage_bytes)
+    slot_off = k.mul(mod_by(k, j, s.stages), s.stage_bytes)
     sbase = k.add(s.ring, slot_off)
     xslots = slots(j)
     wait(j)
@@ -717,14 +717,14 @@ def _main_loop(s: _Warp, ctx: dict, xs: _XState, issue, wait, acc: list, minacc:
 
     def body(j: Reg, sbase: Reg, xslot: Reg) -> None:
         if wtype in ("Q4_K", "Q5_K"):
-            _unit_q4k(k, ctx, sbase, xslot, acc, minacc, q5=wtype == "Q5_K")
+            unit_q4k(k, ctx, sbase, xslot, acc, minacc, q5=wtype == "Q5_K")
         elif wtype == "Q6_K":
             u = s.unit_of(j)
-            _unit_q6k(k, ctx, sbase, xslot, acc, None if s.tiled else k.shl(k.and_(u, 7), 1))
+            unit_q6k(k, ctx, sbase, xslot, acc, None if s.tiled else k.shl(k.and_(u, 7), 1))
         elif wtype in BLOCK32:
-            _unit_b32(k, wtype, ctx, sbase, xslot, acc, minacc)
+            unit_b32(k, wtype, ctx, sbase, xslot, acc, minacc)
         else:
-            _unit_q8_0(k, ctx, sbase, xslot, acc)
+            unit_q8_0(k, ctx, sbase, xslot, acc)
 
     def step(j: Reg) -> None:
         """Unit j (:func:`_unit_step`), then convert unit j + 1's x (in the registers of its parity) and
@@ -737,9 +737,9 @@ def _main_loop(s: _Warp, ctx: dict, xs: _XState, issue, wait, acc: list, minacc:
         j1 = k.add(j, 1)
         regs = xs.xregs[parity[0]]
         with k.if_(s.has(j1)) if wtype != "Q6_K" else contextlib.nullcontext():
-            _convert_x(k, wtype, list(regs), xs.xbuf, xs.xc)
+            convert_x(k, wtype, list(regs), xs.xbuf, xs.xc)
         j3 = k.add(j, 3)
-        _load_x(k, xs.x, xs.lane16, s.unit_of(j3), s.has(j3), into=regs)
+        load_x(k, xs.x, xs.lane16, s.unit_of(j3), s.has(j3), into=regs)
         parity[0] ^= 1
 
     parity = [1]  # unit j + 1 of the first step is odd
@@ -770,7 +770,7 @@ def _row_sums(k: KernelBuilder, wtype: str, tiles: int, acc: list, minacc: Reg |
     tt = k.and_(t, 1) if wtype not in Q8_DIGITS else t
     t_is0 = k.setp("eq", tt, 0)
     sums = []  # rows g, g + 8, 16 + g, 24 + g
-    if wtype in BLOCK32:  # one accumulator a row, in units of digit 2 t' (see _unit_b32)
+    if wtype in BLOCK32:  # one accumulator a row, in units of digit 2 t' (see unit_b32)
         w = k.selp(1.0, 65536.0, t_is0, "f32")
         pairs = [((a, w), None) for r in range(tiles) for a in acc[r]]
     else:

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 from ptx_gen.builder import KernelBuilder, Reg
 from ptx_gen.kernels.gemv import quant_layout as ql
-from ptx_gen.kernels.gemv.gemv import _silu_mul
+from ptx_gen.kernels.gemv.gemv import silu_mul
 from ptx_gen.kernels.gemv.gemv_mma_layout import BLOCK32, INVF, XSUM
-from ptx_gen.kernels.gemv.gemv_mma_units import (_b32_rows, _b32_table_row, _exact_float, _lanes_with_rows, _or_bit4,
-                                             _q4k_min, _q4k_table_row, _q6k_codes, _q6k_lane, _q6k_rows,
-                                             _q6k_table_row, _q8_0_words)
+from ptx_gen.kernels.gemv.gemv_mma_units import (b32_rows, b32_table_row, exact_float, lanes_with_rows, or_bit4,
+                                                  q4k_min, q4k_table_row, q6k_codes, q6k_lane, q6k_rows,
+                                                  q6k_table_row, q8_0_words)
 
 
 def load_x_cols(k: KernelBuilder, x: Reg, ldxb: Reg, lane: Reg, unit: Reg | int, cols: int, xh: bool,
@@ -44,7 +44,7 @@ def load_x_cols(k: KernelBuilder, x: Reg, ldxb: Reg, lane: Reg, unit: Reg | int,
             raw.append([k.load("global", "f32", col, 128 * esize * h, vec=4, pred=valid, other=0.0) for h in range(2)])
     if not xh:
         return [[v for quad in r for v in quad] for r in raw]
-    return [[k.cvt(Reg(hh.name, ql._f16), "f32") for quad in r for w in quad for hh in k.unpack_b32(w)] for r in raw]
+    return [[k.cvt(Reg(hh.name, ql.F16_TYPE), "f32") for quad in r for w in quad for hh in k.unpack_b32(w)] for r in raw]
 
 
 def _inv_fs(k: KernelBuilder, wtype: str, xslots: list) -> list:
@@ -58,12 +58,12 @@ def unit_q4k_cols(k: KernelBuilder, c: dict, sbase: Reg, xslots: list, accs: lis
     (d plain) and A fragments, per column its B words, two MMAs a pair, sums and min terms."""
     U, TR = c["U"], c["TR"]
     qs0 = 48 if q5 else 16
-    with _lanes_with_rows(k, c):
-        d_h, dmin_h, mins = _q4k_table_row(k, c, sbase)
-        d = k.cvt(Reg(d_h.name, ql._f16), "f32")
+    with lanes_with_rows(k, c):
+        d_h, dmin_h, mins = q4k_table_row(k, c, sbase)
+        d = k.cvt(Reg(d_h.name, ql.F16_TYPE), "f32")
         k.store("shared", "f32", c["t_mine"], [d, d if q5 else k.mul(d, 0.0625)], 32)
-        dmin = k.cvt(Reg(dmin_h.name, ql._f16), "f32")
-        mfs = [_q4k_min(k, mins, i, dmin) for i in range(8)]
+        dmin = k.cvt(Reg(dmin_h.name, ql.F16_TYPE), "f32")
+        mfs = [q4k_min(k, mins, i, dmin) for i in range(8)]
         for xs, minacc in zip(xslots, minaccs):
             sx = [v for o in (0, 16) for v in k.load("shared", "f32", xs, XSUM["Q4_K"] + o, vec=4)]
             msum = k.mul(mfs[0], sx[0])
@@ -79,8 +79,8 @@ def unit_q4k_cols(k: KernelBuilder, c: dict, sbase: Reg, xslots: list, accs: lis
         for j in range(4):
             regs = k.ldmatrix_x4(k.add(sbase, c["ldm"]), 16 * r * U + qs0 + 32 * j)
             if q5:
-                lo = [_or_bit4(k, k.and_(x, 0x0F0F0F0F), h, 2 * j) for x, h in zip(regs, qh)]
-                hi = [_or_bit4(k, k.and_(k.shr(x, 4), 0x0F0F0F0F), h, 2 * j + 1) for x, h in zip(regs, qh)]
+                lo = [or_bit4(k, k.and_(x, 0x0F0F0F0F), h, 2 * j) for x, h in zip(regs, qh)]
+                hi = [or_bit4(k, k.and_(k.shr(x, 4), 0x0F0F0F0F), h, 2 * j + 1) for x, h in zip(regs, qh)]
             else:
                 lo = [k.and_(x, 0x0F0F0F0F) for x in regs]
                 hi = [k.and_(x, 0xF0F0F0F0) for x in regs]
@@ -104,18 +104,18 @@ def unit_q6k_cols(k: KernelBuilder, c: dict, sbase: Reg, xslots: list, accs: lis
     """:func:`~ptx_gen.kernels.gemv.gemv_mma_units._unit_q6k` over the columns of ``xslots``: the codes are
     assembled once; per column the offset MMA (-32 times its digit sums) and the code MMA."""
     TR = c["TR"]
-    row_w, a_w, realign = _q6k_lane(k, c, p)
-    with _lanes_with_rows(k, c):
-        d = _q6k_table_row(k, c, sbase, row_w, p, realign)
+    row_w, a_w, realign = q6k_lane(k, c, p)
+    with lanes_with_rows(k, c):
+        d = q6k_table_row(k, c, sbase, row_w, p, realign)
         k.store("shared", "f32", c["t_mine"], d, 64)
     k.bar_warp_sync()
     inv_fs = _inv_fs(k, "Q6_K", xslots)
     a0 = k.add(sbase, a_w)
     for r in range(c["tiles"]):
-        words, scales, qab = _q6k_rows(k, c, a0, r, p, realign)
+        words, scales, qab = q6k_rows(k, c, a0, r, p, realign)
         ints = [[None] * 4 for _ in xslots]
         for m in range(8):
-            a_lo, a_hi = _q6k_codes(k, words, qab, m)
+            a_lo, a_hi = q6k_codes(k, words, qab, m)
             for xs, it in zip(xslots, ints):
                 b = k.load("shared", "u32", k.add(xs, c["b_q6"]), 512 * (m >> 1) + 8 * (m & 1), vec=2)
                 off = k.mma_s8(c["minus32"], b, c["zeros"])
@@ -134,7 +134,7 @@ def unit_q6k_cols(k: KernelBuilder, c: dict, sbase: Reg, xslots: list, accs: lis
 def unit_q8_0_cols(k: KernelBuilder, c: dict, sbase: Reg, xslots: list, accs: list) -> None:
     """:func:`~ptx_gen.kernels.gemv.gemv_mma_units._unit_q8_0` over the columns of ``xslots``."""
     U = c["U"]
-    with _lanes_with_rows(k, c):
+    with lanes_with_rows(k, c):
         row = k.add(sbase, c["row_stage"])
         ds = [ql.lds_f16(k, row, 34 * i) for i in range(8)]
         k.store("shared", "f32", c["t_mine"], ds[:4])
@@ -149,14 +149,14 @@ def unit_q8_0_cols(k: KernelBuilder, c: dict, sbase: Reg, xslots: list, accs: li
             bs = [k.load("shared", "u32", bj, 32 * blk, vec=4, pred=c["b_ok"], other=0) for bj in bjs]
         q = 34 * blk + 2
         for r in range(c["tiles"]):
-            words = _q8_0_words(k, rg_t, 16 * r * U + q, U)
+            words = q8_0_words(k, rg_t, 16 * r * U + q, U)
             sg = k.load("shared", "f32", c["t_g"], 16 * r * c["TR"] + 4 * blk)
             sg8 = k.load("shared", "f32", c["t_g"], (16 * r + 8) * c["TR"] + 4 * blk)
             for b, inv_f, acc in zip(bs, inv_fs, accs):
                 d = k.mma_s8(words, b[0:2] if blk % 2 == 0 else b[2:4], c["zeros"])
                 s0, s8 = k.mul(sg, inv_f), k.mul(sg8, inv_f)
                 for n, s in ((0, s0), (1, s0), (2, s8), (3, s8)):
-                    k.assign(acc[r][n], k.fma(s, _exact_float(k, d[n]), acc[r][n]))
+                    k.assign(acc[r][n], k.fma(s, exact_float(k, d[n]), acc[r][n]))
 
 
 def unit_b32_cols(k: KernelBuilder, wtype: str, c: dict, sbase: Reg, xslots: list, accs: list,
@@ -166,10 +166,10 @@ def unit_b32_cols(k: KernelBuilder, wtype: str, c: dict, sbase: Reg, xslots: lis
     pair of MMAs and the min terms (Q4_1 / Q5_1)."""
     f = BLOCK32[wtype]
     TR = c["TR"]
-    with _lanes_with_rows(k, c):
-        _, m16 = _b32_table_row(k, wtype, c, sbase, None)
+    with lanes_with_rows(k, c):
+        _, m16 = b32_table_row(k, wtype, c, sbase, None)
         if f["m"] is not None:
-            ms = [k.cvt(Reg(m_.name, ql._f16), "f32") for m_ in m16]
+            ms = [k.cvt(Reg(m_.name, ql.F16_TYPE), "f32") for m_ in m16]
             for xs, minacc in zip(xslots, minaccs):
                 sx = [v for o in (0, 16) for v in k.load("shared", "f32", xs, XSUM[wtype] + o, vec=4)]
                 msum = k.mul(ms[0], sx[0])
@@ -178,7 +178,7 @@ def unit_b32_cols(k: KernelBuilder, wtype: str, c: dict, sbase: Reg, xslots: lis
                 k.assign(minacc, k.sub(minacc, msum))
     k.bar_warp_sync()
     inv_fs = _inv_fs(k, wtype, xslots)
-    a_words = _b32_rows(k, wtype, c, sbase)
+    a_words = b32_rows(k, wtype, c, sbase)
     scl = []
     for p in range(4):
         if p % 2 == 0:
@@ -240,7 +240,7 @@ def store_rows(k: KernelBuilder, lay: dict, mtiles: int, kparts: int, col_sums: 
             rr = k.add(row_base, k.add(g, 8 * i) if i else g)
             with k.if_(k.and_(t0, k.setp("lt", rr, out_dim))):
                 for col, sums in enumerate(col_sums):
-                    store(_silu_mul(k, sums[i], sums[2 + i]) if glu else sums[i], rr, col)
+                    store(silu_mul(k, sums[i], sums[2 + i]) if glu else sums[i], rr, col)
         return
     red = k.add(smem, lay["off"]["red"])
     mine = k.add(red, k.mul(warp, 4 * R * C))  # red[kp][mt][col][R] = red[warp][col][R]
@@ -262,4 +262,4 @@ def store_rows(k: KernelBuilder, lay: dict, mtiles: int, kparts: int, col_sums: 
 
         for col in range(C):
             base = 4 * R * col
-            store(_silu_mul(k, part_sum(base), part_sum(base + 64)) if glu else part_sum(base), r, col)
+            store(silu_mul(k, part_sum(base), part_sum(base + 64)) if glu else part_sum(base), r, col)

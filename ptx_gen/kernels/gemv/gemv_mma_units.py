@@ -8,13 +8,14 @@ import contextlib
 from ptx_gen.builder import KernelBuilder, Reg
 from ptx_gen.kernels.gemv import quant_layout as ql
 from ptx_gen.kernels.gemv.gemv_mma_layout import (BLOCK32, INVF, MINS, PAIRED, PLANE, Q6K_D, Q6K_ROW, SWIZZLE,
-                                             TILED_B32, XSUM)
+                                                   TILED_B32, XSUM)
 
-def _mod(k: KernelBuilder, j: Reg, n: int) -> Reg:
+
+def mod_by(k: KernelBuilder, j: Reg, n: int) -> Reg:
     return k.and_(j, n - 1) if n & (n - 1) == 0 else k.rem(j, n)
 
 
-def _div(k: KernelBuilder, j: Reg, n: int) -> Reg:
+def div_by(k: KernelBuilder, j: Reg, n: int) -> Reg:
     return k.shr(j, n.bit_length() - 1) if n & (n - 1) == 0 else k.div(j, n)
 
 
@@ -28,14 +29,14 @@ def _digits(k: KernelBuilder, v: Reg, f: Reg) -> Reg:
     return k.xor(k.add(k.bitcast(x, "u32"), 0x80808080), 0x80808080)
 
 
-def _x_lane_constants(k: KernelBuilder, wtype: str, lane: Reg) -> dict:
+def x_lane_constants(k: KernelBuilder, wtype: str, lane: Reg) -> dict:
     """Where lane l's two quads of a unit's x (values 4l.. and 128 + 4l..) go in an x slot.
 
     Q8_0: chunk c = q / 8 (32 values), u = q % 8, word [pair c / 2][t = u % 4][c % 2][hi = u / 4] of
     each plane (the B fragments of lane (g, t) are then one 16-byte load per pair); the second quad is
     128 bytes on. Q4_K: see below. Q6_K: quad q = 32 n + 8 i + 4 lh + t (value 128 n + 32 i + 16 lh + 4 t.., i.e. sub-block
     8 n + 2 i + lh) feeds MMA m = 4 n + 2 (i % 2) + lh as column class i / 2, at word
-    [m / 2][column 4 (i / 2) + digit][t][m % 2][i / 2] (see _unit_q6k)."""
+    [m / 2][column 4 (i / 2) + digit][t][m % 2][i / 2] (see unit_q6k)."""
     if wtype == "Q6_K":
         cls = k.shr(lane, 4)
         woff = k.add(k.add(k.shl(k.and_(k.shr(lane, 3), 1), 9), k.mul(cls, 260)),
@@ -57,7 +58,7 @@ def _x_lane_constants(k: KernelBuilder, wtype: str, lane: Reg) -> dict:
     return {"woff": woff, "lane0": k.setp("eq", lane, 0), "plane": PLANE, "half": 128}
 
 
-def _load_x(k: KernelBuilder, x: Reg, lane16: Reg, unit: Reg | int, valid: Reg | None, into: list | None = None) -> list:
+def load_x(k: KernelBuilder, x: Reg, lane16: Reg, unit: Reg | int, valid: Reg | None, into: list | None = None) -> list:
     """Lane l's 8 values of x unit ``unit`` (256 values): quads l and 32 + l (``into``: into Vars)."""
     base = k.add(x, k.add(k.mul_wide(unit, 1024) if isinstance(unit, Reg) else unit * 1024, lane16))
     out = []
@@ -69,7 +70,7 @@ def _load_x(k: KernelBuilder, x: Reg, lane16: Reg, unit: Reg | int, valid: Reg |
     return out
 
 
-def _convert_x(k: KernelBuilder, wtype: str, vals: list, slot: Reg, xc: dict) -> None:
+def convert_x(k: KernelBuilder, wtype: str, vals: list, slot: Reg, xc: dict) -> None:
     """One unit of x (lane l's 8 values) -> the warp's x slot: ``f`` = a power of two with
     max |x f| < 2**30 over the unit (a warp max), the four digit planes, 1 / f, and (Q4_K) the sums
     of x per 32 values. Warp-collective: every lane must take part."""
@@ -99,12 +100,12 @@ def _convert_x(k: KernelBuilder, wtype: str, vals: list, slot: Reg, xc: dict) ->
             k.store("shared", "f32", k.add(slot, xc["sum_off"]), sm, 16 * h, pred=xc["sum_lane"])
 
 
-def _lanes_with_rows(k: KernelBuilder, c: dict):
+def lanes_with_rows(k: KernelBuilder, c: dict):
     """The lanes r < R (one per row of the warp) only: a branch for 16-row warps, nothing for 32."""
     return k.if_(c["t_lane"]) if c["t_lane"] is not None else contextlib.nullcontext()
 
 
-def _unit_q4k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, minacc, q5: bool = False) -> None:
+def unit_q4k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, minacc, q5: bool = False) -> None:
     """One Q4_K super-block of the warp's rows (staged at ``sbase``).
 
     Block: d, dmin (f16), 12 bytes of 6-bit scales and mins, qs (128 bytes: byte 32 j + l holds value
@@ -125,16 +126,16 @@ def _unit_q4k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, mina
     qs0 = 48 if q5 else 16
     # the table: lane r unpacks row r's scales by class ([0, 2, 4, 6][1, 3, 5, 7] as int32), d / f for
     # class 0 and d / 16 f for class 1, and adds its min terms
-    with _lanes_with_rows(k, c):
-        d_h, dmin_h, mins = _q4k_table_row(k, c, sbase)
+    with lanes_with_rows(k, c):
+        d_h, dmin_h, mins = q4k_table_row(k, c, sbase)
         inv_f = k.load("shared", "f32", xslot, INVF["Q4_K"])  # the unit's x digits are x f
-        dq = k.mul(k.cvt(Reg(d_h.name, ql._f16), "f32"), inv_f)
+        dq = k.mul(k.cvt(Reg(d_h.name, ql.F16_TYPE), "f32"), inv_f)
         k.store("shared", "f32", c["t_mine"], [dq, dq if q5 else k.mul(dq, 0.0625)], 32)
         sx = [v for o in (0, 16) for v in k.load("shared", "f32", xslot, XSUM["Q4_K"] + o, vec=4)]
-        dmin = k.cvt(Reg(dmin_h.name, ql._f16), "f32")
+        dmin = k.cvt(Reg(dmin_h.name, ql.F16_TYPE), "f32")
         msum = None
         for i in range(8):  # dmin m_j first: sum_j m_j sum(x) alone could overflow where the result does not
-            mf = _q4k_min(k, mins, i, dmin)
+            mf = q4k_min(k, mins, i, dmin)
             msum = k.mul(mf, sx[i]) if msum is None else k.fma(mf, sx[i], msum)
         k.assign(minacc, k.add(minacc, msum))  # (one update of the loop-carried register: 8 cost 30% at 14336)
     k.bar_warp_sync()
@@ -150,8 +151,8 @@ def _unit_q4k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, mina
         for j in range(4):
             regs = k.ldmatrix_x4(k.add(sbase, c["ldm"]), 16 * r * U + qs0 + 32 * j)
             if q5:
-                lo = [_or_bit4(k, k.and_(x, 0x0F0F0F0F), h, 2 * j) for x, h in zip(regs, qh)]
-                hi = [_or_bit4(k, k.and_(k.shr(x, 4), 0x0F0F0F0F), h, 2 * j + 1) for x, h in zip(regs, qh)]
+                lo = [or_bit4(k, k.and_(x, 0x0F0F0F0F), h, 2 * j) for x, h in zip(regs, qh)]
+                hi = [or_bit4(k, k.and_(k.shr(x, 4), 0x0F0F0F0F), h, 2 * j + 1) for x, h in zip(regs, qh)]
             else:
                 lo = [k.and_(x, 0x0F0F0F0F) for x in regs]
                 hi = [k.and_(x, 0xF0F0F0F0) for x in regs]
@@ -166,10 +167,10 @@ def _unit_q4k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, mina
             k.assign(acc[r][n], k.fma(d, k.cvt(ints[n], "f32"), acc[r][n]))
 
 
-def _q4k_table_row(k: KernelBuilder, c: dict, sbase: Reg) -> tuple[Reg, Reg, tuple[Reg, Reg]]:
+def q4k_table_row(k: KernelBuilder, c: dict, sbase: Reg) -> tuple[Reg, Reg, tuple[Reg, Reg]]:
     """Lane r's (< R) part of a Q4_K / Q5_K unit's table: row r's 8 sub-block scales unpacked by class
     ([0, 2, 4, 6][1, 3, 5, 7], int32) into the table; returns d and dmin (f16 halves) and the 6-bit
-    mins packed a byte each (sub-blocks 0..3, 4..7) for :func:`_q4k_min`."""
+    mins packed a byte each (sub-blocks 0..3, 4..7) for :func:`q4k_min`."""
     dm, s0, s1, s2 = k.load("shared", "u32", k.add(sbase, c["row_stage"]), vec=4)
     sc_lo = k.and_(s0, 0x3F3F3F3F)
     sc_hi = k.or_(k.and_(s2, 0x0F0F0F0F), k.and_(k.shr(s0, 2), 0x30303030))
@@ -182,14 +183,14 @@ def _q4k_table_row(k: KernelBuilder, c: dict, sbase: Reg) -> tuple[Reg, Reg, tup
     return d_h, dmin_h, (mn_lo, mn_hi)
 
 
-def _q4k_min(k: KernelBuilder, mins: tuple[Reg, Reg], i: int, dmin: Reg) -> Reg:
-    """``dmin m_i`` of sub-block i from :func:`_q4k_table_row`'s packed mins (the byte made the float
+def q4k_min(k: KernelBuilder, mins: tuple[Reg, Reg], i: int, dmin: Reg) -> Reg:
+    """``dmin m_i`` of sub-block i from :func:`q4k_table_row`'s packed mins (the byte made the float
     2**23 + m by one ``prmt``, the 2**23 taken off exactly)."""
     mf = k.add(k.bitcast(k.prmt(mins[0] if i < 4 else mins[1], 0x4B000000, 0x7440 | (i % 4)), "f32"), -8388608.0)
     return k.mul(mf, dmin)
 
 
-def _or_bit4(k: KernelBuilder, codes: Reg, bits: Reg, b: int) -> Reg:
+def or_bit4(k: KernelBuilder, codes: Reg, bits: Reg, b: int) -> Reg:
     """``codes`` (4-bit codes, one a byte) with bit ``b`` of each byte of ``bits`` as their bit 4."""
     moved = bits if b == 4 else k.shl(bits, 4 - b) if b < 4 else k.shr(bits, b - 4)
     return k.or_(codes, k.and_(moved, 0x10101010))
@@ -201,7 +202,7 @@ def _sext_byte(k: KernelBuilder, word: Reg, b: int) -> Reg:
     return k.prmt(word, 0, (s << 12) | (s << 8) | (s << 4) | b)
 
 
-def _unit_q6k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, p: Reg | None) -> None:
+def unit_q6k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, p: Reg | None) -> None:
     """One Q6_K block of the warp's rows, staged at ``sbase`` + 240 r + ``p`` (row r; p = 0, 2, .., 14),
     or with ``p`` None (tile-major weights, :data:`Q6K_HALF`) at ``sbase`` + 3360 (r / 16) + 208 (r % 16),
     its d at ``sbase`` + 3360 (r / 16) + 3328 + 2 (r % 16).
@@ -221,9 +222,9 @@ def _unit_q6k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, p: R
     accuracy where codes sit near 32, i.e. small weights, and its own instructions cost more). Staged
     words are 2 bytes off for odd p / 2: two loads and a funnel shift each."""
     TR = c["TR"]
-    row_w, a_w, realign = _q6k_lane(k, c, p)
-    with _lanes_with_rows(k, c):  # lane r: row r's scales (table [class 0: m 0..7][class 1: m 0..7]) and d / f
-        d = _q6k_table_row(k, c, sbase, row_w, p, realign)
+    row_w, a_w, realign = q6k_lane(k, c, p)
+    with lanes_with_rows(k, c):  # lane r: row r's scales (table [class 0: m 0..7][class 1: m 0..7]) and d / f
+        d = q6k_table_row(k, c, sbase, row_w, p, realign)
         inv_f = k.load("shared", "f32", xslot, INVF["Q6_K"])  # the unit's x digits are x f
         k.store("shared", "f32", c["t_mine"], k.mul(d, inv_f), 64)
     k.bar_warp_sync()
@@ -232,10 +233,10 @@ def _unit_q6k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, p: R
     offs = [k.mma_s8(c["minus32"], bfr[m >> 1][2 * (m & 1):2 * (m & 1) + 2], c["zeros"]) for m in range(8)]
     a0 = k.add(sbase, a_w)
     for r in range(c["tiles"]):
-        words, scales, qab = _q6k_rows(k, c, a0, r, p, realign)
+        words, scales, qab = q6k_rows(k, c, a0, r, p, realign)
         ints = [None] * 4
         for m in range(8):
-            a_lo, a_hi = _q6k_codes(k, words, qab, m)
+            a_lo, a_hi = q6k_codes(k, words, qab, m)
             b = bfr[m >> 1][2 * (m & 1):2 * (m & 1) + 2]
             dd = k.mma_s8([a_lo[0], a_lo[1], a_hi[0], a_hi[1]], b, offs[m], a_unsigned=True)
             for nn in range(4):
@@ -247,7 +248,7 @@ def _unit_q6k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, p: R
             k.assign(acc[r][nn], k.fma(dv, k.cvt(ints[nn], "f32"), acc[r][nn]))
 
 
-def _q6k_lane(k: KernelBuilder, c: dict, p: Reg | None):
+def q6k_lane(k: KernelBuilder, c: dict, p: Reg | None):
     """A Q6_K unit's lane offsets (its table row, its A words) and ``realign(lo, hi)``: the word 2 bytes
     into ``lo:hi`` where the block starts 2 bytes off a word (GGUF rows, ``p`` / 2 odd), else ``lo``."""
     if p is None:  # word-aligned rows
@@ -262,7 +263,7 @@ def _q6k_lane(k: KernelBuilder, c: dict, p: Reg | None):
     return row_w, a_w, realign
 
 
-def _q6k_table_row(k: KernelBuilder, c: dict, sbase: Reg, row_w: Reg, p: Reg | None, realign) -> Reg:
+def q6k_table_row(k: KernelBuilder, c: dict, sbase: Reg, row_w: Reg, p: Reg | None, realign) -> Reg:
     """Lane r's (< R) part of a Q6_K unit's table: row r's 16 int8 scales sign-extended into the table
     ([class 0: m 0..7][class 1: m 0..7]); returns its d as f32."""
     row = k.add(sbase, row_w)
@@ -274,17 +275,17 @@ def _q6k_table_row(k: KernelBuilder, c: dict, sbase: Reg, row_w: Reg, p: Reg | N
     else:
         ws = [k.load("shared", "u32", row, 192 + 4 * i) for i in range(5)]
         sw = [realign(ws[i], ws[i + 1]) for i in range(4)]  # scales 4i..4i+3
-        d = k.cvt(Reg(k.unpack_b32(realign(ws[4], ws[4]))[0].name, ql._f16), "f32")
+        d = k.cvt(Reg(k.unpack_b32(realign(ws[4], ws[4]))[0].name, ql.F16_TYPE), "f32")
     scs = [[_sext_byte(k, w_, b) for b in range(4)] for w_ in sw]
     for o, i in ((0, 0), (16, 2), (32, 1), (48, 3)):  # class 0: scales 0..3, 8..11; class 1: 4..7, 12..15
         k.store("shared", "u32", c["t_mine"], scs[i], o)
     return d
 
 
-def _q6k_rows(k: KernelBuilder, c: dict, a0: Reg, r: int, p: Reg | None, realign):
+def q6k_rows(k: KernelBuilder, c: dict, a0: Reg, r: int, p: Reg | None, realign):
     """Lane (g, t)'s staged words of rows 16 r + g and 16 r + 8 + g (12 each: 8 of ql, 4 of qh), its
     scales of both rows from the table, and the qh words masked into their bit pairs 0 and 2 (qa) and
-    1 and 3 (qb), for :func:`_q6k_codes`."""
+    1 and 3 (qb), for :func:`q6k_codes`."""
     S, TR = c["U"], c["TR"]
     words, scales = [], []
     for h in (0, 8):  # rows 16 r + g, 16 r + 8 + g
@@ -299,7 +300,7 @@ def _q6k_rows(k: KernelBuilder, c: dict, a0: Reg, r: int, p: Reg | None, realign
     return words, scales, qab
 
 
-def _q6k_codes(k: KernelBuilder, words: list, qab: list, m: int) -> tuple[list, list]:
+def q6k_codes(k: KernelBuilder, words: list, qab: list, m: int) -> tuple[list, list]:
     """MMA m's A fragments (codes as unsigned bytes) of both rows: bits 0..3 from ql, 4..5 from qh, as
     one bitwise select (LOP3) each; the shifts of the masked qh bit pairs leave bits 6, 7 zero."""
     def code(low: Reg, high: Reg) -> Reg:
@@ -313,17 +314,17 @@ def _q6k_codes(k: KernelBuilder, words: list, qab: list, m: int) -> tuple[list, 
     return a_lo, a_hi
 
 
-def _exact_float(k: KernelBuilder, i: Reg) -> Reg:
+def exact_float(k: KernelBuilder, i: Reg) -> Reg:
     """float(i) for |i| < 2**22 with two ALU instructions (no conversion unit): the float whose
     mantissa is i + 2**22, minus 1.5 * 2**23."""
     return k.add(k.bitcast(k.add(k.bitcast(i, "u32"), 0x4B400000), "f32"), -12582912.0)
 
 
-def _unit_q8_0(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list) -> None:
+def unit_q8_0(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list) -> None:
     """Eight Q8_0 blocks (34 bytes each) of the warp's rows (staged at ``sbase``)."""
     U = c["U"]
     # the blocks' scales d / f as floats: lane r converts row r's 8
-    with _lanes_with_rows(k, c):
+    with lanes_with_rows(k, c):
         inv_f = k.load("shared", "f32", xslot, INVF["Q8_0"])  # the unit's x digits are x f
         row = k.add(sbase, c["row_stage"])
         ds = [k.mul(ql.lds_f16(k, row, 34 * i), inv_f) for i in range(8)]
@@ -338,15 +339,15 @@ def _unit_q8_0(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list) -> 
             b = k.load("shared", "u32", bj, 32 * blk, vec=4, pred=c["b_ok"], other=0)
         q = 34 * blk + 2  # the codes; 4-byte aligned for odd blocks, 2 for even ones
         for r in range(c["tiles"]):
-            words = _q8_0_words(k, rg_t, 16 * r * U + q, U)
+            words = q8_0_words(k, rg_t, 16 * r * U + q, U)
             d = k.mma_s8(words, b[0:2] if blk % 2 == 0 else b[2:4], c["zeros"])
             sg = k.load("shared", "f32", c["t_g"], 16 * r * c["TR"] + 4 * blk)
             sg8 = k.load("shared", "f32", c["t_g"], (16 * r + 8) * c["TR"] + 4 * blk)
             for n, s in ((0, sg), (1, sg), (2, sg8), (3, sg8)):  # |d| <= 32 * 128 * 128 < 2**22
-                k.assign(acc[r][n], k.fma(s, _exact_float(k, d[n]), acc[r][n]))
+                k.assign(acc[r][n], k.fma(s, exact_float(k, d[n]), acc[r][n]))
 
 
-def _q8_0_words(k: KernelBuilder, rg_t: Reg, off0: int, U: int) -> list[Reg]:
+def q8_0_words(k: KernelBuilder, rg_t: Reg, off0: int, U: int) -> list[Reg]:
     """Lane (g, t)'s A words of a Q8_0 block whose codes start ``off0`` bytes into row g's stage
     (``rg_t``: row g, byte 4 t): codes 4 t.. and 16 + 4 t.. of rows g and g + 8, in A's order; a word
     2 bytes off is two aligned loads and a ``prmt``."""
@@ -376,7 +377,7 @@ def _spread_bit4(k: KernelBuilder, qh: Reg, shift: Reg) -> Reg:
     return k.and_(k.mul(k.and_(k.shr(qh, shift), 0xF), 0x02040810), 0x10101010)
 
 
-def _unit_b32(k: KernelBuilder, wtype: str, c: dict, sbase: Reg, xslot: Reg, acc: list, minacc) -> None:
+def unit_b32(k: KernelBuilder, wtype: str, c: dict, sbase: Reg, xslot: Reg, acc: list, minacc) -> None:
     """Eight blocks of 32 values (Q4_0, Q4_1, Q5_0, Q5_1; GGUF's bytes, :data:`BLOCK32`) of the warp's
     rows, staged at ``sbase``.
 
@@ -401,23 +402,23 @@ def _unit_b32(k: KernelBuilder, wtype: str, c: dict, sbase: Reg, xslot: Reg, acc
     vectors, every code word is aligned, and the fifth bits, in lane order, reach bit 4 of their bytes
     with one shift and one mask, read by the lanes from the staged unit itself; Q4_1's and Q5_1's rows
     have their 16-byte chunks permuted (``SWIZZLE``), each lane's loads addressed through its rows' key
-    (:func:`_b32_rows`)."""
+    (:func:`b32_rows`)."""
     f = BLOCK32[wtype]
     TR = c["TR"]
     # the table: lane r converts row r's 8 block scales d / f (even blocks, then odd ones), gathers its
     # qh words (GGUF rows) and adds its mins
-    with _lanes_with_rows(k, c):
+    with lanes_with_rows(k, c):
         inv_f = k.load("shared", "f32", xslot, INVF[wtype])  # the unit's x digits are x f
-        ds, m16 = _b32_table_row(k, wtype, c, sbase, inv_f)
+        ds, m16 = b32_table_row(k, wtype, c, sbase, inv_f)
         if f["m"] is not None:
             sx = [v for o in (0, 16) for v in k.load("shared", "f32", xslot, XSUM[wtype] + o, vec=4)]
             msum = None
             for i in range(8):
-                mi = k.cvt(Reg(m16[i].name, ql._f16), "f32")
+                mi = k.cvt(Reg(m16[i].name, ql.F16_TYPE), "f32")
                 msum = k.mul(mi, sx[i]) if msum is None else k.fma(mi, sx[i], msum)
             k.assign(minacc, k.sub(minacc, msum))
     k.bar_warp_sync()
-    a_words = _b32_rows(k, wtype, c, sbase)
+    a_words = b32_rows(k, wtype, c, sbase)
     # lane (g, t)'s block scales: class t / 2 of rows g and g + 8, one per pair
     scl = []
     for p in range(4):
@@ -439,8 +440,8 @@ def _unit_b32(k: KernelBuilder, wtype: str, c: dict, sbase: Reg, xslot: Reg, acc
                 k.assign(acc[r][h], k.fma(scl[2 * r + h][p % 2], k.cvt(v, "f32"), acc[r][h]))
 
 
-def _b32_table_row(k: KernelBuilder, wtype: str, c: dict, sbase: Reg, inv_f: Reg | None) -> tuple[list, list | None]:
-    """Lane r's (< R) part of a 32-value block type's per-unit table (:func:`_unit_b32`): row r's 8 block
+def b32_table_row(k: KernelBuilder, wtype: str, c: dict, sbase: Reg, inv_f: Reg | None) -> tuple[list, list | None]:
+    """Lane r's (< R) part of a 32-value block type's per-unit table (:func:`unit_b32`): row r's 8 block
     scales d (times ``inv_f`` unless None) stored as f32, even blocks then odd ones, and (GGUF rows, Q5_0 /
     Q5_1) its 8 qh words after them; returns the scales and (Q4_1 / Q5_1) the 8 mins as f16 registers."""
     f = BLOCK32[wtype]
@@ -459,8 +460,8 @@ def _b32_table_row(k: KernelBuilder, wtype: str, c: dict, sbase: Reg, inv_f: Reg
     elif f["m"] is not None:  # (Q4_1, Q5_1: d and m are the block's first word)
         d16, m16 = zip(*(k.unpack_b32(k.load("shared", "u32", row, bs * i)) for i in range(8)))
     if d16 is not None:
-        ds = [k.cvt(Reg(d_.name, ql._f16), "f32") for d_ in d16] if inv_f is None else \
-            [k.mul(k.cvt(Reg(d_.name, ql._f16), "f32"), inv_f) for d_ in d16]
+        ds = [k.cvt(Reg(d_.name, ql.F16_TYPE), "f32") for d_ in d16] if inv_f is None else \
+            [k.mul(k.cvt(Reg(d_.name, ql.F16_TYPE), "f32"), inv_f) for d_ in d16]
     else:
         ds = [ql.lds_f16(k, row, bs * i) if inv_f is None else k.mul(ql.lds_f16(k, row, bs * i), inv_f) for i in range(8)]
     k.store("shared", "f32", c["t_mine"], ds[0::2])
@@ -472,13 +473,13 @@ def _b32_table_row(k: KernelBuilder, wtype: str, c: dict, sbase: Reg, inv_f: Reg
     return ds, m16
 
 
-def _b32_rows(k: KernelBuilder, wtype: str, c: dict, sbase: Reg):
-    """Lane (g, t)'s A words of a 32-value block type's unit staged at ``sbase`` (:func:`_unit_b32`):
+def b32_rows(k: KernelBuilder, wtype: str, c: dict, sbase: Reg):
+    """Lane (g, t)'s A words of a 32-value block type's unit staged at ``sbase`` (:func:`unit_b32`):
     returns ``a_words(r, p)``, the (lo, hi) A fragments of pair p (blocks 2 p, 2 p + 1) of rows
     16 r + g, 16 r + 8 + g: qs word t of both blocks as unsigned bytes, low and high nibbles, with
     their fifth bits (Q5_0, Q5_1) at bit 4. Tile-major units: the four qs words are one
     ``ldmatrix.x4`` (matrix 2 cc + h: block 2 p + cc of rows 8 h + 0..7, one 16-byte row a lane, at the
-    addresses of :func:`_b32_ldmatrix_lanes`); the fifth bits load from the lane's row g, where with
+    addresses of :func:`b32_ldmatrix_lanes`); the fifth bits load from the lane's row g, where with
     permuted chunks (``SWIZZLE``) a row's logical byte B sits at ``B - 16 j + 16 (j ^ key)``,
     j = (B / 16) & mask (rows g + 8 n share the key). GGUF rows: four word loads of the blocks as they
     lie (2-byte aligned)."""
@@ -486,7 +487,7 @@ def _b32_rows(k: KernelBuilder, wtype: str, c: dict, sbase: Reg):
     U, TR, bs = c["U"], c["TR"], f["bs"]
     tiled = TILED_B32[wtype] if c["tiled"] else None
     if tiled is not None:
-        ldm = [k.add(sbase, o) for o in c["ldm_b32"]]  # (per class of p, see _b32_ldmatrix_lanes)
+        ldm = [k.add(sbase, o) for o in c["ldm_b32"]]  # (per class of p, see b32_ldmatrix_lanes)
     if "h_sw" in c:
         mask = SWIZZLE[wtype][1]
         h_bases = {}
@@ -531,8 +532,8 @@ def _b32_rows(k: KernelBuilder, wtype: str, c: dict, sbase: Reg):
     return a_words
 
 
-def _b32_ldmatrix_lanes(k: KernelBuilder, wtype: str, lane: Reg, U: int) -> list[Reg]:
-    """Lane l's row offsets in a staged tile-major unit for :func:`_b32_rows`'s ``ldmatrix.x4``: row
+def b32_ldmatrix_lanes(k: KernelBuilder, wtype: str, lane: Reg, U: int) -> list[Reg]:
+    """Lane l's row offsets in a staged tile-major unit for :func:`b32_rows`'s ``ldmatrix.x4``: row
     ``8 h + l % 8`` (h = (l / 8) % 2) of matrix ``2 cc + h`` (cc = l / 16), i.e. the 16 qs bytes of
     block 2 p + cc of that row, at offset ``L[b] + 32 (p - b)``, b = p % len(L). With permuted chunks
     the block's chunk C = qs / 16 + cc + 2 p sits at ``C ^ key`` of the row, which moves by 2 p - 2 b

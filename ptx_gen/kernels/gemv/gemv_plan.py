@@ -93,7 +93,7 @@ def split(wtype: str, in_dim: int, ksplit: int) -> dict:
                 phase=phase, used=n_full + (1 if last_vals else 0))
 
 
-def _slice_plans(wtype: str, sp: dict) -> tuple[dict | None, dict | None]:
+def slice_plans(wtype: str, sp: dict) -> tuple[dict | None, dict | None]:
     """The plans of the full slices and of the short last slice (None where there is none)."""
     return tuple(plan(wtype, n, sp["phase"], sp["rpt"]) if n else None for n in (sp["slice_vals"], sp["last_vals"]))
 
@@ -107,6 +107,6 @@ def tiles_per_slice(wtype: str, in_dim: int, ksplit: int) -> int:
 def shared_bytes(wtype: str, in_dim: int, rows: int, warps: int, ksplit: int = 1) -> int:
     """Static shared memory of a GEMV variant: per warp and row a staging buffer and (K-quants) a
     scale table, sized for the longest slice; with ``ksplit > 1`` also the slices' row sums."""
-    plans = [p for p in _slice_plans(wtype, split(wtype, in_dim, ksplit)) if p is not None]
+    plans = [p for p in slice_plans(wtype, split(wtype, in_dim, ksplit)) if p is not None]
     per_row = max(p["stage"] for p in plans) + max(p["table"] for p in plans)
     return per_row * rows * warps + (4 * rows * warps if ksplit > 1 else 0)

@@ -161,7 +161,7 @@ def realign_selector(k: KernelBuilder, addr: Reg, offset: int = 0) -> Reg:
 def lds_f16(k: KernelBuilder, addr: Reg, offset: int) -> Reg:
     """An f16 field from shared memory, as f32."""
     h = k.load("shared", "b16", addr, offset)
-    return k.cvt(Reg(h.name, _f16), "f32")
+    return k.cvt(Reg(h.name, F16_TYPE), "f32")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,7 +169,7 @@ def lds_f16(k: KernelBuilder, addr: Reg, offset: int) -> Reg:
 
 from ptx_gen.types import ptx_type  # noqa: E402
 
-_f16 = ptx_type("f16")
+F16_TYPE = ptx_type("f16")
 _b16 = ptx_type("b16")
 
 
@@ -290,8 +290,8 @@ def decode_dense(k: KernelBuilder, wtype: str, bb: Reg, offset: int) -> Decoded:
     for w in words:
         if wtype == "F16":
             lo, hi = k.unpack_b32(w)
-            fs.append(k.cvt(Reg(lo.name, _f16), "f32"))
-            fs.append(k.cvt(Reg(hi.name, _f16), "f32"))
+            fs.append(k.cvt(Reg(lo.name, F16_TYPE), "f32"))
+            fs.append(k.cvt(Reg(hi.name, F16_TYPE), "f32"))
         else:  # BF16: the upper 16 bits of a float32
             fs.append(k.bitcast(k.shl(w, 16), "f32"))
             fs.append(k.bitcast(k.and_(w, 0xFFFF0000), "f32"))
@@ -422,8 +422,8 @@ def k_scale_codes(k: KernelBuilder, bb: Reg, sel: dict) -> tuple[Reg, Reg, Reg, 
     sc = k.or_(k.and_(lo_sc, sel["m1"]), k.and_(k.shr(h1, 2), sel["m2"]))
     mn = k.or_(k.and_(k.shr(lo_mn, sel["shm"]), sel["m1"]), k.and_(k.shr(h2, 2), sel["m2"]))
     dlo, dhi = k.unpack_b32(h0)
-    d = k.cvt(Reg(dlo.name, _f16), "f32")
-    dmin = k.cvt(Reg(dhi.name, _f16), "f32")
+    d = k.cvt(Reg(dlo.name, F16_TYPE), "f32")
+    dmin = k.cvt(Reg(dhi.name, F16_TYPE), "f32")
     return sc, mn, d, dmin
 
 

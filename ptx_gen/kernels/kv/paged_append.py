@@ -24,7 +24,7 @@ from ptx_gen.builder import KernelBuilder, Module
 from ptx_gen.catalog import kernel
 from ptx_gen.kernels.kv.paged_kv import QK, check_paged, kv_params, log2, pool_row, quantize_q8, scale_row, store_pair
 from ptx_gen.kernels.kv.rope_append import rotate_pair
-from ptx_gen.kernels.kv.rope_append_rows import _head_rmsnorm, _load_pair, _store_pair, lane_pairs, load_inv_freq
+from ptx_gen.kernels.kv.rope_append_rows import head_rmsnorm, lane_pairs, load_f32_pair, load_inv_freq, store_f32_pair
 
 WARPS = 4
 BLOCK = 32 * WARPS
@@ -56,7 +56,7 @@ def _build(k: KernelBuilder, head_dim: int, block_size: int, kv_dtype: str, neox
     src = k.add(k.global_ptr("qkv"), k.mul_wide(k.mad(s, n_rows, row), head_dim * 4))
 
     idx, oks, offs, eoffs = lane_pairs(k, lane, half, neox, elements=True)
-    xs = [_load_pair(k, src, off, ok, neox) for off, ok in zip(offs, oks)]
+    xs = [load_f32_pair(k, src, off, ok, neox) for off, ok in zip(offs, oks)]
 
     def row_addr(pool: str, kv_row):
         dst = pool_row(k, k.global_ptr(pool), page, kv_row, n_kv, prow, block_size, head_dim, kv_dtype)
@@ -80,7 +80,7 @@ def _build(k: KernelBuilder, head_dim: int, block_size: int, kv_dtype: str, neox
 
     is_q = k.setp("lt", row, n_q)
     if qk_norm:
-        xs = _head_rmsnorm(k, xs, offs, oks, is_q, head_dim, neox)
+        xs = head_rmsnorm(k, xs, offs, oks, is_q, head_dim, neox)
     if decode:
         q_dst = src  # in place
     else:
@@ -92,7 +92,7 @@ def _build(k: KernelBuilder, head_dim: int, block_size: int, kv_dtype: str, neox
         rotated.append(rotate_pair(k, x0, x1, pos, load_inv_freq(k, inv_freq, i, ok)))
     with k.if_(is_q):
         for (o0, o1), off, ok in zip(rotated, offs, oks):
-            _store_pair(k, q_dst, off, o0, o1, ok, neox)
+            store_f32_pair(k, q_dst, off, o0, o1, ok, neox)
         k.bra(end)
     store_row(k_dst, rotated)
     k.label(end)

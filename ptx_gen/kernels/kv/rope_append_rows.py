@@ -72,19 +72,19 @@ def rope_append_rows(m: Module, head_dim: int = 128, neox: bool = False, qk_norm
     src = k.add(k.global_ptr("qkv"), k.mul_wide(k.mad(s, n_rows, row), head_dim * 4))
 
     idx, oks, offs, _ = lane_pairs(k, lane, half, neox)
-    xs = [_load_pair(k, src, off, ok, neox) for off, ok in zip(offs, oks)]
+    xs = [load_f32_pair(k, src, off, ok, neox) for off, ok in zip(offs, oks)]
 
     qk_rows = k.add(n_q, n_kv)
     with k.if_(k.setp("ge", row, qk_rows)):  # a V row: copied as is
         v_row = k.mad(k.sub(row, qk_rows), max_len, pos)
         dst = k.add(k.global_ptr("v_cache"), k.mul_wide(v_row, head_dim * 4))
         for (x0, x1), off, ok in zip(xs, offs, oks):
-            _store_pair(k, dst, off, x0, x1, k.both(ok, in_cache), neox)
+            store_f32_pair(k, dst, off, x0, x1, k.both(ok, in_cache), neox)
         k.bra(end)
 
     is_q = k.setp("lt", row, n_q)
     if qk_norm:
-        xs = _head_rmsnorm(k, xs, offs, oks, is_q, head_dim, neox)
+        xs = head_rmsnorm(k, xs, offs, oks, is_q, head_dim, neox)
     q_dst = k.add(k.global_ptr("q_out"), k.mul_wide(k.mad(row, count, s), head_dim * 4))
     k_row = k.mad(k.sub(row, n_q), max_len, pos)  # meaningful for K rows only
     k_dst = k.add(k.global_ptr("k_cache"), k.mul_wide(k_row, head_dim * 4))
@@ -93,7 +93,7 @@ def rope_append_rows(m: Module, head_dim: int = 128, neox: bool = False, qk_norm
     inv_freq = k.global_ptr("inv_freq")
     for (x0, x1), i, off, ok in zip(xs, idx, offs, oks):
         o0, o1 = rotate_pair(k, x0, x1, pos, load_inv_freq(k, inv_freq, i, ok))
-        _store_pair(k, dst, off, o0, o1, k.both(ok, store_ok), neox)
+        store_f32_pair(k, dst, off, o0, o1, k.both(ok, store_ok), neox)
     k.label(end)
     k.ret()
     return k
@@ -129,7 +129,7 @@ def load_inv_freq(k: KernelBuilder, inv_freq: Reg, i: Reg, ok: Reg | None) -> Re
     return k.load("global", "f32", addr, nc=True, pred=ok, other=0.0)
 
 
-def _load_pair(k: KernelBuilder, base: Reg, off: tuple, ok: Reg | None, neox: bool) -> tuple[Reg, Reg]:
+def load_f32_pair(k: KernelBuilder, base: Reg, off: tuple, ok: Reg | None, neox: bool) -> tuple[Reg, Reg]:
     """The pair at byte offsets ``off`` of the head at ``base`` (zeros where ``ok`` is false)."""
     guard = {} if ok is None else {"pred": ok, "other": 0.0}
     if neox:
@@ -138,7 +138,7 @@ def _load_pair(k: KernelBuilder, base: Reg, off: tuple, ok: Reg | None, neox: bo
     return k.load("global", "f32", k.add(base, off[0]), vec=2, **guard)
 
 
-def _store_pair(k: KernelBuilder, base: Reg, off: tuple, x0: Reg, x1: Reg, ok: Reg | None, neox: bool) -> None:
+def store_f32_pair(k: KernelBuilder, base: Reg, off: tuple, x0: Reg, x1: Reg, ok: Reg | None, neox: bool) -> None:
     if neox:
         k.store("global", "f32", k.add(base, off[0]), x0, pred=ok)
         k.store("global", "f32", k.add(base, off[1]), x1, pred=ok)
@@ -146,7 +146,7 @@ def _store_pair(k: KernelBuilder, base: Reg, off: tuple, x0: Reg, x1: Reg, ok: R
         k.store("global", "f32", k.add(base, off[0]), [x0, x1], pred=ok)
 
 
-def _head_rmsnorm(k: KernelBuilder, xs: list, offs: list, oks: list, is_q: Reg, head_dim: int,
+def head_rmsnorm(k: KernelBuilder, xs: list, offs: list, oks: list, is_q: Reg, head_dim: int,
                   neox: bool) -> list:
     """Emits the per-head RMSNorm of the warp's head: ``x * rsqrt(mean(x^2) + eps) * w`` with ``w`` the
     q_norm (Q rows) or k_norm (K rows) weights, in the order of the rmsnorm kernel's arithmetic."""

@@ -45,7 +45,7 @@ def _warp_max_u64(k: KernelBuilder, v: Reg) -> Reg:
     return acc
 
 
-def _block_max_u64(k: KernelBuilder, v: Reg, block: int) -> Reg:
+def block_max_u64(k: KernelBuilder, v: Reg, block: int) -> Reg:
     """Max over the block; valid in thread 0."""
     part = _warp_max_u64(k, v)
     warps = block // 32
@@ -75,7 +75,7 @@ def argmax_partial(m: Module, block: int = 256) -> KernelBuilder:
     with k.loop(k.global_index_x(), n, stride) as i:
         v = k.load("global", "f32", k.add(x, k.mul_wide(i, 4)))
         k.assign(best, k.max(best, pack(k, v, i)))
-    total = _block_max_u64(k, best, block)
+    total = block_max_u64(k, best, block)
     with k.if_(k.setp("eq", k.tid(), 0)):
         k.store("global", "u64", k.add(k.global_ptr("partials"), k.mul_wide(k.ctaid(), 8)), total)
     k.ret()
@@ -88,7 +88,7 @@ def _best_partial(k: KernelBuilder, block: int):
     best = k.var("u64", 0)
     with k.loop(k.tid(), np_, block) as i:
         k.assign(best, k.max(best, k.load("global", "u64", k.add(parts, k.mul_wide(i, 8)))))
-    return _block_max_u64(k, best, block)
+    return block_max_u64(k, best, block)
 
 
 @kernel("argmax_final", grid=[{"block": 1024}, {"block": 128}])

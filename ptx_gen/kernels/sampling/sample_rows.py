@@ -31,7 +31,7 @@ import numpy as np
 
 from ptx_gen.builder import KernelBuilder, Module, Reg
 from ptx_gen.catalog import kernel
-from ptx_gen.kernels.sampling.argmax import _block_max_u64, pack
+from ptx_gen.kernels.sampling.argmax import block_max_u64, pack
 
 SPEC_WORDS = 8
 PIVOTS = 15  # per search pass: 16 sub-brackets, 4 bits of the key a pass
@@ -240,7 +240,7 @@ def sample_rows(m: Module, block: int = 512) -> KernelBuilder:
 
     each(draw)
     k.label(done)
-    total_best = _block_max_u64(k, best, block)
+    total_best = block_max_u64(k, best, block)
     with k.if_(k.setp("eq", tid, 0)):
         idx = k.sub(0xFFFFFFFF, k.cvt(total_best, "u32"), t="u32")
         k.store("global", "u32", k.add(k.global_ptr("out"), k.mul_wide(row, 4)), idx)
