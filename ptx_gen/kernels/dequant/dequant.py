@@ -39,9 +39,9 @@ from __future__ import annotations
 from ptx_gen.builder import KernelBuilder, Module, Reg
 from ptx_gen.catalog import kernel
 from ptx_gen.kernels.gemv import quant_layout as ql
-from ptx_gen.kernels.gemv.gemv import k_table_constants
 from ptx_gen.kernels.gemv.gemv_mma_layout import MMA_TYPES, Q6K_D, Q6K_HALF, Q6K_ROW, SWIZZLE, TILE_ROWS, TILE_UNIT
 from ptx_gen.kernels.gemv.gemv_plan import MAX_STATIC_SMEM
+from ptx_gen.kernels.gemv.gemv_tiles import k_table_constants
 from ptx_gen.kernels.gemv.quant_layout import DENSE, K_TABLE, ROUND, type_info
 
 LAYOUTS = ("rows", "tiles", "glu-tiles")

@@ -11,22 +11,23 @@ from __future__ import annotations
 
 from ptx_gen.builder import KernelBuilder, Module
 from ptx_gen.catalog import kernel
-from ptx_gen.kernels.gemv import gemv as gv
 from ptx_gen.kernels.gemv import quant_layout as ql
+from ptx_gen.kernels.gemv.gemv_plan import plan
+from ptx_gen.kernels.gemv.gemv_tiles import RowCtx, after_store, decode_round, k_table_constants, stage_tile
 from ptx_gen.kernels.gemv.quant_layout import K_TABLE, ROUND  # noqa: F401
 
 
 def _emit_tile(k: KernelBuilder, p: dict, wtype: str, row, lc: dict, sel, out, t, rounds, npieces) -> None:
     lane = lc["lane"]
-    gv.stage_tile(k, p, [row], lane, t, npieces)
-    gv.after_store(k, p, wtype, [row], lc, len(rounds))
+    stage_tile(k, p, [row], lane, t, npieces)
+    after_store(k, p, wtype, [row], lc, len(rounds))
     tile_values = p["rpt"] * ROUND
     ob = k.add(out, k.mul_wide(t, tile_values * 4)) if not isinstance(t, int) else (
         k.add(out, t * tile_values * 4) if t else out)
     ob = k.add(ob, k.cvt(k.shl(lane, 5), "u64"))
 
     def one(i: int) -> None:
-        dec = gv.decode_round(k, p, wtype, row, lc, sel, i)
+        dec = decode_round(k, p, wtype, row, lc, sel, i)
         fs = dec.fs
         a, c = ql.affine(k, dec)
         if isinstance(a, float):
@@ -54,7 +55,7 @@ def embedding(m: Module, wtype: str = "Q8_0", hidden: int = 576, warps: int = 4)
     """out[t, :] = table[min(tokens[t], vocab - 1), :] dequantized to f32, for t < grid.x.
     Params: table (GGUF rows, allocation rounded up to 16 bytes), tokens (u32), out, vocab.
     Launch: grid n_tokens, block 32 * warps."""
-    p = gv.plan(wtype, hidden)
+    p = plan(wtype, hidden)
     if warps not in (1, 2, 4, 8):
         raise ValueError(f"warps must be 1, 2, 4 or 8, got {warps}")
     name = f"embedding_{wtype.lower()}_h{hidden}_w{warps}"
@@ -70,12 +71,12 @@ def embedding(m: Module, wtype: str = "Q8_0", hidden: int = 576, warps: int = 4)
     smem = k.shared_array(f"{name}_stage", "u8", per_row * warps)
     sbuf = k.add(smem, k.mul(warp, per_row))
     table = k.add(sbuf, p["stage"]) if p["table"] else None
-    row = gv.RowCtx(k, p, k.global_ptr("table"), tok, sbuf, table)
+    row = RowCtx(k, p, k.global_ptr("table"), tok, sbuf, table)
     row.align = None
     sel = None
     lc = ql.lane_constants(k, wtype, lane)
     if wtype in K_TABLE:
-        lc.update(gv.k_table_constants(k, lane))
+        lc.update(k_table_constants(k, lane))
     if info.block_values == 32:
         B = info.block_bytes
         row.lane_bb = k.add(row.bbase, k.mul(lc["blk"], B))

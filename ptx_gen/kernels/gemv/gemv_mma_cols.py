@@ -44,7 +44,8 @@ def load_x_cols(k: KernelBuilder, x: Reg, ldxb: Reg, lane: Reg, unit: Reg | int,
             raw.append([k.load("global", "f32", col, 128 * esize * h, vec=4, pred=valid, other=0.0) for h in range(2)])
     if not xh:
         return [[v for quad in r for v in quad] for r in raw]
-    return [[k.cvt(Reg(hh.name, ql.F16_TYPE), "f32") for quad in r for w in quad for hh in k.unpack_b32(w)] for r in raw]
+    return [[k.cvt(Reg(hh.name, ql.F16_TYPE), "f32") for quad in r for w in quad for hh in k.unpack_b32(w)]
+            for r in raw]
 
 
 def _inv_fs(k: KernelBuilder, wtype: str, xslots: list) -> list:
