@@ -345,8 +345,8 @@ def fill_ring(s: Warp, issue) -> None:
     With ``ahead``, only the first ``ahead`` stages come before the wait; the others are kept in
     ``s.deferred`` (in order, cp.async groups included) for the kernel to emit right after x's
     first loads. x is read after the wait, and its loads queue behind every weight byte the SM asked for
-    before them: a full ring (e.g. 147 KB an SM for 16 warps of 2 x 4.6 KB) delays them by microseconds,
-    during which no unit can start and so no stage is refilled."""
+    before them: a full ring (e.g. 147 KB an SM for 16 warps of 2 x 4.6 KB) holds them back until those
+    bytes have landed, and meanwhile no unit can start and so no stage is refilled."""
     k = s.k
     for j in range(s.stages):
         if j < s.n_units:

@@ -137,7 +137,9 @@ def unit_q4k(k: KernelBuilder, c: dict, sbase: Reg, xslot: Reg, acc: list, minac
         for i in range(8):  # dmin m_j first: sum_j m_j sum(x) alone could overflow where the result does not
             mf = q4k_min(k, mins, i, dmin)
             msum = k.mul(mf, sx[i]) if msum is None else k.fma(mf, sx[i], msum)
-        k.assign(minacc, k.add(minacc, msum))  # (one update of the loop-carried register: 8 cost 30% at 14336)
+        # one update of the loop-carried register a unit, not one a sub-block: each update lengthens the
+        # dependency chain that runs through every unit of the row
+        k.assign(minacc, k.add(minacc, msum))
     k.bar_warp_sync()
     bfr = []  # MMAs 2j, 2j+1: B words (b0, b1) of half 0, then of half 1; the zero half masked in
     for j in range(4):
