@@ -18,7 +18,7 @@ RTOL = 2e-4  # max |gpu - ref| / max |ref| per step: the GPU model tests' tolera
 
 # 8 query / 4 KV heads: splits over 1, 2, 4 (O and down columns of 128/N and 256/N values: whole
 # 32-value blocks at N = 4); vocabulary 322 = 81 + 81 + 81 + 79 at N = 4 (the last piece padded).
-DIMS = dict(vocab_size=322, hidden_size=128, intermediate_size=256, num_heads=8, num_kv_heads=4, head_dim=16)
+DIMS = dict(vocab_size=322, hidden_size=128, intermediate_size=256, num_heads=8, num_kv_heads=4, head_dim=32)
 # SmolLM2-135M's head layout (9 query / 3 KV heads): splits over 3 only (q_dim 288 / 3 = 96, FFN 192 / 3 = 64).
 SMOL = dict(vocab_size=322, hidden_size=96, intermediate_size=192, num_heads=9, num_kv_heads=3, head_dim=32)
 # K-quants: every split along K whole 256-value super-blocks at N = 2 and 4 (q_dim 1024, FFN 1024).

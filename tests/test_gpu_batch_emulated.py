@@ -154,7 +154,7 @@ def test_one_row_greedy_and_sampled_steps(loaded):
         if spec.temperature == 0:
             assert got == int(np.argmax(logits))
         tok = got
-    assert set(be._graphs) == {(1, True), (1, False)}
+    assert set(be.graphs.keys()) == {(1, True), (1, False)}
 
 
 @pytest.mark.parametrize("qtype,settings", [("Q4_K", (8, 0)), ("Q5_0", (8,))])

@@ -22,7 +22,7 @@ MAX_LEN = 16
 RTOL = 2e-4  # max |gpu - ref| / max |ref| per step
 MODES = ("eager", "capture", "manual")
 
-TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2)
+TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_heads=2, num_kv_heads=1)  # head_dim 32
 # (architecture, weight type, layers, dims, prompt): every architecture, every non-K block type, and
 # K-quants (tensor-core GEMVs at these shapes) at the smallest dimensions whose rows they can hold
 KDIMS = dict(KQUANT_DIMS, vocab_size=320)
@@ -64,9 +64,10 @@ def _run_gpu(loaded, mode: str, prompt: list[int], feed: list[int]) -> dict:
             out = model.decode(tok)
         tokens.append(out.greedy_token())
         logits.append(np.asarray(out).copy())
-    records = [] if model._graph is None else [
+    graph = model.sequence.graphs.graph((1, True))
+    records = [] if graph is None else [
         _launch_key(r.kernel.name, r.grid, r.block, r.shared_bytes, {p.name: r.args.get(p.name) for p in r.args.params})
-        for r in model._graph.graph.records]
+        for r in graph.graph.records]
     return dict(tokens=tokens, logits=logits, launches=[_launch_key(*ln) for ln in dev.launches], records=records,
                 steps=model.steps, prompt=prompt)
 

@@ -55,7 +55,7 @@ def test_sharded_gpu_model_equals_the_references(case):
         got = device_run(tp, PROMPT, ref.tokens[:-1])
         assert_matches(got, sharded, f"N={n} vs the sharded reference")
         assert_matches(got, ref, f"N={n} vs the reference")
-        assert tp.position == len(PROMPT) + STEPS and tp._graphs is not None
+        assert tp.position == len(PROMPT) + STEPS and len(tp.graphs) == 1
         assert [r.config.num_kv_heads for r in tp.ranks] == [loaded.config.num_kv_heads // n] * n
 
 
@@ -67,7 +67,7 @@ def test_eager_steps_and_graph_replays_are_bit_identical(llama):
     for use_graph in (False, True):
         tp = TensorParallelModel.from_loaded(loaded, LocalReducer(2, _dev()), max_len=MAX_LEN, use_graph=use_graph)
         runs[use_graph] = device_run(tp, PROMPT, ref.tokens[:-1])
-        assert (tp._graphs is not None) == use_graph
+        assert len(tp.graphs) == int(use_graph)
     assert runs[True].tokens == runs[False].tokens == ref.tokens
     assert [x.tobytes() for x in runs[True].logits] == [x.tobytes() for x in runs[False].logits]
 
@@ -84,7 +84,7 @@ def test_one_rank_is_the_plain_gpu_model_bit_for_bit(llama):
     one = device_run(tp, PROMPT, ref.tokens[:-1])
     assert one.tokens == plain.tokens == ref.tokens
     assert [x.tobytes() for x in one.logits] == [x.tobytes() for x in plain.logits]
-    names = [r.kernel.name for _, exe in tp._graphs for r in exe.graph.records]
+    names = [r.kernel.name for lane in range(len(tp.graphs.lanes)) for r in tp.graphs.graph("step", lane).graph.records]
     assert not any(n.startswith("residual_add") for n in names)
     assert [n.split("_b")[0] for n in names[-3:]] == ["argmax_partial", "argmax_pack", "argmax_final"]
 
@@ -96,8 +96,8 @@ def test_the_graph_holds_the_all_reduces(llama):
     n, layers = 4, loaded.config.num_layers
     tp = TensorParallelModel.from_loaded(loaded, LocalReducer(n, _dev()), max_len=MAX_LEN)
     tp.prefill(PROMPT[:2])
-    assert len(tp._graphs) == 1
-    names = [r.kernel.name.split("_b")[0].split("_v")[0] for r in tp._graphs[0][1].graph.records]
+    assert len(tp.graphs) == 1 and len(tp.graphs.lanes) == 1
+    names = [r.kernel.name.split("_b")[0].split("_v")[0] for r in tp.graphs.graph("step").graph.records]
     assert names.count("residual_add") == layers * 2 * 2 * (n - 1)
     assert names.count("argmax_pack") == n and names.count("argmax_final") == 1
 
@@ -113,8 +113,8 @@ def test_each_rank_caches_only_its_kv_heads(llama):
     s, nkv, d = len(PROMPT), c.num_kv_heads // n, c.head_dim
     for r, rank in enumerate(tp.ranks):
         for layer in range(c.num_layers):
-            k = rank.kv._k[layer].to_numpy().reshape(nkv, MAX_LEN, d)[:, :s]
-            v = rank.kv._v[layer].to_numpy().reshape(nkv, MAX_LEN, d)[:, :s]
+            # the rank's sequence holds blocks 1.. of its pool, in order: [blocks, KVH, bs, D] -> [KVH, S, D]
+            k, v = (p[1:].transpose(1, 0, 2, 3).reshape(nkv, -1, d)[:, :s] for p in rank.kv.pools_to_numpy(layer))
             assert rel_err(k, sref.ranks[r].cache.k[layer][:, :s]) < 1e-5
             assert rel_err(v, sref.ranks[r].cache.v[layer][:, :s]) < 1e-5
 

@@ -18,7 +18,7 @@ from tests.gguf_factory import make_gguf_model
 from tests.model_factory import KQUANT_DIMS
 from tests.helpers import rel_err as _rel_err
 
-TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2)
+TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_heads=2, num_kv_heads=1)  # head_dim 32
 CASES = [("llama", "Q8_0", 2, TINY), ("qwen2", "Q4_0", 1, TINY), ("qwen3", "Q4_1", 1, TINY),
          ("mistral", "F16", 1, TINY), ("llama", "Q4_K", 1, dict(KQUANT_DIMS, vocab_size=320))]
 CHUNK = 8
@@ -106,7 +106,7 @@ def test_chunk_graphs_replay_what_eager_chunks_compute(loaded):
     for prompt in (a, a, a, b):
         gpu.reset()
         runs.append(np.asarray(gpu.prefill(prompt)).copy())
-    assert len(gpu._prefill._graphs) == 1  # rows 16 at position 0: captured once, replayed after
+    assert len(gpu.sequence._prefill.graphs) == 1  # rows 16 at position 0: captured once, replayed after
     assert runs[0].tobytes() == runs[1].tobytes() == runs[2].tobytes()
     ref = ReferenceModel.from_loaded(loaded, max_len=MAX_LEN)
     assert _rel_err(runs[3], ref.prefill(b)) < RTOL

@@ -15,6 +15,7 @@ from realizar.cuda.device import Device, current_device
 from realizar.cuda.graph import (
     ABReport, Graph, GraphCaptureError, GraphError, GraphExec, ab_check, build_graph, capture, record_graph,
 )
+from realizar.cuda.graph_cache import GRAPH_MODES, GraphCache
 from realizar.cuda.driver import CudaError, CudaUnavailableError, is_available, unavailable_reason
 from realizar.cuda.emulated import EmulatedDevice
 from realizar.cuda.launch import LaunchRecord, launch, pop_recorder, programmatic_dependent_launch, push_recorder
@@ -25,7 +26,7 @@ from realizar.cuda.stream import Event, Stream
 
 __all__ = [
     "ABReport", "Graph", "GraphCaptureError", "GraphError", "GraphExec", "ab_check", "build_graph", "capture",
-    "record_graph", "PinnedArray", "StepValues",
+    "record_graph", "GRAPH_MODES", "GraphCache", "PinnedArray", "StepValues",
     "BufferFreedError", "CompiledKernel", "CudaError", "CudaUnavailableError", "Device", "EmulatedDevice", "Event",
     "GpuBuffer", "JitError", "KernelArgs", "LaunchRecord", "ModuleCache", "Stream", "current_device",
     "is_available", "launch", "programmatic_dependent_launch", "module_cache", "pop_recorder", "push_recorder", "unavailable_reason",

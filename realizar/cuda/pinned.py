@@ -43,12 +43,16 @@ class StepValues:
         step.upload(stream)          # async; then replay the graph on the same stream
         kernel args take step.device and read e.g. element step.index("pos")
 
+    ``dest=(buffer, offset)``: the values are elements ``offset ..`` of an existing u32 buffer (a
+    larger per-step buffer whose other parts are uploaded otherwise); ``device`` is then None.
+
     The pinned staging area is a ring of ``ring`` slots: each upload copies from the current slot and
     moves on to the next, so the host may set the next step's values while earlier copies are still
     queued. Before a slot is reused the stream is synchronised once (every ``ring`` uploads).
     """
 
-    def __init__(self, names: tuple[str, ...], dtype=np.uint32, ring: int = 256, device: Device | None = None):
+    def __init__(self, names: tuple[str, ...], dtype=np.uint32, ring: int = 256, device: Device | None = None,
+                 dest: tuple[GpuBuffer, int] | None = None):
         if len(set(names)) != len(names) or not names:
             raise ShapeError(f"step value names must be unique and non-empty, got {names}")
         if ring < 1:
@@ -59,8 +63,17 @@ class StepValues:
         self.ring = ring
         self.host = PinnedArray(ring * self._n, dtype, device)
         self.host.array[:] = 0
-        self.device = GpuBuffer(self._n, dtype, self.host.device)
-        self.device.copy_from_host(self.host.array[: self._n])
+        if dest is None:
+            self.device = GpuBuffer(self._n, dtype, self.host.device)
+            self._dest = self.device.ptr
+            self.device.copy_from_host(self.host.array[: self._n])
+        else:  # values [offset, offset + n) of a buffer that holds more (its owner frees it)
+            buf, offset = dest
+            if buf.dtype != np.dtype(dtype) or not 0 <= offset <= buf.count - self._n:
+                raise ShapeError(f"step values of {self._n} {np.dtype(dtype)} do not fit {buf!r} at {offset}")
+            self.device = None
+            self._dest = buf.ptr + offset * buf.dtype.itemsize
+        self._nbytes = self._n * self.host.dtype.itemsize
         self._slot = 0
         self._uploads = 0
 
@@ -72,7 +85,7 @@ class StepValues:
 
     def pointer(self, name: str) -> int:
         """Device address of one value (kernels that read a single u32 take this)."""
-        return self.device.ptr + self.index(name) * self.device.dtype.itemsize
+        return self._dest + self.index(name) * self.host.dtype.itemsize
 
     def _current(self) -> np.ndarray:
         return self.host.array[self._slot * self._n:(self._slot + 1) * self._n]
@@ -88,8 +101,8 @@ class StepValues:
     def upload(self, stream: Stream | None = None) -> None:
         """Async copy of the current values to the device; later ``set`` calls write the next slot."""
         dev = self.host.device
-        src = self.host._ptr + self._slot * self._n * self.device.dtype.itemsize
-        dev.memcpy_htod(self.device.ptr, src, self.device.nbytes, stream if stream is not None else Stream.null(dev))
+        src = self.host._ptr + self._slot * self._nbytes
+        dev.memcpy_htod(self._dest, src, self._nbytes, stream if stream is not None else Stream.null(dev))
         self._uploads += 1
         nxt = (self._slot + 1) % self.ring
         if nxt == 0:  # about to overwrite slots whose copies may still be queued
@@ -101,5 +114,6 @@ class StepValues:
         self._slot = nxt
 
     def free(self) -> None:
-        self.device.free()
+        if self.device is not None:
+            self.device.free()
         self.host.free()

@@ -1,8 +1,9 @@
-"""GpuBatchBackend: many sequences per decode step on the GPU, over a paged KV cache.
+"""GpuBatchBackend: the one GPU inference path — the layer program over the paged KV cache.
 
-The backend of :class:`realizar.serving.ServingEngine` on a GPU (the protocol is
-:class:`realizar.serving.backend.BatchBackend`). It shares a :class:`~realizar.gpu.model.GpuModel`'s
-weights and kernels and keeps its own :class:`~realizar.gpu.paged_kv.PagedKVCache`: one pool of
+It runs :class:`~realizar.gpu.decoder.Decoder` for every GPU caller: the serving engine's batches (the
+:class:`realizar.serving.backend.BatchBackend` protocol) and, as the batch of one, a single sequence
+(:class:`~realizar.gpu.model.GpuModel`, whose own backend has one row and one block table bound once).
+It shares the weights of a :class:`~realizar.gpu.model.GpuModel` and keeps its own cache: one pool of
 ``block_size``-position blocks per layer, a sequence's positions found through its block table.
 
 * :meth:`GpuBatchBackend.decode`: B sequences advance one token each in one graph replay. Their token
@@ -10,22 +11,20 @@ weights and kernels and keeps its own :class:`~realizar.gpu.paged_kv.PagedKVCach
   a *bucket* (1, 2, 4, 8, 16, 24, 32, 48, 64, ...) and each bucket's step, the sampler of every row
   included, is captured once (launched when the output is sampled: the specs travel with the step). The
   padding rows read token 0 at position 0 through an all-zero block table: they write only the
-  reserved null block 0, which no sequence owns.
-  Per layer: RMSNorm of every row (f16), the linear layers as one small-M GEMM on the quantized
-  weights (:meth:`_linear`), RoPE with the K/V append through each row's table, paged flash decoding
-  of every row over its own length, the O projection + residual, RMSNorm, the fused gate/up GEMM with
-  SwiGLU, the down projection + residual; final norm and the LM head for every row. B = 1 runs the
-  single-stream decode GEMVs (f32 activations) instead, as :class:`GpuModel` does.
+  reserved null block 0, which no sequence owns. The linear layers run on the
+  :class:`~realizar.gpu.linear.Linear` chosen by B (the decode GEMV at B = 1).
 * :meth:`GpuBatchBackend.prefill`: a chunk of one sequence's prompt (of at least ``prefill_min_batch``
   tokens; shorter ones go token by token through the 1-row decode step) through
-  :class:`~realizar.gpu.prefill.BatchedPrefill` (the tensor-core prefill), its K/V appended and read
-  through the sequence's block table, so a prompt whose first blocks came from the prefix cache starts
-  at the first uncached position.
+  :class:`~realizar.gpu.prefill.Prefill`, its K/V appended and read through the sequence's block table,
+  so a prompt whose first blocks came from the prefix cache starts at the first uncached position.
 * :class:`GpuBatchOutput.sample`: every row sampled on the GPU (greedy, temperature, top-k, top-p,
   a counter-based seed per request), 4 bytes a row read back. A greedy single row ends its step in the
-  two-launch argmax of :class:`GpuModel`'s graph instead of the one-block-per-row sampler (a variant of
-  bucket 1's graph), so one stream served alone decodes as fast as :class:`GpuModel`; :meth:`GpuBatchOutput.logits` copies a
-  row's logits to the host for requests that need them (logprobs, logits processors, penalties).
+  two-launch argmax instead of the one-block-per-row sampler (a variant of bucket 1's graph);
+  :meth:`GpuBatchOutput.logits` copies a row's logits to the host for requests that need them.
+
+Where more than one row cannot run (before sm_80, or widths the f16 kernels do not take:
+:func:`~realizar.gpu.linear.rows_unsupported`), the backend runs one row at a time: ``max_batch`` 1,
+prompts token by token (:attr:`batched_off` says why).
 """
 
 from __future__ import annotations
@@ -36,32 +35,24 @@ from typing import Any, Sequence
 import numpy as np
 
 from realizar import cuda
-from realizar.errors import ContextOverflowError, InvalidRequestError, ShapeError, UnsupportedError
+from realizar.config import ServingConfig
+from realizar.errors import ContextOverflowError, InvalidRequestError, ShapeError
+from realizar.gpu.attention import DecodeRows
 from realizar.gpu.argmax import ARGMAX_SCRATCH
-from realizar.gpu.prefill import PREFILL_MIN_BATCH, BatchedPrefill, batched_prefill_unsupported
+from realizar.gpu.decoder import Activations, Decoder
+from realizar.gpu.linear import Linear, rows_unsupported
+from realizar.gpu.prefill import Prefill
 from realizar.gpu.sampling import SPEC_WORDS, pack_specs
 from realizar.models.kv_formats import KV_FORMATS, block_bytes
 
 __all__ = ["BUCKETS", "GpuBatchBackend", "GpuBatchOutput", "bucket_for"]
 
+_DEFAULTS = ServingConfig()
 # decode batch sizes captured as graphs (a batch runs in the smallest bucket that holds it)
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
-# batches up to this many rows run their linear layers on the quantized small-M GEMM (gemm_q, each weight
-# byte read once); larger ones on the f16 GEMM (tools/bench_gemm_q.py: gemm_q is the faster of the two up
-# to about 32 rows on the 8B shapes, the f16 GEMM from 64 on)
-GEMM_Q_MAX_ROWS = 32
-# batches of 2..this many rows run the linear layers whose type and row length the tensor-core GEMV takes
-# on its columns kernel (gemv_cols: each weight unit read and decoded once, the MMAs per row); the rest on
-# gemm_q. (Batches of one row run GpuModel's decode GEMVs.) The kernel takes up to GEMV_COLS_MAX_ROWS;
-# the default stops at 4, where it is still the faster of the two (H200, 8B shapes, tools/bench_gemm_q.py:
-# one layer's four linear layers Q4_K 60 against 106 µs at 2 rows, 85 against 108 at 4, 171 against 112
-# at 8; bench_serving 8B steps 2.44 / 3.35 against 4.04 / 4.20 ms at 2 / 4 rows, 6.30 against 4.42 at 8)
-GEMV_COLS_MAX_ROWS = 8
-GEMV_COLS_DEFAULT_ROWS = 4
 # f16 copies of the weights are kept for the large batches when they take at most this share of the free
 # device memory (f16_weights=None): each step then skips expanding every weight
 F16_WEIGHTS_SHARE = 0.4
-DEFAULT_MAX_CONTEXT = 8192
 
 
 def _ints(values: Any, what: str) -> list[int]:
@@ -78,45 +69,6 @@ def bucket_for(rows: int, max_batch: int) -> int:
         if b >= rows:
             return min(b, max_batch) if rows <= max_batch else b
     return max_batch
-
-
-class _SequenceKV:
-    """The KV interface :class:`BatchedPrefill` calls, bound to one sequence's device block table."""
-
-    def __init__(self, kv, table):
-        self.kv = kv
-        self.table = table
-
-    def set_length(self, layer, length) -> None:
-        """The paged cache keeps no host lengths: the scheduler owns them."""
-
-    def rope_append_rows(self, layer, qkv, inv_freq, pos0, count, q_out, *, neox=False, q_norm=None, k_norm=None,
-                         eps=1e-6, stream=None) -> None:
-        self.kv.append_rows(layer, qkv, inv_freq, pos0, count, q_out, self.table, neox=neox, q_norm=q_norm,
-                            k_norm=k_norm, eps=eps, stream=stream)
-
-    def prefill_attention(self, layer, q, out, seq_q, q_offset, seq_k, causal=True, *, out_layout="tokens-f16",
-                          stream=None) -> None:
-        if out_layout != "tokens-f16" or not causal:
-            raise ShapeError("the paged prefill attention is causal with token-major f16 output")
-        self.kv.prefill_attention(layer, q, out, seq_q, q_offset, seq_k, self.table, stream=stream)
-
-
-class _PrefillModel:
-    """What :class:`BatchedPrefill` reads of a model: the shared weights, a paged KV view and this
-    backend's last-row buffers (so a prefill never touches the GpuModel's own decode state)."""
-
-    def __init__(self, backend: "GpuBatchBackend"):
-        m = backend.model
-        self.config, self.ops, self.stream, self.device = m.config, m.ops, backend.stream, m.device
-        self.layers, self.embed, self.lm_head = m.layers, m.embed, m.lm_head
-        self.inv_freq, self.output_norm = m.inv_freq, m.output_norm
-        self.max_len = backend.context_length
-        self.use_graph = backend.use_graph
-        self.kv = _SequenceKV(backend.kv, backend.prefill_table)
-        self.h = backend.h
-        self.logits = backend.logits
-        self.token_out = backend.tokens
 
 
 class GpuBatchOutput:
@@ -150,7 +102,7 @@ class GpuBatchOutput:
         if not 0 <= i < self.rows:
             raise ShapeError(f"row {i} outside the {self.rows} rows of this step")
         self._run_pending(None)
-        return self._backend._row_logits(i)
+        return self._backend.read_logits(i)
 
     def _run_pending(self, specs: Sequence[Any] | None) -> np.ndarray | None:
         """Run the staged decode step with ``specs`` (None: greedy) and return its tokens; None when
@@ -168,44 +120,45 @@ class GpuBatchBackend:
     ``kv_memory`` bytes hold (a float in (0, 1]: that fraction of the free device memory);
     ``kv_dtype``: the cache's element type; ``max_batch``: most sequences per decode step;
     ``max_context``: most positions per sequence (the block tables' width); ``f16_weights``: keep f16
-    copies of the weights for batches of more than GEMM_Q_MAX_ROWS rows and the prefill GEMMs (None:
-    when they fit in F16_WEIGHTS_SHARE of the free memory; False: expand each weight per step);
-    ``gemv_cols_rows``: batches of up to this many rows (0..GEMV_COLS_MAX_ROWS; 0: none) run the
-    tensor-core GEMV's columns kernel where it applies, the rest gemm_q (default GEMV_COLS_DEFAULT_ROWS)."""
+    copies of the weights for the large batches' GEMMs (None: when they fit in F16_WEIGHTS_SHARE of the
+    free memory; False: expand each weight per step); ``gemv_cols_rows``: batches of up to this many rows
+    run the tensor-core GEMV's columns kernel where it applies (:class:`~realizar.gpu.linear.Linear`);
+    ``graph``: "capture", "manual" or "eager" (:class:`~realizar.cuda.GraphCache`); ``decoder``: the
+    layer program (default: the model's, adding the residual)."""
 
     def __init__(self, model, *, num_blocks: int | None = None, kv_memory: float | int | None = None,
-                 block_size: int = 32, kv_dtype: str = "f16", max_batch: int = 64, max_context: int | None = None,
-                 use_graph: bool = True, prefill_chunk: int = 512, f16_weights: bool | None = None,
-                 prefill_min_batch: int = PREFILL_MIN_BATCH, gemv_cols_rows: int = GEMV_COLS_DEFAULT_ROWS):
+                 block_size: int = _DEFAULTS.block_size, kv_dtype: str = "f16", max_batch: int = _DEFAULTS.max_batch,
+                 max_context: int | None = None, use_graph: bool = True, graph: str = "capture",
+                 prefill_chunk: int = _DEFAULTS.prefill_chunk, f16_weights: bool | None = None,
+                 prefill_min_batch: int = _DEFAULTS.prefill_min_batch,
+                 gemv_cols_rows: int = _DEFAULTS.gemv_cols_rows, decoder: Decoder | None = None):
         from realizar.gpu.paged_kv import PagedKVCache
 
-        why = batched_prefill_unsupported(model)
-        if why is not None:
-            raise UnsupportedError(f"batched decoding needs the batched prefill's kernels: {why}")
         if kv_dtype not in KV_FORMATS:
             raise ShapeError(f"kv_dtype must be one of {KV_FORMATS}, got {kv_dtype!r}")
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= BUCKETS[-1]:
             raise ShapeError(f"max_batch must be an integer in [1, {BUCKETS[-1]}], got {max_batch!r}")
-        if isinstance(gemv_cols_rows, bool) or not isinstance(gemv_cols_rows, int) \
-                or not 0 <= gemv_cols_rows <= GEMV_COLS_MAX_ROWS:
-            raise ShapeError(f"gemv_cols_rows must be an integer in [0, {GEMV_COLS_MAX_ROWS}], got {gemv_cols_rows!r}")
-        self.gemv_cols_rows = gemv_cols_rows
         self.model = model
-        self.config = cfg = model.config
+        self.weights, self.config = model.weights, model.config
+        cfg = self.config
         self.ops, self.device = model.ops, model.device
         self.device.make_current()
+        self.linear = Linear(self.ops, cols_rows=gemv_cols_rows)
+        self.decoder = decoder or Decoder(self.weights, self.ops)
         self.stream = cuda.Stream(self.device)
+        #: why batches of more than one row (and batched prefill) cannot run here (None: they can)
+        self.batched_off = rows_unsupported(self.device, cfg)
         self.block_size = int(block_size)
         self.kv_dtype = kv_dtype
-        self.max_batch = int(max_batch)
-        self.context_length = int(min(cfg.context_length, max_context or DEFAULT_MAX_CONTEXT))
+        self.max_batch = 1 if self.batched_off else int(max_batch)
+        self.context_length = int(min(cfg.context_length, max_context or _DEFAULTS.max_context))
         self.table_stride = -(-self.context_length // self.block_size)
-        self._f16 = self._make_f16_weights(f16_weights)
-        self.f16_weights = bool(self._f16)
+        if self.max_batch > 1 or f16_weights:
+            self._keep_f16_weights(f16_weights)
+        self.f16_weights = bool(self.linear.f16_weights)
         if num_blocks is None:
             per_block = block_bytes(cfg, self.block_size, kv_dtype)
-            if kv_memory is None:
-                kv_memory = 0.5
+            kv_memory = _DEFAULTS.kv_memory if kv_memory is None else kv_memory
             free, _ = self.device.memory_info()
             budget = int(kv_memory * free) if isinstance(kv_memory, float) and kv_memory <= 1 else int(kv_memory)
             num_blocks = budget // per_block
@@ -215,156 +168,88 @@ class GpuBatchBackend:
         self.kv = PagedKVCache(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.num_blocks,
                                block_size=self.block_size, kv_dtype=kv_dtype, ops=self.ops,
                                max_batch=self.max_batch)
-        self.use_graph = use_graph
-        ops, b, h = self.ops, self.max_batch, cfg.hidden_size
-        self.qkv_n = cfg.q_dim + 2 * cfg.kv_dim
+        self.graph_mode = graph if use_graph else "eager"
+        self.use_graph = self.graph_mode != "eager"
+        ops, mb = self.ops, self.max_batch
         # the packed per-step values: ids [B] | positions [B] | lengths [B] | specs [B, 8] | tables [B, stride]
-        self._tables_at = (3 + SPEC_WORDS) * b
-        self._n_step = self._tables_at + b * self.table_stride
+        self._tables_at = (3 + SPEC_WORDS) * mb
+        self._n_step = self._tables_at + mb * self.table_stride
         self._step_host = cuda.PinnedArray(self._n_step, np.uint32, device=self.device)
         self.step = ops.buffer(self._n_step, np.uint32, zero=True)
         self.prefill_table = ops.buffer(self.table_stride, np.uint32, zero=True)
-        self.x = ops.buffer(b * h)
-        self.h = ops.buffer(h)  # B = 1: the normed row (f32 GEMV input); prefill: the last row
-        self.h16 = ops.buffer(b * max(h, cfg.q_dim), np.float16)
-        self.qkv = ops.buffer(b * self.qkv_n)
-        self.attn = ops.buffer(cfg.q_dim)  # B = 1: attention output (f32 GEMV input)
-        self.ffn = ops.buffer(cfg.intermediate_size)  # B = 1
-        self.ffn16 = ops.buffer(b * cfg.intermediate_size, np.float16)
-        self.logits = ops.buffer(b * cfg.vocab_size)
-        self.tokens = ops.buffer(b, np.uint32)
-        self._tokens_host = cuda.PinnedArray(b, np.uint32, device=self.device)
-        self._specs_host = cuda.PinnedArray(b * SPEC_WORDS, np.uint32, device=self.device)  # prefill rows
-        self.specs = ops.buffer(b * SPEC_WORDS, np.uint32, zero=True)
-        self._argmax_partials = ops.buffer(ARGMAX_SCRATCH, np.uint64)  # not the model's: its graph runs on its stream
+        self.acts = Activations.allocate(ops, cfg, mb, one_row=True, many_rows=mb > 1,
+                                         split_ffn=self.weights.split_ffn)
+        self.tokens = ops.buffer(mb, np.uint32)
+        self._tokens_host = cuda.PinnedArray(mb, np.uint32, device=self.device)
+        self._specs_host = cuda.PinnedArray(mb * SPEC_WORDS, np.uint32, device=self.device)  # prefill rows
+        self.specs = ops.buffer(mb * SPEC_WORDS, np.uint32, zero=True)
+        self.argmax_scratch = ops.buffer(ARGMAX_SCRATCH, np.uint64)
         self.pdl = model.pdl  # programmatic dependent launch between the step graph's kernels (sm_90)
-        self._w16 = None  # a larger f16 expansion scratch, only if the LM head needs one (see _ensure_scratch)
-        self._graphs: dict[tuple[int, bool], cuda.GraphExec] = {}  # (bucket, ends in argmax) -> its step
-        self._prefill = BatchedPrefill(_PrefillModel(self), prefill_chunk, f16_weights=self._f16)
-        self.prefill_chunk = self._prefill.chunk
+        self.graphs = cuda.GraphCache(self.stream, mode=self.graph_mode, capacity=2 * len(BUCKETS), pdl=self.pdl)
+        self._attention: dict[int, DecodeRows] = {}
+        self._one: cuda.StepValues | None = None  # the bound single sequence's (token, pos, seq_len)
+        self._prefill = Prefill(self, prefill_chunk) if self.batched_off is None else None
+        self.prefill_chunk = int(prefill_chunk)
         # shorter prompts run token by token through the 1-row decode step (f32 activations, exact GEMVs):
-        # below this, the batched prefill's weight expansion and launches cost more than the steps
+        # below this, the batched prefill's launches cost more than the steps
         self.prefill_min_batch = int(prefill_min_batch)
         self.steps = 0
 
-    # ---- linear layers of B rows ------------------------------------------------------------------
-    def _weights(self) -> list:
-        m = self.model
-        return [w for lay in m.layers for w in (*lay.qkv, lay.attn_out, lay.gate_up, lay.down)] + [m.lm_head]
-
-    def _make_f16_weights(self, wanted: bool | None) -> dict:
-        """{id(weight): its f16 rows} for the large batches' GEMMs (gate/up interleaved as the SwiGLU
+    # ---- weights -----------------------------------------------------------------------------------
+    def _keep_f16_weights(self, wanted: bool | None) -> None:
+        """f16 copies of the weights for the large batches' GEMMs (gate/up interleaved as the SwiGLU
         GEMM reads them); ``wanted`` None: when they fit in F16_WEIGHTS_SHARE of the free memory."""
-        m, ops = self.model, self.ops
-        weights = list({id(w): w for w in self._weights()}.values())
+        weights = list({id(w): w for w in self.weights.linears()}.values())
         need = sum(2 * w.out_dim * w.in_dim for w in weights)
         free, _ = self.device.memory_info()
         if wanted is False or (wanted is None and need > F16_WEIGHTS_SHARE * free):
-            return {}
+            return
         if need > free:
             raise ShapeError(f"f16 weights need {need / 2**30:.1f} GiB, the device has {free / 2**30:.1f} GiB free")
-        glu = {id(lay.gate_up) for lay in m.layers}
-        out = {}
-        for w in weights:
-            buf = ops.buffer(w.out_dim * w.in_dim, np.float16)
-            ops.dequantize_f16(w, buf, interleave=id(w) in glu, stream=self.stream)
-            out[id(w)] = buf
-        self.stream.synchronize()
-        return out
+        glu = {id(lay.gate_up) for lay in self.weights.layers if lay.gate_up is not None}
+        self.linear.keep_f16(weights, glu, self.stream)
 
-    def _linear(self, weight, x16, out, rows: int, **epilogue) -> None:
-        """out[:rows] = x16[:rows] W^T (+ epilogue): up to ``gemv_cols_rows`` rows on the tensor-core GEMV's
-        columns kernel where it takes W, else up to GEMM_Q_MAX_ROWS rows from W's quantized blocks
-        (gemm_q); more on the f16 GEMM, over W's f16 copy or W expanded into a scratch first."""
-        ops, s = self.ops, self.stream
-        if rows <= self.gemv_cols_rows and self._gemv_cols_applies(weight, rows, epilogue.get("glu", False)):
-            ops.gemv_cols(weight, x16, out, rows, xh=True, stream=s, **epilogue)
-            return
-        if rows <= GEMM_Q_MAX_ROWS:
-            ops.gemm_q(x16, weight, out, rows, stream=s, **epilogue)
-            return
-        kept = self._f16.get(id(weight))
-        if kept is not None:
-            ops.gemm_f16(x16, kept, out, rows, weight.out_dim, weight.in_dim, stream=s, **epilogue)
-            return
-        w16 = self._w16 or self._prefill.w16
-        if w16.count < weight.out_dim * weight.in_dim:
-            raise UnsupportedError(f"no f16 scratch for {weight!r}: _ensure_scratch runs before a step")
-        glu = epilogue.get("glu", False)
-        ops.dequantize_f16(weight, w16, interleave=glu, stream=s)
-        ops.gemm_f16(x16, w16, out, rows, weight.out_dim, weight.in_dim, stream=s, **epilogue)
-
-    def _gemv_cols_applies(self, weight, rows: int, glu: bool) -> bool:
-        """Whether ``weight``'s layer at ``rows`` rows runs on the tensor-core GEMV's columns kernel."""
-        from realizar.gpu.gemv import cols_per_launch
-
-        n_out = weight.out_dim // 2 if glu else weight.out_dim
-        cols = min(rows, cols_per_launch(weight.wtype, glu))
-        return self.ops.mma_cols_config(n_out, weight.in_dim, weight.wtype, cols, glu=glu,
-                                        layout=weight.layout) is not None
-
-    def _ensure_scratch(self, rows: int) -> None:
-        """An f16 scratch for every weight the quantized GEMM does not take at ``rows`` rows: the
-        prefill's (sized for the layer weights), or a larger one when the LM head needs expanding."""
-        m = self.model
-        if rows <= GEMM_Q_MAX_ROWS or id(m.lm_head) in self._f16:
-            return
-        need = m.lm_head.out_dim * m.lm_head.in_dim
-        if need > self._prefill.w16.count and (self._w16 is None or self._w16.count < need):
-            if self._w16 is not None:
-                self._w16.free()
-            self._w16 = self.ops.buffer(need, np.float16)
+    def clear_graphs(self) -> None:
+        """Drop every captured step (their buffers changed)."""
+        self.graphs.clear()
+        if self._prefill is not None:
+            self._prefill.graphs.clear()
 
     # ---- one decode step --------------------------------------------------------------------------
-    def _issue_decode(self, b: int, argmax: bool = False) -> None:
-        """The launches of one decode step of ``b`` rows (no host synchronisation: capturable), ending in
-        the per-row sampler, or with ``argmax`` (one greedy row) in the argmax."""
-        m, cfg, ops, kv, s = self.model, self.config, self.ops, self.kv, self.stream
-        eps, mb, qkv_n = cfg.rms_norm_eps, self.max_batch, self.qkv_n
-        ids, pos, lens, tables = (self.step, 0), (self.step, mb), (self.step, 2 * mb), (self.step, self._tables_at)
-        neox = cfg.rope_type == "neox"
-        ops.embedding(m.embed, ids, self.x, n_tokens=b, stream=s)
-        for i, lay in enumerate(m.layers):
-            if b == 1:
-                ops.rmsnorm(self.x, lay.attn_norm, self.h, eps, stream=s)
-                off = 0
-                for w in lay.qkv:
-                    bias = None if lay.qkv_bias is None else (lay.qkv_bias, off)
-                    ops.gemv(w, self.h, (self.qkv, off), bias=bias, stream=s)
-                    off += w.out_dim
-            else:
-                ops.rmsnorm(self.x, lay.attn_norm, self.h16, eps, rows=b, out_f16=True, stream=s)
-                off = 0
-                for w in lay.qkv:
-                    bias = None if lay.qkv_bias is None else (lay.qkv_bias, off)
-                    self._linear(w, self.h16, (self.qkv, off), b, ldy=qkv_n, bias=bias)
-                    off += w.out_dim
-            kv.append_decode(i, self.qkv, m.inv_freq, pos, tables, self.table_stride, b, q_norm=lay.q_norm,
-                             k_norm=lay.k_norm, eps=eps, neox=neox, stream=s)
-            if b == 1:
-                kv.decode_attention(i, (self.qkv, 0), self.attn, lens, tables, self.table_stride, 1, q_stride=qkv_n,
-                                    stream=s)
-                ops.gemv(lay.attn_out, self.attn, self.x, residual=self.x, stream=s)
-                ops.rmsnorm(self.x, lay.ffn_norm, self.h, eps, stream=s)
-                ops.gemv_glu(lay.gate_up, self.h, self.ffn, stream=s)
-                ops.gemv(lay.down, self.ffn, self.x, residual=self.x, stream=s)
-            else:
-                kv.decode_attention(i, (self.qkv, 0), self.h16, lens, tables, self.table_stride, b, q_stride=qkv_n,
-                                    out_f16=True, stream=s)
-                self._linear(lay.attn_out, self.h16, self.x, b, residual=self.x)
-                ops.rmsnorm(self.x, lay.ffn_norm, self.h16, eps, rows=b, out_f16=True, stream=s)
-                self._linear(lay.gate_up, self.h16, self.ffn16, b, glu=True, out_f16=True)
-                self._linear(lay.down, self.ffn16, self.x, b, residual=self.x)
-        if b == 1:
-            ops.rmsnorm(self.x, m.output_norm, self.h, eps, stream=s)
-            ops.gemv(m.lm_head, self.h, self.logits, stream=s)
-        else:
-            ops.rmsnorm(self.x, m.output_norm, self.h16, eps, rows=b, out_f16=True, stream=s)
-            self._linear(m.lm_head, self.h16, self.logits, b)
+    def _decode_rows(self, b: int) -> DecodeRows:
+        att = self._attention.get(b)
+        if att is None:
+            mb, step = self.max_batch, self.step
+            att = DecodeRows(self.kv, self.config, self.weights.inv_freq, (step, mb), (step, 2 * mb),
+                             (step, self._tables_at), self.table_stride, b)
+            self._attention[b] = att
+        return att
+
+    def step_phases(self, b: int, argmax: bool):
+        """The launches of one decode step of ``b`` rows (no host synchronisation: capturable), pausing
+        at the layer program's all-reduce points, ending in the head and the per-row sampler, or with
+        ``argmax`` (one greedy row) the argmax."""
+        yield from self.decoder.phases(self.acts, (self.step, 0), b, self.linear, self._decode_rows(b), self.stream)
+        self.issue_head(b, argmax)
+
+    def issue_head(self, b: int, argmax: bool) -> None:
+        """Final norm, LM head and the sampler (or argmax) of ``b`` rows."""
+        cfg, s = self.config, self.stream
+        self.decoder.head(self.acts, b, self.linear, s)
         if argmax:
-            ops.argmax(self.logits, self.tokens, n=cfg.vocab_size, stream=s, scratch=self._argmax_partials)
+            self.ops.argmax(self.acts.logits, self.tokens, n=cfg.vocab_size, stream=s, scratch=self.argmax_scratch)
         else:
-            ops.sample_rows(self.logits, (self.step, 3 * mb), self.tokens, b, cfg.vocab_size, stream=s)
+            self.ops.sample_rows(self.acts.logits, (self.step, 3 * self.max_batch), self.tokens, b, cfg.vocab_size,
+                                 stream=s)
+
+    def issue_step(self, b: int, argmax: bool) -> None:
+        for _ in self.step_phases(b, argmax):
+            pass
+
+    def _launch_step(self, b: int, argmax: bool) -> None:
+        if self.linear.reserve(self.weights.linears(), b):
+            self.clear_graphs()
+        self.graphs.run((b, argmax), lambda: self.issue_step(b, argmax))
 
     def decode(self, tokens: Sequence[int], positions: Sequence[int],
                block_tables: Sequence[Sequence[int]]) -> GpuBatchOutput:
@@ -394,6 +279,7 @@ class GpuBatchBackend:
                                  f"{blocks} blocks (at most {stride})")
         self.device.make_current()
         self.stream.synchronize()  # the previous step's copy has left the staging array
+        self._one = None  # the tables are restaged: a bound sequence binds again
         host = self._step_host.array
         host[:3 * mb] = 0
         host[:n], host[mb: mb + n], host[2 * mb: 2 * mb + n] = tok, pos, [p + 1 for p in pos]
@@ -414,24 +300,11 @@ class GpuBatchBackend:
         staged[:] = 0
         if specs is not None:
             pack_specs(specs, out=staged)
-        # one greedy row: the argmax (as GpuModel's graph ends), not the sampler's one block for the whole row
+        # one greedy row: the argmax, not the sampler's one block for the whole row
         argmax = b == 1 and (specs is None or specs[0].temperature == 0)
         self.step.copy_from_host_at(host[: self._tables_at + b * self.table_stride], 0, stream=self.stream)
-        graph = self._graphs.get((b, argmax))
-        if graph is not None:
-            graph.launch(self.stream)
-        else:
-            self._ensure_scratch(b)
-            with cuda.programmatic_dependent_launch(self.pdl):
-                self._issue_decode(b, argmax)  # eager: loads every kernel before a capture
-                if self.use_graph:
-                    with cuda.capture(self.stream) as cap:
-                        self._issue_decode(b, argmax)
-                    self._graphs[(b, argmax)] = cap.graph.instantiate()
-        out = self._tokens_host.array[:rows]
-        self.tokens.copy_to_host_at(0, rows, out, stream=self.stream)
-        self.stream.synchronize()
-        return out.astype(np.int64)
+        self._launch_step(b, argmax)
+        return self.read_tokens(rows).astype(np.int64)
 
     def _check_blocks(self, tables: Sequence[Sequence[int]]) -> tuple[list[int], np.ndarray]:
         """(blocks per table, every table's block ids in a row as int64), after checking that each id is a
@@ -448,11 +321,42 @@ class GpuBatchBackend:
             raise ShapeError(f"block id {blk} outside the pool's blocks 1..{self.num_blocks - 1}")
         return lens, flat
 
+    # ---- one bound sequence (the batch of one) -------------------------------------------------------
+    def bind_sequence(self, block_table: Sequence[int]) -> None:
+        """Bind row 0 to ``block_table`` (a backend of ``max_batch`` 1): later :meth:`step_one` calls send
+        only the token, position and length; prefills go through the same table."""
+        if self.max_batch != 1:
+            raise ShapeError(f"bind_sequence needs a backend of max_batch 1, this one has {self.max_batch}")
+        lens, flat = self._check_blocks([block_table])
+        if lens[0] > self.table_stride:
+            raise ShapeError(f"a table of {lens[0]} blocks, at most {self.table_stride}")
+        self.device.make_current()
+        self.stream.synchronize()
+        host = self._step_host.array
+        host[:] = 0
+        host[self._tables_at: self._tables_at + lens[0]] = flat
+        self.step.copy_from_host(host)
+        self.prefill_table.copy_from_host(host[self._tables_at:])
+        if self._one is None:
+            self._one = cuda.StepValues(("token", "pos", "seq_len"), device=self.device, dest=(self.step, 0))
+
+    def stage_one(self, token: int, position: int) -> None:
+        """Send the bound sequence's next token, position and length (checked by the caller)."""
+        self._one.set(token=token, pos=position, seq_len=position + 1)
+        self._one.upload(self.stream)
+
+    def step_one(self, token: int, position: int) -> None:
+        """Run one greedy decode step of the bound sequence (checked by the caller); its logits and
+        token stay on the device (:meth:`read_tokens`, :meth:`read_logits`)."""
+        self.stage_one(token, position)
+        self._launch_step(1, True)
+        self.steps += 1
+
     # ---- prefill ----------------------------------------------------------------------------------
-    def prefill(self, tokens: Sequence[int], start: int, block_table: Sequence[int]) -> GpuBatchOutput:
+    def prefill(self, tokens: Sequence[int], start: int, block_table: Sequence[int] | None) -> GpuBatchOutput:
         """Positions ``start .. start + len(tokens) - 1`` of one sequence through every layer at once
-        (chunks of ``prefill_chunk``), K/V written through ``block_table``; returns the last token's
-        logits as a 1-row output."""
+        (chunks of ``prefill_chunk``), K/V written through ``block_table`` (None: the bound sequence's);
+        returns the last token's logits as a 1-row output."""
         ids = [int(t) for t in tokens]
         n, start = len(ids), int(start)
         if n == 0:
@@ -460,57 +364,69 @@ class GpuBatchBackend:
         if start < 0 or start + n > self.context_length:
             raise ContextOverflowError(f"positions {start}..{start + n - 1} exceed the context length of "
                                        f"{self.context_length}")
-        if len(block_table) * self.block_size < start + n or len(block_table) > self.table_stride:
-            raise ShapeError(f"positions up to {start + n - 1} need {-(-(start + n) // self.block_size)} blocks, "
-                             f"the table has {len(block_table)}")
         bad = next((t for t in ids if not 0 <= t < self.config.vocab_size), None)
         if bad is not None:
             raise InvalidRequestError(f"token id {bad} outside the vocabulary of {self.config.vocab_size}")
-        self._check_blocks([block_table])
+        if block_table is not None:
+            if len(block_table) * self.block_size < start + n or len(block_table) > self.table_stride:
+                raise ShapeError(f"positions up to {start + n - 1} need {-(-(start + n) // self.block_size)} "
+                                 f"blocks, the table has {len(block_table)}")
+            self._check_blocks([block_table])
+        elif self._one is None:
+            raise ShapeError("prefill without a block table needs a bound sequence (bind_sequence)")
         self.device.make_current()
         self.steps += 1
-        if n < self.prefill_min_batch:  # a short prompt: token by token through the 1-row decode graph
+        if n < self.prefill_min_batch or self._prefill is None:  # token by token through the 1-row step
             for i, tok in enumerate(ids):
-                self.decode([tok], [start + i], [block_table])
-                self._run_decode(1, 1, None)
+                if block_table is None:
+                    self.step_one(tok, start + i)
+                else:
+                    self.decode([tok], [start + i], [block_table])
+                    self._run_decode(1, 1, None)
             return GpuBatchOutput(self, 1)
-        table = np.zeros(self.table_stride, np.uint32)
-        table[: len(block_table)] = block_table
-        self.stream.synchronize()  # an earlier step may still read the table buffer
-        self.prefill_table.copy_from_host(table)
-        c = self.prefill_chunk
+        if block_table is not None:
+            table = np.zeros(self.table_stride, np.uint32)
+            table[: len(block_table)] = block_table
+            self.stream.synchronize()  # an earlier step may still read the table buffer
+            self.prefill_table.copy_from_host(table)
+        c = self._prefill.chunk
         for off in range(0, n, c):
-            part = ids[off: off + c]
-            self._prefill.run_chunk(part, start + off, last=off + c >= n)
+            self._prefill.run_chunk(ids[off: off + c], start + off, last=off + c >= n)
         return GpuBatchOutput(self, 1)
 
     # ---- outputs ----------------------------------------------------------------------------------
+    def read_tokens(self, rows: int) -> np.ndarray:
+        """The tokens of the last step's first ``rows`` rows (uint32; a view of a pinned array)."""
+        out = self._tokens_host.array[:rows]
+        self.tokens.copy_to_host_at(0, rows, out, stream=self.stream)
+        self.stream.synchronize()
+        return out
+
     def _sample(self, rows: int, specs: Sequence[Any]) -> np.ndarray:
         self.device.make_current()
         staged = self._specs_host.array.reshape(self.max_batch, SPEC_WORDS)
         self.stream.synchronize()  # the previous call's spec copy has left the staging array
         pack_specs(specs, out=staged)
         self.specs.copy_from_host_at(self._specs_host.array[: rows * SPEC_WORDS], 0, stream=self.stream)
-        out = self._tokens_host.array[:rows]
-        self.ops.sample_rows(self.logits, self.specs, self.tokens, rows, self.config.vocab_size, stream=self.stream)
-        self.tokens.copy_to_host_at(0, rows, out, stream=self.stream)
-        self.stream.synchronize()
-        return out.astype(np.int64)
+        self.ops.sample_rows(self.acts.logits, self.specs, self.tokens, rows, self.config.vocab_size,
+                             stream=self.stream)
+        return self.read_tokens(rows).astype(np.int64)
 
-    def _row_logits(self, i: int) -> np.ndarray:
+    def read_logits(self, i: int = 0) -> np.ndarray:
+        """Row ``i``'s logits of the last step, on the host (float32 ``[vocab]``)."""
         self.device.make_current()
         self.stream.synchronize()
         vocab = self.config.vocab_size
-        return self.logits.copy_to_host_at(i * vocab, vocab)
+        return self.acts.logits.copy_to_host_at(i * vocab, vocab)
 
     def close(self) -> None:
-        for g in self._graphs.values():
-            g.close()
-        self._graphs.clear()
-        self._prefill.free()
+        self.graphs.close()
+        if self._prefill is not None:
+            self._prefill.free()
         self.kv.close()
-        for buf in (self.step, self.prefill_table, self.x, self.h, self.h16, self.qkv, self.attn, self.ffn,
-                    self.ffn16, self.logits, self.tokens, self.specs, self._argmax_partials, self._w16,
-                    *self._f16.values()):
-            if buf is not None:
-                buf.free()
+        self.linear.free()
+        self.acts.free()
+        if self._one is not None:
+            self._one.free()
+        for buf in (self.step, self.prefill_table, self.tokens, self.specs, self.argmax_scratch):
+            buf.free()

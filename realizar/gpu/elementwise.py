@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from realizar.errors import UnsupportedError
 from realizar.gpu.dispatch import Dispatcher
 
 __all__ = ["ElementwiseOps"]
@@ -16,9 +17,11 @@ class ElementwiseOps(Dispatcher):
         kern = self.kernel(name, vec=vec)
         self.launch(kern, max(1, -(-n // (kern.meta["block"] * vec))), values, stream)
 
-    def swiglu(self, gate: Any, up: Any, out: Any, n: int, stream: Any = None) -> None:
-        """out = silu(gate) * up over n elements (out may alias gate or up)."""
+    def swiglu(self, gate: Any, up: Any, out: Any, n: int, stream: Any = None, out_f16: bool = False) -> None:
+        """out = silu(gate) * up over n elements (out may alias gate or up); ``out_f16``: out is f16."""
         n = self.check_int("n", n)
+        if out_f16:
+            raise UnsupportedError("swiglu with an f16 output: gate and up weights of different types in a batch")
         self._elementwise("swiglu", {"gate": self.addr(gate, n, "gate", align=4), "up": self.addr(up, n, "up", align=4),
                                      "out": self.addr(out, n, "out", align=4), "n": n}, n, stream)
 

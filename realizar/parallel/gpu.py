@@ -37,7 +37,6 @@ yet); each step is one graph launch per rank (local: one in all).
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import replace
 from typing import Any, Mapping, Sequence
 
@@ -45,13 +44,15 @@ import numpy as np
 
 from realizar import cuda
 from realizar.errors import ShapeError
+from realizar.gpu.batch import GpuBatchBackend
+from realizar.gpu.decoder import Decoder
 from realizar.gpu.elementwise import ElementwiseOps
 from realizar.gpu.model import DEFAULT_MAX_LEN, DeviceLogits, GpuModel, StepDecoder
 from realizar.models.config import ModelConfig
 from realizar.models.tensor import QuantTensor
 from realizar.parallel.sharding import ShardingPlan, make_plan
 
-__all__ = ["Reducer", "LocalReducer", "NcclReducer", "RankModel", "TensorParallelModel", "LOGIT_SLOT_ALIGN"]
+__all__ = ["Reducer", "LocalReducer", "NcclReducer", "RankBackend", "RankModel", "TensorParallelModel", "LOGIT_SLOT_ALIGN"]
 
 LOGIT_SLOT_ALIGN = 64  # elements: each rank's slot of the gathered logits starts 256-byte aligned
 _DONE = object()
@@ -194,13 +195,14 @@ class NcclReducer(Reducer):
 
 
 class RankModel(GpuModel):
-    """Rank ``rank`` of a :class:`TensorParallelModel`: a :class:`GpuModel` over its shard, whose O and
-    down GEMVs add the residual only on rank 0 and whose head writes its logit rows and its greedy
-    candidate into slots of the gathered buffers (set by the owner before the first step)."""
+    """Rank ``rank`` of a :class:`TensorParallelModel`: a :class:`GpuModel` over its shard whose single
+    sequence runs the layer program with the residual added only on rank 0 (:class:`RankBackend`) and
+    whose head writes its logit rows and its greedy candidate into slots of the gathered buffers (set by
+    the owner before the first step)."""
 
     def __init__(self, config: ModelConfig, tensors: Mapping[str, QuantTensor], rank: int,
                  vocab: tuple[int, int], **kw):
-        super().__init__(config, dict(tensors), prefill_chunk=None, **kw)
+        super().__init__(config, dict(tensors), prefill_chunk=None, kv_cache=False, use_graph=False, **kw)
         self.rank = rank
         self.vocab_start, self.vocab_stop = vocab
         if self.lm_head.out_dim != self.vocab_stop - self.vocab_start:
@@ -209,15 +211,27 @@ class RankModel(GpuModel):
         self.logit_slot: tuple[cuda.GpuBuffer, int] | None = None
         self.candidate_slot: tuple[cuda.GpuBuffer, int] | None = None
 
-    def _add_projection(self, w, inp, s) -> None:
-        self.ops.gemv(w, inp, self.x, residual=self.x if self.rank == 0 else None, stream=s)
+    @property
+    def sequence(self) -> "RankBackend":
+        if self._seq is None:
+            blocks = -(-self.max_len // self.block_size)
+            seq = RankBackend(self, num_blocks=blocks + 1, block_size=self.block_size, kv_dtype=self.kv_dtype,
+                              max_batch=1, max_context=self.max_len, use_graph=False, f16_weights=False,
+                              decoder=Decoder(self.weights, self.ops, add_residual=self.rank == 0))
+            seq.bind_sequence(range(1, blocks + 1))
+            self._seq = seq
+        return self._seq
 
-    def _issue_head(self, s) -> None:
-        ops = self.ops
-        ops.rmsnorm(self.x, self.output_norm, self.h, self.config.rms_norm_eps, stream=s)
-        ops.gemv(self.lm_head, self.h, self.logit_slot, stream=s)
-        ops.argmax_candidate(self.logit_slot, self.candidate_slot, self.vocab_start,
-                             self.vocab_stop - self.vocab_start, stream=s)
+
+class RankBackend(GpuBatchBackend):
+    """A rank's single sequence: its head writes the rank's logit rows and greedy candidate into the
+    owner's gathered buffers instead of the local logits and argmax."""
+
+    def issue_head(self, b: int, argmax: bool) -> None:
+        m = self.model
+        self.decoder.head(self.acts, b, self.linear, self.stream, logits=m.logit_slot)
+        self.ops.argmax_candidate(m.logit_slot, m.candidate_slot, m.vocab_start, m.vocab_stop - m.vocab_start,
+                                  stream=self.stream)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -256,19 +270,20 @@ class TensorParallelModel(StepDecoder):
             rc = replace(self.plan.rank_config(r), tied_embeddings=False)  # the LM head is its own slice
             self.ranks.append(RankModel(rc, self.plan.shard(tensors, r), r, self.plan.vocab[r],
                                         max_len=self.max_len, device=dev, pdl=pdl))
-        if reducer.shared_device:  # one stream and one set of step values for all ranks: one graph
-            r0 = self.ranks[0]
-            for rank in self.ranks[1:]:
-                rank.stream, rank.step_values = r0.stream, r0.step_values
-        self.streams = [r.stream for r in self.ranks]
-        self._lanes = self.ranks[:1] if reducer.shared_device else list(self.ranks)  # one per stream
+        self.seqs = [r.sequence for r in self.ranks]
+        if reducer.shared_device:  # one stream for all ranks: one graph
+            for seq in self.seqs[1:]:
+                seq.stream = self.seqs[0].stream
+        self.streams = [s.stream for s in self.seqs]
+        lanes = self.seqs[:1] if reducer.shared_device else self.seqs  # one per stream
+        self.graphs = cuda.GraphCache([(s.device, s.stream) for s in lanes], mode="capture" if use_graph else "eager",
+                                      capacity=1, pdl=pdl, capture_mode=capture_mode)
         self.logit_stride = -(-self.plan.vocab_per_rank // LOGIT_SLOT_ALIGN) * LOGIT_SLOT_ALIGN
         self.logit_bufs = reducer.gather_buffers(self.logit_stride, np.float32)
         self.candidate_bufs = reducer.gather_buffers(1, np.uint64)
         for r, rank in enumerate(self.ranks):
             rank.logit_slot = (self.logit_bufs[r], r * self.logit_stride)
             rank.candidate_slot = (self.candidate_bufs[r], r)
-        self._graphs: list[tuple[RankModel, cuda.GraphExec]] | None = None
         self.position = 0
         self.steps = 0
 
@@ -288,57 +303,29 @@ class TensorParallelModel(StepDecoder):
     def _issue_step(self) -> None:
         """Every rank's launches up to its next all-reduce point, the all-reduce, and so on; then the
         candidates' all-gather and rank 0's argmax over them."""
-        ranks = self.ranks
-        phases = [r._step_phases() for r in ranks]
+        seqs = self.seqs
+        phases = [s.step_phases(1, False) for s in seqs]
         while True:
             paused = 0
-            for rank, phase in zip(ranks, phases):
-                rank.device.make_current()
+            for seq, phase in zip(seqs, phases):
+                seq.device.make_current()
                 paused += next(phase, _DONE) is not _DONE
             if paused == 0:
                 break
-            if paused != len(ranks):
-                raise RuntimeError(f"{paused} of {len(ranks)} ranks reached an all-reduce point")
-            self.reducer.all_reduce([r.x for r in ranks], self.config.hidden_size, self.streams)
+            if paused != len(seqs):
+                raise RuntimeError(f"{paused} of {len(seqs)} ranks reached an all-reduce point")
+            self.reducer.all_reduce([s.acts.x for s in seqs], self.config.hidden_size, self.streams)
         self.reducer.all_gather(self.candidate_bufs, 1, np.uint64, self.streams)
-        r0 = ranks[0]
+        r0 = seqs[0]
         r0.device.make_current()
-        r0.ops.argmax_packed(self.candidate_bufs[0], r0.token_out, self.world_size, stream=r0.stream)
-
-    def _build_graphs(self) -> list[tuple[RankModel, cuda.GraphExec]]:
-        """Run one step eagerly (kernels load, NCCL connects), then capture the next issue on every
-        rank's stream at once: each graph holds its rank's kernels and NCCL calls."""
-        with cuda.programmatic_dependent_launch(self.pdl):
-            self._issue_step()
-            with contextlib.ExitStack() as stack:
-                caps = []
-                for lane in self._lanes:
-                    lane.device.make_current()
-                    caps.append(stack.enter_context(cuda.capture(lane.stream, mode=self.capture_mode)))
-                self._issue_step()
-        graphs = []
-        for lane, cap in zip(self._lanes, caps):
-            lane.device.make_current()
-            graphs.append((lane, cap.graph.instantiate()))
-        return graphs
+        r0.ops.argmax_packed(self.candidate_bufs[0], r0.tokens, self.world_size, stream=r0.stream)
 
     def _run_step(self, token: int, position: int) -> None:
         self._check_step(token, position)
-        for lane in self._lanes:
-            lane.step_values.set(token=token, pos=position, seq_len=position + 1)
-        if self._graphs is not None:
-            for lane, exe in self._graphs:
-                lane.device.make_current()
-                exe.replay(lane.stream, lane.step_values)
-        else:
-            for lane in self._lanes:
-                lane.device.make_current()
-                lane.step_values.upload(lane.stream)
-            if self.use_graph:
-                self._graphs = self._build_graphs()
-            else:
-                with cuda.programmatic_dependent_launch(self.pdl):
-                    self._issue_step()
+        for seq in self.seqs:
+            seq.device.make_current()
+            seq.stage_one(token, position)
+        self.graphs.run("step", self._issue_step)
         self.steps += 1
 
     # ---- Generator interface (with StepDecoder's) -------------------------------------------------------
@@ -349,13 +336,13 @@ class TensorParallelModel(StepDecoder):
 
     def read_token(self) -> int:
         """The greedy token of the last step (4 bytes from rank 0)."""
-        return self.ranks[0].read_token()
+        return int(self.seqs[0].read_tokens(1)[0])
 
     def read_logits(self) -> np.ndarray:
         """The whole vocabulary's logits of the last step: the ranks' pieces all-gathered (issued now,
         after the step, on the ranks' streams), read from rank 0."""
         self.reducer.all_gather(self.logit_bufs, self.logit_stride, np.float32, self.streams)
-        r0 = self.ranks[0]
+        r0 = self.seqs[0]
         r0.device.make_current()
         r0.stream.synchronize()
         host = self.logit_bufs[0].copy_to_host()
@@ -363,12 +350,12 @@ class TensorParallelModel(StepDecoder):
                                for r, (a, b) in enumerate(self.plan.vocab)])
 
     def synchronize(self) -> None:
-        for lane in self._lanes:
-            lane.device.make_current()
-            lane.stream.synchronize()
+        for seq in self.seqs:
+            seq.device.make_current()
+            seq.stream.synchronize()
 
     def close(self) -> None:
         """Wait for the ranks' work and release the reducer's communicators."""
         self.synchronize()
-        self._graphs = None
+        self.graphs.close()
         self.reducer.close()
