@@ -16,7 +16,7 @@ from tests.model_factory import make_hf_model
 @pytest.fixture(scope="module")
 def tiny_paths(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("engine")
-    hf_dir, _ = make_hf_model("qwen2", tmp, seed=2)
+    hf_dir, _ = make_hf_model("qwen2", tmp, seed=2, num_heads=2, num_kv_heads=1)  # head_dim 32: the paged cache takes it
     return hf_dir, hf_to_gguf(hf_dir, tmp / "tiny.gguf", "Q8_0"), hf_to_gguf(hf_dir, tmp / "tiny-f32.gguf", "F32")
 
 

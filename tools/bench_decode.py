@@ -38,11 +38,11 @@ def bench(model: GpuModel, tokens: int, prompt: int = 8) -> tuple[float, float]:
         tok = model.forward_gpu_resident_to_token_id(tok, pos)
     wall = time.perf_counter() - t0
     e0, e1 = cuda.Event(), cuda.Event()
-    e0.record(model.stream)
+    stream = model.sequence.stream
+    e0.record(stream)
     for pos in range(prompt, prompt + tokens):  # GPU time: replays back to back, no read-back between them
-        model.step_values.set(token=tok, pos=pos, seq_len=pos + 1)
-        model._graph.replay(model.stream, model.step_values)
-    e1.record(model.stream)
+        model._run_step(tok, pos)
+    e1.record(stream)
     e1.synchronize()
     return tokens / wall, e0.elapsed_ms(e1) * 1e3 / tokens
 
@@ -68,7 +68,8 @@ def main() -> None:
     for name, cfg, tensors, wbytes, peer in jobs:
         model = GpuModel(cfg, tensors, max_len=4096, device=dev, pdl=False)
         tps_plain, gpu_plain = bench(model, a.tokens)  # graph without programmatic dependent launch
-        model.pdl, model._graph = True, None  # re-capture with it
+        model.pdl = True  # a new sequence (and graphs) with it
+        model.release_kv()
         tps, gpu_us = bench(model, a.tokens)
         print(f"{name}: without PDL {tps_plain:.0f} tok/s host, {gpu_plain:.0f} µs GPU/token", flush=True)
         roof = bw / wbytes

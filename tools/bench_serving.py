@@ -38,7 +38,8 @@ import numpy as np
 from bench_decode import bench as decode_rate  # tools/ is on the path when run as a script
 
 from realizar import cuda
-from realizar.gpu.batch import GEMV_COLS_DEFAULT_ROWS, GpuBatchBackend
+from realizar.gpu.batch import GpuBatchBackend
+from realizar.gpu.linear import GEMV_COLS_DEFAULT_ROWS
 from realizar.gpu.model import GpuModel
 from realizar.models.random import BENCH_SHAPES, bench_model
 

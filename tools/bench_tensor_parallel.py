@@ -57,27 +57,21 @@ def bench(model, tokens: int) -> tuple[float, float]:
     for pos in range(PROMPT, PROMPT + tokens):
         tok = model.forward_gpu_resident_to_token_id(tok, pos)
     wall = time.perf_counter() - t0
-    if isinstance(model, GpuModel):
-        lanes = [(model, model._graph)]
-    else:
-        lanes = model._graphs
-    first = lanes[0][0]
+    lanes = [model.sequence] if isinstance(model, GpuModel) else model.seqs
+    first = lanes[0]
     first.device.make_current()
     e0, e1 = cuda.Event(device=first.device), cuda.Event(device=first.device)
-    for lane, _ in lanes:
+    for lane in lanes:
         lane.device.make_current()
         lane.stream.synchronize()
     first.device.make_current()
     e0.record(first.stream)
     for pos in range(PROMPT, PROMPT + tokens):  # replays back to back, no read-back between them
-        for lane, exe in lanes:
-            lane.device.make_current()
-            lane.step_values.set(token=tok, pos=pos, seq_len=pos + 1)
-            exe.replay(lane.stream, lane.step_values)
+        model._run_step(tok, pos)
     first.device.make_current()
     e1.record(first.stream)
     e1.synchronize()
-    for lane, _ in lanes:
+    for lane in lanes:
         lane.device.make_current()
         lane.stream.synchronize()
     return tokens / wall, e0.elapsed_ms(e1) * 1e3 / tokens

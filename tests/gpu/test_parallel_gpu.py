@@ -85,7 +85,7 @@ def test_local_ranks_at_larger_shapes(gpu, tmp_path, n):
     assert_matches(got, sharded, f"N={n} vs the sharded reference")
     assert_matches(got, ref, f"N={n} vs the reference")
     gemvs = sorted({"_".join(r.kernel.name.split("_")[:2])
-                    for _, exe in tp._graphs for r in exe.graph.records if r.kernel.name.startswith("gemv")})
+                    for r in tp.graphs.graph("step").graph.records if r.kernel.name.startswith("gemv")})
     layouts = sorted({w.layout for r in tp.ranks for w in (*r.layers[0].qkv, r.layers[0].attn_out, r.layers[0].down,
                                                           r.layers[0].gate_up, r.lm_head) if w is not None})
     print(f"\nN={n}: GEMV kernels {gemvs}, weight layouts {layouts}")
@@ -103,8 +103,8 @@ def test_nccl_one_rank_equals_the_plain_model_with_nccl_in_the_graph(gpu, lib, t
         got = device_run(tp, PROMPT, ref.tokens[:-1])
         assert got.tokens == plain.tokens == ref.tokens
         assert [x.tobytes() for x in got.logits] == [x.tobytes() for x in plain.logits]
-        (lane, exe), = tp._graphs
-        graph = exe.graph
+        assert len(tp.graphs.lanes) == 1
+        graph = tp.graphs.graph("step").graph
         # the graph holds our kernels and whatever NCCL put in it for its calls (a one-rank in-place
         # collective may be nothing at all): reported, not assumed
         print(f"\nNCCL {lib.version()} one-rank decode graph: {graph.node_count()} nodes, {graph.num_kernels} "
