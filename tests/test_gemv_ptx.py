@@ -144,13 +144,14 @@ def test_split_invariants(wtype, n, ksplit):
 def test_dispatcher_splits_long_rows_and_small_grids():
     """The picks the report and the benchmark quote (H200: 132 SMs)."""
     pick = lambda o, i, t: tuple(vars(gemv_config(o, 132, i, t)).values())  # noqa: E731
-    # the large shapes: the fastest configs of bench_gemv --sweep on an H200 (2026-11-22)
-    assert pick(4096, 14336, "Q4_K") == (4, 4, 2)  # 47% of copy bandwidth (split-K heuristic r2 w4 s4: 37%)
-    assert pick(4096, 14336, "Q8_0") == (4, 4, 2)  # 68% (r2 w8 s8: 60%)
-    assert pick(4096, 14336, "Q6_K") == (2, 8, 8)  # 53% (r2 w4 s4: 49%)
-    assert pick(14336, 4096, "Q6_K") == (4, 4, 4)  # 58% (r4 w4 s2: 52%)
-    assert pick(14336, 4096, "Q4_K") == (4, 4, 1)  # 48% (r4 w4 s2: 46%)
-    assert pick(14336, 4096, "Q8_0") == (4, 4, 1)  # 67% (r4 w4 s2: 56%)
+    # the large shapes: the fastest configs of bench_gemv --sweep on an H200 (SIMT_LARGE; the figures are in
+    # docs/performance.md, GEMV: "Why each pick")
+    assert pick(4096, 14336, "Q4_K") == (4, 4, 2)
+    assert pick(4096, 14336, "Q8_0") == (4, 4, 2)
+    assert pick(4096, 14336, "Q6_K") == (2, 8, 8)
+    assert pick(14336, 4096, "Q6_K") == (4, 4, 4)
+    assert pick(14336, 4096, "Q4_K") == (4, 4, 1)
+    assert pick(14336, 4096, "Q8_0") == (4, 4, 1)
     assert pick(128256, 2048, "Q8_0") == (4, 4, 1)
     assert pick(4096, 4096, "Q4_K") == (4, 4, 1)
     assert pick(576, 576, "Q8_0") == (1, 4, 1)  # too short to split
@@ -713,7 +714,7 @@ def test_new_mma_types_policy():
         assert ops.mma_config(4096, 4096, wt, layout="tiles").tiles == 2  # (2 units a warp)
     assert ops.weight_layout(14336, 4096, "Q4_1") == "tiles"
     assert ops.weight_layout(14336, 4096, "Q5_K") == ops.weight_layout(14336, 4096, "Q4_K")
-    # where the DRAM is fast for the SMs (an H200's 4.8 TB/s: 3.125 GHz x 6144 bits) Q4_0 and Q5_0 keep
+    # where the DRAM is fast for the SMs (an H200's memory clock and bus width) Q4_0 and Q5_0 keep
     # 32-row warps there, with bulk copies; elsewhere the picks are the H100's
     from realizar.gpu.gemv import dram_bytes_per_sm_clock
     h200 = LayerOps(cuda.EmulatedDevice(sm_count=132, attributes={"MEMORY_CLOCK_RATE": 3_125_000,

@@ -9,6 +9,7 @@ import numpy as np
 
 from realizar.errors import ShapeError
 from realizar.gpu.dispatch import Dispatcher
+from realizar.gpu.policy.sampling import ARGMAX_BLOCK, ARGMAX_CTAS_PER_SM, ARGMAX_FINAL_BLOCK
 
 __all__ = ["ARGMAX_SCRATCH", "ArgmaxOps"]
 
@@ -23,17 +24,18 @@ class ArgmaxOps(Dispatcher):
 
     def argmax(self, x: Any, out: Any, n: int | None = None, stream: Any = None, scratch: Any = None) -> None:
         """out[0] (u32) = argmax of x[0:n] (ties: lowest index; NaN counts as the maximum). ``scratch``:
-        the partials buffer (u64; ARGMAX_SCRATCH elements hold the partials of any n), default this dispatcher's own; a caller whose launches
-        may run on another stream at the same time as other argmaxes brings its own."""
+        the partials buffer (u64; ARGMAX_SCRATCH elements hold the partials of any n), default this
+        dispatcher's own; a caller whose launches may run on another stream at the same time as other
+        argmaxes brings its own."""
         if n is None:
             buf = x[0] if isinstance(x, tuple) else x
             n = buf.count - (x[1] if isinstance(x, tuple) else 0)
         n = self.check_int("n", n)
         if n >= 1 << 31:
             raise ShapeError(f"argmax handles fewer than 2**31 elements, got {n}")
-        part = self.kernel("argmax_partial", block=256)
-        final = self.kernel("argmax_final", block=1024)
-        p = int(min(_ARGMAX_PARTIALS, max(1, 2 * self.sm_count), -(-n // 256)))
+        part = self.kernel("argmax_partial", block=ARGMAX_BLOCK)
+        final = self.kernel("argmax_final", block=ARGMAX_FINAL_BLOCK)
+        p = int(min(_ARGMAX_PARTIALS, max(1, ARGMAX_CTAS_PER_SM * self.sm_count), -(-n // ARGMAX_BLOCK)))
         partials = self._argmax_scratch if scratch is None else self.addr(scratch, p, "scratch", np.uint64, align=8)
         self.launch(part, p, {"x": self.addr(x, n, "x", align=4), "partials": partials, "n": n}, stream)
         self.launch(final, 1, {"partials": partials, "out": self.addr(out, 1, "out", np.uint32, align=4),
@@ -46,9 +48,9 @@ class ArgmaxOps(Dispatcher):
         n, base = self.check_int("n", n), self.check_int("base", base, lo=0)
         if n + base >= 1 << 31:
             raise ShapeError(f"argmax handles fewer than 2**31 elements, got a slice [{base}, {base + n})")
-        part = self.kernel("argmax_partial", block=256)
-        pack = self.kernel("argmax_pack", block=1024)
-        p = int(min(_ARGMAX_PARTIALS, max(1, 2 * self.sm_count), -(-n // 256)))
+        part = self.kernel("argmax_partial", block=ARGMAX_BLOCK)
+        pack = self.kernel("argmax_pack", block=ARGMAX_FINAL_BLOCK)
+        p = int(min(_ARGMAX_PARTIALS, max(1, ARGMAX_CTAS_PER_SM * self.sm_count), -(-n // ARGMAX_BLOCK)))
         self.launch(part, p, {"x": self.addr(x, n, "x", align=4), "partials": self._argmax_scratch, "n": n}, stream)
         self.launch(pack, 1, {"partials": self._argmax_scratch, "out": self.addr(out, 1, "out", np.uint64, align=8),
                               "n_partials": p, "base": base}, stream)
@@ -56,6 +58,6 @@ class ArgmaxOps(Dispatcher):
     def argmax_packed(self, candidates: Any, out: Any, n: int, stream: Any = None) -> None:
         """out[0] (u32) = the index in the best of ``n`` packed u64 candidates (:meth:`argmax_candidate`)."""
         n = self.check_int("n", n)
-        final = self.kernel("argmax_final", block=1024)
+        final = self.kernel("argmax_final", block=ARGMAX_FINAL_BLOCK)
         self.launch(final, 1, {"partials": self.addr(candidates, n, "candidates", np.uint64, align=8),
                                "out": self.addr(out, 1, "out", np.uint32, align=4), "n_partials": n}, stream)

@@ -11,6 +11,7 @@ from ptx_gen.kernels.dequant.dequant import total_rounds
 from ptx_gen.kernels.gemv.quant_layout import DENSE
 from realizar.errors import ShapeError
 from realizar.gpu.dispatch import Dispatcher
+from realizar.gpu.policy.dequant import DEQUANT_WARPS_BLOCKS, DEQUANT_WARPS_DENSE
 from realizar.gpu.weights import GpuWeight
 
 __all__ = ["DequantOps", "dequant_warps"]
@@ -19,9 +20,9 @@ MAX_VALUES = 2**32  # the kernel indexes values with 32-bit integers
 
 
 def dequant_warps(wtype: str) -> int:
-    """Warps per CTA of the dequantization: one for the block types, four for F32/F16/BF16 (tuned with
-    ``tools/bench_dequant.py --sweep``)."""
-    return 4 if wtype in DENSE else 1
+    """Warps per CTA of the dequantization: ``DEQUANT_WARPS_DENSE`` for F32/F16/BF16, else
+    ``DEQUANT_WARPS_BLOCKS`` (tuned with ``tools/bench_dequant.py --sweep``)."""
+    return DEQUANT_WARPS_DENSE if wtype in DENSE else DEQUANT_WARPS_BLOCKS
 
 
 class DequantOps(Dispatcher):

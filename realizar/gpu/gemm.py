@@ -1,4 +1,5 @@
-"""The prefill GEMM on tensor cores (:mod:`ptx_gen.kernels.gemm_mma`) and its launch policy.
+"""The prefill GEMM on tensor cores (:mod:`ptx_gen.kernels.gemm_mma`) and the code that picks its launch shape
+from the tables of :mod:`realizar.gpu.policy.gemm`.
 
     ops.dequantize_f16(weight, w16)                       # the weight's f16 rows (scratch, reused)
     ops.gemm_f16(x16, w16, y, m=S, n=weight.out_dim, k=weight.in_dim, residual=y)
@@ -9,56 +10,29 @@ X is f16 ``[m, lda]``, W f16 ``[n, k]`` row-major, Y ``[m, ldy]`` f32 (or f16 wi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ptx_gen.kernels.gemm.gemm_mma import check_tiling, smem_bytes
 from realizar.errors import ShapeError
 from realizar.gpu.dispatch import Dispatcher
+from realizar.gpu.policy.gemm import (GEMM_FALLBACK_TILE, GEMM_Q_CTA_WARPS, GEMM_Q_MAX_KPARTS, GEMM_Q_STAGES,
+                                     GEMM_Q_WARPS_PER_SM, GEMM_SMALL_M, GEMM_SMALL_M_TILES, GEMM_TILES)
+from realizar.gpu.policy.shapes import GemmConfig, GemmQConfig
 
 __all__ = ["GemmConfig", "GemmOps", "GemmQConfig", "gemm_config", "gemm_q_config"]
 
 
-@dataclass(frozen=True)
-class GemmConfig:
-    """A CTA tile ``bm x bn`` (tokens x weight rows) on ``warps_m x warps_n`` warps, ``stages`` K tiles
-    of 64 in flight."""
-
-    bm: int = 128
-    bn: int = 128
-    warps_m: int = 2
-    warps_n: int = 2
-    stages: int = 3
-
-    def __post_init__(self) -> None:
-        try:
-            check_tiling(self.bm, self.bn, self.warps_m, self.warps_n, self.stages)
-        except ValueError as exc:
-            raise ShapeError(f"GemmConfig: {exc}") from None
-
-    @property
-    def smem(self) -> int:
-        return smem_bytes(self.bm, self.bn, self.stages)
-
-    def ctas(self, m: int, n: int) -> int:
-        return -(-m // self.bm) * -(-n // self.bn)
-
-
-#: tiles the policy chooses from, largest first
-_TILES = (GemmConfig(128, 128, 2, 2, 3), GemmConfig(64, 128, 1, 4, 4), GemmConfig(64, 64, 2, 2, 4))
-#: up to 64 tokens (a batched decode step): no 128-token tiles (half padding), and for weights too narrow to
-#: give every SM a 64 x 64 tile (the 8B O and down projections: 64 CTAs on 132 SMs), 32-token tiles with a
-#: deeper pipeline, which read X twice but spread the weight over twice the CTAs (tools/bench_gemm.py)
-_SMALL_M_TILES = (GemmConfig(64, 128, 1, 4, 4), GemmConfig(64, 64, 2, 2, 6), GemmConfig(32, 64, 1, 2, 6))
+#: the tables' old names (tools/bench_gemm.py sweeps them)
+_TILES, _SMALL_M_TILES = GEMM_TILES, GEMM_SMALL_M_TILES
 
 
 def gemm_config(m: int, n: int, sm_count: int = 132, max_smem: int = 227 * 1024) -> GemmConfig:
     """The largest tile that still gives every SM a CTA (fewer, bigger tiles re-read less of X and W);
-    where none does, the smallest; up to 64 tokens from the small-M tiles. Tiles asking for more shared
-    memory than a CTA may have are skipped."""
-    fits = [c for c in (_SMALL_M_TILES if m <= 64 else _TILES) if c.smem <= max_smem] or [GemmConfig(64, 64, 2, 2, 2)]
+    where none does, the smallest; up to ``GEMM_SMALL_M`` tokens from the small-M tiles. Tiles asking for
+    more shared memory than a CTA may have are skipped (none left: ``GEMM_FALLBACK_TILE``)."""
+    fits = [c for c in (GEMM_SMALL_M_TILES if m <= GEMM_SMALL_M else GEMM_TILES) if c.smem <= max_smem] or [
+        GEMM_FALLBACK_TILE]
     for cfg in fits:
         if cfg.ctas(m, n) >= sm_count:
             return cfg
@@ -162,29 +136,16 @@ class GemmOps(Dispatcher):
 # ---- small-M GEMM straight from quantized weights (the batched decode step) ----------------------------
 
 
-@dataclass(frozen=True)
-class GemmQConfig:
-    """Launch shape of :mod:`ptx_gen.kernels.gemm_q`: ``mt`` tokens per launch (8..128), ``warps`` row strips
-    (16 weight rows each) per CTA, ``kparts`` warps per strip splitting K, ``stages`` chunks in flight."""
-
-    mt: int
-    warps: int = 4
-    kparts: int = 1
-    stages: int = 4
-
-
-GEMM_Q_MAX_M = 128
-# a launch of at least this many warps per SM keeps enough bytes in flight (a warp: stages - 1 chunks)
-GEMM_Q_WARPS_PER_SM = 8
+GEMM_Q_MAX_M = 128  # the most tokens the kernel's token tiles hold
 
 
 def gemm_q_config(wtype: str, in_dim: int, rows_out: int, m: int, sm_count: int = 132,
                   max_smem: int = 227 * 1024, glu: bool = False) -> GemmQConfig:
     """The token tile (``m`` rounded up to 8, 16, 32, 64 or 128) and CTA shape for ``rows_out`` outputs of
     ``in_dim`` values: K is split (``kparts``) until the grid has ``GEMM_Q_WARPS_PER_SM`` warps per SM
-    (at most 2 parts from 64 tokens on, none at 128: their accumulators leave no registers for more),
-    keeping at least 2 chunks of 256 per part; then the deepest ring (4, 3, 2 stages) whose CTA fits
-    twice in ``max_smem`` (once where none does)."""
+    (at most ``GEMM_Q_MAX_KPARTS`` parts by token tile: their accumulators leave no registers for more),
+    keeping at least 2 chunks of 256 per part, in CTAs of ``GEMM_Q_CTA_WARPS`` warps; then the deepest
+    ring of ``GEMM_Q_STAGES`` whose CTA fits twice in ``max_smem`` (once where none does)."""
     from ptx_gen.kernels.gemm.gemm_q import MTS, smem_bytes
 
     if not 1 <= m <= GEMM_Q_MAX_M:
@@ -192,14 +153,14 @@ def gemm_q_config(wtype: str, in_dim: int, rows_out: int, m: int, sm_count: int 
     mt = next(t for t in MTS if t >= m)
     strips = -(-rows_out // (8 if glu else 16))
     nc = -(-in_dim // 256)
-    max_parts = 1 if mt >= 128 else 2 if mt >= 64 else 4
+    max_parts = next(parts for least, parts in GEMM_Q_MAX_KPARTS if mt >= least)
     kparts = 1
     while kparts < max_parts and strips * kparts < GEMM_Q_WARPS_PER_SM * sm_count and nc >= 4 * kparts:
         kparts *= 2
-    warps = max(1, 4 // kparts)
+    warps = max(1, GEMM_Q_CTA_WARPS // kparts)
     layout = "rows"
     for limit in (max_smem // 2, max_smem):
-        for stages in (4, 3, 2):
+        for stages in GEMM_Q_STAGES:
             if smem_bytes(wtype, in_dim, layout, mt, warps, kparts, stages) <= limit:
                 return GemmQConfig(mt, warps, kparts, stages)
     return GemmQConfig(mt, 1, kparts, 2)

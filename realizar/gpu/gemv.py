@@ -1,10 +1,12 @@
-"""GEMV, fused gate/up GEMV and GEMM on GGUF weights: their launch policy beside their host calls.
+"""GEMV, fused gate/up GEMV and GEMM on GGUF weights: their host calls and the dispatch code that picks
+their launch shapes.
 
 Two kernels compute a decode GEMV: the SIMT one (:mod:`ptx_gen.kernels.gemv`, shape
 :class:`GemvConfig` from :func:`gemv_config`) and the tensor-core one (:mod:`ptx_gen.kernels.gemv_mma`,
 shape :class:`MmaConfig` from :func:`mma_config`). :class:`GemvOps` picks one per weight on its device,
 and the weight's layout to match (:meth:`GemvOps.upload`: tile-major where the tensor-core kernel reads
-it). The policies are tuned with ``tools/bench_gemv.py --sweep``.
+it). The tables and thresholds those picks read are data, in :mod:`realizar.gpu.policy.gemv` (tuned with
+``tools/bench_gemv.py --sweep`` / ``--mma-sweep``).
 """
 
 from __future__ import annotations
@@ -12,158 +14,35 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ptx_gen.kernels.gemv.gemv import MAX_STATIC_SMEM, shared_bytes, tiles_per_slice
 from ptx_gen.kernels.gemv.gemv_mma import MMA_TYPES, SOLO_SMEM, q6k_glu_offsets_fit
-from ptx_gen.kernels.gemv.gemv_mma_layout import BLOCK32, MAX_COLS
+from ptx_gen.kernels.gemv.gemv_mma_layout import MAX_COLS
 from ptx_gen.kernels.gemv.gemv_mma import layout as mma_layout
 from ptx_gen.kernels.gemv.quant_layout import type_info
 from realizar.errors import ShapeError
 from realizar.gpu.dispatch import Dispatcher
+from realizar.gpu.policy.gemv import (
+    B32_BALANCE, B32_ONE_TILE, B32_ONE_TILE_UNITS, B32_UNBALANCED, BULK_ALWAYS, BULK_FEW_UNITS, BULK_MAX_UNITS,
+    BULK_ROW_TILE, COLS_MAX_WARPS, COLS_PER_LAUNCH, COLS_WIDE_TILES, COLS_WIDE_TILES_CP_ASYNC,
+    FAST_DRAM_AHEAD_UNBALANCED, FAST_DRAM_AHEAD_WIDE, FAST_DRAM_BULK, FAST_DRAM_BYTES_PER_SM_CLOCK,
+    FAST_DRAM_UNBALANCED, FAST_DRAM_WIDE, MMA_CTA_SPLITS, MMA_EXTRA_CTA, MMA_SCORE_SLACK, MMA_SLOWER, MMA_STAGES,
+    Q6K_MANY_ROWS_PER_SM, ROWS_WHEN_BULK, SIMT_LARGE, SIMT_LARGE_DEFAULT, SIMT_LARGE_MANY_ROWS,
+    SIMT_LARGE_ROWS_PER_SM, SIMT_ROWS_PER_WARP, SIMT_WARPS, TARGET_WARPS_PER_SM, TILED_UNBALANCED, WIDE_BALANCED,
+    WIDE_MIN_UNITS)
+from realizar.gpu.policy.shapes import GemvConfig, MmaConfig
 from realizar.gpu.weights import GpuWeight, weight_type_name
 
 __all__ = ["GemvConfig", "GemvOps", "MmaConfig", "gemv_config", "mma_config"]
-
-
-@dataclass(frozen=True)
-class GemvConfig:
-    """Launch shape of the SIMT GEMV (:mod:`ptx_gen.kernels.gemv`)."""
-
-    rows: int  # output rows per warp (weight rows per warp for the fused gate/up GEMV)
-    warps: int  # warps per CTA
-    ksplit: int = 1  # warps sharing a row group, each summing one K slice (divides warps)
-
-
-# a grid of at least this many warps per SM: about one wave of the warps a split kernel keeps resident
-# (registers, shared memory). More splitting than that only adds per-warp work (setup, the partial
-# sums) to kernels whose decode already keeps the SMs' issue slots busy (Q4_K, Q6_K)
-TARGET_WARPS_PER_SM = 24
-# Q6_K GEMVs of at least this many rows per SM stay on the SIMT kernel: each warp of the tensor-core
-# kernel converts every unit of x it uses, a cost that grows with the rows
-Q6K_MANY_ROWS_PER_SM = 256
-MMA_EXTRA_CTA = 0.1  # the tensor-core GEMV dispatcher's cost of each further CTA on an SM
-# types the tensor-core kernel handles but streams slower than the SIMT one (bench_gemv, H200): the
-# dispatcher leaves them on the SIMT kernel (a forced MmaConfig still runs it)
-MMA_SLOWER: tuple[str, ...] = ()
-
-
-
-@dataclass(frozen=True)
-class MmaConfig:
-    """Launch shape of the tensor-core GEMV (:mod:`ptx_gen.kernels.gemv_mma`)."""
-
-    mtiles: int  # warps along the rows of a CTA
-    kparts: int  # warps sharing those rows, each one part of K
-    stages: int  # cp.async ring depth per warp (units of 256 values)
-    tiles: int = 1  # 16-row MMA tiles per warp
-    bulk: bool = False  # sm_90: fill the ring with bulk copies (cp.async.bulk + mbarrier)
-    solo: bool = False  # shared memory raised so that one CTA holds an SM (see gemv_mma.SOLO_SMEM)
-    late: bool = False  # the next kernel's launch triggered near the end (after the warps' last copies)
-    l2pre: int = 0  # tile-major, sm_90: each warp's next units past its ring asked of the L2 before the grid wait
-    ahead: int = 0  # ring stages requested before the grid wait (0: all), the others right after x's first loads
-
-
-# where the 8-warp pick keeps less than B32_BALANCE of the SMs' time busy (busiest SM vs the mean), these
-# 32-value block types take the shape that streamed fastest at 14336 x 4096 (bench_gemv --mma-sweep,
-# H200; Q4_1 on GGUF rows keeps the 8-warp pick, on tile-major weights see TILED_UNBALANCED)
-B32_BALANCE = 0.9
-# (Q5_0 in 16-row warps since its tile-major units are re-encoded: 14.4 against 15.7 µs for 32-row warps,
-# H100, 2026-11-28)
-B32_UNBALANCED = {"Q4_0": MmaConfig(2, 4, 2, 2), "Q5_0": MmaConfig(1, 4, 2, 1), "Q5_1": MmaConfig(1, 4, 2, 1)}
-# likewise on sm_90 over tile-major weights: Q4_K in CTAs of 4 warps of 32 rows, each warp a quarter of K
-# (bench_gemv --mma-sweep, 14336 x 4096, against the 16-warp CTA with bulk copies and the late trigger
-# picked before: H100 12.4 against 12.7 µs, H200 9.2-9.4 against 9.4-9.6 µs, 2026-11-28; the other types
-# were as fast or slower in such CTAs); Q4_1 since its tile-major rows are swizzled (SWIZZLE, no padded
-# stages) in CTAs of 2 x 4 warps of 32 rows as Q4_0 (H200 9.4 against 10.4 µs, 2026-11-28)
-TILED_UNBALANCED = {"Q4_K": MmaConfig(1, 4, 2, 2), "Q4_1": MmaConfig(2, 4, 2, 2)}
-# on sm_90 over tile-major weights, where the 8-warp pick gives each SM one CTA of one 32-row tile
-# (4096 x 14336: 128 CTAs on 132 SMs), types that stream faster in 16-warp CTAs, each warp about half as
-# many units (the parts need not divide them) with bulk copies and the late trigger (bench_gemv
-# --mma-sweep, H100, 2026-11-28, 4096 x 14336: Q4_K 11.8 against 12.4 µs)
-WIDE_BALANCED = {"Q4_K": MmaConfig(1, 16, 2, 2, bulk=True, solo=True, late=True)}
-# on tile-major weights (re-encoded, see TILED_B32) types whose 8-warp CTAs of one row tile stream faster
-# in 16-row warps where each warp streams at least 4 units (bench_gemv --mma-sweep, H100, 2026-11-28,
-# 4096 x 14336: Q4_0 11.7 against 12.2 µs, Q5_0 14.3 against 15.2; at 4096 x 4096, 2 units a warp, the
-# 32-row warps stay ahead)
-B32_ONE_TILE = ("Q4_0", "Q5_0")
-# where the DRAM is fast for the SMs (fast_dram), the 32-value block types whose CTAs of one 32-row tile
-# fill their rings with bulk copies (bench_gemv --mma-sweep, H200, 2026-11-28, 4096 x 14336: Q4_1 10.1
-# against 10.3 µs, Q5_1 12.1 against 12.4 since their tile-major rows are swizzled)
-FAST_DRAM_BULK = ("Q4_0", "Q5_0", "Q4_1", "Q5_1")
-# where the DRAM is fast for the SMs, over tile-major weights whose 8-warp pick spreads unevenly over the
-# SMs (14336 x 4096: 112 CTAs on 132 SMs): shapes whose whole grid fits the SMs' shared memory at once (one x
-# slot a warp, 48-byte table rows for Q5_0 / Q5_1), e.g. Q5_K 448 CTAs of 4 warps, 4 an SM (bench_gemv
-# --mma-sweep, H200, 2026-11-28, docs/results/bench_gemv_sweep_h200.md, 14336 x 4096: Q5_K 11.1 against
-# 12.1 µs, Q5_0 10.9 against 11.7, Q5_1 11.5 against 12.2; Q6_K, on its tile-major halves of 208-byte rows
-# (Q6K_HALF), 8-warp CTAs of 16-row warps, 224 of them, 13.4-13.5 against 13.8 µs for 3 warps of 32 rows
-# with bulk copies, docs/results/bench_gemv_q6k_ab_h200.md). The columns kernel's base; the one-column
-# kernel takes FAST_DRAM_AHEAD_UNBALANCED's where it has one
-FAST_DRAM_UNBALANCED = {"Q5_K": MmaConfig(1, 4, 2, 2), "Q5_0": MmaConfig(2, 2, 3, 2), "Q5_1": MmaConfig(1, 3, 2, 2),
-                        "Q6_K": MmaConfig(4, 2, 2, 1)}
-# and where the 8-warp pick gives each SM one CTA of one 32-row tile (4096 x 14336), the types that stream
-# faster in wider CTAs, as WIDE_BALANCED (same sweep, 4096 x 14336: Q5_K 11.1 against 11.3-11.6 µs, Q4_0 9.2
-# against 9.4-9.6, Q4_1 9.8 against 10.1), or (Q6_K, on its 208-byte rows) in a deeper ring: 12.9-13.0
-# against 13.3 µs for 12 warps of 2 stages. Likewise the columns kernel's base (FAST_DRAM_AHEAD_WIDE)
-FAST_DRAM_WIDE = {"Q5_K": MmaConfig(1, 12, 2, 2, bulk=True, solo=True, late=True),
-                  "Q6_K": MmaConfig(1, 8, 3, 2, bulk=True, solo=True),
-                  "Q4_0": MmaConfig(1, 16, 2, 2, bulk=True, solo=True, late=True),
-                  "Q4_1": MmaConfig(1, 16, 2, 2, bulk=True, solo=True, late=True)}
-# the one-column GEMV's picks there: most with bulk copies and one ring stage asked for before the grid wait,
-# the other right after x's first loads (``ahead``: x's loads then queue behind one stage of weight bytes,
-# not the whole ring; where the grid's CTAs hold one an SM, x came microseconds after the wait and no stage
-# could be refilled before it). bench_gemv --mma-sweep, H200, 2026-11-28 (docs/results/bench_gemv_ahead_h200.md),
-# 14336 x 4096: Q4_K 8.6 against 9.2 µs, Q4_0 8.5 against 8.9, Q5_K 10.7 against 11.1, Q5_0 10.2 against 10.8,
-# Q8_0 14.8 against 16.1, and Q6_K in 896 CTAs of 4 16-row warps (not all resident at once) 12.7 against 13.5,
-# 12.8 against 13.6 in a second sweep on another machine; Q5_1 keeps FAST_DRAM_UNBALANCED's (slower with one
-# stage ahead)
-FAST_DRAM_AHEAD_UNBALANCED = {"Q4_K": MmaConfig(1, 4, 2, 2, bulk=True, ahead=1),
-                              "Q4_0": MmaConfig(2, 4, 2, 2, bulk=True, ahead=1),
-                              "Q5_K": MmaConfig(2, 4, 2, 2, bulk=True, ahead=1),
-                              "Q5_0": MmaConfig(1, 4, 2, 2, bulk=True, ahead=1),
-                              "Q6_K": MmaConfig(1, 4, 2, 1, ahead=1),
-                              "Q8_0": MmaConfig(1, 3, 2, 1, bulk=True, ahead=1)}
-# and at 4096 x 14336, with the late trigger in CTAs that hold an SM each (same sweep: Q4_K 9.0 against 9.4 µs
-# for the same CTAs with the whole ring ahead, Q4_0 8.9 against 9.0, Q4_1 9.6 against 9.8, Q5_K 11.0 against
-# 11.2, Q5_0 10.9 against 11.3 for 8 warps, Q5_1 11.5 against 12.1, Q8_0 in 8 warps 14.9 against 15.6 with
-# cp.async); Q6_K keeps its deeper ring, all of it ahead (12.8 µs; 12.7 for the best with one stage ahead)
-FAST_DRAM_AHEAD_WIDE = {"Q4_K": MmaConfig(1, 16, 2, 2, bulk=True, solo=True, late=True, ahead=1),
-                        "Q4_0": MmaConfig(1, 16, 2, 2, bulk=True, solo=True, late=True, ahead=1),
-                        "Q4_1": MmaConfig(1, 16, 2, 2, bulk=True, solo=True, late=True, ahead=1),
-                        "Q5_K": MmaConfig(1, 12, 2, 2, bulk=True, solo=True, late=True, ahead=1),
-                        "Q5_0": MmaConfig(1, 12, 2, 2, bulk=True, solo=True, late=True, ahead=1),
-                        "Q5_1": MmaConfig(1, 12, 2, 2, bulk=True, solo=True, late=True, ahead=1),
-                        "Q8_0": MmaConfig(1, 8, 2, 2, bulk=True, solo=True, ahead=1)}
-# (no pick asks for L2 prefetches past the ring, MmaConfig.l2pre: one unit a warp made GEMV after GEMV of
-# 4096 x 14336 2-4% faster for Q5_0, Q5_1, Q5_K, Q6_K and Q8_0, docs/results/bench_gemv_l2pre_h200.md, but the
-# 8B Q5_K_M-like decode step 0.9% slower, 2075 against 2057 µs a token, docs/results/bench_decode_l2pre_ab_h200.md:
-# there the down GEMV follows the fused gate/up GEMV, whose end its prefetches slow)
-# the columns kernel (gemv_cols) keeps 32-row warps up to this many columns of x, per type (more would
-# spill: each column holds the warp's accumulators); 16-row warps beyond
-# (ptxas 13, sm_80 / sm_90, the dispatcher's CTAs of 32-row warps: Q4_K, Q5_K, Q4_0, Q4_1, Q5_0 and Q5_1 (its
-# swizzled rows' addresses) spill at 8 columns, Q6_K heavily, Q8_0 at 4)
-COLS_WIDE_TILES = {"Q4_K": 4, "Q5_K": 4, "Q6_K": 4, "Q4_0": 4, "Q4_1": 4, "Q5_0": 4, "Q5_1": 4, "Q8_0": 2}
-# and before sm_90 (cp.async rings), on tile-major weights: Q6_K's 4-column kernel of 32-row warps spills 8
-# bytes at 255 registers there (ptxas 13.5, sm_80)
-COLS_WIDE_TILES_CP_ASYNC = {"Q6_K": 2}
-# and the most columns one launch takes at all (Q6_K's 16-row warps spill at 8 too); gemv_cols runs more
-# in several launches
-COLS_PER_LAUNCH = {"Q6_K": 4}
 
 
 def cols_per_launch(wtype: str, glu: bool = False) -> int:
     """The most columns of x one launch of the columns kernel takes for ``wtype`` (``glu``: the fused
     gate/up GEMV, whose warps are 32-row ones)."""
     return COLS_WIDE_TILES.get(wtype, MAX_COLS) if glu else COLS_PER_LAUNCH.get(wtype, MAX_COLS)
-# Where the DRAM delivers at least this many bytes per SM clock (peak bandwidth over SMs x clock: H200
-# 18.4, H100 SXM 12.8) an SM must turn each byte into products with fewer instructions to keep up, and the
-# 32-row warps of those types, which convert each unit of x for twice the rows, stay ahead of the 16-row
-# ones; they fill their rings with bulk copies (bench_gemv --mma-sweep, H200, 2026-11-28, 4096 x 14336,
-# three machines: Q5_0 11.3-11.5 against 12.1-12.3 µs in 16-row warps, Q4_0 9.4-9.7 against 9.3-9.5)
-FAST_DRAM_BYTES_PER_SM_CLOCK = 16.0
 
 
 def dram_bytes_per_sm_clock(device) -> float:
@@ -199,8 +78,8 @@ def _offset(x: Any, n: int) -> tuple:
 def gemv_config(out_dim: int, sm_count: int = 132, in_dim: int | None = None, wtype: str | None = None) -> GemvConfig:
     """Launch shape of the SIMT GEMV of ``out_dim`` weight rows of ``in_dim`` values of ``wtype``.
 
-    Without ``in_dim``/``wtype`` (or for rows too short to split) only rows per warp are chosen by
-    ``out_dim``: 4 rows (x loads reused 4 times) for >= 48 rows per SM, 2 for >= 16, else 1. With
+    Without ``in_dim``/``wtype`` (or for rows too short to split) only rows per warp are chosen, by rows
+    per SM (``SIMT_ROWS_PER_WARP``; 4 rows reuse each x load 4 times), in CTAs of ``SIMT_WARPS``. With
     them, K is split (``ksplit`` warps per row group, each one slice) while
 
     * the grid has fewer than ``TARGET_WARPS_PER_SM`` warps per SM (a warp walking a long row tile
@@ -208,11 +87,12 @@ def gemv_config(out_dim: int, sm_count: int = 132, in_dim: int | None = None, wt
     * a quantized row would still be walked in several tiles: a one-tile slice is copied at once with
       ``cp.async`` (every load in flight, no registers held) rather than tile after tile,
 
-    keeping at least 2 rounds (512 values) per slice. Rows per warp: 4 for >= 48 rows per SM of a
-    quantized type when 4-row slices are single tiles that fit the shared memory (x reused 4 times),
-    else 2 (1 below 16 rows per SM). The large quantized decode shapes take fixed picks from the sweep."""
+    keeping at least 2 rounds (512 values) per slice. Rows per warp: 4 where ``SIMT_ROWS_PER_WARP`` gives
+    4 for a quantized type and 4-row slices are single tiles that fit the shared memory, else at most 2.
+    The large quantized decode shapes (``SIMT_LARGE_ROWS_PER_SM``) take the fixed shapes of ``SIMT_LARGE``
+    (``SIMT_LARGE_MANY_ROWS`` from ``Q6K_MANY_ROWS_PER_SM``; ``SIMT_LARGE_DEFAULT`` for the other types)."""
     per_sm = out_dim / sm_count
-    by_rows = GemvConfig(4 if per_sm >= 48 else 2 if per_sm >= 16 else 1, 4)
+    by_rows = GemvConfig(next(rows for least, rows in SIMT_ROWS_PER_WARP if per_sm >= least), SIMT_WARPS)
     if in_dim is None or wtype is None:
         return by_rows
     rounds = -(-in_dim // 256)
@@ -226,23 +106,21 @@ def gemv_config(out_dim: int, sm_count: int = 132, in_dim: int | None = None, wt
             ks *= 2
         return ks
 
-    if quantized and per_sm >= 16:  # the large decode shapes
-        if wtype == "Q6_K":
-            cfg = (GemvConfig(2, 8, 8) if rounds >= 32 else GemvConfig(4, 4, 2 if per_sm >= Q6K_MANY_ROWS_PER_SM else 4)
-                   if rounds >= 16 else None)
-        else:  # Q4_K / Q8_0
-            cfg = GemvConfig(4, 4, 2 if rounds >= 32 else 1)
+    if quantized and per_sm >= SIMT_LARGE_ROWS_PER_SM:  # the large decode shapes
+        table = (per_sm >= Q6K_MANY_ROWS_PER_SM and SIMT_LARGE_MANY_ROWS.get(wtype)) or SIMT_LARGE.get(
+            wtype, SIMT_LARGE_DEFAULT)
+        cfg = next((c for least, c in table if rounds >= least), None)
         if cfg is not None and shared_bytes(wtype, in_dim, cfg.rows, cfg.warps, cfg.ksplit) <= MAX_STATIC_SMEM \
                 and (cfg.ksplit == 1 or rounds >= 2 * cfg.ksplit):
             return cfg
     if by_rows.rows == 4 and quantized:  # (dense rows decode cheaply: they keep 2 rows per warp)
         ks = ksplit_for(4)
-        fits = shared_bytes(wtype, in_dim, 4, max(4, ks), ks) <= MAX_STATIC_SMEM
+        fits = shared_bytes(wtype, in_dim, 4, max(SIMT_WARPS, ks), ks) <= MAX_STATIC_SMEM
         if ks == 1 or (tiles_per_slice(wtype, in_dim, ks) == 1 and fits):
-            return GemvConfig(4, max(4, ks), ks)
+            return GemvConfig(4, max(SIMT_WARPS, ks), ks)
     rows = min(by_rows.rows, 2)
     ks = ksplit_for(rows)
-    return GemvConfig(rows, max(4, ks), ks)
+    return GemvConfig(rows, max(SIMT_WARPS, ks), ks)
 
 
 @functools.lru_cache(maxsize=None)  # pure, and asked at every eager GEMV launch
@@ -253,14 +131,15 @@ def mma_config(out_dim: int, in_dim: int, wtype: str, sm_count: int = 132,
     does not apply (types other than those of ``MMA_TYPES``, rows not a multiple of 256 values, or of
     2048 for Q6_K) or would keep fewer than half the SMs busy (small GEMVs: the SIMT kernel starts faster).
 
-    CTAs of 8 warps with a 2-stage ring; warps of 32 rows (each unit of x a warp converts serves twice
-    the rows) split K in ``kparts`` so that the grid is balanced over the SMs (the busiest SM runs
-    ``ceil(ctas / sm_count)`` CTAs), each CTA beyond the first on an SM costing ``MMA_EXTRA_CTA`` (one
-    CTA streaming many units per warp beats several short ones). Among shapes scoring within 2% of the
-    best: 32-row warps, then fewer CTAs per SM. The 32-value block types of ``B32_UNBALANCED`` take its
-    shape where that pick balances the SMs worse than ``B32_BALANCE``. With ``bulk_ok`` (sm_90)
-    warps that stream at most two units use bulk copies. ``glu``: the fused gate/up GEMV of ``out_dim``
-    outputs (2 out_dim weight rows; a warp takes 16 outputs' gate and up rows, so 32-row warps only).
+    CTAs of 8 warps (``MMA_CTA_SPLITS``) with ``MMA_STAGES``-deep rings; warps of 32 rows (each unit of x
+    a warp converts serves twice the rows) split K in ``kparts`` so that the grid is balanced over the SMs
+    (the busiest SM runs ``ceil(ctas / sm_count)`` CTAs), each CTA beyond the first on an SM costing
+    ``MMA_EXTRA_CTA`` (one CTA streaming many units per warp beats several short ones). Among shapes
+    scoring within ``MMA_SCORE_SLACK`` of the best: 32-row warps, then fewer CTAs per SM. The 32-value
+    block types of ``B32_UNBALANCED`` take its shape where that pick balances the SMs worse than
+    ``B32_BALANCE``. With ``bulk_ok`` (sm_90) warps that stream at most ``BULK_MAX_UNITS`` units use bulk
+    copies. ``glu``: the fused gate/up GEMV of ``out_dim`` outputs (2 out_dim weight rows; a warp takes 16
+    outputs' gate and up rows, so 32-row warps only).
     ``balance_only``: the balanced pick as it is, before the type's exceptions and bulk copies."""
     if wtype not in MMA_TYPES or wtype in MMA_SLOWER or in_dim % 256:
         return None
@@ -271,22 +150,22 @@ def mma_config(out_dim: int, in_dim: int, wtype: str, sm_count: int = 132,
         return None
     cands = []
     tile_opts = (2,) if glu else (1, 2)
-    for tiles, (mtiles, kparts) in itertools.product(tile_opts, ((1, 8), (2, 4), (4, 2), (8, 1))):
+    for tiles, (mtiles, kparts) in itertools.product(tile_opts, MMA_CTA_SPLITS):
         if units % kparts:
             continue
         try:
-            if mma_layout(wtype, in_dim, mtiles, kparts, 2, tiles)["smem"] > max_smem:
+            if mma_layout(wtype, in_dim, mtiles, kparts, MMA_STAGES, tiles)["smem"] > max_smem:
                 continue
         except ValueError:
             continue
         ctas = -(-out_dim // ((16 if glu else 16 * tiles) * mtiles))
         per_sm = -(-ctas // sm_count)
         score = ctas / sm_count / per_sm * max(0.1, 1 - MMA_EXTRA_CTA * (per_sm - 1))
-        cands.append((score, tiles, -per_sm, ctas, MmaConfig(mtiles, kparts, 2, tiles)))
+        cands.append((score, tiles, -per_sm, ctas, MmaConfig(mtiles, kparts, MMA_STAGES, tiles)))
     if not cands:
         return None
     top = max(c[0] for c in cands)
-    *_, ctas, best = max((c for c in cands if c[0] >= top - 0.02), key=lambda c: c[1:3])
+    *_, ctas, best = max((c for c in cands if c[0] >= top - MMA_SCORE_SLACK), key=lambda c: c[1:3])
     if ctas < sm_count // 2:
         return None  # under half the SMs busy: the SIMT kernel is faster
     if balance_only:
@@ -297,7 +176,7 @@ def mma_config(out_dim: int, in_dim: int, wtype: str, sm_count: int = 132,
         # bodies keep an SM's issue slots busier than Q4_K's, lose the idle SMs' share: smaller CTAs,
         # several an SM, balance the grid
         best = B32_UNBALANCED[wtype]
-    if bulk_ok and wtype != "Q6_K" and units // best.kparts <= 2:  # (Q6_K blocks are only 2-byte aligned)
+    if bulk_ok and wtype != "Q6_K" and units // best.kparts <= BULK_MAX_UNITS:  # (Q6_K blocks: 2-byte aligned)
         best = dataclasses.replace(best, bulk=True)
     return best
 
@@ -316,13 +195,15 @@ class GemvOps(Dispatcher):
         """The tensor-core GEMV's launch shape on this device (None: not applicable, or before sm_80) for
         a weight stored in ``layout``. On tile-major weights a launch of at most one CTA per SM asks for
         ``solo`` shared memory (so that no SM runs a second CTA of the launch while others idle), and on
-        sm_90 a warp's stage is one bulk copy where that is the faster fill: Q6_K always, Q4_K / Q5_K with
-        one row tile per CTA, Q8_0 and the 32-value block types with at most two units per warp, and where
-        the DRAM is fast for the SMs (``fast_dram``) the 32-value block types in CTAs of one 32-row tile.
-        There too, on sm_90, grids of one 32-row tile a CTA and an SM take ``FAST_DRAM_WIDE``'s wider CTAs,
-        and grids the balanced pick spreads unevenly ``FAST_DRAM_UNBALANCED``'s, which fit the SMs at once;
-        the one-column kernel takes ``FAST_DRAM_AHEAD_*``'s where they have one (``cols``: the base of the
-        columns kernel's pick, :meth:`mma_cols_config`, which does not)."""
+        sm_90 a warp's stage is one bulk copy where that is the faster fill: ``BULK_ALWAYS`` always,
+        ``BULK_ROW_TILE`` with one row tile per CTA, ``BULK_FEW_UNITS`` with at most ``BULK_MAX_UNITS``
+        units per warp, and where the DRAM is fast for the SMs (``fast_dram``) ``FAST_DRAM_BULK`` in CTAs of
+        one 32-row tile. There too, on sm_90, grids of one 32-row tile a CTA and an SM take
+        ``FAST_DRAM_WIDE``'s wider CTAs (elsewhere ``WIDE_BALANCED``'s), and grids the balanced pick spreads
+        unevenly ``FAST_DRAM_UNBALANCED``'s, which fit the SMs at once; the one-column kernel takes
+        ``FAST_DRAM_AHEAD_*``'s where they have one (``cols``: the base of the columns kernel's pick,
+        :meth:`mma_cols_config`, which does not). Elsewhere ``B32_ONE_TILE`` and ``TILED_UNBALANCED``
+        apply."""
         cc = self.device.target.compute_capability
         if cc < (8, 0):
             return None
@@ -341,19 +222,19 @@ class GemvOps(Dispatcher):
         for wide in ((FAST_DRAM_AHEAD_WIDE.get(wtype) if ahead else None),
                      (FAST_DRAM_WIDE.get(wtype) if fast_dram else None) or WIDE_BALANCED.get(wtype)):
             if (wide is not None and cc >= (9, 0) and one_tile_warps and ctas <= self.sm_count
-                    and units >= 2 * wide.kparts and fits(wide)  # (two units a warp at least,
-                    and (wide.stages == 2 and not wide.ahead  # and, for a deeper ring or one stage ahead,
-                         or units > wide.stages * wide.kparts)):  # past the ring: as measured)
+                    and units >= WIDE_MIN_UNITS * wide.kparts and fits(wide)  # (units a warp at least,
+                    and (wide.stages == MMA_STAGES and not wide.ahead  # and, for a deeper ring or one stage
+                         or units > wide.stages * wide.kparts)):  # ahead, past the ring: as measured)
                 return wide
         if fast_dram and cc >= (9, 0) and not glu:  # (the first unbalanced pick that fits, if the grid is uneven)
             unbalanced = next((c for c in ((FAST_DRAM_AHEAD_UNBALANCED.get(wtype) if ahead else None),
                                            FAST_DRAM_UNBALANCED.get(wtype))
-                               if c is not None and units >= 2 * c.kparts and fits(c)), None)
+                               if c is not None and units >= WIDE_MIN_UNITS * c.kparts and fits(c)), None)
             if unbalanced is not None:
                 spread = mma_config(out_dim, in_dim, wtype, self.sm_count, max_smem, balance_only=True)
                 if grid_balance(grid_ctas(out_dim, spread), self.sm_count) < B32_BALANCE:
                     return unbalanced
-        if (wtype in B32_ONE_TILE and one_tile_warps and in_dim // 256 // cfg.kparts >= 4
+        if (wtype in B32_ONE_TILE and one_tile_warps and in_dim // 256 // cfg.kparts >= B32_ONE_TILE_UNITS
                 and not (fast_dram and cc >= (9, 0))):
             cfg = dataclasses.replace(cfg, tiles=1)
             ctas = grid_ctas(out_dim, cfg)
@@ -361,8 +242,8 @@ class GemvOps(Dispatcher):
         if (other is not None and cc >= (9, 0) and not glu and in_dim // 256 % other.kparts == 0
                 and grid_balance(ctas, self.sm_count) < B32_BALANCE and fits(other)):
             return other
-        bulk = cc >= (9, 0) and (wtype == "Q6_K" or (wtype in ("Q4_K", "Q5_K") and cfg.mtiles == 1)
-                                 or ((wtype == "Q8_0" or wtype in BLOCK32) and in_dim // 256 // cfg.kparts <= 2)
+        bulk = cc >= (9, 0) and (wtype in BULK_ALWAYS or (wtype in BULK_ROW_TILE and cfg.mtiles == 1)
+                                 or (wtype in BULK_FEW_UNITS and in_dim // 256 // cfg.kparts <= BULK_MAX_UNITS)
                                  or (fast_dram and wtype in FAST_DRAM_BULK and one_tile_warps))
         # (solo only where a CTA may ask for that much: not on sm_86/sm_89, whose limit is 99 KiB)
         return dataclasses.replace(cfg, bulk=bulk, solo=ctas <= self.sm_count and SOLO_SMEM <= max_smem)
@@ -372,10 +253,11 @@ class GemvOps(Dispatcher):
         """The launch shape of the tensor-core GEMV over ``cols`` columns of x (1..``MAX_COLS``; None where
         the one-column kernel does not apply): the one-column pick (:meth:`mma_config`), with fewer K
         parts, then fewer warps along the rows, then (not glu) 16-row warps until every column's x slots
-        and K-part sums fit the shared memory; CTAs of at most 8 warps for several columns, and 16-row warps
-        for more than ``COLS_WIDE_TILES`` columns (32-row warps keep 8 accumulators a column and lane: they
-        spill; before sm_90 on tile-major weights ``COLS_WIDE_TILES_CP_ASYNC``). None beyond :func:`cols_per_launch` columns. Kept per argument (the device is this
-        dispatcher's, fixed): the batched decode step asks at every launch."""
+        and K-part sums fit the shared memory; CTAs of at most ``COLS_MAX_WARPS`` warps for several columns,
+        and 16-row warps for more than ``COLS_WIDE_TILES`` columns (32-row warps keep 8 accumulators a
+        column and lane: they spill; before sm_90 on tile-major weights ``COLS_WIDE_TILES_CP_ASYNC``). None
+        beyond :func:`cols_per_launch` columns. Kept per argument (the device is this dispatcher's, fixed):
+        the batched decode step asks at every launch."""
         if cols not in range(1, MAX_COLS + 1):
             raise ShapeError(f"the tensor-core GEMV takes 1..{MAX_COLS} columns, got {cols}")
         key = (out_dim, in_dim, wtype, cols, glu, layout)
@@ -395,8 +277,8 @@ class GemvOps(Dispatcher):
         cfg = self.mma_config(out_dim, in_dim, wtype, glu=glu, layout=layout, cols=True)
         if cfg is None or cols > cols_per_launch(wtype, glu):
             return None
-        if cols > 1:  # (at most 8 warps: a 16-warp CTA leaves 128 registers a thread)
-            while cfg.mtiles * cfg.kparts > 8:
+        if cols > 1:  # (a 16-warp CTA leaves 128 registers a thread)
+            while cfg.mtiles * cfg.kparts > COLS_MAX_WARPS:
                 cfg = dataclasses.replace(cfg, kparts=cfg.kparts // 2) if cfg.kparts > 1 else \
                     dataclasses.replace(cfg, mtiles=cfg.mtiles // 2)
         wide_cols = COLS_WIDE_TILES.get(wtype, MAX_COLS)
@@ -424,10 +306,10 @@ class GemvOps(Dispatcher):
     def weight_layout(self, out_dim: int, in_dim: int, wtype: str, glu: bool = False) -> str:
         """How a weight should be stored for its decode GEMV on this device: tile-major where the
         tensor-core kernel reads it (``glu``: a [gate; up] weight of 2 ``out_dim`` rows), else GGUF rows.
-        Exception: Q4_K / Q5_K rows of at most two units per warp, which the kernel streams faster with
-        one bulk copy per row and unit."""
+        Exception: ``ROWS_WHEN_BULK`` rows where their pick uses bulk copies (at most ``BULK_MAX_UNITS``
+        units per warp), which the kernel streams faster with one bulk copy per row and unit."""
         cfg = self.mma_config(out_dim, in_dim, wtype, glu=glu)
-        if cfg is None or (wtype in ("Q4_K", "Q5_K") and cfg.bulk):
+        if cfg is None or (wtype in ROWS_WHEN_BULK and cfg.bulk):
             return "rows"
         return "glu-tiles" if glu else "tiles"
 

@@ -12,11 +12,11 @@ import numpy as np
 from ptx_gen.kernels.sampling.sample_rows import SPEC_WORDS
 from realizar.errors import InvalidRequestError, ShapeError
 from realizar.gpu.dispatch import Dispatcher
+from realizar.gpu.policy.sampling import SAMPLE_BLOCK
 from realizar.sampling import RowSampling
 
 __all__ = ["SampleOps", "pack_specs", "SPEC_WORDS", "SAMPLE_BLOCK"]
 
-SAMPLE_BLOCK = 1024
 # one spec row: temperature and top_p as float32 (rounded as np.float32 rounds), the rest u32, two zero words
 _ROW = struct.Struct("<fIfIII8x")
 assert _ROW.size == 4 * SPEC_WORDS

@@ -1,0 +1,31 @@
+"""The GEMMs' launch tables: the f16 GEMM's CTA tiles and the quantized small-M GEMM's thresholds.
+
+Read by :mod:`realizar.gpu.gemm` (``gemm_config``, ``gemm_q_config``). Tuned with ``tools/bench_gemm.py``
+and ``tools/bench_gemm_q.py``; the figures are in docs/performance.md and docs/results/.
+"""
+
+from __future__ import annotations
+
+from realizar.gpu.policy.shapes import GemmConfig
+
+# ---- the f16 GEMM (gemm_config) -----------------------------------------------------------------------------
+
+# the tiles the f16 GEMM chooses among, largest first (the largest that still gives every SM a CTA)
+GEMM_TILES = (GemmConfig(128, 128, 2, 2, 3), GemmConfig(64, 128, 1, 4, 4), GemmConfig(64, 64, 2, 2, 4))
+# up to this many tokens (a batched decode step) the f16 GEMM chooses among the small-M tiles instead
+GEMM_SMALL_M = 64
+# the small-M tiles: no 128-token tiles, and 32-token tiles with a deeper ring for weights too narrow to fill the SMs
+GEMM_SMALL_M_TILES = (GemmConfig(64, 128, 1, 4, 4), GemmConfig(64, 64, 2, 2, 6), GemmConfig(32, 64, 1, 2, 6))
+# the tile taken where none of those fits the device's shared memory
+GEMM_FALLBACK_TILE = GemmConfig(64, 64, 2, 2, 2)
+
+# ---- the quantized small-M GEMM (gemm_q_config) ---------------------------------------------------------------
+
+# K is split until a launch has this many warps per SM (a warp keeps stages - 1 chunks in flight)
+GEMM_Q_WARPS_PER_SM = 8
+# K parts at most by token tile: the first (tokens a launch at least, parts) that applies (accumulators take registers)
+GEMM_Q_MAX_KPARTS = ((128, 1), (64, 2), (0, 4))
+# warps of a CTA, shared among its K parts
+GEMM_Q_CTA_WARPS = 4
+# ring depths tried, deepest first (the first whose CTA fits twice in the shared memory, else once)
+GEMM_Q_STAGES = (4, 3, 2)

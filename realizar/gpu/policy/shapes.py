@@ -1,0 +1,70 @@
+"""The launch-shape records the policy tables hold and the dispatchers pass to the kernel catalog."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ptx_gen.kernels.gemm.gemm_mma import check_tiling, smem_bytes
+from realizar.errors import ShapeError
+
+__all__ = ["GemmConfig", "GemmQConfig", "GemvConfig", "MmaConfig"]
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Launch shape of the SIMT GEMV (:mod:`ptx_gen.kernels.gemv`)."""
+
+    rows: int  # output rows per warp (weight rows per warp for the fused gate/up GEMV)
+    warps: int  # warps per CTA
+    ksplit: int = 1  # warps sharing a row group, each summing one K slice (divides warps)
+
+
+@dataclass(frozen=True)
+class MmaConfig:
+    """Launch shape of the tensor-core GEMV (:mod:`ptx_gen.kernels.gemv_mma`)."""
+
+    mtiles: int  # warps along the rows of a CTA
+    kparts: int  # warps sharing those rows, each one part of K
+    stages: int  # cp.async ring depth per warp (units of 256 values)
+    tiles: int = 1  # 16-row MMA tiles per warp
+    bulk: bool = False  # sm_90: fill the ring with bulk copies (cp.async.bulk + mbarrier)
+    solo: bool = False  # shared memory raised so that one CTA holds an SM (see gemv_mma.SOLO_SMEM)
+    late: bool = False  # the next kernel's launch triggered near the end (after the warps' last copies)
+    l2pre: int = 0  # tile-major, sm_90: each warp's next units past its ring asked of the L2 before the grid wait
+    ahead: int = 0  # ring stages requested before the grid wait (0: all), the others right after x's first loads
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """A CTA tile ``bm x bn`` (tokens x weight rows) on ``warps_m x warps_n`` warps, ``stages`` K tiles
+    of 64 in flight."""
+
+    bm: int = 128
+    bn: int = 128
+    warps_m: int = 2
+    warps_n: int = 2
+    stages: int = 3
+
+    def __post_init__(self) -> None:
+        try:
+            check_tiling(self.bm, self.bn, self.warps_m, self.warps_n, self.stages)
+        except ValueError as exc:
+            raise ShapeError(f"GemmConfig: {exc}") from None
+
+    @property
+    def smem(self) -> int:
+        return smem_bytes(self.bm, self.bn, self.stages)
+
+    def ctas(self, m: int, n: int) -> int:
+        return -(-m // self.bm) * -(-n // self.bn)
+
+
+@dataclass(frozen=True)
+class GemmQConfig:
+    """Launch shape of :mod:`ptx_gen.kernels.gemm_q`: ``mt`` tokens per launch (8..128), ``warps`` row strips
+    (16 weight rows each) per CTA, ``kparts`` warps per strip splitting K, ``stages`` chunks in flight."""
+
+    mt: int
+    warps: int = 4
+    kparts: int = 1
+    stages: int = 4
