@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from realizar.models.loaded import LoadedModel
     from realizar.models.tensor import QuantTensor
 
-__all__ = ["KVCache", "ReferenceModel", "apply_rope", "feed_forward", "project_qkv", "rms_norm"]
+__all__ = ["KVCache", "ReferenceModel", "apply_rope", "decoder_layer", "feed_forward", "project_qkv", "rms_norm"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -101,6 +101,28 @@ def feed_forward(L, x: np.ndarray, c: ModelConfig) -> np.ndarray:
     gu = h @ L.w_gate_up.T
     f = c.intermediate_size
     return (silu(gu[:, :f]) * gu[:, f:]) @ L.w_down.T
+
+
+def decoder_layer(x: np.ndarray, shards, cos: np.ndarray, sin: np.ndarray, reduce=None) -> np.ndarray:
+    """THE layer program on the CPU: ``x [S, hidden]`` through one transformer layer.
+
+    ``shards``: ``(L, c, attend)`` per rank (one for an unsplit model): a layer's weights, the config
+    of its heads, and ``attend(q, k, v) -> [S, heads * D]``, which writes k, v to that rank's cache and
+    attends q over it (causal over a prompt, or per row over each row's sequence). Each rank's partial
+    attention and FFN outputs are summed by ``reduce`` (a tensor-parallel all-reduce; one rank: its own
+    output) and added to x::
+
+        x = x + reduce(W_o attend(rope(q), rope(k), v))  ;  x = x + reduce(W_down swiglu(x))
+    """
+    def total(parts: list[np.ndarray]) -> np.ndarray:
+        return parts[0] if reduce is None else reduce(parts)
+
+    attn = []
+    for L, c, attend in shards:
+        q, k, v = project_qkv(L, x, c, cos, sin)
+        attn.append(attend(q, k, v) @ L.w_o.T)
+    x = x + total(attn)
+    return x + total([feed_forward(L, x, c) for L, c, _ in shards])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -313,6 +335,18 @@ class ReferenceModel:
             self._sin = np.sin(ang).astype(np.float32)
         return self._cos[positions], self._sin[positions]
 
+    def _attend(self, li: int, s: int):
+        """The attention of layer ``li`` for ``s`` new positions over this model's cache."""
+        c = self.config
+
+        def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+            self.cache.write(li, k.transpose(1, 0, 2), v.transpose(1, 0, 2))
+            kc, vc = self.cache.view(li, extra=s)
+            attn = gqa_attention(q.transpose(1, 0, 2), kc, vc, causal=True)  # [nh, S, d]
+            return attn.transpose(1, 0, 2).reshape(s, c.num_heads * c.head_dim)
+
+        return attend
+
     def _forward(self, ids: np.ndarray, all_logits: bool) -> np.ndarray:
         c = self.config
         s = ids.shape[0]
@@ -322,16 +356,11 @@ class ReferenceModel:
         self.cache.check_room(s)
         start = self.cache.length
         cos, sin = self._rope_tables(np.arange(start, start + s))
-        nh, d, eps = c.num_heads, c.head_dim, c.rms_norm_eps
+        eps = c.rms_norm_eps
 
         x = self.embedding[ids]  # [S, hidden] (a copy: fancy indexing)
         for li, L in enumerate(self.layers):
-            q, k, v = project_qkv(L, x, c, cos, sin)
-            self.cache.write(li, k.transpose(1, 0, 2), v.transpose(1, 0, 2))
-            kc, vc = self.cache.view(li, extra=s)
-            attn = gqa_attention(q.transpose(1, 0, 2), kc, vc, causal=True)  # [nh, S, d]
-            x += attn.transpose(1, 0, 2).reshape(s, nh * d) @ L.w_o.T
-            x += feed_forward(L, x, c)
+            x = decoder_layer(x, [(L, c, self._attend(li, s))], cos, sin)
         self.cache.advance(s)
 
         if all_logits:

@@ -25,7 +25,7 @@ from realizar.errors import InvalidRequestError, ShapeError
 from realizar.models.attention import gqa_attention
 from realizar.models.config import ModelConfig
 from realizar.models.names import OUTPUT, OUTPUT_NORM, TOKEN_EMBD
-from realizar.models.reference import KVCache, feed_forward, project_qkv, rms_norm
+from realizar.models.reference import KVCache, decoder_layer, rms_norm
 from realizar.models.rope import rope_inv_freq
 from realizar.models.tensor import QuantTensor
 from realizar.parallel.sharding import ShardingPlan, make_plan
@@ -139,19 +139,18 @@ class _Rank:
             self.layers.append(L)
         self.cache = KVCache(config.num_layers, rc.num_kv_heads, max_len, rc.head_dim)
 
-    def attention(self, li: int, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-        """This rank's partial attention output ``[S, hidden]`` (before the all-reduce)."""
-        c, L = self.config, self.layers[li]
-        s, nh, d = x.shape[0], c.num_heads, c.head_dim
-        q, k, v = project_qkv(L, x, c, cos, sin)
-        self.cache.write(li, k.transpose(1, 0, 2), v.transpose(1, 0, 2))
-        kc, vc = self.cache.view(li, extra=s)
-        attn = gqa_attention(q.transpose(1, 0, 2), kc, vc, causal=True)  # [nh/N, S, d]
-        return attn.transpose(1, 0, 2).reshape(s, nh * d) @ L.w_o.T
+    def shard(self, li: int, s: int) -> tuple:
+        """Layer ``li`` of this rank for :func:`decoder_layer`: its weights, its heads' config and the
+        attention of ``s`` new positions over its cache (its KV heads only)."""
+        c = self.config
 
-    def ffn(self, li: int, x: np.ndarray) -> np.ndarray:
-        """This rank's partial FFN output ``[S, hidden]`` (before the all-reduce)."""
-        return feed_forward(self.layers[li], x, self.config)
+        def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+            self.cache.write(li, k.transpose(1, 0, 2), v.transpose(1, 0, 2))
+            kc, vc = self.cache.view(li, extra=s)
+            attn = gqa_attention(q.transpose(1, 0, 2), kc, vc, causal=True)  # [nh/N, S, d]
+            return attn.transpose(1, 0, 2).reshape(s, c.num_heads * c.head_dim)
+
+        return self.layers[li], c, attend
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         """Logits of this rank's vocabulary rows for the final hidden states ``x``."""
@@ -225,8 +224,7 @@ class ShardedReferenceModel:
 
         x = self.ranks[0].embedding[ids]  # every rank looks up the same rows of its whole embedding
         for li in range(c.num_layers):
-            x = x + all_reduce([r.attention(li, x, cos, sin) for r in self.ranks])
-            x = x + all_reduce([r.ffn(li, x) for r in self.ranks])
+            x = decoder_layer(x, [r.shard(li, s) for r in self.ranks], cos, sin, reduce=all_reduce)
         for r in self.ranks:
             r.cache.advance(s)
 

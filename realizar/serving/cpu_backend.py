@@ -23,7 +23,7 @@ import numpy as np
 from realizar.errors import ContextOverflowError, InvalidRequestError, ShapeError, UnsupportedError
 from realizar.models.attention import gqa_attention
 from realizar.models.kv_formats import QK, block_bytes, round_kv
-from realizar.models.reference import ReferenceModel, feed_forward, project_qkv, rms_norm
+from realizar.models.reference import ReferenceModel, decoder_layer, rms_norm
 from realizar.serving.backend import HostBatchOutput
 
 __all__ = ["ReferenceBatchBackend", "KV_DTYPES"]
@@ -117,14 +117,6 @@ class ReferenceBatchBackend:
 
     # -- the forward pass ----------------------------------------------------------------------------
 
-    def _qkv(self, L, x: np.ndarray, cos: np.ndarray, sin: np.ndarray):
-        return project_qkv(L, x, self.config, cos, sin)
-
-    def _mlp_out(self, L, x: np.ndarray, attn: np.ndarray) -> None:
-        """``x += W_o attn``, then the feed-forward block, in place."""
-        x += attn @ L.w_o.T
-        x += feed_forward(L, x, self.config)
-
     def _logits(self, x: np.ndarray) -> np.ndarray:
         m = self.model
         return rms_norm(x, m.output_norm, self.config.rms_norm_eps) @ m.lm_head.T
@@ -145,14 +137,19 @@ class ReferenceBatchBackend:
         blk, row = table[pos // self.block_size], pos % self.block_size
         cos, sin = self._cos[pos], self._sin[pos]
         c = self.config
+
+        def attend(li: int):
+            def run(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+                self._store(self.k[li], blk, row, k)
+                self._store(self.v[li], blk, row, v)
+                kc, vc = self._gather(li, table, end)
+                attn = gqa_attention(q.transpose(1, 0, 2), kc, vc, causal=True)  # [nh, S, d], q_offset = start
+                return attn.transpose(1, 0, 2).reshape(s, c.num_heads * c.head_dim)
+            return run
+
         x = self.model.embedding[ids]
         for li, L in enumerate(self.model.layers):
-            q, k, v = self._qkv(L, x, cos, sin)
-            self._store(self.k[li], blk, row, k)
-            self._store(self.v[li], blk, row, v)
-            kc, vc = self._gather(li, table, end)
-            attn = gqa_attention(q.transpose(1, 0, 2), kc, vc, causal=True)  # [nh, S, d], q_offset = start
-            self._mlp_out(L, x, attn.transpose(1, 0, 2).reshape(s, c.num_heads * c.head_dim))
+            x = decoder_layer(x, [(L, c, attend(li))], cos, sin)
         return HostBatchOutput(self._logits(x[-1:]))
 
     def decode(
@@ -175,14 +172,19 @@ class ReferenceBatchBackend:
         row = pos % self.block_size
         cos, sin = self._cos[pos], self._sin[pos]
         c = self.config
+
+        def attend(li: int):
+            def run(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:  # rows: per-row positions
+                self._store(self.k[li], blk, row, k)
+                self._store(self.v[li], blk, row, v)
+                attn = np.empty((b, c.num_heads * c.head_dim), np.float32)
+                for i in range(b):
+                    kc, vc = self._gather(li, tables[i], int(pos[i]) + 1)
+                    attn[i] = gqa_attention(q[i][:, None, :], kc, vc, causal=False).reshape(-1)
+                return attn
+            return run
+
         x = self.model.embedding[ids]  # [B, hidden]
         for li, L in enumerate(self.model.layers):
-            q, k, v = self._qkv(L, x, cos, sin)  # rows as the "sequence" axis: per-row positions
-            self._store(self.k[li], blk, row, k)
-            self._store(self.v[li], blk, row, v)
-            attn = np.empty((b, c.num_heads * c.head_dim), np.float32)
-            for i in range(b):
-                kc, vc = self._gather(li, tables[i], int(pos[i]) + 1)
-                attn[i] = gqa_attention(q[i][:, None, :], kc, vc, causal=False).reshape(-1)
-            self._mlp_out(L, x, attn)
+            x = decoder_layer(x, [(L, c, attend(li))], cos, sin)
         return HostBatchOutput(self._logits(x))
