@@ -14,7 +14,9 @@ from typing import Any
 
 from realizar.errors import InvalidRequestError
 
-__all__ = ["ServingConfig"]
+__all__ = ["KV_MEMORY_SHARE", "ServingConfig"]
+
+KV_MEMORY_SHARE = 0.5  # the GPU KV pool's share of the free device memory when no size is given
 
 
 @dataclass(frozen=True)
@@ -22,8 +24,8 @@ class ServingConfig:
     """``block_size``: positions per KV block; ``max_batch``: most sequences per decode step;
     ``kv_dtype``: the KV cache's element type (None: f16 on a GPU, f32 on the CPU, whose NumPy backend
     is the oracle); ``kv_memory``: the KV pool's size, bytes or (a float in (0, 1]) a share of the free
-    device memory (None on the CPU: room for ``min(max_batch, 8)`` full contexts); ``num_blocks``: the
-    pool's size in blocks instead; ``max_context``: most positions per sequence (capped at the model's
+    device memory (None: :data:`KV_MEMORY_SHARE` of the free GPU memory; on the CPU, room for
+    ``min(max_batch, 8)`` full contexts); ``num_blocks``: the pool's size in blocks instead; ``max_context``: most positions per sequence (capped at the model's
     context length); ``prefill_chunk``: most prompt tokens through the layers at once;
     ``max_batched_tokens``: the per-step token budget of the scheduler (decode rows plus one prefill
     chunk); ``prefill_min_batch``: shorter prompts go token by token through the decode step;
@@ -33,7 +35,7 @@ class ServingConfig:
     block_size: int = 32
     max_batch: int = 64
     kv_dtype: str | None = None
-    kv_memory: float | int | None = 0.5
+    kv_memory: float | int | None = None
     num_blocks: int | None = None
     max_context: int = 8192
     prefill_chunk: int = 2048
@@ -48,8 +50,11 @@ class ServingConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise InvalidRequestError(f"{name} must be a positive integer, got {v!r}")
-        if self.num_blocks is not None and self.kv_memory not in (None, ServingConfig.kv_memory):
+        if self.num_blocks is not None and self.kv_memory is not None:
             raise InvalidRequestError("give num_blocks or kv_memory, not both")
+        if self.kv_memory is not None and (isinstance(self.kv_memory, bool) or self.kv_memory <= 0):
+            raise InvalidRequestError(f"kv_memory must be a positive number of bytes or a share of the free "
+                                      f"memory, got {self.kv_memory!r}")
 
     def with_(self, **changes: Any) -> "ServingConfig":
         """A copy with ``changes`` (keys that are None keep this config's value)."""

@@ -94,6 +94,61 @@ class Engine:
     ) -> GenerationStream:
         return self.generator.stream(self.chat_prompt(messages), params)
 
+    def batch_backend(self, config: Any = None) -> Any:
+        """The backend that runs many sequences of this model at once (the
+        :class:`~realizar.serving.backend.BatchBackend` of :class:`realizar.serving.ServingEngine`), per
+        ``config`` (a :class:`~realizar.config.ServingConfig`): the NumPy
+        :class:`~realizar.serving.cpu_backend.ReferenceBatchBackend` on the CPU (KV f32 by default),
+        :class:`~realizar.gpu.batch.GpuBatchBackend` over the GPU model's weights otherwise (KV f16 by
+        default; the single-sequence cache is released, remade only if the engine is used directly)."""
+        return _batch_backend(self, config)
+
+
+def _batch_backend(engine: Engine, config: Any = None) -> Any:
+    """See :meth:`Engine.batch_backend`: the one place that picks the serving backend."""
+    from realizar.config import ServingConfig
+    from realizar.errors import UnsupportedError
+    from realizar.models.kv_formats import block_bytes
+
+    cfg = config or ServingConfig()
+    world = getattr(engine.model, "world_size", 1)
+    if world > 1:
+        raise UnsupportedError(
+            f"continuous batching over a model split across {world} GPUs is not built "
+            "yet: serve it on one GPU, or generate with the split model one sequence at a time"
+        )
+    if engine.device == "cpu":
+        from realizar.serving.cpu_backend import KV_DTYPES, ReferenceBatchBackend
+
+        kv_dtype = cfg.kv_dtype or "f32"
+        if kv_dtype not in KV_DTYPES:
+            raise UnsupportedError(f"the CPU backend stores KV as one of {tuple(KV_DTYPES)}, got {kv_dtype!r}")
+        if isinstance(cfg.kv_memory, float) and cfg.kv_memory <= 1:
+            raise InvalidRequestError("a KV pool as a share of the free memory needs a GPU; give a size in bytes")
+        per_block = block_bytes(engine.config, cfg.block_size, kv_dtype)
+        num_blocks = cfg.num_blocks
+        if num_blocks is None:
+            if cfg.kv_memory is not None:
+                num_blocks = int(cfg.kv_memory // per_block) + 1
+            else:
+                num_blocks = min(cfg.max_batch, 8) * (-(-engine.context_length // cfg.block_size)) + 1
+            if num_blocks < 2:
+                raise InvalidRequestError(f"kv_memory {cfg.kv_memory} holds no block of {per_block} bytes")
+        return ReferenceBatchBackend(engine.model, num_blocks, cfg.block_size, kv_dtype=kv_dtype,
+                                     max_batch=cfg.max_batch)
+    try:
+        from realizar.gpu.batch import GpuBatchBackend
+    except ImportError as e:
+        raise UnsupportedError(f"continuous batching on the {engine.device} device needs "
+                               f"realizar.gpu.batch.GpuBatchBackend, which cannot be imported here: {e}") from e
+    backend = GpuBatchBackend(engine.model, num_blocks=cfg.num_blocks, kv_memory=cfg.kv_memory,
+                              block_size=cfg.block_size, kv_dtype=cfg.kv_dtype or "f16", max_batch=cfg.max_batch,
+                              max_context=engine.context_length, prefill_chunk=cfg.prefill_chunk,
+                              f16_weights=cfg.f16_weights, prefill_min_batch=cfg.prefill_min_batch,
+                              gemv_cols_rows=cfg.gemv_cols_rows)
+    engine.model.release_kv()
+    return backend
+
 
 def model_id(name: str) -> str:
     """``name`` as a model id clients can type: each run of whitespace becomes one ``-``."""

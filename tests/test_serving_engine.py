@@ -13,6 +13,8 @@ the ReferenceModel (tiny llama / qwen2 / qwen3 models).
 
 from __future__ import annotations
 
+import dataclasses
+
 import sys
 import threading
 
@@ -294,12 +296,10 @@ def test_from_engine(engines, monkeypatch):
     h = _drive(serving, {0: [(_prompt(5, 8), SamplingParams(max_tokens=3))]})[0]
     assert h.wait(0).token_ids == engine.generate(_prompt(5, 8), SamplingParams(max_tokens=3)).token_ids
 
-    class FakeGpuEngine:
-        device = "cuda"
-
+    fake_gpu = dataclasses.replace(engine, device="cuda")  # the engine picks the backend by device
     monkeypatch.setitem(sys.modules, "realizar.gpu.batch", None)  # an import of it fails
     with pytest.raises(UnsupportedError, match="needs realizar.gpu.batch.GpuBatchBackend"):
-        ServingEngine.from_engine(FakeGpuEngine())
+        ServingEngine.from_engine(fake_gpu)
 
 
 def test_preempted_sampled_requests_keep_their_random_stream(engines):

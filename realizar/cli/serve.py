@@ -9,7 +9,10 @@ import re
 from realizar.cli.common import (
     CliError, add_model_args, add_tensor_parallel_arg, load_engine, note, port, positive_int,
 )
+from realizar.config import ServingConfig
 from realizar.models.kv_formats import KV_FORMATS
+
+_DEFAULTS = ServingConfig()
 
 BLOCK_SIZES = (16, 32, 64)
 _UNITS = {"": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
@@ -163,15 +166,15 @@ def register(command) -> None:
                         "(default: the REALIZAR_API_KEY environment variable; none: no key needed)")
     p.add_argument("--max-queue", type=positive_int, default=256, metavar="N",
                    help="requests allowed to wait beyond the running batch before answering 429 (default: 256)")
-    p.add_argument("--max-batch", type=positive_int, default=64, metavar="N",
-                   help="sequences advanced together per decode step at most (default: 64)")
+    p.add_argument("--max-batch", type=positive_int, default=_DEFAULTS.max_batch, metavar="N",
+                   help=f"sequences advanced together per decode step at most (default: {_DEFAULTS.max_batch})")
     p.add_argument("--kv-memory", type=kv_memory, metavar="SIZE",
                    help="KV cache pool: GiB (4, 4GiB) or a fraction of free GPU memory (90%%, 0.9f) "
                         "(default: room for 8 full contexts on the CPU, the backend's choice on the GPU)")
     p.add_argument("--kv-dtype", choices=KV_FORMATS, metavar="{" + ",".join(KV_FORMATS) + "}",
                    help="KV cache precision (default: f16 on the GPU, f32 on the CPU; the CPU takes f32 or f16)")
-    p.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=32, metavar="{16,32,64}",
-                   help="positions per KV cache block (default: 32)")
+    p.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=_DEFAULTS.block_size, metavar="{16,32,64}",
+                   help=f"positions per KV cache block (default: {_DEFAULTS.block_size})")
     p.add_argument("--max-body", type=byte_count, default=4 << 20, metavar="BYTES",
                    help="refuse request bodies over this size with 413, before reading them (default: 4M)")
     p.add_argument("--default-max-tokens", type=positive_int, metavar="N",

@@ -35,7 +35,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from realizar import cuda
-from realizar.config import ServingConfig
+from realizar.config import KV_MEMORY_SHARE, ServingConfig
 from realizar.errors import ContextOverflowError, InvalidRequestError, ShapeError
 from realizar.gpu.attention import DecodeRows
 from realizar.gpu.argmax import ARGMAX_SCRATCH
@@ -158,7 +158,7 @@ class GpuBatchBackend:
         self.f16_weights = bool(self.linear.f16_weights)
         if num_blocks is None:
             per_block = block_bytes(cfg, self.block_size, kv_dtype)
-            kv_memory = _DEFAULTS.kv_memory if kv_memory is None else kv_memory
+            kv_memory = KV_MEMORY_SHARE if kv_memory is None else kv_memory
             free, _ = self.device.memory_info()
             budget = int(kv_memory * free) if isinstance(kv_memory, float) and kv_memory <= 1 else int(kv_memory)
             num_blocks = budget // per_block

@@ -36,9 +36,12 @@ from ptx_gen.kernels.kv.paged_kv import BLOCK_SIZES, KV_DTYPES, QK
 from realizar.errors import ShapeError
 from realizar.gpu.dispatch import Dispatcher, check_int
 from realizar.models.kv_formats import block_bytes, dequantize_q8_0, quantize_q8_0, round_bf16, row_bytes
+from realizar.config import ServingConfig
 
 __all__ = ["PagedKVCache", "KV_NUMPY_DTYPES", "decode_chunks", "decode_min_chunk", "decode_tiling", "kv_bytes_per_row",
            "quantize_q8_0", "dequantize_q8_0"]
+
+_DEFAULTS = ServingConfig()
 
 KV_NUMPY_DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16, "q8_0": np.int8}
 _MAX_CHUNKS = 64
@@ -95,8 +98,8 @@ decode kernel (0: the kernel's default, 32 at head_dim 128; or 4, 8, 16, 32 divi
 None: :func:`decode_tiling`. ``ops``: the dispatcher to launch with."""
 
     def __init__(self, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int, num_blocks: int,
-                 block_size: int = 32, kv_dtype: str = "f16", device: Any = None, *, ops: Dispatcher | None = None,
-                 max_batch: int = 64, num_chunks: int | None = None, min_chunk: int | None = None,
+                 block_size: int = _DEFAULTS.block_size, kv_dtype: str = "f16", device: Any = None, *, ops: Dispatcher | None = None,
+                 max_batch: int = _DEFAULTS.max_batch, num_chunks: int | None = None, min_chunk: int | None = None,
                  decode_unroll: int | None = None, decode_lanes: int | None = None):
         self.num_layers = check_int("num_layers", num_layers)
         self.num_heads = check_int("num_heads", num_heads)

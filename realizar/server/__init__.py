@@ -42,10 +42,10 @@ def serve(
     log_level: str = "info",
     api_key: str | None = None,
     max_body: int | None = None,
-    max_batch: int = 64,
+    max_batch: int | None = None,
     kv_memory: int | None = None,
     kv_dtype: str | None = None,
-    block_size: int = 32,
+    block_size: int | None = None,
     on_ready: Callable[[str, int], None] | None = None,
 ) -> None:
     """Serve ``engine`` with uvicorn until interrupted. ``on_ready(host, port)`` is called once the

@@ -88,10 +88,10 @@ def create_app(
     api_key: str | None = None,
     max_body: int = DEFAULT_MAX_BODY,
     serving: Any = None,
-    max_batch: int = 64,
+    max_batch: int | None = None,
     kv_memory: int | None = None,
     kv_dtype: str | None = None,
-    block_size: int = 32,
+    block_size: int | None = None,
 ) -> FastAPI:
     """A FastAPI app serving ``engine`` (see :func:`realizar.engine.load_engine`).
 
@@ -103,9 +103,9 @@ def create_app(
 
     Generation runs on ``serving`` (a :class:`~realizar.serving.ServingEngine`; the app closes it at
     shutdown), by default one made for ``engine`` by :meth:`ServingEngine.from_engine` with
-    ``max_batch`` sequences at most per step, a KV pool of ``kv_memory`` bytes (default: the
-    backend's) in blocks of ``block_size`` positions stored as ``kv_dtype`` (default: f32 on the
-    CPU, f16 on the GPU).
+    ``max_batch`` sequences at most per step, a KV pool of ``kv_memory`` bytes in blocks of
+    ``block_size`` positions stored as ``kv_dtype`` (None: :class:`realizar.config.ServingConfig`'s
+    defaults).
     """
     name = model_name or str(getattr(engine, "name", None) or "realizar")
     device = str(getattr(engine, "device", "cpu"))

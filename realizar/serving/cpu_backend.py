@@ -25,8 +25,11 @@ from realizar.models.attention import gqa_attention
 from realizar.models.kv_formats import QK, block_bytes, round_kv
 from realizar.models.reference import ReferenceModel, decoder_layer, rms_norm
 from realizar.serving.backend import HostBatchOutput
+from realizar.config import ServingConfig
 
 __all__ = ["ReferenceBatchBackend", "KV_DTYPES"]
+
+_DEFAULTS = ServingConfig()
 
 # kv_dtype -> the NumPy array type of the pool (bf16 and q8_0: float32 holding the rounded values)
 KV_DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": np.float32, "q8_0": np.float32}
@@ -42,9 +45,9 @@ class ReferenceBatchBackend:
         self,
         model: Any,
         num_blocks: int,
-        block_size: int = 32,
+        block_size: int = _DEFAULTS.block_size,
         kv_dtype: str = "f32",
-        max_batch: int = 64,
+        max_batch: int = _DEFAULTS.max_batch,
         context_length: int | None = None,
     ):
         if not isinstance(model, ReferenceModel):

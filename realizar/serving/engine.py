@@ -38,15 +38,17 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from realizar.errors import InvalidRequestError, RealizarError, UnsupportedError
+from realizar.config import ServingConfig
+from realizar.errors import InvalidRequestError, RealizarError
 from realizar.generation import (
     GenerationResult, SamplingParams, SequenceState, TokenChunk, _eos_ids, encode_prompt,
 )
-from realizar.models.kv_formats import block_bytes
 from realizar.serving.backend import BatchBackend, RowSampling
 from realizar.serving.scheduler import Scheduler, StepOutput
 
 __all__ = ["ServingEngine", "RequestHandle", "EngineStats", "StepStats", "EngineClosedError"]
+
+_DEFAULTS = ServingConfig()
 
 
 class EngineClosedError(RealizarError, RuntimeError):
@@ -218,7 +220,7 @@ class ServingEngine:
         tokenizer: Any,
         eos_token_ids: Sequence[int] | None = None,
         *,
-        max_batched_tokens: int = 2048,
+        max_batched_tokens: int = _DEFAULTS.max_batched_tokens,
         max_batch: int | None = None,
         prefix_cache: bool = True,
         on_step: Callable[[StepStats], None] | None = None,
@@ -243,61 +245,16 @@ class ServingEngine:
         self._start_lock = threading.Lock()
 
     @classmethod
-    def from_engine(
-        cls,
-        engine: Any,
-        num_blocks: int | None = None,
-        kv_memory: int | None = None,
-        block_size: int = 32,
-        max_batch: int = 64,
-        kv_dtype: str | None = None,
-        **kwargs: Any,
-    ) -> "ServingEngine":
-        """A serving engine over a :class:`realizar.engine.Engine`'s model: the NumPy
-        :class:`~realizar.serving.cpu_backend.ReferenceBatchBackend` for a CPU engine (KV f32 by
-        default), ``realizar.gpu.batch.GpuBatchBackend`` for a GPU one (KV f16 by default). The pool
-        holds ``num_blocks`` blocks, or as many as fit in ``kv_memory`` bytes; neither given: on the
-        CPU, enough for ``min(max_batch, 8)`` full contexts. Other keywords go to the constructor."""
-        if num_blocks is not None and kv_memory is not None:
-            raise InvalidRequestError("give num_blocks or kv_memory, not both")
-        if kv_memory is not None and kv_memory <= 0:
-            raise InvalidRequestError(f"kv_memory must be a positive number of bytes, got {kv_memory}")
-        world = getattr(getattr(engine, "model", None), "world_size", 1)
-        if world > 1:
-            raise UnsupportedError(
-                f"continuous batching over a model split across {world} GPUs is not built "
-                "yet: serve it on one GPU, or generate with the split model one sequence at a time"
-            )
-        if engine.device == "cpu":
-            from realizar.serving.cpu_backend import KV_DTYPES, ReferenceBatchBackend
-
-            kv_dtype = kv_dtype or "f32"
-            if kv_dtype not in KV_DTYPES:
-                raise UnsupportedError(f"the CPU backend stores KV as one of {tuple(KV_DTYPES)}, got {kv_dtype!r}")
-            per_block = block_bytes(engine.config, block_size, kv_dtype)
-            if num_blocks is None:
-                if kv_memory is not None:
-                    num_blocks = int(kv_memory // per_block) + 1
-                else:
-                    num_blocks = min(max_batch, 8) * (-(-engine.context_length // block_size)) + 1
-                if num_blocks < 2:
-                    raise InvalidRequestError(f"kv_memory {kv_memory} holds no block of {per_block} bytes")
-            backend = ReferenceBatchBackend(engine.model, num_blocks, block_size, kv_dtype=kv_dtype,
-                                            max_batch=max_batch)  # fmt: skip
-        else:
-            try:
-                from realizar.gpu.batch import GpuBatchBackend
-            except ImportError as e:
-                raise UnsupportedError(
-                    f"continuous batching on the {engine.device} device needs realizar.gpu.batch.GpuBatchBackend, "
-                    f"which cannot be imported here: {e}"
-                ) from e
-            backend = GpuBatchBackend(engine.model, num_blocks=num_blocks, kv_memory=kv_memory, block_size=block_size,
-                                      kv_dtype=kv_dtype or "f16", max_batch=max_batch,
-                                      max_context=engine.context_length)  # fmt: skip
-            engine.model.release_kv()  # the single-sequence cache: remade only if the engine is used directly
+    def from_engine(cls, engine: Any, config: ServingConfig | None = None, **kwargs: Any) -> "ServingEngine":
+        """A serving engine over a :class:`realizar.engine.Engine`'s model, on the batch backend the engine
+        makes for ``config`` (:meth:`realizar.engine.Engine.batch_backend`). Keywords that name a
+        :class:`~realizar.config.ServingConfig` setting override ``config``'s (None: keep it); the others go
+        to the constructor."""
+        names = set(ServingConfig.__dataclass_fields__)
+        cfg = (config or ServingConfig()).with_(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
+        backend = engine.batch_backend(cfg)
         eos = getattr(getattr(engine, "generator", None), "eos_token_ids", None)
-        return cls(backend, engine.tokenizer, eos, **kwargs)
+        return cls(backend, engine.tokenizer, eos, max_batched_tokens=cfg.max_batched_tokens, **kwargs)
 
     # -- requests ------------------------------------------------------------------------------------
 

@@ -38,8 +38,11 @@ from typing import Any, Sequence as Seq
 from realizar.errors import InvalidRequestError
 from realizar.serving.backend import BatchBackend, RowSampling
 from realizar.serving.blocks import ROOT_KEY, BlockPool
+from realizar.config import ServingConfig
 
 __all__ = ["Scheduler", "Sequence", "StepOutput", "WAITING", "PREFILL", "DECODE", "FINISHED", "CANCELLED"]
+
+_DEFAULTS = ServingConfig()
 
 WAITING, PREFILL, DECODE, FINISHED, CANCELLED = "waiting", "prefill", "decode", "finished", "cancelled"
 
@@ -94,7 +97,7 @@ class Scheduler:
     included), ``cached_tokens`` (positions taken from the prefix cache), ``decoded_tokens`` (decode
     rows), ``preemptions``, ``steps``."""
 
-    def __init__(self, backend: BatchBackend, *, max_batched_tokens: int = 2048, prefix_cache: bool = True,
+    def __init__(self, backend: BatchBackend, *, max_batched_tokens: int = _DEFAULTS.max_batched_tokens, prefix_cache: bool = True,
                  max_batch: int | None = None):  # fmt: skip
         if int(max_batched_tokens) != max_batched_tokens or max_batched_tokens < 1:
             raise InvalidRequestError(f"max_batched_tokens must be a positive integer, got {max_batched_tokens}")
