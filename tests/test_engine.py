@@ -136,3 +136,34 @@ def test_emulate_runs_the_gpu_model_on_the_emulator(tiny_paths, monkeypatch):
     ref = load_engine(tiny_paths[1], device="cpu", max_context=32)
     a, b = emu.generate("the and of", p), ref.generate("the and of", p)
     assert a.token_ids == b.token_ids and a.text == b.text
+
+
+SERVE_CASES = [("llama", "Q8_0", False), ("qwen2", "Q4_0", False), ("qwen3", "Q4_1", False), ("mistral", "F16", False),
+               ("llama", "Q8_0", True)]
+
+
+@pytest.mark.parametrize("arch,qtype,split", SERVE_CASES, ids=lambda v: str(v))
+def test_serving_runs_every_model_generate_runs_on_the_emulator(tmp_path, monkeypatch, arch, qtype, split):
+    """What the GPU model generates, the serving engine over the same weights (the one GPU path, many
+    rows) serves too: every architecture, and gate and up weights of different types (``split``); two
+    requests at once give the greedy tokens of the engine alone."""
+    import numpy as np
+
+    from realizar.models.loader import load_model
+    from realizar.serving import ServingEngine
+    from tests.gguf_factory import make_gguf_model, rewrite_gguf
+
+    _no_gpu(monkeypatch)
+    path, _, _ = make_gguf_model(arch, tmp_path, qtype, seed=4, num_layers=1, vocab_size=320, hidden_size=64,
+                                 intermediate_size=128, num_heads=2, num_kv_heads=1)
+    if split:
+        up = load_model(path).tensors["blk.0.ffn_up.weight"].dequantize().astype(np.float32)
+        path = rewrite_gguf(path, tmp_path / "split.gguf", replace_tensors={"blk.0.ffn_up.weight": (up, None)})
+    emu = load_engine(path, device="emulate", max_context=32)
+    p = SamplingParams(max_tokens=3)
+    prompts = [[5, 17, 42, 7], [9, 3, 11]]
+    want = [emu.generate(ids, p).token_ids for ids in prompts]
+    with ServingEngine.from_engine(emu, max_batch=4, block_size=16, num_blocks=8) as serving:
+        assert serving.backend.max_batch == 4
+        got = [r.token_ids for r in serving.generate_batch(prompts, p)]
+    assert got == want

@@ -187,3 +187,32 @@ def test_linear_layers_on_gemv_columns_kernel(qtype, settings, tmp_path):
         assert _rel_err(a, b) < RTOL
     with pytest.raises(ShapeError, match="gemv_cols_rows"):
         _backend(loaded, gemv_cols_rows=9)
+
+
+def test_split_gate_and_up_types_batched(tmp_path):
+    """Gate and up weights of different types (no fused [gate; up] weight): the batched path runs them as
+    two linear layers and the f16 SwiGLU, prefill and decode rows matching the reference alone."""
+    from tests.gguf_factory import rewrite_gguf
+
+    path, _, _ = make_gguf_model("llama", tmp_path, "Q8_0", seed=9, num_layers=1, **TINY)
+    up = load_model(path).tensors["blk.0.ffn_up.weight"].dequantize().astype(np.float32)
+    split = rewrite_gguf(path, tmp_path / "split.gguf", replace_tensors={"blk.0.ffn_up.weight": (up, None)})
+    loaded = load_model(split)
+    assert loaded.tensors["blk.0.ffn_gate.weight"].ggml_type != loaded.tensors["blk.0.ffn_up.weight"].ggml_type
+    be = _backend(loaded)
+    assert be.weights.split_ffn and be.batched_off is None
+    rng = np.random.default_rng(4)
+    prompts = [[int(t) for t in rng.integers(3, 320, n)] for n in (9, 17, 12)]
+    tables = [[1, 2], [3, 4], [5, 6]]
+    alone = [_Alone(loaded, p) for p in prompts]
+    toks = []
+    for p, t, a in zip(prompts, tables, alone):
+        out = be.prefill(p, 0, t)
+        assert _rel_err(out.logits(0), a.logits) < RTOL
+        toks.append(int(np.argmax(a.logits)))
+    for _ in range(2):
+        out = be.decode(toks, [a.position for a in alone], tables)
+        for r, (tok, a) in enumerate(zip(toks, alone)):
+            a.step(tok)
+            assert _rel_err(out.logits(r), a.logits) < RTOL, r
+        toks = [int(np.argmax(a.logits)) for a in alone]

@@ -45,7 +45,8 @@ def test_rope_assembles(half, frac, neox, pb):
     _assemble_all("rope", head_dim=head_dim, rot_dim=rot_dim, neox=neox, pos_from_buffer=pb)
 
 
-@pytest.mark.parametrize("name,shape", [("swiglu", {"vec": 4}), ("swiglu", {"vec": 1}), ("residual_add", {"vec": 4}),
+@pytest.mark.parametrize("name,shape", [("swiglu", {"vec": 4}), ("swiglu", {"vec": 1}), ("swiglu_f16", {"vec": 4}),
+                                        ("swiglu_f16", {"vec": 2}), ("swiglu_f16", {"vec": 1}), ("residual_add", {"vec": 4}),
                                         ("bias_add", {}), ("argmax_partial", {"block": 256}),
                                         ("argmax_final", {"block": 1024}),
                                         ("argmax_pack", {"block": 1024}), ("argmax_pack", {"block": 128})])
@@ -259,6 +260,26 @@ def test_elementwise_emulated(n, vec, seed):
     simt_run(catalog.emit("bias_add").ptx, grid=(-(-cols // 256), 3), block=(256,),
              params=dict(y=dy, bias=mem.alloc_array(b), n_cols=cols), memory=mem)
     np.testing.assert_array_equal(mem.read(dy, np.float32, y.size).reshape(y.shape), y + b)
+
+
+@settings(max_examples=8, deadline=None)
+@given(n=st.integers(1, 3000), vec=st.sampled_from([1, 2, 4]), seed=st.integers(0, 2**32 - 1))
+def test_swiglu_f16_emulated(n, vec, seed):
+    """silu(gate) * up in f32, written as f16 (nearest even) into a NaN-poisoned buffer: every element
+    within one f16 rounding of the float64 oracle, the tail past a multiple of vec included."""
+    rng = np.random.default_rng(seed)
+    g = (rng.standard_normal(n) * 5).astype(np.float32)
+    u = rng.standard_normal(n).astype(np.float32)
+    mem = Memory()
+    dg, du = mem.alloc_array(g), mem.alloc_array(u)
+    do = mem.alloc_array(np.full(n + 1, np.nan, np.float16))  # one past the end stays NaN
+    simt_run(catalog.emit("swiglu_f16", vec=vec).ptx, grid=(-(-n // (256 * vec)),), block=(256,),
+             params=dict(gate=dg, up=du, out=do, n=n), memory=mem)
+    got = mem.read(do, np.float16, n + 1)
+    g64, u64 = g.astype(np.float64), u.astype(np.float64)
+    ref = g64 / (1.0 + np.exp(-g64)) * u64
+    assert np.isnan(got[n]) and not np.isnan(got[:n]).any()
+    np.testing.assert_allclose(got[:n].astype(np.float64), ref, rtol=2.0**-10, atol=2.0**-24)
 
 
 @settings(max_examples=12, deadline=None)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from realizar.errors import UnsupportedError
+import numpy as np
+
 from realizar.gpu.dispatch import Dispatcher
 
 __all__ = ["ElementwiseOps"]
@@ -20,10 +21,16 @@ class ElementwiseOps(Dispatcher):
     def swiglu(self, gate: Any, up: Any, out: Any, n: int, stream: Any = None, out_f16: bool = False) -> None:
         """out = silu(gate) * up over n elements (out may alias gate or up); ``out_f16``: out is f16."""
         n = self.check_int("n", n)
-        if out_f16:
-            raise UnsupportedError("swiglu with an f16 output: gate and up weights of different types in a batch")
-        self._elementwise("swiglu", {"gate": self.addr(gate, n, "gate", align=4), "up": self.addr(up, n, "up", align=4),
-                                     "out": self.addr(out, n, "out", align=4), "n": n}, n, stream)
+        values = {"gate": self.addr(gate, n, "gate", align=4), "up": self.addr(up, n, "up", align=4),
+                  "out": self.addr(out, n, "out", np.float16 if out_f16 else np.float32, align=2 if out_f16 else 4),
+                  "n": n}
+        if not out_f16:
+            self._elementwise("swiglu", values, n, stream)
+            return
+        # four values a thread where the f32 inputs allow 16-byte loads and the f16 output 8-byte stores
+        vec = 4 if values["gate"] % 16 == 0 and values["up"] % 16 == 0 and values["out"] % 8 == 0 else 1
+        kern = self.kernel("swiglu_f16", vec=vec)
+        self.launch(kern, max(1, -(-n // (kern.meta["block"] * vec))), values, stream)
 
     def residual_add(self, a: Any, b: Any, out: Any, n: int, stream: Any = None) -> None:
         """out = a + b over n elements (out may alias a or b)."""

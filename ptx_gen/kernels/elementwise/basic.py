@@ -24,16 +24,19 @@ def _elementwise(k: KernelBuilder, vec: int, n: Reg, body) -> None:
 
 def binary_map(m: Module, name: str, vec: int, inputs: tuple[str, str], out: str, op, *,
                nc: tuple[bool, bool] = (False, False), scalars: tuple[str, ...] = (),
-               max_threads: int = 1024, block: int = 256) -> KernelBuilder:
+               max_threads: int = 1024, block: int = 256, out_f16: bool = False) -> KernelBuilder:
     """``out[i] = op(k, a[i], b[i])`` over ``n`` float32 elements, ``vec`` per thread (16-byte loads at
     4), with the two inputs named ``inputs``; ``out`` may be a third pointer or one of the inputs (in
     place). ``scalars`` are f32 parameters between the pointers and ``n`` (read with ``k.param``);
-    ``nc`` marks inputs that may be read through the non-coherent cache (never one written here)."""
+    ``nc`` marks inputs that may be read through the non-coherent cache (never one written here);
+    ``out_f16``: ``out`` is a separate f16 buffer (each result rounded to nearest even)."""
     if vec not in (1, 2, 4):
         raise ValueError(f"vec must be 1, 2 or 4, got {vec}")
+    if out_f16 and out in inputs:
+        raise ValueError("an f16 output cannot be an f32 input (in place)")
     pointers = [*inputs] + ([] if out in inputs else [out])
     params = [(p, "u64") for p in pointers] + [(s, "f32") for s in scalars] + [("n", "u32")]
-    k = m.kernel(f"{name}_v{vec}", params, max_threads=max_threads)
+    k = m.kernel(f"{name}_v{vec}" + ("_f16" if out_f16 else ""), params, max_threads=max_threads)
     k.meta.update(block=block, per_thread=vec)
     a, b, o, n = k.global_ptr(inputs[0]), k.global_ptr(inputs[1]), k.global_ptr(out), k.param("n")
 
@@ -41,7 +44,15 @@ def binary_map(m: Module, name: str, vec: int, inputs: tuple[str, str], out: str
         xa = k.load("global", "f32", k.add(a, off), vec=width, nc=nc[0])
         xb = k.load("global", "f32", k.add(b, off), vec=width, nc=nc[1])
         xa, xb = (xa, xb) if width > 1 else ((xa,), (xb,))
-        k.store("global", "f32", k.add(o, off), [op(k, p, q) for p, q in zip(xa, xb)])
+        if not out_f16:
+            k.store("global", "f32", k.add(o, off), [op(k, p, q) for p, q in zip(xa, xb)])
+            return
+        half = [k.cvt(op(k, p, q), "f16") for p, q in zip(xa, xb)]  # f16 at half the f32 byte offset
+        if width == 1:
+            k.store("global", "b16", k.add(o, k.shr(off, 1)), half[0])
+        else:  # pairs of f16 in b32 words: one 4- or 8-byte store
+            words = [k.pack_b32(half[i], half[i + 1]) for i in range(0, width, 2)]
+            k.store("global", "b32", k.add(o, k.shr(off, 1)), words)
 
     _elementwise(k, vec, n, body)
     k.ret()

@@ -25,6 +25,15 @@ def swiglu(m: Module, vec: int = 4) -> KernelBuilder:
                       max_threads=BLOCK, block=BLOCK)
 
 
+@kernel("swiglu_f16", grid=[{"vec": 1}, {"vec": 2}, {"vec": 4}])
+def swiglu_f16(m: Module, vec: int = 4) -> KernelBuilder:
+    """:func:`swiglu` writing ``out`` as f16 (rounded to nearest even; a separate buffer): the SwiGLU of
+    split gate and up projections of several rows, the f16 input of the down projection's batched GEMM.
+    Launch: grid ceil(n / (256 * vec)), block 256."""
+    return binary_map(m, "swiglu", vec, ("gate", "up"), "out", lambda k, g, u: k.mul(silu(k, g), u),
+                      max_threads=BLOCK, block=BLOCK, out_f16=True)
+
+
 @kernel("residual_add", grid=[{"vec": 1}, {"vec": 4}])
 def residual_add(m: Module, vec: int = 4) -> KernelBuilder:
     """out[i] = a[i] + b[i] for i < n; out may alias a or b (h += x in place).
