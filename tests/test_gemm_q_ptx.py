@@ -274,3 +274,12 @@ def test_gemm_q_swizzled_rows_of_any_tile_row(wtype):
     11 here), and each of a lane's two rows takes its own key."""
     for layout, glu, out_dim in (("tiles", True, 6), ("tiles", True, 22), ("tiles", False, 4), ("glu-tiles", True, 34)):
         _run(wtype, layout, out_dim, 256, 1, np.random.default_rng(0), glu=glu)
+
+
+@pytest.mark.parametrize("out_dim", [4, 6, 22, 34])
+def test_gemm_q_q6k_glu_on_plain_tiles(out_dim):
+    """Tile-major Q6_K keeps each 8-row group's d together (16 bytes a group of a half): the up row ffn + j
+    of a [gate; up] weight stored as plain tiles reads its own d, at (ffn + j) % 8 of its group, whatever
+    ffn is (1, 3, 11, 17 here; hypothesis found ffn = 2 reading the gate row's entry)."""
+    for m in (1, 9):
+        _run("Q6_K", "tiles", out_dim, 256, m, np.random.default_rng(out_dim), glu=True)

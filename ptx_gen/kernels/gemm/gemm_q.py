@@ -209,7 +209,13 @@ def gemm_q(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "ro
         # tile-major Q6_K: the odd lane's last piece (13, bytes 208..223 of the segment) is the 16 bytes of
         # its half holding the d of the segment's row and the 7 rows beside it, Q6K_D + 16 (pos / 8) past the
         # half (pos: the row in its half; the MMA rows 8 apart share pos % 8), instead of bytes 208.. of the row
-        pos = k.and_(k.add(n0, cseg) if not glu else k.add(j0, k.and_(cseg, 7)), 15)
+        if not glu:
+            seg_row = k.add(n0, cseg)
+        elif layout == "glu-tiles":  # (the half is the gate or the up half of the row's tile)
+            seg_row = k.add(j0, k.and_(cseg, 7))
+        else:  # plain tiles of [gate; up]: segments 8-15 are the up rows ffn + j
+            seg_row = k.mad(k.shr(cseg, 3), ffn, k.add(j0, k.and_(cseg, 7)))
+        pos = k.and_(seg_row, 15)
         d_fix = k.mul(codd, k.sub(k.add(k.shl(k.shr(pos, 3), 4), Q6K_D - Q6K_ROW), k.mul(pos, Q6K_ROW)))
     w_ptr = k.global_ptr("w")
     n_t = -(-npieces // 2)
@@ -267,6 +273,10 @@ def gemm_q(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "ro
             return k.add(k.and_(j, 15), k.shl(k.shr(s, 3), 4)) if layout == "glu-tiles" else k.mad(k.shr(s, 3), ffn, j)
         lc["key16"] = [ql.swizzle_key16(k, wtype, tile_row(s)) if wtype in ql.SWIZZLE else 0
                        for s in (r, k.add(r, 8))]
+    if q6k_tiles and glu and layout == "tiles":
+        # the up row ffn + j of a lane's segment r + 8 sits at (ffn + r) % 8 of its 8-row group, not r: its d
+        # is that entry of the 16 bytes the copy put at 208 of the segment
+        lc = {**lc, "q6k_up_d": k.add(k.shl(k.and_(k.add(ffn, r), 7), 1), Q6K_ROW)}
     q8 = k.shl(q, 3)
     if wtype in K_TABLE:
         kpair_sel = ql.k_pair_selectors(k, q)
@@ -357,7 +367,8 @@ def _chunk(k: KernelBuilder, wtype: str, slot: Reg, c: Reg, rows_dec: list, dec_
         sels = [ql.realign_selector(k, bb) for bb in bases]
     elif wtype == "Q6_K":  # (tile-major: aligned rows, each row's d 208 + 2 r into its segment, see issue)
         sels = [None] * len(bases)
-        lc = {**lc, "q6k_d": k.add(k.shl(rows_dec[0], 1), Q6K_ROW)}
+        d_row = k.add(k.shl(rows_dec[0], 1), Q6K_ROW)
+        lc = {**lc, "q6k_d": [d_row, lc.get("q6k_up_d", d_row)]}
     xc = k.add(x_ptr, k.mul_wide(c, 2 * CHUNK))
     tail_blocks = tail // 32  # whole 32-value blocks of the last chunk (tail < CHUNK only)
     for b in range(CHUNK // 32):
@@ -430,7 +441,7 @@ def _decode(k: KernelBuilder, wtype: str, info, bb: Reg, b: int, lc: dict, q: Re
     lcb = {"ql_off": k.add(q8, 64 * h + 32 * (qq & 1)) if (h or qq & 1) else q8, "qh_off": k.add(q8, 128 + 32 * h),
            "sc_off": k.add(k.shr(q, 1), 192 + 8 * h + 2 * qq), "rot_l": rot_l, "rot_h": rot_h}
     dec = ql.decode_q6k(k, bb, lcb, None if sel is not None else (8, 0), sel,
-                        d_at=k.add(bb, lc["q6k_d"]) if "q6k_d" in lc else None)
+                        d_at=k.add(bb, lc["q6k_d"][s]) if "q6k_d" in lc else None)
     a, cc = ql.affine(k, dec)
     return _pack(k, [k.fma(f, a, cc) for f in dec.fs])
 
