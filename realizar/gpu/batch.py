@@ -263,8 +263,8 @@ class GpuBatchBackend:
                              f"got {n} tokens, {len(positions)} positions, {len(block_tables)} tables")
         b = bucket_for(n, self.max_batch)
         mb, stride, vocab, at = self.max_batch, self.table_stride, self.config.vocab_size, self._tables_at
-        # checked on Python lists (cheaper than numpy at these sizes), staged in few numpy copies: a step of
-        # one row or of 64 costs the host a few µs, not a numpy write per value
+        # checked on Python lists (cheaper than numpy at these sizes), staged in few numpy copies, not a
+        # numpy write per value
         lens, flat = self._check_blocks(block_tables)
         tok, pos = _ints(tokens, "token ids"), _ints(positions, "positions")
         if min(tok) < 0 or max(tok) >= vocab:

@@ -71,9 +71,8 @@ def decode_min_chunk(rows: int, num_kv_heads: int, sm_count: int) -> int:
 def decode_tiling(head_dim: int, group: int) -> tuple[int, int]:
     """Default (lanes per K/V row, unroll) of the decode kernel. Head_dim 128 with a GQA group up to 8: 16
     lanes (8 values each, 16-byte f16 loads, half the shuffles and softmax updates per row of 32 lanes) and
-    4 rows per lane group in flight: on an H200 at 32/8 heads B=64 L=4096 it took the f16 pool from 502 to
-    360 us and q8_0 from 514 to 317 us, at B=64 L=256 42 -> 39 and 42 -> 34 us, B=1 L=4096 unchanged
-    (~30 us). Elsewhere (unmeasured) the kernel's own choice with unroll 2."""
+    4 rows per lane group in flight (docs/performance.md, serving: faster at long contexts and large
+    batches, the same at one row). Elsewhere the kernel's own choice with unroll 2."""
     if head_dim == 128 and group <= 8:
         return 16, 4
     return 0, 2
