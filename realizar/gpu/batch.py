@@ -40,7 +40,7 @@ from realizar.errors import ContextOverflowError, InvalidRequestError, ShapeErro
 from realizar.gpu.attention import DecodeRows
 from realizar.gpu.argmax import ARGMAX_SCRATCH
 from realizar.gpu.decoder import Activations, Decoder
-from realizar.gpu.linear import Linear, rows_unsupported
+from realizar.gpu.linear import GEMM_Q_MAX_ROWS, Linear, rows_unsupported
 from realizar.gpu.prefill import Prefill
 from realizar.gpu.sampling import SPEC_WORDS, pack_specs
 from realizar.models.kv_formats import KV_FORMATS, block_bytes
@@ -247,7 +247,7 @@ class GpuBatchBackend:
             pass
 
     def _launch_step(self, b: int, argmax: bool) -> None:
-        if self.linear.reserve(self.weights.linears(), b):
+        if b > GEMM_Q_MAX_ROWS and self.linear.reserve(self.weights.linears(), b):
             self.clear_graphs()
         self.graphs.run((b, argmax), lambda: self.issue_step(b, argmax))
 
