@@ -10,8 +10,9 @@
 ``device="cpu"`` runs the NumPy :class:`~realizar.models.reference.ReferenceModel`; ``"cuda"`` asks for
 the GPU model and ``"auto"`` takes it when it exists and a GPU is present, else the CPU; ``"emulate"``
 runs the GPU model's real kernels on the CPU PTX emulator (:class:`realizar.cuda.EmulatedDevice`:
-slow, for tiny models and for checking kernels without a GPU). The GPU model plugs in at
-:func:`_load_gpu_model` — the single place that knows about it.
+slow, for tiny models and for checking kernels without a GPU). This module is the one place that picks
+a backend: the single-sequence model (:func:`_load_gpu_model`, or the NumPy reference) and, for serving,
+the batch backend over the same weights (:meth:`Engine.batch_backend`).
 """
 
 from __future__ import annotations
