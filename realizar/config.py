@@ -14,9 +14,10 @@ from typing import Any
 
 from realizar.errors import InvalidRequestError
 
-__all__ = ["KV_MEMORY_SHARE", "ServingConfig"]
+__all__ = ["DEFAULT_MAX_CONTEXT", "KV_MEMORY_SHARE", "ServingConfig"]
 
 KV_MEMORY_SHARE = 0.5  # the GPU KV pool's share of the free device memory when no size is given
+DEFAULT_MAX_CONTEXT = 8192  # positions a sequence may reach when no max_context is given (and the model allows)
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class ServingConfig:
     kv_dtype: str | None = None
     kv_memory: float | int | None = None
     num_blocks: int | None = None
-    max_context: int = 8192
+    max_context: int | None = None
     prefill_chunk: int = 2048
     max_batched_tokens: int = 2048
     prefill_min_batch: int = 16
@@ -48,6 +49,8 @@ class ServingConfig:
         for name in ("block_size", "max_batch", "max_context", "prefill_chunk", "max_batched_tokens",
                      "prefill_min_batch"):
             v = getattr(self, name)
+            if v is None and name == "max_context":
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise InvalidRequestError(f"{name} must be a positive integer, got {v!r}")
         if self.num_blocks is not None and self.kv_memory is not None:

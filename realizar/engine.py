@@ -112,6 +112,7 @@ def _batch_backend(engine: Engine, config: Any = None) -> Any:
     from realizar.models.kv_formats import block_bytes
 
     cfg = config or ServingConfig()
+    context = min(cfg.max_context or engine.context_length, engine.context_length)
     world = getattr(engine.model, "world_size", 1)
     if world > 1:
         raise UnsupportedError(
@@ -132,11 +133,11 @@ def _batch_backend(engine: Engine, config: Any = None) -> Any:
             if cfg.kv_memory is not None:
                 num_blocks = int(cfg.kv_memory // per_block) + 1
             else:
-                num_blocks = min(cfg.max_batch, 8) * (-(-engine.context_length // cfg.block_size)) + 1
+                num_blocks = min(cfg.max_batch, 8) * (-(-context // cfg.block_size)) + 1
             if num_blocks < 2:
                 raise InvalidRequestError(f"kv_memory {cfg.kv_memory} holds no block of {per_block} bytes")
         return ReferenceBatchBackend(engine.model, num_blocks, cfg.block_size, kv_dtype=kv_dtype,
-                                     max_batch=cfg.max_batch)
+                                     max_batch=cfg.max_batch, context_length=context)
     try:
         from realizar.gpu.batch import GpuBatchBackend
     except ImportError as e:
@@ -144,7 +145,7 @@ def _batch_backend(engine: Engine, config: Any = None) -> Any:
                                f"realizar.gpu.batch.GpuBatchBackend, which cannot be imported here: {e}") from e
     backend = GpuBatchBackend(engine.model, num_blocks=cfg.num_blocks, kv_memory=cfg.kv_memory,
                               block_size=cfg.block_size, kv_dtype=cfg.kv_dtype or "f16", max_batch=cfg.max_batch,
-                              max_context=engine.context_length, prefill_chunk=cfg.prefill_chunk,
+                              max_context=context, prefill_chunk=cfg.prefill_chunk,
                               f16_weights=cfg.f16_weights, prefill_min_batch=cfg.prefill_min_batch,
                               gemv_cols_rows=cfg.gemv_cols_rows)
     engine.model.release_kv()

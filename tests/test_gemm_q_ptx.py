@@ -280,6 +280,6 @@ def test_gemm_q_swizzled_rows_of_any_tile_row(wtype):
 def test_gemm_q_q6k_glu_on_plain_tiles(out_dim):
     """Tile-major Q6_K keeps each 8-row group's d together (16 bytes a group of a half): the up row ffn + j
     of a [gate; up] weight stored as plain tiles reads its own d, at (ffn + j) % 8 of its group, whatever
-    ffn is (1, 3, 11, 17 here; hypothesis found ffn = 2 reading the gate row's entry)."""
+    ffn is (2, 3, 11, 17 here; hypothesis found ffn = 2 reading the gate row's entry)."""
     for m in (1, 9):
         _run("Q6_K", "tiles", out_dim, 256, m, np.random.default_rng(out_dim), glu=True)

@@ -135,3 +135,17 @@ def test_capture_holds_only_the_captured_stream():
     cap.graph.instantiate().launch(s)
     assert np.array_equal(x.to_numpy(), np.arange(n, dtype=np.float32) + 1)
     assert not y.to_numpy().any()
+
+
+def test_heads_the_paged_cache_cannot_hold_are_refused_before_any_upload(tmp_path):
+    """head_dim 16 (the paged attention takes 32 .. 256): a typed UnsupportedError naming the limit,
+    and the engine on device="emulate" says the model cannot run on the GPU."""
+    from realizar.engine import GpuUnavailableError, load_engine
+    from realizar.errors import UnsupportedError
+
+    path, _, _ = make_gguf_model("llama", tmp_path, "Q8_0", seed=1, num_layers=1, vocab_size=320, hidden_size=64,
+                                 intermediate_size=128, num_heads=4, num_kv_heads=2)
+    with pytest.raises(UnsupportedError, match="head_dim must be one of"):
+        GpuModel.from_loaded(load_model(path), max_len=MAX_LEN, device=cuda.EmulatedDevice(sm_count=4))
+    with pytest.raises(GpuUnavailableError, match="cannot run on the GPU.*head_dim"):
+        load_engine(path, device="emulate")

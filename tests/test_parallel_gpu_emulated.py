@@ -97,6 +97,7 @@ def test_the_graph_holds_the_all_reduces(llama):
     tp = TensorParallelModel.from_loaded(loaded, LocalReducer(n, _dev()), max_len=MAX_LEN)
     tp.prefill(PROMPT[:2])
     assert len(tp.graphs) == 1 and len(tp.graphs.lanes) == 1
+    assert all(s.prefill_chunk == 0 and s.stream is tp.seqs[0].stream for s in tp.seqs)  # token steps, one stream
     names = [r.kernel.name.split("_b")[0].split("_v")[0] for r in tp.graphs.graph("step").graph.records]
     assert names.count("residual_add") == layers * 2 * 2 * (n - 1)
     assert names.count("argmax_pack") == n and names.count("argmax_final") == 1
@@ -247,6 +248,8 @@ def test_continuous_batching_refuses_a_split_model(llama):
     from realizar.serving import ServingEngine
 
     tp = TensorParallelModel.from_loaded(llama, LocalReducer(2, _dev()), max_len=8)
-    engine = SimpleNamespace(model=tp, device="cuda", config=llama.config, context_length=8)
+    from realizar.engine import Engine
+
+    engine = Engine(config=llama.config, tokenizer=None, generator=None, model=tp, device="cuda", name="tp")
     with pytest.raises(UnsupportedError, match="continuous batching over a model split across 2 GPUs is not built"):
         ServingEngine.from_engine(engine)

@@ -112,3 +112,27 @@ def test_chunk_graphs_replay_what_eager_chunks_compute(loaded):
     assert _rel_err(runs[3], ref.prefill(b)) < RTOL
     fresh = _model(loaded, prefill_chunk=16, use_graph=False)
     assert np.asarray(fresh.prefill(b)).tobytes() == runs[3].tobytes()
+
+
+@pytest.mark.parametrize("length", [1, CHUNK + 1, 2 * CHUNK + 1])
+def test_one_token_chunks_take_the_decode_step(loaded, length):
+    """A chunk of one token (eager chunks of a length one past a multiple of the chunk, or a one-token
+    prompt) runs the one-row decode step: the same logits as the reference, no f16/f32 mix-up."""
+    rng = np.random.default_rng(length)
+    prompt = [int(t) for t in rng.integers(3, 320, size=length)]
+    ref = ReferenceModel.from_loaded(loaded, max_len=MAX_LEN)
+    gpu = _model(loaded, use_graph=False)
+    assert _rel_err(gpu.prefill(prompt), ref.prefill(prompt)) < RTOL
+    assert gpu.position == length
+
+
+def test_released_cache_outdates_logits_and_the_bound_sequence_is_checked(loaded):
+    gpu = _model(loaded)
+    logits = gpu.prefill([5, 6, 7])
+    gpu.release_kv()
+    with pytest.raises(InvalidRequestError, match="overwritten"):
+        np.asarray(logits)
+    seq = gpu.sequence
+    seq.decode([3], [0], [[2]])  # a step with its own table replaces the bound one
+    with pytest.raises(ShapeError, match="bind_sequence"):
+        seq.step_one(3, 1)

@@ -95,11 +95,11 @@ def _weights(rng, wtype: str, rows: int, in_dim: int) -> np.ndarray:
     return np.concatenate([raw, np.zeros(-raw.size % 16, np.uint8)])
 
 
-def _elementwise(out: str, inputs: tuple[str, ...]) -> Builder:
+def _elementwise(out: str, inputs: tuple[str, ...], out_dtype=np.float32) -> Builder:
     def build(k, sizes, rng) -> Example:
         n = sizes.get("n", 1000)
         params = {name: _f32(rng, n) for name in inputs}
-        params.update({out: np.full(n, np.nan, np.float32), "n": n})
+        params.update({out: np.full(n, np.nan, out_dtype), "n": n})
         per_cta = k.meta["block"] * k.meta.get("per_thread", 1)
         return Example(params, (_cdiv(n, per_cta),), (k.meta["block"],), (out,))
 
@@ -108,6 +108,7 @@ def _elementwise(out: str, inputs: tuple[str, ...]) -> Builder:
 
 example("vector_add", "residual_add")(_elementwise("out", ("a", "b")))
 example("swiglu")(_elementwise("out", ("gate", "up")))
+example("swiglu_f16")(_elementwise("out", ("gate", "up"), np.float16))
 
 
 @example("axpy")

@@ -82,7 +82,8 @@ class GraphCache:
         with programmatic_dependent_launch(self.pdl):
             if self.mode == "eager":
                 issue()
-            elif self.mode == "manual":
+            elif self.mode == "manual" and (self.capture_on == "first" or key in self._seen):
+                self._seen.pop(key, None)
                 with record_graph() as rec:  # runs the launches while recording them
                     issue()
                 self._keep(key, [rec.graph.instantiate()])

@@ -30,12 +30,13 @@ prompts token by token (:attr:`batched_off` says why).
 from __future__ import annotations
 
 import itertools
+import warnings
 from typing import Any, Sequence
 
 import numpy as np
 
 from realizar import cuda
-from realizar.config import KV_MEMORY_SHARE, ServingConfig
+from realizar.config import DEFAULT_MAX_CONTEXT, KV_MEMORY_SHARE, ServingConfig
 from realizar.errors import ContextOverflowError, InvalidRequestError, ShapeError
 from realizar.gpu.attention import DecodeRows
 from realizar.gpu.argmax import ARGMAX_SCRATCH
@@ -129,9 +130,10 @@ class GpuBatchBackend:
     def __init__(self, model, *, num_blocks: int | None = None, kv_memory: float | int | None = None,
                  block_size: int = _DEFAULTS.block_size, kv_dtype: str = "f16", max_batch: int = _DEFAULTS.max_batch,
                  max_context: int | None = None, use_graph: bool = True, graph: str = "capture",
-                 prefill_chunk: int = _DEFAULTS.prefill_chunk, f16_weights: bool | None = None,
+                 prefill_chunk: int | None = _DEFAULTS.prefill_chunk, f16_weights: bool | None = None,
                  prefill_min_batch: int = _DEFAULTS.prefill_min_batch,
-                 gemv_cols_rows: int = _DEFAULTS.gemv_cols_rows, decoder: Decoder | None = None):
+                 gemv_cols_rows: int = _DEFAULTS.gemv_cols_rows, decoder: Decoder | None = None,
+                 stream: cuda.Stream | None = None):
         from realizar.gpu.paged_kv import PagedKVCache
 
         if kv_dtype not in KV_FORMATS:
@@ -145,15 +147,18 @@ class GpuBatchBackend:
         self.device.make_current()
         self.linear = Linear(self.ops, cols_rows=gemv_cols_rows)
         self.decoder = decoder or Decoder(self.weights, self.ops)
-        self.stream = cuda.Stream(self.device)
+        self.stream = stream or cuda.Stream(self.device)
+        self._own_stream = stream is None
         #: why batches of more than one row (and batched prefill) cannot run here (None: they can)
         self.batched_off = rows_unsupported(self.device, cfg)
         self.block_size = int(block_size)
         self.kv_dtype = kv_dtype
+        if self.batched_off and max_batch > 1:
+            warnings.warn(f"one sequence at a time on {self.device.name}: {self.batched_off}", stacklevel=2)
         self.max_batch = 1 if self.batched_off else int(max_batch)
-        self.context_length = int(min(cfg.context_length, max_context or _DEFAULTS.max_context))
+        self.context_length = int(min(cfg.context_length, max_context or DEFAULT_MAX_CONTEXT))
         self.table_stride = -(-self.context_length // self.block_size)
-        if self.max_batch > 1 or f16_weights:
+        if self.batched_off is None and f16_weights is not False:
             self._keep_f16_weights(f16_weights)
         self.f16_weights = bool(self.linear.f16_weights)
         if num_blocks is None:
@@ -188,8 +193,9 @@ class GpuBatchBackend:
         self.graphs = cuda.GraphCache(self.stream, mode=self.graph_mode, capacity=2 * len(BUCKETS), pdl=self.pdl)
         self._attention: dict[int, DecodeRows] = {}
         self._one: cuda.StepValues | None = None  # the bound single sequence's (token, pos, seq_len)
-        self._prefill = Prefill(self, prefill_chunk) if self.batched_off is None else None
-        self.prefill_chunk = int(prefill_chunk)
+        # prompts through the layers at once (None or 0: token by token, e.g. a tensor-parallel rank's)
+        self._prefill = Prefill(self, prefill_chunk) if self.batched_off is None and prefill_chunk else None
+        self.prefill_chunk = self._prefill.chunk if self._prefill is not None else 0
         # shorter prompts run token by token through the 1-row decode step (f32 activations, exact GEMVs):
         # below this, the batched prefill's launches cost more than the steps
         self.prefill_min_batch = int(prefill_min_batch)
@@ -279,7 +285,7 @@ class GpuBatchBackend:
                                  f"{blocks} blocks (at most {stride})")
         self.device.make_current()
         self.stream.synchronize()  # the previous step's copy has left the staging array
-        self._one = None  # the tables are restaged: a bound sequence binds again
+        self._unbind()  # the tables are restaged: a bound sequence binds again
         host = self._step_host.array
         host[:3 * mb] = 0
         host[:n], host[mb: mb + n], host[2 * mb: 2 * mb + n] = tok, pos, [p + 1 for p in pos]
@@ -322,6 +328,11 @@ class GpuBatchBackend:
         return lens, flat
 
     # ---- one bound sequence (the batch of one) -------------------------------------------------------
+    def _unbind(self) -> None:
+        if self._one is not None:
+            self._one.free()
+            self._one = None
+
     def bind_sequence(self, block_table: Sequence[int]) -> None:
         """Bind row 0 to ``block_table`` (a backend of ``max_batch`` 1): later :meth:`step_one` calls send
         only the token, position and length; prefills go through the same table."""
@@ -342,6 +353,8 @@ class GpuBatchBackend:
 
     def stage_one(self, token: int, position: int) -> None:
         """Send the bound sequence's next token, position and length (checked by the caller)."""
+        if self._one is None:
+            raise ShapeError("no bound sequence: a step with block tables replaced it (bind_sequence again)")
         self._one.set(token=token, pos=position, seq_len=position + 1)
         self._one.upload(self.stream)
 
@@ -368,6 +381,7 @@ class GpuBatchBackend:
         if bad is not None:
             raise InvalidRequestError(f"token id {bad} outside the vocabulary of {self.config.vocab_size}")
         if block_table is not None:
+            self._unbind()  # the prefill table is rewritten: a bound sequence binds again
             if len(block_table) * self.block_size < start + n or len(block_table) > self.table_stride:
                 raise ShapeError(f"positions up to {start + n - 1} need {-(-(start + n) // self.block_size)} "
                                  f"blocks, the table has {len(block_table)}")
@@ -378,11 +392,7 @@ class GpuBatchBackend:
         self.steps += 1
         if n < self.prefill_min_batch or self._prefill is None:  # token by token through the 1-row step
             for i, tok in enumerate(ids):
-                if block_table is None:
-                    self.step_one(tok, start + i)
-                else:
-                    self.decode([tok], [start + i], [block_table])
-                    self._run_decode(1, 1, None)
+                self._token_step(tok, start + i, block_table)
             return GpuBatchOutput(self, 1)
         if block_table is not None:
             table = np.zeros(self.table_stride, np.uint32)
@@ -391,8 +401,20 @@ class GpuBatchBackend:
             self.prefill_table.copy_from_host(table)
         c = self._prefill.chunk
         for off in range(0, n, c):
-            self._prefill.run_chunk(ids[off: off + c], start + off, last=off + c >= n)
+            part = ids[off: off + c]
+            if len(part) == 1:  # (a chunk of one row: the decode step's one-row kernels)
+                self._token_step(part[0], start + off, block_table)
+            else:
+                self._prefill.run_chunk(part, start + off, last=off + c >= n)
         return GpuBatchOutput(self, 1)
+
+    def _token_step(self, token: int, position: int, block_table: Sequence[int] | None) -> None:
+        """One prompt token through the one-row decode step (greedy: its logits and argmax stay)."""
+        if block_table is None:
+            self.step_one(token, position)
+        else:
+            self.decode([token], [position], [block_table])
+            self._run_decode(1, 1, None)
 
     # ---- outputs ----------------------------------------------------------------------------------
     def read_tokens(self, rows: int) -> np.ndarray:
@@ -423,10 +445,16 @@ class GpuBatchBackend:
         self.graphs.close()
         if self._prefill is not None:
             self._prefill.free()
+            self._prefill = None
         self.kv.close()
         self.linear.free()
         self.acts.free()
         if self._one is not None:
             self._one.free()
+            self._one = None
         for buf in (self.step, self.prefill_table, self.tokens, self.specs, self.argmax_scratch):
             buf.free()
+        for pinned in (self._step_host, self._tokens_host, self._specs_host):
+            pinned.free()
+        if self._own_stream:
+            self.stream.close()

@@ -6,7 +6,7 @@ A :class:`Dispatcher` owns, for one device: the kernel memo (name + shape -> com
 launch with the same values reuses its :class:`~realizar.cuda.KernelArgs`), the checks of device
 operands (size, dtype, alignment) and of integer arguments, device allocations, and the one call to
 :func:`realizar.cuda.launch`. Op families (:mod:`realizar.gpu.gemv`, :mod:`~realizar.gpu.norms`, ...)
-are mixins on it; :class:`~realizar.gpu.kv_cache.KVCache` shares one instance. Nothing here
+are mixins on it; the KV caches share one instance. Nothing here
 synchronises, so launches issued through it can be captured into a CUDA graph.
 """
 

@@ -26,16 +26,18 @@ from __future__ import annotations
 import numpy as np
 
 from realizar import cuda
-from realizar.config import ServingConfig
-from realizar.errors import ContextOverflowError, InvalidRequestError, ShapeError
+from realizar.config import DEFAULT_MAX_CONTEXT, ServingConfig
+from realizar.errors import ContextOverflowError, InvalidRequestError, ShapeError, UnsupportedError
 from realizar.gpu.decoder import DecoderWeights
+from realizar.gpu.linear import rows_unsupported
+from realizar.gpu.paged_kv import heads_unsupported
 from realizar.gpu.ops import LayerOps
 from realizar.models.config import ModelConfig
 
 __all__ = ["DEFAULT_MAX_LEN", "DeviceLogits", "GRAPH_MODES", "GpuModel", "StepDecoder"]
 
 _DEFAULTS = ServingConfig()
-DEFAULT_MAX_LEN = _DEFAULTS.max_context
+DEFAULT_MAX_LEN = DEFAULT_MAX_CONTEXT
 GRAPH_MODES = ("capture", "manual")
 
 
@@ -134,6 +136,9 @@ class GpuModel(StepDecoder):
             raise ShapeError(f"max_len must be positive, got {self.max_len}")
         if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or int(prefill_chunk) < 1):
             raise ShapeError(f"prefill_chunk must be a positive number of tokens or None, got {prefill_chunk!r}")
+        why = heads_unsupported(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        if why is not None:
+            raise UnsupportedError(f"the GPU's paged KV cache cannot hold this model's attention heads: {why}")
         self.ops = ops = LayerOps(self.device)
         self.weights = DecoderWeights(cfg, tensors, ops)
         self.use_graph, self.graph_mode, self.kv_dtype, self.block_size = use_graph, graph, kv_dtype, int(block_size)
@@ -141,6 +146,7 @@ class GpuModel(StepDecoder):
         self.prefill_chunk = None if prefill_chunk is None else int(min(prefill_chunk, self.max_len))
         self.prefill_min_batch = max(1, int(prefill_min_batch))
         self._seq = None
+        self._stream = None  # the sequence's stream (None: its own)
         self.position = 0
         self.steps = 0
         if kv_cache:
@@ -172,8 +178,8 @@ class GpuModel(StepDecoder):
             blocks = -(-self.max_len // self.block_size)
             seq = GpuBatchBackend(self, num_blocks=blocks + 1, block_size=self.block_size, kv_dtype=self.kv_dtype,
                                   max_batch=1, max_context=self.max_len, use_graph=self.use_graph,
-                                  graph=self.graph_mode, prefill_chunk=self.prefill_chunk or 1,
-                                  f16_weights=False, prefill_min_batch=self.prefill_min_batch)
+                                  graph=self.graph_mode, prefill_chunk=self.prefill_chunk,
+                                  f16_weights=False, prefill_min_batch=self.prefill_min_batch, stream=self._stream)
             seq.bind_sequence(range(1, blocks + 1))
             self._seq = seq
         return self._seq
@@ -188,7 +194,7 @@ class GpuModel(StepDecoder):
         """Why prompts go token by token through the decode graph (None: chunks of prefill_chunk tokens)."""
         if self.prefill_chunk is None:
             return "prefill_chunk is None"
-        return self.sequence.batched_off
+        return rows_unsupported(self.device, self.config)
 
     def release_kv(self) -> None:
         """Free the single sequence's cache and the graphs that read it (a serving backend sharing these
@@ -197,6 +203,7 @@ class GpuModel(StepDecoder):
             self._seq.close()
             self._seq = None
         self.position = 0
+        self.steps += 1  # logits of earlier steps went with the cache
 
     def _run_step(self, token: int, position: int) -> None:
         self.device.make_current()  # the server runs generations on a worker thread

@@ -38,7 +38,7 @@ from realizar.gpu.dispatch import Dispatcher, check_int
 from realizar.models.kv_formats import block_bytes, dequantize_q8_0, quantize_q8_0, round_bf16, row_bytes
 from realizar.config import ServingConfig
 
-__all__ = ["PagedKVCache", "KV_NUMPY_DTYPES", "decode_chunks", "decode_min_chunk", "decode_tiling", "kv_bytes_per_row",
+__all__ = ["PagedKVCache", "KV_NUMPY_DTYPES", "decode_chunks", "heads_unsupported", "decode_min_chunk", "decode_tiling", "kv_bytes_per_row",
            "quantize_q8_0", "dequantize_q8_0"]
 
 _DEFAULTS = ServingConfig()
@@ -53,6 +53,17 @@ _MIN_CHUNKS = 4  # even a full batch splits a long sequence over at least this m
 # short sequence is spread over more blocks instead of a serial loop in a few; a fuller launch keeps
 # 64-position chunks, fewer partial results to combine
 _MIN_CHUNK_FEW, _MIN_CHUNK_MANY = 32, 64
+
+
+def heads_unsupported(num_heads: int, num_kv_heads: int, head_dim: int) -> str | None:
+    """Why the paged cache's kernels cannot take these attention heads (None: they can)."""
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        return f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+    if num_heads // num_kv_heads > MAX_GROUP:
+        return f"GQA group (num_heads / num_kv_heads) must be at most {MAX_GROUP}, got {num_heads // num_kv_heads}"
+    if head_dim not in DECODE_HEAD_DIMS:
+        return f"head_dim must be one of {DECODE_HEAD_DIMS}, got {head_dim}"
+    return None
 
 
 def decode_chunks(rows: int, num_kv_heads: int, sm_count: int) -> int:

@@ -1,5 +1,5 @@
-"""RoPE on Q and K in place (prefill, or any number of tokens). The decode step's RoPE is fused with
-the KV-cache append: :meth:`realizar.gpu.kv_cache.KVCache.rope_append`."""
+"""RoPE on Q and K in place (any number of tokens). The inference paths fuse RoPE with the KV-cache
+append instead: :meth:`realizar.gpu.paged_kv.PagedKVCache.append_decode` and ``append_rows``."""
 
 from __future__ import annotations
 

@@ -33,7 +33,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from realizar.models.loaded import LoadedModel
     from realizar.models.tensor import QuantTensor
 
-__all__ = ["KVCache", "ReferenceModel", "apply_rope", "decoder_layer", "feed_forward", "project_qkv", "rms_norm"]
+__all__ = ["KVCache", "ReferenceModel", "apply_rope", "cache_attention", "decoder_layer", "feed_forward", "project_qkv",
+           "rms_norm"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -123,6 +124,19 @@ def decoder_layer(x: np.ndarray, shards, cos: np.ndarray, sin: np.ndarray, reduc
         attn.append(attend(q, k, v) @ L.w_o.T)
     x = x + total(attn)
     return x + total([feed_forward(L, x, c) for L, c, _ in shards])
+
+
+def cache_attention(cache: "KVCache", li: int, s: int, c: ModelConfig):
+    """``attend`` for :func:`decoder_layer`: ``s`` new positions of layer ``li`` written after what
+    ``cache`` holds, each query attending causally over the cache (``c``: the heads of this cache)."""
+
+    def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        cache.write(li, k.transpose(1, 0, 2), v.transpose(1, 0, 2))
+        kc, vc = cache.view(li, extra=s)
+        attn = gqa_attention(q.transpose(1, 0, 2), kc, vc, causal=True)  # [heads, S, d]
+        return attn.transpose(1, 0, 2).reshape(s, c.num_heads * c.head_dim)
+
+    return attend
 
 
 # ----------------------------------------------------------------------------------------------
@@ -335,18 +349,6 @@ class ReferenceModel:
             self._sin = np.sin(ang).astype(np.float32)
         return self._cos[positions], self._sin[positions]
 
-    def _attend(self, li: int, s: int):
-        """The attention of layer ``li`` for ``s`` new positions over this model's cache."""
-        c = self.config
-
-        def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-            self.cache.write(li, k.transpose(1, 0, 2), v.transpose(1, 0, 2))
-            kc, vc = self.cache.view(li, extra=s)
-            attn = gqa_attention(q.transpose(1, 0, 2), kc, vc, causal=True)  # [nh, S, d]
-            return attn.transpose(1, 0, 2).reshape(s, c.num_heads * c.head_dim)
-
-        return attend
-
     def _forward(self, ids: np.ndarray, all_logits: bool) -> np.ndarray:
         c = self.config
         s = ids.shape[0]
@@ -360,7 +362,7 @@ class ReferenceModel:
 
         x = self.embedding[ids]  # [S, hidden] (a copy: fancy indexing)
         for li, L in enumerate(self.layers):
-            x = decoder_layer(x, [(L, c, self._attend(li, s))], cos, sin)
+            x = decoder_layer(x, [(L, c, cache_attention(self.cache, li, s, c))], cos, sin)
         self.cache.advance(s)
 
         if all_logits:

@@ -2,10 +2,11 @@
 over its shard (:meth:`ShardingPlan.shard`) on ``reducer.devices[r]``, the hidden state summed over
 the ranks after every O and down projection.
 
-Per decode step and rank (the launches are :class:`GpuModel`'s, at the rank's shapes)::
+Per decode step and rank (the layer program of :mod:`realizar.gpu.decoder` at the rank's shapes, paused
+at its all-reduce points)::
 
     embedding (whole table on every rank)
-    per layer:  RMSNorm, QKV GEMV (its heads), RoPE + KV append (its KV heads), flash decoding,
+    per layer:  RMSNorm, QKV GEMV (its heads), RoPE + KV append (its KV heads), paged decode attention,
                 O GEMV (its columns; rank 0 adds the residual) -> all-reduce(x)
                 RMSNorm, gate/up GEMV + SwiGLU (its FFN columns),
                 down GEMV (its columns; rank 0 adds the residual) -> all-reduce(x)
@@ -217,7 +218,8 @@ class RankModel(GpuModel):
             blocks = -(-self.max_len // self.block_size)
             seq = RankBackend(self, num_blocks=blocks + 1, block_size=self.block_size, kv_dtype=self.kv_dtype,
                               max_batch=1, max_context=self.max_len, use_graph=False, f16_weights=False,
-                              decoder=Decoder(self.weights, self.ops, add_residual=self.rank == 0))
+                              prefill_chunk=None, decoder=Decoder(self.weights, self.ops, add_residual=self.rank == 0),
+                              stream=self._stream)
             seq.bind_sequence(range(1, blocks + 1))
             self._seq = seq
         return self._seq
@@ -270,10 +272,10 @@ class TensorParallelModel(StepDecoder):
             rc = replace(self.plan.rank_config(r), tied_embeddings=False)  # the LM head is its own slice
             self.ranks.append(RankModel(rc, self.plan.shard(tensors, r), r, self.plan.vocab[r],
                                         max_len=self.max_len, device=dev, pdl=pdl))
-        self.seqs = [r.sequence for r in self.ranks]
         if reducer.shared_device:  # one stream for all ranks: one graph
-            for seq in self.seqs[1:]:
-                seq.stream = self.seqs[0].stream
+            for rank in self.ranks[1:]:
+                rank._stream = self.ranks[0].sequence.stream
+        self.seqs = [r.sequence for r in self.ranks]
         self.streams = [s.stream for s in self.seqs]
         lanes = self.seqs[:1] if reducer.shared_device else self.seqs  # one per stream
         self.graphs = cuda.GraphCache([(s.device, s.stream) for s in lanes], mode="capture" if use_graph else "eager",

@@ -22,10 +22,9 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from realizar.errors import InvalidRequestError, ShapeError
-from realizar.models.attention import gqa_attention
 from realizar.models.config import ModelConfig
 from realizar.models.names import OUTPUT, OUTPUT_NORM, TOKEN_EMBD
-from realizar.models.reference import KVCache, decoder_layer, rms_norm
+from realizar.models.reference import KVCache, cache_attention, decoder_layer, rms_norm
 from realizar.models.rope import rope_inv_freq
 from realizar.models.tensor import QuantTensor
 from realizar.parallel.sharding import ShardingPlan, make_plan
@@ -142,15 +141,7 @@ class _Rank:
     def shard(self, li: int, s: int) -> tuple:
         """Layer ``li`` of this rank for :func:`decoder_layer`: its weights, its heads' config and the
         attention of ``s`` new positions over its cache (its KV heads only)."""
-        c = self.config
-
-        def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-            self.cache.write(li, k.transpose(1, 0, 2), v.transpose(1, 0, 2))
-            kc, vc = self.cache.view(li, extra=s)
-            attn = gqa_attention(q.transpose(1, 0, 2), kc, vc, causal=True)  # [nh/N, S, d]
-            return attn.transpose(1, 0, 2).reshape(s, c.num_heads * c.head_dim)
-
-        return self.layers[li], c, attend
+        return self.layers[li], self.config, cache_attention(self.cache, li, s, self.config)
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         """Logits of this rank's vocabulary rows for the final hidden states ``x``."""
