@@ -362,3 +362,15 @@ def test_random_loads_equal_alone_and_free_every_block(engines, data):
         else:
             assert got.token_ids == want.token_ids
     _all_free(serving)
+
+
+def test_generate_batch_drives_the_steps_without_a_background_thread(engines):
+    """background=False: generate_batch runs the scheduler in the calling thread until every request is
+    done (it used to wait for a thread that does not exist)."""
+    engine = engines["llama"]
+    p = SamplingParams(max_tokens=4)
+    prompts = [_prompt(11, 6), _prompt(12, 9)]
+    serving = _serving(engine, background=False)
+    got = serving.generate_batch(prompts, p)
+    assert [r.token_ids for r in got] == [engine.generate(ids, p).token_ids for ids in prompts]
+    serving.close()

@@ -305,7 +305,8 @@ class ServingEngine:
     def generate_batch(
         self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None
     ) -> list[GenerationResult]:
-        """Submit every prompt (with one params for all, or one each) and wait for all results."""
+        """Submit every prompt (with one params for all, or one each) and wait for all results (with
+        ``background=False``, this thread runs the steps until they are done)."""
         if params is None or isinstance(params, SamplingParams):
             plist = [params] * len(prompts)
         else:
@@ -320,6 +321,9 @@ class ServingEngine:
             for h in handles:
                 h.cancel()
             raise
+        if not self.background:
+            while not all(h.done for h in handles):
+                self.step()
         return [h.wait() for h in handles]
 
     def _cancel(self, handle: RequestHandle) -> None:
