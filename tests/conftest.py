@@ -65,3 +65,18 @@ def device():
 def kernels(device):
     """The process-wide module cache of the device."""
     return cuda.module_cache(device)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Skipped tests as one line per reason (the GPU tests' driver message once, not once per file),
+    most frequent first."""
+    reasons: dict[str, int] = {}
+    for rep in terminalreporter.stats.get("skipped", []):
+        longrepr = rep.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        reasons[reason] = reasons.get(reason, 0) + 1
+    if reasons:
+        terminalreporter.section("skipped, by reason", sep="-")
+        for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1]):
+            terminalreporter.line(f"SKIPPED {n}: {reason}")
