@@ -75,9 +75,7 @@ class GraphCache:
         exes = self._graphs.pop(key, None)
         if exes is not None:
             self._graphs[key] = exes  # most recently used last
-            for (dev, s), exe in zip(self.lanes, exes):
-                dev.make_current()
-                exe.launch(s)
+            self._launch(exes)
             return
         with programmatic_dependent_launch(self.pdl):
             if self.mode == "eager":
@@ -94,14 +92,17 @@ class GraphCache:
                 del self._seen[key]
                 exes = self._capture(issue)
                 self._keep(key, exes)
-                for (dev, s), exe in zip(self.lanes, exes):
-                    dev.make_current()
-                    exe.launch(s)
+                self._launch(exes)
             else:
                 issue()
                 self._seen[key] = None
                 while len(self._seen) > 4 * self.capacity:
                     self._seen.pop(next(iter(self._seen)))
+
+    def _launch(self, exes: list[GraphExec]) -> None:
+        for (dev, s), exe in zip(self.lanes, exes):
+            dev.make_current()
+            exe.launch(s)
 
     def _capture(self, issue: Callable[[], None]) -> list[GraphExec]:
         with contextlib.ExitStack() as stack:

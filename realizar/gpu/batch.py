@@ -41,7 +41,7 @@ from realizar.errors import ContextOverflowError, InvalidRequestError, ShapeErro
 from realizar.gpu.attention import DecodeRows
 from realizar.gpu.argmax import ARGMAX_SCRATCH
 from realizar.gpu.decoder import Activations, Decoder
-from realizar.gpu.linear import GEMM_Q_MAX_ROWS, Linear, rows_unsupported
+from realizar.gpu.linear import Linear, rows_unsupported
 from realizar.gpu.prefill import Prefill
 from realizar.gpu.sampling import SPEC_WORDS, pack_specs
 from realizar.models.kv_formats import KV_FORMATS, block_bytes
@@ -174,7 +174,6 @@ class GpuBatchBackend:
                                block_size=self.block_size, kv_dtype=kv_dtype, ops=self.ops,
                                max_batch=self.max_batch)
         self.graph_mode = graph if use_graph else "eager"
-        self.use_graph = self.graph_mode != "eager"
         ops, mb = self.ops, self.max_batch
         # the packed per-step values: ids [B] | positions [B] | lengths [B] | specs [B, 8] | tables [B, stride]
         self._tables_at = (3 + SPEC_WORDS) * mb
@@ -205,7 +204,7 @@ class GpuBatchBackend:
     def _keep_f16_weights(self, wanted: bool | None) -> None:
         """f16 copies of the weights for the large batches' GEMMs (gate/up interleaved as the SwiGLU
         GEMM reads them); ``wanted`` None: when they fit in F16_WEIGHTS_SHARE of the free memory."""
-        weights = list({id(w): w for w in self.weights.linears()}.values())
+        weights = list({id(w): w for w in self.weights.linears}.values())
         need = sum(2 * w.out_dim * w.in_dim for w in weights)
         free, _ = self.device.memory_info()
         if wanted is False or (wanted is None and need > F16_WEIGHTS_SHARE * free):
@@ -253,7 +252,7 @@ class GpuBatchBackend:
             pass
 
     def _launch_step(self, b: int, argmax: bool) -> None:
-        if b > GEMM_Q_MAX_ROWS and self.linear.reserve(self.weights.linears(), b):
+        if self.linear.reserve(self.weights.linears, b):
             self.clear_graphs()
         self.graphs.run((b, argmax), lambda: self.issue_step(b, argmax))
 

@@ -21,6 +21,7 @@ and the head: final RMSNorm and the LM head of the rows that need logits.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -95,13 +96,15 @@ class DecoderWeights:
         """Whether some layer keeps gate and up as two weights (types differ)."""
         return any(lay.gate_up is None for lay in self.layers)
 
-    def layer_linears(self) -> list:
+    @functools.cached_property
+    def layer_linears(self) -> tuple:
         """Every layer weight the Linear seam multiplies."""
-        return [w for lay in self.layers for w in lay.linears()]
+        return tuple(w for lay in self.layers for w in lay.linears())
 
-    def linears(self) -> list:
+    @functools.cached_property
+    def linears(self) -> tuple:
         """Every weight the Linear seam multiplies, the LM head last."""
-        return [*self.layer_linears(), self.lm_head]
+        return (*self.layer_linears, self.lm_head)
 
 
 @dataclass

@@ -173,16 +173,20 @@ class GpuModel(StepDecoder):
         table blocks 1..n bound once): allocated at construction, or on first use after
         ``kv_cache=False`` or :meth:`release_kv`."""
         if self._seq is None:
-            from realizar.gpu.batch import GpuBatchBackend
-
             blocks = -(-self.max_len // self.block_size)
-            seq = GpuBatchBackend(self, num_blocks=blocks + 1, block_size=self.block_size, kv_dtype=self.kv_dtype,
-                                  max_batch=1, max_context=self.max_len, use_graph=self.use_graph,
-                                  graph=self.graph_mode, prefill_chunk=self.prefill_chunk,
-                                  f16_weights=False, prefill_min_batch=self.prefill_min_batch, stream=self._stream)
+            seq = self._backend(num_blocks=blocks + 1, block_size=self.block_size, kv_dtype=self.kv_dtype,
+                                max_batch=1, max_context=self.max_len, use_graph=self.use_graph,
+                                graph=self.graph_mode, prefill_chunk=self.prefill_chunk,
+                                f16_weights=False, prefill_min_batch=self.prefill_min_batch, stream=self._stream)
             seq.bind_sequence(range(1, blocks + 1))
             self._seq = seq
         return self._seq
+
+    def _backend(self, **options):
+        """The backend the single sequence runs on (a subclass may run the program otherwise)."""
+        from realizar.gpu.batch import GpuBatchBackend
+
+        return GpuBatchBackend(self, **options)
 
     @property
     def kv(self):

@@ -20,7 +20,6 @@ from realizar.cuda import GraphCache
 from realizar.errors import ShapeError
 from realizar.gpu.attention import PrefillChunk
 from realizar.gpu.decoder import Activations
-from realizar.gpu.linear import GEMM_Q_MAX_ROWS
 
 __all__ = ["GRAPH_ROWS", "MAX_GRAPHS", "Prefill"]
 
@@ -63,7 +62,7 @@ class Prefill:
         s, n = b.stream, len(ids)
         rows = n if self.graphs.mode == "eager" else min(-(-n // GRAPH_ROWS) * GRAPH_ROWS, self.chunk,
                                                          b.context_length - pos0)
-        if rows > GEMM_Q_MAX_ROWS and b.linear.reserve(b.weights.layer_linears(), rows):
+        if b.linear.reserve(b.weights.layer_linears, rows):
             b.clear_graphs()  # graphs read the old expansion scratch
         s.synchronize()  # the previous chunk's embedding has read the ids buffer
         self.ids.copy_from_host_at(np.asarray(list(ids) + [0] * (rows - n), np.uint32), 0)

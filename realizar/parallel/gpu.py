@@ -212,17 +212,8 @@ class RankModel(GpuModel):
         self.logit_slot: tuple[cuda.GpuBuffer, int] | None = None
         self.candidate_slot: tuple[cuda.GpuBuffer, int] | None = None
 
-    @property
-    def sequence(self) -> "RankBackend":
-        if self._seq is None:
-            blocks = -(-self.max_len // self.block_size)
-            seq = RankBackend(self, num_blocks=blocks + 1, block_size=self.block_size, kv_dtype=self.kv_dtype,
-                              max_batch=1, max_context=self.max_len, use_graph=False, f16_weights=False,
-                              prefill_chunk=None, decoder=Decoder(self.weights, self.ops, add_residual=self.rank == 0),
-                              stream=self._stream)
-            seq.bind_sequence(range(1, blocks + 1))
-            self._seq = seq
-        return self._seq
+    def _backend(self, **options) -> "RankBackend":
+        return RankBackend(self, decoder=Decoder(self.weights, self.ops, add_residual=self.rank == 0), **options)
 
 
 class RankBackend(GpuBatchBackend):
@@ -264,7 +255,6 @@ class TensorParallelModel(StepDecoder):
         self.max_len = int(min(config.context_length, max_len or DEFAULT_MAX_LEN))
         if self.max_len < 1:
             raise ShapeError(f"max_len must be positive, got {self.max_len}")
-        self.use_graph, self.pdl, self.capture_mode = use_graph, pdl, capture_mode
         self.ranks: list[RankModel] = []
         for r in range(n):
             dev = reducer.devices[r]
