@@ -24,7 +24,7 @@ from ptx_gen.kernels.attention.flash_attention import prefill_tiles
 from ptx_gen.ptxas import assemble
 from realizar import cuda
 from realizar.errors import CacheStateError, ContextOverflowError, ShapeError
-from realizar.gpu.executor import AttentionConfig, CudaExecutor, default_num_chunks
+from realizar.gpu.executor import AttentionConfig, CudaExecutor
 from realizar.models.attention import attention_with_cache_gqa, gqa_attention
 from tests.attention_cases import prefill_case
 from ptx_gen.emulator import EmulatorError, Memory, run
@@ -174,8 +174,6 @@ def test_layout_defaults():
         decode_layout(64, 4, unroll=3, scores="scatter")
     with pytest.raises(ValueError, match="l2_prefetch"):
         decode_layout(64, 4, l2_prefetch=-1)
-    assert default_num_chunks(132, 8) == 66 and default_num_chunks(132, 1) == 256
-    assert default_num_chunks(132, 2, 3) == 198  # 396 blocks: exactly one wave at 3 blocks per SM
 
 
 # ---- emulated runs against the float64 oracle --------------------------------------------------------
@@ -265,6 +263,72 @@ def test_kv_append_emulated(d, kvh, count, pos, indirect, seed):
     want_v[:, pos:pos + n] = vnew[:, :n]
     assert np.array_equal(mem.read(pk, np.float32, want_k.size).reshape(want_k.shape), want_k)
     assert np.array_equal(mem.read(pv, np.float32, want_v.size).reshape(want_v.shape), want_v)
+
+
+def _paged(rng, seq: np.ndarray, block_size: int, table: np.ndarray | None = None, extra_blocks: int = 2):
+    """``seq [KVH, L, D]`` scattered into a pool ``[blocks, KVH, block_size, D]`` through a block table
+    (default: a random one; block 0 and unused blocks hold random values): (pool, table)."""
+    kvh, length, d = seq.shape
+    n = -(-length // block_size)
+    if table is None:
+        table = rng.permutation(np.arange(1, n + 1 + extra_blocks))[:n].astype(np.uint32)
+    pool = rng.standard_normal((n + 1 + extra_blocks, kvh, block_size, d)).astype(np.float32)
+    padded = np.zeros((kvh, n * block_size, d), np.float32)
+    padded[:, :length] = seq
+    pool[table] = padded.reshape(kvh, n, block_size, d).transpose(1, 0, 2, 3)
+    return pool, table
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(hk=heads, d=st.sampled_from(HEAD_DIMS), bs=st.sampled_from([16, 32, 64]), sq=st.integers(1, 100),
+       extra=st.integers(0, 80), causal=st.booleans(), scale=st.floats(0.1, 20), seed=st.integers(0, 2**32 - 1))
+def test_flash_attention_paged_emulated(hk, d, bs, sq, extra, causal, scale, seed):
+    """K/V read through a shuffled block table: the same attention as the float64 oracle."""
+    h, kvh = hk
+    if h * sq * d > 120_000:  # keep the emulated launch small
+        sq = max(1, 120_000 // (h * d))
+    rng = np.random.default_rng(seed)
+    sk = sq + extra
+    q, k, v, ref = prefill_case(rng, h, kvh, d, sq, sk, 0, scale, causal)
+    kpool, table = _paged(rng, k, bs)
+    vpool, _ = _paged(rng, v, bs, table)
+    src = catalog.emit("flash_attention", target="sm_90", head_dim=d, group=h // kvh, causal=causal, block_size=bs)
+    mem = Memory()
+    po = mem.alloc_array(np.full(q.shape, np.nan, np.float32))
+    run(src.ptx, (-(-sq // src.meta["block_q"]), h), (src.meta["block"],),
+        {"q": mem.alloc_array(q), "k": mem.alloc_array(kpool), "v": mem.alloc_array(vpool), "out": po,
+         "seq_q": sq, "seq_k": sk, "q_offset": extra, "n_kv": kvh, "block_table": mem.alloc_array(table)},
+        mem, shared_bytes=src.launch.dyn_smem)
+    assert _rel(mem.read(po, np.float32, q.size).reshape(q.shape), ref) < RTOL
+
+
+@settings(max_examples=10, deadline=None)
+@given(d=st.sampled_from(HEAD_DIMS), kvh=st.integers(1, 4), bs=st.sampled_from([16, 32, 64]), count=st.integers(1, 40),
+       pos=st.integers(0, 100), indirect=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_kv_append_paged_emulated(d, kvh, bs, count, pos, indirect, seed):
+    """Rows pos .. pos + count - 1 land in block table[row // bs], row % bs; rows whose block is past the
+    table's entries and every other pool row are untouched."""
+    rng = np.random.default_rng(seed)
+    stride = 3  # table entries: positions past 3 * bs are dropped
+    table = rng.permutation(np.arange(1, 6))[:stride].astype(np.uint32)
+    pools = rng.standard_normal((2, 6, kvh, bs, d)).astype(np.float32)
+    new = rng.standard_normal((2, kvh, count, d)).astype(np.float32)
+    src = catalog.emit("kv_append", target="sm_90", head_dim=d, indirect=indirect, block_size=bs)
+    mem = Memory()
+    pk, pv = mem.alloc_array(pools[0]), mem.alloc_array(pools[1])
+    p = {"pos_ptr": mem.alloc_array(np.array([pos], np.uint32))} if indirect else {"pos": pos}
+    grid = (-(-count * d // 4 // src.meta["block"]), kvh)
+    run(src.ptx, grid, (src.meta["block"],), {"k_pool": pk, "v_pool": pv, "k_new": mem.alloc_array(new[0]),
+                                              "v_new": mem.alloc_array(new[1]), "count": count,
+                                              "block_table": mem.alloc_array(table), "table_stride": stride,
+                                              "n_kv": kvh, **p}, mem)
+    want = pools.copy()
+    for r in range(count):
+        row = pos + r
+        if row // bs < stride:
+            want[:, table[row // bs], :, row % bs] = new[:, :, r]
+    assert np.array_equal(mem.read(pk, np.float32, want[0].size).reshape(want[0].shape), want[0])
+    assert np.array_equal(mem.read(pv, np.float32, want[1].size).reshape(want[1].shape), want[1])
 
 
 def test_emulator_catches_a_missing_barrier():
@@ -363,12 +427,11 @@ def test_executor_decode_prefill_and_bookkeeping(emu):
     assert ex.lengths == (0, 0, 0)
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_executor_device_resident_flash_decoding(emu, fused):
+def test_executor_device_resident_flash_decoding(emu):
     rng = np.random.default_rng(4)
     h, kvh, d, max_len = 8, 2, 64, 64
-    ex = CudaExecutor(1, h, kvh, d, max_len, num_chunks=3, min_chunk=4, decode_fused=fused, device=emu)
-    assert ex.decode_launches == (1 if fused else 2)
+    ex = CudaExecutor(1, h, kvh, d, max_len, num_chunks=3, min_chunk=4, block_size=16, device=emu)
+    assert ex.decode_launches == 1
     def G(count, dtype=np.float32):
         return _buffer(emu, count, dtype)
 
@@ -401,6 +464,33 @@ def test_executor_device_resident_flash_decoding(emu, fused):
     out = np.empty((h, d), np.float32)
     ex.flash_attention_cached(0, qt, kt, vt, out)
     assert ex.lengths == (21,)
+
+
+def test_executor_flash_decoding_graphed(emu):
+    """The first call of a set of operands captures a graph, the next ones replay it with the length read
+    from the device: every replay matches the oracle, one graph per operands."""
+    rng = np.random.default_rng(5)
+    h, kvh, d, max_len = 4, 2, 64, 96
+    ex = CudaExecutor(1, h, kvh, d, max_len, block_size=16, device=emu)
+    k, v = rng.standard_normal((2, kvh, max_len, d)).astype(np.float32)
+    ex.append_kv(0, k, v)
+    qb, ob, lb = _buffer(emu, h * d), _buffer(emu, h * d), _buffer(emu, 1, np.uint32)
+    stream = cuda.Stream(emu)
+    for length in (1, 17, 50, 96):
+        qt = (rng.standard_normal((h, d)) * 4).astype(np.float32)
+        qb.copy_from_host(qt.reshape(-1))
+        lb.copy_from_host(np.array([length], np.uint32))
+        ob.poison()
+        ex.flash_decoding_graphed(0, qb, ob, lb, stream=stream)
+        stream.synchronize()
+        ref = attention_with_cache_gqa(qt.astype(np.float64), k[:, :length - 1].astype(np.float64),
+                                       v[:, :length - 1].astype(np.float64), k[:, length - 1].astype(np.float64),
+                                       v[:, length - 1].astype(np.float64))
+        assert _rel(ob.to_numpy((h, d)), ref) < RTOL
+    graphs = ex._graphs[id(stream)][1]
+    assert len(graphs) == 1
+    ex.flash_decoding_graphed(0, qb, _buffer(emu, h * d), lb, stream=stream)  # new operands: a second graph
+    assert len(graphs) == 2
 
 
 def test_executor_argument_errors(emu):

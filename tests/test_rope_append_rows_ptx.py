@@ -1,13 +1,12 @@
-"""The batched (prefill) RoPE + KV-append kernel ``rope_append_rows`` and the KVCache calls built on it.
+"""The batched (prefill) RoPE + KV-append kernel ``rope_append_rows`` of a contiguous cache.
 
 * the kernel runs on the PTX emulator against a float64 oracle made of the reference model's own
   RMSNorm and RoPE (S tokens, positions pos0.., both pair layouts, with and without the per-head
   q/k norm), every element of the NaN-poisoned outputs checked, positions past max_len untouched;
 * without the norm it rotates to the same bits as the decode kernel ``rope_kv_append``;
-* it assembles for sm_80/sm_89/sm_90 without spills over drawn shapes;
-* on an emulated device, ``KVCache.rope_append_rows`` + ``prefill_attention(out_layout="tokens-f16")``
-  over two chunks (the second continuing after the first in the cache) match the float64 attention,
-  and bad arguments raise typed errors before anything runs.
+* it assembles for sm_80/sm_89/sm_90 without spills over drawn shapes.
+
+Its paged form (``paged_append_rows``) and the cache calls built on it are in tests/test_paged_kv_ptx.py.
 """
 
 from __future__ import annotations
@@ -21,10 +20,6 @@ from ptx_gen import catalog
 from ptx_gen.emulator import Memory, run
 from ptx_gen.kernels.elementwise.rope import inv_freq_table
 from ptx_gen.ptxas import assemble
-from realizar import cuda
-from realizar.errors import CacheStateError, ContextOverflowError, ShapeError
-from realizar.gpu.kv_cache import KVCache
-from realizar.models.attention import gqa_attention
 from tests.layer_oracles import rope_append_rows_oracle as oracle
 
 TARGETS = ("sm_80", "sm_89", "sm_90")
@@ -116,82 +111,3 @@ def test_rope_append_rows_assembles(d, neox, qk_norm):
 def test_generator_rejects_odd_head_dim():
     with pytest.raises(ValueError, match="even"):
         catalog.emit("rope_append_rows", head_dim=63)
-
-
-# ---- KVCache on an emulated device ---------------------------------------------------------------
-
-H, KVH, D, MAX_LEN = 4, 2, 32, 40
-
-
-@pytest.fixture
-def cache():
-    dev = cuda.EmulatedDevice(sm_count=4)
-    return KVCache(2, H, KVH, D, MAX_LEN, device=dev, num_chunks=2)
-
-
-def _chunk(cache, rng, layer, pos0, s, neox, norms, inv_buf, inv):
-    """rope_append_rows + prefill_attention(tokens-f16) of one chunk; (f16 output [s, H*D], q, k, v)."""
-    ops = cache.ops
-    qkv = (rng.standard_normal((s, (H + 2 * KVH) * D)) * 2).astype(np.float32)
-    qkv_buf = ops.to_device(qkv)
-    q_buf, out_buf = ops.buffer(H * s * D), ops.buffer(s * H * D, np.float16)
-    q_buf.poison()
-    out_buf.poison()
-    bufs = [ops.to_device(w) for w in norms] if norms[0] is not None else [None, None]
-    cache.rope_append_rows(layer, qkv_buf, inv_buf, pos0, s, q_buf, neox=neox, q_norm=bufs[0], k_norm=bufs[1],
-                           eps=EPS)
-    cache.prefill_attention(layer, q_buf, out_buf, s, pos0, pos0 + s, out_layout="tokens-f16")
-    q, k, v = oracle(qkv, H, KVH, D, pos0, inv, neox, *norms, eps=EPS)
-    _close(q_buf.to_numpy((H, s, D)), q, 4e-6, "q_out")
-    return out_buf.to_numpy((s, H * D)), q, k, v
-
-
-@pytest.mark.parametrize("tensor_cores", [True, False])
-@pytest.mark.parametrize("neox, qk_norm", [(False, False), (True, True)])
-def test_kv_cache_prefill_in_two_chunks(cache, neox, qk_norm, tensor_cores):
-    """Chunk 1 at positions 0..6, chunk 2 at 7..16 continuing over the cache: the token-major f16
-    attention output of each matches float64 causal attention over everything cached so far (f32 SIMT
-    kernel: within the f16 output rounding; tensor-core kernel: within its f16 operands' rounding)."""
-    cache.use_tensor_cores = tensor_cores
-    assert cache.tensor_core_attention == tensor_cores
-    rng = np.random.default_rng(7)
-    inv = inv_freq_table(D, 10000.0)
-    inv_buf = cache.ops.to_device(inv)
-    norms = [(rng.standard_normal(D) + 1).astype(np.float32) for _ in range(2)] if qk_norm else [None, None]
-    ks, vs = [], []
-    for pos0, s in ((0, 7), (7, 10)):
-        got, q, k, v = _chunk(cache, rng, 1, pos0, s, neox, norms, inv_buf, inv)
-        assert cache.lengths == (0, pos0 + s)
-        ks.append(k)
-        vs.append(v)
-        ref = gqa_attention(q, np.concatenate(ks, 1), np.concatenate(vs, 1), causal=True)  # [H, s, D]
-        ref = ref.transpose(1, 0, 2).reshape(s, H * D)
-        assert np.isfinite(got).all()
-        err = np.abs(got.astype(np.float64) - ref)
-        bound = 4e-3 * np.abs(ref).max() if tensor_cores else 2.0**-11 * np.abs(ref) + 2e-5 * np.abs(ref).max()
-        assert (err <= bound).all(), err.max()
-    kc = cache.k_cache(1).to_numpy((KVH, MAX_LEN, D))
-    _close(kc[:, :17], np.concatenate(ks, 1), 4e-6, "k_cache")
-
-
-def test_rope_append_rows_argument_errors(cache):
-    ops = cache.ops
-    qkv, q_out, inv = ops.buffer(3 * (H + 2 * KVH) * D), ops.buffer(H * 3 * D), ops.buffer(D // 2)
-    with pytest.raises(ShapeError, match="q_norm and k_norm"):
-        cache.rope_append_rows(0, qkv, inv, 0, 3, q_out, q_norm=ops.buffer(D))
-    with pytest.raises(ShapeError, match="qkv needs"):
-        cache.rope_append_rows(0, qkv, inv, 0, 4, q_out)
-    with pytest.raises(ShapeError, match="count must be a positive integer"):
-        cache.rope_append_rows(0, qkv, inv, 0, 0, q_out)
-    with pytest.raises(CacheStateError, match="hole"):
-        cache.rope_append_rows(0, qkv, inv, 2, 3, q_out)
-    big = ops.buffer(MAX_LEN * (H + 2 * KVH) * D)
-    with pytest.raises(ContextOverflowError, match="max_len is 40"):
-        cache.rope_append_rows(0, big, inv, 0, MAX_LEN + 1, ops.buffer(H * (MAX_LEN + 1) * D))
-    assert cache.lengths == (0, 0)  # failed calls changed nothing
-    cache.rope_append_rows(0, qkv, inv, 0, 3, q_out)
-    assert cache.lengths == (3, 0)
-    with pytest.raises(ShapeError, match="out_layout"):
-        cache.prefill_attention(0, q_out, ops.buffer(H * 3 * D, np.float16), 3, 0, 3, out_layout="tokens")
-    with pytest.raises(ShapeError, match="out must hold float16"):
-        cache.prefill_attention(0, q_out, ops.buffer(H * 3 * D), 3, 0, 3, out_layout="tokens-f16")

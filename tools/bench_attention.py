@@ -7,20 +7,21 @@
 Decode rows, for (heads, kv_heads, head_dim) in {(14,2,64), (28,4,128), (32,8,128)} x L in {512, 4096,
 32768} on the same random f32 data:
 
-* flash decoding (one launch with the in-kernel combine, seq_len read on the device) timed as a
+* flash decoding (:class:`~realizar.gpu.executor.CudaExecutor` over the paged f32 cache: the paged
+  decode kernel, one launch with the in-kernel combine, seq_len read on the device) timed as a
   captured CUDA graph of many back-to-back calls (GPU time per call, launch gaps included) and as
   eager launches;
-* the one-pass incremental kernel (graph);
-* KV append of one token (graph);
+* the one-pass form (the same kernel with one chunk per KV head; graph);
+* KV append of one token through the block table (graph);
 * torch ``scaled_dot_product_attention(q, k, v, enable_gqa=True)`` with batch 1 and one query, f32
   and f16, eager and (when torch can capture it) as a torch CUDA graph.
 
 Bandwidth counts the K and V bytes a call must read (2 * kv_heads * L * head_dim * 4). The copy
 bandwidth is measured in the same run with cuMemcpyDtoD of a 1 GiB buffer (bytes read + written).
-Times are medians of repeated CUDA-event measurements after warm-up. A sweep of flash-decoding
-variants (one launch or two, scatter or butterfly scores, L2 prefetch depth, unroll, warps, chunk
-count, min chunk) at L in {512, 1024, 8192, 32768} and a prefill table (causal flash attention, S in
-{512, 2048}) follow.
+Times are medians of repeated CUDA-event measurements after warm-up. A sweep of the paged cache's
+flash-decoding knobs (block size, chunk count, unroll, lanes per K/V row, min chunk) at L in {512,
+1024, 8192, 32768} and a prefill table (causal flash attention from the paged cache, S in {512, 2048})
+follow.
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ from realizar import cuda
 from realizar.cuda.driver import call
 from realizar.gpu.executor import CudaExecutor
 from realizar.cuda.bench import copy_bandwidth, median_us
+from realizar.config import ServingConfig
+from realizar.errors import ShapeError
+from realizar.gpu.paged_kv import MMA_HEAD_DIMS
+from ptx_gen.kernels.kv.paged_kv import BLOCK_SIZES
 
 SHAPES = [(14, 2, 64), (28, 4, 128), (32, 8, 128)]
 LENGTHS = [512, 4096, 32768]
@@ -128,6 +133,22 @@ class TorchSdpa:
             torch.cuda.empty_cache()
 
 
+def _fill(ex: CudaExecutor, k: np.ndarray, v: np.ndarray) -> None:
+    """Store ``k``, ``v`` ``[KVH, L, D]`` f32 at positions ``0 .. L-1`` of layer 0 (the executor's block
+    table is ``1 .. n``: position p in pool block ``1 + p // block_size``) and record the length."""
+    kvh, n, d = k.shape
+    bs, nb = ex.block_size, -(-n // ex.block_size)
+    pools = []
+    for x in (k, v):
+        pool = np.zeros(ex.cache.pool_shape, np.float32)
+        seq = np.zeros((kvh, nb * bs, d), np.float32)
+        seq[:, :n] = x
+        pool[1:nb + 1] = seq.reshape(kvh, nb, bs, d).transpose(1, 0, 2, 3)
+        pools.append(pool)
+    ex.cache.pools_from_numpy(0, pools[0], pools[1])
+    ex.set_length(0, n)
+
+
 def _fmt(x: float | None, spec: str = ".1f", suffix: str = "") -> str:
     return "—" if x is None else format(x, spec) + suffix
 
@@ -145,9 +166,7 @@ def bench_decode(dev, stream, copy_bw: float, reps: int, torch_sdpa: TorchSdpa, 
         ex = CudaExecutor(1, h, kvh, d, max_len, dev)
         k = rng.standard_normal((kvh, max_len, d), dtype=np.float32)
         v = rng.standard_normal((kvh, max_len, d), dtype=np.float32)
-        ex.k_cache(0).copy_from_host(k.reshape(-1))
-        ex.v_cache(0).copy_from_host(v.reshape(-1))
-        ex.set_length(0, max_len)
+        _fill(ex, k, v)
         q = rng.standard_normal((h, d), dtype=np.float32)
         qb, ob = cuda.GpuBuffer.from_numpy(q), cuda.GpuBuffer(h * d)
         kn, vn = cuda.GpuBuffer.from_numpy(k[:, 0]), cuda.GpuBuffer.from_numpy(v[:, 0])
@@ -211,9 +230,7 @@ def bench_prefill(dev, stream, reps: int, torch_sdpa: TorchSdpa, shapes, seqs) -
             q = rng.standard_normal((h, s, d), dtype=np.float32)
             k = rng.standard_normal((kvh, s, d), dtype=np.float32)
             v = rng.standard_normal((kvh, s, d), dtype=np.float32)
-            ex.k_cache(0).copy_from_host(k.reshape(-1))  # [KVH, S, D] == the cache layout at max_len = S
-            ex.v_cache(0).copy_from_host(v.reshape(-1))
-            ex.set_length(0, s)
+            _fill(ex, k, v)
             with cuda.GpuBuffer.from_numpy(q) as qb, cuda.GpuBuffer(q.size) as ob:
                 def run():
                     for _ in range(3):
@@ -221,12 +238,12 @@ def bench_prefill(dev, stream, reps: int, torch_sdpa: TorchSdpa, shapes, seqs) -
 
                 t = median_us(run, stream, 3, max(3, reps // 4))
                 t16 = None
-                if ex.cache.tensor_core_attention:
+                if d in MMA_HEAD_DIMS and dev.target.compute_capability >= (8, 0):
                     with cuda.GpuBuffer(q.size, np.float16) as o16:
                         def run16():
                             for _ in range(3):
-                                ex.cache.prefill_attention(0, qb, o16, s, 0, s, True, out_layout="tokens-f16",
-                                                           stream=stream)
+                                ex.prefill_device(0, qb, o16, s, 0, s, True, out_layout="tokens-f16",
+                                                  stream=stream)
 
                         t16 = median_us(run16, stream, 3, max(3, reps // 4))
             flops = 4 * h * d * s * (s + 1) / 2  # QK^T and PV over the causal half
@@ -259,86 +276,94 @@ def bench_prefill(dev, stream, reps: int, torch_sdpa: TorchSdpa, shapes, seqs) -
 
 TUNE_VARIANTS = [  # (label, CudaExecutor options); the first is the default
     ("default", {}),
-    ("two launches (chunk + reduce)", {"decode_fused": False}),
-    ("butterfly scores", {"decode_scores": "butterfly"}),
-    ("4 warps", {"decode_warps": 4}),
-    ("L2 prefetch 2 steps", {"decode_l2_prefetch": 2}),
-    ("L2 prefetch 4 steps", {"decode_l2_prefetch": 4}),
-    ("unroll 2", {"decode_unroll": 2}),
-    ("register prefetch", {"decode_prefetch": True}),
+    *[(f"block {bs}", {"block_size": bs}) for bs in BLOCK_SIZES if bs != ServingConfig().block_size],
     ("chunks x0.5", {"chunks": 0.5}),
-    ("chunks x2 (at most 256)", {"chunks": 2.0}),
-    ("min chunk 16 rows, no growth", {"min_chunk": 16, "grow_rows": 0}),
-    ("min chunk 64 rows", {"min_chunk": 64}),
-    ("about as before tuning (two launches, butterfly, 4 warps, no L2 prefetch)",
-     {"decode_fused": False, "decode_scores": "butterfly", "decode_warps": 4, "decode_l2_prefetch": 0}),
+    ("chunks x2 (at most 1024)", {"chunks": 2.0}),
+    ("unroll 1", {"decode_unroll": 1}),
+    ("unroll 2", {"decode_unroll": 2}),
+    ("unroll 4", {"decode_unroll": 4}),
+    ("lanes 0 (the kernel's own)", {"decode_lanes": 0}),
+    ("lanes 8", {"decode_lanes": 8}),
+    ("lanes 16", {"decode_lanes": 16}),
+    ("lanes 32", {"decode_lanes": 32}),
+    ("block 16, min chunk 16", {"block_size": 16, "min_chunk": 16}),
+    ("min chunk 64", {"min_chunk": 64}),
+    ("min chunk 128", {"min_chunk": 128}),
 ]
 TUNE_LENGTHS = [512, 1024, 8192, 32768]
 
 
-def bench_tuning(dev, stream, copy_bw: float, reps: int, shapes, lengths, calls: int | None = None) -> list[str]:
-    """Flash-decoding variants on the same data (graph timing), to pick the defaults from one run.
+def _default_label(ex: CudaExecutor) -> str:
+    c = ex.cache
+    return (f"default (block {ex.block_size}, unroll {c.decode_unroll}, lanes {c.decode_lanes}, "
+            f"min chunk {ex.min_chunk})")
 
-    Each variant is a CudaExecutor with those options, so it gets the chunk count its own occupancy
-    gives (``chunks xF`` scales the default's); its cache is a device copy of the first one's."""
+
+def bench_tuning(dev, stream, copy_bw: float, reps: int, shapes, lengths, calls: int | None = None) -> list[str]:
+    """Flash-decoding variants of the paged cache on the same data (graph timing), to pick the defaults
+    from one run.
+
+    Each variant is a CudaExecutor with those options holding the same K/V, so it gets the chunk count
+    and tiling its own settings give (``chunks xF`` scales the default's chunk count). A variant the
+    shape cannot take (lanes not dividing head_dim / 4) gets a row that says why instead of a time."""
     rows = ["| heads/kv/dim | L | variant | chunks | regs | µs (graph) | % of copy |",
             "|---|---:|---|---:|---:|---:|---:|"]
     rng = np.random.default_rng(2)
     max_len = max(lengths)
     for h, kvh, d in shapes:
-        base = CudaExecutor(1, h, kvh, d, max_len, dev)
-        base.k_cache(0).copy_from_host(rng.standard_normal(kvh * max_len * d, dtype=np.float32))
-        base.v_cache(0).copy_from_host(rng.standard_normal(kvh * max_len * d, dtype=np.float32))
+        k = rng.standard_normal((kvh, max_len, d), dtype=np.float32)
+        v = rng.standard_normal((kvh, max_len, d), dtype=np.float32)
         qb, ob = cuda.GpuBuffer.from_numpy(rng.standard_normal(h * d, dtype=np.float32)), cuda.GpuBuffer(h * d)
         step = cuda.GpuBuffer.from_numpy(np.array([0], np.uint32))
-        executors = []
+        results: dict[int, list] = {length: [] for length in lengths}
+        default_chunks = 1
         for label, opts in TUNE_VARIANTS:
             opts = dict(opts)
             factor = opts.pop("chunks", None)
             if factor is not None:
-                opts["num_chunks"] = max(1, min(256, round(base.num_chunks * factor)))
-            if "min_chunk" in opts:
-                opts["min_chunk"] = min(opts["min_chunk"], max_len)
-            ex = base if not opts else CudaExecutor(1, h, kvh, d, max_len, dev, **opts)
-            if ex is not base:
-                ex.k_cache(0).copy_from(base.k_cache(0), stream=stream)
-                ex.v_cache(0).copy_from(base.v_cache(0), stream=stream)
-            ex.set_length(0, max_len)
-            executors.append((label, ex))
-        stream.synchronize()
+                opts["num_chunks"] = max(1, min(1024, round(default_chunks * factor)))
+            try:
+                ex = CudaExecutor(1, h, kvh, d, max_len, dev, **opts)
+            except ShapeError as exc:
+                for length in lengths:
+                    results[length].append((f"{label} (skipped: {exc})", None, None, None))
+                continue
+            if not opts:
+                label, default_chunks = _default_label(ex), ex.num_chunks
+            try:
+                _fill(ex, k, v)
+                for length in lengths:
+                    step.copy_from_host(np.array([length], np.uint32))
+                    n_calls = calls or (50 if length <= 4096 else 20)
+
+                    def fd(s, ex=ex):
+                        ex.flash_decoding(0, qb, ob, seq_len=step, stream=s)
+
+                    g = _graph_of(fd, stream, n_calls)
+                    if g is not None:
+                        t = median_us(lambda: g.launch(stream), stream, n_calls, reps)
+                        g.close()
+                    else:
+                        def eager():
+                            for _ in range(n_calls):
+                                fd(stream)
+                        t = median_us(eager, stream, n_calls, reps)
+                    results[length].append((label, ex.num_chunks, _registers(ex), t))
+            finally:
+                stream.synchronize()
+                ex.close()
         for length in lengths:
-            step.copy_from_host(np.array([length], np.uint32))
             kv_bytes = 2 * kvh * length * d * 4
-            results = []
-            for label, ex in executors:
-                n_calls = calls or (50 if length <= 4096 else 20)
-
-                def fd(s, ex=ex):
-                    ex.flash_decoding(0, qb, ob, seq_len=step, stream=s)
-
-                g = _graph_of(fd, stream, n_calls)
-                if g is not None:
-                    t = median_us(lambda: g.launch(stream), stream, n_calls, reps)
-                    g.close()
-                else:
-                    def eager():
-                        for _ in range(n_calls):
-                            fd(stream)
-                    t = median_us(eager, stream, n_calls, reps)
-                results.append((label, ex.num_chunks, _registers(ex), t))
-            best = min(r[3] for r in results)
-            for label, nch, regs, t in results:
-                mark = " **best**" if t == best else ""
-                row = (f"| {h}/{kvh}/{d} | {length} | {label}{mark} | {nch} | {regs} | {t:.1f} | "
-                       f"{100 * kv_bytes / t / copy_bw:.0f}% |")
+            best = min((r[3] for r in results[length] if r[3] is not None), default=None)
+            for label, nch, regs, t in results[length]:
+                mark = " **best**" if t is not None and t == best else ""
+                pct = None if t is None else 100 * kv_bytes / t / copy_bw
+                row = (f"| {h}/{kvh}/{d} | {length} | {label}{mark} | {_fmt(nch, 'd')} | {_fmt(regs, 's')} | "
+                       f"{_fmt(t)} | {_fmt(pct, '.0f', '%')} |")
                 print(row, flush=True)
                 rows.append(row)
-        for _, ex in executors:
-            if ex is not base:
-                ex.close()
         for b in (qb, ob, step):
             b.free()
-        base.close()
     return rows
 
 
@@ -379,7 +404,8 @@ def main() -> None:
         f"Device-to-device copy bandwidth measured in this run: **{copy_bw / 1e3:.0f} GB/s** "
         "(cuMemcpyDtoD of 1 GiB, bytes read + written). `python tools/bench_attention.py`",
         "",
-        "Decode (batch 1, one query per head, f32 KV cache). Graph columns: GPU time per call inside a captured "
+        f"Decode (batch 1, one query per head, paged f32 KV cache, block size {ServingConfig().block_size}). "
+        "Graph columns: GPU time per call inside a captured "
         "CUDA graph of back-to-back calls (PDL: with programmatic dependent launch between them, as the GPU "
         "model runs). KV GB/s and % of copy use the best of the three.",
         "",
@@ -387,12 +413,12 @@ def main() -> None:
     print("\n".join(lines), flush=True)
     lines += bench_decode(dev, stream, copy_bw, reps, torch_sdpa, lengths, shapes, calls)
     if not a.no_tune:
-        lines += ["", "Flash-decoding variants (same data; graph timing; the defaults are the first row; regs: "
-                  "registers per thread of the decode kernel):", ""]
+        lines += ["", "Flash-decoding variants of the paged cache's knobs (same data; graph timing; the defaults "
+                  "are the first row; regs: registers per thread of the decode kernel):", ""]
         print("\n".join(lines[-3:]), flush=True)
         lines += bench_tuning(dev, stream, copy_bw, reps, shapes, tune_lengths, calls)
     if not a.no_prefill:
-        lines += ["", "Prefill (causal flash attention, f32, from the KV cache in place):", ""]
+        lines += ["", "Prefill (causal flash attention, f32, from the paged KV cache through its block table):", ""]
         print("\n".join(lines[-3:]), flush=True)
         lines += bench_prefill(dev, stream, reps, torch_sdpa, shapes, prefill)
     table = "\n".join(lines) + "\n"

@@ -11,8 +11,12 @@ one past a chunk/tile quantum, a flash-decoding grid with more chunks than the s
 twice on the same counters, a causal prefill whose last query tile is partial, and caches read in
 place with spare rows. The paged KV cache (f16 and q8_0 pools): a batched decode append and split-KV
 decode attention over rows of lengths 0, 1 and across block/chunk boundaries through shuffled block
-tables (twice, on the same combine counters), and a prefill chunk after a cached prefix on tensor cores. Every case checks its result against the float64 oracle, so a kernel that misbehaves
-only under the sanitizer is noticed too.
+tables (twice, on the same combine counters), and a prefill chunk after a cached prefix on tensor cores.
+The paged f32 forms of kv_append and flash_attention (``block_size=``) launched directly, an append
+running past its block table; and CudaExecutor over its paged f32 cache (host- and device-positioned
+appends, one-pass and split-KV decode, graph replays with a new length, prefill after a prefix). Every
+case checks its result against the float64 oracle, so a kernel that misbehaves only under the
+sanitizer is noticed too.
 """
 
 from __future__ import annotations
@@ -189,20 +193,151 @@ def paged_cases(rng, shapes) -> None:
             cache.close()
 
 
+# (num_heads, num_kv_heads, head_dim, block_size, prefix, chunk, causal, indirect): kv_append of the chunk
+# after a cached prefix into paged f32 pools, then flash attention of the chunk's queries over the pools
+PAGED_F32_SHAPES = [(4, 2, 64, 16, 20, 33, True, True), (3, 3, 80, 64, 0, 70, True, True),
+                    (2, 1, 128, 32, 40, 17, False, False), (4, 2, 48, 16, 9, 24, True, False),
+                    (2, 1, 256, 32, 5, 34, True, True)]
+PAGED_F32_SHAPES_SMALL = PAGED_F32_SHAPES[:2]
+
+
+def _gather(pool: np.ndarray, table: np.ndarray, positions: np.ndarray, bs: int) -> np.ndarray:
+    """Rows ``positions`` of a ``[blocks, KVH, bs, D]`` pool through ``table`` as ``[KVH, n, D]``."""
+    return pool[table[positions // bs], :, positions % bs].transpose(1, 0, 2)
+
+
+def paged_f32_cases(cache, rng, shapes) -> None:
+    """The paged forms of kv_append and flash_attention (``block_size=``; what CudaExecutor launches),
+    launched directly: shuffled block tables holding exactly the entries read, an append running past
+    the table's end (those rows must go nowhere), pools checked whole."""
+    for h, kvh, d, bs, prefix, chunk, causal, indirect in shapes:
+        total = prefix + chunk
+        stride = -(-total // bs)
+        count = stride * bs - prefix + 3  # through the table's last block and three rows past it
+        nb = 2 + 2 * stride
+        tab = rng.permutation(np.arange(1, nb))[:stride].astype(np.uint32)
+        pools = rng.standard_normal((2, nb, kvh, bs, d)).astype(np.float32)
+        new = rng.standard_normal((2, kvh, count, d)).astype(np.float32)
+        want = pools.copy()
+        p = np.arange(prefix, stride * bs)
+        for i in range(2):
+            want[i][tab[p // bs], :, p % bs] = new[i][:, :len(p)].transpose(1, 0, 2)
+        q = rng.standard_normal((h, chunk, d)).astype(np.float32)
+        p = np.arange(total)
+        keys, vals = (_gather(want[i], tab, p, bs).astype(np.float64) for i in range(2))
+        ref = gqa_attention(q.astype(np.float64), keys, vals, causal, q_offset=prefix)
+        what = f"paged f32 {h}/{kvh}/{d} b{bs} {prefix}+{chunk}"
+        app = cache.get("kv_append", head_dim=d, indirect=indirect, block_size=bs)
+        fa = cache.get("flash_attention", head_dim=d, group=h // kvh, causal=causal, block_size=bs)
+        bufs = dict(kp=cuda.GpuBuffer.from_numpy(pools[0]), vp=cuda.GpuBuffer.from_numpy(pools[1]),
+                    kn=cuda.GpuBuffer.from_numpy(new[0]), vn=cuda.GpuBuffer.from_numpy(new[1]),
+                    tab=cuda.GpuBuffer.from_numpy(tab), pos=cuda.GpuBuffer.from_numpy(np.array([prefix], np.uint32)),
+                    q=cuda.GpuBuffer.from_numpy(q), out=cuda.GpuBuffer(q.size))
+        try:
+            b = bufs
+            pos = {"pos_ptr": b["pos"]} if indirect else {"pos": prefix}
+            cuda.launch(app, (-(-count * (d // 4) // app.meta["block"]), kvh), app.meta["block"],
+                        app.args(k_pool=b["kp"], v_pool=b["vp"], k_new=b["kn"], v_new=b["vn"], count=count,
+                                 block_table=b["tab"], table_stride=stride, n_kv=kvh, **pos))
+            for i, name in enumerate(("kp", "vp")):
+                got = b[name].to_numpy(want[i].shape)
+                if not np.array_equal(got, want[i]):
+                    bad = np.argwhere(got != want[i])
+                    raise AssertionError(f"{what}: kv_append ({'indirect' if indirect else 'direct'}) wrote "
+                                         f"{len(bad)} wrong values in the {'KV'[i]} pool, first at {bad[0].tolist()}")
+            b["out"].poison()
+            cuda.launch(fa, (-(-chunk // fa.meta["block_q"]), h), fa.meta["block"],
+                        fa.args(q=b["q"], k=b["kp"], v=b["vp"], out=b["out"], seq_q=chunk, seq_k=total,
+                                q_offset=prefix, n_kv=kvh, block_table=b["tab"]), fa.launch.dyn_smem)
+            _check(b["out"].to_numpy(q.shape), ref, f"{what}: flash attention causal={causal}")
+        finally:
+            for buf in bufs.values():
+                buf.free()
+
+
+# (num_heads, num_kv_heads, head_dim, block_size, seq_len, max_len, num_chunks, min_chunk, prefill prefix)
+EXECUTOR_SHAPES = [(4, 2, 80, 16, 33, 40, 7, 4, 20), (7, 1, 64, 32, 65, 70, None, None, 0),
+                   (8, 2, 128, 64, 129, 130, 40, 16, 100), (6, 3, 48, 16, 17, 17, 3, 16, 1)]
+EXECUTOR_SHAPES_SMALL = EXECUTOR_SHAPES[:2]
+
+
+def executor_cases(rng, shapes) -> None:
+    """CudaExecutor over its paged f32 cache: appends with a host and a device position, the one-pass
+    and split-KV decode (twice on the same combine counters), graph replays reading a new length from
+    the device, and a prefill after a cached prefix (f32, and token-major f16 on tensor cores)."""
+    from ptx_gen.kernels.attention.flash_attention_mma import HEAD_DIMS as MMA_HEAD_DIMS
+    from realizar.gpu.executor import CudaExecutor
+    for h, kvh, d, bs, length, max_len, nch, mc, prefix in shapes:
+        q = (rng.standard_normal((h, d)) * 4).astype(np.float32)
+        k = rng.standard_normal((kvh, length, d)).astype(np.float32)
+        v = rng.standard_normal((kvh, length, d)).astype(np.float32)
+        q64, k64, v64 = q.astype(np.float64), k.astype(np.float64), v.astype(np.float64)
+
+        def ref(n):
+            return attention_with_cache_gqa(q64, k64[:, :n - 1], v64[:, :n - 1], k64[:, n - 1], v64[:, n - 1])
+
+        what = f"executor {h}/{kvh}/{d} b{bs} L={length}"
+        ex = CudaExecutor(1, h, kvh, d, max_len, block_size=bs, num_chunks=nch, min_chunk=mc)
+        stream = cuda.Stream()
+        bufs = dict(q=cuda.GpuBuffer.from_numpy(q), out=cuda.GpuBuffer(h * d),
+                    kn=cuda.GpuBuffer.from_numpy(k[:, -1].copy()), vn=cuda.GpuBuffer.from_numpy(v[:, -1].copy()),
+                    step=cuda.GpuBuffer.from_numpy(np.array([length - 1, length], np.uint32)))
+        try:
+            b = bufs
+            ex.append_kv(0, k[:, :-1], v[:, :-1])  # host position 0
+            ex.append_kv(0, b["kn"], b["vn"], position=(b["step"], 0))  # the last one at a device position
+            ex.set_length(0, length)
+            kc, vc = ex.cache_to_numpy(0)
+            if not (np.array_equal(kc, k) and np.array_equal(vc, v)):
+                raise AssertionError(f"{what}: the cache does not hold what was appended")
+            _check(ex.incremental_attention_gpu(0, q), ref(length), f"{what} one pass")
+            for rep in range(2):
+                b["out"].poison()
+                ex.flash_decoding(0, b["q"], b["out"], seq_len=(b["step"], 1))
+                _check(b["out"].to_numpy((h, d)), ref(length), f"{what} flash decoding call {rep}")
+            for n in (length, length - 1):  # the first call captures, the second replays with a new length
+                stream.synchronize()
+                b["step"].copy_from_host(np.array([n - 1, n], np.uint32))
+                b["out"].poison(stream)
+                ex.flash_decoding_graphed(0, b["q"], b["out"], (b["step"], 1), stream=stream)
+                stream.synchronize()
+                _check(b["out"].to_numpy((h, d)), ref(n), f"{what} graphed flash decoding L={n}")
+            s = length - prefix
+            ex.truncate(0, prefix)
+            qs = rng.standard_normal((h, s, d)).astype(np.float32)
+            pref = gqa_attention(qs.astype(np.float64), k64, v64, True, q_offset=prefix)
+            _check(ex.prefill(0, qs, k[:, prefix:], v[:, prefix:]), pref, f"{what} prefill {prefix}+{s}")
+            if d in MMA_HEAD_DIMS and ex.device.target.compute_capability >= (8, 0):
+                with cuda.GpuBuffer.from_numpy(qs) as dq, cuda.GpuBuffer(qs.size, np.float16) as o16:
+                    ex.prefill_device(0, dq, o16, s, prefix, length, True, out_layout="tokens-f16")
+                    got = o16.to_numpy((s, h, d)).transpose(1, 0, 2).astype(np.float64)
+                    _check(got, pref, f"{what} tensor-core prefill {prefix}+{s}", 4e-3)
+        finally:
+            for buf in bufs.values():
+                buf.free()
+            ex.close()
+            stream.close()
+
+
 def cases(cache, rng, small: bool) -> None:
     """All attention cases (``small``: the racecheck subset)."""
     decode_cases(cache, rng, DECODE_SHAPES_SMALL if small else DECODE_SHAPES)
     prefill_cases(cache, rng, PREFILL_SHAPES_SMALL if small else PREFILL_SHAPES)
     paged_cases(rng, PAGED_SHAPES_SMALL if small else PAGED_SHAPES)
+    paged_f32_cases(cache, rng, PAGED_F32_SHAPES_SMALL if small else PAGED_F32_SHAPES)
+    executor_cases(rng, EXECUTOR_SHAPES_SMALL if small else EXECUTOR_SHAPES)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="the racecheck subset")
-    ap.add_argument("--paged", action="store_true", help="only the paged KV cache cases")
+    ap.add_argument("--paged", action="store_true", help="only the paged KV cache cases (the executor's too)")
     a = ap.parse_args()
     if a.paged:
-        paged_cases(np.random.default_rng(0), PAGED_SHAPES_SMALL if a.small else PAGED_SHAPES)
+        rng = np.random.default_rng(0)
+        paged_cases(rng, PAGED_SHAPES_SMALL if a.small else PAGED_SHAPES)
+        paged_f32_cases(cuda.module_cache(), rng, PAGED_F32_SHAPES_SMALL if a.small else PAGED_F32_SHAPES)
+        executor_cases(rng, EXECUTOR_SHAPES_SMALL if a.small else EXECUTOR_SHAPES)
     else:
         cases(cuda.module_cache(), np.random.default_rng(0), a.small)
     cuda.current_device().synchronize()

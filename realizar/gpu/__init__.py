@@ -14,7 +14,7 @@
     batch.py       GpuBatchBackend: the one GPU inference path (batches; a single sequence is its batch of one)
     prefill.py     Prefill: a prompt chunk through the program
     model.py       GpuModel: a single sequence, the Generator API, one CUDA graph per token
-    kv_cache.py executor.py   CudaExecutor: NumPy-in/NumPy-out kernel experiments over a contiguous cache
+    executor.py               CudaExecutor: NumPy-in/NumPy-out kernel experiments over the paged cache
 
 Dependencies point down: model -> batch -> decoder -> linear/attention/ops -> dispatch -> realizar.cuda;
 ptx_gen supplies kernels.

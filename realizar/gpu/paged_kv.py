@@ -297,14 +297,15 @@ None: :func:`decode_tiling`. ``ops``: the dispatcher to launch with."""
         ops.launch(kern, (rows, -(-(h + 2 * kvh) // kern.meta["warps"])), values, stream)
 
     def decode_attention(self, layer: int, q: Any, out: Any, seq_lens: Any, block_tables: Any, table_stride: int,
-                         rows: int, out_f16: bool = False, *, q_stride: int | None = None,
+                         rows: int, out_f16: bool = False, *, q_stride: int | None = None, chunks: int | None = None,
                          stream: Any = None) -> None:
         """Split-KV attention of ``rows`` query rows (``q``: f32 rows of ``H * D`` values ``q_stride`` floats
         apart; default ``H * D``, packed; ``(H + 2 KVH) * D`` reads Q in place from the qkv rows that
         :meth:`append_decode` rotated) each over its own length
         ``seq_lens[b]`` (device u32[rows], clamped to table_stride * block_size) through block table row b
         (device u32 ``[rows, table_stride]``) of ``layer``. ``out``: ``[rows, H * D]`` f32, or f16 with
-        ``out_f16``. One launch on grid (rows * KVH, chunks_for(rows)); graph-capturable. ``seq_lens`` must
+        ``out_f16``. One launch on grid (rows * KVH, ``chunks``: default chunks_for(rows); 1 is the one-pass form, a
+        block per (row, KV head)); graph-capturable. ``seq_lens`` must
         not be written by the kernels just before this launch (it is read before the kernel's grid-dependency
         wait on sm_90; the decode step copies it from the host)."""
         layer, rows = self._layer(layer), self._rows(rows)
@@ -322,13 +323,60 @@ None: :func:`decode_tiling`. ``ops``: the dispatcher to launch with."""
                   "table_stride": table_stride, "n_kv": self.num_kv_heads, "min_chunk": self.min_chunk_for(rows),
                   "q_stride": q_stride}
         kern = self._decode_kernel(out_f16)
-        ops.launch(kern, (rows * self.num_kv_heads, self.chunks_for(rows)), values, stream)
+        chunks = self.chunks_for(rows) if chunks is None else min(check_int("chunks", chunks), self.chunks_for(rows))
+        ops.launch(kern, (rows * self.num_kv_heads, chunks), values, stream)
 
     # ---- prefill -----------------------------------------------------------------------------------
     def _table(self, block_table: Any, entries: int) -> int:
         if not _table_arg(block_table):
             raise ShapeError(f"block_table must be a u32 GpuBuffer or (buffer, offset), got {type(block_table).__name__}")
         return self.ops.addr(block_table, entries, "block_table", np.uint32, align=4)
+
+    def _f32_only(self, what: str) -> None:
+        if self.kv_dtype != "f32":
+            raise ShapeError(f"{what} takes an f32 pool, this one is {self.kv_dtype}")
+
+    def append_kv(self, layer: int, k_new: Any, v_new: Any, count: int, position: Any, block_table: Any,
+                  table_stride: int, *, stream: Any = None) -> None:
+        """K and V of ``count`` positions as given (no RoPE; ``k_new``/``v_new`` device f32 ``[KVH, count, D]``)
+        into ``layer``'s f32 pools at ``position ..`` through ``block_table`` (``table_stride`` entries;
+        positions past it write nothing). ``position``: an int, or a device u32 (GpuBuffer or (buffer,
+        index)) read on the device, graph-capturable."""
+        self._f32_only("append_kv")
+        layer, count = self._layer(layer), check_int("count", count)
+        table_stride = check_int("table_stride", table_stride)
+        ops, kvh, d = self.ops, self.num_kv_heads, self.head_dim
+        indirect = _table_arg(position)
+        values = {**self._pool_values(layer), "k_new": ops.addr(k_new, kvh * count * d, "k"),
+                  "v_new": ops.addr(v_new, kvh * count * d, "v"), "count": count,
+                  "block_table": self._table(block_table, table_stride), "table_stride": table_stride, "n_kv": kvh}
+        if indirect:
+            values["pos_ptr"] = ops.addr(position, 1, "position", np.uint32, align=4)
+        else:
+            values["pos"] = check_int("position", position, lo=0)
+        kern = ops.kernel("kv_append", head_dim=d, indirect=indirect, block_size=self.block_size)
+        ops.launch(kern, (-(-count * (d // 4) // kern.meta["block"]), kvh), values, stream, cache=indirect)
+
+    def prefill_attention_heads(self, layer: int, q: Any, out: Any, seq_q: int, q_offset: int, seq_k: int,
+                                block_table: Any, causal: bool = True, *, stream: Any = None) -> None:
+        """f32 (SIMT) attention of ``q [H, seq_q, D]`` (query i at position ``q_offset + i``) over keys ``[0,
+        seq_k)`` of ``layer``'s f32 pools through ``block_table``; ``out [H, seq_q, D]`` f32 — the exact form of
+        :meth:`prefill_attention` (whose inputs enter tensor cores as f16)."""
+        self._f32_only("prefill_attention_heads")
+        layer = self._layer(layer)
+        seq_q, seq_k = check_int("seq_q", seq_q), check_int("seq_k", seq_k)
+        q_offset = check_int("q_offset", q_offset, lo=0)
+        if causal and q_offset + seq_q > seq_k:
+            raise ShapeError(f"causal queries at positions {q_offset}..{q_offset + seq_q - 1} need "
+                             f"{q_offset + seq_q} keys, seq_k is {seq_k}")
+        ops, h, d = self.ops, self.num_heads, self.head_dim
+        n = h * seq_q * d
+        values = {"q": ops.addr(q, n, "q"), "k": self._k[layer].ptr, "v": self._v[layer].ptr,
+                  "out": ops.addr(out, n, "out"), "seq_q": seq_q, "seq_k": seq_k, "q_offset": q_offset,
+                  "n_kv": self.num_kv_heads, "block_table": self._table(block_table, -(-seq_k // self.block_size))}
+        kern = ops.kernel("flash_attention", head_dim=d, group=self.group, causal=bool(causal),
+                          block_size=self.block_size)
+        ops.launch(kern, (-(-seq_q // kern.meta["block_q"]), h), values, stream, cache=False)
 
     def append_rows(self, layer: int, qkv_rows: Any, inv_freq: Any, pos0: int, count: int, q_out: Any,
                     block_table: Any, *, neox: bool = False, q_norm: Any = None, k_norm: Any = None,

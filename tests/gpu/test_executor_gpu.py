@@ -63,12 +63,12 @@ def test_prefill_then_decode_matches_oracle(device, shape, prefill_len, steps, s
                      RTOL, "multi-head")
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_graph_captured_decode_replays_with_device_position(device, fused):
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_graph_captured_decode_replays_with_device_position(device, block_size):
     h, kvh, d, max_len = 28, 4, 128, 4096
     rng = np.random.default_rng(0)
     stream = cuda.Stream()
-    with CudaExecutor(1, h, kvh, d, max_len, device, decode_fused=fused) as ex:
+    with CudaExecutor(1, h, kvh, d, max_len, device, block_size=block_size) as ex:
         prompt = 700
         k0 = rng.standard_normal((kvh, prompt, d)).astype(np.float32)
         v0 = rng.standard_normal((kvh, prompt, d)).astype(np.float32)
@@ -79,7 +79,7 @@ def test_graph_captured_decode_replays_with_device_position(device, fused):
             ex.append_kv(0, kb, vb, position=(step.device, step.index("pos")), stream=stream)
             ex.flash_decoding(0, qb, ob, seq_len=(step.device, step.index("seq_len")), stream=stream)
         exe = cap.graph.instantiate()
-        assert cap.graph.num_kernels == 1 + ex.decode_launches == (2 if fused else 3)
+        assert cap.graph.num_kernels == 1 + ex.decode_launches == 2
         kall, vall = k0, v0
         for t in range(prompt, prompt + 12):
             qt = (rng.standard_normal((h, d)) * 6).astype(np.float32)
@@ -101,6 +101,33 @@ def test_graph_captured_decode_replays_with_device_position(device, fused):
         for b in (qb, ob, kb, vb):
             b.free()
         step.free()
+
+
+def test_flash_decoding_graphed_replays_one_graph_per_operands(device):
+    """flash_decoding_graphed: the first call captures, later calls with the same operands replay the graph
+    with the length read from the device; split-KV and one-pass agree with the oracle at every length."""
+    h, kvh, d, max_len = 32, 8, 128, 2048
+    rng = np.random.default_rng(3)
+    stream = cuda.Stream()
+    with CudaExecutor(1, h, kvh, d, max_len, device) as ex:
+        k = rng.standard_normal((kvh, max_len, d)).astype(np.float32)
+        v = rng.standard_normal((kvh, max_len, d)).astype(np.float32)
+        ex.append_kv(0, k, v)
+        qb, ob, lb = cuda.GpuBuffer(h * d), cuda.GpuBuffer(h * d), cuda.GpuBuffer(1, np.uint32)
+        for length in (1, 31, 700, 2048):
+            qt = (rng.standard_normal((h, d)) * 4).astype(np.float32)
+            qb.copy_from_host(qt.reshape(-1))
+            lb.copy_from_host(np.array([length], np.uint32))
+            ob.poison()
+            ex.flash_decoding_graphed(0, qb, ob, lb, stream=stream)
+            stream.synchronize()
+            ref = _decode_ref(qt, k[:, :length - 1], v[:, :length - 1], k[:, length - 1], v[:, length - 1])
+            assert_close(ob.to_numpy((h, d)), ref, RTOL, f"graphed L={length}")
+            assert_close(ex.incremental_attention_gpu(0, qt, seq_len=length), ref, RTOL, f"one-pass L={length}")
+        graphs = ex._graphs[id(stream)][1]
+        assert len(graphs) == 1  # one set of operands: one graph, replayed
+        for b in (qb, ob, lb):
+            b.free()
 
 
 def test_flash_decoding_at_long_context(device):

@@ -2,7 +2,7 @@
 oracle: decode attention of up to 64 rows of mixed lengths up to 4096 through shuffled block tables (NaN in
 every pool row no sequence owns, NaN-poisoned outputs, f32 and f16 outputs, f16/f32/bf16 pools), the batched
 decode append, and a prefill chunk after cached positions on tensor cores. ``-s`` prints event timings of
-decode_attention next to KVCache.flash_decoding."""
+decode_attention."""
 
 from __future__ import annotations
 
@@ -166,10 +166,8 @@ def test_prefill_after_cached_positions(dev, cached, count, kv_dtype):
 
 def test_decode_timings(dev):
     """Event-timed medians (printed with -s): paged decode attention, f16 and q8_0 pools, f16 output, at
-    B=64 L=256, B=1 L=4096 and B=64 L=4096 for lanes per row (0: the kernel's default) x unroll, beside the
-    contiguous f32 KVCache.flash_decoding at B=1 L=4096. Bytes: the K/V rows read (q8_0: codes + scales)."""
+    B=64 L=256, B=1 L=4096 and B=64 L=4096 for lanes per row (0: the kernel's default) x unroll. Bytes: the K/V rows read (q8_0: codes + scales)."""
     from realizar.cuda.bench import median_us
-    from realizar.gpu.kv_cache import KVCache
     from realizar.gpu.paged_kv import kv_bytes_per_row
     stream = cuda.Stream(dev)
     rng = np.random.default_rng(11)
@@ -204,17 +202,6 @@ def test_decode_timings(dev):
                 kv_bytes = 2 * rows * length * KVH * kv_bytes_per_row(D, kv_dtype)
                 results[f"paged {kv_dtype} B={rows} L={length} lanes={lanes} unroll={unroll}"] = (us, kv_bytes / us / 1e3)
             cache.close()
-    kv = KVCache(1, H, KVH, D, 4096, device=dev)
-    kv.set_length(0, 4096)
-    q1 = cuda.GpuBuffer.from_numpy(rng.standard_normal(H * D).astype(np.float32), device=dev)
-    o1 = cuda.GpuBuffer(H * D, device=dev)
-
-    def run_flat():
-        for _ in range(20):
-            kv.flash_decoding(0, q1, o1, 4096, stream=stream)
-    us = median_us(run_flat, stream, 20, 5)
-    results["KVCache.flash_decoding f32 B=1 L=4096"] = (us, 2 * 4096 * KVH * D * 4 / us / 1e3)
-    kv.close()
     for name, (us, gbs) in results.items():
         print(f"{name}: {us:.2f} us  ({gbs:.0f} GB/s of K/V)")
     assert all(us > 0 for us, _ in results.values())

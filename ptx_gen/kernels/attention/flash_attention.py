@@ -13,6 +13,10 @@ Per key tile: load K and V tiles to shared memory, scores from shared Q and K, o
 row (row max over the 8 lanes of a row by butterfly, the row sum kept per thread and reduced once at
 the end), P to shared memory, then O += P V.
 
+With ``block_size`` K and V are paged f32 pools ``[num_blocks, n_kv, block_size, head_dim]`` read through
+one sequence's block table (key ``p`` in block ``block_table[p // block_size]``, row ``p % block_size``;
+params ``n_kv, block_table`` in place of ``kv_stride``; :mod:`ptx_gen.kernels.kv.paged_kv`).
+
 ``flash_attention_tokens_f16`` is the same kernel writing its output token-major in f16,
 ``out[i, h * head_dim + j]`` (rows ``num_heads * head_dim`` apart, ``num_heads`` = grid.y; rounded to
 nearest even): the A operand of the output projection's f16 tensor-core GEMM.
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 from ptx_gen.builder import KernelBuilder, Module, Reg
 from ptx_gen.catalog import kernel
 from ptx_gen.kernels.attention.decode_core import LOG2E, NEG_INF, check_head_dim, online_softmax, safe_reciprocal
+from ptx_gen.kernels.kv.paged_kv import check_paged, log2
 
 _GRID = [
     {"head_dim": 64, "group": 1, "causal": True},
@@ -36,6 +41,10 @@ _GRID = [
     {"head_dim": 48, "group": 3, "causal": True},
     {"head_dim": 96, "group": 1, "causal": True},
     {"head_dim": 32, "group": 2, "causal": False},
+    {"head_dim": 64, "group": 3, "causal": True, "block_size": 32},
+    {"head_dim": 128, "group": 4, "causal": True, "block_size": 16},
+    {"head_dim": 80, "group": 1, "causal": False, "block_size": 64},
+    {"head_dim": 256, "group": 2, "causal": True, "block_size": 32},
 ]
 _GRID_TOKENS_F16 = [
     {"head_dim": 64, "group": 3, "causal": True},
@@ -93,6 +102,9 @@ class _Prefill:
     v_s: Reg
     p_s: Reg
     out_tokens_f16: bool = False  # out is [seq_q, num_heads * D] f16 instead of [num_heads, seq_q, D] f32
+    block_size: int | None = None  # K/V: paged pools read through a block table
+    table: Reg | None = None
+    kv_row: Reg | None = None  # paged: the kv head's row offset (kvh * block_size) inside a block
 
     @property
     def NC(self) -> int:  # float4 columns of a row
@@ -107,11 +119,13 @@ class _Prefill:
 def flash_attention(
     m: Module, head_dim: int = 128, group: int = 1, causal: bool = True,
     rows_per_thread: int | None = None, keys_per_thread: int = 4, row_groups: int = 16,
+    block_size: int | None = None,
 ) -> KernelBuilder:
     """Multi-head (GQA) attention of seq_q queries over seq_k keys, causal or not, tiled through
-    shared memory. Launch: grid (ceil(seq_q / meta['block_q']), num_heads), block meta['block'],
-    dynamic shared memory meta['dyn_smem']."""
-    return build_flash_attention(m, head_dim, group, causal, rows_per_thread, keys_per_thread, row_groups)
+    shared memory (``block_size``: K/V from paged pools through a block table). Launch: grid
+    (ceil(seq_q / meta['block_q']), num_heads), block meta['block'], dynamic shared memory meta['dyn_smem']."""
+    return build_flash_attention(m, head_dim, group, causal, rows_per_thread, keys_per_thread, row_groups,
+                                 block_size=block_size)
 
 
 @kernel("flash_attention_tokens_f16", grid=_GRID_TOKENS_F16)
@@ -126,7 +140,8 @@ def flash_attention_tokens_f16(
 
 
 def build_flash_attention(m: Module, head_dim: int, group: int, causal: bool, rows_per_thread: int | None,
-                          keys_per_thread: int, row_groups: int, out_tokens_f16: bool = False) -> KernelBuilder:
+                          keys_per_thread: int, row_groups: int, out_tokens_f16: bool = False,
+                          block_size: int | None = None) -> KernelBuilder:
     """The kernel of :func:`flash_attention` (``out_tokens_f16``: of :func:`flash_attention_tokens_f16`)."""
     R, KC, TY, BQ, BK, DP, BKP, smem = prefill_tiles(head_dim, rows_per_thread, keys_per_thread, row_groups)
     if not isinstance(group, int) or group < 1:
@@ -138,10 +153,15 @@ def build_flash_attention(m: Module, head_dim: int, group: int, causal: bool, ro
     name += "_tok16" if out_tokens_f16 else ""
     params = [("q", "u64"), ("k", "u64"), ("v", "u64"), ("out", "u64"), ("seq_q", "u32"), ("seq_k", "u32"),
               ("q_offset", "u32"), ("kv_stride", "u32")]
+    if block_size is not None:
+        check_paged(block_size, "f32", head_dim)
+        name += f"_b{block_size}"
+        params = params[:-1] + [("n_kv", "u32"), ("block_table", "u64")]
     # no .maxntid: with it ptxas caps registers near 128 and spills the D = 48/80/96 variants
     k = m.kernel(name, params)
     k.meta.update(block=NT, block_q=BQ, block_k=BK, dyn_smem=smem)
-    seq_q, seq_k, q_offset, kv_stride = (k.param(p) for p in ("seq_q", "seq_k", "q_offset", "kv_stride"))
+    seq_q, seq_k, q_offset = (k.param(p) for p in ("seq_q", "seq_k", "q_offset"))
+    kv_stride = k.param("kv_stride") if block_size is None else None
     tid = k.tid()
     ty, tx = k.shr(tid, 3), k.and_(tid, 7)
     qtile = k.sub(k.sub(k.sreg("nctaid.x"), 1, "u32"), k.ctaid("x"))  # long causal tiles first
@@ -155,9 +175,14 @@ def build_flash_attention(m: Module, head_dim: int, group: int, causal: bool, ro
                  p_s=k.add(smem_base, (BQ + 2 * BK) * DP * 4), out_tokens_f16=out_tokens_f16)
     _load_q_tile(t, head)
 
-    kv_off = k.mul(k.mul_wide(kvh, kv_stride), D * 4, "u64")
-    k_head = k.add(k.global_ptr("k"), kv_off)
-    v_head = k.add(k.global_ptr("v"), kv_off)
+    if block_size is None:
+        kv_off = k.mul(k.mul_wide(kvh, kv_stride), D * 4, "u64")
+        k_head = k.add(k.global_ptr("k"), kv_off)
+        v_head = k.add(k.global_ptr("v"), kv_off)
+    else:
+        t.block_size, t.table = block_size, k.global_ptr("block_table")
+        t.kv_row = k.mul(kvh, block_size)
+        k_head, v_head = k.global_ptr("k"), k.global_ptr("v")
 
     if causal:
         last_q = k.min(k.add(q0, BQ), seq_q, "u32")
@@ -216,7 +241,14 @@ def _load_kv_tile(t: _Prefill, k0: Reg, k_head: Reg, v_head: Reg) -> None:
         ok = k.setp("lt", k.add(k0, row), t.seq_k)
         if in_tile is not None:
             ok = k.and_(ok, in_tile)
-        goff = k.mul_wide(k.mad(k.add(k0, row), NC, c4), 16)
+        key = k.add(k0, row)
+        if t.block_size is None:
+            goff = k.mul_wide(k.mad(key, NC, c4), 16)
+        else:  # block table[key / bs] of n_kv heads x bs rows; this head's row key % bs
+            bs = t.block_size
+            page = k.load("global", "u32", k.add(t.table, k.mul_wide(k.shr(key, log2(bs)), 4)), pred=ok, other=0)
+            prow = k.add(k.mad(page, k.mul(k.param("n_kv"), bs), t.kv_row), k.and_(key, bs - 1))
+            goff = k.mul_wide(k.mad(prow, NC, c4), 16)
         kvals = k.load("global", "f32", k.add(k_head, goff), vec=4, pred=ok, other=0.0)
         vvals = k.load("global", "f32", k.add(v_head, goff), vec=4, pred=ok, other=0.0)
         soff = k.shl(k.mad(row, DP // 4, c4), 4)

@@ -24,47 +24,73 @@ from ptx_gen.kernels.kv.paged_kv import (
 )
 
 
-def _stage_paged(k: KernelBuilder, pool: Reg, table: Reg, kvh: Reg, n_kv: Reg, key0: Reg, rows_valid: Reg,
-                 dst: Reg, d: int, tid: Reg, block_size: int, kv_dtype: str, scales: Reg | None = None) -> None:
-    """64 keys from ``key0`` of kv head ``kvh`` through the block table into f16 shared rows of
-    :func:`staged_row_bytes` (zeros for rows at or past ``rows_valid``; q8_0: ``code * scale`` rounded to f16)."""
+def _stage_paged(k: KernelBuilder, pools: tuple, table: Reg, kvh: Reg, n_kv: Reg, key0: Reg, rows_valid: Reg,
+                 dsts: tuple, d: int, tid: Reg, block_size: int, kv_dtype: str, scales: tuple) -> None:
+    """64 keys from ``key0`` of kv head ``kvh`` of the K and V ``pools`` through the block table into f16
+    shared rows (``dsts``) of :func:`staged_row_bytes` (zeros for rows at or past ``rows_valid``; q8_0:
+    ``code * scale`` rounded to f16). The tile's ``64 / block_size`` block ids are loaded once (the same
+    addresses in every thread) and shared by K and V, so no pool load waits on a table load of its own."""
     per_item = {"f32": 4, "q8_0": 16}.get(kv_dtype, 8)  # values a thread moves per item (16 bytes read)
     items_per_row = d // per_item
     total = BK * items_per_row
     es = ELEM_BYTES[kv_dtype]
-    for i in range(-(-total // 128)):
+    # head_dim 32 (a two-iteration tile) keeps a table load per item and stages K, then V: ptxas spills the
+    # hoisted, interleaved form there
+    hoist = d > 32
+    pages = []
+    if hoist:
+        first = k.shr(key0, log2(block_size))
+        pages = [k.load("global", "u32", k.add(table, k.mul_wide(k.add(first, j) if j else first, 4)),
+                        pred=k.setp("lt", j * block_size, rows_valid) if j else None, other=0)
+                 for j in range(BK // block_size)]
+    # an iteration's rows sit in one block when they are a whole, aligned slice of one: its block is known
+    rows_per_iter = 128 // items_per_row if 128 % items_per_row == 0 else 0
+    static = rows_per_iter and block_size % rows_per_iter == 0
+    order = [(i, (0, 1)) for i in range(-(-total // 128))] if hoist else \
+        [(i, (p,)) for p in (0, 1) for i in range(-(-total // 128))]
+    for i, which_pools in order:
         idx = k.add(tid, i * 128) if i else tid
         ok_idx = k.setp("lt", idx, total) if (i + 1) * 128 > total else None
         row, c = k.div(idx, items_per_row), k.rem(idx, items_per_row)
         ok = k.both(k.setp("lt", row, rows_valid), ok_idx)
-        key = k.add(key0, row)
-        page = k.load("global", "u32", k.add(table, k.mul_wide(k.shr(key, log2(block_size)), 4)), pred=ok, other=0)
-        r = k.mad(k.mad(page, n_kv, kvh), block_size, k.and_(key, block_size - 1))
-        src = k.add(k.add(pool, k.mul_wide(r, d * es)), k.mul_wide(c, 16))
-        s = k.add(dst, k.mad(row, staged_row_bytes(d), k.mul(c, per_item * 2)))
-        if kv_dtype == "q8_0":
-            words = k.load("global", "b32", src, vec=4, pred=ok, other=0)
-            srow = k.add(scales, k.mul_wide(r, d // QK * 2))
-            sc = k.load("global", "b16", k.add(srow, k.mul_wide(k.shr(c, log2(QK // 16)), 2)), pred=ok, other=0)
-            vals = q8_values(k, list(words), f16_bits_to_f32(k, sc))
-            h = [narrow(k, x, "f16") for x in vals]
-            packed = [k.pack_b32(h[2 * i], h[2 * i + 1]) for i in range(8)]
-            k.store("shared", "b32", s, packed[:4], pred=ok_idx)
-            k.store("shared", "b32", s, packed[4:], 16, pred=ok_idx)
-        elif kv_dtype == "f32":
-            v = k.load("global", "f32", src, vec=4, pred=ok, other=0.0)
-            h = [narrow(k, x, "f16") for x in v]
-            k.store("shared", "b32", s, [k.pack_b32(h[0], h[1]), k.pack_b32(h[2], h[3])], pred=ok_idx)
-        elif kv_dtype == "f16":
-            words = k.load("global", "b32", src, vec=4, pred=ok, other=0)
-            k.store("shared", "b32", s, list(words), pred=ok_idx)
+        if not hoist:
+            page = k.load("global", "u32", k.add(table, k.mul_wide(k.shr(k.add(key0, row), log2(block_size)), 4)),
+                          pred=ok, other=0)
+        elif static:
+            page = pages[i * rows_per_iter // block_size]
         else:
-            words = k.load("global", "b32", src, vec=4, pred=ok, other=0)
-            out = []
-            for w in words:
-                lo, hi = to_f32(k, w, kv_dtype)
-                out.append(k.pack_b32(narrow(k, lo, "f16"), narrow(k, hi, "f16")))
-            k.store("shared", "b32", s, out, pred=ok_idx)
+            which = k.shr(row, log2(block_size))
+            page = pages[0]
+            for j in range(1, len(pages)):
+                page = k.selp(pages[j], page, k.setp("eq", which, j), "u32")
+        r = k.mad(k.mad(page, n_kv, kvh), block_size, k.and_(row, block_size - 1))
+        off = k.add(k.mul_wide(r, d * es), k.mul_wide(c, 16))
+        s_off = k.mad(row, staged_row_bytes(d), k.mul(c, per_item * 2))
+        for pool, dst, sc_pool in ((pools[p], dsts[p], scales[p]) for p in which_pools):
+            src, s = k.add(pool, off), k.add(dst, s_off)
+            if kv_dtype == "q8_0":
+                words = k.load("global", "b32", src, vec=4, pred=ok, other=0)
+                srow = k.add(sc_pool, k.mul_wide(r, d // QK * 2))
+                sc = k.load("global", "b16", k.add(srow, k.mul_wide(k.shr(c, log2(QK // 16)), 2)), pred=ok, other=0)
+                vals = q8_values(k, list(words), f16_bits_to_f32(k, sc))
+                h = [narrow(k, x, "f16") for x in vals]
+                packed = [k.pack_b32(h[2 * i], h[2 * i + 1]) for i in range(8)]
+                k.store("shared", "b32", s, packed[:4], pred=ok_idx)
+                k.store("shared", "b32", s, packed[4:], 16, pred=ok_idx)
+            elif kv_dtype == "f32":
+                v = k.load("global", "f32", src, vec=4, pred=ok, other=0.0)
+                h = [narrow(k, x, "f16") for x in v]
+                k.store("shared", "b32", s, [k.pack_b32(h[0], h[1]), k.pack_b32(h[2], h[3])], pred=ok_idx)
+            elif kv_dtype == "f16":
+                words = k.load("global", "b32", src, vec=4, pred=ok, other=0)
+                k.store("shared", "b32", s, list(words), pred=ok_idx)
+            else:
+                words = k.load("global", "b32", src, vec=4, pred=ok, other=0)
+                out = []
+                for w in words:
+                    lo, hi = to_f32(k, w, kv_dtype)
+                    out.append(k.pack_b32(narrow(k, lo, "f16"), narrow(k, hi, "f16")))
+                k.store("shared", "b32", s, out, pred=ok_idx)
 
 
 _GRID = [
@@ -98,14 +124,13 @@ def paged_prefill_attention(m: Module, head_dim: int = 128, group: int = 1, caus
     table = k.global_ptr("block_table")
     query_rows(k, st, d, causal)
     k_pool, v_pool = k.global_ptr("k_pool"), k.global_ptr("v_pool")
-    k_sc = v_sc = None
+    scales = (None, None)
     if kv_dtype == "q8_0":
-        k_sc, v_sc = k.global_ptr("k_scales"), k.global_ptr("v_scales")
+        scales = (k.global_ptr("k_scales"), k.global_ptr("v_scales"))
 
     def stage(key0: Reg) -> None:  # K and V rows key0.. through the block table
-        left = k.sub(st.seq_k, key0)
-        _stage_paged(k, k_pool, table, st.kvh, st.extra, key0, left, st.ks, d, st.tid, block_size, kv_dtype, k_sc)
-        _stage_paged(k, v_pool, table, st.kvh, st.extra, key0, left, st.vs, d, st.tid, block_size, kv_dtype, v_sc)
+        _stage_paged(k, (k_pool, v_pool), table, st.kvh, st.extra, key0, k.sub(st.seq_k, key0), (st.ks, st.vs), d,
+                     st.tid, block_size, kv_dtype, scales)
 
     key_tile_loop(k, st, d, causal, stage)
     return k
