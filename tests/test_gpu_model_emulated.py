@@ -149,3 +149,22 @@ def test_heads_the_paged_cache_cannot_hold_are_refused_before_any_upload(tmp_pat
         GpuModel.from_loaded(load_model(path), max_len=MAX_LEN, device=cuda.EmulatedDevice(sm_count=4))
     with pytest.raises(GpuUnavailableError, match="cannot run on the GPU.*head_dim"):
         load_engine(path, device="emulate")
+
+
+def test_prompt_ids_are_checked_before_any_launch(tmp_path):
+    """Bad prompts raise InvalidRequestError naming what came, before anything is launched; numpy arrays and
+    lists of ints are the same prompt."""
+    from realizar.errors import InvalidRequestError
+    from realizar.gpu.batch import token_ids
+
+    path, _, _ = make_gguf_model("llama", tmp_path, "Q8_0", seed=1, num_layers=1, **TINY)
+    dev = cuda.EmulatedDevice(sm_count=4)
+    model = GpuModel.from_loaded(load_model(path), max_len=MAX_LEN, device=dev)
+    launches = len(dev.launches)
+    for bad, match in (([], "at least one token"), ([[1, 2]], "shape"), ([1.5, 2.0], "integers, got float64"),
+                       (["a"], "integers"), ([True], "integers, got bool"), ([5, -1], "token id -1 outside"),
+                       ([319, 320], "token id 320 outside the vocabulary of 320")):
+        with pytest.raises(InvalidRequestError, match=match):
+            model.prefill(bad)
+    assert len(dev.launches) == launches and model.position == 0
+    assert token_ids(np.array([3, 4], np.uint16), 320).tolist() == token_ids([3, 4], 320).tolist() == [3, 4]

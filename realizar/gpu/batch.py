@@ -46,7 +46,7 @@ from realizar.gpu.prefill import Prefill
 from realizar.gpu.sampling import SPEC_WORDS, pack_specs
 from realizar.models.kv_formats import KV_FORMATS, block_bytes
 
-__all__ = ["BUCKETS", "GpuBatchBackend", "GpuBatchOutput", "bucket_for"]
+__all__ = ["BUCKETS", "GpuBatchBackend", "GpuBatchOutput", "bucket_for", "token_ids"]
 
 _DEFAULTS = ServingConfig()
 # decode batch sizes captured as graphs (a batch runs in the smallest bucket that holds it)
@@ -62,6 +62,21 @@ def _ints(values: Any, what: str) -> list[int]:
         return [int(v) for v in values]
     except (TypeError, ValueError) as e:
         raise InvalidRequestError(f"{what} must be integers: {e}") from None
+
+
+def token_ids(tokens: Any, vocab_size: int) -> np.ndarray:
+    """``tokens`` as an int64 array of at least one id of the vocabulary, checked in one vectorised pass (a
+    long prompt costs the host microseconds before its first launch); InvalidRequestError otherwise."""
+    ids = np.asarray(tokens)
+    if ids.ndim != 1 or ids.size == 0:
+        raise InvalidRequestError(f"a prompt is a non-empty list of token ids, got shape {ids.shape}")
+    if ids.dtype.kind not in "iu":
+        raise InvalidRequestError(f"token ids must be integers, got {ids.dtype}")
+    ids = ids.astype(np.int64, copy=False)
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        bad = ids[(ids < 0) | (ids >= vocab_size)][0]
+        raise InvalidRequestError(f"token id {bad} outside the vocabulary of {vocab_size}")
+    return ids
 
 
 def bucket_for(rows: int, max_batch: int) -> int:
@@ -369,16 +384,13 @@ class GpuBatchBackend:
         """Positions ``start .. start + len(tokens) - 1`` of one sequence through every layer at once
         (chunks of ``prefill_chunk``), K/V written through ``block_table`` (None: the bound sequence's);
         returns the last token's logits as a 1-row output."""
-        ids = [int(t) for t in tokens]
-        n, start = len(ids), int(start)
-        if n == 0:
+        if isinstance(tokens, Sequence) and not tokens:
             raise InvalidRequestError("prefill needs at least one token")
+        ids = token_ids(tokens, self.config.vocab_size)
+        n, start = len(ids), int(start)
         if start < 0 or start + n > self.context_length:
             raise ContextOverflowError(f"positions {start}..{start + n - 1} exceed the context length of "
                                        f"{self.context_length}")
-        bad = next((t for t in ids if not 0 <= t < self.config.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequestError(f"token id {bad} outside the vocabulary of {self.config.vocab_size}")
         if block_table is not None:
             self._unbind()  # the prefill table is rewritten: a bound sequence binds again
             if len(block_table) * self.block_size < start + n or len(block_table) > self.table_stride:
@@ -390,7 +402,7 @@ class GpuBatchBackend:
         self.device.make_current()
         self.steps += 1
         if n < self.prefill_min_batch or self._prefill is None:  # token by token through the 1-row step
-            for i, tok in enumerate(ids):
+            for i, tok in enumerate(ids.tolist()):
                 self._token_step(tok, start + i, block_table)
             return GpuBatchOutput(self, 1)
         if block_table is not None:
@@ -402,7 +414,7 @@ class GpuBatchBackend:
         for off in range(0, n, c):
             part = ids[off: off + c]
             if len(part) == 1:  # (a chunk of one row: the decode step's one-row kernels)
-                self._token_step(part[0], start + off, block_table)
+                self._token_step(int(part[0]), start + off, block_table)
             else:
                 self._prefill.run_chunk(part, start + off, last=off + c >= n)
         return GpuBatchOutput(self, 1)

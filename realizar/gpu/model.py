@@ -23,11 +23,14 @@ step eagerly. ``kv_dtype``: the cache's element type (default f32: the reference
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 
 from realizar import cuda
 from realizar.config import DEFAULT_MAX_CONTEXT, ServingConfig
 from realizar.errors import ContextOverflowError, InvalidRequestError, ShapeError, UnsupportedError
+from realizar.gpu.batch import GpuBatchBackend, token_ids
 from realizar.gpu.decoder import DecoderWeights
 from realizar.gpu.linear import rows_unsupported
 from realizar.gpu.paged_kv import heads_unsupported
@@ -83,22 +86,19 @@ class StepDecoder:
         if position >= self.max_len:
             raise ContextOverflowError(f"position {position} is past the KV cache's max_len of {self.max_len}")
 
-    def _check_prompt(self, ids) -> list[int]:
-        """``ids`` as ints, once they are known to fit after the cached positions and the vocabulary."""
-        ids = [int(t) for t in ids]
-        if not ids:
+    def _check_prompt(self, ids) -> np.ndarray:
+        """``ids`` as an int64 array, once they are known to fit after the cached positions and the vocabulary."""
+        if isinstance(ids, Sequence) and not ids:
             raise InvalidRequestError("prefill needs at least one token")
+        ids = token_ids(ids, self.config.vocab_size)
         if self.position + len(ids) > self.max_len:
             raise ContextOverflowError(
                 f"{self.position} cached + {len(ids)} new tokens exceed the KV cache's max_len of {self.max_len}")
-        bad = next((t for t in ids if not 0 <= t < self.config.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequestError(f"token id {bad} outside the vocabulary of {self.config.vocab_size}")
         return ids
 
-    def _prefill_steps(self, ids: list[int]) -> None:
+    def _prefill_steps(self, ids) -> None:
         """The prompt token by token through the decode step."""
-        for t in ids:
+        for t in ids.tolist():
             self._run_step(t, self.position)
             self.position += 1
 
@@ -184,8 +184,6 @@ class GpuModel(StepDecoder):
 
     def _backend(self, **options):
         """The backend the single sequence runs on (a subclass may run the program otherwise)."""
-        from realizar.gpu.batch import GpuBatchBackend
-
         return GpuBatchBackend(self, **options)
 
     @property

@@ -50,7 +50,7 @@ class Prefill:
         self.ids.free()
         self.q.free()
 
-    def run_chunk(self, ids: list[int], pos0: int, last: bool) -> None:
+    def run_chunk(self, ids, pos0: int, last: bool) -> None:
         """Prefill ``ids`` (at most ``chunk``) at positions ``pos0 ..``; with ``last``, the logits and
         greedy token of the final position.
 
@@ -65,7 +65,9 @@ class Prefill:
         if b.linear.reserve(b.weights.layer_linears, rows):
             b.clear_graphs()  # graphs read the old expansion scratch
         s.synchronize()  # the previous chunk's embedding has read the ids buffer
-        self.ids.copy_from_host_at(np.asarray(list(ids) + [0] * (rows - n), np.uint32), 0)
+        padded = np.zeros(rows, np.uint32)
+        padded[:n] = ids
+        self.ids.copy_from_host_at(padded, 0)
         attention = PrefillChunk(b.kv, b.config, b.weights.inv_freq, b.prefill_table, pos0, rows, self.q)
         self.graphs.run((rows, pos0), lambda: b.decoder.issue(self.acts, self.ids, rows, b.linear, attention, s))
         if last:
