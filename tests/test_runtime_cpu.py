@@ -104,3 +104,24 @@ def test_releases_during_capture_are_deferred(monkeypatch):
     assert calls == [1, 2]
     driver.release("cuMemFree", 3)
     assert calls == [1, 2, 3]
+
+
+def test_host_to_device_copy_without_a_stream_has_landed_when_it_returns(monkeypatch):
+    """The stream-less copy waits for its DMA (a plain cuMemcpyHtoD from pageable memory may return before
+    the bytes land, and kernels on the non-blocking streams do not wait for it); with a stream it is one
+    asynchronous copy on that stream."""
+    import realizar.cuda.device as device_mod
+
+    calls = []
+    monkeypatch.setattr(device_mod, "call", lambda name, *args: calls.append((name, args)))
+    dev = object.__new__(device_mod.Device)
+    dev.memcpy_htod(0x1000, 0x2000, 64)
+    assert [name for name, _ in calls] == ["cuMemcpyHtoDAsync", "cuStreamSynchronize"]
+    assert calls[0][1][:3] == (0x1000, 0x2000, 64) and int(calls[0][1][3]) == 0 == int(calls[1][1][0])
+    calls.clear()
+
+    class FakeStream:
+        handle = "s7"
+
+    dev.memcpy_htod(0x1000, 0x2000, 64, FakeStream())
+    assert calls == [("cuMemcpyHtoDAsync", (0x1000, 0x2000, 64, "s7"))]

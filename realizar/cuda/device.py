@@ -102,10 +102,14 @@ class Device:
         release("cuMemFree", ptr)
 
     def memcpy_htod(self, dst: int, src: int, nbytes: int, stream=None) -> None:
+        """Asynchronous on ``stream``; without one, on the default stream and waited for, so the bytes are on
+        the device when it returns and work issued afterwards on any stream reads them. (A plain
+        ``cuMemcpyHtoD`` from pageable memory returns once the bytes are staged, before the DMA lands, and
+        the non-blocking streams do not wait for the default stream: a kernel issued right after could read
+        the old contents.)"""
+        call("cuMemcpyHtoDAsync", dst, src, nbytes, stream.handle if stream is not None else drv.CUstream(0))
         if stream is None:
-            call("cuMemcpyHtoD", dst, src, nbytes)
-        else:
-            call("cuMemcpyHtoDAsync", dst, src, nbytes, stream.handle)
+            call("cuStreamSynchronize", drv.CUstream(0))
 
     def memcpy_dtoh(self, dst: int, src: int, nbytes: int, stream=None) -> None:
         if stream is None:
