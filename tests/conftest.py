@@ -1,6 +1,9 @@
 """Shared test configuration.
 
 * ``gpu`` tests skip with the driver's reason when no GPU is present.
+* ``full`` tests (the exhaustive sweeps) and ``oracle`` tests run only when asked for: ``-m full``, ``-m oracle``
+  or ``--full`` (CI's full run); the default run is the fast suite. Hypothesis example counts follow
+  ``HYPOTHESIS_PROFILE`` (below).
 * ``oracle`` tests (independent cross-checks against torch / transformers) skip with a reason when
   those are not installed (``pip install ".[oracle]"``). Every other test runs without them: the
   tiny-model factory builds its models with NumPy and safetensors.
@@ -14,15 +17,15 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from realizar import cuda
+from tests.helpers import PROFILE
 
-settings.register_profile(
-    "default", deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
-)
-settings.register_profile(
-    "gpu", deadline=None, max_examples=40,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)
-settings.load_profile("default")
+_QUIET = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+# HYPOTHESIS_PROFILE: "dev" (default: the fast suite), "ci" (the example counts written in the tests; CI's full
+# run), "full" (four times those). Tests with explicit counts scale them by tests.helpers.examples.
+settings.register_profile("dev", max_examples=10, **_QUIET)
+settings.register_profile("ci", max_examples=100, **_QUIET)
+settings.register_profile("full", max_examples=400, **_QUIET)
+settings.load_profile(PROFILE)
 
 
 ORACLE_PACKAGES = ("torch", "transformers", "accelerate")
@@ -40,7 +43,27 @@ def _missing_oracle_packages() -> list[str]:
     return [p for p in ORACLE_PACKAGES if not _importable(p)]
 
 
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true",
+                     help="also run the exhaustive tier and the oracle tests (marked full / oracle): CI's full run")
+
+
+def _tiers_left_out(config) -> tuple[str, ...]:
+    """The markers whose tests the run leaves out: ``full`` and ``oracle`` unless ``--full`` or a ``-m``
+    expression that names them asks for them (the fast suite does not depend on what else is installed)."""
+    if config.getoption("--full"):
+        return ()
+    expr = config.getoption("-m") or ""
+    return tuple(m for m in ("full", "oracle") if m not in expr)
+
+
 def pytest_collection_modifyitems(config, items):
+    out = _tiers_left_out(config)
+    if out:
+        dropped = [item for item in items if any(m in item.keywords for m in out)]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = [item for item in items if not any(m in item.keywords for m in out)]
     reason = cuda.unavailable_reason()
     if reason is not None:
         skip = pytest.mark.skip(reason=f"needs a GPU: {reason}")

@@ -1,8 +1,26 @@
-"""Small helpers shared by tests: random data that is never zero, NaN poisoning checks."""
+"""Small helpers shared by tests: random data that is never zero, NaN poisoning checks, hypothesis example
+counts by profile."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
+
+# Hypothesis profiles (tests/conftest.py loads the same one): "dev", the default, the fast suite a contributor
+# runs; "ci", every test at the example counts written in it (what CI's full run uses); "full", four times those.
+PROFILES = ("dev", "ci", "full")
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "dev")
+if PROFILE not in PROFILES:
+    raise ValueError(f"HYPOTHESIS_PROFILE must be one of {PROFILES}, got {PROFILE!r}")
+_SCALE = {"dev": 0.1, "ci": 1.0, "full": 4.0}
+
+
+def examples(n: int) -> int:
+    """A test's hypothesis example count under the loaded profile: ``n`` (as written) under "ci", ``4 n``
+    under "full", a tenth (at least 2) under "dev"."""
+    scale = _SCALE[PROFILE]
+    return max(2, min(n, round(n * scale))) if scale < 1 else int(n * scale)
 
 
 def random_array(rng: np.random.Generator, shape, scale: float = 1.0, dtype=np.float32) -> np.ndarray:
@@ -71,3 +89,20 @@ def rel_err(got, want) -> float:
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     assert np.isfinite(got).all()
     return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+def tiered(values, fast, ids=None, unpack: bool = False) -> list:
+    """``values`` as pytest params: those whose index is in ``fast`` run in every suite, the others only in
+    the exhaustive tier (marked ``full``). ``ids``: a function of the value or a list; ``unpack``: each value
+    is a tuple of several arguments."""
+    import pytest
+
+    out = []
+    for i, v in enumerate(values):
+        marks = () if i in fast else (pytest.mark.full,)
+        if hasattr(v, "values") and hasattr(v, "marks"):  # already a pytest.param: keep its marks and id
+            out.append(pytest.param(*v.values, marks=(*v.marks, *marks), id=v.id))
+            continue
+        pid = None if ids is None else (ids(v) if callable(ids) else ids[i])
+        out.append(pytest.param(*(v if unpack else (v,)), marks=marks, id=pid))
+    return out

@@ -29,6 +29,7 @@ from realizar.models.attention import attention_with_cache_gqa, gqa_attention
 from tests.attention_cases import prefill_case
 from ptx_gen.emulator import EmulatorError, Memory, run
 from tests.attention_ptx_cases import HEAD_DIMS, RTOL, _rel, heads, variants
+from tests.helpers import examples
 
 TARGETS = ("sm_80", "sm_90")
 
@@ -44,7 +45,7 @@ def _assemble_clean(name: str, **shape) -> None:
         assert rep.shared_bytes <= 48 * 1024, f"{name} {shape}: {rep.shared_bytes} bytes of static shared memory"
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=examples(12), deadline=None)
 @given(d=st.sampled_from(HEAD_DIMS), group=st.integers(1, 16), indirect=st.booleans(), opts=variants)
 def test_decode_kernels_assemble(d, group, indirect, opts):
     _assemble_clean("incremental_attention", head_dim=d, group=group, indirect=indirect, **opts)
@@ -63,14 +64,14 @@ def test_default_decode_kernels_fit_four_blocks_per_sm(d, group):
     assert abs(loop_registers(pk.meta["layout"]) - chunk.registers) <= 12
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=examples(8), deadline=None)
 @given(d=st.sampled_from(HEAD_DIMS), chunks=st.integers(1, 256), indirect=st.booleans())
 def test_reduce_and_append_assemble(d, chunks, indirect):
     _assemble_clean("flash_decoding_reduce", head_dim=d, num_chunks=chunks, indirect=indirect)
     _assemble_clean("kv_append", head_dim=d, indirect=indirect)
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=examples(6), deadline=None)
 @given(d=st.sampled_from(HEAD_DIMS), group=st.integers(1, 8), causal=st.booleans(), tokens_f16=st.booleans())
 def test_flash_attention_assembles(d, group, causal, tokens_f16):
     name = "flash_attention_tokens_f16" if tokens_f16 else "flash_attention"
@@ -178,7 +179,7 @@ def test_layout_defaults():
 
 # ---- emulated runs against the float64 oracle --------------------------------------------------------
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(20), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(hk=heads, d=st.sampled_from(HEAD_DIMS), sq=st.integers(1, 140), extra=st.integers(0, 80),
        slack=st.integers(0, 9), causal=st.booleans(), scale=st.floats(0.1, 20), seed=st.integers(0, 2**32 - 1))
 def test_flash_attention_emulated(hk, d, sq, extra, slack, causal, scale, seed):
@@ -206,7 +207,7 @@ def _f16_ulps(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.abs(ordered(a) - ordered(b))
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(12), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(hk=heads, d=st.sampled_from(HEAD_DIMS), sq=st.sampled_from([1, 2, 7, 63, 64, 65, 130]), extra=st.integers(0, 80),
        slack=st.integers(0, 9), causal=st.booleans(), scale=st.floats(0.1, 20), seed=st.integers(0, 2**32 - 1))
 def test_flash_attention_tokens_f16_emulated(hk, d, sq, extra, slack, causal, scale, seed):
@@ -240,7 +241,7 @@ def test_flash_attention_tokens_f16_emulated(hk, d, sq, extra, slack, causal, sc
     assert (err <= 2.0**-11 * np.abs(ref_t) + 2.0**-24 + RTOL * np.abs(ref_t).max()).all()
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=examples(10), deadline=None)
 @given(d=st.sampled_from(HEAD_DIMS), kvh=st.integers(1, 4), count=st.integers(1, 5), pos=st.integers(0, 12),
        indirect=st.booleans(), seed=st.integers(0, 2**32 - 1))
 def test_kv_append_emulated(d, kvh, count, pos, indirect, seed):
@@ -279,7 +280,7 @@ def _paged(rng, seq: np.ndarray, block_size: int, table: np.ndarray | None = Non
     return pool, table
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(12), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(hk=heads, d=st.sampled_from(HEAD_DIMS), bs=st.sampled_from([16, 32, 64]), sq=st.integers(1, 100),
        extra=st.integers(0, 80), causal=st.booleans(), scale=st.floats(0.1, 20), seed=st.integers(0, 2**32 - 1))
 def test_flash_attention_paged_emulated(hk, d, bs, sq, extra, causal, scale, seed):
@@ -302,7 +303,7 @@ def test_flash_attention_paged_emulated(hk, d, bs, sq, extra, causal, scale, see
     assert _rel(mem.read(po, np.float32, q.size).reshape(q.shape), ref) < RTOL
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=examples(10), deadline=None)
 @given(d=st.sampled_from(HEAD_DIMS), kvh=st.integers(1, 4), bs=st.sampled_from([16, 32, 64]), count=st.integers(1, 40),
        pos=st.integers(0, 100), indirect=st.booleans(), seed=st.integers(0, 2**32 - 1))
 def test_kv_append_paged_emulated(d, kvh, bs, count, pos, indirect, seed):
@@ -546,6 +547,7 @@ def test_executor_multi_head_matches_oracle(emu):
         assert _rel(y, ref) < RTOL
 
 
+@pytest.mark.full
 def test_sanitize_cases_and_benchmark_run_on_the_emulator(monkeypatch):
     """The device scripts' control flow (argument packing, graph capture, table rows) on the CPU."""
     import tools.bench_attention as bench

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from realizar.errors import ShapeError
 from realizar.models.attention import attention_with_cache_gqa, gqa_attention, multi_head_attention
+from tests.helpers import examples
 
 
 def naive_attention(q, k, v, causal, q_offset=None):
@@ -47,7 +48,7 @@ heads = st.sampled_from([(1, 1), (2, 1), (4, 1), (4, 2), (6, 3), (8, 2), (3, 3)]
 head_dims = st.sampled_from([1, 2, 7, 16, 64, 80, 96])
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(hk=heads, d=head_dims, past=st.integers(0, 12), seed=st.integers(0, 2**32 - 1),
        scale=st.sampled_from([0.1, 1.0, 10.0]))  # fmt: skip
 def test_cache_attention_matches_naive_float64(hk, d, past, seed, scale):
@@ -66,7 +67,7 @@ def test_cache_attention_matches_naive_float64(hk, d, past, seed, scale):
     np.testing.assert_allclose(out, ref, rtol=1e-10, atol=1e-12)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(hk=heads, d=head_dims, s=st.integers(1, 9), extra=st.integers(0, 4), causal=st.booleans(),
        seed=st.integers(0, 2**32 - 1))  # fmt: skip
 def test_multi_head_attention_matches_naive(hk, d, s, extra, causal, seed):

@@ -13,6 +13,7 @@ from ptx_gen.builder import Module, Var
 from ptx_gen.ptxas import PtxasError, assemble
 from ptx_gen.target import SUPPORTED_TARGETS, Target
 from ptx_gen.types import format_immediate, ptx_type
+from tests.helpers import examples
 
 
 def _dest_registers(ptx: str) -> list[str]:
@@ -147,7 +148,7 @@ def test_immutable_values_refuse_assignment():
         k.assign(v, 3)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(vec=st.sampled_from([1, 2, 4]), block=st.sampled_from([32, 64, 256, 1024]), target=st.sampled_from(SUPPORTED_TARGETS))
 def test_emission_is_deterministic(vec, block, target):
     from ptx_gen.catalog import _emit_cached, emit
@@ -257,7 +258,7 @@ def test_parameters_first_used_inside_a_branch_are_loaded_at_entry():
     assemble(m.emit(), "sm_90")
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(op=st.sampled_from(["add", "min", "max", "and", "or", "xor"]), signed=st.booleans(), warps=st.integers(1, 3),
        seed=st.integers(0, 2**32 - 1))
 def test_redux_matches_numpy_on_the_emulator(op, signed, warps, seed):

@@ -455,6 +455,7 @@ def test_ptx_emit_to_file(tmp_path):
     assert p.returncode == 0 and ".entry" in out.read_text()
 
 
+@pytest.mark.full
 def test_ptx_check_every_catalog_kernel():
     from ptx_gen import catalog
 

@@ -35,7 +35,7 @@ def test_cache_dir_from_env(fresh_cache):
     assert dm.cache_dir() == fresh_cache
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_corrupted_cache_file_is_rejected_and_downloaded_again(fresh_cache, real_model_file, monkeypatch):
     fresh_cache.mkdir()
     target = fresh_cache / dm.DEFAULT_MODEL_FILENAME
@@ -129,7 +129,7 @@ def test_cli_shows_pips_error_line(fresh_cache, monkeypatch, capsys):
     assert "ERROR: Could not find a version that satisfies the requirement" in err and "Traceback" not in err
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_end_to_end_capital_of_france(real_model_file):
     from realizar.engine import load_engine
     from realizar.generation import SamplingParams

@@ -24,6 +24,7 @@ from realizar.errors import ShapeError
 from realizar.gpu.dequant import dequant_warps
 from realizar.gpu.ops import GpuWeight, LayerOps
 from tests.layer_oracles import dequant, random_weight
+from tests.helpers import examples, tiered
 
 TARGETS = ("sm_80", "sm_89", "sm_90")
 NAN16 = 0x7E00
@@ -94,7 +95,7 @@ def _assert_bitwise(got: np.ndarray, ref: np.ndarray, what: str) -> None:
 # ptxas
 
 
-@settings(max_examples=16, deadline=None)
+@settings(max_examples=examples(16), deadline=None)
 @given(data=st.data(), case=st.sampled_from(CASES), interleave=st.booleans(), warps=st.sampled_from([1, 2, 4, 8, 16]))
 def test_dequant_assembles(data, case, interleave, warps):
     wtype, layout = case
@@ -103,7 +104,7 @@ def test_dequant_assembles(data, case, interleave, warps):
               rounds=data.draw(_rounds(wtype, layout, warps)))
 
 
-@pytest.mark.parametrize("wtype,layout", CASES)
+@pytest.mark.parametrize("wtype,layout", tiered(CASES, {0}, unpack=True))
 def test_no_spills_at_real_shapes(wtype, layout):
     for i, in_dim in enumerate(d for d in REAL_IN if d % _block(wtype, layout) == 0):
         _assemble(wtype=wtype, in_dim=in_dim, layout=layout, interleave=i % 2 == 1)
@@ -115,7 +116,7 @@ def test_no_spills_at_real_shapes(wtype, layout):
 
 @pytest.mark.parametrize("interleave", [False, True])
 @pytest.mark.parametrize("wtype,layout", CASES)
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=examples(8), deadline=None)
 @given(data=st.data(), seed=st.integers(0, 2**32 - 1))
 def test_dequant_emulated_bitwise(wtype, layout, interleave, data, seed):
     in_dim = _block(wtype, layout) * data.draw(st.integers(1, 6 if layout == "rows" else 3))

@@ -9,12 +9,13 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from tests.emulator_ptx import one_op, run_words
+from tests.helpers import examples
 
 N = 32
 i32 = arrays(np.int32, N, elements=st.integers(-2**31, 2**31 - 1)).filter(lambda x: x.any())
 u32 = arrays(np.uint32, N, elements=st.integers(0, 2**32 - 1)).filter(lambda x: x.any())
 f32 = arrays(np.float32, N, elements=st.floats(-1e4, 1e4, width=32)).filter(lambda x: x.any())
-SETTINGS = settings(max_examples=15, deadline=None)
+SETTINGS = settings(max_examples=examples(15), deadline=None)
 
 INT_OPS = {
     "add.s32": lambda a, b: a + b, "sub.s32": lambda a, b: a - b, "mul.lo.s32": lambda a, b: a * b,

@@ -12,9 +12,10 @@ from hypothesis.extra.numpy import arrays
 
 from ptx_gen.emulator import EmulatorError, Memory, run
 from tests.emulator_ptx import PROLOGUE, kernel, one_op, run_words
+from tests.helpers import examples
 
 N = 32
-SETTINGS = settings(max_examples=10, deadline=None)
+SETTINGS = settings(max_examples=examples(10), deadline=None)
 f32 = arrays(np.float32, 4 * N, elements=st.floats(-1e3, 1e3, width=32)).filter(lambda x: x.any())
 u32 = arrays(np.uint32, N, elements=st.integers(1, 2**31)).filter(lambda x: x.any())
 SMEM = ".shared .align 16 .b8 buf[256];"

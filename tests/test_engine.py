@@ -11,6 +11,7 @@ from realizar.generation import SamplingParams
 from realizar.models.reference import ReferenceModel
 from tests.gguf_factory import hf_to_gguf
 from tests.model_factory import make_hf_model
+from tests.helpers import tiered
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +143,7 @@ SERVE_CASES = [("llama", "Q8_0", False), ("qwen2", "Q4_0", False), ("qwen3", "Q4
                ("llama", "Q8_0", True)]
 
 
-@pytest.mark.parametrize("arch,qtype,split", SERVE_CASES, ids=lambda v: str(v))
+@pytest.mark.parametrize("arch,qtype,split", tiered(SERVE_CASES, {0, 4}, ids=lambda c: "-".join(map(str, c)), unpack=True))
 def test_serving_runs_every_model_generate_runs_on_the_emulator(tmp_path, monkeypatch, arch, qtype, split):
     """What the GPU model generates, the serving engine over the same weights (the one GPU path, many
     rows) serves too: every architecture, and gate and up weights of different types (``split``); two

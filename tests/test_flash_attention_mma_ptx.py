@@ -16,6 +16,7 @@ from ptx_gen.emulator import Memory, run
 from ptx_gen.kernels.attention.flash_attention_mma import HEAD_DIMS
 from tests.attention_cases import prefill_case
 from tests.layer_kernels_ptx_cases import _assemble_all
+from tests.helpers import examples
 
 
 @pytest.mark.parametrize("d", HEAD_DIMS)
@@ -42,7 +43,7 @@ def _run(q, k, v, sq, sk, q_offset, stride, causal, group):
     return mem.read(po, np.float16, sq * h * d).reshape(sq, h, d).transpose(1, 0, 2).astype(np.float64)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(12), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(hk=st.sampled_from([(1, 1), (2, 1), (4, 2), (3, 3), (6, 2)]), d=st.sampled_from(HEAD_DIMS),
        sq=st.sampled_from([1, 2, 7, 63, 64, 65, 130]), extra=st.integers(0, 80), slack=st.integers(0, 9),
        causal=st.booleans(), scale=st.floats(0.1, 8), seed=st.integers(0, 2**32 - 1))

@@ -25,6 +25,7 @@ from ptx_gen.kernels.attention.flash_decoding import GROUP_CHUNKS, fused_buffer_
 from realizar.models.attention import attention_with_cache_gqa
 from ptx_gen.emulator import Memory, run
 from tests.attention_ptx_cases import HEAD_DIMS, RTOL, _rel, heads, variants
+from tests.helpers import examples
 
 
 # ---- emulated runs against the float64 oracle --------------------------------------------------------
@@ -102,7 +103,7 @@ def _ref_prefix(q, kc, vc, length):
     k64, v64 = kc[:, :length].astype(np.float64), vc[:, :length].astype(np.float64)
     return attention_with_cache_gqa(q.astype(np.float64), k64[:, :-1], v64[:, :-1], k64[:, -1], v64[:, -1])
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(hk=heads, d=st.sampled_from(HEAD_DIMS), length=st.integers(1, 300), slack=st.integers(0, 20),
        scale=st.floats(0.1, 30), late=st.booleans(), indirect=st.booleans(), seed=st.integers(0, 2**32 - 1))
 def test_incremental_attention_emulated(hk, d, length, slack, scale, late, indirect, seed):
@@ -115,7 +116,7 @@ def test_incremental_attention_emulated(hk, d, length, slack, scale, late, indir
     assert _rel(got, ref) < RTOL
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(hk=heads, d=st.sampled_from(HEAD_DIMS), length=st.integers(1, 400), slack=st.integers(0, 20),
        nch=st.integers(1, 12), min_mult=st.integers(1, 3), scale=st.floats(0.1, 30), late=st.booleans(),
        indirect=st.booleans(), seed=st.integers(0, 2**32 - 1))
@@ -131,7 +132,7 @@ def test_flash_decoding_emulated(hk, d, length, slack, nch, min_mult, scale, lat
     assert _rel(got, ref) < RTOL
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(20), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(hk=heads, d=st.sampled_from(HEAD_DIMS), length=st.integers(1, 300), again=st.integers(0, 300),
        slack=st.integers(0, 20), nch=st.integers(1, 40), min_chunk=st.integers(1, 40),
        grow_rows=st.sampled_from([0, 0, 8, 64]), scale=st.floats(0.1, 30), late=st.booleans(),

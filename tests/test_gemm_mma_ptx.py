@@ -19,6 +19,7 @@ from realizar.errors import ShapeError
 from realizar.gpu.gemm import GemmConfig, gemm_config
 from realizar.gpu.ops import LayerOps
 from tests.layer_kernels_ptx_cases import _assemble_all
+from tests.helpers import examples, tiered
 
 TILINGS = [(128, 128, 2, 2, 3), (64, 128, 1, 4, 4), (64, 64, 2, 2, 4), (128, 256, 2, 4, 3), (32, 64, 1, 2, 2),
            (128, 64, 2, 2, 2), (32, 64, 1, 2, 6), (64, 64, 2, 2, 6)]
@@ -28,7 +29,7 @@ def _silu(g):
     return g / (1 + np.exp(-g))
 
 
-@pytest.mark.parametrize("tiling", TILINGS)
+@pytest.mark.parametrize("tiling", tiered(TILINGS, {0}))
 @pytest.mark.parametrize("flags", [{}, {"bias": True, "residual": True}, {"glu": True, "out_f16": True}])
 def test_gemm_assembles_without_spills(tiling, flags):
     bm, bn, wm, wn, stages = tiling
@@ -84,7 +85,7 @@ def _run(m, n, k, tiling, rng, *, bias=False, residual=None, out_f16=False, glu=
     assert err.max() < tol, f"max relative error {err.max():.2e} at {np.unravel_index(err.argmax(), err.shape)}"
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=examples(12), deadline=None)
 @given(m=st.sampled_from([1, 2, 7, 63, 64, 65, 130]), n=st.integers(1, 40).map(lambda v: 4 * v),
        k=st.integers(1, 20).map(lambda v: 8 * v), tiling=st.sampled_from(TILINGS[1:]),
        epilogue=st.sampled_from(["plain", "bias", "residual", "in_place", "f16", "bias_f16"]),
@@ -94,7 +95,7 @@ def test_gemm_matches_oracle(m, n, k, tiling, epilogue, seed):
          residual={"residual": "buffer", "in_place": "in_place"}.get(epilogue), out_f16="f16" in epilogue)
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=examples(6), deadline=None)
 @given(m=st.sampled_from([1, 7, 65]), n=st.integers(1, 48).map(lambda v: 2 * v), k=st.sampled_from([64, 136, 256]),
        tiling=st.sampled_from(TILINGS[1:]), out_f16=st.booleans(), seed=st.integers(0, 2**31))
 def test_gemm_swiglu_matches_oracle(m, n, k, tiling, out_f16, seed):

@@ -16,6 +16,7 @@ from ptx_gen.kernels.gemv.gemv_mma import MMA_TYPES, layout, tile_major
 from ptx_gen.ptxas import assemble
 from tests.layer_kernels_ptx_cases import _pad16
 from tests.layer_oracles import check_gemv_cols, dequant, random_weight
+from tests.helpers import examples, tiered
 
 
 def _run_cols(wtype: str, cols: int, out_dim: int, mtiles: int, kparts: int, units: int, tiles: int, target: str,
@@ -62,7 +63,7 @@ def _run_cols(wtype: str, cols: int, out_dim: int, mtiles: int, kparts: int, uni
     check_gemv_cols(y, raw, wtype, out_dim, in_dim, x, glu=glu, bias=bias, residual=res, out_f16=out_f16)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(wtype=st.sampled_from(MMA_TYPES), cols=st.integers(1, 8), out_dim=st.integers(1, 40),
        mtiles=st.integers(1, 2), kparts=st.integers(1, 3), units=st.integers(1, 2), tiles=st.integers(1, 2),
        target=st.sampled_from(["sm_80", "sm_90", "sm_90 bulk"]), tiled=st.booleans(), xh=st.booleans(),
@@ -75,7 +76,7 @@ def test_gemv_mma_cols_emulated_matches_oracle(wtype, cols, out_dim, mtiles, kpa
     _run_cols(wtype, cols, out_dim, mtiles, kparts, units, tiles, target, tiled, xh, out_f16, epi, pad_x, pad_y, seed)
 
 
-@pytest.mark.parametrize("wtype", MMA_TYPES)
+@pytest.mark.parametrize("wtype", tiered(MMA_TYPES, {MMA_TYPES.index("Q4_K")}))
 def test_gemv_mma_cols_eight_columns_real_k(wtype):
     """Eight columns over a real row length (4096; Q6_K on GGUF rows too), 32-row warps in 8-warp CTAs with
     K parts, tile-major and GGUF rows: the shape the batched decode step launches."""
@@ -125,7 +126,7 @@ def cols_kernel_shapes(wtype: str) -> list[dict]:
     return out
 
 
-@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.parametrize("wtype", MMA_TYPES)
 def test_cols_kernels_assemble_without_spills(wtype):
     """ptxas without spills for every columns kernel the dispatcher picks at the real shapes."""

@@ -16,6 +16,7 @@ from ptx_gen.kernels.gemv.gemv_mma import MMA_TYPES
 from ptx_gen.ptxas import assemble
 from realizar.gpu.gemv import gemv_config
 from tests.layer_oracles import dequant, random_weight
+from tests.helpers import tiered
 
 
 def test_q6k_glu_offset_guard():
@@ -58,7 +59,7 @@ def test_mma_config_balances_the_grid():
     assert gemv_config(128256, 132, 4096, "Q6_K") == gemv_config(128256, 132, 4096, "Q6_K").__class__(4, 4, 2)
 
 
-@pytest.mark.parametrize("wtype", MMA_TYPES)
+@pytest.mark.parametrize("wtype", tiered(MMA_TYPES, {0}))
 def test_gemv_mma_dispatcher_picks_assemble_without_spills(wtype):
     """Every tensor-core launch shape the dispatcher picks at real decode shapes (and its widest warps at
     their 8-warp maximum) assembles for sm_80 and sm_90 (and tile-major for sm_89) without local-memory
@@ -176,7 +177,7 @@ def test_new_mma_types_policy():
         assert np.isfinite(y).all() and (np.abs(y - ref) / scl).max() < 1e-6
 
 
-@pytest.mark.parametrize("wtype", MMA_TYPES)
+@pytest.mark.parametrize("wtype", tiered(MMA_TYPES, {0}))
 def test_fast_dram_picks_assemble_without_spills(wtype):
     """The H200's picks at the 8B shapes (FAST_DRAM_UNBALANCED, FAST_DRAM_WIDE: bulk copies, 3-stage rings)
     and the same with L2 prefetches of one unit past the ring (l2pre, which no pick takes) assemble for

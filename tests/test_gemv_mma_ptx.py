@@ -15,13 +15,13 @@ from hypothesis import strategies as st
 from ptx_gen import catalog
 from ptx_gen.kernels.gemv.gemv_mma import MMA_TYPES, tile_major
 from ptx_gen.kernels.gemv.gemv_mma_layout import BLOCK32
-from tests.helpers import fit_mma_shape, fit_wide_mma_shape, random_array
+from tests.helpers import examples, fit_mma_shape, fit_wide_mma_shape, random_array
 from tests.layer_oracles import dequant, random_weight, silu
 from ptx_gen.emulator import Memory, run as simt_run
 from tests.layer_kernels_ptx_cases import _pad16
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(wtype=st.sampled_from(MMA_TYPES), out_dim=st.integers(1, 40), mtiles=st.integers(1, 3),
        kparts=st.sampled_from([1, 2, 4, 8]), stages=st.sampled_from([2, 3, 4, 8]), tiles=st.sampled_from([1, 2]),
        units=st.integers(1, 5), target=st.sampled_from(["sm_80", "sm_90", "sm_90 bulk"]),
@@ -73,7 +73,7 @@ def test_gemv_mma_emulated_matches_oracle(wtype, out_dim, mtiles, kparts, stages
     assert err.max() < 1e-6, f"{wtype} {out_dim}x{in_dim} m{mtiles} p{kparts} s{stages} t{tiles}: error {err.max():.2e}"
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(wtype=st.sampled_from(tuple(BLOCK32)), out_dim=st.integers(1, 70),
        shape=st.sampled_from([(1, 8, 2), (1, 4, 2), (2, 4, 2), (1, 4, 1), (2, 2, 1), (3, 1, 2)]),
        units=st.integers(1, 3), target=st.sampled_from(["sm_80", "sm_90", "sm_90 bulk"]),
@@ -139,7 +139,7 @@ def test_gemv_mma_q6k_small_weights_are_exact(target):
     assert err.max() < 1e-7, err.max()
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(wtype=st.sampled_from(MMA_TYPES), ffn=st.integers(1, 40), mtiles=st.integers(1, 3),
        kparts=st.sampled_from([1, 2]), units=st.integers(1, 3), target=st.sampled_from(["sm_80", "sm_90 bulk"]),
        tiled=st.booleans(), seed=st.integers(0, 2**32 - 1))
@@ -212,7 +212,7 @@ def test_gemv_mma_offset_codes_are_exact(wtype, zero):
     assert err.max() < 1e-7, err.max()
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(wtype=st.sampled_from(MMA_TYPES), out_dim=st.integers(1, 40), kparts=st.integers(2, 16),
        mtiles=st.integers(1, 3), extra=st.integers(0, 5), target=st.sampled_from(["sm_80", "sm_90", "sm_90 bulk"]),
        late=st.booleans(), tiled=st.booleans(), seed=st.integers(0, 2**32 - 1))

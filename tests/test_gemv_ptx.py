@@ -21,13 +21,14 @@ from realizar.gpu.gemv import gemv_config
 from tests.layer_oracles import dequant, random_weight, silu
 from ptx_gen.emulator import Memory, run as simt_run
 from tests.layer_kernels_ptx_cases import _assemble_all, _in_dims, _pad16
+from tests.helpers import examples, tiered
 
 
 # ---------------------------------------------------------------------------------------------
 # ptxas over drawn shapes
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(data=st.data(), wtype=st.sampled_from(WEIGHT_TYPES), rows=st.sampled_from([1, 2, 3, 4]),
        warps=st.sampled_from([1, 2, 4, 8]), bias=st.booleans(), residual=st.booleans())
 def test_gemv_assembles(data, wtype, rows, warps, bias, residual):
@@ -41,7 +42,7 @@ def test_gemv_assembles(data, wtype, rows, warps, bias, residual):
     _assemble_all("gemv", bias=bias, residual=residual, **shape)
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=examples(15), deadline=None)
 @given(data=st.data(), wtype=st.sampled_from(WEIGHT_TYPES),
        rt=st.sampled_from([(1, t) for t in range(1, 9)] + [(2, t) for t in range(1, 5)] + [(4, 1), (4, 2)]),
        glu=st.booleans())
@@ -59,7 +60,7 @@ REAL_SHAPES = [(4096, 14336), (14336, 4096), (4096, 4096), (28672, 4096), (2048,
                (128256, 2048), (576, 1536), (1536, 576), (576, 576), (49152, 576)]
 
 
-@pytest.mark.parametrize("wtype", WEIGHT_TYPES)
+@pytest.mark.parametrize("wtype", tiered(WEIGHT_TYPES, {0}))
 @pytest.mark.parametrize("in_dim", [4096, 14336])
 def test_gemv_family_no_spills_at_real_shapes(wtype, in_dim):
     """4096x4096 and 4096x14336 (both directions: in_dim 4096 and 14336): the unsplit configurations,
@@ -71,7 +72,7 @@ def test_gemv_family_no_spills_at_real_shapes(wtype, in_dim):
     _assemble_all("gemm", wtype=wtype, in_dim=in_dim, rows=2, warps=4, tokens=4)
 
 
-@pytest.mark.parametrize("wtype", WEIGHT_TYPES)
+@pytest.mark.parametrize("wtype", tiered(WEIGHT_TYPES, {0}))
 def test_dispatcher_configs_assemble_without_spills(wtype):
     """Every configuration gemv_config picks at the real shapes (plain, with bias + residual, and the
     fused gate/up GEMV of the 2 * ffn rows), without spills and within the static shared memory."""
@@ -118,7 +119,7 @@ def test_plan_invariants():
     assert gemv_config(4096).rows == 2 and gemv_config(576).rows == 1
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(wtype=st.sampled_from(WEIGHT_TYPES), n=st.integers(1, 80), ksplit=st.sampled_from(gv.KSPLITS))
 def test_split_invariants(wtype, n, ksplit):
     """The slices tile the row exactly, start where their phase says (a multiple of 4 bytes apart, or
@@ -203,7 +204,7 @@ def _emulate_gemm(rng, wtype, in_dim, out_dim, n_tok, tokens, rows, warps, bias,
     assert err.max() < 2e-6, f"{shape} n_tok={n_tok}: relative error {err.max():.2e}"
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(data=st.data(), wtype=st.sampled_from(WEIGHT_TYPES), out_dim=st.integers(1, 9), rows=st.sampled_from([1, 2, 3, 4]),
        warps=st.sampled_from([1, 2]), bias=st.booleans(), residual=st.booleans(), seed=st.integers(0, 2**32 - 1))
 def test_gemv_emulated_matches_oracle(data, wtype, out_dim, rows, warps, bias, residual, seed):
@@ -212,7 +213,7 @@ def test_gemv_emulated_matches_oracle(data, wtype, out_dim, rows, warps, bias, r
     _emulate_gemm(np.random.default_rng(seed), wtype, in_dim, out_dim, 1, 0, rows, warps, bias, residual, False)
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=examples(15), deadline=None)
 @given(wtype=st.sampled_from(WEIGHT_TYPES), out_dim=st.integers(1, 6), n_tok=st.integers(1, 9), tokens=st.integers(1, 8),
        glu=st.booleans(), seed=st.integers(0, 2**32 - 1))
 def test_gemm_and_glu_emulated_match_oracle(wtype, out_dim, n_tok, tokens, glu, seed):
@@ -229,7 +230,7 @@ def test_gemv_emulated_misaligned_and_multi_tile_rows(wtype, in_dim):
     _emulate_gemm(np.random.default_rng(7), wtype, in_dim, 5, 1, 0, 2, 2, True, True, False)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(data=st.data(), wtype=st.sampled_from(WEIGHT_TYPES), out_dim=st.integers(1, 11),
        ksplit=st.sampled_from([2, 4, 8]), mode=st.sampled_from(["plain", "bias", "residual", "in_place", "both", "glu"]),
        seed=st.integers(0, 2**32 - 1))

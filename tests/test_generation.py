@@ -15,6 +15,7 @@ from realizar.models.loader import load_model
 from realizar.models.reference import ReferenceModel
 from realizar.text.tokenizer import Tokenizer
 from tests.gguf_factory import make_gguf_model
+from tests.helpers import examples
 
 # ----------------------------------------------------------------------------------------------
 # Fakes: a model that emits a fixed script, a tokenizer whose tokens are byte strings
@@ -140,7 +141,7 @@ def test_stop_string_made_of_single_letters():
     assert res.text == "xSx" and res.finish_reason == "stop"
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(
     text=st.text(alphabet="abcS T", max_size=40),
     stops=st.lists(st.text(alphabet="abcST", min_size=1, max_size=4), max_size=3),

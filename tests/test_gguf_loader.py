@@ -27,6 +27,7 @@ from realizar.models.config import RopeScaling
 from realizar.models.loaded import LoadedModel
 from realizar.models.loader import load_model
 from realizar.models.names import expected_shapes, hf_to_canonical
+from tests.helpers import examples
 
 # ------------------------------------------------------------------------------------ SmolLM2
 
@@ -495,7 +496,7 @@ def _load_bytes(tmp_path_factory, data: bytes) -> None:
     assert time.perf_counter() - t0 < 2.0
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_fuzz_header_mutations(tmp_path_factory, tiny_bytes, data):
     """Random byte edits in the header: loads or raises a RealizarError, quickly."""
@@ -518,14 +519,14 @@ def test_fuzz_header_mutations(tmp_path_factory, tiny_bytes, data):
     _load_bytes(tmp_path_factory, bytes(buf))
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(100), deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.binary(max_size=512))
 def test_fuzz_random_headers(tmp_path_factory, body):
     """Magic + version 3 + arbitrary bytes."""
     _load_bytes(tmp_path_factory, b"GGUF" + struct.pack("<I", 3) + body)
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(100), deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     n_tensors=st.integers(0, 2**64 - 1),
     n_kv=st.integers(0, 2**64 - 1),

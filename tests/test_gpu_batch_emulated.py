@@ -20,7 +20,7 @@ from realizar.models.loader import load_model
 from realizar.models.reference import ReferenceModel
 from realizar.sampling import RowSampling
 from tests.gguf_factory import make_gguf_model
-from tests.helpers import rel_err as _rel_err
+from tests.helpers import rel_err as _rel_err, tiered
 
 TINY = dict(vocab_size=320, hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2)  # head_dim 32
 CASES = [("llama", "Q8_0"), ("qwen3", "Q4_1"), ("qwen2", "Q4_0")]
@@ -29,7 +29,7 @@ MAX_LEN = 64
 RTOL = 1e-2  # f16 activations and weights in the GEMMs: max |batched - ref| / max |ref|
 
 
-@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-{c[1]}")
+@pytest.fixture(scope="module", params=tiered(CASES, {0}, ids=lambda c: f"{c[0]}-{c[1]}"))
 def loaded(request, tmp_path_factory):
     arch, qtype = request.param
     path, _, _ = make_gguf_model(arch, tmp_path_factory.mktemp(f"b-{arch}-{qtype}"), qtype, seed=5, num_layers=1,
@@ -157,6 +157,7 @@ def test_one_row_greedy_and_sampled_steps(loaded):
     assert set(be.graphs.keys()) == {(1, True), (1, False)}
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("qtype,settings", [("Q4_K", (8, 0)), ("Q5_0", (8,))])
 def test_linear_layers_on_gemv_columns_kernel(qtype, settings, tmp_path):
     """Rows of 256 values: the batched step's linear layers run the tensor-core GEMV's columns kernel

@@ -13,6 +13,7 @@ from realizar.gpu.model import GpuModel
 from realizar.models.loader import load_model
 from realizar.models.reference import ReferenceModel
 from tests.gguf_factory import make_gguf_model
+from tests.helpers import tiered
 from tests.model_factory import KQUANT_DIMS
 
 PROMPT = [5, 17, 42]
@@ -72,7 +73,7 @@ def _run_gpu(loaded, mode: str, prompt: list[int], feed: list[int]) -> dict:
                 steps=model.steps, prompt=prompt)
 
 
-@pytest.fixture(scope="module", params=CASES, ids=_case_id)
+@pytest.fixture(scope="module", params=tiered(CASES, {1, 3, 4, 6}, ids=_case_id))
 def runs(request, tmp_path_factory):
     arch, qtype, layers, dims, prompt = request.param
     path, _, _ = make_gguf_model(arch, tmp_path_factory.mktemp(f"{arch}-{qtype}"), qtype, seed=7,

@@ -19,25 +19,26 @@ from ptx_gen.kernels.elementwise.rope import inv_freq_table
 from tests.layer_oracles import dequant, random_weight, rmsnorm_oracle, rope_oracle, silu
 from ptx_gen.emulator import Memory, run as simt_run
 from tests.layer_kernels_ptx_cases import _assemble_all, _in_dims, _pad16
+from tests.helpers import examples
 
 
 # ---------------------------------------------------------------------------------------------
 # ptxas over drawn shapes
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=examples(12), deadline=None)
 @given(data=st.data(), wtype=st.sampled_from(WEIGHT_TYPES), warps=st.sampled_from([1, 2, 4]))
 def test_embedding_assembles(data, wtype, warps):
     _assemble_all("embedding", wtype=wtype, hidden=data.draw(_in_dims(wtype)), warps=warps)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=examples(12), deadline=None)
 @given(hidden=st.integers(1, 4096).map(lambda n: 4 * n), residual=st.booleans(), f16=st.booleans())
 def test_rmsnorm_assembles(hidden, residual, f16):
     _assemble_all("rmsnorm_f16" if f16 else "rmsnorm", hidden=hidden, block=default_block(hidden), residual=residual)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=examples(12), deadline=None)
 @given(half=st.integers(1, 128), frac=st.floats(0.1, 1.0), neox=st.booleans(), pb=st.booleans())
 def test_rope_assembles(half, frac, neox, pb):
     head_dim = 2 * half
@@ -103,7 +104,7 @@ def test_inv_freq_table():
 # emulated runs vs float64 oracles
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=examples(12), deadline=None)
 @given(wtype=st.sampled_from(WEIGHT_TYPES), mult=st.integers(1, 9), warps=st.sampled_from([1, 2, 4]),
        seed=st.integers(0, 2**32 - 1))
 def test_embedding_emulated_matches_dequantize(wtype, mult, warps, seed):
@@ -121,7 +122,7 @@ def test_embedding_emulated_matches_dequantize(wtype, mult, warps, seed):
     np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=examples(10), deadline=None)
 @given(hidden=st.sampled_from([64, 576, 896, 4100, 16384]), rows=st.integers(1, 3), residual=st.booleans(),
        seed=st.integers(0, 2**32 - 1))
 def test_rmsnorm_emulated(hidden, rows, residual, seed):
@@ -151,7 +152,7 @@ def _f16_ulps(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.abs(ordered(a) - ordered(b))
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=examples(10), deadline=None)
 @given(hidden=st.sampled_from([64, 576, 896, 4100, 16384]), rows=st.integers(1, 5), residual=st.booleans(),
        scale=st.sampled_from([1e-3, 1.0, 50.0]), seed=st.integers(0, 2**32 - 1))
 def test_rmsnorm_f16_emulated(hidden, rows, residual, scale, seed):
@@ -209,7 +210,7 @@ def test_layer_ops_rmsnorm_rows_to_f16():
         ops.rmsnorm(ops.to_device(x), ops.to_device(w), ops.buffer(rows * hidden), 1e-6, rows=rows, out_f16=True)
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=examples(10), deadline=None)
 @given(head_dim=st.sampled_from([64, 80, 96, 128, 256]), partial=st.booleans(), neox=st.booleans(), pb=st.booleans(),
        nq=st.integers(1, 5), nkv=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
 def test_rope_emulated(head_dim, partial, neox, pb, nq, nkv, seed):
@@ -239,7 +240,7 @@ def test_rope_emulated(head_dim, partial, neox, pb, nq, nkv, seed):
             np.testing.assert_allclose(got[t], ref, atol=2e-6 * np.abs(src).max(), err_msg=f"{name}[{t}]")
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=examples(8), deadline=None)
 @given(n=st.integers(1, 3000), vec=st.sampled_from([1, 4]), seed=st.integers(0, 2**32 - 1))
 def test_elementwise_emulated(n, vec, seed):
     rng = np.random.default_rng(seed)
@@ -262,7 +263,7 @@ def test_elementwise_emulated(n, vec, seed):
     np.testing.assert_array_equal(mem.read(dy, np.float32, y.size).reshape(y.shape), y + b)
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=examples(8), deadline=None)
 @given(n=st.integers(1, 3000), vec=st.sampled_from([1, 2, 4]), seed=st.integers(0, 2**32 - 1))
 def test_swiglu_f16_emulated(n, vec, seed):
     """silu(gate) * up in f32, written as f16 (nearest even) into a NaN-poisoned buffer: every element
@@ -282,7 +283,7 @@ def test_swiglu_f16_emulated(n, vec, seed):
     np.testing.assert_allclose(got[:n].astype(np.float64), ref, rtol=2.0**-10, atol=2.0**-24)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=examples(12), deadline=None)
 @given(n=st.integers(1, 70000), parts=st.integers(1, 40), mode=st.sampled_from(["plain", "ties", "nan", "zeros", "inf"]),
        seed=st.integers(0, 2**32 - 1))
 def test_argmax_emulated_exact(n, parts, mode, seed):
@@ -308,7 +309,7 @@ def test_argmax_emulated_exact(n, parts, mode, seed):
     assert int(mem.read(do, np.uint32, 1)[0]) == int(np.argmax(x))
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=examples(12), deadline=None)
 @given(n=st.integers(2, 20000), ranks=st.integers(1, 5), parts=st.integers(1, 12),
        mode=st.sampled_from(["plain", "ties", "nan", "zeros"]), seed=st.integers(0, 2**32 - 1))
 def test_argmax_over_slices_emulated_exact(n, ranks, parts, mode, seed):

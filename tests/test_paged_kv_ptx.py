@@ -27,6 +27,7 @@ from realizar.gpu.paged_kv import KV_NUMPY_DTYPES, PagedKVCache, decode_min_chun
 from realizar.models.attention import gqa_attention
 from tests.layer_kernels_ptx_cases import _assemble_all
 from tests.layer_oracles import rope_append_rows_oracle
+from tests.helpers import examples, tiered
 
 EPS = 1e-6
 HEADS = [(1, 1), (2, 1), (4, 2), (3, 3), (8, 1), (6, 2)]
@@ -119,7 +120,7 @@ def _run_decode(cache, q, tab, stride, lengths, out_f16, repeats=1):
     return outs
 
 
-@settings(max_examples=14, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(14), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(hk=st.sampled_from(HEADS), d=st.sampled_from([32, 64, 96, 128]), bs=st.sampled_from([16, 32, 64]),
        kv_dtype=st.sampled_from(["f16", "f32", "bf16", "q8_0"]), out_f16=st.booleans(), unroll=st.sampled_from([1, 2, 4]),
        lengths=st.lists(st.one_of(st.integers(1, 40), st.integers(60, 300)), min_size=1, max_size=3),
@@ -184,7 +185,7 @@ def test_decode_attention_reads_q_from_qkv_rows():
 
 # ---- decode append ------------------------------------------------------------------------------------
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(10), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(hk=st.sampled_from(HEADS), d=st.sampled_from([32, 64, 96, 128]), bs=st.sampled_from([16, 32, 64]),
        kv_dtype=st.sampled_from(["f16", "f32", "bf16", "q8_0"]), neox=st.booleans(), qk_norm=st.booleans(),
        positions=st.lists(st.integers(0, 200), min_size=1, max_size=4), seed=st.integers(0, 2**32 - 1))
@@ -232,7 +233,7 @@ def test_append_decode_matches_oracle(hk, d, bs, kv_dtype, neox, qk_norm, positi
 
 # ---- prefill ------------------------------------------------------------------------------------------
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(6), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(hk=st.sampled_from([(2, 1), (4, 2), (3, 3)]), d=st.sampled_from([32, 64]), bs=st.sampled_from([16, 32, 64]),
        kv_dtype=st.sampled_from(["f16", "f32", "bf16", "q8_0"]), cached=st.integers(0, 80), count=st.integers(1, 70),
        neox=st.booleans(), seed=st.integers(0, 2**32 - 1))
@@ -291,7 +292,7 @@ def test_append_rows_and_prefill_attention(hk, d, bs, kv_dtype, cached, count, n
 
 # ---- assembly and argument checks ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("name,shape", [
+@pytest.mark.parametrize("name,shape", tiered([
     ("paged_decode_attention", dict(head_dim=128, group=4, block_size=32, kv_dtype="f16", unroll=2)),
     ("paged_decode_attention", dict(head_dim=128, group=8, block_size=32, kv_dtype="f16", out_f16=True)),
     ("paged_decode_attention", dict(head_dim=128, group=8, block_size=32, kv_dtype="f32", unroll=4)),
@@ -313,7 +314,7 @@ def test_append_rows_and_prefill_attention(hk, d, bs, kv_dtype, cached, count, n
     ("paged_append_decode", dict(head_dim=96, block_size=32, kv_dtype="q8_0", neox=True)),
     ("paged_append_rows", dict(head_dim=128, block_size=32, kv_dtype="q8_0", neox=True)),
     ("paged_prefill_attention", dict(head_dim=128, group=4, block_size=32, kv_dtype="q8_0")),
-])
+], {0}, unpack=True))
 def test_assembles_without_spills(name, shape):
     _assemble_all(name, **shape)
 

@@ -21,6 +21,7 @@ from realizar.parallel.nccl import DataType, Nccl, RedOp
 from realizar.parallel.sharding import make_plan
 from tests.gguf_factory import make_gguf_model
 from tests.parallel_gpu_cases import CASES, DIMS, PROMPT, STEPS, assert_matches, device_run, oracles, rel_err
+from tests.helpers import tiered
 from tests.test_parallel_nccl import FakeLib
 
 MAX_LEN = 16
@@ -38,7 +39,7 @@ def llama(tmp_path_factory):
     return load_model(path)
 
 
-@pytest.fixture(scope="module", params=CASES, ids=[c[0] for c in CASES])
+@pytest.fixture(scope="module", params=tiered(CASES, {1}, ids=[c[0] for c in CASES]))
 def case(request, tmp_path_factory):
     name, arch, qtype, dims, layers, worlds = request.param
     path, _, _ = make_gguf_model(arch, tmp_path_factory.mktemp(f"tpgpu-{name}"), qtype, seed=7,

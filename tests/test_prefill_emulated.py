@@ -16,7 +16,7 @@ from realizar.models.loader import load_model
 from realizar.models.reference import ReferenceModel
 from tests.gguf_factory import make_gguf_model
 from tests.model_factory import KQUANT_DIMS
-from tests.helpers import rel_err as _rel_err
+from tests.helpers import rel_err as _rel_err, tiered
 
 TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_heads=2, num_kv_heads=1)  # head_dim 32
 CASES = [("llama", "Q8_0", 2, TINY), ("qwen2", "Q4_0", 1, TINY), ("qwen3", "Q4_1", 1, TINY),
@@ -27,7 +27,7 @@ RTOL = 1e-2  # f16 activations and weights in the GEMMs: max |gpu - ref| / max |
 CONTINUE = 4  # greedy tokens after the prompt
 
 
-@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-{c[1]}")
+@pytest.fixture(scope="module", params=tiered(CASES, {0, 1}, ids=lambda c: f"{c[0]}-{c[1]}"))
 def loaded(request, tmp_path_factory):
     arch, qtype, layers, dims = request.param
     path, _, _ = make_gguf_model(arch, tmp_path_factory.mktemp(f"p-{arch}-{qtype}"), qtype, seed=3,

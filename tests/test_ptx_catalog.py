@@ -22,9 +22,10 @@ def _id(case) -> str:
     return name + ("[" + ",".join(f"{k}={v}" for k, v in shape.items()) + "]" if shape else "")
 
 
-@pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
-def test_catalog_kernel_assembles(case, target):
+FIRST = [(name, catalog.spec(name).grid[0]) for name in catalog.names()]
+
+
+def _assembles_clean(case, target: str) -> None:
     name, shape = case
     kernel = catalog.emit(name, target=target, **shape)
     reports = assemble(kernel.ptx, target)
@@ -32,6 +33,20 @@ def test_catalog_kernel_assembles(case, target):
     report = reports[0]
     assert report.target == target
     assert not report.spills, f"{_id(case)} spills on {target}: {report.log}"
+
+
+@pytest.mark.parametrize("case", FIRST, ids=[_id(c) for c in FIRST])
+def test_each_catalog_kernel_assembles(case):
+    """The fast tier: every kernel's first grid shape, for sm_90."""
+    _assembles_clean(case, "sm_90")
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
+def test_catalog_kernel_assembles(case, target):
+    """Every kernel, every grid shape, every target."""
+    _assembles_clean(case, target)
 
 
 # Tuning parameters the validation grids keep at their defaults (each is exercised by the kernel's own

@@ -32,6 +32,7 @@ def test_ptx_text_is_a_module_for_the_target(name):
         assert text == catalog.emit(name, target, **shape).ptx
 
 
+@pytest.mark.full
 def test_check_all_covers_every_catalog_kernel_and_grid_shape():
     calls = []
     results = ptx_tools.check_all(progress=lambda done, total, label: calls.append((done, total, label)))

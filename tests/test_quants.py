@@ -15,6 +15,7 @@ from realizar.errors import ShapeError, UnsupportedError
 from realizar.models import quants
 from realizar.models.quants import LAYOUTS, dequantize, layout, row_nbytes, tensor_nbytes
 from realizar.models.tensor import QuantTensor
+from tests.helpers import examples
 
 ALL_TYPES = list(LAYOUTS)
 BLOCK_TYPES = [t for t in ALL_TYPES if LAYOUTS[t].block_size > 1]
@@ -148,7 +149,7 @@ def _block_strategy(t: T):
 
 @pytest.mark.parametrize("t", BLOCK_TYPES, ids=lambda t: t.name)
 @settings(
-    max_examples=60,
+    max_examples=examples(60),
     deadline=None,
     suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow, HealthCheck.data_too_large],
 )
@@ -162,7 +163,7 @@ def test_dequantize_hypothesis_blocks(t, data):
     assert same_bits(ours, ref)
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=examples(50), deadline=None)
 @given(st.lists(st.floats(width=32, allow_nan=True, allow_infinity=True), min_size=1, max_size=64))
 def test_float_types_hypothesis(values):
     x = np.array(values, dtype=np.float32)

@@ -239,7 +239,7 @@ def smol():
 
 
 @pytest.mark.oracle
-@pytest.mark.slow
+@pytest.mark.full
 def test_smollm2_matches_transformers_gguf(smol):
     _, hf_tok, hf_model, model = smol
     worst = 0.0
@@ -254,7 +254,7 @@ def test_smollm2_matches_transformers_gguf(smol):
 
 
 @pytest.mark.oracle
-@pytest.mark.slow
+@pytest.mark.full
 def test_smollm2_greedy_paris_and_decode_consistency(smol):
     _, hf_tok, _, model = smol
     ids = hf_tok("The capital of France is")["input_ids"]

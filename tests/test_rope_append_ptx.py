@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from ptx_gen.catalog import emit
 from realizar.models.reference import apply_rope
 from ptx_gen.emulator import Memory, run
+from tests.helpers import examples
 
 
 def _oracle_rotate(x: np.ndarray, pos: int, inv_freq: np.ndarray, neox: bool) -> np.ndarray:
@@ -27,7 +28,7 @@ def _oracle_rotate(x: np.ndarray, pos: int, inv_freq: np.ndarray, neox: bool) ->
     return out
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=examples(12), deadline=None)
 @given(d=st.sampled_from([32, 64, 80, 128]), n_kv=st.integers(1, 3), group=st.integers(1, 3),
        neox=st.booleans(), max_len=st.integers(1, 9), pos_seed=st.integers(0, 10_000), seed=st.integers(0, 2**31))
 def test_rope_kv_append_matches_oracle(d, n_kv, group, neox, max_len, pos_seed, seed):

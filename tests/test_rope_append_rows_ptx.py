@@ -21,6 +21,7 @@ from ptx_gen.emulator import Memory, run
 from ptx_gen.kernels.elementwise.rope import inv_freq_table
 from ptx_gen.ptxas import assemble
 from tests.layer_oracles import rope_append_rows_oracle as oracle
+from tests.helpers import examples
 
 TARGETS = ("sm_80", "sm_89", "sm_90")
 EPS = 1e-6
@@ -50,7 +51,7 @@ def _close(got: np.ndarray, want: np.ndarray, tol: float, what: str) -> None:
     np.testing.assert_allclose(got, want, rtol=0, atol=tol * max(np.abs(want).max(), 1e-30), err_msg=what)
 
 
-@settings(max_examples=14, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(14), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(s=st.sampled_from([1, 2, 7, 63, 65]), d=st.sampled_from([10, 32, 48, 64, 80, 96, 128, 256]),
        heads=st.sampled_from([(1, 1), (2, 1), (4, 2), (3, 3), (6, 2)]), neox=st.booleans(), qk_norm=st.booleans(),
        pos0=st.integers(0, 5000), cut=st.integers(0, 3), theta=st.sampled_from([10000.0, 1e6]),
@@ -99,7 +100,7 @@ def test_rotation_is_bitwise_the_decode_kernels(d, neox):
         assert np.array_equal(v_cache[:, pos0 + t], qkv[t].reshape(-1, d)[n_q + n_kv:])
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=examples(6), deadline=None)
 @given(d=st.sampled_from([32, 64, 80, 96, 128, 256]), neox=st.booleans(), qk_norm=st.booleans())
 def test_rope_append_rows_assembles(d, neox, qk_norm):
     for target in TARGETS:

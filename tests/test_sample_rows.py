@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from realizar.errors import InvalidRequestError, ShapeError
 from realizar.sampling import RowSampling, hash_uniform, row_key, sample_rows, top_p_margin
+from tests.helpers import examples
 
 M32 = 0xFFFFFFFF
 
@@ -33,7 +34,7 @@ def _py_uniform(seed: int, step: int, t: int) -> float:
 
 
 @given(st.integers(0, 2**64 - 1), st.integers(0, 2**32 - 1), st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=8))
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 def test_hash_rng_matches_its_definition(seed, step, tokens):
     u = hash_uniform(seed, step, np.array(tokens, np.uint32))
     assert u.dtype == np.float32
@@ -102,7 +103,7 @@ def _logits(rng: np.random.Generator, b: int, v: int, scale: float, ties: bool) 
 
 
 @given(st.integers(1, 6), st.integers(1, 300), st.floats(0.1, 8.0), st.booleans(), st.data(), st.integers(0, 2**32 - 1))
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=examples(120), deadline=None)
 def test_mirror_matches_float64_reference(b, v, scale, ties, data, seed):
     rng = np.random.default_rng(seed)
     x = _logits(rng, b, v, scale, ties)

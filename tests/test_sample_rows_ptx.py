@@ -16,6 +16,7 @@ from realizar import cuda
 from realizar.errors import InvalidRequestError, ShapeError
 from realizar.gpu.sampling import SPEC_WORDS, SampleOps, pack_specs
 from realizar.sampling import RowSampling, sample_rows, top_p_margin
+from tests.helpers import examples
 
 BOUNDARY = 1e-5  # top-p cuts closer than this (relative mass) may go either way between f32 and f64 sums
 
@@ -65,7 +66,7 @@ specs = st.builds(
 
 @given(st.integers(1, 4), st.integers(1, 300), st.floats(0.1, 10.0), st.integers(0, 3), st.data(),
        st.integers(0, 2**32 - 1))
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 def test_kernel_matches_mirror(b, v, scale, pad, data, seed):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((b, v)) * scale

@@ -17,6 +17,7 @@ from realizar.sampling import (
     probabilities,
     sample_token,
 )
+from tests.helpers import examples
 
 
 def test_greedy_is_argmax_first_on_ties():
@@ -62,7 +63,7 @@ def test_top_p_keeps_smallest_nucleus():
     np.testing.assert_array_equal(apply_top_p(z, 1.0), z)
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=examples(50), deadline=None)
 @given(n=st.integers(1, 300), k=st.integers(0, 50), p=st.floats(0.01, 1.0), t=st.floats(0.05, 3.0),
        seed=st.integers(0, 2**32 - 1))  # fmt: skip
 def test_sampled_token_is_always_allowed(n, k, p, t, seed):

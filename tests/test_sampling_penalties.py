@@ -17,11 +17,12 @@ from realizar.sampling import (
     sample_token,
     top_logprobs,
 )
+from tests.helpers import examples
 
 _vocab = st.integers(2, 64)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(n=_vocab, seed=st.integers(0, 2**31 - 1), presence=st.floats(-2, 2), frequency=st.floats(-2, 2))
 def test_penalty_subtracts_presence_plus_frequency_times_count(n, seed, presence, frequency):
     rng = np.random.default_rng(seed)
@@ -85,7 +86,7 @@ def test_penalties_out_of_range_are_refused(kw):
         Sampler(**kw)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(n=_vocab, seed=st.integers(0, 2**31 - 1), scale=st.floats(0.1, 50))
 def test_log_softmax_and_top_logprobs(n, seed, scale):
     logits = (np.random.default_rng(seed).standard_normal(n) * scale).astype(np.float32)

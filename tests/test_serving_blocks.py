@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from realizar.errors import KVPoolExhaustedError, ShapeError
 from realizar.serving.blocks import ROOT_KEY, BlockPool
+from tests.helpers import examples
 
 
 def _fill(pool: BlockPool, tokens: list[int]) -> tuple[list[int], list[int]]:
@@ -97,7 +98,7 @@ def test_prefix_cache_off():
     pool.check_consistency()
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.data())
 def test_random_sequences_keep_the_accounting_exact(data):
     """Sequences drawn over a tiny alphabet (many shared prefixes) come and go; the invariants hold

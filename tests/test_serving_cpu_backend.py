@@ -18,7 +18,7 @@ from realizar.models.loader import load_model
 from realizar.models.reference import ReferenceModel
 from realizar.serving.backend import BatchBackend, BatchOutput, RowSampling
 from realizar.serving.cpu_backend import ReferenceBatchBackend
-from tests.helpers import assert_close
+from tests.helpers import assert_close, examples
 from tests.model_factory import make_hf_model
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
@@ -49,7 +49,7 @@ def test_the_backend_is_a_batch_backend(models):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@settings(max_examples=6)
+@settings(max_examples=examples(6))
 @given(data=st.data())
 def test_chunked_prefill_then_decode_equals_the_reference(models, arch, data):
     loaded = models[arch]

@@ -31,6 +31,7 @@ from realizar.generation import SamplingParams
 from realizar.serving import ServingEngine
 from realizar.serving.cpu_backend import ReferenceBatchBackend
 from tests.model_factory import make_hf_model
+from tests.helpers import examples
 
 ARCHS = ("llama", "qwen2", "qwen3")
 LOGPROB_ATOL = 1e-4
@@ -317,7 +318,7 @@ def test_preempted_sampled_requests_keep_their_random_stream(engines):
     _all_free(tight)
 
 
-@settings(max_examples=30)
+@settings(max_examples=examples(30))
 @given(data=st.data())
 def test_random_loads_equal_alone_and_free_every_block(engines, data):
     """Random pools (tight ones preempt), budgets, arrivals, lengths and cancellations: every request

@@ -9,9 +9,10 @@ from hypothesis import strategies as st
 
 from ptx_gen import catalog
 from ptx_gen.emulator import Memory, run as simt_run
+from tests.helpers import examples
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=examples(20), deadline=None)
 @given(unroll=st.sampled_from([1, 3, 4, 8]), block=st.sampled_from([32, 64, 128]), grid=st.integers(1, 4),
        n16=st.integers(1, 700), seed=st.integers(0, 2**32 - 1))
 def test_stream_read_xors_every_vector_once(unroll, block, grid, n16, seed):

@@ -27,6 +27,7 @@ from tests.tokenizer_cases import (  # noqa: F401 - fixtures
     smol_md,
     smol_path,
 )
+from tests.helpers import examples
 
 
 # ----------------------------------------------------------------------------------------------
@@ -77,7 +78,7 @@ def test_smol_known_ids(smol):
 
 
 @pytest.mark.oracle
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=MIXED)
 def test_smol_drawn_text_matches_transformers(smol, smol_hf, text):
     ids = smol.encode(text)
@@ -110,7 +111,7 @@ def test_smol_special_tokens(smol, smol_hf):
     assert smol.decode(ids, skip_special_tokens=True) == "system\nBe brief.\nuser\nHi"
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ids=st.lists(st.integers(17, 49151), max_size=12))
 def test_smol_decode_of_any_ids_matches_library(smol, ids):
     # arbitrary ids spell invalid UTF-8 too; replacement characters must come out the same
@@ -161,7 +162,7 @@ def test_stream_decoder_holds_back_partial_characters(smol):
     assert sd.flush() == "\ufffd"
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(100), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=MIXED)
 def test_stream_decoder_drawn_text(smol, text):
     assume(spellable(smol, text))
@@ -294,7 +295,7 @@ def test_pre_variants_match_transformers(pre_variants, pre):
 
 @pytest.mark.oracle
 @pytest.mark.parametrize("pre", ["llama-bpe", "qwen2"])
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=MIXED)
 def test_pre_variants_drawn_text(pre_variants, pre, text):
     mine, hf = pre_variants[pre]

@@ -26,6 +26,7 @@ from tests.tokenizer_cases import (  # noqa: F401 - fixtures
     spm_files,
     spm_hf,
 )
+from tests.helpers import examples
 
 
 def _spm_reference(tokens, scores, types, text: str, add_bos=True, add_prefix=True) -> list[int]:
@@ -103,7 +104,7 @@ def test_spm_matches_llama_cpp_rule(spm, spm_files, text):
     assert spm.encode(text, add_special_tokens=False) == _spm_reference(tokens, scores, types, text, add_bos=False)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=MIXED)
 def test_spm_drawn_text_matches_llama_cpp_rule(spm, spm_files, text):
     _, tokens, scores, types = spm_files
@@ -130,7 +131,7 @@ def test_spm_matches_transformers(spm, spm_hf, text):
 
 
 @pytest.mark.oracle
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(80), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=MIXED)
 def test_spm_drawn_text_matches_transformers(spm, spm_hf, text):
     assume(_hf_comparable(text))
@@ -206,7 +207,7 @@ def test_spm_explicit_merges_are_used(tmp_path):
     assert tok.encode("hello", add_special_tokens=False) == [t("\u2581he"), t("ll"), t("o")]
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_stream_decoder_spm_any_ids(spm, data):
     # byte tokens in an impossible order make the library rewrite text it already decoded; the

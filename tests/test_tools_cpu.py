@@ -10,6 +10,7 @@ import pytest
 import tools.bench_prefill as bench_prefill
 from realizar.models import names
 from realizar.models.random import BENCH_SHAPES, BenchShape, bench_model, token_read_bytes
+from tests.helpers import tiered
 
 
 def _rows(text: str, first_cell: str) -> list[list[str]]:
@@ -18,7 +19,7 @@ def _rows(text: str, first_cell: str) -> list[list[str]]:
     return [[c.strip() for c in r] for r in rows if r[0].strip() == first_cell]
 
 
-@pytest.mark.parametrize("peer", ["none", "cpu"])
+@pytest.mark.parametrize("peer", tiered(["none", "cpu"], {0}))
 def test_bench_prefill_tiny_on_the_emulator(tmp_path, capsys, peer):
     if peer == "cpu" and importlib.util.find_spec("torch") is None:
         pytest.skip("torch is not installed")

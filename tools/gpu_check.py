@@ -42,7 +42,7 @@ def stages(out: Path, tests: list[str], pytest_args: list[str]) -> dict[str, tup
             "print('python', platform.python_version(), 'numpy', numpy.__version__, 'cuda-bindings', "
             "cuda.bindings.__version__); print(d, 'target', d.target, 'mem', d.total_memory >> 20, 'MiB')"
         )], 60),
-        "tests": ([PY, "-m", "pytest", "-m", "gpu", *tests, "-q", "-rs", "-p", "no:cacheprovider",
+        "tests": ([PY, "-m", "pytest", "-n", "0", "-m", "gpu", *tests, "-q", "-rs", "-p", "no:cacheprovider",
                    f"--junitxml={out}/gpu_tests.xml", *pytest_args], 420),
         "bench_graphs": ([PY, "tools/bench_graphs.py", "--out", str(out / "bench_graphs.md")], 120),
         "bench_attention": ([PY, "tools/bench_attention.py", "--out", str(out / "bench_attention.md")], 300),

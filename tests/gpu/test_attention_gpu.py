@@ -17,7 +17,7 @@ from ptx_gen.kernels.attention.flash_decoding import fused_buffer_sizes
 from realizar import cuda
 from realizar.models.attention import attention_with_cache_gqa, gqa_attention
 from tests.attention_cases import prefill_case
-from tests.helpers import assert_close
+from tests.helpers import assert_close, examples
 
 pytestmark = pytest.mark.gpu
 
@@ -55,7 +55,7 @@ def _budget(kvh, d, length, limit=6_000_000):
     return length if kvh * d * length <= limit else max(1, limit // (kvh * d))
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(hk=heads, d=st.sampled_from(HEAD_DIMS), length=lengths, slack=st.integers(0, 40), scale=scales,
        late=st.booleans(), indirect=st.booleans(), seed=st.integers(0, 2**32 - 1))
 def test_incremental_attention(kernels, hk, d, length, slack, scale, late, indirect, seed):
@@ -95,7 +95,7 @@ def _flash_decode(kernels, q, kc, vc, length, max_len, group, num_chunks, min_ch
         return out.to_numpy((h, d))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(hk=heads, d=st.sampled_from(HEAD_DIMS), length=lengths, slack=st.integers(0, 40), scale=scales,
        late=st.booleans(), indirect=st.booleans(), num_chunks=st.sampled_from([1, 2, 7, 33, 64, 132, 256]),
        min_mult=st.sampled_from([1, 1, 2, 8]), opts=variants, seed=st.integers(0, 2**32 - 1))
@@ -144,7 +144,7 @@ def _prefix_ref(q, kc, vc, length):
     return attention_with_cache_gqa(q.astype(np.float64), k64[:, :-1], v64[:, :-1], k64[:, -1], v64[:, -1])
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(hk=heads, d=st.sampled_from(HEAD_DIMS), length=lengths, again=lengths, slack=st.integers(0, 40),
        scale=scales, late=st.booleans(), indirect=st.booleans(),
        num_chunks=st.sampled_from([1, 2, 7, 16, 17, 33, 132, 256, 300]), min_chunk=st.sampled_from([1, 4, 32, 64]),
@@ -211,7 +211,7 @@ def test_flash_decoding_zero_length_and_clamping(kernels):
     assert_close(clamped, ref, RTOL, "clamped")
 
 
-@settings(max_examples=25, deadline=None)  # each new (head_dim, group, causal) is a JIT of a few thousand lines
+@settings(max_examples=examples(25), deadline=None)  # each new (head_dim, group, causal) is a JIT of a few thousand lines
 @given(hk=st.tuples(st.integers(1, 4), st.sampled_from([1, 2, 3, 4, 7])), d=st.sampled_from(HEAD_DIMS),
        sq=st.one_of(st.integers(1, 1100), st.sampled_from(BOUNDARIES[:14])),
        extra=st.one_of(st.just(0), st.integers(0, 600)), slack=st.integers(0, 9), causal=st.booleans(),
@@ -253,7 +253,7 @@ def test_flash_attention_short_sequences_are_not_zero(kernels, d, s):
     assert_close(got, ref, RTOL, f"S={s} D={d}")
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=examples(20), deadline=None)
 @given(d=st.sampled_from(HEAD_DIMS), kvh=st.integers(1, 8), count=st.integers(1, 70), pos=st.integers(0, 300),
        indirect=st.booleans(), seed=st.integers(0, 2**32 - 1))
 def test_kv_append(kernels, d, kvh, count, pos, indirect, seed):

@@ -14,6 +14,7 @@ from ptx_gen.kernels.gemv.quant_layout import DENSE, K_QUANTS, WEIGHT_TYPES
 from realizar import cuda
 from realizar.gpu.ops import GpuWeight, LayerOps
 from tests.layer_oracles import dequant, random_weight
+from tests.helpers import examples
 
 pytestmark = pytest.mark.gpu
 
@@ -42,7 +43,7 @@ def _run(ops, raw, wtype, out_dim, in_dim, layout, interleave) -> None:
 
 
 @pytest.mark.parametrize("wtype,layout", CASES)
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=examples(6), deadline=None)
 @given(data=st.data(), interleave=st.booleans(), seed=st.integers(0, 2**32 - 1))
 def test_dequant_f16_gpu(ops, wtype, layout, data, interleave, seed):
     block = 256 if wtype in K_QUANTS or layout != "rows" else (8 if wtype in DENSE else 32)

@@ -13,7 +13,7 @@ from realizar import cuda
 from realizar.errors import CacheStateError, ContextOverflowError, ShapeError
 from realizar.gpu.executor import CudaExecutor
 from realizar.models.attention import attention_with_cache_gqa, gqa_attention
-from tests.helpers import assert_close
+from tests.helpers import assert_close, examples
 
 pytestmark = pytest.mark.gpu
 
@@ -25,7 +25,7 @@ def _decode_ref(q, kall, vall, k, v):
                                     k.astype(np.float64), v.astype(np.float64))
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=examples(12), deadline=None)
 @given(shape=st.sampled_from([(14, 2, 64), (9, 3, 64), (28, 4, 128), (32, 8, 128), (8, 8, 80), (6, 1, 256),
                               (12, 4, 48), (4, 2, 96), (16, 16, 32)]),
        prefill_len=st.integers(1, 300), steps=st.integers(1, 6), scale=st.floats(0.1, 30.0),

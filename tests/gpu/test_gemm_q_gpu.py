@@ -13,6 +13,7 @@ from realizar import cuda
 from realizar.gpu.ops import GpuWeight, LayerOps
 from tests.layer_oracles import random_weight
 from tests.test_gemm_q_ptx import CASES, MS, _block, _oracle
+from tests.helpers import examples
 
 pytestmark = pytest.mark.gpu
 
@@ -48,7 +49,7 @@ def _run(ops, rng, wtype, layout, out_dim, in_dim, m, *, glu=False, bias=False, 
 
 
 @pytest.mark.parametrize("wtype,layout", CASES)
-@settings(max_examples=5, deadline=None)
+@settings(max_examples=examples(5), deadline=None)
 @given(data=st.data(), m=st.sampled_from(MS), seed=st.integers(0, 2**32 - 1))
 def test_gemm_q_gpu(ops, wtype, layout, data, m, seed):
     blk = _block(wtype, layout)

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from ptx_gen.kernels.gemv.gemv_mma import MMA_TYPES
 from realizar.gpu.ops import GpuWeight, LayerOps
 from tests.layer_oracles import check_gemv_cols, random_weight
+from tests.helpers import examples
 
 pytestmark = pytest.mark.gpu
 
@@ -43,7 +44,7 @@ def _check(ops, rng, wtype, out_dim, in_dim, cols, epi, xh):
                     padding_nan=epi != "residual", what=epi)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(wtype=st.sampled_from(MMA_TYPES), cols=st.integers(1, 8), in_dim=st.sampled_from([2048, 4096]),
        out_dim=st.integers(64, 2000), epi=st.sampled_from(["none", "bias", "residual", "glu"]), xh=st.booleans(),
        seed=st.integers(0, 2**32 - 1))

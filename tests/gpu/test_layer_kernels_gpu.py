@@ -18,7 +18,7 @@ from realizar import cuda
 from realizar.errors import ShapeError
 from realizar.gpu.gemv import MMA_SLOWER
 from realizar.gpu.ops import GemvConfig, GpuWeight, LayerOps, MmaConfig, inv_freq_table
-from tests.helpers import fit_mma_shape, fit_wide_mma_shape, random_array
+from tests.helpers import examples, fit_mma_shape, fit_wide_mma_shape, random_array
 from tests.layer_oracles import dequant, random_weight, rmsnorm_oracle, rope_oracle, silu
 
 pytestmark = pytest.mark.gpu
@@ -64,7 +64,7 @@ def _fitting(cfg, wtype: str, in_dim: int):
     return cfg
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(data=st.data(), wtype=st.sampled_from(WEIGHT_TYPES), out_dim=st.integers(1, 700),
        cfg=st.sampled_from(CONFIGS), bias=st.booleans(), residual=st.sampled_from([None, "separate", "in_place"]),
        seed=st.integers(0, 2**32 - 1))
@@ -104,7 +104,7 @@ def _activation(rng, n: int, scale: float, spikes: int) -> np.ndarray:
     return x.astype(np.float32)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(data=st.data(), wtype=st.sampled_from(MMA_TYPES), out_dim=st.integers(1, 600),
        mtiles=st.integers(1, 8), kparts=st.sampled_from([1, 2, 4, 8]), stages=st.sampled_from([2, 3, 4, 8]),
        tiles=st.sampled_from([1, 2]), bulk=st.booleans(), bias=st.booleans(), residual=st.sampled_from([None, "separate", "in_place"]),
@@ -134,7 +134,7 @@ def test_gemv_mma_matches_float64_oracle(ops, data, wtype, out_dim, mtiles, kpar
     _check_gemv(dy.to_numpy(), ref, scl, f"{wtype} {out_dim}x{in_dim} {cfg} scale={scale} spikes={spikes}")
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(wtype=st.sampled_from(MMA_TYPES), out_dim=st.integers(1, 900), kparts=st.integers(2, 16),
        mtiles=st.integers(1, 4), extra=st.integers(0, 9), bulk=st.booleans(), late=st.booleans(), tiled=st.booleans(),
        ahead=st.sampled_from([0, 1]), scale=st.sampled_from([1e-4, 1.0, 3e3]), spikes=st.integers(0, 4),
@@ -164,7 +164,7 @@ def test_gemv_mma_uneven_k_parts_wide_ctas_matches_float64_oracle(ops, wtype, ou
         _check_gemv(dy.to_numpy(), ref, scl, f"{wtype} {out_dim}x{in_dim} {cfg} scale={scale} spikes={spikes}")
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(wtype=st.sampled_from(tuple(BLOCK32)), out_dim=st.integers(1, 700), mtiles=st.integers(1, 8),
        kparts=st.sampled_from([1, 2, 4, 8]), stages=st.sampled_from([2, 3, 4]), tiles=st.sampled_from([1, 2]),
        units=st.integers(1, 7), bulk=st.booleans(), tiled=st.booleans(), scale=st.sampled_from([1e-4, 1.0, 3e3]),
@@ -269,7 +269,7 @@ def test_gemv_real_shapes(ops, wtype, out_dim, in_dim):
     _check_gemv(dy.to_numpy(), wd @ x, np.abs(wd) @ np.abs(x), f"{wtype} {out_dim}x{in_dim}")
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(wtype=st.sampled_from(MMA_TYPES), ffn=st.integers(1, 400), mtiles=st.sampled_from([1, 2, 4, 8]),
        kparts=st.sampled_from([1, 2, 4, 8]), stages=st.sampled_from([2, 3, 4]), units=st.integers(1, 4),
        bulk=st.booleans(), tiled=st.booleans(), seed=st.integers(0, 2**32 - 1))
@@ -292,7 +292,7 @@ def test_gemv_glu_mma_matches_oracle(ops, wtype, ffn, mtiles, kparts, stages, un
     assert (np.abs(y - silu(g) * u) / ((np.abs(g) + sg) * (np.abs(u) + su))).max() <= REL, cfg
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(wtype=st.sampled_from(WEIGHT_TYPES), ffn=st.integers(1, 300), mult=st.integers(1, 6),
        cfg=st.sampled_from([None, GemvConfig(2, 4, 2), GemvConfig(4, 8, 8), GemvConfig(2, 8, 4)]),
        seed=st.integers(0, 2**32 - 1))
@@ -316,7 +316,7 @@ def test_gemv_glu_matches_oracle(ops, wtype, ffn, mult, cfg, seed):
     assert (np.abs(y - ref) / ((np.abs(g) + sg) * (np.abs(u) + su))).max() <= REL
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(wtype=st.sampled_from(WEIGHT_TYPES), out_dim=st.integers(1, 300), n_tok=st.integers(1, 40),
        tokens=st.sampled_from([1, 2, 3, 4, 8]), bias=st.booleans(), residual=st.booleans(), glu=st.booleans(),
        seed=st.integers(0, 2**32 - 1))
@@ -351,7 +351,7 @@ def test_gemm_matches_oracle(ops, wtype, out_dim, n_tok, tokens, bias, residual,
     assert (np.abs(Y - ref) / scale).max() <= REL
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(hidden=st.sampled_from([64, 576, 896, 2048, 4096, 4100, 8192, 16384]), rows=st.integers(1, 5),
        residual=st.booleans(), eps=st.sampled_from([1e-5, 1e-6]), seed=st.integers(0, 2**32 - 1))
 def test_rmsnorm(ops, hidden, rows, residual, eps, seed):
@@ -369,7 +369,7 @@ def test_rmsnorm(ops, hidden, rows, residual, eps, seed):
         np.testing.assert_array_equal(dr.to_numpy((rows, hidden)), r + x)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(head_dim=st.sampled_from([64, 80, 96, 128, 256]), partial=st.booleans(), neox=st.booleans(),
        from_buffer=st.booleans(), nq=st.integers(1, 40), nkv=st.integers(1, 8), n_tok=st.integers(1, 5),
        theta=st.sampled_from([10000.0, 500000.0, 1e6]), seed=st.integers(0, 2**32 - 1))
@@ -397,7 +397,7 @@ def test_rope(ops, head_dim, partial, neox, from_buffer, nq, nkv, n_tok, theta, 
             np.testing.assert_allclose(got[t], ref, atol=4e-6 * np.abs(v).max(), err_msg=f"{name}[{t}]")
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=examples(20), deadline=None)
 @given(n=st.integers(1, 300_000), seed=st.integers(0, 2**32 - 1))
 def test_swiglu_residual_bias(ops, n, seed):
     rng = np.random.default_rng(seed)
@@ -417,7 +417,7 @@ def test_swiglu_residual_bias(ops, n, seed):
     np.testing.assert_array_equal(dy.to_numpy((tok, cols)), y + b)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(wtype=st.sampled_from(WEIGHT_TYPES), mult=st.integers(1, 24), vocab=st.integers(1, 50), n_tok=st.integers(1, 6),
        seed=st.integers(0, 2**32 - 1))
 def test_embedding(ops, wtype, mult, vocab, n_tok, seed):
@@ -433,7 +433,7 @@ def test_embedding(ops, wtype, mult, vocab, n_tok, seed):
     np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-6 * max(np.abs(ref).max(), 1e-30))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(n=st.integers(1, 262_144), mode=st.sampled_from(["plain", "ties", "nan", "zeros", "const", "inf"]),
        seed=st.integers(0, 2**32 - 1))
 def test_argmax_exact(ops, n, mode, seed):

@@ -15,6 +15,7 @@ from realizar.gpu.paged_kv import PagedKVCache
 from realizar.gpu.ops import LayerOps
 from realizar.models.attention import gqa_attention
 from tests.layer_oracles import rmsnorm_oracle, rope_append_rows_oracle as oracle
+from tests.helpers import examples
 
 pytestmark = pytest.mark.gpu
 
@@ -32,7 +33,7 @@ def _f16_bound(got: np.ndarray, ref: np.ndarray, rel: float, f16: bool = True) -
     assert (err <= bound).all(), f"error {err[worst]:.3e} above its bound {bound[worst]:.3e} at {worst}"
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=examples(20), deadline=None)
 @given(hidden=st.sampled_from([64, 576, 896, 2048, 4096, 4100, 8192]), rows=st.sampled_from(LENGTHS),
        residual=st.booleans(), seed=st.integers(0, 2**32 - 1))
 def test_rmsnorm_rows_to_f16(device, hidden, rows, residual, seed):
@@ -51,7 +52,7 @@ def test_rmsnorm_rows_to_f16(device, hidden, rows, residual, seed):
         np.testing.assert_array_equal(dr.to_numpy((rows, hidden)), r + x)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(d=st.sampled_from([64, 80, 96, 128, 256]), kv_group=st.sampled_from([(1, 1), (2, 4), (3, 3), (8, 4), (4, 7)]),
        chunks=st.lists(st.sampled_from(LENGTHS), min_size=1, max_size=3), bs=st.sampled_from([16, 32, 64]),
        neox=st.booleans(), qk_norm=st.booleans(), tensor_cores=st.booleans(), seed=st.integers(0, 2**32 - 1))

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from ptx_gen.catalog import PtxKernel, emit
 from realizar import cuda
 from realizar.errors import ShapeError
-from tests.helpers import random_array
+from tests.helpers import examples, random_array
 
 pytestmark = pytest.mark.gpu
 
@@ -19,7 +19,7 @@ def _blocks(n: int, per_block: int) -> int:
     return max(1, -(-n // per_block))
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(n=st.integers(1, 70_000), vec=st.sampled_from([1, 2, 4]), seed=st.integers(0, 2**32 - 1))
 def test_vector_add_matches_numpy(kernels, n, vec, seed):
     rng = np.random.default_rng(seed)
@@ -33,7 +33,7 @@ def test_vector_add_matches_numpy(kernels, n, vec, seed):
     np.testing.assert_array_equal(got, a + b)  # one float32 add: exact
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(n=st.integers(1, 50_000), vec=st.sampled_from([1, 4]), alpha=st.floats(-4, 4).filter(lambda x: abs(x) > 1e-3),
        seed=st.integers(0, 2**32 - 1))
 def test_axpy_matches_float64_oracle(kernels, n, vec, alpha, seed):
@@ -47,7 +47,7 @@ def test_axpy_matches_float64_oracle(kernels, n, vec, alpha, seed):
     np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(rows=st.integers(1, 300), cols=st.integers(1, 5000), block=st.sampled_from([32, 128, 256, 1024]),
        seed=st.integers(0, 2**32 - 1))
 def test_row_sum_matches_float64_oracle(kernels, rows, cols, block, seed):
