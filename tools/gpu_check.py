@@ -98,7 +98,8 @@ def main() -> int:
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     # the package from this checkout, whether or not it is installed
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}",
+           "HYPOTHESIS_PROFILE": os.environ.get("HYPOTHESIS_PROFILE", "ci")}  # the example counts as written
     all_stages = stages(a.out, a.tests.split(), a.pytest_args.split())
     summary = []
     log = open(a.out / "gpu_check.log", "w")
