@@ -1,7 +1,8 @@
 """Shared test configuration.
 
 * ``gpu`` tests skip with the driver's reason when no GPU is present.
-* ``full`` tests (the exhaustive sweeps) and ``oracle`` tests run only when asked for: ``-m full``, ``-m oracle``
+* ``full`` tests (the exhaustive sweeps, and every test that reads the real default model: a download on a
+  fresh machine) and ``oracle`` tests run only when asked for: ``-m full``, ``-m oracle``
   or ``--full`` (CI's full run); the default run is the fast suite. Hypothesis example counts follow
   ``HYPOTHESIS_PROFILE`` (below).
 * ``oracle`` tests (independent cross-checks against torch / transformers) skip with a reason when
@@ -57,7 +58,14 @@ def _tiers_left_out(config) -> tuple[str, ...]:
     return tuple(m for m in ("full", "oracle") if m not in expr)
 
 
+# fixtures that reach the real default model (a download on a fresh machine): their tests are in the full tier
+_DEFAULT_MODEL_FIXTURES = {"smol_path", "smol_md", "smol", "smol_hf", "smollm2_path", "real_model_file"}
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _DEFAULT_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.full)
     out = _tiers_left_out(config)
     if out:
         dropped = [item for item in items if any(m in item.keywords for m in out)]

@@ -529,6 +529,7 @@ def _smollm2_args() -> list[str]:
     return []
 
 
+@pytest.mark.full
 def test_smollm2_capital_of_france():
     p = run("generate", PROMPT, "--max-tokens", "2", *_smollm2_args(), timeout=300)
     assert p.returncode == 0, p.stderr
@@ -536,6 +537,7 @@ def test_smollm2_capital_of_france():
     assert "5 prompt tokens, 2 generated" in p.stderr
 
 
+@pytest.mark.full
 def test_smollm2_info():
     args = _smollm2_args()
     if not args:

@@ -555,6 +555,7 @@ def _smollm2() -> Path:
     return Path(default_model_path())
 
 
+@pytest.mark.full
 def test_smollm2_over_http():
     engine = load_engine(str(_smollm2()), device="cpu")
     srv = LiveServer(engine).start()
