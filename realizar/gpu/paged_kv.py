@@ -357,18 +357,23 @@ None: :func:`decode_tiling`. ``ops``: the dispatcher to launch with."""
         kern = ops.kernel("kv_append", head_dim=d, indirect=indirect, block_size=self.block_size)
         ops.launch(kern, (-(-count * (d // 4) // kern.meta["block"]), kvh), values, stream, cache=indirect)
 
-    def prefill_attention_heads(self, layer: int, q: Any, out: Any, seq_q: int, q_offset: int, seq_k: int,
-                                block_table: Any, causal: bool = True, *, stream: Any = None) -> None:
-        """f32 (SIMT) attention of ``q [H, seq_q, D]`` (query i at position ``q_offset + i``) over keys ``[0,
-        seq_k)`` of ``layer``'s f32 pools through ``block_table``; ``out [H, seq_q, D]`` f32 — the exact form of
-        :meth:`prefill_attention` (whose inputs enter tensor cores as f16)."""
-        self._f32_only("prefill_attention_heads")
+    def _prefill_span(self, layer: Any, seq_q: Any, q_offset: Any, seq_k: Any, causal: bool) -> tuple[int, ...]:
+        """(layer, seq_q, q_offset, seq_k) of a prefill attention call, checked (causal queries need their keys)."""
         layer = self._layer(layer)
         seq_q, seq_k = check_int("seq_q", seq_q), check_int("seq_k", seq_k)
         q_offset = check_int("q_offset", q_offset, lo=0)
         if causal and q_offset + seq_q > seq_k:
             raise ShapeError(f"causal queries at positions {q_offset}..{q_offset + seq_q - 1} need "
                              f"{q_offset + seq_q} keys, seq_k is {seq_k}")
+        return layer, seq_q, q_offset, seq_k
+
+    def prefill_attention_heads(self, layer: int, q: Any, out: Any, seq_q: int, q_offset: int, seq_k: int,
+                                block_table: Any, causal: bool = True, *, stream: Any = None) -> None:
+        """f32 (SIMT) attention of ``q [H, seq_q, D]`` (query i at position ``q_offset + i``) over keys ``[0,
+        seq_k)`` of ``layer``'s f32 pools through ``block_table``; ``out [H, seq_q, D]`` f32 — the exact form of
+        :meth:`prefill_attention` (whose inputs enter tensor cores as f16)."""
+        self._f32_only("prefill_attention_heads")
+        layer, seq_q, q_offset, seq_k = self._prefill_span(layer, seq_q, q_offset, seq_k, causal)
         ops, h, d = self.ops, self.num_heads, self.head_dim
         n = h * seq_q * d
         values = {"q": ops.addr(q, n, "q"), "k": self._k[layer].ptr, "v": self._v[layer].ptr,
@@ -408,12 +413,7 @@ None: :func:`decode_tiling`. ``ops``: the dispatcher to launch with."""
         """Tensor-core attention of ``q [H, seq_q, D]`` f32 (query i at position ``q_offset + i``) over keys
         ``[0, seq_k)`` of ``layer`` read through ``block_table``; ``out_f16 [seq_q, H * D]`` f16 token-major
         (the O projection's A operand). sm_80+ and head_dim in the tensor-core kernel's set."""
-        layer = self._layer(layer)
-        seq_q, seq_k = check_int("seq_q", seq_q), check_int("seq_k", seq_k)
-        q_offset = check_int("q_offset", q_offset, lo=0)
-        if causal and q_offset + seq_q > seq_k:
-            raise ShapeError(f"causal queries at positions {q_offset}..{q_offset + seq_q - 1} need "
-                             f"{q_offset + seq_q} keys, seq_k is {seq_k}")
+        layer, seq_q, q_offset, seq_k = self._prefill_span(layer, seq_q, q_offset, seq_k, causal)
         if self.head_dim not in MMA_HEAD_DIMS:
             raise ShapeError(f"paged prefill attention takes head_dim in {MMA_HEAD_DIMS}, got {self.head_dim}")
         ops, h, d = self.ops, self.num_heads, self.head_dim
