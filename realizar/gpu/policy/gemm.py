@@ -1,4 +1,5 @@
-"""The GEMMs' launch tables: the f16 GEMM's CTA tiles and the quantized small-M GEMM's thresholds.
+"""The GEMMs' launch tables: the f16 GEMM's CTA tiles, the quantized small-M GEMM's thresholds and the int8
+batch GEMM's tiles.
 
 Read by :mod:`realizar.gpu.gemm` (``gemm_config``, ``gemm_q_config``). Tuned with ``tools/bench_gemm.py``
 and ``tools/bench_gemm_q.py``; the figures are in docs/performance.md and docs/results/.
@@ -6,7 +7,7 @@ and ``tools/bench_gemm_q.py``; the figures are in docs/performance.md and docs/r
 
 from __future__ import annotations
 
-from realizar.gpu.policy.shapes import GemmConfig
+from realizar.gpu.policy.shapes import GemmConfig, X8Config
 
 # ---- the f16 GEMM (gemm_config) -----------------------------------------------------------------------------
 
@@ -29,3 +30,11 @@ GEMM_Q_MAX_KPARTS = ((128, 1), (64, 2), (0, 4))
 GEMM_Q_CTA_WARPS = 4
 # ring depths tried, deepest first (the first whose CTA fits twice in the shared memory, else once)
 GEMM_Q_STAGES = (4, 3, 2)
+
+# ---- the int8 batch GEMM over x8 activations (x8_config) ---------------------------------------------------
+
+# (most tokens, CTA shape): the first entry whose token count covers m (None: any m)
+X8_TILES = ((None, X8Config(4, 1, 4, 3)),)
+# ring depths tried where the chosen one does not fit the device's shared memory, deepest first; then fewer
+# weight tiles a CTA (wn halved)
+X8_STAGES = (3, 2)

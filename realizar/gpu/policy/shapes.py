@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from ptx_gen.kernels.gemm.gemm_mma import check_tiling, smem_bytes
 from realizar.errors import ShapeError
 
-__all__ = ["GemmConfig", "GemmQConfig", "GemvConfig", "MmaConfig"]
+__all__ = ["GemmConfig", "GemmQConfig", "GemvConfig", "MmaConfig", "X8Config"]
 
 
 @dataclass(frozen=True)
@@ -68,3 +68,18 @@ class GemmQConfig:
     warps: int = 4
     kparts: int = 1
     stages: int = 4
+
+
+@dataclass(frozen=True)
+class X8Config:
+    """Launch shape of the int8 batch GEMM (:mod:`ptx_gen.kernels.gemm.gemm_x8`): ``wn`` x ``wm`` warps, each
+    a 32-row weight tile and ``tn`` tiles of 8 tokens, a ring of ``stages`` units of 256 values."""
+
+    wn: int
+    wm: int
+    tn: int
+    stages: int
+
+    @property
+    def tokens(self) -> int:
+        return 8 * self.wm * self.tn
