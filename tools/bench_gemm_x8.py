@@ -1,11 +1,11 @@
 """The int8 batch GEMM (``GemmX8Ops``: ``quantize_x8`` + ``gemm_x8`` on the tile-major quantized weights) against
 the f16 path it replaces (the weight's f16 copy through ``gemm_f16``) and torch's f16 matmul (cuBLAS) on the
-same shapes, in one run.
+same shapes, in one run, timed as GPU time (calls replayed from a CUDA graph: no host launch cost).
 
     python tools/bench_gemm_x8.py [--types Q4_K,Q8_0] [--models 8b,1b] [--ms 64,128,256,512,2048] [--sweep]
 
 Each row: ``Y[M, N] = X[M, K] W^T`` for one linear layer of the model (fused gate/up: the SwiGLU GEMM over 2
-FFN rows), CUDA events, warm-up, median of 10 runs of 5 launches. "x8 µs" is the quantizer and the GEMM
+FFN rows), 20 calls captured in a graph, event-timed replays, median of 7. "x8 µs" is the quantizer and the GEMM
 together; "x8 TOP/s" counts 2 M N K over that time; "f16 / x8" and "torch / x8" are the others' times over
 ours (above 1: ours is faster). A spot check compares the x8 result with float64 over the dequantized
 weights and the quantized X (relative to sum |w||x| per element). ``--sweep`` times the CTA shapes of
@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from realizar import cuda
-from realizar.cuda.bench import median_us
+from realizar.cuda.bench import graph_median_us
 from realizar.gpu.gemm_x8 import X8Config, x8_buffers, x8_config
 from realizar.gpu.ops import LayerOps
 from realizar.gpu.weights import GpuWeight
@@ -37,10 +37,8 @@ SWEEP = [X8Config(wn, wm, tn, st) for wn, wm in ((8, 1), (4, 2), (2, 4), (4, 1),
 
 
 def _us(fn, stream) -> float:
-    def run():
-        for _ in range(5):
-            fn()
-    return median_us(run, stream, 5, 10)
+    """GPU µs per call of ``fn``: 20 calls captured into one graph, its replays event-timed (median)."""
+    return graph_median_us([fn] * 20, stream)[0]
 
 
 def _torch_us(m: int, n: int, k: int) -> float | None:
@@ -52,18 +50,25 @@ def _torch_us(m: int, n: int, k: int) -> float | None:
         return None
     x = torch.randn(m, k, device="cuda", dtype=torch.float16)
     w = torch.randn(n, k, device="cuda", dtype=torch.float16)
-    for _ in range(3):
-        torch.nn.functional.linear(x, w)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            torch.nn.functional.linear(x, w)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(20):
+            torch.nn.functional.linear(x, w)
     times = []
-    for _ in range(10):
+    for i in range(8):
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         e0.record()
-        for _ in range(5):
-            torch.nn.functional.linear(x, w)
+        g.replay()
         e1.record()
         e1.synchronize()
-        times.append(e0.elapsed_time(e1) * 1e3 / 5)
-    del x, w
+        if i:
+            times.append(e0.elapsed_time(e1) * 1e3 / 20)
+    del x, w, g
     torch.cuda.empty_cache()
     return statistics.median(times)
 

@@ -98,19 +98,20 @@ def _grid() -> list[dict]:
 @kernel("gemm_x8", grid=_grid())
 def gemm_x8(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "tiles", wn: int = 4, wm: int = 2,
             tn: int = 4, stages: int = 3, bias: bool = False, residual: bool = False, out_f16: bool = False,
-            glu: bool = False) -> KernelBuilder:
+            glu: bool = False, ctas: int = 0) -> KernelBuilder:
     """Y[:m] = X[:m] W^T (+ bias) (+ residual), or with ``glu`` silu(X G^T) * (X U^T), X in x8, W tile-major
-    ``wtype``. Params: w, xq, xs, y, [bias], [residual], m, n, ldq, ldy. Launch: see the module docstring."""
+    ``wtype``; ``ctas`` (0: none): CTAs an SM must hold (``.minnctapersm``: ptxas fits the registers to it).
+    Params: w, xq, xs, y, [bias], [residual], m, n, ldq, ldy. Launch: see the module docstring."""
     check_shape(wtype, in_dim, layout, wn, wm, tn, stages, glu)
     if glu and (bias or residual):
         raise ValueError("the SwiGLU epilogue takes no bias or residual")
     flags = "".join(f"_{n}" for n, on in (("bias", bias), ("res", residual), ("h", out_f16), ("glu", glu)) if on)
-    name = f"gemm_x8_{wtype.lower()}_k{in_dim}_w{wn}x{wm}_t{tn}_s{stages}{flags}"
+    name = f"gemm_x8_{wtype.lower()}_k{in_dim}_w{wn}x{wm}_t{tn}_s{stages}{flags}" + (f"_c{ctas}" if ctas else "")
     params = [("w", "u64"), ("xq", "u64"), ("xs", "u64"), ("y", "u64")]
     params += [("bias", "u64")] * bias + [("residual", "u64")] * residual
     params += [("m", "u32"), ("n", "u32"), ("ldq", "u32"), ("ldy", "u32")]
     threads = 32 * wn * wm
-    k = m.kernel(name, params, max_threads=threads)
+    k = m.kernel(name, params, max_threads=threads, min_blocks=ctas or None)
     bm = 8 * wm * tn
     tb = tile_bytes(wtype)
     slot = slot_bytes(wtype, wn, wm, tn)
@@ -127,50 +128,60 @@ def gemm_x8(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     tile0 = k.mul(k.ctaid("y"), wn)
     tok0 = k.mul(k.ctaid(), bm)  # (x: the CTAs of one weight strip run together and share its bytes in L2)
     smem0 = k.dynamic_shared()
-    m1 = k.sub(m_tok, 1)
 
-    # ---- copy plan: per thread, a few 16-byte pieces of W, of the codes and of the records a unit ----
+    # ---- copy plan, a unit: warp (wi, wj) copies its share of tile wi's bytes (pieces wj*32 + lane, then every
+    # 32 wm on: one base address and constant offsets), every thread a few tokens' codes and records ----
     w_ptr, xq_ptr, xs_ptr = k.global_ptr("w"), k.global_ptr("xq"), k.global_ptr("xs")
     ldq = k.param("ldq")
-    copies = []  # (src u64 at unit 0, bytes per unit, dst offset in a slot, predicate or None)
-
-    def plan(total: int, per_item: int, src_of, dst_of) -> None:
-        for c in range(-(-total // threads)):
-            idx = k.add(tid, c * threads) if c else tid
-            ok = None if (c + 1) * threads <= total else k.setp("lt", idx, total)
-            item, piece = k.div(idx, per_item), k.rem(idx, per_item)
-            src, step, ok2 = src_of(item, piece)
-            if ok is not None and ok2 is not None:
-                ok = k.both(ok, ok2)
-            copies.append((src, step, dst_of(item, piece), ok if ok is not None else ok2))
-
-    def w_src(i, p):
-        tile = k.add(tile0, i)
-        return (k.add(w_ptr, k.add(k.mul_wide(k.mul(tile, units), tb), k.cvt(k.shl(p, 4), "u64"))), tb,
-                k.setp("lt", tile, n_tiles))
-
-    def x_src(i, p):
-        tok = k.min(k.add(tok0, i), m1)
-        return k.add(xq_ptr, k.add(k.mul_wide(tok, ldq), k.cvt(k.shl(p, 4), "u64"))), UNIT, None
-
-    def r_src(i, p):
-        tok = k.min(k.add(tok0, i), m1)
-        return k.add(xs_ptr, k.add(k.mul_wide(k.mul(tok, units), RECORD), k.cvt(k.shl(p, 4), "u64"))), RECORD, None
-
-    plan(wn * tb // 16, tb // 16, w_src, lambda i, p: k.mad(i, tb, k.shl(p, 4)))
-    plan(bm * 16, 16, x_src, lambda i, p: k.add(k.mad(i, XROW, k.shl(p, 4)), wn * tb))
-    plan(bm * 2, 2, r_src, lambda i, p: k.add(k.mad(i, RECORD, k.shl(p, 4)), wn * tb + bm * XROW))
+    pieces = tb // 16
+    first = k.mad(wj, 32, lane)
+    tile = k.add(tile0, wi)
+    w_src = k.add(w_ptr, k.add(k.mul_wide(k.mul(tile, units), tb), k.cvt(k.shl(first, 4), "u64")))
+    w_dst = k.mad(wi, tb, k.shl(first, 4))
+    w_ok = k.setp("lt", tile, n_tiles)
+    w_copies = []  # (constant offset, predicate)
+    for c in range(-(-pieces // (32 * wm))):
+        ok = w_ok
+        if (c + 1) * 32 * wm > pieces:
+            ok = k.both(w_ok, k.setp("lt", first, pieces - c * 32 * wm))
+        w_copies.append((c * 32 * wm * 16, ok))
+    x_copies = []  # (src u64 at unit 0, bytes per unit, dst offset in a slot, predicate)
+    for c in range(-(-(bm * 16) // threads)):
+        idx = k.add(tid, c * threads) if c else tid
+        tok = k.add(tok0, k.shr(idx, 4))
+        ok = k.setp("lt", tok, m_tok)  # (tokens past m: never read into a written output)
+        if (c + 1) * threads > bm * 16:
+            ok = k.both(ok, k.setp("lt", idx, bm * 16))
+        src = k.add(xq_ptr, k.add(k.mul_wide(tok, ldq), k.cvt(k.shl(k.and_(idx, 15), 4), "u64")))
+        x_copies.append((src, UNIT, k.add(k.mad(k.shr(idx, 4), XROW, k.shl(k.and_(idx, 15), 4)), wn * tb), ok))
+    for c in range(-(-(bm * 2) // threads)):
+        idx = k.add(tid, c * threads) if c else tid
+        tok = k.add(tok0, k.shr(idx, 1))
+        ok = k.setp("lt", tok, m_tok)
+        if (c + 1) * threads > bm * 2:
+            ok = k.both(ok, k.setp("lt", idx, bm * 2))
+        src = k.add(xs_ptr, k.add(k.mul_wide(k.mul(tok, units), RECORD), k.cvt(k.shl(k.and_(idx, 1), 4), "u64")))
+        x_copies.append((src, RECORD, k.add(k.mad(k.shr(idx, 1), RECORD, k.shl(k.and_(idx, 1), 4)),
+                                            wn * tb + bm * XROW), ok))
 
     def issue(u: Reg, slot_off: Reg) -> None:
-        live = k.setp("lt", u, units)
-        for src, step, dst, ok in copies:
-            pred = live if ok is None else k.both(live, ok)
-            k.cp_async(k.add(smem0, k.add(slot_off, dst)), k.add(src, k.mul_wide(u, step)), pred=pred)
+        with k.if_(k.setp("lt", u, units)):
+            base = k.add(smem0, slot_off)
+            src = k.add(w_src, k.mul_wide(u, tb))
+            dst = k.add(base, w_dst)
+            for off, ok in w_copies:
+                k.cp_async(dst, src, pred=ok, dst_offset=off, src_offset=off)
+            for src0, step, d_off, ok in x_copies:
+                k.cp_async(k.add(base, d_off), k.add(src0, k.mul_wide(u, step)), pred=ok)
 
     # ---- the warp's view of a slot ----
     rows_of = [[g, k.add(g, 8)], [k.add(g, 16), k.add(g, 24)]]  # rows of the tile, per MMA row tile
     w_off = k.mul(wi, tb)
-    x_off = k.add(k.mul(wj, 8 * tn * XROW), k.mad(g, XROW, k.add(k.shl(t, 2), wn * tb)))  # token g, byte 4t
+    # ldmatrix: lane 8 i + r gives row r of matrix i: x codes of token r of a column tile, bytes 16 i.. of a
+    # pair of 32-value groups (B for both); weight rows 8 (i % 2) + r of a row tile, bytes 16 (i / 2).. (A)
+    mi, mr = k.shr(lane, 3), k.and_(lane, 7)
+    x_off = k.add(k.mad(wj, 8 * tn * XROW, k.mad(mr, XROW, k.shl(mi, 4))), wn * tb)
+    a_lane = k.mad(k.add(k.shl(k.and_(mi, 1), 3), mr), UNIT_BYTES[wtype], k.shl(k.shr(mi, 1), 4))
     r_tok = k.mul(wj, 8 * tn)
     r_base = wn * tb + bm * XROW
     acc = [[[k.var("f32", 0.0) for _ in range(4)] for _ in range(tn)] for _ in range(2)]
@@ -188,7 +199,8 @@ def gemm_x8(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
         issue(k.add(u, stages - 1), wr)
         k.cp_async_commit()
         base = k.add(smem0, rd)
-        body(k, wtype, k.add(base, w_off), k.add(base, x_off), k.add(base, r_base), r_tok, rows_of, t, g, tn, acc)
+        body(k, wtype, k.add(base, w_off), k.add(base, x_off), k.add(base, r_base), r_tok, rows_of, t, g, tn, acc,
+             k.add(k.add(base, w_off), a_lane))
         for v in (rd, wr):
             nxt = k.add(v, slot)
             k.assign(v, k.selp(0, nxt, k.setp("eq", nxt, stages * slot), "u32"))
@@ -232,10 +244,10 @@ def _f16_pair(k: KernelBuilder, word: Reg) -> tuple[Reg, Reg]:
     return k.cvt(Reg(lo.name, F16_TYPE), "f32"), k.cvt(Reg(hi.name, F16_TYPE), "f32")
 
 
-def _b_frag(k: KernelBuilder, xb: Reg, nt: int, j: int) -> tuple[Reg, Reg]:
-    """Token column tile ``nt``'s B fragment for values ``32 j ..`` of the unit (codes of token g)."""
-    off = nt * 8 * XROW + 32 * j
-    return k.load("shared", "u32", xb, off), k.load("shared", "u32", xb, off + 16)
+def _b_pair(k: KernelBuilder, xb: Reg, nt: int, p: int) -> tuple[tuple[Reg, Reg], tuple[Reg, Reg]]:
+    """Column tile ``nt``'s B fragments for the 32-value groups ``2p`` and ``2p + 1`` (one ldmatrix.x4)."""
+    b = k.ldmatrix_x4(xb, nt * 8 * XROW + 64 * p)
+    return (b[0], b[1]), (b[2], b[3])
 
 
 def _dx(k: KernelBuilder, rb: Reg, r_tok: Reg, t: Reg, nt: int) -> list[Reg]:
@@ -244,14 +256,18 @@ def _dx(k: KernelBuilder, rb: Reg, r_tok: Reg, t: Reg, nt: int) -> list[Reg]:
     return [k.load("shared", "f32", base, RECORD_D + RECORD * i) for i in range(2)]
 
 
-def _q4k_unit(k, wtype, wb, xb, rb, r_tok, rows_of, t, g, tn, acc) -> None:
+def _byte(k: KernelBuilder, word: Reg, i: int) -> Reg:
+    """Byte ``i`` of ``word``, zero-extended (one prmt)."""
+    return k.bitcast(k.prmt(word, 0, 0x4440 + i), "s32")
+
+
+def _q4k_unit(k, wtype, wb, xb, rb, r_tok, rows_of, t, g, tn, acc, wa) -> None:
     ub = UNIT_BYTES[wtype]
     scal, mins, dm = [], [], []  # per row tile, per row: packed sc / m bytes (j < 4, j >= 4), (d, -dmin)
     for rows in rows_of:
         sr, mr, dr = [], [], []
         for r in rows:
-            ra = k.add(wb, k.mul(r, ub))
-            w_dm, s0, s1, s2 = (k.load("shared", "u32", ra, o) for o in (0, 4, 8, 12))
+            w_dm, s0, s1, s2 = k.load("shared", "u32", k.add(wb, k.mul(r, ub)), vec=4)
             d, dmin = _f16_pair(k, w_dm)
             dr.append((d, k.neg(dmin)))
             hi6 = lambda w: k.and_(k.shr(w, 2), 0x30303030)  # noqa: E731  (bits 6-7 of each byte at 4-5)
@@ -261,24 +277,22 @@ def _q4k_unit(k, wtype, wb, xb, rb, r_tok, rows_of, t, g, tn, acc) -> None:
         mins.append(mr)
         dm.append(dr)
     imain = [[[k.var("s32", 0) for _ in range(4)] for _ in range(tn)] for _ in range(2)]
-    qoff = [[k.add(k.mul(r, ub), k.add(k.shl(t, 2), 16)) for r in rows] for rows in rows_of]
     for p in range(4):
-        words = [[(k.load("shared", "u32", k.add(wb, o), 32 * p), k.load("shared", "u32", k.add(wb, o), 32 * p + 16))
-                  for o in offs] for offs in qoff]
+        words = [k.ldmatrix_x4(wa, rt * 16 * ub + 16 + 32 * p) for rt in range(2)]  # codes of sub-blocks 2p, 2p+1
+        bs = [_b_pair(k, xb, nt, p) for nt in range(tn)]
         for jj in range(2):
             j = 2 * p + jj
-            a = []
-            for rt in range(2):
-                (lo0, hi0), (lo1, hi1) = words[rt]
-                nib = (lambda w: k.and_(w, 0x0F0F0F0F)) if jj == 0 else (lambda w: k.and_(k.shr(w, 4), 0x0F0F0F0F))
-                a.append([nib(lo0), nib(lo1), nib(hi0), nib(hi1)])
-            sc = [[k.bfe(scal[rt][i][j >> 2], 8 * (j & 3), 8, "s32") for i in range(2)] for rt in range(2)]
+            if jj == 0:
+                a = [[k.and_(w, 0x0F0F0F0F) for w in ws] for ws in words]
+            else:
+                a = [[k.and_(k.shr(w, 4), 0x0F0F0F0F) for w in ws] for ws in words]
+            sc = [[_byte(k, scal[rt][i][j >> 2], j & 3) for i in range(2)] for rt in range(2)]
+            # every MMA of the group first, then their weighting: independent work between an MMA and its use
+            cs = [[k.mma_s8(a[rt], bs[nt][jj], [0, 0, 0, 0], a_unsigned=True) for rt in range(2)] for nt in range(tn)]
             for nt in range(tn):
-                b = _b_frag(k, xb, nt, j)
                 for rt in range(2):
-                    c = k.mma_s8(a[rt], b, [0, 0, 0, 0], a_unsigned=True)
                     for e in range(4):
-                        k.assign(imain[rt][nt][e], k.mad(c[e], sc[rt][e >> 1], imain[rt][nt][e]))
+                        k.assign(imain[rt][nt][e], k.mad(cs[nt][rt][e], sc[rt][e >> 1], imain[rt][nt][e]))
     # mins: sum_j m_j S_j as two MMAs (digits of S), A = the rows' 8 mins in k 0..7
     zero = k.mov(0, "u32")
     is_t0, is_t1 = k.setp("eq", t, 0), k.setp("eq", t, 1)
@@ -303,7 +317,7 @@ def _q4k_unit(k, wtype, wb, xb, rb, r_tok, rows_of, t, g, tn, acc) -> None:
                 k.assign(acc[rt][nt][e], k.fma(dx[e & 1], v, acc[rt][nt][e]))
 
 
-def _q8_0_unit(k, wtype, wb, xb, rb, r_tok, rows_of, t, g, tn, acc) -> None:
+def _q8_0_unit(k, wtype, wb, xb, rb, r_tok, rows_of, t, g, tn, acc, wa) -> None:
     ub = UNIT_BYTES[wtype]
     accu = [[[k.var("f32", 0.0) for _ in range(4)] for _ in range(tn)] for _ in range(2)]
     roff = [[k.mul(r, ub) for r in rows] for rows in rows_of]
@@ -333,8 +347,10 @@ def _q8_0_unit(k, wtype, wb, xb, rb, r_tok, rows_of, t, g, tn, acc) -> None:
                 lo, hi = _f16_pair(k, word)
                 pair.append(hi if at % 4 else lo)
             dws.append(pair)
+        if j % 2 == 0:
+            bs = [_b_pair(k, xb, nt, j // 2) for nt in range(tn)]
         for nt in range(tn):
-            b = _b_frag(k, xb, nt, j)
+            b = bs[nt][j % 2]
             for rt in range(2):
                 c = k.mma_s8(a[rt], b, [0, 0, 0, 0])
                 for e in range(4):
