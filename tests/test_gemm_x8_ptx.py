@@ -185,9 +185,8 @@ def test_gemm_x8_main_shapes(wtype):
 # ptxas
 
 
-@pytest.mark.parametrize("wtype,in_dim,glu", tiered([("Q4_K", 4096, False), ("Q4_K", 4096, True), ("Q4_K", 14336, False),
-                                                     ("Q8_0", 4096, False), ("Q8_0", 4096, True), ("Q8_0", 14336, False)],
-                                                    {0, 3}, unpack=True))
+@pytest.mark.parametrize("wtype,in_dim,glu", tiered(
+    [(wt, d, glu) for wt in X8_TYPES for d, glu in ((4096, False), (4096, True), (14336, False))], {0, 9}, unpack=True))
 def test_no_spills_at_real_shapes(wtype, in_dim, glu):
     """The policy's CTA shapes for every token count assemble without spills on sm_80/89/90."""
     for m in (33, 64, 128, 2048):
@@ -203,7 +202,7 @@ def test_no_spills_at_real_shapes(wtype, in_dim, glu):
 
 def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="takes"):
-        check_shape("Q6_K", 4096, "tiles", 1, 1, 1, 2, False)
+        check_shape("F16", 4096, "tiles", 1, 1, 1, 2, False)
     with pytest.raises(ValueError, match="multiple of 256"):
         check_shape("Q4_K", 4096 + 32, "tiles", 1, 1, 1, 2, False)
     with pytest.raises(ValueError, match="glu"):
@@ -251,13 +250,12 @@ def test_host_ops_refuse_bad_calls(emu):
     ops, stream = emu
     rng = np.random.default_rng(2)
     w_rows = GpuWeight(data=random_weight(rng, "Q4_K", 32, 256), ggml_type="Q4_K", shape=(32, 256), device=ops.device)
-    w_q6 = GpuWeight(data=random_weight(rng, "Q6_K", 32, 256), ggml_type="Q6_K", shape=(32, 256), layout="tiles",
-                     device=ops.device)
+    w_f16 = GpuWeight(data=random_weight(rng, "F16", 32, 256), ggml_type="F16", shape=(32, 256), device=ops.device)
     w = GpuWeight(data=random_weight(rng, "Q4_K", 32, 256), ggml_type="Q4_K", shape=(32, 256), layout="tiles",
                   device=ops.device)
     q, s = x8_buffers(ops, 4, 256)
     y = ops.buffer(4 * 32)
-    for bad, match in ((w_rows, "tile-major"), (w_q6, "tile-major")):
+    for bad, match in ((w_rows, "tile-major"), (w_f16, "tile-major")):
         with pytest.raises(ShapeError, match=match):
             ops.gemm_x8(q, s, bad, y, 4, stream=stream)
     with pytest.raises(ShapeError, match="glu"):

@@ -401,6 +401,38 @@ def _gemm_q(k, sizes, rng) -> Example:
     return Example(params, (_cdiv(cols, k.meta["rows_per_cta"]),), (k.meta["block"],), ("y",), k.meta["dyn_smem"])
 
 
+@example("quantize_x8")
+def _quantize_x8(k, sizes, rng) -> Example:
+    shape = k.shape_dict
+    in_dim, m = shape["in_dim"], sizes.get("tokens", 3)
+    x = _f32(rng, m * in_dim)
+    params = {"x": x.astype(np.float16) if shape["xh"] else x, "q": np.zeros(m * in_dim, np.int8),
+              "s": np.zeros(m * (in_dim // 256) * 32, np.uint8), "lda": in_dim, "ldq": in_dim}
+    return Example(params, (_cdiv(in_dim // 256, k.meta["units_per_cta"]), m), (k.meta["block"],), ("q", "s"))
+
+
+@example("gemm_x8")
+def _gemm_x8(k, sizes, rng) -> Example:
+    from ptx_gen.kernels.gemm.x8 import quantize_x8_ref, records
+    from ptx_gen.kernels.gemv.gemv_mma_layout import tile_major
+    from ptx_gen.kernels.gemv.quant_layout import type_info
+
+    shape = k.shape_dict
+    wtype, in_dim, glu = shape["wtype"], shape["in_dim"], shape["glu"]
+    cols, m = sizes.get("out_dim", 20), sizes.get("tokens", 3)
+    n = 2 * cols if glu else cols  # weight rows ([gate; up] with glu)
+    raw = _weights(rng, wtype, n, in_dim)
+    raw = tile_major(raw[:n * type_info(wtype).row_bytes(in_dim)], wtype, n, in_dim, glu=glu)
+    codes, d, sums = quantize_x8_ref(_f32(rng, m * in_dim, scale=1e-3).reshape(m, in_dim))
+    out = np.float16 if shape["out_f16"] else np.float32
+    params = {"w": np.concatenate([raw, np.zeros(-raw.size % 16, np.uint8)]), "xq": codes.reshape(-1),
+              "xs": records(d, sums).reshape(-1), "y": np.full(m * cols, np.nan, out)}
+    _optional(k, params, rng, bias=lambda: _f32(rng, cols), residual=lambda: _f32(rng, m * cols))
+    params.update(m=m, n=n, ldq=in_dim, ldy=cols)
+    grid = (_cdiv(m, k.meta["tokens_per_cta"]), _cdiv(cols, k.meta["rows_per_cta"]))
+    return Example(params, grid, (k.meta["block"],), ("y",), k.meta["dyn_smem"])
+
+
 def _paged_pools(kv_dtype: str, num_blocks: int, n_kv: int, block_size: int, d: int, rng,
                  empty: bool = False) -> dict:
     """k_pool, v_pool (+ k_scales, v_scales for q8_0) of ``num_blocks`` blocks (layout of

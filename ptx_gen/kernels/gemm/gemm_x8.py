@@ -12,18 +12,11 @@ UNIT_BYTES`` contiguous bytes each), its tokens' 256 codes (rows 272 bytes apart
 the 8 tokens of an MMA column tile read distinct banks) and their records into one slot of a ring of
 ``stages``; one ``bar.sync`` a unit hands a slot from the copies to the MMAs.
 
-**Fragments.** For 32 values of a unit (a sub-block of Q4_K, a block of Q8_0), lane (g, t) takes the
-bytes ``4t..4t+3`` and ``16+4t..`` of them in rows g and g + 8 as A (the weight codes: Q4_K's nibbles
-masked in place, unsigned) and the same k of token g as B (x codes), so A and B agree on k with plain
-32-bit shared loads, conflict-free (rows 36 or 68 words apart). One MMA a (row tile, token tile, 32
-values), from zero.
-
-**Scales.** Q4_K: ``value = d sc_j q - dmin m_j`` (6-bit sc_j, m_j). The MMA's int32 sum of sub-block j
-is weighted by sc_j in int32 (``mad``) across the unit; the mins term ``sum_j m_j S_j`` (S_j: x's code
-sums) is two more MMAs a unit, the mins as A against the records' base-256 digits of S as B. Once a
-unit: ``acc += dx (d main - dmin mins)`` in f32 (main below 2**26 and mins below 2**21: exact
-conversions). Q8_0: ``value = d_j q``; each block's int32 sum becomes f32 exactly (``|sum| < 2**22``:
-the bits of ``sum + 1.5 2**23``) and is weighted by d_j in a per-unit f32 sum, scaled by dx once a unit.
+**Per unit** (:mod:`ptx_gen.kernels.gemm.gemm_x8_units`): the warp's A fragments (weight codes), one MMA a
+(row tile, token tile, 32 values) from zero, and the scale work: the K-quants' integer sub-block scales
+weight the int32 sums in int32 and their mins are two more MMAs a unit, f32 once a unit; the 32-value
+block types weight each block's exact int32 sum by its f16 scale in f32. The weight bytes stay as the
+GEMV reads them: every type of ``X8_TYPES``.
 
 **Edges.** Tokens past M read the last token (their outputs are not written); W rows past N are the
 tile's zero fill (not written). Epilogue per output ``Y[t, c]`` (f32, or f16 with ``out_f16``; rows ``ldy``
@@ -41,14 +34,12 @@ from __future__ import annotations
 from ptx_gen.builder import KernelBuilder, Module, Reg
 from ptx_gen.catalog import kernel
 from ptx_gen.kernels.elementwise.elementwise import silu
-from ptx_gen.kernels.gemm.x8 import RECORD, RECORD_D, UNIT
+from ptx_gen.kernels.gemm.x8 import RECORD, UNIT
+from ptx_gen.kernels.gemm.gemm_x8_units import UNIT_TYPES, XROW, B32_TYPES, Ctx, block32_unit, kquant_unit
 from ptx_gen.kernels.gemv.gemv_mma_layout import TILE_ROWS, UNIT_BYTES
-from ptx_gen.kernels.gemv.quant_layout import F16_TYPE
 
-X8_TYPES = ("Q4_K", "Q8_0")
-XROW = UNIT + 16  # shared bytes between two tokens' codes
+X8_TYPES = UNIT_TYPES
 MAX_DYN_SMEM = 227 * 1024
-MAGIC = 0x4B400000  # 1.5 * 2**23: an int32 |v| < 2**22 added to these bits is the float 1.5 * 2**23 + v
 
 
 def tile_bytes(wtype: str) -> int:
@@ -86,12 +77,13 @@ def check_shape(wtype: str, in_dim: int, layout: str, wn: int, wm: int, tn: int,
 def _grid() -> list[dict]:
     g = []
     for wt in X8_TYPES:
-        g.append({"wtype": wt, "in_dim": 4096, "layout": "tiles", "wn": 4, "wm": 2, "tn": 4, "stages": 3})
+        g.append({"wtype": wt, "in_dim": 4096, "layout": "tiles", "wn": 4, "wm": 1, "tn": 4, "stages": 3})
         g.append({"wtype": wt, "in_dim": 14336, "layout": "tiles", "wn": 4, "wm": 1, "tn": 4, "stages": 2,
                   "residual": True})
-        g.append({"wtype": wt, "in_dim": 4096, "layout": "glu-tiles", "glu": True, "out_f16": True, "wn": 4, "wm": 2,
-                  "tn": 4, "stages": 3})
-        g.append({"wtype": wt, "in_dim": 512, "layout": "tiles", "wn": 1, "wm": 1, "tn": 2, "stages": 2, "bias": True})
+        g.append({"wtype": wt, "in_dim": 4096, "layout": "glu-tiles", "glu": True, "out_f16": True, "wn": 4, "wm": 1,
+                  "tn": 4, "stages": 2})
+        g.append({"wtype": wt, "in_dim": 512, "layout": "tiles", "wn": 1, "wm": 2, "tn": 2, "stages": 2, "bias": True})
+    g.append({"wtype": "Q8_0", "in_dim": 4096, "layout": "tiles", "wn": 4, "wm": 1, "tn": 4, "stages": 2, "ctas": 3})
     return g
 
 
@@ -122,7 +114,6 @@ def gemm_x8(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     tid = k.tid()
     lane, warp = k.and_(tid, 31), k.shr(tid, 5)
     wi, wj = (k.and_(warp, wn - 1), k.shr(warp, wn.bit_length() - 1)) if wn > 1 else (k.mov(0, "u32"), warp)
-    g, t = k.shr(lane, 2), k.and_(lane, 3)
     m_tok, n_rows = k.param("m"), k.param("n")
     n_tiles = k.shr(k.add(k.shr(n_rows, 1) if glu else n_rows, 15 if glu else 31), 4 if glu else 5)
     tile0 = k.mul(k.ctaid("y"), wn)
@@ -175,17 +166,16 @@ def gemm_x8(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
                 k.cp_async(k.add(base, d_off), k.add(src0, k.mul_wide(u, step)), pred=ok)
 
     # ---- the warp's view of a slot ----
+    g, t = k.shr(lane, 2), k.and_(lane, 3)
     rows_of = [[g, k.add(g, 8)], [k.add(g, 16), k.add(g, 24)]]  # rows of the tile, per MMA row tile
     w_off = k.mul(wi, tb)
-    # ldmatrix: lane 8 i + r gives row r of matrix i: x codes of token r of a column tile, bytes 16 i.. of a
-    # pair of 32-value groups (B for both); weight rows 8 (i % 2) + r of a row tile, bytes 16 (i / 2).. (A)
-    mi, mr = k.shr(lane, 3), k.and_(lane, 7)
-    x_off = k.add(k.mad(wj, 8 * tn * XROW, k.mad(mr, XROW, k.shl(mi, 4))), wn * tb)
-    a_lane = k.mad(k.add(k.shl(k.and_(mi, 1), 3), mr), UNIT_BYTES[wtype], k.shl(k.shr(mi, 1), 4))
-    r_tok = k.mul(wj, 8 * tn)
-    r_base = wn * tb + bm * XROW
+    # ldmatrix: lane 8 i + r gives row r of matrix i: x codes of token r of a token tile, bytes 16 i.. of a pair
+    # of 32-value groups (B for both)
+    x_off = k.add(k.mad(wj, 8 * tn * XROW, k.mad(k.and_(lane, 7), XROW, k.shl(k.shr(lane, 3), 4))), wn * tb)
+    r_off = k.add(k.mul(wj, 8 * tn * RECORD), wn * tb + bm * XROW)
     acc = [[[k.var("f32", 0.0) for _ in range(4)] for _ in range(tn)] for _ in range(2)]
-    body = _q4k_unit if wtype == "Q4_K" else _q8_0_unit
+    ctx = Ctx(k, wtype, lane, tn, acc)
+    body = block32_unit if wtype in B32_TYPES else kquant_unit
 
     k.grid_dependency_wait()  # X (and the residual) come from the kernels before
     for s in range(stages - 1):
@@ -199,8 +189,7 @@ def gemm_x8(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
         issue(k.add(u, stages - 1), wr)
         k.cp_async_commit()
         base = k.add(smem0, rd)
-        body(k, wtype, k.add(base, w_off), k.add(base, x_off), k.add(base, r_base), r_tok, rows_of, t, g, tn, acc,
-             k.add(k.add(base, w_off), a_lane))
+        body(ctx, k.add(base, w_off), k.add(base, x_off), k.add(base, r_off))
         for v in (rd, wr):
             nxt = k.add(v, slot)
             k.assign(v, k.selp(0, nxt, k.setp("eq", nxt, stages * slot), "u32"))
@@ -237,127 +226,3 @@ def gemm_x8(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
                     k.store("global", "f32", k.add(y, k.shl(off, 2)), v, pred=ok)
     k.ret()
     return k
-
-
-def _f16_pair(k: KernelBuilder, word: Reg) -> tuple[Reg, Reg]:
-    lo, hi = k.unpack_b32(word)
-    return k.cvt(Reg(lo.name, F16_TYPE), "f32"), k.cvt(Reg(hi.name, F16_TYPE), "f32")
-
-
-def _b_pair(k: KernelBuilder, xb: Reg, nt: int, p: int) -> tuple[tuple[Reg, Reg], tuple[Reg, Reg]]:
-    """Column tile ``nt``'s B fragments for the 32-value groups ``2p`` and ``2p + 1`` (one ldmatrix.x4)."""
-    b = k.ldmatrix_x4(xb, nt * 8 * XROW + 64 * p)
-    return (b[0], b[1]), (b[2], b[3])
-
-
-def _dx(k: KernelBuilder, rb: Reg, r_tok: Reg, t: Reg, nt: int) -> list[Reg]:
-    """The unit's x scale of the lane's two tokens of column tile ``nt`` (elements e & 1)."""
-    base = k.add(rb, k.mul(k.add(r_tok, k.add(k.shl(t, 1), 8 * nt)), RECORD))
-    return [k.load("shared", "f32", base, RECORD_D + RECORD * i) for i in range(2)]
-
-
-def _byte(k: KernelBuilder, word: Reg, i: int) -> Reg:
-    """Byte ``i`` of ``word``, zero-extended (one prmt)."""
-    return k.bitcast(k.prmt(word, 0, 0x4440 + i), "s32")
-
-
-def _q4k_unit(k, wtype, wb, xb, rb, r_tok, rows_of, t, g, tn, acc, wa) -> None:
-    ub = UNIT_BYTES[wtype]
-    scal, mins, dm = [], [], []  # per row tile, per row: packed sc / m bytes (j < 4, j >= 4), (d, -dmin)
-    for rows in rows_of:
-        sr, mr, dr = [], [], []
-        for r in rows:
-            w_dm, s0, s1, s2 = k.load("shared", "u32", k.add(wb, k.mul(r, ub)), vec=4)
-            d, dmin = _f16_pair(k, w_dm)
-            dr.append((d, k.neg(dmin)))
-            hi6 = lambda w: k.and_(k.shr(w, 2), 0x30303030)  # noqa: E731  (bits 6-7 of each byte at 4-5)
-            sr.append([k.and_(s0, 0x3F3F3F3F), k.or_(k.and_(s2, 0x0F0F0F0F), hi6(s0))])
-            mr.append([k.and_(s1, 0x3F3F3F3F), k.or_(k.and_(k.shr(s2, 4), 0x0F0F0F0F), hi6(s1))])
-        scal.append(sr)
-        mins.append(mr)
-        dm.append(dr)
-    imain = [[[k.var("s32", 0) for _ in range(4)] for _ in range(tn)] for _ in range(2)]
-    for p in range(4):
-        words = [k.ldmatrix_x4(wa, rt * 16 * ub + 16 + 32 * p) for rt in range(2)]  # codes of sub-blocks 2p, 2p+1
-        bs = [_b_pair(k, xb, nt, p) for nt in range(tn)]
-        for jj in range(2):
-            j = 2 * p + jj
-            if jj == 0:
-                a = [[k.and_(w, 0x0F0F0F0F) for w in ws] for ws in words]
-            else:
-                a = [[k.and_(k.shr(w, 4), 0x0F0F0F0F) for w in ws] for ws in words]
-            sc = [[_byte(k, scal[rt][i][j >> 2], j & 3) for i in range(2)] for rt in range(2)]
-            # every MMA of the group first, then their weighting: independent work between an MMA and its use
-            cs = [[k.mma_s8(a[rt], bs[nt][jj], [0, 0, 0, 0], a_unsigned=True) for rt in range(2)] for nt in range(tn)]
-            for nt in range(tn):
-                for rt in range(2):
-                    for e in range(4):
-                        k.assign(imain[rt][nt][e], k.mad(cs[nt][rt][e], sc[rt][e >> 1], imain[rt][nt][e]))
-    # mins: sum_j m_j S_j as two MMAs (digits of S), A = the rows' 8 mins in k 0..7
-    zero = k.mov(0, "u32")
-    is_t0, is_t1 = k.setp("eq", t, 0), k.setp("eq", t, 1)
-    am = []
-    for rt in range(2):
-        regs = [k.selp(mins[rt][i][0], k.selp(mins[rt][i][1], 0, is_t1, "u32"), is_t0, "u32") for i in range(2)]
-        am.append([regs[0], regs[1], zero, zero])
-    lo_t = k.setp("lt", t, 2)
-    for nt in range(tn):
-        rec = k.add(rb, k.mad(k.add(r_tok, k.add(g, 8 * nt)), RECORD, k.shl(t, 2)))
-        b_lo = k.load("shared", "u32", rec, 0, pred=lo_t, other=0)
-        b_hi = k.load("shared", "u32", rec, 8, pred=lo_t, other=0)
-        dx = _dx(k, rb, r_tok, t, nt)
-        for rt in range(2):
-            clo = k.mma_s8(am[rt], [b_lo, zero], [0, 0, 0, 0])
-            chi = k.mma_s8(am[rt], [b_hi, zero], [0, 0, 0, 0])
-            for e in range(4):
-                d, ndmin = dm[rt][e >> 1]
-                main = k.cvt(imain[rt][nt][e], "f32")
-                mn = k.cvt(k.mad(chi[e], 256, clo[e]), "f32")
-                v = k.fma(ndmin, mn, k.mul(d, main))
-                k.assign(acc[rt][nt][e], k.fma(dx[e & 1], v, acc[rt][nt][e]))
-
-
-def _q8_0_unit(k, wtype, wb, xb, rb, r_tok, rows_of, t, g, tn, acc, wa) -> None:
-    ub = UNIT_BYTES[wtype]
-    accu = [[[k.var("f32", 0.0) for _ in range(4)] for _ in range(tn)] for _ in range(2)]
-    roff = [[k.mul(r, ub) for r in rows] for rows in rows_of]
-    t4 = k.shl(t, 2)
-    for j in range(8):
-        q0 = 34 * j + 2  # the block's codes (2-byte aligned: realigned from two words where j is even)
-        a = []
-        for rt in range(2):
-            regs = {}
-            for i, ro in enumerate(roff[rt]):
-                base = k.add(wb, k.add(ro, t4))
-                for h in range(2):
-                    at = q0 + 16 * h
-                    if at % 4 == 0:
-                        regs[(i, h)] = k.load("shared", "u32", base, at)
-                    else:
-                        w0 = k.load("shared", "u32", base, at - 2)
-                        w1 = k.load("shared", "u32", base, at + 2)
-                        regs[(i, h)] = k.prmt(w0, w1, 0x5432)
-            a.append([regs[(0, 0)], regs[(1, 0)], regs[(0, 1)], regs[(1, 1)]])
-        dws = []
-        for rt in range(2):
-            pair = []
-            for ro in roff[rt]:
-                at = 34 * j
-                word = k.load("shared", "u32", k.add(wb, ro), at - (at % 4))
-                lo, hi = _f16_pair(k, word)
-                pair.append(hi if at % 4 else lo)
-            dws.append(pair)
-        if j % 2 == 0:
-            bs = [_b_pair(k, xb, nt, j // 2) for nt in range(tn)]
-        for nt in range(tn):
-            b = bs[nt][j % 2]
-            for rt in range(2):
-                c = k.mma_s8(a[rt], b, [0, 0, 0, 0])
-                for e in range(4):
-                    f = k.sub(k.bitcast(k.add(c[e], MAGIC), "f32"), 12582912.0)
-                    k.assign(accu[rt][nt][e], k.fma(dws[rt][e >> 1], f, accu[rt][nt][e]))
-    for nt in range(tn):
-        dx = _dx(k, rb, r_tok, t, nt)
-        for rt in range(2):
-            for e in range(4):
-                k.assign(acc[rt][nt][e], k.fma(dx[e & 1], accu[rt][nt][e], acc[rt][nt][e]))
