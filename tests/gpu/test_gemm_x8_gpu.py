@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from ptx_gen.kernels.gemm.gemm_x8 import X8_TYPES
+from ptx_gen.kernels.gemm.gemm_x8 import X8_TYPES, smem_bytes
 from ptx_gen.kernels.gemm.x8 import RECORD, dequantize_x8, quantize_x8_ref, records
 from realizar.gpu.gemm_x8 import X8Config, x8_buffers
 from realizar.gpu.ops import GpuWeight, LayerOps
@@ -66,6 +66,8 @@ def _run(ops, rng, wtype, out_dim, in_dim, m, cfg=None, *, glu=False, bias=False
 @settings(max_examples=examples(10), deadline=None)
 @given(data=st.data(), m=st.integers(1, 300), cfg=st.sampled_from(CONFIGS), seed=st.integers(0, 2**32 - 1))
 def test_gemm_x8_gpu(ops, wtype, data, m, cfg, seed):
+    # (a CTA shape whose ring does not fit the device's shared memory is refused by the kernel: not drawn)
+    assume(cfg is None or smem_bytes(wtype, cfg.wn, cfg.wm, cfg.tn, cfg.stages) <= ops.device.max_shared_per_block_optin)
     glu = data.draw(st.booleans())
     in_dim = 256 * data.draw(st.integers(1, 12))
     out_dim = (2 if glu else 1) * data.draw(st.integers(1, 400))
