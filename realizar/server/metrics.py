@@ -5,7 +5,14 @@ Besides the HTTP and per-request figures, :meth:`ServerMetrics.attach` exports t
 state, read from :meth:`~realizar.serving.ServingEngine.stats` at every scrape: sequences running and
 waiting, KV blocks used / free / cached / total, the prefix cache (lookups, hits, hit rate), prompt
 tokens prefilled vs taken from the cache, preemptions and steps; and, from the engine's ``on_step``
-hook, the decode batch size of every step (a histogram)."""
+hook, the decode batch size of every step (a histogram).
+
+Beside our ``realizar_*`` names the same figures are exported under vLLM's names and ``model_name`` label
+(``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``,
+``vllm:prefix_cache_queries`` / ``_hits`` in prompt tokens, ``vllm:time_to_first_token_seconds``,
+``vllm:inter_token_latency_seconds``, ``vllm:e2e_request_latency_seconds``, ``vllm:request_success`` by
+``finished_reason``, prompt / generation token counters and lengths, ``vllm:num_preemptions``), which is what
+routers that balance vLLM replicas read (the Gateway API inference extension, vllm-router, sglang-router)."""
 
 from __future__ import annotations
 
@@ -28,8 +35,9 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 class _EngineCollector(Collector):
     """The serving engine's state at scrape time (``stats()`` is a consistent snapshot)."""
 
-    def __init__(self, stats: Callable[[], Any]):
+    def __init__(self, stats: Callable[[], Any], model: str):
         self._stats = stats
+        self._model = model
 
     def collect(self) -> Iterator[Any]:
         s = self._stats()
@@ -63,6 +71,27 @@ class _EngineCollector(Collector):
         )  # fmt: skip
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=float(value))
+        yield from self._vllm(s)
+
+    def _vllm(self, s: Any) -> Iterator[Any]:
+        """The same state under vLLM's names (``model_name`` label)."""
+        used = s.blocks_used / s.blocks_total if s.blocks_total else 0.0
+        for name, doc, value in (
+            ("vllm:num_requests_running", "Number of requests in the running batch.", s.running),
+            ("vllm:num_requests_waiting", "Number of requests waiting for room in the batch.", s.waiting),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage: the fraction of KV blocks held by requests (1 = full).", used),
+        ):  # fmt: skip
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric([self._model], float(value))
+            yield g
+        for name, doc, value in (
+            ("vllm:prefix_cache_queries", "Prefix cache queries, in prompt tokens looked up.", s.prefix_query_tokens),
+            ("vllm:prefix_cache_hits", "Prefix cache hits, in prompt tokens found.", s.prefix_hit_tokens),
+            ("vllm:num_preemptions", "Preempted requests (blocks freed, recomputed later).", s.preemptions),
+        ):  # fmt: skip
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric([self._model], float(value))
+            yield c
 
 
 class ServerMetrics:
@@ -100,11 +129,13 @@ class ServerMetrics:
                                     buckets=TOKEN_COUNT_BUCKETS, registry=r)  # fmt: skip
         self.completion_len = Histogram("realizar_request_generation_tokens", "Generated tokens per request.",
                                         buckets=TOKEN_COUNT_BUCKETS, registry=r)  # fmt: skip
+        self.model = model
+        self.vllm = _VllmRequestMetrics(r, model)
 
     def attach(self, serving: Any) -> None:
         """Export ``serving``'s state (a :class:`~realizar.serving.ServingEngine`) and record its
         steps (its ``on_step`` hook; a hook it already had is still called)."""
-        self.registry.register(_EngineCollector(serving.stats))
+        self.registry.register(_EngineCollector(serving.stats, self.model))
         previous = serving.on_step
 
         def on_step(step: Any) -> None:
@@ -117,6 +148,62 @@ class ServerMetrics:
 
         serving.on_step = on_step
 
+    # ---- per-request events, recorded under both names ----------------------------------------------
+    def request_started(self, prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.vllm.prompt_tokens.inc(prompt_tokens)
+
+    def first_token(self, seconds: float) -> None:
+        """A request's first generated token, ``seconds`` after it was received."""
+        self.ttft.observe(seconds)
+        self.vllm.ttft.observe(seconds)
+
+    def token_gap(self, seconds: float) -> None:
+        """The time between two consecutive tokens of one request."""
+        self.vllm.itl.observe(seconds)
+
+    def request_finished(self, result: Any, generated: int, seconds: float | None, reason: str) -> None:
+        """A request's end: ``generated`` tokens streamed; with ``seconds`` (its end-to-end latency) and
+        ``result`` (None for a failed or cancelled one) its lengths and finish reason."""
+        self.generation_tokens.inc(generated)
+        self.vllm.generation_tokens.inc(generated)
+        self.vllm.success.labels(model_name=self.model, finished_reason=reason).inc()
+        if seconds is not None:
+            self.vllm.e2e.observe(seconds)
+        if result is None:
+            return
+        self.prompt_len.observe(result.prompt_tokens)
+        self.completion_len.observe(result.completion_tokens)
+        self.vllm.prompt_len.observe(result.prompt_tokens)
+        self.vllm.completion_len.observe(result.completion_tokens)
+        if result.completion_tokens > 1 and result.decode_seconds > 0:
+            self.tpot.observe(result.decode_seconds / (result.completion_tokens - 1))
+
     def render(self) -> bytes:
         """The registry in Prometheus' text exposition format."""
         return generate_latest(self.registry)
+
+
+class _VllmRequestMetrics:
+    """The request-level figures under vLLM's names, each labelled with the served model's name."""
+
+    def __init__(self, r: CollectorRegistry, model: str):
+        def hist(name: str, doc: str, buckets) -> Any:
+            return Histogram(name, doc, ("model_name",), buckets=buckets, registry=r).labels(model_name=model)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(name, doc, ("model_name",), registry=r).labels(model_name=model)
+
+        self.ttft = hist("vllm:time_to_first_token_seconds", "Time from receiving a request to its first token.",
+                         LATENCY_BUCKETS)
+        self.itl = hist("vllm:inter_token_latency_seconds", "Time between two consecutive tokens of a request.",
+                        TOKEN_LATENCY_BUCKETS)
+        self.e2e = hist("vllm:e2e_request_latency_seconds", "Time from receiving a request to its end.",
+                        LATENCY_BUCKETS)
+        self.prompt_len = hist("vllm:request_prompt_tokens", "Prompt tokens of finished requests.", TOKEN_COUNT_BUCKETS)
+        self.completion_len = hist("vllm:request_generation_tokens", "Generated tokens of finished requests.",
+                                   TOKEN_COUNT_BUCKETS)
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of the requests received.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
+        self.success = Counter("vllm:request_success", "Requests finished, by finish reason (stop, length, abort).",
+                               ("model_name", "finished_reason"), registry=r)

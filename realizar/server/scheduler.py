@@ -94,7 +94,7 @@ class Scheduler:
                 raise QueueFullError(f"{len(self._jobs)} requests are already in flight")
             job.handle = self.serving.submit(job.prompt_ids, job.params)
             self._jobs.add(job)
-        self.metrics.prompt_tokens.inc(len(job.prompt_ids))
+        self.metrics.request_started(len(job.prompt_ids))
         threading.Thread(target=self._pump, args=(job,), name="realizar-stream", daemon=True).start()
 
     def cancel(self, job: Job) -> None:
@@ -105,31 +105,39 @@ class Scheduler:
     def _pump(self, job: Job) -> None:
         handle = job.handle
         generated = 0
+        last = None
+        ok = False
         try:
             for chunk in handle:
                 generated += 1
+                now = time.perf_counter()
                 if job.first_token_at is None:
-                    job.first_token_at = time.perf_counter()
-                    self.metrics.ttft.observe(job.first_token_at - job.received_at)
+                    job.first_token_at = now
+                    self.metrics.first_token(now - job.received_at)
+                else:
+                    self.metrics.token_gap(now - last)
+                last = now
                 job._post("token", chunk)
+            ok = True
         except BaseException as e:  # noqa: BLE001 - the engine failed this request: the handler answers
             job._post("error", e)
             return
         finally:
-            self.metrics.generation_tokens.inc(generated)
             with self._lock:
                 self._jobs.discard(job)
+            if not ok:
+                self.metrics.request_finished(None, generated, None, "abort")
         result = handle.result
+        elapsed = time.perf_counter() - job.received_at
         if result is None or result.finish_reason == "cancelled":
             job.cancelled = True
             self.metrics.cancelled.inc()
+            self.metrics.request_finished(None, generated, elapsed, "abort")
             job._post("cancelled", None)
             return
         job.result = result
-        self.metrics.prompt_len.observe(result.prompt_tokens)
-        self.metrics.completion_len.observe(result.completion_tokens)
-        if result.completion_tokens > 1 and result.decode_seconds > 0:
-            self.metrics.tpot.observe(result.decode_seconds / (result.completion_tokens - 1))
+        reason = "length" if result.finish_reason == "length" else "stop"
+        self.metrics.request_finished(result, generated, elapsed, reason)
         job._post("done", result)
 
     def close(self) -> None:
