@@ -36,7 +36,9 @@ class SamplingParams:
     end-of-sequence token (the tokenizer's EOS ids plus ``stop_token_ids``) or just before the first
     occurrence of any ``stop`` string, which is never emitted. ``presence_penalty`` and
     ``frequency_penalty`` are OpenAI's (over the generated tokens). ``logprobs``: None, or how many
-    of the most likely tokens each :class:`TokenChunk` lists besides the chosen token's logprob."""
+    of the most likely tokens each :class:`TokenChunk` lists besides the chosen token's logprob.
+    ``priority``: where a serving engine schedules the request: a lower value is admitted first and
+    preempted last (equal values: first come, first served)."""
 
     max_tokens: int = 128
     temperature: float = 0.0
@@ -52,6 +54,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    priority: int = 0
 
     def validate(self) -> None:
         if int(self.max_tokens) != self.max_tokens or self.max_tokens < 0:
@@ -66,6 +69,8 @@ class SamplingParams:
         )
         if self.seed is not None and (int(self.seed) != self.seed or not 0 <= self.seed < 2**64):
             raise InvalidRequestError(f"seed must be an integer in [0, 2**64), got {self.seed}")
+        if isinstance(self.priority, bool) or int(self.priority) != self.priority or abs(self.priority) >= 2**31:
+            raise InvalidRequestError(f"priority must be an integer in (-2**31, 2**31), got {self.priority!r}")
         if self.logprobs is not None and (int(self.logprobs) != self.logprobs or self.logprobs < 0):
             raise InvalidRequestError(f"logprobs must be None or an integer >= 0, got {self.logprobs}")
         if isinstance(self.stop, str):

@@ -80,7 +80,8 @@ def serving_options(args: argparse.Namespace, device: str) -> dict:
     """create_app's continuous-batching keywords from the command line, checked against ``device``."""
     dtype = args.kv_dtype
     return {"max_batch": args.max_batch, "block_size": args.block_size, "kv_dtype": dtype,
-            "kv_memory": kv_bytes(args.kv_memory, device), "max_body": args.max_body}  # fmt: skip
+            "kv_memory": kv_bytes(args.kv_memory, device), "max_body": args.max_body,
+            "max_batched_tokens": args.max_num_batched_tokens, "prefill_chunk": args.prefill_chunk}  # fmt: skip
 
 
 def _refuse_tensor_parallel(args: argparse.Namespace) -> None:
@@ -168,6 +169,12 @@ def register(command) -> None:
                    help="requests allowed to wait beyond the running batch before answering 429 (default: 256)")
     p.add_argument("--max-batch", type=positive_int, default=_DEFAULTS.max_batch, metavar="N",
                    help=f"sequences advanced together per decode step at most (default: {_DEFAULTS.max_batch})")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=_DEFAULTS.max_batched_tokens, metavar="N",
+                   help="tokens one scheduler step processes at most: the decode rows plus the prompt tokens "
+                        "prefilled meanwhile, so a burst of long prompts delays running streams by at most this "
+                        f"much work a token (default: {_DEFAULTS.max_batched_tokens})")
+    p.add_argument("--prefill-chunk", type=positive_int, default=_DEFAULTS.prefill_chunk, metavar="N",
+                   help=f"prompt tokens through the layers at once at most (default: {_DEFAULTS.prefill_chunk})")
     p.add_argument("--kv-memory", type=kv_memory, metavar="SIZE",
                    help="KV cache pool: GiB (4, 4GiB) or a fraction of free GPU memory (90%%, 0.9f) "
                         "(default: room for 8 full contexts on the CPU, the backend's choice on the GPU)")

@@ -92,6 +92,8 @@ def create_app(
     kv_memory: int | None = None,
     kv_dtype: str | None = None,
     block_size: int | None = None,
+    max_batched_tokens: int | None = None,
+    prefill_chunk: int | None = None,
 ) -> FastAPI:
     """A FastAPI app serving ``engine`` (see :func:`realizar.engine.load_engine`).
 
@@ -104,8 +106,9 @@ def create_app(
     Generation runs on ``serving`` (a :class:`~realizar.serving.ServingEngine`; the app closes it at
     shutdown), by default one made for ``engine`` by :meth:`ServingEngine.from_engine` with
     ``max_batch`` sequences at most per step, a KV pool of ``kv_memory`` bytes in blocks of
-    ``block_size`` positions stored as ``kv_dtype`` (None: :class:`realizar.config.ServingConfig`'s
-    defaults).
+    ``block_size`` positions stored as ``kv_dtype``, a per-step token budget of ``max_batched_tokens``
+    (decode rows plus prefill chunks) and prompts through the layers ``prefill_chunk`` tokens at most at
+    once (None: :class:`realizar.config.ServingConfig`'s defaults).
     """
     name = model_name or str(getattr(engine, "name", None) or "realizar")
     device = str(getattr(engine, "device", "cpu"))
@@ -114,7 +117,8 @@ def create_app(
         from realizar.serving import ServingEngine
 
         serving = ServingEngine.from_engine(engine, kv_memory=kv_memory, block_size=block_size, max_batch=max_batch,
-                                            kv_dtype=kv_dtype)  # fmt: skip
+                                            kv_dtype=kv_dtype, max_batched_tokens=max_batched_tokens,
+                                            prefill_chunk=prefill_chunk)  # fmt: skip
     metrics.attach(serving)
     scheduler = Scheduler(serving, metrics, max_queue=max_queue)
     state = ServerState(

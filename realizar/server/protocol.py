@@ -66,6 +66,7 @@ class GenerationRequest(BaseModel):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    priority: int | None = Field(default=None, gt=-(2**31), lt=2**31)  # scheduling: lower first (vLLM's field)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     stream: bool | None = False

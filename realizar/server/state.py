@@ -89,6 +89,7 @@ class ServerState:
             stop_token_ids=tuple(int(t) for t in (req.stop_token_ids or ())),
             presence_penalty=float(req.presence_penalty or 0.0),
             frequency_penalty=float(req.frequency_penalty or 0.0),
+            priority=int(req.priority or 0),
         )
         try:
             params.validate()

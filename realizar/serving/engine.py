@@ -296,7 +296,8 @@ class ServingEngine:
             if handle._done.is_set():  # cancelled before it was queued
                 continue
             try:
-                handle._seq = self.scheduler.add(handle.state.prompt_ids, handle.state.params.max_tokens, handle)
+                params = handle.state.params
+                handle._seq = self.scheduler.add(handle.state.prompt_ids, params.max_tokens, handle, params.priority)
             except BaseException as exc:  # noqa: BLE001 - checked at submit; a failure is the request's
                 handle.fail(exc)
                 continue

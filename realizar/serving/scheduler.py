@@ -2,7 +2,8 @@
 
 Every :meth:`Scheduler.step`:
 
-1. **admits** waiting sequences, oldest first, while the running set has room (``max_batch``), the
+1. **admits** waiting sequences, by priority (a request's ``priority``: lower first), oldest first within
+   a priority, while the running set has room (``max_batch``), the
    backlog of admitted-but-unprefilled tokens is under the token budget (``max_batched_tokens``),
    and the pool has blocks for the whole prompt (less the full blocks found in the prefix cache:
    those positions are never prefilled);
@@ -11,8 +12,8 @@ Every :meth:`Scheduler.step`:
    first token;
 3. runs **one decode step of every running sequence** (those past their prefill), so streams keep
    flowing while prompts are processed. A sequence whose next position needs a new block and finds
-   the pool empty **preempts the youngest** admitted sequence (possibly itself): its blocks are freed
-   and it waits again, ahead of younger ones, with its prompt plus the tokens generated so far to be
+   the pool empty **preempts the lowest-priority, youngest** admitted sequence (possibly itself): its
+   blocks are freed and it waits again, in its place in the queue, with its prompt plus the tokens generated so far to be
    recomputed (the prefix cache usually keeps most of them);
 4. finished sequences **retire** at once (their blocks are freed); :meth:`Scheduler.cancel` frees a
    sequence's blocks at once too.
@@ -64,6 +65,12 @@ class Sequence:
     keys: list[int] = field(default_factory=list)
     preemptions: int = 0
     cached_tokens: int = 0  # positions taken from the prefix cache at the last admission
+    priority: int = 0  # lower: admitted first, preempted last
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """The waiting queue's order: priority, then arrival."""
+        return self.priority, self.arrival
 
     @property
     def generated(self) -> int:
@@ -107,7 +114,7 @@ class Scheduler:
         self.max_batched_tokens = int(max_batched_tokens)
         self.max_batch = int(min(max_batch or backend.max_batch, backend.max_batch))
         self.context_length = int(backend.context_length)
-        self.waiting: list[Sequence] = []  # by arrival
+        self.waiting: list[Sequence] = []  # by priority, then arrival
         self.running: list[Sequence] = []  # by admission
         self._next_id = 0
         self._arrivals = 0
@@ -120,13 +127,15 @@ class Scheduler:
         """The most positions one sequence can ever hold: context length and the whole pool."""
         return min(self.context_length, self.pool.usable * self.block_size)
 
-    def add(self, prompt_ids: Seq[int], max_new_tokens: int, client: Any) -> Sequence:
-        """Queue a request. Raises :class:`InvalidRequestError` when it could never fit."""
+    def add(self, prompt_ids: Seq[int], max_new_tokens: int, client: Any, priority: int = 0) -> Sequence:
+        """Queue a request (``priority``: lower first). Raises :class:`InvalidRequestError` when it could
+        never fit."""
         tokens = self.check(prompt_ids, max_new_tokens)
-        seq = Sequence(self._next_id, client, tokens, len(tokens), int(max_new_tokens), self._arrivals)
+        seq = Sequence(self._next_id, client, tokens, len(tokens), int(max_new_tokens), self._arrivals,
+                       priority=int(priority))
         self._next_id += 1
         self._arrivals += 1
-        self.waiting.append(seq)
+        bisect.insort(self.waiting, seq, key=lambda s: s.order)
         return seq
 
     def check(self, prompt_ids: Seq[int], max_new_tokens: int) -> list[int]:
@@ -189,7 +198,7 @@ class Scheduler:
         seq.state = WAITING
         seq.preemptions += 1
         self.preemptions += 1
-        bisect.insort(self.waiting, seq, key=lambda s: s.arrival)
+        bisect.insort(self.waiting, seq, key=lambda s: s.order)
         out.preempted.append(seq.seq_id)
 
     def _register_full_blocks(self, seq: Sequence) -> None:
@@ -313,7 +322,7 @@ class Scheduler:
         if seq.num_computed // self.block_size < len(seq.blocks):
             return True
         while self.pool.num_available == 0:
-            victim = max(self.running, key=lambda s: s.arrival)
+            victim = max(self.running, key=lambda s: s.order)
             self._preempt(victim, out)
             if victim is seq:
                 return False

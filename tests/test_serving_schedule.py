@@ -1,0 +1,137 @@
+"""Scheduling of the serving engine on the CPU: the per-step token budget (a burst of long prompts never
+puts more than the budget of prefill work between two tokens of a running stream, and the stream gets a
+token every step), request priority (admission order, preemption order, results unchanged), and the
+settings' plumbing from the command line and the server to the engine."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from realizar.engine import load_engine
+from realizar.errors import InvalidRequestError
+from realizar.generation import SamplingParams
+from realizar.serving import ServingEngine
+from realizar.serving.cpu_backend import ReferenceBatchBackend
+from tests.helpers import examples
+from tests.model_factory import make_hf_model
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    hf_dir, _ = make_hf_model("llama", tmp_path_factory.mktemp("schedule"), seed=31, max_position_embeddings=1536)
+    return load_engine(hf_dir, device="cpu")
+
+
+def _serving(engine, budget: int, num_blocks=160, block_size=16, max_batch=8) -> ServingEngine:
+    backend = ReferenceBatchBackend(engine.model, num_blocks, block_size, max_batch=max_batch)
+    return ServingEngine(backend, engine.tokenizer, engine.generator.eos_token_ids, max_batched_tokens=budget,
+                         background=False)  # (the test drives the steps)
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(3, 320, n).tolist()
+
+
+@settings(max_examples=examples(6), deadline=None)
+@given(budget=st.integers(8, 200), burst=st.integers(1, 5), seed=st.integers(0, 2**16))
+def test_a_burst_of_long_prompts_never_stalls_a_running_stream(engine, budget, burst, seed):
+    serving = _serving(engine, budget)
+    rng = np.random.default_rng(seed)
+    stream = serving.submit(_prompt(seed, 12), SamplingParams(max_tokens=40, temperature=0))
+    for _ in range(4):  # the stream's prompt, then a few tokens: it is decoding
+        serving.step()
+    assert stream._seq.generated >= 2
+    seq_id = stream._seq.seq_id
+    handles = [serving.submit(_prompt(seed + 1 + i, int(rng.integers(150, 400))), SamplingParams(max_tokens=2))
+               for i in range(burst)]
+    prefilled_since_token = 0
+    steps = 0
+    while not stream.done:
+        out = serving.step()
+        steps += 1
+        prefill = sum(n for _, _, n in out.prefills)
+        prefilled_since_token += prefill
+        got_token = any(s == seq_id for s, _ in out.tokens)
+        assert got_token, f"step {steps}: the running stream got no token ({prefill} prompt tokens prefilled)"
+        assert prefilled_since_token <= budget, (prefilled_since_token, budget)
+        prefilled_since_token = 0
+    for h in handles:
+        while not h.done:
+            serving.step()
+    assert stream.result.completion_tokens == 40
+
+
+def test_priority_orders_admission(engine):
+    """With one sequence at a time, queued requests run by priority (lower first), then by arrival."""
+    serving = _serving(engine, 2048, max_batch=1)
+    order = []
+    prios = [0, 5, -3, 5, 0, -3]
+    handles = [serving.submit(_prompt(i, 8), SamplingParams(max_tokens=2, priority=p)) for i, p in enumerate(prios)]
+    seen = set()
+    while not all(h.done for h in handles):
+        out = serving.step()
+        for sid in out.admitted:
+            if sid not in seen:
+                seen.add(sid)
+                order.append(sid)
+    ids = [h._seq.seq_id for h in handles]
+    want = [ids[i] for i in sorted(range(len(prios)), key=lambda i: (prios[i], i))]
+    assert order == want
+
+
+def test_priority_preempts_the_lowest_priority_first_and_keeps_results(engine):
+    """A pool too small for both: the high-priority request keeps running while the other is preempted, and
+    both produce what they produce alone."""
+    serving = _serving(engine, 2048, num_blocks=12, block_size=16, max_batch=4)
+    lo = SamplingParams(max_tokens=60, temperature=0, priority=9)
+    hi = SamplingParams(max_tokens=60, temperature=0, priority=-1)
+    a = serving.submit(_prompt(1, 60), lo)
+    b = serving.submit(_prompt(2, 60), hi)
+    preempted = []
+    while not (a.done and b.done):
+        out = serving.step()
+        preempted += out.preempted
+    assert preempted and b._seq.seq_id not in preempted
+    for h, ids, params in ((a, _prompt(1, 60), lo), (b, _prompt(2, 60), hi)):
+        want = engine.generator.generate(ids, params, lambda c: None)
+        assert h.result.token_ids == want.token_ids
+
+
+def test_bad_priority_is_refused(engine):
+    serving = _serving(engine, 64)
+    for bad in (2**31, -(2**31), 1.5, True):
+        with pytest.raises(InvalidRequestError, match="priority"):
+            serving.submit(_prompt(0, 4), SamplingParams(max_tokens=1, priority=bad))
+
+
+def test_cli_serve_passes_the_budget_and_chunk(monkeypatch):
+    from realizar.cli import serve as cli_serve
+    from realizar.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--max-num-batched-tokens", "512", "--prefill-chunk", "256"])
+    opts = cli_serve.serving_options(args, "cpu")
+    assert opts["max_batched_tokens"] == 512 and opts["prefill_chunk"] == 256
+    args = build_parser().parse_args(["serve"])
+    from realizar.config import ServingConfig
+
+    opts = cli_serve.serving_options(args, "cpu")
+    assert (opts["max_batched_tokens"], opts["prefill_chunk"]) == (ServingConfig.max_batched_tokens,
+                                                                   ServingConfig.prefill_chunk)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--max-num-batched-tokens", "0"])
+
+
+def test_create_app_configures_the_engine(engine):
+    pytest.importorskip("fastapi")
+    from realizar.server import create_app
+
+    app = create_app(engine, max_batched_tokens=300, prefill_chunk=128, max_batch=2)
+    serving = app.state.server.scheduler.serving
+    try:
+        assert serving.scheduler.max_batched_tokens == 300
+        assert serving.scheduler.max_batch == 2
+    finally:
+        serving.close()
