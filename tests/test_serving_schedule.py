@@ -135,3 +135,21 @@ def test_create_app_configures_the_engine(engine):
         assert serving.scheduler.max_batch == 2
     finally:
         serving.close()
+
+
+def test_http_priority_field(tmp_path_factory):
+    """The completions endpoint takes ``priority`` and answers an OpenAI-style 400 naming it when out of range."""
+    pytest.importorskip("fastapi")
+    httpx = pytest.importorskip("httpx")
+    from tests.test_server import serve_tiny
+
+    gen = serve_tiny(tmp_path_factory)
+    live = next(gen)
+    try:
+        body = {"model": live.engine.name, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+        assert httpx.post(live.url + "/v1/completions", json={**body, "priority": -7}, timeout=30).status_code == 200
+        r = httpx.post(live.url + "/v1/completions", json={**body, "priority": 2**31}, timeout=30)
+        assert r.status_code == 400 and "priority" in r.text
+        assert r.json()["error"]["type"] == "invalid_request_error"
+    finally:
+        gen.close()
