@@ -81,7 +81,8 @@ def serving_options(args: argparse.Namespace, device: str) -> dict:
     dtype = args.kv_dtype
     return {"max_batch": args.max_batch, "block_size": args.block_size, "kv_dtype": dtype,
             "kv_memory": kv_bytes(args.kv_memory, device), "max_body": args.max_body,
-            "max_batched_tokens": args.max_num_batched_tokens, "prefill_chunk": args.prefill_chunk}  # fmt: skip
+            "max_batched_tokens": args.max_num_batched_tokens, "prefill_chunk": args.prefill_chunk,
+            "kv_events": args.kv_events, "kv_events_topic": args.kv_events_topic}  # fmt: skip
 
 
 def _refuse_tensor_parallel(args: argparse.Namespace) -> None:
@@ -175,6 +176,10 @@ def register(command) -> None:
                         f"much work a token (default: {_DEFAULTS.max_batched_tokens})")
     p.add_argument("--prefill-chunk", type=positive_int, default=_DEFAULTS.prefill_chunk, metavar="N",
                    help=f"prompt tokens through the layers at once at most (default: {_DEFAULTS.prefill_chunk})")
+    p.add_argument("--kv-events", metavar="ENDPOINT",
+                   help="publish the prefix cache's changes over ZeroMQ in vLLM's KV-event format (tcp://*:5557 "
+                        "binds; pip install 'realizar[cluster]')")
+    p.add_argument("--kv-events-topic", default="", metavar="TOPIC", help="the KV events' topic (default: none)")
     p.add_argument("--kv-memory", type=kv_memory, metavar="SIZE",
                    help="KV cache pool: GiB (4, 4GiB) or a fraction of free GPU memory (90%%, 0.9f) "
                         "(default: room for 8 full contexts on the CPU, the backend's choice on the GPU)")

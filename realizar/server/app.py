@@ -94,6 +94,8 @@ def create_app(
     block_size: int | None = None,
     max_batched_tokens: int | None = None,
     prefill_chunk: int | None = None,
+    kv_events: str | None = None,
+    kv_events_topic: str = "",
 ) -> FastAPI:
     """A FastAPI app serving ``engine`` (see :func:`realizar.engine.load_engine`).
 
@@ -108,7 +110,9 @@ def create_app(
     ``max_batch`` sequences at most per step, a KV pool of ``kv_memory`` bytes in blocks of
     ``block_size`` positions stored as ``kv_dtype``, a per-step token budget of ``max_batched_tokens``
     (decode rows plus prefill chunks) and prompts through the layers ``prefill_chunk`` tokens at most at
-    once (None: :class:`realizar.config.ServingConfig`'s defaults).
+    once (None: :class:`realizar.config.ServingConfig`'s defaults); with ``kv_events`` (a ZeroMQ endpoint) it
+    publishes its prefix cache's changes there under ``kv_events_topic``
+    (:mod:`realizar.serving.kv_events`).
     """
     name = model_name or str(getattr(engine, "name", None) or "realizar")
     device = str(getattr(engine, "device", "cpu"))
@@ -116,9 +120,15 @@ def create_app(
     if serving is None:
         from realizar.serving import ServingEngine
 
+        publisher = None
+        if kv_events is not None:
+            from realizar.serving.kv_events import KVEventPublisher
+
+            publisher = KVEventPublisher(kv_events, kv_events_topic,
+                                         medium="CPU" if str(getattr(engine, "device", "cpu")) == "cpu" else "GPU")
         serving = ServingEngine.from_engine(engine, kv_memory=kv_memory, block_size=block_size, max_batch=max_batch,
                                             kv_dtype=kv_dtype, max_batched_tokens=max_batched_tokens,
-                                            prefill_chunk=prefill_chunk)  # fmt: skip
+                                            prefill_chunk=prefill_chunk, kv_events=publisher)  # fmt: skip
     metrics.attach(serving)
     scheduler = Scheduler(serving, metrics, max_queue=max_queue)
     state = ServerState(

@@ -72,6 +72,7 @@ class BlockPool:
         self._content: dict[int, tuple[int, tuple[int, ...]]] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._queries = self._hits = self._query_tokens = self._hit_tokens = 0
+        self.events: list[tuple] | None = None  # the prefix cache's changes, when recorded (record_events)
 
     # -- accounting --------------------------------------------------------------------------------
 
@@ -151,11 +152,20 @@ class BlockPool:
         """The key of a full block holding ``tokens`` after the prefix named by ``parent_key``."""
         return hash((parent_key, tuple(int(t) for t in tokens)))
 
+    def record_events(self) -> None:
+        """From now on keep the prefix cache's changes in :attr:`events` (drained by their reader):
+        ``("stored", key, parent_key, tokens)`` when a block becomes the cached one of its prefix,
+        ``("removed", key)`` when that block is given new content."""
+        if self.events is None:
+            self.events = []
+
     def _uncache(self, b: int) -> None:
         key = self._key.pop(b)
         del self._content[b]
         if self._cached.get(key) == b:
             del self._cached[key]
+            if self.events is not None:
+                self.events.append(("removed", key))
 
     def register(self, block: int, parent_key: int, tokens: Sequence[int]) -> int:
         """Record that ``block`` (held by the caller) is full and holds ``tokens`` after the prefix
@@ -172,6 +182,8 @@ class BlockPool:
             self._cached[key] = block
             self._key[block] = key
             self._content[block] = (parent_key, toks)
+            if self.events is not None:
+                self.events.append(("stored", key, parent_key, toks))
         return key
 
     def lookup_prefix(self, tokens: Sequence[int]) -> tuple[list[int], list[int]]:

@@ -44,6 +44,7 @@ from realizar.generation import (
     GenerationResult, SamplingParams, SequenceState, TokenChunk, _eos_ids, encode_prompt,
 )
 from realizar.serving.backend import BatchBackend, RowSampling
+from realizar.serving.blocks import ROOT_KEY
 from realizar.serving.scheduler import Scheduler, StepOutput
 
 __all__ = ["ServingEngine", "RequestHandle", "EngineStats", "StepStats", "EngineClosedError"]
@@ -212,7 +213,9 @@ class ServingEngine:
     ``eos_token_ids`` default to the tokenizer's. ``max_batched_tokens``: the per-step token budget
     (prefill chunk + decode rows). ``on_step(StepStats)``: called after every iteration from the
     engine's thread (keep it quick). The thread starts with the first request and sleeps when idle;
-    with ``background=False`` there is none and the caller drives :meth:`step` (tests, tools)."""
+    with ``background=False`` there is none and the caller drives :meth:`step` (tests, tools).
+    ``kv_events``: a :class:`~realizar.serving.kv_events.KVEventPublisher` sent the prefix cache's changes
+    after every step (vLLM's KV-event format, for prefix-aware routers); closed with the engine."""
 
     def __init__(
         self,
@@ -225,6 +228,7 @@ class ServingEngine:
         prefix_cache: bool = True,
         on_step: Callable[[StepStats], None] | None = None,
         background: bool = True,
+        kv_events: Any = None,
     ):
         self.background = background
         self.backend = backend
@@ -233,6 +237,9 @@ class ServingEngine:
         self.scheduler = Scheduler(backend, max_batched_tokens=max_batched_tokens, prefix_cache=prefix_cache,
                                    max_batch=max_batch)  # fmt: skip
         self.on_step = on_step
+        self.kv_events = kv_events
+        if kv_events is not None:
+            self.scheduler.pool.record_events()
         self._cv = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -366,6 +373,9 @@ class ServingEngine:
                 seconds=time.perf_counter() - t0,
             )  # fmt: skip
             self._snapshot = self._stats_locked()
+            events, pool.events = pool.events, ([] if pool.events is not None else None)
+        if events and self.kv_events is not None:
+            self.kv_events.publish_pool_events(events, pool.block_size, ROOT_KEY)
         if self.on_step is not None:
             self.on_step(stats)
         return out
@@ -405,6 +415,8 @@ class ServingEngine:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
         self._fail_all(EngineClosedError("the serving engine was closed"))
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def __enter__(self) -> "ServingEngine":
         return self
