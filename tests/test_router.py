@@ -80,7 +80,8 @@ def _router(urls: list[str], policy: str) -> tuple[Proc, str]:
     port = _free_port()
     proc = Proc([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
                  "--worker-urls", *urls, "--policy", policy, "--health-check-interval-secs", "1",
-                 "--health-failure-threshold", "1", "--log-level", "warn"])
+                 "--health-failure-threshold", "1", "--log-level", "warn",
+                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port())])  # (not the shared default)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

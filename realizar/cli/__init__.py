@@ -75,6 +75,7 @@ def _error_message(e: BaseException) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # (what a command re-runs in child processes)
     verbose = bool(getattr(args, "verbose", False))
     if verbose:
         os.environ.setdefault("REALIZAR_VERBOSE", "1")

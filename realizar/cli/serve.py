@@ -122,6 +122,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CliError("--api-key (or REALIZAR_API_KEY) must be a non-empty key without spaces")
     if getattr(args, "tensor_parallel", 1) > 1:
         _refuse_tensor_parallel(args)
+    if args.data_parallel > 1:
+        from realizar.cli.data_parallel import serve_data_parallel
+
+        return serve_data_parallel(args)
     engine = load_engine(args)
     options = serving_options(args, engine.device)
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
@@ -166,6 +170,9 @@ def register(command) -> None:
     p.add_argument("--api-key", metavar="KEY",
                    help="answer 401 to /v1 and tokenize requests without 'Authorization: Bearer KEY' "
                         "(default: the REALIZAR_API_KEY environment variable; none: no key needed)")
+    p.add_argument("--data-parallel", type=positive_int, default=1, metavar="N",
+                   help="N replicas, one per GPU, behind sglang-router's cache-aware policy at --host/--port "
+                        "(pip install 'realizar[cluster]'; with --device cpu, N replicas on the CPU) (default: 1)")
     p.add_argument("--max-queue", type=positive_int, default=256, metavar="N",
                    help="requests allowed to wait beyond the running batch before answering 429 (default: 256)")
     p.add_argument("--max-batch", type=positive_int, default=_DEFAULTS.max_batch, metavar="N",

@@ -1,0 +1,85 @@
+"""``realizar serve --data-parallel N``: a clear one-line refusal without N GPUs; with ``--device cpu``, N replica
+processes behind sglang-router answer through one address and stop with the launcher (SIGTERM)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("sglang_router", reason="sglang-router comes with the cluster extra: pip install '.[cluster]'")
+
+from realizar.cli import main  # noqa: E402
+from realizar.cli.data_parallel import _replica_argv, offset_endpoint  # noqa: E402
+from realizar.cli.common import CliError  # noqa: E402
+from tests.gguf_factory import shared_tiny_gguf  # noqa: E402
+
+
+def test_replica_command_lines():
+    argv = ["serve", "-m", "m.gguf", "--data-parallel", "2", "--host", "0.0.0.0", "--port=9000", "--max-batch", "8",
+            "--kv-events", "tcp://*:5557"]
+    assert _replica_argv(argv) == ["serve", "-m", "m.gguf", "--max-batch", "8"]
+    assert offset_endpoint("tcp://*:5557", 2) == "tcp://*:5559"
+    with pytest.raises(CliError, match="tcp://host:port"):
+        offset_endpoint("ipc:///tmp/x", 1)
+
+
+def test_refused_without_enough_gpus(tmp_path_factory, capsys, monkeypatch):
+    monkeypatch.setattr("realizar.parallel.visible_gpu_count", lambda: 1)
+    code = main(["serve", "-m", str(shared_tiny_gguf(tmp_path_factory)), "--data-parallel", "2"])
+    err = capsys.readouterr().err.strip()
+    assert code != 0 and err.count("\n") == 0
+    assert "--data-parallel 2" in err and "needs 2 visible GPUs; this machine has 1" in err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_cpu_replicas_behind_the_router(tmp_path_factory):
+    port = _free_port()
+    p = subprocess.Popen([sys.executable, "-m", "realizar", "serve", "-m", str(shared_tiny_gguf(tmp_path_factory)),
+                          "--device", "cpu", "--data-parallel", "2", "--port", str(port), "--max-batch", "4"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines: list[str] = []
+    threading.Thread(target=lambda: [lines.append(ln.rstrip()) for ln in p.stdout], daemon=True).start()
+    try:
+        deadline = time.monotonic() + 120
+        while not any("serving 2 replicas behind sglang-router" in ln for ln in lines):
+            assert p.poll() is None and time.monotonic() < deadline, "\n".join(lines[-20:])
+            time.sleep(0.1)
+        replicas = sorted({m.group(1) for ln in lines if ln.startswith("[replica")
+                           for m in [re.search(r"at (http://127\.0\.0\.1:\d+)/v1", ln)] if m})
+        assert len(replicas) == 2, lines
+        body = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 2, "temperature": 0}
+        deadline = time.monotonic() + 60
+        while True:  # (the router takes the replicas once its first health checks pass)
+            try:
+                r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=30)
+                if r.status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "\n".join(lines[-20:])
+            time.sleep(0.2)
+        assert all(httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=30).status_code == 200
+                   for _ in range(4))
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(30) == 0
+        for url in replicas:  # the replicas stopped with the launcher
+            with pytest.raises(httpx.HTTPError):
+                httpx.get(url + "/health", timeout=2)
+    finally:
+        if p.poll() is None:
+            p.kill()
