@@ -102,6 +102,75 @@ def load_engine(args: argparse.Namespace):
     return engine
 
 
+def add_aliases(p: argparse.ArgumentParser, action: argparse.Action, *names: str) -> None:
+    """Other tools' names for ``action``'s option (hidden in --help, named in error messages as typed): the
+    same destination, type and choices."""
+    kind = type(action)
+    extra = {} if kind in (argparse._StoreTrueAction, argparse._StoreFalseAction) else {
+        "type": action.type, "choices": action.choices, "metavar": action.metavar}
+    p.add_argument(*names, dest=action.dest, action=kind if extra else action.__class__, default=argparse.SUPPRESS,
+                   help=argparse.SUPPRESS, **extra)
+
+
+class IgnoredOption(argparse.Action):
+    """An option other tools take that means nothing here: its value is accepted and a note says so."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        note(f"{option_string} {values} is accepted and ignored: realizar runs every layer on the device")
+        setattr(namespace, self.dest, values)
+
+
+def check_sampling(args: argparse.Namespace) -> None:
+    """The sampling options' values, checked before a model loads (a bad one costs no load)."""
+    from realizar.errors import InvalidRequestError
+
+    try:
+        sampling_params(args, 1).validate()
+    except InvalidRequestError as e:
+        raise CliError(str(e)) from None
+
+
+def env_defaults(p: argparse.ArgumentParser) -> None:
+    """Each long option ``--some-flag`` of ``p`` takes its default from ``REALIZAR_SOME_FLAG`` when that is set
+    (its first long name; a switch: 1/true/yes or 0/false/no); the command line still wins."""
+    import os
+
+    for a in p._actions:
+        longs = [o for o in a.option_strings if o.startswith("--")]
+        if not longs or a.dest in ("help", argparse.SUPPRESS) or a.help is argparse.SUPPRESS:
+            continue  # (an alias: the option it stands for takes the variable)
+        var = "REALIZAR_" + longs[0][2:].upper().replace("-", "_")
+        raw = os.environ.get(var)
+        if raw is None:
+            continue
+        if isinstance(a, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            word = raw.strip().lower()
+            if word in ("1", "true", "yes", "0", "false", "no"):  # (anything else: the switch keeps its default)
+                value = word in ("1", "true", "yes")
+                a.default = value if isinstance(a, argparse._StoreTrueAction) else not value
+            continue
+        a.default = raw  # (argparse converts a string default with the option's type at parse time)
+        a.type = _naming_env(a.type, var, raw, a.choices)
+
+
+def _naming_env(convert, var: str, raw: str, choices):
+    """``convert`` (an option's type; None: str) that names ``var`` when the environment's value is bad."""
+
+    def typed(text: str):
+        if text != raw:
+            return text if convert is None else convert(text)
+        try:
+            value = text if convert is None else convert(text)
+        except (argparse.ArgumentTypeError, ValueError) as e:
+            raise argparse.ArgumentTypeError(f"{var}={raw!r}: {e}") from None
+        if choices is not None and value not in choices:
+            raise argparse.ArgumentTypeError(f"{var}={raw!r}: expected one of {', '.join(map(str, choices))}")
+        return value
+
+    typed.__name__ = getattr(convert, "__name__", "str")
+    return typed
+
+
 def sampling_params(args: argparse.Namespace, max_tokens: int):
     from realizar.generation import SamplingParams
 
@@ -153,8 +222,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "downloaded once and cached)")
     p.add_argument("-d", "--device", choices=DEVICES, default="auto",
                    help="where to run: the GPU when available (auto), or force cuda / cpu (default: auto)")
-    p.add_argument("--max-context", type=positive_int, metavar="N",
-                   help="cap the KV cache below the model's context length")
+    add_aliases(p, p.add_argument("--max-context", type=positive_int, metavar="N",
+                                  help="cap the KV cache below the model's context length (also -c, --ctx-size, "
+                                       "--max-model-len)"), "-c", "--ctx-size", "--max-model-len")
+    p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="n_gpu_layers", action=IgnoredOption,
+                   metavar="N",
+                   help="accepted for llama.cpp's command lines and ignored: every layer runs on the device")
 
 
 def add_tensor_parallel_arg(p: argparse.ArgumentParser) -> None:
@@ -166,8 +239,9 @@ def add_tensor_parallel_arg(p: argparse.ArgumentParser) -> None:
 def add_sampling_args(p: argparse.ArgumentParser, temperature: float, top_p: float, max_tokens: int) -> None:
     p.add_argument("-n", "--max-tokens", type=positive_int, default=max_tokens, action=MaxTokensAction,
                    metavar="N", help=f"tokens to generate at most (default: {max_tokens})")
-    p.add_argument("-t", "--temperature", type=float, default=temperature,
-                   help=f"sampling temperature, 0 = greedy (default: {temperature:g})")
+    add_aliases(p, p.add_argument("-t", "--temperature", type=float, default=temperature,
+                                  help=f"sampling temperature, 0 = greedy (also --temp) (default: {temperature:g})"),
+                "--temp")
     p.add_argument("--top-k", type=nonneg_int, default=0, metavar="K",
                    help="keep the K most likely tokens, 0 = off (default: 0)")
     p.add_argument("--top-p", type=float, default=top_p, metavar="P",

@@ -6,8 +6,8 @@ import argparse
 import sys
 
 from realizar.cli.common import (
-    PROG, CliError, add_model_args, add_sampling_args, add_tensor_parallel_arg, load_engine, sampling_params,
-    summary, tty, write,
+    PROG, CliError, add_model_args, add_sampling_args, add_tensor_parallel_arg, check_sampling, load_engine,
+    sampling_params, summary, tty, write,
 )
 
 
@@ -19,6 +19,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = sys.stdin.read()
     if not prompt.strip() and not args.chat:
         raise CliError("the prompt is empty", 2)
+    check_sampling(args)
     engine = load_engine(args)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
@@ -103,6 +104,7 @@ def _chat_turn(engine, serving, ids, params):
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    check_sampling(args)
     engine = load_engine(args)
     serving = _chat_serving(engine)
     try:

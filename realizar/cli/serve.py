@@ -7,7 +7,8 @@ import os
 import re
 
 from realizar.cli.common import (
-    CliError, add_model_args, add_tensor_parallel_arg, load_engine, note, port, positive_int,
+    CliError, add_aliases, add_model_args, add_tensor_parallel_arg, env_defaults, load_engine, note, port,
+    positive_int,
 )
 from realizar.config import ServingConfig
 from realizar.models.kv_formats import KV_FORMATS
@@ -60,6 +61,33 @@ def kv_memory(text: str) -> tuple[str, float]:
     return kind, v
 
 
+def memory_share(text: str) -> float:
+    """``--gpu-memory-utilization``: a fraction in (0, 1]."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction of the GPU's memory in (0, 1], got {text!r}") from None
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction of the GPU's memory in (0, 1], got {text!r}")
+    return v
+
+
+def utilization_bytes(share: float, device: str) -> int:
+    """The KV pool's bytes under ``--gpu-memory-utilization share``: ``share`` of the GPU's total memory, less
+    what the process already holds once the model is loaded (the weights, the runtime)."""
+    if not device.startswith("cuda"):
+        raise CliError(f"--gpu-memory-utilization applies to a GPU (running on {device}); give --kv-memory in GiB")
+    from realizar import cuda
+
+    free, total = cuda.current_device().memory_info()
+    room = int(share * total) - (total - free)
+    if room <= 0:
+        used = (total - free) / 2**30
+        raise CliError(f"--gpu-memory-utilization {share:g} leaves no room for the KV cache: {used:.1f} GiB of the "
+                       f"GPU's {total / 2**30:.1f} GiB are in use with the model loaded")
+    return room
+
+
 def kv_bytes(spec: tuple[str, float] | None, device: str) -> int | None:
     """The KV pool's bytes for ``--kv-memory`` on ``device`` (None: the engine's default)."""
     if spec is None:
@@ -79,8 +107,11 @@ def kv_bytes(spec: tuple[str, float] | None, device: str) -> int | None:
 def serving_options(args: argparse.Namespace, device: str) -> dict:
     """create_app's continuous-batching keywords from the command line, checked against ``device``."""
     dtype = args.kv_dtype
+    memory = kv_bytes(args.kv_memory, device)
+    if args.gpu_memory_utilization is not None:
+        memory = utilization_bytes(args.gpu_memory_utilization, device)
     return {"max_batch": args.max_batch, "block_size": args.block_size, "kv_dtype": dtype,
-            "kv_memory": kv_bytes(args.kv_memory, device), "max_body": args.max_body,
+            "kv_memory": memory, "max_body": args.max_body,
             "max_batched_tokens": args.max_num_batched_tokens, "prefill_chunk": args.prefill_chunk,
             "kv_events": args.kv_events, "kv_events_topic": args.kv_events_topic}  # fmt: skip
 
@@ -120,6 +151,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get("REALIZAR_API_KEY") or None
     if api_key is not None and (not api_key.strip() or any(c.isspace() for c in api_key)):
         raise CliError("--api-key (or REALIZAR_API_KEY) must be a non-empty key without spaces")
+    if args.kv_memory is not None and args.gpu_memory_utilization is not None:
+        raise CliError("give --kv-memory or --gpu-memory-utilization, not both", 2)
     if getattr(args, "tensor_parallel", 1) > 1:
         _refuse_tensor_parallel(args)
     if args.data_parallel > 1:
@@ -165,8 +198,9 @@ def register(command) -> None:
     add_tensor_parallel_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=port, default=8000, help="TCP port, 0 = any free port (default: 8000)")
-    p.add_argument("--model-id", "--model-name", dest="model_name", metavar="ID",
-                   help="the model id clients use (default: the model's name, without spaces)")
+    add_aliases(p, p.add_argument("--model-id", "--model-name", dest="model_name", metavar="ID",
+                                  help="the model id clients use (default: the model's name, without spaces; also "
+                                       "--served-model-name)"), "--served-model-name")
     p.add_argument("--api-key", metavar="KEY",
                    help="answer 401 to /v1 and tokenize requests without 'Authorization: Bearer KEY' "
                         "(default: the REALIZAR_API_KEY environment variable; none: no key needed)")
@@ -175,8 +209,9 @@ def register(command) -> None:
                         "(pip install 'realizar[cluster]'; with --device cpu, N replicas on the CPU) (default: 1)")
     p.add_argument("--max-queue", type=positive_int, default=256, metavar="N",
                    help="requests allowed to wait beyond the running batch before answering 429 (default: 256)")
-    p.add_argument("--max-batch", type=positive_int, default=_DEFAULTS.max_batch, metavar="N",
-                   help=f"sequences advanced together per decode step at most (default: {_DEFAULTS.max_batch})")
+    add_aliases(p, p.add_argument("--max-batch", type=positive_int, default=_DEFAULTS.max_batch, metavar="N",
+                                  help="sequences advanced together per decode step at most (also --max-num-seqs, "
+                                       f"-np) (default: {_DEFAULTS.max_batch})"), "--max-num-seqs", "-np")
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=_DEFAULTS.max_batched_tokens, metavar="N",
                    help="tokens one scheduler step processes at most: the decode rows plus the prompt tokens "
                         "prefilled meanwhile, so a burst of long prompts delays running streams by at most this "
@@ -190,8 +225,9 @@ def register(command) -> None:
     p.add_argument("--kv-memory", type=kv_memory, metavar="SIZE",
                    help="KV cache pool: GiB (4, 4GiB) or a fraction of free GPU memory (90%%, 0.9f) "
                         "(default: room for 8 full contexts on the CPU, the backend's choice on the GPU)")
-    p.add_argument("--kv-dtype", choices=KV_FORMATS, metavar="{" + ",".join(KV_FORMATS) + "}",
-                   help="KV cache precision (default: f16 on the GPU, f32 on the CPU; the CPU takes f32 or f16)")
+    add_aliases(p, p.add_argument("--kv-dtype", choices=KV_FORMATS, metavar="{" + ",".join(KV_FORMATS) + "}",
+                                  help="KV cache precision (also --kv-cache-dtype) (default: f16 on the GPU, f32 on "
+                                       "the CPU; the CPU takes f32 or f16)"), "--kv-cache-dtype")
     p.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=_DEFAULTS.block_size, metavar="{16,32,64}",
                    help=f"positions per KV cache block (default: {_DEFAULTS.block_size})")
     p.add_argument("--max-body", type=byte_count, default=4 << 20, metavar="BYTES",
@@ -201,4 +237,8 @@ def register(command) -> None:
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn log level (default: info)")
+    p.add_argument("--gpu-memory-utilization", type=memory_share, metavar="F",
+                   help="vLLM's setting: the share of the GPU's total memory realizar may fill, model and KV cache "
+                        "together; the KV pool gets what the loaded model leaves of it (instead of --kv-memory)")
     p.set_defaults(func=cmd_serve)
+    env_defaults(p)  # REALIZAR_<FLAG> for every flag above
