@@ -35,3 +35,8 @@ def test_ptx_run_rejects_unknown_kernels_and_bad_shapes(capsys):
     assert "no example launch" in capsys.readouterr().err
     assert main(["ptx", "run", "vector_add", "-s", "vec", "--emulate"]) == 2
     assert "NAME=VALUE" in capsys.readouterr().err
+
+
+def test_emulate_is_not_needed():
+    """The emulator is the only mode: ``ptx run`` works without ``--emulate`` too."""
+    assert main(["ptx", "run", "vector_add", "-s", "n=64"]) == 0

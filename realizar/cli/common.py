@@ -221,7 +221,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="GGUF file or HF safetensors directory (default: SmolLM2-135M-Instruct, "
                         "downloaded once and cached)")
     p.add_argument("-d", "--device", choices=DEVICES, default="auto",
-                   help="where to run: the GPU when available (auto), or force cuda / cpu (default: auto)")
+                   help="where to run: the GPU when available (auto), or force cuda / cpu; emulate: the GPU model on the "
+                        "CPU PTX emulator (slow: for tiny models) (default: auto)")
     add_aliases(p, p.add_argument("--max-context", type=positive_int, metavar="N",
                                   help="cap the KV cache below the model's context length (also -c, --ctx-size, "
                                        "--max-model-len)"), "-c", "--ctx-size", "--max-model-len")

@@ -185,6 +185,7 @@ def register(command) -> None:
     q.add_argument("-s", "--shape", action="append", metavar="NAME=VALUE",
                    help=shape_help + "; also problem sizes of the example (n, tokens, seq_len, ...)")
     q.add_argument("--target", default=DEFAULT_TARGET, help=target_help)
-    q.add_argument("--emulate", action="store_true", required=True, help="run on the emulator (the only mode)")
+    q.add_argument("--emulate", action="store_true", default=True,
+                   help="run on the CPU PTX emulator (the only mode: accepted, not needed)")
     q.add_argument("--seed", type=nonneg_int, default=0, help="random seed of the inputs (default: 0)")
     q.set_defaults(func=cmd_ptx_run)
