@@ -11,7 +11,7 @@ from realizar.cli import build_parser, main
 
 SERVE_ALIASES = [
     (["--max-context", "64"], [["-c", "64"], ["--ctx-size", "64"], ["--max-model-len", "64"]], "max_context", 64),
-    (["--model-id", "m"], [["--served-model-name", "m"], ["--model-name", "m"]], "model_name", "m"),
+    (["--model-id", "m"], [["--served-model-name", "m"], ["--model-name", "m"]], "model_name", ["m"]),
     (["--max-batch", "8"], [["--max-num-seqs", "8"], ["-np", "8"]], "max_batch", 8),
     (["--kv-dtype", "q8_0"], [["--kv-cache-dtype", "q8_0"]], "kv_dtype", "q8_0"),
 ]

@@ -198,9 +198,10 @@ def register(command) -> None:
     add_tensor_parallel_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=port, default=8000, help="TCP port, 0 = any free port (default: 8000)")
-    add_aliases(p, p.add_argument("--model-id", "--model-name", dest="model_name", metavar="ID",
-                                  help="the model id clients use (default: the model's name, without spaces; also "
-                                       "--served-model-name)"), "--served-model-name")
+    add_aliases(p, p.add_argument("--model-id", "--model-name", dest="model_name", metavar="ID", nargs="+",
+                                  help="the model id clients use, then any aliases they may use too (default: the "
+                                       "model's name, without spaces; also --served-model-name)"),
+                "--served-model-name")
     p.add_argument("--api-key", metavar="KEY",
                    help="answer 401 to /v1 and tokenize requests without 'Authorization: Bearer KEY' "
                         "(default: the REALIZAR_API_KEY environment variable; none: no key needed)")

@@ -36,7 +36,7 @@ def serve(
     host: str = "127.0.0.1",
     port: int = 8000,
     *,
-    model_name: str | None = None,
+    model_name: str | list[str] | None = None,
     max_queue: int = 256,
     default_max_tokens: int | None = None,
     log_level: str = "info",

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Sequence
 
 from fastapi import FastAPI
 
@@ -82,7 +82,7 @@ class _MetricsMiddleware:
 def create_app(
     engine: Any,
     *,
-    model_name: str | None = None,
+    model_name: str | Sequence[str] | None = None,
     max_queue: int = 256,
     default_max_tokens: int | None = None,
     api_key: str | None = None,
@@ -99,7 +99,8 @@ def create_app(
 ) -> FastAPI:
     """A FastAPI app serving ``engine`` (see :func:`realizar.engine.load_engine`).
 
-    ``model_name`` is the id clients pass as ``model`` (default: ``engine.name``); ``max_queue`` caps
+    ``model_name`` is the id clients pass as ``model`` (default: ``engine.name``), or several: the first is
+    the model's id, the others aliases clients may pass too; ``max_queue`` caps
     the requests waiting for the model (more get a 429); ``default_max_tokens`` caps chat completions
     that give no ``max_tokens`` (default: the rest of the context, as OpenAI does); ``api_key``: when
     set, the ``/v1`` routes and tokenize answer 401 without ``Authorization: Bearer <api_key>``;
@@ -114,7 +115,10 @@ def create_app(
     publishes its prefix cache's changes there under ``kv_events_topic``
     (:mod:`realizar.serving.kv_events`).
     """
-    name = model_name or str(getattr(engine, "name", None) or "realizar")
+    names = [model_name] if isinstance(model_name, str) else list(model_name or [])
+    if any(not isinstance(n, str) or not n.strip() for n in names):
+        raise ValueError(f"model names must be non-empty strings, got {model_name!r}")
+    name = names[0] if names else str(getattr(engine, "name", None) or "realizar")
     device = str(getattr(engine, "device", "cpu"))
     metrics = ServerMetrics(name, device)
     if serving is None:
@@ -141,6 +145,7 @@ def create_app(
         vocab_size=_vocab_size(engine),
         created=int(time.time()),
         default_max_tokens=default_max_tokens,
+        aliases=tuple(dict.fromkeys(n for n in names[1:] if n != name)),
     )
 
     @asynccontextmanager

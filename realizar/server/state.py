@@ -39,10 +39,16 @@ class ServerState:
     vocab_size: int
     created: int
     default_max_tokens: int | None  # for chat completions without max_tokens (None: the rest of the context)
+    aliases: tuple[str, ...] = ()  # further ids clients may pass for the same model
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name, *self.aliases)
 
     def check_model(self, model: str) -> None:
-        if model != self.name:
-            raise P.ServerError(404, f"the model {model!r} does not exist; this server serves {self.name!r}",
+        if model not in self.names:
+            served = ", ".join(repr(n) for n in self.names)
+            raise P.ServerError(404, f"the model {model!r} does not exist; this server serves {served}",
                                 param="model", code="model_not_found")  # fmt: skip
 
     def check_ids(self, ids: list[int]) -> list[int]:

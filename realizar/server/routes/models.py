@@ -1,4 +1,5 @@
-"""``GET /v1/models`` and ``GET /v1/models/{id}``: the one model this server serves."""
+"""``GET /v1/models`` and ``GET /v1/models/{id}``: the one model this server serves, under its id and its
+aliases (each listed)."""
 
 from __future__ import annotations
 
@@ -9,17 +10,20 @@ from realizar.server.state import ServerState, get_state
 router = APIRouter()
 
 
-def _model_card(state: ServerState) -> dict:
-    return {"id": state.name, "object": "model", "created": state.created, "owned_by": "realizar",
+def _model_card(state: ServerState, name: str) -> dict:
+    card = {"id": name, "object": "model", "created": state.created, "owned_by": "realizar",
             "context_length": state.context_length}  # fmt: skip
+    if name != state.name:
+        card["root"] = state.name  # (an alias of the model's id)
+    return card
 
 
 @router.get("/v1/models")
 async def list_models(state: ServerState = Depends(get_state)) -> dict:
-    return {"object": "list", "data": [_model_card(state)]}
+    return {"object": "list", "data": [_model_card(state, n) for n in state.names]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, state: ServerState = Depends(get_state)) -> dict:
     state.check_model(model_id)
-    return _model_card(state)
+    return _model_card(state, model_id)
