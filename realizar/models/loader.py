@@ -7,6 +7,7 @@ Dependencies point one way: this module dispatches to the format readers, which 
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 from realizar.errors import ModelFormatError
@@ -17,11 +18,28 @@ from realizar.models.safetensors_loader import load_safetensors
 __all__ = ["load_model"]
 
 
+def _regular(p: Path) -> None:
+    """Refuse ``p`` unless it is a regular file (a FIFO or a device would block or never end a read)."""
+    try:
+        mode = p.stat().st_mode
+    except OSError as e:
+        raise ModelFormatError(f"cannot read {p}: {e.strerror or e}") from None
+    if not stat.S_ISREG(mode):
+        raise ModelFormatError(f"{p} is not a regular file (a FIFO, socket or device): a model is read from files")
+
+
 def load_model(path: str | os.PathLike) -> LoadedModel:
-    """Load a ``.gguf`` file, or a directory (or a ``.safetensors`` file inside one) in HF layout."""
+    """Load a ``.gguf`` file, or a directory (or a ``.safetensors`` file inside one) in HF layout. Every file it
+    would read must be a regular file (checked first: nothing is opened that could block)."""
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"no model at {p}")
+    if p.is_dir():
+        for f in sorted(p.iterdir()):
+            if f.suffix in (".json", ".safetensors", ".gguf", ".jinja", ".model", ".txt"):
+                _regular(f)
+    else:
+        _regular(p)
     if p.is_dir():
         ggufs = sorted(p.glob("*.gguf"))
         if not (p / "config.json").exists() and len(ggufs) == 1:

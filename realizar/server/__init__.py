@@ -19,7 +19,9 @@ __all__ = ["bind_socket", "create_app", "serve"]
 def bind_socket(host: str = "127.0.0.1", port: int = 8000) -> socket.socket:
     """A listening TCP socket on ``host:port`` (port 0: a free port, see ``getsockname()``)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say they are TCP, and without it
+    # Nagle's algorithm holds every small write after the first on a keep-alive connection (SSE chunks too)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

@@ -177,7 +177,7 @@ def _validate(model: type[BaseModel], raw: bytes) -> BaseModel:
     if len(raw) > 8 * _LONG_PROMPT:
         try:
             data = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):  # (nesting deeper than Python's stack: the validator reports it)
             data = None  # the validator reports it
         prompt = data.get("prompt") if isinstance(data, dict) else None
         if isinstance(prompt, list) and len(prompt) > _LONG_PROMPT and all(type(t) is int for t in prompt):

@@ -109,6 +109,9 @@ def resolve_tool_choice(choice: Any, tools: Sequence[Mapping]) -> ToolChoice:
     if isinstance(choice, Mapping) and choice.get("type") == "function":
         fn = choice.get("function")
         name = fn.get("name") if isinstance(fn, Mapping) else None
+        if not isinstance(name, str):
+            raise ToolError(f"tool_choice's function name must be a string naming one of the tools {sorted(names)}, "
+                            f"got {name!r}", "tool_choice")
         if name not in names:
             raise ToolError(f"tool_choice names the function {name!r}, which is not among the tools {sorted(names)}", "tool_choice")
         return ToolChoice("function", name)

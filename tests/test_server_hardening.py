@@ -1,0 +1,88 @@
+"""Hardening, each a case that failed before its fix: a FIFO (or a directory whose config.json is one) as the
+model path is refused at once instead of blocking forever; deeply nested JSON over 32 KB is a 400, not a 500;
+a non-string ``tool_choice`` function name is a 400, not a 500; the listening socket is TCP (asyncio then sets
+TCP_NODELAY: keep-alive responses are not held back by Nagle's algorithm)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+
+from realizar.server import bind_socket  # noqa: E402
+from tests.test_server import LiveServer, _tiny_gguf  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    from realizar.engine import load_engine
+
+    engine = load_engine(str(_tiny_gguf(tmp_path_factory)), device="cpu")
+    srv = LiveServer(engine).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
+@pytest.mark.parametrize("command", [["generate", "hi"], ["info"]])
+def test_a_fifo_as_the_model_is_refused_at_once(tmp_path, command):
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    d = tmp_path / "hf"
+    d.mkdir()
+    os.mkfifo(d / "config.json")
+    for target in (fifo, d):
+        argv = [sys.executable, "-m", "realizar", command[0], "-m", str(target), *command[1:]] if command[0] != "info" \
+            else [sys.executable, "-m", "realizar", "info", str(target)]
+        t0 = time.monotonic()
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+        assert time.monotonic() - t0 < 30
+        assert r.returncode != 0 and "not a regular file" in r.stderr, r.stderr
+        assert r.stderr.strip().count("\n") == 0, r.stderr
+
+
+@pytest.mark.parametrize("path,extra", [("/v1/completions", {"prompt": None}),
+                                        ("/v1/chat/completions", {"messages": None}),
+                                        ("/tokenize", {"prompt": None})])
+def test_deeply_nested_json_over_32_kb_is_a_400(live, path, extra):
+    depth = 40_000
+    key = next(iter(extra))
+    body = ('{"model": "%s", "%s": ' % (live.engine.name, key)) + "[" * depth + "1" + "]" * depth + "}"
+    assert len(body) > 32 * 1024
+    r = httpx.post(live.url + path, content=body, headers={"Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == 400, r.text[:300]
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_non_string_tool_choice_name_is_a_400(live):
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}]
+    for name in (["get_time"], {"n": 1}, 7, None):
+        body = {"model": live.engine.name, "messages": [{"role": "user", "content": "hi"}], "tools": tools,
+                "tool_choice": {"type": "function", "function": {"name": name}}, "max_tokens": 2}
+        r = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 400, (name, r.status_code, r.text[:200])
+        assert r.json()["error"]["param"] == "tool_choice"
+
+
+def test_the_listening_socket_is_tcp_and_keep_alive_is_not_delayed(live):
+    s = bind_socket("127.0.0.1", 0)
+    try:
+        assert s.proto == socket.IPPROTO_TCP
+    finally:
+        s.close()
+    with httpx.Client() as client:  # one keep-alive connection
+        client.get(live.url + "/health", timeout=10)
+        times = []
+        for _ in range(12):
+            t0 = time.perf_counter()
+            assert client.get(live.url + "/health", timeout=10).status_code == 200
+            times.append(time.perf_counter() - t0)
+    assert statistics.median(times) < 0.030, times  # (Nagle + delayed ACK held each one ~40 ms)
