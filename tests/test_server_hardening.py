@@ -86,3 +86,25 @@ def test_the_listening_socket_is_tcp_and_keep_alive_is_not_delayed(live):
             assert client.get(live.url + "/health", timeout=10).status_code == 200
             times.append(time.perf_counter() - t0)
     assert statistics.median(times) < 0.030, times  # (Nagle + delayed ACK held each one ~40 ms)
+
+
+@pytest.mark.parametrize("path,field,value", [
+    ("/v1/completions", "prompt", [True, False]), ("/v1/completions", "max_tokens", "5"),
+    ("/v1/completions", "stream", "yes"), ("/v1/completions", "temperature", "0.5"),
+    ("/v1/chat/completions", "max_tokens", "5"), ("/v1/chat/completions", "n", True),
+    ("/tokenize", "add_special", "yes"), ("/detokenize", "tokens", [True, 3]),
+])
+def test_loose_types_are_refused_not_coerced(live, path, field, value):
+    body = {"model": live.engine.name}
+    body.update({"/v1/completions": {"prompt": "hi", "max_tokens": 2}, "/tokenize": {"prompt": "hi"},
+                 "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+                 "/detokenize": {"tokens": [1]}}[path])
+    body[field] = value
+    r = httpx.post(live.url + path, json=body, timeout=30)
+    assert r.status_code == 400, (field, value, r.status_code, r.text[:200])
+    assert field in r.text
+
+
+def test_no_schema_page_without_the_key(live):
+    for path in ("/openapi.json", "/docs", "/redoc"):
+        assert httpx.get(live.url + path, timeout=10).status_code == 404

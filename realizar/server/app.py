@@ -153,7 +153,9 @@ def create_app(
         yield
         scheduler.close()
 
-    app = FastAPI(title="realizar", version=_version(), lifespan=lifespan, docs_url=None, redoc_url=None)
+    # no generated schema or docs pages: they answered without the API key (the API is documented in docs/)
+    app = FastAPI(title="realizar", version=_version(), lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
     app.state.server = state  # what the routes get through realizar.server.state.get_state
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)

@@ -53,8 +53,9 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 
 
 class GenerationRequest(BaseModel):
-    # OpenAI clients send fields we do not model (user, metadata, ...): keep them, ignore them.
-    model_config = ConfigDict(extra="allow")
+    # OpenAI clients send fields we do not model (user, metadata, ...): keep them, ignore them. Strict types:
+    # a string where a number goes, a bool where a token id goes, "yes" for a bool are refused, not coerced.
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str
     max_tokens: int | None = Field(default=None, ge=0)
@@ -142,13 +143,13 @@ class CompletionRequest(GenerationRequest):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: str
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None

@@ -28,7 +28,7 @@ MAX_TOKENS = 1 << 20  # ids one request may ask to detokenize
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     model: str | None = None
     content: str | None = Field(default=None, max_length=MAX_TEXT)
     prompt: str | None = Field(default=None, max_length=MAX_TEXT)
@@ -40,7 +40,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     model: str | None = None
     tokens: list[int] = Field(max_length=MAX_TOKENS)
 
