@@ -108,3 +108,36 @@ def test_loose_types_are_refused_not_coerced(live, path, field, value):
 def test_no_schema_page_without_the_key(live):
     for path in ("/openapi.json", "/docs", "/redoc"):
         assert httpx.get(live.url + path, timeout=10).status_code == 404
+
+
+def test_health_counts_requests_the_engine_has_not_picked_up(tmp_path_factory):
+    """While a long step runs, requests submitted meanwhile are in the queue /health reports (they were
+    counted only once the engine took them at its next step)."""
+    import threading
+
+    from realizar.engine import load_engine
+    from tests.test_server import throttled_serving
+
+    engine = load_engine(str(_tiny_gguf(tmp_path_factory)), device="cpu")
+    srv = LiveServer(engine, serving=throttled_serving(engine, max_batch=1)).start()
+    body = {"model": engine.name, "prompt": "hi", "max_tokens": 3, "temperature": 0}
+    try:
+        srv.backend.delay = 1.5  # every forward call: a long step
+        threads = [threading.Thread(target=lambda: httpx.post(srv.url + "/v1/completions", json=body, timeout=120))
+                   for _ in range(4)]
+        threads[0].start()
+        deadline = time.monotonic() + 10
+        while srv.backend.prefills == 0 and time.monotonic() < deadline:  # the first one is in its step
+            time.sleep(0.01)
+        time.sleep(0.1)
+        for t in threads[1:]:
+            t.start()
+        time.sleep(0.3)  # the three are submitted; the step of the first still runs
+        h = httpx.get(srv.url + "/health", timeout=5).json()
+        assert h["queue_depth"] == 3 and h["busy"] is True, h
+    finally:
+        srv.backend.delay = 0.0
+        for t in threads:
+            if t.is_alive():
+                t.join(120)
+        srv.stop()

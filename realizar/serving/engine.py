@@ -428,13 +428,15 @@ class ServingEngine:
 
     def stats(self) -> EngineStats:
         """Counters now, or as of the end of the last step while one is running (a metrics scrape
-        never waits for a step)."""
+        never waits for a step). ``waiting`` always counts the requests submitted since, which the engine
+        queues at its next step."""
         if not self._cv.acquire(blocking=False):
             if self._snapshot is not None:
-                return self._snapshot
+                return dataclasses.replace(self._snapshot, waiting=self._snapshot.waiting + len(self._inbox))
             self._cv.acquire()
         try:
-            return self._stats_locked()
+            snap = self._stats_locked()
+            return dataclasses.replace(snap, waiting=snap.waiting + len(self._inbox))
         finally:
             self._cv.release()
 
