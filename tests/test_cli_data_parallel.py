@@ -82,4 +82,40 @@ def test_cpu_replicas_behind_the_router(tmp_path_factory):
                 httpx.get(url + "/health", timeout=2)
     finally:
         if p.poll() is None:
+            p.kill()  # (its replicas and router die with it: they ask the kernel for SIGTERM when it goes)
+
+
+def test_replicas_die_with_a_killed_launcher(tmp_path_factory):
+    """A SIGKILL gives the launcher no chance to stop its children: they go on their own."""
+    port = _free_port()
+    p = subprocess.Popen([sys.executable, "-m", "realizar", "serve", "-m", str(shared_tiny_gguf(tmp_path_factory)),
+                          "--device", "cpu", "--data-parallel", "2", "--port", str(port)],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines: list[str] = []
+    threading.Thread(target=lambda: [lines.append(ln.rstrip()) for ln in p.stdout], daemon=True).start()
+    try:
+        deadline = time.monotonic() + 120
+        while not any("serving 2 replicas behind sglang-router" in ln for ln in lines):
+            assert p.poll() is None and time.monotonic() < deadline, "\n".join(lines[-20:])
+            time.sleep(0.1)
+        replicas = sorted({m.group(1) for ln in lines if ln.startswith("[replica")
+                           for m in [re.search(r"at (http://127\.0\.0\.1:\d+)/v1", ln)] if m})
+        p.kill()
+        p.wait(10)
+        deadline = time.monotonic() + 30
+        alive = list(replicas)
+        while alive and time.monotonic() < deadline:
+            still = []
+            for url in alive:
+                try:
+                    httpx.get(url + "/health", timeout=1)
+                    still.append(url)
+                except httpx.HTTPError:
+                    pass
+            alive = still
+            time.sleep(0.2)
+        assert not alive, f"replicas outlived their launcher: {alive}"
+    finally:
+        if p.poll() is None:
             p.kill()
