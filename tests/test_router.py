@@ -41,8 +41,11 @@ class Proc:
 
     def __init__(self, argv: list[str]):
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        from realizar.cli.data_parallel import _die_with_parent  # (no orphans if the test run itself is killed)
+
         self.p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                  start_new_session=True)
+                                  start_new_session=True,
+                                  preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
         self.lines: list[str] = []
         self._t = threading.Thread(target=self._drain, daemon=True)
         self._t.start()
