@@ -108,8 +108,7 @@ def add_aliases(p: argparse.ArgumentParser, action: argparse.Action, *names: str
     kind = type(action)
     extra = {} if kind in (argparse._StoreTrueAction, argparse._StoreFalseAction) else {
         "type": action.type, "choices": action.choices, "metavar": action.metavar, "nargs": action.nargs}
-    p.add_argument(*names, dest=action.dest, action=kind if extra else action.__class__, default=argparse.SUPPRESS,
-                   help=argparse.SUPPRESS, **extra)
+    p.add_argument(*names, dest=action.dest, action=kind, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **extra)
 
 
 class IgnoredOption(argparse.Action):

@@ -46,7 +46,8 @@ def offset_endpoint(endpoint: str, rank: int) -> str:
     return f"{base}:{int(port) + rank}" if int(port) else endpoint
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on loopback now (for a child process to bind)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -118,7 +119,7 @@ def serve_data_parallel(args: argparse.Namespace) -> int:
             env = dict(os.environ)
             if args.device != "cpu":
                 env["CUDA_VISIBLE_DEVICES"] = visible[rank] if visible else str(rank)
-            argv = [sys.executable, "-m", "realizar", *base, "--host", "127.0.0.1", "--port", str(_free_port())]
+            argv = [sys.executable, "-m", "realizar", *base, "--host", "127.0.0.1", "--port", str(free_port())]
             if args.kv_events:
                 argv += ["--kv-events", offset_endpoint(args.kv_events, rank)]
             children.append(_Child(argv, env, f"replica {rank}"))
@@ -134,7 +135,7 @@ def serve_data_parallel(args: argparse.Namespace) -> int:
                   "--worker-urls", *[c.url for c in children], "--policy", "cache_aware",
                   "--health-check-interval-secs", "2", "--log-level", "warn",
                   # (its Prometheus exporter on a free loopback port: the default one is the same for every router)
-                  "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port())]
+                  "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
         children.append(_Child(router, dict(os.environ), "router"))
         note(f"serving {n} replicas behind sglang-router (cache-aware) at http://{args.host}:{args.port}/v1 "
              "- Ctrl-C to stop")

@@ -112,6 +112,16 @@ class Dispatcher:
     def addr(x: Any, count: int, what: str, dtype=np.float32, align: int = 16) -> int:
         return device_address(x, count, what, dtype, align)[0]
 
+    def epilogue(self, out: Any, span: int, out_f16: bool, bias: Any, bias_count: int, residual: Any) -> dict:
+        """The output operands of a GEMM epilogue: ``y`` (``span`` elements, f16 or f32) and, when given,
+        ``bias`` (``bias_count`` f32) and ``residual`` (``span`` f32; may be ``out``)."""
+        values = {"y": self.addr(out, span, "out", np.float16 if out_f16 else np.float32, align=4)}
+        if bias is not None:
+            values["bias"] = self.addr(bias, bias_count, "bias", align=4)
+        if residual is not None:
+            values["residual"] = self.addr(residual, span, "residual", align=4)
+        return values
+
     check_int = staticmethod(check_int)
 
     def buffer(self, count: int, dtype=np.float32, zero: bool = False) -> Any:

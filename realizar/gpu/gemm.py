@@ -65,14 +65,8 @@ class GemmOps(Dispatcher):
         kern = self.kernel("gemm_f16", bm=cfg.bm, bn=cfg.bn, warps_m=cfg.warps_m, warps_n=cfg.warps_n,
                            stages=cfg.stages, bias=bias is not None, residual=residual is not None,
                            out_f16=bool(out_f16), glu=bool(glu))
-        span = (m - 1) * ldy + cols
-        values = {"x": self.addr(x, (m - 1) * lda + k, "x", np.float16),
-                  "w": self.addr(w, n * k, "w", np.float16),
-                  "y": self.addr(out, span, "out", np.float16 if out_f16 else np.float32, align=4)}
-        if bias is not None:
-            values["bias"] = self.addr(bias, n, "bias", align=4)
-        if residual is not None:
-            values["residual"] = self.addr(residual, span, "residual", align=4)
+        values = {"x": self.addr(x, (m - 1) * lda + k, "x", np.float16), "w": self.addr(w, n * k, "w", np.float16),
+                  **self.epilogue(out, (m - 1) * ldy + cols, out_f16, bias, n, residual)}
         values.update(m=m, n=n, k=k, lda=lda, ldy=ldy)
         self.launch(kern, (-(-m // cfg.bm), -(-n // cfg.bn)), values, stream)
 
@@ -122,13 +116,8 @@ class GemmOps(Dispatcher):
         kern = self.kernel("gemm_q", wtype=weight.wtype, in_dim=k, layout=weight.layout, mt=cfg.mt, warps=cfg.warps,
                            kparts=cfg.kparts, stages=cfg.stages, bias=bias is not None, residual=residual is not None,
                            out_f16=bool(out_f16), glu=bool(glu))
-        span = (m - 1) * ldy + cols
         values = {"w": weight.ptr, "x": self.addr(x16, (m - 1) * lda + k, "x16", np.float16),
-                  "y": self.addr(out, span, "out", np.float16 if out_f16 else np.float32, align=4)}
-        if bias is not None:
-            values["bias"] = self.addr(bias, cols, "bias", align=4)
-        if residual is not None:
-            values["residual"] = self.addr(residual, span, "residual", align=4)
+                  **self.epilogue(out, (m - 1) * ldy + cols, out_f16, bias, cols, residual)}
         values.update(m=m, n=n, lda=lda, ldy=ldy)
         self.launch(kern, -(-cols // kern.meta["rows_per_cta"]), values, stream)
 

@@ -101,14 +101,9 @@ class GemmX8Ops(Dispatcher):
         kern = self.kernel("gemm_x8", wtype=weight.wtype, in_dim=k, layout=weight.layout, wn=cfg.wn, wm=cfg.wm,
                            tn=cfg.tn, stages=cfg.stages, bias=bias is not None, residual=residual is not None,
                            out_f16=bool(out_f16), glu=bool(glu))
-        span = (m - 1) * ldy + cols
         values = {"w": weight.ptr, "xq": self.addr(q, m * k, "q", np.int8),
                   "xs": self.addr(s, m * (k // UNIT) * RECORD, "s", np.uint8),
-                  "y": self.addr(out, span, "out", np.float16 if out_f16 else np.float32, align=4)}
-        if bias is not None:
-            values["bias"] = self.addr(bias, cols, "bias", align=4)
-        if residual is not None:
-            values["residual"] = self.addr(residual, span, "residual", align=4)
+                  **self.epilogue(out, (m - 1) * ldy + cols, out_f16, bias, cols, residual)}
         values.update(m=m, n=n, ldq=k, ldy=ldy)
         self.launch(kern, (-(-m // kern.meta["tokens_per_cta"]), -(-cols // kern.meta["rows_per_cta"])), values,
                     stream)

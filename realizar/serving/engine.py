@@ -430,15 +430,17 @@ class ServingEngine:
         """Counters now, or as of the end of the last step while one is running (a metrics scrape
         never waits for a step). ``waiting`` always counts the requests submitted since, which the engine
         queues at its next step."""
+        snap = None
         if not self._cv.acquire(blocking=False):
-            if self._snapshot is not None:
-                return dataclasses.replace(self._snapshot, waiting=self._snapshot.waiting + len(self._inbox))
-            self._cv.acquire()
-        try:
-            snap = self._stats_locked()
-            return dataclasses.replace(snap, waiting=snap.waiting + len(self._inbox))
-        finally:
-            self._cv.release()
+            snap = self._snapshot
+            if snap is None:
+                self._cv.acquire()
+        if snap is None:
+            try:
+                snap = self._stats_locked()
+            finally:
+                self._cv.release()
+        return dataclasses.replace(snap, waiting=snap.waiting + len(self._inbox))
 
     def _stats_locked(self) -> EngineStats:
         s, p = self.scheduler, self.scheduler.pool.stats()
