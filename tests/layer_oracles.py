@@ -37,6 +37,24 @@ def random_weight(rng: np.random.Generator, wtype: str, out_dim: int, in_dim: in
     return raw.reshape(-1)
 
 
+def epilogue_buffers(ops, rng: np.random.Generator, m: int, cols: int, *, bias: bool, residual: str | None,
+                     out_f16: bool):
+    """A GEMM test's output and epilogue operands on ``ops``'s device: ``(y, keywords, b, r)``. ``y`` is ``m x
+    cols`` NaN-poisoned, or holds ``r`` when ``residual == "in_place"`` (then the residual is ``y`` itself);
+    ``keywords`` has ``bias`` (``b``) and ``residual`` (``r``, or ``y``) when asked for. ``b`` and ``r`` are
+    drawn in that order whatever is asked for (the same random stream for every epilogue)."""
+    b = rng.standard_normal(cols).astype(np.float32)
+    r = rng.standard_normal((m, cols)).astype(np.float32)
+    ytype = np.float16 if out_f16 else np.float32
+    y = ops.to_device(r.astype(ytype) if residual == "in_place" else np.full((m, cols), np.nan, ytype))
+    kw = {}
+    if bias:
+        kw["bias"] = ops.to_device(b)
+    if residual is not None:
+        kw["residual"] = y if residual == "in_place" else ops.to_device(r)
+    return y, kw, b, r
+
+
 def dequant(raw: np.ndarray, wtype: str, out_dim: int, in_dim: int) -> np.ndarray:
     return dequantize(raw, T[wtype], (out_dim, in_dim))
 

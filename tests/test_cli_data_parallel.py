@@ -3,13 +3,9 @@ processes behind sglang-router answer through one address and stop with the laun
 
 from __future__ import annotations
 
-import os
 import re
 import signal
-import socket
-import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -18,9 +14,10 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("sglang_router", reason="sglang-router comes with the cluster extra: pip install '.[cluster]'")
 
 from realizar.cli import main  # noqa: E402
-from realizar.cli.data_parallel import _replica_argv, offset_endpoint  # noqa: E402
+from realizar.cli.data_parallel import _replica_argv, free_port, offset_endpoint  # noqa: E402
 from realizar.cli.common import CliError  # noqa: E402
 from tests.gguf_factory import shared_tiny_gguf  # noqa: E402
+from tests.test_router import Proc  # noqa: E402
 
 
 def test_replica_command_lines():
@@ -40,28 +37,23 @@ def test_refused_without_enough_gpus(tmp_path_factory, capsys, monkeypatch):
     assert "--data-parallel 2" in err and "needs 2 visible GPUs; this machine has 1" in err
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _launch(tmp_path_factory, *extra: str) -> tuple[Proc, int, list[str]]:
+    """``realizar serve --device cpu --data-parallel 2`` on a free port, once it says it serves: the launcher,
+    its port and its two replicas' URLs."""
+    port = free_port()
+    proc = Proc([sys.executable, "-m", "realizar", "serve", "-m", str(shared_tiny_gguf(tmp_path_factory)),
+                 "--device", "cpu", "--data-parallel", "2", "--port", str(port), *extra])
+    proc.wait_for("serving 2 replicas behind sglang-router", 120)
+    replicas = sorted({m.group(1) for ln in proc.lines if ln.startswith("[replica")
+                       for m in [re.search(r"at (http://127\.0\.0\.1:\d+)/v1", ln)] if m})
+    assert len(replicas) == 2, proc.lines
+    return proc, port, replicas
 
 
 def test_cpu_replicas_behind_the_router(tmp_path_factory):
-    port = _free_port()
-    p = subprocess.Popen([sys.executable, "-m", "realizar", "serve", "-m", str(shared_tiny_gguf(tmp_path_factory)),
-                          "--device", "cpu", "--data-parallel", "2", "--port", str(port), "--max-batch", "4"],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    lines: list[str] = []
-    threading.Thread(target=lambda: [lines.append(ln.rstrip()) for ln in p.stdout], daemon=True).start()
+    proc, port, replicas = _launch(tmp_path_factory, "--max-batch", "4")
+    p = proc.p
     try:
-        deadline = time.monotonic() + 120
-        while not any("serving 2 replicas behind sglang-router" in ln for ln in lines):
-            assert p.poll() is None and time.monotonic() < deadline, "\n".join(lines[-20:])
-            time.sleep(0.1)
-        replicas = sorted({m.group(1) for ln in lines if ln.startswith("[replica")
-                           for m in [re.search(r"at (http://127\.0\.0\.1:\d+)/v1", ln)] if m})
-        assert len(replicas) == 2, lines
         body = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 2, "temperature": 0}
         deadline = time.monotonic() + 60
         while True:  # (the router takes the replicas once its first health checks pass)
@@ -71,7 +63,7 @@ def test_cpu_replicas_behind_the_router(tmp_path_factory):
                     break
             except httpx.HTTPError:
                 pass
-            assert time.monotonic() < deadline, "\n".join(lines[-20:])
+            assert time.monotonic() < deadline, "\n".join(proc.lines[-20:])
             time.sleep(0.2)
         assert all(httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=30).status_code == 200
                    for _ in range(4))
@@ -81,28 +73,14 @@ def test_cpu_replicas_behind_the_router(tmp_path_factory):
             with pytest.raises(httpx.HTTPError):
                 httpx.get(url + "/health", timeout=2)
     finally:
-        if p.poll() is None:
-            p.kill()  # (its replicas and router die with it: they ask the kernel for SIGTERM when it goes)
+        proc.kill()  # (its replicas and router die with it: they ask the kernel for SIGTERM when it goes)
 
 
 def test_replicas_die_with_a_killed_launcher(tmp_path_factory):
     """A SIGKILL gives the launcher no chance to stop its children: they go on their own."""
-    port = _free_port()
-    p = subprocess.Popen([sys.executable, "-m", "realizar", "serve", "-m", str(shared_tiny_gguf(tmp_path_factory)),
-                          "--device", "cpu", "--data-parallel", "2", "--port", str(port)],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    lines: list[str] = []
-    threading.Thread(target=lambda: [lines.append(ln.rstrip()) for ln in p.stdout], daemon=True).start()
+    proc, _, replicas = _launch(tmp_path_factory)
     try:
-        deadline = time.monotonic() + 120
-        while not any("serving 2 replicas behind sglang-router" in ln for ln in lines):
-            assert p.poll() is None and time.monotonic() < deadline, "\n".join(lines[-20:])
-            time.sleep(0.1)
-        replicas = sorted({m.group(1) for ln in lines if ln.startswith("[replica")
-                           for m in [re.search(r"at (http://127\.0\.0\.1:\d+)/v1", ln)] if m})
-        p.kill()
-        p.wait(10)
+        proc.kill()
         deadline = time.monotonic() + 30
         alive = list(replicas)
         while alive and time.monotonic() < deadline:
@@ -117,5 +95,4 @@ def test_replicas_die_with_a_killed_launcher(tmp_path_factory):
             time.sleep(0.2)
         assert not alive, f"replicas outlived their launcher: {alive}"
     finally:
-        if p.poll() is None:
-            p.kill()
+        proc.kill()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,16 +23,11 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("prometheus_client")
 pytest.importorskip("sglang_router", reason="sglang-router comes with the cluster extra: pip install '.[cluster]'")
 
+from realizar.cli.data_parallel import _die_with_parent, free_port  # noqa: E402
 from tests.gguf_factory import shared_tiny_gguf  # noqa: E402
 
 MODEL = "tiny-llama"
 WORDS = "the quick brown fox jumps over a lazy dog while seven curious owls watch quietly from an old oak"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Proc:
@@ -41,10 +35,8 @@ class Proc:
 
     def __init__(self, argv: list[str]):
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        from realizar.cli.data_parallel import _die_with_parent  # (no orphans if the test run itself is killed)
-
         self.p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                  start_new_session=True,
+                                  start_new_session=True,  # (and it dies with the test run, however that ends)
                                   preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
         self.lines: list[str] = []
         self._t = threading.Thread(target=self._drain, daemon=True)
@@ -80,11 +72,11 @@ def _replica(path) -> tuple[Proc, str]:
 
 
 def _router(urls: list[str], policy: str) -> tuple[Proc, str]:
-    port = _free_port()
+    port = free_port()
     proc = Proc([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
                  "--worker-urls", *urls, "--policy", policy, "--health-check-interval-secs", "1",
                  "--health-failure-threshold", "1", "--log-level", "warn",
-                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port())])  # (not the shared default)
+                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())])  # (not the shared default)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from realizar import cuda
 from realizar.gpu.ops import GpuWeight, LayerOps
-from tests.layer_oracles import random_weight
+from tests.layer_oracles import epilogue_buffers, random_weight
 from tests.test_gemm_q_ptx import CASES, MS, _block, _oracle
 from tests.helpers import examples
 
@@ -28,16 +28,8 @@ def _run(ops, rng, wtype, layout, out_dim, in_dim, m, *, glu=False, bias=False, 
     w = GpuWeight(data=raw, ggml_type=wtype, shape=(out_dim, in_dim), layout=layout)
     cols = out_dim // 2 if glu else out_dim
     x = ((rng.standard_normal((m, in_dim)) + 0.1) / (64 if out_f16 else 1)).astype(np.float16)
-    b = rng.standard_normal(cols).astype(np.float32)
-    r = rng.standard_normal((m, cols)).astype(np.float32)
-    ytype = np.float16 if out_f16 else np.float32
+    y, kw, b, r = epilogue_buffers(ops, rng, m, cols, bias=bias, residual=residual, out_f16=out_f16)
     xb = ops.to_device(x)
-    y = ops.to_device(r.astype(ytype) if residual == "in_place" else np.full((m, cols), np.nan, ytype))
-    kw = {}
-    if bias:
-        kw["bias"] = ops.to_device(b)
-    if residual is not None:
-        kw["residual"] = y if residual == "in_place" else ops.to_device(r)
     ops.gemm_q(xb, w, y, m, glu=glu, out_f16=out_f16, **kw)
     got = y.to_numpy().reshape(m, cols).astype(np.float64)
     ref, scale, tol = _oracle(raw, wtype, out_dim, in_dim, x, glu, b if bias else None,

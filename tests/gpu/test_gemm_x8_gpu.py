@@ -15,7 +15,7 @@ from ptx_gen.kernels.gemm.x8 import RECORD, dequantize_x8, quantize_x8_ref, reco
 from realizar.gpu.gemm_x8 import X8Config, x8_buffers
 from realizar.gpu.ops import GpuWeight, LayerOps
 from tests.helpers import examples
-from tests.layer_oracles import random_weight
+from tests.layer_oracles import epilogue_buffers, random_weight
 from tests.test_gemm_x8_ptx import _oracle, _x
 
 pytestmark = pytest.mark.gpu
@@ -32,17 +32,9 @@ def _run(ops, rng, wtype, out_dim, in_dim, m, cfg=None, *, glu=False, bias=False
     w = GpuWeight(data=raw, ggml_type=wtype, shape=(out_dim, in_dim), layout="glu-tiles" if glu else "tiles")
     cols = out_dim // 2 if glu else out_dim
     x = (_x(rng, m, in_dim) / (64 if out_f16 or glu else 1)).astype(np.float16)
-    b = rng.standard_normal(cols).astype(np.float32)
-    r = rng.standard_normal((m, cols)).astype(np.float32)
-    ytype = np.float16 if out_f16 else np.float32
+    y, kw, b, r = epilogue_buffers(ops, rng, m, cols, bias=bias, residual=residual, out_f16=out_f16)
     xb = ops.to_device(x)
     q, s = x8_buffers(ops, m, in_dim)
-    y = ops.to_device(r.astype(ytype) if residual == "in_place" else np.full((m, cols), np.nan, ytype))
-    kw = {}
-    if bias:
-        kw["bias"] = ops.to_device(b)
-    if residual is not None:
-        kw["residual"] = y if residual == "in_place" else ops.to_device(r)
     ops.quantize_x8(xb, q, s, m, in_dim)
     ops.gemm_x8(q, s, w, y, m, glu=glu, out_f16=out_f16, config=cfg, **kw)
     codes, d, sums = quantize_x8_ref(x)
