@@ -22,6 +22,7 @@ _KERNEL_MODULES = (  # imported lazily so the catalog fills on first use (by fam
     "ptx_gen.kernels.elementwise.rope", "ptx_gen.kernels.elementwise.embedding", "ptx_gen.kernels.elementwise.stream_read",
     "ptx_gen.kernels.gemv.gemv", "ptx_gen.kernels.gemv.gemv_mma",
     "ptx_gen.kernels.gemm.gemm_mma", "ptx_gen.kernels.gemm.gemm_q", "ptx_gen.kernels.gemm.x8", "ptx_gen.kernels.gemm.gemm_x8",
+    "ptx_gen.kernels.gemm.gemm_wg",
     "ptx_gen.kernels.dequant.dequant",
     "ptx_gen.kernels.attention.incremental_attention", "ptx_gen.kernels.attention.flash_decoding",
     "ptx_gen.kernels.attention.flash_attention", "ptx_gen.kernels.attention.flash_attention_mma",
@@ -43,6 +44,7 @@ class KernelSpec:
     shape_params: tuple[str, ...]
     defaults: dict[str, Any]
     grid: tuple[dict, ...]  # shapes the validation tests assemble
+    arch: str | None = None  # an architecture-specific target (sm_90a) the kernel is always emitted for
 
     def full_shape(self, shape: dict) -> dict:
         unknown = set(shape) - set(self.shape_params)
@@ -228,8 +230,10 @@ class PtxKernel:
         return dict(self.shape)
 
 
-def kernel(name: str, grid: list[dict] | None = None):
-    """Decorator registering ``fn(m: Module, **shape) -> KernelBuilder`` under ``name``."""
+def kernel(name: str, grid: list[dict] | None = None, arch: str | None = None):
+    """Decorator registering ``fn(m: Module, **shape) -> KernelBuilder`` under ``name``. ``arch``: the kernel
+    uses architecture-specific instructions (``wgmma``: ``"sm_90a"``) and is emitted for that target when
+    asked for any target of the same compute capability (others: :class:`ValueError`)."""
 
     def register(fn: Callable[..., KernelBuilder]) -> Callable[..., KernelBuilder]:
         sig = inspect.signature(fn)
@@ -246,6 +250,7 @@ def kernel(name: str, grid: list[dict] | None = None):
             shape_params=shape_params,
             defaults=defaults,
             grid=tuple(grid or ({},)),
+            arch=arch,
         )
         return fn
 
@@ -282,7 +287,22 @@ def emit(name: str, target: str = DEFAULT_TARGET, **shape) -> PtxKernel:
     """Generate kernel ``name`` for ``shape`` and ``target`` (memoised; output is deterministic)."""
     s = spec(name)
     full = s.full_shape(shape)
-    return _emit_cached(name, as_target(target).sm, tuple(full.items()))
+    return _emit_cached(name, target_for(s, target), tuple(full.items()))
+
+
+def target_for(s: KernelSpec, target: str) -> str:
+    """The target kernel ``s`` is emitted for on ``target`` (its ``arch`` on a device of that capability)."""
+    t = as_target(target)
+    if s.arch is None:
+        return t.sm
+    if t.compute_capability != as_target(s.arch).compute_capability:
+        raise ValueError(f"kernel {s.name} needs {s.arch} (its instructions exist only there), not {t.sm}")
+    return s.arch
+
+
+def targets(s: KernelSpec, among: Iterable[str]) -> tuple[str, ...]:
+    """The targets of ``among`` kernel ``s`` is validated for: its ``arch`` alone when it has one."""
+    return (s.arch,) if s.arch else tuple(among)
 
 
 @lru_cache(maxsize=None)

@@ -167,9 +167,9 @@ def check(name: str, target: str = DEFAULT_TARGET, **shape: Any) -> CheckResult:
     its resource report. Raises ``KeyError`` / ``ValueError`` for an unknown kernel, shape parameter
     or target, :class:`~ptx_gen.ptxas.PtxasError` when ptxas rejects the PTX, and
     :class:`~ptx_gen.ptxas.PtxasNotFound` without ptxas."""
-    sm = str(as_target(target))
     full = _full_shape(name, shape)
-    k = catalog.emit(name, sm, **full)
+    k = catalog.emit(name, str(as_target(target)), **full)
+    sm = k.target  # (an architecture-specific kernel's own target, e.g. sm_90a)
     reports = assemble(k.ptx, sm)
     rep = next((r for r in reports if r.entry == k.entry), reports[0])
     return CheckResult(
@@ -205,7 +205,7 @@ def check_all(
         (name, dict(shape), str(as_target(target)))
         for name in wanted
         for shape in catalog.spec(name).grid
-        for target in targets
+        for target in catalog.targets(catalog.spec(name), targets)
     ]
     bar = None
     if progress is True:

@@ -149,6 +149,17 @@ class MemoryOps:
         self._emit(f"cp.async.cg.shared.global{hints} {self._address(dst, dst_offset)}, "
                    f"{self._address(src, src_offset)}, 16{tail};", pred)
 
+    def cp_async4(self, dst: Reg, src: Reg, pred: Reg | None = None, dst_offset: int = 0, src_offset: int = 0) -> None:
+        """``cp.async.ca.shared.global [dst], [src], 4``: copy 4 bytes (both addresses 4-byte aligned) through
+        L1, for gathers whose pieces land apart (sm_80+)."""
+        self._emit(f"cp.async.ca.shared.global {self._address(dst, dst_offset)}, {self._address(src, src_offset)}, 4;",
+                   pred)
+
+    def cp_async_mbarrier_arrive(self, addr: Reg) -> None:
+        """``cp.async.mbarrier.arrive.noinc``: arrive at the shared mbarrier once every cp.async this thread
+        issued so far has landed (the arrival is one of the barrier's expected count)."""
+        self._emit(f"cp.async.mbarrier.arrive.noinc.shared::cta.b64 [{addr}];")
+
     def create_policy(self, evict: str = "evict_first", fraction: float = 1.0) -> Reg:
         """``createpolicy.fractional.L2::<evict>.b64``: an L2 cache policy (sm_80+) for the given
         ``fraction`` (0, 1] of the accesses that use it, e.g. ``evict_first`` for data streamed once."""
@@ -288,6 +299,43 @@ class MemoryOps:
         fmt = lambda regs: "{" + ", ".join(map(str, regs)) + "}"  # noqa: E731
         self._emit(f"mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {fmt(ds)}, {fmt(a)}, {fmt(b)}, {fmt(cs)};")
         return ds
+
+    # ---- warpgroup MMA (sm_90a) ------------------------------------------------------------------------
+    def _need_sm90a(self, what: str) -> None:
+        if self.target.sm != "sm_90a":
+            raise ValueError(f"{what} needs the sm_90a target, the target is {self.target}")
+
+    def wgmma_fence(self) -> None:
+        """``wgmma.fence``: order this warp's register writes (A fragments, accumulators) before the next
+        ``wgmma.mma_async`` reads them."""
+        self._need_sm90a("wgmma")
+        self._emit("wgmma.fence.sync.aligned;")
+
+    def wgmma_commit(self) -> None:
+        """Close the group of the ``wgmma.mma_async`` issued since the last commit."""
+        self._emit("wgmma.commit_group.sync.aligned;")
+
+    def wgmma_wait(self, pending: int) -> None:
+        """Wait until at most ``pending`` committed wgmma groups are in flight (their accumulators and A
+        registers may be touched again)."""
+        self._emit(f"wgmma.wait_group.sync.aligned {int(pending)};")
+
+    def wgmma_f16(self, acc: Sequence[Reg], a: Sequence[Reg], b_desc: Reg, scale_d: Reg) -> None:
+        """``wgmma.mma_async.sync.aligned.m64nNk16.f32.f16.f16`` (warpgroup-collective, sm_90a), A from
+        registers: D += A B, N = 2 len(acc) (``acc``: N / 2 f32 Vars a thread).
+        Warp ``w`` of the warpgroup gives rows ``16 w ..`` of A in the m16n8k16 A layout (``a``: 4 words);
+        B (16 x N, K-major) is read from shared memory through the 64-bit descriptor ``b_desc``;
+        ``scale_d`` (pred): false drops D's old value. acc[4 j + e]: the m16n8 C fragment of columns
+        ``8 j ..`` (e: [g][2t], [g][2t+1], [g+8][2t], [g+8][2t+1])."""
+        self._need_sm90a("wgmma")
+        n = 2 * len(acc)
+        if len(a) != 4 or n % 8 or not 8 <= n <= 256:
+            raise ValueError(f"wgmma m64nNk16 takes 4 A words and N/2 accumulators with N in 8..256, got {n}")
+        if any(not isinstance(v, Var) or v.type.name != "f32" for v in acc):
+            raise TypeError("acc must be f32 Vars")
+        fmt = lambda regs: "{" + ", ".join(map(str, regs)) + "}"  # noqa: E731
+        self._emit(f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16 {fmt(acc)}, {fmt(a)}, {b_desc}, "
+                   f"{scale_d}, 1, 1, 0;")
 
     def cp_async_wait_all(self) -> None:
         """``cp.async.wait_all``: every cp.async this thread issued has landed in shared memory."""

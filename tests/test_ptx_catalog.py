@@ -28,11 +28,12 @@ FIRST = [(name, catalog.spec(name).grid[0]) for name in catalog.names()]
 def _assembles_clean(case, target: str) -> None:
     name, shape = case
     kernel = catalog.emit(name, target=target, **shape)
-    reports = assemble(kernel.ptx, target)
+    assert kernel.target == catalog.target_for(catalog.spec(name), target)
+    reports = assemble(kernel.ptx, kernel.target)
     assert [r.entry for r in reports] == [kernel.entry]
     report = reports[0]
-    assert report.target == target
-    assert not report.spills, f"{_id(case)} spills on {target}: {report.log}"
+    assert report.target == kernel.target
+    assert not report.spills, f"{_id(case)} spills on {kernel.target}: {report.log}"
 
 
 @pytest.mark.parametrize("case", FIRST, ids=[_id(c) for c in FIRST])
@@ -41,12 +42,21 @@ def test_each_catalog_kernel_assembles(case):
     _assembles_clean(case, "sm_90")
 
 
+# every target for portable kernels; an architecture-specific one (gemm_wg: sm_90a) for its own target alone
+TARGETED = [(c, t) for c in CASES for t in catalog.targets(catalog.spec(c[0]), TARGETS)]
+
+
 @pytest.mark.full
-@pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
+@pytest.mark.parametrize("case,target", TARGETED, ids=[f"{_id(c)}-{t}" for c, t in TARGETED])
 def test_catalog_kernel_assembles(case, target):
-    """Every kernel, every grid shape, every target."""
+    """Every kernel, every grid shape, every target it has."""
     _assembles_clean(case, target)
+
+
+def test_architecture_specific_kernel_refuses_other_targets():
+    with pytest.raises(ValueError, match="needs sm_90a"):
+        catalog.emit("gemm_wg", target="sm_80")
+    assert catalog.emit("gemm_wg", target="sm_90").target == "sm_90a"
 
 
 # Tuning parameters the validation grids keep at their defaults (each is exercised by the kernel's own
@@ -58,6 +68,7 @@ FIXED_IN_GRID = {
     "flash_decoding_chunk": {"indirect", "heads_per_block", "warps", "unroll", "l2_prefetch"},
     "flash_decoding_reduce": {"indirect"},
     "gemm": {"warps", "bias", "residual"},
+    "gemm_wg": {"inflight"},
     "gemv_mma": {"bulk", "l2pre"},  # (sm_90 only: the grid assembles for sm_80 too)
     "incremental_attention": {"heads_per_block", "warps", "unroll", "prefetch", "l2_prefetch"},
 }

@@ -4,8 +4,9 @@
 * 2 .. ``cols_rows`` rows: the tensor-core GEMV's columns kernel where it takes the weight (each
   weight unit read and decoded once, the MMAs per row);
 * up to :data:`GEMM_Q_MAX_ROWS` rows: ``gemm_q``, the small-M GEMM straight from the quantized blocks;
-* more: the f16 GEMM over the weight's f16 copy (:meth:`Linear.keep_f16`) or over the weight expanded
-  into a scratch first (one weight at a time: the quantized copy stays the model's only copy).
+* more: the f16 GEMM over the weight's f16 copy where one is kept (:meth:`Linear.keep_f16`), else on sm_90
+  ``gemm_wg``, the warpgroup-MMA GEMM straight from the quantized blocks (the quantized copy stays the model's
+  only copy), else the f16 GEMM over the weight expanded into a scratch first (one weight at a time).
 
 Above one row x enters as f16 (:meth:`Linear.f16_input`); products accumulate in f32. Epilogues:
 ``bias``, ``residual`` (may be ``out``: in place), ``glu`` (the [gate; up] weight's SwiGLU), ``out_f16``.
@@ -76,7 +77,8 @@ class Linear:
         capture); True when it had to grow (graphs that read the old one must be rebuilt)."""
         if rows <= GEMM_Q_MAX_ROWS:
             return False
-        need = max([w.out_dim * w.in_dim for w in weights if id(w) not in self.f16_weights] or [0])
+        need = max([w.out_dim * w.in_dim for w in weights if id(w) not in self.f16_weights and not self._wg(w)]
+                   or [0])
         if need == 0 or (self.scratch is not None and self.scratch.count >= need):
             return False
         if self.scratch is not None:
@@ -110,12 +112,22 @@ class Linear:
             ops.gemm_q(x, weight, out, rows, stream=stream, **epilogue)
             return
         w16 = self.f16_weights.get(id(weight))
+        if w16 is None and self._wg(weight):
+            ops.gemm_wg(x, weight, out, rows, stream=stream, **epilogue)
+            return
         if w16 is None:
             w16 = self.scratch
             if w16 is None or w16.count < weight.out_dim * weight.in_dim:
                 raise UnsupportedError(f"no f16 scratch for {weight!r}: Linear.reserve runs before a step")
             ops.dequantize_f16(weight, w16, interleave=glu, stream=stream)
         ops.gemm_f16(x, w16, out, rows, weight.out_dim, weight.in_dim, stream=stream, **epilogue)
+
+    def _wg(self, weight) -> bool:
+        """Whether ``weight`` runs on the warpgroup-MMA GEMM when it has no f16 copy."""
+        from realizar.gpu.gemm_wg import wg_applies
+
+        return (wg_applies(self.ops.device, weight.wtype, weight.layout, weight.in_dim)
+                and weight.nbytes + 16 < 2**32)
 
     def _cols_applies(self, weight, rows: int, glu: bool) -> bool:
         """Whether ``weight`` at ``rows`` rows runs on the tensor-core GEMV's columns kernel."""

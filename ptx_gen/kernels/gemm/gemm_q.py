@@ -46,42 +46,17 @@ from __future__ import annotations
 
 from ptx_gen.builder import KernelBuilder, Module, Reg
 from ptx_gen.catalog import kernel
-from ptx_gen.kernels.gemv import quant_layout as ql
 from ptx_gen.kernels.dequant.dequant import check_weight_layout
 from ptx_gen.kernels.elementwise.elementwise import silu
-from ptx_gen.kernels.gemv.gemv_mma_layout import MMA_TYPES, Q6K_D, Q6K_HALF, Q6K_ROW, TILE_ROWS, TILE_UNIT
-from ptx_gen.kernels.gemv.quant_layout import DENSE, K_TABLE, ROUND, type_info
+from ptx_gen.kernels.gemm.qstream import CHUNK, TABLE, WeightStream, aligned, chunk_bytes, pieces, seg_bytes
+from ptx_gen.kernels.gemv.gemv_mma_layout import MMA_TYPES
+from ptx_gen.kernels.gemv.quant_layout import K_TABLE
+
+__all__ = ["CHUNK", "MTS", "aligned", "check_shape", "chunk_bytes", "gemm_q", "pieces", "seg_bytes", "smem_bytes"]
 
 MTS = (8, 16, 32, 64, 128)
-CHUNK = ROUND  # K values per chunk
-TABLE = 16 * 64  # K_TABLE types: per warp, 16 rows x 8 sub-blocks x (A, C) f32
 MAX_DYN_SMEM = 227 * 1024
 X_GROUP = 4  # column tiles whose X a lane loads at once
-
-
-def chunk_bytes(wtype: str) -> int:
-    """Bytes of one row's chunk of 256 values."""
-    return type_info(wtype).round_bytes
-
-
-def aligned(wtype: str, in_dim: int, layout: str) -> bool:
-    """Whether every row's chunk starts 16-byte aligned (else it is read at its phase)."""
-    if layout != "rows":  # (tile-major Q6_K: rows of Q6K_ROW bytes, 16-row halves of Q6K_HALF)
-        return wtype == "Q6_K" or TILE_UNIT[wtype] % 16 == 0
-    return chunk_bytes(wtype) % 16 == 0 and type_info(wtype).row_bytes(in_dim) % 16 == 0
-
-
-def pieces(wtype: str, in_dim: int, layout: str) -> int:
-    """16-byte pieces copied per row and chunk (an unaligned chunk: from its aligned start)."""
-    nbytes = chunk_bytes(wtype)
-    return -(-nbytes // 16) if aligned(wtype, in_dim, layout) else -(-(nbytes + 14) // 16)
-
-
-def seg_bytes(wtype: str, in_dim: int, layout: str) -> int:
-    """Shared bytes between two rows' segments: an odd number of 16-byte pieces (the 8 rows a load
-    instruction reads then start in distinct bank groups), at least one more than are copied."""
-    p = pieces(wtype, in_dim, layout) + 1  # (+1: realigning reads pass a segment's end by a word)
-    return 16 * (p + 1 - p % 2)
 
 
 def smem_bytes(wtype: str, in_dim: int, layout: str, mt: int, warps: int, kparts: int, stages: int) -> int:
@@ -132,7 +107,6 @@ def gemm_q(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "ro
         raise ValueError("the SwiGLU epilogue takes no bias or residual")
     if layout == "glu-tiles" and not glu:
         raise ValueError("a glu-tiles weight is [gate; up]: only the glu GEMM reads it")
-    info = type_info(wtype)
     flags = "".join(f"_{n}" for n, on in (("bias", bias), ("res", residual), ("h", out_f16), ("glu", glu)) if on)
     name = f"gemm_q_{wtype.lower()}_k{in_dim}_{layout.replace('-', '_')}_m{mt}_w{warps}x{kparts}_s{stages}{flags}"
     params = [("w", "u64"), ("x", "u64"), ("y", "u64")]
@@ -149,10 +123,6 @@ def gemm_q(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "ro
 
     nc = -(-in_dim // CHUNK)
     tail = in_dim - (nc - 1) * CHUNK  # values of the last chunk
-    cb = chunk_bytes(wtype)
-    tail_bytes = info.row_bytes(tail) if tail < CHUNK else cb
-    is_aligned = aligned(wtype, in_dim, layout)
-    npieces = pieces(wtype, in_dim, layout)
 
     tid = k.tid()
     lane, warp = k.and_(tid, 31), k.shr(tid, 5)
@@ -163,62 +133,7 @@ def gemm_q(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "ro
     strip = k.mad(k.ctaid(), warps, mw)
     smem0 = k.dynamic_shared()
     wbase = k.add(smem0, k.mul(warp, warp_bytes))
-    units = in_dim // ROUND
-
-    # ---- where MMA row s (0..15) of this warp lives: byte offset of its chunk 0, chunk step, valid ----
-    if glu:
-        ffn = k.shr(n_rows, 1)
-        j0 = k.shl(strip, 3)
-    else:
-        n0 = k.shl(strip, 4)
-    if layout == "rows":
-        step = cb
-    else:
-        step = TILE_ROWS * TILE_UNIT[wtype]
-
-    def tile_row_offset(pos: Reg) -> Reg:
-        """Byte offset of row ``pos`` (0..31) of a tile's unit (Q6_K: in its 16-row half, Q6K_HALF)."""
-        if wtype == "Q6_K":
-            return k.mad(k.shr(pos, 4), Q6K_HALF, k.mul(k.and_(pos, 15), Q6K_ROW))
-        return k.mul(pos, TILE_UNIT[wtype])
-
-    def row_place(s: Reg) -> tuple[Reg, Reg]:
-        """(byte offset of chunk 0 of MMA row ``s``, row valid) for a register ``s`` in 0..15."""
-        if glu:  # rows 0-7: gate rows j0.., rows 8-15: the up rows of the same outputs
-            up = k.shr(s, 3)
-            j = k.add(j0, k.and_(s, 7))
-            ok = k.setp("lt", j, ffn)
-            if layout == "glu-tiles":  # tile j / 16 holds gate rows 16 T.. then their up rows
-                pos = k.add(k.and_(j, 15), k.shl(up, 4))
-                return k.add(k.mul(k.shr(j, 4), units * step), tile_row_offset(pos)), ok
-            row = k.mad(up, ffn, j)
-        else:
-            row = k.add(n0, s)
-            ok = k.setp("lt", row, n_rows)
-        if layout == "rows":
-            return k.mul(row, info.row_bytes(in_dim)), ok
-        return k.add(k.mul(k.shr(row, 5), units * step), tile_row_offset(k.and_(row, 31))), ok
-
-    # copy plan: lanes 2s, 2s + 1 copy segment s, pieces (lane % 2) + 2 t
-    cseg = k.shr(lane, 1)
-    codd = k.and_(lane, 1)
-    c_off, c_ok = row_place(cseg)
-    c_dst = k.add(k.mul(cseg, seg), k.shl(codd, 4))
-    q6k_tiles = wtype == "Q6_K" and layout != "rows"
-    if q6k_tiles:
-        # tile-major Q6_K: the odd lane's last piece (13, bytes 208..223 of the segment) is the 16 bytes of
-        # its half holding the d of the segment's row and the 7 rows beside it, Q6K_D + 16 (pos / 8) past the
-        # half (pos: the row in its half; the MMA rows 8 apart share pos % 8), instead of bytes 208.. of the row
-        if not glu:
-            seg_row = k.add(n0, cseg)
-        elif layout == "glu-tiles":  # (the half is the gate or the up half of the row's tile)
-            seg_row = k.add(j0, k.and_(cseg, 7))
-        else:  # plain tiles of [gate; up]: segments 8-15 are the up rows ffn + j
-            seg_row = k.mad(k.shr(cseg, 3), ffn, k.add(j0, k.and_(cseg, 7)))
-        pos = k.and_(seg_row, 15)
-        d_fix = k.mul(codd, k.sub(k.add(k.shl(k.shr(pos, 3), 4), Q6K_D - Q6K_ROW), k.mul(pos, Q6K_ROW)))
-    w_ptr = k.global_ptr("w")
-    n_t = -(-npieces // 2)
+    ws = WeightStream(k, wtype, in_dim, layout, glu, lane, r, strip, n_rows)
 
     # the warp's chunk range
     if kparts > 1 and nc % kparts == 0:
@@ -231,59 +146,8 @@ def gemm_q(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "ro
     else:
         c_first = k.mov(0, "u32")
         n_my = k.mov(nc, "u32")
-
-    def issue(i: Reg, slot: Reg) -> None:
-        """cp.async the warp's bytes of its chunk ``c_first + i`` (if ``i < n_my``) into ``slot``."""
-        c = k.add(c_first, i)
-        ok = k.both(c_ok, k.setp("lt", i, n_my))
-        a = k.mad(c, step, c_off)
-        if is_aligned:
-            ph = None
-            a16 = a
-        else:
-            ph = k.and_(a, 15)
-            a16 = k.sub(a, ph)
-        src = k.add(w_ptr, k.cvt(k.add(a16, k.shl(codd, 4)), "u64"))
-        dst = k.add(slot, c_dst)
-        limit = None  # bytes of the segment to fill with data (past them: zeros)
-        if tail < CHUNK:
-            nbytes = k.selp(tail_bytes, cb, k.setp("eq", c, nc - 1), "u32")
-            limit = k.add(nbytes, ph) if ph is not None else nbytes
-        elif ph is not None:
-            limit = k.add(ph, cb)
-        for t in range(n_t):
-            p_ok = ok
-            if 2 * t + 1 >= npieces:  # (the odd lane's piece of the last pair is past the segment)
-                p_ok = k.both(ok, k.setp("lt", k.add(codd, 2 * t), npieces))
-            size = None
-            if limit is not None:
-                size = k.selp(16, 0, k.setp("lt", k.add(k.shl(codd, 4), 32 * t), limit), "u32")
-            if q6k_tiles and t == n_t - 1:
-                k.cp_async(dst, k.add(src, k.cvt(d_fix, "u64")), pred=p_ok, dst_offset=32 * t, src_offset=32 * t)
-                continue
-            k.cp_async(dst, src, pred=p_ok, dst_offset=32 * t, src_offset=32 * t, src_size=size)
-
-    # ---- decode constants ----
-    lc = ql.lane_constants(k, wtype, lane, tiled=layout != "rows") if info.block_values == 32 else {}
-    if lc.get("tiled"):  # the chunk permutation of each of the lane's rows r, r + 8 (by its row in its tile)
-        def tile_row(s: Reg) -> Reg:
-            if not glu:
-                return k.add(n0, s)
-            j = k.add(j0, k.and_(s, 7))
-            return k.add(k.and_(j, 15), k.shl(k.shr(s, 3), 4)) if layout == "glu-tiles" else k.mad(k.shr(s, 3), ffn, j)
-        lc["key16"] = [ql.swizzle_key16(k, wtype, tile_row(s)) if wtype in ql.SWIZZLE else 0
-                       for s in (r, k.add(r, 8))]
-    if q6k_tiles and glu and layout == "tiles":
-        # the up row ffn + j of a lane's segment r + 8 sits at (ffn + r) % 8 of its 8-row group, not r: its d
-        # is that entry of the 16 bytes the copy put at 208 of the segment
-        lc = {**lc, "q6k_up_d": k.add(k.shl(k.and_(k.add(ffn, r), 7), 1), Q6K_ROW)}
-    q8 = k.shl(q, 3)
-    if wtype in K_TABLE:
-        kpair_sel = ql.k_pair_selectors(k, q)
-    rows_dec = [r, k.add(r, 8)]
-    if not is_aligned:
-        dec_off = [row_place(s)[0] for s in rows_dec]
-    dec_seg = [k.mul(s, seg) for s in rows_dec]
+    ws.decode_setup(lane, q)
+    q8 = ws.q8
 
     # ---- X: lane's 8 k of token 8 t + r (clamped to m - 1) ----
     x_ptr = k.add(k.global_ptr("x"), k.cvt(k.shl(q, 4), "u64"))
@@ -294,7 +158,7 @@ def gemm_q(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "ro
     acc = [[k.var("f32", 0.0) for _ in range(4)] for _ in range(mt // 8)]
     ring = stages * slot_bytes
     for s in range(stages - 1):
-        issue(k.mov(s, "u32"), k.add(wbase, s * slot_bytes) if s else wbase)
+        ws.issue(c_first, n_my, k.mov(s, "u32"), k.add(wbase, s * slot_bytes) if s else wbase)
         k.cp_async_commit()
     k.grid_dependency_wait()  # X (and the residual) come from the kernels before
     rd = k.var("u32", 0)
@@ -302,13 +166,14 @@ def gemm_q(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "ro
     with k.loop(0, n_my) as i:
         k.cp_async_wait_group(stages - 2)
         k.bar_warp_sync()
-        issue(k.add(i, stages - 1), k.add(wbase, wr))
+        ws.issue(c_first, n_my, k.add(i, stages - 1), k.add(wbase, wr))
         k.cp_async_commit()
         slot = k.add(wbase, rd)
         c = k.add(c_first, i)
-        _chunk(k, wtype, slot, c, rows_dec, dec_seg, None if is_aligned else [k.mad(c, step, o) for o in dec_off],
-               lc, q, q8, kpair_sel if wtype in K_TABLE else None, k.add(wbase, stages * slot_bytes),
-               x_ptr, x_rows, acc, in_dim, nc, tail)
+        ch = ws.prep(slot, c, (wbase, stages * slot_bytes))
+        xc = k.add(x_ptr, k.mul_wide(c, 2 * CHUNK))
+        for b in range(CHUNK // 32):
+            _block(k, ws, ch, b, c, q8, xc, x_rows, acc, in_dim, tail)
         for v in (rd, wr):
             nxt = k.add(v, slot_bytes)
             k.assign(v, k.selp(0, nxt, k.setp("eq", nxt, ring), "u32"))
@@ -332,128 +197,48 @@ def gemm_q(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "ro
             for t, a4 in enumerate(acc):
                 for e, v in enumerate(a4):
                     k.assign(v, k.add(v, k.load("shared", "f32", base, (4 * t + e) * 128)))
-    _epilogue(k, acc, r, q, m_tok, n_rows, j0 if glu else n0, ffn if glu else None, bias, residual, out_f16, glu)
+    epilogue(k, acc, r, q, m_tok, n_rows, ws.first, ws.ffn, bias, residual, out_f16, glu)
     if kparts > 1:
         k.label(done)
     k.ret()
     return k
 
 
-def _f16x2(k: KernelBuilder, lo: Reg, hi: Reg) -> Reg:
-    """Two f32 as packed f16 (round to nearest even), ``lo`` in the low half."""
-    return k.pack_b32(k.cvt(lo, "f16"), k.cvt(hi, "f16"))
-
-
-def _pack(k: KernelBuilder, vals: list) -> list[Reg]:
-    return [_f16x2(k, vals[2 * i], vals[2 * i + 1]) for i in range(4)]
-
-
-def _chunk(k: KernelBuilder, wtype: str, slot: Reg, c: Reg, rows_dec: list, dec_seg: list, dec_abs: list | None,
-           lc: dict, q: Reg, q8: Reg, kpair_sel: dict | None, table: Reg, x_ptr: Reg, x_rows: list, acc: list,
-           in_dim: int, nc: int, tail: int) -> None:
-    """Decode the staged chunk ``c`` (rows r and r + 8 of the lane), load X and run its 16 MMA k steps
+def _block(k: KernelBuilder, ws: WeightStream, ch: dict, b: int, c: Reg, q8: Reg, xc: Reg, x_rows: list,
+           acc: list, in_dim: int, tail: int) -> None:
+    """Block ``b`` of the prepared chunk ``c``: decode the lane's A words, load X and run its two MMA k steps
     for every column tile."""
-    info = type_info(wtype)
-    if dec_abs is None:
-        bases = [k.add(slot, s) for s in dec_seg]
-    else:  # read each segment at its phase
-        bases = [k.add(k.add(slot, s), k.and_(a, 15)) for s, a in zip(dec_seg, dec_abs)]
-    if wtype in K_TABLE:  # (A, C) of every sub-block of the 16 rows: lane (r, q) fills rows r, r + 8, pair q
-        for s, bb in enumerate(bases):
-            vals = ql.k_scale_pair(k, wtype, bb, kpair_sel)
-            k.store("shared", "f32", k.add(table, k.add(k.shl(rows_dec[0], 6), k.shl(q, 4))), vals, 512 * s)
-        k.bar_warp_sync()
-    if wtype == "Q6_K" and dec_abs is not None:
-        sels = [ql.realign_selector(k, bb) for bb in bases]
-    elif wtype == "Q6_K":  # (tile-major: aligned rows, each row's d 208 + 2 r into its segment, see issue)
-        sels = [None] * len(bases)
-        d_row = k.add(k.shl(rows_dec[0], 1), Q6K_ROW)
-        lc = {**lc, "q6k_d": [d_row, lc.get("q6k_up_d", d_row)]}
-    xc = k.add(x_ptr, k.mul_wide(c, 2 * CHUNK))
-    tail_blocks = tail // 32  # whole 32-value blocks of the last chunk (tail < CHUNK only)
-    for b in range(CHUNK // 32):
-        # X: 8 k of every column tile (zeros past in_dim)
-        x_ok = None
-        if tail < CHUNK and 32 * b + 32 > tail:
-            x_ok = k.setp("lt", k.add(k.mad(c, CHUNK, q8), 32 * b), in_dim)
-        def x_load(t: int) -> tuple:
-            addr = k.add(xc, k.cvt(x_rows[t], "u64"))
-            if x_ok is None:
-                return k.load("global", "u32", addr, 64 * b, vec=4)
-            return k.load("global", "u32", addr, 64 * b, vec=4, pred=x_ok, other=0)
+    # X: 8 k of every column tile (zeros past in_dim)
+    x_ok = None
+    if tail < CHUNK and 32 * b + 32 > tail:
+        x_ok = k.setp("lt", k.add(k.mad(c, CHUNK, q8), 32 * b), in_dim)
 
-        words = []
-        for s, bb in enumerate(bases):
-            w4 = _decode(k, wtype, info, bb, b, lc, q, q8, table, rows_dec[0], s,
-                         sels[s] if wtype == "Q6_K" else None)
-            if tail < CHUNK and wtype not in DENSE and b >= tail_blocks:  # blocks past the row's end
-                live = k.setp("lt", k.mad(c, CHUNK // 32, b), in_dim // 32)
-                w4 = [k.selp(w, 0, live, "b32") for w in w4]
-            words.append(w4)
-        (a0, a1, a2, a3), (b0, b1, b2, b3) = words
-        for g in range(0, len(x_rows), X_GROUP):  # (X of a few column tiles at a time: fewer live registers)
-            xs = [x_load(t) for t in range(g, min(g + X_GROUP, len(x_rows)))]
-            for half in range(2):
-                afr = [a0, b0, a1, b1] if half == 0 else [a2, b2, a3, b3]
-                for t, x4 in enumerate(xs, g):
-                    bfr = (x4[0], x4[1]) if half == 0 else (x4[2], x4[3])
-                    k.mma_f16(afr, bfr, acc[t], into=acc[t])
+    def x_load(t: int) -> tuple:
+        addr = k.add(xc, k.cvt(x_rows[t], "u64"))
+        if x_ok is None:
+            return k.load("global", "u32", addr, 64 * b, vec=4)
+        return k.load("global", "u32", addr, 64 * b, vec=4, pred=x_ok, other=0)
+
+    (a0, a1, a2, a3), (b0, b1, b2, b3) = ws.words(ch, b)
+    for g in range(0, len(x_rows), X_GROUP):  # (X of a few column tiles at a time: fewer live registers)
+        xs = [x_load(t) for t in range(g, min(g + X_GROUP, len(x_rows)))]
+        for half in range(2):
+            afr = [a0, b0, a1, b1] if half == 0 else [a2, b2, a3, b3]
+            for t, x4 in enumerate(xs, g):
+                bfr = (x4[0], x4[1]) if half == 0 else (x4[2], x4[3])
+                k.mma_f16(afr, bfr, acc[t], into=acc[t])
 
 
-def _decode(k: KernelBuilder, wtype: str, info, bb: Reg, b: int, lc: dict, q: Reg, q8: Reg, table: Reg, r: Reg,
-            s: int, sel: Reg | None) -> list[Reg]:
-    """The lane's 8 values (k ``32 b + 8 q ..``) of the row whose chunk is at shared ``bb``, as 4 packed
-    f16 words."""
-    if wtype == "F16":
-        return list(k.load("shared", "u32", k.add(bb, k.shl(q, 4)), 64 * b, vec=4))  # (f16 as they are)
-    if wtype == "BF16":
-        ws = k.load("shared", "u32", k.add(bb, k.shl(q, 4)), 64 * b, vec=4)
-        vals = [f for w in ws for f in (k.bitcast(k.shl(w, 16), "f32"), k.bitcast(k.and_(w, 0xFFFF0000), "f32"))]
-        return _pack(k, vals)
-    if wtype == "F32":
-        a = k.add(bb, k.shl(q, 5))
-        vals = list(k.load("shared", "f32", a, 128 * b, vec=4)) + list(k.load("shared", "f32", a, 128 * b + 16, vec=4))
-        return _pack(k, vals)
-    if info.block_values == 32:
-        if lc["tiled"]:  # (a re-encoded unit: every field aligned)
-            dec = ql.decode_q32(k, wtype, None, lc, None, None, None, None, ql.tiled_fields(k, wtype, bb, b, lc["key16"][s]))
-        else:
-            blk = k.add(bb, b * info.block_bytes) if b else bb
-            sel_b = align = None
-            if info.block_bytes % 4 == 0:
-                align = 8 if info.block_bytes % 8 == 0 else 4
-            else:
-                sel_b = ql.realign_selector(k, blk, ql.field_offset(wtype, "qs"))
-            dec = ql.decode_q32(k, wtype, blk, lc, sel_b, sel_b, align, align)
-        a, cc = ql.affine(k, dec)
-        return _pack(k, [k.fma(f, a, cc) if cc is not None else k.mul(f, a) for f in dec.fs])
-    if wtype in K_TABLE:
-        hi = b & 1
-        lcb = {"qs_off": k.add(q8, 32 * (b >> 1)) if b >> 1 else q8, "q": q8,
-               "rot": ((3 if wtype == "Q4_K" else 2) - 4 * hi) % 32, "hrot": (6 - b) % 32}
-        fs = ql.decode_kq(k, wtype, bb, lcb)
-        a, cc = k.load("shared", "f32", k.add(table, k.shl(r, 6)), 512 * s + 8 * b, vec=2)
-        return _pack(k, [k.fma(f, a, cc) for f in fs])
-    # Q6_K: the 32 values of k block b are sub-block pair (h, qq) = (b // 4, b % 4) of the block
-    h, qq = b >> 2, b & 3
-    rot_l = (1 - 4 * (qq >> 1)) % 32
-    rot_h = (5 - 2 * qq) % 32
-    lcb = {"ql_off": k.add(q8, 64 * h + 32 * (qq & 1)) if (h or qq & 1) else q8, "qh_off": k.add(q8, 128 + 32 * h),
-           "sc_off": k.add(k.shr(q, 1), 192 + 8 * h + 2 * qq), "rot_l": rot_l, "rot_h": rot_h}
-    dec = ql.decode_q6k(k, bb, lcb, None if sel is not None else (8, 0), sel,
-                        d_at=k.add(bb, lc["q6k_d"][s]) if "q6k_d" in lc else None)
-    a, cc = ql.affine(k, dec)
-    return _pack(k, [k.fma(f, a, cc) for f in dec.fs])
-
-
-def _epilogue(k: KernelBuilder, acc: list, r: Reg, q: Reg, m_tok: Reg, n_rows: Reg, first: Reg, ffn: Reg | None,
-              bias: bool, residual: bool, out_f16: bool, glu: bool) -> None:
+def epilogue(k: KernelBuilder, acc: list, r: Reg, q: Reg, m_tok: Reg, n_rows: Reg, first: Reg, ffn: Reg | None,
+              bias: bool, residual: bool, out_f16: bool, glu: bool, tok_base: Reg | None = None) -> None:
     """acc[t] = (Y[8t + 2q, c_a], Y[8t + 2q + 1, c_a], Y[8t + 2q, c_b], Y[8t + 2q + 1, c_b]) with c_a, c_b the
     MMA rows r, r + 8 (with glu: the gate and up of output first + r)."""
     ldy = k.param("ldy")
     y = k.global_ptr("y")
     osize = 2 if out_f16 else 4
     tok0 = k.shl(q, 1)
+    if tok_base is not None:  # (a token tile's first token: tokens are absolute, m_tok their count)
+        tok0 = k.add(tok_base, tok0)
 
     def put(tok: Reg, col: Reg, v: Reg, ok: Reg) -> None:
         idx = k.mad(tok, ldy, col)

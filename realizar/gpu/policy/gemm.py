@@ -38,3 +38,13 @@ X8_TILES = ((None, X8Config(4, 1, 4, 3)),)
 # ring depths tried where the chosen one does not fit the device's shared memory, deepest first; then fewer
 # weight tiles a CTA (wn halved)
 X8_STAGES = (3, 2)
+
+# ---- the warpgroup-MMA GEMM over quantized weights (wg_config, sm_90a) --------------------------------------
+
+# token tiles tried, largest first (none larger than m needs): the first whose launch, two row groups a CTA,
+# has WG_MIN_WAVE x sm_count CTAs; else the smallest, with K split in two
+WG_MTS = (256, 128, 64, 32)
+WG_MIN_WAVE = 0.75
+# weight ring depths tried, shallowest first (two chunks in flight beside the decoded one are enough, and less
+# shared memory leaves room for a second CTA)
+WG_STAGES = (2, 3)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from ptx_gen.kernels.gemm.gemm_mma import check_tiling, smem_bytes
 from realizar.errors import ShapeError
 
-__all__ = ["GemmConfig", "GemmQConfig", "GemvConfig", "MmaConfig", "X8Config"]
+__all__ = ["GemmConfig", "GemmQConfig", "GemvConfig", "MmaConfig", "WgConfig", "X8Config"]
 
 
 @dataclass(frozen=True)
@@ -83,3 +83,15 @@ class X8Config:
     @property
     def tokens(self) -> int:
         return 8 * self.wm * self.tn
+
+
+@dataclass(frozen=True)
+class WgConfig:
+    """Launch shape of the warpgroup-MMA GEMM (:mod:`ptx_gen.kernels.gemm.gemm_wg`): ``mt`` tokens per CTA,
+    ``rgroups`` 64-row warpgroups side by side, ``kparts`` warpgroups splitting K, ``stages`` weight chunks
+    of 256 values in each warp's ring."""
+
+    mt: int
+    rgroups: int = 1
+    kparts: int = 1
+    stages: int = 3

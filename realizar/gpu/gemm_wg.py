@@ -1,0 +1,97 @@
+"""The warpgroup-MMA batch GEMM over quantized weights (sm_90a): ``out[:m] = x16[:m] W^T`` with W the GpuWeight
+as the decode GEMV stores it, decoded into registers by each warp (no f16 copy of W), f16 X, f32 accumulation
+on ``wgmma`` (:mod:`ptx_gen.kernels.gemm.gemm_wg`).
+
+    ops.gemm_wg(x16, weight, out, m, residual=h)          # out[:m] = x16 W^T + h
+
+:func:`wg_applies` says which weights and devices it takes; :func:`wg_config` picks the launch shape from
+the tables of :mod:`realizar.gpu.policy.gemm`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from realizar.errors import ShapeError
+from realizar.gpu.dispatch import Dispatcher
+from realizar.gpu.policy.gemm import WG_MIN_WAVE, WG_MTS, WG_STAGES
+from realizar.gpu.policy.shapes import WgConfig
+
+__all__ = ["GemmWgOps", "WgConfig", "wg_applies", "wg_config"]
+
+
+def wg_applies(device: Any, wtype: str, layout: str, in_dim: int) -> bool:
+    """Whether the warpgroup GEMM runs on ``device`` for a weight of ``wtype`` in ``layout`` with rows of
+    ``in_dim`` values: a real sm_90 GPU (the emulator has no ``wgmma``), whole chunks of 256, the types and
+    layouts ``gemm_q`` decodes but F32 (whose ring leaves no room for the X buffers)."""
+    from ptx_gen.kernels.gemm.qstream import CHUNK
+
+    return (not getattr(device, "emulated", False) and device.target.compute_capability == (9, 0)
+            and in_dim % CHUNK == 0 and wtype != "F32" and layout in ("rows", "tiles", "glu-tiles"))
+
+
+def wg_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_count: int = 132,
+              max_smem: int = 227 * 1024, glu: bool = False) -> WgConfig:
+    """The launch shape for ``rows_out`` outputs of ``in_dim`` values at ``m`` tokens: the largest token tile of
+    ``WG_MTS`` (at most ``m`` rounded up) whose launch with two row groups a CTA fills ``WG_MIN_WAVE`` of the SMs,
+    else the smallest such tile with K split in two; the first ring depth of ``WG_STAGES`` that fits
+    ``max_smem`` (else fewer row groups and parts)."""
+    from ptx_gen.kernels.gemm.gemm_wg import smem_bytes
+
+    groups = -(-rows_out // (32 if glu else 64))  # 64-row warpgroups (glu: 32 outputs)
+    fits = [t for t in WG_MTS if t < 2 * m or t == WG_MTS[-1]]
+    fits = [t for t in fits if t >= 64 or m <= 32] or [WG_MTS[-1]]
+    pick = next(((t, 1) for t in fits if -(-groups // 2) * -(-m // t) >= WG_MIN_WAVE * sm_count),
+                (fits[-1], 2 if in_dim // 256 >= 4 else 1))
+    mt, kparts = pick
+    for rg, kp in ((2, kparts), (1, kparts), (1, 1)):
+        for stages in WG_STAGES:
+            if smem_bytes(wtype, in_dim, layout, mt, rg, kp, stages) <= max_smem:
+                return WgConfig(mt, rg, kp, stages)
+    raise ShapeError(f"no warpgroup GEMM tile for {wtype} {layout} fits {max_smem} bytes of shared memory")
+
+
+class GemmWgOps(Dispatcher):
+    """Launches of the warpgroup-MMA GEMM."""
+
+    def gemm_wg(self, x16: Any, weight: Any, out: Any, m: int, *, lda: int | None = None, ldy: int | None = None,
+                bias: Any = None, residual: Any = None, out_f16: bool = False, glu: bool = False,
+                config: WgConfig | None = None, stream: Any = None) -> None:
+        """``out[:m] = x16[:m] W^T (+ bias) (+ residual)`` for the GpuWeight W; with ``glu`` W is [gate; up]
+        (GGUF rows or "glu-tiles") and ``out[:m, :ffn] = silu(x G^T) * (x U^T)``. ``residual`` may be ``out``.
+        Any m; no allocation or synchronisation (capturable). Needs sm_90 (the kernel is sm_90a)."""
+        from realizar.gpu.weights import GpuWeight
+
+        if not isinstance(weight, GpuWeight):
+            raise ShapeError(f"weight must be a GpuWeight, got {type(weight).__name__}")
+        n, k = weight.out_dim, weight.in_dim
+        if not wg_applies(self.device, weight.wtype, weight.layout, k):
+            raise ShapeError(f"the warpgroup GEMM runs on sm_90 over weights with rows of whole chunks of 256; "
+                             f"GpuWeight {weight.name!r} is {weight.wtype} {weight.layout} of {k} on {self.device.target}")
+        m = self.check_int("m", m)
+        if weight.layout == "glu-tiles" and not glu:
+            raise ShapeError(f"GpuWeight {weight.name!r} is stored glu-tiles: only the glu GEMM reads it")
+        if glu and (n % 2 or bias is not None or residual is not None or weight.layout == "tiles"):
+            raise ShapeError(f"the SwiGLU GEMM needs a [gate; up] weight (GGUF rows or glu-tiles) of an even number of "
+                             f"rows and no bias or residual; GpuWeight {weight.name!r} is {weight.layout} of {n} rows")
+        if weight.nbytes + 16 >= 2**32:
+            raise ShapeError(f"GpuWeight {weight.name!r}: {weight.nbytes} bytes, gemm_wg addresses fewer than 2**32")
+        lda = k if lda is None else self.check_int("lda", lda)
+        cols = n // 2 if glu else n
+        ldy = cols if ldy is None else self.check_int("ldy", ldy)
+        if lda % 8 or lda < k:
+            raise ShapeError(f"x16 rows are read in 16-byte pieces: lda must be a multiple of 8 and at least k={k}, "
+                             f"got {lda}")
+        if ldy < cols:
+            raise ShapeError(f"ldy={ldy} must be at least the {cols} output columns")
+        cfg = config or wg_config(weight.wtype, k, weight.layout, cols, m, self.sm_count,
+                                  self.device.max_shared_per_block_optin, glu=glu)
+        kern = self.kernel("gemm_wg", wtype=weight.wtype, in_dim=k, layout=weight.layout, mt=cfg.mt,
+                           rgroups=cfg.rgroups, kparts=cfg.kparts, stages=cfg.stages, bias=bias is not None,
+                           residual=residual is not None, out_f16=bool(out_f16), glu=bool(glu))
+        values = {"w": weight.ptr, "x": self.addr(x16, (m - 1) * lda + k, "x16", np.float16),
+                  **self.epilogue(out, (m - 1) * ldy + cols, out_f16, bias, cols, residual)}
+        values.update(m=m, n=n, lda=lda, ldy=ldy)
+        self.launch(kern, (-(-cols // kern.meta["rows_per_cta"]), -(-m // cfg.mt)), values, stream)

@@ -1,0 +1,118 @@
+"""CPU tests of ``gemm_wg`` (the warpgroup-MMA batch GEMM straight from quantized weights, sm_90a) and its host
+side: ptxas for sm_90a without spills over drawn types, layouts, launch shapes and epilogues and at the real
+shapes the policy picks; the policy's shapes fit the shared memory and cover every M; the kernel and the host
+refuse what they cannot run, and the emulator (which has no ``wgmma``) never gets it. Its oracle tests run on
+the GPU (``tests/gpu/test_gemm_wg_gpu.py``)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ptx_gen import catalog
+from ptx_gen.kernels.gemm.gemm_wg import WG_MTS, check_shape, smem_bytes
+from ptx_gen.kernels.gemv.gemv_mma_layout import MMA_TYPES
+from ptx_gen.kernels.gemv.quant_layout import WEIGHT_TYPES
+from ptx_gen.ptxas import assemble
+from realizar import cuda
+from realizar.errors import ShapeError
+from realizar.gpu.gemm_wg import wg_applies, wg_config
+from realizar.gpu.ops import GpuWeight, LayerOps
+from tests.helpers import examples
+from tests.layer_oracles import random_weight
+
+WG_TYPES = [t for t in WEIGHT_TYPES if t != "F32"]
+# (N, K, glu) of Llama-3-8B's and Llama-3.2-1B's layers
+REAL = [(6144, 4096, False), (4096, 4096, False), (28672, 4096, True), (4096, 14336, False),
+        (3072, 2048, False), (2048, 2048, False), (16384, 2048, True), (2048, 8192, False)]
+
+
+def _clean(shape: dict) -> None:
+    k = catalog.emit("gemm_wg", target="sm_90", **shape)
+    assert k.target == "sm_90a" and "wgmma.mma_async" in k.ptx
+    rep = assemble(k.ptx, k.target)[0]
+    assert not rep.spills, f"{shape} spills: {rep.log}"
+
+
+@settings(max_examples=examples(12), deadline=None)
+@given(data=st.data())
+def test_drawn_shapes_assemble_without_spills(data):
+    wtype = data.draw(st.sampled_from(WG_TYPES))
+    layout = data.draw(st.sampled_from(["rows"] + (["tiles", "glu-tiles"] if wtype in MMA_TYPES else [])))
+    glu = layout == "glu-tiles" or (layout == "rows" and data.draw(st.booleans()))
+    in_dim = 256 * data.draw(st.integers(1, 24))
+    mt = data.draw(st.sampled_from(WG_MTS))
+    rg, kp = data.draw(st.sampled_from([(1, 1), (2, 1), (1, 2), (2, 2), (1, 4)]))
+    stages = data.draw(st.integers(2, 4))
+    try:
+        check_shape(wtype, in_dim, layout, mt, rg, kp, stages)
+    except ValueError:
+        return  # (the refusals are tested below)
+    epi = {} if glu else data.draw(st.sampled_from([{}, {"bias": True}, {"residual": True}, {"out_f16": True}]))
+    _clean(dict(wtype=wtype, in_dim=in_dim, layout=layout, mt=mt, rgroups=rg, kparts=kp, stages=stages, glu=glu,
+                out_f16=glu or epi.get("out_f16", False), **{k: v for k, v in epi.items() if k != "out_f16"}))
+
+
+@pytest.mark.parametrize("wtype", ["Q4_K", "Q6_K", "Q8_0", "Q5_K"])
+def test_policy_shapes_fit_and_assemble(wtype):
+    """Every M from 1 to a prefill chunk gets a shape that fits the H200's shared memory; the real layers'
+    picks at batched-decode and prefill sizes assemble without spills."""
+    seen = set()
+    for n, k, glu in REAL:
+        layout = "glu-tiles" if glu else "tiles"
+        cols = n // 2 if glu else n
+        for m in list(range(1, 300)) + [511, 512, 1024, 2048]:
+            cfg = wg_config(wtype, k, layout, cols, m, 132, 227 * 1024, glu=glu)
+            check_shape(wtype, k, layout, cfg.mt, cfg.rgroups, cfg.kparts, cfg.stages)
+            assert smem_bytes(wtype, k, layout, cfg.mt, cfg.rgroups, cfg.kparts, cfg.stages) <= 227 * 1024
+            seen.add((k, layout, glu, cfg))
+    for k, layout, glu, cfg in sorted(seen, key=str)[:: max(1, len(seen) // 6)]:
+        _clean(dict(wtype=wtype, in_dim=k, layout=layout, mt=cfg.mt, rgroups=cfg.rgroups, kparts=cfg.kparts,
+                    stages=cfg.stages, glu=glu, out_f16=glu))
+
+
+def test_bad_shapes_are_refused():
+    ok = dict(wtype="Q4_K", in_dim=4096, layout="tiles", mt=128, rgroups=1, kparts=1, stages=2)
+    check_shape(**ok)
+    for bad, match in [({"wtype": "Q8_0", "in_dim": 4000, "layout": "rows"}, "multiple of 256"), ({"mt": 48}, "mt"),
+                       ({"rgroups": 3}, "rgroups"), ({"rgroups": 2, "kparts": 4}, "warpgroups"),
+                       ({"mt": 256, "kparts": 4}, "256"), ({"stages": 7}, "stages"),
+                       ({"in_dim": 256, "kparts": 2}, "chunk per K part"),
+                       ({"wtype": "F32", "layout": "rows", "stages": 6, "kparts": 2}, "shared memory")]:
+        with pytest.raises(ValueError, match=match):
+            check_shape(**{**ok, **bad})
+    with pytest.raises(ValueError, match="inflight"):
+        catalog.emit("gemm_wg", target="sm_90", inflight=3)
+    with pytest.raises(ValueError, match="glu-tiles"):
+        catalog.emit("gemm_wg", target="sm_90", layout="glu-tiles")
+    with pytest.raises(ValueError, match="needs sm_90a"):
+        catalog.emit("gemm_wg", target="sm_89")
+
+
+def test_the_emulator_and_other_devices_never_get_it():
+    emu = cuda.EmulatedDevice(target="sm_90")
+    assert not wg_applies(emu, "Q4_K", "tiles", 4096)  # (no wgmma in the emulator)
+
+    class H200:
+        emulated = False
+        target = emu.target
+
+    class A100(H200):
+        target = cuda.EmulatedDevice(target="sm_80").target
+
+    assert wg_applies(H200, "Q4_K", "tiles", 4096) and wg_applies(H200, "Q8_0", "rows", 2048)
+    assert not wg_applies(H200, "Q4_K", "tiles", 576) and not wg_applies(H200, "F32", "rows", 4096)
+    assert not wg_applies(A100, "Q4_K", "tiles", 4096)
+
+
+def test_host_refuses_on_the_emulator():
+    import numpy as np
+
+    ops = LayerOps(cuda.EmulatedDevice(target="sm_90"))
+    rng = np.random.default_rng(0)
+    w = GpuWeight(data=random_weight(rng, "Q4_K", 64, 256), ggml_type="Q4_K", shape=(64, 256), layout="tiles",
+                  device=ops.device)
+    x, y = ops.buffer(2 * 256, np.float16), ops.buffer(2 * 64)
+    with pytest.raises(ShapeError, match="warpgroup GEMM runs on sm_90"):
+        ops.gemm_wg(x, w, y, 2)

@@ -1,0 +1,141 @@
+"""The warpgroup-MMA batch GEMM over quantized weights (``GemmWgOps.gemm_wg``, sm_90a) against the f16 path it
+replaces (the weight's f16 copy through ``gemm_f16``), ``gemm_q`` (up to 128 tokens) and torch's f16 matmul
+(cuBLAS) on the same shapes, in one run, timed as GPU time (calls replayed from a CUDA graph).
+
+    python tools/bench_gemm_wg.py [--types Q4_K,Q6_K] [--models 8b,1b] [--ms 64,128,256,512] [--sweep]
+
+Each row: ``Y[M, N] = X[M, K] W^T`` for one linear layer of the model (fused gate/up: the SwiGLU GEMM over 2
+FFN rows), 20 calls captured in a graph, event-timed replays, median of 7. "TFLOP/s" counts 2 M N K over the
+wg time; "f16 / wg", "q / wg" and "torch / wg" are the others' times over ours (above 1: ours is faster).
+"GB/s" is the quantized weight's bytes over the wg time (a token tile reads them once from DRAM, again from
+L2). A spot check compares the result with float64 over the dequantized weights (relative to sum |w||x|).
+``--sweep`` times every launch shape that fits and reports the best beside the policy's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gemm_x8 import SHAPES, _torch_us, _us  # noqa: E402
+
+from realizar import cuda  # noqa: E402
+from realizar.gpu.gemm_wg import WgConfig, wg_config  # noqa: E402
+from realizar.gpu.ops import LayerOps  # noqa: E402
+from realizar.gpu.weights import GpuWeight  # noqa: E402
+from realizar.models.random import dequant, random_weight  # noqa: E402
+
+
+def _sweep(wtype: str, k: int, layout: str, m: int, max_smem: int) -> list[WgConfig]:
+    from ptx_gen.kernels.gemm.gemm_wg import smem_bytes
+
+    out = []
+    for mt in (64, 128, 256):
+        if mt > 2 * max(m, 32):
+            continue
+        for rg, kp in ((1, 1), (2, 1), (1, 2), (2, 2), (1, 4)):
+            if (mt == 256 and rg * kp > 2) or k // 256 < kp:
+                continue
+            for st in (2, 3, 4):
+                if smem_bytes(wtype, k, layout, mt, rg, kp, st) <= max_smem:
+                    out.append(WgConfig(mt, rg, kp, st))
+    return out
+
+
+def _check(raw, wtype, n, k, glu, x16, out, m) -> float:
+    rows = min(m, 16)
+    xh = x16[:rows].astype(np.float64)
+    w = dequant(raw, wtype, n, k).astype(np.float16).astype(np.float64)
+    full, scale = xh @ w.T, np.abs(xh) @ np.abs(w).T
+    if glu:
+        ffn = n // 2
+        g, u = full[:, :ffn], full[:, ffn:]
+        full, scale = g / (1 + np.exp(-g)) * u, (np.abs(g) + scale[:, :ffn]) * (np.abs(u) + scale[:, ffn:])
+    return float(np.max(np.abs(out[:rows].astype(np.float64) - full) / scale))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--types", default="Q4_K")
+    ap.add_argument("--models", default="8b,1b")
+    ap.add_argument("--ms", default="64,128,256,512")
+    ap.add_argument("--sweep", action="store_true")
+    a = ap.parse_args()
+    dev = cuda.current_device()
+    ops, stream = LayerOps(dev), cuda.Stream(dev)
+    smem = dev.max_shared_per_block_optin
+    rng = np.random.default_rng(0)
+    ms = [int(v) for v in a.ms.split(",")]
+    lines = [f"# warpgroup-MMA GEMM over quantized weights (gemm_wg), {dev.name}, {datetime.date.today()}", "",
+             f"Command: `python tools/bench_gemm_wg.py {' '.join(sys.argv[1:])}`", "",
+             "| type | shape | M | N x K | launch | wg µs | TFLOP/s | GB/s | f16 µs | f16 / wg | q µs | q / wg | torch µs "
+             "| torch / wg | best swept | max error |",
+             "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+    models = a.models.split(",")
+    for wtype in a.types.split(","):
+        for model, label, n, k, glu in [s for s in SHAPES if s[0] in models]:
+            layout = "glu-tiles" if glu else "tiles"
+            raw = random_weight(rng, wtype, n, k)
+            w = GpuWeight(data=raw, ggml_type=wtype, shape=(n, k), layout=layout, device=dev)
+            w16 = ops.buffer(n * k, np.float16)
+            ops.dequantize_f16(w, w16, interleave=glu, stream=stream)
+            cols = n // 2 if glu else n
+            for m in ms:
+                x16h = ((rng.standard_normal((m, k)) + 0.1) / (64 if glu else 1)).astype(np.float16)
+                x16 = ops.to_device(x16h)
+                y = ops.buffer(m * cols, np.float16 if glu else np.float32)
+                cfg = wg_config(wtype, k, layout, cols, m, ops.sm_count, smem, glu=glu)
+
+                def run(c):
+                    return _us(lambda: ops.gemm_wg(x16, w, y, m, glu=glu, out_f16=glu, config=c, stream=stream), stream)
+
+                us = run(cfg)
+                best = (us, cfg)
+                if a.sweep:
+                    for c in _sweep(wtype, k, layout, m, smem):
+                        if c == cfg:
+                            continue
+                        try:
+                            t = run(c)
+                        except Exception as exc:  # (a shape the device refuses)
+                            print(f"  {c}: {type(exc).__name__}: {exc}", flush=True)
+                            continue
+                        print(f"  {wtype} {model} {label} M={m} {c}: {t:.1f} us", flush=True)
+                        if t < best[0]:
+                            best = (t, c)
+                ops.gemm_wg(x16, w, y, m, glu=glu, out_f16=glu, config=cfg, stream=stream)
+                stream.synchronize()
+                got = y.copy_to_host(np.empty(m * cols, np.float16 if glu else np.float32)).reshape(m, cols)
+                err = _check(raw, wtype, n, k, glu, x16h, got, m)
+                fus = _us(lambda: ops.gemm_f16(x16, w16, y, m, n, k, glu=glu, out_f16=glu, stream=stream), stream)
+                qus = (_us(lambda: ops.gemm_q(x16, w, y, m, glu=glu, out_f16=glu, stream=stream), stream)
+                       if m <= 128 else None)
+                tus = _torch_us(m, n, k)
+                bc = best[1]
+                row = (f"| {wtype} | {model} {label} | {m} | {n} x {k} | t{cfg.mt} r{cfg.rgroups} k{cfg.kparts} "
+                       f"s{cfg.stages} | {us:.1f} | {2 * m * n * k / us / 1e6:.0f} | {w.nbytes / us / 1e3:.0f} | "
+                       f"{fus:.1f} | {fus / us:.2f} | {'-' if qus is None else f'{qus:.1f}'} | "
+                       f"{'-' if qus is None else f'{qus / us:.2f}'} | {'-' if tus is None else f'{tus:.1f}'} | "
+                       f"{'-' if tus is None else f'{tus / us:.2f}'} | "
+                       f"{best[0]:.1f} (t{bc.mt} r{bc.rgroups} k{bc.kparts} s{bc.stages}) | {err:.1e} |")
+                print(row, flush=True)
+                lines.append(row)
+                for b in (x16, y):
+                    b.free()
+            w16.free()
+            w.buffer.free()
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if a.out:
+        a.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
