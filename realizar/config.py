@@ -31,7 +31,8 @@ class ServingConfig:
     ``max_batched_tokens``: the per-step token budget of the scheduler (decode rows plus one prefill
     chunk); ``prefill_min_batch``: shorter prompts go token by token through the decode step;
     ``gemv_cols_rows``: batches of up to this many rows use the tensor-core GEMV's columns kernel;
-    ``f16_weights``: keep f16 copies of the weights for large batches (None: when they fit)."""
+    ``f16_weights``: keep f16 copies of the weights for batches of 33-64 rows (None: when they fit; on sm_90
+    larger batches read the quantized weights through ``gemm_wg`` either way, and so do all where none is kept)."""
 
     block_size: int = 32
     max_batch: int = 64

@@ -82,8 +82,8 @@ def test_bad_shapes_are_refused():
                        ({"wtype": "F32", "layout": "rows", "stages": 6, "kparts": 2}, "shared memory")]:
         with pytest.raises(ValueError, match=match):
             check_shape(**{**ok, **bad})
-    with pytest.raises(ValueError, match="inflight"):
-        catalog.emit("gemm_wg", target="sm_90", inflight=3)
+    with pytest.raises(ValueError, match="unroll"):
+        catalog.emit("gemm_wg", target="sm_90", unroll=3)
     with pytest.raises(ValueError, match="glu-tiles"):
         catalog.emit("gemm_wg", target="sm_90", layout="glu-tiles")
     with pytest.raises(ValueError, match="needs sm_90a"):

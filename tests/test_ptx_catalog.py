@@ -68,7 +68,7 @@ FIXED_IN_GRID = {
     "flash_decoding_chunk": {"indirect", "heads_per_block", "warps", "unroll", "l2_prefetch"},
     "flash_decoding_reduce": {"indirect"},
     "gemm": {"warps", "bias", "residual"},
-    "gemm_wg": {"inflight"},
+    "gemm_wg": {"unroll"},
     "gemv_mma": {"bulk", "l2pre"},  # (sm_90 only: the grid assembles for sm_80 too)
     "incremental_attention": {"heads_per_block", "warps", "unroll", "prefetch", "l2_prefetch"},
 }

@@ -138,6 +138,29 @@ def test_create_app_configures_the_engine(engine):
         serving.close()
 
 
+def test_f16_weights_flag_reaches_the_backend(engine, monkeypatch):
+    """``serve --f16-weights`` (auto / on / off) becomes ServingConfig.f16_weights (None / True / False), which
+    create_app hands to the engine's batch backend."""
+    pytest.importorskip("fastapi")
+    from realizar.cli import build_parser
+    from realizar.cli import serve as cli_serve
+    from realizar.server import create_app
+
+    for flag, want in ((None, None), ("auto", None), ("on", True), ("off", False)):
+        argv = ["serve"] + (["--f16-weights", flag] if flag else [])
+        assert cli_serve.serving_options(build_parser().parse_args(argv), "cpu")["f16_weights"] is want
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--f16-weights", "yes"])
+    seen = []
+    real = engine.batch_backend
+    monkeypatch.setattr(engine, "batch_backend", lambda cfg: (seen.append(cfg), real(cfg))[1])
+    app = create_app(engine, f16_weights=False, max_batch=2)
+    try:
+        assert [c.f16_weights for c in seen] == [False]
+    finally:
+        app.state.server.scheduler.serving.close()
+
+
 def test_http_priority_field(tmp_path_factory):
     """The completions endpoint takes ``priority`` and answers an OpenAI-style 400 naming it when out of range."""
     pytest.importorskip("fastapi")

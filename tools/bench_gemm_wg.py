@@ -38,12 +38,12 @@ def _sweep(wtype: str, k: int, layout: str, m: int, max_smem: int) -> list[WgCon
     for mt in (64, 128, 256):
         if mt > 2 * max(m, 32):
             continue
-        for rg, kp in ((1, 1), (2, 1), (1, 2), (2, 2), (1, 4)):
+        for rg, kp in ((1, 1), (2, 1), (1, 2), (1, 4)):
             if (mt == 256 and rg * kp > 2) or k // 256 < kp:
                 continue
-            for st in (2, 3, 4):
+            for st in (2, 3):
                 if smem_bytes(wtype, k, layout, mt, rg, kp, st) <= max_smem:
-                    out.append(WgConfig(mt, rg, kp, st))
+                    out += [WgConfig(mt, rg, kp, st, u) for u in (1, 2)]
     return out
 
 
@@ -119,11 +119,11 @@ def main() -> int:
                 tus = _torch_us(m, n, k)
                 bc = best[1]
                 row = (f"| {wtype} | {model} {label} | {m} | {n} x {k} | t{cfg.mt} r{cfg.rgroups} k{cfg.kparts} "
-                       f"s{cfg.stages} | {us:.1f} | {2 * m * n * k / us / 1e6:.0f} | {w.nbytes / us / 1e3:.0f} | "
+                       f"s{cfg.stages} u{cfg.unroll} | {us:.1f} | {2 * m * n * k / us / 1e6:.0f} | {w.nbytes / us / 1e3:.0f} | "
                        f"{fus:.1f} | {fus / us:.2f} | {'-' if qus is None else f'{qus:.1f}'} | "
                        f"{'-' if qus is None else f'{qus / us:.2f}'} | {'-' if tus is None else f'{tus:.1f}'} | "
                        f"{'-' if tus is None else f'{tus / us:.2f}'} | "
-                       f"{best[0]:.1f} (t{bc.mt} r{bc.rgroups} k{bc.kparts} s{bc.stages}) | {err:.1e} |")
+                       f"{best[0]:.1f} (t{bc.mt} r{bc.rgroups} k{bc.kparts} s{bc.stages} u{bc.unroll}) | {err:.1e} |")
                 print(row, flush=True)
                 lines.append(row)
                 for b in (x16, y):

@@ -268,7 +268,11 @@ def main() -> None:
     ap.add_argument("--gemv-cols-rows", default=str(GEMV_COLS_DEFAULT_ROWS),
                     help="GpuBatchBackend's gemv_cols_rows; several (comma-separated): the batched part once each, "
                          "on a backend of its own (0: gemm_q for every batch)")
+    ap.add_argument("--f16-weights", choices=("auto", "on", "off"), default="auto",
+                    help="GpuBatchBackend's f16_weights: f16 copies of the weights for more than 32 rows when they "
+                         "fit (auto), always, or never (the batch GEMMs then read the quantized weights)")
     a = ap.parse_args()
+    f16w = {"auto": None, "on": True, "off": False}[a.f16_weights]
     dev = cuda.current_device()
     batches = [int(b) for b in a.batches.split(",")]
     parts = a.parts.split(",")
@@ -286,7 +290,8 @@ def main() -> None:
         settings = [int(v) for v in a.gemv_cols_rows.split(",")]
         for extra in settings[1:] if "batched" in parts else ():
             backend = GpuBatchBackend(model, num_blocks=need, block_size=a.block_size, kv_dtype=a.kv_dtype,
-                                      max_batch=max(batches), max_context=ctx, gemv_cols_rows=extra)
+                                      max_batch=max(batches), max_context=ctx, gemv_cols_rows=extra,
+                                      f16_weights=f16w)
             table = batched_table(name, bench_batched(backend, batches, a.prompt, a.gen, rng), single)
             table[0] += f" (gemv_cols_rows={extra})"
             lines += table
@@ -295,7 +300,8 @@ def main() -> None:
             del backend
             gc.collect()
         backend = GpuBatchBackend(model, num_blocks=need, block_size=a.block_size, kv_dtype=a.kv_dtype,
-                                  max_batch=max(batches), max_context=ctx, gemv_cols_rows=settings[0])
+                                  max_batch=max(batches), max_context=ctx, gemv_cols_rows=settings[0],
+                                  f16_weights=f16w)
         print(f"{name}: {backend.num_blocks} blocks of {a.block_size}, kv {a.kv_dtype}", flush=True)
         if "batched" in parts:
             table = batched_table(name, bench_batched(backend, batches, a.prompt, a.gen, rng), single)

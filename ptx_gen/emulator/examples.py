@@ -563,6 +563,10 @@ def run_example(name: str, shape: dict, target: str = "sm_90", seed: int = 0, ra
     sizes for its example), run it on the emulator on random inputs, and report the outputs or the
     error the emulator raised (memcheck, racecheck, barrier divergence, ...)."""
     if name not in EXAMPLES:
+        arch = catalog.spec(name).arch if name in catalog.names() else None
+        if arch:
+            raise ValueError(f"kernel {name!r} is {arch}-only (instructions the emulator does not model): it runs "
+                             f"and is tested on the GPU")
         raise ValueError(f"no example launch for kernel {name!r}; have {sorted(EXAMPLES)}")
     spec = catalog.spec(name)
     kernel_shape = {key: v for key, v in shape.items() if key in spec.shape_params}

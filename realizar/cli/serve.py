@@ -113,6 +113,7 @@ def serving_options(args: argparse.Namespace, device: str) -> dict:
     return {"max_batch": args.max_batch, "block_size": args.block_size, "kv_dtype": dtype,
             "kv_memory": memory, "max_body": args.max_body,
             "max_batched_tokens": args.max_num_batched_tokens, "prefill_chunk": args.prefill_chunk,
+            "f16_weights": {"auto": None, "on": True, "off": False}[args.f16_weights],
             "kv_events": args.kv_events, "kv_events_topic": args.kv_events_topic}  # fmt: skip
 
 
@@ -219,6 +220,11 @@ def register(command) -> None:
                         f"much work a token (default: {_DEFAULTS.max_batched_tokens})")
     p.add_argument("--prefill-chunk", type=positive_int, default=_DEFAULTS.prefill_chunk, metavar="N",
                    help=f"prompt tokens through the layers at once at most (default: {_DEFAULTS.prefill_chunk})")
+    p.add_argument("--f16-weights", choices=("auto", "on", "off"), default="auto",
+                   help="f16 copies of the weights for decode steps of 33-64 rows (3.5x a Q4_K file's bytes): kept "
+                        "when they fit in 40%% of free GPU memory (auto), always, or never (off: that memory goes to "
+                        "the KV pool; on sm_90 steps above 64 rows read the quantized weights either way) "
+                        "(default: auto)")
     p.add_argument("--kv-events", metavar="ENDPOINT",
                    help="publish the prefix cache's changes over ZeroMQ in vLLM's KV-event format (tcp://*:5557 "
                         "binds; pip install 'realizar[cluster]')")

@@ -16,7 +16,7 @@ import numpy as np
 
 from realizar.errors import ShapeError
 from realizar.gpu.dispatch import Dispatcher
-from realizar.gpu.policy.gemm import WG_MIN_WAVE, WG_MTS, WG_STAGES
+from realizar.gpu.policy.gemm import WG_MIN_WAVE, WG_MTS, WG_STAGES, WG_UNROLL, WG_WIDE
 from realizar.gpu.policy.shapes import WgConfig
 
 __all__ = ["GemmWgOps", "WgConfig", "wg_applies", "wg_config"]
@@ -34,22 +34,23 @@ def wg_applies(device: Any, wtype: str, layout: str, in_dim: int) -> bool:
 
 def wg_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_count: int = 132,
               max_smem: int = 227 * 1024, glu: bool = False) -> WgConfig:
-    """The launch shape for ``rows_out`` outputs of ``in_dim`` values at ``m`` tokens: the largest token tile of
-    ``WG_MTS`` (at most ``m`` rounded up) whose launch with two row groups a CTA fills ``WG_MIN_WAVE`` of the SMs,
-    else the smallest such tile with K split in two; the first ring depth of ``WG_STAGES`` that fits
-    ``max_smem`` (else fewer row groups and parts)."""
+    """The launch shape for ``rows_out`` outputs of ``in_dim`` values at ``m`` tokens: two row groups a CTA for
+    wide launches (``WG_WIDE`` warpgroups of 128-token tiles per SM or more), else K split in two (where there are
+    4 chunks or more);
+    the largest token tile of ``WG_MTS`` below ``2 m`` whose launch has ``WG_MIN_WAVE`` x ``sm_count`` CTAs (else
+    the smallest); the first ring depth of ``WG_STAGES`` that fits ``max_smem`` (else fewer parts)."""
     from ptx_gen.kernels.gemm.gemm_wg import smem_bytes
 
     groups = -(-rows_out // (32 if glu else 64))  # 64-row warpgroups (glu: 32 outputs)
-    fits = [t for t in WG_MTS if t < 2 * m or t == WG_MTS[-1]]
-    fits = [t for t in fits if t >= 64 or m <= 32] or [WG_MTS[-1]]
-    pick = next(((t, 1) for t in fits if -(-groups // 2) * -(-m // t) >= WG_MIN_WAVE * sm_count),
-                (fits[-1], 2 if in_dim // 256 >= 4 else 1))
-    mt, kparts = pick
-    for rg, kp in ((2, kparts), (1, kparts), (1, 1)):
-        for stages in WG_STAGES:
-            if smem_bytes(wtype, in_dim, layout, mt, rg, kp, stages) <= max_smem:
-                return WgConfig(mt, rg, kp, stages)
+    wide = groups * -(-m // 128) >= WG_WIDE * sm_count
+    rgroups, kparts = (2, 1) if wide else (1, 2 if in_dim // 256 >= 4 else 1)
+    tiles = [t for t in WG_MTS if t < 2 * m and (t >= 64 or m <= 32)] or [WG_MTS[-1]]
+    mt = next((t for t in tiles if -(-groups // rgroups) * -(-m // t) >= WG_MIN_WAVE * sm_count), tiles[-1])
+    for rg, kp in ((rgroups, kparts), (1, kparts), (1, 1)):
+        for t in [mt] + [t for t in tiles if t < mt]:
+            for stages in WG_STAGES:
+                if (t < 256 or rg * kp <= 2) and smem_bytes(wtype, in_dim, layout, t, rg, kp, stages) <= max_smem:
+                    return WgConfig(t, rg, kp, stages, WG_UNROLL)
     raise ShapeError(f"no warpgroup GEMM tile for {wtype} {layout} fits {max_smem} bytes of shared memory")
 
 
@@ -89,7 +90,8 @@ class GemmWgOps(Dispatcher):
         cfg = config or wg_config(weight.wtype, k, weight.layout, cols, m, self.sm_count,
                                   self.device.max_shared_per_block_optin, glu=glu)
         kern = self.kernel("gemm_wg", wtype=weight.wtype, in_dim=k, layout=weight.layout, mt=cfg.mt,
-                           rgroups=cfg.rgroups, kparts=cfg.kparts, stages=cfg.stages, bias=bias is not None,
+                           rgroups=cfg.rgroups, kparts=cfg.kparts, stages=cfg.stages, unroll=cfg.unroll,
+                           bias=bias is not None,
                            residual=residual is not None, out_f16=bool(out_f16), glu=bool(glu))
         values = {"w": weight.ptr, "x": self.addr(x16, (m - 1) * lda + k, "x16", np.float16),
                   **self.epilogue(out, (m - 1) * ldy + cols, out_f16, bias, cols, residual)}

@@ -4,9 +4,10 @@
 * 2 .. ``cols_rows`` rows: the tensor-core GEMV's columns kernel where it takes the weight (each
   weight unit read and decoded once, the MMAs per row);
 * up to :data:`GEMM_Q_MAX_ROWS` rows: ``gemm_q``, the small-M GEMM straight from the quantized blocks;
-* more: the f16 GEMM over the weight's f16 copy where one is kept (:meth:`Linear.keep_f16`), else on sm_90
-  ``gemm_wg``, the warpgroup-MMA GEMM straight from the quantized blocks (the quantized copy stays the model's
-  only copy), else the f16 GEMM over the weight expanded into a scratch first (one weight at a time).
+* more: on sm_90 ``gemm_wg``, the warpgroup-MMA GEMM straight from the quantized blocks, except up to
+  ``WG_OVER_F16_ROWS`` rows where an f16 copy of the weight is kept (:meth:`Linear.keep_f16`): the f16 GEMM over
+  it; elsewhere the f16 GEMM over the copy, or over the weight expanded into a scratch first (one weight at a
+  time: the quantized copy stays the model's only copy).
 
 Above one row x enters as f16 (:meth:`Linear.f16_input`); products accumulate in f32. Epilogues:
 ``bias``, ``residual`` (may be ``out``: in place), ``glu`` (the [gate; up] weight's SwiGLU), ``out_f16``.
@@ -21,6 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from realizar.errors import ShapeError, UnsupportedError
+from realizar.gpu.policy.gemm import WG_OVER_F16_ROWS
 
 __all__ = ["GEMM_Q_MAX_ROWS", "GEMV_COLS_DEFAULT_ROWS", "GEMV_COLS_MAX_ROWS", "Linear", "rows_unsupported"]
 
@@ -112,7 +114,7 @@ class Linear:
             ops.gemm_q(x, weight, out, rows, stream=stream, **epilogue)
             return
         w16 = self.f16_weights.get(id(weight))
-        if w16 is None and self._wg(weight):
+        if (w16 is None or rows > WG_OVER_F16_ROWS) and self._wg(weight):
             ops.gemm_wg(x, weight, out, rows, stream=stream, **epilogue)
             return
         if w16 is None:

@@ -50,6 +50,7 @@ def serve(
     block_size: int | None = None,
     max_batched_tokens: int | None = None,
     prefill_chunk: int | None = None,
+    f16_weights: bool | None = None,
     kv_events: str | None = None,
     kv_events_topic: str = "",
     on_ready: Callable[[str, int], None] | None = None,
@@ -57,14 +58,14 @@ def serve(
     """Serve ``engine`` with uvicorn until interrupted. ``on_ready(host, port)`` is called once the
     socket is bound (with the real port when ``port`` is 0); ``max_body``: the request body limit in
     bytes (default 4 MiB, see :mod:`realizar.server.limits`); ``max_batch``, ``kv_memory`` (bytes),
-    ``kv_dtype``, ``block_size``, ``max_batched_tokens``, ``prefill_chunk`` and ``kv_events`` (with its
-    topic) configure the continuous-batching engine (see :func:`create_app`)."""
+    ``kv_dtype``, ``block_size``, ``max_batched_tokens``, ``prefill_chunk``, ``f16_weights`` and ``kv_events``
+    (with its topic) configure the continuous-batching engine (see :func:`create_app`)."""
     import uvicorn
 
     app = create_app(engine, model_name=model_name, max_queue=max_queue, default_max_tokens=default_max_tokens,
                      api_key=api_key, max_batch=max_batch, kv_memory=kv_memory, kv_dtype=kv_dtype,
                      block_size=block_size, max_batched_tokens=max_batched_tokens, prefill_chunk=prefill_chunk,
-                     kv_events=kv_events, kv_events_topic=kv_events_topic, **({} if max_body is None else {"max_body": max_body}))
+                     f16_weights=f16_weights, kv_events=kv_events, kv_events_topic=kv_events_topic, **({} if max_body is None else {"max_body": max_body}))
     sock = bind_socket(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5, lifespan="on")

@@ -94,6 +94,7 @@ def create_app(
     block_size: int | None = None,
     max_batched_tokens: int | None = None,
     prefill_chunk: int | None = None,
+    f16_weights: bool | None = None,
     kv_events: str | None = None,
     kv_events_topic: str = "",
 ) -> FastAPI:
@@ -110,8 +111,9 @@ def create_app(
     shutdown), by default one made for ``engine`` by :meth:`ServingEngine.from_engine` with
     ``max_batch`` sequences at most per step, a KV pool of ``kv_memory`` bytes in blocks of
     ``block_size`` positions stored as ``kv_dtype``, a per-step token budget of ``max_batched_tokens``
-    (decode rows plus prefill chunks) and prompts through the layers ``prefill_chunk`` tokens at most at
-    once (None: :class:`realizar.config.ServingConfig`'s defaults); with ``kv_events`` (a ZeroMQ endpoint) it
+    (decode rows plus prefill chunks), prompts through the layers ``prefill_chunk`` tokens at most at
+    once and ``f16_weights`` (f16 weight copies; None: :class:`realizar.config.ServingConfig`'s defaults, as for
+    the others); with ``kv_events`` (a ZeroMQ endpoint) it
     publishes its prefix cache's changes there under ``kv_events_topic``
     (:mod:`realizar.serving.kv_events`).
     """
@@ -132,7 +134,8 @@ def create_app(
                                          medium="CPU" if str(getattr(engine, "device", "cpu")) == "cpu" else "GPU")
         serving = ServingEngine.from_engine(engine, kv_memory=kv_memory, block_size=block_size, max_batch=max_batch,
                                             kv_dtype=kv_dtype, max_batched_tokens=max_batched_tokens,
-                                            prefill_chunk=prefill_chunk, kv_events=publisher)  # fmt: skip
+                                            prefill_chunk=prefill_chunk, f16_weights=f16_weights,
+                                            kv_events=publisher)  # fmt: skip
     metrics.attach(serving)
     scheduler = Scheduler(serving, metrics, max_queue=max_queue)
     state = ServerState(

@@ -102,21 +102,21 @@ def _grid() -> list[dict]:
 
 @kernel("gemm_wg", grid=_grid(), arch="sm_90a")
 def gemm_wg(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "tiles", mt: int = 128,
-            rgroups: int = 1, kparts: int = 1, stages: int = 3, inflight: int = 1, bias: bool = False,
+            rgroups: int = 1, kparts: int = 1, stages: int = 3, unroll: int = 1, bias: bool = False,
             residual: bool = False, out_f16: bool = False, glu: bool = False) -> KernelBuilder:
     """Y[:m] = X[:m] W^T (+ bias) (+ residual), or with ``glu`` silu(X G^T) * (X U^T) for W = [gate; up];
     W of ``wtype`` in ``layout``, X f16, f32 accumulation on wgmma. Params: w, x, y, [bias], [residual], m,
     n, lda, ldy. Launch: grid (ceil(rows_out / meta["rows_per_cta"]), ceil(m / mt)), block meta["block"],
     dyn_smem meta["dyn_smem"]."""
     check_shape(wtype, in_dim, layout, mt, rgroups, kparts, stages)
-    if inflight not in (1, 2):
-        raise ValueError(f"inflight (MMA groups left running while the next block decodes) must be 1 or 2, got {inflight}")
+    if unroll not in (1, 2, 4):
+        raise ValueError(f"unroll (32-value blocks decoded per MMA group) must be 1, 2 or 4, got {unroll}")
     if glu and (bias or residual):
         raise ValueError("the SwiGLU epilogue takes no bias or residual")
     if layout == "glu-tiles" and not glu:
         raise ValueError("a glu-tiles weight is [gate; up]: only the glu GEMM reads it")
     flags = "".join(f"_{n}" for n, on in (("bias", bias), ("res", residual), ("h", out_f16), ("glu", glu)) if on)
-    name = f"gemm_wg_{wtype.lower()}_k{in_dim}_{layout.replace('-', '_')}_m{mt}_r{rgroups}x{kparts}_s{stages}{'' if inflight == 1 else f'_f{inflight}'}{flags}"
+    name = f"gemm_wg_{wtype.lower()}_k{in_dim}_{layout.replace('-', '_')}_m{mt}_r{rgroups}x{kparts}_s{stages}_u{unroll}{flags}"
     params = [("w", "u64"), ("x", "u64"), ("y", "u64")]
     params += [("bias", "u64")] * bias + [("residual", "u64")] * residual
     params += [("m", "u32"), ("n", "u32"), ("lda", "u32"), ("ldy", "u32")]
@@ -183,16 +183,17 @@ def gemm_wg(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
         ch = ws.prep(k.add(wbase, rd), c, (wbase, stages * slot_bytes))
         parity = k.and_(i, 1)
         for h in range(2):  # X stage = this half of the chunk, in buffer h; the next stage goes to 1 - h
-            for b in range(4):
-                a_r, a_r8 = ws.words(ch, 4 * h + b)
+            for g in range(0, 4, unroll):  # blocks g.. decoded together (independent chains), then their MMAs
+                words = [ws.words(ch, 4 * h + b) for b in range(g, g + unroll)]
                 k.wgmma_fence()
-                for s in range(2):
-                    off = ((b >> 1) * mt * 128 + 32 * (2 * (b & 1) + s)) >> 4
-                    k.wgmma_f16(acc, [a_r[2 * s], a_r8[2 * s], a_r[2 * s + 1], a_r8[2 * s + 1]],
-                                k.add(desc0[h], off, "u64"), scale_d)
+                for b, (a_r, a_r8) in enumerate(words, g):
+                    for s in range(2):
+                        off = ((b >> 1) * mt * 128 + 32 * (2 * (b & 1) + s)) >> 4
+                        k.wgmma_f16(acc, [a_r[2 * s], a_r8[2 * s], a_r[2 * s + 1], a_r8[2 * s + 1]],
+                                    k.add(desc0[h], off, "u64"), scale_d)
                 k.wgmma_commit()
-                k.wgmma_wait(inflight)
-                if b == inflight - 1:  # this warpgroup's MMAs that read buffer 1 - h are done: fill it with the next stage
+                k.wgmma_wait(1)
+                if g == 0:  # this warpgroup's MMAs that read buffer 1 - h are done: fill it with the next stage
                     if rgroups > 1:  # (once the other row group's are done too)
                         k.bar_sync(1 if kparts == 1 else k.add(kp, 1), group)
                     if h == 0:

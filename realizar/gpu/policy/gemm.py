@@ -41,10 +41,18 @@ X8_STAGES = (3, 2)
 
 # ---- the warpgroup-MMA GEMM over quantized weights (wg_config, sm_90a) --------------------------------------
 
-# token tiles tried, largest first (none larger than m needs): the first whose launch, two row groups a CTA,
-# has WG_MIN_WAVE x sm_count CTAs; else the smallest, with K split in two
+# token tiles tried, largest first (none of twice m or more): the first whose launch has WG_MIN_WAVE x sm_count
+# CTAs, else the smallest
 WG_MTS = (256, 128, 64, 32)
-WG_MIN_WAVE = 0.75
-# weight ring depths tried, shallowest first (two chunks in flight beside the decoded one are enough, and less
-# shared memory leaves room for a second CTA)
+WG_MIN_WAVE = 0.7
+# "wide" launches (at least this many 64-row warpgroups of 128-token tiles per SM: gate/up, or any weight at
+# enough tokens) put two row groups in a CTA, which then reads the tokens' X once for both; narrower ones split K
+# in two instead (H200, docs/results/bench_gemm_wg_h200.md)
+WG_WIDE = 1.4
+# weight ring depths tried, shallowest first (the first that fits the shared memory)
 WG_STAGES = (2, 3)
+# 32-value blocks decoded per MMA group (two independent decode chains per warp)
+WG_UNROLL = 2
+# above this many rows the Linear takes the warpgroup GEMM even where an f16 copy of the weight is kept
+# (H200, 8B / 1B batched decode: f16 copy ahead at 64 rows, the quantized weights ahead at 128)
+WG_OVER_F16_ROWS = 64

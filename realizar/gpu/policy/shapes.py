@@ -89,9 +89,10 @@ class X8Config:
 class WgConfig:
     """Launch shape of the warpgroup-MMA GEMM (:mod:`ptx_gen.kernels.gemm.gemm_wg`): ``mt`` tokens per CTA,
     ``rgroups`` 64-row warpgroups side by side, ``kparts`` warpgroups splitting K, ``stages`` weight chunks
-    of 256 values in each warp's ring."""
+    of 256 values in each warp's ring, ``unroll`` 32-value blocks decoded per MMA group."""
 
     mt: int
     rgroups: int = 1
     kparts: int = 1
-    stages: int = 3
+    stages: int = 2
+    unroll: int = 2
