@@ -53,6 +53,16 @@ def positive_int(text: str) -> int:
     return v
 
 
+def positive_seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text}")
+    return v
+
+
 def nonneg_int(text: str) -> int:
     try:
         v = int(text)

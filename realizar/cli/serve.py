@@ -8,7 +8,7 @@ import re
 
 from realizar.cli.common import (
     CliError, add_aliases, add_model_args, add_tensor_parallel_arg, env_defaults, load_engine, note, port,
-    positive_int,
+    positive_int, positive_seconds,
 )
 from realizar.config import ServingConfig
 from realizar.models.kv_formats import KV_FORMATS
@@ -117,6 +117,14 @@ def serving_options(args: argparse.Namespace, device: str) -> dict:
             "kv_events": args.kv_events, "kv_events_topic": args.kv_events_topic}  # fmt: skip
 
 
+def connection_limits(args: argparse.Namespace):
+    """The HTTP server's :class:`~realizar.server.connections.ConnectionLimits` from the command line."""
+    from realizar.server.connections import ConnectionLimits
+
+    return ConnectionLimits(max_connections=args.max_connections, header_timeout=args.header_timeout,
+                            body_timeout=args.body_timeout)
+
+
 def _refuse_tensor_parallel(args: argparse.Namespace) -> None:
     """``serve --tensor-parallel N`` (N > 1): the checks ``generate`` makes (a GPU device, a model that
     shards over N, N visible GPUs), then a refusal: the server's continuous batching
@@ -180,6 +188,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             log_level="debug" if args.verbose else args.log_level,
             api_key=api_key,
             on_ready=ready,
+            limits=connection_limits(args),
             **options,
         )
     except KeyboardInterrupt:  # Ctrl-C is how a server is stopped: uvicorn has shut down cleanly
@@ -209,6 +218,15 @@ def register(command) -> None:
     p.add_argument("--data-parallel", type=positive_int, default=1, metavar="N",
                    help="N replicas, one per GPU, behind sglang-router's cache-aware policy at --host/--port "
                         "(pip install 'realizar[cluster]'; with --device cpu, N replicas on the CPU) (default: 1)")
+    p.add_argument("--max-connections", type=positive_int, default=1024, metavar="N",
+                   help="HTTP connections held at most: at the limit a new one closes the oldest idle one (no request "
+                        "in progress), or is answered 503 when all are busy (default: 1024)")
+    p.add_argument("--header-timeout", type=positive_seconds, default=10.0, metavar="SECONDS",
+                   help="a request's headers must arrive within this after the connection opens or the previous "
+                        "response ends, else the connection is closed (default: 10)")
+    p.add_argument("--body-timeout", type=positive_seconds, default=60.0, metavar="SECONDS",
+                   help="a request's body must arrive within this after its headers, else the connection is closed "
+                        "(default: 60)")
     p.add_argument("--max-queue", type=positive_int, default=256, metavar="N",
                    help="requests allowed to wait beyond the running batch before answering 429 (default: 256)")
     add_aliases(p, p.add_argument("--max-batch", type=positive_int, default=_DEFAULTS.max_batch, metavar="N",

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from realizar.server.app import create_app
 
-__all__ = ["bind_socket", "create_app", "serve"]
+__all__ = ["bind_socket", "create_app", "serve", "uvicorn_config"]
 
 
 def bind_socket(host: str = "127.0.0.1", port: int = 8000) -> socket.socket:
@@ -31,6 +31,16 @@ def bind_socket(host: str = "127.0.0.1", port: int = 8000) -> socket.socket:
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
+
+
+def uvicorn_config(app: Any, limits: Any = None, **kwargs: Any) -> Any:
+    """uvicorn's configuration for ``app`` with realizar's HTTP protocol: h11 under ``limits``
+    (:class:`~realizar.server.connections.ConnectionLimits`; None: its defaults)."""
+    import uvicorn
+
+    from realizar.server.connections import ConnectionLimits, protocol_class
+
+    return uvicorn.Config(app, http=protocol_class(limits or ConnectionLimits()), lifespan="on", **kwargs)
 
 
 def serve(
@@ -54,12 +64,14 @@ def serve(
     kv_events: str | None = None,
     kv_events_topic: str = "",
     on_ready: Callable[[str, int], None] | None = None,
+    limits: Any = None,
 ) -> None:
     """Serve ``engine`` with uvicorn until interrupted. ``on_ready(host, port)`` is called once the
     socket is bound (with the real port when ``port`` is 0); ``max_body``: the request body limit in
     bytes (default 4 MiB, see :mod:`realizar.server.limits`); ``max_batch``, ``kv_memory`` (bytes),
     ``kv_dtype``, ``block_size``, ``max_batched_tokens``, ``prefill_chunk``, ``f16_weights`` and ``kv_events``
-    (with its topic) configure the continuous-batching engine (see :func:`create_app`)."""
+    (with its topic) configure the continuous-batching engine (see :func:`create_app`); ``limits``: the
+    connection limits (:class:`~realizar.server.connections.ConnectionLimits`; None: its defaults)."""
     import uvicorn
 
     app = create_app(engine, model_name=model_name, max_queue=max_queue, default_max_tokens=default_max_tokens,
@@ -68,7 +80,7 @@ def serve(
                      f16_weights=f16_weights, kv_events=kv_events, kv_events_topic=kv_events_topic, **({} if max_body is None else {"max_body": max_body}))
     sock = bind_socket(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5, lifespan="on")
+    config = uvicorn_config(app, limits, log_level=log_level, timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     if on_ready is not None:
         on_ready(bound_host, bound_port)
