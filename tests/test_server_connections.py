@@ -162,3 +162,19 @@ def test_serve_flags_make_the_limits():
             build_parser().parse_args(["serve", *bad])
     with pytest.raises(ValueError, match="max_connections"):
         ConnectionLimits(max_connections=0)
+
+
+def test_the_descriptor_limit_fits_the_connections(monkeypatch):
+    from realizar.server import connections
+
+    calls = []
+    monkeypatch.setattr(resource, "getrlimit", lambda what: (1024, 1500))
+    monkeypatch.setattr(resource, "setrlimit", lambda what, lim: calls.append(lim))
+    assert connections.fit_fd_limit(ConnectionLimits(max_connections=512)) == ConnectionLimits(max_connections=512)
+    assert calls == []  # (512 + the reserve fit in 1024 already)
+    got = connections.fit_fd_limit(ConnectionLimits(max_connections=4096))
+    assert calls == [(1500, 1500)] and got.max_connections == 1500 - connections.FD_RESERVE
+    calls.clear()
+    monkeypatch.setattr(resource, "getrlimit", lambda what: (1024, resource.RLIM_INFINITY))
+    assert connections.fit_fd_limit(ConnectionLimits(max_connections=4096)).max_connections == 4096
+    assert calls == [(4096 + connections.FD_RESERVE, resource.RLIM_INFINITY)]

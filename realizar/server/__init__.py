@@ -38,9 +38,9 @@ def uvicorn_config(app: Any, limits: Any = None, **kwargs: Any) -> Any:
     (:class:`~realizar.server.connections.ConnectionLimits`; None: its defaults)."""
     import uvicorn
 
-    from realizar.server.connections import ConnectionLimits, protocol_class
+    from realizar.server.connections import ConnectionLimits, fit_fd_limit, protocol_class
 
-    return uvicorn.Config(app, http=protocol_class(limits or ConnectionLimits()), lifespan="on", **kwargs)
+    return uvicorn.Config(app, http=protocol_class(fit_fd_limit(limits or ConnectionLimits())), lifespan="on", **kwargs)
 
 
 def serve(

@@ -14,7 +14,9 @@ every accept fails and logs a traceback). :func:`protocol_class` makes a subclas
   one is answered 503 (OpenAI's error body) and closed at once. Idle connections cannot lock out real clients,
   and file descriptors stay bounded.
 
-What was closed or refused is logged once per ``log_interval`` at most, with counts.
+What was closed or refused is logged once per ``log_interval`` at most, with counts. :func:`fit_fd_limit` raises
+the process's soft ``RLIMIT_NOFILE`` so the connections fit beside ``FD_RESERVE`` other descriptors (or lowers
+``max_connections`` to what the hard limit allows): accepts never fail for want of a descriptor.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-__all__ = ["ConnectionLimits", "protocol_class"]
+__all__ = ["ConnectionLimits", "FD_RESERVE", "fit_fd_limit", "protocol_class"]
 
 log = logging.getLogger("realizar.server")
+FD_RESERVE = 256  # descriptors kept for everything but client connections (model files, pipes, the listener...)
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,32 @@ class ConnectionLimits:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
+
+
+def fit_fd_limit(limits: ConnectionLimits) -> ConnectionLimits:
+    """``limits`` once the process may open ``max_connections + FD_RESERVE`` descriptors: the soft RLIMIT_NOFILE
+    raised towards the hard one, ``max_connections`` lowered (with a warning) where the hard limit is below."""
+    import dataclasses
+
+    try:
+        import resource
+    except ImportError:  # (not on this platform: nothing to fit)
+        return limits
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = limits.max_connections + FD_RESERVE
+    if soft != resource.RLIM_INFINITY and soft < need:
+        want = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError):
+            pass
+    if soft != resource.RLIM_INFINITY and soft < need:
+        room = max(1, soft - FD_RESERVE)
+        log.warning("max_connections %d lowered to %d: the process may open %d file descriptors (RLIMIT_NOFILE)",
+                    limits.max_connections, room, soft)
+        return dataclasses.replace(limits, max_connections=room)
+    return limits
 
 
 def _refusal() -> bytes:
