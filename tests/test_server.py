@@ -24,7 +24,7 @@ pytest.importorskip("prometheus_client")
 
 from realizar.engine import load_engine  # noqa: E402
 from realizar.generation import SamplingParams  # noqa: E402
-from realizar.server import bind_socket, create_app, serve, uvicorn_config  # noqa: E402
+from realizar.server import DRAIN_SECONDS, bind_socket, create_app, graceful_server, serve, uvicorn_config  # noqa: E402
 
 PROMPT = "The capital of France is"
 MESSAGES = [
@@ -83,7 +83,7 @@ def throttled_serving(engine, max_batch: int = 64):
 
 
 class LiveServer:
-    def __init__(self, engine, limits=None, **app_kwargs):
+    def __init__(self, engine, limits=None, drain_seconds=DRAIN_SECONDS, **app_kwargs):
         self.engine = engine
         self.app = create_app(engine, **app_kwargs)
         self.serving = self.app.state.server.scheduler.serving
@@ -91,7 +91,8 @@ class LiveServer:
         self.sock = bind_socket("127.0.0.1", 0)
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn_config(self.app, limits, log_level="warning"))
+        self.server = graceful_server(uvicorn_config(self.app, limits, log_level="warning", timeout_graceful_shutdown=5),
+                                      self.app, drain_seconds)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def start(self) -> "LiveServer":

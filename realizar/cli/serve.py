@@ -189,6 +189,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             api_key=api_key,
             on_ready=ready,
             limits=connection_limits(args),
+            drain_seconds=args.shutdown_grace,
             **options,
         )
     except KeyboardInterrupt:  # Ctrl-C is how a server is stopped: uvicorn has shut down cleanly
@@ -227,6 +228,9 @@ def register(command) -> None:
     p.add_argument("--body-timeout", type=positive_seconds, default=60.0, metavar="SECONDS",
                    help="a request's body must arrive within this after its headers, else the connection is closed "
                         "(default: 60)")
+    p.add_argument("--shutdown-grace", type=positive_seconds, default=4.0, metavar="SECONDS",
+                   help="at SIGTERM or Ctrl-C, how long requests in flight may take to finish; the rest then end "
+                        "with a 503 error (a stream: its error event and [DONE]) (default: 4)")
     p.add_argument("--max-queue", type=positive_int, default=256, metavar="N",
                    help="requests allowed to wait beyond the running batch before answering 429 (default: 256)")
     add_aliases(p, p.add_argument("--max-batch", type=positive_int, default=_DEFAULTS.max_batch, metavar="N",

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from realizar.server.app import create_app
 
-__all__ = ["bind_socket", "create_app", "serve", "uvicorn_config"]
+__all__ = ["DRAIN_SECONDS", "bind_socket", "create_app", "graceful_server", "serve", "uvicorn_config"]
 
 
 def bind_socket(host: str = "127.0.0.1", port: int = 8000) -> socket.socket:
@@ -43,6 +43,28 @@ def uvicorn_config(app: Any, limits: Any = None, **kwargs: Any) -> Any:
     return uvicorn.Config(app, http=protocol_class(fit_fd_limit(limits or ConnectionLimits())), lifespan="on", **kwargs)
 
 
+# seconds requests in flight may take to finish once shutdown starts (SIGTERM, Ctrl-C), before the rest end with
+# a 503 error event; uvicorn then waits up to timeout_graceful_shutdown for their responses to go out
+DRAIN_SECONDS = 4.0
+
+
+def graceful_server(config: Any, app: Any, drain_seconds: float = DRAIN_SECONDS) -> Any:
+    """A uvicorn server for ``app`` that, on shutdown, stops accepting connections, lets the requests in flight
+    finish for ``drain_seconds`` and ends the rest with a 503 error event (streams: the event, then ``[DONE]``;
+    whole answers: a JSON 503; :meth:`~realizar.server.scheduler.Scheduler.drain`) before uvicorn's own shutdown,
+    which then finds no response to cut off."""
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        async def shutdown(self, sockets: list | None = None) -> None:
+            for server in self.servers:  # (no new connections while the requests in flight finish)
+                server.close()
+            await app.state.server.scheduler.drain(drain_seconds)
+            await super().shutdown(sockets)
+
+    return GracefulServer(config)
+
+
 def serve(
     engine: Any,
     host: str = "127.0.0.1",
@@ -65,15 +87,15 @@ def serve(
     kv_events_topic: str = "",
     on_ready: Callable[[str, int], None] | None = None,
     limits: Any = None,
+    drain_seconds: float = DRAIN_SECONDS,
 ) -> None:
     """Serve ``engine`` with uvicorn until interrupted. ``on_ready(host, port)`` is called once the
     socket is bound (with the real port when ``port`` is 0); ``max_body``: the request body limit in
     bytes (default 4 MiB, see :mod:`realizar.server.limits`); ``max_batch``, ``kv_memory`` (bytes),
     ``kv_dtype``, ``block_size``, ``max_batched_tokens``, ``prefill_chunk``, ``f16_weights`` and ``kv_events``
     (with its topic) configure the continuous-batching engine (see :func:`create_app`); ``limits``: the
-    connection limits (:class:`~realizar.server.connections.ConnectionLimits`; None: its defaults)."""
-    import uvicorn
-
+    connection limits (:class:`~realizar.server.connections.ConnectionLimits`; None: its defaults);
+    ``drain_seconds``: how long requests in flight may take to finish at shutdown (:func:`graceful_server`)."""
     app = create_app(engine, model_name=model_name, max_queue=max_queue, default_max_tokens=default_max_tokens,
                      api_key=api_key, max_batch=max_batch, kv_memory=kv_memory, kv_dtype=kv_dtype,
                      block_size=block_size, max_batched_tokens=max_batched_tokens, prefill_chunk=prefill_chunk,
@@ -81,7 +103,7 @@ def serve(
     sock = bind_socket(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
     config = uvicorn_config(app, limits, log_level=log_level, timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    server = graceful_server(config, app, drain_seconds)
     if on_ready is not None:
         on_ready(bound_host, bound_port)
     try:

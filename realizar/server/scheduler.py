@@ -7,6 +7,10 @@ to the app's :class:`~realizar.serving.ServingEngine`, which runs every request 
 ``asyncio.Queue`` with ``loop.call_soon_threadsafe``; the request handler awaits that queue, so the
 event loop never blocks on the model. Cancelling a job (the client went away) cancels its handle:
 the engine drops the sequence at once, waiting or running, and frees its KV blocks.
+
+Shutting down (:meth:`Scheduler.drain`): no job is admitted any more (:class:`ShuttingDownError`), those in
+flight get a grace period to finish, and the rest end with a 503 error event (a stream then ends with it and
+``[DONE]``, a whole-answer request with a JSON 503) instead of being cut off.
 """
 
 from __future__ import annotations
@@ -20,11 +24,22 @@ from typing import Any, AsyncIterator
 from realizar.generation import GenerationResult, SamplingParams
 from realizar.server.metrics import ServerMetrics
 
-__all__ = ["Job", "QueueFullError", "Scheduler"]
+__all__ = ["Job", "QueueFullError", "Scheduler", "ShuttingDownError"]
 
 
 class QueueFullError(RuntimeError):
     """Too many requests are already in flight."""
+
+
+class ShuttingDownError(QueueFullError):
+    """The server is shutting down: no new requests."""
+
+
+def _shutdown_error() -> Exception:
+    from realizar.server.protocol import ServerError
+
+    return ServerError(503, "the server is shutting down before this request finished; retry it", "server_error",
+                       code="server_shutting_down")
 
 
 @dataclass(eq=False)
@@ -38,6 +53,7 @@ class Job:
     handle: Any = None  # the engine's RequestHandle
     result: GenerationResult | None = None
     cancelled: bool = False
+    shutdown: bool = False  # ended by the server's shutdown, not by its client
 
     def _post(self, kind: str, payload: Any) -> None:
         try:
@@ -69,6 +85,7 @@ class Scheduler:
         self._lock = threading.Lock()
         self._jobs: set[Job] = set()
         self._closed = False
+        self.draining = False
 
     @property
     def in_flight(self) -> int:
@@ -89,7 +106,7 @@ class Scheduler:
         :class:`~realizar.errors.InvalidRequestError` for a request that can never fit its KV pool."""
         with self._lock:
             if self._closed:
-                raise QueueFullError("the server is shutting down")
+                raise ShuttingDownError("the server is shutting down")
             if len(self._jobs) >= self.max_in_flight:
                 raise QueueFullError(f"{len(self._jobs)} requests are already in flight")
             job.handle = self.serving.submit(job.prompt_ids, job.params)
@@ -129,6 +146,10 @@ class Scheduler:
                 self.metrics.request_finished(None, generated, None, "abort")
         result = handle.result
         elapsed = time.perf_counter() - job.received_at
+        if job.shutdown and (result is None or result.finish_reason == "cancelled"):
+            self.metrics.request_finished(None, generated, elapsed, "abort")
+            job._post("error", _shutdown_error())
+            return
         if result is None or result.finish_reason == "cancelled":
             job.cancelled = True
             self.metrics.cancelled.inc()
@@ -139,6 +160,25 @@ class Scheduler:
         reason = "length" if result.finish_reason == "length" else "stop"
         self.metrics.request_finished(result, generated, elapsed, reason)
         job._post("done", result)
+
+    async def drain(self, grace: float, settle: float = 2.0) -> None:
+        """Stop admitting jobs; give those in flight ``grace`` seconds to finish, then end the rest with a 503
+        error event and wait (``settle`` seconds at most) until their pumps have posted it."""
+        with self._lock:
+            self._closed = True
+            self.draining = True
+        loop = asyncio.get_running_loop()
+        end = loop.time() + grace
+        while self.in_flight and loop.time() < end:
+            await asyncio.sleep(0.05)
+        with self._lock:
+            left = list(self._jobs)
+        for job in left:
+            job.shutdown = True
+            self.cancel(job)
+        end = loop.time() + settle
+        while self.in_flight and loop.time() < end:
+            await asyncio.sleep(0.02)
 
     def close(self) -> None:
         """Stop accepting jobs and close the engine (jobs in flight end with an error)."""

@@ -21,7 +21,7 @@ from realizar.generation import SamplingParams
 from realizar.server import protocol as P
 from realizar.server.errors import as_server_error
 from realizar.server.metrics import ServerMetrics
-from realizar.server.scheduler import Job, QueueFullError, Scheduler
+from realizar.server.scheduler import Job, QueueFullError, Scheduler, ShuttingDownError
 
 __all__ = ["ServerState", "EventStream", "get_state", "parse_body"]
 
@@ -107,6 +107,9 @@ class ServerState:
         job = Job(prompt_ids=ids, params=params, loop=asyncio.get_running_loop())
         try:
             self.scheduler.submit(job)
+        except ShuttingDownError as e:
+            raise P.ServerError(503, f"{e}; retry later or on another replica", "server_error",
+                                code="server_shutting_down") from None
         except QueueFullError as e:
             raise P.ServerError(429, f"the server is busy: {e}; retry later", "rate_limit_error",
                                 code="queue_full") from None  # fmt: skip

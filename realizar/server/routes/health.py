@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from realizar.server.metrics import CONTENT_TYPE
 from realizar.server.state import ServerState, get_state
@@ -11,8 +11,12 @@ from realizar.server.state import ServerState, get_state
 router = APIRouter()
 
 
-@router.get("/health")
-async def health(state: ServerState = Depends(get_state)) -> dict:
+@router.get("/health", response_model=None)
+async def health(state: ServerState = Depends(get_state)) -> dict | JSONResponse:
+    """200 and the queue's state; 503 ``{"status": "shutting down"}`` once shutdown started (routers and
+    Kubernetes readiness probes then stop sending requests here)."""
+    if state.scheduler.draining:
+        return JSONResponse({"status": "shutting down", "model": state.name}, status_code=503)
     return {
         "status": "ok",
         "model": state.name,
