@@ -86,7 +86,37 @@ _HF_TO_GGUF_GLOBAL = {
 }
 
 
+# a mixture-of-experts layer: the router, and each expert's matrices stacked into one [experts, rows, cols] tensor
+_HF_TO_GGUF_ROUTER = {"mlp.gate.weight": "ffn_gate_inp.weight", "block_sparse_moe.gate.weight": "ffn_gate_inp.weight"}
+_HF_TO_GGUF_EXPERT = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+                      "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
+
+
+def stack_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``tensors`` with each layer's per-expert HF matrices replaced by the stacked GGUF-layout ones, named
+    ``model.layers.N.<ffn_*_exps>`` (and the router renamed ``model.layers.N.ffn_gate_inp.weight``), as
+    llama.cpp's converter merges them."""
+    import re
+
+    out, experts = {}, {}
+    for name, x in tensors.items():
+        m = re.match(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$", name)
+        if m:
+            experts.setdefault((int(m.group(1)), _HF_TO_GGUF_EXPERT[m.group(3)]), {})[int(m.group(2))] = x
+            continue
+        layer = re.match(r"^model\.layers\.(\d+)\.(.+)$", name)
+        if layer and layer.group(2) in _HF_TO_GGUF_ROUTER:
+            name = f"model.layers.{layer.group(1)}.{_HF_TO_GGUF_ROUTER[layer.group(2)]}"
+        out[name] = x
+    for (i, kind), per in experts.items():
+        out[f"model.layers.{i}.{kind}"] = np.stack([per[e] for e in range(len(per))])
+    return out
+
+
 def gguf_tensor_name(hf_name: str) -> str:
+    parts = hf_name.split(".", 3)
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3].startswith("ffn_"):  # (stack_experts')
+        return f"blk.{int(parts[2])}.{parts[3]}" + ("" if parts[3].endswith(".weight") else ".weight")
     if hf_name in _HF_TO_GGUF_GLOBAL:
         return _HF_TO_GGUF_GLOBAL[hf_name]
     parts = hf_name.split(".", 3)  # model, layers, N, rest
@@ -161,7 +191,10 @@ def _gguf_tensor(x: np.ndarray, name: str, qtype: str, heads: tuple[int, int] | 
         x = permute_qk(x, heads[0])
     elif heads is not None and part == "attn_k":
         x = permute_qk(x, heads[1])
-    return quantize(x, "F32" if x.ndim == 1 else qtype)
+    if x.ndim == 3:  # (stacked experts: quantized row by row, the byte rows shaped back)
+        arr, raw = quantize(x.reshape(-1, x.shape[-1]), qtype)
+        return arr.reshape(*x.shape[:2], -1), raw
+    return quantize(x, "F32" if x.ndim == 1 or part == "ffn_gate_inp" else qtype)
 
 
 def hf_to_gguf(
@@ -182,8 +215,9 @@ def hf_to_gguf(
     cfg = json.loads((hf_dir / "config.json").read_text())
     model_type = cfg["model_type"]
     if gguf_arch is None:
-        gguf_arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[model_type]
-    permute = model_type in ("llama", "mistral")
+        gguf_arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe",
+                     "mixtral": "llama"}[model_type]
+    permute = model_type in ("llama", "mistral", "mixtral")
     n_head = cfg["num_attention_heads"]
     n_kv = cfg.get("num_key_value_heads") or n_head
     hidden = cfg["hidden_size"]
@@ -191,7 +225,7 @@ def hf_to_gguf(
     rope = cfg.get("rope_parameters") or {}
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
 
-    tensors = read_hf_tensors(hf_dir)
+    tensors = stack_experts(read_hf_tensors(hf_dir))
     if cfg.get("tie_word_embeddings"):
         tensors.pop("lm_head.weight", None)
 
@@ -210,6 +244,13 @@ def hf_to_gguf(
     w.add_rope_freq_base(float(theta))
     w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
     w.add_vocab_size(cfg["vocab_size"])
+    if "num_local_experts" in cfg:
+        w.add_expert_count(cfg["num_local_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        if "moe_intermediate_size" in cfg:
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if cfg.get("norm_topk_prob") is False:
+            w.add_expert_weights_norm(False)
     w.add_file_type(gguf.LlamaFileType[_FILE_TYPES[qtype]])
 
     _add_tokenizer(w, hf_dir, cfg["vocab_size"])

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+MOE_ARCHS = ("qwen3_moe", "mixtral")  # mixture-of-experts (dims: num_experts, experts_used, expert_ffn)
 
 # Small enough for fast CPU tests. vocab_size >= 259 (3 special tokens + 256 byte tokens).
 DEFAULT_DIMS: dict[str, Any] = dict(
@@ -52,6 +53,10 @@ DEFAULT_DIMS: dict[str, Any] = dict(
     rope_theta=10000.0,
     rms_norm_eps=1e-5,
     tie_word_embeddings=False,
+    num_experts=4,
+    experts_used=2,
+    expert_ffn=32,
+    norm_topk_prob=True,
 )
 # Every matrix row (hidden, q_dim, intermediate) is a multiple of 256, as K-quants need.
 KQUANT_DIMS: dict[str, Any] = dict(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2)
@@ -157,6 +162,8 @@ _ARCH_CLASS = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 # The version whose save_pretrained layout config.json reproduces (keys and values, see hf_config).
 TRANSFORMERS_LAYOUT = "5.24.0"
@@ -168,12 +175,12 @@ def hf_config(arch: str, *, dtype: str = "float32", **dims: Any) -> dict[str, An
     ``Qwen3Config(use_sliding_window=False)`` with these dimensions (``rope_parameters`` rather than
     4.x's ``rope_theta``; ``head_dim`` written except for qwen2; Qwen3's head_dim defaults to
     ``2 * hidden / heads`` here so it differs from hidden / heads)."""
-    if arch not in ARCHS:
-        raise ValueError(f"unknown arch {arch!r}; one of {ARCHS}")
+    if arch not in ARCHS + MOE_ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; one of {ARCHS + MOE_ARCHS}")
     d = _dims(**dims)
     head_dim = d["head_dim"]
     if head_dim is None:
-        head_dim = (2 if arch == "qwen3" else 1) * d["hidden_size"] // d["num_heads"]
+        head_dim = (2 if arch in ("qwen3", "qwen3_moe") else 1) * d["hidden_size"] // d["num_heads"]
     cfg: dict[str, Any] = {
         "architectures": [_ARCH_CLASS[arch]],
         "attention_bias": False,
@@ -211,7 +218,18 @@ def hf_config(arch: str, *, dtype: str = "float32", **dims: Any) -> dict[str, An
                     "use_sliding_window"),
         "qwen2": ("attention_bias", "head_dim", "mlp_bias", "pretraining_tp"),
         "qwen3": ("mlp_bias", "pretraining_tp"),
+        "qwen3_moe": ("layer_types", "max_window_layers", "mlp_bias", "pretraining_tp"),
+        "mixtral": ("attention_bias", "layer_types", "max_window_layers", "mlp_bias", "pretraining_tp",
+                    "use_sliding_window"),
     }[arch]
+    if arch == "qwen3_moe":
+        cfg.update(decoder_sparse_step=1, mlp_only_layers=[], moe_intermediate_size=d["expert_ffn"],
+                   norm_topk_prob=d["norm_topk_prob"], num_local_experts=d["num_experts"],
+                   num_experts_per_tok=d["experts_used"], output_router_logits=False, router_aux_loss_coef=0.001)
+    elif arch == "mixtral":
+        cfg.update(intermediate_size=d["expert_ffn"], num_local_experts=d["num_experts"],
+                   num_experts_per_tok=d["experts_used"], output_router_logits=False, router_aux_loss_coef=0.001,
+                   router_jitter_noise=0.0)
     if arch == "qwen2" and d["head_dim"] is not None:
         drop = tuple(k for k in drop if k != "head_dim")
     for k in drop:
@@ -244,12 +262,23 @@ def hf_parameter_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         for k, shape in attn.items():
             if k.endswith(".bias") and arch != "qwen2":
                 continue
-            if k.startswith(("q_norm", "k_norm")) and arch != "qwen3":
+            if k.startswith(("q_norm", "k_norm")) and arch not in ("qwen3", "qwen3_moe"):
                 continue
             shapes[p + "self_attn." + k] = shape
-        shapes[p + "mlp.gate_proj.weight"] = (inter, hidden)
-        shapes[p + "mlp.up_proj.weight"] = (inter, hidden)
-        shapes[p + "mlp.down_proj.weight"] = (hidden, inter)
+        if arch in ("qwen3_moe", "mixtral"):  # (as transformers saves them: one tensor per expert and matrix)
+            n_exp = cfg["num_local_experts"]
+            fe = cfg.get("moe_intermediate_size") or inter
+            block, (g, u, dn) = (("mlp", ("gate_proj", "up_proj", "down_proj")) if arch == "qwen3_moe"
+                                 else ("block_sparse_moe", ("w1", "w3", "w2")))
+            shapes[p + f"{block}.gate.weight"] = (n_exp, hidden)
+            for e in range(n_exp):
+                shapes[p + f"{block}.experts.{e}.{g}.weight"] = (fe, hidden)
+                shapes[p + f"{block}.experts.{e}.{u}.weight"] = (fe, hidden)
+                shapes[p + f"{block}.experts.{e}.{dn}.weight"] = (hidden, fe)
+        else:
+            shapes[p + "mlp.gate_proj.weight"] = (inter, hidden)
+            shapes[p + "mlp.up_proj.weight"] = (inter, hidden)
+            shapes[p + "mlp.down_proj.weight"] = (hidden, inter)
         shapes[p + "input_layernorm.weight"] = (hidden,)
         shapes[p + "post_attention_layernorm.weight"] = (hidden,)
     shapes["model.norm.weight"] = (hidden,)

@@ -84,7 +84,10 @@ def model_info(path: str) -> dict:
         "tied_embeddings": c.tied_embeddings,
         "qkv_bias": c.qkv_bias,
         "qk_norm": c.qk_norm,
+        "experts": ({"count": c.num_experts, "used": c.num_experts_used, "ffn_size": c.expert_ffn_size,
+                     "weights_norm": c.expert_weights_norm} if c.is_moe else None),
         "parameters": params,
+        "active_parameters": params - (c.parameter_counts()[0] - c.parameter_counts()[1]),
         "tensor_bytes": total,
         "tensor_count": len(tensors),
         "tensor_types": by_type,
@@ -113,13 +116,16 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("file", f"{c['path']} ({human_bytes(c['file_bytes'])}, {c['format']})"),
         ("name", c["name"] or "-"),
         ("architecture", c["architecture"]),
-        ("parameters", f"{human_count(c['parameters'])} ({c['parameters']:,})"),
+        ("parameters", f"{human_count(c['parameters'])} ({c['parameters']:,})"
+                       + (f", {human_count(c['active_parameters'])} active a token" if c["experts"] else "")),
         ("context length", f"{c['context_length']:,}"),
         ("layers", c["num_layers"]),
         ("hidden size", c["hidden_size"]),
         ("attention", f"{c['num_heads']} heads, {c['num_kv_heads']} KV heads, head_dim {c['head_dim']}"
                       + (", qkv bias" if c["qkv_bias"] else "") + (", q/k norm" if c["qk_norm"] else "")),
-        ("feed-forward", f"{c['intermediate_size']} (SwiGLU)"),
+        ("feed-forward", f"{c['intermediate_size']} (SwiGLU)" if not c["experts"] else
+                         f"{c['experts']['count']} experts of {c['experts']['ffn_size']} (SwiGLU), "
+                         f"{c['experts']['used']} a token"),
         ("vocabulary", f"{c['vocab_size']:,}"),
         ("rope", f"{c['rope_type']}, theta {c['rope_theta']:g}"),
         ("rms norm eps", f"{c['rms_norm_eps']:.3g}"),

@@ -28,11 +28,14 @@ from typing import Any, Iterator
 import numpy as np
 
 from realizar import cuda
-from realizar.errors import ShapeError
+from realizar.errors import ShapeError, UnsupportedError
 from realizar.models.config import ModelConfig
 from realizar.models.rope import rope_inv_freq
 
-__all__ = ["Activations", "Decoder", "DecoderWeights", "Inputs", "LayerWeights"]
+__all__ = ["Activations", "Decoder", "DecoderWeights", "Inputs", "LayerWeights", "MOE_ON_GPU"]
+
+MOE_ON_GPU = ("mixture-of-experts layers run on the CPU reference so far (--device cpu); the GPU's expert kernels "
+              "are not built yet")
 
 
 def _f32_buffer(ops, tensor) -> cuda.GpuBuffer:
@@ -45,6 +48,8 @@ class LayerWeights:
     one weight, gate and up of one type one fused [gate; up] weight (``gate_up``; else ``gate``, ``up``)."""
 
     def __init__(self, tensors: dict, i: int, cfg: ModelConfig, ops):
+        if cfg.is_moe:
+            raise UnsupportedError(MOE_ON_GPU)
         t = lambda name: tensors[f"blk.{i}.{name}"]  # noqa: E731
         self.attn_norm = _f32_buffer(ops, t("attn_norm.weight"))
         self.ffn_norm = _f32_buffer(ops, t("ffn_norm.weight"))

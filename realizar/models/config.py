@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "qwen3moe", "mixtral")
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,11 @@ class ModelConfig:
     the half-split form (x[i], x[i + d/2]) used by HF checkpoints and by qwen2/qwen3 GGUF files.
     ``rope_scaling`` is ``None`` for plain RoPE; GGUF llama-3 files instead carry per-dimension
     factors in the ``rope_freqs.weight`` tensor (named by ``extra["rope_freqs"]``).
+
+    Mixture-of-experts models (Qwen3-MoE, Mixtral) have ``num_experts`` > 0: each layer's feed-forward is a
+    router (``num_experts`` logits, softmax) choosing ``num_experts_used`` experts per token, SwiGLU FFNs of
+    ``expert_ffn_size`` each, summed with the chosen probabilities (renormalised to sum to 1 when
+    ``expert_weights_norm``).
     """
 
     architecture: str
@@ -56,7 +61,27 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    num_experts: int = 0
+    num_experts_used: int = 0
+    expert_ffn_size: int = 0
+    expert_weights_norm: bool = True
     extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def parameter_counts(self) -> tuple[int, int]:
+        """(all parameters, those one token's forward pass reads: the chosen experts' only)."""
+        h, q, kv = self.hidden_size, self.q_dim, self.kv_dim
+        attn = h * (2 * q + 2 * kv) + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        embd = self.vocab_size * h * (1 if self.tied_embeddings else 2) + h
+        if self.is_moe:
+            expert = 3 * h * self.expert_ffn_size
+            ffn_all, ffn_active = self.num_experts * (expert + h), self.num_experts_used * expert + self.num_experts * h
+        else:
+            ffn_all = ffn_active = 3 * h * self.intermediate_size
+        return embd + self.num_layers * (attn + ffn_all), embd + self.num_layers * (attn + ffn_active)
 
     @property
     def q_dim(self) -> int:

@@ -67,7 +67,7 @@ _NUMPY_TYPES = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "
 _STRING, _ARRAY, _BOOL = 8, 9, 7
 
 # RoPE flavour of each architecture's GGUF (llama.cpp's LLAMA_ROPE_TYPE_NORM vs _NEOX).
-ROPE_TYPE_BY_ARCH = {"llama": "normal", "mistral": "normal", "qwen2": "neox", "qwen3": "neox"}
+ROPE_TYPE_BY_ARCH = {"llama": "normal", "mistral": "normal", "qwen2": "neox", "qwen3": "neox", "qwen3moe": "neox"}
 
 
 @dataclass(frozen=True)
@@ -394,16 +394,17 @@ def config_from_gguf(md: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...
     arch = md.get("general.architecture")
     if not isinstance(arch, str):
         raise ModelFormatError("GGUF metadata lacks general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in SUPPORTED_ARCHITECTURES or arch not in ROPE_TYPE_BY_ARCH:
         raise UnsupportedError(
-            f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"unsupported architecture {arch!r}; supported: {', '.join(ROPE_TYPE_BY_ARCH)} (Mixtral: 'llama' with "
+            f"expert tensors)"
         )
     p = f"{arch}."
     hidden = _positive_int(md, p + "embedding_length")
     n_layers = _positive_int(md, p + "block_count")
     n_heads = _positive_int(md, p + "attention.head_count")
     n_kv = _positive_int(md, p + "attention.head_count_kv", default=n_heads)
-    ffn = _positive_int(md, p + "feed_forward_length")
+    ffn = _positive_int(md, p + "feed_forward_length", default=0 if arch == "qwen3moe" else None)
     ctx = _positive_int(md, p + "context_length", default=2048)
     # Each layer has at least 9 tensors: a layer count beyond that is a lie (and would make the
     # shape tables below huge).
@@ -440,6 +441,7 @@ def config_from_gguf(md: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...
     if p + "attention.sliding_window" in md:
         extra["sliding_window"] = md[p + "attention.sliding_window"]
 
+    moe = _experts(md, p, arch, ffn, tensor_shapes)
     return ModelConfig(
         architecture=arch,
         vocab_size=vocab,
@@ -461,7 +463,40 @@ def config_from_gguf(md: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...
         eos_token_ids=eos,
         pad_token_id=pad,
         extra=extra,
+        **moe,
     )
+
+
+# llama.cpp's expert gating functions (LLAMA_EXPERT_GATING_FUNC_TYPE): 1 softmax, 2 sigmoid, 3 softmax over the
+# chosen experts' logits
+_GATING = {1: "softmax", 2: "sigmoid", 3: "softmax of the chosen"}
+
+
+def _experts(md: dict, p: str, arch: str, ffn: int, tensor_shapes: dict) -> dict:
+    """The mixture-of-experts fields of the config: none for a dense model; for ``qwen3moe`` and for a
+    ``llama`` file with ``ffn_*_exps`` tensors (Mixtral) the expert counts, the expert FFN length (``{arch}.
+    expert_feed_forward_length``, else the dense one) and whether the chosen probabilities are renormalised
+    (``{arch}.expert_weights_norm``; both architectures renormalise: Qwen3-MoE's ``norm_topk_prob`` as released,
+    Mixtral's softmax over the chosen logits). Routers this reference does not compute are refused."""
+    has_exps = names.layer_name(0, "ffn_gate_exps") in tensor_shapes
+    if p + "expert_count" not in md and not has_exps:
+        if arch == "qwen3moe":
+            raise ModelFormatError("a qwen3moe GGUF needs qwen3moe.expert_count and its ffn_*_exps tensors")
+        return {}
+    n = _positive_int(md, p + "expert_count")
+    used = _positive_int(md, p + "expert_used_count")
+    if used > n:
+        raise ModelFormatError(f"{p}expert_used_count = {used} exceeds {p}expert_count = {n}")
+    if md.get(p + "expert_shared_count", 0):
+        raise UnsupportedError(f"shared experts ({p}expert_shared_count = {md[p + 'expert_shared_count']}) are not "
+                               f"supported")
+    gating = md.get(p + "expert_gating_func", 1)
+    if gating != 1:
+        raise UnsupportedError(f"expert gating {_GATING.get(gating, gating)!r} ({p}expert_gating_func = {gating}) is "
+                               f"not supported; realizar computes the softmax router")
+    return {"num_experts": n, "num_experts_used": used,
+            "expert_ffn_size": _positive_int(md, p + "expert_feed_forward_length", default=ffn),
+            "expert_weights_norm": bool(md.get(p + "expert_weights_norm", True))}
 
 
 def load_gguf(path: str | os.PathLike) -> LoadedModel:

@@ -28,6 +28,9 @@ LAYER_WEIGHTS = (
     "ffn_up",
     "ffn_down",
 )
+# a mixture-of-experts layer's feed-forward instead: the router [experts, hidden] and the experts' stacked
+# matrices [experts, ffn, hidden] (gate, up) and [experts, hidden, ffn] (down)
+EXPERT_WEIGHTS = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 LAYER_BIASES = ("attn_q", "attn_k", "attn_v")
 
 
@@ -53,6 +56,10 @@ _HF_LAYER_MAP = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
+_HF_LAYER_MAP.update({  # mixture-of-experts routers (the experts are stacked by the safetensors loader)
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
+})
 _HF_GLOBAL_MAP = {
     "model.embed_tokens.weight": TOKEN_EMBD,
     "model.norm.weight": OUTPUT_NORM,
@@ -108,6 +115,13 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[layer_name(i, "attn_q_norm")] = (c.head_dim,)
             shapes[layer_name(i, "attn_k_norm")] = (c.head_dim,)
         shapes[layer_name(i, "ffn_norm")] = (h,)
+        if c.is_moe:
+            e, fe = c.num_experts, c.expert_ffn_size
+            shapes[layer_name(i, "ffn_gate_inp")] = (e, h)
+            shapes[layer_name(i, "ffn_gate_exps")] = (e, fe, h)
+            shapes[layer_name(i, "ffn_up_exps")] = (e, fe, h)
+            shapes[layer_name(i, "ffn_down_exps")] = (e, h, fe)
+            continue
         shapes[layer_name(i, "ffn_gate")] = (ffn, h)
         shapes[layer_name(i, "ffn_up")] = (ffn, h)
         shapes[layer_name(i, "ffn_down")] = (h, ffn)

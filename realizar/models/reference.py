@@ -8,6 +8,7 @@ Per layer::
     h = x + W_o · attn(rope(norm_q(W_q · rms(x) + b_q)), rope(norm_k(W_k · rms(x) + b_k)), W_v · rms(x) + b_v)
     x = h + W_down · (silu(W_gate · rms(h)) * (W_up · rms(h)))
 
+(a mixture-of-experts layer: the same SwiGLU per chosen expert, weighted by the router's probabilities),
 then a final RMSNorm and the LM head (``token_embd`` when the embeddings are tied).
 """
 
@@ -33,8 +34,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from realizar.models.loaded import LoadedModel
     from realizar.models.tensor import QuantTensor
 
-__all__ = ["KVCache", "ReferenceModel", "apply_rope", "cache_attention", "decoder_layer", "feed_forward", "project_qkv",
-           "rms_norm"]
+__all__ = ["KVCache", "ReferenceModel", "apply_rope", "cache_attention", "decoder_layer", "feed_forward",
+           "moe_feed_forward", "project_qkv", "rms_norm", "route"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -95,10 +96,40 @@ def project_qkv(L, x: np.ndarray, c: ModelConfig, cos: np.ndarray, sin: np.ndarr
     return apply_rope(q, cos, sin, c.rope_type), apply_rope(k, cos, sin, c.rope_type), v
 
 
+def route(logits: np.ndarray, c: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+    """The experts each row chooses and their weights, from router ``logits [S, experts]``: the softmax, its
+    ``num_experts_used`` largest (the lower expert first among equal ones), renormalised to sum to 1 when
+    ``expert_weights_norm``. Returns (ids ``[S, k]`` int64, weights ``[S, k]`` float32), largest first."""
+    z = logits.astype(np.float64)
+    p = np.exp(z - z.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    ids = np.argsort(-p, axis=-1, kind="stable")[:, :c.num_experts_used]
+    w = np.take_along_axis(p, ids, axis=-1)
+    if c.expert_weights_norm:
+        w /= w.sum(axis=-1, keepdims=True)
+    return ids, w.astype(np.float32)
+
+
+def moe_feed_forward(L, h: np.ndarray, c: ModelConfig) -> np.ndarray:
+    """A mixture-of-experts FFN over normalised rows ``h``: each row through its chosen experts' SwiGLU FFNs,
+    weighted by :func:`route`; every expert runs once over the rows that chose it."""
+    ids, w = route(h @ L.router.T, c)
+    out = np.zeros_like(h)
+    f = c.expert_ffn_size
+    for e in np.unique(ids):
+        rows, slot = np.nonzero(ids == e)
+        gu = h[rows] @ L.w_gate_up_exps[e].T
+        y = (silu(gu[:, :f]) * gu[:, f:]) @ L.w_down_exps[e].T
+        out[rows] += w[rows, slot][:, None] * y
+    return out
+
+
 def feed_forward(L, x: np.ndarray, c: ModelConfig) -> np.ndarray:
     """The feed-forward block's output for rows ``x`` (added to them by the caller):
-    ``W_down (silu(W_gate rms(x)) * W_up rms(x))``."""
+    ``W_down (silu(W_gate rms(x)) * W_up rms(x))``, or a mixture of experts (:func:`moe_feed_forward`)."""
     h = rms_norm(x, L.ffn_norm, c.rms_norm_eps)
+    if getattr(L, "router", None) is not None:
+        return moe_feed_forward(L, h, c)
     gu = h @ L.w_gate_up.T
     f = c.intermediate_size
     return (silu(gu[:, :f]) * gu[:, f:]) @ L.w_down.T
@@ -222,7 +253,8 @@ class KVCache:
 
 
 class _Layer:
-    __slots__ = ("attn_norm", "w_qkv", "b_qkv", "q_norm", "k_norm", "w_o", "ffn_norm", "w_gate_up", "w_down")
+    __slots__ = ("attn_norm", "w_qkv", "b_qkv", "q_norm", "k_norm", "w_o", "ffn_norm", "w_gate_up", "w_down", "router",
+                 "w_gate_up_exps", "w_down_exps")
 
 
 class ReferenceModel:
@@ -294,6 +326,17 @@ class ReferenceModel:
             L.k_norm = get(p + "attn_k_norm.weight", (D,), required=c.qk_norm)
             L.w_o = get(p + "attn_output.weight", (H, c.q_dim))
             L.ffn_norm = get(p + "ffn_norm.weight", (H,))
+            L.router = None
+            if c.is_moe:
+                E, Fe = c.num_experts, c.expert_ffn_size
+                L.router = get(p + "ffn_gate_inp.weight", (E, H))
+                wg = get(p + "ffn_gate_exps.weight", (E, Fe, H))
+                wu = get(p + "ffn_up_exps.weight", (E, Fe, H))
+                L.w_gate_up_exps = np.ascontiguousarray(np.concatenate([wg, wu], axis=1))
+                del wg, wu
+                L.w_down_exps = get(p + "ffn_down_exps.weight", (E, H, Fe))
+                self.layers.append(L)
+                continue
             wg = get(p + "ffn_gate.weight", (c.intermediate_size, H))
             wu = get(p + "ffn_up.weight", (c.intermediate_size, H))
             L.w_gate_up = np.ascontiguousarray(np.concatenate([wg, wu], axis=0))

@@ -17,6 +17,7 @@ import json
 import math
 import mmap
 import os
+import re
 import struct
 from pathlib import Path
 from typing import Any
@@ -43,12 +44,16 @@ _MODEL_TYPES = {
     "mistral": "mistral",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "qwen3_moe": "qwen3moe",
+    "mixtral": "mixtral",
 }
 _ARCH_CLASSES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3moe",
+    "MixtralForCausalLM": "mixtral",
 }
 
 
@@ -230,6 +235,7 @@ def config_from_hf(cfg: dict[str, Any], present: set[str]) -> ModelConfig:
     except (TypeError, ValueError) as e:
         raise ModelFormatError(f"config.json: bad rms_norm_eps or rope_theta: {e}") from e
 
+    moe = _hf_experts(cfg, arch)
     return ModelConfig(
         architecture=arch,
         vocab_size=_get_int(cfg, "vocab_size"),
@@ -251,7 +257,54 @@ def config_from_hf(cfg: dict[str, Any], present: set[str]) -> ModelConfig:
         eos_token_ids=tuple(eos),
         pad_token_id=pad[0] if pad else None,
         extra=extra,
+        **moe,
     )
+
+
+def _hf_experts(cfg: dict, arch: str) -> dict:
+    """The mixture-of-experts fields of a ``qwen3_moe`` or ``mixtral`` config.json (none for the others):
+    every layer sparse (Qwen3-MoE's ``mlp_only_layers`` / ``decoder_sparse_step`` dense layers are refused),
+    the chosen probabilities renormalised per ``norm_topk_prob`` (transformers' default False) or always
+    (Mixtral)."""
+    if arch not in ("qwen3moe", "mixtral"):
+        return {}
+    n = _get_int(cfg, "num_local_experts", cfg.get("num_experts"))
+    used = _get_int(cfg, "num_experts_per_tok")
+    if used > n:
+        raise ModelFormatError(f"config.json num_experts_per_tok {used} exceeds the {n} experts")
+    if arch == "qwen3moe" and (cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1):
+        raise UnsupportedError("Qwen3-MoE with dense layers among the sparse ones (mlp_only_layers, "
+                               "decoder_sparse_step) is not supported")
+    ffn = _get_int(cfg, "moe_intermediate_size") if arch == "qwen3moe" else _get_int(cfg, "intermediate_size")
+    return {"num_experts": n, "num_experts_used": used, "expert_ffn_size": ffn,
+            "expert_weights_norm": bool(cfg.get("norm_topk_prob", False)) if arch == "qwen3moe" else True}
+
+
+_EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+_EXPERT_PARTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+                 "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
+
+
+def _stack_experts(hf: dict[str, QuantTensor]) -> dict[str, QuantTensor]:
+    """Each layer's per-expert matrices (``experts.E.gate_proj`` ... / Mixtral's ``w1 w3 w2``) as one stacked
+    tensor ``blk.N.ffn_*_exps.weight`` [experts, rows, cols] (their bytes copied together); the rest as they are."""
+    parts: dict[tuple[int, str], dict[int, QuantTensor]] = {}
+    rest = {}
+    for name, t in hf.items():
+        m = _EXPERT_RE.match(name)
+        if m and m.group(3) in _EXPERT_PARTS:
+            parts.setdefault((int(m.group(1)), _EXPERT_PARTS[m.group(3)]), {})[int(m.group(2))] = t
+        else:
+            rest[name] = t
+    for (i, kind), per in parts.items():
+        ts = [per.get(e) for e in range(len(per))]
+        if any(t is None for t in ts) or len({(t.ggml_type, t.shape) for t in ts}) != 1:
+            raise ModelFormatError(f"layer {i}: the experts' {kind} tensors are missing some or differ in type or "
+                                   f"shape")
+        name = names.layer_name(i, kind)
+        rest[name] = QuantTensor(name=name, ggml_type=ts[0].ggml_type, shape=(len(ts), *ts[0].shape),
+                                 data=np.concatenate([np.asarray(t.data).reshape(-1) for t in ts]))
+    return rest
 
 
 def _weight_files(d: Path, weights: Path | None) -> list[Path]:
@@ -287,7 +340,7 @@ def load_safetensors(directory: str | os.PathLike, weights: str | os.PathLike | 
                     raise ModelFormatError(f"{d}: tensor {k!r} appears in more than one shard")
                 hf[k] = v
         tensors: dict[str, QuantTensor] = {}
-        for hf_name, t in hf.items():
+        for hf_name, t in _stack_experts(hf).items():
             canon = names.hf_to_canonical(hf_name)
             key = canon if canon is not None else hf_name
             tensors[key] = QuantTensor(name=key, ggml_type=t.ggml_type, shape=t.shape, data=t.data)

@@ -85,6 +85,8 @@ def check_world_size(config: ModelConfig, world_size: int) -> None:
         raise ShapeError(f"tensor parallelism needs a whole number of ranks >= 1, got {n!r}")
     c = config
     what = f"sharding over {n} ranks"
+    if c.is_moe and n > 1:
+        raise ShapeError(f"{what}: mixture-of-experts models are not sharded (their experts are not split yet)")
     if c.num_heads % n:
         raise ShapeError(f"{what} needs num_heads divisible by {n}; this model has {c.num_heads} query heads")
     if c.num_kv_heads % n:
