@@ -192,3 +192,23 @@ def test_logits_match_transformers(arch, norm, seed, fmt, tmp_path):
     c = loaded.config
     flipped = ReferenceModel(c.__class__(**{**c.__dict__, "expert_weights_norm": not norm}), loaded.tensors)
     assert np.abs(flipped.prefill(ids, all_logits=True) - theirs).max() > 1e-2 * scale
+
+
+@pytest.mark.parametrize("qtype", ["F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_stacked_experts_in_every_type(qtype, tmp_path):
+    """3-D expert tensors of each type dequantize as gguf's own reader does, expert by expert, and the model
+    runs (rows of 256 values, as K-quants need)."""
+    import gguf
+
+    path = make_gguf_model("qwen3_moe", tmp_path, qtype=qtype, seed=2, hidden_size=256, num_heads=4, num_kv_heads=2,
+                           expert_ffn=256, intermediate_size=256, num_layers=1)[0]
+    loaded = load_model(path)
+    reader = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    for kind in ("gate", "up", "down"):
+        name = f"blk.0.ffn_{kind}_exps.weight"
+        t = loaded.tensors[name]
+        assert t.shape == (4, 256, 256)
+        want = gguf.quants.dequantize(np.asarray(reader[name].data), reader[name].tensor_type).reshape(t.shape)
+        np.testing.assert_array_equal(t.dequantize(), want.astype(np.float32))
+    logits = ReferenceModel.from_loaded(loaded).prefill(_ids(1, 8), all_logits=True)
+    assert np.isfinite(logits).all()
