@@ -212,3 +212,38 @@ def test_stacked_experts_in_every_type(qtype, tmp_path):
         np.testing.assert_array_equal(t.dequantize(), want.astype(np.float32))
     logits = ReferenceModel.from_loaded(loaded).prefill(_ids(1, 8), all_logits=True)
     assert np.isfinite(logits).all()
+
+
+def test_chat_tools_and_structured_output_unchanged(tmp_path):
+    """The HTTP server on a Qwen3-MoE model: chat (streamed and not), a JSON-schema answer that validates, and
+    a named tool call, through the official client (issue 37, item 5; the server does not know it is MoE)."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    jsonschema = pytest.importorskip("jsonschema")
+    from realizar.engine import load_engine
+    from tests.test_server import LiveServer
+    from tests.test_server_structured import RECORD, TOOLS_TEMPLATE, WEATHER
+
+    path = make_gguf_model("qwen3_moe", tmp_path, qtype="Q8_0", seed=3, init_std=0.3, max_position_embeddings=1024)[0]
+    engine = load_engine(str(path), device="cpu")
+    engine.tokenizer.chat_template = TOOLS_TEMPLATE
+    srv = LiveServer(engine).start()
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        msgs = [{"role": "user", "content": "Tell me about a film."}]
+        r = client.chat.completions.create(model=engine.name, messages=msgs, max_tokens=8, temperature=0)
+        assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
+        text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model=engine.name, messages=msgs, max_tokens=8, temperature=0, stream=True) if c.choices)
+        assert text == r.choices[0].message.content
+        fmt = {"type": "json_schema", "json_schema": {"name": "film", "schema": RECORD, "strict": True}}
+        r = client.chat.completions.create(model=engine.name, messages=msgs, response_format=fmt, seed=1,
+                                           max_tokens=200)
+        jsonschema.validate(json.loads(r.choices[0].message.content), RECORD)
+        r = client.chat.completions.create(model=engine.name, messages=msgs, tools=[WEATHER], seed=2, max_tokens=200,
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        call = r.choices[0].message.tool_calls[0]
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    finally:
+        srv.stop()
