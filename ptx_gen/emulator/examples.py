@@ -592,3 +592,5 @@ def run_example(name: str, shape: dict, target: str = "sm_90", seed: int = 0, ra
         a = ex.params[out]
         report.outputs[out] = mem.read(addrs[out], a.dtype, a.size).copy()
     return report
+
+from ptx_gen.emulator import examples_moe  # noqa: E402,F401  (registers its examples)

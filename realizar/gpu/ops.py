@@ -24,6 +24,7 @@ from realizar.gpu.elementwise import ElementwiseOps
 from realizar.gpu.embedding import EmbeddingOps
 from realizar.gpu.gemm import GemmConfig, GemmOps, gemm_config
 from realizar.gpu.gemm_wg import GemmWgOps
+from realizar.gpu.moe import MoeOps
 from realizar.gpu.gemm_x8 import GemmX8Ops
 from realizar.gpu.gemv import GemvConfig, GemvOps, MmaConfig, gemv_config, mma_config
 from realizar.gpu.norms import NormOps
@@ -34,5 +35,5 @@ from realizar.gpu.weights import GpuWeight
 __all__ = ["GemmConfig", "GemvConfig", "GpuWeight", "LayerOps", "MmaConfig", "gemv_config", "inv_freq_table", "gemm_config", "mma_config"]
 
 
-class LayerOps(GemvOps, GemmOps, GemmX8Ops, GemmWgOps, DequantOps, NormOps, RopeOps, ElementwiseOps, EmbeddingOps, ArgmaxOps, SampleOps):
+class LayerOps(GemvOps, GemmOps, GemmX8Ops, GemmWgOps, MoeOps, DequantOps, NormOps, RopeOps, ElementwiseOps, EmbeddingOps, ArgmaxOps, SampleOps):
     """Launches the layer kernels on one device (kernels loaded once, arguments packed once)."""

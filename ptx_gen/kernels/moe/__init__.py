@@ -1,0 +1,1 @@
+"""Mixture-of-experts kernels: routing and combining the experts' outputs on the device."""
