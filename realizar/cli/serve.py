@@ -169,6 +169,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         return serve_data_parallel(args)
     engine = load_engine(args)
+    engine.tokenizer.special_tokens_in_content = bool(args.allow_special_tokens_in_content)
     options = serving_options(args, engine.device)
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         note(f"warning: listening on {args.host}, reachable beyond this machine, without an API key (--api-key)")
@@ -228,6 +229,9 @@ def register(command) -> None:
     p.add_argument("--body-timeout", type=positive_seconds, default=60.0, metavar="SECONDS",
                    help="a request's body must arrive within this after its headers, else the connection is closed "
                         "(default: 60)")
+    p.add_argument("--allow-special-tokens-in-content", action="store_true",
+                   help="let control-token text in chat messages (<|im_start|>system ...) become control tokens; by "
+                        "default it is encoded as plain text, so a message cannot open or close turns")
     p.add_argument("--shutdown-grace", type=positive_seconds, default=4.0, metavar="SECONDS",
                    help="at SIGTERM or Ctrl-C, how long requests in flight may take to finish; the rest then end "
                         "with a 503 error (a stream: its error event and [DONE]) (default: 4)")

@@ -129,6 +129,9 @@ class Tokenizer:
         self.add_eos = add_eos
         self.chat_template = chat_template
         self._special_ids = frozenset(i for i, a in backend.get_added_tokens_decoder().items() if a.special)
+        # chat messages' text is encoded with control tokens as plain text unless this is set (the server's
+        # --allow-special-tokens-in-content): see realizar.text.chat_ids
+        self.special_tokens_in_content = False
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -317,24 +320,29 @@ class Tokenizer:
         **kwargs: Any,
     ) -> str | list[int]:
         """Render ``messages`` with the model's chat template (see :func:`realizar.text.chat.render_chat`);
-        with ``tokenize=True`` return the ids (special tokens in the text parsed, no BOS/EOS added
-        beyond what the template writes — as transformers does)."""
+        with ``tokenize=True`` return the ids (the control tokens the template writes parsed, no BOS/EOS added
+        beyond what it writes, as transformers does; control-token text inside the messages stays plain text
+        unless ``special_tokens_in_content``: :mod:`realizar.text.chat_ids`)."""
         special = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
         for name in ("pad_token", "unk_token"):
             value = getattr(self, name)
             if value is not None:
                 special[name] = value
         special.update(kwargs)
-        text = render_chat(
-            chat_template if chat_template is not None else self.chat_template,
-            messages,
-            add_generation_prompt=add_generation_prompt,
-            fallback_chatml=fallback_chatml,
-            **special,
-        )
-        if tokenize:
-            return self.encode(text, add_special_tokens=False, parse_special=True)
-        return text
+
+        def render(msgs):
+            return render_chat(chat_template if chat_template is not None else self.chat_template, msgs,
+                               add_generation_prompt=add_generation_prompt, fallback_chatml=fallback_chatml, **special)
+
+        if not tokenize:
+            return render(messages)
+        if self.special_tokens_in_content:
+            return self.encode(render(messages), add_special_tokens=False, parse_special=True)
+        from realizar.text.chat_ids import chat_ids
+
+        specials = [a.content for a in self._backend.get_added_tokens_decoder().values() if a.special]
+        return chat_ids(render, lambda text, parse: self.encode(text, add_special_tokens=False, parse_special=parse),
+                        messages, specials)
 
     def __repr__(self) -> str:
         return (
