@@ -26,9 +26,6 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from realizar.errors import InvalidRequestError, RealizarError
-
-# why a mixture-of-experts model runs on the CPU with --device auto
-MOE_ON_GPU_NOTE = "mixture-of-experts layers do not run on the GPU yet"
 from realizar.generation import GenerationResult, GenerationStream, Generator, SamplingParams, TokenChunk
 from realizar.models.config import ModelConfig
 
@@ -266,13 +263,6 @@ def load_engine(
     if tensor_parallel > 1:
         model = _tensor_parallel_model(loaded, tensor_parallel, device, max_context)
         device = "cuda"
-    elif loaded.config.is_moe and device in ("cuda", "emulate"):
-        from realizar.errors import UnsupportedError
-        from realizar.gpu.decoder import MOE_ON_GPU
-
-        raise UnsupportedError(MOE_ON_GPU)
-    elif loaded.config.is_moe:  # (auto)
-        print(f"realizar: running on the CPU: {MOE_ON_GPU_NOTE}", file=sys.stderr)
     elif device == "emulate":
         model = _load_gpu_model(loaded, max_context, emulate=True)
     elif device in ("cuda", "auto"):

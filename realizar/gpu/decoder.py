@@ -34,8 +34,7 @@ from realizar.models.rope import rope_inv_freq
 
 __all__ = ["Activations", "Decoder", "DecoderWeights", "Inputs", "LayerWeights", "MOE_ON_GPU"]
 
-MOE_ON_GPU = ("mixture-of-experts layers run on the CPU reference so far (--device cpu); the GPU's expert kernels "
-              "are not built yet")
+MOE_ON_GPU = "mixture-of-experts layers run one row at a time on the GPU so far"
 
 
 def _f32_buffer(ops, tensor) -> cuda.GpuBuffer:
@@ -48,8 +47,6 @@ class LayerWeights:
     one weight, gate and up of one type one fused [gate; up] weight (``gate_up``; else ``gate``, ``up``)."""
 
     def __init__(self, tensors: dict, i: int, cfg: ModelConfig, ops):
-        if cfg.is_moe:
-            raise UnsupportedError(MOE_ON_GPU)
         t = lambda name: tensors[f"blk.{i}.{name}"]  # noqa: E731
         self.attn_norm = _f32_buffer(ops, t("attn_norm.weight"))
         self.ffn_norm = _f32_buffer(ops, t("ffn_norm.weight"))
@@ -65,6 +62,17 @@ class LayerWeights:
         self.q_norm = _f32_buffer(ops, t("attn_q_norm.weight")) if cfg.qk_norm else None
         self.k_norm = _f32_buffer(ops, t("attn_k_norm.weight")) if cfg.qk_norm else None
         self.attn_out = ops.upload(t("attn_output.weight"))
+        self.router = self.experts_gate_up = self.experts_down = None
+        if cfg.is_moe:  # the router (a Linear) and the experts' stacked matrices (read by the expert GEMV)
+            from realizar.gpu.moe import ExpertWeights
+
+            self.router = ops.upload(t("ffn_gate_inp.weight"))
+            self.experts_gate_up = ExpertWeights([t("ffn_gate_exps.weight"), t("ffn_up_exps.weight")],
+                                                 cfg.num_experts, f"blk.{i}.ffn_gate_up_exps", ops.device, glu=True)
+            self.experts_down = ExpertWeights([t("ffn_down_exps.weight")], cfg.num_experts, f"blk.{i}.ffn_down_exps",
+                                              ops.device)
+            self.gate_up = self.gate = self.up = self.down = None
+            return
         gate, up = t("ffn_gate.weight"), t("ffn_up.weight")
         fused = gate.ggml_type == up.ggml_type
         self.gate_up = ops.upload([gate, up], glu=True, name=f"blk.{i}.ffn_gate_up") if fused else None
@@ -73,7 +81,9 @@ class LayerWeights:
         self.down = ops.upload(t("ffn_down.weight"))
 
     def linears(self) -> list:
-        """The weights the Linear seam multiplies, fused gate/up first."""
+        """The weights the Linear seam multiplies, fused gate/up first (a mixture of experts: its router)."""
+        if self.router is not None:
+            return [*self.qkv, self.attn_out, self.router]
         ffn = [self.gate_up] if self.gate_up is not None else [self.gate, self.up]
         return [*self.qkv, self.attn_out, *ffn, self.down]
 
@@ -132,6 +142,28 @@ class Inputs:
 
 
 @dataclass
+class MoeBuffers:
+    """One row's mixture-of-experts scratch: router ``logits [experts]``, the chosen ``ids`` (u32) and ``weights
+    [used]``, an expert's SwiGLU output ``ffn [expert_ffn]`` and the experts' outputs ``y [used, hidden]``."""
+
+    logits: Any
+    ids: Any
+    weights: Any
+    ffn: Any
+    y: Any
+
+    @classmethod
+    def allocate(cls, ops, cfg: ModelConfig) -> "MoeBuffers":
+        k = cfg.num_experts_used
+        return cls(ops.buffer(cfg.num_experts), ops.buffer(k, np.uint32), ops.buffer(k), ops.buffer(cfg.expert_ffn_size),
+                   ops.buffer(k * cfg.hidden_size))
+
+    def free(self) -> None:
+        for b in (self.logits, self.ids, self.weights, self.ffn, self.y):
+            b.free()
+
+
+@dataclass
 class Activations:
     """The buffers one run of the program works in, for up to ``rows`` rows. ``x``: the f32 residual
     stream ``[rows, hidden]``; ``qkv``: f32 ``[rows, qkv]``; ``logits``: f32 ``[logit_rows, vocab]``;
@@ -146,6 +178,7 @@ class Activations:
     f16: Inputs | None = None
     gate: Any = None
     up: Any = None
+    moe: Any = None
 
     @classmethod
     def allocate(cls, ops, cfg: ModelConfig, rows: int, *, one_row: bool, many_rows: bool, split_ffn: bool,
@@ -158,7 +191,8 @@ class Activations:
                    logits=ops.buffer(logit_rows * cfg.vocab_size) if logit_rows else None,
                    f32=Inputs.allocate(ops, cfg, 1, np.float32) if one_row else None,
                    f16=Inputs.allocate(ops, cfg, rows, np.float16) if many_rows else None,
-                   gate=ops.buffer(ffn) if split_ffn else None, up=ops.buffer(ffn) if split_ffn else None)
+                   gate=ops.buffer(ffn) if split_ffn else None, up=ops.buffer(ffn) if split_ffn else None,
+                   moe=MoeBuffers.allocate(ops, cfg) if cfg.is_moe and one_row else None)
 
     def inputs(self, f16: bool) -> Inputs:
         got = self.f16 if f16 else self.f32
@@ -167,7 +201,7 @@ class Activations:
         return got
 
     def free(self) -> None:
-        for b in (self.x, self.qkv, self.logits, self.gate, self.up, self.f32, self.f16):
+        for b in (self.x, self.qkv, self.logits, self.gate, self.up, self.f32, self.f16, self.moe):
             if b is not None:
                 b.free()
 
@@ -202,6 +236,10 @@ class Decoder:
             linear(lay.attn_out, io.attn, acts.x, rows, residual=residual, stream=s)
             yield
             ops.rmsnorm(acts.x, lay.ffn_norm, io.h, eps, rows=rows, out_f16=f16, stream=s)
+            if lay.router is not None:
+                self._experts(lay, acts, io, rows, linear, s)
+                yield
+                continue
             if lay.gate_up is not None:
                 linear(lay.gate_up, io.h, io.ffn, rows, glu=True, out_f16=f16, stream=s)
             else:
@@ -210,6 +248,21 @@ class Decoder:
                 ops.swiglu(acts.gate, acts.up, io.ffn, rows * cfg.intermediate_size, out_f16=f16, stream=s)
             linear(lay.down, io.ffn, acts.x, rows, residual=residual, stream=s)
             yield
+
+    def _experts(self, lay: LayerWeights, acts: Activations, io: Inputs, rows: int, linear, s) -> None:
+        """A mixture-of-experts FFN for one row: the router's logits (the Linear), the top-k on the device, each
+        chosen expert's SwiGLU and down GEMVs reading the expert its id names, their weighted sum added to x."""
+        cfg, ops, moe = self.config, self.ops, acts.moe
+        if rows != 1 or moe is None:
+            raise UnsupportedError(MOE_ON_GPU)
+        k = cfg.num_experts_used
+        linear(lay.router, io.h, moe.logits, rows, stream=s)
+        ops.moe_route(moe.logits, moe.ids, moe.weights, 1, experts=cfg.num_experts, used=k,
+                      norm=cfg.expert_weights_norm, stream=s)
+        for slot in range(k):
+            ops.gemv_expert(lay.experts_gate_up, io.h, moe.ffn, moe.ids, slot, stream=s)
+            ops.gemv_expert(lay.experts_down, moe.ffn, (moe.y, slot * cfg.hidden_size), moe.ids, slot, stream=s)
+        ops.moe_combine(acts.x, moe.y, moe.weights, 1, cfg.hidden_size, used=k, stream=s)
 
     def issue(self, acts: Activations, ids: Any, rows: int, linear, attention, stream) -> None:
         """Every layer at once (no pauses): :meth:`phases` run through."""

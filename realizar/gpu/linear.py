@@ -39,6 +39,10 @@ def rows_unsupported(device, config) -> str | None:
     for ``config``; None: they can."""
     if device.target.compute_capability < (8, 0):
         return f"the tensor-core kernels need sm_80 or newer, this device is {device.target}"
+    if config.is_moe:
+        from realizar.gpu.decoder import MOE_ON_GPU
+
+        return MOE_ON_GPU
     if config.hidden_size % 8 or config.intermediate_size % 8 or config.q_dim % 8:
         return "the f16 kernels need hidden, FFN and attention widths that are multiples of 8"
     return None

@@ -2,19 +2,45 @@
 (:mod:`ptx_gen.kernels.moe.route`), both capturable (no allocation, no synchronisation).
 
     ops.moe_route(logits, ids, weights, rows, experts=128, used=8)   # ids, weights [rows, used]
+    ops.gemv_expert(gate_up, x, ffn, ids, slot, glu=True)           # the expert ids[slot] names, SwiGLU
     ops.moe_combine(x, y, weights, rows, hidden, used=8)             # x += sum_s weights[:, s] y[:, s]
+
+:class:`ExpertWeights` holds a layer's stacked expert matrices on the device (GGUF rows, expert after expert).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
-from realizar.errors import ShapeError
+from realizar.errors import ShapeError, UnsupportedError
 from realizar.gpu.dispatch import Dispatcher
 
-__all__ = ["MoeOps"]
+__all__ = ["ExpertWeights", "MoeOps"]
+
+
+class ExpertWeights:
+    """``experts`` matrices of one type and shape stacked on the device, GGUF rows, expert after expert: the
+    [gate; up] pairs of a layer (``glu``: each expert's gate rows then its up rows) or its down matrices."""
+
+    def __init__(self, parts: Sequence[Any], experts: int, name: str, device: Any, glu: bool = False):
+        from realizar.gpu.weights import GpuWeight, weight_type_name
+
+        types = {weight_type_name(t.ggml_type) for t in parts}
+        if len(types) != 1 or len({t.shape for t in parts}) != 1:
+            raise UnsupportedError(f"{name}: the experts' gate and up matrices differ in type or shape "
+                                   f"({sorted(types)}); the GPU's fused expert GEMV needs one")
+        e, rows, cols = parts[0].shape
+        stacked = np.concatenate([np.asarray(t.data).reshape(e, rows, -1) for t in parts], axis=1)  # per expert
+        self.experts, self.glu = e, glu
+        self.weight = GpuWeight(data=stacked, ggml_type=parts[0].ggml_type, shape=(e * rows * len(parts), cols),
+                                name=name, device=device)
+        self.rows = rows * len(parts)  # per expert
+        self.expert_bytes = self.rows * self.weight.row_bytes
+
+    def free(self) -> None:
+        self.weight.free()
 
 
 class MoeOps(Dispatcher):
@@ -33,6 +59,23 @@ class MoeOps(Dispatcher):
                   "ids": self.addr(ids, rows * used, "ids", np.uint32, align=4),
                   "weights": self.addr(weights, rows * used, "weights", align=4), "rows": rows}
         self.launch(kern, -(-rows // kern.meta["rows_per_cta"]), values, stream)
+
+    def gemv_expert(self, ew: ExpertWeights, x: Any, out: Any, ids: Any, slot: int, *, stream: Any = None) -> None:
+        """``out = W_e x`` (f32) for the expert ``e = ids[slot]`` of ``ew`` (ids: u32 device memory, read by the
+        kernel: the graph stays the same whatever the router chose); with a [gate; up] stack ``out =
+        silu(G_e x) * (U_e x)``."""
+        from realizar.gpu.gemv import gemv_config
+
+        w = ew.weight
+        n_out = ew.rows // 2 if ew.glu else ew.rows
+        cfg = gemv_config(ew.rows, self.sm_count, w.in_dim, w.wtype)
+        rows = max(2, cfg.rows - cfg.rows % 2) if ew.glu else cfg.rows
+        kern = self.kernel("gemv", wtype=w.wtype, in_dim=w.in_dim, rows=rows, warps=cfg.warps, glu=ew.glu,
+                           ksplit=cfg.ksplit, expert=True)
+        values = {"w": w.ptr, "x": self.addr(x, w.in_dim, "x"), "y": self.addr(out, n_out, "out", align=4),
+                  "out_dim": n_out, "experts": self.addr(ids, int(slot) + 1, "ids", np.uint32, align=4),
+                  "slot": int(slot), "expert_bytes": ew.expert_bytes}
+        self.launch(kern, -(-n_out // kern.meta["rows_per_cta"]), values, stream)
 
     def moe_combine(self, x: Any, y: Any, weights: Any, rows: int, hidden: int, *, used: int,
                     stream: Any = None) -> None:
