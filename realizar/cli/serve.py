@@ -191,6 +191,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             on_ready=ready,
             limits=connection_limits(args),
             drain_seconds=args.shutdown_grace,
+            allowed_origins=args.allowed_origins,
             **options,
         )
     except KeyboardInterrupt:  # Ctrl-C is how a server is stopped: uvicorn has shut down cleanly
@@ -232,6 +233,9 @@ def register(command) -> None:
     p.add_argument("--allow-special-tokens-in-content", action="store_true",
                    help="let control-token text in chat messages (<|im_start|>system ...) become control tokens; by "
                         "default it is encoded as plain text, so a message cannot open or close turns")
+    p.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+                   help="browser origins (https://app.example) allowed to call the API cross-site, with CORS; '*' "
+                        "for any (default: none: requests from other sites' pages are refused)")
     p.add_argument("--shutdown-grace", type=positive_seconds, default=4.0, metavar="SECONDS",
                    help="at SIGTERM or Ctrl-C, how long requests in flight may take to finish; the rest then end "
                         "with a 503 error (a stream: its error event and [DONE]) (default: 4)")

@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 import socket
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from realizar.server.app import create_app
 
@@ -88,6 +88,7 @@ def serve(
     on_ready: Callable[[str, int], None] | None = None,
     limits: Any = None,
     drain_seconds: float = DRAIN_SECONDS,
+    allowed_origins: Sequence[str] = (),
 ) -> None:
     """Serve ``engine`` with uvicorn until interrupted. ``on_ready(host, port)`` is called once the
     socket is bound (with the real port when ``port`` is 0); ``max_body``: the request body limit in
@@ -95,11 +96,14 @@ def serve(
     ``kv_dtype``, ``block_size``, ``max_batched_tokens``, ``prefill_chunk``, ``f16_weights`` and ``kv_events``
     (with its topic) configure the continuous-batching engine (see :func:`create_app`); ``limits``: the
     connection limits (:class:`~realizar.server.connections.ConnectionLimits`; None: its defaults);
-    ``drain_seconds``: how long requests in flight may take to finish at shutdown (:func:`graceful_server`)."""
+    ``drain_seconds``: how long requests in flight may take to finish at shutdown (:func:`graceful_server`);
+    ``allowed_origins``: browser origins allowed cross-site (CORS). Listening on loopback without ``api_key``,
+    requests addressed to another Host are refused (DNS rebinding; :mod:`realizar.server.origin`)."""
     app = create_app(engine, model_name=model_name, max_queue=max_queue, default_max_tokens=default_max_tokens,
                      api_key=api_key, max_batch=max_batch, kv_memory=kv_memory, kv_dtype=kv_dtype,
                      block_size=block_size, max_batched_tokens=max_batched_tokens, prefill_chunk=prefill_chunk,
-                     f16_weights=f16_weights, kv_events=kv_events, kv_events_topic=kv_events_topic, **({} if max_body is None else {"max_body": max_body}))
+                     f16_weights=f16_weights, allowed_origins=allowed_origins,
+                     loopback_hosts=api_key is None and host in ("127.0.0.1", "localhost", "::1"), kv_events=kv_events, kv_events_topic=kv_events_topic, **({} if max_body is None else {"max_body": max_body}))
     sock = bind_socket(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
     config = uvicorn_config(app, limits, log_level=log_level, timeout_graceful_shutdown=5)

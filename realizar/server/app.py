@@ -24,6 +24,7 @@ from fastapi import FastAPI
 from realizar.server.auth import ApiKeyMiddleware
 from realizar.server.errors import install_error_handlers
 from realizar.server.limits import DEFAULT_MAX_BODY, BodyLimitMiddleware
+from realizar.server.origin import OriginMiddleware
 from realizar.server.metrics import ServerMetrics
 from realizar.server.routes import ROUTERS
 from realizar.server.scheduler import Scheduler
@@ -97,6 +98,8 @@ def create_app(
     f16_weights: bool | None = None,
     kv_events: str | None = None,
     kv_events_topic: str = "",
+    allowed_origins: Sequence[str] = (),
+    loopback_hosts: bool = False,
 ) -> FastAPI:
     """A FastAPI app serving ``engine`` (see :func:`realizar.engine.load_engine`).
 
@@ -163,6 +166,7 @@ def create_app(
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(BodyLimitMiddleware, max_body=max_body)
+    app.add_middleware(OriginMiddleware, allowed_origins=tuple(allowed_origins), loopback_hosts=loopback_hosts)
     app.add_middleware(_MetricsMiddleware, metrics=metrics)  # outermost: 401s are counted too
     install_error_handlers(app)
     for router in ROUTERS:
