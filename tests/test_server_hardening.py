@@ -141,3 +141,19 @@ def test_health_counts_requests_the_engine_has_not_picked_up(tmp_path_factory):
             if t.is_alive():
                 t.join(120)
         srv.stop()
+
+
+def test_every_error_names_a_code_and_null_text_parts_say_so(live):
+    """Issue 40, item 12: 400s carried ``code: null``; a ``text: null`` part got a misleading message."""
+    name = live.engine.name
+    r = httpx.post(live.url + "/v1/chat/completions", json={"model": name, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": None}]}]}, timeout=30)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "invalid_value" and "has no text" in err["message"]
+    r = httpx.post(live.url + "/v1/chat/completions", json={"model": name, "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] is not None
+    from realizar.server.protocol import ServerError
+
+    for status in (400, 404, 413, 429, 500, 503):
+        assert ServerError(status, "x").code is not None

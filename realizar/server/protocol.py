@@ -26,6 +26,11 @@ MAX_TOP_LOGPROBS = 20
 MAX_GENERATIONS = 64  # generations one request may queue (prompts x best_of, or x n)
 
 
+_DEFAULT_CODES = {400: "invalid_value", 401: "invalid_api_key", 403: "forbidden", 404: "not_found",
+                  408: "timeout", 409: "conflict", 413: "request_too_large", 422: "invalid_value", 429: "rate_limited",
+                  499: "client_closed", 500: "internal_error", 503: "unavailable"}
+
+
 class ServerError(Exception):
     """An error answered with an OpenAI-style JSON body."""
 
@@ -42,7 +47,8 @@ class ServerError(Exception):
         self.message = message
         self.type = type
         self.param = param
-        self.code = code
+        # (every error names a code: clients branch on it; a 4xx without a more specific one gets its status's)
+        self.code = code if code is not None else _DEFAULT_CODES.get(status)
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
@@ -160,11 +166,13 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, str):
             return self.content
         pieces = []
-        for part in self.content:
-            if part.type != "text" or part.text is None:
-                raise ServerError(
-                    400, f"content parts of type {part.type!r} are not supported (text only)", param="messages"
-                )
+        for j, part in enumerate(self.content):
+            if part.type != "text":
+                raise ServerError(400, f"content parts of type {part.type!r} are not supported (text only)",
+                                  param="messages", code="unsupported_content")
+            if part.text is None:
+                raise ServerError(400, f"content part {j} of type 'text' has no text (a string is needed, got null)",
+                                  param="messages", code="invalid_value")
             pieces.append(part.text)
         return "".join(pieces)
 
