@@ -48,3 +48,20 @@ def test_random_model_runs(tied, bias, qk_norm):
     assert logits.shape == (64,) and np.isfinite(logits).all()
     again = random_model(cfg, "Q4_K", embedding_type="Q8_0", output_type="Q6_K", seed=1)
     assert all(np.array_equal(tensors[k].data, again[k].data) for k in tensors)
+
+
+def test_random_moe_model_runs_and_counts_the_chosen_experts():
+    """A random mixture-of-experts model (the benchmark's Qwen3-30B-A3B shape, made small) runs in the reference;
+    the bytes a token reads count the chosen experts' share of the stacked matrices."""
+    from realizar.models.config import ModelConfig
+    from realizar.models.random import MOE_SHAPES, random_model, token_read_bytes
+    from realizar.models.reference import ReferenceModel
+
+    c = ModelConfig(**{**MOE_SHAPES["qwen3-30b-a3b"].config, "num_layers": 1, "vocab_size": 512, "num_experts": 8,
+                       "num_experts_used": 2})
+    t = random_model(c, "Q4_K", "Q4_K", "Q6_K")
+    assert t["blk.0.ffn_gate_exps.weight"].shape == (8, 768, 2048) and t["blk.0.ffn_gate_inp.weight"].shape == (8, 2048)
+    experts = sum(x.nbytes for n, x in t.items() if n.endswith("_exps.weight"))
+    rest = sum(x.nbytes for n, x in t.items() if not n.endswith("_exps.weight") and n != "token_embd.weight")
+    assert token_read_bytes(c, t) == int(rest + experts * 2 / 8)
+    assert np.isfinite(ReferenceModel(c, t, max_len=8).prefill([1, 2, 3])).all()

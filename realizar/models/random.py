@@ -127,7 +127,8 @@ def random_model(
     }
     if not config.tied_embeddings:
         tensors[names.OUTPUT] = draw(names.OUTPUT, output_type or weight_type)
-    matrices = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    ffn = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps") if config.is_moe else ("ffn_gate", "ffn_up", "ffn_down")
+    matrices = ("attn_q", "attn_k", "attn_v", "attn_output", *ffn)
     vectors = ("attn_norm", "ffn_norm")
     if config.qk_norm:
         vectors += ("attn_q_norm", "attn_k_norm")
@@ -136,8 +137,11 @@ def random_model(
     for i in range(config.num_layers):
         for part in matrices:
             name = names.layer_name(i, part)
-            wide = mix is not None and part in ("attn_v", "ffn_down") and _more_bits(i, config.num_layers)
+            wide = mix is not None and part in ("attn_v", "ffn_down", "ffn_down_exps") and _more_bits(i, config.num_layers)
             tensors[name] = draw(name, MIXES[mix] if wide else weight_type)
+        if config.is_moe:  # (the router stays F32, as converters keep it)
+            name = names.layer_name(i, "ffn_gate_inp")
+            tensors[name] = draw(name, "F32")
         for part in vectors:
             name = names.layer_name(i, part)
             tensors[name] = draw(name, "F32")
@@ -184,6 +188,15 @@ BENCH_SHAPES = {
                                   tied_embeddings=False), "Q4_K", "Q4_K", "Q6_K"),
 }  # fmt: skip
 
+# mixture-of-experts shapes (bench_decode --shapes; one row a step on the GPU so far)
+MOE_SHAPES = {
+    "qwen3-30b-a3b": BenchShape(dict(architecture="qwen3moe", rope_type="neox", rms_norm_eps=1e-6, context_length=8192,
+                                     vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4,
+                                     head_dim=128, intermediate_size=6144, rope_theta=1e6, tied_embeddings=False,
+                                     qk_norm=True, num_experts=128, num_experts_used=8, expert_ffn_size=768),
+                                "Q4_K", "Q4_K", "Q6_K"),
+}  # fmt: skip
+
 # more weight types at the 8B shape (bench_decode): a Q5_K_M-like file and an all-Q4_0 one
 DECODE_SHAPES = {
     **BENCH_SHAPES,
@@ -194,20 +207,24 @@ DECODE_SHAPES = {
 
 def token_read_bytes(config: ModelConfig, tensors: dict[str, QuantTensor]) -> int:
     """Weight bytes one decode step reads: every tensor but the embedding table, plus the whole table
-    when the LM head is tied to it."""
-    total = sum(t.nbytes for n, t in tensors.items() if n != names.TOKEN_EMBD)
+    when the LM head is tied to it; of a mixture of experts' stacked matrices, the chosen experts' share."""
+    share = config.num_experts_used / config.num_experts if config.is_moe else 1.0
+    total = sum(t.nbytes * (share if n.endswith("_exps.weight") else 1) for n, t in tensors.items()
+                if n != names.TOKEN_EMBD)
+    total = int(total)
     if config.tied_embeddings:
         total += tensors[names.TOKEN_EMBD].nbytes
     return total
 
 
 def bench_model(shape: str | BenchShape, seed: int = 0) -> tuple[ModelConfig, dict[str, QuantTensor], int]:
-    """``(config, tensors, token_read_bytes)`` of a :data:`DECODE_SHAPES` entry (by name) or of any
+    """``(config, tensors, token_read_bytes)`` of a :data:`DECODE_SHAPES` or :data:`MOE_SHAPES` entry (by name) or of any
     :class:`BenchShape`, with weights drawn by :func:`random_model`."""
     if isinstance(shape, str):
-        if shape not in DECODE_SHAPES:
-            raise ValueError(f"unknown benchmark shape {shape!r}; known: {', '.join(DECODE_SHAPES)}")
-        shape = DECODE_SHAPES[shape]
+        known = {**DECODE_SHAPES, **MOE_SHAPES}
+        if shape not in known:
+            raise ValueError(f"unknown benchmark shape {shape!r}; known: {', '.join(known)}")
+        shape = known[shape]
     config = ModelConfig(**shape.config)
     tensors = random_model(config, shape.weight_type, shape.embedding_type, shape.output_type, seed=seed,
                            mix=shape.mix)
