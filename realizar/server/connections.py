@@ -98,8 +98,10 @@ class _Guard:
         self.counts = {"closed idle at the limit": 0, "refused (all busy)": 0, "headers too slow": 0,
                        "body too slow": 0}
         self._logged = 0.0
+        self.accepted = 0  # connections seen so far (admitted or not)
 
     def admit(self, proto: Any) -> bool:
+        self.accepted += 1
         if len(self.live) >= self.limits.max_connections:
             victim = next((p for p in self.live if p.idle()), None)
             if victim is None:
