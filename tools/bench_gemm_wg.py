@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gemm_x8 import SHAPES, _torch_us, _us  # noqa: E402
+from bench_gemm_x8 import SHAPES, _torch_us, _us, relative_error  # noqa: E402
 
 from realizar import cuda  # noqa: E402
 from realizar.gpu.gemm_wg import WgConfig, wg_config  # noqa: E402
@@ -48,15 +48,9 @@ def _sweep(wtype: str, k: int, layout: str, m: int, max_smem: int) -> list[WgCon
 
 
 def _check(raw, wtype, n, k, glu, x16, out, m) -> float:
-    rows = min(m, 16)
-    xh = x16[:rows].astype(np.float64)
+    """The error against float64 over the weight rounded to f16, as the kernel decodes it, and the f16 X."""
     w = dequant(raw, wtype, n, k).astype(np.float16).astype(np.float64)
-    full, scale = xh @ w.T, np.abs(xh) @ np.abs(w).T
-    if glu:
-        ffn = n // 2
-        g, u = full[:, :ffn], full[:, ffn:]
-        full, scale = g / (1 + np.exp(-g)) * u, (np.abs(g) + scale[:, :ffn]) * (np.abs(u) + scale[:, ffn:])
-    return float(np.max(np.abs(out[:rows].astype(np.float64) - full) / scale))
+    return relative_error(x16[:min(m, 16)].astype(np.float64), w, glu, out)
 
 
 def main() -> int:

@@ -73,19 +73,22 @@ def _torch_us(m: int, n: int, k: int) -> float | None:
     return statistics.median(times)
 
 
+def relative_error(xh: np.ndarray, w: np.ndarray, glu: bool, out: np.ndarray) -> float:
+    """max |out - X W^T| / (|X| |W|^T) over the rows of ``xh`` (float64 X and W as the kernel multiplies them;
+    with ``glu`` W is [gate; up] and the reference silu(gate) * up, scaled by its terms' magnitudes)."""
+    full, scale = xh @ w.T, np.abs(xh) @ np.abs(w).T
+    if glu:
+        ffn = w.shape[0] // 2
+        g, u = full[:, :ffn], full[:, ffn:]
+        full, scale = g / (1 + np.exp(-g)) * u, (np.abs(g) + scale[:, :ffn]) * (np.abs(u) + scale[:, ffn:])
+    return float(np.max(np.abs(out[:len(xh)].astype(np.float64) - full) / scale))
+
+
 def _check(raw, wtype, n, k, glu, x16, out, m) -> float:
     from ptx_gen.kernels.gemm.x8 import dequantize_x8, quantize_x8_ref
 
-    rows = min(m, 16)
-    codes, d, _ = quantize_x8_ref(x16[:rows])
-    xh = dequantize_x8(codes, d)
-    w = dequant(raw, wtype, n, k).astype(np.float64)
-    full, scale = xh @ w.T, np.abs(xh) @ np.abs(w).T
-    if glu:
-        ffn = n // 2
-        g, u = full[:, :ffn], full[:, ffn:]
-        full, scale = g / (1 + np.exp(-g)) * u, (np.abs(g) + scale[:, :ffn]) * (np.abs(u) + scale[:, ffn:])
-    return float(np.max(np.abs(out[:rows].astype(np.float64) - full) / scale))
+    codes, d, _ = quantize_x8_ref(x16[:min(m, 16)])
+    return relative_error(dequantize_x8(codes, d), dequant(raw, wtype, n, k).astype(np.float64), glu, out)
 
 
 def main() -> int:

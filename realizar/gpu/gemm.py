@@ -15,12 +15,12 @@ from typing import Any
 import numpy as np
 
 from realizar.errors import ShapeError
-from realizar.gpu.dispatch import Dispatcher
+from realizar.gpu.dispatch import Dispatcher, check_int
 from realizar.gpu.policy.gemm import (GEMM_FALLBACK_TILE, GEMM_Q_CTA_WARPS, GEMM_Q_MAX_KPARTS, GEMM_Q_STAGES,
                                      GEMM_Q_WARPS_PER_SM, GEMM_SMALL_M, GEMM_SMALL_M_TILES, GEMM_TILES)
 from realizar.gpu.policy.shapes import GemmConfig, GemmQConfig
 
-__all__ = ["GemmConfig", "GemmOps", "GemmQConfig", "gemm_config", "gemm_q_config"]
+__all__ = ["GemmConfig", "GemmOps", "GemmQConfig", "gemm_config", "gemm_q_config", "quantized_operands"]
 
 
 #: the tables' old names (tools/bench_gemm.py sweeps them)
@@ -37,6 +37,33 @@ def gemm_config(m: int, n: int, sm_count: int = 132, max_smem: int = 227 * 1024)
         if cfg.ctas(m, n) >= sm_count:
             return cfg
     return fits[-1]
+
+
+def quantized_operands(weight: Any, lda: int | None, ldy: int | None, glu: bool, bias: Any, residual: Any,
+                       kernel: str) -> tuple[int, int, int, int, int]:
+    """(n, k, output columns, lda, ldy) of a GEMM of f16 X over the quantized GpuWeight ``weight`` (``gemm_q``,
+    ``gemm_wg``), its layout, SwiGLU epilogue, size and strides checked (``kernel`` names it in errors)."""
+    n, k = weight.out_dim, weight.in_dim
+    if weight.layout == "glu-tiles" and not glu:
+        raise ShapeError(f"GpuWeight {weight.name!r} is stored glu-tiles ([gate; up] for the fused GEMV): "
+                         f"only the glu GEMM reads it")
+    if glu and (n % 2 or bias is not None or residual is not None):
+        raise ShapeError(f"the SwiGLU GEMM needs a [gate; up] weight of an even number of rows and no bias or "
+                         f"residual, got {n} rows")
+    if glu and weight.layout == "tiles":
+        raise ShapeError(f"GpuWeight {weight.name!r} is stored tiles (a plain GEMV's layout): the glu GEMM reads "
+                         f"[gate; up] as GGUF rows or glu-tiles")
+    if weight.nbytes + 16 >= 2**32:
+        raise ShapeError(f"GpuWeight {weight.name!r}: {weight.nbytes} bytes, {kernel} addresses fewer than 2**32")
+    lda = k if lda is None else check_int("lda", lda)
+    cols = n // 2 if glu else n
+    ldy = cols if ldy is None else check_int("ldy", ldy)
+    if lda % 8 or lda < k:
+        raise ShapeError(f"x16 rows are read in 16-byte pieces: lda must be a multiple of 8 and at least k={k}, "
+                         f"got {lda}")
+    if ldy < cols:
+        raise ShapeError(f"ldy={ldy} must be at least the {cols} output columns")
+    return n, k, cols, lda, ldy
 
 
 class GemmOps(Dispatcher):
@@ -87,26 +114,7 @@ class GemmOps(Dispatcher):
         m = self.check_int("m", m)
         if m > GEMM_Q_MAX_M:
             raise ShapeError(f"gemm_q takes 1..{GEMM_Q_MAX_M} tokens, got m={m}")
-        n, k = weight.out_dim, weight.in_dim
-        if weight.layout == "glu-tiles" and not glu:
-            raise ShapeError(f"GpuWeight {weight.name!r} is stored glu-tiles ([gate; up] for the fused GEMV): "
-                             f"only the glu GEMM reads it")
-        if glu and (n % 2 or bias is not None or residual is not None):
-            raise ShapeError(f"the SwiGLU GEMM needs a [gate; up] weight of an even number of rows and no bias or "
-                             f"residual, got {n} rows")
-        if glu and weight.layout == "tiles":
-            raise ShapeError(f"GpuWeight {weight.name!r} is stored tiles (a plain GEMV's layout): the glu GEMM reads "
-                             f"[gate; up] as GGUF rows or glu-tiles")
-        if weight.nbytes + 16 >= 2**32:
-            raise ShapeError(f"GpuWeight {weight.name!r}: {weight.nbytes} bytes, gemm_q addresses fewer than 2**32")
-        lda = k if lda is None else self.check_int("lda", lda)
-        cols = n // 2 if glu else n
-        ldy = cols if ldy is None else self.check_int("ldy", ldy)
-        if lda % 8 or lda < k:
-            raise ShapeError(f"x16 rows are read in 16-byte pieces: lda must be a multiple of 8 and at least k={k}, "
-                             f"got {lda}")
-        if ldy < cols:
-            raise ShapeError(f"ldy={ldy} must be at least the {cols} output columns")
+        n, k, cols, lda, ldy = quantized_operands(weight, lda, ldy, glu, bias, residual, "gemm_q")
         if (m - 1) * lda * 2 >= 2**32:
             raise ShapeError(f"x16 spans {(m - 1) * lda * 2} bytes, gemm_q addresses fewer than 2**32")
         cfg = config or gemm_q_config(weight.wtype, k, cols, m, self.sm_count, self.device.max_shared_per_block_optin,

@@ -63,30 +63,17 @@ class GemmWgOps(Dispatcher):
         """``out[:m] = x16[:m] W^T (+ bias) (+ residual)`` for the GpuWeight W; with ``glu`` W is [gate; up]
         (GGUF rows or "glu-tiles") and ``out[:m, :ffn] = silu(x G^T) * (x U^T)``. ``residual`` may be ``out``.
         Any m; no allocation or synchronisation (capturable). Needs sm_90 (the kernel is sm_90a)."""
+        from realizar.gpu.gemm import quantized_operands
         from realizar.gpu.weights import GpuWeight
 
         if not isinstance(weight, GpuWeight):
             raise ShapeError(f"weight must be a GpuWeight, got {type(weight).__name__}")
-        n, k = weight.out_dim, weight.in_dim
-        if not wg_applies(self.device, weight.wtype, weight.layout, k):
+        if not wg_applies(self.device, weight.wtype, weight.layout, weight.in_dim):
             raise ShapeError(f"the warpgroup GEMM runs on sm_90 over weights with rows of whole chunks of 256; "
-                             f"GpuWeight {weight.name!r} is {weight.wtype} {weight.layout} of {k} on {self.device.target}")
+                             f"GpuWeight {weight.name!r} is {weight.wtype} {weight.layout} of {weight.in_dim} on "
+                             f"{self.device.target}")
         m = self.check_int("m", m)
-        if weight.layout == "glu-tiles" and not glu:
-            raise ShapeError(f"GpuWeight {weight.name!r} is stored glu-tiles: only the glu GEMM reads it")
-        if glu and (n % 2 or bias is not None or residual is not None or weight.layout == "tiles"):
-            raise ShapeError(f"the SwiGLU GEMM needs a [gate; up] weight (GGUF rows or glu-tiles) of an even number of "
-                             f"rows and no bias or residual; GpuWeight {weight.name!r} is {weight.layout} of {n} rows")
-        if weight.nbytes + 16 >= 2**32:
-            raise ShapeError(f"GpuWeight {weight.name!r}: {weight.nbytes} bytes, gemm_wg addresses fewer than 2**32")
-        lda = k if lda is None else self.check_int("lda", lda)
-        cols = n // 2 if glu else n
-        ldy = cols if ldy is None else self.check_int("ldy", ldy)
-        if lda % 8 or lda < k:
-            raise ShapeError(f"x16 rows are read in 16-byte pieces: lda must be a multiple of 8 and at least k={k}, "
-                             f"got {lda}")
-        if ldy < cols:
-            raise ShapeError(f"ldy={ldy} must be at least the {cols} output columns")
+        n, k, cols, lda, ldy = quantized_operands(weight, lda, ldy, glu, bias, residual, "gemm_wg")
         cfg = config or wg_config(weight.wtype, k, weight.layout, cols, m, self.sm_count,
                                   self.device.max_shared_per_block_optin, glu=glu)
         kern = self.kernel("gemm_wg", wtype=weight.wtype, in_dim=k, layout=weight.layout, mt=cfg.mt,
