@@ -113,7 +113,7 @@ Render = Callable[[int, str, Any], list[dict]]
 
 def stream_all(state: ServerState, jobs: Sequence[Job], render: Render, tail: Callable[[], list[dict]]) -> EventStream:
     """The SSE response of ``jobs``: ``render(i, kind, payload)`` gives the chunks of job ``i``'s
-    events (``"start"``, ``"token"``, ``"done"``); ``tail()`` the chunks after the last job (usage);
+    events (``"start"``, ``"tokens"`` (a list of chunks), ``"done"``); ``tail()`` the chunks after the last job (usage);
     it ends with ``data: [DONE]``."""
     return EventStream(_events(state, list(jobs), render, tail), lambda: cancel_all(state, jobs))
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
@@ -19,13 +18,11 @@ from starlette.requests import ClientDisconnect
 from realizar.errors import RealizarError
 from realizar.generation import SamplingParams
 from realizar.server import protocol as P
-from realizar.server.errors import as_server_error
 from realizar.server.metrics import ServerMetrics
 from realizar.server.scheduler import Job, QueueFullError, Scheduler, ShuttingDownError
 
 __all__ = ["ServerState", "EventStream", "get_state", "parse_body"]
 
-log = logging.getLogger("realizar.server")
 
 
 @dataclass
@@ -104,7 +101,7 @@ class ServerState:
         return params
 
     def start(self, ids: list[int], params: SamplingParams) -> Job:
-        job = Job(prompt_ids=ids, params=params, loop=asyncio.get_running_loop())
+        job = Job(prompt_ids=ids, params=params)
         try:
             self.scheduler.submit(job)
         except ShuttingDownError as e:
@@ -122,10 +119,10 @@ class ServerState:
         pieces: list[str] = []
         try:
             async for kind, payload in job.events():
-                if kind == "token":
-                    pieces.append(payload.text)
+                if kind == "tokens":
+                    pieces.extend(c.text for c in payload)
                     if chunks is not None:
-                        chunks.append(payload)
+                        chunks.extend(payload)
                 elif kind == "done":
                     return "".join(pieces), payload
                 elif kind == "error":
@@ -138,33 +135,6 @@ class ServerState:
         finally:
             watcher.cancel()
         raise P.ServerError(500, "the generation ended without a result", "server_error")
-
-    def stream(self, job: Job, render: Callable[[str, Any], list[dict]]) -> "EventStream":
-        """The SSE response for ``job``: ``render(kind, payload)`` gives the chunks of each event
-        (``"start"``, ``"token"``, ``"done"``); it ends with ``data: [DONE]``."""
-        return EventStream(self._events(job, render), lambda: self.scheduler.cancel(job))
-
-    async def _events(self, job: Job, render: Callable[[str, Any], list[dict]]) -> AsyncIterator[str]:
-        finished = False
-        try:
-            for chunk in render("start", None):
-                yield _sse(chunk)
-            async for kind, payload in job.events():
-                if kind == "error":
-                    err = as_server_error(payload)
-                    if err.status >= 500:
-                        log.error("generation failed: %r", payload)
-                    yield _sse(err.body())
-                    break
-                if kind == "cancelled":
-                    break
-                for chunk in render(kind, payload):
-                    yield _sse(chunk)
-            finished = True
-            yield "data: [DONE]\n\n"
-        finally:
-            if not finished:
-                self.scheduler.cancel(job)
 
 
 # a prompt of token ids at least this long is checked in Python rather than by the validator
@@ -210,10 +180,6 @@ async def parse_body(request: Request, model: type[BaseModel]) -> Any:
 def get_state(request: Request) -> ServerState:
     """FastAPI dependency: the state of the app serving ``request``."""
     return request.app.state.server
-
-
-def _sse(obj: dict) -> str:
-    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
 
 
 class EventStream(StreamingResponse):

@@ -80,12 +80,13 @@ async def chat_completions(request: Request, state: ServerState = Depends(get_st
     def render(i: int, kind: str, payload: Any) -> list[dict]:
         if kind == "start":
             return [chunk(i, {"role": "assistant", "content": ""}, None, None)]
-        if kind == "token":
-            logprobs = chat_logprobs(texts, [payload]) if lp is not None else None
+        if kind == "tokens":
+            logprobs = chat_logprobs(texts, payload) if lp is not None else None
+            text = "".join(c.text for c in payload)
             if plan.parses_tools:
-                held.setdefault(i, []).append(payload.text)
+                held.setdefault(i, []).append(text)
                 return [chunk(i, {}, logprobs, None)] if logprobs else []
-            return [chunk(i, {"content": payload.text}, logprobs, None)] if payload.text or logprobs else []
+            return [chunk(i, {"content": text}, logprobs, None)] if text or logprobs else []
         finish, out = payload.finish_reason, []
         if plan.parses_tools:
             message, finish = plan.message("".join(held.pop(i, [])), finish)

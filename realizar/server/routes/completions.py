@@ -82,12 +82,13 @@ def _stream_render(req: P.CompletionRequest, rid: str, ts: int, name: str, echoe
             echo = echoes[i // n]
             offsets[i] = len(echo)
             return [chunk(i, echo, None, None)] if echo else []
-        if kind == "token":
+        if kind == "tokens":
             logprobs = None
             if req.logprobs is not None:
-                logprobs = completion_logprobs(texts, [payload], offsets[i])
-            offsets[i] += len(payload.text)
-            return [chunk(i, payload.text, logprobs, None)] if payload.text or logprobs else []
+                logprobs = completion_logprobs(texts, payload, offsets[i])
+            text = "".join(c.text for c in payload)
+            offsets[i] += len(text)
+            return [chunk(i, text, logprobs, None)] if text or logprobs else []
         return [chunk(i, "", None, payload.finish_reason)]
 
     return render
