@@ -102,10 +102,11 @@ class RequestHandle:
     :attr:`result` holds the :class:`GenerationResult` once it is finished (None before);
     :meth:`cancel` stops it and frees its KV blocks at once; :meth:`wait` blocks until the end."""
 
-    def __init__(self, engine: "ServingEngine", state: SequenceState):
+    def __init__(self, engine: "ServingEngine", state: SequenceState, sink: Callable[[Any, Any], None] | None = None):
         self._engine = engine
         self.state = state
         self._queue: queue.Queue = queue.Queue()
+        self._sink = sink
         self._done = threading.Event()
         self._finish_lock = threading.Lock()
         self._result: GenerationResult | None = None
@@ -119,6 +120,8 @@ class RequestHandle:
     # -- the consumer's side ------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[TokenChunk]:
+        if self._sink is not None:
+            raise InvalidRequestError("this request's chunks go to the sink it was submitted with")
         while True:
             item = self._queue.get()
             if item is _DONE:
@@ -168,11 +171,12 @@ class RequestHandle:
     def needs_host_logits(self) -> bool:
         return self.state.needs_host_logits
 
-    def row_sampling(self) -> RowSampling:
+    def row_sampling(self, step: int | None = None) -> RowSampling:
+        """How the device draws this request's token of index ``step`` (default: the next one)."""
         if self._spec is None:  # checked once (at submit: the device's limits), then only the step changes
             p = self.state.params
             self._spec = RowSampling(float(p.temperature), int(p.top_k), float(p.top_p), int(p.seed or 0), 0)
-        return self._spec.at_step(len(self.state.generated))
+        return self._spec.at_step(len(self.state.generated) if step is None else step)
 
     def choose(self, logits: np.ndarray) -> int:
         logits, self._logprobs = self.state.process_logits(logits)
@@ -184,7 +188,7 @@ class RequestHandle:
             self._t_first = now
         chunk = self.state.accept(tok, self._logprobs)
         self._logprobs = None
-        self._queue.put(chunk)
+        self._put(chunk)
         if self.state.finished:
             self._finish(now)
         return self.state.finished
@@ -193,7 +197,7 @@ class RequestHandle:
         if not self._done.is_set():
             self._error = exc
             self._done.set()
-            self._queue.put(_DONE)
+            self._put(_DONE)
 
     def _finish(self, now: float | None = None, reason: str | None = None) -> None:
         with self._finish_lock:  # a cancel on another thread may race the loop finishing it
@@ -203,7 +207,13 @@ class RequestHandle:
             first = self._t_first if self._t_first is not None else now
             self._result = self.state.result(first - self._t_submit, now - first, reason)
             self._done.set()
-            self._queue.put(_DONE)
+            self._put(_DONE)
+
+    def _put(self, item: Any) -> None:
+        if self._sink is None:
+            self._queue.put(item)
+        else:
+            self._sink(self, None if item is _DONE else item)
 
 
 class ServingEngine:
@@ -229,13 +239,14 @@ class ServingEngine:
         on_step: Callable[[StepStats], None] | None = None,
         background: bool = True,
         kv_events: Any = None,
+        async_scheduling: bool = _DEFAULTS.async_scheduling,
     ):
         self.background = background
         self.backend = backend
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids) if eos_token_ids is not None else _eos_ids(tokenizer)
         self.scheduler = Scheduler(backend, max_batched_tokens=max_batched_tokens, prefix_cache=prefix_cache,
-                                   max_batch=max_batch)  # fmt: skip
+                                   max_batch=max_batch, async_scheduling=async_scheduling)  # fmt: skip
         self.on_step = on_step
         self.kv_events = kv_events
         if kv_events is not None:
@@ -261,19 +272,27 @@ class ServingEngine:
         cfg = (config or ServingConfig()).with_(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
         backend = engine.batch_backend(cfg)
         eos = getattr(getattr(engine, "generator", None), "eos_token_ids", None)
-        return cls(backend, engine.tokenizer, eos, max_batched_tokens=cfg.max_batched_tokens, **kwargs)
+        return cls(backend, engine.tokenizer, eos, max_batched_tokens=cfg.max_batched_tokens,
+                   async_scheduling=cfg.async_scheduling, **kwargs)
 
     # -- requests ------------------------------------------------------------------------------------
 
-    def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> RequestHandle:
+    def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+               sink: Callable[[RequestHandle, TokenChunk | None], None] | None = None) -> RequestHandle:
         """Queue a request; returns its :class:`RequestHandle` at once. Raises
-        :class:`InvalidRequestError` for bad parameters or a request that could never fit."""
+        :class:`InvalidRequestError` for bad parameters or a request that could never fit.
+
+        ``sink``: instead of the handle's blocking iterator, ``sink(handle, chunk)`` gets each
+        :class:`TokenChunk` and then ``sink(handle, None)`` at the end (:attr:`RequestHandle.result` or
+        :attr:`RequestHandle.error` set), called from the engine's thread, or from the thread that
+        cancels the request; it must be quick and never raise (the HTTP server's hands them to its
+        event loop a step at a time)."""
         params = params or SamplingParams()
         params.validate()
         ids = encode_prompt(self.tokenizer, prompt)
         if params.seed is None:
             params = dataclasses.replace(params, seed=secrets.randbits(63))
-        handle = RequestHandle(self, SequenceState(ids, params, self.tokenizer, self.eos_token_ids))
+        handle = RequestHandle(self, SequenceState(ids, params, self.tokenizer, self.eos_token_ids), sink)
         if not handle.needs_host_logits:
             handle.row_sampling()  # the device's limits (e.g. a float32 1/temperature) checked now
         if self._closed:
