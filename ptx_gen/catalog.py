@@ -29,7 +29,8 @@ _KERNEL_MODULES = (  # imported lazily so the catalog fills on first use (by fam
     "ptx_gen.kernels.attention.paged_decode", "ptx_gen.kernels.attention.paged_prefill",
     "ptx_gen.kernels.kv.kv_append", "ptx_gen.kernels.kv.rope_append", "ptx_gen.kernels.kv.rope_append_rows",
     "ptx_gen.kernels.kv.paged_append",
-    "ptx_gen.kernels.sampling.argmax", "ptx_gen.kernels.sampling.sample_rows", "ptx_gen.kernels.moe.route",
+    "ptx_gen.kernels.sampling.argmax", "ptx_gen.kernels.sampling.sample_rows", "ptx_gen.kernels.sampling.feed",
+    "ptx_gen.kernels.moe.route",
 )
 _EXTRA_MODULES: list[str] = []
 

@@ -32,7 +32,9 @@ class ServingConfig:
     chunk); ``prefill_min_batch``: shorter prompts go token by token through the decode step;
     ``gemv_cols_rows``: batches of up to this many rows use the tensor-core GEMV's columns kernel;
     ``f16_weights``: keep f16 copies of the weights for batches of 33-64 rows (None: when they fit; on sm_90
-    larger batches read the quantized weights through ``gemm_wg`` either way, and so do all where none is kept)."""
+    larger batches read the quantized weights through ``gemm_wg`` either way, and so do all where none is kept);
+    ``async_scheduling``: launch each decode step before reading the previous one's tokens, so the host's work
+    on them overlaps the GPU's (:mod:`realizar.serving.scheduler`)."""
 
     block_size: int = 32
     max_batch: int = 64
@@ -45,6 +47,7 @@ class ServingConfig:
     prefill_min_batch: int = 16
     gemv_cols_rows: int = 4
     f16_weights: bool | None = None
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_batch", "max_context", "prefill_chunk", "max_batched_tokens",
@@ -54,6 +57,8 @@ class ServingConfig:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise InvalidRequestError(f"{name} must be a positive integer, got {v!r}")
+        if not isinstance(self.async_scheduling, bool):
+            raise InvalidRequestError(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
         if self.num_blocks is not None and self.kv_memory is not None:
             raise InvalidRequestError("give num_blocks or kv_memory, not both")
         if self.kv_memory is not None and (isinstance(self.kv_memory, bool) or self.kv_memory <= 0):

@@ -154,7 +154,7 @@ def test_one_row_greedy_and_sampled_steps(loaded):
         if spec.temperature == 0:
             assert got == int(np.argmax(logits))
         tok = got
-    assert set(be.graphs.keys()) == {(1, True), (1, False)}
+    assert set(be.graphs.keys()) == {(1, True, False), (1, False, False)}
 
 
 @pytest.mark.full

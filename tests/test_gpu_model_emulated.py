@@ -65,7 +65,7 @@ def _run_gpu(loaded, mode: str, prompt: list[int], feed: list[int]) -> dict:
             out = model.decode(tok)
         tokens.append(out.greedy_token())
         logits.append(np.asarray(out).copy())
-    graph = model.sequence.graphs.graph((1, True))
+    graph = model.sequence.graphs.graph((1, True, False))
     records = [] if graph is None else [
         _launch_key(r.kernel.name, r.grid, r.block, r.shared_bytes, {p.name: r.args.get(p.name) for p in r.args.params})
         for r in graph.graph.records]

@@ -46,7 +46,7 @@ def backend_rate(backend: GpuBatchBackend, tokens: int) -> tuple[float, float, f
     for pos in range(PROMPT + 1, PROMPT + 1 + 200):
         backend.decode([tok], [pos], [table])  # staging only, no launch
     stage_us = (time.perf_counter() - t0) / 200 * 1e6
-    graph = backend.graphs.graph((1, True))  # one greedy row: the variant ending in the argmax
+    graph = backend.graphs.graph((1, True, False))  # one greedy row: the variant ending in the argmax
     e0, e1 = cuda.Event(), cuda.Event()
     e0.record(backend.stream)
     for _ in range(tokens):

@@ -540,24 +540,6 @@ def _paged_prefill(k, sizes, rng) -> Example:
     return Example(params, (_cdiv(seq_q, k.meta["block_q"]), h), (k.meta["block"],), ("out",), k.meta["dyn_smem"])
 
 
-@example("sample_rows")
-def _sample_rows(k, sizes, rng) -> Example:
-    from ptx_gen.kernels.sampling.sample_rows import SPEC_WORDS
-
-    vocab = sizes.get("vocab", 300)
-    ld = sizes.get("ld", vocab + 4)
-    # rows as realizar.gpu.sampling.pack_specs packs them: (temperature, top_k, top_p, seed, step)
-    rows = [(0.0, 0, 1.0, 0, 0), (0.8, 20, 1.0, 1234, 7), (1.0, 0, 0.9, 2**40 + 5, 3), (0.7, 50, 0.8, 99, 1)]
-    specs = np.zeros((len(rows), SPEC_WORDS), np.uint32)
-    f = specs.view(np.float32)
-    for i, (temp, top_k, top_p, seed, step) in enumerate(rows):
-        f[i, 0], specs[i, 1], f[i, 2] = temp, top_k, top_p
-        specs[i, 3], specs[i, 4], specs[i, 5] = seed & 0xFFFFFFFF, seed >> 32, step
-    params = {"logits": _f32(rng, len(rows) * ld, scale=3.0), "ld": ld, "specs": specs.reshape(-1),
-              "out": np.full(len(rows), 0xFFFFFFFF, np.uint32), "vocab": vocab}
-    return Example(params, (len(rows),), (k.meta["block"],), ("out",))
-
-
 def run_example(name: str, shape: dict, target: str = "sm_90", seed: int = 0, racecheck: bool = True) -> Report:
     """Emit kernel ``name`` (the kernel's shape parameters from ``shape``; the other keys are problem
     sizes for its example), run it on the emulator on random inputs, and report the outputs or the
@@ -593,4 +575,4 @@ def run_example(name: str, shape: dict, target: str = "sm_90", seed: int = 0, ra
         report.outputs[out] = mem.read(addrs[out], a.dtype, a.size).copy()
     return report
 
-from ptx_gen.emulator import examples_moe  # noqa: E402,F401  (registers its examples)
+from ptx_gen.emulator import examples_moe, examples_sampling  # noqa: E402,F401  (register their examples)

@@ -11,7 +11,11 @@ It shares the weights of a :class:`~realizar.gpu.model.GpuModel` and keeps its o
   a *bucket* (1, 2, 4, 8, 16, 24, 32, 48, 64, ...) and each bucket's step, the sampler of every row
   included, is captured once (launched when the output is sampled: the specs travel with the step). The
   padding rows read token 0 at position 0 through an all-zero block table: they write only the
-  reserved null block 0, which no sequence owns. The linear layers run on the
+  reserved null block 0, which no sequence owns. A row given :func:`~realizar.serving.backend.fed` ``(r)``
+  takes the token the previous step sampled in its row r on the device (``feed_tokens`` at the start of
+  the step's graph), and :meth:`GpuBatchOutput.launch` queues the step and the copy of its tokens without
+  waiting: the host stages step N + 1 (two staging arrays, each reused once its upload has left) and
+  launches it before it reads step N's tokens. The linear layers run on the
   :class:`~realizar.gpu.linear.Linear` chosen by B (the decode GEMV at B = 1).
 * :meth:`GpuBatchBackend.prefill`: a chunk of one sequence's prompt (of at least ``prefill_min_batch``
   tokens; shorter ones go token by token through the 1-row decode step) through
@@ -43,8 +47,9 @@ from realizar.gpu.argmax import ARGMAX_SCRATCH
 from realizar.gpu.decoder import Activations, Decoder
 from realizar.gpu.linear import Linear, rows_unsupported
 from realizar.gpu.prefill import Prefill
-from realizar.gpu.sampling import SPEC_WORDS, pack_specs
+from realizar.gpu.sampling import NO_SOURCE, SPEC_WORDS, pack_specs
 from realizar.models.kv_formats import KV_FORMATS, block_bytes
+from realizar.serving.backend import PendingTokens
 
 __all__ = ["BUCKETS", "GpuBatchBackend", "GpuBatchOutput", "bucket_for", "token_ids"]
 
@@ -94,10 +99,10 @@ class GpuBatchOutput:
     inputs and replays the bucket's graph, sampler included (one copy in, one graph, 4 bytes a row
     out); :meth:`logits` first runs the step if nothing has."""
 
-    def __init__(self, backend: "GpuBatchBackend", rows: int, pending: int | None = None):
+    def __init__(self, backend: "GpuBatchBackend", rows: int, pending: tuple[int, int, bool] | None = None):
         self._backend = backend
         self.rows = rows
-        self._pending = pending  # decode: the bucket whose step has not run yet
+        self._pending = pending  # decode: (bucket, staging slot, fed rows) of the step that has not run yet
         self._step = backend.steps
 
     def _check(self) -> None:
@@ -109,24 +114,45 @@ class GpuBatchOutput:
         self._check()
         if len(specs) != self.rows:
             raise ShapeError(f"sample needs one spec per row: {self.rows} rows, {len(specs)} specs")
-        tokens = self._run_pending(specs)
-        return tokens if tokens is not None else self._backend._sample(self.rows, specs)
+        return self.launch(specs).wait()
+
+    def launch(self, specs: Sequence[Any]) -> PendingTokens:
+        """:meth:`sample` without waiting: a decode step and the copy of its tokens are queued on the
+        backend's stream (``wait()`` reads them)."""
+        self._check()
+        if len(specs) != self.rows:
+            raise ShapeError(f"sample needs one spec per row: {self.rows} rows, {len(specs)} specs")
+        pending = self._run_pending(specs)
+        return pending if pending is not None else PendingTokens(self._backend._sample(self.rows, specs))
 
     def logits(self, i: int) -> np.ndarray:
         """Row ``i``'s logits on the host (float32 ``[vocab]``)."""
         self._check()
         if not 0 <= i < self.rows:
             raise ShapeError(f"row {i} outside the {self.rows} rows of this step")
-        self._run_pending(None)
+        pending = self._run_pending(None)
+        if pending is not None:
+            pending.wait()
         return self._backend.read_logits(i)
 
-    def _run_pending(self, specs: Sequence[Any] | None) -> np.ndarray | None:
-        """Run the staged decode step with ``specs`` (None: greedy) and return its tokens; None when
-        there is no staged step (a prefill's output, or a step that has run)."""
+    def _run_pending(self, specs: Sequence[Any] | None) -> "_StepTokens | None":
+        """Launch the staged decode step with ``specs`` (None: greedy); None when there is no staged step (a
+        prefill's output, or a step that has been launched)."""
         if self._pending is None:
             return None
-        bucket, self._pending = self._pending, None
-        return self._backend._run_decode(bucket, self.rows, specs)
+        (bucket, slot, feed), self._pending = self._pending, None
+        return self._backend._launch_decode(bucket, self.rows, specs, slot, feed)
+
+
+class _StepTokens(PendingTokens):
+    """A launched decode step's tokens: copied into a pinned array behind the step, read after its event."""
+
+    def __init__(self, done: Any, out: np.ndarray):
+        self._done, self._out = done, out
+
+    def wait(self) -> np.ndarray:
+        self._done.synchronize()
+        return self._out.astype(np.int64)
 
 
 class GpuBatchBackend:
@@ -190,21 +216,30 @@ class GpuBatchBackend:
                                max_batch=self.max_batch)
         self.graph_mode = graph if use_graph else "eager"
         ops, mb = self.ops, self.max_batch
-        # the packed per-step values: ids [B] | positions [B] | lengths [B] | specs [B, 8] | tables [B, stride]
-        self._tables_at = (3 + SPEC_WORDS) * mb
+        # the packed per-step values: ids [B] | positions [B] | lengths [B] | specs [B, 8] | fed rows' sources [B]
+        # | tables [B, stride], staged in two pinned arrays (step N + 1's while N's upload may be in flight)
+        self._src_at = (3 + SPEC_WORDS) * mb
+        self._tables_at = self._src_at + mb
         self._n_step = self._tables_at + mb * self.table_stride
-        self._step_host = cuda.PinnedArray(self._n_step, np.uint32, device=self.device)
+        self._stage = [cuda.PinnedArray(self._n_step, np.uint32, device=self.device) for _ in range(2)]
+        self._step_host = self._stage[0]  # (the synchronous paths' staging: binding a sequence)
+        self._uploaded = [cuda.Event(timing=False, device=self.device) for _ in range(2)]  # slot's upload has left
+        self._slot = 0
         self.step = ops.buffer(self._n_step, np.uint32, zero=True)
         self.prefill_table = ops.buffer(self.table_stride, np.uint32, zero=True)
         self.acts = Activations.allocate(ops, cfg, mb, one_row=True, many_rows=mb > 1,
                                          split_ffn=self.weights.split_ffn)
         self.tokens = ops.buffer(mb, np.uint32)
         self._tokens_host = cuda.PinnedArray(mb, np.uint32, device=self.device)
+        self._step_tokens = [cuda.PinnedArray(mb, np.uint32, device=self.device) for _ in range(2)]
+        self._tokens_read = [cuda.Event(timing=False, device=self.device) for _ in range(2)]
+        self.feeds_tokens = True
+        self._fed_rows = 0  # rows of the last decode step whose sampled tokens are in self.tokens (0: none)
         self._specs_host = cuda.PinnedArray(mb * SPEC_WORDS, np.uint32, device=self.device)  # prefill rows
         self.specs = ops.buffer(mb * SPEC_WORDS, np.uint32, zero=True)
         self.argmax_scratch = ops.buffer(ARGMAX_SCRATCH, np.uint64)
         self.pdl = model.pdl  # programmatic dependent launch between the step graph's kernels (sm_90)
-        self.graphs = cuda.GraphCache(self.stream, mode=self.graph_mode, capacity=2 * len(BUCKETS), pdl=self.pdl)
+        self.graphs = cuda.GraphCache(self.stream, mode=self.graph_mode, capacity=3 * len(BUCKETS), pdl=self.pdl)
         self._attention: dict[int, DecodeRows] = {}
         self._one: cuda.StepValues | None = None  # the bound single sequence's (token, pos, seq_len)
         # prompts through the layers at once (None or 0: token by token, e.g. a tensor-parallel rank's)
@@ -245,10 +280,13 @@ class GpuBatchBackend:
             self._attention[b] = att
         return att
 
-    def step_phases(self, b: int, argmax: bool):
+    def step_phases(self, b: int, argmax: bool, feed: bool = False):
         """The launches of one decode step of ``b`` rows (no host synchronisation: capturable), pausing
         at the layer program's all-reduce points, ending in the head and the per-row sampler, or with
-        ``argmax`` (one greedy row) the argmax."""
+        ``argmax`` (one greedy row) the argmax; ``feed``: first the fed rows' ids from the last step's tokens."""
+        if feed:
+            self.ops.feed_tokens((self.step, 0), (self.step, self._src_at), self.tokens, b, self.max_batch,
+                                 stream=self.stream)
         yield from self.decoder.phases(self.acts, (self.step, 0), b, self.linear, self._decode_rows(b), self.stream)
         self.issue_head(b, argmax)
 
@@ -262,21 +300,22 @@ class GpuBatchBackend:
             self.ops.sample_rows(self.acts.logits, (self.step, 3 * self.max_batch), self.tokens, b, cfg.vocab_size,
                                  stream=s)
 
-    def issue_step(self, b: int, argmax: bool) -> None:
-        for _ in self.step_phases(b, argmax):
+    def issue_step(self, b: int, argmax: bool, feed: bool = False) -> None:
+        for _ in self.step_phases(b, argmax, feed):
             pass
 
-    def _launch_step(self, b: int, argmax: bool) -> None:
+    def _launch_step(self, b: int, argmax: bool, feed: bool = False) -> None:
         if self.linear.reserve(self.weights.linears, b):
             self.clear_graphs()
-        self.graphs.run((b, argmax), lambda: self.issue_step(b, argmax))
+        self.graphs.run((b, argmax, feed), lambda: self.issue_step(b, argmax, feed))
 
     def decode(self, tokens: Sequence[int], positions: Sequence[int],
                block_tables: Sequence[Sequence[int]]) -> GpuBatchOutput:
-        """Advance ``len(tokens)`` sequences by one token each: row r feeds ``tokens[r]`` at
+        """Advance ``len(tokens)`` sequences by one token each: row r feeds ``tokens[r]`` (an id, or
+        :func:`~realizar.serving.backend.fed` ``(j)``: row j's token of the previous step, on the device) at
         ``positions[r]`` (its K/V written there, attention over positions 0..positions[r]) through
         ``block_tables[r]``. The inputs are checked and staged now; the step runs when the output is
-        sampled or read (:class:`GpuBatchOutput`)."""
+        sampled, launched or read (:class:`GpuBatchOutput`)."""
         n = len(tokens)
         if not 1 <= n <= self.max_batch or len(positions) != n or len(block_tables) != n:
             raise ShapeError(f"decode takes 1..{self.max_batch} rows with one position and block table each, "
@@ -287,9 +326,12 @@ class GpuBatchBackend:
         # numpy write per value
         lens, flat = self._check_blocks(block_tables)
         tok, pos = _ints(tokens, "token ids"), _ints(positions, "positions")
-        if min(tok) < 0 or max(tok) >= vocab:
-            raise InvalidRequestError(f"token id {next(t for t in tok if not 0 <= t < vocab)} outside the "
-                                      f"vocabulary of {vocab}")
+        feed = min(tok) < 0
+        if feed and not -self._fed_rows <= min(tok):
+            raise InvalidRequestError(f"token {min(tok)}: a fed token needs the previous call to be a sampled "
+                                      f"decode step with that row ({self._fed_rows} rows)")
+        if max(tok) >= vocab:
+            raise InvalidRequestError(f"token id {max(tok)} outside the vocabulary of {vocab}")
         if min(pos) < 0 or max(pos) >= self.context_length:
             p = next(p for p in pos if not 0 <= p < self.context_length)
             raise ContextOverflowError(f"position {p} is past the context length of {self.context_length}")
@@ -298,11 +340,20 @@ class GpuBatchBackend:
                 raise ShapeError(f"row {r}: position {p} needs block {p // self.block_size}, the table has "
                                  f"{blocks} blocks (at most {stride})")
         self.device.make_current()
-        self.stream.synchronize()  # the previous step's copy has left the staging array
+        slot = self._slot
+        self._slot ^= 1
+        self._uploaded[slot].synchronize()  # this staging array's last upload (two steps ago) has left
         self._unbind()  # the tables are restaged: a bound sequence binds again
-        host = self._step_host.array
+        host = self._stage[slot].array
         host[:3 * mb] = 0
-        host[:n], host[mb: mb + n], host[2 * mb: 2 * mb + n] = tok, pos, [p + 1 for p in pos]
+        host[mb: mb + n], host[2 * mb: 2 * mb + n] = pos, [p + 1 for p in pos]
+        if feed:
+            ids = np.asarray(tok, np.int64)
+            host[:n] = np.maximum(ids, 0)
+            host[self._src_at: self._src_at + mb] = NO_SOURCE
+            host[self._src_at: self._src_at + n] = np.where(ids < 0, -1 - ids, NO_SOURCE)
+        else:
+            host[:n] = tok
         host[at: at + b * stride] = 0
         if n == 1:
             host[at: at + lens[0]] = flat
@@ -311,11 +362,12 @@ class GpuBatchBackend:
             starts = np.repeat(at + stride * np.arange(n) - (np.cumsum(counts) - counts), counts)
             host[starts + np.arange(flat.size)] = flat
         self.steps += 1
-        return GpuBatchOutput(self, n, pending=b)
+        return GpuBatchOutput(self, n, pending=(b, slot, feed))
 
-    def _run_decode(self, b: int, rows: int, specs: Sequence[Any] | None) -> np.ndarray:
-        """Send the staged step (and ``specs``; None: greedy) and run bucket ``b``'s step; the tokens."""
-        mb, host = self.max_batch, self._step_host.array
+    def _launch_decode(self, b: int, rows: int, specs: Sequence[Any] | None, slot: int, feed: bool) -> _StepTokens:
+        """Send staging slot ``slot`` (and ``specs``; None: greedy), queue bucket ``b``'s step and the copy of
+        its first ``rows`` tokens; returns them pending."""
+        mb, host = self.max_batch, self._stage[slot].array
         staged = host[3 * mb: 3 * mb + mb * SPEC_WORDS].reshape(mb, SPEC_WORDS)
         staged[:] = 0
         if specs is not None:
@@ -323,8 +375,14 @@ class GpuBatchBackend:
         # one greedy row: the argmax, not the sampler's one block for the whole row
         argmax = b == 1 and (specs is None or specs[0].temperature == 0)
         self.step.copy_from_host_at(host[: self._tables_at + b * self.table_stride], 0, stream=self.stream)
-        self._launch_step(b, argmax)
-        return self.read_tokens(rows).astype(np.int64)
+        self._uploaded[slot].record(self.stream)
+        self._launch_step(b, argmax, feed)
+        self._tokens_read[slot].synchronize()  # (read two launches ago)
+        out = self._step_tokens[slot].array[:rows]
+        self.tokens.copy_to_host_at(0, rows, out, stream=self.stream)
+        self._tokens_read[slot].record(self.stream)
+        self._fed_rows = rows
+        return _StepTokens(self._tokens_read[slot], out)
 
     def _check_blocks(self, tables: Sequence[Sequence[int]]) -> tuple[list[int], np.ndarray]:
         """(blocks per table, every table's block ids in a row as int64), after checking that each id is a
@@ -377,6 +435,7 @@ class GpuBatchBackend:
         token stay on the device (:meth:`read_tokens`, :meth:`read_logits`)."""
         self.stage_one(token, position)
         self._launch_step(1, True)
+        self._fed_rows = 0
         self.steps += 1
 
     # ---- prefill ----------------------------------------------------------------------------------
@@ -404,6 +463,7 @@ class GpuBatchBackend:
         if n < self.prefill_min_batch or self._prefill is None:  # token by token through the 1-row step
             for i, tok in enumerate(ids.tolist()):
                 self._token_step(tok, start + i, block_table)
+            self._fed_rows = 0
             return GpuBatchOutput(self, 1)
         if block_table is not None:
             table = np.zeros(self.table_stride, np.uint32)
@@ -417,6 +477,7 @@ class GpuBatchBackend:
                 self._token_step(int(part[0]), start + off, block_table)
             else:
                 self._prefill.run_chunk(part, start + off, last=off + c >= n)
+        self._fed_rows = 0
         return GpuBatchOutput(self, 1)
 
     def _token_step(self, token: int, position: int, block_table: Sequence[int] | None) -> None:
@@ -424,8 +485,7 @@ class GpuBatchBackend:
         if block_table is None:
             self.step_one(token, position)
         else:
-            self.decode([token], [position], [block_table])
-            self._run_decode(1, 1, None)
+            self.decode([token], [position], [block_table])._run_pending(None).wait()
 
     # ---- outputs ----------------------------------------------------------------------------------
     def read_tokens(self, rows: int) -> np.ndarray:
@@ -443,6 +503,7 @@ class GpuBatchBackend:
         self.specs.copy_from_host_at(self._specs_host.array[: rows * SPEC_WORDS], 0, stream=self.stream)
         self.ops.sample_rows(self.acts.logits, self.specs, self.tokens, rows, self.config.vocab_size,
                              stream=self.stream)
+        self._fed_rows = 0
         return self.read_tokens(rows).astype(np.int64)
 
     def read_logits(self, i: int = 0) -> np.ndarray:
@@ -465,7 +526,7 @@ class GpuBatchBackend:
             self._one = None
         for buf in (self.step, self.prefill_table, self.tokens, self.specs, self.argmax_scratch):
             buf.free()
-        for pinned in (self._step_host, self._tokens_host, self._specs_host):
+        for pinned in (*self._stage, *self._step_tokens, self._tokens_host, self._specs_host):
             pinned.free()
         if self._own_stream:
             self.stream.close()

@@ -9,13 +9,14 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ptx_gen.kernels.sampling.feed import NO_SOURCE
 from ptx_gen.kernels.sampling.sample_rows import SPEC_WORDS
 from realizar.errors import InvalidRequestError, ShapeError
 from realizar.gpu.dispatch import Dispatcher
 from realizar.gpu.policy.sampling import SAMPLE_BLOCK
 from realizar.sampling import RowSampling
 
-__all__ = ["SampleOps", "pack_specs", "SPEC_WORDS", "SAMPLE_BLOCK"]
+__all__ = ["NO_SOURCE", "SampleOps", "pack_specs", "SPEC_WORDS", "SAMPLE_BLOCK"]
 
 # one spec row: temperature and top_p as float32 (rounded as np.float32 rounds), the rest u32, two zero words
 _ROW = struct.Struct("<fIfIII8x")
@@ -62,4 +63,16 @@ class SampleOps(Dispatcher):
             "specs": self.addr(specs, rows * SPEC_WORDS, "specs", np.uint32, align=4),
             "out": self.addr(out, rows, "out", np.uint32, align=4),
             "vocab": vocab,
+        }, stream)
+
+    def feed_tokens(self, ids: Any, src: Any, tokens: Any, n: int, n_tokens: int, stream: Any = None) -> None:
+        """ids[r] = tokens[src[r]] for r < ``n`` where src[r] is not ``NO_SOURCE`` (u32 arrays; ``tokens``
+        holds ``n_tokens``: every src[r] other than NO_SOURCE must be below it, which the caller checks)."""
+        n, n_tokens = self.check_int("n", n), self.check_int("n_tokens", n_tokens)
+        if n < 1 or n_tokens < 1:
+            raise ShapeError(f"expected n >= 1 and n_tokens >= 1, got n={n}, n_tokens={n_tokens}")
+        kern = self.kernel("feed_tokens", block=256 if n > 64 else 64)
+        self.launch(kern, -(-n // kern.meta["block"]), {
+            "ids": self.addr(ids, n, "ids", np.uint32, align=4), "src": self.addr(src, n, "src", np.uint32, align=4),
+            "tokens": self.addr(tokens, n_tokens, "tokens", np.uint32, align=4), "n": n,
         }, stream)

@@ -6,13 +6,20 @@ Both backends implement :class:`BatchBackend`: the NumPy one
 ``block_size`` positions per layer, block 0 the null block); the scheduler owns the allocation
 (:class:`~realizar.serving.blocks.BlockPool`) and hands each call the block tables to use.
 
+A decode step can start before the host has read the previous one's tokens: a ``tokens`` entry
+:func:`fed` ``(r)`` means "the token the previous decode call sampled in its row r", which the backend
+takes where it already is (the GPU's feeds it to the next step on the device), and
+:meth:`BatchOutput.launch` starts the sampling without waiting for it (:class:`PendingTokens`). So the
+host prepares step N + 1 and launches it, then handles step N's tokens while N + 1 runs. A fed entry is
+valid only right after a decode call whose output was sampled.
+
 :class:`RowSampling` (how the device samples one row: temperature, top-k, top-p, seed, step) is
 :class:`realizar.sampling.RowSampling`, re-exported here.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Callable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -20,7 +27,23 @@ from realizar.errors import ShapeError
 from realizar.models.config import ModelConfig
 from realizar.sampling import RowSampling, sample_rows  # one RowSampling for both backends
 
-__all__ = ["BatchBackend", "BatchOutput", "RowSampling", "HostBatchOutput"]
+__all__ = ["BatchBackend", "BatchOutput", "HostBatchOutput", "PendingTokens", "RowSampling", "fed"]
+
+
+def fed(row: int) -> int:
+    """The ``tokens`` entry of :meth:`BatchBackend.decode` for the token the previous decode call sampled in
+    its row ``row`` (not yet read by the host): ``-1 - row``."""
+    return -1 - int(row)
+
+
+class PendingTokens:
+    """Tokens being drawn: :meth:`wait` returns them (int64 ``[B]``) once they are there."""
+
+    def __init__(self, tokens: np.ndarray):
+        self._tokens = tokens
+
+    def wait(self) -> np.ndarray:
+        return self._tokens
 
 
 @runtime_checkable
@@ -31,6 +54,10 @@ class BatchOutput(Protocol):
         """One token per row (int64 ``[B]``), row ``i`` chosen by ``specs[i]``."""
         ...
 
+    def launch(self, specs: Sequence[RowSampling]) -> PendingTokens:
+        """:meth:`sample` without waiting for the tokens (a GPU step runs on while the host goes on)."""
+        ...
+
     def logits(self, i: int) -> np.ndarray:
         """float32 ``[vocab]``: a host copy of row ``i``'s logits."""
         ...
@@ -39,6 +66,7 @@ class BatchOutput(Protocol):
 @runtime_checkable
 class BatchBackend(Protocol):
     config: ModelConfig
+    feeds_tokens: bool  # decode takes fed() entries
     block_size: int
     num_blocks: int
     max_batch: int
@@ -52,18 +80,20 @@ class BatchBackend(Protocol):
     def decode(
         self, tokens: Sequence[int], positions: Sequence[int], block_tables: Sequence[Sequence[int]]
     ) -> BatchOutput:
-        """Advance B sequences by one token each: row ``i`` feeds ``tokens[i]`` at ``positions[i]``
-        through ``block_tables[i]``; B rows of logits."""
+        """Advance B sequences by one token each: row ``i`` feeds ``tokens[i]`` (an id, or :func:`fed`
+        ``(r)``) at ``positions[i]`` through ``block_tables[i]``; B rows of logits."""
         ...
 
 
 class HostBatchOutput:
-    """A :class:`BatchOutput` over logits already on the host (``[B, vocab]`` float32)."""
+    """A :class:`BatchOutput` over logits already on the host (``[B, vocab]`` float32); ``on_sample(tokens)``
+    is told the tokens drawn (a backend that takes :func:`fed` entries keeps them)."""
 
-    def __init__(self, logits: np.ndarray):
+    def __init__(self, logits: np.ndarray, on_sample: Callable[[np.ndarray], None] | None = None):
         self._logits = np.asarray(logits, dtype=np.float32)
         if self._logits.ndim != 2:
             raise ShapeError(f"batch logits must be [B, vocab], got shape {self._logits.shape}")
+        self._on_sample = on_sample
 
     def __len__(self) -> int:
         return self._logits.shape[0]
@@ -74,4 +104,10 @@ class HostBatchOutput:
     def sample(self, specs: Sequence[RowSampling]) -> np.ndarray:
         if len(specs) != self._logits.shape[0]:
             raise ShapeError(f"sample needs one spec per row: {self._logits.shape[0]} rows, got {len(specs)}")
-        return np.asarray(sample_rows(self._logits, specs), dtype=np.int64)
+        tokens = np.asarray(sample_rows(self._logits, specs), dtype=np.int64)
+        if self._on_sample is not None:
+            self._on_sample(tokens)
+        return tokens
+
+    def launch(self, specs: Sequence[RowSampling]) -> PendingTokens:
+        return PendingTokens(self.sample(specs))

@@ -68,6 +68,8 @@ class ReferenceBatchBackend:
         self.num_blocks = int(num_blocks)
         self.block_size = int(block_size)
         self.max_batch = int(max_batch)
+        self.feeds_tokens = True
+        self._fed: np.ndarray | None = None  # the last decode call's sampled tokens (for fed() entries)
         self.kv_dtype = kv_dtype
         self.context_length = int(context_length if context_length is not None else model.context_length)
         c = self.config
@@ -153,6 +155,7 @@ class ReferenceBatchBackend:
         x = self.model.embedding[ids]
         for li, L in enumerate(self.model.layers):
             x = decoder_layer(x, [(L, c, attend(li))], cos, sin)
+        self._fed = None
         return HostBatchOutput(self._logits(x[-1:]))
 
     def decode(
@@ -161,6 +164,12 @@ class ReferenceBatchBackend:
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
         pos = np.asarray(positions, dtype=np.int64).reshape(-1)
         b = ids.shape[0]
+        if ids.size and ids.min() < 0:  # fed(r): the previous decode call's token of row r
+            prev, self._fed = self._fed, None
+            if prev is None or ids.min() < -len(prev):
+                raise InvalidRequestError(f"token {ids.min()}: a fed token needs the previous call to be a sampled "
+                                          f"decode step with that row ({0 if prev is None else len(prev)} rows)")
+            ids = np.where(ids < 0, prev[np.maximum(-1 - ids, 0) % max(1, len(prev))], ids)
         if b == 0 or b > self.max_batch:
             raise ShapeError(f"a decode step takes 1..{self.max_batch} rows, got {b}")
         if pos.shape[0] != b or len(block_tables) != b:
@@ -190,4 +199,8 @@ class ReferenceBatchBackend:
         x = self.model.embedding[ids]  # [B, hidden]
         for li, L in enumerate(self.model.layers):
             x = decoder_layer(x, [(L, c, attend(li))], cos, sin)
-        return HostBatchOutput(self._logits(x))
+        self._fed = None
+        return HostBatchOutput(self._logits(x), on_sample=self._sampled)
+
+    def _sampled(self, tokens: np.ndarray) -> None:
+        self._fed = tokens

@@ -18,13 +18,24 @@ Every :meth:`Scheduler.step`:
 4. finished sequences **retire** at once (their blocks are freed); :meth:`Scheduler.cancel` frees a
    sequence's blocks at once too.
 
+**Overlap** (``async_scheduling``, on a backend that ``feeds_tokens``): a decode step is launched before
+the previous one's tokens are read. The rows continuing from it take their input token as
+:func:`~realizar.serving.backend.fed` (it stays where it was sampled), and the host then handles the
+previous step's tokens (text, stop checks, streaming) while the new step runs. A sequence that stops
+(end of sequence, a stop string) was already given one more row; that row's token is dropped (its K/V
+write lands in the sequence's own last block, which is freed behind it: any later use of the block is
+ordered after the step on the backend). A sequence whose last token is in flight gets no further row.
+Steps that prefill, and batches with a row that chooses its token on the host (logprobs, processors,
+penalties), read the step in flight first and run as before.
+
 Full blocks are registered in the pool's prefix cache as soon as they are written, so a later request
 with the same prefix (a system prompt, earlier chat turns) skips them. A request that could never
 fit (prompt + max new tokens above the context length or the whole pool) is refused at
 :meth:`Scheduler.add` with :class:`~realizar.errors.InvalidRequestError`.
 
 Sequences are driven through a *client* (the serving engine's per-request object), duck-typed:
-``needs_host_logits`` (bool), ``row_sampling() -> RowSampling`` (device sampling of the next token),
+``needs_host_logits`` (bool), ``row_sampling(step) -> RowSampling`` (device sampling of the token of index
+``step`` among those generated),
 ``choose(logits) -> int`` (host sampling from a float32 logits row), ``accept(token) -> bool``
 (record the token; True when the sequence is finished) and ``fail(exc)`` (a client call raised: the
 sequence is retired). No threads here: the caller drives :meth:`step`.
@@ -37,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence as Seq
 
 from realizar.errors import InvalidRequestError
-from realizar.serving.backend import BatchBackend, RowSampling
+from realizar.serving.backend import BatchBackend, RowSampling, fed
 from realizar.serving.blocks import ROOT_KEY, BlockPool
 from realizar.config import ServingConfig
 
@@ -66,6 +77,8 @@ class Sequence:
     preemptions: int = 0
     cached_tokens: int = 0  # positions taken from the prefix cache at the last admission
     priority: int = 0  # lower: admitted first, preempted last
+    pending: int = 0  # 1: the step in flight draws its next token (row ``row`` of that step), not yet read
+    row: int = 0
 
     @property
     def order(self) -> tuple[int, int]:
@@ -105,7 +118,7 @@ class Scheduler:
     rows), ``preemptions``, ``steps``."""
 
     def __init__(self, backend: BatchBackend, *, max_batched_tokens: int = _DEFAULTS.max_batched_tokens, prefix_cache: bool = True,
-                 max_batch: int | None = None):  # fmt: skip
+                 max_batch: int | None = None, async_scheduling: bool = _DEFAULTS.async_scheduling):  # fmt: skip
         if int(max_batched_tokens) != max_batched_tokens or max_batched_tokens < 1:
             raise InvalidRequestError(f"max_batched_tokens must be a positive integer, got {max_batched_tokens}")
         self.backend = backend
@@ -118,6 +131,9 @@ class Scheduler:
         self.running: list[Sequence] = []  # by admission
         self._next_id = 0
         self._arrivals = 0
+        #: decode steps overlap the host's handling of the previous step's tokens
+        self.overlapped = bool(async_scheduling) and bool(getattr(backend, "feeds_tokens", False))
+        self._inflight: tuple[Any, list[Sequence]] | None = None  # (PendingTokens, rows) of the step in flight
         self.prefilled_tokens = self.cached_tokens = self.decoded_tokens = 0
         self.preemptions = self.steps = 0
 
@@ -178,7 +194,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._inflight)
 
     # -- internals ---------------------------------------------------------------------------------
 
@@ -203,7 +219,7 @@ class Scheduler:
 
     def _register_full_blocks(self, seq: Sequence) -> None:
         bs = self.block_size
-        while len(seq.keys) < seq.num_computed // bs:
+        while len(seq.keys) < min(seq.num_computed, len(seq.tokens)) // bs:  # (full blocks of known tokens)
             i = len(seq.keys)
             parent = seq.keys[-1] if seq.keys else ROOT_KEY
             seq.keys.append(self.pool.register(seq.blocks[i], parent, seq.tokens[i * bs : (i + 1) * bs]))
@@ -242,6 +258,7 @@ class Scheduler:
     def _emit(self, seq: Sequence, tok: int, out: StepOutput) -> None:
         seq.tokens.append(int(tok))
         out.tokens.append((seq.seq_id, int(tok)))
+        self._register_full_blocks(seq)  # (a block whose last K/V an overlapped step computed)
         done = self._call(seq, out, seq.client.accept, int(tok))
         if done is None:
             return
@@ -264,11 +281,16 @@ class Scheduler:
         self.steps += 1
         self._admit(out)
         decoding = [s for s in self.running if s.state == DECODE]
+        prefilling = [s for s in self.running if s.state == PREFILL]
+        overlap = self.overlapped and not any(s.client.needs_host_logits for s in decoding)
+        if self._inflight is not None and (prefilling or not overlap):
+            self._settle(out)
+            decoding = [s for s in decoding if s.state == DECODE]
 
         # prefill chunks, oldest admitted sequence first, within the budget the decode rows leave (at
         # least one token a step, so a prompt always advances)
         budget = max(1, self.max_batched_tokens - len(decoding))
-        for pre in [s for s in self.running if s.state == PREFILL]:
+        for pre in prefilling:
             if budget <= 0:
                 break
             start = pre.num_computed
@@ -288,33 +310,56 @@ class Scheduler:
                     device_tok = output.sample([self._row_spec(pre)])[0]
                 self._choose(pre, output, 0, device_tok, out)
 
-        # one decode step of every sequence that was past its prefill at the start of this step
+        # one decode step of every sequence that was past its prefill at the start of this step (but not of
+        # one whose last token is in flight)
         rows: list[Sequence] = []
         for seq in decoding:
-            if seq.state != DECODE:
-                continue  # preempted below for an older sequence's block
+            if seq.state != DECODE or seq.generated + seq.pending >= seq.max_new_tokens:
+                continue  # preempted below for an older sequence's block, or done once the step in flight is read
             if not self._ensure_block(seq, out):
                 continue
             rows.append(seq)
         rows = [s for s in rows if s.state == DECODE]
-        if rows:
-            output = self.backend.decode(
-                [s.tokens[s.num_computed] for s in rows], [s.num_computed for s in rows], [s.blocks for s in rows]
-            )
-            out.decode_batch = len(rows)
-            self.decoded_tokens += len(rows)
-            for s in rows:
-                s.num_computed += 1
-                self._register_full_blocks(s)
-            specs = [RowSampling() if s.client.needs_host_logits else self._row_spec(s) for s in rows]
-            toks = output.sample(specs) if any(not s.client.needs_host_logits for s in rows) else [None] * len(rows)
+        if not rows:
+            if self._inflight is not None:
+                self._settle(out)
+            return out
+        output = self.backend.decode([fed(s.row) if s.pending else s.tokens[s.num_computed] for s in rows],
+                                     [s.num_computed for s in rows], [s.blocks for s in rows])
+        out.decode_batch = len(rows)
+        self.decoded_tokens += len(rows)
+        for s in rows:
+            s.num_computed += 1
+        if overlap:
+            launched = output.launch([self._row_spec(s) for s in rows])
+            if self._inflight is not None:
+                self._settle(out)
             for i, s in enumerate(rows):
-                self._choose(s, output, i, toks[i], out)
+                s.pending, s.row = 1, i
+            self._inflight = (launched, rows)
+            return out
+        for s in rows:
+            self._register_full_blocks(s)
+        specs = [RowSampling() if s.client.needs_host_logits else self._row_spec(s) for s in rows]
+        toks = output.sample(specs) if any(not s.client.needs_host_logits for s in rows) else [None] * len(rows)
+        for i, s in enumerate(rows):
+            self._choose(s, output, i, toks[i], out)
         return out
+
+    def _settle(self, out: StepOutput) -> None:
+        """Read the step in flight and hand its tokens to their sequences (those still decoding)."""
+        launched, rows = self._inflight
+        self._inflight = None
+        toks = launched.wait().tolist()
+        for s, tok in zip(rows, toks):
+            if s.pending:
+                s.pending = 0
+                if s.state == DECODE:
+                    self._emit(s, tok, out)
 
     @staticmethod
     def _row_spec(seq: Sequence) -> RowSampling:
-        return seq.client.row_sampling()
+        return seq.client.row_sampling(seq.generated + seq.pending)
 
     def _ensure_block(self, seq: Sequence, out: StepOutput) -> bool:
         """A block for ``seq``'s next position, preempting the youngest sequences as needed; False

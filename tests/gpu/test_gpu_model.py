@@ -132,7 +132,7 @@ def test_captured_and_manual_decode_graphs_replay_bit_identically(tmp_path, arch
     prompt = [7, 250, 31, 99, 4, 180]
     ref_logits = ref.prefill(prompt)
     logits = {name: m.prefill(prompt) for name, m in models.items()}
-    graphs = {name: models[name].sequence.graphs.graph((1, True)).graph for name in ("capture", "manual")}
+    graphs = {name: models[name].sequence.graphs.graph((1, True, False)).graph for name in ("capture", "manual")}
     assert graphs["capture"].kind == "captured"
     assert graphs["manual"].kind == "manual"
     assert graphs["manual"].num_kernels == graphs["capture"].num_kernels
