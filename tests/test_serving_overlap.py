@@ -165,3 +165,21 @@ def test_overlapped_steps_on_the_emulated_gpu_backend(gpu_backend):
     be = make()
     with pytest.raises(InvalidRequestError, match="fed token"):
         be.decode([fed(0)], [0], [[1]])
+
+
+def test_warm_up_captures_every_step_and_changes_no_result(gpu_backend):
+    make, engine, dev = gpu_backend
+    rng = np.random.default_rng(10)
+    reqs = [(rng.integers(3, 320, n).tolist(), SamplingParams(max_tokens=m)) for n, m in ((9, 5), (20, 3))]
+    want, _ = _run(make(), engine, reqs, overlap=True, arrivals=(0, 1))
+    be = make()
+    serving = ServingEngine(be, engine.tokenizer, engine.generator.eos_token_ids, background=False)
+    assert serving.warm_up() > 0
+    assert {(b, False, f) for b in (1, 2, 4) for f in (False, True)} | {(1, True, False), (1, True, True)} \
+        <= set(be.graphs.keys())
+    assert (8, 0) in be._prefill.graphs  # the chunk's one length class, captured
+    got, _ = _run(be, engine, reqs, overlap=True, arrivals=(0, 1))
+    assert got == want
+    serving.submit(reqs[0][0], reqs[0][1])
+    with pytest.raises(InvalidRequestError, match="before the first request"):
+        serving.warm_up()

@@ -37,8 +37,8 @@ def bench(model: GpuModel, tokens: int, prompt: int = 8) -> tuple[float, float]:
     for pos in range(prompt, prompt + tokens):
         tok = model.forward_gpu_resident_to_token_id(tok, pos)
     wall = time.perf_counter() - t0
-    e0, e1 = cuda.Event(), cuda.Event()
     stream = model.sequence.stream
+    e0, e1 = cuda.Event(device=stream.device), cuda.Event(device=stream.device)
     e0.record(stream)
     for pos in range(prompt, prompt + tokens):  # GPU time: replays back to back, no read-back between them
         model._run_step(tok, pos)

@@ -3,6 +3,7 @@ through the serving engine and the HTTP server, beside llama.cpp's batched figur
 
     python tools/bench_serving.py --out docs/results/bench_serving_h200.md
     python tools/bench_serving.py --shapes smollm2-135m --batches 1,8,64 --parts batched
+    python tools/bench_serving.py --device emulate --tiny --batches 1,2 --prompt 4 --gen 3   # CPU smoke
 
 Parts (``--parts``):
 
@@ -13,10 +14,16 @@ Parts (``--parts``):
   the ratio to the single-stream rate of :class:`GpuModel` (its own cache and graph, measured first in
   the same run) and to llama.cpp's figure at the same B.
 * ``engine`` — C concurrent requests (prompt ``--prompt`` tokens, ``--gen`` output tokens; and a mixed
-  load of prompts 32..1024 / outputs 16..256) submitted at once to :class:`realizar.serving.ServingEngine`:
-  aggregate output tok/s, time to first token and inter-token latency p50/p99.
+  load of prompts 32..1024 / outputs 16..256) submitted at once to :class:`realizar.serving.ServingEngine`,
+  their tokens taken by one sink as the HTTP server takes them: aggregate output tok/s, time to first
+  token and inter-token latency p50/p99.
 * ``http`` — the same requests as streaming completions through the OpenAI-compatible server
-  (uvicorn in this process, ``httpx`` streaming clients).
+  (uvicorn in this process; ``httpx`` streaming clients in four client processes; output tokens from the
+  streams' usage chunks); beside each load, its ratio to the ``batched`` part's bound for the same work,
+  B x gen / (its prefill time + its decode time).
+* ``warmstart`` — in this fresh process: :meth:`ServingEngine.warm_up` (skipped with ``--no-warm-up``), then
+  four distinct prompts of ``--warm-prompt`` tokens (one output token each) in turn: the first one's time
+  against the median of the others. Run it alone, so nothing else has loaded a kernel before.
 
 Random weights at the real shapes (``realizar.models.random.BENCH_SHAPES``). llama.cpp's figures:
 ``llama-batched-bench -npp 128 -ntg 128`` (flash attention on) on an H200 with random weights,
@@ -36,6 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from bench_decode import bench as decode_rate  # tools/ is on the path when run as a script
+from bench_prefill import TINY
 
 from realizar import cuda
 from realizar.gpu.batch import GpuBatchBackend
@@ -105,35 +113,37 @@ def bench_tokenizer(vocab_size: int):
 
 
 def run_load(serving, requests: list[tuple[list[int], int]]) -> dict:
-    """Submit every (prompt ids, max_tokens) at once and stream each in its own thread: aggregate
-    output tok/s, TTFT and inter-token latency percentiles (seconds)."""
+    """Submit every (prompt ids, max_tokens) at once, each streamed to one sink (the way the HTTP server
+    takes them: no thread per request): aggregate output tok/s, TTFT and inter-token latency percentiles
+    (seconds) from the times the tokens reach the sink."""
     import threading
 
     from realizar.generation import SamplingParams
 
-    ttft, itl, counts = [], [], []
-    lock = threading.Lock()
+    times: dict[int, list[float]] = {i: [] for i in range(len(requests))}
+    left = [len(requests)]
+    done = threading.Event()
 
-    def consume(handle, t_submit):
-        times = [time.perf_counter() for _ in handle]
-        with lock:
-            counts.append(len(times))
-            if times:
-                ttft.append(times[0] - t_submit)
-                itl.extend(np.diff(times).tolist())
+    def sink(i, _handle, chunk):
+        if chunk is not None:
+            times[i].append(time.perf_counter())
+        else:
+            left[0] -= 1  # (only the engine's thread calls: no lock)
+            if left[0] == 0:
+                done.set()
 
     t0 = time.perf_counter()
-    threads = []
-    for ids, n in requests:
-        t = time.perf_counter()
-        handle = serving.submit(ids, SamplingParams(max_tokens=n, temperature=0.0))
-        th = threading.Thread(target=consume, args=(handle, t))
-        th.start()
-        threads.append(th)
-    for th in threads:
-        th.join()
+    starts = []
+    for i, (ids, n) in enumerate(requests):
+        starts.append(time.perf_counter())
+        serving.submit(ids, SamplingParams(max_tokens=n, temperature=0.0),
+                       sink=lambda h, c, i=i: sink(i, h, c))
+    done.wait()
     wall = time.perf_counter() - t0
-    return {"tok_s": sum(counts) / wall, "ttft": ttft, "itl": itl, "wall": wall, "tokens": sum(counts)}
+    ttft = [ts[0] - starts[i] for i, ts in times.items() if ts]
+    itl = [d for ts in times.values() for d in np.diff(ts).tolist()]
+    count = sum(len(ts) for ts in times.values())
+    return {"tok_s": count / wall, "ttft": ttft, "itl": itl, "wall": wall, "tokens": count}
 
 
 def bench_engine(backend, concurrency: list[int], prompt: int, gen: int, rng) -> dict[str, dict]:
@@ -262,19 +272,46 @@ def bench_http(backend, name: str, concurrency: list[int], prompt: int, gen: int
     return out
 
 
-def latency_table(name: str, part: str, res: dict[str, dict]) -> list[str]:
+def bench_warm_start(backend, prompt: int, warm: bool, rng) -> list[str]:
+    """The first prompt after start against warm ones of the same length (see ``warmstart``)."""
+    from realizar.generation import SamplingParams
+    from realizar.serving.engine import ServingEngine
+
+    vocab = backend.config.vocab_size
+    serving = ServingEngine(backend, bench_tokenizer(vocab), eos_token_ids=())
+    try:
+        warm_s = serving.warm_up() if warm else 0.0
+        times = []
+        for _ in range(4):
+            ids = [int(t) for t in rng.integers(0, vocab, prompt)]
+            t0 = time.perf_counter()
+            serving.submit(ids, SamplingParams(max_tokens=1, temperature=0.0)).wait()
+            times.append(1e3 * (time.perf_counter() - t0))
+    finally:
+        serving.close()
+    later = float(np.median(times[1:]))
+    print(f"  warm start: warm_up {warm_s:.2f} s, first {times[0]:.1f} ms, later {later:.1f} ms", flush=True)
+    return [f"| {'on' if warm else 'off'} | {warm_s:.2f} | {prompt} | {times[0]:.1f} | "
+            f"{', '.join(f'{t:.1f}' for t in times[1:])} | {times[0] / later:.2f} |"]
+
+
+def latency_table(name: str, part: str, res: dict[str, dict], bound: dict[int, float] | None = None) -> list[str]:
+    gap = "event gap" if "HTTP" in part else "ITL"
     lines = [f"### {name}: {part}", "",
-             "| load | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | wall s |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             f"| load | output tok/s | x batched bound | TTFT p50 ms | TTFT p99 ms | {gap} p50 ms | {gap} p99 ms | wall s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for label, r in res.items():
-        lines.append(f"| {label} | {r['tok_s']:.0f} | {1e3 * pct(r['ttft'], 50):.1f} | {1e3 * pct(r['ttft'], 99):.1f} | "
-                     f"{1e3 * pct(r['itl'], 50):.2f} | {1e3 * pct(r['itl'], 99):.2f} | {r['wall']:.2f} |")
+        c = int(label.split()[0])
+        ratio = f"{r['tok_s'] / bound[c]:.2f}" if bound and c in bound and "mixed" not in label else "-"
+        lines.append(f"| {label} | {r['tok_s']:.0f} | {ratio} | {1e3 * pct(r['ttft'], 50):.1f} | "
+                     f"{1e3 * pct(r['ttft'], 99):.1f} | {1e3 * pct(r['itl'], 50):.2f} | {1e3 * pct(r['itl'], 99):.2f} | "
+                     f"{r['wall']:.2f} |")
     return lines + [""]
 
 
-def batched_table(name: str, res: dict[int, dict], single: float) -> list[str]:
+def batched_table(name: str, res: dict[int, dict], single: float, prompt: int, gen: int) -> list[str]:
     peer = LLAMA_CPP_BATCHED.get(name, {})
-    lines = [f"### {name}: batched decode (prompt 128, 128 generated per sequence)", "",
+    lines = [f"### {name}: batched decode (prompt {prompt}, {gen} generated per sequence)", "",
              f"Single stream (GpuModel, same run, same prompt and output lengths): {single:.0f} tok/s.", "",
              "| B | aggregate tok/s | ms / step | x single stream | llama.cpp tok/s | x llama.cpp |",
              "|---:|---:|---:|---:|---:|---:|"]
@@ -286,13 +323,18 @@ def batched_table(name: str, res: dict[int, dict], single: float) -> list[str]:
     return lines + [""]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=",".join(BENCH_SHAPES))
+    ap.add_argument("--tiny", action="store_true", help="a 2-layer toy shape instead (CPU smoke test)")
+    ap.add_argument("--device", choices=("cuda", "emulate"), default="cuda",
+                    help="emulate: the PTX emulator on the CPU (with --tiny: a smoke test of every part)")
     ap.add_argument("--batches", default="1,8,32,64,128")
     ap.add_argument("--parts", default="batched,engine,http")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--warm-prompt", type=int, default=512, help="the warmstart part's prompt length")
+    ap.add_argument("--no-warm-up", action="store_true", help="the warmstart part without ServingEngine.warm_up")
     ap.add_argument("--kv-dtype", default="f16")
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--out", type=Path)
@@ -302,28 +344,30 @@ def main() -> None:
     ap.add_argument("--f16-weights", choices=("auto", "on", "off"), default="auto",
                     help="GpuBatchBackend's f16_weights: f16 copies of the weights for more than 32 rows when they "
                          "fit (auto), always, or never (the batch GEMMs then read the quantized weights)")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     f16w = {"auto": None, "on": True, "off": False}[a.f16_weights]
-    dev = cuda.current_device()
+    dev = cuda.EmulatedDevice(sm_count=4, racecheck=False) if a.device == "emulate" else cuda.current_device()
     batches = [int(b) for b in a.batches.split(",")]
     parts = a.parts.split(",")
     lines = [f"# bench_serving — {dev.name}, {datetime.date.today()}", "",
-             f"Command: `python {' '.join(shlex.quote(x) for x in sys.argv)}`", "", LLAMA_CPP_ORIGIN, ""]
+             f"Command: `python tools/bench_serving.py {' '.join(shlex.quote(x) for x in (sys.argv[1:] if argv is None else argv))}`",
+             "", LLAMA_CPP_ORIGIN, ""]
     rng = np.random.default_rng(0)
-    for name in a.shapes.split(","):
-        cfg, tensors, _ = bench_model(name)
+    for name in ["tiny"] if a.tiny else a.shapes.split(","):
+        cfg, tensors, _ = bench_model(TINY if name == "tiny" else name)
         model = GpuModel(cfg, tensors, max_len=a.prompt + a.gen, device=dev)
         # GpuModel's single-stream rate (its own cache and decode graph), the ratio's denominator
         single = decode_rate(model, a.gen, a.prompt)[0] if "batched" in parts else 0.0
         model.release_kv()  # the backend keeps its own paged cache
-        ctx = max(a.prompt + a.gen, 1280 if "engine" in parts else 0)  # (the mixed load: up to 1024 + 256)
+        ctx = max(a.prompt + a.gen, 1280 if "engine" in parts else 0,  # (the mixed load: up to 1024 + 256)
+                  a.warm_prompt + 1 if "warmstart" in parts else 0)
         need = max(batches) * -(-ctx // a.block_size) + 1
         settings = [int(v) for v in a.gemv_cols_rows.split(",")]
         for extra in settings[1:] if "batched" in parts else ():
             backend = GpuBatchBackend(model, num_blocks=need, block_size=a.block_size, kv_dtype=a.kv_dtype,
                                       max_batch=max(batches), max_context=ctx, gemv_cols_rows=extra,
                                       f16_weights=f16w)
-            table = batched_table(name, bench_batched(backend, batches, a.prompt, a.gen, rng), single)
+            table = batched_table(name, bench_batched(backend, batches, a.prompt, a.gen, rng), single, a.prompt, a.gen)
             table[0] += f" (gemv_cols_rows={extra})"
             lines += table
             print("\n".join(table), flush=True)
@@ -334,18 +378,26 @@ def main() -> None:
                                   max_batch=max(batches), max_context=ctx, gemv_cols_rows=settings[0],
                                   f16_weights=f16w)
         print(f"{name}: {backend.num_blocks} blocks of {a.block_size}, kv {a.kv_dtype}", flush=True)
+        bound = None  # the batched part's B x gen / (prefill + decode time), the served parts' reference
+        if "warmstart" in parts:
+            lines += [f"### {name}: the first prompt after start (warm_up {'off' if a.no_warm_up else 'on'})", "",
+                      "| warm_up | warm_up s | prompt | first ms | later ms | first / later median |",
+                      "|---|---:|---:|---:|---|---:|",
+                      *bench_warm_start(backend, a.warm_prompt, not a.no_warm_up, rng), ""]
         if "batched" in parts:
-            table = batched_table(name, bench_batched(backend, batches, a.prompt, a.gen, rng), single)
+            res = bench_batched(backend, batches, a.prompt, a.gen, rng)
+            bound = {b: b * a.gen / (r["prefill_s"] + a.gen * r["step_ms"] / 1e3) for b, r in res.items()}
+            table = batched_table(name, res, single, a.prompt, a.gen)
             if len(settings) > 1:
                 table[0] += f" (gemv_cols_rows={settings[0]})"
             lines += table
             print("\n".join(table), flush=True)
         if "engine" in parts:
             lines += latency_table(name, "ServingEngine, concurrent requests (greedy)",
-                                   bench_engine(backend, batches, a.prompt, a.gen, rng))
+                                   bench_engine(backend, batches, a.prompt, a.gen, rng), bound)
         if "http" in parts:
             lines += latency_table(name, "HTTP server, concurrent streaming completions (greedy)",
-                                   bench_http(backend, name, batches, a.prompt, a.gen, rng))
+                                   bench_http(backend, name, batches, a.prompt, a.gen, rng), bound)
         backend.close()
         del backend, model, tensors
         gc.collect()
@@ -353,7 +405,8 @@ def main() -> None:
     print(text)
     if a.out:
         a.out.write_text(text + "\n")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -2,7 +2,8 @@
 
 What comes back from $OUT is limited to a few files: gpu_check.log (every stage's output), the JUnit
 XML of the tests, and one Markdown table per benchmark (bench_graphs, bench_attention, bench_gemv,
-bench_decode, bench_gemm, bench_prefill, bench_serving, profile_step (one served stream against GpuModel),
+bench_decode, bench_gemm, bench_prefill, bench_serving, bench_warm_start (four files), profile_step (one served
+stream against GpuModel),
 bench_gemm_decode (the f16 GEMM at decode batch sizes); not default stages: real_model (smollm2_gpu.md),
 and on 2+ GPUs bench_tensor_parallel and bench_nccl).
 
@@ -50,7 +51,8 @@ def stages(out: Path, tests: list[str], pytest_args: list[str]) -> dict[str, tup
         "bench_decode": ([PY, "tools/bench_decode.py", "--out", str(out / "bench_decode.md")], 480),
         "bench_gemm": ([PY, "tools/bench_gemm.py", "--out", str(out / "bench_gemm.md")], 240),
         "bench_prefill": ([PY, "tools/bench_prefill.py", "--out", str(out / "bench_prefill.md")], 420),
-        "bench_serving": ([PY, "tools/bench_serving.py", "--out", str(out / "bench_serving.md")], 540),
+        "bench_serving": ([PY, "tools/bench_serving.py", "--shapes", "smollm2-135m,llama-3-8b", "--batches", "1,64,128,256",
+                           "--out", str(out / "bench_serving.md")], 540),
         "profile_step": ([PY, "tools/profile_step.py", "--out", str(out / "profile_step.md")], 240),
         "bench_gemm_decode": ([PY, "tools/bench_gemm.py", "--tokens", "32,64", "--sweep", "--out",
                                str(out / "bench_gemm_decode.md")], 240),
@@ -61,7 +63,11 @@ def stages(out: Path, tests: list[str], pytest_args: list[str]) -> dict[str, tup
         "real_model": ([PY, "tools/gpu_real_model.py", "--gguf", os.environ.get("SMOLLM2_GGUF", "/tmp/smollm2.gguf"),
                         "--out", str(out / "smollm2_gpu.md")], 300),
     }
-    return {**{name: ([cmd], limit) for name, (cmd, limit) in single.items()},
+    # the first prompt after start, each in a fresh process (nothing loaded before): with and without warm_up
+    warm = [[PY, "tools/bench_serving.py", "--shapes", shape, "--parts", "warmstart", "--batches", "256", *flag,
+             "--out", str(out / f"bench_warm_start_{shape}{'_off' if flag else ''}.md")]
+            for shape in ("smollm2-135m", "llama-3-8b") for flag in ([], ["--no-warm-up"])]
+    return {**{name: ([cmd], limit) for name, (cmd, limit) in single.items()}, "bench_warm_start": (warm, 480),
             "sanitize": (memcheck, 300), "racecheck": (racecheck, 300)}
 
 
@@ -92,7 +98,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_out")))
     ap.add_argument("--stages", default="env,tests,sanitize,racecheck,bench_graphs,bench_attention,bench_gemv,bench_decode,"
-                                        "bench_gemm,bench_prefill,bench_serving,profile_step,bench_gemm_decode")
+                                        "bench_gemm,bench_prefill,bench_serving,bench_warm_start,profile_step,bench_gemm_decode")
     ap.add_argument("--tests", default="tests/gpu", help="test paths, space separated")
     ap.add_argument("--pytest-args", default="", help="extra pytest arguments, space separated")
     a = ap.parse_args()

@@ -46,10 +46,11 @@ from realizar.gpu.attention import DecodeRows
 from realizar.gpu.argmax import ARGMAX_SCRATCH
 from realizar.gpu.decoder import Activations, Decoder
 from realizar.gpu.linear import Linear, rows_unsupported
-from realizar.gpu.prefill import Prefill
+from realizar.gpu.prefill import GRAPH_ROWS, Prefill
 from realizar.gpu.sampling import NO_SOURCE, SPEC_WORDS, pack_specs
 from realizar.models.kv_formats import KV_FORMATS, block_bytes
-from realizar.serving.backend import PendingTokens
+from realizar.sampling import RowSampling
+from realizar.serving.backend import PendingTokens, fed
 
 __all__ = ["BUCKETS", "GpuBatchBackend", "GpuBatchOutput", "bucket_for", "token_ids"]
 
@@ -486,6 +487,32 @@ class GpuBatchBackend:
             self.step_one(token, position)
         else:
             self.decode([token], [position], [block_table])._run_pending(None).wait()
+
+    # ---- before the first request ---------------------------------------------------------------------
+    def warm_up(self) -> None:
+        """Load every kernel and capture the graphs a served step uses, so the first requests run as fast
+        as later ones: a prompt chunk of every length class (multiples of the prefill's graph rows up to the
+        chunk, as many as the pool holds) and every decode bucket up to ``max_batch``, greedy and sampled,
+        with and without fed rows. It writes K/V only into blocks the scheduler has not handed out (a
+        sequence reads only positions it wrote) and leaves no state behind."""
+        rng = np.random.default_rng(0)
+        room = (self.num_blocks - 1) * self.block_size
+        table = list(range(1, self.num_blocks))
+        if self._prefill is not None:
+            top = min(self.prefill_chunk, self.context_length, room)
+            # longest first, twice each (the second run captures): the prefill keeps the shorter, commoner
+            # lengths' graphs when it cannot keep them all
+            for rows in range(top - top % GRAPH_ROWS or top, 0, -GRAPH_ROWS):
+                n = min(max(rows, self.prefill_min_batch), room)  # (shorter prompts go through the decode step)
+                ids = rng.integers(0, self.config.vocab_size, n).tolist()
+                for _ in range(2):
+                    self.prefill(ids, 0, table[: -(-n // self.block_size)]).sample([RowSampling()])
+        sampled = RowSampling(temperature=1.0, seed=1)
+        for b in (b for b in BUCKETS if b <= self.max_batch):
+            for spec in ((RowSampling(), sampled) if b == 1 else (sampled,)):
+                self.decode([1] * b, [0] * b, [[1]] * b).sample([spec] * b)
+                self.decode([fed(r) for r in range(b)], [0] * b, [[1]] * b).sample([spec] * b)
+        self._fed_rows = 0
 
     # ---- outputs ----------------------------------------------------------------------------------
     def read_tokens(self, rows: int) -> np.ndarray:

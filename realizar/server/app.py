@@ -15,6 +15,8 @@ are refused with a 413 before they are read whole (:mod:`realizar.server.limits`
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Sequence
@@ -29,6 +31,8 @@ from realizar.server.metrics import ServerMetrics
 from realizar.server.routes import ROUTERS
 from realizar.server.scheduler import Scheduler
 from realizar.server.state import ServerState
+
+log = logging.getLogger("realizar.server")
 
 __all__ = ["create_app"]
 
@@ -156,6 +160,11 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # kernels loaded and step graphs captured before the server answers: its first prompt runs as fast
+        # as later ones
+        seconds = await asyncio.to_thread(serving.warm_up)
+        if seconds:
+            log.info("warmed up in %.1f s", seconds)
         yield
         scheduler.close()
 

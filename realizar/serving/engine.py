@@ -312,6 +312,19 @@ class ServingEngine:
                     self._thread.start()
         return handle
 
+    def warm_up(self) -> float:
+        """Prepare the backend for the first requests (its ``warm_up``: kernels loaded, step graphs captured),
+        before any is submitted; the seconds it took (0 for a backend without one)."""
+        warm = getattr(self.backend, "warm_up", None)
+        if warm is None:
+            return 0.0
+        t0 = time.perf_counter()
+        with self._cv:
+            if self.scheduler.has_work or self._inbox:
+                raise InvalidRequestError("warm_up runs before the first request")
+            warm()
+        return time.perf_counter() - t0
+
     def _drain_inbox(self) -> None:
         """Apply the cancels that came during a step and queue the submitted requests with the
         scheduler (caller holds the engine's lock)."""
