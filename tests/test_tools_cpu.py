@@ -152,3 +152,26 @@ def test_bench_prefill_names_the_prefill_path():
     assert model.prefill_chunk == 8 and path.startswith("batched, prefill_chunk=8")
     model, path = bench_prefill.make_model(cfg, tensors, 64, dev, prefill_chunk=None)
     assert path.startswith(f"batched, prefill_chunk={model.prefill_chunk}")
+
+
+@pytest.mark.full
+def test_bench_serving_every_part_on_the_emulator(tmp_path):
+    """tools/bench_serving.py as the GPU check runs it, on the PTX emulator with the toy shape: the batched
+    bound, the engine and the HTTP loads (client processes, tokens from the usage chunks) and the warm start."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "serving.md"
+    for parts, extra in (("batched,http", ["--batches", "2"]), ("warmstart", ["--batches", "1", "--warm-prompt", "20"])):
+        subprocess.run([sys.executable, "tools/bench_serving.py", "--device", "emulate", "--tiny", "--prompt", "4",
+                        "--gen", "3", "--parts", parts, *extra, "--out", str(out)], check=True, timeout=900,
+                       capture_output=True)
+        text = out.read_text()
+        if parts == "warmstart":
+            (row,) = _rows(text, "on")
+            assert float(row[1]) > 0 and row[2] == "20" and float(row[3]) > 0 and float(row[5]) > 0
+            continue
+        (batched,) = _rows(text, "2")
+        assert float(batched[1]) > 0
+        (http,) = _rows(text, "2 x (4 in, 3 out)")
+        assert float(http[1]) > 0 and float(http[2]) > 0  # tok/s from the usage chunks, ratio to the bound
