@@ -153,8 +153,20 @@ def compile_grammar(tokenizer: Any, grammar: str, eos_token_ids: Sequence[int] =
     ll_tok = _ll_tokenizer(tokenizer)
     is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, ll_tok)
     if is_error:
-        raise StructuredOutputError(f"invalid JSON schema: {messages[0] if messages else 'does not compile'}")
-    return GrammarLogitsProcessor(ll_tok, grammar, (*tokenizer.eos_token_ids, *eos_token_ids))
+        raise StructuredOutputError(f"invalid JSON schema: {_engine_message(messages[0] if messages else '')}")
+    processor = GrammarLogitsProcessor(ll_tok, grammar, (*tokenizer.eos_token_ids, *eos_token_ids))
+    # fail closed, before the response starts: the first mask is where a grammar that compiled may still fail
+    # (a schema that refers only to itself), or allow nothing at all
+    first = processor.allowed([], strict=True)
+    if not first.any():
+        raise StructuredOutputError("the JSON schema cannot be enforced: no output satisfies it")
+    return processor
+
+
+def _engine_message(text: str) -> str:
+    """llguidance's message without the matcher state it may append: its first line, at most 200 characters."""
+    lines = text.split("<state>", 1)[0].strip().splitlines()
+    return (lines[0].strip() if lines else "")[:200] or "the grammar does not compile"
 
 
 class GrammarLogitsProcessor:
@@ -171,7 +183,7 @@ class GrammarLogitsProcessor:
         llg = _llg()
         self._matcher = llg.LLMatcher(ll_tokenizer, grammar, log_level=0)
         if self._matcher.is_error():
-            raise StructuredOutputError(f"invalid grammar: {self._matcher.get_error()}")
+            raise StructuredOutputError(f"invalid grammar: {_engine_message(self._matcher.get_error())}")
         self._n_vocab = int(ll_tokenizer.vocab_size)
         self._eos = np.array(sorted({int(t) for t in eos_token_ids}), dtype=np.int64)
         self._consumed: list[int] = []
@@ -195,11 +207,13 @@ class GrammarLogitsProcessor:
         for t in generated[common:]:
             t = int(t)
             if not self._matcher.consume_token(t):
-                raise StructuredOutputError(f"token {t} does not fit the grammar: {self._matcher.get_error()}")
+                raise StructuredOutputError(f"token {t} does not fit the grammar: "
+                                            f"{_engine_message(self._matcher.get_error())}")
             self._consumed.append(t)
 
-    def allowed(self, generated: Sequence[int]) -> np.ndarray:
-        """Boolean mask over the vocabulary: the tokens that may come after ``generated``."""
+    def allowed(self, generated: Sequence[int], strict: bool = False) -> np.ndarray:
+        """Boolean mask over the vocabulary: the tokens that may come after ``generated``. With ``strict``, a
+        matcher that fails computing it raises :class:`StructuredOutputError` (else only the end is allowed)."""
         with self._lock:
             self._follow(generated)
             m = self._matcher
@@ -208,6 +222,11 @@ class GrammarLogitsProcessor:
             else:
                 bits = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)
                 allowed = np.unpackbits(bits, bitorder="little")[: self._n_vocab].astype(bool)
+                if m.is_error():
+                    if strict:
+                        raise StructuredOutputError(f"the JSON schema cannot be enforced: no output can begin it "
+                                                    f"({_engine_message(m.get_error())})")
+                    allowed[:] = False
             eos = self._eos[self._eos < self._n_vocab]
             allowed[eos] = bool(m.is_accepting()) or bool(m.is_stopped())
             if not allowed.any():  # nothing fits (the matcher failed): end rather than emit junk
