@@ -37,6 +37,11 @@ class KVPoolExhaustedError(RealizarError, RuntimeError):
     """The paged KV pool has fewer free blocks than were asked for."""
 
 
+class ModelOutputError(RealizarError, RuntimeError):
+    """The model computed logits that cannot be sampled (NaN): its weights or its arithmetic are broken, not
+    the request. Reported naming the model file (the CLI, the server's 500 ``model_error``)."""
+
+
 class TensorParallelError(RealizarError, RuntimeError):
     """Tensor parallelism over N GPUs cannot run: the model does not split over N, fewer than N GPUs are
     visible, or (for now) the multi-GPU model itself is not built. The message says which."""

@@ -14,7 +14,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from realizar.errors import InvalidRequestError, ShapeError
+from realizar.errors import InvalidRequestError, ModelOutputError, ShapeError
 
 __all__ = [
     "greedy",
@@ -38,7 +38,7 @@ def _check_logits(logits: np.ndarray) -> np.ndarray:
     if logits.ndim != 1 or logits.size == 0:
         raise InvalidRequestError(f"expected a non-empty 1-D logits vector, got shape {logits.shape}")
     if np.isnan(logits).any():
-        raise InvalidRequestError("logits contain NaN")
+        raise ModelOutputError("the model's logits contain NaN")
     return logits
 
 
@@ -415,7 +415,7 @@ def sample_rows(logits: np.ndarray, specs: Sequence[RowSampling]) -> np.ndarray:
         raise ShapeError(f"expected a vocabulary below 2**31, got {x.shape[1]}")
     x = x.astype(np.float32, copy=False)
     if np.isnan(x).any() or np.isposinf(x).any():
-        raise InvalidRequestError("logits contain NaN or +inf")
+        raise ModelOutputError("the model's logits contain NaN or +inf")
     if not np.isfinite(x).any(axis=1).all():
         raise InvalidRequestError("every row of logits needs at least one finite value")
     out = np.empty(x.shape[0], dtype=np.int64)

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from realizar.errors import InvalidRequestError, ShapeError
+from realizar.errors import ModelOutputError, InvalidRequestError, ShapeError
 from realizar.sampling import RowSampling, hash_uniform, row_key, sample_rows, top_p_margin
 from tests.helpers import examples
 
@@ -184,7 +184,7 @@ def test_bad_logits_are_refused():
         sample_rows(x, [RowSampling()])
     with pytest.raises(ShapeError, match="shape"):
         sample_rows(x[0], [RowSampling()])
-    with pytest.raises(InvalidRequestError, match="NaN"):
+    with pytest.raises(ModelOutputError, match="NaN"):
         sample_rows(np.array([[1.0, np.nan]], np.float32), [RowSampling()])
     with pytest.raises(InvalidRequestError, match="finite"):
         sample_rows(np.array([[-np.inf, -np.inf]], np.float32), [RowSampling()])

@@ -123,5 +123,7 @@ def test_invalid_parameters(kw):
 
 
 def test_nan_logits_raise():
-    with pytest.raises(InvalidRequestError):
+    from realizar.errors import ModelOutputError
+
+    with pytest.raises(ModelOutputError, match="NaN"):  # the model's fault, not the request's
         greedy(np.array([0.0, np.nan]))

@@ -157,3 +157,38 @@ def test_every_error_names_a_code_and_null_text_parts_say_so(live):
 
     for status in (400, 404, 413, 429, 500, 503):
         assert ServerError(status, "x").code is not None
+
+
+def test_a_model_that_computes_nan_is_named_in_the_error(tmp_path_factory):
+    """Issue 40, item 12: NaN logits are the model's failure, not a bad request: the CLI prints one line naming
+    the file (no traceback), the server answers a 500 ``model_error`` naming it (streaming: the error event,
+    then [DONE]) and stays up."""
+    import numpy as np
+
+    from realizar.engine import load_engine
+    from realizar.models.loader import load_model
+    from tests.gguf_factory import rewrite_gguf
+
+    src = _tiny_gguf(tmp_path_factory)
+    norm = load_model(src).tensors["output_norm.weight"].dequantize().astype(np.float32)
+    bad = rewrite_gguf(src, tmp_path_factory.mktemp("nan") / "nan.gguf",
+                       replace_tensors={"output_norm.weight": (np.full_like(norm, np.nan), None)})
+    r = subprocess.run([sys.executable, "-m", "realizar", "generate", "-m", str(bad), "--device", "cpu", "-n", "3",
+                        "hi"], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert r.returncode == 1 and str(bad) in r.stderr and "NaN" in r.stderr, r.stderr
+    assert r.stderr.strip().count("\n") == 0 and "Traceback" not in r.stderr, r.stderr
+    engine = load_engine(str(bad), device="cpu")
+    srv = LiveServer(engine).start()
+    try:
+        body = {"model": engine.name, "prompt": "hi", "max_tokens": 3}
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 500, r.text
+        err = r.json()["error"]
+        assert err["code"] == "model_error" and str(bad) in err["message"] and "NaN" in err["message"], err
+        with httpx.stream("POST", srv.url + "/v1/completions", json={**body, "stream": True}, timeout=30) as s:
+            lines = [line for line in s.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]" and '"model_error"' in lines[-2], lines[-3:]
+        assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+    finally:
+        srv.stop()
+

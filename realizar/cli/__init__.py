@@ -99,6 +99,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
         code = e.code if isinstance(e, CliError) else 1
         msg = _error_message(e)
+        if type(e).__name__ == "ModelOutputError":  # (the model failed, not the request: name its file)
+            msg = f"the model {getattr(args, 'model', None) or '(the default model)'} failed: {msg}"
         if verbose or isinstance(e, CliError) or _is_expected(e):
             print(f"{PROG}: error: {msg}", file=sys.stderr)
         else:

@@ -19,7 +19,7 @@ from fastapi import Request
 
 from realizar.generation import GenerationResult, SamplingParams, TokenChunk
 from realizar.server import protocol as P
-from realizar.server.errors import as_server_error
+from realizar.server.errors import as_server_error, served_file
 from realizar.server.scheduler import Job
 from realizar.server.state import EventStream, ServerState
 
@@ -128,7 +128,7 @@ async def _events(state: ServerState, jobs: list[Job], render: Render, tail: Cal
             async for kind, payload in job.events():
                 if kind in ("error", "cancelled"):
                     if kind == "error":
-                        err = as_server_error(payload)
+                        err = as_server_error(payload, served_file(state))
                         if err.status >= 500:
                             log.error("generation failed: %r", payload)
                         yield _sse(err.body())

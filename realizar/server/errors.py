@@ -4,24 +4,30 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from realizar.errors import ContextOverflowError, InvalidRequestError, RealizarError, TokenizerError
+from realizar.errors import ContextOverflowError, InvalidRequestError, ModelOutputError, RealizarError, TokenizerError
 from realizar.server import protocol as P
 
-__all__ = ["as_server_error", "install_error_handlers"]
+__all__ = ["as_server_error", "install_error_handlers", "served_file"]
 
 log = logging.getLogger("realizar.server")
 
 
-def as_server_error(exc: BaseException) -> P.ServerError:
-    """The HTTP error an exception raised while serving stands for."""
+def as_server_error(exc: BaseException, model: Any = None) -> P.ServerError:
+    """The HTTP error an exception raised while serving stands for (``model``: the file served, named when
+    the model itself failed)."""
     if isinstance(exc, P.ServerError):
         return exc
+    if isinstance(exc, ModelOutputError):
+        where = f"the model {model}" if model else "the model"
+        return P.ServerError(500, f"{where} failed: {exc} (its weights or arithmetic are broken; check the file)",
+                             "server_error", code="model_error")
     if isinstance(exc, ContextOverflowError):
         return P.ServerError(400, str(exc), code="context_length_exceeded")
     if isinstance(exc, (InvalidRequestError, TokenizerError)):
@@ -64,7 +70,13 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 
 
 async def _realizar_error(request: Request, exc: RealizarError) -> JSONResponse:
-    return _response(as_server_error(exc))
+    return _response(as_server_error(exc, served_file(request.app.state.server)))
+
+
+def served_file(state: Any) -> str | None:
+    """The model file (or directory) a server's state serves, for messages."""
+    path = getattr(state.engine, "path", None)
+    return str(path) if path else getattr(state, "name", None)
 
 
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
