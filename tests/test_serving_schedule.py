@@ -177,3 +177,35 @@ def test_http_priority_field(tmp_path_factory):
         assert r.json()["error"]["type"] == "invalid_request_error"
     finally:
         gen.close()
+
+
+def test_a_4000_token_prompt_at_the_default_budget_starves_nothing(tmp_path_factory):
+    """Issue 40, item 2, at the default settings: with a stream running, a 4,000-token prompt and then a short
+    request arrive; between two tokens of the stream at most the default budget of prompt tokens is
+    prefilled, the stream gets a token every step, and the short request's first token comes within three
+    steps (the long prompt is split into budget-sized chunks and the short one joins the second)."""
+    from realizar.config import ServingConfig
+
+    budget = ServingConfig().max_batched_tokens
+    hf_dir, _ = make_hf_model("llama", tmp_path_factory.mktemp("long"), seed=32, max_position_embeddings=4200)
+    engine = load_engine(hf_dir, device="cpu")
+    backend = ReferenceBatchBackend(engine.model, 300, 16, max_batch=8)
+    serving = ServingEngine(backend, engine.tokenizer, (), background=False)
+    assert serving.scheduler.max_batched_tokens == budget
+    stream = serving.submit(_prompt(1, 12), SamplingParams(max_tokens=12, temperature=0))
+    for _ in range(3):
+        serving.step()
+    seq_id = stream._seq.seq_id
+    long = serving.submit(_prompt(2, 4000), SamplingParams(max_tokens=2))
+    short = serving.submit(_prompt(3, 5), SamplingParams(max_tokens=2))
+    steps = 0
+    while not stream.done:
+        out = serving.step()
+        steps += 1
+        assert any(s == seq_id for s, _ in out.tokens), f"step {steps}: no token for the running stream"
+        assert sum(n for _, _, n in out.prefills) <= budget
+        if steps == 3:
+            assert short._t_first is not None, "the short request waited behind the long prompt"
+    while not (long.done and short.done):
+        serving.step()
+    assert long.result.completion_tokens == 2 and short.result.completion_tokens == 2
