@@ -188,6 +188,8 @@ async def _stream_load(url: str, name: str, reqs: list[tuple[list[int], int]], s
         t0 = time.perf_counter()
         times, tokens = [], 0
         async with client.stream("POST", url, json=body) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}")
             async for line in r.aiter_lines():
                 if not line.startswith("data: {"):
                     continue
@@ -239,6 +241,8 @@ def bench_http(backend, name: str, concurrency: list[int], prompt: int, gen: int
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("the server did not start (its log above says why)")
         time.sleep(0.02)
     pool = concurrent.futures.ProcessPoolExecutor(clients, mp_context=multiprocessing.get_context("spawn"))
 
@@ -359,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
         # GpuModel's single-stream rate (its own cache and decode graph), the ratio's denominator
         single = decode_rate(model, a.gen, a.prompt)[0] if "batched" in parts else 0.0
         model.release_kv()  # the backend keeps its own paged cache
-        ctx = max(a.prompt + a.gen, 1280 if "engine" in parts else 0,  # (the mixed load: up to 1024 + 256)
+        # (warm-up loads ask for 8 tokens; the mixed load: prompts up to 1024 + 256)
+        ctx = max(a.prompt + max(a.gen, 8), 1280 if "engine" in parts else 0,
                   a.warm_prompt + 1 if "warmstart" in parts else 0)
         need = max(batches) * -(-ctx // a.block_size) + 1
         settings = [int(v) for v in a.gemv_cols_rows.split(",")]

@@ -496,10 +496,10 @@ class GpuBatchBackend:
         with and without fed rows. It writes K/V only into blocks the scheduler has not handed out (a
         sequence reads only positions it wrote) and leaves no state behind."""
         rng = np.random.default_rng(0)
-        room = (self.num_blocks - 1) * self.block_size
+        room = min((self.num_blocks - 1) * self.block_size, self.context_length)
         table = list(range(1, self.num_blocks))
         if self._prefill is not None:
-            top = min(self.prefill_chunk, self.context_length, room)
+            top = min(self.prefill_chunk, room)
             # longest first, twice each (the second run captures): the prefill keeps the shorter, commoner
             # lengths' graphs when it cannot keep them all
             for rows in range(top - top % GRAPH_ROWS or top, 0, -GRAPH_ROWS):
