@@ -248,17 +248,7 @@ def load_engine(
         raise InvalidRequestError(f"max_context must be positive, got {max_context}")
     if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
         raise InvalidRequestError(f"tensor_parallel must be an integer >= 1, got {tensor_parallel!r}")
-    from realizar.models.loader import load_model
-
-    if model_path is None:
-        from realizar.default_model import default_model_path
-
-        path = default_model_path()
-    else:
-        path = Path(model_path).expanduser()
-    loaded = load_model(path)
-    tokenizer = load_tokenizer(loaded)
-
+    path, loaded, tokenizer, eos, name = _describe(model_path)
     model = None
     if tensor_parallel > 1:
         model = _tensor_parallel_model(loaded, tensor_parallel, device, max_context)
@@ -281,11 +271,6 @@ def load_engine(
         model = ReferenceModel.from_loaded(loaded, max_len=min(ctx, max_context) if max_context else ctx)
         device = "cpu"
 
-    eos = tuple(dict.fromkeys([*getattr(tokenizer, "eos_token_ids", ()), *loaded.config.eos_token_ids]))
-    name = loaded.metadata.get("general.name") if loaded.format == "gguf" else None
-    if not isinstance(name, str) or not name.strip():
-        name = path.stem if path.is_file() else path.name
-    name = model_id(name)
     return Engine(
         config=loaded.config,
         tokenizer=tokenizer,
@@ -295,3 +280,33 @@ def load_engine(
         name=name,
         path=path,
     )
+
+
+def _describe(model_path: str | os.PathLike | None) -> tuple[Path, Any, Any, tuple[int, ...], str]:
+    """(path, the loaded file, tokenizer, end-of-sequence ids, served name) of a model file or directory (the
+    default model when None); no weights are read."""
+    from realizar.models.loader import load_model
+
+    if model_path is None:
+        from realizar.default_model import default_model_path
+
+        path = default_model_path()
+    else:
+        path = Path(model_path).expanduser()
+    loaded = load_model(path)
+    tokenizer = load_tokenizer(loaded)
+    eos = tuple(dict.fromkeys([*getattr(tokenizer, "eos_token_ids", ()), *loaded.config.eos_token_ids]))
+    name = loaded.metadata.get("general.name") if loaded.format == "gguf" else None
+    if not isinstance(name, str) or not name.strip():
+        name = path.stem if path.is_file() else path.name
+    return path, loaded, tokenizer, eos, model_id(name)
+
+
+def load_front(model_path: str | os.PathLike | None = None, device: str = "engine process") -> Engine:
+    """What serving a model needs besides the model — its config, tokenizer, end-of-sequence ids and name — for a
+    server whose engine runs in another process (:class:`realizar.serving.remote.EngineProcess`): the file's
+    metadata and tokenizer are read, no weights. The Engine has no model (``model`` None): it cannot generate."""
+    path, loaded, tokenizer, eos, name = _describe(model_path)
+    return Engine(config=loaded.config, tokenizer=tokenizer, generator=Generator(None, tokenizer, eos_token_ids=eos),
+                  model=None, device=device, name=name, path=path)
+

@@ -56,6 +56,13 @@ class SamplingParams:
     logprobs: int | None = None
     priority: int = 0
 
+    @property
+    def needs_host_logits(self) -> bool:
+        """True when choosing a token needs the whole logits row on the host: logprobs, logits
+        processors or a penalty (which depends on the sequence's history)."""
+        return (self.logprobs is not None or bool(self.logits_processors) or self.repetition_penalty != 1.0
+                or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0)  # fmt: skip
+
     def validate(self) -> None:
         if int(self.max_tokens) != self.max_tokens or self.max_tokens < 0:
             raise InvalidRequestError(f"max_tokens must be an integer >= 0, got {self.max_tokens}")
@@ -318,11 +325,8 @@ class SequenceState:
 
     @property
     def needs_host_logits(self) -> bool:
-        """True when choosing a token needs the whole logits row on the host: logprobs, logits
-        processors or a penalty (which depends on this sequence's history)."""
-        p = self.params
-        return (p.logprobs is not None or bool(p.logits_processors) or p.repetition_penalty != 1.0
-                or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0)  # fmt: skip
+        """True when choosing a token needs the whole logits row on the host (:attr:`SamplingParams.needs_host_logits`)."""
+        return self.params.needs_host_logits
 
     def process_logits(self, logits: Any) -> tuple[Any, np.ndarray | None]:
         """Logprobs of the raw logits (when asked for) and the logits after the processors."""

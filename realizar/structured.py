@@ -163,6 +163,20 @@ def compile_grammar(tokenizer: Any, grammar: str, eos_token_ids: Sequence[int] =
     return processor
 
 
+_PROCESS_TOKENIZER: list = []  # the tokenizer of this process's engine (use_process_tokenizer)
+
+
+def use_process_tokenizer(tokenizer: Any) -> None:
+    """Make ``tokenizer`` the one a processor sent to this process is rebuilt against (the engine process)."""
+    _PROCESS_TOKENIZER[:] = [tokenizer]
+
+
+def _rebuild_processor(grammar: str, eos_token_ids: tuple) -> "GrammarLogitsProcessor":
+    if not _PROCESS_TOKENIZER:
+        raise StructuredOutputError("a grammar processor was unpickled in a process without a tokenizer")
+    return GrammarLogitsProcessor(_ll_tokenizer(_PROCESS_TOKENIZER[0]), grammar, eos_token_ids)
+
+
 def _engine_message(text: str) -> str:
     """llguidance's message without the matcher state it may append: its first line, at most 200 characters."""
     lines = text.split("<state>", 1)[0].strip().splitlines()
@@ -181,6 +195,7 @@ class GrammarLogitsProcessor:
 
     def __init__(self, ll_tokenizer: Any, grammar: str, eos_token_ids: Sequence[int]):
         llg = _llg()
+        self._grammar, self._eos_ids = grammar, tuple(int(t) for t in eos_token_ids)
         self._matcher = llg.LLMatcher(ll_tokenizer, grammar, log_level=0)
         if self._matcher.is_error():
             raise StructuredOutputError(f"invalid grammar: {_engine_message(self._matcher.get_error())}")
@@ -188,6 +203,10 @@ class GrammarLogitsProcessor:
         self._eos = np.array(sorted({int(t) for t in eos_token_ids}), dtype=np.int64)
         self._consumed: list[int] = []
         self._lock = threading.Lock()
+
+    def __reduce__(self) -> tuple:
+        # (sent to the engine process as its grammar: rebuilt there against that process's tokenizer)
+        return _rebuild_processor, (self._grammar, self._eos_ids)
 
     @property
     def is_accepting(self) -> bool:

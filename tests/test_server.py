@@ -87,7 +87,7 @@ class LiveServer:
         self.engine = engine
         self.app = create_app(engine, **app_kwargs)
         self.serving = self.app.state.server.scheduler.serving
-        self.backend = self.serving.backend
+        self.backend = getattr(self.serving, "backend", None)  # (none for an engine in another process)
         self.sock = bind_socket("127.0.0.1", 0)
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"

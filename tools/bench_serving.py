@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
 import shlex
 import sys
@@ -213,7 +214,7 @@ def _client_process(url: str, name: str, reqs: list, start_at: float) -> list:
 
 
 def bench_http(backend, name: str, concurrency: list[int], prompt: int, gen: int, rng,
-               clients: int = 4) -> dict[str, dict]:
+               clients: int = 4, serving=None) -> dict[str, dict]:
     """{label: result}: C concurrent streaming completions through the OpenAI-compatible server (uvicorn in
     this process on a loopback port) from ``clients`` client processes (httpx, C / clients streams each);
     output tok/s from the streams' usage chunks, TTFT and the gaps between events from their arrival."""
@@ -232,7 +233,7 @@ def bench_http(backend, name: str, concurrency: list[int], prompt: int, gen: int
     tok = bench_tokenizer(vocab)
     engine = SimpleNamespace(name=name, device="cuda", config=backend.config, tokenizer=tok,
                              context_length=backend.context_length, generator=None)
-    serving = ServingEngine(backend, tok, eos_token_ids=())
+    serving = serving or ServingEngine(backend, tok, eos_token_ids=())
     app = create_app(engine, serving=serving, max_queue=1024)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -274,6 +275,18 @@ def bench_http(backend, name: str, concurrency: list[int], prompt: int, gen: int
         thread.join(timeout=30)
         sock.close()
     return out
+
+
+def engine_process_build(name: str, device: str, max_len: int, backend_kwargs: dict):
+    """(In the engine process) the bench's ServingEngine: the shape's random weights (the same seed as this
+    process's) on a GpuBatchBackend of ``backend_kwargs``."""
+    from realizar.serving.engine import ServingEngine
+
+    dev = cuda.EmulatedDevice(sm_count=4, racecheck=False) if device == "emulate" else cuda.current_device()
+    cfg, tensors, _ = bench_model(TINY if name == "tiny" else name)
+    model = GpuModel(cfg, tensors, max_len=max_len, device=dev)
+    model.release_kv()
+    return ServingEngine(GpuBatchBackend(model, **backend_kwargs), bench_tokenizer(cfg.vocab_size), eos_token_ids=())
 
 
 def bench_warm_start(backend, prompt: int, warm: bool, rng) -> list[str]:
@@ -339,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--warm-prompt", type=int, default=512, help="the warmstart part's prompt length")
     ap.add_argument("--no-warm-up", action="store_true", help="the warmstart part without ServingEngine.warm_up")
+    ap.add_argument("--engine-process", action="store_true",
+                    help="the http part with the engine in a process of its own (realizar.serving.remote)")
     ap.add_argument("--kv-dtype", default="f16")
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--out", type=Path)
@@ -401,8 +416,16 @@ def main(argv: list[str] | None = None) -> int:
             lines += latency_table(name, "ServingEngine, concurrent requests (greedy)",
                                    bench_engine(backend, batches, a.prompt, a.gen, rng), bound)
         if "http" in parts:
-            lines += latency_table(name, "HTTP server, concurrent streaming completions (greedy)",
-                                   bench_http(backend, name, batches, a.prompt, a.gen, rng), bound)
+            remote, where = None, ""
+            if a.engine_process:  # the same model and backend, built again in a process of its own
+                from realizar.serving.remote import EngineProcess
+
+                kwargs = dict(num_blocks=need, block_size=a.block_size, kv_dtype=a.kv_dtype, max_batch=max(batches),
+                              max_context=ctx, gemv_cols_rows=settings[0], f16_weights=f16w)
+                remote = EngineProcess(functools.partial(engine_process_build, name, a.device, ctx, kwargs))
+                where = ", the engine in a process of its own"
+            lines += latency_table(name, f"HTTP server, concurrent streaming completions (greedy{where})",
+                                   bench_http(backend, name, batches, a.prompt, a.gen, rng, serving=remote), bound)
         backend.close()
         del backend, model, tensors
         gc.collect()

@@ -106,12 +106,26 @@ def kv_bytes(spec: tuple[str, float] | None, device: str) -> int | None:
 
 def serving_options(args: argparse.Namespace, device: str) -> dict:
     """create_app's continuous-batching keywords from the command line, checked against ``device``."""
-    dtype = args.kv_dtype
     memory = kv_bytes(args.kv_memory, device)
     if args.gpu_memory_utilization is not None:
         memory = utilization_bytes(args.gpu_memory_utilization, device)
-    return {"max_batch": args.max_batch, "block_size": args.block_size, "kv_dtype": dtype,
-            "kv_memory": memory, "max_body": args.max_body,
+    return {**_engine_options(args), "kv_memory": memory, "max_body": args.max_body}
+
+
+def engine_process_options(args: argparse.Namespace) -> dict:
+    """``build_serving``'s options (:mod:`realizar.serving.remote`) from the command line: a ``--kv-memory``
+    share stays a share, sized in the engine process."""
+    if args.gpu_memory_utilization is not None:
+        raise CliError("--gpu-memory-utilization is not available with --engine-process yet: give --kv-memory", 2)
+    memory = None
+    if args.kv_memory is not None:
+        kind, v = args.kv_memory
+        memory = max(1, int(v * (1 << 30))) if kind == "gib" else float(v)
+    return {**_engine_options(args), "kv_memory": memory}
+
+
+def _engine_options(args: argparse.Namespace) -> dict:
+    return {"max_batch": args.max_batch, "block_size": args.block_size, "kv_dtype": args.kv_dtype,
             "max_batched_tokens": args.max_num_batched_tokens, "prefill_chunk": args.prefill_chunk,
             "f16_weights": {"auto": None, "on": True, "off": False}[args.f16_weights],
             "kv_events": args.kv_events, "kv_events_topic": args.kv_events_topic}  # fmt: skip
@@ -168,9 +182,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from realizar.cli.data_parallel import serve_data_parallel
 
         return serve_data_parallel(args)
-    engine = load_engine(args)
+    if args.engine_process:
+        engine, options = _start_engine_process(args)
+    else:
+        engine = load_engine(args)
+        options = serving_options(args, engine.device)
     engine.tokenizer.special_tokens_in_content = bool(args.allow_special_tokens_in_content)
-    options = serving_options(args, engine.device)
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         note(f"warning: listening on {args.host}, reachable beyond this machine, without an API key (--api-key)")
 
@@ -200,6 +217,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CliError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     note("stopped")
     return 0
+
+
+def _start_engine_process(args: argparse.Namespace) -> tuple:
+    """``serve --engine-process``: this process reads the model's tokenizer and metadata; a child process loads
+    the model and runs the engine (:class:`realizar.serving.remote.EngineProcess`). (front engine, serve's
+    keywords)."""
+    import functools
+    import time
+
+    from realizar.cli.common import status
+    from realizar.engine import load_front
+    from realizar.serving.remote import EngineProcess, build_serving
+
+    options = engine_process_options(args)
+    front = load_front(args.model)
+    status(f"loading {front.name} in the engine process ...")
+    t0 = time.perf_counter()
+    serving = EngineProcess(functools.partial(build_serving, str(front.path), args.device,
+                                              getattr(args, "max_context", None), options))
+    front.device = serving.device
+    status(f"loaded {front.name} on {front.device} in {time.perf_counter() - t0:.1f} s (engine process)")
+    return front, {"serving": serving, "max_body": args.max_body}
 
 
 def register(command) -> None:
@@ -239,6 +278,9 @@ def register(command) -> None:
     p.add_argument("--shutdown-grace", type=positive_seconds, default=4.0, metavar="SECONDS",
                    help="at SIGTERM or Ctrl-C, how long requests in flight may take to finish; the rest then end "
                         "with a 503 error (a stream: its error event and [DONE]) (default: 4)")
+    p.add_argument("--engine-process", action="store_true",
+                   help="run the engine (model, scheduler, sampling) in a process of its own, so the HTTP server's "
+                        "work does not wait on the engine's and the engine's steps do not wait on the server")
     p.add_argument("--max-queue", type=positive_int, default=256, metavar="N",
                    help="requests allowed to wait beyond the running batch before answering 429 (default: 256)")
     add_aliases(p, p.add_argument("--max-batch", type=positive_int, default=_DEFAULTS.max_batch, metavar="N",

@@ -89,8 +89,10 @@ def serve(
     limits: Any = None,
     drain_seconds: float = DRAIN_SECONDS,
     allowed_origins: Sequence[str] = (),
+    serving: Any = None,
 ) -> None:
-    """Serve ``engine`` with uvicorn until interrupted. ``on_ready(host, port)`` is called once the
+    """Serve ``engine`` with uvicorn until interrupted (on ``serving``, e.g. an engine process, when given: see
+    :func:`create_app`). ``on_ready(host, port)`` is called once the
     socket is bound (with the real port when ``port`` is 0); ``max_body``: the request body limit in
     bytes (default 4 MiB, see :mod:`realizar.server.limits`); ``max_batch``, ``kv_memory`` (bytes),
     ``kv_dtype``, ``block_size``, ``max_batched_tokens``, ``prefill_chunk``, ``f16_weights`` and ``kv_events``
@@ -103,7 +105,9 @@ def serve(
                      api_key=api_key, max_batch=max_batch, kv_memory=kv_memory, kv_dtype=kv_dtype,
                      block_size=block_size, max_batched_tokens=max_batched_tokens, prefill_chunk=prefill_chunk,
                      f16_weights=f16_weights, allowed_origins=allowed_origins,
-                     loopback_hosts=api_key is None and host in ("127.0.0.1", "localhost", "::1"), kv_events=kv_events, kv_events_topic=kv_events_topic, **({} if max_body is None else {"max_body": max_body}))
+                     loopback_hosts=api_key is None and host in ("127.0.0.1", "localhost", "::1"), kv_events=kv_events,
+                     kv_events_topic=kv_events_topic, serving=serving,
+                     **({} if max_body is None else {"max_body": max_body}))
     sock = bind_socket(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
     config = uvicorn_config(app, limits, log_level=log_level, timeout_graceful_shutdown=5)

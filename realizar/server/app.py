@@ -40,8 +40,12 @@ GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 KNOWN_ENDPOINTS = (*GENERATION_ENDPOINTS, "/v1/models", "/health", "/metrics", "/tokenize", "/detokenize")
 
 
-def _context_length(engine: Any) -> int:
-    """The longest sequence the engine can hold: its own figure, its model's (KV cache), or the config's."""
+def _context_length(engine: Any, serving: Any = None) -> int:
+    """The longest sequence the engine can hold: an engine process's figure, the engine's own, its model's (KV
+    cache), or the config's."""
+    limits = getattr(serving, "limits", None)
+    if limits is not None and not callable(limits):
+        return int(limits.context_length)
     for obj, attr in ((engine, "context_length"), (getattr(engine.generator, "model", None), "context_length")):
         value = getattr(obj, attr, None) if obj is not None else None
         if isinstance(value, int) and value > 0:
@@ -151,7 +155,7 @@ def create_app(
         device=device,
         metrics=metrics,
         scheduler=scheduler,
-        context_length=_context_length(engine),
+        context_length=_context_length(engine, serving),
         vocab_size=_vocab_size(engine),
         created=int(time.time()),
         default_max_tokens=default_max_tokens,

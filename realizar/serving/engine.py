@@ -174,8 +174,7 @@ class RequestHandle:
     def row_sampling(self, step: int | None = None) -> RowSampling:
         """How the device draws this request's token of index ``step`` (default: the next one)."""
         if self._spec is None:  # checked once (at submit: the device's limits), then only the step changes
-            p = self.state.params
-            self._spec = RowSampling(float(p.temperature), int(p.top_k), float(p.top_p), int(p.seed or 0), 0)
+            self._spec = device_spec(self.state.params)
         return self._spec.at_step(len(self.state.generated) if step is None else step)
 
     def choose(self, logits: np.ndarray) -> int:
@@ -216,6 +215,24 @@ class RequestHandle:
             self._sink(self, None if item is _DONE else item)
 
 
+def device_spec(params: SamplingParams) -> RowSampling:
+    """How the device samples a request of ``params`` (its first token); raises for values the device cannot
+    take (e.g. a temperature whose float32 reciprocal overflows)."""
+    return RowSampling(float(params.temperature), int(params.top_k), float(params.top_p), int(params.seed or 0), 0)
+
+
+def admit_params(params: SamplingParams | None) -> SamplingParams:
+    """``params`` checked for a serving engine, with a random seed where it has none (so a request is
+    reproducible from its params): raises :class:`InvalidRequestError` for bad values."""
+    params = params or SamplingParams()
+    params.validate()
+    if params.seed is None:
+        params = dataclasses.replace(params, seed=secrets.randbits(63))
+    if not params.needs_host_logits:
+        device_spec(params)
+    return params
+
+
 class ServingEngine:
     """Continuous batching over ``backend`` (a :class:`~realizar.serving.backend.BatchBackend`).
 
@@ -243,6 +260,7 @@ class ServingEngine:
     ):
         self.background = background
         self.backend = backend
+        self.device: str | None = None  # where the model runs ("cpu", "cuda"; from_engine sets it)
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids) if eos_token_ids is not None else _eos_ids(tokenizer)
         self.scheduler = Scheduler(backend, max_batched_tokens=max_batched_tokens, prefix_cache=prefix_cache,
@@ -272,8 +290,10 @@ class ServingEngine:
         cfg = (config or ServingConfig()).with_(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
         backend = engine.batch_backend(cfg)
         eos = getattr(getattr(engine, "generator", None), "eos_token_ids", None)
-        return cls(backend, engine.tokenizer, eos, max_batched_tokens=cfg.max_batched_tokens,
-                   async_scheduling=cfg.async_scheduling, **kwargs)
+        serving = cls(backend, engine.tokenizer, eos, max_batched_tokens=cfg.max_batched_tokens,
+                      async_scheduling=cfg.async_scheduling, **kwargs)
+        serving.device = str(engine.device)
+        return serving
 
     # -- requests ------------------------------------------------------------------------------------
 
@@ -287,14 +307,9 @@ class ServingEngine:
         :attr:`RequestHandle.error` set), called from the engine's thread, or from the thread that
         cancels the request; it must be quick and never raise (the HTTP server's hands them to its
         event loop a step at a time)."""
-        params = params or SamplingParams()
-        params.validate()
+        params = admit_params(params)
         ids = encode_prompt(self.tokenizer, prompt)
-        if params.seed is None:
-            params = dataclasses.replace(params, seed=secrets.randbits(63))
         handle = RequestHandle(self, SequenceState(ids, params, self.tokenizer, self.eos_token_ids), sink)
-        if not handle.needs_host_logits:
-            handle.row_sampling()  # the device's limits (e.g. a float32 1/temperature) checked now
         if self._closed:
             raise EngineClosedError("the serving engine is closed")
         if params.max_tokens == 0:  # nothing to run (as Generator: no prefill either)

@@ -52,7 +52,7 @@ from realizar.serving.backend import BatchBackend, RowSampling, fed
 from realizar.serving.blocks import ROOT_KEY, BlockPool
 from realizar.config import ServingConfig
 
-__all__ = ["Scheduler", "Sequence", "StepOutput", "WAITING", "PREFILL", "DECODE", "FINISHED", "CANCELLED"]
+__all__ = ["RequestLimits", "Scheduler", "Sequence", "StepOutput", "check_request", "WAITING", "PREFILL", "DECODE", "FINISHED", "CANCELLED"]
 
 _DEFAULTS = ServingConfig()
 
@@ -88,6 +88,42 @@ class Sequence:
     @property
     def generated(self) -> int:
         return len(self.tokens) - self.prompt_len
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What every request must fit: the vocabulary, the context length, the KV pool's usable blocks."""
+
+    vocab_size: int
+    context_length: int
+    usable_blocks: int
+    block_size: int
+
+
+def check_request(prompt_ids: Seq[int], max_new_tokens: int, limits: RequestLimits) -> list[int]:
+    """The prompt's token ids, or :class:`InvalidRequestError` for a request that could never fit ``limits``."""
+    tokens = [int(t) for t in prompt_ids]
+    if not tokens:
+        raise InvalidRequestError("the prompt is empty (no tokens)")
+    vocab = limits.vocab_size
+    bad = [t for t in tokens if not 0 <= t < vocab]
+    if bad:
+        raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary of {vocab}")
+    if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
+        raise InvalidRequestError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens}")
+    total = len(tokens) + int(max_new_tokens)
+    if total > limits.context_length:
+        raise InvalidRequestError(
+            f"prompt of {len(tokens)} tokens + max_tokens {max_new_tokens} = {total} exceeds the "
+            f"context length of {limits.context_length}"
+        )
+    cap = limits.usable_blocks * limits.block_size
+    if total > cap:
+        raise InvalidRequestError(
+            f"prompt of {len(tokens)} tokens + max_tokens {max_new_tokens} = {total} exceeds the KV pool "
+            f"({limits.usable_blocks} blocks of {limits.block_size} = {cap} positions)"
+        )
+    return tokens
 
 
 @dataclass
@@ -157,28 +193,12 @@ class Scheduler:
     def check(self, prompt_ids: Seq[int], max_new_tokens: int) -> list[int]:
         """The prompt's token ids, or :class:`InvalidRequestError` for a request that could never fit.
         Reads only what never changes (vocabulary, context, pool size): safe from any thread."""
-        tokens = [int(t) for t in prompt_ids]
-        if not tokens:
-            raise InvalidRequestError("the prompt is empty (no tokens)")
-        vocab = self.backend.config.vocab_size
-        bad = [t for t in tokens if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary of {vocab}")
-        if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
-            raise InvalidRequestError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens}")
-        total = len(tokens) + int(max_new_tokens)
-        if total > self.context_length:
-            raise InvalidRequestError(
-                f"prompt of {len(tokens)} tokens + max_tokens {max_new_tokens} = {total} exceeds the "
-                f"context length of {self.context_length}"
-            )
-        cap = self.pool.usable * self.block_size
-        if total > cap:
-            raise InvalidRequestError(
-                f"prompt of {len(tokens)} tokens + max_tokens {max_new_tokens} = {total} exceeds the KV pool "
-                f"({self.pool.usable} blocks of {self.block_size} = {cap} positions)"
-            )
-        return tokens
+        return check_request(prompt_ids, max_new_tokens, self.limits())
+
+    def limits(self) -> "RequestLimits":
+        """What a request must fit (never changes)."""
+        return RequestLimits(int(self.backend.config.vocab_size), self.context_length, self.pool.usable,
+                             self.block_size)
 
     def cancel(self, seq: Sequence) -> bool:
         """Drop a waiting or running sequence at once (its blocks freed); False if already done."""

@@ -1,0 +1,327 @@
+"""The serving engine in a process of its own, so the HTTP server's event loop and the engine's steps do not
+share one interpreter lock.
+
+:class:`EngineProcess` starts a child process ("spawn") that builds a :class:`~realizar.serving.ServingEngine`
+with a picklable ``build()`` (:func:`build_serving` loads a model file) and offers what the HTTP server uses of
+an engine: :meth:`~EngineProcess.submit` with a sink, :meth:`~EngineProcess.stats`, the ``on_step`` hook,
+:meth:`~EngineProcess.warm_up`, :meth:`~EngineProcess.close` and ``scheduler.max_batch``. A request goes to the
+child as (id, prompt ids, sampling params) after the checks :meth:`ServingEngine.submit` makes, here, so a bad
+one is refused at once; the child sends back, once a step, every request's chunks of that step in one
+message, with the engine's stats and the step's :class:`~realizar.serving.engine.StepStats`. The chunks reach
+each request's sink from this process's reader thread, in the order the engine made them; its end (``None``)
+comes after :attr:`RemoteHandle.result` or :attr:`RemoteHandle.error` is set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import multiprocessing
+import pickle
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+from realizar.errors import InvalidRequestError, RealizarError
+from realizar.generation import GenerationResult, SamplingParams, TokenChunk
+from realizar.serving.engine import EngineClosedError, EngineStats, ServingEngine, admit_params
+from realizar.serving.scheduler import RequestLimits, check_request
+
+__all__ = ["EngineProcess", "RemoteHandle", "build_serving"]
+
+_FLUSH_SECONDS = 0.005  # chunks made outside a step (cancels, failures) wait at most this long in the child
+
+
+def build_serving(path: str, device: str, max_context: int | None, options: dict) -> ServingEngine:
+    """A serving engine over the model at ``path`` (``load_engine`` then ``ServingEngine.from_engine`` with the
+    :class:`~realizar.config.ServingConfig` keywords of ``options``; its ``kv_events`` and ``kv_events_topic``
+    start a :class:`~realizar.serving.kv_events.KVEventPublisher`): the ``build`` of an :class:`EngineProcess`
+    (``functools.partial(build_serving, path, device, max_context, options)``)."""
+    from realizar.engine import load_engine
+
+    options = dict(options)
+    endpoint, topic = options.pop("kv_events", None), options.pop("kv_events_topic", "")
+    engine = load_engine(path, device=device, max_context=max_context)
+    publisher = None
+    if endpoint is not None:
+        from realizar.serving.kv_events import KVEventPublisher
+
+        publisher = KVEventPublisher(endpoint, topic, medium="CPU" if engine.device == "cpu" else "GPU")
+    return ServingEngine.from_engine(engine, kv_events=publisher, **options)
+
+
+class RemoteHandle:
+    """A request running in the engine process: :meth:`cancel`; once it has ended, :attr:`result` (or
+    :attr:`error`); :meth:`wait`."""
+
+    def __init__(self, owner: "EngineProcess", rid: int, prompt_tokens: int, sink: Callable[[Any, Any], None]):
+        self._owner, self.rid, self.prompt_tokens, self._sink = owner, rid, prompt_tokens, sink
+        self.result: GenerationResult | None = None
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def cancel(self) -> None:
+        """Stop generating (a no-op once it has ended); it ends with ``finish_reason == "cancelled"``."""
+        if not self.done:
+            self._owner._send(("cancel", self.rid))
+
+    def wait(self, timeout: float | None = None) -> GenerationResult:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"the request did not finish within {timeout} s")
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result
+
+
+class EngineProcess:
+    """A :class:`ServingEngine` built by ``build()`` in a child process (see the module docstring). Raises what
+    ``build`` raised when the child could not build it; ``start_timeout`` seconds at most for that."""
+
+    def __init__(self, build: Callable[[], ServingEngine], *, start_timeout: float | None = 600.0):
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_child_main, args=(child, build), name="realizar-engine", daemon=True)
+        self._proc.start()
+        child.close()
+        if not self._conn.poll(start_timeout):
+            self._proc.kill()
+            raise RealizarError(f"the engine process did not start within {start_timeout} s")
+        try:
+            kind, payload = self._conn.recv()
+        except EOFError:
+            raise RealizarError(f"the engine process exited while starting (exit code {self._proc.exitcode})") from None
+        if kind == "failed":
+            self._proc.join(10)
+            raise payload
+        self.limits: RequestLimits = payload["limits"]
+        self.device: str = payload["device"]
+        self.scheduler = _SchedulerView(payload["max_batch"])
+        self._stats: EngineStats = payload["stats"]
+        self.on_step: Callable[[Any], None] | None = None
+        self._handles: dict[int, RemoteHandle] = {}
+        self._ids = itertools.count()
+        self._sent = 0  # submissions sent; the child's stats say how many it has taken
+        self._taken = 0
+        self._lock = threading.Lock()
+        self._closed = False
+        self._replies: dict[str, Any] = {}
+        self._replied = threading.Condition(self._lock)
+        self._reader = threading.Thread(target=self._read, name="realizar-engine-reader", daemon=True)
+        self._reader.start()
+
+    # -- requests ------------------------------------------------------------------------------------
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, *,
+               sink: Callable[[RemoteHandle, TokenChunk | None], None]) -> RemoteHandle:
+        """Queue a request (token ids); its chunks go to ``sink`` as :meth:`ServingEngine.submit` says. Raises
+        :class:`InvalidRequestError` for bad parameters or a request that could never fit, as the engine would."""
+        params = admit_params(params)
+        if isinstance(prompt_ids, str):
+            raise InvalidRequestError("the engine process takes token ids, not text")
+        ids = [int(t) for t in prompt_ids]
+        if params.max_tokens:
+            check_request(ids, params.max_tokens, self.limits)
+        with self._lock:
+            if self._closed:
+                raise EngineClosedError("the serving engine is closed")
+            handle = RemoteHandle(self, next(self._ids), len(ids), sink)
+            self._handles[handle.rid] = handle
+            self._sent += 1
+        self._send(("submit", handle.rid, ids, params))
+        return handle
+
+    def stats(self) -> EngineStats:
+        """The engine's counters as of its last step; ``waiting`` also counts the requests on their way to it."""
+        with self._lock:
+            snap, in_pipe = self._stats, self._sent - self._taken
+        return dataclasses.replace(snap, waiting=snap.waiting + max(0, in_pipe))
+
+    def warm_up(self) -> float:
+        """:meth:`ServingEngine.warm_up` in the engine process (before any request); its seconds."""
+        return float(self._call("warm_up"))
+
+    def close(self, timeout: float | None = 10.0) -> None:
+        """Stop the engine process; requests in flight end with :class:`EngineClosedError`."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self._send(("close",))
+        except (OSError, EOFError, BrokenPipeError):
+            pass
+        self._proc.join(timeout)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
+        self._reader.join(5)
+        self._fail_all(EngineClosedError("the serving engine was closed"))
+
+    def __enter__(self) -> "EngineProcess":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- internals -----------------------------------------------------------------------------------
+    def _send(self, msg: tuple) -> None:
+        with self._lock:
+            self._conn.send(msg)
+
+    def _call(self, what: str) -> Any:
+        with self._replied:
+            self._replies.pop(what, None)
+            self._conn.send((what,))
+            while what not in self._replies:
+                if not self._proc.is_alive() and what not in self._replies:
+                    raise EngineClosedError(f"the engine process exited (exit code {self._proc.exitcode})")
+                self._replied.wait(1.0)
+            reply = self._replies.pop(what)
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
+
+    def _read(self) -> None:
+        try:
+            while True:
+                kind, *rest = self._conn.recv()
+                if kind == "out":
+                    self._deliver(*rest)
+                elif kind == "closed":
+                    return
+                else:
+                    with self._replied:
+                        self._replies[kind] = rest[0]
+                        self._replied.notify_all()
+        except (EOFError, OSError):
+            pass
+        finally:
+            with self._replied:
+                self._replied.notify_all()
+            self._fail_all(EngineClosedError("the engine process exited"))
+
+    def _deliver(self, items: list, stats: EngineStats, taken: int, steps: list) -> None:
+        with self._lock:
+            self._stats, self._taken = stats, taken
+        hook = self.on_step
+        if hook is not None:
+            for step in steps:
+                hook(step)
+        for rid, chunk, result, error in items:
+            handle = self._handles.get(rid)
+            if handle is None:
+                continue
+            if chunk is None:
+                handle.result, handle.error = result, error
+                with self._lock:
+                    self._handles.pop(rid, None)
+                handle._done.set()
+            handle._sink(handle, chunk)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            left, self._handles = list(self._handles.values()), {}
+        for handle in left:
+            if not handle.done:
+                handle.error = exc
+                handle._done.set()
+                handle._sink(handle, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class _SchedulerView:
+    max_batch: int
+
+
+def _portable(exc: BaseException | None) -> BaseException | None:
+    """``exc`` if it pickles, else a RealizarError that says what it was."""
+    if exc is None:
+        return None
+    try:
+        pickle.dumps(exc)
+        return exc
+    except Exception:  # noqa: BLE001 - any exception type may fail to pickle
+        return RealizarError(f"{type(exc).__name__}: {exc}")
+
+
+def _child_main(conn: Any, build: Callable[[], ServingEngine]) -> None:
+    """The engine process: build the engine, then run its commands until told to close."""
+    try:
+        serving = build()
+        from realizar import structured
+
+        structured.use_process_tokenizer(serving.tokenizer)  # the requests' grammars are rebuilt against it
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
+        conn.send(("failed", _portable(exc)))
+        return
+    send_lock, pending_lock = threading.Lock(), threading.Lock()
+    pending: list[tuple] = []
+    steps: list = []
+    taken = [0]
+
+    def send(msg: tuple) -> None:
+        with send_lock:
+            conn.send(msg)
+
+    def flush(step: Any = None) -> None:
+        with pending_lock:
+            items, pending[:] = list(pending), []
+            if step is not None:
+                steps.append(step)
+            done_steps, steps[:] = list(steps), []
+        if items or done_steps:
+            send(("out", items, serving.stats(), taken[0], done_steps))
+
+    def sink_for(rid: int) -> Callable[[Any, Any], None]:
+        def sink(handle: Any, chunk: Any) -> None:
+            end = chunk is None
+            item = (rid, chunk, handle.result if end else None, _portable(handle.error) if end else None)
+            with pending_lock:
+                pending.append(item)
+        return sink
+
+    serving.on_step = flush
+    handles: dict[int, Any] = {}
+    send(("ready", {"limits": serving.scheduler.limits(), "max_batch": serving.scheduler.max_batch,
+                    "stats": serving.stats(), "device": serving.device or "unknown"}))
+    try:
+        while True:
+            if not conn.poll(_FLUSH_SECONDS):
+                flush()
+                continue
+            kind, *rest = conn.recv()
+            if kind == "submit":
+                rid, ids, params = rest
+                taken[0] += 1
+                try:
+                    handles[rid] = serving.submit(ids, params, sink=sink_for(rid))
+                except BaseException as exc:  # noqa: BLE001 - checked in the parent; a failure is the request's
+                    with pending_lock:
+                        pending.append((rid, None, None, _portable(exc)))
+                for done in [r for r, h in handles.items() if h.done]:
+                    del handles[done]
+            elif kind == "cancel":
+                handle = handles.pop(rest[0], None)
+                if handle is not None:
+                    handle.cancel()
+            elif kind == "warm_up":
+                try:
+                    send(("warm_up", serving.warm_up()))
+                except BaseException as exc:  # noqa: BLE001 - the parent raises it
+                    send(("warm_up", _portable(exc)))
+            elif kind == "close":
+                break
+    except (EOFError, OSError):  # the parent is gone
+        pass
+    finally:
+        serving.close()
+        flush()
+        try:
+            send(("closed",))
+        except (OSError, EOFError):
+            pass
+        time.sleep(0.01)

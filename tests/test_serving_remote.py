@@ -1,0 +1,156 @@
+"""The serving engine in a process of its own (:class:`realizar.serving.remote.EngineProcess`) on the CPU: the
+same tokens as in this process (greedy and seeded), a cancel mid-stream, bad requests refused at once, stats and
+the step hook, close ending what is in flight, a failing build reported; and through the HTTP server, streamed
+completions and a JSON-schema chat (its grammar processor rebuilt in the engine process)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+
+import pytest
+
+from realizar.engine import load_engine
+from realizar.errors import InvalidRequestError
+from realizar.generation import SamplingParams
+from realizar.serving import ServingEngine
+from realizar.serving.engine import EngineClosedError
+from realizar.serving.remote import EngineProcess, build_serving
+from tests.test_server import LiveServer, _tiny_gguf
+
+OPTIONS = {"max_batch": 4, "num_blocks": 64, "block_size": 16}
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return str(_tiny_gguf(tmp_path_factory))
+
+
+@pytest.fixture(scope="module")
+def remote(path):
+    proc = EngineProcess(functools.partial(build_serving, path, "cpu", None, OPTIONS))
+    yield proc
+    proc.close()
+
+
+class _Collect:
+    """A sink: every request's chunks, and an event set when ``n`` have ended."""
+
+    def __init__(self, n: int):
+        self.chunks, self.ended, self._n, self.all_done = {}, 0, n, threading.Event()
+
+    def __call__(self, handle, chunk):
+        if chunk is None:
+            self.ended += 1
+            if self.ended == self._n:
+                self.all_done.set()
+        else:
+            self.chunks.setdefault(handle.rid, []).append(chunk)
+
+
+REQUESTS = [([5, 17, 42, 7], SamplingParams(max_tokens=8)),
+            ([9, 3, 11, 250, 1], SamplingParams(max_tokens=6, temperature=0.8, top_k=20, seed=5)),
+            ([64, 64, 8], SamplingParams(max_tokens=5, temperature=1.0, seed=9, stop_token_ids=(3,))),
+            ([13, 21, 34, 55, 89, 144], SamplingParams(max_tokens=7, logprobs=2))]
+
+
+def test_the_engine_process_gives_this_process_s_tokens(path, remote):
+    engine = load_engine(path, device="cpu")
+    with ServingEngine.from_engine(engine, **OPTIONS) as local:
+        want = [r.token_ids for r in local.generate_batch([ids for ids, _ in REQUESTS], [p for _, p in REQUESTS])]
+    steps = []
+    remote.on_step = steps.append
+    sink = _Collect(len(REQUESTS))
+    handles = [remote.submit(ids, p, sink=sink) for ids, p in REQUESTS]
+    assert sink.all_done.wait(60)
+    got = [h.wait(0).token_ids for h in handles]
+    assert got == want
+    assert [[c.token_id for c in sink.chunks[h.rid]] for h in handles] == want
+    assert all(c.logprob is not None for c in sink.chunks[handles[3].rid])
+    assert steps and sum(s.tokens_out for s in steps) >= sum(map(len, want)) - len(want)
+    s = remote.stats()
+    assert s.decoded_tokens > 0 and s.running == 0 and s.waiting == 0
+
+
+def test_cancel_bad_requests_and_close(path):
+    proc = EngineProcess(functools.partial(build_serving, path, "cpu", None, OPTIONS))
+    try:
+        with pytest.raises(InvalidRequestError, match="context"):
+            proc.submit(list(range(3, 10)), SamplingParams(max_tokens=10**6), sink=lambda h, c: None)
+        with pytest.raises(InvalidRequestError, match="temperature"):
+            proc.submit([5], SamplingParams(temperature=-1.0), sink=lambda h, c: None)
+        first = threading.Event()
+        h = proc.submit([5, 6, 7], SamplingParams(max_tokens=200, temperature=0.7, seed=1),
+                        sink=lambda h, c: first.set())
+        assert first.wait(60)
+        h.cancel()
+        assert h.wait(30).finish_reason == "cancelled"
+        long = proc.submit([5, 6, 7], SamplingParams(max_tokens=200, temperature=0.7, seed=2), sink=lambda h, c: None)
+    finally:
+        proc.close()
+    with pytest.raises(EngineClosedError):
+        long.wait(10)
+    with pytest.raises(EngineClosedError):
+        proc.submit([5], SamplingParams(max_tokens=2), sink=lambda h, c: None)
+
+
+def test_a_build_that_fails_is_raised_here(tmp_path):
+    with pytest.raises(Exception, match="no model at|not a regular file|No such file"):
+        EngineProcess(functools.partial(build_serving, str(tmp_path / "missing.gguf"), "cpu", None, {}))
+
+
+def test_the_server_on_an_engine_process(path, remote):
+    engine = load_engine(path, device="cpu")
+    srv = LiveServer(engine, serving=remote).start()
+    try:
+        client = srv.client()
+        stream = client.completions.create(model=engine.name, prompt="The capital of France is", max_tokens=6,
+                                           temperature=0, stream=True)
+        text = "".join(c.choices[0].text for c in stream if c.choices)
+        want = engine.generate("The capital of France is", SamplingParams(max_tokens=6)).text
+        assert text == want
+        schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+                  "additionalProperties": False}
+        r = client.chat.completions.create(
+            model=engine.name, messages=[{"role": "user", "content": "a number"}], max_tokens=40, temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}})
+        if r.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(r.choices[0].message.content)["n"], int)
+        assert r.choices[0].message.content.startswith("{")
+    finally:
+        srv.stop()
+
+
+def test_serve_with_an_engine_process(path):
+    """``realizar serve --engine-process``: the engine in a child process answers streamed and whole completions
+    with the in-process engine's text, /health names the child's device, a bad value is refused at once, SIGTERM
+    stops both processes within 10 s without a traceback."""
+    import signal
+    import time
+
+    import httpx
+
+    from tests.test_cli import _start_server
+
+    proc, url = _start_server("-m", path, "--device", "cpu", "--model-name", "tiny", "--engine-process")
+    try:
+        body = {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0}
+        whole = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        want = load_engine(path, device="cpu").generate("The capital of France is", SamplingParams(max_tokens=6)).text
+        assert whole == want
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            data = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert data[-1] == "[DONE]"
+        assert "".join(json.loads(d)["choices"][0]["text"] for d in data[:-1]) == want
+        health = httpx.get(url + "/health", timeout=10).json()
+        assert health["device"] == "cpu" and health["queue_depth"] == 0
+        r = httpx.post(url + "/v1/completions", json={**body, "max_tokens": 10**6}, timeout=10)
+        assert r.status_code == 400 and "context" in r.json()["error"]["message"]
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+        assert time.monotonic() - t0 < 10 and "Traceback" not in err, err[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
