@@ -9,6 +9,7 @@ The draw uses a ``numpy.random.Generator`` so a seed reproduces a sequence exact
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -28,7 +29,10 @@ __all__ = [
     "sample_token",
     "Sampler",
     "RowSampling",
+    "SPEC_WORDS",
+    "pack_specs",
     "sample_rows",
+    "unpack_specs",
     "top_p_margin",
 ]
 
@@ -306,6 +310,52 @@ class RowSampling:
             object.__setattr__(new, name, getattr(self, name))
         object.__setattr__(new, "step", int(step))
         return new
+
+
+# the device sampler's row layout (ptx_gen.kernels.sampling.sample_rows): u32 [temperature f32 bits, top_k,
+# top_p f32 bits, seed & 0xFFFFFFFF, seed >> 32, step, 0, 0]; temperature and top_p rounded as np.float32 rounds
+SPEC_WORDS = 8
+STEP_WORD = 5
+_ROW = struct.Struct("<fIfIII8x")
+assert _ROW.size == 4 * SPEC_WORDS
+
+
+def pack_specs(specs: Sequence[RowSampling], out: np.ndarray | None = None) -> np.ndarray:
+    """The device layout of ``specs``: u32 ``[len(specs), SPEC_WORDS]`` rows (above). ``out`` (u32, at least that
+    many rows) is filled in place, e.g. a pinned staging array; ``specs`` already packed (a u32 ``[n, 8]``
+    array, e.g. a serving step's rows with their steps set) are copied."""
+    n = len(specs)
+    if out is None:
+        out = np.zeros((n, SPEC_WORDS), np.uint32)
+    elif out.dtype != np.uint32 or out.ndim != 2 or out.shape[1] != SPEC_WORDS or out.shape[0] < n:
+        raise ShapeError(f"expected a u32 [>= {n}, {SPEC_WORDS}] array, got {out.dtype} {out.shape}")
+    if isinstance(specs, np.ndarray):
+        if specs.dtype != np.uint32 or specs.ndim != 2 or specs.shape[1] != SPEC_WORDS:
+            raise ShapeError(f"packed specs must be u32 [n, {SPEC_WORDS}], got {specs.dtype} {specs.shape}")
+        out[:n] = specs
+        return out
+    packed = bytearray(n * _ROW.size)  # packed in Python and copied once: a serving step packs every row
+    for i, s in enumerate(specs):
+        if not isinstance(s, RowSampling):
+            raise InvalidRequestError(f"expected RowSampling specs, got {type(s).__name__} at row {i}")
+        seed = int(s.seed)
+        _ROW.pack_into(packed, i * _ROW.size, s.temperature, int(s.top_k), s.top_p, seed & 0xFFFFFFFF, seed >> 32,
+                       int(s.step))
+    out[:n] = np.frombuffer(packed, np.uint32).reshape(n, SPEC_WORDS)
+    return out
+
+
+def unpack_specs(words: np.ndarray) -> list[RowSampling]:
+    """The RowSampling of each packed row (what :func:`pack_specs` made)."""
+    out = []
+    for row in np.asarray(words, np.uint32).reshape(-1, SPEC_WORDS):
+        t, k, p, lo, hi, step = _ROW.unpack(row.tobytes())
+        spec = object.__new__(RowSampling)  # (values that were checked when they were packed)
+        for name, value in (("temperature", float(t)), ("top_k", k), ("top_p", float(p)), ("seed", lo | hi << 32),
+                            ("step", step)):
+            object.__setattr__(spec, name, value)
+        out.append(spec)
+    return out
 
 
 def _fmix32(x: np.ndarray) -> np.ndarray:

@@ -374,7 +374,8 @@ class GpuBatchBackend:
         if specs is not None:
             pack_specs(specs, out=staged)
         # one greedy row: the argmax, not the sampler's one block for the whole row
-        argmax = b == 1 and (specs is None or specs[0].temperature == 0)
+        argmax = b == 1 and (specs is None or (specs[0, 0] == 0 if isinstance(specs, np.ndarray)
+                                               else specs[0].temperature == 0))
         self.step.copy_from_host_at(host[: self._tables_at + b * self.table_stride], 0, stream=self.stream)
         self._uploaded[slot].record(self.stream)
         self._launch_step(b, argmax, feed)

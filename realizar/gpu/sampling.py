@@ -4,44 +4,20 @@ of requests; the host reads back 4 bytes a row. ``pack_specs`` builds that buffe
 
 from __future__ import annotations
 
-import struct
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from ptx_gen.kernels.sampling.feed import NO_SOURCE
 from ptx_gen.kernels.sampling.sample_rows import SPEC_WORDS
-from realizar.errors import InvalidRequestError, ShapeError
+from realizar.errors import ShapeError
 from realizar.gpu.dispatch import Dispatcher
 from realizar.gpu.policy.sampling import SAMPLE_BLOCK
-from realizar.sampling import RowSampling
+from realizar.sampling import SPEC_WORDS as _HOST_WORDS, pack_specs
+
+assert _HOST_WORDS == SPEC_WORDS  # (realizar.sampling packs the rows the kernel reads)
 
 __all__ = ["NO_SOURCE", "SampleOps", "pack_specs", "SPEC_WORDS", "SAMPLE_BLOCK"]
-
-# one spec row: temperature and top_p as float32 (rounded as np.float32 rounds), the rest u32, two zero words
-_ROW = struct.Struct("<fIfIII8x")
-assert _ROW.size == 4 * SPEC_WORDS
-
-
-def pack_specs(specs: Sequence[RowSampling], out: np.ndarray | None = None) -> np.ndarray:
-    """The device layout of ``specs``: u32 [len(specs), 8] rows of
-    ``[temperature f32 bits, top_k, top_p f32 bits, seed & 0xFFFFFFFF, seed >> 32, step, 0, 0]``.
-    ``out`` (u32, at least that many rows) is filled in place, e.g. a pinned staging array."""
-    n = len(specs)
-    if out is None:
-        out = np.zeros((n, SPEC_WORDS), np.uint32)
-    elif out.dtype != np.uint32 or out.ndim != 2 or out.shape[1] != SPEC_WORDS or out.shape[0] < n:
-        raise ShapeError(f"expected a u32 [>= {n}, {SPEC_WORDS}] array, got {out.dtype} {out.shape}")
-    packed = bytearray(n * _ROW.size)  # packed in Python and copied once: a serving step packs every row
-    for i, s in enumerate(specs):
-        if not isinstance(s, RowSampling):
-            raise InvalidRequestError(f"expected RowSampling specs, got {type(s).__name__} at row {i}")
-        seed = int(s.seed)
-        _ROW.pack_into(packed, i * _ROW.size, s.temperature, int(s.top_k), s.top_p, seed & 0xFFFFFFFF, seed >> 32,
-                       int(s.step))
-    out[:n] = np.frombuffer(packed, np.uint32).reshape(n, SPEC_WORDS)
-    return out
-
 
 class SampleOps(Dispatcher):
     def sample_rows(self, logits: Any, specs: Any, out: Any, rows: int, vocab: int, ld: int | None = None,

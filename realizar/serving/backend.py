@@ -25,7 +25,7 @@ import numpy as np
 
 from realizar.errors import ShapeError
 from realizar.models.config import ModelConfig
-from realizar.sampling import RowSampling, sample_rows  # one RowSampling for both backends
+from realizar.sampling import RowSampling, sample_rows, unpack_specs  # one RowSampling for both backends
 
 __all__ = ["BatchBackend", "BatchOutput", "HostBatchOutput", "PendingTokens", "RowSampling", "fed"]
 
@@ -51,7 +51,8 @@ class BatchOutput(Protocol):
     """The logits of one forward call, where the backend keeps them (host or device memory)."""
 
     def sample(self, specs: Sequence[RowSampling]) -> np.ndarray:
-        """One token per row (int64 ``[B]``), row ``i`` chosen by ``specs[i]``."""
+        """One token per row (int64 ``[B]``), row ``i`` chosen by ``specs[i]`` (RowSampling, or rows packed by
+        :func:`realizar.sampling.pack_specs`)."""
         ...
 
     def launch(self, specs: Sequence[RowSampling]) -> PendingTokens:
@@ -104,6 +105,8 @@ class HostBatchOutput:
     def sample(self, specs: Sequence[RowSampling]) -> np.ndarray:
         if len(specs) != self._logits.shape[0]:
             raise ShapeError(f"sample needs one spec per row: {self._logits.shape[0]} rows, got {len(specs)}")
+        if isinstance(specs, np.ndarray):  # (packed rows: pack_specs)
+            specs = unpack_specs(specs)
         tokens = np.asarray(sample_rows(self._logits, specs), dtype=np.int64)
         if self._on_sample is not None:
             self._on_sample(tokens)

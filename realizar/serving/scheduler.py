@@ -44,10 +44,13 @@ sequence is retired). No threads here: the caller drives :meth:`step`.
 from __future__ import annotations
 
 import bisect
+
+import numpy as np
 from dataclasses import dataclass, field
 from typing import Any, Sequence as Seq
 
 from realizar.errors import InvalidRequestError
+from realizar.sampling import STEP_WORD, pack_specs
 from realizar.serving.backend import BatchBackend, RowSampling, fed
 from realizar.serving.blocks import ROOT_KEY, BlockPool
 from realizar.config import ServingConfig
@@ -79,6 +82,7 @@ class Sequence:
     priority: int = 0  # lower: admitted first, preempted last
     pending: int = 0  # 1: the step in flight draws its next token (row ``row`` of that step), not yet read
     row: int = 0
+    spec_words: Any = None  # its device sampling row, packed once (the step word set per step)
 
     @property
     def order(self) -> tuple[int, int]:
@@ -351,7 +355,7 @@ class Scheduler:
         for s in rows:
             s.num_computed += 1
         if overlap:
-            launched = output.launch([self._row_spec(s) for s in rows])
+            launched = output.launch(self._step_specs(rows))
             if self._inflight is not None:
                 self._settle(out)
             for i, s in enumerate(rows):
@@ -360,8 +364,8 @@ class Scheduler:
             return out
         for s in rows:
             self._register_full_blocks(s)
-        specs = [RowSampling() if s.client.needs_host_logits else self._row_spec(s) for s in rows]
-        toks = output.sample(specs) if any(not s.client.needs_host_logits for s in rows) else [None] * len(rows)
+        device = any(not s.client.needs_host_logits for s in rows)
+        toks = output.sample(self._step_specs(rows)) if device else [None] * len(rows)
         for i, s in enumerate(rows):
             self._choose(s, output, i, toks[i], out)
         return out
@@ -380,6 +384,18 @@ class Scheduler:
     @staticmethod
     def _row_spec(seq: Sequence) -> RowSampling:
         return seq.client.row_sampling(seq.generated + seq.pending)
+
+    @staticmethod
+    def _step_specs(rows: list[Sequence]) -> np.ndarray:
+        """The device sampling rows of a decode step, packed (:func:`realizar.sampling.pack_specs`): each
+        sequence's row packed once, its step set here (a row chosen on the host: greedy, ignored)."""
+        for s in rows:
+            if s.spec_words is None:
+                spec = RowSampling() if s.client.needs_host_logits else s.client.row_sampling(0)
+                s.spec_words = pack_specs([spec])[0]
+        words = np.stack([s.spec_words for s in rows])
+        words[:, STEP_WORD] = [s.generated + s.pending for s in rows]
+        return words
 
     def _ensure_block(self, seq: Sequence, out: StepOutput) -> bool:
         """A block for ``seq``'s next position, preempting the youngest sequences as needed; False
