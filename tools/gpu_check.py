@@ -54,7 +54,7 @@ def stages(out: Path, tests: list[str], pytest_args: list[str]) -> dict[str, tup
         "bench_serving": ([PY, "tools/bench_serving.py", "--shapes", "smollm2-135m,llama-3-8b", "--batches", "1,64,128,256",
                            "--out", str(out / "bench_serving.md")], 540),
         "bench_serving_process": ([PY, "tools/bench_serving.py", "--shapes", "smollm2-135m,llama-3-8b", "--batches",
-                                   "64,128,256", "--parts", "http", "--engine-process",
+                                   "64,128,256", "--parts", "batched,http", "--engine-process",
                                    "--out", str(out / "bench_serving_process.md")], 480),
         "profile_step": ([PY, "tools/profile_step.py", "--out", str(out / "profile_step.md")], 240),
         "bench_gemm_decode": ([PY, "tools/bench_gemm.py", "--tokens", "32,64", "--sweep", "--out",
