@@ -180,3 +180,19 @@ def test_bench_serving_every_part_on_the_emulator(tmp_path):
             assert "the engine in a process of its own" in text
         (http,) = _rows(text, "2 x (4 in, 3 out)")
         assert float(http[1]) > 0 and (http[2] == "-" or float(http[2]) > 0)  # tok/s (usage chunks), x bound
+
+
+@pytest.mark.full
+def test_bench_host_runs_every_row():
+    """tools/bench_host.py (the served path's host side over a backend that only sleeps): one line of five
+    figures a concurrency, each with its ratio to the bound."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "tools/bench_host.py", "--concurrency", "4", "--prompt", "8", "--gen", "4",
+                        "--clients", "1"], check=True, timeout=300, capture_output=True, text=True)
+    (row,) = [line.strip("|").split("|") for line in r.stdout.splitlines() if line.startswith("| 4 |")]
+    assert len(row) == 6 and float(row[1]) > 0
+    for cell in row[2:]:
+        rate, ratio = cell.split()
+        assert float(rate) > 0 and 0 < float(ratio.strip("()")) < 1.5
