@@ -268,13 +268,14 @@ def _child_main(conn: Any, build: Callable[[], ServingEngine]) -> None:
             conn.send(msg)
 
     def flush(step: Any = None) -> None:
-        with pending_lock:
-            items, pending[:] = list(pending), []
-            if step is not None:
-                steps.append(step)
-            done_steps, steps[:] = list(steps), []
-        if items or done_steps:
-            send(("out", items, serving.stats(), taken[0], done_steps))
+        with send_lock:  # (taken and sent under one lock: two threads' batches leave in the order they were taken)
+            with pending_lock:
+                items, pending[:] = list(pending), []
+                if step is not None:
+                    steps.append(step)
+                done_steps, steps[:] = list(steps), []
+            if items or done_steps:
+                conn.send(("out", items, serving.stats(), taken[0], done_steps))
 
     def sink_for(rid: int) -> Callable[[Any, Any], None]:
         def sink(handle: Any, chunk: Any) -> None:
