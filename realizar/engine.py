@@ -296,10 +296,9 @@ def _describe(model_path: str | os.PathLike | None) -> tuple[Path, Any, Any, tup
     loaded = load_model(path)
     tokenizer = load_tokenizer(loaded)
     eos = tuple(dict.fromkeys([*getattr(tokenizer, "eos_token_ids", ()), *loaded.config.eos_token_ids]))
-    name = loaded.metadata.get("general.name") if loaded.format == "gguf" else None
-    if not isinstance(name, str) or not name.strip():
-        name = path.stem if path.is_file() else path.name
-    return path, loaded, tokenizer, eos, model_id(name)
+    # the name clients see and type: the file's (or directory's), as the user named it; a GGUF's general.name
+    # is often a training run's label that matches nothing the user has seen
+    return path, loaded, tokenizer, eos, model_id(path.stem if path.is_file() else path.name)
 
 
 def load_front(model_path: str | os.PathLike | None = None, device: str = "engine process") -> Engine:

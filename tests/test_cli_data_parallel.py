@@ -42,7 +42,7 @@ def _launch(tmp_path_factory, *extra: str) -> tuple[Proc, int, list[str]]:
     its port and its two replicas' URLs."""
     port = free_port()
     proc = Proc([sys.executable, "-m", "realizar", "serve", "-m", str(shared_tiny_gguf(tmp_path_factory)),
-                 "--device", "cpu", "--data-parallel", "2", "--port", str(port), *extra])
+                 "--device", "cpu", "--data-parallel", "2", "--port", str(port), "--model-name", "tiny-llama", *extra])
     proc.wait_for("serving 2 replicas behind sglang-router", 120)
     replicas = sorted({m.group(1) for ln in proc.lines if ln.startswith("[replica")
                        for m in [re.search(r"at (http://127\.0\.0\.1:\d+)/v1", ln)] if m})

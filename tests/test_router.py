@@ -66,7 +66,7 @@ class Proc:
 
 def _replica(path) -> tuple[Proc, str]:
     proc = Proc([sys.executable, "-m", "realizar", "serve", "-m", str(path), "--device", "cpu", "--port", "0",
-                 "--max-batch", "4", "--block-size", "16"])
+                 "--max-batch", "4", "--block-size", "16", "--model-name", MODEL])
     m = proc.wait_for(r"at (http://127\.0\.0\.1:\d+)/v1", 90)
     return proc, m.group(1)
 

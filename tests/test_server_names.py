@@ -47,3 +47,22 @@ def test_served_model_name_takes_several():
     args = build_parser().parse_args(["serve", "--served-model-name", "a", "b"])
     assert args.model_name == ["a", "b"]
     assert build_parser().parse_args(["serve", "--model-id", "a"]).model_name == ["a"]
+
+
+def test_the_default_id_is_the_file_name_not_general_name(tmp_path_factory):
+    """Issue 39, item 2: without --served-model-name the id is the file's name (a directory's for safetensors):
+    what the user named and typed, not the GGUF's general.name (for the default model a training run's label);
+    whitespace becomes '-'."""
+    from realizar.engine import load_engine, load_front
+    from tests.gguf_factory import rewrite_gguf
+
+    src = _tiny_gguf(tmp_path_factory)
+    path = rewrite_gguf(src, tmp_path_factory.mktemp("names") / "My Model.Q8_0.gguf",
+                        set_metadata={"general.name": "Some-Run-8k-Lc100K-Mix1-Ep2"})
+    engine = load_engine(str(path), device="cpu")
+    assert engine.name == load_front(str(path)).name == "My-Model.Q8_0"
+    srv = LiveServer(engine).start()
+    try:
+        assert [m["id"] for m in httpx.get(srv.url + "/v1/models", timeout=10).json()["data"]] == ["My-Model.Q8_0"]
+    finally:
+        srv.stop()

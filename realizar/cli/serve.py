@@ -252,7 +252,7 @@ def register(command) -> None:
     p.add_argument("--port", type=port, default=8000, help="TCP port, 0 = any free port (default: 8000)")
     add_aliases(p, p.add_argument("--model-id", "--model-name", dest="model_name", metavar="ID", nargs="+",
                                   help="the model id clients use, then any aliases they may use too (default: the "
-                                       "model's name, without spaces; also --served-model-name)"),
+                                       "model file's or directory's name, without spaces; also --served-model-name)"),
                 "--served-model-name")
     p.add_argument("--api-key", metavar="KEY",
                    help="answer 401 to /v1 and tokenize requests without 'Authorization: Bearer KEY' "
