@@ -91,6 +91,17 @@ def rel_err(got, want) -> float:
     return float(np.abs(got - want).max() / np.abs(want).max())
 
 
+def greedy_walk(ref, model, prompt, steps: int) -> tuple[list, list]:
+    """(reference logits, model logits) of ``prompt`` then ``steps`` greedy tokens, both fed the reference's
+    choices: prefill, then one decode a token (``model``'s outputs copied to the host)."""
+    want, got = [ref.prefill(prompt)], [np.asarray(model.prefill(prompt)).copy()]
+    for _ in range(steps):
+        tok = int(np.argmax(want[-1]))
+        want.append(ref.decode(tok))
+        got.append(np.asarray(model.decode(tok)).copy())
+    return want, got
+
+
 def tiered(values, fast, ids=None, unpack: bool = False) -> list:
     """``values`` as pytest params: those whose index is in ``fast`` run in every suite, the others only in
     the exhaustive tier (marked ``full``). ``ids``: a function of the value or a list; ``unpack``: each value

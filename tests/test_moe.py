@@ -15,6 +15,7 @@ from realizar.models.config import ModelConfig
 from realizar.models.loader import load_model
 from realizar.models.reference import ReferenceModel, moe_feed_forward, route, silu
 from tests.gguf_factory import make_gguf_model, rewrite_gguf
+from tests.helpers import greedy_walk
 from tests.model_factory import MOE_ARCHS, hf_logits, load_hf_model, read_hf_tensors
 
 GGUF_ARCH = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}
@@ -133,12 +134,7 @@ def test_the_emulated_gpu_matches_the_reference(arch, qtype, mode, tmp_path):
     ref = ReferenceModel.from_loaded(loaded, max_len=16)
     model = GpuModel.from_loaded(loaded, max_len=16, device=cuda.EmulatedDevice(sm_count=4),
                                  use_graph=mode != "eager")
-    prompt = [5, 17, 42]
-    want, got = [ref.prefill(prompt)], [np.asarray(model.prefill(prompt)).copy()]
-    for _ in range(4):
-        tok = int(np.argmax(want[-1]))
-        want.append(ref.decode(tok))
-        got.append(np.asarray(model.decode(tok)).copy())
+    want, got = greedy_walk(ref, model, [5, 17, 42], 4)
     for step, (g, w) in enumerate(zip(got, want)):
         assert np.abs(g - w).max() <= 2e-4 * np.abs(w).max(), f"step {step}"
     assert [int(np.argmax(g)) for g in got] == [int(np.argmax(w)) for w in want]

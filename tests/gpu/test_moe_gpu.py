@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from realizar.gpu.ops import LayerOps
 from realizar.models.config import ModelConfig
 from realizar.models.reference import route
-from tests.helpers import examples
+from tests.helpers import examples, greedy_walk
 
 pytestmark = pytest.mark.gpu
 
@@ -73,12 +73,6 @@ def test_moe_model_decode_gpu(device, arch, qtype, tmp_path):
     loaded = load_model(path)
     ref = ReferenceModel.from_loaded(loaded, max_len=64)
     model = GpuModel.from_loaded(loaded, max_len=64, device=device)
-    prompt = [5, 17, 42, 99, 7]
-    want, got = [ref.prefill(prompt)], [np.asarray(model.prefill(prompt)).copy()]
-    for _ in range(16):
-        tok = int(np.argmax(want[-1]))
-        want.append(ref.decode(tok))
-        got.append(np.asarray(model.decode(tok)).copy())
+    want, got = greedy_walk(ref, model, [5, 17, 42, 99, 7], 16)
     for step, (g, w) in enumerate(zip(got, want)):
         assert np.abs(g - w).max() <= 2e-3 * np.abs(w).max(), f"step {step}"
-    model.close() if hasattr(model, "close") else None
