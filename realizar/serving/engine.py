@@ -97,43 +97,14 @@ class EngineStats:
 _DONE = object()
 
 
-class RequestHandle:
-    """One submitted request: iterate it for :class:`TokenChunk` as they are produced (blocking);
-    :attr:`result` holds the :class:`GenerationResult` once it is finished (None before);
-    :meth:`cancel` stops it and frees its KV blocks at once; :meth:`wait` blocks until the end."""
+class RequestEnd:
+    """How a request ended, as every handle shows it (in this process or another's): :attr:`done`, then
+    :attr:`result` or :attr:`error`; :meth:`wait`."""
 
-    def __init__(self, engine: "ServingEngine", state: SequenceState, sink: Callable[[Any, Any], None] | None = None):
-        self._engine = engine
-        self.state = state
-        self._queue: queue.Queue = queue.Queue()
-        self._sink = sink
+    def __init__(self) -> None:
         self._done = threading.Event()
-        self._finish_lock = threading.Lock()
         self._result: GenerationResult | None = None
         self._error: BaseException | None = None
-        self._seq = None  # the scheduler's Sequence
-        self._logprobs: np.ndarray | None = None
-        self._spec: RowSampling | None = None
-        self._t_submit = time.perf_counter()
-        self._t_first: float | None = None
-
-    # -- the consumer's side ------------------------------------------------------------------------
-
-    def __iter__(self) -> Iterator[TokenChunk]:
-        if self._sink is not None:
-            raise InvalidRequestError("this request's chunks go to the sink it was submitted with")
-        while True:
-            item = self._queue.get()
-            if item is _DONE:
-                self._queue.put(_DONE)  # a later iteration ends at once too
-                if self._error is not None:
-                    raise self._error
-                return
-            yield item
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.state.prompt_ids)
 
     @property
     def done(self) -> bool:
@@ -159,6 +130,43 @@ class RequestHandle:
             raise self._error
         assert self._result is not None
         return self._result
+
+
+class RequestHandle(RequestEnd):
+    """One submitted request: iterate it for :class:`TokenChunk` as they are produced (blocking);
+    :attr:`result` holds the :class:`GenerationResult` once it is finished (None before);
+    :meth:`cancel` stops it and frees its KV blocks at once; :meth:`wait` blocks until the end."""
+
+    def __init__(self, engine: "ServingEngine", state: SequenceState, sink: Callable[[Any, Any], None] | None = None):
+        super().__init__()
+        self._engine = engine
+        self.state = state
+        self._queue: queue.Queue = queue.Queue()
+        self._sink = sink
+        self._finish_lock = threading.Lock()
+        self._seq = None  # the scheduler's Sequence
+        self._logprobs: np.ndarray | None = None
+        self._spec: RowSampling | None = None
+        self._t_submit = time.perf_counter()
+        self._t_first: float | None = None
+
+    # -- the consumer's side ------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[TokenChunk]:
+        if self._sink is not None:
+            raise InvalidRequestError("this request's chunks go to the sink it was submitted with")
+        while True:
+            item = self._queue.get()
+            if item is _DONE:
+                self._queue.put(_DONE)  # a later iteration ends at once too
+                if self._error is not None:
+                    raise self._error
+                return
+            yield item
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.state.prompt_ids)
 
     def cancel(self) -> None:
         """Stop generating (no-op when already finished); the stream ends, ``finish_reason`` is

@@ -23,8 +23,8 @@ import time
 from typing import Any, Callable, Sequence
 
 from realizar.errors import InvalidRequestError, RealizarError
-from realizar.generation import GenerationResult, SamplingParams, TokenChunk
-from realizar.serving.engine import EngineClosedError, EngineStats, ServingEngine, admit_params
+from realizar.generation import SamplingParams, TokenChunk
+from realizar.serving.engine import EngineClosedError, EngineStats, RequestEnd, ServingEngine, admit_params
 from realizar.serving.scheduler import RequestLimits, check_request
 
 __all__ = ["EngineProcess", "RemoteHandle", "build_serving"]
@@ -50,32 +50,18 @@ def build_serving(path: str, device: str, max_context: int | None, options: dict
     return ServingEngine.from_engine(engine, kv_events=publisher, **options)
 
 
-class RemoteHandle:
+class RemoteHandle(RequestEnd):
     """A request running in the engine process: :meth:`cancel`; once it has ended, :attr:`result` (or
     :attr:`error`); :meth:`wait`."""
 
     def __init__(self, owner: "EngineProcess", rid: int, prompt_tokens: int, sink: Callable[[Any, Any], None]):
+        super().__init__()
         self._owner, self.rid, self.prompt_tokens, self._sink = owner, rid, prompt_tokens, sink
-        self.result: GenerationResult | None = None
-        self.error: BaseException | None = None
-        self._done = threading.Event()
-
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
 
     def cancel(self) -> None:
         """Stop generating (a no-op once it has ended); it ends with ``finish_reason == "cancelled"``."""
         if not self.done:
             self._owner._send(("cancel", self.rid))
-
-    def wait(self, timeout: float | None = None) -> GenerationResult:
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"the request did not finish within {timeout} s")
-        if self.error is not None:
-            raise self.error
-        assert self.result is not None
-        return self.result
 
 
 class EngineProcess:
@@ -216,7 +202,7 @@ class EngineProcess:
             if handle is None:
                 continue
             if chunk is None:
-                handle.result, handle.error = result, error
+                handle._result, handle._error = result, error
                 with self._lock:
                     self._handles.pop(rid, None)
                 handle._done.set()
@@ -227,7 +213,7 @@ class EngineProcess:
             left, self._handles = list(self._handles.values()), {}
         for handle in left:
             if not handle.done:
-                handle.error = exc
+                handle._error = exc
                 handle._done.set()
                 handle._sink(handle, None)
 
