@@ -79,3 +79,30 @@ def test_gpu_memory_utilization(capsys, tmp_path_factory):
     path = str(shared_tiny_gguf(tmp_path_factory))
     assert main(["serve", "-m", path, "--device", "cpu", "--gpu-memory-utilization", "0.9"]) != 0
     assert "--gpu-memory-utilization applies to a GPU" in capsys.readouterr().err
+    # the device chosen by the engine process (auto; no GPU in CI): the same refusal, from the child, in one line
+    if not _has_gpu():
+        assert main(["serve", "-m", path, "--gpu-memory-utilization", "0.9"]) != 0
+        err = capsys.readouterr().err
+        assert "--gpu-memory-utilization applies to a GPU (running on cpu)" in err and "Traceback" not in err
+
+
+def _has_gpu() -> bool:
+    from realizar import cuda
+
+    try:
+        cuda.current_device()
+        return True
+    except Exception:  # noqa: BLE001 - no driver, no device
+        return False
+
+
+def test_the_engine_process_switch_and_its_variable(monkeypatch):
+    """``serve`` runs the engine in a process of its own unless ``--no-engine-process`` or
+    ``REALIZAR_ENGINE_PROCESS=0``; the command line wins over the variable."""
+    assert build_parser().parse_args(["serve"]).engine_process is True
+    assert build_parser().parse_args(["serve", "--no-engine-process"]).engine_process is False
+    monkeypatch.setenv("REALIZAR_ENGINE_PROCESS", "0")
+    assert build_parser().parse_args(["serve"]).engine_process is False
+    assert build_parser().parse_args(["serve", "--engine-process"]).engine_process is True
+    monkeypatch.setenv("REALIZAR_ENGINE_PROCESS", "yes")
+    assert build_parser().parse_args(["serve"]).engine_process is True

@@ -122,8 +122,24 @@ def test_the_server_on_an_engine_process(path, remote):
         srv.stop()
 
 
+def _children(pid: int) -> list[int]:
+    """The live processes multiprocessing spawned whose parent is ``pid`` (from /proc; not its resource tracker)."""
+    import os
+
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(stat[1]) == pid and stat[0] != "Z" and b"spawn_main" in open(f"/proc/{entry}/cmdline", "rb").read():
+                out.append(int(entry))
+    return out
+
+
 def test_serve_with_an_engine_process(path):
-    """``realizar serve --engine-process``: the engine in a child process answers streamed and whole completions
+    """``realizar serve`` (the engine in a child process by default): it answers streamed and whole completions
     with the in-process engine's text, /health names the child's device, a bad value is refused at once, SIGTERM
     stops both processes within 10 s without a traceback."""
     import signal
@@ -133,8 +149,10 @@ def test_serve_with_an_engine_process(path):
 
     from tests.test_cli import _start_server
 
-    proc, url = _start_server("-m", path, "--device", "cpu", "--model-name", "tiny", "--engine-process")
+    proc, url = _start_server("-m", path, "--device", "cpu", "--model-name", "tiny")
     try:
+        engines = _children(proc.pid)
+        assert engines, "serve started no engine process"
         body = {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0}
         whole = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
         want = load_engine(path, device="cpu").generate("The capital of France is", SamplingParams(max_tokens=6)).text
@@ -151,6 +169,15 @@ def test_serve_with_an_engine_process(path):
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
         assert time.monotonic() - t0 < 10 and "Traceback" not in err, err[-2000:]
+        assert not [p for p in engines if p in _children(proc.pid) or _alive(p)]
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return stat[0] != "Z"

@@ -157,14 +157,14 @@ def test_bench_prefill_names_the_prefill_path():
 @pytest.mark.full
 def test_bench_serving_every_part_on_the_emulator(tmp_path):
     """tools/bench_serving.py as the GPU check runs it, on the PTX emulator with the toy shape: the batched
-    bound, the HTTP load (client processes, tokens from the usage chunks; also with the engine in a process of
-    its own) and the warm start."""
+    bound, the HTTP load (client processes, tokens from the usage chunks; the engine in the server's process, then
+    in one of its own as by default) and the warm start."""
     import subprocess
     import sys
 
     out = tmp_path / "serving.md"
-    for parts, extra in (("batched,http", ["--batches", "2"]), ("warmstart", ["--batches", "1", "--warm-prompt", "20"]),
-                         ("http", ["--batches", "2", "--engine-process"])):
+    for parts, extra in (("batched,http", ["--batches", "2", "--no-engine-process"]),
+                         ("warmstart", ["--batches", "1", "--warm-prompt", "20"]), ("http", ["--batches", "2"])):
         subprocess.run([sys.executable, "tools/bench_serving.py", "--device", "emulate", "--tiny", "--prompt", "4",
                         "--gen", "3", "--parts", parts, *extra, "--out", str(out)], check=True, timeout=900,
                        capture_output=True)
@@ -176,6 +176,7 @@ def test_bench_serving_every_part_on_the_emulator(tmp_path):
         if parts == "batched,http":
             (batched,) = _rows(text, "2")
             assert float(batched[1]) > 0
+            assert "the engine in the server's process" in text
         else:
             assert "the engine in a process of its own" in text
         (http,) = _rows(text, "2 x (4 in, 3 out)")

@@ -16,9 +16,13 @@ this process, then in a process of its own).
 from __future__ import annotations
 
 import argparse
+import datetime
 import functools
+import os
+import shlex
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -95,14 +99,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--clients", type=int, default=4, help="HTTP client processes")
+    ap.add_argument("--out", type=Path, help="also write the table here (Markdown)")
     a = ap.parse_args(argv)
     from realizar.serving.engine import ServingEngine
     from realizar.serving.remote import EngineProcess
 
     rng = np.random.default_rng(0)
     draw = lambda n: [int(t) for t in rng.integers(300, 49000, n)]  # noqa: E731
-    print("| C | bound tok/s | engine, in step | engine, overlapped | HTTP | HTTP, engine process |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    lines = [f"# bench_host — {os.cpu_count()} CPUs, {datetime.date.today()}", "",
+             f"Command: `python tools/bench_host.py {' '.join(shlex.quote(x) for x in (sys.argv[1:] if argv is None else argv))}`",
+             "", f"Step {a.step_ms[0]} + {a.step_ms[1]} x rows ms, prefill {a.prefill_ms[0]} + {a.prefill_ms[1]} x tokens ms; "
+             f"{a.prompt} prompt tokens, {a.gen} generated; tok/s (x bound).", "",
+             "| C | bound tok/s | engine, in step | engine, overlapped | HTTP, engine in the server's process | "
+             "HTTP, engine process |", "|---:|---:|---:|---:|---:|---:|"]
+    print("\n".join(lines), flush=True)
     for c in (int(v) for v in a.concurrency.split(",")):
         step = (a.step_ms[0] + a.step_ms[1] * c) / 1e3
         bound = c * a.gen / (c * (a.prefill_ms[0] + a.prefill_ms[1] * a.prompt) / 1e3 + a.gen * step)
@@ -118,7 +128,10 @@ def main(argv: list[str] | None = None) -> int:
             r = bench_http(SleepBackend(a.step_ms, a.prefill_ms), "sleep", [c], a.prompt, a.gen, rng, clients=a.clients,
                            serving=serving)
             cells.append(next(iter(r.values()))["tok_s"])
-        print(f"| {c} | {bound:.0f} | " + " | ".join(f"{v:.0f} ({v / bound:.2f})" for v in cells) + " |", flush=True)
+        lines.append(f"| {c} | {bound:.0f} | " + " | ".join(f"{v:.0f} ({v / bound:.2f})" for v in cells) + " |")
+        print(lines[-1], flush=True)
+    if a.out:
+        a.out.write_text("\n".join(lines) + "\n")
     return 0
 
 

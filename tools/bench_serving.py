@@ -18,8 +18,9 @@ Parts (``--parts``):
   their tokens taken by one sink as the HTTP server takes them: aggregate output tok/s, time to first
   token and inter-token latency p50/p99.
 * ``http`` — the same requests as streaming completions through the OpenAI-compatible server
-  (uvicorn in this process; ``httpx`` streaming clients in four client processes; output tokens from the
-  streams' usage chunks); beside each load, its ratio to the ``batched`` part's bound for the same work,
+  (uvicorn in this process with the protocol ``realizar serve`` runs, the engine in a process of its own as
+  ``serve`` runs it unless ``--no-engine-process``; ``httpx`` streaming clients in four client processes; output
+  tokens from the streams' usage chunks); beside each load, its ratio to the ``batched`` part's bound for the same work,
   B x gen / (its prefill time + its decode time).
 * ``warmstart`` — in this fresh process: :meth:`ServingEngine.warm_up` (skipped with ``--no-warm-up``), then
   four distinct prompts of ``--warm-prompt`` tokens (one output token each) in turn: the first one's time
@@ -79,6 +80,9 @@ def bench_batched(backend: GpuBatchBackend, batches: list[int], prompt: int, gen
             continue
         tables = [list(range(1 + r * per_seq, 1 + (r + 1) * per_seq)) for r in range(b)]
         tokens = []
+        # warm-up: this prompt length's kernels loaded and graphs captured before the timed prefills
+        backend.prefill([int(t) for t in rng.integers(0, backend.config.vocab_size, prompt)], 0,
+                        tables[0]).sample([RowSampling()])
         t0 = time.perf_counter()
         for r in range(b):
             ids = [int(t) for t in rng.integers(0, backend.config.vocab_size, prompt)]
@@ -226,6 +230,7 @@ def bench_http(backend, name: str, concurrency: list[int], prompt: int, gen: int
 
     import uvicorn
 
+    from realizar.server import uvicorn_config
     from realizar.server.app import create_app
     from realizar.serving.engine import ServingEngine
 
@@ -238,7 +243,7 @@ def bench_http(backend, name: str, concurrency: list[int], prompt: int, gen: int
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions"
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    server = uvicorn.Server(uvicorn_config(app, log_level="warning"))  # the protocol `realizar serve` runs
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     while not server.started:
@@ -352,8 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--warm-prompt", type=int, default=512, help="the warmstart part's prompt length")
     ap.add_argument("--no-warm-up", action="store_true", help="the warmstart part without ServingEngine.warm_up")
-    ap.add_argument("--engine-process", action="store_true",
-                    help="the http part with the engine in a process of its own (realizar.serving.remote)")
+    ap.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                    help="the http part with the engine in a process of its own (realizar.serving.remote), as "
+                         "`realizar serve` runs it (default; --no-engine-process: in the server's process)")
     ap.add_argument("--kv-dtype", default="f16")
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--out", type=Path)
@@ -416,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
             lines += latency_table(name, "ServingEngine, concurrent requests (greedy)",
                                    bench_engine(backend, batches, a.prompt, a.gen, rng), bound)
         if "http" in parts:
-            remote, where = None, ""
+            remote, where = None, ", the engine in the server's process"
             if a.engine_process:  # the same model and backend, built again in a process of its own
                 from realizar.serving.remote import EngineProcess
 

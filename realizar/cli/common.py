@@ -152,11 +152,11 @@ def env_defaults(p: argparse.ArgumentParser) -> None:
         raw = os.environ.get(var)
         if raw is None:
             continue
-        if isinstance(a, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        if isinstance(a, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse.BooleanOptionalAction)):
             word = raw.strip().lower()
             if word in ("1", "true", "yes", "0", "false", "no"):  # (anything else: the switch keeps its default)
                 value = word in ("1", "true", "yes")
-                a.default = value if isinstance(a, argparse._StoreTrueAction) else not value
+                a.default = not value if isinstance(a, argparse._StoreFalseAction) else value
             continue
         a.default = raw  # (argparse converts a string default with the option's type at parse time)
         a.type = _naming_env(a.type, var, raw, a.choices)

@@ -11,6 +11,7 @@ from realizar.cli.common import (
     positive_int, positive_seconds,
 )
 from realizar.config import ServingConfig
+from realizar.errors import InvalidRequestError
 from realizar.models.kv_formats import KV_FORMATS
 
 _DEFAULTS = ServingConfig()
@@ -73,19 +74,16 @@ def memory_share(text: str) -> float:
 
 
 def utilization_bytes(share: float, device: str) -> int:
-    """The KV pool's bytes under ``--gpu-memory-utilization share``: ``share`` of the GPU's total memory, less
-    what the process already holds once the model is loaded (the weights, the runtime)."""
+    """The KV pool's bytes under ``--gpu-memory-utilization share`` (:func:`realizar.serving.remote.kv_share_bytes`),
+    as a one-line error when it leaves no room."""
+    from realizar.serving.remote import kv_share_bytes
+
     if not device.startswith("cuda"):
         raise CliError(f"--gpu-memory-utilization applies to a GPU (running on {device}); give --kv-memory in GiB")
-    from realizar import cuda
-
-    free, total = cuda.current_device().memory_info()
-    room = int(share * total) - (total - free)
-    if room <= 0:
-        used = (total - free) / 2**30
-        raise CliError(f"--gpu-memory-utilization {share:g} leaves no room for the KV cache: {used:.1f} GiB of the "
-                       f"GPU's {total / 2**30:.1f} GiB are in use with the model loaded")
-    return room
+    try:
+        return kv_share_bytes(share)
+    except InvalidRequestError as e:
+        raise CliError(str(e)) from None
 
 
 def kv_bytes(spec: tuple[str, float] | None, device: str) -> int | None:
@@ -115,11 +113,16 @@ def serving_options(args: argparse.Namespace, device: str) -> dict:
 def engine_process_options(args: argparse.Namespace) -> dict:
     """``build_serving``'s options (:mod:`realizar.serving.remote`) from the command line: a ``--kv-memory``
     share stays a share, sized in the engine process."""
-    if args.gpu_memory_utilization is not None:
-        raise CliError("--gpu-memory-utilization is not available with --engine-process yet: give --kv-memory", 2)
     memory = None
+    if args.gpu_memory_utilization is not None:
+        if not args.device.startswith("cuda") and args.device != "auto":
+            raise CliError(f"--gpu-memory-utilization applies to a GPU (running on {args.device}); give --kv-memory "
+                           "in GiB")
+        return {**_engine_options(args), "kv_memory": None, "gpu_memory_utilization": args.gpu_memory_utilization}
     if args.kv_memory is not None:
         kind, v = args.kv_memory
+        if kind != "gib" and args.device in ("cpu", "emulate"):
+            kv_bytes(args.kv_memory, args.device)  # (its one-line error)
         memory = max(1, int(v * (1 << 30))) if kind == "gib" else float(v)
     return {**_engine_options(args), "kv_memory": memory}
 
@@ -278,9 +281,10 @@ def register(command) -> None:
     p.add_argument("--shutdown-grace", type=positive_seconds, default=4.0, metavar="SECONDS",
                    help="at SIGTERM or Ctrl-C, how long requests in flight may take to finish; the rest then end "
                         "with a 503 error (a stream: its error event and [DONE]) (default: 4)")
-    p.add_argument("--engine-process", action="store_true",
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine (model, scheduler, sampling) in a process of its own, so the HTTP server's "
-                        "work does not wait on the engine's and the engine's steps do not wait on the server")
+                        "work does not wait on the engine's and the engine's steps do not wait on the server "
+                        "(default; --no-engine-process: one process)")
     p.add_argument("--max-queue", type=positive_int, default=256, metavar="N",
                    help="requests allowed to wait beyond the running batch before answering 429 (default: 256)")
     add_aliases(p, p.add_argument("--max-batch", type=positive_int, default=_DEFAULTS.max_batch, metavar="N",

@@ -34,7 +34,7 @@ def bind_socket(host: str = "127.0.0.1", port: int = 8000) -> socket.socket:
 
 
 def uvicorn_config(app: Any, limits: Any = None, **kwargs: Any) -> Any:
-    """uvicorn's configuration for ``app`` with realizar's HTTP protocol: h11 under ``limits``
+    """uvicorn's configuration for ``app`` with realizar's HTTP protocol (httptools) under ``limits``
     (:class:`~realizar.server.connections.ConnectionLimits`; None: its defaults)."""
     import uvicorn
 

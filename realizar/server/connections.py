@@ -1,6 +1,6 @@
 """Connection limits of the HTTP server: how many connections it holds and how long a request may take to arrive.
 
-uvicorn's HTTP/1.1 protocol (h11) closes a connection left idle after a response (``timeout_keep_alive``) but
+uvicorn's HTTP/1.1 protocol (httptools: a C parser and chunked framing without Python per event) closes a connection left idle after a response (``timeout_keep_alive``) but
 waits forever for the first request's headers, for a request whose headers trickle in and for a body shorter
 than its ``Content-Length``; and it accepts connections until the process runs out of file descriptors (then
 every accept fails and logs a traceback). :func:`protocol_class` makes a subclass that adds:
@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 __all__ = ["ConnectionLimits", "FD_RESERVE", "fit_fd_limit", "protocol_class"]
 
@@ -129,10 +129,10 @@ class _Guard:
 
 
 def protocol_class(limits: ConnectionLimits) -> type:
-    """An h11 protocol class for ``uvicorn.Config(http=...)`` enforcing ``limits`` (one guard per class)."""
+    """An HTTP/1.1 protocol class for ``uvicorn.Config(http=...)`` enforcing ``limits`` (one guard per class)."""
     guard = _Guard(limits)
 
-    class GuardedH11Protocol(H11Protocol):
+    class GuardedProtocol(HttpToolsProtocol):
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._timer = None
@@ -191,5 +191,5 @@ def protocol_class(limits: ConnectionLimits) -> type:
             guard.note("headers too slow" if what == "headers" else "body too slow")
             self.transport.close()
 
-    GuardedH11Protocol.guard = guard
-    return GuardedH11Protocol
+    GuardedProtocol.guard = guard
+    return GuardedProtocol

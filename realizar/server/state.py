@@ -21,7 +21,7 @@ from realizar.server import protocol as P
 from realizar.server.metrics import ServerMetrics
 from realizar.server.scheduler import Job, QueueFullError, Scheduler, ShuttingDownError
 
-__all__ = ["ServerState", "EventStream", "get_state", "parse_body"]
+__all__ = ["INLINE_BODY", "ServerState", "EventStream", "get_state", "off_loop", "parse_body"]
 
 
 
@@ -166,18 +166,31 @@ def _validate(model: type[BaseModel], raw: bytes) -> BaseModel:
     return req
 
 
+# a body up to this size is validated, templated and tokenized on the event loop (tens of microseconds to a
+# millisecond); a larger one on a worker thread, so the loop keeps answering meanwhile
+INLINE_BODY = 8192
+
+
 async def parse_body(request: Request, model: type[BaseModel]) -> Any:
     """The request's JSON body validated as ``model``. The body (at most the server's ``max_body``
-    bytes, see :mod:`realizar.server.limits`) is parsed and validated on a worker thread: a body of
-    megabytes takes a while, and the event loop keeps answering meanwhile."""
+    bytes, see :mod:`realizar.server.limits`) is parsed and validated by :func:`off_loop`."""
     try:
         raw = await request.body()
     except ClientDisconnect:  # gone, or refused by the body limit (which has answered 413 already)
         raise P.ServerError(499, "the client closed the request", code="client_closed") from None
-    return await asyncio.to_thread(_validate, model, raw)
+    request.state.body_bytes = len(raw)
+    return await off_loop(request, _validate, model, raw)
 
 
-def get_state(request: Request) -> ServerState:
+async def off_loop(request: Request, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, the work of one request's body: on the event loop when the body is small
+    (:data:`INLINE_BODY`: a thread hand-over would cost more than the work), else on a worker thread."""
+    if getattr(request.state, "body_bytes", INLINE_BODY + 1) <= INLINE_BODY:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
+
+async def get_state(request: Request) -> ServerState:
     """FastAPI dependency: the state of the app serving ``request``."""
     return request.app.state.server
 

@@ -27,7 +27,7 @@ from realizar.generation import SamplingParams, TokenChunk
 from realizar.serving.engine import EngineClosedError, EngineStats, RequestEnd, ServingEngine, admit_params
 from realizar.serving.scheduler import RequestLimits, check_request
 
-__all__ = ["EngineProcess", "RemoteHandle", "build_serving"]
+__all__ = ["EngineProcess", "RemoteHandle", "build_serving", "kv_share_bytes"]
 
 _FLUSH_SECONDS = 0.005  # chunks made outside a step (cancels, failures) wait at most this long in the child
 
@@ -41,13 +41,34 @@ def build_serving(path: str, device: str, max_context: int | None, options: dict
 
     options = dict(options)
     endpoint, topic = options.pop("kv_events", None), options.pop("kv_events_topic", "")
+    share = options.pop("gpu_memory_utilization", None)
     engine = load_engine(path, device=device, max_context=max_context)
+    if share is not None:
+        if not str(engine.device).startswith("cuda"):
+            raise InvalidRequestError(f"--gpu-memory-utilization applies to a GPU (running on {engine.device}); give "
+                                      "--kv-memory in GiB")
+        options["kv_memory"] = kv_share_bytes(share)
     publisher = None
     if endpoint is not None:
         from realizar.serving.kv_events import KVEventPublisher
 
         publisher = KVEventPublisher(endpoint, topic, medium="CPU" if engine.device == "cpu" else "GPU")
     return ServingEngine.from_engine(engine, kv_events=publisher, **options)
+
+
+def kv_share_bytes(share: float) -> int:
+    """The KV pool's bytes when this process may fill ``share`` of the GPU's total memory (vLLM's
+    ``--gpu-memory-utilization``): that share less what is already in use with the model loaded (weights,
+    runtime). Raises :class:`InvalidRequestError` when that leaves no room."""
+    from realizar import cuda
+
+    free, total = cuda.current_device().memory_info()
+    room = int(share * total) - (total - free)
+    if room <= 0:
+        used = (total - free) / 2**30
+        raise InvalidRequestError(f"--gpu-memory-utilization {share:g} leaves no room for the KV cache: {used:.1f} "
+                                  f"GiB of the GPU's {total / 2**30:.1f} GiB are in use with the model loaded")
+    return room
 
 
 class RemoteHandle(RequestEnd):

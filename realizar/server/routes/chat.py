@@ -5,7 +5,6 @@ or streamed; ``n`` choices, ``logprobs``/``top_logprobs`` per token; ``response_
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -14,7 +13,7 @@ from realizar.errors import RealizarError
 from realizar.server import choices as C
 from realizar.server import protocol as P
 from realizar.server.logprobs import TokenTexts, chat_logprobs
-from realizar.server.state import ServerState, get_state, parse_body
+from realizar.server.state import ServerState, get_state, off_loop, parse_body
 from realizar.server.structured_chat import plan_chat
 
 router = APIRouter()
@@ -52,7 +51,7 @@ def _prepare(state: ServerState, req: P.ChatCompletionRequest) -> tuple[Any, lis
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request, state: ServerState = Depends(get_state)) -> Any:
     req = await parse_body(request, P.ChatCompletionRequest)
-    plan, ids, params = await asyncio.to_thread(_prepare, state, req)
+    plan, ids, params = await off_loop(request, _prepare, state, req)
     rid, ts, name = P.new_id("chatcmpl"), P.now(), state.name
     n, lp = req.choices_per_prompt(), req.logprobs_wanted()
     texts = TokenTexts(state.engine.tokenizer)

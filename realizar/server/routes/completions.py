@@ -3,7 +3,6 @@ per prompt (``best_of`` candidates ranked by mean logprob), ``logprobs: N`` per 
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -11,7 +10,7 @@ from fastapi import APIRouter, Depends, Request
 from realizar.server import choices as C
 from realizar.server import protocol as P
 from realizar.server.logprobs import TokenTexts, completion_logprobs
-from realizar.server.state import ServerState, get_state, parse_body
+from realizar.server.state import ServerState, get_state, off_loop, parse_body
 
 router = APIRouter()
 
@@ -39,7 +38,7 @@ def _prompts(state: ServerState, req: P.CompletionRequest) -> list[tuple[list[in
 @router.post("/v1/completions")
 async def completions(request: Request, state: ServerState = Depends(get_state)) -> Any:
     req = await parse_body(request, P.CompletionRequest)
-    prompts = await asyncio.to_thread(_prompts, state, req)
+    prompts = await off_loop(request, _prompts, state, req)
     n = req.choices_per_prompt()
     tries = req.best_of or n
     # ranking best_of candidates needs each token's logprob even when the client asked for none

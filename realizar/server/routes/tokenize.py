@@ -10,7 +10,6 @@ and answers ``{"content": text}`` (also as ``prompt``).
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -19,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from realizar.errors import RealizarError
 from realizar.server import protocol as P
 from realizar.server.logprobs import TokenTexts
-from realizar.server.state import ServerState, get_state, parse_body
+from realizar.server.state import ServerState, get_state, off_loop, parse_body
 
 router = APIRouter()
 
@@ -88,9 +87,9 @@ def _detokenize(state: ServerState, req: DetokenizeRequest) -> dict:
 # (bodies are parsed, checked and (de)tokenized on worker threads: the event loop keeps answering)
 @router.post("/tokenize")
 async def tokenize(request: Request, state: ServerState = Depends(get_state)) -> dict:
-    return await asyncio.to_thread(_tokenize, state, await parse_body(request, TokenizeRequest))
+    return await off_loop(request, _tokenize, state, await parse_body(request, TokenizeRequest))
 
 
 @router.post("/detokenize")
 async def detokenize(request: Request, state: ServerState = Depends(get_state)) -> dict:
-    return await asyncio.to_thread(_detokenize, state, await parse_body(request, DetokenizeRequest))
+    return await off_loop(request, _detokenize, state, await parse_body(request, DetokenizeRequest))
