@@ -37,7 +37,7 @@ class ServingConfig:
     on them overlaps the GPU's (:mod:`realizar.serving.scheduler`)."""
 
     block_size: int = 32
-    max_batch: int = 64
+    max_batch: int = 256
     kv_dtype: str | None = None
     kv_memory: float | int | None = None
     num_blocks: int | None = None

@@ -106,3 +106,16 @@ def test_the_engine_process_switch_and_its_variable(monkeypatch):
     assert build_parser().parse_args(["serve", "--engine-process"]).engine_process is True
     monkeypatch.setenv("REALIZAR_ENGINE_PROCESS", "yes")
     assert build_parser().parse_args(["serve"]).engine_process is True
+
+
+def test_api_servers_default_and_refusal(capsys, monkeypatch):
+    """``--api-servers``: by default one per 4 CPU cores, at most 4; more than one needs the engine process."""
+    import os
+
+    from realizar.server.fronts import default_api_servers
+
+    for cores, want in ((1, 1), (2, 1), (7, 1), (8, 2), (16, 4), (128, 4)):
+        monkeypatch.setattr(os, "cpu_count", lambda c=cores: c)
+        assert default_api_servers() == want
+    assert main(["serve", "--no-engine-process", "--api-servers", "2"]) == 2
+    assert "--api-servers above 1" in capsys.readouterr().err

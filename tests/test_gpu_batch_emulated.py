@@ -217,3 +217,33 @@ def test_split_gate_and_up_types_batched(tmp_path):
             a.step(tok)
             assert _rel_err(out.logits(r), a.logits) < RTOL, r
         toks = [int(np.argmax(a.logits)) for a in alone]
+
+
+def test_a_prompt_as_rows_of_a_decode_step(loaded):
+    """The serving scheduler's prompt rows: one decode step whose rows are a running sequence's next token and
+    a new prompt's tokens 0..n-1 (every row through the prompt's one block table, its K/V written by the same
+    step); row i's logits are the reference's after prompt[:i + 1] (causal within the step), and the prompt's
+    sequence then decodes from its last row's token like one prefilled alone."""
+    rng = np.random.default_rng(11)
+    be = _backend(loaded, max_batch=8)
+    running = [int(t) for t in rng.integers(3, 320, 9)]
+    prompt = [int(t) for t in rng.integers(3, 320, 7)]
+    t_run, t_new = [5, 2, 9], [14, 3, 20]
+    first = be.prefill(running, 0, t_run)
+    tok = int(np.argmax(first.logits(0)))
+    alone_run = _Alone(loaded, running)
+    out = be.decode([tok] + prompt, [len(running)] + list(range(len(prompt))), [t_run] + [t_new] * len(prompt))
+    sampled = out.sample([RowSampling()] * (1 + len(prompt)))
+    alone_run.step(tok)
+    assert _rel_err(out.logits(0), alone_run.logits) < RTOL
+    for i in range(len(prompt)):
+        ref = ReferenceModel.from_loaded(loaded, max_len=MAX_LEN).prefill(prompt[: i + 1])
+        assert _rel_err(out.logits(1 + i), ref) < RTOL, i
+        assert int(sampled[1 + i]) == int(np.argmax(ref)), i
+    alone_new = _Alone(loaded, prompt)
+    nxt = int(sampled[-1])
+    for _ in range(3):  # the prompt's sequence continues from its rows' K/V
+        out = be.decode([nxt], [alone_new.position], [t_new])
+        alone_new.step(nxt)
+        assert _rel_err(out.logits(0), alone_new.logits) < RTOL
+        nxt = int(np.argmax(out.logits(0)))

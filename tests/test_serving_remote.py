@@ -55,16 +55,21 @@ REQUESTS = [([5, 17, 42, 7], SamplingParams(max_tokens=8)),
             ([13, 21, 34, 55, 89, 144], SamplingParams(max_tokens=7, logprobs=2))]
 
 
-def test_the_engine_process_gives_this_process_s_tokens(path, remote):
+def _local_tokens(path) -> list[list[int]]:
+    """REQUESTS' tokens from a serving engine in this process."""
     engine = load_engine(path, device="cpu")
     with ServingEngine.from_engine(engine, **OPTIONS) as local:
-        want = [r.token_ids for r in local.generate_batch([ids for ids, _ in REQUESTS], [p for _, p in REQUESTS])]
+        return [list(r.token_ids) for r in local.generate_batch([ids for ids, _ in REQUESTS], [p for _, p in REQUESTS])]
+
+
+def test_the_engine_process_gives_this_process_s_tokens(path, remote):
+    want = _local_tokens(path)
     steps = []
     remote.on_step = steps.append
     sink = _Collect(len(REQUESTS))
     handles = [remote.submit(ids, p, sink=sink) for ids, p in REQUESTS]
     assert sink.all_done.wait(60)
-    got = [h.wait(0).token_ids for h in handles]
+    got = [list(h.wait(0).token_ids) for h in handles]
     assert got == want
     assert [[c.token_id for c in sink.chunks[h.rid]] for h in handles] == want
     assert all(c.logprob is not None for c in sink.chunks[handles[3].rid])
@@ -181,3 +186,87 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return stat[0] != "Z"
+
+
+def test_two_clients_of_one_engine_process(path):
+    """An engine process started with ``listen``: a second client (as another server process has) submits beside
+    the first; each gets its own requests' tokens (those of the in-process engine), the step hook reaches the
+    first only, and a client that leaves has its requests cancelled while the other's go on."""
+    import time
+
+    from realizar.serving.remote import EngineClient
+
+    want = _local_tokens(path)
+    owner = EngineProcess(functools.partial(build_serving, path, "cpu", None, OPTIONS), listen=True)
+    try:
+        other = EngineClient.connect(owner.address)
+        steps_owner, steps_other = [], []
+        owner.on_step, other.on_step = steps_owner.append, steps_other.append
+        a, b = _Collect(2), _Collect(2)
+        ha = [owner.submit(ids, p, sink=a) for ids, p in REQUESTS[:2]]
+        hb = [other.submit(ids, p, sink=b) for ids, p in REQUESTS[2:]]
+        assert a.all_done.wait(60) and b.all_done.wait(60)
+        assert [[c.token_id for c in a.chunks[h.rid]] for h in ha] == want[:2]
+        assert [[c.token_id for c in b.chunks[h.rid]] for h in hb] == want[2:]
+        assert steps_owner and not steps_other
+        assert owner.warm_up() >= 0 and other.warm_up() == 0.0  # (once per engine)
+        # a client that leaves mid-stream: its request is cancelled there, the owner's runs to its end
+        long = SamplingParams(max_tokens=200, temperature=0)
+        done = _Collect(1)
+        mine = owner.submit([5, 6, 7], SamplingParams(max_tokens=40, temperature=0), sink=done)
+        theirs = other.submit([8, 9], long, sink=lambda h, c: None)
+        other.close()
+        assert theirs.done and isinstance(theirs.error, EngineClosedError)
+        assert done.all_done.wait(60) and mine.error is None and mine.result.finish_reason in ("stop", "length")
+        deadline = time.monotonic() + 30
+        while owner.stats().running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert owner.stats().running == 0
+    finally:
+        owner.close()
+
+
+def test_serve_with_several_server_processes(path):
+    """``realizar serve --api-servers 3``: three server processes share the port over one engine process; 12
+    concurrent streams all get the in-process engine's text, /metrics (whichever process answers) counts every
+    request, and SIGTERM stops every process within 15 s without a traceback."""
+    import concurrent.futures
+    import signal
+    import time
+
+    import httpx
+
+    from tests.test_cli import _start_server
+
+    proc, url = _start_server("-m", path, "--device", "cpu", "--model-name", "tiny", "--api-servers", "3")
+    try:
+        kids = _children(proc.pid)
+        assert len(kids) == 3, kids  # the engine process and two more server processes
+        body = {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0,
+                "stream": True}
+        want = load_engine(path, device="cpu").generate("The capital of France is", SamplingParams(max_tokens=6)).text
+
+        def stream(_):
+            with httpx.Client(timeout=60) as client:  # (a connection of its own: any process may take it)
+                with client.stream("POST", url + "/v1/completions", json=body) as r:
+                    data = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+            return "".join(json.loads(d)["choices"][0]["text"] for d in data[:-1])
+
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            assert list(pool.map(stream, range(12))) == [want] * 12
+        for _ in range(3):
+            with httpx.Client(timeout=10) as client:
+                text = client.get(url + "/metrics").text
+            line = next(ln for ln in text.splitlines()
+                        if ln.startswith('realizar_requests_total{endpoint="/v1/completions",status="200"}'))
+            assert float(line.split()[-1]) == 12
+            assert "vllm:num_requests_running" in text
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+        assert time.monotonic() - t0 < 15 and "Traceback" not in err, err[-2000:]
+        time.sleep(0.5)
+        assert not [p for p in kids if _alive(p)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -185,15 +185,15 @@ def test_bench_serving_every_part_on_the_emulator(tmp_path):
 
 @pytest.mark.full
 def test_bench_host_runs_every_row():
-    """tools/bench_host.py (the served path's host side over a backend that only sleeps): one line of five
-    figures a concurrency, each with its ratio to the bound."""
+    """tools/bench_host.py (the served path's host side over a backend that only sleeps): one line of six
+    figures a concurrency (the last through two server processes), each with its ratio to the bound."""
     import subprocess
     import sys
 
     r = subprocess.run([sys.executable, "tools/bench_host.py", "--concurrency", "4", "--prompt", "8", "--gen", "4",
-                        "--clients", "1"], check=True, timeout=300, capture_output=True, text=True)
+                        "--clients", "1", "--api-servers", "2"], check=True, timeout=300, capture_output=True, text=True)
     (row,) = [line.strip("|").split("|") for line in r.stdout.splitlines() if line.startswith("| 4 |")]
-    assert len(row) == 6 and float(row[1]) > 0
+    assert len(row) == 7 and float(row[1]) > 0
     for cell in row[2:]:
         rate, ratio = cell.split()
         assert float(rate) > 0 and 0 < float(ratio.strip("()")) < 1.5

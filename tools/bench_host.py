@@ -23,6 +23,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -66,7 +67,7 @@ class SleepBackend:
 
     def __init__(self, step_ms: tuple[float, float], prefill_ms: tuple[float, float], max_batch: int = 256,
                  vocab_size: int = 49152):
-        self.config = type("Config", (), {"vocab_size": vocab_size, "num_layers": 1})()
+        self.config = SimpleNamespace(vocab_size=vocab_size, num_layers=1)
         self.block_size, self.num_blocks, self.max_batch, self.context_length = 32, 40000, max_batch, 4096
         self.step_ms, self.prefill_ms = step_ms, prefill_ms
         self.rng = np.random.default_rng(0)
@@ -99,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--clients", type=int, default=4, help="HTTP client processes")
+    ap.add_argument("--api-servers", type=int, default=4, help="server processes of the last column")
     ap.add_argument("--out", type=Path, help="also write the table here (Markdown)")
     a = ap.parse_args(argv)
     from realizar.serving.engine import ServingEngine
@@ -111,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
              "", f"Step {a.step_ms[0]} + {a.step_ms[1]} x rows ms, prefill {a.prefill_ms[0]} + {a.prefill_ms[1]} x tokens ms; "
              f"{a.prompt} prompt tokens, {a.gen} generated; tok/s (x bound).", "",
              "| C | bound tok/s | engine, in step | engine, overlapped | HTTP, engine in the server's process | "
-             "HTTP, engine process |", "|---:|---:|---:|---:|---:|---:|"]
+             f"HTTP, engine process | HTTP, engine process, {a.api_servers} server processes |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
     print("\n".join(lines), flush=True)
     for c in (int(v) for v in a.concurrency.split(",")):
         step = (a.step_ms[0] + a.step_ms[1] * c) / 1e3
@@ -123,10 +126,11 @@ def main(argv: list[str] | None = None) -> int:
             r = run_load(serving, [(draw(a.prompt), a.gen) for _ in range(c)])
             serving.close()
             cells.append(r["tok_s"])
-        for remote in (False, True):
-            serving = EngineProcess(functools.partial(sleep_serving, a.step_ms, a.prefill_ms)) if remote else None
+        for remote, servers in ((False, 1), (True, 1), (True, a.api_servers)):
+            serving = (EngineProcess(functools.partial(sleep_serving, a.step_ms, a.prefill_ms), listen=servers > 1)
+                       if remote else None)
             r = bench_http(SleepBackend(a.step_ms, a.prefill_ms), "sleep", [c], a.prompt, a.gen, rng, clients=a.clients,
-                           serving=serving)
+                           serving=serving, api_servers=servers)
             cells.append(next(iter(r.values()))["tok_s"])
         lines.append(f"| {c} | {bound:.0f} | " + " | ".join(f"{v:.0f} ({v / bound:.2f})" for v in cells) + " |")
         print(lines[-1], flush=True)

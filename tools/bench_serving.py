@@ -160,7 +160,8 @@ def bench_engine(backend, concurrency: list[int], prompt: int, gen: int, rng) ->
     draw = lambda n: [int(t) for t in rng.integers(0, vocab, n)]  # noqa: E731
     out = {}
     try:
-        run_load(serving, [(draw(prompt), 8)])  # warm-up: kernels loaded, first graphs captured
+        serving.warm_up()  # as the server does before it answers: kernels loaded, every step graph captured
+        run_load(serving, [(draw(prompt), 8)])
         for c in concurrency:
             if c > backend.max_batch:
                 continue
@@ -217,16 +218,24 @@ def _client_process(url: str, name: str, reqs: list, start_at: float) -> list:
     return asyncio.run(_stream_load(url, name, reqs, start_at))
 
 
+def bench_front(name: str, config, context_length: int):
+    """(In a further server process) the bench's front engine: the model's name, config and byte tokenizer."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(name=name, device="cuda", config=config, tokenizer=bench_tokenizer(config.vocab_size),
+                           context_length=context_length, generator=None)
+
+
 def bench_http(backend, name: str, concurrency: list[int], prompt: int, gen: int, rng,
-               clients: int = 4, serving=None) -> dict[str, dict]:
+               clients: int = 4, serving=None, api_servers: int = 1) -> dict[str, dict]:
     """{label: result}: C concurrent streaming completions through the OpenAI-compatible server (uvicorn in
-    this process on a loopback port) from ``clients`` client processes (httpx, C / clients streams each);
-    output tok/s from the streams' usage chunks, TTFT and the gaps between events from their arrival."""
+    this process on a loopback port, and ``api_servers - 1`` more server processes on the same socket over
+    ``serving``, an engine process that listens) from ``clients`` client processes (httpx, C / clients streams
+    each); output tok/s from the streams' usage chunks, TTFT and the gaps between events from their arrival."""
     import concurrent.futures
     import multiprocessing
     import socket
     import threading
-    from types import SimpleNamespace
 
     import uvicorn
 
@@ -235,9 +244,8 @@ def bench_http(backend, name: str, concurrency: list[int], prompt: int, gen: int
     from realizar.serving.engine import ServingEngine
 
     vocab = backend.config.vocab_size
-    tok = bench_tokenizer(vocab)
-    engine = SimpleNamespace(name=name, device="cuda", config=backend.config, tokenizer=tok,
-                             context_length=backend.context_length, generator=None)
+    engine = bench_front(name, backend.config, backend.context_length)
+    tok = engine.tokenizer
     serving = serving or ServingEngine(backend, tok, eos_token_ids=())
     app = create_app(engine, serving=serving, max_queue=1024)
     sock = socket.socket()
@@ -250,6 +258,13 @@ def bench_http(backend, name: str, concurrency: list[int], prompt: int, gen: int
         if not thread.is_alive():
             raise RuntimeError("the server did not start (its log above says why)")
         time.sleep(0.02)
+    fronts = []
+    if api_servers > 1:
+        from realizar.server.fronts import start_fronts
+
+        fronts = start_fronts(api_servers - 1, sock, serving.address,
+                              functools.partial(bench_front, name, backend.config, backend.context_length),
+                              {"max_queue": 1024, "log_level": "warning"})
     pool = concurrent.futures.ProcessPoolExecutor(clients, mp_context=multiprocessing.get_context("spawn"))
 
     def load(reqs):
@@ -276,6 +291,11 @@ def bench_http(backend, name: str, concurrency: list[int], prompt: int, gen: int
                   f"event gap p50 {1e3 * pct(r['itl'], 50):.2f} ms", flush=True)
     finally:
         pool.shutdown()
+        if fronts:
+            from realizar.server.fronts import join_fronts, signal_fronts
+
+            signal_fronts(fronts)
+            join_fronts(fronts, 30)
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()
@@ -360,6 +380,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                     help="the http part with the engine in a process of its own (realizar.serving.remote), as "
                          "`realizar serve` runs it (default; --no-engine-process: in the server's process)")
+    ap.add_argument("--api-servers", type=int,
+                    help="the http part's server processes over the engine process (default: serve's, one per 4 CPU "
+                         "cores, at most 4; 1 with --no-engine-process)")
     ap.add_argument("--kv-dtype", default="f16")
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--out", type=Path)
@@ -370,6 +393,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="GpuBatchBackend's f16_weights: f16 copies of the weights for more than 32 rows when they "
                          "fit (auto), always, or never (the batch GEMMs then read the quantized weights)")
     a = ap.parse_args(argv)
+    if a.api_servers is None:
+        from realizar.server.fronts import default_api_servers
+
+        a.api_servers = default_api_servers() if a.engine_process else 1
+    if a.api_servers > 1 and not a.engine_process:
+        ap.error("--api-servers above 1 needs the engine process (drop --no-engine-process)")
     f16w = {"auto": None, "on": True, "off": False}[a.f16_weights]
     dev = cuda.EmulatedDevice(sm_count=4, racecheck=False) if a.device == "emulate" else cuda.current_device()
     batches = [int(b) for b in a.batches.split(",")]
@@ -428,10 +457,14 @@ def main(argv: list[str] | None = None) -> int:
 
                 kwargs = dict(num_blocks=need, block_size=a.block_size, kv_dtype=a.kv_dtype, max_batch=max(batches),
                               max_context=ctx, gemv_cols_rows=settings[0], f16_weights=f16w)
-                remote = EngineProcess(functools.partial(engine_process_build, name, a.device, ctx, kwargs))
+                remote = EngineProcess(functools.partial(engine_process_build, name, a.device, ctx, kwargs),
+                                       listen=a.api_servers > 1)
                 where = ", the engine in a process of its own"
+                if a.api_servers > 1:
+                    where += f", {a.api_servers} server processes"
             lines += latency_table(name, f"HTTP server, concurrent streaming completions (greedy{where})",
-                                   bench_http(backend, name, batches, a.prompt, a.gen, rng, serving=remote), bound)
+                                   bench_http(backend, name, batches, a.prompt, a.gen, rng, serving=remote,
+                                              api_servers=a.api_servers), bound)
         backend.close()
         del backend, model, tensors
         gc.collect()

@@ -3,7 +3,7 @@
 What comes back from $OUT is limited to a few files: gpu_check.log (every stage's output), the JUnit
 XML of the tests, and one Markdown table per benchmark (bench_graphs, bench_attention, bench_gemv,
 bench_decode, bench_gemm, bench_prefill, bench_serving, bench_serving_one_process (its HTTP part with the engine in
-the server's process), bench_host (the served path's host side over a sleeping backend), bench_warm_start (four files), profile_step (one served stream against GpuModel),
+the server's process), bench_serving_api_servers (four server processes), bench_host (the served path's host side over a sleeping backend), bench_warm_start (four files), profile_step (one served stream against GpuModel),
 bench_gemm_decode (the f16 GEMM at decode batch sizes); not default stages: real_model (smollm2_gpu.md),
 and on 2+ GPUs bench_tensor_parallel and bench_nccl).
 
@@ -56,6 +56,9 @@ def stages(out: Path, tests: list[str], pytest_args: list[str]) -> dict[str, tup
         "bench_serving_one_process": ([PY, "tools/bench_serving.py", "--shapes", "smollm2-135m,llama-3-8b", "--batches",
                                        "64,128,256", "--parts", "batched,http", "--no-engine-process",
                                        "--out", str(out / "bench_serving_one_process.md")], 480),
+        "bench_serving_api_servers": ([PY, "tools/bench_serving.py", "--shapes", "smollm2-135m,llama-3-8b", "--batches",
+                                       "64,128,256", "--parts", "batched,http", "--api-servers", "4",
+                                       "--out", str(out / "bench_serving_api_servers.md")], 480),
         "bench_host": ([PY, "tools/bench_host.py", "--concurrency", "64,128,256", "--out",
                         str(out / "bench_host.md")], 240),
         "profile_step": ([PY, "tools/profile_step.py", "--out", str(out / "profile_step.md")], 240),
@@ -103,7 +106,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_out")))
     ap.add_argument("--stages", default="env,tests,sanitize,racecheck,bench_graphs,bench_attention,bench_gemv,bench_decode,"
-                                        "bench_gemm,bench_prefill,bench_serving,bench_serving_one_process,bench_host,bench_warm_start,profile_step,"
+                                        "bench_gemm,bench_prefill,bench_serving,bench_serving_one_process,bench_serving_api_servers,bench_host,bench_warm_start,profile_step,"
                                         "bench_gemm_decode")
     ap.add_argument("--tests", default="tests/gpu", help="test paths, space separated")
     ap.add_argument("--pytest-args", default="", help="extra pytest arguments, space separated")

@@ -185,8 +185,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from realizar.cli.data_parallel import serve_data_parallel
 
         return serve_data_parallel(args)
+    if args.api_servers is None:
+        from realizar.server.fronts import default_api_servers
+
+        args.api_servers = default_api_servers() if args.engine_process else 1
+    fronts = max(0, args.api_servers - 1)
+    if fronts and not args.engine_process:
+        raise CliError("--api-servers above 1 runs the server processes over one engine process: drop "
+                       "--no-engine-process", 2)
+    if fronts:
+        import tempfile
+
+        from realizar.server.metrics import share_between_processes
+
+        metrics_dir = tempfile.mkdtemp(prefix="realizar-metrics-")
+        share_between_processes(metrics_dir)
     if args.engine_process:
-        engine, options = _start_engine_process(args)
+        engine, options = _start_engine_process(args, listen=bool(fronts))
     else:
         engine = load_engine(args)
         options = serving_options(args, engine.device)
@@ -196,33 +211,62 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     def ready(host: str, port: int) -> None:
         shown = f"[{host}]" if ":" in host else host
-        note(f"serving {engine.name!r} ({engine.device}) at http://{shown}:{port}/v1 - Ctrl-C to stop")
+        more = f", {fronts + 1} server processes" if fronts else ""
+        note(f"serving {engine.name!r} ({engine.device}{more}) at http://{shown}:{port}/v1 - Ctrl-C to stop")
 
+    shared = {"model_name": args.model_name, "max_queue": args.max_queue,
+              "default_max_tokens": args.default_max_tokens,
+              "log_level": "debug" if args.verbose else args.log_level, "api_key": api_key,
+              "limits": connection_limits(args), "drain_seconds": args.shutdown_grace,
+              "allowed_origins": args.allowed_origins, "max_body": args.max_body}
+    procs: list = []
     try:
-        serve(
-            engine,
-            args.host,
-            args.port,
-            model_name=args.model_name,
-            max_queue=args.max_queue,
-            default_max_tokens=args.default_max_tokens,
-            log_level="debug" if args.verbose else args.log_level,
-            api_key=api_key,
-            on_ready=ready,
-            limits=connection_limits(args),
-            drain_seconds=args.shutdown_grace,
-            allowed_origins=args.allowed_origins,
-            **options,
-        )
+        sock = None
+        if fronts:
+            from realizar.server.fronts import FrontSpec, start_fronts
+
+            sock = _bind(args)
+            serving = options["serving"]
+            serving.warm_up()  # before any of them answers (their own warm-up is then a no-op)
+            spec = FrontSpec(str(engine.path), engine.device, bool(args.allow_special_tokens_in_content))
+            procs = start_fronts(fronts, sock, serving.address, spec, shared)
+        serve(engine, args.host, args.port, on_ready=ready, sock=sock, on_shutdown=lambda: _signal(procs),
+              **{**shared, **options})
     except KeyboardInterrupt:  # Ctrl-C is how a server is stopped: uvicorn has shut down cleanly
         pass
     except OSError as e:
         raise CliError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    finally:
+        if procs:
+            from realizar.server.fronts import join_fronts, signal_fronts
+
+            signal_fronts(procs)
+            join_fronts(procs, args.shutdown_grace + 10)
+        if fronts:
+            import shutil
+
+            shutil.rmtree(metrics_dir, ignore_errors=True)
     note("stopped")
     return 0
 
 
-def _start_engine_process(args: argparse.Namespace) -> tuple:
+def _bind(args: argparse.Namespace):
+    from realizar.server import bind_socket
+
+    try:
+        return bind_socket(args.host, args.port)
+    except OSError as e:
+        raise CliError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+
+
+def _signal(procs: list) -> None:
+    if procs:
+        from realizar.server.fronts import signal_fronts
+
+        signal_fronts(procs)
+
+
+def _start_engine_process(args: argparse.Namespace, listen: bool = False) -> tuple:
     """``serve --engine-process``: this process reads the model's tokenizer and metadata; a child process loads
     the model and runs the engine (:class:`realizar.serving.remote.EngineProcess`). (front engine, serve's
     keywords)."""
@@ -238,7 +282,7 @@ def _start_engine_process(args: argparse.Namespace) -> tuple:
     status(f"loading {front.name} in the engine process ...")
     t0 = time.perf_counter()
     serving = EngineProcess(functools.partial(build_serving, str(front.path), args.device,
-                                              getattr(args, "max_context", None), options))
+                                              getattr(args, "max_context", None), options), listen=listen)
     front.device = serving.device
     status(f"loaded {front.name} on {front.device} in {time.perf_counter() - t0:.1f} s (engine process)")
     return front, {"serving": serving, "max_body": args.max_body}
@@ -285,6 +329,10 @@ def register(command) -> None:
                    help="run the engine (model, scheduler, sampling) in a process of its own, so the HTTP server's "
                         "work does not wait on the engine's and the engine's steps do not wait on the server "
                         "(default; --no-engine-process: one process)")
+    p.add_argument("--api-servers", type=positive_int, metavar="N",
+                   help="HTTP server processes sharing the port over the one engine process (each parses requests "
+                        "and streams answers on its own event loop; /metrics from any reports all; --max-queue is "
+                        "each one's) (default: one per 4 CPU cores, at most 4; 1 with --no-engine-process)")
     p.add_argument("--max-queue", type=positive_int, default=256, metavar="N",
                    help="requests allowed to wait beyond the running batch before answering 429 (default: 256)")
     add_aliases(p, p.add_argument("--max-batch", type=positive_int, default=_DEFAULTS.max_batch, metavar="N",

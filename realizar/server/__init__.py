@@ -48,15 +48,18 @@ def uvicorn_config(app: Any, limits: Any = None, **kwargs: Any) -> Any:
 DRAIN_SECONDS = 4.0
 
 
-def graceful_server(config: Any, app: Any, drain_seconds: float = DRAIN_SECONDS) -> Any:
+def graceful_server(config: Any, app: Any, drain_seconds: float = DRAIN_SECONDS,
+                    on_shutdown: Callable[[], None] | None = None) -> Any:
     """A uvicorn server for ``app`` that, on shutdown, stops accepting connections, lets the requests in flight
     finish for ``drain_seconds`` and ends the rest with a 503 error event (streams: the event, then ``[DONE]``;
     whole answers: a JSON 503; :meth:`~realizar.server.scheduler.Scheduler.drain`) before uvicorn's own shutdown,
-    which then finds no response to cut off."""
+    which then finds no response to cut off. ``on_shutdown()`` is called as shutdown begins."""
     import uvicorn
 
     class GracefulServer(uvicorn.Server):
         async def shutdown(self, sockets: list | None = None) -> None:
+            if on_shutdown is not None:
+                on_shutdown()
             for server in self.servers:  # (no new connections while the requests in flight finish)
                 server.close()
             await app.state.server.scheduler.drain(drain_seconds)
@@ -90,6 +93,8 @@ def serve(
     drain_seconds: float = DRAIN_SECONDS,
     allowed_origins: Sequence[str] = (),
     serving: Any = None,
+    sock: socket.socket | None = None,
+    on_shutdown: Callable[[], None] | None = None,
 ) -> None:
     """Serve ``engine`` with uvicorn until interrupted (on ``serving``, e.g. an engine process, when given: see
     :func:`create_app`). ``on_ready(host, port)`` is called once the
@@ -100,7 +105,9 @@ def serve(
     connection limits (:class:`~realizar.server.connections.ConnectionLimits`; None: its defaults);
     ``drain_seconds``: how long requests in flight may take to finish at shutdown (:func:`graceful_server`);
     ``allowed_origins``: browser origins allowed cross-site (CORS). Listening on loopback without ``api_key``,
-    requests addressed to another Host are refused (DNS rebinding; :mod:`realizar.server.origin`)."""
+    requests addressed to another Host are refused (DNS rebinding; :mod:`realizar.server.origin`). ``sock``: a
+    listening socket to serve on instead of binding ``host:port`` (several server processes share one; it is
+    left open); ``on_shutdown``: see :func:`graceful_server`."""
     app = create_app(engine, model_name=model_name, max_queue=max_queue, default_max_tokens=default_max_tokens,
                      api_key=api_key, max_batch=max_batch, kv_memory=kv_memory, kv_dtype=kv_dtype,
                      block_size=block_size, max_batched_tokens=max_batched_tokens, prefill_chunk=prefill_chunk,
@@ -108,13 +115,15 @@ def serve(
                      loopback_hosts=api_key is None and host in ("127.0.0.1", "localhost", "::1"), kv_events=kv_events,
                      kv_events_topic=kv_events_topic, serving=serving,
                      **({} if max_body is None else {"max_body": max_body}))
-    sock = bind_socket(host, port)
+    own = sock is None
+    sock = bind_socket(host, port) if own else sock
     bound_host, bound_port = sock.getsockname()[:2]
     config = uvicorn_config(app, limits, log_level=log_level, timeout_graceful_shutdown=5)
-    server = graceful_server(config, app, drain_seconds)
+    server = graceful_server(config, app, drain_seconds, on_shutdown)
     if on_ready is not None:
         on_ready(bound_host, bound_port)
     try:
         server.run(sockets=[sock])
     finally:
-        sock.close()
+        if own:
+            sock.close()

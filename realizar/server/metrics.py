@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-__all__ = ["ServerMetrics", "CONTENT_TYPE"]
+__all__ = ["ServerMetrics", "CONTENT_TYPE", "share_between_processes", "shared"]
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -100,7 +100,7 @@ class ServerMetrics:
     def __init__(self, model: str, device: str):
         r = self.registry = CollectorRegistry()
         self.info = Gauge("realizar_model_info", "The served model and device (value is always 1).",
-                          ("model", "device"), registry=r)  # fmt: skip
+                          ("model", "device"), registry=r, multiprocess_mode="max")  # fmt: skip
         self.info.labels(model=model, device=device).set(1)
         self.requests = Counter("realizar_requests_total", "HTTP requests answered, by endpoint and status code.",
                                 ("endpoint", "status"), registry=r)  # fmt: skip
@@ -135,7 +135,8 @@ class ServerMetrics:
     def attach(self, serving: Any) -> None:
         """Export ``serving``'s state (a :class:`~realizar.serving.ServingEngine`) and record its
         steps (its ``on_step`` hook; a hook it already had is still called)."""
-        self.registry.register(_EngineCollector(serving.stats, self.model))
+        self._engine = _EngineCollector(serving.stats, self.model)
+        self.registry.register(self._engine)
         previous = serving.on_step
 
         def on_step(step: Any) -> None:
@@ -180,8 +181,36 @@ class ServerMetrics:
             self.tpot.observe(result.decode_seconds / (result.completion_tokens - 1))
 
     def render(self) -> bytes:
-        """The registry in Prometheus' text exposition format."""
-        return generate_latest(self.registry)
+        """The registry in Prometheus' text exposition format; with several server processes (prometheus_client's
+        multiprocess mode, :func:`share_between_processes`), every process's figures summed, and the engine's state."""
+        if not shared():
+            return generate_latest(self.registry)
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry)
+        if getattr(self, "_engine", None) is not None:
+            registry.register(self._engine)
+        return generate_latest(registry)
+
+
+def shared() -> bool:
+    """Whether this process's metrics live in prometheus_client's multiprocess files (:func:`share_between_processes`)."""
+    from prometheus_client import values
+
+    return bool(getattr(values.ValueClass, "_multiprocess", False))
+
+
+def share_between_processes(directory: str) -> None:
+    """Keep this process's metrics, and those of the processes it starts afterwards, in ``directory``
+    (prometheus_client's multiprocess mode), so any of several HTTP server processes answers ``/metrics`` with
+    all of their figures. Call it before any :class:`ServerMetrics` is made."""
+    import os
+
+    from prometheus_client import values
+
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory  # (inherited by the processes started later)
+    values.ValueClass = values.MultiProcessValue()
 
 
 class _VllmRequestMetrics:

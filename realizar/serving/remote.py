@@ -27,7 +27,7 @@ from realizar.generation import SamplingParams, TokenChunk
 from realizar.serving.engine import EngineClosedError, EngineStats, RequestEnd, ServingEngine, admit_params
 from realizar.serving.scheduler import RequestLimits, check_request
 
-__all__ = ["EngineProcess", "RemoteHandle", "build_serving", "kv_share_bytes"]
+__all__ = ["EngineClient", "EngineProcess", "RemoteHandle", "build_serving", "kv_share_bytes"]
 
 _FLUSH_SECONDS = 0.005  # chunks made outside a step (cancels, failures) wait at most this long in the child
 
@@ -75,7 +75,7 @@ class RemoteHandle(RequestEnd):
     """A request running in the engine process: :meth:`cancel`; once it has ended, :attr:`result` (or
     :attr:`error`); :meth:`wait`."""
 
-    def __init__(self, owner: "EngineProcess", rid: int, prompt_tokens: int, sink: Callable[[Any, Any], None]):
+    def __init__(self, owner: "EngineClient", rid: int, prompt_tokens: int, sink: Callable[[Any, Any], None]):
         super().__init__()
         self._owner, self.rid, self.prompt_tokens, self._sink = owner, rid, prompt_tokens, sink
 
@@ -85,30 +85,17 @@ class RemoteHandle(RequestEnd):
             self._owner._send(("cancel", self.rid))
 
 
-class EngineProcess:
-    """A :class:`ServingEngine` built by ``build()`` in a child process (see the module docstring). Raises what
-    ``build`` raised when the child could not build it; ``start_timeout`` seconds at most for that."""
+class EngineClient:
+    """What the HTTP server uses of an engine, over a connection to an engine process (see the module docstring):
+    :class:`EngineProcess` is the one that started it; :meth:`connect` gives another process its own, to the
+    address of an engine process started with ``listen=True``. Requests of one client never reach another."""
 
-    def __init__(self, build: Callable[[], ServingEngine], *, start_timeout: float | None = 600.0):
-        ctx = multiprocessing.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_child_main, args=(child, build), name="realizar-engine", daemon=True)
-        self._proc.start()
-        child.close()
-        if not self._conn.poll(start_timeout):
-            self._proc.kill()
-            raise RealizarError(f"the engine process did not start within {start_timeout} s")
-        try:
-            kind, payload = self._conn.recv()
-        except EOFError:
-            raise RealizarError(f"the engine process exited while starting (exit code {self._proc.exitcode})") from None
-        if kind == "failed":
-            self._proc.join(10)
-            raise payload
-        self.limits: RequestLimits = payload["limits"]
-        self.device: str = payload["device"]
-        self.scheduler = _SchedulerView(payload["max_batch"])
-        self._stats: EngineStats = payload["stats"]
+    def __init__(self, conn: Any, hello: dict):
+        self._conn = conn
+        self.limits: RequestLimits = hello["limits"]
+        self.device: str = hello["device"]
+        self.scheduler = _SchedulerView(hello["max_batch"])
+        self._stats: EngineStats = hello["stats"]
         self.on_step: Callable[[Any], None] | None = None
         self._handles: dict[int, RemoteHandle] = {}
         self._ids = itertools.count()
@@ -120,6 +107,22 @@ class EngineProcess:
         self._replied = threading.Condition(self._lock)
         self._reader = threading.Thread(target=self._read, name="realizar-engine-reader", daemon=True)
         self._reader.start()
+
+    @classmethod
+    def connect(cls, address: tuple[str, bytes], timeout: float = 60.0) -> "EngineClient":
+        """A client of the engine process listening at ``address`` (:attr:`EngineProcess.address`)."""
+        from multiprocessing.connection import Client
+
+        where, key = address
+        try:
+            conn = Client(where, family="AF_UNIX", authkey=key)
+        except (OSError, EOFError) as e:
+            raise EngineClosedError(f"cannot reach the engine process at {where}: {e}") from None
+        if not conn.poll(timeout):
+            conn.close()
+            raise EngineClosedError(f"the engine process at {where} did not answer within {timeout} s")
+        kind, hello = conn.recv()
+        return cls(conn, hello)
 
     # -- requests ------------------------------------------------------------------------------------
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, *,
@@ -148,27 +151,26 @@ class EngineProcess:
         return dataclasses.replace(snap, waiting=snap.waiting + max(0, in_pipe))
 
     def warm_up(self) -> float:
-        """:meth:`ServingEngine.warm_up` in the engine process (before any request); its seconds."""
+        """:meth:`ServingEngine.warm_up` in the engine process, the first time any client asks (before any
+        request); its seconds (0 after the first)."""
         return float(self._call("warm_up"))
 
     def close(self, timeout: float | None = 10.0) -> None:
-        """Stop the engine process; requests in flight end with :class:`EngineClosedError`."""
+        """Leave the engine process: this client's requests in flight are cancelled there and end here with
+        :class:`EngineClosedError`; the engine goes on for the others."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
         try:
-            self._send(("close",))
+            self._send(("detach",))
         except (OSError, EOFError, BrokenPipeError):
             pass
-        self._proc.join(timeout)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(5)
-        self._reader.join(5)
+        self._reader.join(timeout)
+        self._conn.close()
         self._fail_all(EngineClosedError("the serving engine was closed"))
 
-    def __enter__(self) -> "EngineProcess":
+    def __enter__(self) -> "EngineClient":
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -179,13 +181,16 @@ class EngineProcess:
         with self._lock:
             self._conn.send(msg)
 
+    def _alive(self) -> bool:
+        return True
+
     def _call(self, what: str) -> Any:
         with self._replied:
             self._replies.pop(what, None)
             self._conn.send((what,))
             while what not in self._replies:
-                if not self._proc.is_alive() and what not in self._replies:
-                    raise EngineClosedError(f"the engine process exited (exit code {self._proc.exitcode})")
+                if not self._reader.is_alive() or not self._alive():
+                    raise EngineClosedError("the engine process is gone")
                 self._replied.wait(1.0)
             reply = self._replies.pop(what)
         if isinstance(reply, BaseException):
@@ -239,6 +244,58 @@ class EngineProcess:
                 handle._sink(handle, None)
 
 
+class EngineProcess(EngineClient):
+    """A :class:`ServingEngine` built by ``build()`` in a child process (see the module docstring), and this
+    process's client of it. Raises what ``build`` raised when the child could not build it; ``start_timeout``
+    seconds at most for that. With ``listen``, other processes may connect their own clients to
+    :attr:`address` (:meth:`EngineClient.connect`): several HTTP server processes over one engine. Only this
+    client gets the engine's steps (``on_step``), so they are counted once."""
+
+    def __init__(self, build: Callable[[], ServingEngine], *, start_timeout: float | None = 600.0,
+                 listen: bool = False):
+        import os
+
+        ctx = multiprocessing.get_context("spawn")
+        conn, child = ctx.Pipe()
+        key = os.urandom(32) if listen else None
+        self._proc = ctx.Process(target=_child_main, args=(child, build, key), name="realizar-engine", daemon=True)
+        self._proc.start()
+        child.close()
+        if not conn.poll(start_timeout):
+            self._proc.kill()
+            raise RealizarError(f"the engine process did not start within {start_timeout} s")
+        try:
+            kind, payload = conn.recv()
+        except EOFError:
+            raise RealizarError(f"the engine process exited while starting (exit code {self._proc.exitcode})") from None
+        if kind == "failed":
+            self._proc.join(10)
+            raise payload
+        #: where other processes connect (:meth:`EngineClient.connect`); None without ``listen``
+        self.address: tuple[str, bytes] | None = (payload["address"], key) if listen else None
+        super().__init__(conn, payload)
+
+    def close(self, timeout: float | None = 10.0) -> None:
+        """Stop the engine process; every client's requests in flight end with :class:`EngineClosedError`."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self._send(("close",))
+        except (OSError, EOFError, BrokenPipeError):
+            pass
+        self._proc.join(timeout)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
+        self._reader.join(5)
+        self._fail_all(EngineClosedError("the serving engine was closed"))
+
+    def _alive(self) -> bool:
+        return self._proc.is_alive()
+
+
 @dataclasses.dataclass(frozen=True)
 class _SchedulerView:
     max_batch: int
@@ -255,8 +312,22 @@ def _portable(exc: BaseException | None) -> BaseException | None:
         return RealizarError(f"{type(exc).__name__}: {exc}")
 
 
-def _child_main(conn: Any, build: Callable[[], ServingEngine]) -> None:
-    """The engine process: build the engine, then run its commands until told to close."""
+class _Client:
+    """(In the engine process) one connected client: its requests' handles and the chunks not yet sent."""
+
+    def __init__(self, conn: Any, primary: bool):
+        self.conn, self.primary = conn, primary
+        self.handles: dict[int, Any] = {}
+        self.pending: list[tuple] = []
+        self.taken = 0
+
+
+def _child_main(conn: Any, build: Callable[[], ServingEngine], key: bytes | None = None) -> None:
+    """The engine process: build the engine, then run its clients' commands until the one that started it
+    says close (or goes away). With ``key``, other clients connect to a listener (AF_UNIX, authenticated
+    with ``key``)."""
+    from multiprocessing.connection import Listener, wait
+
     try:
         serving = build()
         from realizar import structured
@@ -265,71 +336,141 @@ def _child_main(conn: Any, build: Callable[[], ServingEngine]) -> None:
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(("failed", _portable(exc)))
         return
-    send_lock, pending_lock = threading.Lock(), threading.Lock()
-    pending: list[tuple] = []
+    send_lock, pending_lock = threading.Lock(), threading.Lock()  # (order: send_lock, then pending_lock)
+    owner = _Client(conn, primary=True)
+    clients: dict[Any, _Client] = {conn: owner}
+    joining: list[Any] = []
     steps: list = []
-    taken = [0]
+    warmed = [False]
 
-    def send(msg: tuple) -> None:
+    def hello() -> dict:
+        return {"limits": serving.scheduler.limits(), "max_batch": serving.scheduler.max_batch,
+                "stats": serving.stats(), "device": serving.device or "unknown"}
+
+    def send(client: _Client, msg: tuple) -> None:
         with send_lock:
-            conn.send(msg)
+            client.conn.send(msg)
 
     def flush(step: Any = None) -> None:
         with send_lock:  # (taken and sent under one lock: two threads' batches leave in the order they were taken)
             with pending_lock:
-                items, pending[:] = list(pending), []
                 if step is not None:
                     steps.append(step)
-                done_steps, steps[:] = list(steps), []
-            if items or done_steps:
-                conn.send(("out", items, serving.stats(), taken[0], done_steps))
+                batches = [(c, c.pending, steps[:] if c.primary else []) for c in clients.values()]
+                for c in clients.values():
+                    c.pending = []
+                steps[:] = []
+            if any(items or done for _, items, done in batches):
+                stats = serving.stats()
+                for c, items, done in batches:
+                    try:
+                        c.conn.send(("out", items, stats, c.taken, done))
+                    except (OSError, EOFError):  # gone: its requests are cancelled when its reader sees it
+                        pass
 
-    def sink_for(rid: int) -> Callable[[Any, Any], None]:
+    def sink_for(client: _Client, rid: int) -> Callable[[Any, Any], None]:
         def sink(handle: Any, chunk: Any) -> None:
             end = chunk is None
             item = (rid, chunk, handle.result if end else None, _portable(handle.error) if end else None)
             with pending_lock:
-                pending.append(item)
+                client.pending.append(item)
         return sink
 
+    def drop(client: _Client) -> None:
+        with pending_lock:
+            clients.pop(client.conn, None)
+        for handle in client.handles.values():
+            handle.cancel()
+        try:
+            client.conn.close()
+        except OSError:
+            pass
+
+    listener = None
+    if key is not None:
+        listener = Listener(family="AF_UNIX", authkey=key)
+
+        def accept() -> None:
+            while True:
+                try:
+                    c = listener.accept()
+                except (OSError, EOFError):
+                    return
+                except Exception:  # noqa: BLE001 - a client with the wrong key: refused, keep listening
+                    continue
+                try:
+                    c.send(("ready", hello()))
+                except (OSError, EOFError):
+                    continue
+                with pending_lock:
+                    joining.append(c)
+
+        threading.Thread(target=accept, name="realizar-engine-listener", daemon=True).start()
     serving.on_step = flush
-    handles: dict[int, Any] = {}
-    send(("ready", {"limits": serving.scheduler.limits(), "max_batch": serving.scheduler.max_batch,
-                    "stats": serving.stats(), "device": serving.device or "unknown"}))
+    send(owner, ("ready", {**hello(), "address": None if listener is None else listener.address}))
     try:
         while True:
-            if not conn.poll(_FLUSH_SECONDS):
+            with pending_lock:
+                for c in joining:
+                    clients[c] = _Client(c, primary=False)
+                joining.clear()
+                conns = list(clients)
+            ready = wait(conns, _FLUSH_SECONDS)
+            if not ready:
                 flush()
                 continue
-            kind, *rest = conn.recv()
-            if kind == "submit":
-                rid, ids, params = rest
-                taken[0] += 1
+            for c in ready:
+                client = clients.get(c)
+                if client is None:
+                    continue
                 try:
-                    handles[rid] = serving.submit(ids, params, sink=sink_for(rid))
-                except BaseException as exc:  # noqa: BLE001 - checked in the parent; a failure is the request's
-                    with pending_lock:
-                        pending.append((rid, None, None, _portable(exc)))
-                for done in [r for r, h in handles.items() if h.done]:
-                    del handles[done]
-            elif kind == "cancel":
-                handle = handles.pop(rest[0], None)
-                if handle is not None:
-                    handle.cancel()
-            elif kind == "warm_up":
-                try:
-                    send(("warm_up", serving.warm_up()))
-                except BaseException as exc:  # noqa: BLE001 - the parent raises it
-                    send(("warm_up", _portable(exc)))
-            elif kind == "close":
-                break
-    except (EOFError, OSError):  # the parent is gone
+                    kind, *rest = c.recv()
+                except (EOFError, OSError):
+                    if client is owner:
+                        raise
+                    drop(client)
+                    continue
+                if kind == "submit":
+                    rid, ids, params = rest
+                    client.taken += 1
+                    try:
+                        client.handles[rid] = serving.submit(ids, params, sink=sink_for(client, rid))
+                    except BaseException as exc:  # noqa: BLE001 - checked in the parent; a failure is the request's
+                        with pending_lock:
+                            client.pending.append((rid, None, None, _portable(exc)))
+                    for done in [r for r, h in client.handles.items() if h.done]:
+                        del client.handles[done]
+                elif kind == "cancel":
+                    handle = client.handles.pop(rest[0], None)
+                    if handle is not None:
+                        handle.cancel()
+                elif kind == "warm_up":
+                    try:
+                        seconds = 0.0 if warmed[0] else serving.warm_up()
+                        warmed[0] = True
+                        send(client, ("warm_up", seconds))
+                    except BaseException as exc:  # noqa: BLE001 - the parent raises it
+                        send(client, ("warm_up", _portable(exc)))
+                elif kind == "detach" or (kind == "close" and client is not owner):
+                    flush()
+                    drop_msg = ("closed",)
+                    try:
+                        send(client, drop_msg)
+                    except (OSError, EOFError):
+                        pass
+                    drop(client)
+                elif kind == "close":
+                    raise EOFError
+    except (EOFError, OSError):  # told to close, or the parent is gone
         pass
     finally:
         serving.close()
         flush()
-        try:
-            send(("closed",))
-        except (OSError, EOFError):
-            pass
+        for client in list(clients.values()):
+            try:
+                send(client, ("closed",))
+            except (OSError, EOFError):
+                pass
+        if listener is not None:
+            listener.close()
         time.sleep(0.01)

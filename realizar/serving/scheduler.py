@@ -9,7 +9,13 @@ Every :meth:`Scheduler.step`:
    those positions are never prefilled);
 2. runs **prefill chunks** of the admitted sequences still prefilling, oldest first, within the budget
    left after the decode rows (at least one token); the chunk that completes a prompt yields its
-   first token;
+   first token. While sequences are decoding, the chunks ride in the decode step as **rows** of their
+   own (row i: prompt token i at its position, through its sequence's block table; the step writes every
+   row's K/V before any row attends, so a prompt's rows attend causally to each other), up to the
+   backend's ``max_batch`` rows: a burst of prompts costs a running stream a larger step, never a wait
+   behind whole prefills. With nobody decoding, or no rows to spare (fewer than
+   :data:`MIN_PREFILL_ROWS`), or for a sequence that chooses its tokens on the host, a chunk runs through
+   the backend's ``prefill`` (one sequence, all its layers at once);
 3. runs **one decode step of every running sequence** (those past their prefill), so streams keep
    flowing while prompts are processed. A sequence whose next position needs a new block and finds
    the pool empty **preempts the lowest-priority, youngest** admitted sequence (possibly itself): its
@@ -58,6 +64,9 @@ from realizar.config import ServingConfig
 __all__ = ["RequestLimits", "Scheduler", "Sequence", "StepOutput", "check_request", "WAITING", "PREFILL", "DECODE", "FINISHED", "CANCELLED"]
 
 _DEFAULTS = ServingConfig()
+_GREEDY = pack_specs([RowSampling()])[0]
+#: a decode step takes prompt rows only when at least this many are free (or the prompts' rest is shorter)
+MIN_PREFILL_ROWS = 16
 
 WAITING, PREFILL, DECODE, FINISHED, CANCELLED = "waiting", "prefill", "decode", "finished", "cancelled"
 
@@ -307,13 +316,27 @@ class Scheduler:
         decoding = [s for s in self.running if s.state == DECODE]
         prefilling = [s for s in self.running if s.state == PREFILL]
         overlap = self.overlapped and not any(s.client.needs_host_logits for s in decoding)
+
+        # prefill chunks, oldest admitted sequence first, within the budget the decode rows leave (at
+        # least one token a step, so a prompt always advances): as rows of the decode step while sequences
+        # decode, else (or for a sequence whose tokens are chosen on the host) through the backend's prefill
+        budget = max(1, self.max_batched_tokens - len(decoding))
+        chunks: list[tuple[Sequence, int, int]] = []  # (sequence, start, n): prompt rows of the decode step
+        spare = min(budget, int(self.backend.max_batch) - len(decoding)) if decoding else 0
+        rest = sum(len(p.tokens) - p.num_computed for p in prefilling if not p.client.needs_host_logits)
+        if rest and spare >= min(MIN_PREFILL_ROWS, rest):
+            for pre in prefilling:
+                if spare <= 0:
+                    break
+                if not pre.client.needs_host_logits:
+                    n = min(spare, len(pre.tokens) - pre.num_computed)
+                    chunks.append((pre, pre.num_computed, n))
+                    spare -= n
+                    budget -= n
+            prefilling = [p for p in prefilling if p.client.needs_host_logits]  # (the rest wait for rows)
         if self._inflight is not None and (prefilling or not overlap):
             self._settle(out)
             decoding = [s for s in decoding if s.state == DECODE]
-
-        # prefill chunks, oldest admitted sequence first, within the budget the decode rows leave (at
-        # least one token a step, so a prompt always advances)
-        budget = max(1, self.max_batched_tokens - len(decoding))
         for pre in prefilling:
             if budget <= 0:
                 break
@@ -344,30 +367,52 @@ class Scheduler:
                 continue
             rows.append(seq)
         rows = [s for s in rows if s.state == DECODE]
-        if not rows:
+        chunks = [c for c in chunks if c[0].state == PREFILL]
+        if not rows and not chunks:
             if self._inflight is not None:
                 self._settle(out)
             return out
-        output = self.backend.decode([fed(s.row) if s.pending else s.tokens[s.num_computed] for s in rows],
-                                     [s.num_computed for s in rows], [s.blocks for s in rows])
+        tokens = [fed(s.row) if s.pending else s.tokens[s.num_computed] for s in rows]
+        positions, tables = [s.num_computed for s in rows], [s.blocks for s in rows]
+        ends: list[tuple[Sequence, int]] = []  # (sequence, row) of each prompt completed by its rows
+        for pre, start, n in chunks:  # (those preempted above for an older sequence's block are gone)
+            tokens += pre.tokens[start : start + n]
+            positions += range(start, start + n)
+            tables += [pre.blocks] * n
+            pre.num_computed += n
+            self.prefilled_tokens += n
+            self._register_full_blocks(pre)  # (any later read of them is ordered after this step)
+            out.prefills.append((pre.seq_id, start, n))
+            if out.prefill is None:
+                out.prefill = (pre.seq_id, start, n)
+            if pre.num_computed == len(pre.tokens):
+                ends.append((pre, len(tokens) - 1))
+        output = self.backend.decode(tokens, positions, tables)
         out.decode_batch = len(rows)
         self.decoded_tokens += len(rows)
         for s in rows:
             s.num_computed += 1
+        specs = self._step_specs(rows, len(tokens), ends)
+        for pre, _ in ends:
+            pre.state = DECODE  # decodes from the next step on
         if overlap:
-            launched = output.launch(self._step_specs(rows))
+            launched = output.launch(specs)
             if self._inflight is not None:
                 self._settle(out)
             for i, s in enumerate(rows):
                 s.pending, s.row = 1, i
-            self._inflight = (launched, rows)
+            for pre, i in ends:
+                pre.pending, pre.row = 1, i
+            self._inflight = (launched, rows + [pre for pre, _ in ends])
             return out
         for s in rows:
             self._register_full_blocks(s)
-        device = any(not s.client.needs_host_logits for s in rows)
-        toks = output.sample(self._step_specs(rows)) if device else [None] * len(rows)
+        device = ends or any(not s.client.needs_host_logits for s in rows)
+        toks = output.sample(specs) if device else [None] * len(tokens)
         for i, s in enumerate(rows):
             self._choose(s, output, i, toks[i], out)
+        for pre, i in ends:
+            self._choose(pre, output, i, toks[i], out)
         return out
 
     def _settle(self, out: StepOutput) -> None:
@@ -375,7 +420,8 @@ class Scheduler:
         launched, rows = self._inflight
         self._inflight = None
         toks = launched.wait().tolist()
-        for s, tok in zip(rows, toks):
+        for s in rows:
+            tok = toks[s.row]
             if s.pending:
                 s.pending = 0
                 if s.state == DECODE:
@@ -386,15 +432,28 @@ class Scheduler:
         return seq.client.row_sampling(seq.generated + seq.pending)
 
     @staticmethod
-    def _step_specs(rows: list[Sequence]) -> np.ndarray:
-        """The device sampling rows of a decode step, packed (:func:`realizar.sampling.pack_specs`): each
-        sequence's row packed once, its step set here (a row chosen on the host: greedy, ignored)."""
-        for s in rows:
+    def _step_specs(rows: list[Sequence], n: int | None = None, ends: Seq[tuple[Sequence, int]] = ()) -> np.ndarray:
+        """The device sampling rows of a decode step of ``n`` rows (default: ``len(rows)``), packed
+        (:func:`realizar.sampling.pack_specs`): each sequence's row packed once, its step set here (a row
+        chosen on the host: greedy, ignored); after the decode rows, prompt rows greedy (their tokens are
+        dropped) but the row that ends a prompt (``ends``: (sequence, row)): that sequence's first token."""
+        for s in rows + [pre for pre, _ in ends]:
             if s.spec_words is None:
                 spec = RowSampling() if s.client.needs_host_logits else s.client.row_sampling(0)
                 s.spec_words = pack_specs([spec])[0]
-        words = np.stack([s.spec_words for s in rows])
-        words[:, STEP_WORD] = [s.generated + s.pending for s in rows]
+        n = len(rows) if n is None else n
+        if n == len(rows):
+            words = np.stack([s.spec_words for s in rows])
+        else:
+            words = np.zeros((n, len(_GREEDY)), np.uint32)
+            words[:] = _GREEDY
+            if rows:
+                words[: len(rows)] = np.stack([s.spec_words for s in rows])
+            for pre, i in ends:
+                words[i] = pre.spec_words
+        words[: len(rows), STEP_WORD] = [s.generated + s.pending for s in rows]
+        for pre, i in ends:
+            words[i, STEP_WORD] = pre.generated
         return words
 
     def _ensure_block(self, seq: Sequence, out: StepOutput) -> bool:
