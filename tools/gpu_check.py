@@ -2,10 +2,12 @@
 
 What comes back from $OUT is limited to a few files: gpu_check.log (every stage's output), the JUnit
 XML of the tests, and one Markdown table per benchmark (bench_graphs, bench_attention, bench_gemv,
-bench_decode, bench_gemm, bench_prefill, bench_serving, bench_serving_one_process (its HTTP part with the engine in
-the server's process), bench_serving_api_servers (four server processes), bench_host (the served path's host side over a sleeping backend), bench_warm_start (four files), profile_step (one served stream against GpuModel),
-bench_gemm_decode (the f16 GEMM at decode batch sizes); not default stages: real_model (smollm2_gpu.md),
-and on 2+ GPUs bench_tensor_parallel and bench_nccl).
+bench_decode, bench_gemm, bench_prefill, bench_serving, bench_serving_one_process (its HTTP part with the
+engine in the server's process), bench_serving_api_servers (four server processes), bench_host (the served
+path's host side over a sleeping backend), bench_warm_start (four files), profile_step (one served stream
+against GpuModel), bench_gemm_decode (the f16 GEMM at decode batch sizes); not default stages: real_model
+(smollm2_gpu.md), and on 2+ GPUs bench_tensor_parallel and bench_nccl). The whole of tests/gpu takes longer
+than the tests stage's 420 s: give --tests a part of it per call.
 
     python tools/gpu_check.py --out "$OUT"                      # everything
     python tools/gpu_check.py --out "$OUT" --stages tests,bench_graphs
