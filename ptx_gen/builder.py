@@ -143,6 +143,13 @@ class KernelBuilder(ArithmeticOps, MemoryOps):
             self._param_cache[key] = d
         return self._param_cache[key]
 
+    def rebase_ptr(self, name: str, offset: Reg) -> Reg:
+        """The global pointer parameter ``name`` moved by ``offset`` bytes (u64), emitted here; every later
+        :meth:`global_ptr` of ``name`` gives the moved pointer."""
+        d = self.add(self.global_ptr(name), offset)
+        self._param_cache[("global", name)] = d
+        return d
+
     def _param_symbol(self, name: str) -> str:
         return f"{self.name}_param_{name}"
 

@@ -102,3 +102,62 @@ def test_host_ops_on_the_emulated_device():
 
     with pytest.raises(ShapeError, match="exceeds"):
         ops.moe_route(lb, ids, w, rows, experts=4, used=5)
+
+
+@settings(max_examples=examples(20), deadline=None)
+@given(wtype=st.sampled_from(["F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_K", "Q4_K", "Q6_K"]), data=st.data(),
+       rows=st.integers(2, 4), experts=st.integers(2, 5), used=st.integers(1, 3), glu=st.booleans(),
+       seed=st.integers(0, 2**32 - 1))
+def test_expert_rows_gemv_gives_each_row_its_expert(wtype, data, rows, experts, used, glu, seed):
+    """``gemv_expert_rows``: one launch, every row through the expert its id of the slot names, at its own x / y
+    strides (gaps between rows left alone), against a float64 product with that expert's dequantized rows."""
+    from ptx_gen.kernels.gemv.quant_layout import K_QUANTS, type_info
+    from tests.layer_kernels_ptx_cases import _pad16
+    from tests.layer_oracles import dequant, random_weight, silu
+
+    rng = np.random.default_rng(seed)
+    bs = 256 if wtype in K_QUANTS else 32
+    in_dim = bs * data.draw(st.integers(1, 3))
+    out_dim = data.draw(st.integers(1, 9))
+    slot = data.draw(st.integers(0, used - 1))
+    warps, ksplit = data.draw(st.sampled_from([(2, 1), (4, 2), (4, 1)]))
+    wrows = out_dim * (2 if glu else 1)
+    row_bytes = type_info(wtype).row_bytes(in_dim)
+    raws = [random_weight(rng, wtype, wrows, in_dim)[: wrows * row_bytes] for _ in range(experts)]
+    ids = rng.integers(0, experts, rows * used).astype(np.uint32)
+    ids[slot::used] = (np.arange(rows) + ids[slot]) % experts  # (the rows of this slot: not all one expert)
+    x_stride, y_stride = in_dim + 4, used * out_dim + 2  # (x rows 16-byte aligned, as the kernel loads them)
+    x = rng.standard_normal(rows * x_stride).astype(np.float32)
+    y = np.full(rows * y_stride, np.nan, np.float32)
+    shape = dict(wtype=wtype, in_dim=in_dim, rows=2, warps=warps, glu=glu, ksplit=ksplit)
+    kern = catalog.emit("gemv_expert_rows", target="sm_90", **shape)
+    got = _launch("gemv_expert_rows", shape, (-(-out_dim // kern.meta["rows_per_cta"]), rows), (kern.meta["block"],),
+                  {"w": _pad16(np.concatenate(raws)), "x": x, "y": y, "experts": ids},
+                  {"out_dim": out_dim, "slot": slot, "expert_bytes": wrows * row_bytes, "id_stride": used,
+                   "x_stride": x_stride, "y_stride": y_stride}, ("y",))["y"].reshape(rows, y_stride)
+    for r in range(rows):
+        w = dequant(raws[ids[r * used + slot]], wtype, wrows, in_dim).astype(np.float64)
+        xr = x[r * x_stride: r * x_stride + in_dim].astype(np.float64)
+        full, scale = w @ xr, np.abs(w) @ np.abs(xr)
+        if glu:
+            want = silu(full[:out_dim]) * full[out_dim:]
+            scale = (np.abs(full[:out_dim]) + scale[:out_dim]) * (np.abs(full[out_dim:]) + scale[out_dim:])
+        else:
+            want = full
+        assert np.isfinite(got[r, :out_dim]).all(), "unwritten (NaN-poisoned) outputs"
+        assert (np.abs(got[r, :out_dim] - want) / scale).max() < 2e-6, r
+        assert np.isnan(got[r, out_dim:]).all(), "wrote past its row"
+
+
+@pytest.mark.parametrize("wtype", ["Q4_K", "Q8_0", "Q6_K"])
+def test_expert_rows_gemv_assembles_without_spills_at_real_shapes(wtype):
+    """Qwen3-30B-A3B's expert shapes (gate/up 2048 -> 2 x 768, down 768 -> 2048) with the dispatcher's
+    configurations, on sm_80 / sm_89 / sm_90: no spills."""
+    from realizar.gpu.gemv import gemv_config
+    from tests.layer_kernels_ptx_cases import _assemble_all
+
+    for out_rows, in_dim, glu in ((2 * 768, 2048, True), (2048, 768, False)):
+        cfg = gemv_config(out_rows, 132, in_dim, wtype)
+        per_warp = max(2, cfg.rows - cfg.rows % 2) if glu else cfg.rows
+        _assemble_all("gemv_expert_rows", wtype=wtype, in_dim=in_dim, rows=per_warp, warps=cfg.warps, glu=glu,
+                      ksplit=cfg.ksplit)

@@ -26,7 +26,8 @@ It shares the weights of a :class:`~realizar.gpu.model.GpuModel` and keeps its o
   two-launch argmax instead of the one-block-per-row sampler (a variant of bucket 1's graph);
   :meth:`GpuBatchOutput.logits` copies a row's logits to the host for requests that need them.
 
-Where more than one row cannot run (before sm_80, or widths the f16 kernels do not take:
+Where more than one row cannot run (before sm_80, widths the f16 kernels do not take, or a mixture of experts
+whose expert count is not a multiple of 8:
 :func:`~realizar.gpu.linear.rows_unsupported`), the backend runs one row at a time: ``max_batch`` 1,
 prompts token by token (:attr:`batched_off` says why).
 """

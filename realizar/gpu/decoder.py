@@ -34,7 +34,8 @@ from realizar.models.rope import rope_inv_freq
 
 __all__ = ["Activations", "Decoder", "DecoderWeights", "Inputs", "LayerWeights", "MOE_ON_GPU"]
 
-MOE_ON_GPU = "mixture-of-experts layers run one row at a time on the GPU so far"
+MOE_ON_GPU = ("mixture-of-experts layers with a number of experts not a multiple of 8 run one row at a time on the "
+              "GPU")
 
 
 def _f32_buffer(ops, tensor) -> cuda.GpuBuffer:
@@ -143,24 +144,28 @@ class Inputs:
 
 @dataclass
 class MoeBuffers:
-    """One row's mixture-of-experts scratch: router ``logits [experts]``, the chosen ``ids`` (u32) and ``weights
-    [used]``, an expert's SwiGLU output ``ffn [expert_ffn]`` and the experts' outputs ``y [used, hidden]``."""
+    """Mixture-of-experts scratch for ``rows`` rows: router ``logits [rows, experts]``, the chosen ``ids`` (u32) and
+    ``weights [rows, used]``, one slot's SwiGLU outputs ``ffn [rows, expert_ffn]``, the experts' outputs ``y [rows,
+    used, hidden]``; for more than one row also ``h [rows, hidden]``, the f32 normed input the expert GEMVs read."""
 
     logits: Any
     ids: Any
     weights: Any
     ffn: Any
     y: Any
+    h: Any = None
 
     @classmethod
-    def allocate(cls, ops, cfg: ModelConfig) -> "MoeBuffers":
+    def allocate(cls, ops, cfg: ModelConfig, rows: int = 1) -> "MoeBuffers":
         k = cfg.num_experts_used
-        return cls(ops.buffer(cfg.num_experts), ops.buffer(k, np.uint32), ops.buffer(k), ops.buffer(cfg.expert_ffn_size),
-                   ops.buffer(k * cfg.hidden_size))
+        return cls(ops.buffer(rows * cfg.num_experts), ops.buffer(rows * k, np.uint32), ops.buffer(rows * k),
+                   ops.buffer(rows * cfg.expert_ffn_size), ops.buffer(rows * k * cfg.hidden_size),
+                   ops.buffer(rows * cfg.hidden_size) if rows > 1 else None)
 
     def free(self) -> None:
-        for b in (self.logits, self.ids, self.weights, self.ffn, self.y):
-            b.free()
+        for b in (self.logits, self.ids, self.weights, self.ffn, self.y, self.h):
+            if b is not None:
+                b.free()
 
 
 @dataclass
@@ -179,6 +184,7 @@ class Activations:
     gate: Any = None
     up: Any = None
     moe: Any = None
+    moe_rows: Any = None
 
     @classmethod
     def allocate(cls, ops, cfg: ModelConfig, rows: int, *, one_row: bool, many_rows: bool, split_ffn: bool,
@@ -192,7 +198,8 @@ class Activations:
                    f32=Inputs.allocate(ops, cfg, 1, np.float32) if one_row else None,
                    f16=Inputs.allocate(ops, cfg, rows, np.float16) if many_rows else None,
                    gate=ops.buffer(ffn) if split_ffn else None, up=ops.buffer(ffn) if split_ffn else None,
-                   moe=MoeBuffers.allocate(ops, cfg) if cfg.is_moe and one_row else None)
+                   moe=MoeBuffers.allocate(ops, cfg) if cfg.is_moe and one_row else None,
+                   moe_rows=MoeBuffers.allocate(ops, cfg, rows) if cfg.is_moe and many_rows and rows > 1 else None)
 
     def inputs(self, f16: bool) -> Inputs:
         got = self.f16 if f16 else self.f32
@@ -201,7 +208,7 @@ class Activations:
         return got
 
     def free(self) -> None:
-        for b in (self.x, self.qkv, self.logits, self.gate, self.up, self.f32, self.f16, self.moe):
+        for b in (self.x, self.qkv, self.logits, self.gate, self.up, self.f32, self.f16, self.moe, self.moe_rows):
             if b is not None:
                 b.free()
 
@@ -237,7 +244,7 @@ class Decoder:
             yield
             ops.rmsnorm(acts.x, lay.ffn_norm, io.h, eps, rows=rows, out_f16=f16, stream=s)
             if lay.router is not None:
-                self._experts(lay, acts, io, rows, linear, s)
+                self._experts(lay, acts, io, rows, linear, s, eps)
                 yield
                 continue
             if lay.gate_up is not None:
@@ -249,20 +256,29 @@ class Decoder:
             linear(lay.down, io.ffn, acts.x, rows, residual=residual, stream=s)
             yield
 
-    def _experts(self, lay: LayerWeights, acts: Activations, io: Inputs, rows: int, linear, s) -> None:
-        """A mixture-of-experts FFN for one row: the router's logits (the Linear), the top-k on the device, each
-        chosen expert's SwiGLU and down GEMVs reading the expert its id names, their weighted sum added to x."""
-        cfg, ops, moe = self.config, self.ops, acts.moe
-        if rows != 1 or moe is None:
+    def _experts(self, lay: LayerWeights, acts: Activations, io: Inputs, rows: int, linear, s, eps: float) -> None:
+        """A mixture-of-experts FFN: the router's logits (the Linear), the top-k on the device, for each slot the
+        chosen experts' SwiGLU and down GEMVs (each row reading the expert its id names: one launch for all rows),
+        their weighted sum added to x. More than one row read an f32 copy of the normed input."""
+        cfg, ops = self.config, self.ops
+        moe = acts.moe if rows == 1 else acts.moe_rows
+        if moe is None:
             raise UnsupportedError(MOE_ON_GPU)
-        k = cfg.num_experts_used
+        k, hidden, ffn = cfg.num_experts_used, cfg.hidden_size, cfg.expert_ffn_size
+        h = io.h
+        if rows > 1:
+            ops.rmsnorm(acts.x, lay.ffn_norm, moe.h, eps, rows=rows, stream=s)
+            h = moe.h
         linear(lay.router, io.h, moe.logits, rows, stream=s)
-        ops.moe_route(moe.logits, moe.ids, moe.weights, 1, experts=cfg.num_experts, used=k,
+        ops.moe_route(moe.logits, moe.ids, moe.weights, rows, experts=cfg.num_experts, used=k,
                       norm=cfg.expert_weights_norm, stream=s)
+        batch = dict(rows=rows, id_stride=k)
         for slot in range(k):
-            ops.gemv_expert(lay.experts_gate_up, io.h, moe.ffn, moe.ids, slot, stream=s)
-            ops.gemv_expert(lay.experts_down, moe.ffn, (moe.y, slot * cfg.hidden_size), moe.ids, slot, stream=s)
-        ops.moe_combine(acts.x, moe.y, moe.weights, 1, cfg.hidden_size, used=k, stream=s)
+            ops.gemv_expert(lay.experts_gate_up, h, moe.ffn, moe.ids, slot, x_stride=hidden, y_stride=ffn, **batch,
+                            stream=s)
+            ops.gemv_expert(lay.experts_down, moe.ffn, (moe.y, slot * hidden), moe.ids, slot, x_stride=ffn,
+                            y_stride=k * hidden, **batch, stream=s)
+        ops.moe_combine(acts.x, moe.y, moe.weights, rows, hidden, used=k, stream=s)
 
     def issue(self, acts: Activations, ids: Any, rows: int, linear, attention, stream) -> None:
         """Every layer at once (no pauses): :meth:`phases` run through."""

@@ -39,7 +39,7 @@ def rows_unsupported(device, config) -> str | None:
     for ``config``; None: they can."""
     if device.target.compute_capability < (8, 0):
         return f"the tensor-core kernels need sm_80 or newer, this device is {device.target}"
-    if config.is_moe:
+    if config.is_moe and config.num_experts % 8:  # (the router's logits: a Linear of num_experts outputs)
         from realizar.gpu.decoder import MOE_ON_GPU
 
         return MOE_ON_GPU

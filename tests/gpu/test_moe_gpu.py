@@ -76,3 +76,12 @@ def test_moe_model_decode_gpu(device, arch, qtype, tmp_path):
     want, got = greedy_walk(ref, model, [5, 17, 42, 99, 7], 16)
     for step, (g, w) in enumerate(zip(got, want)):
         assert np.abs(g - w).max() <= 2e-3 * np.abs(w).max(), f"step {step}"
+
+
+@pytest.mark.parametrize("arch,qtype", [("qwen3_moe", "Q4_K"), ("mixtral", "Q8_0"), ("qwen3_moe", "F16")])
+def test_batched_moe_rows_gpu(device, arch, qtype, tmp_path):
+    """The batched path of a model of 8 experts (prefill chunks, decode steps of three sequences) against the
+    reference, one sequence at a time (tests.test_moe.batched_moe_matches_the_reference)."""
+    from tests.test_moe import batched_moe_matches_the_reference
+
+    batched_moe_matches_the_reference(device, arch, qtype, tmp_path, hidden=256, expert_ffn=256)

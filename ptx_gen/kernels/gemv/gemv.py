@@ -56,7 +56,7 @@ from ptx_gen.kernels.gemv.gemv_tiles import k_table_constants, row_contexts, wal
 from ptx_gen.kernels.gemv.quant_layout import K_TABLE, type_info
 
 # The planning lives in gemv_plan; the GEMV launch policy and tools take it from here.
-__all__ = ["gemv", "gemm", "build", "gemv_params", "plan", "split", "shared_bytes", "tiles_per_slice",
+__all__ = ["gemv", "gemm", "gemv_expert_rows", "build", "gemv_params", "plan", "split", "shared_bytes", "tiles_per_slice",
            "KSPLITS", "MAX_STATIC_SMEM", "TILE_ROUNDS"]
 
 
@@ -133,7 +133,7 @@ class _Setup:
 
 
 def _prologue(k: KernelBuilder, name: str, wtype: str, in_dim: int, warps: int, rows: int, tokens: int, ksplit: int,
-              outs_per_warp: int, per_row: int, nt: int, expert: bool = False) -> _Setup:
+              outs_per_warp: int, per_row: int, nt: int, expert: bool | str = False) -> _Setup:
     """Emits the warp's coordinates and first output (with ksplit == 1 the warp-uniform early exit of
     warps past out_dim), its staging area in shared memory, the global pointers, the token tile's x
     rows (GEMM) and the lane's decode constants."""
@@ -152,7 +152,15 @@ def _prologue(k: KernelBuilder, name: str, wtype: str, in_dim: int, warps: int, 
     smem = k.shared_array(f"{name}_stage", "u8", per_row * rows * warps)
     wbase = k.add(smem, k.mul(warp, per_row * rows))
     w, x = k.global_ptr("w"), k.global_ptr("x")
-    if expert:  # W is one expert of a stack: the one experts[slot] names (written by the kernel before: wait first)
+    if expert == "rows":  # grid.y over rows: row r's x, y and expert id at their strides
+        r = k.ctaid("y")
+        k.grid_dependency_wait()
+        at = k.mad(r, k.param("id_stride"), k.param("slot"))
+        eid = k.load("global", "u32", k.add(k.global_ptr("experts"), k.mul_wide(at, 4)))
+        w = k.add(w, k.mul_wide(eid, k.param("expert_bytes")))
+        x = k.add(x, k.mul_wide(k.mul(r, k.param("x_stride")), 4))
+        k.rebase_ptr("y", k.mul_wide(k.mul(r, k.param("y_stride")), 4))
+    elif expert:  # W is one expert of a stack: the one experts[slot] names (written by the kernel before: wait first)
         k.grid_dependency_wait()
         eid = k.load("global", "u32", k.add(k.global_ptr("experts"), k.mul_wide(k.param("slot"), 4)))
         w = k.add(w, k.mul_wide(eid, k.param("expert_bytes")))
@@ -174,7 +182,7 @@ def _prologue(k: KernelBuilder, name: str, wtype: str, in_dim: int, warps: int, 
 
 
 def build(m: Module, wtype: str, in_dim: int, rows: int, warps: int, bias: bool, residual: bool,
-          tokens: int = 0, glu: bool = False, ksplit: int = 1, expert: bool = False) -> KernelBuilder:
+          tokens: int = 0, glu: bool = False, ksplit: int = 1, expert: bool | str = False) -> KernelBuilder:
     """The GEMV (``tokens == 0``: one x vector) or the token-tiled GEMM (``tokens`` x vectors per CTA,
     grid.y over token tiles). With ``glu`` the weight holds ``2 * out_dim`` rows (gate rows, then up
     rows) and ``y[o] = silu(gate_o . x) * (up_o . x)``. With ``ksplit > 1`` (GEMV only) the CTA's warps
@@ -192,10 +200,12 @@ def build(m: Module, wtype: str, in_dim: int, rows: int, warps: int, bias: bool,
         params.append(("n_tokens", "u32"))
     if expert:
         params += [("experts", "u64"), ("slot", "u32"), ("expert_bytes", "u32")]
+    if expert == "rows":
+        params += [("id_stride", "u32"), ("x_stride", "u32"), ("y_stride", "u32")]
     kind = "gemm" if tokens else "gemv"
     name = (f"{kind}_{wtype.lower()}_k{in_dim}_r{rows}_w{warps}" + (f"_s{ksplit}" if ksplit > 1 else "")
             + (f"_t{tokens}" if tokens else "") + ("_glu" if glu else "") + ("_bias" if bias else "")
-            + ("_res" if residual else "") + ("_exp" if expert else ""))
+            + ("_res" if residual else "") + ("_exp" if expert else "") + ("rows" if expert == "rows" else ""))
     # no .maxntid: with it ptxas aims at an occupancy of its own and spills a few bytes in some variants
     # (e.g. 64 registers for Q4_0 at 4352); without it the same kernels take <= ~100 registers, no spills
     k = m.kernel(name, params)
@@ -349,6 +359,20 @@ def gemv(m: Module, wtype: str = "Q8_0", in_dim: int = 4096, rows: int = 2, warp
     experts, slot, expert_bytes after out_dim; a mixture-of-experts layer's ids stay on the device).
     Launch: grid ceil(out_dim / meta["rows_per_cta"]), block meta["block"], no dynamic shared memory."""
     return build(m, wtype, in_dim, rows, warps, bias, residual, tokens=0, glu=glu, ksplit=ksplit, expert=expert)
+
+
+@kernel("gemv_expert_rows", grid=[{"wtype": "Q4_K", "in_dim": 2048, "rows": 2, "glu": True},
+                                  {"wtype": "Q8_0", "in_dim": 768, "rows": 2, "warps": 4, "ksplit": 2},
+                                  {"wtype": "F32", "in_dim": 64, "rows": 2, "warps": 2, "glu": True},
+                                  {"wtype": "Q4_0", "in_dim": 576, "rows": 1, "warps": 8}])
+def gemv_expert_rows(m: Module, wtype: str = "Q8_0", in_dim: int = 4096, rows: int = 2, warps: int = 4,
+                     glu: bool = False, ksplit: int = 1) -> KernelBuilder:
+    """The expert GEMV of ``gemv`` (``expert``) for a batch of rows in one launch: grid.y over rows; row i
+    reads x at ``x + i * x_stride``, writes y at ``y + i * y_stride`` (floats) and multiplies the expert
+    ``experts[i * id_stride + slot]`` names (params w, x, y, out_dim, experts, slot, expert_bytes, id_stride,
+    x_stride, y_stride): each row of a mixture-of-experts batch its own expert of that slot.
+    Launch: grid (ceil(out_dim / meta["rows_per_cta"]), rows), block meta["block"]."""
+    return build(m, wtype, in_dim, rows, warps, False, False, tokens=0, glu=glu, ksplit=ksplit, expert="rows")
 
 
 @kernel("gemm", grid=[{"wtype": wt, "in_dim": 256 if wt in ql.K_QUANTS else 576, "tokens": 4}
