@@ -126,6 +126,36 @@ def test_slow_headers_and_bodies_are_cut_off(tmp_path_factory):
         srv.stop()
 
 
+def test_a_pipelined_request_is_not_cut_off_by_the_header_timeout(tmp_path_factory):
+    """Two streamed completions sent back to back on one connection (pipelined), each taking longer than the
+    header timeout: the second's headers had arrived with the first, so neither is cut off."""
+    from realizar.engine import load_engine
+    from tests.test_server import throttled_serving
+
+    engine = load_engine(str(_tiny_gguf(tmp_path_factory)), device="cpu")
+    srv = LiveServer(engine, limits=ConnectionLimits(header_timeout=0.25), serving=throttled_serving(engine)).start()
+    try:
+        srv.backend.delay = 0.3  # (every forward call takes longer than the header timeout)
+        name = httpx.get(srv.url + "/v1/models", timeout=5).json()["data"][0]["id"]
+        body = (b'{"model": "' + name.encode() + b'", "prompt": "The capital of France is", "max_tokens": 3, '
+                b'"temperature": 0, "stream": true}')
+        one = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        s = socket.create_connection(("127.0.0.1", srv.port))
+        s.sendall(one + one)
+        s.settimeout(15)
+        got, t0 = b"", time.monotonic()
+        while got.count(b"data: [DONE]") < 2 and time.monotonic() - t0 < 15:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            got += chunk
+        s.close()
+        assert got.count(b"HTTP/1.1 200") == 2 and got.count(b"data: [DONE]") == 2, got[-400:]
+    finally:
+        srv.stop()
+
+
 def test_a_new_connection_gets_a_503_when_every_one_is_busy(tmp_path_factory):
     srv = _server(tmp_path_factory, max_connections=4, body_timeout=30)
     busy = []

@@ -34,6 +34,20 @@ def _stream(url: str, body: dict, out: list, started: threading.Event) -> None:
         started.set()
 
 
+def start_long_streams(url: str, n: int) -> tuple[list, list]:
+    """``n`` streams of 200 sampled tokens of the tiny model, each on a thread of its own: (their event lists,
+    their (thread, started event) pairs)."""
+    body = {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 200, "temperature": 1.0, "seed": 1}
+    streams, threads = [], []
+    for _ in range(n):
+        out, ev = [], threading.Event()
+        t = threading.Thread(target=_stream, args=(url, body, out, ev), daemon=True)
+        t.start()
+        streams.append(out)
+        threads.append((t, ev))
+    return streams, threads
+
+
 def _ended_well(events: list) -> str:
     """'finished' or 'shut down' for a stream that ended as it should; raises otherwise."""
     data = [p for k, p in events if k == "data"]
@@ -116,15 +130,7 @@ def test_sigterm_during_eight_streams(tmp_path_factory):
     # one sequence a step and no grace: the streams still waiting at the signal end with the shutdown error
     proc, url = _start_server("-m", str(path), "--model-name", "tiny", "--max-batch", "1", "--shutdown-grace", "0.01")
     try:
-        body = {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 200, "temperature": 1.0,
-                "seed": 1}
-        streams, threads = [], []
-        for _ in range(8):
-            out, ev = [], threading.Event()
-            t = threading.Thread(target=_stream, args=(url, body, out, ev), daemon=True)
-            t.start()
-            streams.append(out)
-            threads.append((t, ev))
+        streams, threads = start_long_streams(url, 8)
         deadline = time.monotonic() + 60
         # every request admitted (its 200 sent: a signal before that answers it 503) and some still waiting
         while not (all(any(k == "status" for k, _ in out) for out in streams)

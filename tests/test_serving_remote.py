@@ -241,6 +241,10 @@ def test_serve_with_several_server_processes(path):
     proc, url = _start_server("-m", path, "--device", "cpu", "--model-name", "tiny", "--api-servers", "3")
     try:
         kids = _children(proc.pid)
+        deadline = time.monotonic() + 20
+        while len(kids) < 3 and time.monotonic() < deadline:  # (a process just started may not have exec'd yet)
+            time.sleep(0.05)
+            kids = _children(proc.pid)
         assert len(kids) == 3, kids  # the engine process and two more server processes
         body = {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0,
                 "stream": True}
@@ -270,3 +274,97 @@ def test_serve_with_several_server_processes(path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C"])
+def test_several_server_processes_stop_together(path, tmp_path, how):
+    """``serve --api-servers 3`` stopped (SIGTERM to it, or Ctrl-C: SIGINT to the whole process group) with 8
+    streams admitted on all three (one runs at a time): every stream ends with [DONE], complete or with the shutdown error (never the
+    engine's closing under a server process still draining), every process exits within 15 s without a traceback
+    and the shared metrics directory is gone."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.test_server_shutdown import _ended_well, start_long_streams
+
+    root = __import__("pathlib").Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, "-m", "realizar", "serve", "--port", "0", "--log-level", "warning",
+                             "-m", path, "--device", "cpu", "--model-name", "tiny", "--api-servers", "3",
+                             "--max-batch", "1", "--shutdown-grace", "0.01"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=root, env=env,
+                            start_new_session=True)
+    try:
+        url = None
+        deadline = time.monotonic() + 120
+        while url is None and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            assert line, "the server did not start"
+            m = __import__("re").search(r"at (http://127\.0\.0\.1:\d+)/v1", line)
+            url = m and m.group(1)
+        kids = _children(proc.pid)
+        deadline = time.monotonic() + 20
+        while len(kids) < 3 and time.monotonic() < deadline:  # (a process just started may not have exec'd yet)
+            time.sleep(0.05)
+            kids = _children(proc.pid)
+        assert len(kids) == 3 and [p.name for p in tmp_path.iterdir() if p.name.startswith("realizar-metrics-")]
+        streams, threads = start_long_streams(url, 8)
+        # every request admitted (its 200 sent); one runs at a time, so most still wait at the signal
+        deadline = time.monotonic() + 60
+        while not all(any(k == "status" for k, _ in out) for out in streams):
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        t0 = time.monotonic()
+        if how == "SIGTERM":
+            proc.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        for t, _ in threads:
+            t.join(15)
+        assert time.monotonic() - t0 < 15
+        assert "Traceback" not in err and "EngineClosedError" not in err, err[-2000:]
+        ends = [_ended_well(out) for out in streams]
+        assert "shut down" in ends, ends
+        time.sleep(0.5)
+        assert not [p for p in kids if _alive(p)]
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith("realizar-metrics-")]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_client_that_stops_reading_holds_up_nobody(path):
+    """A second client submits long requests and never reads its messages: the engine's steps go on, the first
+    client's requests finish, and a client that fails the handshake does not stop the listener."""
+    import time
+    from multiprocessing.connection import Client
+
+    from realizar.serving.remote import EngineClient
+
+    owner = EngineProcess(functools.partial(build_serving, path, "cpu", None, OPTIONS), listen=True)
+    try:
+        where, key = owner.address
+        try:
+            Client(where, family="AF_UNIX", authkey=b"wrong key")
+        except Exception:  # noqa: BLE001 - refused: what matters is the next client
+            pass
+        silent = Client(where, family="AF_UNIX", authkey=key)
+        silent.recv()  # its hello; nothing more is read from here on
+        for rid in range(12):
+            silent.send(("submit", rid, [5 + rid, 6, 7], SamplingParams(max_tokens=200, temperature=0.8, seed=rid)))
+        time.sleep(1.0)  # (its messages pile up)
+        other = EngineClient.connect(owner.address)  # the listener still takes clients
+        done = _Collect(2)
+        t0 = time.monotonic()
+        mine = [owner.submit([9, 8, 7], SamplingParams(max_tokens=30, temperature=0), sink=done),
+                other.submit([1, 2, 3], SamplingParams(max_tokens=30, temperature=0), sink=done)]
+        assert done.all_done.wait(60), "a client that does not read held up the others"
+        assert all(h.error is None for h in mine) and time.monotonic() - t0 < 60
+        other.close()
+        silent.close()
+    finally:
+        owner.close()

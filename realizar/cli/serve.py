@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
+from typing import Any
 
 from realizar.cli.common import (
     CliError, add_aliases, add_model_args, add_tensor_parallel_arg, env_defaults, load_engine, note, port,
@@ -172,8 +174,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import uvicorn  # noqa: F401
     except ImportError as e:
         raise CliError(f"serving needs fastapi and uvicorn ({e}): pip install fastapi uvicorn") from None
-    from realizar.server import serve
-
     api_key = args.api_key if args.api_key is not None else os.environ.get("REALIZAR_API_KEY") or None
     if api_key is not None and (not api_key.strip() or any(c.isspace() for c in api_key)):
         raise CliError("--api-key (or REALIZAR_API_KEY) must be a non-empty key without spaces")
@@ -193,6 +193,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if fronts and not args.engine_process:
         raise CliError("--api-servers above 1 runs the server processes over one engine process: drop "
                        "--no-engine-process", 2)
+    metrics_dir = None
     if fronts:
         import tempfile
 
@@ -200,6 +201,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         metrics_dir = tempfile.mkdtemp(prefix="realizar-metrics-")
         share_between_processes(metrics_dir)
+    try:
+        return _serve(args, api_key, fronts)
+    finally:
+        if metrics_dir is not None:
+            import shutil
+
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _serve(args: argparse.Namespace, api_key: str | None, fronts: int) -> int:
+    from realizar.server import serve
+
     if args.engine_process:
         engine, options = _start_engine_process(args, listen=bool(fronts))
     else:
@@ -220,6 +233,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
               "limits": connection_limits(args), "drain_seconds": args.shutdown_grace,
               "allowed_origins": args.allowed_origins, "max_body": args.max_body}
     procs: list = []
+    wait = args.shutdown_grace + 10  # (the other server processes' drain, then their uvicorn's)
+
+    def stopped(*_: Any) -> None:
+        raise KeyboardInterrupt  # (uvicorn raises the SIGTERM it caught again once it has shut down)
+
+    previous = signal.signal(signal.SIGTERM, stopped)
     try:
         sock = None
         if fronts:
@@ -230,24 +249,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
             serving.warm_up()  # before any of them answers (their own warm-up is then a no-op)
             spec = FrontSpec(str(engine.path), engine.device, bool(args.allow_special_tokens_in_content))
             procs = start_fronts(fronts, sock, serving.address, spec, shared)
+        # the others drain before this process's shutdown closes the engine they use
         serve(engine, args.host, args.port, on_ready=ready, sock=sock, on_shutdown=lambda: _signal(procs),
-              **{**shared, **options})
-    except KeyboardInterrupt:  # Ctrl-C is how a server is stopped: uvicorn has shut down cleanly
+              after_drain=(lambda: _join(procs, wait)) if procs else None, **{**shared, **options})
+    except KeyboardInterrupt:  # Ctrl-C (or SIGTERM) is how a server is stopped: uvicorn has shut down cleanly
         pass
     except OSError as e:
         raise CliError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     finally:
+        signal.signal(signal.SIGTERM, previous)
         if procs:
-            from realizar.server.fronts import join_fronts, signal_fronts
-
-            signal_fronts(procs)
-            join_fronts(procs, args.shutdown_grace + 10)
-        if fronts:
-            import shutil
-
-            shutil.rmtree(metrics_dir, ignore_errors=True)
+            _signal(procs)
+            _join(procs, wait)
     note("stopped")
     return 0
+
+
+def _join(procs: list, timeout: float) -> None:
+    from realizar.server.fronts import join_fronts
+
+    join_fronts(procs, timeout)
 
 
 def _bind(args: argparse.Namespace):

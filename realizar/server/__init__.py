@@ -49,11 +49,13 @@ DRAIN_SECONDS = 4.0
 
 
 def graceful_server(config: Any, app: Any, drain_seconds: float = DRAIN_SECONDS,
-                    on_shutdown: Callable[[], None] | None = None) -> Any:
+                    on_shutdown: Callable[[], None] | None = None, after_drain: Callable[[], None] | None = None) -> Any:
     """A uvicorn server for ``app`` that, on shutdown, stops accepting connections, lets the requests in flight
     finish for ``drain_seconds`` and ends the rest with a 503 error event (streams: the event, then ``[DONE]``;
     whole answers: a JSON 503; :meth:`~realizar.server.scheduler.Scheduler.drain`) before uvicorn's own shutdown,
-    which then finds no response to cut off. ``on_shutdown()`` is called as shutdown begins."""
+    which then finds no response to cut off. ``on_shutdown()`` is called as shutdown begins, ``after_drain()``
+    (on a worker thread: it may wait, e.g. for other server processes to finish theirs) once the drain is over and
+    before the app's own shutdown closes its engine."""
     import uvicorn
 
     class GracefulServer(uvicorn.Server):
@@ -63,6 +65,10 @@ def graceful_server(config: Any, app: Any, drain_seconds: float = DRAIN_SECONDS,
             for server in self.servers:  # (no new connections while the requests in flight finish)
                 server.close()
             await app.state.server.scheduler.drain(drain_seconds)
+            if after_drain is not None:
+                import asyncio
+
+                await asyncio.to_thread(after_drain)
             await super().shutdown(sockets)
 
     return GracefulServer(config)
@@ -95,6 +101,7 @@ def serve(
     serving: Any = None,
     sock: socket.socket | None = None,
     on_shutdown: Callable[[], None] | None = None,
+    after_drain: Callable[[], None] | None = None,
 ) -> None:
     """Serve ``engine`` with uvicorn until interrupted (on ``serving``, e.g. an engine process, when given: see
     :func:`create_app`). ``on_ready(host, port)`` is called once the
@@ -107,7 +114,7 @@ def serve(
     ``allowed_origins``: browser origins allowed cross-site (CORS). Listening on loopback without ``api_key``,
     requests addressed to another Host are refused (DNS rebinding; :mod:`realizar.server.origin`). ``sock``: a
     listening socket to serve on instead of binding ``host:port`` (several server processes share one; it is
-    left open); ``on_shutdown``: see :func:`graceful_server`."""
+    left open); ``on_shutdown``, ``after_drain``: see :func:`graceful_server`."""
     app = create_app(engine, model_name=model_name, max_queue=max_queue, default_max_tokens=default_max_tokens,
                      api_key=api_key, max_batch=max_batch, kv_memory=kv_memory, kv_dtype=kv_dtype,
                      block_size=block_size, max_batched_tokens=max_batched_tokens, prefill_chunk=prefill_chunk,
@@ -119,7 +126,7 @@ def serve(
     sock = bind_socket(host, port) if own else sock
     bound_host, bound_port = sock.getsockname()[:2]
     config = uvicorn_config(app, limits, log_level=log_level, timeout_graceful_shutdown=5)
-    server = graceful_server(config, app, drain_seconds, on_shutdown)
+    server = graceful_server(config, app, drain_seconds, on_shutdown, after_drain)
     if on_ready is not None:
         on_ready(bound_host, bound_port)
     try:

@@ -150,8 +150,8 @@ def protocol_class(limits: ConnectionLimits) -> type:
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            if not self.transport.is_closing() and self.cycle is self._cycle_seen:
-                self._arm("headers", limits.header_timeout)  # (the next request's)
+            if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
+                self._arm("headers", limits.header_timeout)  # (the next request's; a pipelined one is under way)
             self._progress()  # (a pipelined request may have started)
 
         def connection_lost(self, exc: Exception | None) -> None:

@@ -18,6 +18,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -57,8 +58,10 @@ def start_fronts(count: int, sock: socket.socket, address: tuple[str, bytes], fr
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_front_main, args=(sock, address, front, serve_kwargs), name=f"realizar-api-{i + 2}")
              for i in range(count)]
+    from realizar.serving.remote import start_ignoring_sigint
+
     for p in procs:
-        p.start()
+        start_ignoring_sigint(p)  # (Ctrl-C stops the first process, which passes SIGTERM on)
     return procs
 
 
@@ -89,11 +92,29 @@ def _front_main(sock: socket.socket, address: tuple[str, bytes], front: Callable
     from realizar.server import serve
     from realizar.serving.remote import EngineClient
 
-    engine = front()
-    client = EngineClient.connect(address)
+    _die_with_parent()
+    client = None
     try:
+        engine = front()
+        client = EngineClient.connect(address)
+        # the engine process gone (its owner died): stop as SIGTERM would, the requests in flight ending with 503s
+        client.on_gone = lambda: os.kill(os.getpid(), signal.SIGTERM)
         serve(engine, serving=client, sock=sock, **serve_kwargs)
-    except KeyboardInterrupt:  # Ctrl-C reaches every process of the group: uvicorn has shut down cleanly
+    except KeyboardInterrupt:  # (uvicorn takes SIGINT again while it runs: Ctrl-C reaches the whole group)
         pass
     finally:
-        client.close()
+        if client is not None:
+            client.close()
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel for SIGTERM when the process that started this one dies (Linux), so a killed server leaves
+    no server process behind holding its port."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass

@@ -182,10 +182,11 @@ async def parse_body(request: Request, model: type[BaseModel]) -> Any:
     return await off_loop(request, _validate, model, raw)
 
 
-async def off_loop(request: Request, fn: Callable[..., Any], *args: Any) -> Any:
+async def off_loop(request: Request, fn: Callable[..., Any], *args: Any, heavy: bool = False) -> Any:
     """``fn(*args)``, the work of one request's body: on the event loop when the body is small
-    (:data:`INLINE_BODY`: a thread hand-over would cost more than the work), else on a worker thread."""
-    if getattr(request.state, "body_bytes", INLINE_BODY + 1) <= INLINE_BODY:
+    (:data:`INLINE_BODY`: a thread hand-over would cost more than the work) and not ``heavy`` (a grammar to
+    compile, say), else on a worker thread."""
+    if not heavy and getattr(request.state, "body_bytes", INLINE_BODY + 1) <= INLINE_BODY:
         return fn(*args)
     return await asyncio.to_thread(fn, *args)
 

@@ -30,6 +30,7 @@ from realizar.serving.scheduler import RequestLimits, check_request
 __all__ = ["EngineClient", "EngineProcess", "RemoteHandle", "build_serving", "kv_share_bytes"]
 
 _FLUSH_SECONDS = 0.005  # chunks made outside a step (cancels, failures) wait at most this long in the child
+_MAX_BEHIND = 100_000  # messages a client may leave unread before the engine process drops it
 
 
 def build_serving(path: str, device: str, max_context: int | None, options: dict) -> ServingEngine:
@@ -82,7 +83,10 @@ class RemoteHandle(RequestEnd):
     def cancel(self) -> None:
         """Stop generating (a no-op once it has ended); it ends with ``finish_reason == "cancelled"``."""
         if not self.done:
-            self._owner._send(("cancel", self.rid))
+            try:
+                self._owner._send(("cancel", self.rid))
+            except EngineClosedError:  # (the engine process is gone: the request ends with that error)
+                pass
 
 
 class EngineClient:
@@ -97,12 +101,16 @@ class EngineClient:
         self.scheduler = _SchedulerView(hello["max_batch"])
         self._stats: EngineStats = hello["stats"]
         self.on_step: Callable[[Any], None] | None = None
+        #: called (on the reader thread) once the connection to the engine process has ended
+        self.on_gone: Callable[[], None] | None = None
         self._handles: dict[int, RemoteHandle] = {}
         self._ids = itertools.count()
         self._sent = 0  # submissions sent; the child's stats say how many it has taken
         self._taken = 0
-        self._lock = threading.Lock()
-        self._closed = False
+        self._lock = threading.Lock()  # the handles and counters (never held while sending)
+        self._send_lock = threading.Lock()
+        self._closed = False  # no more submissions (closed here, or the engine process is gone)
+        self._shut = False  # close() has run
         self._replies: dict[str, Any] = {}
         self._replied = threading.Condition(self._lock)
         self._reader = threading.Thread(target=self._read, name="realizar-engine-reader", daemon=True)
@@ -141,7 +149,13 @@ class EngineClient:
             handle = RemoteHandle(self, next(self._ids), len(ids), sink)
             self._handles[handle.rid] = handle
             self._sent += 1
-        self._send(("submit", handle.rid, ids, params))
+        try:
+            self._send(("submit", handle.rid, ids, params))
+        except EngineClosedError:
+            with self._lock:
+                self._handles.pop(handle.rid, None)
+                self._sent -= 1
+            raise
         return handle
 
     def stats(self) -> EngineStats:
@@ -158,13 +172,14 @@ class EngineClient:
     def close(self, timeout: float | None = 10.0) -> None:
         """Leave the engine process: this client's requests in flight are cancelled there and end here with
         :class:`EngineClosedError`; the engine goes on for the others."""
+        self.on_gone = None
         with self._lock:
-            if self._closed:
+            if self._shut:
                 return
-            self._closed = True
+            self._shut = self._closed = True
         try:
             self._send(("detach",))
-        except (OSError, EOFError, BrokenPipeError):
+        except EngineClosedError:
             pass
         self._reader.join(timeout)
         self._conn.close()
@@ -178,8 +193,11 @@ class EngineClient:
 
     # -- internals -----------------------------------------------------------------------------------
     def _send(self, msg: tuple) -> None:
-        with self._lock:
-            self._conn.send(msg)
+        try:
+            with self._send_lock:
+                self._conn.send(msg)
+        except (OSError, EOFError, ValueError) as e:
+            raise EngineClosedError(f"the engine process is gone ({type(e).__name__})") from None
 
     def _alive(self) -> bool:
         return True
@@ -187,7 +205,8 @@ class EngineClient:
     def _call(self, what: str) -> Any:
         with self._replied:
             self._replies.pop(what, None)
-            self._conn.send((what,))
+        self._send((what,))
+        with self._replied:
             while what not in self._replies:
                 if not self._reader.is_alive() or not self._alive():
                     raise EngineClosedError("the engine process is gone")
@@ -213,8 +232,12 @@ class EngineClient:
             pass
         finally:
             with self._replied:
+                self._closed = True  # (nothing more can be submitted: it would wait for an answer forever)
                 self._replied.notify_all()
             self._fail_all(EngineClosedError("the engine process exited"))
+            hook = self.on_gone
+            if hook is not None:
+                hook()
 
     def _deliver(self, items: list, stats: EngineStats, taken: int, steps: list) -> None:
         with self._lock:
@@ -259,7 +282,7 @@ class EngineProcess(EngineClient):
         conn, child = ctx.Pipe()
         key = os.urandom(32) if listen else None
         self._proc = ctx.Process(target=_child_main, args=(child, build, key), name="realizar-engine", daemon=True)
-        self._proc.start()
+        start_ignoring_sigint(self._proc)
         child.close()
         if not conn.poll(start_timeout):
             self._proc.kill()
@@ -277,13 +300,14 @@ class EngineProcess(EngineClient):
 
     def close(self, timeout: float | None = 10.0) -> None:
         """Stop the engine process; every client's requests in flight end with :class:`EngineClosedError`."""
+        self.on_gone = None
         with self._lock:
-            if self._closed:
+            if self._shut:
                 return
-            self._closed = True
+            self._shut = self._closed = True
         try:
             self._send(("close",))
-        except (OSError, EOFError, BrokenPipeError):
+        except EngineClosedError:
             pass
         self._proc.join(timeout)
         if self._proc.is_alive():
@@ -312,22 +336,71 @@ def _portable(exc: BaseException | None) -> BaseException | None:
         return RealizarError(f"{type(exc).__name__}: {exc}")
 
 
+def start_ignoring_sigint(proc: Any) -> None:
+    """Start ``proc`` (a spawned process) with Ctrl-C's SIGINT ignored from its first instruction: Ctrl-C reaches
+    the whole process group, and a child still importing would die with a traceback; this process stops it."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        proc.start()
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        proc.start()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 class _Client:
-    """(In the engine process) one connected client: its requests' handles and the chunks not yet sent."""
+    """(In the engine process) one connected client: its requests' handles, the chunks not yet sent, and its own
+    writer thread, so a client that reads slowly (or not at all) never holds up the engine or the others. One
+    that falls :data:`_MAX_BEHIND` messages behind is dropped (its requests cancelled)."""
 
     def __init__(self, conn: Any, primary: bool):
+        import queue
+
         self.conn, self.primary = conn, primary
         self.handles: dict[int, Any] = {}
         self.pending: list[tuple] = []
         self.taken = 0
+        self.gone = False
+        self._out: Any = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write, name="realizar-engine-writer", daemon=True)
+        self._writer.start()
+
+    def send(self, msg: tuple) -> bool:
+        """Queue ``msg`` for the client; False when it is gone or too far behind."""
+        if self.gone or self._out.qsize() > _MAX_BEHIND:
+            self.gone = True
+            return False
+        self._out.put(msg)
+        return True
+
+    def finish(self, timeout: float = 5.0) -> None:
+        """Send what is queued, then stop the writer."""
+        self._out.put(None)
+        self._writer.join(timeout)
+
+    def _write(self) -> None:
+        while True:
+            msg = self._out.get()
+            if msg is None:
+                return
+            try:
+                self.conn.send(msg)
+            except (OSError, EOFError, ValueError):  # gone: its reader drops it
+                self.gone = True
+                return
 
 
 def _child_main(conn: Any, build: Callable[[], ServingEngine], key: bytes | None = None) -> None:
     """The engine process: build the engine, then run its clients' commands until the one that started it
     says close (or goes away). With ``key``, other clients connect to a listener (AF_UNIX, authenticated
-    with ``key``)."""
+    with ``key``). Ctrl-C reaches the whole process group: here it is ignored (the parent decides when to stop)."""
+    import signal
     from multiprocessing.connection import Listener, wait
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         serving = build()
         from realizar import structured
@@ -336,7 +409,7 @@ def _child_main(conn: Any, build: Callable[[], ServingEngine], key: bytes | None
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(("failed", _portable(exc)))
         return
-    send_lock, pending_lock = threading.Lock(), threading.Lock()  # (order: send_lock, then pending_lock)
+    lock = threading.Lock()  # the clients, their pending chunks and the steps not yet sent
     owner = _Client(conn, primary=True)
     clients: dict[Any, _Client] = {conn: owner}
     joining: list[Any] = []
@@ -347,73 +420,69 @@ def _child_main(conn: Any, build: Callable[[], ServingEngine], key: bytes | None
         return {"limits": serving.scheduler.limits(), "max_batch": serving.scheduler.max_batch,
                 "stats": serving.stats(), "device": serving.device or "unknown"}
 
-    def send(client: _Client, msg: tuple) -> None:
-        with send_lock:
-            client.conn.send(msg)
-
     def flush(step: Any = None) -> None:
-        with send_lock:  # (taken and sent under one lock: two threads' batches leave in the order they were taken)
-            with pending_lock:
-                if step is not None:
-                    steps.append(step)
-                batches = [(c, c.pending, steps[:] if c.primary else []) for c in clients.values()]
-                for c in clients.values():
-                    c.pending = []
-                steps[:] = []
+        with lock:  # (taken and queued under one lock: batches leave in the order they were taken)
+            if step is not None:
+                steps.append(step)
+            batches = [(c, c.pending, steps[:] if c.primary else []) for c in clients.values()]
+            for c in clients.values():
+                c.pending = []
+            steps[:] = []
             if any(items or done for _, items, done in batches):
                 stats = serving.stats()
                 for c, items, done in batches:
-                    try:
-                        c.conn.send(("out", items, stats, c.taken, done))
-                    except (OSError, EOFError):  # gone: its requests are cancelled when its reader sees it
-                        pass
+                    c.send(("out", items, stats, c.taken, done))
 
     def sink_for(client: _Client, rid: int) -> Callable[[Any, Any], None]:
         def sink(handle: Any, chunk: Any) -> None:
             end = chunk is None
             item = (rid, chunk, handle.result if end else None, _portable(handle.error) if end else None)
-            with pending_lock:
+            with lock:
                 client.pending.append(item)
         return sink
 
     def drop(client: _Client) -> None:
-        with pending_lock:
+        with lock:
             clients.pop(client.conn, None)
         for handle in client.handles.values():
             handle.cancel()
+        client.finish(1.0)
         try:
             client.conn.close()
         except OSError:
             pass
 
-    listener = None
+    listener, listening = None, [True]
     if key is not None:
         listener = Listener(family="AF_UNIX", authkey=key)
 
         def accept() -> None:
-            while True:
+            while listening[0]:
                 try:
                     c = listener.accept()
-                except (OSError, EOFError):
-                    return
-                except Exception:  # noqa: BLE001 - a client with the wrong key: refused, keep listening
+                except Exception:  # noqa: BLE001 - a client that failed the handshake or left: keep listening
                     continue
                 try:
                     c.send(("ready", hello()))
                 except (OSError, EOFError):
+                    c.close()
                     continue
-                with pending_lock:
+                with lock:
                     joining.append(c)
 
         threading.Thread(target=accept, name="realizar-engine-listener", daemon=True).start()
     serving.on_step = flush
-    send(owner, ("ready", {**hello(), "address": None if listener is None else listener.address}))
+    owner.send(("ready", {**hello(), "address": None if listener is None else listener.address}))
     try:
         while True:
-            with pending_lock:
+            with lock:
                 for c in joining:
                     clients[c] = _Client(c, primary=False)
                 joining.clear()
+                gone = [c for c in clients.values() if c.gone and c is not owner]
+            for c in gone:
+                drop(c)
+            with lock:
                 conns = list(clients)
             ready = wait(conns, _FLUSH_SECONDS)
             if not ready:
@@ -436,7 +505,7 @@ def _child_main(conn: Any, build: Callable[[], ServingEngine], key: bytes | None
                     try:
                         client.handles[rid] = serving.submit(ids, params, sink=sink_for(client, rid))
                     except BaseException as exc:  # noqa: BLE001 - checked in the parent; a failure is the request's
-                        with pending_lock:
+                        with lock:
                             client.pending.append((rid, None, None, _portable(exc)))
                     for done in [r for r, h in client.handles.items() if h.done]:
                         del client.handles[done]
@@ -448,29 +517,25 @@ def _child_main(conn: Any, build: Callable[[], ServingEngine], key: bytes | None
                     try:
                         seconds = 0.0 if warmed[0] else serving.warm_up()
                         warmed[0] = True
-                        send(client, ("warm_up", seconds))
+                        client.send(("warm_up", seconds))
                     except BaseException as exc:  # noqa: BLE001 - the parent raises it
-                        send(client, ("warm_up", _portable(exc)))
+                        client.send(("warm_up", _portable(exc)))
                 elif kind == "detach" or (kind == "close" and client is not owner):
                     flush()
-                    drop_msg = ("closed",)
-                    try:
-                        send(client, drop_msg)
-                    except (OSError, EOFError):
-                        pass
+                    client.send(("closed",))
                     drop(client)
                 elif kind == "close":
                     raise EOFError
     except (EOFError, OSError):  # told to close, or the parent is gone
         pass
     finally:
+        listening[0] = False
         serving.close()
         flush()
-        for client in list(clients.values()):
-            try:
-                send(client, ("closed",))
-            except (OSError, EOFError):
-                pass
+        with lock:
+            left = list(clients.values())
+        for client in left:
+            client.send(("closed",))
+            client.finish(2.0)
         if listener is not None:
             listener.close()
-        time.sleep(0.01)

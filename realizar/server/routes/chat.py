@@ -51,7 +51,7 @@ def _prepare(state: ServerState, req: P.ChatCompletionRequest) -> tuple[Any, lis
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request, state: ServerState = Depends(get_state)) -> Any:
     req = await parse_body(request, P.ChatCompletionRequest)
-    plan, ids, params = await off_loop(request, _prepare, state, req)
+    plan, ids, params = await off_loop(request, _prepare, state, req, heavy=bool(req.response_format or req.tools))
     rid, ts, name = P.new_id("chatcmpl"), P.now(), state.name
     n, lp = req.choices_per_prompt(), req.logprobs_wanted()
     texts = TokenTexts(state.engine.tokenizer)
