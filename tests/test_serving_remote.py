@@ -368,3 +368,13 @@ def test_a_client_that_stops_reading_holds_up_nobody(path):
         silent.close()
     finally:
         owner.close()
+
+
+def test_a_gone_engine_is_a_503_to_retry():
+    """A request that meets a closed engine (stopping, or its engine process gone) is answered 503, OpenAI-style,
+    for the client or the router to retry elsewhere; not a 500."""
+    from realizar.server.errors import as_server_error
+
+    err = as_server_error(EngineClosedError("the engine process exited"))
+    assert err.status == 503 and err.body()["error"]["code"] == "engine_closed"
+    assert "retry" in err.body()["error"]["message"]

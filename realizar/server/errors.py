@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from realizar.errors import ContextOverflowError, InvalidRequestError, ModelOutputError, RealizarError, TokenizerError
 from realizar.server import protocol as P
+from realizar.serving.engine import EngineClosedError
 
 __all__ = ["as_server_error", "install_error_handlers", "served_file"]
 
@@ -30,6 +31,9 @@ def as_server_error(exc: BaseException, model: Any = None) -> P.ServerError:
                              "server_error", code="model_error")
     if isinstance(exc, ContextOverflowError):
         return P.ServerError(400, str(exc), code="context_length_exceeded")
+    if isinstance(exc, EngineClosedError):  # (stopping, or its engine process is gone: another replica can answer)
+        return P.ServerError(503, f"the serving engine stopped before this request finished ({exc}); retry it",
+                             "server_error", code="engine_closed")
     if isinstance(exc, (InvalidRequestError, TokenizerError)):
         return P.ServerError(400, str(exc), code="invalid_value")
     return P.ServerError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
