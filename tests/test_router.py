@@ -23,7 +23,8 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("prometheus_client")
 pytest.importorskip("sglang_router", reason="sglang-router comes with the cluster extra: pip install '.[cluster]'")
 
-from realizar.cli.data_parallel import _die_with_parent, free_port  # noqa: E402
+from realizar.cli.data_parallel import free_port  # noqa: E402
+from realizar.server.fronts import die_with_parent  # noqa: E402
 from tests.gguf_factory import shared_tiny_gguf  # noqa: E402
 
 MODEL = "tiny-llama"
@@ -37,7 +38,7 @@ class Proc:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                   start_new_session=True,  # (and it dies with the test run, however that ends)
-                                  preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+                                  preexec_fn=die_with_parent if sys.platform.startswith("linux") else None)
         self.lines: list[str] = []
         self._t = threading.Thread(target=self._drain, daemon=True)
         self._t.start()

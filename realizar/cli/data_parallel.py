@@ -15,6 +15,7 @@ import threading
 import time
 
 from realizar.cli.common import CliError, note
+from realizar.server.fronts import die_with_parent
 
 __all__ = ["serve_data_parallel"]
 
@@ -53,23 +54,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    """In the child before it runs (Linux): SIGTERM when the launcher dies, however it dies (a SIGKILL
-    leaves no chance to stop the children)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 class _Child:
     def __init__(self, argv: list[str], env: dict, name: str):
         self.name = name
         self.p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                   start_new_session=True,
-                                  preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+                                  preexec_fn=die_with_parent if sys.platform.startswith("linux") else None)
         self.lines: list[str] = []
         self.url: str | None = None
         threading.Thread(target=self._pump, daemon=True).start()

@@ -80,10 +80,8 @@ def utilization_bytes(share: float, device: str) -> int:
     as a one-line error when it leaves no room."""
     from realizar.serving.remote import kv_share_bytes
 
-    if not device.startswith("cuda"):
-        raise CliError(f"--gpu-memory-utilization applies to a GPU (running on {device}); give --kv-memory in GiB")
     try:
-        return kv_share_bytes(share)
+        return kv_share_bytes(share, device)
     except InvalidRequestError as e:
         raise CliError(str(e)) from None
 
@@ -117,9 +115,8 @@ def engine_process_options(args: argparse.Namespace) -> dict:
     share stays a share, sized in the engine process."""
     memory = None
     if args.gpu_memory_utilization is not None:
-        if not args.device.startswith("cuda") and args.device != "auto":
-            raise CliError(f"--gpu-memory-utilization applies to a GPU (running on {args.device}); give --kv-memory "
-                           "in GiB")
+        if args.device in ("cpu", "emulate"):
+            utilization_bytes(args.gpu_memory_utilization, args.device)  # (its one-line error)
         return {**_engine_options(args), "kv_memory": None, "gpu_memory_utilization": args.gpu_memory_utilization}
     if args.kv_memory is not None:
         kind, v = args.kv_memory
@@ -232,6 +229,9 @@ def _serve(args: argparse.Namespace, api_key: str | None, fronts: int) -> int:
               "log_level": "debug" if args.verbose else args.log_level, "api_key": api_key,
               "limits": connection_limits(args), "drain_seconds": args.shutdown_grace,
               "allowed_origins": args.allowed_origins, "max_body": args.max_body}
+    from realizar.server import bind_socket
+    from realizar.server.fronts import FrontSpec, join_fronts, signal_fronts, start_fronts
+
     procs: list = []
     wait = args.shutdown_grace + 10  # (the other server processes' drain, then their uvicorn's)
 
@@ -242,49 +242,24 @@ def _serve(args: argparse.Namespace, api_key: str | None, fronts: int) -> int:
     try:
         sock = None
         if fronts:
-            from realizar.server.fronts import FrontSpec, start_fronts
-
-            sock = _bind(args)
+            sock = bind_socket(args.host, args.port)
             serving = options["serving"]
             serving.warm_up()  # before any of them answers (their own warm-up is then a no-op)
             spec = FrontSpec(str(engine.path), engine.device, bool(args.allow_special_tokens_in_content))
             procs = start_fronts(fronts, sock, serving.address, spec, shared)
         # the others drain before this process's shutdown closes the engine they use
-        serve(engine, args.host, args.port, on_ready=ready, sock=sock, on_shutdown=lambda: _signal(procs),
-              after_drain=(lambda: _join(procs, wait)) if procs else None, **{**shared, **options})
+        serve(engine, args.host, args.port, on_ready=ready, sock=sock, on_shutdown=lambda: signal_fronts(procs),
+              after_drain=(lambda: join_fronts(procs, wait)) if procs else None, **{**shared, **options})
     except KeyboardInterrupt:  # Ctrl-C (or SIGTERM) is how a server is stopped: uvicorn has shut down cleanly
         pass
     except OSError as e:
         raise CliError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     finally:
         signal.signal(signal.SIGTERM, previous)
-        if procs:
-            _signal(procs)
-            _join(procs, wait)
+        signal_fronts(procs)
+        join_fronts(procs, wait)
     note("stopped")
     return 0
-
-
-def _join(procs: list, timeout: float) -> None:
-    from realizar.server.fronts import join_fronts
-
-    join_fronts(procs, timeout)
-
-
-def _bind(args: argparse.Namespace):
-    from realizar.server import bind_socket
-
-    try:
-        return bind_socket(args.host, args.port)
-    except OSError as e:
-        raise CliError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
-
-
-def _signal(procs: list) -> None:
-    if procs:
-        from realizar.server.fronts import signal_fronts
-
-        signal_fronts(procs)
 
 
 def _start_engine_process(args: argparse.Namespace, listen: bool = False) -> tuple:

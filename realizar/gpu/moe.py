@@ -75,23 +75,20 @@ class MoeOps(Dispatcher):
         per_warp = max(2, cfg.rows - cfg.rows % 2) if ew.glu else cfg.rows
         shape = dict(wtype=w.wtype, in_dim=w.in_dim, rows=per_warp, warps=cfg.warps, glu=ew.glu, ksplit=cfg.ksplit)
         rows = self.check_int("rows", rows)
-        if rows == 1:
-            kern = self.kernel("gemv", **shape, expert=True)
-            values = {"w": w.ptr, "x": self.addr(x, w.in_dim, "x"), "y": self.addr(out, n_out, "out", align=4),
-                      "out_dim": n_out, "experts": self.addr(ids, int(slot) + 1, "ids", np.uint32, align=4),
-                      "slot": int(slot), "expert_bytes": ew.expert_bytes}
-            self.launch(kern, -(-n_out // kern.meta["rows_per_cta"]), values, stream)
-            return
-        if x_stride < w.in_dim or x_stride % 4 or y_stride < n_out or id_stride <= slot:
+        if rows > 1 and (x_stride < w.in_dim or x_stride % 4 or y_stride < n_out or id_stride <= slot):
             raise ShapeError(f"a batch of {rows} expert rows needs x_stride >= {w.in_dim} (a multiple of 4), y_stride >= "
                              f"{n_out} and id_stride > slot {slot}; got {x_stride}, {y_stride}, {id_stride}")
-        kern = self.kernel("gemv_expert_rows", **shape)
-        last = rows - 1
+        last = rows - 1  # (the last row's x, y and id bound the buffers' checks)
         values = {"w": w.ptr, "x": self.addr(x, last * x_stride + w.in_dim, "x"),
                   "y": self.addr(out, last * y_stride + n_out, "out", align=4), "out_dim": n_out,
                   "experts": self.addr(ids, last * id_stride + int(slot) + 1, "ids", np.uint32, align=4),
-                  "slot": int(slot), "expert_bytes": ew.expert_bytes, "id_stride": int(id_stride),
-                  "x_stride": int(x_stride), "y_stride": int(y_stride)}
+                  "slot": int(slot), "expert_bytes": ew.expert_bytes}
+        if rows == 1:
+            kern = self.kernel("gemv", **shape, expert=True)
+            self.launch(kern, -(-n_out // kern.meta["rows_per_cta"]), values, stream)
+            return
+        kern = self.kernel("gemv_expert_rows", **shape)
+        values.update(id_stride=int(id_stride), x_stride=int(x_stride), y_stride=int(y_stride))
         self.launch(kern, (-(-n_out // kern.meta["rows_per_cta"]), rows), values, stream)
 
     def moe_combine(self, x: Any, y: Any, weights: Any, rows: int, hidden: int, *, used: int,

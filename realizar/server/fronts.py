@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["FrontSpec", "default_api_servers", "join_fronts", "signal_fronts", "start_fronts"]
+__all__ = ["FrontSpec", "default_api_servers", "die_with_parent", "join_fronts", "signal_fronts", "start_fronts"]
 
 
 def default_api_servers() -> int:
@@ -92,7 +92,7 @@ def _front_main(sock: socket.socket, address: tuple[str, bytes], front: Callable
     from realizar.server import serve
     from realizar.serving.remote import EngineClient
 
-    _die_with_parent()
+    die_with_parent()
     client = None
     try:
         engine = front()
@@ -107,9 +107,10 @@ def _front_main(sock: socket.socket, address: tuple[str, bytes], front: Callable
             client.close()
 
 
-def _die_with_parent() -> None:
-    """Ask the kernel for SIGTERM when the process that started this one dies (Linux), so a killed server leaves
-    no server process behind holding its port."""
+def die_with_parent() -> None:
+    """Ask the kernel for SIGTERM when the process that started this one dies, however it dies (Linux; a SIGKILL
+    leaves it no chance to stop its children): a killed server leaves no process behind holding its port. Also
+    ``serve --data-parallel``'s replicas' ``preexec_fn``."""
     if not sys.platform.startswith("linux"):
         return
     try:

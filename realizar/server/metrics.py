@@ -131,6 +131,7 @@ class ServerMetrics:
                                         buckets=TOKEN_COUNT_BUCKETS, registry=r)  # fmt: skip
         self.model = model
         self.vllm = _VllmRequestMetrics(r, model)
+        self._engine: _EngineCollector | None = None  # (attach)
 
     def attach(self, serving: Any) -> None:
         """Export ``serving``'s state (a :class:`~realizar.serving.ServingEngine`) and record its
@@ -189,7 +190,7 @@ class ServerMetrics:
 
         registry = CollectorRegistry()
         MultiProcessCollector(registry)
-        if getattr(self, "_engine", None) is not None:
+        if self._engine is not None:
             registry.register(self._engine)
         return generate_latest(registry)
 

@@ -45,10 +45,7 @@ def build_serving(path: str, device: str, max_context: int | None, options: dict
     share = options.pop("gpu_memory_utilization", None)
     engine = load_engine(path, device=device, max_context=max_context)
     if share is not None:
-        if not str(engine.device).startswith("cuda"):
-            raise InvalidRequestError(f"--gpu-memory-utilization applies to a GPU (running on {engine.device}); give "
-                                      "--kv-memory in GiB")
-        options["kv_memory"] = kv_share_bytes(share)
+        options["kv_memory"] = kv_share_bytes(share, str(engine.device))
     publisher = None
     if endpoint is not None:
         from realizar.serving.kv_events import KVEventPublisher
@@ -57,12 +54,15 @@ def build_serving(path: str, device: str, max_context: int | None, options: dict
     return ServingEngine.from_engine(engine, kv_events=publisher, **options)
 
 
-def kv_share_bytes(share: float) -> int:
+def kv_share_bytes(share: float, device: str) -> int:
     """The KV pool's bytes when this process may fill ``share`` of the GPU's total memory (vLLM's
     ``--gpu-memory-utilization``): that share less what is already in use with the model loaded (weights,
-    runtime). Raises :class:`InvalidRequestError` when that leaves no room."""
+    runtime). Raises :class:`InvalidRequestError` on a ``device`` other than a GPU, or when that leaves no room."""
     from realizar import cuda
 
+    if not device.startswith("cuda"):
+        raise InvalidRequestError(f"--gpu-memory-utilization applies to a GPU (running on {device}); give "
+                                  "--kv-memory in GiB")
     free, total = cuda.current_device().memory_info()
     room = int(share * total) - (total - free)
     if room <= 0:
@@ -169,21 +169,26 @@ class EngineClient:
         request); its seconds (0 after the first)."""
         return float(self._call("warm_up"))
 
+    _FAREWELL = "detach"  # what :meth:`close` tells the engine process: this client leaves
+
     def close(self, timeout: float | None = 10.0) -> None:
         """Leave the engine process: this client's requests in flight are cancelled there and end here with
-        :class:`EngineClosedError`; the engine goes on for the others."""
+        :class:`EngineClosedError`; the engine goes on for the others (:class:`EngineProcess`: it stops)."""
         self.on_gone = None
         with self._lock:
             if self._shut:
                 return
             self._shut = self._closed = True
         try:
-            self._send(("detach",))
+            self._send((self._FAREWELL,))
         except EngineClosedError:
             pass
+        self._after_farewell(timeout)
+        self._fail_all(EngineClosedError("the serving engine was closed"))
+
+    def _after_farewell(self, timeout: float | None) -> None:
         self._reader.join(timeout)
         self._conn.close()
-        self._fail_all(EngineClosedError("the serving engine was closed"))
 
     def __enter__(self) -> "EngineClient":
         return self
@@ -298,23 +303,14 @@ class EngineProcess(EngineClient):
         self.address: tuple[str, bytes] | None = (payload["address"], key) if listen else None
         super().__init__(conn, payload)
 
-    def close(self, timeout: float | None = 10.0) -> None:
-        """Stop the engine process; every client's requests in flight end with :class:`EngineClosedError`."""
-        self.on_gone = None
-        with self._lock:
-            if self._shut:
-                return
-            self._shut = self._closed = True
-        try:
-            self._send(("close",))
-        except EngineClosedError:
-            pass
+    _FAREWELL = "close"  # (:meth:`close` stops the engine process: every client's requests end)
+
+    def _after_farewell(self, timeout: float | None) -> None:
         self._proc.join(timeout)
         if self._proc.is_alive():
             self._proc.kill()
             self._proc.join(5)
         self._reader.join(5)
-        self._fail_all(EngineClosedError("the serving engine was closed"))
 
     def _alive(self) -> bool:
         return self._proc.is_alive()
