@@ -106,11 +106,12 @@ def test_host_ops_on_the_emulated_device():
 
 @settings(max_examples=examples(20), deadline=None)
 @given(wtype=st.sampled_from(["F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_K", "Q4_K", "Q6_K"]), data=st.data(),
-       rows=st.integers(2, 4), experts=st.integers(2, 5), used=st.integers(1, 3), glu=st.booleans(),
+       tokens=st.integers(1, 3), experts=st.integers(2, 5), used=st.integers(1, 3), glu=st.booleans(),
        seed=st.integers(0, 2**32 - 1))
-def test_expert_rows_gemv_gives_each_row_its_expert(wtype, data, rows, experts, used, glu, seed):
-    """``gemv_expert_rows``: one launch, every row through the expert its id of the slot names, at its own x / y
-    strides (gaps between rows left alone), against a float64 product with that expert's dequantized rows."""
+def test_expert_rows_gemv_gives_each_row_its_expert(wtype, data, tokens, experts, used, glu, seed):
+    """``gemv_expert_rows``: one launch for ``tokens x used`` rows, row i through the expert ``ids[i]`` names, its x
+    the token's (``x_group`` rows share one, as a token's chosen experts do) or its own, its y at its stride (gaps
+    between rows left alone), against a float64 product with that expert's dequantized rows."""
     from ptx_gen.kernels.gemv.quant_layout import K_QUANTS, type_info
     from tests.layer_kernels_ptx_cases import _pad16
     from tests.layer_oracles import dequant, random_weight, silu
@@ -119,25 +120,27 @@ def test_expert_rows_gemv_gives_each_row_its_expert(wtype, data, rows, experts, 
     bs = 256 if wtype in K_QUANTS else 32
     in_dim = bs * data.draw(st.integers(1, 3))
     out_dim = data.draw(st.integers(1, 9))
-    slot = data.draw(st.integers(0, used - 1))
+    x_group = data.draw(st.sampled_from([1, used]))
+    rows = tokens * used
     warps, ksplit = data.draw(st.sampled_from([(2, 1), (4, 2), (4, 1)]))
     wrows = out_dim * (2 if glu else 1)
     row_bytes = type_info(wtype).row_bytes(in_dim)
     raws = [random_weight(rng, wtype, wrows, in_dim)[: wrows * row_bytes] for _ in range(experts)]
-    ids = rng.integers(0, experts, rows * used).astype(np.uint32)
-    ids[slot::used] = (np.arange(rows) + ids[slot]) % experts  # (the rows of this slot: not all one expert)
-    x_stride, y_stride = in_dim + 4, used * out_dim + 2  # (x rows 16-byte aligned, as the kernel loads them)
-    x = rng.standard_normal(rows * x_stride).astype(np.float32)
+    ids = rng.integers(0, experts, rows).astype(np.uint32)
+    ids[::2] = (np.arange(len(ids[::2])) + ids[0]) % experts  # (not all one expert)
+    x_stride, y_stride = in_dim + 4, out_dim + 2  # (x rows 16-byte aligned, as the kernel loads them)
+    x = rng.standard_normal(-(-rows // x_group) * x_stride).astype(np.float32)
     y = np.full(rows * y_stride, np.nan, np.float32)
     shape = dict(wtype=wtype, in_dim=in_dim, rows=2, warps=warps, glu=glu, ksplit=ksplit)
     kern = catalog.emit("gemv_expert_rows", target="sm_90", **shape)
     got = _launch("gemv_expert_rows", shape, (-(-out_dim // kern.meta["rows_per_cta"]), rows), (kern.meta["block"],),
                   {"w": _pad16(np.concatenate(raws)), "x": x, "y": y, "experts": ids},
-                  {"out_dim": out_dim, "slot": slot, "expert_bytes": wrows * row_bytes, "id_stride": used,
-                   "x_stride": x_stride, "y_stride": y_stride}, ("y",))["y"].reshape(rows, y_stride)
+                  {"out_dim": out_dim, "expert_bytes": wrows * row_bytes, "x_group": x_group, "x_stride": x_stride,
+                   "y_stride": y_stride}, ("y",))["y"].reshape(rows, y_stride)
     for r in range(rows):
-        w = dequant(raws[ids[r * used + slot]], wtype, wrows, in_dim).astype(np.float64)
-        xr = x[r * x_stride: r * x_stride + in_dim].astype(np.float64)
+        w = dequant(raws[ids[r]], wtype, wrows, in_dim).astype(np.float64)
+        xi = r // x_group
+        xr = x[xi * x_stride: xi * x_stride + in_dim].astype(np.float64)
         full, scale = w @ xr, np.abs(w) @ np.abs(xr)
         if glu:
             want = silu(full[:out_dim]) * full[out_dim:]

@@ -29,14 +29,15 @@ def _gemv_expert_rows(k, sizes, rng) -> Example:
     from ptx_gen.kernels.gemv.quant_layout import type_info
 
     shape = k.shape_dict
-    in_dim, glu, experts, rows, used = shape["in_dim"], shape.get("glu", False), 3, sizes.get("rows", 2), 2
+    in_dim, glu, experts, rows, group = shape["in_dim"], shape.get("glu", False), 3, sizes.get("rows", 4), 2
     out_dim = sizes.get("out_dim", 8)
     wrows = out_dim * (2 if glu else 1)
     stack = np.concatenate([_weights(rng, shape["wtype"], wrows, in_dim)[: wrows * type_info(shape["wtype"]).row_bytes(in_dim)]
                             for _ in range(experts)])
     stack = np.concatenate([stack, np.zeros(-stack.size % 16, np.uint8)])
-    return Example({"w": stack, "x": _f32(rng, rows * in_dim), "y": np.full(rows * out_dim, np.nan, np.float32),
-                    "out_dim": out_dim, "experts": rng.integers(0, experts, rows * used).astype(np.uint32), "slot": 1,
-                    "expert_bytes": wrows * type_info(shape["wtype"]).row_bytes(in_dim), "id_stride": used,
+    return Example({"w": stack, "x": _f32(rng, -(-rows // group) * in_dim),
+                    "y": np.full(rows * out_dim, np.nan, np.float32), "out_dim": out_dim,
+                    "experts": rng.integers(0, experts, rows).astype(np.uint32),
+                    "expert_bytes": wrows * type_info(shape["wtype"]).row_bytes(in_dim), "x_group": group,
                     "x_stride": in_dim, "y_stride": out_dim},
                    (_cdiv(out_dim, k.meta["rows_per_cta"]), rows), (k.meta["block"],), ("y",))

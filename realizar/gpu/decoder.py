@@ -145,7 +145,7 @@ class Inputs:
 @dataclass
 class MoeBuffers:
     """Mixture-of-experts scratch for ``rows`` rows: router ``logits [rows, experts]``, the chosen ``ids`` (u32) and
-    ``weights [rows, used]``, one slot's SwiGLU outputs ``ffn [rows, expert_ffn]``, the experts' outputs ``y [rows,
+    ``weights [rows, used]``, the chosen experts' SwiGLU outputs ``ffn [rows, used, expert_ffn]`` and outputs ``y [rows,
     used, hidden]``; for more than one row also ``h [rows, hidden]``, the f32 normed input the expert GEMVs read."""
 
     logits: Any
@@ -159,7 +159,7 @@ class MoeBuffers:
     def allocate(cls, ops, cfg: ModelConfig, rows: int = 1) -> "MoeBuffers":
         k = cfg.num_experts_used
         return cls(ops.buffer(rows * cfg.num_experts), ops.buffer(rows * k, np.uint32), ops.buffer(rows * k),
-                   ops.buffer(rows * cfg.expert_ffn_size), ops.buffer(rows * k * cfg.hidden_size),
+                   ops.buffer(rows * k * cfg.expert_ffn_size), ops.buffer(rows * k * cfg.hidden_size),
                    ops.buffer(rows * cfg.hidden_size) if rows > 1 else None)
 
     def free(self) -> None:
@@ -257,9 +257,9 @@ class Decoder:
             yield
 
     def _experts(self, lay: LayerWeights, acts: Activations, io: Inputs, rows: int, linear, s, eps: float) -> None:
-        """A mixture-of-experts FFN: the router's logits (the Linear), the top-k on the device, for each slot the
-        chosen experts' SwiGLU and down GEMVs (each row reading the expert its id names: one launch for all rows),
-        their weighted sum added to x. More than one row read an f32 copy of the normed input."""
+        """A mixture-of-experts FFN: the router's logits (the Linear), the top-k on the device, the chosen experts'
+        SwiGLU and down GEMVs (one launch each for every row and slot, each reading the expert its id names), their
+        weighted sum added to x. More than one row read an f32 copy of the normed input."""
         cfg, ops = self.config, self.ops
         moe = acts.moe if rows == 1 else acts.moe_rows
         if moe is None:
@@ -272,12 +272,10 @@ class Decoder:
         linear(lay.router, io.h, moe.logits, rows, stream=s)
         ops.moe_route(moe.logits, moe.ids, moe.weights, rows, experts=cfg.num_experts, used=k,
                       norm=cfg.expert_weights_norm, stream=s)
-        batch = dict(rows=rows, id_stride=k)
-        for slot in range(k):
-            ops.gemv_expert(lay.experts_gate_up, h, moe.ffn, moe.ids, slot, x_stride=hidden, y_stride=ffn, **batch,
-                            stream=s)
-            ops.gemv_expert(lay.experts_down, moe.ffn, (moe.y, slot * hidden), moe.ids, slot, x_stride=ffn,
-                            y_stride=k * hidden, **batch, stream=s)
+        pairs = rows * k  # (row, slot) pairs, ids [rows, k]: one launch each for every row's chosen experts
+        ops.gemv_expert(lay.experts_gate_up, h, moe.ffn, moe.ids, pairs, x_group=k, x_stride=hidden, y_stride=ffn,
+                        stream=s)
+        ops.gemv_expert(lay.experts_down, moe.ffn, moe.y, moe.ids, pairs, x_stride=ffn, y_stride=hidden, stream=s)
         ops.moe_combine(acts.x, moe.y, moe.weights, rows, hidden, used=k, stream=s)
 
     def issue(self, acts: Activations, ids: Any, rows: int, linear, attention, stream) -> None:

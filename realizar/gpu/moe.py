@@ -2,8 +2,8 @@
 (:mod:`ptx_gen.kernels.moe.route`), both capturable (no allocation, no synchronisation).
 
     ops.moe_route(logits, ids, weights, rows, experts=128, used=8)   # ids, weights [rows, used]
-    ops.gemv_expert(gate_up, x, ffn, ids, slot)                     # the expert ids[slot] names, SwiGLU
-    ops.gemv_expert(gate_up, x, ffn, ids, slot, rows=64, x_stride=2048, y_stride=768, id_stride=8)  # a batch
+    ops.gemv_expert(gate_up, h, ffn, ids, 64 * 8, x_group=8, x_stride=2048, y_stride=768)  # SwiGLU, ids [64, 8]
+    ops.gemv_expert(down, ffn, y, ids, 64 * 8, x_stride=768, y_stride=2048)                 # y [64, 8, 2048]
     ops.moe_combine(x, y, weights, rows, hidden, used=8)             # x += sum_s weights[:, s] y[:, s]
 
 :class:`ExpertWeights` holds a layer's stacked expert matrices on the device (GGUF rows, expert after expert).
@@ -61,34 +61,29 @@ class MoeOps(Dispatcher):
                   "weights": self.addr(weights, rows * used, "weights", align=4), "rows": rows}
         self.launch(kern, -(-rows // kern.meta["rows_per_cta"]), values, stream)
 
-    def gemv_expert(self, ew: ExpertWeights, x: Any, out: Any, ids: Any, slot: int, *, rows: int = 1,
-                    x_stride: int = 0, y_stride: int = 0, id_stride: int = 0, stream: Any = None) -> None:
-        """``out = W_e x`` (f32) for the expert ``e = ids[slot]`` of ``ew`` (ids: u32 device memory, read by the
-        kernel: the graph stays the same whatever the router chose); with a [gate; up] stack ``out =
-        silu(G_e x) * (U_e x)``. With ``rows`` > 1, one launch for a batch: row i's x at ``i * x_stride`` floats
-        (a multiple of 4), its out at ``i * y_stride`` and its expert ``ids[i * id_stride + slot]``."""
+    def gemv_expert(self, ew: ExpertWeights, x: Any, out: Any, ids: Any, rows: int, *, x_group: int = 1,
+                    x_stride: int = 0, y_stride: int = 0, stream: Any = None) -> None:
+        """``out[i] = W_e x[i / x_group]`` (f32) for ``i < rows``, the expert ``e = ids[i]`` of ``ew`` (ids: u32 device
+        memory, read by the kernel: the graph stays the same whatever the router chose); with a [gate; up] stack
+        ``silu(G_e x) * (U_e x)``. Row i's x at ``(i / x_group) * x_stride`` floats (a multiple of 4), its out at
+        ``i * y_stride``: a layer's tokens x chosen experts in one launch."""
         from realizar.gpu.gemv import gemv_config
 
         w = ew.weight
         n_out = ew.rows // 2 if ew.glu else ew.rows
         cfg = gemv_config(ew.rows, self.sm_count, w.in_dim, w.wtype)
         per_warp = max(2, cfg.rows - cfg.rows % 2) if ew.glu else cfg.rows
-        shape = dict(wtype=w.wtype, in_dim=w.in_dim, rows=per_warp, warps=cfg.warps, glu=ew.glu, ksplit=cfg.ksplit)
-        rows = self.check_int("rows", rows)
-        if rows > 1 and (x_stride < w.in_dim or x_stride % 4 or y_stride < n_out or id_stride <= slot):
-            raise ShapeError(f"a batch of {rows} expert rows needs x_stride >= {w.in_dim} (a multiple of 4), y_stride >= "
-                             f"{n_out} and id_stride > slot {slot}; got {x_stride}, {y_stride}, {id_stride}")
-        last = rows - 1  # (the last row's x, y and id bound the buffers' checks)
-        values = {"w": w.ptr, "x": self.addr(x, last * x_stride + w.in_dim, "x"),
-                  "y": self.addr(out, last * y_stride + n_out, "out", align=4), "out_dim": n_out,
-                  "experts": self.addr(ids, last * id_stride + int(slot) + 1, "ids", np.uint32, align=4),
-                  "slot": int(slot), "expert_bytes": ew.expert_bytes}
-        if rows == 1:
-            kern = self.kernel("gemv", **shape, expert=True)
-            self.launch(kern, -(-n_out // kern.meta["rows_per_cta"]), values, stream)
-            return
-        kern = self.kernel("gemv_expert_rows", **shape)
-        values.update(id_stride=int(id_stride), x_stride=int(x_stride), y_stride=int(y_stride))
+        rows, x_group = self.check_int("rows", rows), self.check_int("x_group", x_group)
+        x_rows = -(-rows // x_group)
+        if (x_rows > 1 and (x_stride < w.in_dim or x_stride % 4)) or (rows > 1 and y_stride < n_out):
+            raise ShapeError(f"{rows} expert rows need x_stride >= {w.in_dim} (a multiple of 4) and y_stride >= "
+                             f"{n_out}; got {x_stride}, {y_stride}")
+        kern = self.kernel("gemv_expert_rows", wtype=w.wtype, in_dim=w.in_dim, rows=per_warp, warps=cfg.warps,
+                           glu=ew.glu, ksplit=cfg.ksplit)
+        values = {"w": w.ptr, "x": self.addr(x, (x_rows - 1) * x_stride + w.in_dim, "x"),
+                  "y": self.addr(out, (rows - 1) * y_stride + n_out, "out", align=4), "out_dim": n_out,
+                  "experts": self.addr(ids, rows, "ids", np.uint32, align=4), "expert_bytes": ew.expert_bytes,
+                  "x_group": x_group, "x_stride": int(x_stride), "y_stride": int(y_stride)}
         self.launch(kern, (-(-n_out // kern.meta["rows_per_cta"]), rows), values, stream)
 
     def moe_combine(self, x: Any, y: Any, weights: Any, rows: int, hidden: int, *, used: int,

@@ -74,9 +74,7 @@ def _grid_shapes() -> list[dict]:
                {"wtype": "Q4_K", "in_dim": 14336, "rows": 2, "warps": 4, "ksplit": 4, "residual": True},
                {"wtype": "Q6_K", "in_dim": 14336, "rows": 2, "warps": 8, "ksplit": 8},
                {"wtype": "Q8_0", "in_dim": 4096, "rows": 2, "warps": 4, "ksplit": 2, "glu": True},
-               {"wtype": "Q8_0", "in_dim": 576, "rows": 3, "warps": 4, "ksplit": 4, "bias": True},
-               {"wtype": "Q4_K", "in_dim": 2048, "rows": 2, "glu": True, "expert": True},
-               {"wtype": "Q8_0", "in_dim": 768, "rows": 2, "warps": 4, "ksplit": 2, "expert": True}]
+               {"wtype": "Q8_0", "in_dim": 576, "rows": 3, "warps": 4, "ksplit": 4, "bias": True}]
     return shapes
 
 
@@ -133,7 +131,7 @@ class _Setup:
 
 
 def _prologue(k: KernelBuilder, name: str, wtype: str, in_dim: int, warps: int, rows: int, tokens: int, ksplit: int,
-              outs_per_warp: int, per_row: int, nt: int, expert: bool | str = False) -> _Setup:
+              outs_per_warp: int, per_row: int, nt: int, expert: bool = False) -> _Setup:
     """Emits the warp's coordinates and first output (with ksplit == 1 the warp-uniform early exit of
     warps past out_dim), its staging area in shared memory, the global pointers, the token tile's x
     rows (GEMM) and the lane's decode constants."""
@@ -152,18 +150,14 @@ def _prologue(k: KernelBuilder, name: str, wtype: str, in_dim: int, warps: int, 
     smem = k.shared_array(f"{name}_stage", "u8", per_row * rows * warps)
     wbase = k.add(smem, k.mul(warp, per_row * rows))
     w, x = k.global_ptr("w"), k.global_ptr("x")
-    if expert == "rows":  # grid.y over rows: row r's x, y and expert id at their strides
+    if expert:  # grid.y over rows: row r multiplies the expert experts[r] names (written by the kernel before:
+        # wait first), reads x row r / x_group and writes y row r
         r = k.ctaid("y")
         k.grid_dependency_wait()
-        at = k.mad(r, k.param("id_stride"), k.param("slot"))
-        eid = k.load("global", "u32", k.add(k.global_ptr("experts"), k.mul_wide(at, 4)))
+        eid = k.load("global", "u32", k.add(k.global_ptr("experts"), k.mul_wide(r, 4)))
         w = k.add(w, k.mul_wide(eid, k.param("expert_bytes")))
-        x = k.add(x, k.mul_wide(k.mul(r, k.param("x_stride")), 4))
+        x = k.add(x, k.mul_wide(k.mul(k.div(r, k.param("x_group")), k.param("x_stride")), 4))
         k.rebase_ptr("y", k.mul_wide(k.mul(r, k.param("y_stride")), 4))
-    elif expert:  # W is one expert of a stack: the one experts[slot] names (written by the kernel before: wait first)
-        k.grid_dependency_wait()
-        eid = k.load("global", "u32", k.add(k.global_ptr("experts"), k.mul_wide(k.param("slot"), 4)))
-        w = k.add(w, k.mul_wide(eid, k.param("expert_bytes")))
     k.global_ptr("y")  # converted once, up front: every store of the epilogue reuses it
     last = k.sub(out_dim, 1)
     # token tile: x rows m0 .. m0 + nt - 1 (clamped for loads; stores are guarded)
@@ -182,7 +176,7 @@ def _prologue(k: KernelBuilder, name: str, wtype: str, in_dim: int, warps: int, 
 
 
 def build(m: Module, wtype: str, in_dim: int, rows: int, warps: int, bias: bool, residual: bool,
-          tokens: int = 0, glu: bool = False, ksplit: int = 1, expert: bool | str = False) -> KernelBuilder:
+          tokens: int = 0, glu: bool = False, ksplit: int = 1, expert: bool = False) -> KernelBuilder:
     """The GEMV (``tokens == 0``: one x vector) or the token-tiled GEMM (``tokens`` x vectors per CTA,
     grid.y over token tiles). With ``glu`` the weight holds ``2 * out_dim`` rows (gate rows, then up
     rows) and ``y[o] = silu(gate_o . x) * (up_o . x)``. With ``ksplit > 1`` (GEMV only) the CTA's warps
@@ -199,13 +193,12 @@ def build(m: Module, wtype: str, in_dim: int, rows: int, warps: int, bias: bool,
     if tokens:
         params.append(("n_tokens", "u32"))
     if expert:
-        params += [("experts", "u64"), ("slot", "u32"), ("expert_bytes", "u32")]
-    if expert == "rows":
-        params += [("id_stride", "u32"), ("x_stride", "u32"), ("y_stride", "u32")]
+        params += [("experts", "u64"), ("expert_bytes", "u32"), ("x_group", "u32"), ("x_stride", "u32"),
+                   ("y_stride", "u32")]
     kind = "gemm" if tokens else "gemv"
     name = (f"{kind}_{wtype.lower()}_k{in_dim}_r{rows}_w{warps}" + (f"_s{ksplit}" if ksplit > 1 else "")
             + (f"_t{tokens}" if tokens else "") + ("_glu" if glu else "") + ("_bias" if bias else "")
-            + ("_res" if residual else "") + ("_exp" if expert else "") + ("rows" if expert == "rows" else ""))
+            + ("_res" if residual else "") + ("_exprows" if expert else ""))
     # no .maxntid: with it ptxas aims at an occupancy of its own and spills a few bytes in some variants
     # (e.g. 64 registers for Q4_0 at 4352); without it the same kernels take <= ~100 registers, no spills
     k = m.kernel(name, params)
@@ -349,16 +342,13 @@ def _combine_slices(k: KernelBuilder, name: str, totals: list, lane: Reg, warp: 
 
 @kernel("gemv", grid=_grid_shapes())
 def gemv(m: Module, wtype: str = "Q8_0", in_dim: int = 4096, rows: int = 2, warps: int = 4,
-         bias: bool = False, residual: bool = False, glu: bool = False, ksplit: int = 1,
-         expert: bool = False) -> KernelBuilder:
+         bias: bool = False, residual: bool = False, glu: bool = False, ksplit: int = 1) -> KernelBuilder:
     """y[r] = sum_k W[r, k] x[k] (+ bias[r]) (+ residual[r]) for r < out_dim; W in GGUF block form
     (``wtype``: F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K), x/y/bias/residual f32.
     With ``glu``: W is [gate; up] (2 out_dim rows) and y[r] = silu(gate_r . x) * (up_r . x).
     ``ksplit`` (1, 2, 4, 8; divides ``warps``): warps per row group, each summing one K slice.
-    ``expert``: W is a stack of experts' matrices and the GEMV reads the one ``experts[slot]`` names (params
-    experts, slot, expert_bytes after out_dim; a mixture-of-experts layer's ids stay on the device).
     Launch: grid ceil(out_dim / meta["rows_per_cta"]), block meta["block"], no dynamic shared memory."""
-    return build(m, wtype, in_dim, rows, warps, bias, residual, tokens=0, glu=glu, ksplit=ksplit, expert=expert)
+    return build(m, wtype, in_dim, rows, warps, bias, residual, tokens=0, glu=glu, ksplit=ksplit)
 
 
 @kernel("gemv_expert_rows", grid=[{"wtype": "Q4_K", "in_dim": 2048, "rows": 2, "glu": True},
@@ -367,12 +357,14 @@ def gemv(m: Module, wtype: str = "Q8_0", in_dim: int = 4096, rows: int = 2, warp
                                   {"wtype": "Q4_0", "in_dim": 576, "rows": 1, "warps": 8}])
 def gemv_expert_rows(m: Module, wtype: str = "Q8_0", in_dim: int = 4096, rows: int = 2, warps: int = 4,
                      glu: bool = False, ksplit: int = 1) -> KernelBuilder:
-    """The expert GEMV of ``gemv`` (``expert``) for a batch of rows in one launch: grid.y over rows; row i
-    reads x at ``x + i * x_stride``, writes y at ``y + i * y_stride`` (floats) and multiplies the expert
-    ``experts[i * id_stride + slot]`` names (params w, x, y, out_dim, experts, slot, expert_bytes, id_stride,
-    x_stride, y_stride): each row of a mixture-of-experts batch its own expert of that slot.
+    """The GEMV of ``gemv`` through a stack of experts' matrices (``expert_bytes`` apart), many rows in one launch:
+    grid.y over rows; row i multiplies the expert ``experts[i]`` names (u32 device memory: a graph stays the same
+    whatever the router chose), reads x at ``x + (i / x_group) * x_stride`` and writes y at ``y + i * y_stride``
+    (floats). Params w, x, y, out_dim, experts, expert_bytes, x_group, x_stride, y_stride. A mixture-of-experts
+    layer's ``rows`` tokens x ``used`` chosen experts: the [gate; up] GEMV with ``x_group = used`` (a token's
+    experts share its x), the down GEMV with ``x_group = 1``.
     Launch: grid (ceil(out_dim / meta["rows_per_cta"]), rows), block meta["block"]."""
-    return build(m, wtype, in_dim, rows, warps, False, False, tokens=0, glu=glu, ksplit=ksplit, expert="rows")
+    return build(m, wtype, in_dim, rows, warps, False, False, tokens=0, glu=glu, ksplit=ksplit, expert=True)
 
 
 @kernel("gemm", grid=[{"wtype": wt, "in_dim": 256 if wt in ql.K_QUANTS else 576, "tokens": 4}
