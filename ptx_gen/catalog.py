@@ -31,6 +31,7 @@ _KERNEL_MODULES = (  # imported lazily so the catalog fills on first use (by fam
     "ptx_gen.kernels.kv.paged_append",
     "ptx_gen.kernels.sampling.argmax", "ptx_gen.kernels.sampling.sample_rows", "ptx_gen.kernels.sampling.feed",
     "ptx_gen.kernels.moe.route",
+    "ptx_gen.kernels.moe.group",
 )
 _EXTRA_MODULES: list[str] = []
 

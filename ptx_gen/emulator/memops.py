@@ -201,20 +201,37 @@ def _land(m, inst: Inst, act: np.ndarray, before: np.ndarray | None) -> None:
 
 @op("atom", "red")
 def atom(m, inst: Inst, act: np.ndarray, mask: np.ndarray) -> None:
-    """Global ``atom`` (returns the old value) and ``red``, applied thread by thread in lane order."""
+    """Global and shared ``atom`` (returns the old value) and ``red``, applied thread by thread in lane order."""
     space, op, t = inst.mods[0], inst.mods[1], inst.mods[-1]
-    if space != "global":
-        raise EmulatorError(f"only global atomics are emulated: {inst.text}")
+    if space not in ("global", "shared"):
+        raise EmulatorError(f"only global and shared atomics are emulated: {inst.text}")
     ret = inst.op == "atom"
     addr_text = inst.args[1] if ret else inst.args[0]
-    addrs, _ = m.addr(addr_text, "global")
+    addrs, _ = m.addr(addr_text, space)
     vals = m.read(inst.args[2] if ret else inst.args[1], t)
     cmp = m.read(inst.args[3], t) if ret and op == "cas" else None
     nbytes = BITS[t] // 8
+    if space == "shared":
+        rows, cols = m.shared_idx(addrs, nbytes, act, inst)
+        m.check_landed(rows, cols, inst)
+        slots = iter(zip(rows, cols))
+
+        def get(a):
+            r, c = next(slots)
+            return (r, c), m.smem[r, c].copy().view(NP[t])[0]
+
+        def put(where, new):
+            m.smem[where[0], where[1]] = np.array([new], NP[t]).view(np.uint8)
+    else:
+        def get(a):
+            a = np.array([a])
+            return a, m.mem.gather(a, nbytes, inst.text).view(NP[t])[0, 0]
+
+        def put(where, new):
+            m.mem.scatter(where, np.array([new], NP[t]).view(np.uint8).reshape(1, -1), inst.text)
     old_all = np.zeros(m.n, NP[t])
     for i in np.flatnonzero(act):
-        a = np.array([addrs[i]])
-        old = m.mem.gather(a, nbytes, inst.text).view(NP[t])[0, 0]
+        where, old = get(addrs[i])
         if op == "add":
             new = old + vals[i]
         elif op == "cas":
@@ -227,7 +244,7 @@ def atom(m, inst: Inst, act: np.ndarray, mask: np.ndarray) -> None:
             new = min(old, vals[i])
         else:
             raise EmulatorError(f"unsupported atomic {inst.text}")
-        m.mem.scatter(a, np.array([new], NP[t]).view(np.uint8).reshape(1, -1), inst.text)
+        put(where, new)
         old_all[i] = old
     if ret:
         m.write(inst.args[0], old_all, act, t)

@@ -29,8 +29,10 @@ import numpy as np
 
 from realizar import cuda
 from realizar.errors import ShapeError, UnsupportedError
+from realizar.gpu.policy.moe import MOE_GROUPED_MIN_ROWS
 from realizar.models.config import ModelConfig
 from realizar.models.rope import rope_inv_freq
+
 
 __all__ = ["Activations", "Decoder", "DecoderWeights", "Inputs", "LayerWeights", "MOE_ON_GPU"]
 
@@ -146,7 +148,8 @@ class Inputs:
 class MoeBuffers:
     """Mixture-of-experts scratch for ``rows`` rows: router ``logits [rows, experts]``, the chosen ``ids`` (u32) and
     ``weights [rows, used]``, the chosen experts' SwiGLU outputs ``ffn [rows, used, expert_ffn]`` and outputs ``y [rows,
-    used, hidden]``; for more than one row also ``h [rows, hidden]``, the f32 normed input the expert GEMVs read."""
+    used, hidden]``; for more than one row also ``h [rows, hidden]``, the f32 normed input the expert GEMVs read,
+    and the grouped GEMM's ``order`` (u32 ``[rows, used]``), ``tiles`` (its records) and f16 ``ffn16``."""
 
     logits: Any
     ids: Any
@@ -154,16 +157,25 @@ class MoeBuffers:
     ffn: Any
     y: Any
     h: Any = None
+    order: Any = None
+    tiles: Any = None
+    ffn16: Any = None
 
     @classmethod
     def allocate(cls, ops, cfg: ModelConfig, rows: int = 1) -> "MoeBuffers":
+        from ptx_gen.kernels.moe.group import TILE_TOKENS, max_tiles
+
         k = cfg.num_experts_used
-        return cls(ops.buffer(rows * cfg.num_experts), ops.buffer(rows * k, np.uint32), ops.buffer(rows * k),
-                   ops.buffer(rows * k * cfg.expert_ffn_size), ops.buffer(rows * k * cfg.hidden_size),
-                   ops.buffer(rows * cfg.hidden_size) if rows > 1 else None)
+        pairs = rows * k
+        many = {} if rows == 1 else dict(
+            h=ops.buffer(rows * cfg.hidden_size), order=ops.buffer(pairs, np.uint32),
+            tiles=ops.buffer(2 * max_tiles(pairs, cfg.num_experts, TILE_TOKENS[0]), np.uint32),  # (the most tiles)
+            ffn16=ops.buffer(pairs * cfg.expert_ffn_size, np.float16))
+        return cls(ops.buffer(rows * cfg.num_experts), ops.buffer(pairs, np.uint32), ops.buffer(pairs),
+                   ops.buffer(pairs * cfg.expert_ffn_size), ops.buffer(pairs * cfg.hidden_size), **many)
 
     def free(self) -> None:
-        for b in (self.logits, self.ids, self.weights, self.ffn, self.y, self.h):
+        for b in (self.logits, self.ids, self.weights, self.ffn, self.y, self.h, self.order, self.tiles, self.ffn16):
             if b is not None:
                 b.free()
 
@@ -258,24 +270,32 @@ class Decoder:
 
     def _experts(self, lay: LayerWeights, acts: Activations, io: Inputs, rows: int, linear, s, eps: float) -> None:
         """A mixture-of-experts FFN: the router's logits (the Linear), the top-k on the device, the chosen experts'
-        SwiGLU and down GEMVs (one launch each for every row and slot, each reading the expert its id names), their
-        weighted sum added to x. More than one row read an f32 copy of the normed input."""
+        SwiGLU and down projections, their weighted sum added to x. A batch of ``MOE_GROUPED_MIN_ROWS`` rows or more
+        groups its (row, slot) pairs by expert and runs the grouped GEMM on the f16 normed rows; fewer rows run one
+        expert GEMV launch each for every pair (more than one row: on an f32 copy of the normed rows)."""
         cfg, ops = self.config, self.ops
         moe = acts.moe if rows == 1 else acts.moe_rows
         if moe is None:
             raise UnsupportedError(MOE_ON_GPU)
         k, hidden, ffn = cfg.num_experts_used, cfg.hidden_size, cfg.expert_ffn_size
-        h = io.h
-        if rows > 1:
-            ops.rmsnorm(acts.x, lay.ffn_norm, moe.h, eps, rows=rows, stream=s)
-            h = moe.h
+        pairs = rows * k  # (row, slot) pairs, ids [rows, k]
+        grouped = rows >= MOE_GROUPED_MIN_ROWS and linear.f16_input(rows)
         linear(lay.router, io.h, moe.logits, rows, stream=s)
         ops.moe_route(moe.logits, moe.ids, moe.weights, rows, experts=cfg.num_experts, used=k,
                       norm=cfg.expert_weights_norm, stream=s)
-        pairs = rows * k  # (row, slot) pairs, ids [rows, k]: one launch each for every row's chosen experts
-        ops.gemv_expert(lay.experts_gate_up, h, moe.ffn, moe.ids, pairs, x_group=k, x_stride=hidden, y_stride=ffn,
-                        stream=s)
-        ops.gemv_expert(lay.experts_down, moe.ffn, moe.y, moe.ids, pairs, x_stride=ffn, y_stride=hidden, stream=s)
+        if grouped:  # the pairs sorted by expert, each expert's tiles of pairs through its weights once
+            g = ops.moe_group(moe.ids, moe.order, moe.tiles, pairs, experts=cfg.num_experts, stream=s)
+            ops.gemm_experts(lay.experts_gate_up, io.h, moe.ffn16, g, x_group=k, lda=hidden, ldy=ffn, out_f16=True,
+                             stream=s)
+            ops.gemm_experts(lay.experts_down, moe.ffn16, moe.y, g, lda=ffn, ldy=hidden, stream=s)
+        else:  # one GEMV launch each for every pair, each reading the expert its id names
+            h = io.h
+            if rows > 1:
+                ops.rmsnorm(acts.x, lay.ffn_norm, moe.h, eps, rows=rows, stream=s)
+                h = moe.h
+            ops.gemv_expert(lay.experts_gate_up, h, moe.ffn, moe.ids, pairs, x_group=k, x_stride=hidden,
+                            y_stride=ffn, stream=s)
+            ops.gemv_expert(lay.experts_down, moe.ffn, moe.y, moe.ids, pairs, x_stride=ffn, y_stride=hidden, stream=s)
         ops.moe_combine(acts.x, moe.y, moe.weights, rows, hidden, used=k, stream=s)
 
     def issue(self, acts: Activations, ids: Any, rows: int, linear, attention, stream) -> None:

@@ -6,11 +6,18 @@
     ops.gemv_expert(down, ffn, y, ids, 64 * 8, x_stride=768, y_stride=2048)                 # y [64, 8, 2048]
     ops.moe_combine(x, y, weights, rows, hidden, used=8)             # x += sum_s weights[:, s] y[:, s]
 
+A larger batch groups its pairs by expert and multiplies each expert's tile of pairs on tensor cores:
+
+    g = ops.moe_group(ids, order, tiles, 512 * 8, experts=128)      # order, tiles on the device; g: the plan
+    ops.gemm_experts(gate_up, h16, ffn16, g, x_group=8, lda=2048, ldy=768, out_f16=True)
+    ops.gemm_experts(down, ffn16, y, g, lda=768, ldy=2048)
+
 :class:`ExpertWeights` holds a layer's stacked expert matrices on the device (GGUF rows, expert after expert).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -18,7 +25,29 @@ import numpy as np
 from realizar.errors import ShapeError, UnsupportedError
 from realizar.gpu.dispatch import Dispatcher
 
-__all__ = ["ExpertWeights", "MoeOps"]
+__all__ = ["ExpertGroups", "ExpertWeights", "MoeOps", "tile_tokens"]
+
+
+def tile_tokens(pairs: int, experts: int) -> int:
+    """The grouped GEMM's token tile for ``pairs`` pairs over ``experts`` experts: their average per expert,
+    rounded up to a tile size, within the policy's bounds."""
+    from ptx_gen.kernels.moe.group import TILE_TOKENS
+    from realizar.gpu.policy.moe import MOE_TILE_MAX, MOE_TILE_MIN
+
+    avg = -(-pairs // experts)
+    return next((t for t in TILE_TOKENS if t >= max(avg, MOE_TILE_MIN) and t <= MOE_TILE_MAX), MOE_TILE_MAX)
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """A batch's pairs grouped by expert on the device (:meth:`MoeOps.moe_group`): ``order`` (u32 pair indices) and
+    ``tiles`` (records of ``mt`` pairs at most; ``max_tiles`` of them, the grouped GEMM's grid.y)."""
+
+    order: Any
+    tiles: Any
+    pairs: int
+    mt: int
+    max_tiles: int
 
 
 class ExpertWeights:
@@ -85,6 +114,57 @@ class MoeOps(Dispatcher):
                   "experts": self.addr(ids, rows, "ids", np.uint32, align=4), "expert_bytes": ew.expert_bytes,
                   "x_group": x_group, "x_stride": int(x_stride), "y_stride": int(y_stride)}
         self.launch(kern, (-(-n_out // kern.meta["rows_per_cta"]), rows), values, stream)
+
+    def moe_group(self, ids: Any, order: Any, tiles: Any, pairs: int, *, experts: int, mt: int | None = None,
+                  stream: Any = None) -> ExpertGroups:
+        """Group the ``pairs`` expert ids ``ids`` (u32, the router's ``[rows, used]``) by expert on the device:
+        ``order`` (u32 ``[pairs]``) and ``tiles`` (u32 records, ``2 * max_tiles`` words, of at most ``mt`` pairs;
+        default :func:`tile_tokens`). Returns the plan the grouped GEMMs take."""
+        from ptx_gen.kernels.moe.group import max_tiles
+
+        pairs, experts = self.check_int("pairs", pairs), self.check_int("experts", experts)
+        mt = tile_tokens(pairs, experts) if mt is None else int(mt)
+        n_tiles = max_tiles(pairs, experts, mt)
+        kern = self.kernel("moe_group", experts=experts, mt=mt)
+        values = {"ids": self.addr(ids, pairs, "ids", np.uint32, align=4),
+                  "order": self.addr(order, pairs, "order", np.uint32, align=4),
+                  "tiles": self.addr(tiles, 2 * n_tiles, "tiles", np.uint32, align=8), "pairs": pairs,
+                  "max_tiles": n_tiles}
+        self.launch(kern, 1, values, stream)
+        return ExpertGroups(order, tiles, pairs, mt, n_tiles)
+
+    def gemm_experts(self, ew: ExpertWeights, x16: Any, out: Any, groups: ExpertGroups, *, x_group: int = 1,
+                     lda: int, ldy: int, out_f16: bool = False, stream: Any = None) -> None:
+        """``out[p] = W_e x16[p / x_group]`` for every pair ``p`` of ``groups``, ``e`` its expert (f16 X rows
+        ``lda`` apart, f32 accumulation on tensor cores; ``out`` rows ``ldy`` apart, f16 with ``out_f16``); with a
+        [gate; up] stack ``silu(G_e x) * (U_e x)``. Each tile reads its expert's weights once. Needs sm_80 or newer."""
+        from ptx_gen.kernels.gemm.gemm_q import smem_bytes
+        from realizar.gpu.policy.gemm import GEMM_Q_CTA_WARPS, GEMM_Q_STAGES
+
+        if self.device.target.compute_capability < (8, 0):
+            raise ShapeError(f"the grouped expert GEMM needs sm_80 or newer, this device is {self.device.target}")
+        w = ew.weight
+        n_out = ew.rows // 2 if ew.glu else ew.rows
+        x_group, lda, ldy = self.check_int("x_group", x_group), self.check_int("lda", lda), self.check_int("ldy", ldy)
+        x_rows = -(-groups.pairs // x_group)
+        if lda < w.in_dim or lda % 8 or ldy < n_out:
+            raise ShapeError(f"the grouped expert GEMM needs lda >= {w.in_dim} (a multiple of 8) and ldy >= {n_out}; "
+                             f"got {lda}, {ldy}")
+        if (x_rows - 1) * lda * 2 >= 2**32:
+            raise ShapeError(f"x16 spans {(x_rows - 1) * lda * 2} bytes, the GEMM addresses fewer than 2**32")
+        budget = self.device.max_shared_per_block_optin
+        shape = dict(wtype=w.wtype, in_dim=w.in_dim, layout="rows", mt=groups.mt, kparts=1)
+        warps, stages = next(((wp, st) for wp in (GEMM_Q_CTA_WARPS, 2, 1) for st in GEMM_Q_STAGES
+                              if smem_bytes(**shape, warps=wp, stages=st) <= budget), (1, 2))
+        kern = self.kernel("gemm_q_experts", **shape, warps=warps, stages=stages, out_f16=bool(out_f16),
+                           glu=ew.glu)
+        values = {"w": w.ptr, "x": self.addr(x16, (x_rows - 1) * lda + w.in_dim, "x16", np.float16),
+                  "y": self.addr(out, (groups.pairs - 1) * ldy + n_out, "out", np.float16 if out_f16 else np.float32,
+                                 align=2 if out_f16 else 4),
+                  "tiles": self.addr(groups.tiles, 2 * groups.max_tiles, "tiles", np.uint32, align=8),
+                  "order": self.addr(groups.order, groups.pairs, "order", np.uint32, align=4), "n": ew.rows,
+                  "lda": lda, "ldy": ldy, "expert_bytes": ew.expert_bytes, "x_group": x_group}
+        self.launch(kern, (-(-n_out // kern.meta["rows_per_cta"]), groups.max_tiles), values, stream)
 
     def moe_combine(self, x: Any, y: Any, weights: Any, rows: int, hidden: int, *, used: int,
                     stream: Any = None) -> None:

@@ -102,16 +102,49 @@ def gemm_q(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "ro
     """Y[:m] = X[:m] W^T (+ bias) (+ residual), or with ``glu`` silu(X G^T) * (X U^T) for W = [gate; up];
     W of ``wtype`` in ``layout``, X f16, f32 accumulation. Params: w, x, y, [bias], [residual], m, n, lda,
     ldy. Launch: grid ceil(rows_out / meta["rows_per_cta"]), block meta["block"], dyn_smem meta["dyn_smem"]."""
+    return build(m, wtype, in_dim, layout, mt, warps, kparts, stages, bias, residual, out_f16, glu, experts=False)
+
+
+def _expert_grid() -> list[dict]:
+    return [{"wtype": "Q4_K", "in_dim": 2048, "mt": 16, "glu": True, "out_f16": True},
+            {"wtype": "Q4_K", "in_dim": 768, "mt": 32, "warps": 4, "kparts": 1, "stages": 3},
+            {"wtype": "Q8_0", "in_dim": 4096, "mt": 8, "glu": True, "out_f16": True},
+            {"wtype": "Q6_K", "in_dim": 768, "mt": 64, "warps": 2, "kparts": 2, "stages": 2},
+            {"wtype": "F16", "in_dim": 576, "mt": 8}]
+
+
+@kernel("gemm_q_experts", grid=_expert_grid())
+def gemm_q_experts(m: Module, wtype: str = "Q4_K", in_dim: int = 2048, layout: str = "rows", mt: int = 16,
+                   warps: int = 4, kparts: int = 1, stages: int = 4, out_f16: bool = False,
+                   glu: bool = False) -> KernelBuilder:
+    """``gemm_q`` over a stack of experts' matrices (``expert_bytes`` apart), a mixture-of-experts layer's
+    (token, chosen expert) pairs grouped by expert (:func:`ptx_gen.kernels.moe.group.moe_group`): CTA row
+    ``ctaid.y`` takes the tile record ``tiles[ctaid.y]`` (u32 ``start``, u32 ``expert << 8 | count``; count 0:
+    nothing to do), multiplies the expert's W by X rows ``order[start + j] / x_group`` (j < count) and writes
+    Y rows ``order[start + j]``. Params: w, x, y, tiles, order, n (one expert's rows), lda, ldy, expert_bytes,
+    x_group. Launch: grid (ceil(rows_out / meta["rows_per_cta"]), tile records), block meta["block"], dyn_smem
+    meta["dyn_smem"]."""
+    return build(m, wtype, in_dim, layout, mt, warps, kparts, stages, False, False, out_f16, glu, experts=True)
+
+
+def build(m: Module, wtype: str, in_dim: int, layout: str, mt: int, warps: int, kparts: int, stages: int,
+          bias: bool, residual: bool, out_f16: bool, glu: bool, experts: bool) -> KernelBuilder:
+    """The kernel of :func:`gemm_q` (``experts``: of :func:`gemm_q_experts`)."""
     check_shape(wtype, in_dim, layout, mt, warps, kparts, stages)
     if glu and (bias or residual):
         raise ValueError("the SwiGLU epilogue takes no bias or residual")
     if layout == "glu-tiles" and not glu:
         raise ValueError("a glu-tiles weight is [gate; up]: only the glu GEMM reads it")
     flags = "".join(f"_{n}" for n, on in (("bias", bias), ("res", residual), ("h", out_f16), ("glu", glu)) if on)
-    name = f"gemm_q_{wtype.lower()}_k{in_dim}_{layout.replace('-', '_')}_m{mt}_w{warps}x{kparts}_s{stages}{flags}"
+    name = (f"gemm_q{'_exp' if experts else ''}_{wtype.lower()}_k{in_dim}_{layout.replace('-', '_')}_m{mt}_w{warps}x"
+            f"{kparts}_s{stages}{flags}")
     params = [("w", "u64"), ("x", "u64"), ("y", "u64")]
     params += [("bias", "u64")] * bias + [("residual", "u64")] * residual
-    params += [("m", "u32"), ("n", "u32"), ("lda", "u32"), ("ldy", "u32")]
+    if experts:
+        params += [("tiles", "u64"), ("order", "u64"), ("n", "u32"), ("lda", "u32"), ("ldy", "u32"),
+                   ("expert_bytes", "u32"), ("x_group", "u32")]
+    else:
+        params += [("m", "u32"), ("n", "u32"), ("lda", "u32"), ("ldy", "u32")]
     threads = 32 * warps * kparts
     k = m.kernel(name, params, max_threads=threads)
     seg = seg_bytes(wtype, in_dim, layout)
@@ -129,7 +162,18 @@ def gemm_q(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "ro
     mw, kp = (k.and_(warp, warps - 1), k.shr(warp, warps.bit_length() - 1)) if kparts > 1 else (warp, None)
     r, q = k.shr(lane, 2), k.and_(lane, 3)
     n_rows = k.param("n")
-    m_tok = k.param("m")
+    order = exit_ = None
+    if experts:  # the tile record (written by the kernel before: wait first) names the expert and its tokens
+        k.grid_dependency_wait()
+        rec = k.add(k.global_ptr("tiles"), k.mul_wide(k.ctaid("y"), 8))
+        t_start, t_word = k.load("global", "u32", rec), k.load("global", "u32", rec, 4)
+        m_tok = k.and_(t_word, 0xFF)
+        exit_ = k.new_label("idle")
+        k.bra(exit_, k.setp("eq", m_tok, 0), uniform=True)
+        k.rebase_ptr("w", k.mul_wide(k.shr(t_word, 8), k.param("expert_bytes")))
+        order = k.add(k.global_ptr("order"), k.mul_wide(t_start, 4))
+    else:
+        m_tok = k.param("m")
     strip = k.mad(k.ctaid(), warps, mw)
     smem0 = k.dynamic_shared()
     wbase = k.add(smem0, k.mul(warp, warp_bytes))
@@ -153,14 +197,21 @@ def gemm_q(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "ro
     x_ptr = k.add(k.global_ptr("x"), k.cvt(k.shl(q, 4), "u64"))
     lda2 = k.shl(k.param("lda"), 1)
     m1 = k.sub(m_tok, 1)
-    x_rows = [k.mul(k.min(k.add(r, 8 * t), m1), lda2) for t in range(mt // 8)]  # (byte offsets below 2**32)
+    if experts:  # token j of the tile is the pair order[start + j], its X row pair / x_group
+        x_group = k.param("x_group")
+        toks = [k.min(k.add(r, 8 * t), m1) for t in range(mt // 8)]
+        toks = [k.div(k.load("global", "u32", k.add(order, k.mul_wide(j, 4))), x_group) for j in toks]
+        x_rows = [k.mul(j, lda2) for j in toks]
+    else:
+        x_rows = [k.mul(k.min(k.add(r, 8 * t), m1), lda2) for t in range(mt // 8)]  # (byte offsets below 2**32)
 
     acc = [[k.var("f32", 0.0) for _ in range(4)] for _ in range(mt // 8)]
     ring = stages * slot_bytes
     for s in range(stages - 1):
         ws.issue(c_first, n_my, k.mov(s, "u32"), k.add(wbase, s * slot_bytes) if s else wbase)
         k.cp_async_commit()
-    k.grid_dependency_wait()  # X (and the residual) come from the kernels before
+    if not experts:
+        k.grid_dependency_wait()  # X (and the residual) come from the kernels before
     rd = k.var("u32", 0)
     wr = k.var("u32", (stages - 1) * slot_bytes)
     with k.loop(0, n_my) as i:
@@ -197,9 +248,11 @@ def gemm_q(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "ro
             for t, a4 in enumerate(acc):
                 for e, v in enumerate(a4):
                     k.assign(v, k.add(v, k.load("shared", "f32", base, (4 * t + e) * 128)))
-    epilogue(k, acc, r, q, m_tok, n_rows, ws.first, ws.ffn, bias, residual, out_f16, glu)
+    epilogue(k, acc, r, q, m_tok, n_rows, ws.first, ws.ffn, bias, residual, out_f16, glu, order=order)
     if kparts > 1:
         k.label(done)
+    if experts:
+        k.label(exit_)
     k.ret()
     return k
 
@@ -230,9 +283,11 @@ def _block(k: KernelBuilder, ws: WeightStream, ch: dict, b: int, c: Reg, q8: Reg
 
 
 def epilogue(k: KernelBuilder, acc: list, r: Reg, q: Reg, m_tok: Reg, n_rows: Reg, first: Reg, ffn: Reg | None,
-              bias: bool, residual: bool, out_f16: bool, glu: bool, tok_base: Reg | None = None) -> None:
+              bias: bool, residual: bool, out_f16: bool, glu: bool, tok_base: Reg | None = None,
+              order: Reg | None = None) -> None:
     """acc[t] = (Y[8t + 2q, c_a], Y[8t + 2q + 1, c_a], Y[8t + 2q, c_b], Y[8t + 2q + 1, c_b]) with c_a, c_b the
-    MMA rows r, r + 8 (with glu: the gate and up of output first + r)."""
+    MMA rows r, r + 8 (with glu: the gate and up of output first + r). ``order``: token j's Y row is the u32
+    there at j (a tile of grouped experts' pairs), else row j."""
     ldy = k.param("ldy")
     y = k.global_ptr("y")
     osize = 2 if out_f16 else 4
@@ -240,8 +295,18 @@ def epilogue(k: KernelBuilder, acc: list, r: Reg, q: Reg, m_tok: Reg, n_rows: Re
     if tok_base is not None:  # (a token tile's first token: tokens are absolute, m_tok their count)
         tok0 = k.add(tok_base, tok0)
 
-    def put(tok: Reg, col: Reg, v: Reg, ok: Reg) -> None:
-        idx = k.mad(tok, ldy, col)
+    rows: dict = {}
+
+    def y_row(tok: Reg, key: tuple) -> Reg:
+        if order is None:
+            return tok
+        if key not in rows:  # (loaded once per token: the token's outputs at both columns share it)
+            rows[key] = k.load("global", "u32", k.add(order, k.mul_wide(tok, 4)), pred=k.setp("lt", tok, m_tok),
+                               other=0)
+        return rows[key]
+
+    def put(tok: Reg, col: Reg, v: Reg, ok: Reg, key: tuple) -> None:
+        idx = k.mad(y_row(tok, key), ldy, col)
         if residual:
             v = k.add(v, k.load("global", "f32", k.add(k.global_ptr("residual"), k.mul_wide(idx, 4)), pred=ok,
                                 other=0.0))
@@ -257,7 +322,7 @@ def epilogue(k: KernelBuilder, acc: list, r: Reg, q: Reg, m_tok: Reg, n_rows: Re
         for t, (g0, g1, u0, u1) in enumerate(acc):
             for e, (g, u) in enumerate(((g0, u0), (g1, u1))):
                 tok = k.add(tok0, 8 * t + e)
-                put(tok, col, k.mul(silu(k, g), u), k.both(c_ok, k.setp("lt", tok, m_tok)))
+                put(tok, col, k.mul(silu(k, g), u), k.both(c_ok, k.setp("lt", tok, m_tok)), (t, e))
         return
     cols = [k.add(first, r), k.add(first, k.add(r, 8))]
     oks = [k.setp("lt", c, n_rows) for c in cols]
@@ -271,4 +336,4 @@ def epilogue(k: KernelBuilder, acc: list, r: Reg, q: Reg, m_tok: Reg, n_rows: Re
             tok = k.add(tok0, 8 * t + dt)
             if bias:
                 v = k.add(v, bs[ci])
-            put(tok, cols[ci], v, k.both(oks[ci], k.setp("lt", tok, m_tok)))
+            put(tok, cols[ci], v, k.both(oks[ci], k.setp("lt", tok, m_tok)), (t, dt))
