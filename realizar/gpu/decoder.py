@@ -279,7 +279,8 @@ class Decoder:
             raise UnsupportedError(MOE_ON_GPU)
         k, hidden, ffn = cfg.num_experts_used, cfg.hidden_size, cfg.expert_ffn_size
         pairs = rows * k  # (row, slot) pairs, ids [rows, k]
-        grouped = rows >= MOE_GROUPED_MIN_ROWS and linear.f16_input(rows)
+        grouped = (rows >= MOE_GROUPED_MIN_ROWS and linear.f16_input(rows) and lay.experts_gate_up.groupable
+                   and lay.experts_down.groupable)
         linear(lay.router, io.h, moe.logits, rows, stream=s)
         ops.moe_route(moe.logits, moe.ids, moe.weights, rows, experts=cfg.num_experts, used=k,
                       norm=cfg.expert_weights_norm, stream=s)

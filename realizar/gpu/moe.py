@@ -68,6 +68,8 @@ class ExpertWeights:
                                 name=name, device=device)
         self.rows = rows * len(parts)  # per expert
         self.expert_bytes = self.rows * self.weight.row_bytes
+        # the grouped GEMM copies an expert's rows in 16-byte pieces from its start
+        self.groupable = self.expert_bytes % 16 == 0
 
     def free(self) -> None:
         self.weight.free()
@@ -143,6 +145,9 @@ class MoeOps(Dispatcher):
 
         if self.device.target.compute_capability < (8, 0):
             raise ShapeError(f"the grouped expert GEMM needs sm_80 or newer, this device is {self.device.target}")
+        if not ew.groupable:
+            raise ShapeError(f"the grouped expert GEMM needs experts 16-byte aligned; {ew.weight.name}'s are "
+                             f"{ew.expert_bytes} bytes apart")
         w = ew.weight
         n_out = ew.rows // 2 if ew.glu else ew.rows
         x_group, lda, ldy = self.check_int("x_group", x_group), self.check_int("lda", lda), self.check_int("ldy", ldy)
