@@ -150,19 +150,25 @@ def test_batches_of_a_moe_model_with_few_experts_run_one_row_at_a_time_on_the_gp
                       "on the GPU")
 
 
-@pytest.mark.parametrize("arch,qtype", [("qwen3_moe", "Q4_0"), ("mixtral", "Q8_0")])
-def test_batched_moe_rows_on_the_emulated_gpu_match_the_reference(arch, qtype, tmp_path):
+@pytest.mark.parametrize("arch,qtype,grouped_min", [("qwen3_moe", "Q4_0", 8), ("mixtral", "Q8_0", 8),
+                                                    ("qwen3_moe", "Q4_K", 1), ("mixtral", "Q8_0", 10**6)])
+def test_batched_moe_rows_on_the_emulated_gpu_match_the_reference(arch, qtype, grouped_min, tmp_path, monkeypatch):
     from realizar import cuda
 
-    batched_moe_matches_the_reference(cuda.EmulatedDevice(sm_count=4), arch, qtype, tmp_path)
+    hidden = 256 if qtype in ("Q4_K", "Q5_K", "Q6_K") else 64
+    batched_moe_matches_the_reference(cuda.EmulatedDevice(sm_count=4), arch, qtype, tmp_path, monkeypatch,
+                                      grouped_min=grouped_min, hidden=hidden, expert_ffn=hidden // 2 if hidden == 64 else hidden)
 
 
-def batched_moe_matches_the_reference(dev, arch: str, qtype: str, tmp_path, hidden: int = 64,
-                                      expert_ffn: int = 32) -> None:
+def batched_moe_matches_the_reference(dev, arch: str, qtype: str, tmp_path, monkeypatch, *, grouped_min: int,
+                                      hidden: int = 64, expert_ffn: int = 32) -> None:
     """A model of 8 experts on ``dev``'s batched path: prompts prefilled in chunks of 8 rows and decode steps of
-    three sequences, each row through the experts its own router picked (one expert GEMV launch a slot for all
-    rows), against the reference model run one sequence at a time: logits within f16 rounding, greedy tokens
-    equal (also tests/gpu/test_moe_gpu.py)."""
+    three sequences, each row through the experts its own router picked, against the reference model run one
+    sequence at a time: logits within f16 rounding, greedy tokens equal (also tests/gpu/test_moe_gpu.py). Batches
+    of ``grouped_min`` rows or more take the grouped GEMM (1: every one; a large value: none), fewer the expert
+    GEMV; the launches counted show that each path ran where it should."""
+    import realizar.gpu.decoder as decoder
+    from realizar.gpu.moe import MoeOps
     from realizar.gpu.batch import GpuBatchBackend
     from realizar.gpu.linear import rows_unsupported
     from realizar.gpu.model import GpuModel
@@ -174,6 +180,16 @@ def batched_moe_matches_the_reference(dev, arch: str, qtype: str, tmp_path, hidd
                            expert_ffn=expert_ffn)[0]
     loaded = load_model(path)
     assert rows_unsupported(dev, loaded.config) is None
+    monkeypatch.setattr(decoder, "MOE_GROUPED_MIN_ROWS", grouped_min)
+    runs = {"gemm_experts": [], "gemv_expert": []}
+    for name, seen in runs.items():
+        real = getattr(MoeOps, name)
+
+        def counted(self, ew, x, out, ids_or_groups, *a, _real=real, _seen=seen, _grouped=name == "gemm_experts", **kw):
+            _seen.append(ids_or_groups.pairs if _grouped else a[0])
+            return _real(self, ew, x, out, ids_or_groups, *a, **kw)
+
+        monkeypatch.setattr(MoeOps, name, counted)
     model = GpuModel.from_loaded(loaded, max_len=48, device=dev, kv_cache=False)
     be = GpuBatchBackend(model, num_blocks=16, block_size=16, kv_dtype="f32", max_batch=4, max_context=48,
                          prefill_chunk=8)
@@ -198,6 +214,12 @@ def batched_moe_matches_the_reference(dev, arch: str, qtype: str, tmp_path, hidd
             assert int(sampled[r]) == int(np.argmax(want)), (step, r)
             tokens[r] = int(sampled[r])
             positions[r] += 1
+    used = loaded.config.num_experts_used
+    grouped = sorted({p // used for p in runs["gemm_experts"]})
+    per_pair = sorted({p // used for p in runs["gemv_expert"]} - {1})  # (batch-1 decode graphs aside)
+    assert all(r >= grouped_min for r in grouped) and all(r < grouped_min for r in per_pair), (grouped, per_pair)
+    # (prefill chunks of 8 rows, decode steps of 3 rows in the backend's bucket of 4)
+    assert bool(grouped) == (grouped_min <= 8) and bool(per_pair) == (grouped_min > 4), (grouped, per_pair)
 
 
 def test_tensor_parallelism_refuses_experts(moe_files):

@@ -5,7 +5,9 @@ XML of the tests, and one Markdown table per benchmark (bench_graphs, bench_atte
 bench_decode, bench_gemm, bench_prefill, bench_serving, bench_serving_one_process (its HTTP part with the
 engine in the server's process), bench_serving_api_servers (four server processes), bench_host (the served
 path's host side over a sleeping backend), bench_warm_start (four files), profile_step (one served stream
-against GpuModel), bench_gemm_decode (the f16 GEMM at decode batch sizes); not default stages: real_model
+against GpuModel), bench_gemm_decode (the f16 GEMM at decode batch sizes), bench_moe (Qwen3-30B-A3B's shape
+beside llama.cpp's binaries in $LLAMA_CPP_BIN, on the GGUF file $MOE_GGUF, written first where missing); not
+default stages: real_model
 (smollm2_gpu.md), and on 2+ GPUs bench_tensor_parallel and bench_nccl). The whole of tests/gpu takes longer
 than the tests stage's 420 s: give --tests a part of it per call.
 
@@ -31,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
 
-SANITIZED = ["tools/sanitize_cases.py", "tools/sanitize_attention.py", "tools/sanitize_layers.py"]
+SANITIZED = ["tools/sanitize_cases.py", "tools/sanitize_attention.py", "tools/sanitize_layers.py", "tools/sanitize_moe.py"]
 
 
 def stages(out: Path, tests: list[str], pytest_args: list[str]) -> dict[str, tuple[list[list[str]], int]]:
@@ -77,7 +79,14 @@ def stages(out: Path, tests: list[str], pytest_args: list[str]) -> dict[str, tup
     warm = [[PY, "tools/bench_serving.py", "--shapes", shape, "--parts", "warmstart", "--batches", "256", *flag,
              "--out", str(out / f"bench_warm_start_{shape}{'_off' if flag else ''}.md")]
             for shape in ("smollm2-135m", "llama-3-8b") for flag in ([], ["--no-warm-up"])]
+    # Qwen3-30B-A3B's shape in Q4_K (a file written once, about 17 GB) beside llama.cpp's binaries where given
+    moe_gguf, llama = os.environ.get("MOE_GGUF", "/tmp/qwen3-30b-a3b.gguf"), os.environ.get("LLAMA_CPP_BIN")
+    moe = [[PY, "tools/bench_moe.py", "--gguf", moe_gguf, *(["--llama-cpp", llama] if llama else []),
+            "--out", str(out / "bench_moe.md")]]
+    if not Path(moe_gguf).exists():
+        moe.insert(0, [PY, "tools/write_gguf.py", "qwen3-30b-a3b", moe_gguf])
     return {**{name: ([cmd], limit) for name, (cmd, limit) in single.items()}, "bench_warm_start": (warm, 480),
+            "bench_moe": (moe, 600),
             "sanitize": (memcheck, 300), "racecheck": (racecheck, 300)}
 
 
@@ -109,7 +118,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_out")))
     ap.add_argument("--stages", default="env,tests,sanitize,racecheck,bench_graphs,bench_attention,bench_gemv,bench_decode,"
                                         "bench_gemm,bench_prefill,bench_serving,bench_serving_one_process,bench_serving_api_servers,bench_host,bench_warm_start,profile_step,"
-                                        "bench_gemm_decode")
+                                        "bench_gemm_decode,bench_moe")
     ap.add_argument("--tests", default="tests/gpu", help="test paths, space separated")
     ap.add_argument("--pytest-args", default="", help="extra pytest arguments, space separated")
     a = ap.parse_args()

@@ -78,10 +78,14 @@ def test_moe_model_decode_gpu(device, arch, qtype, tmp_path):
         assert np.abs(g - w).max() <= 2e-3 * np.abs(w).max(), f"step {step}"
 
 
-@pytest.mark.parametrize("arch,qtype", [("qwen3_moe", "Q4_K"), ("mixtral", "Q8_0"), ("qwen3_moe", "F16")])
-def test_batched_moe_rows_gpu(device, arch, qtype, tmp_path):
+@pytest.mark.parametrize("arch,qtype,grouped_min", [("qwen3_moe", "Q4_K", 8), ("mixtral", "Q8_0", 8), ("qwen3_moe", "F16", 8),
+                                                    ("qwen3_moe", "Q6_K", 1), ("mixtral", "Q4_0", 1),
+                                                    ("qwen3_moe", "Q5_K", 10**6)])
+def test_batched_moe_rows_gpu(device, arch, qtype, grouped_min, tmp_path, monkeypatch):
     """The batched path of a model of 8 experts (prefill chunks, decode steps of three sequences) against the
-    reference, one sequence at a time (tests.test_moe.batched_moe_matches_the_reference)."""
+    reference, one sequence at a time (tests.test_moe.batched_moe_matches_the_reference): batches from
+    ``grouped_min`` rows on through the grouped expert GEMM, fewer through the expert GEMV."""
     from tests.test_moe import batched_moe_matches_the_reference
 
-    batched_moe_matches_the_reference(device, arch, qtype, tmp_path, hidden=256, expert_ffn=256)
+    batched_moe_matches_the_reference(device, arch, qtype, tmp_path, monkeypatch, grouped_min=grouped_min, hidden=256,
+                                      expert_ffn=256)
