@@ -5,6 +5,7 @@
     python tools/bench_moe.py --gguf /tmp/moe.gguf --llama-cpp /tmp/llama.cpp/build/bin --out bench_moe_h200.md
     python tools/bench_moe.py --shape qwen3-30b-a3b --batches 1,8 --prompt 128   # random weights, no peer
     python tools/bench_moe.py --shape tiny --device emulate --batches 2 --prompt 8 --gen 2 --runs 1   # CPU smoke
+    python tools/bench_moe.py --shape qwen3-30b-a3b --grouped-min 2,4,8,16,1000000   # the policy's row threshold
 
 realizar, on the file's weights:
 
@@ -70,8 +71,29 @@ def llama_cpp(folder: Path, gguf: Path, prompt: int, gen: int, batches: list[int
     return single, batched, [" ".join(bench), " ".join(batched_cmd)]
 
 
+def grouped_sweep(model, values: list[int], batches: list[int], rng) -> dict[int, dict[int, float]]:
+    """{MIN: {B: tok/s}}: batched decode (128 + 32) with the grouped expert GEMM from MIN rows on (the policy's
+    ``MOE_GROUPED_MIN_ROWS``), a fresh backend for each (captured graphs keep their launches)."""
+    import realizar.gpu.decoder as decoder
+
+    kept, out = decoder.MOE_GROUPED_MIN_ROWS, {}
+    ctx = BATCH_PROMPT + 32
+    try:
+        for v in values:
+            decoder.MOE_GROUPED_MIN_ROWS = v
+            backend = GpuBatchBackend(model, num_blocks=max(batches) * -(-ctx // 32) + 1, block_size=32,
+                                      kv_dtype="f16", max_batch=max(batches), max_context=ctx)
+            out[v] = {b: r["tok_s"] for b, r in bench_batched(backend, batches, BATCH_PROMPT, 32, rng).items()}
+            backend.close()
+            del backend
+            gc.collect()
+    finally:
+        decoder.MOE_GROUPED_MIN_ROWS = kept
+    return out
+
+
 def realizar_rates(cfg, tensors, a, batches: list[int], rng, dev) -> tuple[dict, dict]:
-    """({"tg", "gpu_us", "pp"}, {B: tok/s}) of realizar on ``tensors``; the model is freed on return."""
+    """({"tg", "gpu_us", "pp"[, "sweep"]}, {B: tok/s}) of realizar on ``tensors``; the model is freed on return."""
     model = GpuModel(cfg, tensors, max_len=max(a.prompt, 8 + a.gen) + 16, device=dev)
     tg, gpu_us = decode_rate(model, a.gen)
     ids = [int(t) for t in rng.integers(0, cfg.vocab_size, a.prompt)]
@@ -88,8 +110,12 @@ def realizar_rates(cfg, tensors, a, batches: list[int], rng, dev) -> tuple[dict,
         batched = {b: r["tok_s"] for b, r in bench_batched(backend, batches, BATCH_PROMPT, BATCH_GEN, rng).items()}
     finally:
         backend.close()
-        del backend, model
+        del backend
         gc.collect()
+    if a.grouped_min:
+        single["sweep"] = grouped_sweep(model, [int(v) for v in a.grouped_min.split(",")], a.sweep_batches, rng)
+    del model
+    gc.collect()
     return single, batched
 
 
@@ -115,6 +141,12 @@ def render(a, cfg, read_bytes: int, bw: float, ours: dict, ours_b: dict, peer: d
     for b in sorted(ours_b):
         lines.append(f"| batched decode B={b} (S_TG, {BATCH_PROMPT} + {BATCH_GEN}) | {f(ours_b[b])} | "
                      f"{f(peer_b.get(b))} | {ratio(ours_b[b], peer_b.get(b))} |")
+    if "sweep" in ours:
+        bs = sorted({b for r in ours["sweep"].values() for b in r})
+        lines += ["", f"Batched decode tok/s ({BATCH_PROMPT} + 32) with the grouped expert GEMM from MIN rows on "
+                  "(fewer: the expert GEMV per pair):", "",
+                  "| MIN | " + " | ".join(f"B={b}" for b in bs) + " |", "|---:|" + "---:|" * len(bs)]
+        lines += [f"| {v} | " + " | ".join(f(r.get(b)) for b in bs) + " |" for v, r in ours["sweep"].items()]
     return lines
 
 
@@ -128,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--grouped-min", help="also sweep the grouped GEMM's row threshold over these values, e.g. 2,4,8")
+    ap.add_argument("--sweep-batches", default="1,2,4,8,16,32,64", type=lambda v: [int(b) for b in v.split(",")])
     ap.add_argument("--device", choices=("cuda", "emulate"), default="cuda")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)

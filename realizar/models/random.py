@@ -188,13 +188,16 @@ BENCH_SHAPES = {
                                   tied_embeddings=False), "Q4_K", "Q4_K", "Q6_K"),
 }  # fmt: skip
 
-# mixture-of-experts shapes (bench_decode --shapes; one row a step on the GPU so far)
+# mixture-of-experts shapes (bench_decode --shapes, bench_moe --shape, write_gguf)
 MOE_SHAPES = {
     "qwen3-30b-a3b": BenchShape(dict(architecture="qwen3moe", rope_type="neox", rms_norm_eps=1e-6, context_length=8192,
                                      vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4,
                                      head_dim=128, intermediate_size=6144, rope_theta=1e6, tied_embeddings=False,
                                      qk_norm=True, num_experts=128, num_experts_used=8, expert_ffn_size=768),
                                 "Q4_K", "Q4_K", "Q6_K"),
+    "mixtral-8x7b": BenchShape(dict(_LLAMA, vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                                    head_dim=128, intermediate_size=14336, rope_theta=1e6, tied_embeddings=False,
+                                    num_experts=8, num_experts_used=2, expert_ffn_size=14336), "Q4_K", "Q4_K", "Q6_K"),
 }  # fmt: skip
 
 # more weight types at the 8B shape (bench_decode): a Q5_K_M-like file and an all-Q4_0 one

@@ -9,6 +9,6 @@ qwen3-30b-a3b`` (batch 1) and ``tools/bench_moe.py`` (rows); the figures are in 
 from __future__ import annotations
 
 # batches of at least this many rows group their pairs by expert (fewer: the GEMV reads an expert per pair)
-MOE_GROUPED_MIN_ROWS = 4
+MOE_GROUPED_MIN_ROWS = 2
 # the grouped GEMM's token tile: the pairs an expert gets on average, rounded up to a tile size, within these
 MOE_TILE_MIN, MOE_TILE_MAX = 8, 64
