@@ -322,9 +322,8 @@ def _real_expert_shapes() -> list:
     2048) in Q4_K / Q6_K / Q8_0 at every token tile the MoE policy allows, with the warps / stages
     ``MoeOps.gemm_experts`` picks on a device of 227 KB of shared memory a block; moe_group for 128 experts at
     those tiles."""
-    from ptx_gen.kernels.gemm.gemm_q import smem_bytes
     from ptx_gen.kernels.moe.group import TILE_TOKENS
-    from realizar.gpu.policy.gemm import GEMM_Q_CTA_WARPS, GEMM_Q_STAGES
+    from realizar.gpu.moe import expert_gemm_config
     from realizar.gpu.policy.moe import MOE_TILE_MAX, MOE_TILE_MIN
 
     # known spills (ptxas 13.0, reported with this test): the expert variant needs a few more registers than
@@ -337,10 +336,9 @@ def _real_expert_shapes() -> list:
     for wtype in ("Q4_K", "Q6_K", "Q8_0"):
         for in_dim, glu in ((2048, True), (768, False)):
             for mt in mts:
-                shape = dict(wtype=wtype, in_dim=in_dim, layout="rows", mt=mt, kparts=1)
-                warps, stages = next(((wp, s) for wp in (GEMM_Q_CTA_WARPS, 2, 1) for s in GEMM_Q_STAGES
-                                      if smem_bytes(**shape, warps=wp, stages=s) <= 227 * 1024), (1, 2))
-                shape = dict(shape, warps=warps, stages=stages, out_f16=glu, glu=glu)
+                warps, stages = expert_gemm_config(wtype, in_dim, mt, 227 * 1024)
+                shape = dict(wtype=wtype, in_dim=in_dim, mt=mt, kparts=1, warps=warps, stages=stages, out_f16=glu,
+                             glu=glu)
                 why = known.get((wtype, in_dim, mt))
                 marks = [pytest.mark.xfail(strict=True, reason=f"known: {why}")] if why else []
                 cases.append(pytest.param("gemm_q_experts", shape, marks=marks,

@@ -25,7 +25,7 @@ import numpy as np
 from realizar.errors import ShapeError, UnsupportedError
 from realizar.gpu.dispatch import Dispatcher
 
-__all__ = ["ExpertGroups", "ExpertWeights", "MoeOps", "tile_tokens"]
+__all__ = ["ExpertGroups", "ExpertWeights", "MoeOps", "expert_gemm_config", "tile_tokens"]
 
 
 def tile_tokens(pairs: int, experts: int) -> int:
@@ -36,6 +36,16 @@ def tile_tokens(pairs: int, experts: int) -> int:
 
     avg = -(-pairs // experts)
     return next((t for t in TILE_TOKENS if t >= max(avg, MOE_TILE_MIN) and t <= MOE_TILE_MAX), MOE_TILE_MAX)
+
+
+def expert_gemm_config(wtype: str, in_dim: int, mt: int, max_smem: int) -> tuple[int, int]:
+    """(warps, stages) of the grouped expert GEMM (one K part: the tiles fill the GPU): gemm_q's CTA of warps and its
+    deepest ring that fits ``max_smem``, fewer warps where none does."""
+    from ptx_gen.kernels.gemm.gemm_q import smem_bytes
+    from realizar.gpu.policy.gemm import GEMM_Q_CTA_WARPS, GEMM_Q_STAGES
+
+    return next(((wp, st) for wp in (GEMM_Q_CTA_WARPS, 2, 1) for st in GEMM_Q_STAGES
+                 if smem_bytes(wtype, in_dim, "rows", mt, wp, 1, st) <= max_smem), (1, 2))
 
 
 @dataclass(frozen=True)
@@ -140,9 +150,6 @@ class MoeOps(Dispatcher):
         """``out[p] = W_e x16[p / x_group]`` for every pair ``p`` of ``groups``, ``e`` its expert (f16 X rows
         ``lda`` apart, f32 accumulation on tensor cores; ``out`` rows ``ldy`` apart, f16 with ``out_f16``); with a
         [gate; up] stack ``silu(G_e x) * (U_e x)``. Each tile reads its expert's weights once. Needs sm_80 or newer."""
-        from ptx_gen.kernels.gemm.gemm_q import smem_bytes
-        from realizar.gpu.policy.gemm import GEMM_Q_CTA_WARPS, GEMM_Q_STAGES
-
         if self.device.target.compute_capability < (8, 0):
             raise ShapeError(f"the grouped expert GEMM needs sm_80 or newer, this device is {self.device.target}")
         if not ew.groupable:
@@ -157,12 +164,9 @@ class MoeOps(Dispatcher):
                              f"got {lda}, {ldy}")
         if (x_rows - 1) * lda * 2 >= 2**32:
             raise ShapeError(f"x16 spans {(x_rows - 1) * lda * 2} bytes, the GEMM addresses fewer than 2**32")
-        budget = self.device.max_shared_per_block_optin
-        shape = dict(wtype=w.wtype, in_dim=w.in_dim, layout="rows", mt=groups.mt, kparts=1)
-        warps, stages = next(((wp, st) for wp in (GEMM_Q_CTA_WARPS, 2, 1) for st in GEMM_Q_STAGES
-                              if smem_bytes(**shape, warps=wp, stages=st) <= budget), (1, 2))
-        kern = self.kernel("gemm_q_experts", **shape, warps=warps, stages=stages, out_f16=bool(out_f16),
-                           glu=ew.glu)
+        warps, stages = expert_gemm_config(w.wtype, w.in_dim, groups.mt, self.device.max_shared_per_block_optin)
+        kern = self.kernel("gemm_q_experts", wtype=w.wtype, in_dim=w.in_dim, mt=groups.mt, kparts=1, warps=warps,
+                           stages=stages, out_f16=bool(out_f16), glu=ew.glu)
         values = {"w": w.ptr, "x": self.addr(x16, (x_rows - 1) * lda + w.in_dim, "x16", np.float16),
                   "y": self.addr(out, (groups.pairs - 1) * ldy + n_out, "out", np.float16 if out_f16 else np.float32,
                                  align=2 if out_f16 else 4),

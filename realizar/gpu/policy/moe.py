@@ -2,8 +2,9 @@
 expert (``moe_group`` + ``gemm_q_experts``) instead of one expert GEMV per (token, slot) pair, and the token tile
 of that GEMM.
 
-Read by :mod:`realizar.gpu.decoder` and :mod:`realizar.gpu.moe`. Measured with ``tools/bench_decode.py --shapes
-qwen3-30b-a3b`` (batch 1) and ``tools/bench_moe.py`` (rows); the figures are in docs/performance.md.
+Read by :mod:`realizar.gpu.decoder` and :mod:`realizar.gpu.moe`. Measured with ``tools/bench_moe.py --grouped-min``
+(the threshold) and ``tools/bench_moe.py`` at the Mixtral-8x7B shape (the largest tile); the figures are in
+docs/performance.md.
 """
 
 from __future__ import annotations
