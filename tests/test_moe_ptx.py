@@ -247,7 +247,7 @@ def _expert_gemm_oracle(raw, wtype, wrows, in_dim, x, glu):
 
 @settings(max_examples=examples(40), deadline=None)
 @given(wtype=st.sampled_from(["F16", "Q8_0", "Q4_0", "Q4_K", "Q6_K"]), data=st.data(), glu=st.booleans(),
-       out_f16=st.booleans(), experts=st.integers(2, 5), tokens=st.integers(1, 12), mt=st.sampled_from([8, 16]),
+       out_f16=st.booleans(), experts=st.integers(2, 5), tokens=st.integers(1, 40), mt=st.sampled_from([8, 16, 32, 64]),
        seed=st.integers(0, 2**32 - 1))
 def test_grouped_expert_gemm_matches_the_oracle(wtype, data, glu, out_f16, experts, tokens, mt, seed):
     """The grouped pipeline on the emulator: ``moe_group`` sorts the router's ids, ``gemm_q_experts`` runs

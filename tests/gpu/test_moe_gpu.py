@@ -58,10 +58,14 @@ def test_moe_combine_gpu(ops, rows, used, hidden):
         b.free()
 
 
-@pytest.mark.parametrize("arch,qtype", [("qwen3_moe", "Q4_K"), ("mixtral", "Q8_0"), ("qwen3_moe", "F16")])
+@pytest.mark.parametrize("arch,qtype", [("qwen3_moe", "Q4_K"), ("mixtral", "Q8_0"), ("qwen3_moe", "F16"),
+                                        ("mixtral", "Q4_0"), ("qwen3_moe", "Q4_1"), ("mixtral", "Q5_0"),
+                                        ("qwen3_moe", "Q5_1"), ("mixtral", "Q5_K"), ("qwen3_moe", "Q6_K")])
 def test_moe_model_decode_gpu(device, arch, qtype, tmp_path):
-    """GpuModel of a small random MoE model (8 experts, 2 a token, rows of 256) on the GPU against the reference:
-    prefill one row at a time and greedy decode, through the decode graph."""
+    """GpuModel of a small random MoE model (8 experts, 2 a token, rows of 256) in every weight type on the GPU
+    against the reference: the prompt's prefill and 32 greedy decode steps through the decode graph (both fed the
+    reference's tokens): logits within 2e-3 of the largest at every step, the same greedy token but at a near-tie
+    (the reference's two best closer than twice the difference)."""
     from realizar.gpu.model import GpuModel
     from realizar.models.loader import load_model
     from realizar.models.reference import ReferenceModel
@@ -73,9 +77,12 @@ def test_moe_model_decode_gpu(device, arch, qtype, tmp_path):
     loaded = load_model(path)
     ref = ReferenceModel.from_loaded(loaded, max_len=64)
     model = GpuModel.from_loaded(loaded, max_len=64, device=device)
-    want, got = greedy_walk(ref, model, [5, 17, 42, 99, 7], 16)
+    want, got = greedy_walk(ref, model, [5, 17, 42, 99, 7], 32)
     for step, (g, w) in enumerate(zip(got, want)):
-        assert np.abs(g - w).max() <= 2e-3 * np.abs(w).max(), f"step {step}"
+        err = np.abs(g - w).max()
+        assert err <= 2e-3 * np.abs(w).max(), f"step {step}"
+        top2 = np.sort(w)[-2:]
+        assert int(np.argmax(g)) == int(np.argmax(w)) or top2[1] - top2[0] <= 2 * err, f"step {step}: not a near-tie"
 
 
 @pytest.mark.parametrize("arch,qtype,grouped_min", [("qwen3_moe", "Q4_K", 8), ("mixtral", "Q8_0", 8), ("qwen3_moe", "F16", 8),
