@@ -87,7 +87,8 @@ def test_moe_model_decode_gpu(device, arch, qtype, tmp_path):
 
 @pytest.mark.parametrize("arch,qtype,grouped_min", [("qwen3_moe", "Q4_K", 8), ("mixtral", "Q8_0", 8), ("qwen3_moe", "F16", 8),
                                                     ("qwen3_moe", "Q6_K", 1), ("mixtral", "Q4_0", 1),
-                                                    ("qwen3_moe", "Q5_K", 10**6)])
+                                                    ("qwen3_moe", "Q5_K", 10**6), ("mixtral", "Q4_1", 1),
+                                                    ("qwen3_moe", "Q5_1", 8), ("mixtral", "Q5_0", 1)])
 def test_batched_moe_rows_gpu(device, arch, qtype, grouped_min, tmp_path, monkeypatch):
     """The batched path of a model of 8 experts (prefill chunks, decode steps of three sequences) against the
     reference, one sequence at a time (tests.test_moe.batched_moe_matches_the_reference): batches from
