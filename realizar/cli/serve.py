@@ -287,7 +287,7 @@ def _start_engine_process(args: argparse.Namespace, listen: bool = False) -> tup
 def register(command) -> None:
     """Add the subcommand's parser; ``command(name, help, description)`` makes one."""
     p = command("serve", "OpenAI-compatible HTTP server",
-                "Serve the model over HTTP: POST /v1/completions, /v1/chat/completions (with streaming), "
+                "Serve the model over HTTP: POST /v1/completions, /v1/chat/completions (with streaming), /v1/messages (Anthropic), "
                 "GET /v1/models, POST /tokenize, /detokenize, GET /health, /metrics. Binds to 127.0.0.1 unless told otherwise.")
     add_model_args(p)
     add_tensor_parallel_arg(p)

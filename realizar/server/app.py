@@ -2,9 +2,9 @@
 
 Endpoints (:mod:`realizar.server.routes`): ``POST /v1/completions``, ``POST /v1/chat/completions``
 (both with ``stream: true`` as Server-Sent Events in OpenAI's chunk format, ending with
-``data: [DONE]``), ``GET /v1/models``, ``POST /tokenize`` and ``/detokenize``, ``GET /health`` and
-``GET /metrics`` (Prometheus text). An optional API key guards every route but the last two.
-Errors are answered with OpenAI's error body (:mod:`realizar.server.errors`).
+``data: [DONE]``), Anthropic's ``POST /v1/messages`` (:mod:`realizar.server.anthropic`), ``GET /v1/models``,
+``POST /tokenize`` and ``/detokenize``, ``GET /health`` and ``GET /metrics`` (Prometheus text). An optional API key guards every route but the last two.
+Errors are answered with OpenAI's error body (:mod:`realizar.server.errors`), Anthropic's under ``/v1/messages``.
 
 Generations run concurrently on the continuous-batching engine (:class:`realizar.serving.ServingEngine`,
 through :mod:`realizar.server.scheduler`): every request in flight advances in the same decode steps,
@@ -23,6 +23,7 @@ from typing import Any, AsyncIterator, Sequence
 
 from fastapi import FastAPI
 
+from realizar.server.anthropic import AnthropicErrorMiddleware
 from realizar.server.auth import ApiKeyMiddleware
 from realizar.server.errors import install_error_handlers
 from realizar.server.limits import DEFAULT_MAX_BODY, BodyLimitMiddleware
@@ -36,7 +37,7 @@ log = logging.getLogger("realizar.server")
 
 __all__ = ["create_app"]
 
-GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/messages")
 KNOWN_ENDPOINTS = (*GENERATION_ENDPOINTS, "/v1/models", "/health", "/metrics", "/tokenize", "/detokenize")
 
 
@@ -180,6 +181,7 @@ def create_app(
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(BodyLimitMiddleware, max_body=max_body)
     app.add_middleware(OriginMiddleware, allowed_origins=tuple(allowed_origins), loopback_hosts=loopback_hosts)
+    app.add_middleware(AnthropicErrorMiddleware)  # (errors under /v1/messages in Anthropic's shape)
     app.add_middleware(_MetricsMiddleware, metrics=metrics)  # outermost: 401s are counted too
     install_error_handlers(app)
     for router in ROUTERS:

@@ -1,7 +1,7 @@
 """Optional API key: with one set, every ``/v1`` route and ``/tokenize``/``/detokenize`` answer 401
 (OpenAI's error body, code ``invalid_api_key``) unless the request carries
-``Authorization: Bearer <key>``; ``/health`` and ``/metrics`` stay open. Pure ASGI, so streamed
-answers pass through untouched."""
+``Authorization: Bearer <key>`` or ``x-api-key: <key>`` (as Anthropic's clients send it); ``/health``
+and ``/metrics`` stay open. Pure ASGI, so streamed answers pass through untouched."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         body = json.dumps(error_body(
-            "missing or incorrect API key: send the header 'Authorization: Bearer <key>'",
+            "missing or incorrect API key: send the header 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
             "invalid_request_error", None, "invalid_api_key")).encode("utf-8")  # fmt: skip
         await send({"type": "http.response.start", "status": 401, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
@@ -38,9 +38,12 @@ class ApiKeyMiddleware:
         await send({"type": "http.response.body", "body": body})
 
     def _authorized(self, scope: dict) -> bool:
+        ok = False
         for name, value in scope.get("headers", ()):
             if name == b"authorization":
                 # the scheme is case-insensitive; compare_digest keeps the key's bytes from leaking by timing
                 given = b"Bearer " + value[7:] if value[:7].lower() == b"bearer " else value
-                return hmac.compare_digest(given.strip(), self.expected)
-        return False
+                ok |= hmac.compare_digest(given.strip(), self.expected)
+            elif name == b"x-api-key":  # (how Anthropic's clients send it)
+                ok |= hmac.compare_digest(b"Bearer " + value.strip(), self.expected)
+        return ok

@@ -1,8 +1,8 @@
 """The server's endpoints, one router per family; each takes the app's
 :class:`~realizar.server.state.ServerState` as a dependency."""
 
-from realizar.server.routes import chat, completions, health, models, tokenize
+from realizar.server.routes import chat, completions, health, messages, models, tokenize
 
-ROUTERS = (health.router, models.router, completions.router, chat.router, tokenize.router)
+ROUTERS = (health.router, models.router, completions.router, chat.router, tokenize.router, messages.router)
 
 __all__ = ["ROUTERS"]
