@@ -233,8 +233,9 @@ def load_engine(
     max_context: int | None = None,
     tensor_parallel: int = 1,
 ) -> Engine:
-    """Load a model file (GGUF) or directory (safetensors) — the default model when ``None`` — and
-    build its tokenizer and generator. ``max_context`` caps the KV cache below the model's context.
+    """Load a model file (GGUF) or directory (safetensors), or a Hugging Face Hub id (``org/name[:QUANT]``,
+    :func:`realizar.models.hub.resolve_model`) — the default model when ``None`` — and build its tokenizer and
+    generator. ``max_context`` caps the KV cache below the model's context.
 
     ``tensor_parallel=N`` splits the model over GPUs 0..N-1 of this host (Megatron-style sharding,
     NCCL all-reduces captured in each GPU's decode graph: :mod:`realizar.parallel.gpu`). N = 1 (the
@@ -285,20 +286,16 @@ def load_engine(
 def _describe(model_path: str | os.PathLike | None) -> tuple[Path, Any, Any, tuple[int, ...], str]:
     """(path, the loaded file, tokenizer, end-of-sequence ids, served name) of a model file or directory (the
     default model when None); no weights are read."""
+    from realizar.models.hub import resolve_model, served_name
     from realizar.models.loader import load_model
 
-    if model_path is None:
-        from realizar.default_model import default_model_path
-
-        path = default_model_path()
-    else:
-        path = Path(model_path).expanduser()
+    path = resolve_model(model_path)
     loaded = load_model(path)
     tokenizer = load_tokenizer(loaded)
     eos = tuple(dict.fromkeys([*getattr(tokenizer, "eos_token_ids", ()), *loaded.config.eos_token_ids]))
     # the name clients see and type: the file's (or directory's), as the user named it; a GGUF's general.name
     # is often a training run's label that matches nothing the user has seen
-    return path, loaded, tokenizer, eos, model_id(path.stem if path.is_file() else path.name)
+    return path, loaded, tokenizer, eos, model_id(served_name(path))
 
 
 def load_front(model_path: str | os.PathLike | None = None, device: str = "engine process") -> Engine:

@@ -45,3 +45,9 @@ class ModelOutputError(RealizarError, RuntimeError):
 class TensorParallelError(RealizarError, RuntimeError):
     """Tensor parallelism over N GPUs cannot run: the model does not split over N, fewer than N GPUs are
     visible, or (for now) the multi-GPU model itself is not built. The message says which."""
+
+
+class ModelNotFoundError(RealizarError, FileNotFoundError):
+    """A ``--model`` that is no local path and no model to be had from the Hugging Face Hub: the repo is not on
+    the endpoint, has no file matching the quant asked for (the message lists its GGUF files), or, offline
+    (``HF_HUB_OFFLINE=1``, or the endpoint unreachable), is not in the Hugging Face cache."""

@@ -17,20 +17,11 @@ anthropic = pytest.importorskip("anthropic")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
-from realizar.engine import load_engine  # noqa: E402
-from tests.test_server import LiveServer, _sample, _wait_idle, throttled_serving  # noqa: E402
+from tests.server_helpers import check_disconnect_stops, sse_events, tool_template_server  # noqa: E402
 
 KEY = "sk-ant-test-77"
 GREEDY = {"temperature": 0}
 
-# ChatML that lists the tools in a system turn and renders an assistant's tool calls and tool results
-TEMPLATE = (
-    "{% if tools %}<|im_start|>system\nTools:\n{% for t in tools %}{{ t['function'] | tojson }}\n{% endfor %}"
-    "<|im_end|>\n{% endif %}"
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] or '' }}"
-    "{% for c in m.get('tool_calls') or [] %}<tool_call>{{ c['function'] | tojson }}</tool_call>{% endfor %}"
-    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 WEATHER = {
     "name": "get_weather",
     "description": "Weather report for a city",
@@ -46,13 +37,7 @@ HI = [{"role": "user", "content": "Name a city in France."}]
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
-    from tests.gguf_factory import make_gguf_model
-
-    path, _, _ = make_gguf_model("llama", tmp_path_factory.mktemp("messages"), qtype="Q8_0", seed=0,
-                                 max_position_embeddings=1024)  # fmt: skip
-    engine = load_engine(str(path), device="cpu")
-    engine.tokenizer.chat_template = TEMPLATE
-    srv = LiveServer(engine, api_key=KEY, serving=throttled_serving(engine)).start()
+    srv = tool_template_server(tmp_path_factory, "messages", KEY)
     yield srv
     srv.stop()
 
@@ -64,20 +49,7 @@ def client(live):
 
 
 def _events(live, body: dict) -> list[tuple[str, dict]]:
-    """The (event, data) pairs of a streamed answer, read raw."""
-    out = []
-    with httpx.stream("POST", live.url + "/v1/messages", json={**body, "stream": True},
-                      headers={"x-api-key": KEY}, timeout=60) as r:  # fmt: skip
-        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-        event = None
-        for line in r.iter_lines():
-            if line.startswith("event: "):
-                event = line[7:]
-            elif line.startswith("data: "):
-                data = json.loads(line[6:])
-                assert data["type"] == event
-                out.append((event, data))
-    return out
+    return sse_events(live.url + "/v1/messages", body, {"x-api-key": KEY})
 
 
 def test_whole_answer(client, live):
@@ -273,23 +245,5 @@ def test_sdk_raises_its_typed_errors(client, live):
 
 
 def test_disconnect_mid_stream_stops_the_generation(live):
-    backend = live.backend
-    before = _wait_idle(live)
-    cancelled0 = _sample(before, "realizar_requests_cancelled")
-    backend.delay = 0.05
-    try:
-        body = {"model": live.engine.name, "max_tokens": 500, "messages": HI, "stream": True, **GREEDY}
-        decodes0 = backend.decodes
-        with httpx.Client(timeout=30) as h:
-            with h.stream("POST", live.url + "/v1/messages", json=body, headers={"x-api-key": KEY}) as r:
-                assert r.status_code == 200
-                deltas = 0
-                for line in r.iter_lines():
-                    deltas += line == "event: content_block_delta"
-                    if deltas >= 2:
-                        break
-        m = _wait_idle(live, timeout=10)
-        assert _sample(m, "realizar_requests_cancelled") == cancelled0 + 1
-        assert backend.decodes - decodes0 < 250
-    finally:
-        backend.delay = 0.0
+    body = {"model": live.engine.name, "max_tokens": 500, "messages": HI, **GREEDY}
+    check_disconnect_stops(live, "/v1/messages", body, {"x-api-key": KEY}, "content_block_delta")

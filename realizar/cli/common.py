@@ -227,8 +227,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     from realizar.engine import DEVICES
 
     p.add_argument("-m", "--model", metavar="PATH",
-                   help="GGUF file or HF safetensors directory (default: SmolLM2-135M-Instruct, "
-                        "downloaded once and cached)")
+                   help="GGUF file, HF safetensors directory, or Hugging Face Hub id org/name[:QUANT] "
+                        "(downloaded into HF_HOME's cache; HF_HUB_OFFLINE=1: the cache only) (default: "
+                        "SmolLM2-135M-Instruct, downloaded once and cached)")
     p.add_argument("-d", "--device", choices=DEVICES, default="auto",
                    help="where to run: the GPU when available (auto), or force cuda / cpu; emulate: the GPU model on the "
                         "CPU PTX emulator (slow: for tiny models) (default: auto)")

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 from typing import Any
 
-from realizar.cli.common import CliError, human_bytes, human_count
+from realizar.cli.common import human_bytes, human_count
 
 
 def _type_name(ggml_type: int) -> str:
@@ -97,14 +96,9 @@ def model_info(path: str) -> dict:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    if args.model is None:
-        from realizar.default_model import default_model_path
+    from realizar.models.hub import resolve_model
 
-        path = default_model_path()  # downloaded once and cached, as for the other commands
-    else:
-        path = Path(args.model).expanduser()
-    if not path.exists():
-        raise CliError(f"no model at {path}")
+    path = resolve_model(args.model)  # the default model, a path, or a Hub id (downloaded once and cached)
     info = model_info(str(path))
     if args.json:
         if not args.tensors:
@@ -163,10 +157,11 @@ def cmd_info(args: argparse.Namespace) -> int:
 def register(command) -> None:
     """Add the subcommand's parser; ``command(name, help, description)`` makes one."""
     p = command("info", "describe a model file: architecture, shapes, tensors, tokenizer",
-                "Describe MODEL (a GGUF file or a safetensors directory; default: the default model) "
-                "without loading its weights.")
+                "Describe MODEL (a GGUF file, a safetensors directory or a Hub id org/name[:QUANT]; default: the "
+                "default model) without loading its weights.")
     p.add_argument("model", metavar="MODEL", nargs="?",
-                   help="GGUF file or HF safetensors directory (default: SmolLM2-135M-Instruct)")
+                   help="GGUF file, HF safetensors directory or Hub id org/name[:QUANT] "
+                        "(default: SmolLM2-135M-Instruct)")
     p.add_argument("--tensors", action="store_true", help="also list every tensor (name, type, shape, bytes)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_info)

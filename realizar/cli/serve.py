@@ -150,14 +150,10 @@ def _refuse_tensor_parallel(args: argparse.Namespace) -> None:
     from realizar.models.loader import load_model
     from realizar.parallel import check_tensor_parallel
 
-    n = args.tensor_parallel
-    if args.model:
-        path = args.model
-    else:
-        from realizar.default_model import default_model_path
+    from realizar.models.hub import resolve_model
 
-        path = default_model_path()
-    check_tensor_parallel(load_model(path), n, args.device)
+    n = args.tensor_parallel
+    check_tensor_parallel(load_model(resolve_model(args.model)), n, args.device)
     raise TensorParallelError(
         f"serve --tensor-parallel {n}: continuous batching over a model split across GPUs is not built yet "
         f"(the server batches on one GPU); generate --tensor-parallel {n} and "
@@ -176,6 +172,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CliError("--api-key (or REALIZAR_API_KEY) must be a non-empty key without spaces")
     if args.kv_memory is not None and args.gpu_memory_utilization is not None:
         raise CliError("give --kv-memory or --gpu-memory-utilization, not both", 2)
+    if args.model is not None:  # a Hub id is downloaded (or found in the cache) before anything starts
+        from realizar.models.hub import resolve_model
+
+        resolve_model(args.model)
     if getattr(args, "tensor_parallel", 1) > 1:
         _refuse_tensor_parallel(args)
     if args.data_parallel > 1:

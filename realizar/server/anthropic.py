@@ -56,7 +56,7 @@ def _bad(message: str, param: str = "messages") -> P.ServerError:
     return P.ServerError(400, message, param=param, code="invalid_value")
 
 
-def _kind(x: Any) -> str:
+def kind_name(x: Any) -> str:
     return "null" if x is None else {dict: "object", list: "array", str: "string", bool: "boolean"}.get(
         type(x), type(x).__name__)
 
@@ -145,7 +145,7 @@ class MessagesRequest(BaseModel):
 def _type(b: Any, where: str) -> str:
     kind = b.get("type") if isinstance(b, dict) else None
     if not isinstance(kind, str):
-        got = "an object without a type" if isinstance(b, dict) else _kind(b)
+        got = "an object without a type" if isinstance(b, dict) else kind_name(b)
         raise _bad(f"{where}: expected a content block (an object with a 'type'), got {got}")
     return kind
 
@@ -166,13 +166,13 @@ def _text(b: Block, where: str) -> str:
         raise _bad(f"{where}: expected a 'text' block, got a {b['type']!r} block")
     text = _fields(b, where, ("text",)).get("text")
     if not isinstance(text, str):
-        raise _bad(f"{where}.text must be a string, got {_kind(text)}")
+        raise _bad(f"{where}.text must be a string, got {kind_name(text)}")
     return text
 
 
 def _listed(content: Any, where: str, what: str = "content blocks") -> list:
     if not isinstance(content, list):
-        raise _bad(f"{where} must be a string or a list of {what}, got {_kind(content)}", where.split("[")[0])
+        raise _bad(f"{where} must be a string or a list of {what}, got {kind_name(content)}", where.split("[")[0])
     return content
 
 
@@ -195,7 +195,7 @@ def _user(content: str | list[Block], where: str, open_calls: dict[str, str]) ->
             if isinstance(result, list):
                 result = "".join(_text(x, f"{at}.content[{k}]") for k, x in enumerate(result))
             elif not isinstance(result, str):
-                raise _bad(f"{at}.content must be a string or a list of text blocks, got {_kind(result)}")
+                raise _bad(f"{at}.content must be a string or a list of text blocks, got {kind_name(result)}")
             if f.get("is_error") is True:
                 result = "Error: " + result
             if texts:  # (text before a tool result: its own user turn)
@@ -229,7 +229,7 @@ def _assistant(content: str | list[Block], where: str) -> tuple[dict, dict[str, 
             tid, name, args = f.get("id"), f.get("name"), f.get("input")
             if not isinstance(tid, str) or not tid or not isinstance(name, str) or not isinstance(args, dict):
                 raise _bad(f"{at}: a tool_use block needs id (string), name (string) and input (object), got "
-                           f"{_kind(tid)}, {_kind(name)} and {_kind(args)}")
+                           f"{kind_name(tid)}, {kind_name(name)} and {kind_name(args)}")
             ids[tid] = name
             calls.append({"id": tid, "type": "function",
                           "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}})
@@ -252,7 +252,7 @@ def _tools(tools: list[dict] | None) -> list[dict]:
         if unknown:
             raise _bad(f"tools[{i}] takes name, description and input_schema, got also {', '.join(unknown)}", "tools")
         if not isinstance(t.get("input_schema"), dict):
-            raise _bad(f"tools[{i}].input_schema must be a JSON schema object, got {_kind(t.get('input_schema'))}",
+            raise _bad(f"tools[{i}].input_schema must be a JSON schema object, got {kind_name(t.get('input_schema'))}",
                        "tools")
         fn = {"name": t.get("name"), "parameters": t["input_schema"]}
         if "description" in t:

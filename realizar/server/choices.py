@@ -23,7 +23,7 @@ from realizar.server.errors import as_server_error, served_file
 from realizar.server.scheduler import Job
 from realizar.server.state import EventStream, ServerState
 
-__all__ = ["Outcome", "runs_for", "start_all", "collect_all", "stream_all", "best_of", "usage_of", "usage_tail"]
+__all__ = ["Outcome", "runs_for", "start_all", "collect_all", "stream_all", "best_of", "usage_of", "usage_tail", "failure"]
 
 log = logging.getLogger("realizar.server")
 
@@ -128,10 +128,7 @@ async def _events(state: ServerState, jobs: list[Job], render: Render, tail: Cal
             async for kind, payload in job.events():
                 if kind in ("error", "cancelled"):
                     if kind == "error":
-                        err = as_server_error(payload, served_file(state))
-                        if err.status >= 500:
-                            log.error("generation failed: %r", payload)
-                        yield _sse(err.body())
+                        yield _sse(failure(state, payload).body())
                     ok = False
                     break
                 for chunk in render(i, kind, payload):
@@ -147,6 +144,14 @@ async def _events(state: ServerState, jobs: list[Job], render: Render, tail: Cal
     finally:
         if not finished:
             cancel_all(state, jobs)
+
+
+def failure(state: ServerState, exc: BaseException) -> P.ServerError:
+    """The error a generation that failed mid-stream is reported with (logged when it is the server's)."""
+    err = as_server_error(exc, served_file(state))
+    if err.status >= 500:
+        log.error("generation failed: %r", exc)
+    return err
 
 
 def _sse(obj: dict) -> str:

@@ -12,20 +12,17 @@ as ``input_json_delta`` pieces. Errors take Anthropic's shape (:class:`Anthropic
 from __future__ import annotations
 
 import json
-import logging
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
 
 from realizar.server import anthropic as A
 from realizar.server import choices as C
-from realizar.server.errors import as_server_error, served_file
 from realizar.server.routes.chat import _prepare
 from realizar.server.scheduler import Job
 from realizar.server.state import EventStream, ServerState, get_state, off_loop, parse_body
 
 router = APIRouter()
-log = logging.getLogger("realizar.server")
 
 JSON_PIECE = 32  # characters of a tool's input per input_json_delta
 
@@ -76,9 +73,7 @@ async def _events(state: ServerState, job: Job, rid: str, n_in: int, live: bool,
             elif kind == "done":
                 result = payload
             elif kind == "error":
-                err = as_server_error(payload, served_file(state))
-                if err.status >= 500:
-                    log.error("generation failed: %r", payload)
+                err = C.failure(state, payload)
                 yield A.sse("error", {"error": A.error_body(err.status, err.message, err.code)[1]["error"]})
                 return
             else:  # cancelled: the client is gone
