@@ -107,7 +107,7 @@ def gemm_q(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "ro
 
 def _expert_grid() -> list[dict]:
     return [{"wtype": "Q4_K", "in_dim": 2048, "mt": 16, "glu": True, "out_f16": True},
-            {"wtype": "Q4_K", "in_dim": 768, "mt": 32, "warps": 4, "kparts": 1, "stages": 3},
+            {"wtype": "Q4_K", "in_dim": 768, "mt": 32, "warps": 4, "kparts": 1, "stages": 2},
             {"wtype": "Q8_0", "in_dim": 4096, "mt": 8, "glu": True, "out_f16": True},
             {"wtype": "Q6_K", "in_dim": 768, "mt": 64, "warps": 2, "kparts": 2, "stages": 2},
             {"wtype": "F16", "in_dim": 576, "mt": 8}]
