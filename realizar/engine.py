@@ -21,13 +21,17 @@ import json
 import os
 import re
 import sys
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from realizar.errors import InvalidRequestError, RealizarError
 from realizar.generation import GenerationResult, GenerationStream, Generator, SamplingParams, TokenChunk
 from realizar.models.config import ModelConfig
+
+if TYPE_CHECKING:  # pragma: no cover
+    import numpy as np
 
 __all__ = ["Engine", "load_engine", "load_tokenizer", "DEVICES"]
 
@@ -52,6 +56,7 @@ class Engine:
     device: str
     name: str
     path: Path | None = None
+    _embed_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     @property
     def context_length(self) -> int:
@@ -94,6 +99,30 @@ class Engine:
         self, messages: Sequence[Mapping[str, Any]], params: SamplingParams | None = None
     ) -> GenerationStream:
         return self.generator.stream(self.chat_prompt(messages), params)
+
+    def embedding_unavailable(self) -> str | None:
+        """Why this engine cannot :meth:`embed` (None: it can)."""
+        if self.model is None or not hasattr(self.model, "hidden_states"):
+            where = "in another process" if self.model is None else f"on {self.device}"
+            return f"embeddings run on the CPU backend only for now (this model runs {where})"
+        return None
+
+    def embed(self, inputs: Sequence[Sequence[int]], dimensions: int | None = None) -> "np.ndarray":
+        """Unit-norm embeddings ``[len(inputs), dimensions or hidden]`` of token-id sequences, each pooled from
+        its own final-norm hidden rows as ``config.pooling`` says (:mod:`realizar.embeddings`). Runs on the CPU
+        reference model beside any generation (no KV cache is touched); one call at a time per engine."""
+        import numpy as np
+
+        from realizar.embeddings import normalize, pool, truncate
+        from realizar.errors import UnsupportedError
+
+        why = self.embedding_unavailable()
+        if why is not None:
+            raise UnsupportedError(why)
+        with self._embed_lock:  # (calls in parallel would only share the same cores)
+            rows = [pool(self.model.hidden_states(ids), self.config.pooling) for ids in inputs]
+        out = normalize(np.stack(rows)) if rows else np.zeros((0, self.config.hidden_size), np.float32)
+        return truncate(out, dimensions)
 
     def batch_backend(self, config: Any = None) -> Any:
         """The backend that runs many sequences of this model at once (the

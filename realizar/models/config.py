@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "qwen3moe", "mixtral")
 
+# how an embedding is pooled from a sequence's final-norm hidden rows (ModelConfig.pooling): the last token's row
+# (decoder embedders such as Qwen3-Embedding), the mean of every row, or the first token's ("cls")
+POOLING_MODES = ("last", "mean", "cls")
+
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -40,6 +44,10 @@ class ModelConfig:
     router (``num_experts`` logits, softmax) choosing ``num_experts_used`` experts per token, SwiGLU FFNs of
     ``expert_ffn_size`` each, summed with the chosen probabilities (renormalised to sum to 1 when
     ``expert_weights_norm``).
+
+    ``pooling`` (one of :data:`POOLING_MODES`) is how ``/v1/embeddings`` pools a sequence's hidden rows: from a
+    GGUF's ``{arch}.pooling_type`` (llama.cpp's numbers: 1 mean, 2 cls, 3 last) or a sentence-transformers
+    directory's ``1_Pooling/config.json``; ``"last"`` when the file says nothing.
     """
 
     architecture: str
@@ -65,6 +73,7 @@ class ModelConfig:
     num_experts_used: int = 0
     expert_ffn_size: int = 0
     expert_weights_norm: bool = True
+    pooling: str = "last"
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property

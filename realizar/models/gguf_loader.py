@@ -462,9 +462,27 @@ def config_from_gguf(md: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...
         bos_token_id=bos,
         eos_token_ids=eos,
         pad_token_id=pad,
+        pooling=_pooling(md, p, warnings),
         extra=extra,
         **moe,
     )
+
+
+# llama.cpp's LLAMA_POOLING_TYPE: 0 none, 1 mean, 2 cls, 3 last, 4 rank
+_POOLING = {1: "mean", 2: "cls", 3: "last"}
+
+
+def _pooling(md: dict, p: str, warnings: list[str]) -> str:
+    """The embedding pooling ``{arch}.pooling_type`` names (see :attr:`ModelConfig.pooling`): ``"last"`` when absent,
+    0 (none) or a kind realizar does not pool by (with a warning)."""
+    value = md.get(p + "pooling_type")
+    if value is None:
+        return "last"
+    kind = int(value) if isinstance(value, (int, np.integer)) and not isinstance(value, bool) else None
+    if kind in _POOLING or kind == 0:
+        return _POOLING.get(kind, "last")
+    warnings.append(f"{p}pooling_type = {value!r} is not mean (1), cls (2) or last (3): embeddings pool the last token")
+    return "last"
 
 
 # llama.cpp's expert gating functions (LLAMA_EXPERT_GATING_FUNC_TYPE): 1 softmax, 2 sigmoid, 3 softmax over the

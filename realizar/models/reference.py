@@ -383,21 +383,47 @@ class ReferenceModel:
         """Run one token; logits ``[vocab]``."""
         return self._forward(np.asarray([int(token_id)], dtype=np.int64), False)
 
+    def hidden_states(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """The final-norm hidden rows ``[S, hidden]`` of ``token_ids`` as a sequence of its own from position 0
+        (what the LM head reads: ``hidden_states(ids) @ lm_head.T`` are a fresh prefill's logits), for
+        embeddings. The KV cache is neither read nor written: safe beside a generation, or another call."""
+        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        if ids.size == 0:
+            raise InvalidRequestError("hidden_states needs at least one token")
+        self._check_vocab(ids)
+        c, s = self.config, ids.shape[0]
+        if s > self.max_len:
+            raise ContextOverflowError(f"{s} tokens exceed the context length of {self.max_len}")
+        cos, sin = self._rope_tables(np.arange(s))
+
+        def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:  # causal over these rows alone
+            attn = gqa_attention(q.transpose(1, 0, 2), k.transpose(1, 0, 2), v.transpose(1, 0, 2), causal=True)
+            return attn.transpose(1, 0, 2).reshape(s, c.num_heads * c.head_dim)
+
+        x = self.embedding[ids]
+        for L in self.layers:
+            x = decoder_layer(x, [(L, c, attend)], cos, sin)
+        return rms_norm(x, self.output_norm, c.rms_norm_eps)
+
     # -- the forward pass --------------------------------------------------------------------------
 
+    def _check_vocab(self, ids: np.ndarray) -> None:
+        vocab = self.config.vocab_size
+        if ids.min() < 0 or ids.max() >= vocab:
+            bad = int(ids[(ids < 0) | (ids >= vocab)][0])
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary of {vocab}")
+
     def _rope_tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        if self._cos is None:
+        if self._cos is None:  # (sin first: a thread that sees cos set finds sin set too)
             ang = np.arange(self.max_len, dtype=np.float64)[:, None] * self.inv_freq[None, :]
-            self._cos = np.cos(ang).astype(np.float32)
             self._sin = np.sin(ang).astype(np.float32)
+            self._cos = np.cos(ang).astype(np.float32)
         return self._cos[positions], self._sin[positions]
 
     def _forward(self, ids: np.ndarray, all_logits: bool) -> np.ndarray:
         c = self.config
         s = ids.shape[0]
-        if ids.min() < 0 or ids.max() >= c.vocab_size:
-            bad = int(ids[(ids < 0) | (ids >= c.vocab_size)][0])
-            raise InvalidRequestError(f"token id {bad} is outside the vocabulary of {c.vocab_size}")
+        self._check_vocab(ids)
         self.cache.check_room(s)
         start = self.cache.length
         cos, sin = self._rope_tables(np.arange(start, start + s))

@@ -13,6 +13,7 @@ architecture, so ``rope_type`` is ``"neox"`` and no Q/K permutation is applied.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import mmap
@@ -319,6 +320,25 @@ def _weight_files(d: Path, weights: Path | None) -> list[Path]:
     return [weights]
 
 
+# sentence-transformers' pooling flags (1_Pooling/config.json) -> ModelConfig.pooling
+_ST_POOLING = (("pooling_mode_lasttoken", "last"), ("pooling_mode_mean_tokens", "mean"), ("pooling_mode_cls_token", "cls"))
+
+
+def pooling_from_sentence_transformers(d: Path, warnings: list[str]) -> str:
+    """The embedding pooling a sentence-transformers directory names in ``1_Pooling/config.json`` (see
+    :attr:`ModelConfig.pooling`); ``"last"`` without one, or (with a warning) for a mode realizar does not pool by."""
+    path = d / "1_Pooling" / "config.json"
+    if not path.is_file():
+        return "last"
+    st = _read_json(path)
+    modes = [mode for key, mode in _ST_POOLING if isinstance(st, dict) and st.get(key) is True]
+    if len(modes) == 1:
+        return modes[0]
+    warnings.append(f"{path} names no single pooling realizar supports (last token, mean or cls): embeddings pool "
+                    "the last token")
+    return "last"
+
+
 def load_safetensors(directory: str | os.PathLike, weights: str | os.PathLike | None = None) -> LoadedModel:
     """Load an HF-layout directory as a :class:`~realizar.models.loaded.LoadedModel`; ``weights``
     (a ``.safetensors`` file in it) picks that file's tensors, and errors then name it."""
@@ -348,6 +368,7 @@ def load_safetensors(directory: str | os.PathLike, weights: str | os.PathLike | 
             # transformers ignores lm_head when the embeddings are tied
             del tensors[names.OUTPUT]
         config = config_from_hf(cfg, set(tensors))
+        config = dataclasses.replace(config, pooling=pooling_from_sentence_transformers(d, config.extra["warnings"]))
         source = wfile.name if wfile is not None else d.name
         names.validate_tensor_shapes(config, {k: v.shape for k, v in tensors.items()}, source=source)
     except RealizarError:

@@ -4,7 +4,7 @@ Endpoints (:mod:`realizar.server.routes`): ``POST /v1/completions``, ``POST /v1/
 (both with ``stream: true`` as Server-Sent Events in OpenAI's chunk format, ending with
 ``data: [DONE]``), Anthropic's ``POST /v1/messages`` (:mod:`realizar.server.anthropic`), OpenAI's stateless
 ``POST /v1/responses`` (:mod:`realizar.server.responses_api`), ``GET /v1/models``,
-``POST /tokenize`` and ``/detokenize``, ``GET /health`` and ``GET /metrics`` (Prometheus text). An optional API key guards every route but the last two.
+``POST /v1/embeddings`` (:mod:`realizar.server.routes.embeddings`), ``POST /tokenize`` and ``/detokenize``, ``GET /health`` and ``GET /metrics`` (Prometheus text). An optional API key guards every route but the last two.
 Errors are answered with OpenAI's error body (:mod:`realizar.server.errors`), Anthropic's under ``/v1/messages``.
 
 Generations run concurrently on the continuous-batching engine (:class:`realizar.serving.ServingEngine`,
@@ -39,7 +39,7 @@ log = logging.getLogger("realizar.server")
 __all__ = ["create_app"]
 
 GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses")
-KNOWN_ENDPOINTS = (*GENERATION_ENDPOINTS, "/v1/models", "/health", "/metrics", "/tokenize", "/detokenize")
+KNOWN_ENDPOINTS = (*GENERATION_ENDPOINTS, "/v1/embeddings", "/v1/models", "/health", "/metrics", "/tokenize", "/detokenize")
 
 
 def _context_length(engine: Any, serving: Any = None) -> int:
