@@ -151,7 +151,8 @@ def test_batches_of_a_moe_model_with_few_experts_run_one_row_at_a_time_on_the_gp
 
 
 @pytest.mark.parametrize("arch,qtype,grouped_min", [("qwen3_moe", "Q4_0", 8), ("mixtral", "Q8_0", 8),
-                                                    ("qwen3_moe", "Q4_K", 1), ("mixtral", "Q8_0", 10**6)])
+                                                    ("qwen3_moe", "Q4_K", 1), ("mixtral", "Q8_0", 10**6),
+                                                    ("qwen3_moe", "BF16", 1), ("mixtral", "F32", 1)])
 def test_batched_moe_rows_on_the_emulated_gpu_match_the_reference(arch, qtype, grouped_min, tmp_path, monkeypatch):
     from realizar import cuda
 
