@@ -23,7 +23,8 @@ from realizar.server.errors import as_server_error, served_file
 from realizar.server.scheduler import Job
 from realizar.server.state import EventStream, ServerState
 
-__all__ = ["Outcome", "runs_for", "start_all", "collect_all", "stream_all", "best_of", "usage_of", "usage_tail", "failure"]
+__all__ = ["Outcome", "runs_for", "start_all", "collect_all", "stream_all", "best_of", "usage_of", "usage_tail", "failure",
+           "TextRun"]
 
 log = logging.getLogger("realizar.server")
 
@@ -152,6 +153,35 @@ def failure(state: ServerState, exc: BaseException) -> P.ServerError:
     if err.status >= 500:
         log.error("generation failed: %r", exc)
     return err
+
+
+class TextRun:
+    """One job's text as it comes, for the streams that send a single answer (``/v1/messages``,
+    ``/v1/responses``): ``async for text in run`` gives each non-empty piece; after the loop ``text`` is all
+    of it and ``result`` the job's GenerationResult, or None when it failed (``error``: what to report) or was
+    cancelled (the client is gone)."""
+
+    def __init__(self, state: ServerState, job: Job):
+        self.state, self.job = state, job
+        self.result: GenerationResult | None = None
+        self.error: P.ServerError | None = None
+        self._held: list[str] = []
+
+    @property
+    def text(self) -> str:
+        return "".join(self._held)
+
+    async def __aiter__(self) -> AsyncIterator[str]:
+        async for kind, payload in self.job.events():
+            if kind == "tokens":
+                text = "".join(c.text for c in payload)
+                self._held.append(text)
+                if text:
+                    yield text
+            elif kind == "done":
+                self.result = payload
+            elif kind == "error":
+                self.error = failure(self.state, payload)
 
 
 def _sse(obj: dict) -> str:

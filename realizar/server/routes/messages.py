@@ -62,23 +62,17 @@ async def _events(state: ServerState, job: Job, rid: str, n_in: int, live: bool,
         if live:
             yield A.sse("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
         yield A.sse("ping", {})
-        held: list[str] = []
-        result = None
-        async for kind, payload in job.events():
-            if kind == "tokens":
-                text = "".join(c.text for c in payload)
-                if text and live:
-                    yield A.sse("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}})
-                held.append(text)
-            elif kind == "done":
-                result = payload
-            elif kind == "error":
-                err = C.failure(state, payload)
-                yield A.sse("error", {"error": A.error_body(err.status, err.message, err.code)[1]["error"]})
-                return
-            else:  # cancelled: the client is gone
-                return
-        blocks, reason, seq = ending("".join(held), result)
+        run = C.TextRun(state, job)
+        async for text in run:
+            if live:
+                yield A.sse("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}})
+        if run.error is not None:
+            err = run.error
+            yield A.sse("error", {"error": A.error_body(err.status, err.message, err.code)[1]["error"]})
+            return
+        if run.result is None:  # cancelled: the client is gone
+            return
+        blocks, reason, seq = ending(run.text, run.result)
         if live:
             yield A.sse("content_block_stop", {"index": 0})
         else:
@@ -86,7 +80,7 @@ async def _events(state: ServerState, job: Job, rid: str, n_in: int, live: bool,
                 for event in _block_events(i, block):
                     yield event
         yield A.sse("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq},
-                                      "usage": {"output_tokens": result.completion_tokens}})  # fmt: skip
+                                      "usage": {"output_tokens": run.result.completion_tokens}})  # fmt: skip
         yield A.sse("message_stop", {})
         finished = True
     finally:

@@ -80,24 +80,18 @@ async def _events(state: ServerState, job: Job, response: Callable[..., dict], l
         if live:
             for e in _message_open(ev, 0, mid):
                 yield e
-        held: list[str] = []
-        result = None
-        async for kind, payload in job.events():
-            if kind == "tokens":
-                text = "".join(c.text for c in payload)
-                if text and live:
-                    yield ev("response.output_text.delta", item_id=mid, output_index=0, content_index=0, delta=text,
-                             logprobs=[])  # fmt: skip
-                held.append(text)
-            elif kind == "done":
-                result = payload
-            elif kind == "error":
-                err = C.failure(state, payload)
-                yield ev("error", code=err.code, message=err.message, param=err.param)
-                return
-            else:  # cancelled: the client is gone
-                return
-        final = ending("".join(held), result)
+        run = C.TextRun(state, job)
+        async for text in run:
+            if live:
+                yield ev("response.output_text.delta", item_id=mid, output_index=0, content_index=0, delta=text,
+                         logprobs=[])  # fmt: skip
+        if run.error is not None:
+            err = run.error
+            yield ev("error", code=err.code, message=err.message, param=err.param)
+            return
+        if run.result is None:  # cancelled: the client is gone
+            return
+        final = ending(run.text, run.result)
         for i, item in enumerate(final["output"]):
             if live:
                 item["id"] = mid  # (the item already announced)
