@@ -33,7 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
 
-SANITIZED = ["tools/sanitize_cases.py", "tools/sanitize_attention.py", "tools/sanitize_layers.py", "tools/sanitize_moe.py"]
+SANITIZED = ["tools/sanitize_cases.py", "tools/sanitize_attention.py", "tools/sanitize_layers.py",
+             "tools/sanitize_moe.py"]
 
 
 def stages(out: Path, tests: list[str], pytest_args: list[str]) -> dict[str, tuple[list[list[str]], int]]:

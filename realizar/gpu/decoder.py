@@ -33,7 +33,6 @@ from realizar.gpu.policy.moe import MOE_GROUPED_MIN_ROWS
 from realizar.models.config import ModelConfig
 from realizar.models.rope import rope_inv_freq
 
-
 __all__ = ["Activations", "Decoder", "DecoderWeights", "Inputs", "LayerWeights", "MOE_ON_GPU"]
 
 MOE_ON_GPU = ("mixture-of-experts layers with a number of experts not a multiple of 8 run one row at a time on the "

@@ -116,13 +116,13 @@ def _expert_grid() -> list[dict]:
 @kernel("gemm_q_experts", grid=_expert_grid())
 def gemm_q_experts(m: Module, wtype: str = "Q4_K", in_dim: int = 2048, mt: int = 16, warps: int = 4, kparts: int = 1,
                    stages: int = 4, out_f16: bool = False, glu: bool = False) -> KernelBuilder:
-    """``gemm_q`` over a stack of experts' matrices (``expert_bytes`` apart), a mixture-of-experts layer's
-    (token, chosen expert) pairs grouped by expert, the experts' rows as GGUF stores them (:func:`ptx_gen.kernels.moe.group.moe_group`): CTA row
+    """``gemm_q`` over a stack of experts' matrices (GGUF rows, ``expert_bytes`` apart) for a mixture-of-experts
+    layer's (token, chosen expert) pairs grouped by expert (:func:`ptx_gen.kernels.moe.group.moe_group`): CTA row
     ``ctaid.y`` takes the tile record ``tiles[ctaid.y]`` (u32 ``start``, u32 ``expert << 8 | count``; count 0:
     nothing to do), multiplies the expert's W by X rows ``order[start + j] / x_group`` (j < count) and writes
     Y rows ``order[start + j]``. Params: w, x, y, tiles, order, n (one expert's rows), lda, ldy, expert_bytes
-    (a multiple of 16: the copies are 16-byte pieces from the expert's start), x_group. Launch: grid (ceil(rows_out / meta["rows_per_cta"]), tile records), block meta["block"], dyn_smem
-    meta["dyn_smem"]."""
+    (a multiple of 16: the copies are 16-byte pieces from the expert's start), x_group. Launch: grid
+    (ceil(rows_out / meta["rows_per_cta"]), tile records), block meta["block"], dyn_smem meta["dyn_smem"]."""
     return build(m, wtype, in_dim, "rows", mt, warps, kparts, stages, False, False, out_f16, glu, experts=True)
 
 
