@@ -390,20 +390,11 @@ class ReferenceModel:
         ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
         if ids.size == 0:
             raise InvalidRequestError("hidden_states needs at least one token")
-        self._check_vocab(ids)
         c, s = self.config, ids.shape[0]
         if s > self.max_len:
             raise ContextOverflowError(f"{s} tokens exceed the context length of {self.max_len}")
-        cos, sin = self._rope_tables(np.arange(s))
-
-        def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:  # causal over these rows alone
-            attn = gqa_attention(q.transpose(1, 0, 2), k.transpose(1, 0, 2), v.transpose(1, 0, 2), causal=True)
-            return attn.transpose(1, 0, 2).reshape(s, c.num_heads * c.head_dim)
-
-        x = self.embedding[ids]
-        for L in self.layers:
-            x = decoder_layer(x, [(L, c, attend)], cos, sin)
-        return rms_norm(x, self.output_norm, c.rms_norm_eps)
+        own = KVCache(c.num_layers, c.num_kv_heads, s, self.cache.head_dim)  # (this call's alone)
+        return rms_norm(self._stack(ids, own), self.output_norm, c.rms_norm_eps)
 
     # -- the forward pass --------------------------------------------------------------------------
 
@@ -420,20 +411,24 @@ class ReferenceModel:
             self._cos = np.cos(ang).astype(np.float32)
         return self._cos[positions], self._sin[positions]
 
-    def _forward(self, ids: np.ndarray, all_logits: bool) -> np.ndarray:
+    def _stack(self, ids: np.ndarray, cache: "KVCache") -> np.ndarray:
+        """The layer stack over ``ids`` after what ``cache`` holds (their K/V written, the cache advanced): the
+        hidden rows ``[S, hidden]`` before the final norm."""
         c = self.config
         s = ids.shape[0]
         self._check_vocab(ids)
-        self.cache.check_room(s)
-        start = self.cache.length
+        cache.check_room(s)
+        start = cache.length
         cos, sin = self._rope_tables(np.arange(start, start + s))
-        eps = c.rms_norm_eps
-
         x = self.embedding[ids]  # [S, hidden] (a copy: fancy indexing)
         for li, L in enumerate(self.layers):
-            x = decoder_layer(x, [(L, c, cache_attention(self.cache, li, s, c))], cos, sin)
-        self.cache.advance(s)
+            x = decoder_layer(x, [(L, c, cache_attention(cache, li, s, c))], cos, sin)
+        cache.advance(s)
+        return x
 
+    def _forward(self, ids: np.ndarray, all_logits: bool) -> np.ndarray:
+        x = self._stack(ids, self.cache)
+        eps = self.config.rms_norm_eps
         if all_logits:
             return rms_norm(x, self.output_norm, eps) @ self.lm_head.T
         return rms_norm(x[-1], self.output_norm, eps) @ self.lm_head.T
