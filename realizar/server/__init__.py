@@ -102,6 +102,7 @@ def serve(
     sock: socket.socket | None = None,
     on_shutdown: Callable[[], None] | None = None,
     after_drain: Callable[[], None] | None = None,
+    chat_page: bool = True,
 ) -> None:
     """Serve ``engine`` with uvicorn until interrupted (on ``serving``, e.g. an engine process, when given: see
     :func:`create_app`). ``on_ready(host, port)`` is called once the
@@ -114,13 +115,14 @@ def serve(
     ``allowed_origins``: browser origins allowed cross-site (CORS). Listening on loopback without ``api_key``,
     requests addressed to another Host are refused (DNS rebinding; :mod:`realizar.server.origin`). ``sock``: a
     listening socket to serve on instead of binding ``host:port`` (several server processes share one; it is
-    left open); ``on_shutdown``, ``after_drain``: see :func:`graceful_server`."""
+    left open); ``on_shutdown``, ``after_drain``: see :func:`graceful_server`; ``chat_page``: serve the chat page
+    at ``/``."""
     app = create_app(engine, model_name=model_name, max_queue=max_queue, default_max_tokens=default_max_tokens,
                      api_key=api_key, max_batch=max_batch, kv_memory=kv_memory, kv_dtype=kv_dtype,
                      block_size=block_size, max_batched_tokens=max_batched_tokens, prefill_chunk=prefill_chunk,
                      f16_weights=f16_weights, allowed_origins=allowed_origins,
                      loopback_hosts=api_key is None and host in ("127.0.0.1", "localhost", "::1"), kv_events=kv_events,
-                     kv_events_topic=kv_events_topic, serving=serving,
+                     kv_events_topic=kv_events_topic, serving=serving, chat_page=chat_page,
                      **({} if max_body is None else {"max_body": max_body}))
     own = sock is None
     sock = bind_socket(host, port) if own else sock

@@ -4,7 +4,9 @@ Endpoints (:mod:`realizar.server.routes`): ``POST /v1/completions``, ``POST /v1/
 (both with ``stream: true`` as Server-Sent Events in OpenAI's chunk format, ending with
 ``data: [DONE]``), Anthropic's ``POST /v1/messages`` (:mod:`realizar.server.anthropic`), OpenAI's stateless
 ``POST /v1/responses`` (:mod:`realizar.server.responses_api`), ``GET /v1/models``,
-``POST /v1/embeddings`` (:mod:`realizar.server.routes.embeddings`), ``POST /tokenize`` and ``/detokenize``, ``GET /health`` and ``GET /metrics`` (Prometheus text). An optional API key guards every route but the last two.
+``POST /v1/embeddings`` (:mod:`realizar.server.routes.embeddings`), ``POST /tokenize`` and ``/detokenize``, ``GET /health`` and ``GET /metrics`` (Prometheus text). An optional API key guards every route but the last two
+and the chat page (``GET /`` and its ``/static/`` files, :mod:`realizar.server.routes.page`), whose API calls carry
+the key themselves.
 Errors are answered with OpenAI's error body (:mod:`realizar.server.errors`), Anthropic's under ``/v1/messages``.
 
 Generations run concurrently on the continuous-batching engine (:class:`realizar.serving.ServingEngine`,
@@ -30,7 +32,8 @@ from realizar.server.errors import install_error_handlers
 from realizar.server.limits import DEFAULT_MAX_BODY, BodyLimitMiddleware
 from realizar.server.origin import OriginMiddleware
 from realizar.server.metrics import ServerMetrics
-from realizar.server.routes import ROUTERS
+from realizar.server.routes import PAGE_ROUTER, ROUTERS
+from realizar.server.routes.page import STATIC_PREFIX, files as page_files
 from realizar.server.scheduler import Scheduler
 from realizar.server.state import ServerState
 
@@ -39,7 +42,16 @@ log = logging.getLogger("realizar.server")
 __all__ = ["create_app"]
 
 GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses")
-KNOWN_ENDPOINTS = (*GENERATION_ENDPOINTS, "/v1/embeddings", "/v1/models", "/health", "/metrics", "/tokenize", "/detokenize")
+KNOWN_ENDPOINTS = (*GENERATION_ENDPOINTS, "/v1/embeddings", "/v1/models", "/health", "/metrics", "/tokenize",
+                   "/detokenize", "/")
+
+
+def endpoint_label(path: str) -> str:
+    """The ``endpoint`` label a request's metrics carry: its path when it is one of :data:`KNOWN_ENDPOINTS`, the
+    chat page's files as one, any other path as ``other`` (the labels stay few, whatever clients ask for)."""
+    if path in KNOWN_ENDPOINTS:
+        return path
+    return STATIC_PREFIX.rstrip("/") if path.startswith(STATIC_PREFIX) else "other"
 
 
 def _context_length(engine: Any, serving: Any = None) -> int:
@@ -72,8 +84,7 @@ class _MetricsMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path = scope.get("path", "")
-        endpoint = path if path in KNOWN_ENDPOINTS else "other"
+        endpoint = endpoint_label(scope.get("path", ""))
         status = {"code": 500}
         t0 = time.perf_counter()
 
@@ -110,6 +121,7 @@ def create_app(
     kv_events_topic: str = "",
     allowed_origins: Sequence[str] = (),
     loopback_hosts: bool = False,
+    chat_page: bool = True,
 ) -> FastAPI:
     """A FastAPI app serving ``engine`` (see :func:`realizar.engine.load_engine`).
 
@@ -128,7 +140,7 @@ def create_app(
     once and ``f16_weights`` (f16 weight copies; None: :class:`realizar.config.ServingConfig`'s defaults, as for
     the others); with ``kv_events`` (a ZeroMQ endpoint) it
     publishes its prefix cache's changes there under ``kv_events_topic``
-    (:mod:`realizar.serving.kv_events`).
+    (:mod:`realizar.serving.kv_events`). ``chat_page``: serve the chat page at ``/`` (False: ``/`` is a 404).
     """
     names = [model_name] if isinstance(model_name, str) else list(model_name or [])
     if any(not isinstance(n, str) or not n.strip() for n in names):
@@ -187,6 +199,9 @@ def create_app(
     install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)
+    if chat_page:
+        page_files()  # (read now: an install without them fails here, not at the first visit)
+        app.include_router(PAGE_ROUTER)
     return app
 
 

@@ -1,7 +1,8 @@
 """Optional API key: with one set, every ``/v1`` route and ``/tokenize``/``/detokenize`` answer 401
 (OpenAI's error body, code ``invalid_api_key``) unless the request carries
-``Authorization: Bearer <key>`` or ``x-api-key: <key>`` (as Anthropic's clients send it); ``/health``
-and ``/metrics`` stay open. Pure ASGI, so streamed answers pass through untouched."""
+``Authorization: Bearer <key>`` or ``x-api-key: <key>`` (as Anthropic's clients send it); ``/health``,
+``/metrics`` and the chat page (``/`` and ``/static/...``: the page holds no data, and its API calls send the key
+the user gives it) stay open. Pure ASGI, so streamed answers pass through untouched."""
 
 from __future__ import annotations
 
