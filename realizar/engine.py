@@ -62,6 +62,16 @@ class Engine:
     def context_length(self) -> int:
         return int(self.model.context_length)
 
+    @property
+    def where(self) -> str:
+        """Where the model runs, for people: the device, and on GPUs each one's name and PCI bus id (the
+        physical GPU, whatever ``CUDA_VISIBLE_DEVICES`` numbers it)."""
+        if self.device != "cuda" or self.model is None:
+            return self.device
+        reducer = getattr(self.model, "reducer", None)
+        gpus = list(dict.fromkeys(reducer.devices)) if reducer is not None else [self.model.device]
+        return "cuda: " + ", ".join(f"{d.name} at PCI {d.pci_bus_id}" for d in gpus)
+
     def generate(
         self,
         prompt: str | Sequence[int],

@@ -73,6 +73,8 @@ def stages(out: Path, tests: list[str], pytest_args: list[str]) -> dict[str, tup
         "bench_tensor_parallel": ([PY, "tools/bench_tensor_parallel.py", "--out", str(out / "bench_tensor_parallel.md")],
                                   540),
         "bench_nccl": ([PY, "tools/bench_nccl.py", "--out", str(out / "bench_nccl.md")], 120),
+        "bench_data_parallel": ([PY, "tools/bench_data_parallel.py", "--shape", "llama-3-8b", "--replicas", "1,2",
+                                 "--concurrency", "64,256", "--out", str(out / "bench_data_parallel.md")], 540),
         "real_model": ([PY, "tools/gpu_real_model.py", "--gguf", os.environ.get("SMOLLM2_GGUF", "/tmp/smollm2.gguf"),
                         "--out", str(out / "smollm2_gpu.md")], 300),
     }

@@ -108,7 +108,7 @@ def load_engine(args: argparse.Namespace):
     t0 = time.perf_counter()
     engine = load_engine(args.model, device=args.device, max_context=getattr(args, "max_context", None),
                          tensor_parallel=getattr(args, "tensor_parallel", 1))
-    status(f"loaded {engine.name} on {engine.device} in {time.perf_counter() - t0:.1f} s")
+    status(f"loaded {engine.name} on {engine.where} in {time.perf_counter() - t0:.1f} s")
     return engine
 
 

@@ -212,9 +212,11 @@ def _serve(args: argparse.Namespace, api_key: str | None, fronts: int) -> int:
 
     if args.engine_process:
         engine, options = _start_engine_process(args, listen=bool(fronts))
+        where = options["serving"].where
     else:
         engine = load_engine(args)
         options = serving_options(args, engine.device)
+        where = engine.where
     engine.tokenizer.special_tokens_in_content = bool(args.allow_special_tokens_in_content)
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         note(f"warning: listening on {args.host}, reachable beyond this machine, without an API key (--api-key)")
@@ -222,13 +224,14 @@ def _serve(args: argparse.Namespace, api_key: str | None, fronts: int) -> int:
     def ready(host: str, port: int) -> None:
         shown = f"[{host}]" if ":" in host else host
         more = f", {fronts + 1} server processes" if fronts else ""
-        note(f"serving {engine.name!r} ({engine.device}{more}) at http://{shown}:{port}/v1 - Ctrl-C to stop")
+        page = f", chat page at http://{shown}:{port}/" if args.chat_page else ""
+        note(f"serving {engine.name!r} ({where}{more}) at http://{shown}:{port}/v1{page} - Ctrl-C to stop")
 
     shared = {"model_name": args.model_name, "max_queue": args.max_queue,
               "default_max_tokens": args.default_max_tokens,
               "log_level": "debug" if args.verbose else args.log_level, "api_key": api_key,
               "limits": connection_limits(args), "drain_seconds": args.shutdown_grace,
-              "allowed_origins": args.allowed_origins, "max_body": args.max_body}
+              "allowed_origins": args.allowed_origins, "max_body": args.max_body, "chat_page": args.chat_page}
     from realizar.server import bind_socket
     from realizar.server.fronts import FrontSpec, join_fronts, signal_fronts, start_fronts
 
@@ -280,7 +283,7 @@ def _start_engine_process(args: argparse.Namespace, listen: bool = False) -> tup
     serving = EngineProcess(functools.partial(build_serving, str(front.path), args.device,
                                               getattr(args, "max_context", None), options), listen=listen)
     front.device = serving.device
-    status(f"loaded {front.name} on {front.device} in {time.perf_counter() - t0:.1f} s (engine process)")
+    status(f"loaded {front.name} on {serving.where} in {time.perf_counter() - t0:.1f} s (engine process)")
     return front, {"serving": serving, "max_body": args.max_body}
 
 
@@ -288,7 +291,8 @@ def register(command) -> None:
     """Add the subcommand's parser; ``command(name, help, description)`` makes one."""
     p = command("serve", "OpenAI-compatible HTTP server",
                 "Serve the model over HTTP: POST /v1/completions, /v1/chat/completions (with streaming), /v1/messages (Anthropic), "
-                "GET /v1/models, POST /tokenize, /detokenize, GET /health, /metrics. Binds to 127.0.0.1 unless told otherwise.")
+                "GET /v1/models, POST /tokenize, /detokenize, GET /health, /metrics, and a chat page at /. "
+                "Binds to 127.0.0.1 unless told otherwise.")
     add_model_args(p)
     add_tensor_parallel_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
@@ -318,6 +322,9 @@ def register(command) -> None:
     p.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
                    help="browser origins (https://app.example) allowed to call the API cross-site, with CORS; '*' "
                         "for any (default: none: requests from other sites' pages are refused)")
+    p.add_argument("--chat-page", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve a chat page at / (streaming, multi-turn, system prompt, sampling settings) that "
+                        "talks to this server's API (default; --no-chat-page: / answers 404)")
     p.add_argument("--shutdown-grace", type=positive_seconds, default=4.0, metavar="SECONDS",
                    help="at SIGTERM or Ctrl-C, how long requests in flight may take to finish; the rest then end "
                         "with a 503 error (a stream: its error event and [DONE]) (default: 4)")

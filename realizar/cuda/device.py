@@ -52,6 +52,13 @@ class Device:
         return raw.split(b"\0", 1)[0].decode()
 
     @cached_property
+    def pci_bus_id(self) -> str:
+        """``domain:bus:device.function`` (hex), the same in every process whatever ``CUDA_VISIBLE_DEVICES`` says:
+        which physical GPU this is."""
+        raw = call("cuDeviceGetPCIBusId", 16, self.handle)
+        return raw.split(b"\0", 1)[0].decode()
+
+    @cached_property
     def compute_capability(self) -> tuple[int, int]:
         return self.attribute("COMPUTE_CAPABILITY_MAJOR"), self.attribute("COMPUTE_CAPABILITY_MINOR")
 

@@ -269,6 +269,7 @@ class ServingEngine:
         self.background = background
         self.backend = backend
         self.device: str | None = None  # where the model runs ("cpu", "cuda"; from_engine sets it)
+        self.where: str | None = None  # the same for people, naming the GPU (Engine.where)
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids) if eos_token_ids is not None else _eos_ids(tokenizer)
         self.scheduler = Scheduler(backend, max_batched_tokens=max_batched_tokens, prefix_cache=prefix_cache,
@@ -300,7 +301,7 @@ class ServingEngine:
         eos = getattr(getattr(engine, "generator", None), "eos_token_ids", None)
         serving = cls(backend, engine.tokenizer, eos, max_batched_tokens=cfg.max_batched_tokens,
                       async_scheduling=cfg.async_scheduling, **kwargs)
-        serving.device = str(engine.device)
+        serving.device, serving.where = str(engine.device), engine.where
         return serving
 
     # -- requests ------------------------------------------------------------------------------------

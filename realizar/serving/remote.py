@@ -98,6 +98,7 @@ class EngineClient:
         self._conn = conn
         self.limits: RequestLimits = hello["limits"]
         self.device: str = hello["device"]
+        self.where: str = hello["where"]
         self.scheduler = _SchedulerView(hello["max_batch"])
         self._stats: EngineStats = hello["stats"]
         self.on_step: Callable[[Any], None] | None = None
@@ -414,7 +415,8 @@ def _child_main(conn: Any, build: Callable[[], ServingEngine], key: bytes | None
 
     def hello() -> dict:
         return {"limits": serving.scheduler.limits(), "max_batch": serving.scheduler.max_batch,
-                "stats": serving.stats(), "device": serving.device or "unknown"}
+                "stats": serving.stats(), "device": serving.device or "unknown",
+                "where": serving.where or serving.device or "unknown"}
 
     def flush(step: Any = None) -> None:
         with lock:  # (taken and queued under one lock: batches leave in the order they were taken)
