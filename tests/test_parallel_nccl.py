@@ -121,6 +121,13 @@ def test_communicators_and_unique_ids(fake):
     assert not c.alive and lib.calls[-1] == ("ncclCommDestroy", (0x9003,))
     c.destroy()  # a second destroy does nothing
     assert lib.calls[-1] == ("ncclCommDestroy", (0x9003,))
+    # several driven by this thread: all finalized in one group, then destroyed (the destroyed one left alone)
+    more = n.comm_init_all([0, 1, 2])
+    del lib.calls[:]
+    n.destroy_all([c, *more])
+    assert lib.calls == [("ncclGroupStart", ()), *[("ncclCommFinalize", (0x9000 + d,)) for d in range(3)],
+                         ("ncclGroupEnd", ()), *[("ncclCommDestroy", (0x9000 + d,)) for d in range(3)]]
+    assert not any(m.alive for m in more)
     with pytest.raises(NcclError, match="ncclInvalidUsage .*destroyed"):
         n.all_reduce(0, 0, 1, np.float32, c)
 

@@ -186,8 +186,9 @@ class NcclReducer(Reducer):
                 self.lib.all_gather(b.ptr + r * count * size, b, count, dtype, comm, s)
 
     def close(self) -> None:
-        for c in self.comms:
-            c.destroy()
+        """Destroy the communicators, after every graph that captured their collectives is destroyed (NCCL
+        waits for those: :meth:`TensorParallelModel.close` closes its graphs first)."""
+        self.lib.destroy_all(self.comms)
 
 
 # ----------------------------------------------------------------------------------------------

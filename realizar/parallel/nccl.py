@@ -137,6 +137,7 @@ SIGNATURES: dict[str, tuple[Any, tuple[Any, ...]]] = {
     "ncclCommInitRank": (ctypes.c_int, (ctypes.POINTER(_comm), ctypes.c_int, UniqueId, ctypes.c_int)),
     "ncclCommInitAll": (ctypes.c_int, (ctypes.POINTER(_comm), ctypes.c_int, ctypes.POINTER(ctypes.c_int))),
     "ncclCommDestroy": (ctypes.c_int, (_comm,)),
+    "ncclCommFinalize": (ctypes.c_int, (_comm,)),
     "ncclCommCount": (ctypes.c_int, (_comm, ctypes.POINTER(ctypes.c_int))),
     "ncclCommCuDevice": (ctypes.c_int, (_comm, ctypes.POINTER(ctypes.c_int))),
     "ncclCommUserRank": (ctypes.c_int, (_comm, ctypes.POINTER(ctypes.c_int))),
@@ -301,7 +302,7 @@ class Nccl:
         for name, (restype, argtypes) in SIGNATURES.items():
             fn = getattr(lib, name, None)
             if fn is None:
-                if name == "ncclGetLastError":  # NCCL < 2.13: errors come without detail
+                if name in ("ncclGetLastError", "ncclCommFinalize"):  # NCCL < 2.13 / 2.14: optional
                     continue
                 raise NcclUnavailableError(f"{path or lib} has no {name}: not an NCCL 2 library")
             fn.restype, fn.argtypes = restype, argtypes
@@ -368,6 +369,19 @@ class Nccl:
         comms = (ctypes.c_void_p * len(devs))()
         self._call("ncclCommInitAll", comms, len(devs), (ctypes.c_int * len(devs))(*devs))
         return [Communicator(self, c or 0) for c in comms]
+
+    def destroy_all(self, comms: Sequence[Communicator]) -> None:
+        """Destroy communicators this thread drives together (``comm_init_all``'s, or several ranks'): each is
+        finalized first, all inside one group (``ncclCommFinalize``, NCCL >= 2.14), then destroyed. A plain
+        ``ncclCommDestroy`` of one of them finalizes it alone, and waits there for the others, which this
+        thread never reaches."""
+        live = [c for c in comms if c.alive]
+        if "ncclCommFinalize" in self._fns and len(live) > 1:
+            with self.group():
+                for c in live:
+                    self._call("ncclCommFinalize", c.handle, comm=c.handle)
+        for c in live:
+            c.destroy()
 
     def all_reduce(self, send: Any, recv: Any, count: int, dtype: Any, comm: Communicator,
                    stream: Any = None, op: RedOp = RedOp.ncclSum) -> None:
