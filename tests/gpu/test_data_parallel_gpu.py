@@ -21,7 +21,8 @@ pytest.importorskip("sglang_router", reason="sglang-router comes with the cluste
 from realizar import cuda  # noqa: E402
 from realizar.cli.data_parallel import free_port  # noqa: E402
 from realizar.parallel import visible_gpu_count  # noqa: E402
-from tests.gguf_factory import shared_tiny_gguf  # noqa: E402
+from tests.gguf_factory import make_gguf_model  # noqa: E402
+from tests.parallel_gpu_cases import DIMS  # noqa: E402
 from tests.test_router import MODEL, WORDS, Proc, _complete, _metric, _served  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -35,8 +36,11 @@ def launcher(tmp_path_factory):
         pytest.skip(f"no GPU: {cuda.unavailable_reason()}")
     if visible_gpu_count() < 2:
         pytest.skip(f"--data-parallel 2 needs 2 visible GPUs; this machine has {visible_gpu_count()}")
+    # a small llama the GPU model runs (--device cuda: no quiet fall-back to the CPU)
+    path, _, _ = make_gguf_model("llama", tmp_path_factory.mktemp("dp"), "Q8_0", seed=3, num_layers=2,
+                                 max_position_embeddings=1024, **DIMS)
     port = free_port()
-    proc = Proc([sys.executable, "-m", "realizar", "serve", "-m", str(shared_tiny_gguf(tmp_path_factory)),
+    proc = Proc([sys.executable, "-m", "realizar", "serve", "-m", str(path), "--device", "cuda",
                  "--data-parallel", "2", "--port", str(port), "--model-name", MODEL, "--block-size", "16"])
     try:
         proc.wait_for("serving 2 replicas behind sglang-router", 300)
