@@ -302,16 +302,19 @@ def rewrite_gguf(
     replace_tensors: dict[str, tuple[np.ndarray, Any]] | None = None,
     drop_metadata: tuple[str, ...] = (),
     set_metadata: dict[str, Any] | None = None,
+    split_max_tensors: int = 0,
 ) -> Path:
     """Copy a GGUF file with edits (for malformed-input tests): another ``general.architecture``,
     tensors dropped or replaced by ``(array, raw_dtype)`` (raw_dtype None for plain float arrays),
     metadata keys dropped or set (a value, or ``(value, GGUFValueType[, sub_type])``). Reads the source
-    with ``gguf.GGUFReader`` so value types are preserved."""
+    with ``gguf.GGUFReader`` so value types are preserved. ``split_max_tensors``: split the copy into parts
+    of at most that many tensors, ``DST-0000K-of-0000N.gguf`` as llama.cpp's gguf-split names them (the
+    first part's path is returned)."""
     import gguf
 
     r = gguf.GGUFReader(str(src))
     src_arch = r.fields["general.architecture"].contents()
-    w = gguf.GGUFWriter(str(dst), arch=src_arch if arch is None else arch)
+    w = gguf.GGUFWriter(str(dst), arch=src_arch if arch is None else arch, split_max_tensors=split_max_tensors)
     set_metadata = dict(set_metadata or {})
     for key, f in r.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture" or key in drop_metadata:
@@ -339,11 +342,13 @@ def rewrite_gguf(
         w.add_tensor(t.name, data, raw_dtype=raw)
     for name, (arr, raw) in replace_tensors.items():  # new tensors
         w.add_tensor(name, arr, raw_dtype=raw)
-    w.write_header_to_file()
+    w.write_header_to_file(Path(dst))
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return Path(dst)
+    dst = Path(dst)
+    parts = sorted(dst.parent.glob(f"{dst.stem}-*-of-*.gguf"))
+    return parts[0] if split_max_tensors and parts else dst
 
 
 def shared_tiny_gguf(tmp_path_factory) -> Path:

@@ -13,7 +13,7 @@ from urllib.parse import unquote, urlsplit
 
 import pytest
 
-from realizar.errors import ModelNotFoundError, UnsupportedError
+from realizar.errors import ModelNotFoundError
 from realizar.models import hub
 from realizar.models.hub import parse_hub_id, resolve_model, served_name
 from realizar.models.loader import load_model
@@ -79,14 +79,20 @@ def fake_hub(tmp_path_factory):
     from tests.gguf_factory import make_gguf_model
     from tests.model_factory import make_hf_model
 
+    from tests.gguf_factory import rewrite_gguf
+
     d = tmp_path_factory.mktemp("repos")
-    gguf = {}
+    gguf, paths = {}, {}
     for qtype in ("Q8_0", "F16"):
-        path, _, _ = make_gguf_model("llama", d / qtype, qtype=qtype, seed=0)
-        gguf[f"tiny-{qtype}.gguf"] = path.read_bytes()
+        paths[qtype], _, _ = make_gguf_model("llama", d / qtype, qtype=qtype, seed=0)
+        gguf[f"tiny-{qtype}.gguf"] = paths[qtype].read_bytes()
+    (d / "split").mkdir()  # the Q8_0 model again, in three parts (gguf-split's naming)
+    first = rewrite_gguf(paths["Q8_0"], d / "split" / "tiny-Q8_0.gguf", split_max_tensors=10)
+    split = {p.name: p.read_bytes() for p in sorted(first.parent.glob("*.gguf"))}
     st_dir, _ = make_hf_model("llama", d, seed=1, name="tiny-st")
     FakeHub.repos = {
         "org/tiny-gguf": {**gguf, "README.md": b"# tiny\n"},
+        "org/tiny-split": {**split, "README.md": b"# split\n"},
         "org/tiny-st": {f.name: f.read_bytes() for f in st_dir.iterdir()},
     }
     server = ThreadingHTTPServer(("127.0.0.1", 0), FakeHub)
@@ -125,10 +131,10 @@ def online(monkeypatch, fake_hub, hf_home) -> dict:
 @pytest.fixture(scope="module")
 def cached(fake_hub, hf_home) -> Path:
     """The cache after the online resolutions the offline tests read back (org/tiny-gguf's Q8_0 and F16
-    files, org/tiny-st's snapshot): what a first online run leaves."""
+    files, org/tiny-st's snapshot, org/tiny-split's three parts): what a first online run leaves."""
     with pytest.MonkeyPatch.context() as mp:
         _hub_env(mp, fake_hub, hf_home, offline=False)
-        for model in ("org/tiny-gguf:Q8_0", "org/tiny-gguf/tiny-F16.gguf", "org/tiny-st"):
+        for model in ("org/tiny-gguf:Q8_0", "org/tiny-gguf/tiny-F16.gguf", "org/tiny-st", "org/tiny-split:Q8_0"):
             resolve_model(model)
     return hf_home
 
@@ -156,15 +162,19 @@ def test_choose_quant_rules(capsys):
     ref = hub.HubRef("o/r")
     files = {"m-Q4_K_S.gguf": 5, "m-Q4_K_M.gguf": 6, "m-Q8_0.gguf": 9, "mmproj-m-f16.gguf": 1,
              "m-Q2_K-00001-of-00002.gguf": 3, "m-Q2_K-00002-of-00002.gguf": 3}
-    assert hub._choose(ref, files) == "m-Q4_K_M.gguf"
+    assert hub._choose(ref, files) == ["m-Q4_K_M.gguf"]
     assert "using m-Q4_K_M.gguf" in capsys.readouterr().err
-    assert hub._choose(hub.HubRef("o/r", quant="q4_k_s"), files) == "m-Q4_K_S.gguf"
+    assert hub._choose(hub.HubRef("o/r", quant="q4_k_s"), files) == ["m-Q4_K_S.gguf"]
     assert hub._choose(hub.HubRef("o/r", quant="Q5_K_M"), files) is None
     with pytest.raises(ModelNotFoundError, match="2 files match"):
         hub._choose(hub.HubRef("o/r", quant="Q4_K"), files)  # (no whole word: both Q4_K_S and Q4_K_M)
-    with pytest.raises(UnsupportedError, match="split into 2 files"):
-        hub._choose(hub.HubRef("o/r", quant="Q2_K"), files)
-    assert hub._choose(ref, {"a-F16.gguf": 8, "a-Q6_K.gguf": 4}) == "a-Q6_K.gguf"  # neither default: the smallest
+    split = ["m-Q2_K-00001-of-00002.gguf", "m-Q2_K-00002-of-00002.gguf"]
+    assert hub._choose(hub.HubRef("o/r", quant="Q2_K"), files) == split  # every part, first to last
+    assert hub._choose(hub.HubRef("o/r", filename=split[1]), files) == split
+    assert hub._choose(hub.HubRef("o/r", quant="Q2_K"), {split[1]: 3}) is None  # a part missing: no model
+    # the smallest model counts all its parts: 3 + 3 > 5
+    assert hub._choose(ref, {"b-F16.gguf": 5, **{n.replace("m-Q2_K", "b-Q3"): 3 for n in split}}) == ["b-F16.gguf"]
+    assert hub._choose(ref, {"a-F16.gguf": 8, "a-Q6_K.gguf": 4}) == ["a-Q6_K.gguf"]  # neither default: the smallest
 
 
 def test_gguf_quant_downloads_and_loads(online, hf_home):
@@ -172,6 +182,15 @@ def test_gguf_quant_downloads_and_loads(online, hf_home):
     assert path.name == "tiny-Q8_0.gguf"
     _in_cache(path, hf_home, "org/tiny-gguf")
     assert load_model(path).config.num_layers > 0
+    assert served_name(path) == "tiny-Q8_0"
+
+
+def test_a_split_gguf_downloads_every_part_and_loads(online, hf_home, monkeypatch, tmp_path_factory):
+    path = resolve_model("org/tiny-split:Q8_0")
+    assert path.name == "tiny-Q8_0-00001-of-00003.gguf"
+    assert sorted(p.name for p in path.parent.glob("*.gguf")) == [f"tiny-Q8_0-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+    whole, one = load_model(path), load_model(resolve_model("org/tiny-gguf:Q8_0"))
+    assert whole.config == one.config and sorted(whole.tensors) == sorted(one.tensors)
     assert served_name(path) == "tiny-Q8_0"
 
 
@@ -203,6 +222,7 @@ def test_online_errors(online):
 @pytest.mark.parametrize("model, name", [("org/tiny-gguf:Q8_0", "tiny-Q8_0.gguf"),
                                          ("org/tiny-gguf/tiny-F16.gguf", "tiny-F16.gguf"),
                                          ("org/tiny-gguf", "tiny-Q8_0.gguf"),
+                                         ("org/tiny-split:Q8_0", "tiny-Q8_0-00001-of-00003.gguf"),
                                          ("org/tiny-st", "snapshots")])
 def test_offline_from_cache(offline, cached, model, name):
     path = resolve_model(model)

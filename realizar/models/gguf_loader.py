@@ -518,14 +518,19 @@ def _experts(md: dict, p: str, arch: str, ffn: int, tensor_shapes: dict) -> dict
 
 
 def load_gguf(path: str | os.PathLike) -> LoadedModel:
-    """Load a GGUF model: validated config, tensors (memory-mapped), metadata, chat template."""
+    """Load a GGUF model: validated config, tensors (memory-mapped), metadata, chat template. ``path`` may be any
+    part of a model split into several files (:mod:`realizar.models.gguf_split`): all parts are read."""
+    from realizar.models.gguf_split import read_gguf_parts
+
     path = Path(path)
     try:
-        f = read_gguf(path)
-        shapes = {n: i.shape for n, i in f.tensor_infos.items()}
+        parts = read_gguf_parts(path)
+        f = parts[0]
+        path = f.path
+        shapes = {n: i.shape for g in parts for n, i in g.tensor_infos.items()}
         config = config_from_gguf(f.metadata, shapes)
         names.validate_tensor_shapes(config, shapes, source=path.name)
-        tensors = {n: f.tensor(n) for n in f.tensor_infos}
+        tensors = {n: g.tensor(n) for g in parts for n in g.tensor_infos}
     except RealizarError:
         raise
     except (ValueError, OverflowError, struct.error, MemoryError, IndexError, KeyError, TypeError) as e:

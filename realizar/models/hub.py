@@ -2,8 +2,9 @@
 
 :func:`resolve_model` is the one place a model argument becomes a local path: ``None`` is the default model, an
 existing path is itself, and ``org/name`` (``org/name:QUANT``, ``org/name/file.gguf``, each optionally
-``@revision``) is a Hub repo. A repo with GGUF files gives one of them (the file named, the one whose name holds
-QUANT, else Q4_K_M, then Q8_0, else the smallest), downloaded with ``hf_hub_download``; a safetensors repo gives
+``@revision``) is a Hub repo. A repo with GGUF files gives one of its models (the file named, the one whose name
+holds QUANT, else Q4_K_M, then Q8_0, else the smallest), downloaded with ``hf_hub_download``: one file, or every
+part of a model split into ``-0000K-of-0000N.gguf`` files (the path of the first); a safetensors repo gives
 its snapshot directory (config, tokenizer, generation config, weights and their index), with
 ``snapshot_download``. Files land in the Hugging Face cache (``HF_HUB_CACHE``, else ``$HF_HOME/hub``); with
 ``HF_HUB_OFFLINE=1``, or when ``HF_ENDPOINT`` cannot be reached, the cache alone answers. What cannot be had is
@@ -18,13 +19,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from realizar.errors import ModelNotFoundError, UnsupportedError
+from realizar.errors import ModelNotFoundError
+from realizar.models.gguf_split import SPLIT_SUFFIX, unsplit_stem
 
 __all__ = ["HubRef", "parse_hub_id", "resolve_model", "served_name", "DEFAULT_QUANTS", "SAFETENSORS_PATTERNS"]
 
 _NAME = r"[A-Za-z0-9][\w.-]*"
 _ID = re.compile(rf"(?P<repo>{_NAME}/{_NAME})(?P<file>/[^:@]+\.gguf)?(?::(?P<quant>[\w.-]+))?(?:@(?P<rev>[\w./-]+))?")
-_SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 DEFAULT_QUANTS = ("Q4_K_M", "Q8_0")  # with no :QUANT, the first of these a repo has; else its smallest GGUF
 SAFETENSORS_PATTERNS = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -94,7 +95,9 @@ def served_name(path: Path) -> str:
     directory of the Hugging Face cache (``models--org--name/snapshots/<commit>``)."""
     if path.is_dir() and path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
         return path.parent.parent.name.split("--", 2)[-1]
-    return path.stem if path.is_file() else path.name
+    if path.is_file():
+        return unsplit_stem(path.name) if path.suffix == ".gguf" else path.stem
+    return path.name
 
 
 def _resolve(ref: HubRef, endpoint: str, cache: str, offline: bool) -> Path:
@@ -111,11 +114,11 @@ def _resolve(ref: HubRef, endpoint: str, cache: str, offline: bool) -> Path:
         ggufs = {f: n for f, n in sizes.items() if f.endswith(".gguf")}
         common = {"revision": ref.revision, "endpoint": endpoint, "cache_dir": cache}
         if ggufs or ref.filename or ref.quant:
-            name = _choose(ref, ggufs)
-            if name is None:
+            files = _choose(ref, ggufs)
+            if files is None:
                 what = f"file {ref.filename}" if ref.filename else f"{ref.quant} GGUF file"
                 raise ModelNotFoundError(f"{ref.repo} on {endpoint} has no {what}; its GGUF files: {_listing(ggufs)}")
-            return Path(hf_hub_download(ref.repo, name, **common))
+            return [Path(hf_hub_download(ref.repo, name, **common)) for name in files][0]
         if "config.json" not in sizes or not any(f.endswith(".safetensors") for f in sizes):
             raise ModelNotFoundError(f"{ref.repo} on {endpoint} has no GGUF file and no config.json with "
                                      f"safetensors weights to load")
@@ -148,10 +151,10 @@ def _from_cache(ref: HubRef, cache: str, why: str) -> Path:
     common = {"revision": ref.revision, "cache_dir": cache, "local_files_only": True}
     try:
         if ggufs or ref.filename or ref.quant:
-            name = _choose(ref, ggufs)
-            if name is None:
+            files = _choose(ref, ggufs)
+            if files is None:
                 raise ModelNotFoundError(f"{missing} (cached: {_listing(ggufs)})")
-            return Path(hf_hub_download(ref.repo, name, **common))
+            return [Path(hf_hub_download(ref.repo, name, **common)) for name in files][0]
         return Path(snapshot_download(ref.repo, allow_patterns=SAFETENSORS_PATTERNS, **common))
     except (LocalEntryNotFoundError, IncompleteSnapshotError, CachedRepoTreeNotFoundError):
         raise ModelNotFoundError(missing) from None
@@ -167,29 +170,44 @@ def _matching(names: list[str], quant: str) -> list[str]:
     return [n for n in names if word.search(n)] or [n for n in names if quant.lower() in n.lower()]
 
 
-def _choose(ref: HubRef, ggufs: dict[str, int]) -> str | None:
-    """The GGUF file of ``ggufs`` (name -> bytes) that ``ref`` asks for; None when none matches. Raises when
-    several do, or when the only match is split into parts (the loader reads one-file GGUFs)."""
-    names = sorted(f for f in ggufs if not Path(f).name.lower().startswith("mmproj"))  # (vision projectors)
+def _models(ggufs: dict[str, int]) -> dict[str, list[str]]:
+    """The models among GGUF files (name -> bytes): a one-file model by its name, a split one by its first
+    part's name -> its parts, first to last (:mod:`realizar.models.gguf_split`'s naming). A split model with a
+    part missing from ``ggufs`` is left out."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    out: dict[str, list[str]] = {}
+    for name in sorted(ggufs):
+        m = SPLIT_SUFFIX.search(name)
+        if m is None:
+            out[name] = [name]
+        else:
+            groups.setdefault((name[: m.start()], m[2]), []).append(name)
+    for (_, count), parts in groups.items():
+        if len(parts) == int(count):
+            out[parts[0]] = parts
+    return out
+
+
+def _choose(ref: HubRef, ggufs: dict[str, int]) -> list[str] | None:
+    """The GGUF files of ``ggufs`` (name -> bytes) that hold the model ``ref`` asks for: one file, or every part
+    of a split model (first to last); None when none matches. Raises when several models do."""
+    models = {first: parts for first, parts in _models(ggufs).items()
+              if not Path(first).name.lower().startswith("mmproj")}  # (vision projectors)
     if ref.filename:
-        return ref.filename if ref.filename in ggufs else None
+        return next((parts for parts in models.values() if ref.filename in parts), None)
+    names = sorted(models)
     if ref.quant:
         picked = _matching(names, ref.quant)
     else:
         picked = next((m for q in DEFAULT_QUANTS if (m := _matching(names, q))), None) or names
     if not picked:
         return None
-    single = [n for n in picked if not _SPLIT.search(n)]
-    if not single:
-        parts = [n for n in picked if _SPLIT.search(n)]
-        raise UnsupportedError(f"{ref}: {parts[0]} is split into {_SPLIT.search(parts[0])[2].lstrip('0')} files; "
-                               f"realizar reads one-file GGUFs (merge them with llama-gguf-split --merge, or pick "
-                               f"another file: {_listing(names)})")
-    if ref.quant and len(single) > 1:
-        raise ModelNotFoundError(f"{ref}: {len(single)} files match ({_listing(single)}): name one as "
+    if ref.quant and len(picked) > 1:
+        raise ModelNotFoundError(f"{ref}: {len(picked)} files match ({_listing(picked)}): name one as "
                                  f"{ref.repo}/FILE")
-    name = min(single, key=lambda n: (ggufs[n], n))
+    name = min(picked, key=lambda n: (sum(ggufs[p] for p in models[n]), n))
     if not ref.quant:
-        print(f"realizar: {ref.repo}: using {name} (no :QUANT given: {' then '.join(DEFAULT_QUANTS)} first, "
-              f"else the smallest of {len(names)} GGUF files)", file=sys.stderr, flush=True)
-    return name
+        more = f" and its {len(models[name]) - 1} further parts" if len(models[name]) > 1 else ""
+        print(f"realizar: {ref.repo}: using {name}{more} (no :QUANT given: {' then '.join(DEFAULT_QUANTS)} first, "
+              f"else the smallest of {len(names)} GGUF models)", file=sys.stderr, flush=True)
+    return models[name]
