@@ -114,7 +114,8 @@ class Engine:
         """Why this engine cannot :meth:`embed` (None: it can)."""
         if self.model is None or not hasattr(self.model, "hidden_states"):
             where = "in another process" if self.model is None else f"on {self.device}"
-            return f"embeddings run on the CPU backend only for now (this model runs {where})"
+            return (f"the engine embeds with the CPU reference model only (this model runs {where}); a server embeds "
+                    "through its serving engine (ServingEngine.embed)")
         return None
 
     def embed(self, inputs: Sequence[Sequence[int]], dimensions: int | None = None) -> "np.ndarray":

@@ -42,7 +42,7 @@ import numpy as np
 
 from realizar import cuda
 from realizar.config import DEFAULT_MAX_CONTEXT, KV_MEMORY_SHARE, ServingConfig
-from realizar.errors import ContextOverflowError, InvalidRequestError, ShapeError
+from realizar.errors import ContextOverflowError, InvalidRequestError, ShapeError, UnsupportedError
 from realizar.gpu.attention import DecodeRows
 from realizar.gpu.argmax import ARGMAX_SCRATCH
 from realizar.gpu.decoder import Activations, Decoder
@@ -482,6 +482,34 @@ class GpuBatchBackend:
                 self._prefill.run_chunk(part, start + off, last=off + c >= n)
         self._fed_rows = 0
         return GpuBatchOutput(self, 1)
+
+    def hidden_rows(self, tokens: Sequence[int], block_table: Sequence[int]) -> np.ndarray:
+        """Positions ``0 ..`` of a sequence through every layer in prefill chunks, K/V through ``block_table``; the
+        final-norm rows, f32 ``[len(tokens), hidden]`` (embeddings). The sampled tokens of the last decode step
+        stay, for its fed rows."""
+        ids = token_ids(tokens, self.config.vocab_size)
+        n = len(ids)
+        if n == 0:
+            raise InvalidRequestError("embedding needs at least one token")
+        if n > self.context_length:
+            raise ContextOverflowError(f"{n} tokens exceed the context length of {self.context_length}")
+        if self._prefill is None:
+            raise UnsupportedError("embeddings on the GPU run through the prefill chunks, which this backend has off")
+        if len(block_table) * self.block_size < n or len(block_table) > self.table_stride:
+            raise ShapeError(f"{n} positions need {-(-n // self.block_size)} blocks, the table has {len(block_table)}")
+        self._check_blocks([block_table])
+        self._unbind()  # the prefill table is rewritten: a bound sequence binds again
+        self.device.make_current()
+        table = np.zeros(self.table_stride, np.uint32)
+        table[: len(block_table)] = block_table
+        self.stream.synchronize()  # a step in flight may still read the table buffer
+        self.prefill_table.copy_from_host(table)
+        c, rows = self._prefill.chunk, []
+        for off in range(0, n, c):
+            part = ids[off: off + c]
+            self._prefill.run_chunk(part, off, last=False)
+            rows.append(self._prefill.final_rows(len(part)))
+        return np.concatenate(rows)
 
     def _token_step(self, token: int, position: int, block_table: Sequence[int] | None) -> None:
         """One prompt token through the one-row decode step (greedy: its logits and argmax stay)."""

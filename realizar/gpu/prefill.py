@@ -42,10 +42,13 @@ class Prefill:
         self.acts = Activations.allocate(ops, cfg, c, one_row=True, many_rows=True,
                                          split_ffn=backend.weights.split_ffn, logit_rows=0)
         self.q = ops.buffer(c * cfg.q_dim)
+        self.hidden = None  # f32 [chunk, hidden]: final-norm rows for embeddings (allocated at first use)
         self.graphs = GraphCache(backend.stream, mode=backend.graph_mode, capture_on="repeat", capacity=MAX_GRAPHS)
 
     def free(self) -> None:
         self.graphs.close()
+        if self.hidden is not None:
+            self.hidden.free()
         self.acts.free()
         self.ids.free()
         self.q.free()
@@ -72,6 +75,15 @@ class Prefill:
         self.graphs.run((rows, pos0), lambda: b.decoder.issue(self.acts, self.ids, rows, b.linear, attention, s))
         if last:
             self._last_row(n)
+
+    def final_rows(self, n: int) -> np.ndarray:
+        """The final RMSNorm of the last chunk's first ``n`` rows, f32 ``[n, hidden]`` on the host."""
+        b, cfg = self.backend, self.backend.config
+        if self.hidden is None:
+            self.hidden = b.ops.buffer(self.chunk * cfg.hidden_size)
+        b.ops.rmsnorm(self.acts.x, b.weights.output_norm, self.hidden, cfg.rms_norm_eps, rows=n, stream=b.stream)
+        b.stream.synchronize()
+        return self.hidden.copy_to_host()[: n * cfg.hidden_size].reshape(n, cfg.hidden_size)
 
     def _last_row(self, n: int) -> None:
         """Final norm, LM head and argmax of row ``n - 1`` into the backend's row-0 logits and token."""

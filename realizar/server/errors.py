@@ -11,7 +11,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from realizar.errors import ContextOverflowError, InvalidRequestError, ModelOutputError, RealizarError, TokenizerError
+from realizar.errors import (ContextOverflowError, InvalidRequestError, KVPoolExhaustedError, ModelOutputError,
+                             RealizarError, TokenizerError, UnsupportedError)
 from realizar.server import protocol as P
 from realizar.serving.engine import EngineClosedError
 
@@ -34,6 +35,11 @@ def as_server_error(exc: BaseException, model: Any = None) -> P.ServerError:
     if isinstance(exc, EngineClosedError):  # (stopping, or its engine process is gone: another replica can answer)
         return P.ServerError(503, f"the serving engine stopped before this request finished ({exc}); retry it",
                              "server_error", code="engine_closed")
+    if isinstance(exc, KVPoolExhaustedError):  # (an embedding's blocks while generations hold the pool)
+        return P.ServerError(503, f"the KV cache is full ({exc}); retry when the running requests have finished",
+                             "server_error", code="kv_cache_full")
+    if isinstance(exc, UnsupportedError):
+        return P.ServerError(501, str(exc), "invalid_request_error", code="unsupported")
     if isinstance(exc, (InvalidRequestError, TokenizerError)):
         return P.ServerError(400, str(exc), code="invalid_value")
     return P.ServerError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")

@@ -78,6 +78,11 @@ class BatchBackend(Protocol):
         attend causally over ``[0, start + len(tokens))``; a 1-row output: the last token's logits."""
         ...
 
+    def hidden_rows(self, tokens: Sequence[int], block_table: Sequence[int]) -> np.ndarray:
+        """Prefill ``tokens`` at positions ``0 ..`` through ``block_table``; float32 ``[len(tokens), hidden]``: the
+        final-norm hidden rows (what the LM head would read; embeddings pool them). Touches no sampled token."""
+        ...
+
     def decode(
         self, tokens: Sequence[int], positions: Sequence[int], block_tables: Sequence[Sequence[int]]
     ) -> BatchOutput:

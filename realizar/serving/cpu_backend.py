@@ -127,6 +127,17 @@ class ReferenceBatchBackend:
         return rms_norm(x, m.output_norm, self.config.rms_norm_eps) @ m.lm_head.T
 
     def prefill(self, tokens: Sequence[int], start: int, block_table: Sequence[int]) -> HostBatchOutput:
+        x = self._forward(tokens, start, block_table)
+        self._fed = None
+        return HostBatchOutput(self._logits(x[-1:]))
+
+    def hidden_rows(self, tokens: Sequence[int], block_table: Sequence[int]) -> np.ndarray:
+        """The final-norm hidden rows ``[len(tokens), hidden]`` of a sequence prefilled from position 0 through
+        ``block_table`` (embeddings; the last decode step's sampled tokens stay for its fed rows)."""
+        return rms_norm(self._forward(tokens, 0, block_table), self.model.output_norm, self.config.rms_norm_eps)
+
+    def _forward(self, tokens: Sequence[int], start: int, block_table: Sequence[int]) -> np.ndarray:
+        """The residual rows of positions ``start ..`` after every layer, K/V written through ``block_table``."""
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
         s = ids.shape[0]
         if s == 0:
@@ -155,8 +166,7 @@ class ReferenceBatchBackend:
         x = self.model.embedding[ids]
         for li, L in enumerate(self.model.layers):
             x = decoder_layer(x, [(L, c, attend(li))], cos, sin)
-        self._fed = None
-        return HostBatchOutput(self._logits(x[-1:]))
+        return x
 
     def decode(
         self, tokens: Sequence[int], positions: Sequence[int], block_tables: Sequence[Sequence[int]]

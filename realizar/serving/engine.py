@@ -349,6 +349,33 @@ class ServingEngine:
             warm()
         return time.perf_counter() - t0
 
+    def embed(self, inputs: Sequence[Sequence[int]], dimensions: int | None = None) -> np.ndarray:
+        """Unit-norm embeddings ``[len(inputs), dimensions or hidden]`` of token-id sequences
+        (:mod:`realizar.embeddings`): each input is prefilled on the backend between two steps, through KV blocks of
+        its own taken from the pool and given back (:meth:`~realizar.serving.backend.BatchBackend.hidden_rows`), and
+        its final-norm rows pooled as the model's metadata says. Runs in the calling thread, one input per hold of
+        the engine, so generations go on between inputs. A pool too full for an input raises
+        :class:`~realizar.errors.KVPoolExhaustedError`."""
+        from realizar.embeddings import normalize, pool, truncate
+        from realizar.errors import UnsupportedError
+
+        cfg = self.backend.config
+        hidden_rows = getattr(self.backend, "hidden_rows", None)
+        if hidden_rows is None:
+            raise UnsupportedError(f"{type(self.backend).__name__} computes no hidden rows (no embeddings)")
+        rows = []
+        for ids in inputs:
+            with self._cv:
+                if self._closed:
+                    raise EngineClosedError("the serving engine is closed")
+                blocks = self.scheduler.pool.allocate(self.scheduler.pool.blocks_for(len(ids)))
+                try:
+                    rows.append(pool(hidden_rows(ids, blocks), cfg.pooling))
+                finally:
+                    self.scheduler.pool.free(blocks)
+        out = normalize(np.stack(rows)) if rows else np.zeros((0, cfg.hidden_size), np.float32)
+        return truncate(out, dimensions)
+
     def _drain_inbox(self) -> None:
         """Apply the cancels that came during a step and queue the submitted requests with the
         scheduler (caller holds the engine's lock)."""

@@ -108,6 +108,7 @@ class EngineClient:
         self._ids = itertools.count()
         self._sent = 0  # submissions sent; the child's stats say how many it has taken
         self._taken = 0
+        self._embeds = 0  # embed calls made (each waits for its own answer)
         self._lock = threading.Lock()  # the handles and counters (never held while sending)
         self._send_lock = threading.Lock()
         self._closed = False  # no more submissions (closed here, or the engine process is gone)
@@ -170,6 +171,13 @@ class EngineClient:
         request); its seconds (0 after the first)."""
         return float(self._call("warm_up"))
 
+    def embed(self, inputs: Sequence[Sequence[int]], dimensions: int | None = None) -> Any:
+        """:meth:`ServingEngine.embed` in the engine process (on a thread of its own there, beside the steps)."""
+        with self._lock:
+            self._embeds += 1
+            key = f"embed {self._embeds}"
+        return self._call(key, [list(map(int, ids)) for ids in inputs], dimensions)
+
     _FAREWELL = "detach"  # what :meth:`close` tells the engine process: this client leaves
 
     def close(self, timeout: float | None = 10.0) -> None:
@@ -208,10 +216,11 @@ class EngineClient:
     def _alive(self) -> bool:
         return True
 
-    def _call(self, what: str) -> Any:
+    def _call(self, what: str, *args: Any) -> Any:
+        """Send ``(what, *args)`` and wait for the engine process's answer of that kind (an exception is raised)."""
         with self._replied:
             self._replies.pop(what, None)
-        self._send((what,))
+        self._send((what, *args))
         with self._replied:
             while what not in self._replies:
                 if not self._reader.is_alive() or not self._alive():
@@ -511,6 +520,14 @@ def _child_main(conn: Any, build: Callable[[], ServingEngine], key: bytes | None
                     handle = client.handles.pop(rest[0], None)
                     if handle is not None:
                         handle.cancel()
+                elif kind.startswith("embed "):
+                    def embed(client=client, key=kind, inputs=rest[0], dimensions=rest[1]) -> None:
+                        try:
+                            client.send((key, serving.embed(inputs, dimensions)))
+                        except BaseException as exc:  # noqa: BLE001 - the parent raises it
+                            client.send((key, _portable(exc)))
+
+                    threading.Thread(target=embed, name="realizar-embed", daemon=True).start()
                 elif kind == "warm_up":
                     try:
                         seconds = 0.0 if warmed[0] else serving.warm_up()

@@ -4,8 +4,10 @@
 :data:`MAX_INPUTS` inputs, each within the context, :data:`MAX_TOTAL_TOKENS` in all); each is pooled from the
 model's final-norm hidden states as its metadata says (:mod:`realizar.embeddings`). ``encoding_format``:
 ``"float"`` (default) or ``"base64"`` (little-endian float32, as OpenAI's, and what the official client asks for);
-``dimensions`` below the hidden size truncates and renormalises (Matryoshka). The model runs on a worker thread,
-one request at a time, beside the generations; only the CPU backend embeds for now (elsewhere: 501).
+``dimensions`` below the hidden size truncates and renormalises (Matryoshka). The work runs on a worker thread:
+on the CPU, the engine's reference model beside the generations (:meth:`realizar.engine.Engine.embed`); on a GPU,
+and with the engine in a process of its own, the serving engine between its steps, each input prefilled through KV
+blocks of its own (:meth:`realizar.serving.ServingEngine.embed`; a pool too full for it: 503).
 """
 
 from __future__ import annotations
@@ -43,13 +45,24 @@ def _is_ids(x: Any) -> bool:
     return isinstance(x, list) and bool(x) and all(type(t) is int for t in x)
 
 
+def _embedder(state: ServerState) -> Any:
+    """What computes this server's embeddings: the engine's own :meth:`~realizar.engine.Engine.embed` where it has
+    one (the CPU reference model), else the serving engine's (GPU backends, an engine process); a 501 without."""
+    unavailable = getattr(state.engine, "embedding_unavailable", None)
+    if unavailable is not None and unavailable() is None:
+        return state.engine
+    serving = state.scheduler.serving
+    backend = getattr(serving, "backend", None)  # (None for an engine process: its engine says when it cannot)
+    if callable(getattr(serving, "embed", None)) and (backend is None or hasattr(backend, "hidden_rows")):
+        return serving
+    why = unavailable() if unavailable is not None else "this server's engine does not compute embeddings"
+    raise P.ServerError(501, why, "invalid_request_error", code="unsupported")
+
+
 def _inputs(state: ServerState, req: EmbeddingRequest) -> list[list[int]]:
     """Every input's token ids, checked (on a worker thread: tokenizing many texts takes a while)."""
     state.check_model(req.model)
-    unavailable = getattr(state.engine, "embedding_unavailable", None)
-    why = unavailable() if unavailable is not None else "this server's engine does not compute embeddings"
-    if why is not None:
-        raise P.ServerError(501, why, "invalid_request_error", code="unsupported")
+    _embedder(state)
     if req.dimensions is not None and not 1 <= req.dimensions <= state.engine.config.hidden_size:
         raise _bad(f"dimensions must be between 1 and the model's {state.engine.config.hidden_size}, got "
                    f"{req.dimensions}", param="dimensions")  # fmt: skip
@@ -94,7 +107,7 @@ def _encode(v: np.ndarray, fmt: str) -> list[float] | str:
 
 
 def _body(state: ServerState, req: EmbeddingRequest, inputs: list[list[int]]) -> dict:
-    vectors = state.engine.embed(inputs, req.dimensions)
+    vectors = _embedder(state).embed(inputs, req.dimensions)
     data = [{"object": "embedding", "index": i, "embedding": _encode(v, req.encoding_format)}
             for i, v in enumerate(vectors)]  # fmt: skip
     n = sum(len(ids) for ids in inputs)
