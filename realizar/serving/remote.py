@@ -19,7 +19,6 @@ import itertools
 import multiprocessing
 import pickle
 import threading
-import time
 from typing import Any, Callable, Sequence
 
 from realizar.errors import InvalidRequestError, RealizarError
