@@ -111,3 +111,13 @@ def test_realizar_device_emulate_selects_the_process_wide_device(monkeypatch):
     monkeypatch.setenv("REALIZAR_DEVICE", "tpu")
     with pytest.raises(ValueError, match="REALIZAR_DEVICE"):
         cuda.current_device()
+
+
+def test_emulated_memory_fits_the_host():
+    """Its buffers are host memory: by default it reports an eighth of the host's available memory (at most
+    80 GiB), so a KV pool sized as a share of the free memory cannot exhaust the host; a given size is kept."""
+    from realizar.cuda.emulated import _host_available
+
+    dev = cuda.EmulatedDevice()
+    assert 0 < dev.total_memory <= min(80 << 30, _host_available() // 4)  # (the host's memory moves meanwhile)
+    assert cuda.EmulatedDevice(free_bytes=1 << 30).memory_info() == (1 << 30, 1 << 30)

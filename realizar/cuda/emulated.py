@@ -15,6 +15,7 @@ findings raise :class:`ptx_gen.emulator.EmulatorError`. ``REALIZAR_DEVICE=emulat
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -72,22 +73,32 @@ class EmulatedKernel(CompiledKernel):
                              f"{limit} a block may opt into on {self.device.target}")
 
 
+def _host_available() -> int:
+    """The host's available physical memory in bytes (80 GiB where the system does not say)."""
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, ValueError, OSError):
+        return 80 << 30
+
+
 class EmulatedDevice:
     """The surface of :class:`realizar.cuda.Device` (``sm_count``, ``target``, ``name``, ``memory_info()``,
     ``synchronize()``, ``attribute()``, ``occupancy()``, ``set_shared_carveout()``...) backed by a
     :class:`ptx_gen.emulator.Memory`; ``launches`` lists every launch run, as
     ``(kernel name, grid, block, shared bytes, {parameter: value})``. The attributes are an H100 SXM's
-    (or the ``target``'s); ``attributes`` overrides some, e.g. an H200's memory clock and bus width."""
+    (or the ``target``'s); ``attributes`` overrides some, e.g. an H200's memory clock and bus width.
+    ``free_bytes``: the memory it reports (its buffers live in host memory), by default an eighth of the host's
+    available memory, at most 80 GiB, so that what sizes itself by the free memory (the KV pool) fits the host."""
 
     emulated = True
     ordinal = 0
 
-    def __init__(self, sm_count: int = 132, target: str = "sm_90", free_bytes: int = 80 << 30,
+    def __init__(self, sm_count: int = 132, target: str = "sm_90", free_bytes: int | None = None,
                  racecheck: bool = True, attributes: dict[str, int] | None = None):
         self.sm_count = int(sm_count)
         self.target = Target(target) if isinstance(target, str) else target
         self.name = f"emulated {self.target.sm}"
-        self.total_memory = int(free_bytes)
+        self.total_memory = int(free_bytes if free_bytes is not None else min(80 << 30, _host_available() // 8))
         self.racecheck = racecheck
         self.memory = Memory()
         self.launches: list[tuple] = []
