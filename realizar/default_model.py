@@ -150,7 +150,8 @@ def _wheel_link(index: str) -> tuple[str, str | None]:
     body, kind, base = _get(page, "application/vnd.pypi.simple.v1+json, text/html;q=0.1")
     if "json" in kind:
         try:
-            files = [(f["filename"], f["url"], (f.get("hashes") or {}).get("sha256")) for f in json.loads(body)["files"]]
+            files = [(f["filename"], f["url"], (f.get("hashes") or {}).get("sha256"))
+                     for f in json.loads(body)["files"]]
         except (ValueError, KeyError, TypeError) as e:
             raise DownloadError(f"downloading the default model failed: {page} is not a simple-API page ({e})") \
                 from None

@@ -303,7 +303,9 @@ def load_engine(
         except GpuUnavailableError as e:
             if device == "cuda":
                 raise
-            if os.environ.get("REALIZAR_VERBOSE"):
+            from realizar import cuda
+
+            if os.environ.get("REALIZAR_VERBOSE") or cuda.unavailable_reason() is None:  # (a GPU that cannot run it)
                 print(f"realizar: running on the CPU ({e})", file=sys.stderr)
     if model is None:
         from realizar.models.reference import ReferenceModel

@@ -43,10 +43,12 @@ def _no_gpu(monkeypatch):
     monkeypatch.setattr(cuda, "unavailable_reason", lambda: "no NVIDIA driver (stubbed)")
 
 
-def test_auto_falls_back_to_cpu_without_a_gpu(tiny_paths, monkeypatch):
+def test_auto_falls_back_to_cpu_without_a_gpu(tiny_paths, monkeypatch, capsys):
     _no_gpu(monkeypatch)
+    monkeypatch.delenv("REALIZAR_VERBOSE", raising=False)
     engine = load_engine(tiny_paths[1], device="auto")
     assert engine.device == "cpu" and isinstance(engine.model, ReferenceModel)
+    assert capsys.readouterr().err == ""  # (no GPU here: the CPU is the plain choice, said nothing of)
 
 
 def test_cuda_without_a_gpu_says_why(tiny_paths, monkeypatch):
@@ -55,8 +57,8 @@ def test_cuda_without_a_gpu_says_why(tiny_paths, monkeypatch):
         load_engine(tiny_paths[1], device="cuda")
 
 
-def test_a_model_the_gpu_cannot_run(tiny_paths, monkeypatch):
-    """A GPU is present but the GPU model refuses the model: cuda says why, auto runs on the CPU."""
+def test_a_model_the_gpu_cannot_run(tiny_paths, monkeypatch, capsys):
+    """A GPU is present but the GPU model refuses the model: cuda says why, auto runs on the CPU and says why."""
     import realizar.gpu.model
     from realizar.errors import UnsupportedError
 
@@ -67,7 +69,10 @@ def test_a_model_the_gpu_cannot_run(tiny_paths, monkeypatch):
     monkeypatch.setattr(realizar.gpu.model.GpuModel, "from_loaded", staticmethod(refuse))
     with pytest.raises(GpuUnavailableError, match=r"cannot run on the GPU: tensor type XYZ \(stubbed\)"):
         load_engine(tiny_paths[1], device="cuda")
+    capsys.readouterr()
     assert load_engine(tiny_paths[1], device="auto").device == "cpu"
+    said = capsys.readouterr().err
+    assert said == "realizar: running on the CPU (this model cannot run on the GPU: tensor type XYZ (stubbed))\n"
 
 
 @pytest.mark.parametrize("device", ["auto", "cuda"])
