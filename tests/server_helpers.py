@@ -70,3 +70,25 @@ def check_disconnect_stops(live, path: str, body: dict, headers: dict, delta_eve
         assert backend.decodes - decodes0 < 250
     finally:
         backend.delay = 0.0
+
+
+def app_options(monkeypatch, *args, **kwargs) -> dict:
+    """The keywords ``realizar.server.serve(*args, **kwargs)`` hands to ``create_app`` (stopped there: nothing
+    binds or serves)."""
+    import pytest
+
+    import realizar.server as server
+
+    seen = {}
+
+    class Made(Exception):
+        pass
+
+    def fake(engine, **kw):
+        seen.update(kw)
+        raise Made
+
+    monkeypatch.setattr(server, "create_app", fake)
+    with pytest.raises(Made):
+        server.serve(*args, **kwargs)
+    return seen

@@ -67,23 +67,11 @@ def test_allowed_origins_get_cors(servers):
 
 
 def test_serve_turns_the_checks_on(monkeypatch):
-    import realizar.server as server
     from realizar.cli import build_parser
+    from tests.server_helpers import app_options
 
-    seen = {}
-
-    class Made(Exception):
-        pass
-
-    def fake(engine, **kw):
-        seen.update(kw)
-        raise Made
-
-    monkeypatch.setattr(server, "create_app", fake)
     for host, key, want in (("127.0.0.1", None, True), ("0.0.0.0", None, False), ("127.0.0.1", "k", False)):
-        seen.clear()
-        with pytest.raises(Made):
-            server.serve(object(), host, 0, api_key=key, allowed_origins=["https://a.example"])
+        seen = app_options(monkeypatch, object(), host, 0, api_key=key, allowed_origins=["https://a.example"])
         assert seen["loopback_hosts"] is want and seen["allowed_origins"] == ["https://a.example"]
     args = build_parser().parse_args(["serve", "--allowed-origins", "https://a.example", "https://b.example"])
     assert args.allowed_origins == ["https://a.example", "https://b.example"]

@@ -107,22 +107,10 @@ def test_serve_flag_and_environment_reach_the_app(monkeypatch):
     assert build_parser().parse_args(["serve"]).chat_page is False
     assert build_parser().parse_args(["serve", "--chat-page"]).chat_page is True
 
-    import realizar.server as server
+    from tests.server_helpers import app_options
 
-    seen = {}
-
-    class Made(Exception):
-        pass
-
-    def fake(engine, **kw):
-        seen.update(kw)
-        raise Made
-
-    monkeypatch.setattr(server, "create_app", fake)
     for value in (True, False):
-        with pytest.raises(Made):
-            server.serve(object(), "127.0.0.1", 0, chat_page=value)
-        assert seen["chat_page"] is value
+        assert app_options(monkeypatch, object(), "127.0.0.1", 0, chat_page=value)["chat_page"] is value
 
 
 def test_the_wheel_ships_the_page():
