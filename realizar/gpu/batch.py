@@ -454,11 +454,7 @@ class GpuBatchBackend:
             raise ContextOverflowError(f"positions {start}..{start + n - 1} exceed the context length of "
                                        f"{self.context_length}")
         if block_table is not None:
-            self._unbind()  # the prefill table is rewritten: a bound sequence binds again
-            if len(block_table) * self.block_size < start + n or len(block_table) > self.table_stride:
-                raise ShapeError(f"positions up to {start + n - 1} need {-(-(start + n) // self.block_size)} "
-                                 f"blocks, the table has {len(block_table)}")
-            self._check_blocks([block_table])
+            self._take_table(block_table, start + n)
         elif self._one is None:
             raise ShapeError("prefill without a block table needs a bound sequence (bind_sequence)")
         self.device.make_current()
@@ -469,10 +465,7 @@ class GpuBatchBackend:
             self._fed_rows = 0
             return GpuBatchOutput(self, 1)
         if block_table is not None:
-            table = np.zeros(self.table_stride, np.uint32)
-            table[: len(block_table)] = block_table
-            self.stream.synchronize()  # an earlier step may still read the table buffer
-            self.prefill_table.copy_from_host(table)
+            self._load_prefill_table(block_table)
         c = self._prefill.chunk
         for off in range(0, n, c):
             part = ids[off: off + c]
@@ -495,21 +488,30 @@ class GpuBatchBackend:
             raise ContextOverflowError(f"{n} tokens exceed the context length of {self.context_length}")
         if self._prefill is None:
             raise UnsupportedError("embeddings on the GPU run through the prefill chunks, which this backend has off")
-        if len(block_table) * self.block_size < n or len(block_table) > self.table_stride:
-            raise ShapeError(f"{n} positions need {-(-n // self.block_size)} blocks, the table has {len(block_table)}")
-        self._check_blocks([block_table])
-        self._unbind()  # the prefill table is rewritten: a bound sequence binds again
+        self._take_table(block_table, n)
         self.device.make_current()
-        table = np.zeros(self.table_stride, np.uint32)
-        table[: len(block_table)] = block_table
-        self.stream.synchronize()  # a step in flight may still read the table buffer
-        self.prefill_table.copy_from_host(table)
+        self._load_prefill_table(block_table)
         c, rows = self._prefill.chunk, []
         for off in range(0, n, c):
             part = ids[off: off + c]
             self._prefill.run_chunk(part, off, last=False)
             rows.append(self._prefill.final_rows(len(part)))
         return np.concatenate(rows)
+
+    def _take_table(self, block_table: Sequence[int], end: int) -> None:
+        """Check ``block_table`` for positions ``0 .. end - 1`` (its length, its blocks) before the prefill table is
+        rewritten with it; a bound sequence is unbound (it binds again)."""
+        self._unbind()
+        if len(block_table) * self.block_size < end or len(block_table) > self.table_stride:
+            raise ShapeError(f"positions up to {end - 1} need {-(-end // self.block_size)} blocks, the table has "
+                             f"{len(block_table)}")
+        self._check_blocks([block_table])
+
+    def _load_prefill_table(self, block_table: Sequence[int]) -> None:
+        table = np.zeros(self.table_stride, np.uint32)
+        table[: len(block_table)] = block_table
+        self.stream.synchronize()  # an earlier step (one in flight too) may still read the table buffer
+        self.prefill_table.copy_from_host(table)
 
     def _token_step(self, token: int, position: int, block_table: Sequence[int] | None) -> None:
         """One prompt token through the one-row decode step (greedy: its logits and argmax stay)."""
