@@ -13,7 +13,7 @@ import numpy as np
 
 from realizar.errors import InvalidRequestError
 
-__all__ = ["pool", "normalize", "truncate"]
+__all__ = ["pool", "normalize", "truncate", "unit_vectors"]
 
 
 def pool(rows: np.ndarray, mode: str) -> np.ndarray:
@@ -40,3 +40,9 @@ def truncate(x: np.ndarray, dimensions: int | None) -> np.ndarray:
     if not 1 <= dimensions <= x.shape[-1]:
         raise InvalidRequestError(f"dimensions must be between 1 and the model's {x.shape[-1]}, got {dimensions}")
     return normalize(x[:, :dimensions])
+
+
+def unit_vectors(pooled: list[np.ndarray], hidden: int, dimensions: int | None) -> np.ndarray:
+    """The embeddings of a request from its inputs' pooled rows: ``[len(pooled), dimensions or hidden]``, unit norm."""
+    out = normalize(np.stack(pooled)) if pooled else np.zeros((0, hidden), np.float32)
+    return truncate(out, dimensions)

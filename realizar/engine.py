@@ -122,9 +122,7 @@ class Engine:
         """Unit-norm embeddings ``[len(inputs), dimensions or hidden]`` of token-id sequences, each pooled from
         its own final-norm hidden rows as ``config.pooling`` says (:mod:`realizar.embeddings`). Runs on the CPU
         reference model beside any generation (no KV cache is touched); one call at a time per engine."""
-        import numpy as np
-
-        from realizar.embeddings import normalize, pool, truncate
+        from realizar.embeddings import pool, unit_vectors
         from realizar.errors import UnsupportedError
 
         why = self.embedding_unavailable()
@@ -132,8 +130,7 @@ class Engine:
             raise UnsupportedError(why)
         with self._embed_lock:  # (calls in parallel would only share the same cores)
             rows = [pool(self.model.hidden_states(ids), self.config.pooling) for ids in inputs]
-        out = normalize(np.stack(rows)) if rows else np.zeros((0, self.config.hidden_size), np.float32)
-        return truncate(out, dimensions)
+        return unit_vectors(rows, self.config.hidden_size, dimensions)
 
     def batch_backend(self, config: Any = None) -> Any:
         """The backend that runs many sequences of this model at once (the

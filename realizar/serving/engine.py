@@ -356,7 +356,7 @@ class ServingEngine:
         its final-norm rows pooled as the model's metadata says. Runs in the calling thread, one input per hold of
         the engine, so generations go on between inputs. A pool too full for an input raises
         :class:`~realizar.errors.KVPoolExhaustedError`."""
-        from realizar.embeddings import normalize, pool, truncate
+        from realizar.embeddings import pool, unit_vectors
         from realizar.errors import UnsupportedError
 
         cfg = self.backend.config
@@ -373,8 +373,7 @@ class ServingEngine:
                     rows.append(pool(hidden_rows(ids, blocks), cfg.pooling))
                 finally:
                     self.scheduler.pool.free(blocks)
-        out = normalize(np.stack(rows)) if rows else np.zeros((0, cfg.hidden_size), np.float32)
-        return truncate(out, dimensions)
+        return unit_vectors(rows, cfg.hidden_size, dimensions)
 
     def _drain_inbox(self) -> None:
         """Apply the cancels that came during a step and queue the submitted requests with the
