@@ -102,7 +102,7 @@ def served_name(path: Path) -> str:
 
 def _resolve(ref: HubRef, endpoint: str, cache: str, offline: bool) -> Path:
     import httpx2
-    from huggingface_hub import HfApi, hf_hub_download, snapshot_download
+    from huggingface_hub import HfApi, snapshot_download
     from huggingface_hub.errors import (HfHubHTTPError, OfflineModeIsEnabled, RepositoryNotFoundError,
                                         RevisionNotFoundError)
 
@@ -118,7 +118,7 @@ def _resolve(ref: HubRef, endpoint: str, cache: str, offline: bool) -> Path:
             if files is None:
                 what = f"file {ref.filename}" if ref.filename else f"{ref.quant} GGUF file"
                 raise ModelNotFoundError(f"{ref.repo} on {endpoint} has no {what}; its GGUF files: {_listing(ggufs)}")
-            return [Path(hf_hub_download(ref.repo, name, **common)) for name in files][0]
+            return _download(ref, files, common)
         if "config.json" not in sizes or not any(f.endswith(".safetensors") for f in sizes):
             raise ModelNotFoundError(f"{ref.repo} on {endpoint} has no GGUF file and no config.json with "
                                      f"safetensors weights to load")
@@ -134,7 +134,7 @@ def _resolve(ref: HubRef, endpoint: str, cache: str, offline: bool) -> Path:
 
 def _from_cache(ref: HubRef, cache: str, why: str) -> Path:
     """``ref`` from the Hugging Face cache alone; ``why`` says why the Hub is not asked."""
-    from huggingface_hub import hf_hub_download, snapshot_download
+    from huggingface_hub import snapshot_download
     from huggingface_hub.errors import CachedRepoTreeNotFoundError, IncompleteSnapshotError, LocalEntryNotFoundError
     from huggingface_hub.file_download import repo_folder_name
 
@@ -154,10 +154,17 @@ def _from_cache(ref: HubRef, cache: str, why: str) -> Path:
             files = _choose(ref, ggufs)
             if files is None:
                 raise ModelNotFoundError(f"{missing} (cached: {_listing(ggufs)})")
-            return [Path(hf_hub_download(ref.repo, name, **common)) for name in files][0]
+            return _download(ref, files, common)
         return Path(snapshot_download(ref.repo, allow_patterns=SAFETENSORS_PATTERNS, **common))
     except (LocalEntryNotFoundError, IncompleteSnapshotError, CachedRepoTreeNotFoundError):
         raise ModelNotFoundError(missing) from None
+
+
+def _download(ref: HubRef, files: list[str], common: dict) -> Path:
+    """Every file of a model (one, or each part of a split one) through ``hf_hub_download``; the first's path."""
+    from huggingface_hub import hf_hub_download
+
+    return [Path(hf_hub_download(ref.repo, name, **common)) for name in files][0]
 
 
 def _listing(files: dict[str, int] | list[str]) -> str:
