@@ -372,9 +372,8 @@ class Nccl:
 
     def destroy_all(self, comms: Sequence[Communicator]) -> None:
         """Destroy communicators this thread drives together (``comm_init_all``'s, or several ranks'): each is
-        finalized first, all inside one group (``ncclCommFinalize``, NCCL >= 2.14), then destroyed. A plain
-        ``ncclCommDestroy`` of one of them finalizes it alone, and waits there for the others, which this
-        thread never reaches."""
+        finalized first, all inside one group (``ncclCommFinalize``, NCCL >= 2.14), as NCCL asks of a thread that
+        finalizes several, then destroyed. (Graphs that captured their collectives must be gone first.)"""
         live = [c for c in comms if c.alive]
         if "ncclCommFinalize" in self._fns and len(live) > 1:
             with self.group():
