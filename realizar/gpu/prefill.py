@@ -83,7 +83,7 @@ class Prefill:
             self.hidden = b.ops.buffer(self.chunk * cfg.hidden_size)
         b.ops.rmsnorm(self.acts.x, b.weights.output_norm, self.hidden, cfg.rms_norm_eps, rows=n, stream=b.stream)
         b.stream.synchronize()
-        return self.hidden.copy_to_host()[: n * cfg.hidden_size].reshape(n, cfg.hidden_size)
+        return self.hidden.copy_to_host_at(0, n * cfg.hidden_size).reshape(n, cfg.hidden_size)
 
     def _last_row(self, n: int) -> None:
         """Final norm, LM head and argmax of row ``n - 1`` into the backend's row-0 logits and token."""
