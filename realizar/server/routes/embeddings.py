@@ -61,8 +61,6 @@ def _embedder(state: ServerState) -> Any:
 
 def _inputs(state: ServerState, req: EmbeddingRequest) -> list[list[int]]:
     """Every input's token ids, checked (on a worker thread: tokenizing many texts takes a while)."""
-    state.check_model(req.model)
-    _embedder(state)
     if req.dimensions is not None and not 1 <= req.dimensions <= state.engine.config.hidden_size:
         raise _bad(f"dimensions must be between 1 and the model's {state.engine.config.hidden_size}, got "
                    f"{req.dimensions}", param="dimensions")  # fmt: skip
@@ -106,8 +104,8 @@ def _encode(v: np.ndarray, fmt: str) -> list[float] | str:
     return v.tolist()
 
 
-def _body(state: ServerState, req: EmbeddingRequest, inputs: list[list[int]]) -> dict:
-    vectors = _embedder(state).embed(inputs, req.dimensions)
+def _body(state: ServerState, req: EmbeddingRequest, embedder: Any, inputs: list[list[int]]) -> dict:
+    vectors = embedder.embed(inputs, req.dimensions)
     data = [{"object": "embedding", "index": i, "embedding": _encode(v, req.encoding_format)}
             for i, v in enumerate(vectors)]  # fmt: skip
     n = sum(len(ids) for ids in inputs)
@@ -117,5 +115,7 @@ def _body(state: ServerState, req: EmbeddingRequest, inputs: list[list[int]]) ->
 @router.post("/v1/embeddings")
 async def embeddings(request: Request, state: ServerState = Depends(get_state)) -> dict:
     req = await parse_body(request, EmbeddingRequest)
+    state.check_model(req.model)
+    embedder = _embedder(state)  # (a 501 before any input is tokenized)
     inputs = await off_loop(request, _inputs, state, req)
-    return await off_loop(request, _body, state, req, inputs, heavy=True)
+    return await off_loop(request, _body, state, req, embedder, inputs, heavy=True)
