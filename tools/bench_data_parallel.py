@@ -32,7 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_serving import _client_process, pct  # noqa: E402  (tools/ is on the path when run as a script)
+from bench_serving import client_load, pct  # noqa: E402  (tools/ is on the path when run as a script)
 from realizar.cli.data_parallel import free_port  # noqa: E402
 
 NAME = "bench"
@@ -105,13 +105,7 @@ def tokens_of(url: str, text: str) -> int:
 
 
 def load(pool, url: str, reqs: list[tuple[str, int]]) -> dict:
-    start_at = time.perf_counter() + 0.3
-    futures = [pool.submit(_client_process, url + "/v1/completions", NAME, reqs[i::CLIENTS], start_at)
-               for i in range(CLIENTS) if reqs[i::CLIENTS]]
-    runs = [r for f in futures for r in f.result()]
-    wall = max(ts[-1] for _, ts, _ in runs if ts) - start_at
-    return {"tok_s": sum(n for _, _, n in runs) / wall, "ttft": [ts[0] - s for s, ts, _ in runs if ts],
-            "tokens": sum(n for _, _, n in runs)}
+    return client_load(pool, url + "/v1/completions", NAME, reqs, CLIENTS)
 
 
 def main(argv: list[str] | None = None) -> int:

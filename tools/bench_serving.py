@@ -218,6 +218,20 @@ def _client_process(url: str, name: str, reqs: list, start_at: float) -> list:
     return asyncio.run(_stream_load(url, name, reqs, start_at))
 
 
+def client_load(pool, url: str, name: str, reqs: list, clients: int) -> dict:
+    """``reqs`` (prompt, max_tokens) streamed from ``clients`` processes of ``pool`` at once (from 0.3 s on): output
+    tok/s over the wall time to the last event, TTFTs, the gaps between events, the wall time and the tokens."""
+    start_at = time.perf_counter() + 0.3
+    futures = [pool.submit(_client_process, url, name, reqs[i::clients], start_at)
+               for i in range(clients) if reqs[i::clients]]
+    runs = [r for f in futures for r in f.result()]
+    wall = max(ts[-1] for _, ts, _ in runs if ts) - start_at
+    ttft = [ts[0] - s for s, ts, _ in runs if ts]
+    itl = [d for _, ts, _ in runs for d in np.diff(ts).tolist()]
+    count = sum(n for _, _, n in runs)
+    return {"tok_s": count / wall, "ttft": ttft, "itl": itl, "wall": wall, "tokens": count}
+
+
 def bench_front(name: str, config, context_length: int):
     """(In a further server process) the bench's front engine: the model's name, config and byte tokenizer."""
     from types import SimpleNamespace
@@ -267,16 +281,7 @@ def bench_http(backend, name: str, concurrency: list[int], prompt: int, gen: int
                               {"max_queue": 1024, "log_level": "warning"})
     pool = concurrent.futures.ProcessPoolExecutor(clients, mp_context=multiprocessing.get_context("spawn"))
 
-    def load(reqs):
-        start_at = time.perf_counter() + 0.3
-        parts = [reqs[i::clients] for i in range(clients)]
-        futures = [pool.submit(_client_process, url, name, part, start_at) for part in parts if part]
-        runs = [r for f in futures for r in f.result()]
-        wall = max(ts[-1] for _, ts, _ in runs if ts) - start_at
-        ttft = [ts[0] - s for s, ts, _ in runs if ts]
-        itl = [d for _, ts, _ in runs for d in np.diff(ts).tolist()]
-        count = sum(n for _, _, n in runs)
-        return {"tok_s": count / wall, "ttft": ttft, "itl": itl, "wall": wall, "tokens": count}
+    load = functools.partial(client_load, pool, url, name, clients=clients)
 
     draw = lambda n: [int(t) for t in rng.integers(0, vocab, n)]  # noqa: E731
     out = {}
