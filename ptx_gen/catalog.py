@@ -23,6 +23,7 @@ _KERNEL_MODULES = (  # imported lazily so the catalog fills on first use (by fam
     "ptx_gen.kernels.gemv.gemv", "ptx_gen.kernels.gemv.gemv_mma",
     "ptx_gen.kernels.gemm.gemm_mma", "ptx_gen.kernels.gemm.gemm_q", "ptx_gen.kernels.gemm.x8", "ptx_gen.kernels.gemm.gemm_x8",
     "ptx_gen.kernels.gemm.gemm_wg",
+    "ptx_gen.kernels.gemm.gemm_ws",
     "ptx_gen.kernels.dequant.dequant",
     "ptx_gen.kernels.attention.incremental_attention", "ptx_gen.kernels.attention.flash_decoding",
     "ptx_gen.kernels.attention.flash_attention", "ptx_gen.kernels.attention.flash_attention_mma",

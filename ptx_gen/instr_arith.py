@@ -204,6 +204,13 @@ class ArithmeticOps:
         self._emit(f"cvt{rnd}.{to.name}.{src.name} {d}, {a};")
         return d
 
+    def cvt_f16x2(self, lo: Reg, hi: Reg) -> Reg:
+        """Two f32 rounded to f16 (nearest even) and packed in one 32-bit register, ``lo`` in the low half
+        (``cvt.rn.f16x2.f32``, sm_80+: one instruction for the pair)."""
+        d = self.reg("b32")
+        self._emit(f"cvt.rn.f16x2.f32 {d}, {hi}, {lo};")
+        return d
+
     def bitcast(self, a: Reg, to: str | PtxType) -> Reg:
         """Reinterpret the bits of ``a`` as another type of the same width (``mov.b32``)."""
         to = ptx_type(to)

@@ -155,10 +155,10 @@ class MemoryOps:
         self._emit(f"cp.async.ca.shared.global {self._address(dst, dst_offset)}, {self._address(src, src_offset)}, 4;",
                    pred)
 
-    def cp_async_mbarrier_arrive(self, addr: Reg) -> None:
+    def cp_async_mbarrier_arrive(self, addr: Reg, pred: Reg | None = None) -> None:
         """``cp.async.mbarrier.arrive.noinc``: arrive at the shared mbarrier once every cp.async this thread
         issued so far has landed (the arrival is one of the barrier's expected count)."""
-        self._emit(f"cp.async.mbarrier.arrive.noinc.shared::cta.b64 [{addr}];")
+        self._emit(f"cp.async.mbarrier.arrive.noinc.shared::cta.b64 [{addr}];", pred)
 
     def create_policy(self, evict: str = "evict_first", fraction: float = 1.0) -> Reg:
         """``createpolicy.fractional.L2::<evict>.b64``: an L2 cache policy (sm_80+) for the given
@@ -213,6 +213,10 @@ class MemoryOps:
         """``mbarrier.init``: an 8-byte shared barrier expecting ``count`` arrivals per phase."""
         self._need_sm90("mbarrier with transaction counts")
         self._emit(f"mbarrier.init.shared::cta.b64 [{addr}], {int(count)};", pred)
+
+    def mbarrier_arrive(self, addr: Reg, pred: Reg | None = None) -> None:
+        """``mbarrier.arrive`` (release, CTA scope): one of the barrier's expected arrivals for its phase."""
+        self._emit(f"mbarrier.arrive.shared::cta.b64 _, [{addr}];", pred)
 
     def fence_mbarrier_init(self) -> None:
         """Make mbarrier initialisations visible to the other threads and to the bulk-copy unit."""
@@ -336,6 +340,20 @@ class MemoryOps:
         fmt = lambda regs: "{" + ", ".join(map(str, regs)) + "}"  # noqa: E731
         self._emit(f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16 {fmt(acc)}, {fmt(a)}, {b_desc}, "
                    f"{scale_d}, 1, 1, 0;")
+
+    def wgmma_f16_ss(self, acc: Sequence[Reg], a_desc: Reg, b_desc: Reg, scale_d: Reg) -> None:
+        """``wgmma.mma_async.sync.aligned.m64nNk16.f32.f16.f16`` with both operands in shared memory (sm_90a):
+        D += A B, A (64 x 16, K-major) and B (16 x N, K-major) read through the 64-bit descriptors ``a_desc``
+        and ``b_desc``; ``acc`` as :meth:`wgmma_f16` (warp ``w`` of the warpgroup holds D's rows ``16 w ..``)."""
+        self._need_sm90a("wgmma")
+        n = 2 * len(acc)
+        if n % 8 or not 8 <= n <= 256:
+            raise ValueError(f"wgmma m64nNk16 takes N/2 accumulators with N in 8..256, got {n}")
+        if any(not isinstance(v, Var) or v.type.name != "f32" for v in acc):
+            raise TypeError("acc must be f32 Vars")
+        regs = "{" + ", ".join(map(str, acc)) + "}"
+        self._emit(f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16 {regs}, {a_desc}, {b_desc}, "
+                   f"{scale_d}, 1, 1, 0, 0;")
 
     def cp_async_wait_all(self) -> None:
         """``cp.async.wait_all``: every cp.async this thread issued has landed in shared memory."""

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gemm_x8 import SHAPES, _torch_us, _us, relative_error  # noqa: E402
 
 from realizar import cuda  # noqa: E402
-from realizar.gpu.gemm_wg import WgConfig, wg_config  # noqa: E402
+from realizar.gpu.gemm_wg import WgConfig, WsConfig, wg_config, ws_config  # noqa: E402
 from realizar.gpu.ops import LayerOps  # noqa: E402
 from realizar.gpu.weights import GpuWeight  # noqa: E402
 from realizar.models.random import dequant, random_weight  # noqa: E402
@@ -47,6 +47,20 @@ def _sweep(wtype: str, k: int, layout: str, m: int, max_smem: int) -> list[WgCon
     return out
 
 
+def _sweep_ws(wtype: str, k: int, layout: str, m: int, max_smem: int) -> list[WsConfig]:
+    from ptx_gen.kernels.gemm.gemm_ws import smem_bytes
+
+    return [WsConfig(mt, rg, st, wst, ps) for mt in (64, 128, 256) if mt <= 2 * max(m, 32) for rg in (1, 2)
+            if mt < 256 or rg == 1 for st in (4,) for wst in (2,) for ps in (1, 2) if rg * (1 + ps) <= 4
+            if smem_bytes(wtype, k, layout, mt, rg, st, wst, ps) <= max_smem]
+
+
+def _label(c) -> str:
+    if isinstance(c, WsConfig):
+        return f"ws t{c.mt} r{c.rgroups} s{c.stages} w{c.wstages} p{c.psets}"
+    return f"t{c.mt} r{c.rgroups} k{c.kparts} s{c.stages} u{c.unroll}"
+
+
 def _check(raw, wtype, n, k, glu, x16, out, m) -> float:
     """The error against float64 over the weight rounded to f16, as the kernel decodes it, and the f16 X."""
     w = dequant(raw, wtype, n, k).astype(np.float16).astype(np.float64)
@@ -60,13 +74,15 @@ def main() -> int:
     ap.add_argument("--models", default="8b,1b")
     ap.add_argument("--ms", default="64,128,256,512")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--kernel", choices=("wg", "ws"), default="wg",
+                    help="wg: one role per warp (gemm_wg); ws: warp-specialized producers and consumers (gemm_ws)")
     a = ap.parse_args()
     dev = cuda.current_device()
     ops, stream = LayerOps(dev), cuda.Stream(dev)
     smem = dev.max_shared_per_block_optin
     rng = np.random.default_rng(0)
     ms = [int(v) for v in a.ms.split(",")]
-    lines = [f"# warpgroup-MMA GEMM over quantized weights (gemm_wg), {dev.name}, {datetime.date.today()}", "",
+    lines = [f"# warpgroup-MMA GEMM over quantized weights (gemm_{a.kernel}), {dev.name}, {datetime.date.today()}", "",
              f"Command: `python tools/bench_gemm_wg.py {' '.join(sys.argv[1:])}`", "",
              "| type | shape | M | N x K | launch | wg µs | TFLOP/s | GB/s | f16 µs | f16 / wg | q µs | q / wg | torch µs "
              "| torch / wg | best swept | max error |",
@@ -84,15 +100,17 @@ def main() -> int:
                 x16h = ((rng.standard_normal((m, k)) + 0.1) / (64 if glu else 1)).astype(np.float16)
                 x16 = ops.to_device(x16h)
                 y = ops.buffer(m * cols, np.float16 if glu else np.float32)
-                cfg = wg_config(wtype, k, layout, cols, m, ops.sm_count, smem, glu=glu)
+                pick = ws_config if a.kernel == "ws" else wg_config
+                cfg = pick(wtype, k, layout, cols, m, ops.sm_count, smem, glu=glu)
+                gemm = ops.gemm_ws if a.kernel == "ws" else ops.gemm_wg
 
                 def run(c):
-                    return _us(lambda: ops.gemm_wg(x16, w, y, m, glu=glu, out_f16=glu, config=c, stream=stream), stream)
+                    return _us(lambda: gemm(x16, w, y, m, glu=glu, out_f16=glu, config=c, stream=stream), stream)
 
                 us = run(cfg)
                 best = (us, cfg)
                 if a.sweep:
-                    for c in _sweep(wtype, k, layout, m, smem):
+                    for c in (_sweep_ws if a.kernel == "ws" else _sweep)(wtype, k, layout, m, smem):
                         if c == cfg:
                             continue
                         try:
@@ -103,7 +121,7 @@ def main() -> int:
                         print(f"  {wtype} {model} {label} M={m} {c}: {t:.1f} us", flush=True)
                         if t < best[0]:
                             best = (t, c)
-                ops.gemm_wg(x16, w, y, m, glu=glu, out_f16=glu, config=cfg, stream=stream)
+                gemm(x16, w, y, m, glu=glu, out_f16=glu, config=cfg, stream=stream)
                 stream.synchronize()
                 got = y.copy_to_host(np.empty(m * cols, np.float16 if glu else np.float32)).reshape(m, cols)
                 err = _check(raw, wtype, n, k, glu, x16h, got, m)
@@ -112,12 +130,11 @@ def main() -> int:
                        if m <= 128 else None)
                 tus = _torch_us(m, n, k)
                 bc = best[1]
-                row = (f"| {wtype} | {model} {label} | {m} | {n} x {k} | t{cfg.mt} r{cfg.rgroups} k{cfg.kparts} "
-                       f"s{cfg.stages} u{cfg.unroll} | {us:.1f} | {2 * m * n * k / us / 1e6:.0f} | {w.nbytes / us / 1e3:.0f} | "
+                row = (f"| {wtype} | {model} {label} | {m} | {n} x {k} | {_label(cfg)} | {us:.1f} | {2 * m * n * k / us / 1e6:.0f} | {w.nbytes / us / 1e3:.0f} | "
                        f"{fus:.1f} | {fus / us:.2f} | {'-' if qus is None else f'{qus:.1f}'} | "
                        f"{'-' if qus is None else f'{qus / us:.2f}'} | {'-' if tus is None else f'{tus:.1f}'} | "
                        f"{'-' if tus is None else f'{tus / us:.2f}'} | "
-                       f"{best[0]:.1f} (t{bc.mt} r{bc.rgroups} k{bc.kparts} s{bc.stages} u{bc.unroll}) | {err:.1e} |")
+                       f"{best[0]:.1f} ({_label(bc)}) | {err:.1e} |")
                 print(row, flush=True)
                 lines.append(row)
                 for b in (x16, y):

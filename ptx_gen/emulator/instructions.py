@@ -284,6 +284,9 @@ def cvt(m, inst: Inst, act, mask) -> None:
     mods, args = inst.mods, inst.args
     dst, src = mods[-2], mods[-1]
     rnd = mods[0] if len(mods) == 3 else None
+    if dst == "f16x2":  # (two f32 rounded to f16: the first source in the upper half)
+        hi, lo = (m.read(x, src).astype(np.float16).view(np.uint16).astype(np.uint32) for x in args[1:3])
+        return m.write(args[0], (hi << 16) | lo, act, "b32")
     a = m.read(args[1], src)
     if dst.startswith(("u", "s")) and src.startswith("f"):
         x = _ROUND[rnd](a.astype(np.float64))

@@ -16,10 +16,11 @@ import numpy as np
 
 from realizar.errors import ShapeError
 from realizar.gpu.dispatch import Dispatcher
-from realizar.gpu.policy.gemm import WG_MIN_WAVE, WG_MTS, WG_STAGES, WG_UNROLL, WG_WIDE
-from realizar.gpu.policy.shapes import WgConfig
+from realizar.gpu.policy.gemm import (WG_MIN_WAVE, WG_MTS, WG_STAGES, WG_UNROLL, WG_WIDE, WS_MIN_WAVE, WS_MTS,
+                                      WS_STAGES, WS_WIDE)
+from realizar.gpu.policy.shapes import WgConfig, WsConfig
 
-__all__ = ["GemmWgOps", "WgConfig", "wg_applies", "wg_config"]
+__all__ = ["GemmWgOps", "WgConfig", "WsConfig", "wg_applies", "wg_config", "ws_config"]
 
 
 def wg_applies(device: Any, wtype: str, layout: str, in_dim: int) -> bool:
@@ -54,6 +55,26 @@ def wg_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_co
     raise ShapeError(f"no warpgroup GEMM tile for {wtype} {layout} fits {max_smem} bytes of shared memory")
 
 
+def ws_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_count: int = 132,
+              max_smem: int = 227 * 1024, glu: bool = False) -> WsConfig:
+    """The launch shape of the warp-specialized GEMM for ``rows_out`` outputs of ``in_dim`` values at ``m``
+    tokens: the largest token tile of ``WS_MTS`` below ``2 m`` whose launch has ``WS_MIN_WAVE`` x ``sm_count``
+    CTAs (else the smallest); two consumer warpgroups where the launch keeps ``WS_WIDE`` CTAs an SM; the deepest
+    ring of ``WS_STAGES`` that fits ``max_smem``."""
+    from ptx_gen.kernels.gemm.gemm_ws import smem_bytes
+
+    groups = -(-rows_out // (32 if glu else 64))  # 64-row warpgroups (glu: 32 outputs)
+    tiles = [t for t in WS_MTS if t < 2 * m] or [WS_MTS[-1]]
+    mt = next((t for t in tiles if groups * -(-m // t) >= WS_MIN_WAVE * sm_count), tiles[-1])
+    rg = 2 if mt < 256 and -(-groups // 2) * -(-m // mt) >= WS_WIDE * sm_count else 1
+    for r in (rg, 1):
+        for stages in WS_STAGES:
+            for wst in (2,):
+                if smem_bytes(wtype, in_dim, layout, mt, r, stages, wst) <= max_smem:
+                    return WsConfig(mt, r, stages, wst)
+    raise ShapeError(f"no warp-specialized GEMM tile for {wtype} {layout} fits {max_smem} bytes of shared memory")
+
+
 class GemmWgOps(Dispatcher):
     """Launches of the warpgroup-MMA GEMM."""
 
@@ -78,6 +99,33 @@ class GemmWgOps(Dispatcher):
                                   self.device.max_shared_per_block_optin, glu=glu)
         kern = self.kernel("gemm_wg", wtype=weight.wtype, in_dim=k, layout=weight.layout, mt=cfg.mt,
                            rgroups=cfg.rgroups, kparts=cfg.kparts, stages=cfg.stages, unroll=cfg.unroll,
+                           bias=bias is not None,
+                           residual=residual is not None, out_f16=bool(out_f16), glu=bool(glu))
+        values = {"w": weight.ptr, "x": self.addr(x16, (m - 1) * lda + k, "x16", np.float16),
+                  **self.epilogue(out, (m - 1) * ldy + cols, out_f16, bias, cols, residual)}
+        values.update(m=m, n=n, lda=lda, ldy=ldy)
+        self.launch(kern, (-(-cols // kern.meta["rows_per_cta"]), -(-m // cfg.mt)), values, stream)
+
+    def gemm_ws(self, x16: Any, weight: Any, out: Any, m: int, *, lda: int | None = None, ldy: int | None = None,
+                bias: Any = None, residual: Any = None, out_f16: bool = False, glu: bool = False,
+                config: WsConfig | None = None, stream: Any = None) -> None:
+        """:meth:`gemm_wg`'s product on the warp-specialized kernel (producer warps decode into shared memory,
+        consumer warpgroups issue the MMAs)."""
+        from realizar.gpu.gemm import quantized_operands
+        from realizar.gpu.weights import GpuWeight
+
+        if not isinstance(weight, GpuWeight):
+            raise ShapeError(f"weight must be a GpuWeight, got {type(weight).__name__}")
+        if not wg_applies(self.device, weight.wtype, weight.layout, weight.in_dim):
+            raise ShapeError(f"the warpgroup GEMM runs on sm_90 over weights with rows of whole chunks of 256; "
+                             f"GpuWeight {weight.name!r} is {weight.wtype} {weight.layout} of {weight.in_dim} on "
+                             f"{self.device.target}")
+        m = self.check_int("m", m)
+        n, k, cols, lda, ldy = quantized_operands(weight, lda, ldy, glu, bias, residual, "gemm_ws")
+        cfg = config or ws_config(weight.wtype, k, weight.layout, cols, m, self.sm_count,
+                                  self.device.max_shared_per_block_optin, glu=glu)
+        kern = self.kernel("gemm_ws", wtype=weight.wtype, in_dim=k, layout=weight.layout, mt=cfg.mt,
+                           rgroups=cfg.rgroups, stages=cfg.stages, wstages=cfg.wstages, psets=cfg.psets,
                            bias=bias is not None,
                            residual=residual is not None, out_f16=bool(out_f16), glu=bool(glu))
         values = {"w": weight.ptr, "x": self.addr(x16, (m - 1) * lda + k, "x16", np.float16),

@@ -231,7 +231,7 @@ class WeightStream:
 
 def _f16x2(k: KernelBuilder, lo: Reg, hi: Reg) -> Reg:
     """Two f32 as packed f16 (round to nearest even), ``lo`` in the low half."""
-    return k.pack_b32(k.cvt(lo, "f16"), k.cvt(hi, "f16"))
+    return k.cvt_f16x2(lo, hi)
 
 
 def _pack(k: KernelBuilder, vals: list) -> list[Reg]:

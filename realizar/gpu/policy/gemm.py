@@ -56,3 +56,15 @@ WG_UNROLL = 2
 # above this many rows the Linear takes the warpgroup GEMM even where an f16 copy of the weight is kept
 # (H200, 8B / 1B batched decode: f16 copy ahead at 64 rows, the quantized weights ahead at 128)
 WG_OVER_F16_ROWS = 64
+
+# ---- the warp-specialized GEMM over quantized weights (ws_config, sm_90a) -------------------------------------
+
+# token tiles tried, largest first (none of twice m or more): the first whose launch has WS_MIN_WAVE x sm_count
+# CTAs, else the smallest
+WS_MTS = (256, 128, 64)
+WS_MIN_WAVE = 0.9
+# two consumer warpgroups a CTA (128 rows sharing the tokens' B tiles) where the launch still has this many CTAs
+# per SM
+WS_WIDE = 1.0
+# A / B ring depths tried, deepest first (the first that fits the shared memory)
+WS_STAGES = (4, 2)

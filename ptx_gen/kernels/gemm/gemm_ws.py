@@ -1,0 +1,276 @@
+"""Batch GEMM straight from the quantized weights on Hopper's warpgroup MMA, warp-specialized:
+``Y[M, N] = X[M, K] W^T`` for the batched decode step and prefill chunks, W the GGUF weight exactly as the
+decode GEMV stores it (GGUF rows, "tiles" or "glu-tiles"), X f16 row-major (row stride ``lda``), f32
+accumulation on ``wgmma.mma_async`` m64nNk16 f16 with both operands in shared memory (sm_90a). No f16 copy of
+W exists: a weight byte is read from DRAM once per token tile and decoded into a shared-memory stage.
+
+**Roles.** A CTA owns ``64 rgroups`` weight rows and ``mt`` tokens. Its first ``rgroups`` warpgroups are
+*consumers*: warpgroup ``g`` issues the MMAs of rows ``64 g ..`` over all ``mt`` tokens and nothing else. The
+next ``rgroups`` warpgroups are *producers*: producer warp ``p`` streams the 16 rows ``16 p ..`` of the CTA's
+weight through its own ``cp.async`` ring of chunks (256 values, :class:`~ptx_gen.kernels.gemm.qstream.WeightStream`,
+the copy plan and block decoders ``gemm_q`` and ``gemm_wg`` use, so the MMA multiplies exactly the f16 weights
+``dequant_f16`` would write), decodes them and stores the f16 values into the stage's A tile; the producers
+also copy the tokens' X into the stage's B tile (16-byte ``cp.async``).
+
+**Stages.** A stage is 64 k: the A tile (``64 rgroups`` rows x 128 bytes) and the B tile (``mt`` tokens x
+128 bytes), both K-major in the 128-byte swizzle (row ``n`` at ``128 n``, its 16-byte piece ``p`` = k ``8 p ..
+8 p + 7`` at ``(p ^ n % 8) * 16``; descriptor stride 1024 bytes per 8 rows), ``stages`` of them in a ring.
+Two mbarriers a stage: *full* (the producers' arrivals: one when a thread's X copies have landed, one after
+its A stores and ``fence.proxy.async``) and *empty* (every consumer thread, once ``wgmma.wait_group`` says the
+MMAs that read the stage are done). The consumers keep one stage's MMAs in flight while they wait for the
+next; the producers run up to ``stages`` stages ahead of them.
+
+**Edges.** Tokens past M are not copied (their B rows hold stale values; their outputs are never written); rows past N are not copied (their outputs
+are never written). K must be a multiple of 256 (whole chunks). Epilogue (consumers, per output ``Y[t, c]``, f32
+or f16 with ``out_f16``, row stride ``ldy``): ``+ bias[c]``, ``+ residual[t, c]`` (may be Y itself); ``glu``: W
+is [gate; up] and ``Y[t, j] = silu(gate) * up`` (a producer warp's rows 0-7 gate, 8-15 up).
+
+Params: w, x, y, [bias], [residual], m (tokens), n (weight rows), lda, ldy. Requirements: X 16-byte aligned,
+``lda`` a multiple of 8, the weight's bytes below 2**32. Launch: grid (ceil(rows_out / meta["rows_per_cta"]),
+ceil(m / mt)), block meta["block"], dynamic shared memory meta["dyn_smem"]. Tested on the GPU only (the
+emulator has no ``wgmma``).
+"""
+
+from __future__ import annotations
+
+from ptx_gen.builder import KernelBuilder, Module, Reg
+from ptx_gen.catalog import kernel
+from ptx_gen.kernels.dequant.dequant import check_weight_layout
+from ptx_gen.kernels.gemm.gemm_q import epilogue
+from ptx_gen.kernels.gemm.qstream import CHUNK, WeightStream, seg_bytes, warp_bytes
+
+__all__ = ["WS_MTS", "check_shape", "gemm_ws", "smem_bytes"]
+
+WS_MTS = (64, 128, 256)
+WS_STAGES = (2, 4)
+MAX_DYN_SMEM = 227 * 1024
+SK = 64  # k values of a stage (one 128-byte swizzle row)
+ALIGN = 1024  # the swizzle pattern repeats every 8 rows of 128 bytes: tiles start 1024-aligned
+DESC_FIXED = (1 << 16) | ((1024 >> 4) << 32) | (1 << 62)  # leading offset 1 (unused), 1024 bytes per 8 rows, 128B swizzle
+
+
+def a_bytes(rgroups: int) -> int:
+    return 64 * rgroups * 2 * SK
+
+
+def x_bytes(mt: int) -> int:
+    return mt * 2 * SK
+
+
+def smem_bytes(wtype: str, in_dim: int, layout: str, mt: int, rgroups: int, stages: int, wstages: int,
+               psets: int = 1) -> int:
+    """Alignment slack, the stages' A and B tiles, every producer warp's weight stream, two mbarriers a stage."""
+    return (ALIGN + stages * (a_bytes(rgroups) + x_bytes(mt))
+            + 4 * rgroups * psets * warp_bytes(wtype, in_dim, layout, wstages) + 16 * stages)
+
+
+def check_shape(wtype: str, in_dim: int, layout: str, mt: int, rgroups: int, stages: int, wstages: int,
+                psets: int = 1) -> None:
+    check_weight_layout(wtype, in_dim, layout)
+    if wtype == "F32":
+        raise ValueError("gemm_ws takes the quantized and 16-bit weight types, not F32")
+    if mt not in WS_MTS:
+        raise ValueError(f"mt (tokens per CTA) must be one of {WS_MTS}, got {mt}")
+    if rgroups not in (1, 2):
+        raise ValueError(f"rgroups (consumer warpgroups) must be 1 or 2, got {rgroups}")
+    if mt == 256 and rgroups > 1:
+        raise ValueError("mt=256 holds 128 accumulators a consumer thread: one consumer warpgroup (rgroups=1)")
+    if stages not in WS_STAGES:
+        raise ValueError(f"stages must be one of {WS_STAGES}, got {stages}")
+    if wstages not in (2, 3):
+        raise ValueError(f"wstages (weight chunks in a producer warp's ring) must be 2 or 3, got {wstages}")
+    if psets not in (1, 2) or rgroups * (1 + psets) > 4 or (psets == 2 and stages != 4):
+        raise ValueError(f"psets (producer sets taking turns by chunk) must be 1 or 2, with at most 4 warpgroups a "
+                         f"CTA (registers) and 4 stages (a chunk's), got psets={psets} with rgroups={rgroups}, stages={stages}")
+    if in_dim % CHUNK:
+        raise ValueError(f"gemm_ws needs K a multiple of {CHUNK}, got {in_dim}")
+    smem = smem_bytes(wtype, in_dim, layout, mt, rgroups, stages, wstages, psets)
+    if smem > MAX_DYN_SMEM:
+        raise ValueError(f"{wtype} mt={mt} rgroups={rgroups} stages={stages} wstages={wstages} psets={psets} needs "
+                         f"{smem} bytes of shared memory, more than {MAX_DYN_SMEM}")
+
+
+def _grid() -> list[dict]:
+    g = []
+    for wt in ("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K", "Q4_1", "Q5_0", "Q5_1"):
+        g.append({"wtype": wt, "in_dim": 4096, "layout": "tiles", "mt": 128, "residual": True})
+        g.append({"wtype": wt, "in_dim": 4096, "layout": "glu-tiles", "mt": 128, "rgroups": 2, "glu": True,
+                  "out_f16": True})
+        g.append({"wtype": wt, "in_dim": 14336, "layout": "tiles", "mt": 64, "bias": True})
+    g.append({"wtype": "Q4_K", "in_dim": 4096, "layout": "tiles", "mt": 256, "stages": 4})
+    g.append({"wtype": "Q4_K", "in_dim": 4096, "layout": "rows", "mt": 64, "stages": 2})
+    g.append({"wtype": "F16", "in_dim": 2048, "layout": "rows", "mt": 64})
+    return g
+
+
+@kernel("gemm_ws", grid=_grid(), arch="sm_90a")
+def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "tiles", mt: int = 128,
+            rgroups: int = 1, stages: int = 4, wstages: int = 2, psets: int = 1, bias: bool = False,
+            residual: bool = False, out_f16: bool = False, glu: bool = False) -> KernelBuilder:
+    """Y[:m] = X[:m] W^T (+ bias) (+ residual), or with ``glu`` silu(X G^T) * (X U^T) for W = [gate; up];
+    W of ``wtype`` in ``layout``, X f16, f32 accumulation on wgmma from shared memory. Params: w, x, y, [bias],
+    [residual], m, n, lda, ldy. Launch: grid (ceil(rows_out / meta["rows_per_cta"]), ceil(m / mt)), block
+    meta["block"], dyn_smem meta["dyn_smem"]."""
+    check_shape(wtype, in_dim, layout, mt, rgroups, stages, wstages, psets)
+    if glu and (bias or residual):
+        raise ValueError("the SwiGLU epilogue takes no bias or residual")
+    if layout == "glu-tiles" and not glu:
+        raise ValueError("a glu-tiles weight is [gate; up]: only the glu GEMM reads it")
+    flags = "".join(f"_{n}" for n, on in (("bias", bias), ("res", residual), ("h", out_f16), ("glu", glu)) if on)
+    name = f"gemm_ws_{wtype.lower()}_k{in_dim}_{layout.replace('-', '_')}_m{mt}_r{rgroups}_s{stages}_w{wstages}_p{psets}{flags}"
+    params = [("w", "u64"), ("x", "u64"), ("y", "u64")]
+    params += [("bias", "u64")] * bias + [("residual", "u64")] * residual
+    params += [("m", "u32"), ("n", "u32"), ("lda", "u32"), ("ldy", "u32")]
+    group = 128 * rgroups  # threads of each role
+    k = m.kernel(name, params, max_threads=(1 + psets) * group)
+    slot_bytes = 16 * seg_bytes(wtype, in_dim, layout)
+    wbytes = warp_bytes(wtype, in_dim, layout, wstages)
+    ab, xb = a_bytes(rgroups), x_bytes(mt)
+    k.meta.update(block=(1 + psets) * group, dyn_smem=smem_bytes(wtype, in_dim, layout, mt, rgroups, stages, wstages,
+                                                                  psets),
+                  rows_per_cta=(8 if glu else 16) * 4 * rgroups, mt=mt)
+    nc = in_dim // CHUNK
+
+    tid = k.tid()
+    lane, warp = k.and_(tid, 31), k.shr(tid, 5)
+    r, q = k.shr(lane, 2), k.and_(lane, 3)
+    n_rows = k.param("n")
+    m_all = k.param("m")
+    tok0 = k.mul(k.ctaid("y"), mt)
+    smem0 = k.and_(k.add(k.dynamic_shared(), ALIGN - 1), -ALIGN & 0xFFFFFFFF)
+    a0 = smem0  # stage s: A tile at a0 + s ab, B tile at x0 + s xb
+    x0 = k.add(smem0, stages * ab)
+    ring0 = k.add(smem0, stages * (ab + xb))
+    full0 = k.add(ring0, 4 * rgroups * psets * wbytes)  # full[s] at full0 + 8 s, empty[s] at full0 + 8 (stages + s)
+    with k.if_(k.setp("eq", tid, 0)):
+        for s in range(stages):
+            k.mbarrier_init(k.add(full0, 8 * s) if s else full0, 2 * group)
+            k.mbarrier_init(k.add(full0, 8 * (stages + s)), group)
+    k.fence_mbarrier_init()
+    k.bar_sync()
+
+    def slot_phase(i: Reg, h: int) -> tuple[int, Reg | int]:
+        """The ring slot of stage ``4 i + h`` and the parity of its use."""
+        if stages == 4:
+            return h, k.and_(i, 1)
+        return h & 1, (h >> 1) & 1
+
+    producer = k.new_label("producer")
+    k.bra(producer, k.setp("ge", tid, group, "u32"))
+
+    # ---- consumers: rows 64 g .. of the CTA ------------------------------------------------------------------
+    g = k.shr(warp, 2)
+    desc_a = [k.or_(k.cvt(k.shr(k.add(k.add(a0, k.shl(g, 13)), s * ab), 4), "u64"), DESC_FIXED, "b64")
+              for s in range(stages)]
+    desc_b = [k.or_(k.cvt(k.shr(k.add(x0, s * xb), 4), "u64"), DESC_FIXED, "b64") for s in range(stages)]
+    scale_d = k.setp("ne", k.mov(1, "u32"), 0)
+    acc = [k.var("f32", 0.0) for _ in range(mt // 2)]
+    k.grid_dependency_wait()  # X (and the residual) come from the kernels before
+    # X: 8 threads a token (thread's piece xp), group / 8 tokens a pass; a stage's copies arrive on its full barrier
+    tpp = group // 8
+    xp, xn = k.and_(tid, 7), k.shr(tid, 3)
+    lda2 = k.shl(k.param("lda"), 1)
+    t_first = k.add(tok0, xn)
+    x_src = k.add(k.global_ptr("x"), k.add(k.mul_wide(t_first, lda2), k.cvt(k.shl(xp, 4), "u64")))
+    x_pass = k.mul_wide(lda2, tpp)
+    left = k.sub(m_all, t_first, "s32")  # tokens from the thread's first one to m (past m: not copied, not written)
+    x_live = [k.setp("gt", left, v * tpp, "s32") for v in range(mt // tpp)]
+    x_dst = k.add(k.add(x0, k.shl(xn, 7)), k.shl(k.xor(xp, k.and_(xn, 7)), 4))
+
+    def copy_x(c: Reg, h: int, slot: int, ok: Reg | None) -> None:
+        """X of stage (chunk ``c``, ``h``) into ``slot`` (where ``ok``), arriving on its full barrier."""
+        src = k.add(x_src, k.cvt(k.add(k.shl(c, 9), 128 * h), "u64"))  # (chunk c's X starts 512 c bytes into a row)
+        for v, live in enumerate(x_live):
+            if v:
+                src = k.add(src, x_pass)
+            k.cp_async(x_dst, src, pred=k.both(ok, live), dst_offset=slot * xb + v * tpp * 128)
+        k.cp_async_mbarrier_arrive(k.add(full0, 8 * slot) if slot else full0, pred=ok)
+
+    c0 = k.mov(0, "u32")
+    for s in range(stages):  # (stages <= 4: all in chunk 0)
+        copy_x(c0, s, s, None)
+    with k.loop(0, nc) as i:
+        for h in range(4):
+            slot, parity = slot_phase(i, h)
+            k.mbarrier_wait(k.add(full0, 8 * slot) if slot else full0, parity)
+            k.fence_proxy_async()  # (the X copies' generic-proxy writes before the MMAs' async-proxy reads)
+            k.wgmma_fence()
+            for j in range(4):  # k16 steps: 32 bytes along the swizzled rows
+                k.wgmma_f16_ss(acc, k.add(desc_a[slot], 2 * j, "u64") if j else desc_a[slot],
+                               k.add(desc_b[slot], 2 * j, "u64") if j else desc_b[slot], scale_d)
+            k.wgmma_commit()
+            k.wgmma_wait(1)  # the previous stage's MMAs are done: its slot is free
+            prev = (slot - 1) % stages
+            had = k.setp("ne", i, 0) if h == 0 else None
+            k.mbarrier_arrive(k.add(full0, 8 * (stages + prev)), pred=had)
+            # X of the stage that takes the slot next (stages after the previous one), with its A from the producers
+            c_next = k.add(i, (h - 1 + stages) // 4)
+            live = k.setp("lt", c_next, nc)
+            if had is not None:  # (at i = 0 there was no previous stage: that X is in the prologue)
+                live = k.both(live, had)
+            copy_x(c_next, (h - 1 + stages) % 4, prev, live)
+    k.wgmma_wait(0)
+    strip = k.add(k.mul(k.ctaid(), 4 * rgroups), k.add(k.shl(g, 2), k.and_(warp, 3)))
+    if glu:
+        ffn, first = k.shr(n_rows, 1), k.shl(strip, 3)
+    else:
+        ffn, first = None, k.shl(strip, 4)
+    tiles = [acc[4 * t:4 * t + 4] for t in range(mt // 8)]
+    epilogue(k, tiles, r, q, m_all, n_rows, first, ffn, bias, residual, out_f16, glu, tok_base=tok0)
+    k.ret()
+
+    # ---- producers: set e takes chunks e, e + psets, ..; its warp p streams rows 16 p .. of the CTA's weight, all
+    # its threads copy X ---------------------------------------------------------------------------------------
+    k.label(producer)
+    pw = k.shr(k.sub(tid, group), 5)
+    wbase = k.add(ring0, k.mul(pw, wbytes))
+    if psets > 1:
+        e = k.shr(pw, 2 + (rgroups - 1))
+        p = k.and_(pw, 4 * rgroups - 1)
+    else:
+        e, p = k.mov(0, "u32"), pw
+    strip_p = k.add(k.mul(k.ctaid(), 4 * rgroups), p)
+    ws = WeightStream(k, wtype, in_dim, layout, glu, lane, r, strip_p, n_rows)
+    n_left = k.sub(nc, e)  # (issue's chunk c = e + i is live while i < nc - e)
+    n_my = k.shr(k.add(n_left, psets - 1), psets - 1) if psets > 1 else n_left
+    ws.decode_setup(lane, q)
+    for s in range(wstages - 1):
+        ws.issue(e, n_left, k.mov(psets * s, "u32"), k.add(wbase, s * slot_bytes) if s else wbase)
+        k.cp_async_commit()
+    k.grid_dependency_wait()  # X comes from the kernels before
+
+    # A stores: the lane's rows 16 p + r and + 8, block b of a stage at piece 4 b + q
+    arow = k.add(a0, k.shl(k.add(k.shl(p, 4), r), 7))
+    a_dst = [k.add(arow, k.shl(k.xor(k.add(q, 4 * b), r), 4)) for b in range(2)]
+
+    ring = wstages * slot_bytes
+    rd = k.var("u32", 0)
+    wr = k.var("u32", (wstages - 1) * slot_bytes)
+    with k.loop(0, n_my) as j:
+        k.cp_async_wait_group(wstages - 2)
+        k.bar_warp_sync()
+        i = k.mad(j, psets, e) if psets > 1 else j  # the chunk
+        ch = ws.prep(k.add(wbase, rd), i, (wbase, wstages * slot_bytes))
+        for h in range(4):
+            slot, parity = slot_phase(i, h)
+            prev = k.xor(parity, 1) if not isinstance(parity, int) else parity ^ 1
+            if psets > 1:  # the other set has filled the slot with chunk i - 1: the slot's empty barrier is then in
+                # the phase of chunk i - 1's use, so its parity names that phase and no earlier one
+                k.mbarrier_wait(k.add(full0, 8 * slot) if slot else full0, prev)
+            k.mbarrier_wait(k.add(full0, 8 * (stages + slot)), prev)
+            if h == 0:
+                ws.issue(e, n_left, k.mul(k.add(j, wstages - 1), psets) if psets > 1 else k.add(j, wstages - 1),
+                         k.add(wbase, wr))
+                k.cp_async_commit()
+            for b in range(2):
+                r_words, r8_words = ws.words(ch, 2 * h + b)
+                k.store("shared", "u32", a_dst[b], r_words, slot * ab)
+                k.store("shared", "u32", a_dst[b], r8_words, slot * ab + 8 * 128)
+            k.fence_proxy_async()  # (the stores' generic-proxy writes before the MMAs' async-proxy reads)
+            k.mbarrier_arrive(k.add(full0, 8 * slot) if slot else full0)
+        for v in (rd, wr):
+            nxt = k.add(v, slot_bytes)
+            k.assign(v, k.selp(0, nxt, k.setp("eq", nxt, ring), "u32"))
+    k.cp_async_wait_all()
+    k.ret()
+    return k
