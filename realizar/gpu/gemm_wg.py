@@ -58,20 +58,19 @@ def wg_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_co
 def ws_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_count: int = 132,
               max_smem: int = 227 * 1024, glu: bool = False) -> WsConfig:
     """The launch shape of the warp-specialized GEMM for ``rows_out`` outputs of ``in_dim`` values at ``m``
-    tokens: the largest token tile of ``WS_MTS`` below ``2 m`` whose launch has ``WS_MIN_WAVE`` x ``sm_count``
-    CTAs (else the smallest); two consumer warpgroups where the launch keeps ``WS_WIDE`` CTAs an SM; the deepest
-    ring of ``WS_STAGES`` that fits ``max_smem``."""
+    tokens: the largest token tile of ``WS_MTS`` not above ``m`` whose launch has ``WS_MIN_WAVE`` x ``sm_count``
+    CTAs (else the smallest); two consumer warpgroups on a 128-token tile where the launch keeps ``WS_WIDE`` CTAs
+    an SM; the deepest ring of ``WS_STAGES`` that fits ``max_smem``."""
     from ptx_gen.kernels.gemm.gemm_ws import smem_bytes
 
     groups = -(-rows_out // (32 if glu else 64))  # 64-row warpgroups (glu: 32 outputs)
-    tiles = [t for t in WS_MTS if t < 2 * m] or [WS_MTS[-1]]
+    tiles = [t for t in WS_MTS if t <= m] or [WS_MTS[-1]]
     mt = next((t for t in tiles if groups * -(-m // t) >= WS_MIN_WAVE * sm_count), tiles[-1])
-    rg = 2 if mt < 256 and -(-groups // 2) * -(-m // mt) >= WS_WIDE * sm_count else 1
+    rg = 2 if mt == 128 and -(-groups // 2) * -(-m // mt) >= WS_WIDE * sm_count else 1
     for r in (rg, 1):
         for stages in WS_STAGES:
-            for wst in (2,):
-                if smem_bytes(wtype, in_dim, layout, mt, r, stages, wst) <= max_smem:
-                    return WsConfig(mt, r, stages, wst)
+            if smem_bytes(wtype, in_dim, layout, mt, r, stages, 2) <= max_smem:
+                return WsConfig(mt, r, stages, 2)
     raise ShapeError(f"no warp-specialized GEMM tile for {wtype} {layout} fits {max_smem} bytes of shared memory")
 
 

@@ -4,7 +4,8 @@
 * 2 .. ``cols_rows`` rows: the tensor-core GEMV's columns kernel where it takes the weight (each
   weight unit read and decoded once, the MMAs per row);
 * up to :data:`GEMM_Q_MAX_ROWS` rows: ``gemm_q``, the small-M GEMM straight from the quantized blocks;
-* more: on sm_90 ``gemm_wg``, the warpgroup-MMA GEMM straight from the quantized blocks, except up to
+* more: on sm_90 ``gemm_wg``, the warpgroup-MMA GEMM straight from the quantized blocks (above ``WS_OVER_WG_ROWS``
+  rows its warp-specialized form ``gemm_ws``: producer warps decode, consumer warpgroups multiply), except up to
   ``WG_OVER_F16_ROWS`` rows where an f16 copy of the weight is kept (:meth:`Linear.keep_f16`): the f16 GEMM over
   it; elsewhere the f16 GEMM over the copy, or over the weight expanded into a scratch first (one weight at a
   time: the quantized copy stays the model's only copy).
@@ -22,7 +23,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from realizar.errors import ShapeError, UnsupportedError
-from realizar.gpu.policy.gemm import WG_OVER_F16_ROWS
+from realizar.gpu.policy.gemm import WG_OVER_F16_ROWS, WS_OVER_WG_ROWS
 
 __all__ = ["GEMM_Q_MAX_ROWS", "GEMV_COLS_DEFAULT_ROWS", "GEMV_COLS_MAX_ROWS", "Linear", "rows_unsupported"]
 
@@ -119,7 +120,8 @@ class Linear:
             return
         w16 = self.f16_weights.get(id(weight))
         if (w16 is None or rows > WG_OVER_F16_ROWS) and self._wg(weight):
-            ops.gemm_wg(x, weight, out, rows, stream=stream, **epilogue)
+            gemm = ops.gemm_ws if rows > WS_OVER_WG_ROWS else ops.gemm_wg
+            gemm(x, weight, out, rows, stream=stream, **epilogue)
             return
         if w16 is None:
             w16 = self.scratch

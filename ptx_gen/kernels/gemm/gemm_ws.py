@@ -97,7 +97,8 @@ def _grid() -> list[dict]:
         g.append({"wtype": wt, "in_dim": 4096, "layout": "glu-tiles", "mt": 128, "rgroups": 2, "glu": True,
                   "out_f16": True})
         g.append({"wtype": wt, "in_dim": 14336, "layout": "tiles", "mt": 64, "bias": True})
-    g.append({"wtype": "Q4_K", "in_dim": 4096, "layout": "tiles", "mt": 256, "stages": 4})
+    g.append({"wtype": "Q4_K", "in_dim": 4096, "layout": "tiles", "mt": 256, "stages": 4, "psets": 2})
+    g.append({"wtype": "Q6_K", "in_dim": 4096, "layout": "tiles", "mt": 128, "wstages": 3})
     g.append({"wtype": "Q4_K", "in_dim": 4096, "layout": "rows", "mt": 64, "stages": 2})
     g.append({"wtype": "F16", "in_dim": 2048, "layout": "rows", "mt": 64})
     return g

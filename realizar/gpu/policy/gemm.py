@@ -59,12 +59,15 @@ WG_OVER_F16_ROWS = 64
 
 # ---- the warp-specialized GEMM over quantized weights (ws_config, sm_90a) -------------------------------------
 
-# token tiles tried, largest first (none of twice m or more): the first whose launch has WS_MIN_WAVE x sm_count
-# CTAs, else the smallest
+# token tiles tried, largest first (none above m): the first whose launch has WS_MIN_WAVE x sm_count CTAs, else the
+# smallest (H200, docs/results/bench_gemm_ws_h200.md: narrow weights at 128 tokens are faster on 64-token tiles)
 WS_MTS = (256, 128, 64)
-WS_MIN_WAVE = 0.9
-# two consumer warpgroups a CTA (128 rows sharing the tokens' B tiles) where the launch still has this many CTAs
-# per SM
-WS_WIDE = 1.0
+WS_MIN_WAVE = 0.5
+# two consumer warpgroups a CTA (128 rows sharing the tokens' B tiles) on 128-token tiles where the launch still has
+# this many CTAs per SM (the fused gate/up at 128 tokens)
+WS_WIDE = 1.5
 # A / B ring depths tried, deepest first (the first that fits the shared memory)
 WS_STAGES = (4, 2)
+# above this many rows the Linear takes the warp-specialized GEMM instead of gemm_wg (H200, 8B Q4_K batched decode:
+# gemm_wg ahead at 128 rows, gemm_ws at 256; the GEMMs alone at 512 tokens 1.3x; docs/results/bench_gemm_ws_h200.md)
+WS_OVER_WG_ROWS = 128
