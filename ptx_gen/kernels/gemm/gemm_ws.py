@@ -104,6 +104,13 @@ def _grid() -> list[dict]:
     return g
 
 
+def _a_row(k: KernelBuilder, r: Reg) -> Reg:
+    """The A row (within its 8) of a producer lane's strip row ``r`` (0..7): ``pi(r) = 4 (r % 2) + r / 2``. The 8
+    lanes of a quarter warp (rows 2 j, 2 j + 1, pieces 4 b + q) then store into 8 distinct 16-byte bank groups of
+    the swizzled rows (piece ^ row): rows 2 j and 2 j + 1 differ in bit 2 of their A rows."""
+    return k.or_(k.shl(k.and_(r, 1), 2), k.shr(r, 1))
+
+
 @kernel("gemm_ws", grid=_grid(), arch="sm_90a")
 def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "tiles", mt: int = 128,
             rgroups: int = 1, stages: int = 4, wstages: int = 2, psets: int = 1, bias: bool = False,
@@ -217,7 +224,8 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     else:
         ffn, first = None, k.shl(strip, 4)
     tiles = [acc[4 * t:4 * t + 4] for t in range(mt // 8)]
-    epilogue(k, tiles, r, q, m_all, n_rows, first, ffn, bias, residual, out_f16, glu, tok_base=tok0)
+    r_strip = k.or_(k.shl(k.and_(r, 3), 1), k.shr(r, 2))  # (the strip row whose A row is r: the inverse of _a_row)
+    epilogue(k, tiles, r_strip, q, m_all, n_rows, first, ffn, bias, residual, out_f16, glu, tok_base=tok0)
     k.ret()
 
     # ---- producers: set e takes chunks e, e + psets, ..; its warp p streams rows 16 p .. of the CTA's weight, all
@@ -240,9 +248,11 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
         k.cp_async_commit()
     k.grid_dependency_wait()  # X comes from the kernels before
 
-    # A stores: the lane's rows 16 p + r and + 8, block b of a stage at piece 4 b + q
-    arow = k.add(a0, k.shl(k.add(k.shl(p, 4), r), 7))
-    a_dst = [k.add(arow, k.shl(k.xor(k.add(q, 4 * b), r), 4)) for b in range(2)]
+    # A stores: the lane's rows r and r + 8 of the strip go to A rows 16 p + pi(r) and + 8 (pi: see _a_row), block b
+    # of a stage at piece 4 b + q
+    ar = _a_row(k, r)
+    arow = k.add(a0, k.shl(k.add(k.shl(p, 4), ar), 7))
+    a_dst = [k.add(arow, k.shl(k.xor(k.add(q, 4 * b), ar), 4)) for b in range(2)]
 
     ring = wstages * slot_bytes
     rd = k.var("u32", 0)

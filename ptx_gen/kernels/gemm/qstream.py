@@ -20,7 +20,9 @@ from ptx_gen.kernels.gemv.quant_layout import DENSE, K_TABLE, ROUND, type_info
 __all__ = ["CHUNK", "TABLE", "WeightStream", "aligned", "chunk_bytes", "pieces", "seg_bytes", "MMA_TYPES"]
 
 CHUNK = ROUND  # K values per chunk
-TABLE = 16 * 64  # K_TABLE types: per warp, 16 rows x 8 sub-blocks x (A, C) f32
+TABLE_ROW = 80  # K_TABLE types: a row's 8 sub-blocks x (A, C) f32 (64 bytes) and 16 of padding, so that the 8 rows
+# a load instruction reads start in distinct bank pairs
+TABLE = 16 * TABLE_ROW  # per warp, 16 rows
 
 
 def chunk_bytes(wtype: str) -> int:
@@ -203,8 +205,8 @@ class WeightStream:
         if wtype in K_TABLE:  # (A, C) of every sub-block of the 16 rows: lane (r, q) fills rows r, r + 8, pair q
             for s, bb in enumerate(bases):
                 vals = ql.k_scale_pair(k, wtype, bb, self.kpair_sel)
-                k.store("shared", "f32", k.add(table, k.add(k.shl(self.rows_dec[0], 6), k.shl(self.q, 4))), vals,
-                        512 * s)
+                k.store("shared", "f32", k.add(table, k.add(k.mul(self.rows_dec[0], TABLE_ROW), k.shl(self.q, 4))),
+                        vals, 8 * TABLE_ROW * s)
             k.bar_warp_sync()
         sels = [None] * len(bases)
         if wtype == "Q6_K" and dec_abs is not None:
@@ -270,7 +272,7 @@ def _decode(k: KernelBuilder, wtype: str, info, bb: Reg, b: int, lc: dict, q: Re
         lcb = {"qs_off": k.add(q8, 32 * (b >> 1)) if b >> 1 else q8, "q": q8,
                "rot": ((3 if wtype == "Q4_K" else 2) - 4 * hi) % 32, "hrot": (6 - b) % 32}
         fs = ql.decode_kq(k, wtype, bb, lcb)
-        a, cc = k.load("shared", "f32", k.add(table, k.shl(r, 6)), 512 * s + 8 * b, vec=2)
+        a, cc = k.load("shared", "f32", k.add(table, k.mul(r, TABLE_ROW)), 8 * TABLE_ROW * s + 8 * b, vec=2)
         return _pack(k, [k.fma(f, a, cc) for f in fs])
     # Q6_K: the 32 values of k block b are sub-block pair (h, qq) = (b // 4, b % 4) of the block
     h, qq = b >> 2, b & 3
