@@ -10,6 +10,7 @@ the tables of :mod:`realizar.gpu.policy.gemm`.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -83,33 +84,18 @@ class GemmWgOps(Dispatcher):
         """``out[:m] = x16[:m] W^T (+ bias) (+ residual)`` for the GpuWeight W; with ``glu`` W is [gate; up]
         (GGUF rows or "glu-tiles") and ``out[:m, :ffn] = silu(x G^T) * (x U^T)``. ``residual`` may be ``out``.
         Any m; no allocation or synchronisation (capturable). Needs sm_90 (the kernel is sm_90a)."""
-        from realizar.gpu.gemm import quantized_operands
-        from realizar.gpu.weights import GpuWeight
-
-        if not isinstance(weight, GpuWeight):
-            raise ShapeError(f"weight must be a GpuWeight, got {type(weight).__name__}")
-        if not wg_applies(self.device, weight.wtype, weight.layout, weight.in_dim):
-            raise ShapeError(f"the warpgroup GEMM runs on sm_90 over weights with rows of whole chunks of 256; "
-                             f"GpuWeight {weight.name!r} is {weight.wtype} {weight.layout} of {weight.in_dim} on "
-                             f"{self.device.target}")
-        m = self.check_int("m", m)
-        n, k, cols, lda, ldy = quantized_operands(weight, lda, ldy, glu, bias, residual, "gemm_wg")
-        cfg = config or wg_config(weight.wtype, k, weight.layout, cols, m, self.sm_count,
-                                  self.device.max_shared_per_block_optin, glu=glu)
-        kern = self.kernel("gemm_wg", wtype=weight.wtype, in_dim=k, layout=weight.layout, mt=cfg.mt,
-                           rgroups=cfg.rgroups, kparts=cfg.kparts, stages=cfg.stages, unroll=cfg.unroll,
-                           bias=bias is not None,
-                           residual=residual is not None, out_f16=bool(out_f16), glu=bool(glu))
-        values = {"w": weight.ptr, "x": self.addr(x16, (m - 1) * lda + k, "x16", np.float16),
-                  **self.epilogue(out, (m - 1) * ldy + cols, out_f16, bias, cols, residual)}
-        values.update(m=m, n=n, lda=lda, ldy=ldy)
-        self.launch(kern, (-(-cols // kern.meta["rows_per_cta"]), -(-m // cfg.mt)), values, stream)
+        self._launch_wgmma("gemm_wg", x16, weight, out, m, lda, ldy, bias, residual, out_f16, glu, config, stream)
 
     def gemm_ws(self, x16: Any, weight: Any, out: Any, m: int, *, lda: int | None = None, ldy: int | None = None,
                 bias: Any = None, residual: Any = None, out_f16: bool = False, glu: bool = False,
                 config: WsConfig | None = None, stream: Any = None) -> None:
         """:meth:`gemm_wg`'s product on the warp-specialized kernel (producer warps decode into shared memory,
         consumer warpgroups issue the MMAs)."""
+        self._launch_wgmma("gemm_ws", x16, weight, out, m, lda, ldy, bias, residual, out_f16, glu, config, stream)
+
+    def _launch_wgmma(self, name: str, x16: Any, weight: Any, out: Any, m: int, lda: int | None, ldy: int | None,
+                      bias: Any, residual: Any, out_f16: bool, glu: bool, config: Any, stream: Any) -> None:
+        """Check the operands, pick the launch shape (``config`` or the kernel's policy) and launch ``name``."""
         from realizar.gpu.gemm import quantized_operands
         from realizar.gpu.weights import GpuWeight
 
@@ -120,13 +106,12 @@ class GemmWgOps(Dispatcher):
                              f"GpuWeight {weight.name!r} is {weight.wtype} {weight.layout} of {weight.in_dim} on "
                              f"{self.device.target}")
         m = self.check_int("m", m)
-        n, k, cols, lda, ldy = quantized_operands(weight, lda, ldy, glu, bias, residual, "gemm_ws")
-        cfg = config or ws_config(weight.wtype, k, weight.layout, cols, m, self.sm_count,
-                                  self.device.max_shared_per_block_optin, glu=glu)
-        kern = self.kernel("gemm_ws", wtype=weight.wtype, in_dim=k, layout=weight.layout, mt=cfg.mt,
-                           rgroups=cfg.rgroups, stages=cfg.stages, wstages=cfg.wstages, psets=cfg.psets,
-                           bias=bias is not None,
-                           residual=residual is not None, out_f16=bool(out_f16), glu=bool(glu))
+        n, k, cols, lda, ldy = quantized_operands(weight, lda, ldy, glu, bias, residual, name)
+        pick = ws_config if name == "gemm_ws" else wg_config
+        cfg = config or pick(weight.wtype, k, weight.layout, cols, m, self.sm_count,
+                             self.device.max_shared_per_block_optin, glu=glu)
+        kern = self.kernel(name, wtype=weight.wtype, in_dim=k, layout=weight.layout, **dataclasses.asdict(cfg),
+                           bias=bias is not None, residual=residual is not None, out_f16=bool(out_f16), glu=bool(glu))
         values = {"w": weight.ptr, "x": self.addr(x16, (m - 1) * lda + k, "x16", np.float16),
                   **self.epilogue(out, (m - 1) * ldy + cols, out_f16, bias, cols, residual)}
         values.update(m=m, n=n, lda=lda, ldy=ldy)
