@@ -21,13 +21,13 @@ SMALL = {
 }
 
 
-# architecture-specific kernels (gemm_wg: wgmma, sm_90a) are tested on the GPU only
+# architecture-specific kernels (gemm_wg, gemm_ws: wgmma, sm_90a) are tested on the GPU only
 EMULATED = [n for n in catalog.names() if not catalog.spec(n).arch]
 
 
 def test_every_catalog_kernel_has_an_example():
     assert sorted(EXAMPLES) == sorted(EMULATED)
-    assert set(catalog.names()) - set(EMULATED) == {"gemm_wg"}
+    assert set(catalog.names()) - set(EMULATED) == {"gemm_wg", "gemm_ws"}
     with pytest.raises(ValueError, match="sm_90a-only"):
         run_example("gemm_wg", {}, seed=1)
 
