@@ -1,8 +1,8 @@
 """CPU tests of ``gemm_wg`` (the warpgroup-MMA batch GEMM straight from quantized weights, sm_90a) and its host
 side: ptxas for sm_90a without spills over drawn types, layouts, launch shapes and epilogues and at the real
 shapes the policy picks; the policy's shapes fit the shared memory and cover every M; the kernel and the host
-refuse what they cannot run, and the emulator (which has no ``wgmma``) never gets it. Its oracle tests run on
-the GPU (``tests/gpu/test_gemm_wg_gpu.py``)."""
+refuse what they cannot run, and the emulated device's Linear never takes it. Its oracle tests run in the
+emulator (``tests/test_gemm_ws_ptx.py``) and on the GPU (``tests/gpu/test_gemm_wg_gpu.py``)."""
 
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def test_bad_shapes_are_refused():
 
 def test_the_emulator_and_other_devices_never_get_it():
     emu = cuda.EmulatedDevice(target="sm_90")
-    assert not wg_applies(emu, "Q4_K", "tiles", 4096)  # (no wgmma in the emulator)
+    assert not wg_applies(emu, "Q4_K", "tiles", 4096)  # (kernel-level emulation only, see wg_applies)
 
     class H200:
         emulated = False

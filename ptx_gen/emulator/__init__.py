@@ -1,7 +1,10 @@
 """A CPU emulator of the PTX that ``ptx_gen`` emits, so kernels can be run and checked without a GPU.
 
 It runs every thread of a launch as a lane of NumPy arrays (SIMT with per-thread program counters;
-the threads at the lowest program counter step together, which reconverges structured branches).
+the threads at the lowest program counter step together, which reconverges structured branches; threads
+whose ``mbarrier.try_wait`` fails step again once some mbarrier phase completes, so warp-specialized
+producers and consumers take turns, and a launch where every live thread waits is reported as a deadlock).
+Hopper's ``wgmma`` runs when issued (:mod:`ptx_gen.emulator.wgmma`).
 It checks what compute-sanitizer would on a GPU, at the level of the emulated semantics:
 
 * memcheck: every global access must lie inside one allocation and be aligned to its size; every

@@ -380,14 +380,16 @@ def _flash_attention(k, sizes, rng) -> Example:
                    k.launch.dyn_smem)
 
 
-@example("gemm_q")
+@example("gemm_q", "gemm_wg", "gemm_ws")
 def _gemm_q(k, sizes, rng) -> Example:
     from ptx_gen.kernels.gemv.gemv_mma_layout import tile_major
     from ptx_gen.kernels.gemv.quant_layout import type_info
 
     shape = k.shape_dict
     wtype, in_dim, layout, glu = shape["wtype"], shape["in_dim"], shape["layout"], shape["glu"]
-    cols, m = sizes.get("out_dim", 20), min(sizes.get("tokens", 3), k.meta["mt"])
+    cols, m = sizes.get("out_dim", 20), sizes.get("tokens", 3)
+    if k.name.startswith("gemm_q"):  # (one token tile)
+        m = min(m, k.meta["mt"])
     n = 2 * cols if glu else cols  # weight rows ([gate; up] with glu)
     raw = _weights(rng, wtype, n, in_dim)
     if layout != "rows":
@@ -398,7 +400,8 @@ def _gemm_q(k, sizes, rng) -> Example:
               "y": np.full(m * cols, np.nan, out)}
     _optional(k, params, rng, bias=lambda: _f32(rng, cols), residual=lambda: _f32(rng, m * cols))
     params.update(m=m, n=n, lda=in_dim, ldy=cols)
-    return Example(params, (_cdiv(cols, k.meta["rows_per_cta"]),), (k.meta["block"],), ("y",), k.meta["dyn_smem"])
+    grid = (_cdiv(cols, k.meta["rows_per_cta"]), _cdiv(m, k.meta["mt"]))
+    return Example(params, grid, (k.meta["block"],), ("y",), k.meta["dyn_smem"])
 
 
 @example("quantize_x8")

@@ -13,7 +13,7 @@ import re
 
 import numpy as np
 
-from ptx_gen.emulator import memops, warp  # noqa: F401  (they register their instructions)
+from ptx_gen.emulator import memops, warp, wgmma  # noqa: F401  (they register their instructions)
 from ptx_gen.emulator.instructions import OPS, not_implemented
 from ptx_gen.emulator.memory import EmulatorError, Memory
 from ptx_gen.emulator.parse import BITS, NP, RAW, Inst, Kernel, immediate, parse
@@ -68,6 +68,8 @@ class Machine:
         self.pending: list[tuple] = []  # cp.async copies not landed yet: (threads, rows, cols, data, groups)
         self.cp_group = np.zeros(n, np.int64)  # per thread: the cp.async group now open (commit_group closes it)
         self.mbars: dict = {}  # (block, address) -> [expected arrivals, pending arrivals, tx bytes, phase parity]
+        self.waiting = np.zeros(n, bool)  # threads whose mbarrier wait just failed (they wait for a phase to end)
+        self.phase_ended = False  # an mbarrier phase completed since the waiting threads last tried
         self.bulk: list = []  # bulk copies not landed: (block, mbar address, row, cols, data)
         if self.racecheck:
             self.writer = np.full((nb, max(self.smem_size, 1)), -1, np.int64)
@@ -79,12 +81,21 @@ class Machine:
         n = self.n
         pc = np.zeros(n, np.int64)
         alive = np.ones(n, bool)
+        blocked = np.zeros(n, bool)  # waiting on an mbarrier: they step again once some phase completes
         insts = self.k.insts
         steps = 0
         with np.errstate(all="ignore"):
             while alive.any():
-                cur = int(pc[alive].min())
-                mask = alive & (pc == cur)
+                if self.phase_ended:
+                    blocked[:] = False
+                    self.phase_ended = False
+                ready = alive & ~blocked
+                if not ready.any():
+                    t = int(np.flatnonzero(alive)[0])
+                    raise EmulatorError(f"deadlock: every live thread waits on an mbarrier phase that cannot complete "
+                                        f"(thread {int(self.local[t])} at {insts[int(pc[t])].text!r})")
+                cur = int(pc[ready].min())
+                mask = ready & (pc == cur)
                 if cur >= len(insts):
                     raise EmulatorError("fell off the end of the kernel without ret")
                 inst = insts[cur]
@@ -110,6 +121,11 @@ class Machine:
                     if handler is None:
                         raise not_implemented(inst)
                     handler(self, inst, act, mask)
+                if self.waiting.any():  # (a failed mbarrier wait: retried, not passed, once a phase completes)
+                    blocked |= self.waiting
+                    pc[mask & ~self.waiting] += 1
+                    self.waiting[:] = False
+                    continue
                 pc[mask] += 1
 
     # registers

@@ -19,9 +19,23 @@ def cp(m, inst: Inst, act: np.ndarray, mask: np.ndarray) -> None:
         return _prefetch(m, inst, act)
     if mods[:2] == ["async", "bulk"]:
         return _cp_bulk(m, inst, act)
+    if mods[:4] == ["async", "mbarrier", "arrive", "noinc"]:
+        return _cp_async_arrive(m, inst, act)
     if mods[0] == "async":
         return _cp_async(m, inst, act)
     raise EmulatorError(f"instruction not implemented by the emulator: {inst.text}")
+
+
+def _cp_async_arrive(m, inst: Inst, act: np.ndarray) -> None:
+    """``cp.async.mbarrier.arrive.noinc.shared::cta.b64 [mbar]``: the thread's cp.async copies land now (the
+    earliest the hardware may complete them) and it arrives on the barrier (one of its expected arrivals). The
+    landed bytes are clean for the race check: the barrier's wait orders them before the waiters' reads."""
+    _land(m, inst, act, None, clean=True)
+    addrs, _ = m.addr(inst.args[0], "shared")
+    for t_ in np.flatnonzero(act):
+        b = _bar_state(m, int(m.block_of[t_]), int(addrs[t_]), inst)
+        b[1] -= 1
+        _bar_complete(m, b, int(m.block_of[t_]))
 
 
 def _prefetch(m, inst: Inst, act: np.ndarray) -> None:
@@ -128,14 +142,14 @@ def mbarrier(m, inst: Inst, act: np.ndarray, mask: np.ndarray) -> None:
         for t_ in tids:
             m.mbars[(int(m.block_of[t_]), int(addrs[t_]))] = [int(inst.args[1])] * 2 + [0, 0]
         return None
-    if kind == "arrive" and inst.mods[1] == "expect_tx":
+    if kind == "arrive":  # (plain, or announcing bulk-copy bytes with expect_tx)
         addrs, _ = m.addr(inst.args[1], "shared")
-        tx = m.read(inst.args[2], "u32")
+        tx = m.read(inst.args[2], "u32") if inst.mods[1] == "expect_tx" else np.zeros(m.n, np.uint32)
         for t_ in tids:
             b = _bar_state(m, int(m.block_of[t_]), int(addrs[t_]), inst)
             b[2] += int(tx[t_])
             b[1] -= 1
-            _bar_complete(b)
+            _bar_complete(m, b, int(m.block_of[t_]))
         return None
     if kind == "try_wait" and inst.mods[1] == "parity":
         addrs, _ = m.addr(inst.args[1], "shared")
@@ -146,6 +160,7 @@ def mbarrier(m, inst: Inst, act: np.ndarray, mask: np.ndarray) -> None:
             b = _bar_state(m, *key, inst)
             _land_bulk(m, key, b)
             res[t_] = b[3] != (int(parity[t_]) & 1)
+        m.waiting |= act & ~res
         return m.write(inst.args[0], res, act, "pred")
     raise EmulatorError(f"mbarrier form not emulated: {inst.text}")
 
@@ -156,10 +171,20 @@ def _bar_state(m, block: int, addr: int, inst: Inst) -> list:
         raise EmulatorError(f"mbarrier at {addr} used before mbarrier.init: {inst.text}")
     return b
 
-def _bar_complete(b: list) -> None:
+def _bar_complete(m, b: list, block: int) -> None:
+    """Complete the barrier's phase once its arrivals and bytes are in. The block's race records are cleared then,
+    as at a ``bar.sync``: what its waiters do next is ordered after what its arrivers did before (the records
+    cannot tell which threads wait on which barrier, so a race across a phase can go unreported, never a false
+    one)."""
+    if b[1] < 0:
+        raise EmulatorError("an mbarrier got more arrivals in a phase than it expects")
     if b[1] == 0 and b[2] == 0:  # all arrivals and bytes: the phase completes
         b[3] ^= 1
         b[1] = b[0]
+        m.phase_ended = True
+        if m.racecheck:
+            m.writer[block] = -1
+            m.reader[block] = -1
 
 
 def _land_bulk(m, key: tuple, b: list) -> None:
@@ -177,11 +202,12 @@ def _land_bulk(m, key: tuple, b: list) -> None:
             m.reader[blk, cols] = -1
         b[2] -= cols.size
     m.bulk = keep
-    _bar_complete(b)
+    _bar_complete(m, b, key[0])
 
 
-def _land(m, inst: Inst, act: np.ndarray, before: np.ndarray | None) -> None:
-    """Land the pending copies of the threads in ``act`` (those of groups < ``before[thread]``)."""
+def _land(m, inst: Inst, act: np.ndarray, before: np.ndarray | None, clean: bool = False) -> None:
+    """Land the pending copies of the threads in ``act`` (those of groups < ``before[thread]``); ``clean``: and
+    clear the landed bytes' race records (another thread's synchronisation orders them)."""
     keep = []
     for tids, rows, cols, data, groups in m.pending:
         mine = act[tids]
@@ -193,6 +219,8 @@ def _land(m, inst: Inst, act: np.ndarray, before: np.ndarray | None) -> None:
             m.inflight[rows[mine][:, None], cols[mine]] = False
             if m.racecheck:
                 m.race(rows[mine], cols[mine], who, inst, write=True)
+                if clean:
+                    m.writer[rows[mine][:, None], cols[mine]] = -1
             m.smem[rows[mine][:, None], cols[mine]] = data[mine]
         if (~mine).any():
             keep.append((tids[~mine], rows[~mine], cols[~mine], data[~mine], groups[~mine]))

@@ -27,8 +27,8 @@ is [gate; up] and ``Y[t, j] = silu(gate) * up`` (a producer warp's rows 0-7 gate
 
 Params: w, x, y, [bias], [residual], m (tokens), n (weight rows), lda, ldy. Requirements: X 16-byte aligned,
 ``lda`` a multiple of 8, the weight's bytes below 2**32. Launch: grid (ceil(rows_out / meta["rows_per_cta"]),
-ceil(m / mt)), block meta["block"], dynamic shared memory meta["dyn_smem"]. Tested on the GPU only (the
-emulator has no ``wgmma``).
+ceil(m / mt)), block meta["block"], dynamic shared memory meta["dyn_smem"]. Tested on the GPU and in the
+emulator (``tests/test_gemm_ws_ptx.py``).
 """
 
 from __future__ import annotations

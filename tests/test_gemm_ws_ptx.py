@@ -1,0 +1,129 @@
+"""CPU tests of the warpgroup-MMA GEMMs over quantized weights (sm_90a): ``gemm_ws`` (warp-specialized: producer
+warps decode, consumer warpgroups multiply, mbarrier rings) and ``gemm_wg`` run in the PTX emulator (its
+``wgmma`` with A from registers or shared memory, its mbarrier waits), over hypothesis-drawn types, layouts,
+token counts, shapes, launch shapes and epilogues: every element of the NaN-poisoned output against the float64
+oracle over the exactly dequantized weights and the f16 X, nothing past the output written. ptxas for sm_90a
+without spills over the grid and drawn shapes. The same oracle runs on the GPU in tests/gpu."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from ptx_gen import catalog
+from ptx_gen.emulator import Memory, run as simt_run
+from ptx_gen.kernels.gemm import gemm_ws as ws
+from ptx_gen.kernels.gemv.gemv_mma_layout import tile_major
+from ptx_gen.ptxas import assemble
+from tests.helpers import examples
+from tests.layer_oracles import random_weight
+from tests.test_gemm_q_ptx import CASES, _oracle
+
+WS_CASES = [(wt, lay) for wt, lay in CASES if wt != "F32"]
+
+
+def _run(name: str, shape: dict, wtype, layout, out_dim, in_dim, m, rng, *, bias=False, residual=None,
+         out_f16=False, glu=False):
+    raw = random_weight(rng, wtype, out_dim, in_dim)
+    data = raw if layout == "rows" else tile_major(raw, wtype, out_dim, in_dim, glu=layout == "glu-tiles")
+    data = np.concatenate([data, np.zeros(-data.size % 16, np.uint8)])
+    kern = catalog.emit(name, target="sm_90", wtype=wtype, in_dim=in_dim, layout=layout, bias=bias,
+                        residual=residual is not None, out_f16=out_f16, glu=glu, **shape)
+    cols = out_dim // 2 if glu else out_dim
+    x = ((rng.standard_normal((m, in_dim)) + 0.1) / (64 if out_f16 else 1)).astype(np.float16)
+    b = rng.standard_normal(cols).astype(np.float32)
+    r = rng.standard_normal((m, cols)).astype(np.float32)
+    ytype = np.float16 if out_f16 else np.float32
+    mem = Memory()
+    pad = 64  # poisoned elements past the output, checked untouched
+    y0 = np.full(m * cols + pad, np.nan, ytype)
+    if residual == "in_place":
+        y0[: m * cols] = r.reshape(-1)
+    y = mem.alloc_array(y0)
+    params = dict(w=mem.alloc_array(data), x=mem.alloc_array(x), y=y, m=m, n=out_dim, lda=in_dim, ldy=cols)
+    if bias:
+        params["bias"] = mem.alloc_array(b)
+    if residual is not None:
+        params["residual"] = y if residual == "in_place" else mem.alloc_array(r)
+    grid = (-(-cols // kern.meta["rows_per_cta"]), -(-m // kern.meta["mt"]))
+    simt_run(kern.ptx, grid=grid, block=(kern.meta["block"],), params=params, memory=mem,
+             shared_bytes=kern.launch.dyn_smem, max_steps=20_000_000)
+    flat = mem.read(y, ytype, m * cols + pad).astype(np.float64)
+    assert np.isnan(flat[m * cols:]).all(), "wrote past the output"
+    out = flat[: m * cols].reshape(m, cols)
+    ref, scale, tol = _oracle(raw, wtype, out_dim, in_dim, x, glu, b if bias else None,
+                              r if residual is not None else None, out_f16)
+    assert np.isfinite(out).all(), f"unwritten (NaN-poisoned) outputs at {np.argwhere(~np.isfinite(out))[:4].tolist()}"
+    err = np.abs(out - ref) / (scale + 1e-30)
+    assert err.max() < tol, f"{name} {shape} {wtype} {layout} {out_dim}x{in_dim} m={m}: max relative error {err.max():.2e}"
+
+
+@settings(max_examples=examples(16), deadline=None)
+@given(data=st.data(), case=st.sampled_from(WS_CASES), seed=st.integers(0, 2**32 - 1))
+def test_gemm_ws_matches_oracle(data, case, seed):
+    wtype, layout = case
+    in_dim = 256 * data.draw(st.integers(1, 3))
+    mt = data.draw(st.sampled_from((64, 128)))
+    rgroups, psets = data.draw(st.sampled_from([(1, 1), (2, 1), (1, 2)]))
+    stages = 4 if psets == 2 else data.draw(st.sampled_from(ws.WS_STAGES))
+    wstages = data.draw(st.sampled_from([2, 3]))
+    assume(ws.smem_bytes(wtype, in_dim, layout, mt, rgroups, stages, wstages, psets) <= ws.MAX_DYN_SMEM)
+    m = data.draw(st.integers(1, mt + 9))  # (one token tile, sometimes two)
+    glu = layout == "glu-tiles" or (layout == "rows" and data.draw(st.booleans()))
+    out_dim = (2 if glu else 1) * data.draw(st.integers(1, 40 if glu else 80))
+    epi = "plain" if glu else data.draw(st.sampled_from(["plain", "bias", "residual", "in_place", "f16"]))
+    _run("gemm_ws", dict(mt=mt, rgroups=rgroups, stages=stages, wstages=wstages, psets=psets), wtype, layout,
+         out_dim, in_dim, m, np.random.default_rng(seed), bias="bias" in epi,
+         residual={"residual": "buffer", "in_place": "in_place"}.get(epi), out_f16="f16" in epi, glu=glu)
+
+
+@pytest.mark.parametrize("wtype", ["Q4_K", "Q6_K", "Q8_0", "Q5_1"])
+def test_gemm_ws_main_types(wtype):
+    """Two K chunks, two token tiles (the second ragged), in place residual, every ring slot reused."""
+    _run("gemm_ws", dict(mt=64, stages=2), wtype, "tiles", 70, 512, 70, np.random.default_rng(3),
+         residual="in_place")
+
+
+@pytest.mark.parametrize("shape", [s for s in catalog.spec("gemm_ws").grid])
+def test_gemm_ws_grid_assembles_without_spills(shape):
+    k = catalog.emit("gemm_ws", target="sm_90", **shape)
+    assert k.target == "sm_90a" and "wgmma.mma_async" in k.ptx
+    rep = assemble(k.ptx, k.target)[0]
+    assert not rep.spills, f"{shape} spills: {rep.log}"
+
+
+def test_gemm_ws_refuses_what_it_cannot_run():
+    with pytest.raises(ValueError, match="F32"):
+        ws.check_shape("F32", 256, "rows", 64, 1, 4, 2)
+    with pytest.raises(ValueError, match="mt"):
+        ws.check_shape("Q4_K", 256, "tiles", 32, 1, 4, 2)
+    with pytest.raises(ValueError, match="psets"):
+        ws.check_shape("Q4_K", 256, "tiles", 128, 2, 4, 2, psets=2)
+    with pytest.raises(ValueError, match="psets"):
+        ws.check_shape("Q4_K", 256, "tiles", 128, 1, 2, 2, psets=2)
+    with pytest.raises(ValueError, match="shared memory"):
+        ws.check_shape("Q6_K", 4096, "tiles", 256, 1, 4, 3, psets=2)
+
+
+@settings(max_examples=examples(8), deadline=None)
+@given(data=st.data(), case=st.sampled_from(WS_CASES), seed=st.integers(0, 2**32 - 1))
+def test_gemm_wg_matches_oracle(data, case, seed):
+    """gemm_wg with one row group (its row groups share X through named barriers, which the emulator does not
+    model): token tiles, K parts (summed through shared memory), ring depths, unrolls, epilogues."""
+    from ptx_gen.kernels.gemm import gemm_wg as wg
+
+    wtype, layout = case
+    in_dim = 256 * data.draw(st.integers(1, 3))
+    mt, kparts = data.draw(st.sampled_from([(32, 1), (64, 1), (64, 2), (32, 4)]))
+    assume(in_dim // 256 >= kparts)
+    stages, unroll = data.draw(st.sampled_from([2, 3])), data.draw(st.sampled_from([1, 2]))
+    assume(wg.smem_bytes(wtype, in_dim, layout, mt, 1, kparts, stages) <= wg.MAX_DYN_SMEM)
+    m = data.draw(st.integers(1, mt + 9))
+    glu = layout == "glu-tiles" or (layout == "rows" and data.draw(st.booleans()))
+    out_dim = (2 if glu else 1) * data.draw(st.integers(1, 40 if glu else 80))
+    epi = "plain" if glu else data.draw(st.sampled_from(["plain", "bias", "residual", "in_place", "f16"]))
+    _run("gemm_wg", dict(mt=mt, rgroups=1, kparts=kparts, stages=stages, unroll=unroll), wtype, layout, out_dim,
+         in_dim, m, np.random.default_rng(seed), bias="bias" in epi,
+         residual={"residual": "buffer", "in_place": "in_place"}.get(epi), out_f16="f16" in epi, glu=glu)
