@@ -127,3 +127,30 @@ def test_gemm_wg_matches_oracle(data, case, seed):
     _run("gemm_wg", dict(mt=mt, rgroups=1, kparts=kparts, stages=stages, unroll=unroll), wtype, layout, out_dim,
          in_dim, m, np.random.default_rng(seed), bias="bias" in epi,
          residual={"residual": "buffer", "in_place": "in_place"}.get(epi), out_f16="f16" in epi, glu=glu)
+
+
+@pytest.mark.parametrize("name,config", [("gemm_ws", None), ("gemm_ws", "psets"), ("gemm_wg", "one_row_group")])
+def test_host_launch_on_the_emulated_device(monkeypatch, name, config):
+    """``GemmWgOps.gemm_ws`` / ``gemm_wg`` end to end (operand checks, the policy's or a given launch shape, the
+    launch) on the emulated device, which the Linear never hands them (``wg_applies``): allowed here, every
+    element against the oracle, a bias and a residual epilogue, two token tiles."""
+    import realizar.gpu.gemm_wg as host
+    from realizar import cuda
+    from realizar.gpu.gemm_wg import WgConfig, WsConfig
+    from realizar.gpu.ops import GpuWeight, LayerOps
+    from tests.layer_oracles import epilogue_buffers
+
+    monkeypatch.setattr(host, "wg_applies", lambda *a: True)
+    ops = LayerOps(cuda.EmulatedDevice(target="sm_90"))
+    rng = np.random.default_rng(11)
+    out_dim, in_dim, m = 72, 512, 70
+    raw = random_weight(rng, "Q4_K", out_dim, in_dim)
+    w = GpuWeight(data=raw, ggml_type="Q4_K", shape=(out_dim, in_dim), layout="tiles", device=ops.device)
+    x = (rng.standard_normal((m, in_dim)) + 0.1).astype(np.float16)
+    y, kw, b, r = epilogue_buffers(ops, rng, m, out_dim, bias=True, residual="buffer", out_f16=False)
+    cfg = {None: None, "psets": WsConfig(64, 1, 4, 2, 2), "one_row_group": WgConfig(64, 1, 2, 2, 2)}[config]
+    getattr(ops, name)(ops.to_device(x), w, y, m, config=cfg, **kw)
+    got = y.to_numpy().reshape(m, out_dim).astype(np.float64)
+    ref, scale, tol = _oracle(raw, "Q4_K", out_dim, in_dim, x, False, b, r, False)
+    assert np.isfinite(got).all(), "unwritten (NaN-poisoned) outputs"
+    assert (np.abs(got - ref) / scale).max() < tol
