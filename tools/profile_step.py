@@ -7,6 +7,14 @@ step (graph replays back to back), and, under Nsight Compute, the time of every 
 
 With ``--ncu`` only the two eager steps run, each between cuProfilerStart and cuProfilerStop, so ncu sees
 nothing else (weight uploads, graph captures). Random weights at the real shapes.
+
+``--batch B`` profiles GpuBatchBackend's decode step of B rows instead (B sequences prefilled with the 128-token
+context first): GPU µs per step from graph replays, or with ``--ncu`` one eager step in the profiler range;
+``tools/ncu_summary.py`` sums ncu's CSV by kernel family:
+
+    ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
+        python tools/profile_step.py --shapes llama-3-8b --batch 256 --ncu > kernels.csv
+    python tools/ncu_summary.py kernels.csv
 """
 
 from __future__ import annotations
@@ -56,14 +64,55 @@ def backend_rate(backend: GpuBatchBackend, tokens: int) -> tuple[float, float, f
     return (tokens - 1) / wall, e0.elapsed_ms(e1) * 1e3 / tokens, stage_us
 
 
+def batch_step(model: GpuModel, b: int, tokens: int, ncu: bool) -> float | None:
+    """GpuBatchBackend's decode step of ``b`` rows after ``b`` prefilled contexts: GPU µs per step from graph
+    replays of its bucket (None with ``ncu``: one eager step runs inside the profiler range instead)."""
+    bs = 32
+    per_seq = -(-(PROMPT + tokens + 2) // bs)
+    backend = GpuBatchBackend(model, num_blocks=1 + b * per_seq, block_size=bs, kv_dtype="f16", max_batch=b,
+                              max_context=PROMPT + tokens + 2, use_graph=not ncu, f16_weights=False)
+    tables = [list(range(1 + r * per_seq, 1 + (r + 1) * per_seq)) for r in range(b)]
+    spec = [RowSampling()]
+    ids = [int(backend.prefill([1 + (r + i) % 1000 for i in range(PROMPT)], 0, tables[r]).sample(spec)[0])
+           for r in range(b)]
+    specs = spec * b
+    ids = backend.decode(ids, [PROMPT] * b, tables).sample(specs).tolist()  # loads the kernels (captures the graph)
+    try:
+        if ncu:
+            driver.cuProfilerStart()
+            backend.decode(ids, [PROMPT + 1] * b, tables).sample(specs)
+            driver.cuProfilerStop()
+            return None
+        graph = backend.graphs.graph(backend.graphs.keys()[-1])  # (the step just captured: the most recent)
+        e0, e1 = cuda.Event(), cuda.Event()
+        e0.record(backend.stream)
+        for _ in range(tokens):
+            graph.launch(backend.stream)
+        e1.record(backend.stream)
+        e1.synchronize()
+        return e0.elapsed_ms(e1) * 1e3 / tokens
+    finally:
+        backend.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=",".join(BENCH_SHAPES))
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--ncu", action="store_true", help="only one eager step of each, inside profiler ranges")
     ap.add_argument("--out", type=Path, help="also write the lines to this file")
+    ap.add_argument("--batch", type=int, help="profile GpuBatchBackend's decode step of this many rows instead")
     a = ap.parse_args()
     dev = cuda.current_device()
+    if a.batch:
+        for name in a.shapes.split(","):
+            cfg, tensors, _ = bench_model(name)
+            model = GpuModel(cfg, tensors, max_len=PROMPT + a.tokens + 2, device=dev, use_graph=False)
+            us = batch_step(model, a.batch, a.tokens, a.ncu)
+            if us is not None:
+                print(f"- {name}: decode step of {a.batch} rows {us:.1f} µs GPU ({a.batch / us * 1e6:.0f} tok/s)")
+            model.release_kv()
+        return
     lines = [f"# profile_step — {dev.name}, {datetime.date.today()}", "",
              f"Command: `python {' '.join(shlex.quote(x) for x in sys.argv)}`", "",
              f"Greedy decode after a {PROMPT}-token context, {a.tokens} steps; GPU µs from CUDA events over graph "
