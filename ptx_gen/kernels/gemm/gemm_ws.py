@@ -5,25 +5,30 @@ accumulation on ``wgmma.mma_async`` m64nNk16 f16 with both operands in shared me
 W exists: a weight byte is read from DRAM once per token tile and decoded into a shared-memory stage.
 
 **Roles.** A CTA owns ``64 rgroups`` weight rows and ``mt`` tokens. Its first ``rgroups`` warpgroups are
-*consumers*: warpgroup ``g`` issues the MMAs of rows ``64 g ..`` over all ``mt`` tokens and nothing else. The
-next ``rgroups`` warpgroups are *producers*: producer warp ``p`` streams the 16 rows ``16 p ..`` of the CTA's
-weight through its own ``cp.async`` ring of chunks (256 values, :class:`~ptx_gen.kernels.gemm.qstream.WeightStream`,
-the copy plan and block decoders ``gemm_q`` and ``gemm_wg`` use, so the MMA multiplies exactly the f16 weights
-``dequant_f16`` would write), decodes them and stores the f16 values into the stage's A tile; the producers
-also copy the tokens' X into the stage's B tile (16-byte ``cp.async``).
+*consumers*: warpgroup ``g`` issues the MMAs of rows ``64 g ..`` over all ``mt`` tokens, and the consumers copy the
+tokens' X into the stages' B tiles (16-byte ``cp.async``). The next ``psets x rgroups`` warpgroups are
+*producers*: producer warp ``p`` of a set streams the 16 rows ``16 p ..`` of the CTA's weight through its own
+``cp.async`` ring of chunks (256 values, :class:`~ptx_gen.kernels.gemm.qstream.WeightStream`, the copy plan and
+block decoders ``gemm_q`` and ``gemm_wg`` use, so the MMA multiplies exactly the f16 weights ``dequant_f16`` would
+write), decodes them and stores the f16 values into the stage's A tile (strip row ``r`` at A row ``4 (r % 2) +
+r / 2`` of its 8, so that a quarter warp's stores meet no bank conflict; the epilogue maps the rows back). With
+two sets, set ``e`` takes the chunks ``e, e + 2, ..``.
 
 **Stages.** A stage is 64 k: the A tile (``64 rgroups`` rows x 128 bytes) and the B tile (``mt`` tokens x
 128 bytes), both K-major in the 128-byte swizzle (row ``n`` at ``128 n``, its 16-byte piece ``p`` = k ``8 p ..
 8 p + 7`` at ``(p ^ n % 8) * 16``; descriptor stride 1024 bytes per 8 rows), ``stages`` of them in a ring.
-Two mbarriers a stage: *full* (the producers' arrivals: one when a thread's X copies have landed, one after
-its A stores and ``fence.proxy.async``) and *empty* (every consumer thread, once ``wgmma.wait_group`` says the
-MMAs that read the stage are done). The consumers keep one stage's MMAs in flight while they wait for the
-next; the producers run up to ``stages`` stages ahead of them.
+Two mbarriers a stage: *full* (every consumer thread once its X copies have landed, ``cp.async.mbarrier.arrive``;
+every producer thread of the stage's set after its A stores and ``fence.proxy.async``) and *empty* (every consumer
+thread, once ``wgmma.wait_group`` says the MMAs that read the stage are done; the consumers then copy the X of
+the stage that takes the slot next). The consumers keep one stage's MMAs in flight while they wait for the next;
+the producers run up to ``stages`` stages ahead of them. With two sets a producer also waits for the other set's
+fill of the slot's previous use, so that no parity wait passes on a phase two uses old.
 
-**Edges.** Tokens past M are not copied (their B rows hold stale values; their outputs are never written); rows past N are not copied (their outputs
-are never written). K must be a multiple of 256 (whole chunks). Epilogue (consumers, per output ``Y[t, c]``, f32
-or f16 with ``out_f16``, row stride ``ldy``): ``+ bias[c]``, ``+ residual[t, c]`` (may be Y itself); ``glu``: W
-is [gate; up] and ``Y[t, j] = silu(gate) * up`` (a producer warp's rows 0-7 gate, 8-15 up).
+**Edges.** Tokens past M are not copied (their B rows hold stale values; their outputs are never written); rows
+past N are not copied (their outputs are never written). K must be a multiple of 256 (whole chunks). Epilogue
+(consumers, per output ``Y[t, c]``, f32 or f16 with ``out_f16``, row stride ``ldy``): ``+ bias[c]``,
+``+ residual[t, c]`` (may be Y itself); ``glu``: W is [gate; up] and ``Y[t, j] = silu(gate) * up`` (a producer
+warp's rows 0-7 gate, 8-15 up).
 
 Params: w, x, y, [bias], [residual], m (tokens), n (weight rows), lda, ldy. Requirements: X 16-byte aligned,
 ``lda`` a multiple of 8, the weight's bytes below 2**32. Launch: grid (ceil(rows_out / meta["rows_per_cta"]),
@@ -228,8 +233,7 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     epilogue(k, tiles, r_strip, q, m_all, n_rows, first, ffn, bias, residual, out_f16, glu, tok_base=tok0)
     k.ret()
 
-    # ---- producers: set e takes chunks e, e + psets, ..; its warp p streams rows 16 p .. of the CTA's weight, all
-    # its threads copy X ---------------------------------------------------------------------------------------
+    # ---- producers: set e takes chunks e, e + psets, ..; its warp p streams rows 16 p .. of the CTA's weight ------
     k.label(producer)
     pw = k.shr(k.sub(tid, group), 5)
     wbase = k.add(ring0, k.mul(pw, wbytes))
@@ -246,7 +250,7 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     for s in range(wstages - 1):
         ws.issue(e, n_left, k.mov(psets * s, "u32"), k.add(wbase, s * slot_bytes) if s else wbase)
         k.cp_async_commit()
-    k.grid_dependency_wait()  # X comes from the kernels before
+    k.grid_dependency_wait()  # (the producers read only weights; their first chunks are requested before this)
 
     # A stores: the lane's rows r and r + 8 of the strip go to A rows 16 p + pi(r) and + 8 (pi: see _a_row), block b
     # of a stage at piece 4 b + q
