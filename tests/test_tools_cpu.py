@@ -197,3 +197,26 @@ def test_bench_host_runs_every_row():
     for cell in row[2:]:
         rate, ratio = cell.split()
         assert float(rate) > 0 and 0 < float(ratio.strip("()")) < 1.5
+
+
+def test_ncu_summary_sums_kernel_families(tmp_path):
+    """tools/ncu_summary.py: kernel names to families, the per-family sums and shares, the units ncu prints."""
+    from tools import ncu_summary
+
+    assert ncu_summary.family("gemm_ws_q4_k_k4096_tiles_m128_r1_s4_w2_p1_res") == "gemm_ws"
+    assert ncu_summary.family("paged_decode_d128_g4_b32_f16") == "paged_decode"
+    assert ncu_summary.family("feed_tokens") == "feed_tokens"
+    head = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
+    rows = ['"0","gemm_ws_q4_k_k4096_tiles_m128_r1_s4_w2_p1","gpu__time_duration.sum","usecond","30.00"',
+            '"1","gemm_ws_q6_k_k14336_tiles_m64_r1_s4_w2_p1","gpu__time_duration.sum","usecond","10.00"',
+            '"2","paged_decode_d128_g4_b32_f16","gpu__time_duration.sum","nsecond","10,000"']
+    csv = tmp_path / "k.csv"
+    csv.write_text("==PROF== Connected to process 1\n" + head + "\n".join(rows) + "\n")
+    out = tmp_path / "k.md"
+    assert ncu_summary.main([str(csv), "--out", str(out)]) == 0
+    (tmp_path / "empty.csv").write_text("==PROF== No kernels were profiled.\n")
+    assert ncu_summary.main([str(tmp_path / "empty.csv")]) == 2  # (said on stderr, no table)
+    cells = _rows(out.read_text(), "gemm_ws")[0]
+    assert cells[1:] == ["2", "40.0", "80.0%"]
+    assert _rows(out.read_text(), "paged_decode")[0][1:] == ["1", "10.0", "20.0%"]
+    assert _rows(out.read_text(), "all")[0][1:] == ["3", "50.0", "100%"]

@@ -8,7 +8,8 @@ path's host side over a sleeping backend), bench_warm_start (four files), profil
 against GpuModel), bench_gemm_decode (the f16 GEMM at decode batch sizes), bench_moe (Qwen3-30B-A3B's shape
 beside llama.cpp's binaries in $LLAMA_CPP_BIN, on the GGUF file $MOE_GGUF, written first where missing); not
 default stages: real_model
-(smollm2_gpu.md), and on 2+ GPUs bench_tensor_parallel and bench_nccl). The whole of tests/gpu takes longer
+(smollm2_gpu.md), bench_gemm_ws / bench_gemm_wg (the quantized batch GEMMs at 8B shapes), profile_batch (the 8B
+batched decode step of 256 rows, its kernels under ncu summed by family: profile_batch.md), and on 2+ GPUs bench_tensor_parallel and bench_nccl). The whole of tests/gpu takes longer
 than the tests stage's 420 s: give --tests a part of it per call.
 
     python tools/gpu_check.py --out "$OUT"                      # everything
@@ -69,6 +70,11 @@ def stages(out: Path, tests: list[str], pytest_args: list[str]) -> dict[str, tup
         "profile_step": ([PY, "tools/profile_step.py", "--out", str(out / "profile_step.md")], 240),
         "bench_gemm_decode": ([PY, "tools/bench_gemm.py", "--tokens", "32,64", "--sweep", "--out",
                                str(out / "bench_gemm_decode.md")], 240),
+        # the quantized batch GEMMs beside cuBLAS (not default stages)
+        "bench_gemm_ws": ([PY, "tools/bench_gemm_wg.py", "--kernel", "ws", "--types", "Q4_K", "--models", "8b", "--ms",
+                           "128,256,512", "--out", str(out / "bench_gemm_ws.md")], 240),
+        "bench_gemm_wg": ([PY, "tools/bench_gemm_wg.py", "--kernel", "wg", "--types", "Q4_K", "--models", "8b", "--ms",
+                           "128,256,512", "--out", str(out / "bench_gemm_wg.md")], 240),
         # several GPUs (not default stages: they need 2 or more)
         "bench_tensor_parallel": ([PY, "tools/bench_tensor_parallel.py", "--out", str(out / "bench_tensor_parallel.md")],
                                   540),
@@ -78,6 +84,14 @@ def stages(out: Path, tests: list[str], pytest_args: list[str]) -> dict[str, tup
         "real_model": ([PY, "tools/gpu_real_model.py", "--gguf", os.environ.get("SMOLLM2_GGUF", "/tmp/smollm2.gguf"),
                         "--out", str(out / "smollm2_gpu.md")], 300),
     }
+    # the batched decode step's kernels at 256 rows (8B) under Nsight Compute, summed by family (not a default stage)
+    ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
+    csv = str(out / "profile_batch_ncu.csv")
+    profile_batch = [[ncu, "--clock-control", "none", "--profile-from-start", "off", "--metrics", "gpu__time_duration.sum",
+                      "--csv", "--log-file", csv, PY, "tools/profile_step.py", "--shapes", "llama-3-8b", "--batch", "256",
+                      "--ncu"],
+                     [PY, "tools/ncu_summary.py", csv, "--out", str(out / "profile_batch.md")],
+                     [PY, "tools/profile_step.py", "--shapes", "llama-3-8b", "--batch", "256"]]
     # the first prompt after start, each in a fresh process (nothing loaded before): with and without warm_up
     warm = [[PY, "tools/bench_serving.py", "--shapes", shape, "--parts", "warmstart", "--batches", "256", *flag,
              "--out", str(out / f"bench_warm_start_{shape}{'_off' if flag else ''}.md")]
@@ -89,7 +103,7 @@ def stages(out: Path, tests: list[str], pytest_args: list[str]) -> dict[str, tup
     if not Path(moe_gguf).exists():
         moe.insert(0, [PY, "tools/write_gguf.py", "qwen3-30b-a3b", moe_gguf])
     return {**{name: ([cmd], limit) for name, (cmd, limit) in single.items()}, "bench_warm_start": (warm, 480),
-            "bench_moe": (moe, 600),
+            "bench_moe": (moe, 600), "profile_batch": (profile_batch, 480),
             "sanitize": (memcheck, 300), "racecheck": (racecheck, 300)}
 
 

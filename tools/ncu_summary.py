@@ -50,11 +50,11 @@ def summarize(rows: list[dict]) -> list[str]:
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("csv", type=Path)
     ap.add_argument("--out", type=Path)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     text = a.csv.read_text()
     start = text.find('"ID"')  # (ncu prints its own lines and the program's before the CSV)
     rows = list(csv.DictReader(text[start:].splitlines())) if start >= 0 else []
