@@ -110,21 +110,22 @@ def test_gemm_ws_refuses_what_it_cannot_run():
 @settings(max_examples=examples(8), deadline=None)
 @given(data=st.data(), case=st.sampled_from(WS_CASES), seed=st.integers(0, 2**32 - 1))
 def test_gemm_wg_matches_oracle(data, case, seed):
-    """gemm_wg with one row group (its row groups share X through named barriers, which the emulator does not
-    model): token tiles, K parts (summed through shared memory), ring depths, unrolls, epilogues."""
+    """gemm_wg: token tiles, row groups (sharing X through named barriers), K parts (summed through shared
+    memory), ring depths, unrolls, epilogues."""
     from ptx_gen.kernels.gemm import gemm_wg as wg
 
     wtype, layout = case
     in_dim = 256 * data.draw(st.integers(1, 3))
-    mt, kparts = data.draw(st.sampled_from([(32, 1), (64, 1), (64, 2), (32, 4)]))
+    mt, rgroups, kparts = data.draw(st.sampled_from([(32, 1, 1), (64, 1, 1), (64, 1, 2), (32, 1, 4), (32, 2, 1),
+                                                     (64, 2, 2)]))
     assume(in_dim // 256 >= kparts)
     stages, unroll = data.draw(st.sampled_from([2, 3])), data.draw(st.sampled_from([1, 2]))
-    assume(wg.smem_bytes(wtype, in_dim, layout, mt, 1, kparts, stages) <= wg.MAX_DYN_SMEM)
+    assume(wg.smem_bytes(wtype, in_dim, layout, mt, rgroups, kparts, stages) <= wg.MAX_DYN_SMEM)
     m = data.draw(st.integers(1, mt + 9))
     glu = layout == "glu-tiles" or (layout == "rows" and data.draw(st.booleans()))
     out_dim = (2 if glu else 1) * data.draw(st.integers(1, 40 if glu else 80))
     epi = "plain" if glu else data.draw(st.sampled_from(["plain", "bias", "residual", "in_place", "f16"]))
-    _run("gemm_wg", dict(mt=mt, rgroups=1, kparts=kparts, stages=stages, unroll=unroll), wtype, layout, out_dim,
+    _run("gemm_wg", dict(mt=mt, rgroups=rgroups, kparts=kparts, stages=stages, unroll=unroll), wtype, layout, out_dim,
          in_dim, m, np.random.default_rng(seed), bias="bias" in epi,
          residual={"residual": "buffer", "in_place": "in_place"}.get(epi), out_f16="f16" in epi, glu=glu)
 
@@ -154,3 +155,12 @@ def test_host_launch_on_the_emulated_device(monkeypatch, name, config):
     ref, scale, tol = _oracle(raw, "Q4_K", out_dim, in_dim, x, False, b, r, False)
     assert np.isfinite(got).all(), "unwritten (NaN-poisoned) outputs"
     assert (np.abs(got - ref) / scale).max() < tol
+
+
+@pytest.mark.parametrize("rgroups,kparts,glu", [(2, 1, False), (2, 2, False), (2, 1, True)])
+def test_gemm_wg_row_groups(rgroups, kparts, glu):
+    """Two row groups sharing the tokens' X (named barriers), with K split in two, and the SwiGLU weight."""
+    layout = "glu-tiles" if glu else "tiles"
+    _run("gemm_wg", dict(mt=32, rgroups=rgroups, kparts=kparts, stages=2, unroll=2), "Q4_K", layout,
+         2 * 90 if glu else 150, 512, 40, np.random.default_rng(5), glu=glu, out_f16=glu,
+         residual=None if glu else "in_place")

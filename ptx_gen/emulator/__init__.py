@@ -9,7 +9,8 @@ It checks what compute-sanitizer would on a GPU, at the level of the emulated se
 
 * memcheck: every global access must lie inside one allocation and be aligned to its size; every
   shared access inside the block's shared memory;
-* barriers: a ``bar.sync`` must be reached by every live thread of the block at the same instruction;
+* barriers: a ``bar.sync`` must be reached by every live thread of the block at the same instruction (a
+  named ``bar.sync id, count`` by ``count`` threads at once);
   a full-mask ``shfl.sync`` by all 32 lanes of the warp;
 * racecheck: between two barriers, a shared byte written by one thread and read or written by
   another is a hazard (reported with the instruction);

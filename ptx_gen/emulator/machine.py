@@ -226,6 +226,8 @@ class Machine:
     def _barrier(self, inst: Inst, mask: np.ndarray, alive: np.ndarray, pc: np.ndarray) -> None:
         if inst.mods and inst.mods[0] == "warp":
             return self._warp_barrier(inst, mask)
+        if len(inst.args) == 2:
+            return self._named_barrier(inst, mask)
         m2, a2 = mask.reshape(-1, self.tpb), alive.reshape(-1, self.tpb)
         here = m2.any(axis=1)
         partial = here & (m2 != a2).any(axis=1)
@@ -237,6 +239,25 @@ class Machine:
         if self.racecheck:
             self.writer[here] = -1
             self.reader[here] = -1
+
+    def _named_barrier(self, inst: Inst, mask: np.ndarray) -> None:
+        """``bar.sync id, count``: in each block, the threads standing here with barrier ``id`` must number ``count``
+        (threads reaching it at different times are not modelled: an error). Afterwards the block's race records
+        are cleared, as at a full barrier (a race across it can go unreported, never a false one)."""
+        ids = self.read(inst.args[0], "u32")
+        count = int(self.read(inst.args[1], "u32")[np.flatnonzero(mask)[0]])
+        if count % 32 or count > self.tpb:
+            raise EmulatorError(f"named barrier of {count} threads in a block of {self.tpb}: {inst.text}")
+        for b in np.unique(self.block_of[mask]):
+            here = mask & (self.block_of == b)
+            for bid in np.unique(ids[here]):
+                n = int((here & (ids == bid)).sum())
+                if n != count:
+                    raise EmulatorError(f"bar.sync {int(bid)}, {count} reached by {n} threads of block {int(b)} at "
+                                        f"once: {inst.text}")
+            if self.racecheck:
+                self.writer[b] = -1
+                self.reader[b] = -1
 
     def _warp_barrier(self, inst: Inst, mask: np.ndarray) -> None:
         """``bar.warp.sync 0xFFFFFFFF``: all 32 lanes of each warp standing here; afterwards the race

@@ -26,9 +26,9 @@ __all__ = ["GemmWgOps", "WgConfig", "WsConfig", "wg_applies", "wg_config", "ws_c
 
 def wg_applies(device: Any, wtype: str, layout: str, in_dim: int) -> bool:
     """Whether the warpgroup GEMM runs on ``device`` for a weight of ``wtype`` in ``layout`` with rows of
-    ``in_dim`` values: a real sm_90 GPU (the emulator runs these kernels in their own tests, not under the emulated
-    device's models: gemm_wg's row groups share X through named barriers it does not model), whole chunks of
-    256, the types and layouts ``gemm_q`` decodes but F32 (whose ring leaves no room for the X buffers)."""
+    ``in_dim`` values: a real sm_90 GPU (the emulator runs these kernels in their own oracle tests; the emulated
+    device's models keep the f16 GEMM, whose small tiles it runs faster), whole chunks of 256, the types and
+    layouts ``gemm_q`` decodes but F32 (whose ring leaves no room for the X buffers)."""
     from ptx_gen.kernels.gemm.qstream import CHUNK
 
     return (not getattr(device, "emulated", False) and device.target.compute_capability == (9, 0)

@@ -37,7 +37,7 @@ outputs are never written). K must be a multiple of 256 (whole chunks). Epilogue
 Params: w, x, y, [bias], [residual], m (tokens), n (weight rows), lda, ldy. Requirements: X 16-byte aligned,
 ``lda`` a multiple of 8, the weight's bytes below 2**32. Launch: grid (ceil(rows_out / meta["rows_per_cta"]),
 ceil(m / mt)), block meta["block"], dynamic shared memory meta["dyn_smem"]. Tested on the GPU and in the emulator
-(with one row group: the emulator does not model the named barriers two row groups share X through).
+(``tests/test_gemm_ws_ptx.py``).
 """
 
 from __future__ import annotations
