@@ -58,14 +58,22 @@ def _oracle(raw, wtype, out_dim, in_dim, x, glu, bias, res, out_f16):
     return ref, scale, 2.0 ** -9 if out_f16 else 2.0 ** -10
 
 
-def _run(wtype, layout, out_dim, in_dim, m, rng, *, mt=None, warps=1, kparts=1, stages=2, bias=False,
-         residual=None, out_f16=False, glu=False, lda=None, ldy=None, x=None):
-    mt = mt or _mt(m)
+def _run(wtype, layout, out_dim, in_dim, m, rng, *, mt=None, warps=1, kparts=1, stages=2, **kw):
+    run_emulated("gemm_q", dict(mt=mt or _mt(m), warps=warps, kparts=kparts, stages=stages), wtype, layout, out_dim,
+                 in_dim, m, rng, **kw)
+
+
+def run_emulated(kernel: str, shape: dict, wtype, layout, out_dim, in_dim, m, rng, *, bias=False, residual=None,
+                 out_f16=False, glu=False, lda=None, ldy=None, x=None, max_steps: int | None = None):
+    """Run the quantized GEMM ``kernel`` (gemm_q, gemm_wg, gemm_ws; its launch ``shape``) in the emulator over a
+    random ``wtype`` weight in ``layout`` and ``m`` tokens, and check every element against :func:`_oracle`,
+    nothing written past the output (``ldy`` > the columns: nor between rows). ``max_steps``: the emulator's
+    bound on steps (its default where None)."""
     raw = random_weight(rng, wtype, out_dim, in_dim)
     data = raw if layout == "rows" else tile_major(raw, wtype, out_dim, in_dim, glu=layout == "glu-tiles")
     data = np.concatenate([data, np.zeros(-data.size % 16, np.uint8)])
-    kern = catalog.emit("gemm_q", wtype=wtype, in_dim=in_dim, layout=layout, mt=mt, warps=warps, kparts=kparts,
-                        stages=stages, bias=bias, residual=residual is not None, out_f16=out_f16, glu=glu)
+    kern = catalog.emit(kernel, target="sm_90", wtype=wtype, in_dim=in_dim, layout=layout, bias=bias,
+                        residual=residual is not None, out_f16=out_f16, glu=glu, **shape)
     lda = lda or in_dim
     cols = out_dim // 2 if glu else out_dim
     ldy = ldy or cols
@@ -85,9 +93,9 @@ def _run(wtype, layout, out_dim, in_dim, m, rng, *, mt=None, warps=1, kparts=1, 
         params["bias"] = mem.alloc_array(b)
     if residual is not None:
         params["residual"] = y if residual == "in_place" else mem.alloc_array(r)
-    grid = -(-cols // kern.meta["rows_per_cta"])
-    simt_run(kern.ptx, grid=(grid,), block=(kern.meta["block"],), params=params, memory=mem,
-             shared_bytes=kern.launch.dyn_smem)
+    grid = (-(-cols // kern.meta["rows_per_cta"]), -(-m // kern.meta["mt"]))
+    simt_run(kern.ptx, grid=grid, block=(kern.meta["block"],), params=params, memory=mem,
+             shared_bytes=kern.launch.dyn_smem, **({} if max_steps is None else {"max_steps": max_steps}))
     flat = mem.read(y, ytype, m * ldy + pad).astype(np.float64)
     assert np.isnan(flat[m * ldy:]).all(), "wrote past the output"
     out = flat[: m * ldy].reshape(m, ldy)
@@ -98,8 +106,8 @@ def _run(wtype, layout, out_dim, in_dim, m, rng, *, mt=None, warps=1, kparts=1, 
     if ldy > cols and residual != "in_place":
         assert np.isnan(out[:, cols:]).all(), "wrote past the output columns"
     err = np.abs(body - ref) / (scale + 1e-30)
-    assert err.max() < tol, (f"{wtype} {layout} {out_dim}x{in_dim} m={m}: max relative error {err.max():.2e} at "
-                             f"{np.unravel_index(err.argmax(), err.shape)}")
+    assert err.max() < tol, (f"{kernel} {shape} {wtype} {layout} {out_dim}x{in_dim} m={m}: max relative error "
+                             f"{err.max():.2e} at {np.unravel_index(err.argmax(), err.shape)}")
 
 
 # ---------------------------------------------------------------------------------------------

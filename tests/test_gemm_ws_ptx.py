@@ -13,51 +13,17 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from ptx_gen import catalog
-from ptx_gen.emulator import Memory, run as simt_run
 from ptx_gen.kernels.gemm import gemm_ws as ws
-from ptx_gen.kernels.gemv.gemv_mma_layout import tile_major
 from ptx_gen.ptxas import assemble
 from tests.helpers import examples
 from tests.layer_oracles import random_weight
-from tests.test_gemm_q_ptx import CASES, _oracle
+from tests.test_gemm_q_ptx import CASES, _oracle, run_emulated
 
 WS_CASES = [(wt, lay) for wt, lay in CASES if wt != "F32"]
 
 
-def _run(name: str, shape: dict, wtype, layout, out_dim, in_dim, m, rng, *, bias=False, residual=None,
-         out_f16=False, glu=False):
-    raw = random_weight(rng, wtype, out_dim, in_dim)
-    data = raw if layout == "rows" else tile_major(raw, wtype, out_dim, in_dim, glu=layout == "glu-tiles")
-    data = np.concatenate([data, np.zeros(-data.size % 16, np.uint8)])
-    kern = catalog.emit(name, target="sm_90", wtype=wtype, in_dim=in_dim, layout=layout, bias=bias,
-                        residual=residual is not None, out_f16=out_f16, glu=glu, **shape)
-    cols = out_dim // 2 if glu else out_dim
-    x = ((rng.standard_normal((m, in_dim)) + 0.1) / (64 if out_f16 else 1)).astype(np.float16)
-    b = rng.standard_normal(cols).astype(np.float32)
-    r = rng.standard_normal((m, cols)).astype(np.float32)
-    ytype = np.float16 if out_f16 else np.float32
-    mem = Memory()
-    pad = 64  # poisoned elements past the output, checked untouched
-    y0 = np.full(m * cols + pad, np.nan, ytype)
-    if residual == "in_place":
-        y0[: m * cols] = r.reshape(-1)
-    y = mem.alloc_array(y0)
-    params = dict(w=mem.alloc_array(data), x=mem.alloc_array(x), y=y, m=m, n=out_dim, lda=in_dim, ldy=cols)
-    if bias:
-        params["bias"] = mem.alloc_array(b)
-    if residual is not None:
-        params["residual"] = y if residual == "in_place" else mem.alloc_array(r)
-    grid = (-(-cols // kern.meta["rows_per_cta"]), -(-m // kern.meta["mt"]))
-    simt_run(kern.ptx, grid=grid, block=(kern.meta["block"],), params=params, memory=mem,
-             shared_bytes=kern.launch.dyn_smem, max_steps=20_000_000)
-    flat = mem.read(y, ytype, m * cols + pad).astype(np.float64)
-    assert np.isnan(flat[m * cols:]).all(), "wrote past the output"
-    out = flat[: m * cols].reshape(m, cols)
-    ref, scale, tol = _oracle(raw, wtype, out_dim, in_dim, x, glu, b if bias else None,
-                              r if residual is not None else None, out_f16)
-    assert np.isfinite(out).all(), f"unwritten (NaN-poisoned) outputs at {np.argwhere(~np.isfinite(out))[:4].tolist()}"
-    err = np.abs(out - ref) / (scale + 1e-30)
-    assert err.max() < tol, f"{name} {shape} {wtype} {layout} {out_dim}x{in_dim} m={m}: max relative error {err.max():.2e}"
+def _run(name: str, shape: dict, *args, **kw):
+    run_emulated(name, shape, *args, max_steps=20_000_000, **kw)
 
 
 @settings(max_examples=examples(16), deadline=None)
