@@ -31,6 +31,7 @@ from cuda.bindings import driver
 from bench_decode import bench as decode_rate  # tools/ is on the path when run as a script
 
 from realizar import cuda
+from realizar.cuda.bench import median_us
 from realizar.gpu.batch import GpuBatchBackend
 from realizar.gpu.model import GpuModel
 from realizar.models.random import BENCH_SHAPES, bench_model
@@ -65,8 +66,9 @@ def backend_rate(backend: GpuBatchBackend, tokens: int) -> tuple[float, float, f
 
 
 def batch_step(model: GpuModel, b: int, tokens: int, ncu: bool) -> float | None:
-    """GpuBatchBackend's decode step of ``b`` rows after ``b`` prefilled contexts: GPU µs per step from graph
-    replays of its bucket (None with ``ncu``: one eager step runs inside the profiler range instead)."""
+    """GpuBatchBackend's decode step of ``b`` rows after ``b`` prefilled contexts: GPU µs per step, the median of 5
+    runs of ``tokens`` graph replays of its bucket (None with ``ncu``: one eager step runs inside the profiler range
+    instead)."""
     bs = 32
     per_seq = -(-(PROMPT + tokens + 2) // bs)
     backend = GpuBatchBackend(model, num_blocks=1 + b * per_seq, block_size=bs, kv_dtype="f16", max_batch=b,
@@ -84,13 +86,7 @@ def batch_step(model: GpuModel, b: int, tokens: int, ncu: bool) -> float | None:
             driver.cuProfilerStop()
             return None
         graph = backend.graphs.graph(backend.graphs.keys()[-1])  # (the step just captured: the most recent)
-        e0, e1 = cuda.Event(), cuda.Event()
-        e0.record(backend.stream)
-        for _ in range(tokens):
-            graph.launch(backend.stream)
-        e1.record(backend.stream)
-        e1.synchronize()
-        return e0.elapsed_ms(e1) * 1e3 / tokens
+        return median_us(lambda: [graph.launch(backend.stream) for _ in range(tokens)], backend.stream, tokens, 5)
     finally:
         backend.close()
 
