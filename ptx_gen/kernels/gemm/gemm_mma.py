@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from ptx_gen.builder import KernelBuilder, Module, Reg
 from ptx_gen.catalog import kernel
 from ptx_gen.kernels.elementwise.elementwise import silu
+from ptx_gen.kernels.gemm.signature import epilogue_signature
 
 BK = 64  # K per tile: one 128-byte row of f16 per operand row
 ROW = 2 * BK  # bytes of a staged row
@@ -206,13 +207,9 @@ def gemm_f16(m: Module, bm: int = 128, bn: int = 128, warps_m: int = 2, warps_n:
     f16 operands, f32 accumulation. Params: x, w, y, [bias], [residual], m, n, k, lda, ldy.
     Launch: grid (ceil(m / bm), ceil(n / bn)), block 32 warps_m warps_n, dyn_smem meta["dyn_smem"]."""
     check_tiling(bm, bn, warps_m, warps_n, stages)
-    if glu and (bias or residual):
-        raise ValueError("the SwiGLU epilogue takes no bias or residual")
+    flags, params = epilogue_signature(["x", "w", "y"], ["m", "n", "k", "lda", "ldy"], bias=bias, residual=residual,
+                                       out_f16=out_f16, glu=glu)
     threads = 32 * warps_m * warps_n
-    flags = "".join(f"_{n}" for n, on in (("bias", bias), ("res", residual), ("h", out_f16), ("glu", glu)) if on)
-    params = [("x", "u64"), ("w", "u64"), ("y", "u64")]
-    params += [("bias", "u64")] * bias + [("residual", "u64")] * residual
-    params += [("m", "u32"), ("n", "u32"), ("k", "u32"), ("lda", "u32"), ("ldy", "u32")]
     k = m.kernel(f"gemm_f16_{bm}x{bn}_w{warps_m}x{warps_n}_s{stages}{flags}", params, max_threads=threads)
     dyn = smem_bytes(bm, bn, stages)
     k.meta.update(block=threads, dyn_smem=dyn, bm=bm, bn=bn)

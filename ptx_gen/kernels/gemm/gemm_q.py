@@ -48,6 +48,7 @@ from ptx_gen.builder import KernelBuilder, Module, Reg
 from ptx_gen.catalog import kernel
 from ptx_gen.kernels.dequant.dequant import check_weight_layout
 from ptx_gen.kernels.elementwise.elementwise import silu
+from ptx_gen.kernels.gemm.signature import epilogue_signature
 from ptx_gen.kernels.gemm.qstream import CHUNK, TABLE, WeightStream, aligned, chunk_bytes, pieces, seg_bytes
 from ptx_gen.kernels.gemv.gemv_mma_layout import MMA_TYPES
 from ptx_gen.kernels.gemv.quant_layout import K_TABLE
@@ -130,20 +131,13 @@ def build(m: Module, wtype: str, in_dim: int, layout: str, mt: int, warps: int, 
           bias: bool, residual: bool, out_f16: bool, glu: bool, experts: bool) -> KernelBuilder:
     """The kernel of :func:`gemm_q` (``experts``: of :func:`gemm_q_experts`)."""
     check_shape(wtype, in_dim, layout, mt, warps, kparts, stages)
-    if glu and (bias or residual):
-        raise ValueError("the SwiGLU epilogue takes no bias or residual")
-    if layout == "glu-tiles" and not glu:
-        raise ValueError("a glu-tiles weight is [gate; up]: only the glu GEMM reads it")
-    flags = "".join(f"_{n}" for n, on in (("bias", bias), ("res", residual), ("h", out_f16), ("glu", glu)) if on)
+    flags, params = epilogue_signature(["w", "x", "y"], [] if experts else ["m", "n", "lda", "ldy"], bias=bias,
+                                       residual=residual, out_f16=out_f16, glu=glu, layout=layout)
     name = (f"gemm_q{'_exp' if experts else ''}_{wtype.lower()}_k{in_dim}_{layout.replace('-', '_')}_m{mt}_w{warps}x"
             f"{kparts}_s{stages}{flags}")
-    params = [("w", "u64"), ("x", "u64"), ("y", "u64")]
-    params += [("bias", "u64")] * bias + [("residual", "u64")] * residual
     if experts:
         params += [("tiles", "u64"), ("order", "u64"), ("n", "u32"), ("lda", "u32"), ("ldy", "u32"),
                    ("expert_bytes", "u32"), ("x_group", "u32")]
-    else:
-        params += [("m", "u32"), ("n", "u32"), ("lda", "u32"), ("ldy", "u32")]
     threads = 32 * warps * kparts
     k = m.kernel(name, params, max_threads=threads)
     seg = seg_bytes(wtype, in_dim, layout)

@@ -46,6 +46,7 @@ from ptx_gen.builder import KernelBuilder, Module, Reg
 from ptx_gen.catalog import kernel
 from ptx_gen.kernels.dequant.dequant import check_weight_layout
 from ptx_gen.kernels.gemm.gemm_q import epilogue
+from ptx_gen.kernels.gemm.signature import epilogue_signature
 from ptx_gen.kernels.gemm.qstream import CHUNK, WeightStream, seg_bytes, warp_bytes
 
 __all__ = ["WG_MTS", "check_shape", "gemm_wg", "smem_bytes"]
@@ -111,15 +112,9 @@ def gemm_wg(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     check_shape(wtype, in_dim, layout, mt, rgroups, kparts, stages)
     if unroll not in (1, 2, 4):
         raise ValueError(f"unroll (32-value blocks decoded per MMA group) must be 1, 2 or 4, got {unroll}")
-    if glu and (bias or residual):
-        raise ValueError("the SwiGLU epilogue takes no bias or residual")
-    if layout == "glu-tiles" and not glu:
-        raise ValueError("a glu-tiles weight is [gate; up]: only the glu GEMM reads it")
-    flags = "".join(f"_{n}" for n, on in (("bias", bias), ("res", residual), ("h", out_f16), ("glu", glu)) if on)
+    flags, params = epilogue_signature(["w", "x", "y"], ["m", "n", "lda", "ldy"], bias=bias, residual=residual,
+                                       out_f16=out_f16, glu=glu, layout=layout)
     name = f"gemm_wg_{wtype.lower()}_k{in_dim}_{layout.replace('-', '_')}_m{mt}_r{rgroups}x{kparts}_s{stages}_u{unroll}{flags}"
-    params = [("w", "u64"), ("x", "u64"), ("y", "u64")]
-    params += [("bias", "u64")] * bias + [("residual", "u64")] * residual
-    params += [("m", "u32"), ("n", "u32"), ("lda", "u32"), ("ldy", "u32")]
     group = 128 * rgroups  # threads of a K part (they share its X buffers)
     threads = group * kparts
     k = m.kernel(name, params, max_threads=threads)

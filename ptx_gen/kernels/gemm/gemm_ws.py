@@ -42,6 +42,7 @@ from ptx_gen.builder import KernelBuilder, Module, Reg
 from ptx_gen.catalog import kernel
 from ptx_gen.kernels.dequant.dequant import check_weight_layout
 from ptx_gen.kernels.gemm.gemm_q import epilogue
+from ptx_gen.kernels.gemm.signature import epilogue_signature
 from ptx_gen.kernels.gemm.qstream import CHUNK, WeightStream, seg_bytes, warp_bytes
 
 __all__ = ["WS_MTS", "check_shape", "gemm_ws", "smem_bytes"]
@@ -125,15 +126,9 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     [residual], m, n, lda, ldy. Launch: grid (ceil(rows_out / meta["rows_per_cta"]), ceil(m / mt)), block
     meta["block"], dyn_smem meta["dyn_smem"]."""
     check_shape(wtype, in_dim, layout, mt, rgroups, stages, wstages, psets)
-    if glu and (bias or residual):
-        raise ValueError("the SwiGLU epilogue takes no bias or residual")
-    if layout == "glu-tiles" and not glu:
-        raise ValueError("a glu-tiles weight is [gate; up]: only the glu GEMM reads it")
-    flags = "".join(f"_{n}" for n, on in (("bias", bias), ("res", residual), ("h", out_f16), ("glu", glu)) if on)
+    flags, params = epilogue_signature(["w", "x", "y"], ["m", "n", "lda", "ldy"], bias=bias, residual=residual,
+                                       out_f16=out_f16, glu=glu, layout=layout)
     name = f"gemm_ws_{wtype.lower()}_k{in_dim}_{layout.replace('-', '_')}_m{mt}_r{rgroups}_s{stages}_w{wstages}_p{psets}{flags}"
-    params = [("w", "u64"), ("x", "u64"), ("y", "u64")]
-    params += [("bias", "u64")] * bias + [("residual", "u64")] * residual
-    params += [("m", "u32"), ("n", "u32"), ("lda", "u32"), ("ldy", "u32")]
     group = 128 * rgroups  # threads of each role
     k = m.kernel(name, params, max_threads=(1 + psets) * group)
     slot_bytes = 16 * seg_bytes(wtype, in_dim, layout)

@@ -34,6 +34,7 @@ from __future__ import annotations
 from ptx_gen.builder import KernelBuilder, Module, Reg
 from ptx_gen.catalog import kernel
 from ptx_gen.kernels.elementwise.elementwise import silu
+from ptx_gen.kernels.gemm.signature import epilogue_signature
 from ptx_gen.kernels.gemm.x8 import RECORD, UNIT
 from ptx_gen.kernels.gemm.gemm_x8_units import UNIT_TYPES, XROW, B32_TYPES, Ctx, block32_unit, kquant_unit
 from ptx_gen.kernels.gemv.gemv_mma_layout import TILE_ROWS, UNIT_BYTES
@@ -95,13 +96,9 @@ def gemm_x8(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     ``wtype``; ``ctas`` (0: none): CTAs an SM must hold (``.minnctapersm``: ptxas fits the registers to it).
     Params: w, xq, xs, y, [bias], [residual], m, n, ldq, ldy. Launch: see the module docstring."""
     check_shape(wtype, in_dim, layout, wn, wm, tn, stages, glu)
-    if glu and (bias or residual):
-        raise ValueError("the SwiGLU epilogue takes no bias or residual")
-    flags = "".join(f"_{n}" for n, on in (("bias", bias), ("res", residual), ("h", out_f16), ("glu", glu)) if on)
+    flags, params = epilogue_signature(["w", "xq", "xs", "y"], ["m", "n", "ldq", "ldy"], bias=bias, residual=residual,
+                                       out_f16=out_f16, glu=glu)
     name = f"gemm_x8_{wtype.lower()}_k{in_dim}_w{wn}x{wm}_t{tn}_s{stages}{flags}" + (f"_c{ctas}" if ctas else "")
-    params = [("w", "u64"), ("xq", "u64"), ("xs", "u64"), ("y", "u64")]
-    params += [("bias", "u64")] * bias + [("residual", "u64")] * residual
-    params += [("m", "u32"), ("n", "u32"), ("ldq", "u32"), ("ldy", "u32")]
     threads = 32 * wn * wm
     k = m.kernel(name, params, max_threads=threads, min_blocks=ctas or None)
     bm = 8 * wm * tn
