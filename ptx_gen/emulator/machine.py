@@ -68,7 +68,7 @@ class Machine:
         self.pending: list[tuple] = []  # cp.async copies not landed yet: (threads, rows, cols, data, groups)
         self.cp_group = np.zeros(n, np.int64)  # per thread: the cp.async group now open (commit_group closes it)
         self.mbars: dict = {}  # (block, address) -> [expected arrivals, pending arrivals, tx bytes, phase parity]
-        self.waiting = np.zeros(n, bool)  # threads whose mbarrier wait just failed (they wait for a phase to end)
+        self.waiting: np.ndarray | None = None  # threads whose mbarrier wait just failed (they wait for a phase)
         self.phase_ended = False  # an mbarrier phase completed since the waiting threads last tried
         self.bulk: list = []  # bulk copies not landed: (block, mbar address, row, cols, data)
         if self.racecheck:
@@ -81,16 +81,16 @@ class Machine:
         n = self.n
         pc = np.zeros(n, np.int64)
         alive = np.ones(n, bool)
-        blocked = np.zeros(n, bool)  # waiting on an mbarrier: they step again once some phase completes
+        blocked = None  # threads waiting on an mbarrier (None: none): they step again once some phase completes
         insts = self.k.insts
         steps = 0
         with np.errstate(all="ignore"):
             while alive.any():
                 if self.phase_ended:
-                    blocked[:] = False
+                    blocked = None
                     self.phase_ended = False
-                ready = alive & ~blocked
-                if not ready.any():
+                ready = alive if blocked is None else alive & ~blocked
+                if blocked is not None and not ready.any():
                     t = int(np.flatnonzero(alive)[0])
                     raise EmulatorError(f"deadlock: every live thread waits on an mbarrier phase that cannot complete "
                                         f"(thread {int(self.local[t])} at {insts[int(pc[t])].text!r})")
@@ -121,10 +121,10 @@ class Machine:
                     if handler is None:
                         raise not_implemented(inst)
                     handler(self, inst, act, mask)
-                if self.waiting.any():  # (a failed mbarrier wait: retried, not passed, once a phase completes)
-                    blocked |= self.waiting
+                if self.waiting is not None:  # (a failed mbarrier wait: retried, not passed, once a phase completes)
+                    blocked = self.waiting if blocked is None else blocked | self.waiting
                     pc[mask & ~self.waiting] += 1
-                    self.waiting[:] = False
+                    self.waiting = None
                     continue
                 pc[mask] += 1
 

@@ -160,7 +160,9 @@ def mbarrier(m, inst: Inst, act: np.ndarray, mask: np.ndarray) -> None:
             b = _bar_state(m, *key, inst)
             _land_bulk(m, key, b)
             res[t_] = b[3] != (int(parity[t_]) & 1)
-        m.waiting |= act & ~res
+        failed = act & ~res
+        if failed.any():
+            m.waiting = failed if m.waiting is None else m.waiting | failed
         return m.write(inst.args[0], res, act, "pred")
     raise EmulatorError(f"mbarrier form not emulated: {inst.text}")
 
