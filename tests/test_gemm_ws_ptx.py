@@ -32,15 +32,15 @@ def test_gemm_ws_matches_oracle(data, case, seed):
     wtype, layout = case
     in_dim = 256 * data.draw(st.integers(1, 3))
     mt = data.draw(st.sampled_from((64, 128)))
-    rgroups, psets = data.draw(st.sampled_from([(1, 1), (2, 1), (1, 2)]))
-    stages = 4 if psets == 2 else data.draw(st.sampled_from(ws.WS_STAGES))
+    rgroups = data.draw(st.sampled_from([1, 2]))
+    stages = data.draw(st.sampled_from(ws.WS_STAGES))
     wstages = data.draw(st.sampled_from([2, 3]))
-    assume(ws.smem_bytes(wtype, in_dim, layout, mt, rgroups, stages, wstages, psets) <= ws.MAX_DYN_SMEM)
+    assume(ws.smem_bytes(wtype, in_dim, layout, mt, rgroups, stages, wstages) <= ws.MAX_DYN_SMEM)
     m = data.draw(st.integers(1, mt + 9))  # (one token tile, sometimes two)
     glu = layout == "glu-tiles" or (layout == "rows" and data.draw(st.booleans()))
     out_dim = (2 if glu else 1) * data.draw(st.integers(1, 40 if glu else 80))
     epi = "plain" if glu else data.draw(st.sampled_from(["plain", "bias", "residual", "in_place", "f16"]))
-    _run("gemm_ws", dict(mt=mt, rgroups=rgroups, stages=stages, wstages=wstages, psets=psets), wtype, layout,
+    _run("gemm_ws", dict(mt=mt, rgroups=rgroups, stages=stages, wstages=wstages), wtype, layout,
          out_dim, in_dim, m, np.random.default_rng(seed), bias="bias" in epi,
          residual={"residual": "buffer", "in_place": "in_place"}.get(epi), out_f16="f16" in epi, glu=glu)
 
@@ -50,6 +50,14 @@ def test_gemm_ws_main_types(wtype):
     """Two K chunks, two token tiles (the second ragged), in place residual, every ring slot reused."""
     _run("gemm_ws", dict(mt=64, stages=2), wtype, "tiles", 70, 512, 70, np.random.default_rng(3),
          residual="in_place")
+
+
+@pytest.mark.parametrize("wtype,layout,glu", [("Q4_K", "tiles", False), ("Q6_K", "glu-tiles", True)])
+def test_gemm_ws_two_consumers_of_256_tokens(wtype, layout, glu):
+    """mt=256 with two consumer warpgroups: one producer warpgroup whose warps stream two strips each; a ragged
+    token tile, a ragged second row tile, two K chunks, the 2-stage ring reused."""
+    _run("gemm_ws", dict(mt=256, rgroups=2, stages=2), wtype, layout, 180 if glu else 150, 512, 203,
+         np.random.default_rng(5), residual=None if glu else "in_place", out_f16=glu, glu=glu)
 
 
 @pytest.mark.parametrize("shape", [s for s in catalog.spec("gemm_ws").grid])
@@ -65,12 +73,12 @@ def test_gemm_ws_refuses_what_it_cannot_run():
         ws.check_shape("F32", 256, "rows", 64, 1, 4, 2)
     with pytest.raises(ValueError, match="mt"):
         ws.check_shape("Q4_K", 256, "tiles", 32, 1, 4, 2)
-    with pytest.raises(ValueError, match="psets"):
-        ws.check_shape("Q4_K", 256, "tiles", 128, 2, 4, 2, psets=2)
-    with pytest.raises(ValueError, match="psets"):
-        ws.check_shape("Q4_K", 256, "tiles", 128, 1, 2, 2, psets=2)
+    with pytest.raises(ValueError, match="rgroups"):
+        ws.check_shape("Q4_K", 256, "tiles", 128, 3, 4, 2)
+    with pytest.raises(ValueError, match="stages"):
+        ws.check_shape("Q4_K", 256, "tiles", 128, 1, 3, 2)
     with pytest.raises(ValueError, match="shared memory"):
-        ws.check_shape("Q6_K", 4096, "tiles", 256, 1, 4, 3, psets=2)
+        ws.check_shape("Q4_K", 4096, "tiles", 256, 2, 4, 2)
 
 
 @settings(max_examples=examples(8), deadline=None)
@@ -96,7 +104,7 @@ def test_gemm_wg_matches_oracle(data, case, seed):
          residual={"residual": "buffer", "in_place": "in_place"}.get(epi), out_f16="f16" in epi, glu=glu)
 
 
-@pytest.mark.parametrize("name,config", [("gemm_ws", None), ("gemm_ws", "psets"), ("gemm_wg", "one_row_group")])
+@pytest.mark.parametrize("name,config", [("gemm_ws", None), ("gemm_ws", "two_consumers"), ("gemm_wg", "one_row_group")])
 def test_host_launch_on_the_emulated_device(monkeypatch, name, config):
     """``GemmWgOps.gemm_ws`` / ``gemm_wg`` end to end (operand checks, the policy's or a given launch shape, the
     launch) on the emulated device, which the Linear never hands them (``wg_applies``): allowed here, every
@@ -115,7 +123,7 @@ def test_host_launch_on_the_emulated_device(monkeypatch, name, config):
     w = GpuWeight(data=raw, ggml_type="Q4_K", shape=(out_dim, in_dim), layout="tiles", device=ops.device)
     x = (rng.standard_normal((m, in_dim)) + 0.1).astype(np.float16)
     y, kw, b, r = epilogue_buffers(ops, rng, m, out_dim, bias=True, residual="buffer", out_f16=False)
-    cfg = {None: None, "psets": WsConfig(64, 1, 4, 2, 2), "one_row_group": WgConfig(64, 1, 2, 2, 2)}[config]
+    cfg = {None: None, "two_consumers": WsConfig(256, 2, 2, 2), "one_row_group": WgConfig(64, 1, 2, 2, 2)}[config]
     getattr(ops, name)(ops.to_device(x), w, y, m, config=cfg, **kw)
     got = y.to_numpy().reshape(m, out_dim).astype(np.float64)
     ref, scale, tol = _oracle(raw, "Q4_K", out_dim, in_dim, x, False, b, r, False)

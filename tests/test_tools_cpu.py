@@ -203,12 +203,12 @@ def test_ncu_summary_sums_kernel_families(tmp_path):
     """tools/ncu_summary.py: kernel names to families, the per-family sums and shares, the units ncu prints."""
     from tools import ncu_summary
 
-    assert ncu_summary.family("gemm_ws_q4_k_k4096_tiles_m128_r1_s4_w2_p1_res") == "gemm_ws"
+    assert ncu_summary.family("gemm_ws_q4_k_k4096_tiles_m128_r1_s4_w2_res") == "gemm_ws"
     assert ncu_summary.family("paged_decode_d128_g4_b32_f16") == "paged_decode"
     assert ncu_summary.family("feed_tokens") == "feed_tokens"
     head = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
-    rows = ['"0","gemm_ws_q4_k_k4096_tiles_m128_r1_s4_w2_p1","gpu__time_duration.sum","usecond","30.00"',
-            '"1","gemm_ws_q6_k_k14336_tiles_m64_r1_s4_w2_p1","gpu__time_duration.sum","usecond","10.00"',
+    rows = ['"0","gemm_ws_q4_k_k4096_tiles_m128_r1_s4_w2","gpu__time_duration.sum","usecond","30.00"',
+            '"1","gemm_ws_q6_k_k14336_tiles_m64_r1_s4_w2","gpu__time_duration.sum","usecond","10.00"',
             '"2","paged_decode_d128_g4_b32_f16","gpu__time_duration.sum","nsecond","10,000"']
     csv = tmp_path / "k.csv"
     csv.write_text("==PROF== Connected to process 1\n" + head + "\n".join(rows) + "\n")

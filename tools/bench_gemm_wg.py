@@ -48,16 +48,22 @@ def _sweep(wtype: str, k: int, layout: str, m: int, max_smem: int) -> list[WgCon
 
 
 def _sweep_ws(wtype: str, k: int, layout: str, m: int, max_smem: int) -> list[WsConfig]:
-    from ptx_gen.kernels.gemm.gemm_ws import smem_bytes
+    from ptx_gen.kernels.gemm.gemm_ws import check_shape, smem_bytes
 
-    return [WsConfig(mt, rg, st, wst, ps) for mt in (64, 128, 256) if mt <= 2 * max(m, 32) for rg in (1, 2)
-            if mt < 256 or rg == 1 for st in (4,) for wst in (2,) for ps in (1, 2) if rg * (1 + ps) <= 4
-            if smem_bytes(wtype, k, layout, mt, rg, st, wst, ps) <= max_smem]
+    def takes(c: WsConfig) -> bool:
+        try:
+            check_shape(wtype, k, layout, c.mt, c.rgroups, c.stages, c.wstages)
+        except ValueError:
+            return False
+        return smem_bytes(wtype, k, layout, c.mt, c.rgroups, c.stages, c.wstages) <= max_smem
+
+    return [c for c in (WsConfig(mt, rg, st, 2) for mt in (64, 128, 256) if mt <= 2 * max(m, 32)
+                        for rg in (1, 2) for st in (4, 2)) if takes(c)]
 
 
 def _label(c) -> str:
     if isinstance(c, WsConfig):
-        return f"ws t{c.mt} r{c.rgroups} s{c.stages} w{c.wstages} p{c.psets}"
+        return f"ws t{c.mt} r{c.rgroups} s{c.stages} w{c.wstages}"
     return f"t{c.mt} r{c.rgroups} k{c.kparts} s{c.stages} u{c.unroll}"
 
 
@@ -73,6 +79,7 @@ def main() -> int:
     ap.add_argument("--types", default="Q4_K")
     ap.add_argument("--models", default="8b,1b")
     ap.add_argument("--ms", default="64,128,256,512")
+    ap.add_argument("--shapes", help="only these shape labels (comma-separated: qkv, o, gate/up, down)")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--kernel", choices=("wg", "ws"), default="wg",
                     help="wg: one role per warp (gemm_wg); ws: warp-specialized producers and consumers (gemm_ws)")
@@ -89,7 +96,7 @@ def main() -> int:
              "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     models = a.models.split(",")
     for wtype in a.types.split(","):
-        for model, label, n, k, glu in [s for s in SHAPES if s[0] in models]:
+        for model, label, n, k, glu in [s for s in SHAPES if s[0] in models and (not a.shapes or s[1] in a.shapes.split(","))]:
             layout = "glu-tiles" if glu else "tiles"
             raw = random_weight(rng, wtype, n, k)
             w = GpuWeight(data=raw, ggml_type=wtype, shape=(n, k), layout=layout, device=dev)

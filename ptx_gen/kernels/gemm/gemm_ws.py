@@ -6,23 +6,22 @@ W exists: a weight byte is read from DRAM once per token tile and decoded into a
 
 **Roles.** A CTA owns ``64 rgroups`` weight rows and ``mt`` tokens. Its first ``rgroups`` warpgroups are
 *consumers*: warpgroup ``g`` issues the MMAs of rows ``64 g ..`` over all ``mt`` tokens, and the consumers copy the
-tokens' X into the stages' B tiles (16-byte ``cp.async``). The next ``psets x rgroups`` warpgroups are
-*producers*: producer warp ``p`` of a set streams the 16 rows ``16 p ..`` of the CTA's weight through its own
-``cp.async`` ring of chunks (256 values, :class:`~ptx_gen.kernels.gemm.qstream.WeightStream`, the copy plan and
+tokens' X into the stages' B tiles (16-byte ``cp.async``). The next ``rgroups`` warpgroups (one for two consumers
+of 256 tokens, :func:`producer_groups`) are *producers*: producer warp ``p`` streams the 16-row strips ``p``
+(rows ``16 p ..`` of the CTA's weight) and, with one producer warpgroup for two consumers, ``p + 4``, each through
+its own ``cp.async`` ring of chunks (256 values, :class:`~ptx_gen.kernels.gemm.qstream.WeightStream`, the copy plan and
 block decoders ``gemm_q`` and ``gemm_wg`` use, so the MMA multiplies exactly the f16 weights ``dequant_f16`` would
 write), decodes them and stores the f16 values into the stage's A tile (strip row ``r`` at A row ``4 (r % 2) +
-r / 2`` of its 8, so that a quarter warp's stores meet no bank conflict; the epilogue maps the rows back). With
-two sets, set ``e`` takes the chunks ``e, e + 2, ..``.
+r / 2`` of its 8, so that a quarter warp's stores meet no bank conflict; the epilogue maps the rows back).
 
 **Stages.** A stage is 64 k: the A tile (``64 rgroups`` rows x 128 bytes) and the B tile (``mt`` tokens x
 128 bytes), both K-major in the 128-byte swizzle (row ``n`` at ``128 n``, its 16-byte piece ``p`` = k ``8 p ..
 8 p + 7`` at ``(p ^ n % 8) * 16``; descriptor stride 1024 bytes per 8 rows), ``stages`` of them in a ring.
 Two mbarriers a stage: *full* (every consumer thread once its X copies have landed, ``cp.async.mbarrier.arrive``;
-every producer thread of the stage's set after its A stores and ``fence.proxy.async``) and *empty* (every consumer
+every producer thread after its A stores and ``fence.proxy.async``) and *empty* (every consumer
 thread, once ``wgmma.wait_group`` says the MMAs that read the stage are done; the consumers then copy the X of
 the stage that takes the slot next). The consumers keep one stage's MMAs in flight while they wait for the next;
-the producers run up to ``stages`` stages ahead of them. With two sets a producer also waits for the other set's
-fill of the slot's previous use, so that no parity wait passes on a phase two uses old.
+the producers run up to ``stages`` stages ahead of them.
 
 **Edges.** Tokens past M are not copied (their B rows hold stale values; their outputs are never written); rows
 past N are not copied (their outputs are never written). K must be a multiple of 256 (whole chunks). Epilogue
@@ -55,6 +54,13 @@ ALIGN = 1024  # the swizzle pattern repeats every 8 rows of 128 bytes: tiles sta
 DESC_FIXED = (1 << 16) | ((1024 >> 4) << 32) | (1 << 62)  # leading offset 1 (unused), 1024 bytes per 8 rows, 128B swizzle
 
 
+def producer_groups(mt: int, rgroups: int) -> int:
+    """Producer warpgroups: one a consumer warpgroup, except for two consumers of 256 tokens (each holding 128
+    accumulators a thread): one, whose warps then stream two 16-row strips each, so that the CTA's 384 threads
+    have the registers."""
+    return 1 if mt == 256 else rgroups
+
+
 def a_bytes(rgroups: int) -> int:
     return 64 * rgroups * 2 * SK
 
@@ -63,15 +69,13 @@ def x_bytes(mt: int) -> int:
     return mt * 2 * SK
 
 
-def smem_bytes(wtype: str, in_dim: int, layout: str, mt: int, rgroups: int, stages: int, wstages: int,
-               psets: int = 1) -> int:
+def smem_bytes(wtype: str, in_dim: int, layout: str, mt: int, rgroups: int, stages: int, wstages: int) -> int:
     """Alignment slack, the stages' A and B tiles, every producer warp's weight stream, two mbarriers a stage."""
     return (ALIGN + stages * (a_bytes(rgroups) + x_bytes(mt))
-            + 4 * rgroups * psets * warp_bytes(wtype, in_dim, layout, wstages) + 16 * stages)
+            + 4 * rgroups * warp_bytes(wtype, in_dim, layout, wstages) + 16 * stages)
 
 
-def check_shape(wtype: str, in_dim: int, layout: str, mt: int, rgroups: int, stages: int, wstages: int,
-                psets: int = 1) -> None:
+def check_shape(wtype: str, in_dim: int, layout: str, mt: int, rgroups: int, stages: int, wstages: int) -> None:
     check_weight_layout(wtype, in_dim, layout)
     if wtype == "F32":
         raise ValueError("gemm_ws takes the quantized and 16-bit weight types, not F32")
@@ -79,20 +83,15 @@ def check_shape(wtype: str, in_dim: int, layout: str, mt: int, rgroups: int, sta
         raise ValueError(f"mt (tokens per CTA) must be one of {WS_MTS}, got {mt}")
     if rgroups not in (1, 2):
         raise ValueError(f"rgroups (consumer warpgroups) must be 1 or 2, got {rgroups}")
-    if mt == 256 and rgroups > 1:
-        raise ValueError("mt=256 holds 128 accumulators a consumer thread: one consumer warpgroup (rgroups=1)")
     if stages not in WS_STAGES:
         raise ValueError(f"stages must be one of {WS_STAGES}, got {stages}")
     if wstages not in (2, 3):
         raise ValueError(f"wstages (weight chunks in a producer warp's ring) must be 2 or 3, got {wstages}")
-    if psets not in (1, 2) or rgroups * (1 + psets) > 4 or (psets == 2 and stages != 4):
-        raise ValueError(f"psets (producer sets taking turns by chunk) must be 1 or 2, with at most 4 warpgroups a "
-                         f"CTA (registers) and 4 stages (a chunk's), got psets={psets} with rgroups={rgroups}, stages={stages}")
     if in_dim % CHUNK:
         raise ValueError(f"gemm_ws needs K a multiple of {CHUNK}, got {in_dim}")
-    smem = smem_bytes(wtype, in_dim, layout, mt, rgroups, stages, wstages, psets)
+    smem = smem_bytes(wtype, in_dim, layout, mt, rgroups, stages, wstages)
     if smem > MAX_DYN_SMEM:
-        raise ValueError(f"{wtype} mt={mt} rgroups={rgroups} stages={stages} wstages={wstages} psets={psets} needs "
+        raise ValueError(f"{wtype} mt={mt} rgroups={rgroups} stages={stages} wstages={wstages} needs "
                          f"{smem} bytes of shared memory, more than {MAX_DYN_SMEM}")
 
 
@@ -103,7 +102,9 @@ def _grid() -> list[dict]:
         g.append({"wtype": wt, "in_dim": 4096, "layout": "glu-tiles", "mt": 128, "rgroups": 2, "glu": True,
                   "out_f16": True})
         g.append({"wtype": wt, "in_dim": 14336, "layout": "tiles", "mt": 64, "bias": True})
-    g.append({"wtype": "Q4_K", "in_dim": 4096, "layout": "tiles", "mt": 256, "stages": 4, "psets": 2})
+    for wt in ("Q4_K", "Q6_K", "Q8_0", "Q5_K"):
+        g.append({"wtype": wt, "in_dim": 4096, "layout": "glu-tiles", "mt": 256, "rgroups": 2, "stages": 2, "glu": True,
+                  "out_f16": True})
     g.append({"wtype": "Q6_K", "in_dim": 4096, "layout": "tiles", "mt": 128, "wstages": 3})
     g.append({"wtype": "Q4_K", "in_dim": 4096, "layout": "rows", "mt": 64, "stages": 2})
     g.append({"wtype": "F16", "in_dim": 2048, "layout": "rows", "mt": 64})
@@ -119,23 +120,24 @@ def _a_row(k: KernelBuilder, r: Reg) -> Reg:
 
 @kernel("gemm_ws", grid=_grid(), arch="sm_90a")
 def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "tiles", mt: int = 128,
-            rgroups: int = 1, stages: int = 4, wstages: int = 2, psets: int = 1, bias: bool = False,
+            rgroups: int = 1, stages: int = 4, wstages: int = 2, bias: bool = False,
             residual: bool = False, out_f16: bool = False, glu: bool = False) -> KernelBuilder:
     """Y[:m] = X[:m] W^T (+ bias) (+ residual), or with ``glu`` silu(X G^T) * (X U^T) for W = [gate; up];
     W of ``wtype`` in ``layout``, X f16, f32 accumulation on wgmma from shared memory. Params: w, x, y, [bias],
     [residual], m, n, lda, ldy. Launch: grid (ceil(rows_out / meta["rows_per_cta"]), ceil(m / mt)), block
     meta["block"], dyn_smem meta["dyn_smem"]."""
-    check_shape(wtype, in_dim, layout, mt, rgroups, stages, wstages, psets)
+    check_shape(wtype, in_dim, layout, mt, rgroups, stages, wstages)
     flags, params = epilogue_signature(["w", "x", "y"], ["m", "n", "lda", "ldy"], bias=bias, residual=residual,
                                        out_f16=out_f16, glu=glu, layout=layout)
-    name = f"gemm_ws_{wtype.lower()}_k{in_dim}_{layout.replace('-', '_')}_m{mt}_r{rgroups}_s{stages}_w{wstages}_p{psets}{flags}"
-    group = 128 * rgroups  # threads of each role
-    k = m.kernel(name, params, max_threads=(1 + psets) * group)
+    name = f"gemm_ws_{wtype.lower()}_k{in_dim}_{layout.replace('-', '_')}_m{mt}_r{rgroups}_s{stages}_w{wstages}{flags}"
+    group = 128 * rgroups  # consumer threads
+    pg = producer_groups(mt, rgroups)
+    spw = rgroups // pg  # 16-row strips a producer warp streams
+    k = m.kernel(name, params, max_threads=group + 128 * pg)
     slot_bytes = 16 * seg_bytes(wtype, in_dim, layout)
     wbytes = warp_bytes(wtype, in_dim, layout, wstages)
     ab, xb = a_bytes(rgroups), x_bytes(mt)
-    k.meta.update(block=(1 + psets) * group, dyn_smem=smem_bytes(wtype, in_dim, layout, mt, rgroups, stages, wstages,
-                                                                  psets),
+    k.meta.update(block=group + 128 * pg, dyn_smem=smem_bytes(wtype, in_dim, layout, mt, rgroups, stages, wstages),
                   rows_per_cta=(8 if glu else 16) * 4 * rgroups, mt=mt)
     nc = in_dim // CHUNK
 
@@ -149,10 +151,10 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     a0 = smem0  # stage s: A tile at a0 + s ab, B tile at x0 + s xb
     x0 = k.add(smem0, stages * ab)
     ring0 = k.add(smem0, stages * (ab + xb))
-    full0 = k.add(ring0, 4 * rgroups * psets * wbytes)  # full[s] at full0 + 8 s, empty[s] at full0 + 8 (stages + s)
+    full0 = k.add(ring0, 4 * rgroups * wbytes)  # full[s] at full0 + 8 s, empty[s] at full0 + 8 (stages + s)
     with k.if_(k.setp("eq", tid, 0)):
         for s in range(stages):
-            k.mbarrier_init(k.add(full0, 8 * s) if s else full0, 2 * group)
+            k.mbarrier_init(k.add(full0, 8 * s) if s else full0, group + 128 * pg)
             k.mbarrier_init(k.add(full0, 8 * (stages + s)), group)
     k.fence_mbarrier_init()
     k.bar_sync()
@@ -228,54 +230,57 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     epilogue(k, tiles, r_strip, q, m_all, n_rows, first, ffn, bias, residual, out_f16, glu, tok_base=tok0)
     k.ret()
 
-    # ---- producers: set e takes chunks e, e + psets, ..; its warp p streams rows 16 p .. of the CTA's weight ------
+    # ---- producers: warp p streams the strips p + 4 pg u (rows 16 (p + 4 pg u) .. of the CTA's weight, u < spw), each
+    # through its own ring ----------------------------------------------------------------------------------------------
     k.label(producer)
     pw = k.shr(k.sub(tid, group), 5)
-    wbase = k.add(ring0, k.mul(pw, wbytes))
-    if psets > 1:
-        e = k.shr(pw, 2 + (rgroups - 1))
-        p = k.and_(pw, 4 * rgroups - 1)
+    if spw == 1:
+        wbases = [k.add(ring0, k.mul(pw, wbytes))]
     else:
-        e, p = k.mov(0, "u32"), pw
-    strip_p = k.add(k.mul(k.ctaid(), 4 * rgroups), p)
-    ws = WeightStream(k, wtype, in_dim, layout, glu, lane, r, strip_p, n_rows)
-    n_left = k.sub(nc, e)  # (issue's chunk c = e + i is live while i < nc - e)
-    n_my = k.shr(k.add(n_left, psets - 1), psets - 1) if psets > 1 else n_left
-    ws.decode_setup(lane, q)
+        wfirst = k.add(ring0, k.mul(pw, spw * wbytes))
+        wbases = [k.add(wfirst, u * wbytes) if u else wfirst for u in range(spw)]
+    chunk0, p = k.mov(0, "u32"), pw  # (the producers stream every chunk of K)
+    strips = [p] + [k.add(p, 4 * pg * u) for u in range(1, spw)]  # (the strips' indices in the CTA)
+    cta_strip = k.mul(k.ctaid(), 4 * rgroups)
+    wss = [WeightStream(k, wtype, in_dim, layout, glu, lane, r, k.add(cta_strip, st), n_rows) for st in strips]
+    n_left = k.sub(nc, chunk0)
+    for ws in wss:
+        ws.decode_setup(lane, q)
     for s in range(wstages - 1):
-        ws.issue(e, n_left, k.mov(psets * s, "u32"), k.add(wbase, s * slot_bytes) if s else wbase)
+        for ws, wbase in zip(wss, wbases):
+            ws.issue(chunk0, n_left, k.mov(s, "u32"), k.add(wbase, s * slot_bytes) if s else wbase)
         k.cp_async_commit()
     k.grid_dependency_wait()  # (the producers read only weights; their first chunks are requested before this)
 
-    # A stores: the lane's rows r and r + 8 of the strip go to A rows 16 p + pi(r) and + 8 (pi: see _a_row), block b
+    # A stores: the lane's rows r and r + 8 of strip st go to A rows 16 st + pi(r) and + 8 (pi: see _a_row), block b
     # of a stage at piece 4 b + q
     ar = _a_row(k, r)
-    arow = k.add(a0, k.shl(k.add(k.shl(p, 4), ar), 7))
-    a_dst = [k.add(arow, k.shl(k.xor(k.add(q, 4 * b), ar), 4)) for b in range(2)]
+    a_dst = []
+    for st in strips:
+        arow = k.add(a0, k.shl(k.add(k.shl(st, 4), ar), 7))
+        a_dst.append([k.add(arow, k.shl(k.xor(k.add(q, 4 * b), ar), 4)) for b in range(2)])
 
     ring = wstages * slot_bytes
     rd = k.var("u32", 0)
     wr = k.var("u32", (wstages - 1) * slot_bytes)
-    with k.loop(0, n_my) as j:
+    with k.loop(0, n_left) as i:  # (chunk i)
         k.cp_async_wait_group(wstages - 2)
         k.bar_warp_sync()
-        i = k.mad(j, psets, e) if psets > 1 else j  # the chunk
-        ch = ws.prep(k.add(wbase, rd), i, (wbase, wstages * slot_bytes))
+        chs = [ws.prep(k.add(wbase, rd), i, (wbase, ring)) for ws, wbase in zip(wss, wbases)]
         for h in range(4):
             slot, parity = slot_phase(i, h)
             prev = k.xor(parity, 1) if not isinstance(parity, int) else parity ^ 1
-            if psets > 1:  # the other set has filled the slot with chunk i - 1: the slot's empty barrier is then in
-                # the phase of chunk i - 1's use, so its parity names that phase and no earlier one
-                k.mbarrier_wait(k.add(full0, 8 * slot) if slot else full0, prev)
             k.mbarrier_wait(k.add(full0, 8 * (stages + slot)), prev)
             if h == 0:
-                ws.issue(e, n_left, k.mul(k.add(j, wstages - 1), psets) if psets > 1 else k.add(j, wstages - 1),
-                         k.add(wbase, wr))
+                nxt_i = k.add(i, wstages - 1)
+                for ws, wbase in zip(wss, wbases):
+                    ws.issue(chunk0, n_left, nxt_i, k.add(wbase, wr))
                 k.cp_async_commit()
-            for b in range(2):
-                r_words, r8_words = ws.words(ch, 2 * h + b)
-                k.store("shared", "u32", a_dst[b], r_words, slot * ab)
-                k.store("shared", "u32", a_dst[b], r8_words, slot * ab + 8 * 128)
+            for ws, ch, dst in zip(wss, chs, a_dst):
+                for b in range(2):
+                    r_words, r8_words = ws.words(ch, 2 * h + b)
+                    k.store("shared", "u32", dst[b], r_words, slot * ab)
+                    k.store("shared", "u32", dst[b], r8_words, slot * ab + 8 * 128)
             k.fence_proxy_async()  # (the stores' generic-proxy writes before the MMAs' async-proxy reads)
             k.mbarrier_arrive(k.add(full0, 8 * slot) if slot else full0)
         for v in (rd, wr):

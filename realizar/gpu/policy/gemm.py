@@ -66,6 +66,9 @@ WS_MIN_WAVE = 0.5
 # two consumer warpgroups a CTA (128 rows sharing the tokens' B tiles) on 128-token tiles where the launch still has
 # this many CTAs per SM (the fused gate/up at 128 tokens)
 WS_WIDE = 1.5
+# two consumer warpgroups on 256-token tiles (128 weight rows, the tokens' X read once for both; one producer warpgroup)
+# where the launch still has this many CTAs per SM
+WS_WIDE_256 = 0.7
 # A / B ring depths tried, deepest first (the first that fits the shared memory)
 WS_STAGES = (4, 2)
 # above this many rows the Linear takes the warp-specialized GEMM instead of gemm_wg (H200, 8B Q4_K batched decode:

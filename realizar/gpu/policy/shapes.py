@@ -102,11 +102,9 @@ class WgConfig:
 class WsConfig:
     """Launch shape of the warp-specialized GEMM (:mod:`ptx_gen.kernels.gemm.gemm_ws`): ``mt`` tokens per CTA,
     ``rgroups`` consumer warpgroups of 64 rows (as many producer warpgroups), ``stages`` 64-k stages in the
-    A / B ring, ``wstages`` weight chunks of 256 values in each producer warp's ring, ``psets`` sets of producer
-    warpgroups taking turns by chunk."""
+    A / B ring, ``wstages`` weight chunks of 256 values in each of a producer warp's rings."""
 
     mt: int
     rgroups: int = 1
     stages: int = 4
     wstages: int = 2
-    psets: int = 1
