@@ -52,11 +52,12 @@ def test_gemm_ws_main_types(wtype):
          residual="in_place")
 
 
+@pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("wtype,layout,glu", [("Q4_K", "tiles", False), ("Q6_K", "glu-tiles", True)])
-def test_gemm_ws_two_consumers_of_256_tokens(wtype, layout, glu):
+def test_gemm_ws_two_consumers_of_256_tokens(wtype, layout, glu, stages):
     """mt=256 with two consumer warpgroups: one producer warpgroup whose warps stream two strips each; a ragged
-    token tile, a ragged second row tile, two K chunks, the 2-stage ring reused."""
-    _run("gemm_ws", dict(mt=256, rgroups=2, stages=2), wtype, layout, 180 if glu else 150, 512, 203,
+    token tile, a ragged second row tile, three K chunks (12 stages: the 3-stage ring wraps within a chunk)."""
+    _run("gemm_ws", dict(mt=256, rgroups=2, stages=stages), wtype, layout, 180 if glu else 150, 768, 203,
          np.random.default_rng(5), residual=None if glu else "in_place", out_f16=glu, glu=glu)
 
 
@@ -76,7 +77,7 @@ def test_gemm_ws_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="rgroups"):
         ws.check_shape("Q4_K", 256, "tiles", 128, 3, 4, 2)
     with pytest.raises(ValueError, match="stages"):
-        ws.check_shape("Q4_K", 256, "tiles", 128, 1, 3, 2)
+        ws.check_shape("Q4_K", 256, "tiles", 128, 1, 5, 2)
     with pytest.raises(ValueError, match="shared memory"):
         ws.check_shape("Q4_K", 4096, "tiles", 256, 2, 4, 2)
 

@@ -58,7 +58,7 @@ def _sweep_ws(wtype: str, k: int, layout: str, m: int, max_smem: int) -> list[Ws
         return smem_bytes(wtype, k, layout, c.mt, c.rgroups, c.stages, c.wstages) <= max_smem
 
     return [c for c in (WsConfig(mt, rg, st, 2) for mt in (64, 128, 256) if mt <= 2 * max(m, 32)
-                        for rg in (1, 2) for st in (4, 2)) if takes(c)]
+                        for rg in (1, 2) for st in (4, 3, 2)) if takes(c)]
 
 
 def _label(c) -> str:

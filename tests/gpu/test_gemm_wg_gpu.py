@@ -111,7 +111,7 @@ def test_gemm_wg_gpu_real_shapes(ops, kernel, wtype, layout, out_dim, in_dim, gl
 @pytest.mark.parametrize("wtype,layout,out_dim,in_dim,glu", [
     ("Q4_K", "glu-tiles", 28672, 4096, True), ("Q4_K", "tiles", 4096, 14336, False), ("Q6_K", "tiles", 6144, 4096, False),
 ])
-@pytest.mark.parametrize("m", [200, 512])
-def test_gemm_ws_gpu_two_consumers_of_256_tokens(ops, wtype, layout, out_dim, in_dim, glu, m):
-    _run(ops, "gemm_ws", np.random.default_rng(m), wtype, layout, out_dim, in_dim, m, WsConfig(256, 2, 2, 2),
+@pytest.mark.parametrize("m,stages", [(200, 2), (200, 3), (512, 3)])
+def test_gemm_ws_gpu_two_consumers_of_256_tokens(ops, wtype, layout, out_dim, in_dim, glu, m, stages):
+    _run(ops, "gemm_ws", np.random.default_rng(m), wtype, layout, out_dim, in_dim, m, WsConfig(256, 2, stages, 2),
          glu=glu, out_f16=glu)

@@ -47,7 +47,7 @@ from ptx_gen.kernels.gemm.qstream import CHUNK, WeightStream, seg_bytes, warp_by
 __all__ = ["WS_MTS", "check_shape", "gemm_ws", "smem_bytes"]
 
 WS_MTS = (64, 128, 256)
-WS_STAGES = (2, 4)
+WS_STAGES = (2, 3, 4)
 MAX_DYN_SMEM = 227 * 1024
 SK = 64  # k values of a stage (one 128-byte swizzle row)
 ALIGN = 1024  # the swizzle pattern repeats every 8 rows of 128 bytes: tiles start 1024-aligned
@@ -103,12 +103,48 @@ def _grid() -> list[dict]:
                   "out_f16": True})
         g.append({"wtype": wt, "in_dim": 14336, "layout": "tiles", "mt": 64, "bias": True})
     for wt in ("Q4_K", "Q6_K", "Q8_0", "Q5_K"):
-        g.append({"wtype": wt, "in_dim": 4096, "layout": "glu-tiles", "mt": 256, "rgroups": 2, "stages": 2, "glu": True,
+        g.append({"wtype": wt, "in_dim": 4096, "layout": "glu-tiles", "mt": 256, "rgroups": 2, "stages": 3, "glu": True,
                   "out_f16": True})
+    g.append({"wtype": "Q4_K", "in_dim": 14336, "layout": "tiles", "mt": 256, "rgroups": 2, "stages": 3, "residual": True})
+    g.append({"wtype": "Q4_K", "in_dim": 4096, "layout": "tiles", "mt": 128, "stages": 3})
     g.append({"wtype": "Q6_K", "in_dim": 4096, "layout": "tiles", "mt": 128, "wstages": 3})
     g.append({"wtype": "Q4_K", "in_dim": 4096, "layout": "rows", "mt": 64, "stages": 2})
     g.append({"wtype": "F16", "in_dim": 2048, "layout": "rows", "mt": 64})
     return g
+
+
+class _RingPosition:
+    """The ring slot of stage ``4 i + h`` (chunk ``i``, its 64-k part ``h``) and the parity of the slot's use: immediates
+    (and ``i``'s low bit) where ``stages`` divides a chunk's 4 stages, else registers that :meth:`advance` moves on
+    one stage (the stages taken in order, each once)."""
+
+    def __init__(self, k: KernelBuilder, stages: int):
+        self.k, self.stages = k, stages
+        self.dynamic = 4 % stages != 0
+        if self.dynamic:
+            self.slot, self.parity = k.var("u32", 0), k.var("u32", 0)
+
+    def at(self, i: Reg, h: int) -> tuple[Reg | int, Reg | int]:
+        if self.dynamic:
+            return self.slot, self.parity
+        if self.stages == 4:
+            return h, self.k.and_(i, 1)
+        return h & 1, (h >> 1) & 1
+
+    def prev(self, slot: Reg | int) -> Reg | int:
+        """The slot of the stage before the one in ``slot``."""
+        if isinstance(slot, int):
+            return (slot - 1) % self.stages
+        k = self.k
+        return k.selp(self.stages - 1, k.sub(slot, 1), k.setp("eq", slot, 0), "u32")
+
+    def advance(self) -> None:
+        if not self.dynamic:
+            return
+        k = self.k
+        wrap = k.setp("eq", self.slot, self.stages - 1)
+        k.assign(self.slot, k.selp(0, k.add(self.slot, 1), wrap, "u32"))
+        k.assign(self.parity, k.selp(k.xor(self.parity, 1), self.parity, wrap, "u32"))
 
 
 def _a_row(k: KernelBuilder, r: Reg) -> Reg:
@@ -159,11 +195,12 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     k.fence_mbarrier_init()
     k.bar_sync()
 
-    def slot_phase(i: Reg, h: int) -> tuple[int, Reg | int]:
-        """The ring slot of stage ``4 i + h`` and the parity of its use."""
-        if stages == 4:
-            return h, k.and_(i, 1)
-        return h & 1, (h >> 1) & 1
+    ring_pos = _RingPosition(k, stages)
+
+    def bar(slot: Reg | int, empty: bool = False) -> Reg:
+        """The full (else the empty) mbarrier of ``slot``."""
+        at = slot + stages * empty if isinstance(slot, int) else k.add(slot, stages) if empty else slot
+        return (k.add(full0, 8 * at) if at else full0) if isinstance(at, int) else k.add(full0, k.shl(at, 3))
 
     producer = k.new_label("producer")
     k.bra(producer, k.setp("ge", tid, group, "u32"))
@@ -187,38 +224,44 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     x_live = [k.setp("gt", left, v * tpp, "s32") for v in range(mt // tpp)]
     x_dst = k.add(k.add(x0, k.shl(xn, 7)), k.shl(k.xor(xp, k.and_(xn, 7)), 4))
 
-    def copy_x(c: Reg, h: int, slot: int, ok: Reg | None) -> None:
+    def copy_x(c: Reg, h: int, slot: Reg | int, ok: Reg | None) -> None:
         """X of stage (chunk ``c``, ``h``) into ``slot`` (where ``ok``), arriving on its full barrier."""
         src = k.add(x_src, k.cvt(k.add(k.shl(c, 9), 128 * h), "u64"))  # (chunk c's X starts 512 c bytes into a row)
+        dst, off = (x_dst, slot * xb) if isinstance(slot, int) else (k.mad(slot, xb, x_dst), 0)
         for v, live in enumerate(x_live):
             if v:
                 src = k.add(src, x_pass)
-            k.cp_async(x_dst, src, pred=k.both(ok, live), dst_offset=slot * xb + v * tpp * 128)
-        k.cp_async_mbarrier_arrive(k.add(full0, 8 * slot) if slot else full0, pred=ok)
+            k.cp_async(dst, src, pred=k.both(ok, live), dst_offset=off + v * tpp * 128)
+        k.cp_async_mbarrier_arrive(bar(slot), pred=ok)
 
     c0 = k.mov(0, "u32")
     for s in range(stages):  # (stages <= 4: all in chunk 0)
         copy_x(c0, s, s, None)
     with k.loop(0, nc) as i:
         for h in range(4):
-            slot, parity = slot_phase(i, h)
-            k.mbarrier_wait(k.add(full0, 8 * slot) if slot else full0, parity)
+            slot, parity = ring_pos.at(i, h)
+            k.mbarrier_wait(bar(slot), parity)
             k.fence_proxy_async()  # (the X copies' generic-proxy writes before the MMAs' async-proxy reads)
             k.wgmma_fence()
+            if isinstance(slot, int):
+                da, db = desc_a[slot], desc_b[slot]
+            else:  # (descriptors count 16-byte units)
+                sl = k.cvt(slot, "u64")
+                da, db = k.mad(sl, ab >> 4, desc_a[0], "u64"), k.mad(sl, xb >> 4, desc_b[0], "u64")
             for j in range(4):  # k16 steps: 32 bytes along the swizzled rows
-                k.wgmma_f16_ss(acc, k.add(desc_a[slot], 2 * j, "u64") if j else desc_a[slot],
-                               k.add(desc_b[slot], 2 * j, "u64") if j else desc_b[slot], scale_d)
+                k.wgmma_f16_ss(acc, k.add(da, 2 * j, "u64") if j else da, k.add(db, 2 * j, "u64") if j else db, scale_d)
             k.wgmma_commit()
             k.wgmma_wait(1)  # the previous stage's MMAs are done: its slot is free
-            prev = (slot - 1) % stages
+            prev = ring_pos.prev(slot)
             had = k.setp("ne", i, 0) if h == 0 else None
-            k.mbarrier_arrive(k.add(full0, 8 * (stages + prev)), pred=had)
+            k.mbarrier_arrive(bar(prev, empty=True), pred=had)
             # X of the stage that takes the slot next (stages after the previous one), with its A from the producers
             c_next = k.add(i, (h - 1 + stages) // 4)
             live = k.setp("lt", c_next, nc)
             if had is not None:  # (at i = 0 there was no previous stage: that X is in the prologue)
                 live = k.both(live, had)
             copy_x(c_next, (h - 1 + stages) % 4, prev, live)
+            ring_pos.advance()
     k.wgmma_wait(0)
     strip = k.add(k.mul(k.ctaid(), 4 * rgroups), k.add(k.shl(g, 2), k.and_(warp, 3)))
     if glu:
@@ -263,26 +306,30 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     ring = wstages * slot_bytes
     rd = k.var("u32", 0)
     wr = k.var("u32", (wstages - 1) * slot_bytes)
+    ring_pos = _RingPosition(k, stages)
     with k.loop(0, n_left) as i:  # (chunk i)
         k.cp_async_wait_group(wstages - 2)
         k.bar_warp_sync()
         chs = [ws.prep(k.add(wbase, rd), i, (wbase, ring)) for ws, wbase in zip(wss, wbases)]
         for h in range(4):
-            slot, parity = slot_phase(i, h)
+            slot, parity = ring_pos.at(i, h)
             prev = k.xor(parity, 1) if not isinstance(parity, int) else parity ^ 1
-            k.mbarrier_wait(k.add(full0, 8 * (stages + slot)), prev)
+            k.mbarrier_wait(bar(slot, empty=True), prev)
             if h == 0:
                 nxt_i = k.add(i, wstages - 1)
                 for ws, wbase in zip(wss, wbases):
                     ws.issue(chunk0, n_left, nxt_i, k.add(wbase, wr))
                 k.cp_async_commit()
+            soff = None if isinstance(slot, int) else k.mul(slot, ab)
             for ws, ch, dst in zip(wss, chs, a_dst):
                 for b in range(2):
                     r_words, r8_words = ws.words(ch, 2 * h + b)
-                    k.store("shared", "u32", dst[b], r_words, slot * ab)
-                    k.store("shared", "u32", dst[b], r8_words, slot * ab + 8 * 128)
+                    at, off = (dst[b], slot * ab) if soff is None else (k.add(dst[b], soff), 0)
+                    k.store("shared", "u32", at, r_words, off)
+                    k.store("shared", "u32", at, r8_words, off + 8 * 128)
             k.fence_proxy_async()  # (the stores' generic-proxy writes before the MMAs' async-proxy reads)
-            k.mbarrier_arrive(k.add(full0, 8 * slot) if slot else full0)
+            k.mbarrier_arrive(bar(slot))
+            ring_pos.advance()
         for v in (rd, wr):
             nxt = k.add(v, slot_bytes)
             k.assign(v, k.selp(0, nxt, k.setp("eq", nxt, ring), "u32"))

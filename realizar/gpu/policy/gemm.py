@@ -70,7 +70,7 @@ WS_WIDE = 1.5
 # where the launch still has this many CTAs per SM
 WS_WIDE_256 = 0.7
 # A / B ring depths tried, deepest first (the first that fits the shared memory)
-WS_STAGES = (4, 2)
+WS_STAGES = (4, 3, 2)
 # above this many rows the Linear takes the warp-specialized GEMM instead of gemm_wg (H200, 8B Q4_K batched decode:
 # gemm_wg ahead at 128 rows, gemm_ws at 256; the GEMMs alone at 512 tokens 1.3x; docs/results/bench_gemm_ws_h200.md)
 WS_OVER_WG_ROWS = 128
