@@ -138,6 +138,15 @@ class _RingPosition:
         k = self.k
         return k.selp(self.stages - 1, k.sub(slot, 1), k.setp("eq", slot, 0), "u32")
 
+    def prev_parity(self, h: int, slot: Reg | int, parity: Reg | int) -> Reg | int:
+        """The parity of the previous stage's use of its slot, given stage ``4 i + h``'s ``slot`` and ``parity``."""
+        k = self.k
+        if self.dynamic:  # (the same pass of the ring unless this stage opened one)
+            return k.selp(k.xor(parity, 1), parity, k.setp("eq", slot, 0), "u32")
+        if self.stages == 4:
+            return parity if h else k.xor(parity, 1)
+        return ((h - 1) // 2) & 1
+
     def advance(self) -> None:
         if not self.dynamic:
             return
@@ -255,6 +264,9 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
             prev = ring_pos.prev(slot)
             had = k.setp("ne", i, 0) if h == 0 else None
             k.mbarrier_arrive(bar(prev, empty=True), pred=had)
+            if rgroups > 1:  # the other consumer warpgroup's MMAs may still read the slot's B tile: its X is rewritten
+                # only once every consumer thread has released it (at i = 0, h = 0: a fresh barrier, passed at once)
+                k.mbarrier_wait(bar(prev, empty=True), ring_pos.prev_parity(h, slot, parity))
             # X of the stage that takes the slot next (stages after the previous one), with its A from the producers
             c_next = k.add(i, (h - 1 + stages) // 4)
             live = k.setp("lt", c_next, nc)
