@@ -264,9 +264,10 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
             prev = ring_pos.prev(slot)
             had = k.setp("ne", i, 0) if h == 0 else None
             k.mbarrier_arrive(bar(prev, empty=True), pred=had)
-            if rgroups > 1:  # the other consumer warpgroup's MMAs may still read the slot's B tile: its X is rewritten
-                # only once every consumer thread has released it (at i = 0, h = 0: a fresh barrier, passed at once)
-                k.mbarrier_wait(bar(prev, empty=True), ring_pos.prev_parity(h, slot, parity))
+            # the slot's X is rewritten only once every consumer thread has released it: a warp's wgmma.wait_group
+            # covers its own wgmma groups, and another warp's (or the other consumer warpgroup's) MMAs may still read
+            # the B tile (at i = 0, h = 0: a fresh barrier, passed at once)
+            k.mbarrier_wait(bar(prev, empty=True), ring_pos.prev_parity(h, slot, parity))
             # X of the stage that takes the slot next (stages after the previous one), with its A from the producers
             c_next = k.add(i, (h - 1 + stages) // 4)
             live = k.setp("lt", c_next, nc)

@@ -101,8 +101,8 @@ class WgConfig:
 @dataclass(frozen=True)
 class WsConfig:
     """Launch shape of the warp-specialized GEMM (:mod:`ptx_gen.kernels.gemm.gemm_ws`): ``mt`` tokens per CTA,
-    ``rgroups`` consumer warpgroups of 64 rows (as many producer warpgroups), ``stages`` 64-k stages in the
-    A / B ring, ``wstages`` weight chunks of 256 values in each of a producer warp's rings."""
+    ``rgroups`` consumer warpgroups of 64 rows (as many producer warpgroups; one for two on 256-token tiles), ``stages``
+    64-k stages in the A / B ring, ``wstages`` weight chunks of 256 values in each of a producer warp's rings."""
 
     mt: int
     rgroups: int = 1
