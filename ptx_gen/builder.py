@@ -29,7 +29,7 @@ from typing import Iterator, Sequence
 
 from ptx_gen.instr_arith import ArithmeticOps
 from ptx_gen.instr_memory import MemoryOps
-from ptx_gen.operands import Operand, Param, Reg, Symbol, Var
+from ptx_gen.operands import TENSOR_MAP, TENSOR_MAP_BYTES, Operand, Param, Reg, Symbol, Var
 from ptx_gen.target import Target, as_target
 from ptx_gen.types import REG_CLASS_ORDER, PtxType, format_immediate, ptx_type
 
@@ -125,6 +125,8 @@ class KernelBuilder(ArithmeticOps, MemoryOps):
             return self._param_cache[name]
         for p in self.params:
             if p.name == name:
+                if p.array:
+                    raise ValueError(f"parameter {name!r} is {p.array} bytes: take its address (param_address)")
                 d = self.reg(p.type)
                 self._prologue.append(f"    ld.param.{p.type.name} {d}, [{self._param_symbol(name)}];")
                 self._param_cache[name] = d
@@ -149,6 +151,19 @@ class KernelBuilder(ArithmeticOps, MemoryOps):
         d = self.add(self.global_ptr(name), offset)
         self._param_cache[("global", name)] = d
         return d
+
+    def param_address(self, name: str) -> Reg:
+        """The generic address of kernel parameter ``name`` (a tensor map passed by value: what
+        ``cp.async.bulk.tensor`` takes), computed once at the kernel's entry."""
+        key = ("address", name)
+        if key not in self._param_cache:
+            if not any(p.name == name for p in self.params):
+                raise ValueError(f"no kernel parameter {name!r}")
+            a, d = self.reg("u64"), self.reg("u64")
+            self._prologue.append(f"    mov.u64 {a}, {self._param_symbol(name)};")
+            self._prologue.append(f"    cvta.param.u64 {d}, {a};")
+            self._param_cache[key] = d
+        return self._param_cache[key]
 
     def _param_symbol(self, name: str) -> str:
         return f"{self.name}_param_{name}"
@@ -213,7 +228,8 @@ class KernelBuilder(ArithmeticOps, MemoryOps):
 
     # ---- rendering --------------------------------------------------------------------------------
     def render(self) -> str:
-        params = ",\n".join(f"    .param .{p.type.name} {self._param_symbol(p.name)}" for p in self.params)
+        params = ",\n".join(f"    .param .align {p.align} .b8 {self._param_symbol(p.name)}[{p.array}]" if p.array else
+                             f"    .param .{p.type.name} {self._param_symbol(p.name)}" for p in self.params)
         out = [f".visible .entry {self.name}(\n{params}\n)"]
         if self.max_threads:
             out.append(f".maxntid {self.max_threads}, 1, 1")
@@ -262,7 +278,8 @@ class Module:
         for that many resident CTAs per SM instead of its own occupancy guess (which can spill)."""
         k = KernelBuilder(
             name=name,
-            params=tuple(Param(n, ptx_type(t)) for n, t in params),
+            params=tuple(Param(n, ptx_type("b8"), TENSOR_MAP_BYTES, 64) if t == TENSOR_MAP else Param(n, ptx_type(t))
+                         for n, t in params),
             target=self.target,
             max_threads=max_threads,
             min_blocks=min_blocks,

@@ -226,6 +226,18 @@ class MemoryOps:
         """Order this thread's earlier shared-memory accesses before later bulk copies (async proxy)."""
         self._emit("fence.proxy.async.shared::cta;")
 
+    def cp_async_bulk_tensor_2d(self, dst: Reg, tmap: Reg, c0: Operand, c1: Operand, mbar: Reg,
+                                pred: Reg | None = None) -> None:
+        """``cp.async.bulk.tensor.2d`` global -> shared: the box of the tensor map at generic address ``tmap``
+        (:meth:`param_address` of a tensor-map parameter) whose first element is at coordinates (``c0``
+        innermost, ``c1``), into ``dst`` laid out as the map says (its swizzle), completing its bytes on the
+        mbarrier ``mbar`` (announce them with :meth:`mbarrier_expect_tx`). Elements outside the tensor land as
+        zeros (sm_90)."""
+        self._need_sm90("cp.async.bulk.tensor")
+        u32 = ptx_type("u32")
+        self._emit(f"cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [{dst}], "
+                   f"[{tmap}, {{{self._op(c0, u32)}, {self._op(c1, u32)}}}], [{mbar}];", pred)
+
     def mbarrier_expect_tx(self, addr: Reg, nbytes: Operand, pred: Reg | None = None) -> None:
         """Arrive at the barrier, announcing ``nbytes`` that bulk copies will complete in this phase."""
         self._emit(f"mbarrier.arrive.expect_tx.shared::cta.b64 _, [{addr}], {self._op(nbytes, ptx_type('u32'))};",

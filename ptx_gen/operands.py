@@ -44,5 +44,14 @@ Operand = Union[Reg, int, float]
 
 @dataclass(frozen=True)
 class Param:
+    """A kernel parameter: a scalar of ``type``, or (``array`` > 0) ``array`` bytes aligned to ``align`` (a
+    ``CUtensorMap`` passed by value: :data:`TENSOR_MAP`)."""
+
     name: str
     type: PtxType
+    array: int = 0
+    align: int = 0
+
+
+TENSOR_MAP = "tmap"  # the parameter type name of a tensor map: 128 bytes aligned to 64, passed by value
+TENSOR_MAP_BYTES = 128

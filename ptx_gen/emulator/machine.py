@@ -33,6 +33,15 @@ class Machine:
         self.nblocks = gx * gy * gz
         self.grid, self.block = (gx, gy, gz), (bx, by, bz)
         self.params = params
+        # byte-array parameters (tensor maps passed by value) live in global memory here: their symbol's value is
+        # that address, and cvta.param keeps it (generic and global addresses are the same numbers)
+        self.param_addr = {}
+        for pname, t in kern.params:
+            if "[" in t:
+                raw = params[pname]
+                if not isinstance(raw, (bytes, bytearray)) or len(raw) != int(t[t.index("[") + 1:-1]):
+                    raise EmulatorError(f"parameter {pname} is {t}: pass that many bytes, got {type(raw).__name__}")
+                self.param_addr[f"{kern.name}_param_{pname}"] = memory.alloc_array(np.frombuffer(bytes(raw), np.uint8))
         self.smem_size = kern.static_shared + int(shared_bytes)
         self.racecheck = racecheck
         self.max_steps = max_steps
@@ -150,6 +159,8 @@ class Machine:
             return raw.astype(want)  # e.g. cvt reading a narrower/wider class
         if text in self.k.shared:
             return np.full(self.n, self.k.shared[text][0], NP[t])
+        if text in self.param_addr:
+            return np.full(self.n, self.param_addr[text], NP[t])
         if text == self.k.dynamic_symbol:
             return np.full(self.n, self.k.static_shared, NP[t])
         v = immediate(text, t)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ptx_gen.emulator import tensormap
 from ptx_gen.emulator.instructions import op
 from ptx_gen.emulator.memory import HEAP_BASE, EmulatorError
 from ptx_gen.emulator.parse import BITS, NP, Inst
@@ -17,6 +18,8 @@ def cp(m, inst: Inst, act: np.ndarray, mask: np.ndarray) -> None:
     mods = inst.mods
     if mods[:4] == ["async", "bulk", "prefetch", "L2"]:
         return _prefetch(m, inst, act)
+    if mods[:3] == ["async", "bulk", "tensor"]:
+        return _cp_bulk_tensor(m, inst, act)
     if mods[:2] == ["async", "bulk"]:
         return _cp_bulk(m, inst, act)
     if mods[:4] == ["async", "mbarrier", "arrive", "noinc"]:
@@ -117,7 +120,47 @@ def _cp_bulk(m, inst: Inst, act: np.ndarray) -> None:
     if size % 16 or (dst[act] % 16).any() or (src[act] % 16).any():
         raise EmulatorError(f"bulk copy not 16-byte granular: {inst.text}")
     data = np.concatenate([m.mem.gather(src[act] + 16 * q, 16, inst.text) for q in range(size // 16)], axis=1)
-    a = dst[act]
+    _bulk_in_flight(m, inst, act, dst[act], bar[act], data)
+
+
+def _cp_bulk_tensor(m, inst: Inst, act: np.ndarray) -> None:
+    """``cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [dst], [tmap, {c0, c1}],
+    [mbar]``: the box of the (emulated) tensor map at ``tmap`` is read now (and checked), lands as the map lays it
+    out when a thread waits on the barrier, and completes its bytes there."""
+    if inst.mods[:7] != ["async", "bulk", "tensor", "2d", "shared::cluster", "global", "tile"] or \
+            inst.mods[7:] != ["mbarrier::complete_tx::bytes"] or len(inst.args) != 3:
+        raise EmulatorError(f"bulk tensor copy form not emulated: {inst.text}")
+    inner = inst.args[1].strip("[]")
+    tmap_reg, coords = inner.split(",", 1)
+    c0_text, c1_text = (x.strip() for x in coords.strip().strip("{}").split(","))
+    dst, _ = m.addr(inst.args[0], "shared")
+    bar, _ = m.addr(inst.args[2], "shared")
+    where = m.read(tmap_reg.strip(), "u64").astype(np.int64)
+    c0, c1 = m.read(c0_text, "s32").astype(np.int64), m.read(c1_text, "s32").astype(np.int64)
+    rows = []
+    for t_ in np.flatnonzero(act):
+        t = tensormap.decode(m.mem.gather(np.array([where[t_]]), 128, inst.text)[0])
+        if t.swizzle and dst[t_] % 1024:
+            raise EmulatorError(f"a swizzled bulk tensor copy needs a 1024-byte aligned destination: {inst.text}")
+        rows.append(tensormap.box(t, lambda a, n: _read16(m, a, n, inst), int(c0[t_]), int(c1[t_])))
+    if not rows:
+        return
+    if len({r.size for r in rows}) != 1:
+        raise EmulatorError(f"bulk tensor copies of different sizes in one instruction: {inst.text}")
+    _bulk_in_flight(m, inst, act, dst[act], bar[act], np.stack(rows))
+
+
+def _read16(m, addr: int, nbytes: int, inst: Inst) -> np.ndarray:
+    """``nbytes`` global bytes at ``addr`` read as 16-byte pieces (what a bulk copy moves)."""
+    if addr % 16 or nbytes % 16:
+        raise EmulatorError(f"bulk tensor copy rows not 16-byte granular at {addr:#x}: {inst.text}")
+    return m.mem.gather(addr + 16 * np.arange(nbytes // 16), 16, inst.text).reshape(-1)
+
+
+def _bulk_in_flight(m, inst: Inst, act: np.ndarray, a: np.ndarray, bars: np.ndarray, data: np.ndarray) -> None:
+    """Record the bulk copies of the threads in ``act`` (shared destinations ``a``, barriers ``bars``, bytes
+    ``data`` a thread) as in flight until a wait on their barrier lands them."""
+    size = data.shape[1]
     if (a < 0).any() or (a + size > m.smem_size).any():
         raise EmulatorError(f"out-of-bounds bulk copy into shared memory: {inst.text}")
     rows = m.block_of[act]
@@ -126,7 +169,7 @@ def _cp_bulk(m, inst: Inst, act: np.ndarray) -> None:
     if m.racecheck:
         m.race(rows, cols, act, inst, write=True)
     m.inflight[rows[:, None], cols] = True
-    for i, (r, b) in enumerate(zip(rows, bar[act])):
+    for i, (r, b) in enumerate(zip(rows, bars)):
         if (int(r), int(b)) not in m.mbars:
             raise EmulatorError(f"bulk copy completing on an uninitialised mbarrier: {inst.text}")
         m.bulk.append((int(r), int(b), cols[i], data[i]))

@@ -73,9 +73,10 @@ def parse(ptx: str) -> Kernel:
     for p in m.group(2).split(","):
         p = p.strip()
         if p:
-            pm = re.match(r"\.param \.(\w+) (\w+)", p)
+            pm = re.match(r"\.param (?:\.align \d+ )?\.(\w+) (\w+)(\[\d+\])?", p)
             sym = pm.group(2)
-            params.append((sym[len(name) + len("_param_"):] if sym.startswith(name + "_param_") else sym, pm.group(1)))
+            t = f"{pm.group(1)}{pm.group(3)}" if pm.group(3) else pm.group(1)  # (a byte array: "b8[128]")
+            params.append((sym[len(name) + len("_param_"):] if sym.startswith(name + "_param_") else sym, t))
     body = ptx[ptx.index("{", m.end()) + 1 : ptx.rindex("}")]
     insts: list[Inst] = []
     labels: dict[str, int] = {}
