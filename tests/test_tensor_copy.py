@@ -103,3 +103,38 @@ def test_a_tensor_map_parameter_is_passed_by_value():
     with pytest.raises(Exception, match="bytes"):  # (a pointer where the map's bytes go)
         run(ptx, grid=(1,), block=(128,), params=dict(xmap=4096, y=0, c0=0, c1=0), memory=Memory(),
             shared_bytes=4096)
+
+
+def test_kernel_args_carry_a_tensor_map_by_value():
+    from ptx_gen.builder import Param
+    from ptx_gen.operands import TENSOR_MAP_BYTES
+    from ptx_gen.types import ptx_type
+    from realizar.cuda.args import KernelArgs
+    from realizar.errors import ShapeError
+
+    params = (Param("xmap", ptx_type("b8"), TENSOR_MAP_BYTES, 64), Param("n", ptx_type("u32")))
+    raw = bytes(range(128))
+    args = KernelArgs(params, raw, 7)
+    assert args.get("xmap") == raw and args.get("n") == 7
+    dup = args.copy()
+    args.set("xmap", bytes(128))
+    assert dup.get("xmap") == raw and args.get("xmap") == bytes(128)  # (the copy owns its bytes)
+    assert args.snapshot()[:128] == bytes(128) and "xmap=<128 bytes>" in repr(args)
+    with pytest.raises(ShapeError, match="128 bytes"):
+        args.set("xmap", raw[:64])
+    with pytest.raises(ShapeError, match="128 bytes"):
+        args.set("xmap", 12345)
+
+
+def test_tensor_map_encoding_on_the_emulated_device():
+    from realizar import cuda
+    from realizar.cuda.tensormap import f16_tiles_2d
+    from realizar.errors import ShapeError
+
+    dev = cuda.EmulatedDevice(target="sm_90")
+    raw = f16_tiles_2d(dev, 4096, 256, 40, 512, 64, 128)
+    assert tm.decode(raw) == tm.TensorMap2d(4096, 256, 40, 512, 64, 128, 2, 128)
+    with pytest.raises(ShapeError, match="row stride"):
+        f16_tiles_2d(dev, 4096, 256, 40, 500, 64, 128)
+    with pytest.raises(ShapeError, match="box dimensions"):
+        f16_tiles_2d(dev, 4096, 256, 40, 512, 64, 512)

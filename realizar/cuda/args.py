@@ -28,8 +28,18 @@ _CTYPES = {
 }
 
 
+def _slot(param: Param) -> Any:
+    """ctypes storage for one parameter: its scalar type, or ``param.array`` bytes (a tensor map by value)."""
+    return (ctypes.c_char * param.array)() if param.array else _CTYPES[param.type.name]()
+
+
 def _as_value(param: Param, value: Any) -> Any:
     """Buffers become their device address; everything else must suit the parameter type."""
+    if param.array:
+        if not isinstance(value, (bytes, bytearray)) or len(value) != param.array:
+            raise ShapeError(f"parameter {param.name} takes {param.array} bytes (a tensor map), got "
+                             f"{type(value).__name__}{f' of {len(value)}' if isinstance(value, (bytes, bytearray)) else ''}")
+        return bytes(value)
     ptr = getattr(value, "ptr", None)
     if ptr is not None:
         if param.type.bits != 64:
@@ -54,7 +64,7 @@ class KernelArgs:
         self.params = tuple(params)
         self._index = {p.name: i for i, p in enumerate(self.params)}
         try:
-            self._slots = [_CTYPES[p.type.name]() for p in self.params]
+            self._slots = [_slot(p) for p in self.params]
         except KeyError as exc:
             raise ShapeError(f"unsupported kernel parameter type {exc}") from None
         self._pointers = (ctypes.c_void_p * max(len(self.params), 1))(
@@ -85,14 +95,19 @@ class KernelArgs:
             i = self._index[name]
         except KeyError:
             raise ShapeError(f"no kernel parameter {name!r}; signature {self.signature}") from None
-        self._slots[i].value = _as_value(self.params[i], value)
+        v = _as_value(self.params[i], value)
+        if self.params[i].array:
+            self._slots[i].raw = v
+        else:
+            self._slots[i].value = v
         if getattr(value, "ptr", None) is not None:
             self.buffers[name] = value
         else:
             self.buffers.pop(name, None)
 
     def get(self, name: str) -> Any:
-        return self._slots[self._index[name]].value
+        i = self._index[name]
+        return bytes(self._slots[i].raw) if self.params[i].array else self._slots[i].value
 
     @property
     def address(self) -> int:
@@ -107,7 +122,12 @@ class KernelArgs:
         """Independent storage holding the same values (recorded graph nodes own a copy)."""
         dup = KernelArgs.__new__(KernelArgs)
         dup.params, dup._index = self.params, self._index
-        dup._slots = [type(s)(s.value) for s in self._slots]
+        dup._slots = [_slot(p) for p in self.params]
+        for p, mine, theirs in zip(self.params, self._slots, dup._slots):
+            if p.array:
+                theirs.raw = mine.raw
+            else:
+                theirs.value = mine.value
         dup._pointers = (ctypes.c_void_p * max(len(self.params), 1))(
             *[ctypes.addressof(s) for s in dup._slots]
         )
@@ -115,6 +135,7 @@ class KernelArgs:
         return dup
 
     def __repr__(self) -> str:
-        vals = ", ".join(f"{p.name}={s.value:#x}" if p.type.bits == 64 and p.type.is_int else f"{p.name}={s.value}"
+        vals = ", ".join(f"{p.name}=<{p.array} bytes>" if p.array else
+                         f"{p.name}={s.value:#x}" if p.type.bits == 64 and p.type.is_int else f"{p.name}={s.value}"
                          for p, s in zip(self.params, self._slots))
         return f"KernelArgs({vals})"
