@@ -89,6 +89,10 @@ def run_emulated(kernel: str, shape: dict, wtype, layout, out_dim, in_dim, m, rn
         y0[: m * ldy] = r.reshape(-1)
     y = mem.alloc_array(y0)
     params = dict(w=mem.alloc_array(data), x=mem.alloc_array(x), y=y, m=m, n=out_dim, lda=lda, ldy=ldy)
+    if shape.get("xtma"):  # (gemm_ws: X by a tensor map, the emulator's encoding)
+        from ptx_gen.emulator import tensormap
+
+        params["xmap"] = tensormap.encode(tensormap.TensorMap2d(params["x"], in_dim, m, 2 * lda, 64, shape["mt"], 2, 128))
     if bias:
         params["bias"] = mem.alloc_array(b)
     if residual is not None:

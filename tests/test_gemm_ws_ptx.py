@@ -40,7 +40,8 @@ def test_gemm_ws_matches_oracle(data, case, seed):
     glu = layout == "glu-tiles" or (layout == "rows" and data.draw(st.booleans()))
     out_dim = (2 if glu else 1) * data.draw(st.integers(1, 40 if glu else 80))
     epi = "plain" if glu else data.draw(st.sampled_from(["plain", "bias", "residual", "in_place", "f16"]))
-    _run("gemm_ws", dict(mt=mt, rgroups=rgroups, stages=stages, wstages=wstages), wtype, layout,
+    xtma = data.draw(st.booleans())
+    _run("gemm_ws", dict(mt=mt, rgroups=rgroups, stages=stages, wstages=wstages, xtma=xtma), wtype, layout,
          out_dim, in_dim, m, np.random.default_rng(seed), bias="bias" in epi,
          residual={"residual": "buffer", "in_place": "in_place"}.get(epi), out_f16="f16" in epi, glu=glu)
 
@@ -52,12 +53,12 @@ def test_gemm_ws_main_types(wtype):
          residual="in_place")
 
 
-@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("stages,xtma", [(2, False), (3, False), (3, True)])
 @pytest.mark.parametrize("wtype,layout,glu", [("Q4_K", "tiles", False), ("Q6_K", "glu-tiles", True)])
-def test_gemm_ws_two_consumers_of_256_tokens(wtype, layout, glu, stages):
+def test_gemm_ws_two_consumers_of_256_tokens(wtype, layout, glu, stages, xtma):
     """mt=256 with two consumer warpgroups: one producer warpgroup whose warps stream two strips each; a ragged
     token tile, a ragged second row tile, three K chunks (12 stages: the 3-stage ring wraps within a chunk)."""
-    _run("gemm_ws", dict(mt=256, rgroups=2, stages=stages), wtype, layout, 180 if glu else 150, 768, 203,
+    _run("gemm_ws", dict(mt=256, rgroups=2, stages=stages, xtma=xtma), wtype, layout, 180 if glu else 150, 768, 203,
          np.random.default_rng(5), residual=None if glu else "in_place", out_f16=glu, glu=glu)
 
 
@@ -105,7 +106,8 @@ def test_gemm_wg_matches_oracle(data, case, seed):
          residual={"residual": "buffer", "in_place": "in_place"}.get(epi), out_f16="f16" in epi, glu=glu)
 
 
-@pytest.mark.parametrize("name,config", [("gemm_ws", None), ("gemm_ws", "two_consumers"), ("gemm_wg", "one_row_group")])
+@pytest.mark.parametrize("name,config", [("gemm_ws", None), ("gemm_ws", "two_consumers"), ("gemm_ws", "xtma"),
+                                         ("gemm_wg", "one_row_group")])
 def test_host_launch_on_the_emulated_device(monkeypatch, name, config):
     """``GemmWgOps.gemm_ws`` / ``gemm_wg`` end to end (operand checks, the policy's or a given launch shape, the
     launch) on the emulated device, which the Linear never hands them (``wg_applies``): allowed here, every
@@ -124,7 +126,8 @@ def test_host_launch_on_the_emulated_device(monkeypatch, name, config):
     w = GpuWeight(data=raw, ggml_type="Q4_K", shape=(out_dim, in_dim), layout="tiles", device=ops.device)
     x = (rng.standard_normal((m, in_dim)) + 0.1).astype(np.float16)
     y, kw, b, r = epilogue_buffers(ops, rng, m, out_dim, bias=True, residual="buffer", out_f16=False)
-    cfg = {None: None, "two_consumers": WsConfig(256, 2, 2, 2), "one_row_group": WgConfig(64, 1, 2, 2, 2)}[config]
+    cfg = {None: None, "two_consumers": WsConfig(256, 2, 2, 2),
+           "xtma": WsConfig(128, 1, 3, 2, xtma=True), "one_row_group": WgConfig(64, 1, 2, 2, 2)}[config]
     getattr(ops, name)(ops.to_device(x), w, y, m, config=cfg, **kw)
     got = y.to_numpy().reshape(m, out_dim).astype(np.float64)
     ref, scale, tol = _oracle(raw, "Q4_K", out_dim, in_dim, x, False, b, r, False)

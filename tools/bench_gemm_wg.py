@@ -18,6 +18,7 @@ batch-1 GEMV takes them), with the step's epilogue (the residual added in place 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import sys
 from pathlib import Path
@@ -62,13 +63,13 @@ def _sweep_ws(wtype: str, k: int, layout: str, m: int, max_smem: int) -> list[Ws
             return False
         return smem_bytes(wtype, k, layout, c.mt, c.rgroups, c.stages, c.wstages) <= max_smem
 
-    return [c for c in (WsConfig(mt, rg, st, 2) for mt in (64, 128, 256) if mt <= 2 * max(m, 32)
-                        for rg in (1, 2) for st in (4, 3, 2)) if takes(c)]
+    return [c for c in (WsConfig(mt, rg, st, 2, xt) for mt in (64, 128, 256) if mt <= 2 * max(m, 32)
+                        for rg in (1, 2) for st in (4, 3, 2) for xt in (False, True)) if takes(c)]
 
 
 def _label(c) -> str:
     if isinstance(c, WsConfig):
-        return f"ws t{c.mt} r{c.rgroups} s{c.stages} w{c.wstages}"
+        return f"ws t{c.mt} r{c.rgroups} s{c.stages} w{c.wstages}{' tma' if c.xtma else ''}"
     return f"t{c.mt} r{c.rgroups} k{c.kparts} s{c.stages} u{c.unroll}"
 
 
@@ -86,6 +87,7 @@ def main() -> int:
     ap.add_argument("--ms", default="64,128,256,512")
     ap.add_argument("--shapes", help="only these shape labels (comma-separated: qkv, o, gate/up, down)")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--xtma", action="store_true", help="gemm_ws: the policy's launch shapes with X by a tensor map")
     ap.add_argument("--as-step", action="store_true",
                     help="the model's weight layouts and epilogues, weights read from DRAM (copies cycled)")
     ap.add_argument("--kernel", choices=("wg", "ws"), default="wg",
@@ -124,6 +126,8 @@ def main() -> int:
                 y = ops.buffer(m * cols, np.float16 if glu else np.float32)
                 pick = ws_config if a.kernel == "ws" else wg_config
                 cfg = pick(wtype, k, layout, cols, m, ops.sm_count, smem, glu=glu)
+                if a.xtma and a.kernel == "ws":
+                    cfg = dataclasses.replace(cfg, xtma=True)
                 gemm = ops.gemm_ws if a.kernel == "ws" else ops.gemm_wg
 
                 def run(c):

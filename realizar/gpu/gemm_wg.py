@@ -98,6 +98,7 @@ class GemmWgOps(Dispatcher):
     def _launch_wgmma(self, name: str, x16: Any, weight: Any, out: Any, m: int, lda: int | None, ldy: int | None,
                       bias: Any, residual: Any, out_f16: bool, glu: bool, config: Any, stream: Any) -> None:
         """Check the operands, pick the launch shape (``config`` or the kernel's policy) and launch ``name``."""
+        from realizar.cuda.tensormap import f16_tiles_2d
         from realizar.gpu.gemm import quantized_operands
         from realizar.gpu.weights import GpuWeight
 
@@ -117,4 +118,6 @@ class GemmWgOps(Dispatcher):
         values = {"w": weight.ptr, "x": self.addr(x16, (m - 1) * lda + k, "x16", np.float16),
                   **self.epilogue(out, (m - 1) * ldy + cols, out_f16, bias, cols, residual)}
         values.update(m=m, n=n, lda=lda, ldy=ldy)
+        if getattr(cfg, "xtma", False):  # (the map is encoded on the host: nothing allocated, capturable)
+            values["xmap"] = f16_tiles_2d(self.device, values["x"], k, m, 2 * lda, 64, cfg.mt)
         self.launch(kern, (-(-cols // kern.meta["rows_per_cta"]), -(-m // cfg.mt)), values, stream)

@@ -24,7 +24,7 @@ WG_CASES = [(wt, lay) for wt, lay in CASES if wt != "F32"]
 WG_CONFIGS = st.one_of(st.none(), st.builds(WgConfig, st.sampled_from(wg.WG_MTS), st.sampled_from([1, 2]),
                                             st.sampled_from([1, 2, 4]), st.sampled_from([2, 3, 4])))
 WS_CONFIGS = st.one_of(st.none(), st.builds(WsConfig, st.sampled_from(ws.WS_MTS), st.sampled_from([1, 2]),
-                                            st.sampled_from(ws.WS_STAGES), st.sampled_from([2, 3])))
+                                            st.sampled_from(ws.WS_STAGES), st.sampled_from([2, 3]), st.booleans()))
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +111,8 @@ def test_gemm_wg_gpu_real_shapes(ops, kernel, wtype, layout, out_dim, in_dim, gl
 @pytest.mark.parametrize("wtype,layout,out_dim,in_dim,glu", [
     ("Q4_K", "glu-tiles", 28672, 4096, True), ("Q4_K", "tiles", 4096, 14336, False), ("Q6_K", "tiles", 6144, 4096, False),
 ])
-@pytest.mark.parametrize("m,stages", [(200, 2), (200, 3), (512, 3)])
-def test_gemm_ws_gpu_two_consumers_of_256_tokens(ops, wtype, layout, out_dim, in_dim, glu, m, stages):
-    _run(ops, "gemm_ws", np.random.default_rng(m), wtype, layout, out_dim, in_dim, m, WsConfig(256, 2, stages, 2),
+@pytest.mark.parametrize("m,stages,xtma", [(200, 2, False), (200, 3, False), (512, 3, False), (200, 3, True),
+                                          (512, 3, True)])
+def test_gemm_ws_gpu_two_consumers_of_256_tokens(ops, wtype, layout, out_dim, in_dim, glu, m, stages, xtma):
+    _run(ops, "gemm_ws", np.random.default_rng(m), wtype, layout, out_dim, in_dim, m, WsConfig(256, 2, stages, 2, xtma),
          glu=glu, out_f16=glu)

@@ -29,8 +29,13 @@ past N are not copied (their outputs are never written). K must be a multiple of
 ``+ residual[t, c]`` (may be Y itself); ``glu``: W is [gate; up] and ``Y[t, j] = silu(gate) * up`` (a producer
 warp's rows 0-7 gate, 8-15 up).
 
-Params: w, x, y, [bias], [residual], m (tokens), n (weight rows), lda, ldy. Requirements: X 16-byte aligned,
-``lda`` a multiple of 8, the weight's bytes below 2**32. Launch: grid (ceil(rows_out / meta["rows_per_cta"]),
+**X by a tensor map** (``xtma``): consumer thread 0 copies each stage's X with one ``cp.async.bulk.tensor`` (the
+tensor map ``xmap``, passed by value: X as m rows of K f16 values ``lda`` apart, boxes of 64 x ``mt`` landing in the
+128-byte swizzle; tokens past m land as zeros) after announcing its bytes on the full barrier, instead of every
+consumer thread copying 16-byte pieces through the load/store unit. Tested in the emulator; not yet timed.
+
+Params: w, x, y, [bias], [residual], m (tokens), n (weight rows), lda, ldy, [xmap]. Requirements: X 16-byte
+aligned, ``lda`` a multiple of 8, the weight's bytes below 2**32. Launch: grid (ceil(rows_out / meta["rows_per_cta"]),
 ceil(m / mt)), block meta["block"], dynamic shared memory meta["dyn_smem"]. Tested on the GPU and in the
 emulator (``tests/test_gemm_ws_ptx.py``).
 """
@@ -38,6 +43,7 @@ emulator (``tests/test_gemm_ws_ptx.py``).
 from __future__ import annotations
 
 from ptx_gen.builder import KernelBuilder, Module, Reg
+from ptx_gen.operands import TENSOR_MAP
 from ptx_gen.catalog import kernel
 from ptx_gen.kernels.dequant.dequant import check_weight_layout
 from ptx_gen.kernels.gemm.gemm_q import epilogue
@@ -107,10 +113,57 @@ def _grid() -> list[dict]:
                   "out_f16": True})
     g.append({"wtype": "Q4_K", "in_dim": 14336, "layout": "tiles", "mt": 256, "rgroups": 2, "stages": 3, "residual": True})
     g.append({"wtype": "Q4_K", "in_dim": 4096, "layout": "tiles", "mt": 128, "stages": 3})
+    for wt in ("Q4_K", "Q6_K"):  # X by a tensor map
+        g.append({"wtype": wt, "in_dim": 4096, "layout": "glu-tiles", "mt": 256, "rgroups": 2, "stages": 3, "glu": True,
+                  "out_f16": True, "xtma": True})
+        g.append({"wtype": wt, "in_dim": 14336, "layout": "tiles", "mt": 128, "residual": True, "xtma": True})
     g.append({"wtype": "Q6_K", "in_dim": 4096, "layout": "tiles", "mt": 128, "wstages": 3})
     g.append({"wtype": "Q4_K", "in_dim": 4096, "layout": "rows", "mt": 64, "stages": 2})
     g.append({"wtype": "F16", "in_dim": 2048, "layout": "rows", "mt": 64})
     return g
+
+
+def _copy_x(k: KernelBuilder, tid: Reg, group: int, tok0: Reg, m_all: Reg, x0: Reg, xb: int, mt: int, bar):
+    """The consumers' X copies: 8 threads a token (the thread's 16-byte piece xp), group / 8 tokens a pass, each
+    thread's copies arriving on the stage's full barrier (``cp.async.mbarrier.arrive.noinc``). Returns
+    ``copy_x(c, h, slot, ok)``: X of stage (chunk ``c``, ``h``) into ``slot`` where ``ok``."""
+    tpp = group // 8
+    xp, xn = k.and_(tid, 7), k.shr(tid, 3)
+    lda2 = k.shl(k.param("lda"), 1)
+    t_first = k.add(tok0, xn)
+    x_src = k.add(k.global_ptr("x"), k.add(k.mul_wide(t_first, lda2), k.cvt(k.shl(xp, 4), "u64")))
+    x_pass = k.mul_wide(lda2, tpp)
+    left = k.sub(m_all, t_first, "s32")  # tokens from the thread's first one to m (past m: not copied, not written)
+    x_live = [k.setp("gt", left, v * tpp, "s32") for v in range(mt // tpp)]
+    x_dst = k.add(k.add(x0, k.shl(xn, 7)), k.shl(k.xor(xp, k.and_(xn, 7)), 4))
+
+    def copy_x(c: Reg, h: int, slot: Reg | int, ok: Reg | None) -> None:
+        src = k.add(x_src, k.cvt(k.add(k.shl(c, 9), 128 * h), "u64"))  # (chunk c's X starts 512 c bytes into a row)
+        dst, off = (x_dst, slot * xb) if isinstance(slot, int) else (k.mad(slot, xb, x_dst), 0)
+        for v, live in enumerate(x_live):
+            if v:
+                src = k.add(src, x_pass)
+            k.cp_async(dst, src, pred=k.both(ok, live), dst_offset=off + v * tpp * 128)
+        k.cp_async_mbarrier_arrive(bar(slot), pred=ok)
+
+    return copy_x
+
+
+def _tma_copy_x(k: KernelBuilder, tid: Reg, tok0: Reg, x0: Reg, xb: int, mt: int, bar):
+    """X by the tensor map ``xmap``: consumer thread 0 announces a stage's ``mt`` x 128 bytes on its full barrier
+    (its one arrival there) and copies the box (k ``256 c + 64 h`` .., tokens ``tok0`` ..), which lands in the
+    128-byte swizzle the B tile is read in; tokens past m land as zeros. Returns ``copy_x`` as :func:`_copy_x`."""
+    lead = k.setp("eq", tid, 0)
+    xmap = k.param_address("xmap")
+
+    def copy_x(c: Reg, h: int, slot: Reg | int, ok: Reg | None) -> None:
+        go = k.both(ok, lead)
+        at = bar(slot)
+        dst = (k.add(x0, slot * xb) if slot else x0) if isinstance(slot, int) else k.mad(slot, xb, x0)
+        k.mbarrier_expect_tx(at, mt * 128, pred=go)
+        k.cp_async_bulk_tensor_2d(dst, xmap, k.add(k.shl(c, 8), 64 * h), tok0, at, pred=go)
+
+    return copy_x
 
 
 class _RingPosition:
@@ -166,7 +219,7 @@ def _a_row(k: KernelBuilder, r: Reg) -> Reg:
 @kernel("gemm_ws", grid=_grid(), arch="sm_90a")
 def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "tiles", mt: int = 128,
             rgroups: int = 1, stages: int = 4, wstages: int = 2, bias: bool = False,
-            residual: bool = False, out_f16: bool = False, glu: bool = False) -> KernelBuilder:
+            residual: bool = False, out_f16: bool = False, glu: bool = False, xtma: bool = False) -> KernelBuilder:
     """Y[:m] = X[:m] W^T (+ bias) (+ residual), or with ``glu`` silu(X G^T) * (X U^T) for W = [gate; up];
     W of ``wtype`` in ``layout``, X f16, f32 accumulation on wgmma from shared memory. Params: w, x, y, [bias],
     [residual], m, n, lda, ldy. Launch: grid (ceil(rows_out / meta["rows_per_cta"]), ceil(m / mt)), block
@@ -174,7 +227,10 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     check_shape(wtype, in_dim, layout, mt, rgroups, stages, wstages)
     flags, params = epilogue_signature(["w", "x", "y"], ["m", "n", "lda", "ldy"], bias=bias, residual=residual,
                                        out_f16=out_f16, glu=glu, layout=layout)
-    name = f"gemm_ws_{wtype.lower()}_k{in_dim}_{layout.replace('-', '_')}_m{mt}_r{rgroups}_s{stages}_w{wstages}{flags}"
+    if xtma:  # (the tokens' X by a tensor map: rows of in_dim f16 values, lda apart, boxes of 64 x mt)
+        params = params + [("xmap", TENSOR_MAP)]
+    name = (f"gemm_ws_{wtype.lower()}_k{in_dim}_{layout.replace('-', '_')}_m{mt}_r{rgroups}_s{stages}_w{wstages}"
+            f"{'_tma' if xtma else ''}{flags}")
     group = 128 * rgroups  # consumer threads
     pg = producer_groups(mt, rgroups)
     spw = rgroups // pg  # 16-row strips a producer warp streams
@@ -199,7 +255,7 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     full0 = k.add(ring0, 4 * rgroups * wbytes)  # full[s] at full0 + 8 s, empty[s] at full0 + 8 (stages + s)
     with k.if_(k.setp("eq", tid, 0)):
         for s in range(stages):
-            k.mbarrier_init(k.add(full0, 8 * s) if s else full0, group + 128 * pg)
+            k.mbarrier_init(k.add(full0, 8 * s) if s else full0, (1 if xtma else group) + 128 * pg)
             k.mbarrier_init(k.add(full0, 8 * (stages + s)), group)
     k.fence_mbarrier_init()
     k.bar_sync()
@@ -222,26 +278,10 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     scale_d = k.setp("ne", k.mov(1, "u32"), 0)
     acc = [k.var("f32", 0.0) for _ in range(mt // 2)]
     k.grid_dependency_wait()  # X (and the residual) come from the kernels before
-    # X: 8 threads a token (thread's piece xp), group / 8 tokens a pass; a stage's copies arrive on its full barrier
-    tpp = group // 8
-    xp, xn = k.and_(tid, 7), k.shr(tid, 3)
-    lda2 = k.shl(k.param("lda"), 1)
-    t_first = k.add(tok0, xn)
-    x_src = k.add(k.global_ptr("x"), k.add(k.mul_wide(t_first, lda2), k.cvt(k.shl(xp, 4), "u64")))
-    x_pass = k.mul_wide(lda2, tpp)
-    left = k.sub(m_all, t_first, "s32")  # tokens from the thread's first one to m (past m: not copied, not written)
-    x_live = [k.setp("gt", left, v * tpp, "s32") for v in range(mt // tpp)]
-    x_dst = k.add(k.add(x0, k.shl(xn, 7)), k.shl(k.xor(xp, k.and_(xn, 7)), 4))
-
-    def copy_x(c: Reg, h: int, slot: Reg | int, ok: Reg | None) -> None:
-        """X of stage (chunk ``c``, ``h``) into ``slot`` (where ``ok``), arriving on its full barrier."""
-        src = k.add(x_src, k.cvt(k.add(k.shl(c, 9), 128 * h), "u64"))  # (chunk c's X starts 512 c bytes into a row)
-        dst, off = (x_dst, slot * xb) if isinstance(slot, int) else (k.mad(slot, xb, x_dst), 0)
-        for v, live in enumerate(x_live):
-            if v:
-                src = k.add(src, x_pass)
-            k.cp_async(dst, src, pred=k.both(ok, live), dst_offset=off + v * tpp * 128)
-        k.cp_async_mbarrier_arrive(bar(slot), pred=ok)
+    if xtma:
+        copy_x = _tma_copy_x(k, tid, tok0, x0, xb, mt, bar)
+    else:
+        copy_x = _copy_x(k, tid, group, tok0, m_all, x0, xb, mt, bar)
 
     c0 = k.mov(0, "u32")
     for s in range(stages):  # (stages <= 4: all in chunk 0)
