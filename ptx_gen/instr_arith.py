@@ -204,6 +204,18 @@ class ArithmeticOps:
         self._emit(f"cvt{rnd}.{to.name}.{src.name} {d}, {a};")
         return d
 
+    def sub_f16x2(self, a: Reg, b: Reg) -> Reg:
+        """``sub.rn.f16x2``: each f16 half of ``a`` minus that of ``b`` (32-bit registers, the low half first)."""
+        d = self.reg("b32")
+        self._emit(f"sub.rn.f16x2 {d}, {a}, {b};")
+        return d
+
+    def fma_f16x2(self, a: Reg, b: Reg, c: Reg) -> Reg:
+        """``fma.rn.f16x2``: ``a * b + c`` on each f16 half, rounded once."""
+        d = self.reg("b32")
+        self._emit(f"fma.rn.f16x2 {d}, {a}, {b}, {c};")
+        return d
+
     def cvt_f16x2(self, lo: Reg, hi: Reg) -> Reg:
         """Two f32 rounded to f16 (nearest even) and packed in one 32-bit register, ``lo`` in the low half
         (``cvt.rn.f16x2.f32``, sm_80+: one instruction for the pair)."""

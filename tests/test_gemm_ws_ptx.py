@@ -41,9 +41,20 @@ def test_gemm_ws_matches_oracle(data, case, seed):
     out_dim = (2 if glu else 1) * data.draw(st.integers(1, 40 if glu else 80))
     epi = "plain" if glu else data.draw(st.sampled_from(["plain", "bias", "residual", "in_place", "f16"]))
     xtma = data.draw(st.booleans())
-    _run("gemm_ws", dict(mt=mt, rgroups=rgroups, stages=stages, wstages=wstages, xtma=xtma), wtype, layout,
+    f16dec = wtype == "Q4_K" and data.draw(st.booleans())
+    _run("gemm_ws", dict(mt=mt, rgroups=rgroups, stages=stages, wstages=wstages, xtma=xtma, f16dec=f16dec), wtype, layout,
          out_dim, in_dim, m, np.random.default_rng(seed), bias="bias" in epi,
          residual={"residual": "buffer", "in_place": "in_place"}.get(epi), out_f16="f16" in epi, glu=glu)
+
+
+@pytest.mark.parametrize("layout", ["tiles", "rows"])
+@pytest.mark.parametrize("glu", [False, True])
+def test_gemm_ws_f16_decoding(layout, glu):
+    """Q4_K decoded in f16x2 arithmetic (f16dec): three K chunks, two token tiles, every element against the oracle
+    over the exact weights within the f16 path's tolerance."""
+    lay = "glu-tiles" if glu and layout == "tiles" else layout
+    _run("gemm_ws", dict(mt=64, stages=3, f16dec=True), "Q4_K", lay, 68 if glu else 70, 768, 70,
+         np.random.default_rng(9), residual=None if glu else "in_place", out_f16=glu, glu=glu)
 
 
 @pytest.mark.parametrize("wtype", ["Q4_K", "Q6_K", "Q8_0", "Q5_1"])
@@ -81,6 +92,10 @@ def test_gemm_ws_refuses_what_it_cannot_run():
         ws.check_shape("Q4_K", 256, "tiles", 128, 1, 5, 2)
     with pytest.raises(ValueError, match="shared memory"):
         ws.check_shape("Q4_K", 4096, "tiles", 256, 2, 4, 2)
+    from ptx_gen.builder import Module
+
+    with pytest.raises(ValueError, match="f16dec"):
+        ws.gemm_ws(Module("sm_90a"), "Q6_K", 256, "tiles", mt=64, f16dec=True)
 
 
 @settings(max_examples=examples(8), deadline=None)

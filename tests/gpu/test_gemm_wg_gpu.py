@@ -25,6 +25,7 @@ WG_CONFIGS = st.one_of(st.none(), st.builds(WgConfig, st.sampled_from(wg.WG_MTS)
                                             st.sampled_from([1, 2, 4]), st.sampled_from([2, 3, 4])))
 WS_CONFIGS = st.one_of(st.none(), st.builds(WsConfig, st.sampled_from(ws.WS_MTS), st.sampled_from([1, 2]),
                                             st.sampled_from(ws.WS_STAGES), st.sampled_from([2, 3]), st.booleans()))
+F16DEC_CASES = [("glu-tiles", 28672, 4096, True), ("rows", 4096, 4096, False), ("tiles", 4096, 14336, False)]
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +107,18 @@ def test_gemm_ws_gpu(ops, wtype, layout, data, m, cfg, seed):
 @pytest.mark.parametrize("m", [33, 128, 256, 512])
 def test_gemm_wg_gpu_real_shapes(ops, kernel, wtype, layout, out_dim, in_dim, glu, m):
     _run(ops, kernel, np.random.default_rng(m), wtype, layout, out_dim, in_dim, m, glu=glu, out_f16=glu)
+
+
+@pytest.mark.parametrize("layout,out_dim,in_dim,glu", F16DEC_CASES)
+@pytest.mark.parametrize("m", [33, 200, 512])
+def test_gemm_ws_gpu_f16_decoding(ops, layout, out_dim, in_dim, glu, m):
+    """Q4_K decoded in f16x2 arithmetic, with X by a tensor map, at the 8B shapes (the f16 path's tolerance)."""
+    from realizar.gpu.gemm_wg import ws_config
+
+    cols = out_dim // 2 if glu else out_dim
+    cfg = ws_config("Q4_K", in_dim, layout, cols, m, ops.sm_count, ops.device.max_shared_per_block_optin, glu=glu)
+    _run(ops, "gemm_ws", np.random.default_rng(m), "Q4_K", layout, out_dim, in_dim, m,
+         WsConfig(cfg.mt, cfg.rgroups, cfg.stages, cfg.wstages, True, True), glu=glu, out_f16=glu)
 
 
 @pytest.mark.parametrize("wtype,layout,out_dim,in_dim,glu", [

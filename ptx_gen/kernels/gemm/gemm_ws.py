@@ -34,6 +34,11 @@ tensor map ``xmap``, passed by value: X as m rows of K f16 values ``lda`` apart,
 128-byte swizzle; tokens past m land as zeros) after announcing its bytes on the full barrier, instead of every
 consumer thread copying 16-byte pieces through the load/store unit. Tested in the emulator; not yet timed.
 
+**f16 decoding** (``f16dec``, Q4_K): the producers decode in f16x2 arithmetic (:func:`~ptx_gen.kernels.gemm.qstream.
+_decode_q4k_f16x2`: ``d sc`` and ``-dmin mn`` rounded to f16 first, one FMA for two values) instead of in f32 with one
+rounding: about half the decode's instructions, each weight within about an f16 rounding of the exact decode's terms.
+Tested in the emulator; not yet timed.
+
 Params: w, x, y, [bias], [residual], m (tokens), n (weight rows), lda, ldy, [xmap]. Requirements: X 16-byte
 aligned, ``lda`` a multiple of 8, the weight's bytes below 2**32. Launch: grid (ceil(rows_out / meta["rows_per_cta"]),
 ceil(m / mt)), block meta["block"], dynamic shared memory meta["dyn_smem"]. Tested on the GPU and in the
@@ -48,7 +53,7 @@ from ptx_gen.catalog import kernel
 from ptx_gen.kernels.dequant.dequant import check_weight_layout
 from ptx_gen.kernels.gemm.gemm_q import epilogue
 from ptx_gen.kernels.gemm.signature import epilogue_signature
-from ptx_gen.kernels.gemm.qstream import CHUNK, WeightStream, seg_bytes, warp_bytes
+from ptx_gen.kernels.gemm.qstream import CHUNK, F16DEC_TYPES, WeightStream, seg_bytes, warp_bytes
 
 __all__ = ["WS_MTS", "check_shape", "gemm_ws", "smem_bytes"]
 
@@ -117,6 +122,9 @@ def _grid() -> list[dict]:
         g.append({"wtype": wt, "in_dim": 4096, "layout": "glu-tiles", "mt": 256, "rgroups": 2, "stages": 3, "glu": True,
                   "out_f16": True, "xtma": True})
         g.append({"wtype": wt, "in_dim": 14336, "layout": "tiles", "mt": 128, "residual": True, "xtma": True})
+    g.append({"wtype": "Q4_K", "in_dim": 4096, "layout": "glu-tiles", "mt": 256, "rgroups": 2, "stages": 3, "glu": True,
+              "out_f16": True, "xtma": True, "f16dec": True})
+    g.append({"wtype": "Q4_K", "in_dim": 4096, "layout": "rows", "mt": 128, "residual": True, "f16dec": True})
     g.append({"wtype": "Q6_K", "in_dim": 4096, "layout": "tiles", "mt": 128, "wstages": 3})
     g.append({"wtype": "Q4_K", "in_dim": 4096, "layout": "rows", "mt": 64, "stages": 2})
     g.append({"wtype": "F16", "in_dim": 2048, "layout": "rows", "mt": 64})
@@ -219,18 +227,21 @@ def _a_row(k: KernelBuilder, r: Reg) -> Reg:
 @kernel("gemm_ws", grid=_grid(), arch="sm_90a")
 def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "tiles", mt: int = 128,
             rgroups: int = 1, stages: int = 4, wstages: int = 2, bias: bool = False,
-            residual: bool = False, out_f16: bool = False, glu: bool = False, xtma: bool = False) -> KernelBuilder:
+            residual: bool = False, out_f16: bool = False, glu: bool = False, xtma: bool = False,
+            f16dec: bool = False) -> KernelBuilder:
     """Y[:m] = X[:m] W^T (+ bias) (+ residual), or with ``glu`` silu(X G^T) * (X U^T) for W = [gate; up];
     W of ``wtype`` in ``layout``, X f16, f32 accumulation on wgmma from shared memory. Params: w, x, y, [bias],
     [residual], m, n, lda, ldy. Launch: grid (ceil(rows_out / meta["rows_per_cta"]), ceil(m / mt)), block
     meta["block"], dyn_smem meta["dyn_smem"]."""
     check_shape(wtype, in_dim, layout, mt, rgroups, stages, wstages)
+    if f16dec and wtype not in F16DEC_TYPES:
+        raise ValueError(f"f16dec (decoding in f16x2 arithmetic) takes {F16DEC_TYPES} weights, got {wtype}")
     flags, params = epilogue_signature(["w", "x", "y"], ["m", "n", "lda", "ldy"], bias=bias, residual=residual,
                                        out_f16=out_f16, glu=glu, layout=layout)
     if xtma:  # (the tokens' X by a tensor map: rows of in_dim f16 values, lda apart, boxes of 64 x mt)
         params = params + [("xmap", TENSOR_MAP)]
     name = (f"gemm_ws_{wtype.lower()}_k{in_dim}_{layout.replace('-', '_')}_m{mt}_r{rgroups}_s{stages}_w{wstages}"
-            f"{'_tma' if xtma else ''}{flags}")
+            f"{'_tma' if xtma else ''}{'_hd' if f16dec else ''}{flags}")
     group = 128 * rgroups  # consumer threads
     pg = producer_groups(mt, rgroups)
     spw = rgroups // pg  # 16-row strips a producer warp streams
@@ -338,7 +349,7 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     chunk0, p = k.mov(0, "u32"), pw  # (the producers stream every chunk of K)
     strips = [p] + [k.add(p, 4 * pg * u) for u in range(1, spw)]  # (the strips' indices in the CTA)
     cta_strip = k.mul(k.ctaid(), 4 * rgroups)
-    wss = [WeightStream(k, wtype, in_dim, layout, glu, lane, r, k.add(cta_strip, st), n_rows) for st in strips]
+    wss = [WeightStream(k, wtype, in_dim, layout, glu, lane, r, k.add(cta_strip, st), n_rows, f16dec) for st in strips]
     n_left = k.sub(nc, chunk0)
     for ws in wss:
         ws.decode_setup(lane, q)

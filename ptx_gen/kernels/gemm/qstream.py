@@ -23,6 +23,7 @@ CHUNK = ROUND  # K values per chunk
 TABLE_ROW = 80  # K_TABLE types: a row's 8 sub-blocks x (A, C) f32 (64 bytes) and 16 of padding, so that the 8 rows
 # a load instruction reads start in distinct bank pairs
 TABLE = 16 * TABLE_ROW  # per warp, 16 rows
+F16DEC_TYPES = ("Q4_K",)  # types with a decoder in f16x2 arithmetic (WeightStream's f16dec)
 
 
 def chunk_bytes(wtype: str) -> int:
@@ -64,8 +65,11 @@ class WeightStream:
     decodes its blocks."""
 
     def __init__(self, k: KernelBuilder, wtype: str, in_dim: int, layout: str, glu: bool, lane: Reg, r: Reg,
-                 strip: Reg, n_rows: Reg):
+                 strip: Reg, n_rows: Reg, f16dec: bool = False):
+        if f16dec and wtype not in F16DEC_TYPES:
+            raise ValueError(f"f16 decoding takes {F16DEC_TYPES} weights, got {wtype}")
         self.k, self.wtype, self.in_dim, self.layout, self.glu = k, wtype, in_dim, layout, glu
+        self.f16dec = f16dec
         self.info = info = type_info(wtype)
         self.r = r
         self.nc = nc = -(-in_dim // CHUNK)
@@ -222,8 +226,11 @@ class WeightStream:
         tail_blocks = self.tail // 32  # whole 32-value blocks of the last chunk (tail < CHUNK only)
         out = []
         for s, bb in enumerate(ch["bases"]):
-            w4 = _decode(k, wtype, self.info, bb, b, ch["lc"], self.q, self.q8, ch["table"], self.rows_dec[0], s,
-                         ch["sels"][s])
+            if self.f16dec:
+                w4 = _decode_q4k_f16x2(k, bb, b, self.q8, ch["table"], self.rows_dec[0], s)
+            else:
+                w4 = _decode(k, wtype, self.info, bb, b, ch["lc"], self.q, self.q8, ch["table"], self.rows_dec[0], s,
+                             ch["sels"][s])
             if self.tail < CHUNK and wtype not in DENSE and b >= tail_blocks:  # blocks past the row's end
                 live = k.setp("lt", k.mad(ch["c"], CHUNK // 32, b), self.in_dim // 32)
                 w4 = [k.selp(w, 0, live, "b32") for w in w4]
@@ -238,6 +245,26 @@ def _f16x2(k: KernelBuilder, lo: Reg, hi: Reg) -> Reg:
 
 def _pack(k: KernelBuilder, vals: list) -> list[Reg]:
     return [_f16x2(k, vals[2 * i], vals[2 * i + 1]) for i in range(4)]
+
+
+def _decode_q4k_f16x2(k: KernelBuilder, bb: Reg, b: int, q8: Reg, table: Reg, r: Reg, s: int) -> list[Reg]:
+    """:func:`_decode`'s 4 words for a Q4_K block in f16x2 arithmetic (``f16dec``): each pair of codes becomes
+    ``1024 + n`` by one ``prmt`` into f16 halves, ``- 1024`` (exact), then ``n (d sc) - dmin mn`` by one f16x2 FMA with
+    ``d sc`` and ``-dmin mn`` rounded to f16 first: two values in three instructions instead of six, each value within
+    about an f16 rounding of ``(|n d sc| + |dmin mn|)`` of the exact decode (which rounds the f32 result once)."""
+    words = k.load("shared", "u32", k.add(bb, k.add(q8, 32 * (b >> 1)) if b >> 1 else q8),
+                   ql.field_offset("Q4_K", "qs"), vec=2)
+    a, cc = k.load("shared", "f32", k.add(table, k.mul(r, TABLE_ROW)), 8 * TABLE_ROW * s + 8 * b, vec=2)
+    scale = k.mul(a, 1.0 / 32)  # (the table's A = 32 d sc, C = -(A / 2 + dmin mn))
+    offset = k.fma(a, 0.5, cc)
+    s2, c2 = k.cvt_f16x2(scale, scale), k.cvt_f16x2(offset, offset)
+    magic = k.mov(0x64006400, "b32")  # (f16 1024 in both halves)
+    out = []
+    for w in words:
+        nib = k.and_(k.shr(w, 4) if b & 1 else w, 0x0F0F0F0F)  # (block b's codes: the low nibbles, odd b the high)
+        for sel in (0x4140, 0x4342):  # bytes (0, 1), then (2, 3), each under 0x64: f16 1024 + n
+            out.append(k.fma_f16x2(k.sub_f16x2(k.prmt(nib, 0x64646464, sel), magic), s2, c2))
+    return out
 
 
 def _decode(k: KernelBuilder, wtype: str, info, bb: Reg, b: int, lc: dict, q: Reg, q8: Reg, table: Reg, r: Reg,

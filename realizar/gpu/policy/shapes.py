@@ -103,10 +103,12 @@ class WsConfig:
     """Launch shape of the warp-specialized GEMM (:mod:`ptx_gen.kernels.gemm.gemm_ws`): ``mt`` tokens per CTA,
     ``rgroups`` consumer warpgroups of 64 rows (as many producer warpgroups; one for two on 256-token tiles), ``stages``
     64-k stages in the A / B ring, ``wstages`` weight chunks of 256 values in each of a producer warp's rings, ``xtma``:
-    the tokens' X by a tensor map (one bulk copy a stage) instead of the consumers' 16-byte copies."""
+    the tokens' X by a tensor map (one bulk copy a stage) instead of the consumers' 16-byte copies, ``f16dec``: Q4_K
+    weights decoded in f16x2 arithmetic."""
 
     mt: int
     rgroups: int = 1
     stages: int = 4
     wstages: int = 2
     xtma: bool = False
+    f16dec: bool = False
