@@ -32,12 +32,11 @@ warp's rows 0-7 gate, 8-15 up).
 **X by a tensor map** (``xtma``): consumer thread 0 copies each stage's X with one ``cp.async.bulk.tensor`` (the
 tensor map ``xmap``, passed by value: X as m rows of K f16 values ``lda`` apart, boxes of 64 x ``mt`` landing in the
 128-byte swizzle; tokens past m land as zeros) after announcing its bytes on the full barrier, instead of every
-consumer thread copying 16-byte pieces through the load/store unit. Tested in the emulator; not yet timed.
+consumer thread copying 16-byte pieces through the load/store unit.
 
-**f16 decoding** (``f16dec``, Q4_K): the producers decode in f16x2 arithmetic (:func:`~ptx_gen.kernels.gemm.qstream.
-_decode_q4k_f16x2`: ``d sc`` and ``-dmin mn`` rounded to f16 first, one FMA for two values) instead of in f32 with one
-rounding: about half the decode's instructions, each weight within about an f16 rounding of the exact decode's terms.
-Tested in the emulator; not yet timed.
+**f16 decoding** (``f16dec``, Q4_K): the producers decode in f16x2 arithmetic (``qstream._decode_q4k_f16x2``: ``d sc``
+and ``-dmin mn`` rounded to f16 first, one FMA for two values) instead of in f32 with one rounding: fewer decode
+instructions, each weight within about an f16 rounding of the exact decode's terms.
 
 Params: w, x, y, [bias], [residual], m (tokens), n (weight rows), lda, ldy, [xmap]. Requirements: X 16-byte
 aligned, ``lda`` a multiple of 8, the weight's bytes below 2**32. Launch: grid (ceil(rows_out / meta["rows_per_cta"]),
