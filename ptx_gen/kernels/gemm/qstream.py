@@ -250,7 +250,7 @@ def _pack(k: KernelBuilder, vals: list) -> list[Reg]:
 def _decode_q4k_f16x2(k: KernelBuilder, bb: Reg, b: int, q8: Reg, table: Reg, r: Reg, s: int) -> list[Reg]:
     """:func:`_decode`'s 4 words for a Q4_K block in f16x2 arithmetic (``f16dec``): each pair of codes becomes
     ``1024 + n`` by one ``prmt`` into f16 halves, ``- 1024`` (exact), then ``n (d sc) - dmin mn`` by one f16x2 FMA with
-    ``d sc`` and ``-dmin mn`` rounded to f16 first: two values in three instructions instead of six, each value within
+    ``d sc`` and ``-dmin mn`` rounded to f16 first: two values in three instructions instead of five, each value within
     about an f16 rounding of ``(|n d sc| + |dmin mn|)`` of the exact decode (which rounds the f32 result once)."""
     words = k.load("shared", "u32", k.add(bb, k.add(q8, 32 * (b >> 1)) if b >> 1 else q8),
                    ql.field_offset("Q4_K", "qs"), vec=2)
