@@ -138,3 +138,14 @@ def test_tensor_map_encoding_on_the_emulated_device():
         f16_tiles_2d(dev, 4096, 256, 40, 500, 64, 128)
     with pytest.raises(ShapeError, match="box dimensions"):
         f16_tiles_2d(dev, 4096, 256, 40, 512, 64, 512)
+
+
+def test_a_launch_frees_its_tensor_map_copy():
+    mem = Memory()
+    x = mem.alloc_array(np.ones((8, 64), np.float16))
+    tmap = tm.encode(tm.TensorMap2d(x, 64, 8, 128, 64, 8, 2, 128))
+    y = mem.alloc_array(np.zeros(256, np.uint32))
+    before = dict(mem.allocs)
+    run(_kernel(8), grid=(1,), block=(128,), params=dict(xmap=tmap, y=y, c0=0, c1=0), memory=mem,
+        shared_bytes=1024 + 1024 + 8)
+    assert mem.allocs == before

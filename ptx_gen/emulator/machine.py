@@ -324,7 +324,11 @@ def run(ptx: str, grid, block, params: dict, memory: Memory, shared_bytes: int =
     if missing:
         raise EmulatorError(f"missing kernel parameters {missing}")
     launch = Machine(kern, grid, block, params, memory, shared_bytes, racecheck, max_steps)
-    per_batch = max(1, batch_threads // launch.tpb)
-    for b0 in range(0, launch.nblocks, per_batch):
-        launch.run_blocks(np.arange(b0, min(launch.nblocks, b0 + per_batch)))
+    try:
+        per_batch = max(1, batch_threads // launch.tpb)
+        for b0 in range(0, launch.nblocks, per_batch):
+            launch.run_blocks(np.arange(b0, min(launch.nblocks, b0 + per_batch)))
+    finally:  # (the byte-array parameters' copies live as long as the launch)
+        for addr in launch.param_addr.values():
+            memory.free(addr)
 
