@@ -28,6 +28,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gemm_x8 import SHAPES, _torch_us, _us, relative_error  # noqa: E402
 
+from ptx_gen.kernels.gemm.qstream import F16DEC_TYPES  # noqa: E402
 from realizar.cuda.bench import graph_median_us  # noqa: E402
 
 from realizar import cuda  # noqa: E402
@@ -65,7 +66,7 @@ def _sweep_ws(wtype: str, k: int, layout: str, m: int, max_smem: int) -> list[Ws
 
     return [c for c in (WsConfig(mt, rg, st, 2, xt, hd) for mt in (64, 128, 256) if mt <= 2 * max(m, 32)
                         for rg in (1, 2) for st in (4, 3, 2) for xt in (False, True)
-                        for hd in ((False, True) if wtype == "Q4_K" else (False,))) if takes(c)]
+                        for hd in ((False, True) if wtype in F16DEC_TYPES else (False,))) if takes(c)]
 
 
 def _label(c) -> str:
@@ -129,7 +130,7 @@ def main() -> int:
                 pick = ws_config if a.kernel == "ws" else wg_config
                 cfg = pick(wtype, k, layout, cols, m, ops.sm_count, smem, glu=glu)
                 if a.kernel == "ws":
-                    cfg = dataclasses.replace(cfg, xtma=a.xtma, f16dec=a.f16dec and wtype == "Q4_K")
+                    cfg = dataclasses.replace(cfg, xtma=a.xtma, f16dec=a.f16dec and wtype in F16DEC_TYPES)
                 gemm = ops.gemm_ws if a.kernel == "ws" else ops.gemm_wg
 
                 def run(c):

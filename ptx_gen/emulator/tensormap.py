@@ -35,10 +35,6 @@ class TensorMap2d:
     elem_bytes: int
     swizzle: int
 
-    @property
-    def box_bytes(self) -> int:
-        return self.box_inner * self.box_outer * self.elem_bytes
-
 
 def check(t: TensorMap2d) -> None:
     """The driver's requirements of a tiled 2-D map, for the forms emulated (ValueError naming the field)."""

@@ -52,7 +52,7 @@ from ptx_gen.catalog import kernel
 from ptx_gen.kernels.dequant.dequant import check_weight_layout
 from ptx_gen.kernels.gemm.gemm_q import epilogue
 from ptx_gen.kernels.gemm.signature import epilogue_signature
-from ptx_gen.kernels.gemm.qstream import CHUNK, F16DEC_TYPES, WeightStream, seg_bytes, warp_bytes
+from ptx_gen.kernels.gemm.qstream import CHUNK, WeightStream, seg_bytes, warp_bytes
 
 __all__ = ["WS_MTS", "check_shape", "gemm_ws", "smem_bytes"]
 
@@ -233,8 +233,6 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     [residual], m, n, lda, ldy. Launch: grid (ceil(rows_out / meta["rows_per_cta"]), ceil(m / mt)), block
     meta["block"], dyn_smem meta["dyn_smem"]."""
     check_shape(wtype, in_dim, layout, mt, rgroups, stages, wstages)
-    if f16dec and wtype not in F16DEC_TYPES:
-        raise ValueError(f"f16dec (decoding in f16x2 arithmetic) takes {F16DEC_TYPES} weights, got {wtype}")
     flags, params = epilogue_signature(["w", "x", "y"], ["m", "n", "lda", "ldy"], bias=bias, residual=residual,
                                        out_f16=out_f16, glu=glu, layout=layout)
     if xtma:  # (the tokens' X by a tensor map: rows of in_dim f16 values, lda apart, boxes of 64 x mt)
@@ -349,12 +347,11 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     strips = [p] + [k.add(p, 4 * pg * u) for u in range(1, spw)]  # (the strips' indices in the CTA)
     cta_strip = k.mul(k.ctaid(), 4 * rgroups)
     wss = [WeightStream(k, wtype, in_dim, layout, glu, lane, r, k.add(cta_strip, st), n_rows, f16dec) for st in strips]
-    n_left = k.sub(nc, chunk0)
     for ws in wss:
         ws.decode_setup(lane, q)
     for s in range(wstages - 1):
         for ws, wbase in zip(wss, wbases):
-            ws.issue(chunk0, n_left, k.mov(s, "u32"), k.add(wbase, s * slot_bytes) if s else wbase)
+            ws.issue(chunk0, nc, k.mov(s, "u32"), k.add(wbase, s * slot_bytes) if s else wbase)
         k.cp_async_commit()
     k.grid_dependency_wait()  # (the producers read only weights; their first chunks are requested before this)
 
@@ -370,7 +367,7 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     rd = k.var("u32", 0)
     wr = k.var("u32", (wstages - 1) * slot_bytes)
     ring_pos = _RingPosition(k, stages)
-    with k.loop(0, n_left) as i:  # (chunk i)
+    with k.loop(0, nc) as i:  # (chunk i)
         k.cp_async_wait_group(wstages - 2)
         k.bar_warp_sync()
         chs = [ws.prep(k.add(wbase, rd), i, (wbase, ring)) for ws, wbase in zip(wss, wbases)]
@@ -381,7 +378,7 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
             if h == 0:
                 nxt_i = k.add(i, wstages - 1)
                 for ws, wbase in zip(wss, wbases):
-                    ws.issue(chunk0, n_left, nxt_i, k.add(wbase, wr))
+                    ws.issue(chunk0, nc, nxt_i, k.add(wbase, wr))
                 k.cp_async_commit()
             soff = None if isinstance(slot, int) else k.mul(slot, ab)
             for ws, ch, dst in zip(wss, chs, a_dst):

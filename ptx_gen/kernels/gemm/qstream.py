@@ -67,7 +67,7 @@ class WeightStream:
     def __init__(self, k: KernelBuilder, wtype: str, in_dim: int, layout: str, glu: bool, lane: Reg, r: Reg,
                  strip: Reg, n_rows: Reg, f16dec: bool = False):
         if f16dec and wtype not in F16DEC_TYPES:
-            raise ValueError(f"f16 decoding takes {F16DEC_TYPES} weights, got {wtype}")
+            raise ValueError(f"f16dec (decoding in f16x2 arithmetic) takes {F16DEC_TYPES} weights, got {wtype}")
         self.k, self.wtype, self.in_dim, self.layout, self.glu = k, wtype, in_dim, layout, glu
         self.f16dec = f16dec
         self.info = info = type_info(wtype)
