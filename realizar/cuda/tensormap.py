@@ -30,8 +30,9 @@ def f16_tiles_2d(device, ptr: int, cols: int, rows: int, row_stride: int, box_co
 
     from realizar.cuda.driver import call
 
-    tmap = call("cuTensorMapEncodeTiled", drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, ptr,
-                [cols, rows], [row_stride], [box_cols, box_rows], [1, 1],
+    u32, u64 = drv.cuuint32_t, drv.cuuint64_t
+    tmap = call("cuTensorMapEncodeTiled", drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, int(ptr),
+                [u64(cols), u64(rows)], [u64(row_stride)], [u32(box_cols), u32(box_rows)], [u32(1), u32(1)],
                 drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
                 drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
                 drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
