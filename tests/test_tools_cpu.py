@@ -274,3 +274,26 @@ def test_ncu_gemm_ws_launches_on_the_emulated_device(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["ncu_gemm_ws.py", "--shape", "gate/up", "--m", "40", "--xtma"])
     assert tool.main() == 0
     assert "xtma=True" in capsys.readouterr().out
+
+
+def test_sanitize_gemm_wg_cases_on_the_emulated_device(monkeypatch):
+    """tools/sanitize_gemm_wg.py (what compute-sanitizer runs): the --small cases on the emulated sm_90 device,
+    shrunk to toy token counts, each against its oracle; a case whose output is off fails."""
+    import sys
+
+    import numpy as np
+
+    sys.path.insert(0, "tools")
+    import tools.sanitize_gemm_wg as tool
+    import realizar.gpu.gemm_wg as host
+    from realizar import cuda
+
+    dev = cuda.EmulatedDevice(target="sm_90")
+    monkeypatch.setattr(cuda, "current_device", lambda: dev)
+    monkeypatch.setattr(host, "wg_applies", lambda *a: True)
+    small = [(k, wt, lay, min(out, 128), min(kd, 512), min(m, 67), cfg) for k, wt, lay, out, kd, m, cfg in tool.CASES_SMALL]
+    assert tool.cases(np.random.default_rng(0), small) == len(tool.CASES_SMALL)
+    wrong = tool.dequant
+    monkeypatch.setattr(tool, "dequant", lambda *a: wrong(*a) * 1.01)
+    with pytest.raises(AssertionError, match="max relative error"):
+        tool.case(tool.LayerOps(), np.random.default_rng(1), *small[2])

@@ -37,7 +37,7 @@ PY = sys.executable
 
 
 SANITIZED = ["tools/sanitize_cases.py", "tools/sanitize_attention.py", "tools/sanitize_layers.py",
-             "tools/sanitize_moe.py"]
+             "tools/sanitize_moe.py", "tools/sanitize_gemm_wg.py"]
 
 
 def stages(out: Path, tests: list[str], pytest_args: list[str]) -> dict[str, tuple[list[list[str]], int]]:

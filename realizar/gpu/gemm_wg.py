@@ -18,7 +18,7 @@ import numpy as np
 from realizar.errors import ShapeError
 from realizar.gpu.dispatch import Dispatcher
 from realizar.gpu.policy.gemm import (WG_MIN_WAVE, WG_MTS, WG_STAGES, WG_UNROLL, WG_WIDE, WS_MIN_WAVE, WS_MTS,
-                                      WS_F16DEC, WS_STAGES, WS_WIDE, WS_WIDE_256)
+                                      WS_F16DEC, WS_STAGES, WS_XTMA, WS_WIDE, WS_WIDE_256)
 from realizar.gpu.policy.shapes import WgConfig, WsConfig
 
 __all__ = ["GemmWgOps", "WgConfig", "WsConfig", "wg_applies", "wg_config", "ws_config"]
@@ -63,7 +63,8 @@ def ws_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_co
     tokens: the largest token tile of ``WS_MTS`` not above ``m`` whose launch has ``WS_MIN_WAVE`` x ``sm_count``
     CTAs (else the smallest); two consumer warpgroups on a 128-token tile where the launch keeps ``WS_WIDE`` CTAs
     an SM, on a 256-token tile where it keeps ``WS_WIDE_256``; the deepest ring of ``WS_STAGES`` that fits ``max_smem``;
-    the weights decoded in f16x2 arithmetic where ``WS_F16DEC`` and the type has that decoder."""
+    X by a tensor map where ``WS_XTMA``; the weights decoded in f16x2 arithmetic where ``WS_F16DEC`` and the type has
+    that decoder."""
     from ptx_gen.kernels.gemm.gemm_ws import smem_bytes
     from ptx_gen.kernels.gemm.qstream import F16DEC_TYPES
 
@@ -75,7 +76,7 @@ def ws_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_co
     for r in (rg, 1):
         for stages in WS_STAGES:
             if smem_bytes(wtype, in_dim, layout, mt, r, stages, 2) <= max_smem:
-                return WsConfig(mt, r, stages, 2, f16dec=WS_F16DEC and wtype in F16DEC_TYPES)
+                return WsConfig(mt, r, stages, 2, WS_XTMA, WS_F16DEC and wtype in F16DEC_TYPES)
     raise ShapeError(f"no warp-specialized GEMM tile for {wtype} {layout} fits {max_smem} bytes of shared memory")
 
 

@@ -74,6 +74,9 @@ WS_STAGES = (4, 3, 2)
 # the types of qstream.F16DEC_TYPES decoded in f16x2 arithmetic (the weights rounded to f16 once, as an f16 copy
 # would be; H200, 8B Q4_K as the step runs it: 2-7% faster at every shape, docs/results/bench_gemm_ws_step_h200.md)
 WS_F16DEC = True
+# the tokens' X by a tensor map (one bulk copy a stage, off the load/store unit the producers' weight loads share;
+# H200, 8B Q4_K as the step runs it: 1.0-1.4x at every shape, docs/results/bench_gemm_ws_step_h200.md)
+WS_XTMA = True
 # above this many rows the Linear takes the warp-specialized GEMM instead of gemm_wg (H200, 8B Q4_K batched decode:
 # gemm_wg ahead at 128 rows, gemm_ws at 256; the GEMMs alone at 512 tokens 1.3x; docs/results/bench_gemm_ws_h200.md)
 WS_OVER_WG_ROWS = 128
