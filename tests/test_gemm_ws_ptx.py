@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from ptx_gen import catalog
 from ptx_gen.kernels.gemm import gemm_ws as ws
+from ptx_gen.kernels.gemm.qstream import F16DEC_TYPES
 from ptx_gen.ptxas import assemble
 from tests.helpers import examples
 from tests.layer_oracles import random_weight
@@ -157,3 +158,29 @@ def test_gemm_wg_row_groups(rgroups, kparts, glu):
     _run("gemm_wg", dict(mt=32, rgroups=rgroups, kparts=kparts, stages=2, unroll=2), "Q4_K", layout,
          2 * 90 if glu else 150, 512, 40, np.random.default_rng(5), glu=glu, out_f16=glu,
          residual=None if glu else "in_place")
+
+
+@pytest.mark.parametrize("wtype", ["Q4_K", "Q6_K"])
+def test_policy_shapes_fit_take_x_by_tma_and_assemble(wtype):
+    """ws_config from 129 tokens (where the Linear takes gemm_ws) to a prefill chunk at the 8B and 1B layers: each pick
+    passes check_shape, takes X by a tensor map, decodes in f16x2 exactly where the type has that decoder; a spread
+    of the picks assembles for sm_90a without spills."""
+    from realizar.gpu.gemm_wg import ws_config
+    from realizar.gpu.policy.gemm import WS_OVER_WG_ROWS
+
+    seen = set()
+    for n, k, glu, layout in [(28672, 4096, True, "glu-tiles"), (6144, 4096, False, "rows"),
+                              (4096, 4096, False, "rows"), (4096, 14336, False, "tiles"), (16384, 2048, True, "glu-tiles"),
+                              (2048, 8192, False, "tiles")]:
+        cols = n // 2 if glu else n
+        for m in list(range(WS_OVER_WG_ROWS + 1, 600, 7)) + [1024, 2048]:
+            cfg = ws_config(wtype, k, layout, cols, m, 132, 227 * 1024, glu=glu)
+            ws.check_shape(wtype, k, layout, cfg.mt, cfg.rgroups, cfg.stages, cfg.wstages)
+            assert cfg.xtma and cfg.f16dec == (wtype in F16DEC_TYPES), cfg
+            seen.add((k, layout, glu, cfg))
+    for k, layout, glu, cfg in sorted(seen, key=str)[:: max(1, len(seen) // 4)]:
+        kern = catalog.emit("gemm_ws", target="sm_90", wtype=wtype, in_dim=k, layout=layout, mt=cfg.mt,
+                            rgroups=cfg.rgroups, stages=cfg.stages, wstages=cfg.wstages, xtma=cfg.xtma,
+                            f16dec=cfg.f16dec, glu=glu, out_f16=glu)
+        rep = assemble(kern.ptx, kern.target)[0]
+        assert not rep.spills, f"{cfg} spills: {rep.log}"

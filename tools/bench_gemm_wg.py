@@ -89,8 +89,12 @@ def main() -> int:
     ap.add_argument("--ms", default="64,128,256,512")
     ap.add_argument("--shapes", help="only these shape labels (comma-separated: qkv, o, gate/up, down)")
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--xtma", action="store_true", help="gemm_ws: the policy's launch shapes with X by a tensor map")
-    ap.add_argument("--f16dec", action="store_true", help="gemm_ws: the policy's launch shapes decoding Q4_K in f16x2")
+    ap.add_argument("--xtma", action=argparse.BooleanOptionalAction,
+                    help="gemm_ws: the policy's launch shapes with X by a tensor map (--no-xtma: by 16-byte copies; "
+                         "default: as the policy has it)")
+    ap.add_argument("--f16dec", action=argparse.BooleanOptionalAction,
+                    help="gemm_ws: the policy's launch shapes decoding Q4_K in f16x2 (--no-f16dec: in f32; default: as "
+                         "the policy has it)")
     ap.add_argument("--as-step", action="store_true",
                     help="the model's weight layouts and epilogues, weights read from DRAM (copies cycled)")
     ap.add_argument("--kernel", choices=("wg", "ws"), default="wg",
@@ -129,8 +133,10 @@ def main() -> int:
                 y = ops.buffer(m * cols, np.float16 if glu else np.float32)
                 pick = ws_config if a.kernel == "ws" else wg_config
                 cfg = pick(wtype, k, layout, cols, m, ops.sm_count, smem, glu=glu)
-                if a.kernel == "ws":
-                    cfg = dataclasses.replace(cfg, xtma=a.xtma, f16dec=a.f16dec and wtype in F16DEC_TYPES)
+                if a.kernel == "ws" and a.xtma is not None:
+                    cfg = dataclasses.replace(cfg, xtma=a.xtma)
+                if a.kernel == "ws" and a.f16dec is not None:
+                    cfg = dataclasses.replace(cfg, f16dec=a.f16dec and wtype in F16DEC_TYPES)
                 gemm = ops.gemm_ws if a.kernel == "ws" else ops.gemm_wg
 
                 def run(c):

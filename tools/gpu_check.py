@@ -9,7 +9,8 @@ against GpuModel), bench_gemm_decode (the f16 GEMM at decode batch sizes), bench
 beside llama.cpp's binaries in $LLAMA_CPP_BIN, on the GGUF file $MOE_GGUF, written first where missing); not
 default stages: real_model
 (smollm2_gpu.md), bench_gemm_ws / bench_gemm_wg (the quantized batch GEMMs at 8B shapes), bench_gemm_ws_step /
-bench_gemm_ws_tma / bench_gemm_ws_f16dec (gemm_ws as the step runs it; its X by a tensor map; Q4_K decoded in f16x2), ncu_gemm_ws (its gate/up launch at
+bench_gemm_ws_xcopy / bench_gemm_ws_f32dec (gemm_ws as the step runs it, the policy's; its X by 16-byte copies
+instead of a tensor map; Q4_K decoded in f32 instead of f16x2), ncu_gemm_ws (its gate/up launch at
 256 tokens under ncu with source-level stall sampling, both ways: ncu_gemm_ws*.txt), profile_batch (the 8B
 batched decode step of 256 rows, its kernels under ncu summed by family: profile_batch.md), and on 2+ GPUs bench_tensor_parallel and bench_nccl). The whole of tests/gpu takes longer
 than the tests stage's 420 s: give --tests a part of it per call.
@@ -77,15 +78,16 @@ def stages(out: Path, tests: list[str], pytest_args: list[str]) -> dict[str, tup
                            "128,256,512", "--out", str(out / "bench_gemm_ws.md")], 240),
         "bench_gemm_wg": ([PY, "tools/bench_gemm_wg.py", "--kernel", "wg", "--types", "Q4_K", "--models", "8b", "--ms",
                            "128,256,512", "--out", str(out / "bench_gemm_wg.md")], 240),
-        # gemm_ws as the step runs it (the model's layouts and epilogues, weights from DRAM), with X by a tensor map
+        # gemm_ws as the step runs it (the model's layouts and epilogues, weights from DRAM), then without the policy's
+        # X by a tensor map, and without its f16x2 decoding
         "bench_gemm_ws_step": ([PY, "tools/bench_gemm_wg.py", "--kernel", "ws", "--types", "Q4_K", "--models", "8b",
                                 "--ms", "128,256,512", "--as-step", "--out", str(out / "bench_gemm_ws_step.md")], 240),
-        "bench_gemm_ws_tma": ([PY, "tools/bench_gemm_wg.py", "--kernel", "ws", "--types", "Q4_K", "--models", "8b",
-                               "--ms", "128,256,512", "--as-step", "--xtma", "--out", str(out / "bench_gemm_ws_tma.md")],
-                              240),
-        "bench_gemm_ws_f16dec": ([PY, "tools/bench_gemm_wg.py", "--kernel", "ws", "--types", "Q4_K", "--models", "8b",
-                                  "--ms", "128,256,512", "--as-step", "--f16dec",
-                                  "--out", str(out / "bench_gemm_ws_f16dec.md")], 240),
+        "bench_gemm_ws_xcopy": ([PY, "tools/bench_gemm_wg.py", "--kernel", "ws", "--types", "Q4_K", "--models", "8b",
+                                 "--ms", "128,256,512", "--as-step", "--no-xtma",
+                                 "--out", str(out / "bench_gemm_ws_xcopy.md")], 240),
+        "bench_gemm_ws_f32dec": ([PY, "tools/bench_gemm_wg.py", "--kernel", "ws", "--types", "Q4_K", "--models", "8b",
+                                  "--ms", "128,256,512", "--as-step", "--no-f16dec",
+                                  "--out", str(out / "bench_gemm_ws_f32dec.md")], 240),
         # several GPUs (not default stages: they need 2 or more)
         "bench_tensor_parallel": ([PY, "tools/bench_tensor_parallel.py", "--out", str(out / "bench_tensor_parallel.md")],
                                   540),
@@ -115,10 +117,10 @@ def stages(out: Path, tests: list[str], pytest_args: list[str]) -> dict[str, tup
             "--out", str(out / "bench_moe.md")]]
     if not Path(moe_gguf).exists():
         moe.insert(0, [PY, "tools/write_gguf.py", "qwen3-30b-a3b", moe_gguf])
-    # gemm_ws at the 8B gate/up shape, 256 tokens, under ncu with source-level stall sampling, X copied and by TMA
+    # gemm_ws at the 8B gate/up shape, 256 tokens, under ncu with source-level stall sampling, X by TMA and copied
     ncu_ws = [[ncu, "--kernel-name", "regex:gemm_ws", "--launch-skip", "2", "--launch-count", "1", *sections,
                "--log-file", str(out / f"ncu_gemm_ws{tag}.txt"), PY, "tools/ncu_gemm_ws.py", "--shape", "gate/up", "--m",
-               "256", *flag] for tag, flag in (("", []), ("_tma", ["--xtma"]))]
+               "256", *flag] for tag, flag in (("", []), ("_xcopy", ["--no-xtma"]))]
     return {**{name: ([cmd], limit) for name, (cmd, limit) in single.items()}, "bench_warm_start": (warm, 480),
             "ncu_gemm_ws": (ncu_ws, 240),
             "bench_moe": (moe, 600), "profile_batch": (profile_batch, 480),

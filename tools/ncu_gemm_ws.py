@@ -1,9 +1,10 @@
 """One launch of gemm_ws at an 8B shape for Nsight Compute (it times nothing itself):
 
     ncu --kernel-name regex:gemm_ws --launch-skip 2 --launch-count 1 --section SpeedOfLight \
-        --section WarpStateStats --section SourceCounters python tools/ncu_gemm_ws.py --shape gate/up --m 256 [--xtma]
+        --section WarpStateStats --section SourceCounters python tools/ncu_gemm_ws.py --shape gate/up --m 256 [--no-xtma]
 
-Three launches of the policy's launch shape (``--xtma``: with the tokens' X by a tensor map) over random Q4_K
+Three launches of the policy's launch shape (``--no-xtma``: with the tokens' X by 16-byte copies instead of a
+tensor map) over random Q4_K
 weights in the layout the model stores them; ncu profiles the third.
 """
 
@@ -30,7 +31,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="gate/up", help="qkv, o, gate/up or down (8B)")
     ap.add_argument("--m", type=int, default=256, help="tokens")
-    ap.add_argument("--xtma", action="store_true")
+    ap.add_argument("--xtma", action=argparse.BooleanOptionalAction, help="X by a tensor map (default: the policy's)")
     a = ap.parse_args()
     (n, k, glu), = [(n, k, glu) for model, label, n, k, glu in SHAPES if model == "8b" and label == a.shape]
     dev = cuda.current_device()
@@ -42,7 +43,8 @@ def main() -> int:
     x = ops.to_device((rng.standard_normal((a.m, k)) / 64).astype(np.float16))
     y = ops.buffer(a.m * cols, np.float16 if glu else np.float32)
     cfg = ws_config("Q4_K", k, layout, cols, a.m, ops.sm_count, dev.max_shared_per_block_optin, glu=glu)
-    cfg = dataclasses.replace(cfg, xtma=a.xtma)
+    if a.xtma is not None:
+        cfg = dataclasses.replace(cfg, xtma=a.xtma)
     for _ in range(3):
         ops.gemm_ws(x, w, y, a.m, glu=glu, out_f16=glu, config=cfg, stream=stream)
     stream.synchronize()
