@@ -60,6 +60,7 @@ class Linear:
         self.cols_rows = cols_rows
         self.f16_weights: dict[int, Any] = {}  # id(weight) -> its f16 rows (gate/up interleaved)
         self.scratch = None  # f16 expansion of a weight without a kept copy
+        self._wg_takes: dict[int, tuple] = {}  # id(weight) -> (weight, _wg(weight)): asked for every weight each step
 
     @staticmethod
     def f16_input(rows: int) -> bool:
@@ -97,6 +98,7 @@ class Linear:
         for buf in self.f16_weights.values():
             buf.free()
         self.f16_weights.clear()
+        self._wg_takes.clear()
         if self.scratch is not None:
             self.scratch.free()
             self.scratch = None
@@ -134,8 +136,12 @@ class Linear:
         """Whether ``weight`` runs on the warpgroup-MMA GEMM when it has no f16 copy."""
         from realizar.gpu.gemm_wg import wg_applies
 
-        return (wg_applies(self.ops.device, weight.wtype, weight.layout, weight.in_dim)
-                and weight.nbytes + 16 < 2**32)
+        hit = self._wg_takes.get(id(weight))
+        if hit is not None and hit[0] is weight:
+            return hit[1]
+        takes = wg_applies(self.ops.device, weight.wtype, weight.layout, weight.in_dim) and weight.nbytes + 16 < 2**32
+        self._wg_takes[id(weight)] = (weight, takes)
+        return takes
 
     def _cols_applies(self, weight, rows: int, glu: bool) -> bool:
         """Whether ``weight`` at ``rows`` rows runs on the tensor-core GEMV's columns kernel."""
