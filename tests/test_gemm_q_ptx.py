@@ -98,8 +98,16 @@ def run_emulated(kernel: str, shape: dict, wtype, layout, out_dim, in_dim, m, rn
     if residual is not None:
         params["residual"] = y if residual == "in_place" else mem.alloc_array(r)
     grid = (-(-cols // kern.meta["rows_per_cta"]), -(-m // kern.meta["mt"]))
+    kparts = shape.get("kparts", 1) if kernel == "gemm_ws" else 1  # (gemm_wg's kparts split K inside a CTA)
+    if kparts > 1:  # (gemm_ws with K split over grid z: the partial sums' room, counters at zero and left at zero)
+        tiles = grid[0] * grid[1]
+        params["part"] = mem.alloc_array(np.full(tiles * kern.meta["part_floats"], np.nan, np.float32))
+        params["counters"] = counters = mem.alloc_array(np.zeros(tiles, np.uint32))
+        grid = (*grid, kparts)
     simt_run(kern.ptx, grid=grid, block=(kern.meta["block"],), params=params, memory=mem,
              shared_bytes=kern.launch.dyn_smem, **({} if max_steps is None else {"max_steps": max_steps}))
+    if kparts > 1:
+        assert not mem.read(counters, np.uint32, grid[0] * grid[1]).any(), "counters not left at zero"
     flat = mem.read(y, ytype, m * ldy + pad).astype(np.float64)
     assert np.isnan(flat[m * ldy:]).all(), "wrote past the output"
     out = flat[: m * ldy].reshape(m, ldy)

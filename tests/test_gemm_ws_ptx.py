@@ -43,7 +43,9 @@ def test_gemm_ws_matches_oracle(data, case, seed):
     epi = "plain" if glu else data.draw(st.sampled_from(["plain", "bias", "residual", "in_place", "f16"]))
     xtma = data.draw(st.booleans())
     f16dec = wtype == "Q4_K" and data.draw(st.booleans())
-    _run("gemm_ws", dict(mt=mt, rgroups=rgroups, stages=stages, wstages=wstages, xtma=xtma, f16dec=f16dec), wtype, layout,
+    kparts = data.draw(st.sampled_from([1, 2])) if in_dim // 256 % 2 == 0 else 1
+    _run("gemm_ws", dict(mt=mt, rgroups=rgroups, stages=stages, wstages=wstages, xtma=xtma, f16dec=f16dec,
+                         kparts=kparts), wtype, layout,
          out_dim, in_dim, m, np.random.default_rng(seed), bias="bias" in epi,
          residual={"residual": "buffer", "in_place": "in_place"}.get(epi), out_f16="f16" in epi, glu=glu)
 
@@ -74,6 +76,18 @@ def test_gemm_ws_two_consumers_of_256_tokens(wtype, layout, glu, stages, xtma):
          np.random.default_rng(5), residual=None if glu else "in_place", out_f16=glu, glu=glu)
 
 
+@pytest.mark.parametrize("epi", ["in_place", "bias_residual", "f16", "glu"])
+def test_gemm_ws_k_split_over_two_ctas(epi):
+    """kparts 2: two CTAs a tile sum their halves of K (4 chunks, 2 each; the second CTA adds the first's partial
+    sums and runs the epilogue), two row tiles and two token tiles (four counters, each left at zero), every
+    epilogue, X copied and by a tensor map, 2-stage and 3-stage rings."""
+    glu = epi == "glu"
+    _run("gemm_ws", dict(mt=64, rgroups=2 if glu else 1, stages=3 if glu else 2, xtma=epi != "f16", kparts=2),
+         "Q4_K" if epi != "bias_residual" else "Q8_0", "glu-tiles" if glu else "tiles", 260 if glu else 150, 1024, 77,
+         np.random.default_rng(17), bias=epi == "bias_residual",
+         residual={"in_place": "in_place", "bias_residual": "buffer"}.get(epi), out_f16=epi in ("f16", "glu"), glu=glu)
+
+
 @pytest.mark.parametrize("shape", [s for s in catalog.spec("gemm_ws").grid])
 def test_gemm_ws_grid_assembles_without_spills(shape):
     k = catalog.emit("gemm_ws", target="sm_90", **shape)
@@ -93,6 +107,10 @@ def test_gemm_ws_refuses_what_it_cannot_run():
         ws.check_shape("Q4_K", 256, "tiles", 128, 1, 5, 2)
     with pytest.raises(ValueError, match="shared memory"):
         ws.check_shape("Q4_K", 4096, "tiles", 256, 2, 4, 2)
+    with pytest.raises(ValueError, match="kparts"):
+        ws.check_shape("Q4_K", 768, "tiles", 128, 1, 4, 2, kparts=2)  # (3 chunks)
+    with pytest.raises(ValueError, match="kparts"):
+        ws.check_shape("Q4_K", 1024, "tiles", 128, 1, 4, 2, kparts=4)
     from ptx_gen.builder import Module
 
     with pytest.raises(ValueError, match="f16dec"):

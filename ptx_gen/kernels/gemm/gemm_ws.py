@@ -34,13 +34,19 @@ tensor map ``xmap``, passed by value: X as m rows of K f16 values ``lda`` apart,
 128-byte swizzle; tokens past m land as zeros) after announcing its bytes on the full barrier, instead of every
 consumer thread copying 16-byte pieces through the load/store unit.
 
+**K split over two CTAs** (``kparts`` 2, grid z): CTA z multiplies chunks ``z nc / 2 ..`` of K, writes its
+accumulators to ``part`` (``meta["part_floats"]`` floats an output tile), and the second of the two to count itself at
+the tile's ``counters`` entry (u32, zero before the launch and left at zero) adds the first's floats to its own and runs
+the epilogue (any of them: the sum of two addends does not depend on which CTA comes second). For launches whose output
+tiles alone leave SMs idle (o and down, 4096 outputs, at a few hundred tokens): twice the CTAs, each reading half of X.
+
 **f16 decoding** (``f16dec``, Q4_K): the producers decode in f16x2 arithmetic (``qstream._decode_q4k_f16x2``: ``d sc``
 and ``-dmin mn`` rounded to f16 first, one FMA for two values) instead of in f32 with one rounding: fewer decode
 instructions, each weight within about an f16 rounding of the exact decode's terms.
 
-Params: w, x, y, [bias], [residual], m (tokens), n (weight rows), lda, ldy, [xmap]. Requirements: X 16-byte
-aligned, ``lda`` a multiple of 8, the weight's bytes below 2**32. Launch: grid (ceil(rows_out / meta["rows_per_cta"]),
-ceil(m / mt)), block meta["block"], dynamic shared memory meta["dyn_smem"]. Tested on the GPU and in the
+Params: w, x, y, [bias], [residual], m (tokens), n (weight rows), lda, ldy, [part, counters], [xmap]. Requirements:
+X 16-byte aligned, ``lda`` a multiple of 8, the weight's bytes below 2**32. Launch: grid (ceil(rows_out /
+meta["rows_per_cta"]), ceil(m / mt), kparts), block meta["block"], dynamic shared memory meta["dyn_smem"]. Tested on the GPU and in the
 emulator (``tests/test_gemm_ws_ptx.py``).
 """
 
@@ -85,7 +91,8 @@ def smem_bytes(wtype: str, in_dim: int, layout: str, mt: int, rgroups: int, stag
             + 4 * rgroups * warp_bytes(wtype, in_dim, layout, wstages) + 16 * stages)
 
 
-def check_shape(wtype: str, in_dim: int, layout: str, mt: int, rgroups: int, stages: int, wstages: int) -> None:
+def check_shape(wtype: str, in_dim: int, layout: str, mt: int, rgroups: int, stages: int, wstages: int,
+                kparts: int = 1) -> None:
     check_weight_layout(wtype, in_dim, layout)
     if wtype == "F32":
         raise ValueError("gemm_ws takes the quantized and 16-bit weight types, not F32")
@@ -99,6 +106,9 @@ def check_shape(wtype: str, in_dim: int, layout: str, mt: int, rgroups: int, sta
         raise ValueError(f"wstages (weight chunks in a producer warp's ring) must be 2 or 3, got {wstages}")
     if in_dim % CHUNK:
         raise ValueError(f"gemm_ws needs K a multiple of {CHUNK}, got {in_dim}")
+    if kparts not in (1, 2) or (in_dim // CHUNK) % kparts:
+        raise ValueError(f"kparts (CTAs splitting K) must be 1 or 2 and divide the {in_dim // CHUNK} chunks of K, "
+                         f"got {kparts}")
     smem = smem_bytes(wtype, in_dim, layout, mt, rgroups, stages, wstages)
     if smem > MAX_DYN_SMEM:
         raise ValueError(f"{wtype} mt={mt} rgroups={rgroups} stages={stages} wstages={wstages} needs "
@@ -125,6 +135,11 @@ def _grid() -> list[dict]:
               "out_f16": True, "xtma": True, "f16dec": True})
     g.append({"wtype": "Q4_K", "in_dim": 4096, "layout": "rows", "mt": 128, "residual": True, "f16dec": True})
     g.append({"wtype": "Q6_K", "in_dim": 4096, "layout": "tiles", "mt": 128, "wstages": 3})
+    for wt in ("Q4_K", "Q6_K"):  # K split over two CTAs (o and down at batched-decode and prefill token counts)
+        g.append({"wtype": wt, "in_dim": 14336, "layout": "tiles", "mt": 256, "rgroups": 2, "stages": 3, "residual": True,
+                  "xtma": True, "f16dec": wt == "Q4_K", "kparts": 2})
+        g.append({"wtype": wt, "in_dim": 4096, "layout": "rows", "mt": 128, "rgroups": 2, "residual": True, "xtma": True,
+                  "f16dec": wt == "Q4_K", "kparts": 2})
     g.append({"wtype": "Q4_K", "in_dim": 4096, "layout": "rows", "mt": 64, "stages": 2})
     g.append({"wtype": "F16", "in_dim": 2048, "layout": "rows", "mt": 64})
     return g
@@ -216,6 +231,41 @@ class _RingPosition:
         k.assign(self.parity, k.selp(k.xor(self.parity, 1), self.parity, wrap, "u32"))
 
 
+def _sum_parts(k: KernelBuilder, acc: list, tid: Reg, group: int, flag_at: Reg) -> None:
+    """K split over two CTAs (grid z): each writes its accumulators to ``part`` (thread-major: a thread's own
+    floats, 16-byte stores), the consumers' threads fence and meet, thread 0 counts the CTA at its output tile's
+    counter; the first of the two returns, the second (which resets the counter) adds the other's floats to its own
+    and runs the epilogue. Two addends: the sum is the same whichever CTA comes second. ``flag_at``: a shared u32
+    free after the main loop (it tells the consumers which CTA they are in)."""
+    n = len(acc)
+    tile = k.add(k.mul(k.ctaid("y"), k.sreg("nctaid.x")), k.ctaid())
+    base, part = k.global_ptr("part"), k.ctaid("z")
+
+    def floats_of(p: Reg) -> Reg:
+        return k.add(base, k.mul_wide(k.mad(k.add(k.shl(tile, 1), p), group, tid), 4 * n))
+
+    mine = floats_of(part)
+    for j in range(0, n, 4):
+        k.store("global", "f32", mine, acc[j:j + 4], 4 * j)
+    k.fence("gl")  # (this thread's partial sums are visible GPU-wide before its CTA is counted)
+    k.bar_sync(1, group)
+    counter = k.add(k.global_ptr("counters"), k.mul_wide(tile, 4))
+    with k.if_(k.setp("eq", tid, 0)):
+        second = k.setp("eq", k.atom("global", "add", "u32", counter, 1), 1)
+        with k.if_(second):
+            k.store("global", "u32", counter, 0)  # (left at zero for the next launch)
+            k.fence("gl")  # (acquire: the first CTA's partial sums are visible from here on)
+        k.store("shared", "u32", flag_at, k.selp(1, 0, second, "u32"))
+    k.bar_sync(1, group)
+    with k.if_(k.setp("eq", k.load("shared", "u32", flag_at), 0)):
+        k.ret()
+    other = floats_of(k.xor(part, 1))
+    for j in range(0, n, 4):
+        vals = k.load("global", "f32", other, 4 * j, vec=4, cache="cg")
+        for e in range(4):
+            k.assign(acc[j + e], k.add(acc[j + e], vals[e]))
+
+
 def _a_row(k: KernelBuilder, r: Reg) -> Reg:
     """The A row (within its 8) of a producer lane's strip row ``r`` (0..7): ``pi(r) = 4 (r % 2) + r / 2``. The 8
     lanes of a quarter warp (rows 2 j, 2 j + 1, pieces 4 b + q) then store into 8 distinct 16-byte bank groups of
@@ -227,18 +277,20 @@ def _a_row(k: KernelBuilder, r: Reg) -> Reg:
 def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "tiles", mt: int = 128,
             rgroups: int = 1, stages: int = 4, wstages: int = 2, bias: bool = False,
             residual: bool = False, out_f16: bool = False, glu: bool = False, xtma: bool = False,
-            f16dec: bool = False) -> KernelBuilder:
+            f16dec: bool = False, kparts: int = 1) -> KernelBuilder:
     """Y[:m] = X[:m] W^T (+ bias) (+ residual), or with ``glu`` silu(X G^T) * (X U^T) for W = [gate; up];
     W of ``wtype`` in ``layout``, X f16, f32 accumulation on wgmma from shared memory. Params: w, x, y, [bias],
-    [residual], m, n, lda, ldy. Launch: grid (ceil(rows_out / meta["rows_per_cta"]), ceil(m / mt)), block
-    meta["block"], dyn_smem meta["dyn_smem"]."""
-    check_shape(wtype, in_dim, layout, mt, rgroups, stages, wstages)
+    [residual], m, n, lda, ldy, [part, counters: kparts 2], [xmap: xtma]. Launch: grid (ceil(rows_out /
+    meta["rows_per_cta"]), ceil(m / mt), kparts), block meta["block"], dyn_smem meta["dyn_smem"]."""
+    check_shape(wtype, in_dim, layout, mt, rgroups, stages, wstages, kparts)
     flags, params = epilogue_signature(["w", "x", "y"], ["m", "n", "lda", "ldy"], bias=bias, residual=residual,
                                        out_f16=out_f16, glu=glu, layout=layout)
+    if kparts > 1:  # (K split over the CTAs of grid z: their partial sums, a counter per output tile)
+        params = params + [("part", "u64"), ("counters", "u64")]
     if xtma:  # (the tokens' X by a tensor map: rows of in_dim f16 values, lda apart, boxes of 64 x mt)
         params = params + [("xmap", TENSOR_MAP)]
     name = (f"gemm_ws_{wtype.lower()}_k{in_dim}_{layout.replace('-', '_')}_m{mt}_r{rgroups}_s{stages}_w{wstages}"
-            f"{'_tma' if xtma else ''}{'_hd' if f16dec else ''}{flags}")
+            f"{'_tma' if xtma else ''}{'_hd' if f16dec else ''}{f'_split{kparts}' if kparts > 1 else ''}{flags}")
     group = 128 * rgroups  # consumer threads
     pg = producer_groups(mt, rgroups)
     spw = rgroups // pg  # 16-row strips a producer warp streams
@@ -247,8 +299,8 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     wbytes = warp_bytes(wtype, in_dim, layout, wstages)
     ab, xb = a_bytes(rgroups), x_bytes(mt)
     k.meta.update(block=group + 128 * pg, dyn_smem=smem_bytes(wtype, in_dim, layout, mt, rgroups, stages, wstages),
-                  rows_per_cta=(8 if glu else 16) * 4 * rgroups, mt=mt)
-    nc = in_dim // CHUNK
+                  rows_per_cta=(8 if glu else 16) * 4 * rgroups, mt=mt, part_floats=kparts * group * mt // 2)
+    nc = in_dim // CHUNK // kparts  # the chunks of K a CTA multiplies: c_base ..
 
     tid = k.tid()
     lane, warp = k.and_(tid, 31), k.shr(tid, 5)
@@ -269,6 +321,10 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     k.bar_sync()
 
     ring_pos = _RingPosition(k, stages)
+
+    def chunk_base() -> Reg:
+        """The CTA's first chunk of K."""
+        return k.mul(k.ctaid("z"), nc) if kparts > 1 else k.mov(0, "u32")
 
     def bar(slot: Reg | int, empty: bool = False) -> Reg:
         """The full (else the empty) mbarrier of ``slot``."""
@@ -291,9 +347,9 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     else:
         copy_x = _copy_x(k, tid, group, tok0, m_all, x0, xb, mt, bar)
 
-    c0 = k.mov(0, "u32")
-    for s in range(stages):  # (stages <= 4: all in chunk 0)
-        copy_x(c0, s, s, None)
+    c_base = chunk_base()
+    for s in range(stages):  # (stages <= 4: all in the first chunk)
+        copy_x(c_base, s, s, None)
     with k.loop(0, nc) as i:
         for h in range(4):
             slot, parity = ring_pos.at(i, h)
@@ -321,9 +377,11 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
             live = k.setp("lt", c_next, nc)
             if had is not None:  # (at i = 0 there was no previous stage: that X is in the prologue)
                 live = k.both(live, had)
-            copy_x(c_next, (h - 1 + stages) % 4, prev, live)
+            copy_x(k.add(c_base, c_next) if kparts > 1 else c_next, (h - 1 + stages) % 4, prev, live)
             ring_pos.advance()
     k.wgmma_wait(0)
+    if kparts > 1:
+        _sum_parts(k, acc, tid, group, a0)
     strip = k.add(k.mul(k.ctaid(), 4 * rgroups), k.add(k.shl(g, 2), k.and_(warp, 3)))
     if glu:
         ffn, first = k.shr(n_rows, 1), k.shl(strip, 3)
@@ -343,7 +401,8 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     else:
         wfirst = k.add(ring0, k.mul(pw, spw * wbytes))
         wbases = [k.add(wfirst, u * wbytes) if u else wfirst for u in range(spw)]
-    chunk0, p = k.mov(0, "u32"), pw  # (the producers stream every chunk of K)
+    c_base = chunk_base()
+    chunk0, p = c_base, pw  # (the producers stream the CTA's chunks of K)
     strips = [p] + [k.add(p, 4 * pg * u) for u in range(1, spw)]  # (the strips' indices in the CTA)
     cta_strip = k.mul(k.ctaid(), 4 * rgroups)
     wss = [WeightStream(k, wtype, in_dim, layout, glu, lane, r, k.add(cta_strip, st), n_rows, f16dec) for st in strips]
@@ -370,7 +429,8 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     with k.loop(0, nc) as i:  # (chunk i)
         k.cp_async_wait_group(wstages - 2)
         k.bar_warp_sync()
-        chs = [ws.prep(k.add(wbase, rd), i, (wbase, ring)) for ws, wbase in zip(wss, wbases)]
+        c_abs = k.add(c_base, i) if kparts > 1 else i
+        chs = [ws.prep(k.add(wbase, rd), c_abs, (wbase, ring)) for ws, wbase in zip(wss, wbases)]
         for h in range(4):
             slot, parity = ring_pos.at(i, h)
             prev = k.xor(parity, 1) if not isinstance(parity, int) else parity ^ 1
