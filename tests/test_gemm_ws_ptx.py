@@ -178,13 +178,18 @@ def test_gemm_wg_row_groups(rgroups, kparts, glu):
          residual=None if glu else "in_place")
 
 
+@pytest.mark.parametrize("split", [0.0, 0.9])
 @pytest.mark.parametrize("wtype", ["Q4_K", "Q6_K"])
-def test_policy_shapes_fit_take_x_by_tma_and_assemble(wtype):
-    """ws_config from 129 tokens (where the Linear takes gemm_ws) to a prefill chunk at the 8B and 1B layers: each pick
-    passes check_shape, takes X by a tensor map, decodes in f16x2 exactly where the type has that decoder; a spread
-    of the picks assembles for sm_90a without spills."""
+def test_policy_shapes_fit_take_x_by_tma_and_assemble(monkeypatch, wtype, split):
+    """ws_config from 129 tokens (where the Linear takes gemm_ws) to a prefill chunk at the 8B and 1B layers, with the
+    K split off and on (WS_SPLIT_K): each pick passes check_shape, takes X by a tensor map, decodes in f16x2 exactly
+    where the type has that decoder, splits K only where asked (two consumer warpgroups then); a spread of the picks
+    assembles for sm_90a without spills."""
+    import realizar.gpu.gemm_wg as host
     from realizar.gpu.gemm_wg import ws_config
     from realizar.gpu.policy.gemm import WS_OVER_WG_ROWS
+
+    monkeypatch.setattr(host, "WS_SPLIT_K", split)
 
     seen = set()
     for n, k, glu, layout in [(28672, 4096, True, "glu-tiles"), (6144, 4096, False, "rows"),
@@ -193,12 +198,52 @@ def test_policy_shapes_fit_take_x_by_tma_and_assemble(wtype):
         cols = n // 2 if glu else n
         for m in list(range(WS_OVER_WG_ROWS + 1, 600, 7)) + [1024, 2048]:
             cfg = ws_config(wtype, k, layout, cols, m, 132, 227 * 1024, glu=glu)
-            ws.check_shape(wtype, k, layout, cfg.mt, cfg.rgroups, cfg.stages, cfg.wstages)
+            ws.check_shape(wtype, k, layout, cfg.mt, cfg.rgroups, cfg.stages, cfg.wstages, cfg.kparts)
             assert cfg.xtma and cfg.f16dec == (wtype in F16DEC_TYPES), cfg
+            assert cfg.kparts == 1 or (split and cfg.rgroups == 2), cfg
             seen.add((k, layout, glu, cfg))
+    assert any(c.kparts == 2 for *_, c in seen) == bool(split)
     for k, layout, glu, cfg in sorted(seen, key=str)[:: max(1, len(seen) // 4)]:
         kern = catalog.emit("gemm_ws", target="sm_90", wtype=wtype, in_dim=k, layout=layout, mt=cfg.mt,
                             rgroups=cfg.rgroups, stages=cfg.stages, wstages=cfg.wstages, xtma=cfg.xtma,
-                            f16dec=cfg.f16dec, glu=glu, out_f16=glu)
+                            f16dec=cfg.f16dec, glu=glu, out_f16=glu, kparts=cfg.kparts)
         rep = assemble(kern.ptx, kern.target)[0]
         assert not rep.spills, f"{cfg} spills: {rep.log}"
+
+
+def test_linear_sizes_the_k_split_room_and_launches_it(monkeypatch):
+    """The Linear above WS_OVER_WG_ROWS with the policy splitting K (WS_SPLIT_K on): reserve sizes its SplitSpace once
+    (True: graphs must be rebuilt; then False), the product with the residual in place matches the oracle twice (the
+    counters left at zero between launches), and gemm_ws without the room is refused with what it needs."""
+    import realizar.gpu.gemm_wg as host
+    from realizar import cuda
+    from realizar.errors import ShapeError
+    from realizar.gpu.linear import Linear
+    from realizar.gpu.ops import GpuWeight, LayerOps
+    from realizar.gpu.policy.gemm import WS_OVER_WG_ROWS
+    from tests.test_gemm_q_ptx import _oracle
+
+    monkeypatch.setattr(host, "wg_applies", lambda *a: True)
+    monkeypatch.setattr(host, "WS_SPLIT_K", 0.01)
+    ops = LayerOps(cuda.EmulatedDevice(target="sm_90", sm_count=2))  # (a launch of 4 CTAs fills it: 128-token tiles)
+    rng = np.random.default_rng(23)
+    out_dim, in_dim, m = 128, 512, WS_OVER_WG_ROWS + 5
+    raw = random_weight(rng, "Q4_K", out_dim, in_dim)
+    w = GpuWeight(data=raw, ggml_type="Q4_K", shape=(out_dim, in_dim), layout="tiles", device=ops.device)
+    assert host.ws_config("Q4_K", in_dim, "tiles", out_dim, m, ops.sm_count).kparts == 2
+    lin, weights = Linear(ops), (w,)
+    assert lin.reserve(weights, m) and not lin.reserve(weights, m) and lin.split is not None
+    x = (rng.standard_normal((m, in_dim)) + 0.1).astype(np.float16)
+    r = rng.standard_normal((m, out_dim)).astype(np.float32)
+    xb, y = ops.to_device(x), ops.to_device(r)
+    lin(w, xb, y, m, residual=y)
+    ref, scale, tol = _oracle(raw, "Q4_K", out_dim, in_dim, x, False, None, r, False)
+    got = y.to_numpy().reshape(m, out_dim).astype(np.float64)
+    assert (np.abs(got - ref) / scale).max() < tol
+    lin(w, xb, y, m, residual=y)  # (again: y = 2 x W^T + r)
+    ref2, scale2, _ = _oracle(raw, "Q4_K", out_dim, in_dim, x, False, None, ref, False)
+    assert (np.abs(y.to_numpy().reshape(m, out_dim) - ref2) / scale2).max() < 2 * tol
+    assert not lin.split.counters.to_numpy().any()
+    with pytest.raises(ShapeError, match="SplitSpace"):
+        ops.gemm_ws(xb, w, y, m, residual=y)
+    lin.free()

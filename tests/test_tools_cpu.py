@@ -245,18 +245,20 @@ def test_bench_gemm_wg_options_on_the_emulated_device(tmp_path, monkeypatch):
 
     monkeypatch.setattr(cuda, "current_device", lambda: dev)
     monkeypatch.setattr(host, "wg_applies", lambda *a: True)  # (the Linear never hands the emulated device gemm_ws)
-    monkeypatch.setattr(bench, "SHAPES", [("8b", "o", 64, 256, False), ("8b", "gate/up", 128, 256, True)])
+    monkeypatch.setattr(bench, "SHAPES", [("8b", "o", 64, 512, False), ("8b", "gate/up", 128, 256, True)])
     monkeypatch.setattr(bench, "graph_median_us", once)
     monkeypatch.setattr(bench, "_us", lambda fn, stream: (fn(), 1.0)[1])
     monkeypatch.setattr(bench, "_torch_us", lambda *a: None)
-    monkeypatch.setattr(bench, "_sweep_ws", lambda *a: [bench.WsConfig(64, 1, 3, 2, True, True)])
+    swept = bench.WsConfig(64, 2, 3, 2, True, True, 2)  # (K split over two CTAs: the o shape's 2 chunks)
+    monkeypatch.setattr(bench, "_sweep_ws", lambda *a: [swept])
     out = tmp_path / "ws.md"
     monkeypatch.setattr(sys, "argv", ["bench_gemm_wg.py", "--kernel", "ws", "--models", "8b", "--ms", "70", "--as-step",
                                       "--xtma", "--f16dec", "--sweep", "--out", str(out)])
     assert bench.main() == 0
     rows = [line for line in out.read_text().splitlines() if line.startswith("| Q4_K")]
     assert len(rows) == 2 and all(" tma hd " in r for r in rows), rows
-    assert calls and all(n == 20 for n in calls)
+    # each row's policy launch, and the swept K split on the o shape (gate/up's one chunk refuses it)
+    assert len(calls) == 3 and all(n == 20 for n in calls), calls
 
 
 def test_ncu_gemm_ws_launches_on_the_emulated_device(monkeypatch, capsys):

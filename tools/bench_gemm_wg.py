@@ -32,7 +32,7 @@ from ptx_gen.kernels.gemm.qstream import F16DEC_TYPES  # noqa: E402
 from realizar.cuda.bench import graph_median_us  # noqa: E402
 
 from realizar import cuda  # noqa: E402
-from realizar.gpu.gemm_wg import WgConfig, WsConfig, wg_config, ws_config  # noqa: E402
+from realizar.gpu.gemm_wg import WgConfig, WsConfig, split_room, wg_config, ws_config  # noqa: E402
 from realizar.gpu.ops import LayerOps  # noqa: E402
 from realizar.gpu.weights import GpuWeight  # noqa: E402
 from realizar.models.random import dequant, random_weight  # noqa: E402
@@ -54,24 +54,26 @@ def _sweep(wtype: str, k: int, layout: str, m: int, max_smem: int) -> list[WgCon
     return out
 
 
-def _sweep_ws(wtype: str, k: int, layout: str, m: int, max_smem: int) -> list[WsConfig]:
+def _sweep_ws(wtype: str, k: int, layout: str, m: int, max_smem: int, policy: WsConfig) -> list[WsConfig]:
+    """Every token tile, consumer warpgroup count, ring depth and K split that fits, with the policy's X copies and
+    decoder."""
     from ptx_gen.kernels.gemm.gemm_ws import check_shape, smem_bytes
 
     def takes(c: WsConfig) -> bool:
         try:
-            check_shape(wtype, k, layout, c.mt, c.rgroups, c.stages, c.wstages)
+            check_shape(wtype, k, layout, c.mt, c.rgroups, c.stages, c.wstages, c.kparts)
         except ValueError:
             return False
         return smem_bytes(wtype, k, layout, c.mt, c.rgroups, c.stages, c.wstages) <= max_smem
 
-    return [c for c in (WsConfig(mt, rg, st, 2, xt, hd) for mt in (64, 128, 256) if mt <= 2 * max(m, 32)
-                        for rg in (1, 2) for st in (4, 3, 2) for xt in (False, True)
-                        for hd in ((False, True) if wtype in F16DEC_TYPES else (False,))) if takes(c)]
+    return [c for c in (WsConfig(mt, rg, st, 2, policy.xtma, policy.f16dec, kp) for mt in (64, 128, 256)
+                        if mt <= 2 * max(m, 32) for rg in (1, 2) for st in (4, 3, 2) for kp in (1, 2)) if takes(c)]
 
 
 def _label(c) -> str:
     if isinstance(c, WsConfig):
-        return f"ws t{c.mt} r{c.rgroups} s{c.stages} w{c.wstages}{' tma' if c.xtma else ''}{' hd' if c.f16dec else ''}"
+        return (f"ws t{c.mt} r{c.rgroups} s{c.stages} w{c.wstages}{' tma' if c.xtma else ''}{' hd' if c.f16dec else ''}"
+                f"{f' k{c.kparts}' if c.kparts > 1 else ''}")
     return f"t{c.mt} r{c.rgroups} k{c.kparts} s{c.stages} u{c.unroll}"
 
 
@@ -92,6 +94,8 @@ def main() -> int:
     ap.add_argument("--xtma", action=argparse.BooleanOptionalAction,
                     help="gemm_ws: the policy's launch shapes with X by a tensor map (--no-xtma: by 16-byte copies; "
                          "default: as the policy has it)")
+    ap.add_argument("--kparts", type=int, choices=(1, 2),
+                    help="gemm_ws: the policy's launch shapes with K split over this many CTAs (default: the policy's)")
     ap.add_argument("--f16dec", action=argparse.BooleanOptionalAction,
                     help="gemm_ws: the policy's launch shapes decoding Q4_K in f16x2 (--no-f16dec: in f32; default: as "
                          "the policy has it)")
@@ -137,7 +141,17 @@ def main() -> int:
                     cfg = dataclasses.replace(cfg, xtma=a.xtma)
                 if a.kernel == "ws" and a.f16dec is not None:
                     cfg = dataclasses.replace(cfg, f16dec=a.f16dec and wtype in F16DEC_TYPES)
-                gemm = ops.gemm_ws if a.kernel == "ws" else ops.gemm_wg
+                if a.kernel == "ws" and a.kparts is not None:
+                    cfg = dataclasses.replace(cfg, kparts=a.kparts)
+                spaces = []  # (the K split's room of each timed launch shape, freed after the row)
+
+                def gemm(*args, config, **kw):
+                    if a.kernel == "wg":
+                        return ops.gemm_wg(*args, config=config, **kw)
+                    room = split_room(config, cols, m, glu)
+                    if room[0] and not (spaces and spaces[-1].fits(*room)):
+                        spaces.append(ops.split_space(*room))
+                    return ops.gemm_ws(*args, config=config, split=spaces[-1] if room[0] else None, **kw)
 
                 def run(c):
                     calls = [lambda wi=copies[i % len(copies)]: gemm(
@@ -148,7 +162,8 @@ def main() -> int:
                 us = run(cfg)
                 best = (us, cfg)
                 if a.sweep:
-                    for c in (_sweep_ws if a.kernel == "ws" else _sweep)(wtype, k, layout, m, smem):
+                    for c in (_sweep_ws(wtype, k, layout, m, smem, cfg) if a.kernel == "ws"
+                              else _sweep(wtype, k, layout, m, smem)):
                         if c == cfg:
                             continue
                         try:
@@ -175,7 +190,7 @@ def main() -> int:
                        f"{best[0]:.1f} ({_label(bc)}) | {err:.1e} |")
                 print(row, flush=True)
                 lines.append(row)
-                for b in (x16, y):
+                for b in (x16, y, *spaces):
                     b.free()
             w16.free()
             for c in copies:

@@ -8,7 +8,8 @@ against its float64 oracle.
 The cases: Q4_K (with and without the f16x2 decoder), Q6_K, Q8_0 and Q4_1 weights in the layouts the model keeps
 (tile-major, [gate; up] glu-tiles through the SwiGLU epilogue with f16 output, GGUF rows), token counts that end
 inside a tile (tokens past M: X rows the tensor map fills with zeros, outputs never written), one and two consumer
-warpgroups, 64-, 128- and 256-token tiles, ring depths 2-4, X by 16-byte copies and by a tensor map, the residual
+warpgroups, 64-, 128- and 256-token tiles, ring depths 2-4, K split over two CTAs (their partial sums through a
+workspace, counters left at zero), X by 16-byte copies and by a tensor map, the residual
 epilogue in place; every element against the float64 oracle over the dequantized weights and the f16 X (relative to
 the sum of the absolute products), the NaN
 poison past the rows untouched. A device that is not sm_90 has nothing to check (said, exit 0). The CPU tests run
@@ -22,7 +23,7 @@ import argparse
 import numpy as np
 
 from realizar import cuda
-from realizar.gpu.gemm_wg import WgConfig, WsConfig
+from realizar.gpu.gemm_wg import WgConfig, WsConfig, split_room
 from realizar.gpu.ops import GpuWeight, LayerOps
 from realizar.models.random import dequant, random_weight
 
@@ -32,6 +33,7 @@ CASES_SMALL = [
     ("gemm_ws", "Q4_K", "glu-tiles", 256, 512, 200, WsConfig(256, 2, 3, 2, True, False)),
     ("gemm_ws", "Q6_K", "tiles", 128, 256, 130, WsConfig(128, 2, 4, 2, False, False)),
     ("gemm_wg", "Q8_0", "tiles", 128, 512, 45, WgConfig(64, 1, 2, 2, 2)),
+    ("gemm_ws", "Q4_K", "tiles", 256, 1024, 150, WsConfig(128, 2, 3, 2, True, True, 2)),
 ]
 CASES = CASES_SMALL + [
     ("gemm_ws", "Q4_K", "rows", 320, 768, 300, WsConfig(256, 1, 4, 3, True, True)),
@@ -68,9 +70,13 @@ def case(ops, rng, kernel, wtype, layout, out_dim, in_dim, m, cfg) -> None:
     if r is not None:
         y_host[:m] = r
     dx, dy = ops.to_device(x), ops.to_device(y_host)
-    getattr(ops, kernel)(dx, w, dy, m, glu=glu, out_f16=glu, config=cfg, residual=None if glu else dy)
+    room = split_room(cfg, cols, m, glu) if kernel == "gemm_ws" else (0, 0)
+    split = {"split": ops.split_space(*room)} if room[0] else {}
+    getattr(ops, kernel)(dx, w, dy, m, glu=glu, out_f16=glu, config=cfg, residual=None if glu else dy, **split)
     got = dy.to_numpy().reshape(m + 3, cols)
-    for buf in (dx, dy, w):
+    if split:
+        assert not split["split"].counters.to_numpy().any(), "counters not left at zero"
+    for buf in (dx, dy, w, *split.values()):
         buf.free()
     ref, scale = _oracle(raw, wtype, out_dim, in_dim, x, glu, r)
     what = f"{kernel} {wtype} {layout} {out_dim}x{in_dim} m={m} {cfg}"
@@ -94,7 +100,7 @@ def cases(rng, which) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--small", action="store_true", help="the first four cases (racecheck is slow)")
+    ap.add_argument("--small", action="store_true", help="the first five cases (racecheck is slow)")
     a = ap.parse_args()
     n = cases(np.random.default_rng(0), CASES_SMALL if a.small else CASES)
     cuda.current_device().synchronize()

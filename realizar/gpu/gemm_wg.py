@@ -18,10 +18,10 @@ import numpy as np
 from realizar.errors import ShapeError
 from realizar.gpu.dispatch import Dispatcher
 from realizar.gpu.policy.gemm import (WG_MIN_WAVE, WG_MTS, WG_STAGES, WG_UNROLL, WG_WIDE, WS_MIN_WAVE, WS_MTS,
-                                      WS_F16DEC, WS_STAGES, WS_XTMA, WS_WIDE, WS_WIDE_256)
+                                      WS_F16DEC, WS_SPLIT_K, WS_STAGES, WS_XTMA, WS_WIDE, WS_WIDE_256)
 from realizar.gpu.policy.shapes import WgConfig, WsConfig
 
-__all__ = ["GemmWgOps", "WgConfig", "WsConfig", "wg_applies", "wg_config", "ws_config"]
+__all__ = ["GemmWgOps", "SplitSpace", "WgConfig", "WsConfig", "split_room", "wg_applies", "wg_config", "ws_config"]
 
 
 def wg_applies(device: Any, wtype: str, layout: str, in_dim: int) -> bool:
@@ -64,7 +64,8 @@ def ws_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_co
     CTAs (else the smallest); two consumer warpgroups on a 128-token tile where the launch keeps ``WS_WIDE`` CTAs
     an SM, on a 256-token tile where it keeps ``WS_WIDE_256``; the deepest ring of ``WS_STAGES`` that fits ``max_smem``;
     X by a tensor map where ``WS_XTMA``; the weights decoded in f16x2 arithmetic where ``WS_F16DEC`` and the type has
-    that decoder."""
+    that decoder; K split over two CTAs of two consumer warpgroups instead of one warpgroup a CTA where that launch
+    has ``WS_SPLIT_K`` CTAs an SM."""
     from ptx_gen.kernels.gemm.gemm_ws import smem_bytes
     from ptx_gen.kernels.gemm.qstream import F16DEC_TYPES
 
@@ -73,15 +74,48 @@ def ws_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_co
     mt = next((t for t in tiles if groups * -(-m // t) >= WS_MIN_WAVE * sm_count), tiles[-1])
     wide = {128: WS_WIDE, 256: WS_WIDE_256}.get(mt)
     rg = 2 if wide is not None and -(-groups // 2) * -(-m // mt) >= wide * sm_count else 1
-    for r in (rg, 1):
+    kp = 1
+    if (rg == 1 and WS_SPLIT_K and mt >= 128 and in_dim // 256 % 2 == 0
+            and 2 * -(-groups // 2) * -(-m // mt) >= WS_SPLIT_K * sm_count):
+        rg, kp = 2, 2
+    for r, kparts in dict.fromkeys([(rg, kp), (1, 1)]):
         for stages in WS_STAGES:
             if smem_bytes(wtype, in_dim, layout, mt, r, stages, 2) <= max_smem:
-                return WsConfig(mt, r, stages, 2, WS_XTMA, WS_F16DEC and wtype in F16DEC_TYPES)
+                return WsConfig(mt, r, stages, 2, WS_XTMA, WS_F16DEC and wtype in F16DEC_TYPES, kparts)
     raise ShapeError(f"no warp-specialized GEMM tile for {wtype} {layout} fits {max_smem} bytes of shared memory")
+
+
+def split_room(cfg: WsConfig, cols: int, m: int, glu: bool = False) -> tuple[int, int]:
+    """(f32 partial sums, u32 counters) a gemm_ws launch of ``cfg`` over ``cols`` outputs and ``m`` tokens needs in its
+    :class:`SplitSpace` ((0, 0) without a K split)."""
+    if cfg.kparts == 1:
+        return 0, 0
+    tiles = -(-cols // ((8 if glu else 16) * 4 * cfg.rgroups)) * -(-m // cfg.mt)
+    return tiles * cfg.kparts * 128 * cfg.rgroups * cfg.mt // 2, tiles
+
+
+@dataclasses.dataclass
+class SplitSpace:
+    """The room of gemm_ws launches that split K over two CTAs: their partial sums and a counter per output tile (zero,
+    and left at zero by every launch). One launch at a time uses it (a stream's launches run in turn)."""
+
+    part: Any
+    counters: Any
+
+    def fits(self, floats: int, tiles: int) -> bool:
+        return self.part.count >= floats and self.counters.count >= tiles
+
+    def free(self) -> None:
+        self.part.free()
+        self.counters.free()
 
 
 class GemmWgOps(Dispatcher):
     """Launches of the warpgroup-MMA GEMM."""
+
+    def split_space(self, floats: int, tiles: int) -> SplitSpace:
+        """A :class:`SplitSpace` of ``floats`` partial sums and ``tiles`` counters (synchronous: outside a capture)."""
+        return SplitSpace(self.buffer(max(1, floats)), self.buffer(max(1, tiles), np.uint32, zero=True))
 
     def gemm_wg(self, x16: Any, weight: Any, out: Any, m: int, *, lda: int | None = None, ldy: int | None = None,
                 bias: Any = None, residual: Any = None, out_f16: bool = False, glu: bool = False,
@@ -93,13 +127,16 @@ class GemmWgOps(Dispatcher):
 
     def gemm_ws(self, x16: Any, weight: Any, out: Any, m: int, *, lda: int | None = None, ldy: int | None = None,
                 bias: Any = None, residual: Any = None, out_f16: bool = False, glu: bool = False,
-                config: WsConfig | None = None, stream: Any = None) -> None:
+                config: WsConfig | None = None, split: SplitSpace | None = None, stream: Any = None) -> None:
         """:meth:`gemm_wg`'s product on the warp-specialized kernel (producer warps decode into shared memory,
-        consumer warpgroups issue the MMAs)."""
-        self._launch_wgmma("gemm_ws", x16, weight, out, m, lda, ldy, bias, residual, out_f16, glu, config, stream)
+        consumer warpgroups issue the MMAs). A launch shape that splits K over two CTAs needs ``split`` with the
+        room :func:`split_room` names (:meth:`split_space`)."""
+        self._launch_wgmma("gemm_ws", x16, weight, out, m, lda, ldy, bias, residual, out_f16, glu, config, stream,
+                           split)
 
     def _launch_wgmma(self, name: str, x16: Any, weight: Any, out: Any, m: int, lda: int | None, ldy: int | None,
-                      bias: Any, residual: Any, out_f16: bool, glu: bool, config: Any, stream: Any) -> None:
+                      bias: Any, residual: Any, out_f16: bool, glu: bool, config: Any, stream: Any,
+                      split: SplitSpace | None = None) -> None:
         """Check the operands, pick the launch shape (``config`` or the kernel's policy) and launch ``name``."""
         from realizar.cuda.tensormap import f16_tiles_2d
         from realizar.gpu.gemm import quantized_operands
@@ -123,4 +160,16 @@ class GemmWgOps(Dispatcher):
         values.update(m=m, n=n, lda=lda, ldy=ldy)
         if getattr(cfg, "xtma", False):  # (the map is encoded on the host: nothing allocated, capturable)
             values["xmap"] = f16_tiles_2d(self.device, values["x"], k, m, 2 * lda, 64, cfg.mt)
-        self.launch(kern, (-(-cols // kern.meta["rows_per_cta"]), -(-m // cfg.mt)), values, stream)
+        grid = (-(-cols // kern.meta["rows_per_cta"]), -(-m // cfg.mt))
+        kparts = getattr(cfg, "kparts", 1) if name == "gemm_ws" else 1
+        if kparts > 1:
+            floats, tiles = split_room(cfg, cols, m, glu)
+            if split is None or not split.fits(floats, tiles):
+                have = "none" if split is None else f"{split.part.count} floats and {split.counters.count} counters"
+                raise ShapeError(f"{cfg} over {cols} outputs and {m} tokens needs a SplitSpace of {floats} floats and "
+                                 f"{tiles} counters (GemmWgOps.split_space); got {have}")
+            values.update(part=split.part.ptr, counters=split.counters.ptr)
+            grid = (*grid, kparts)
+            self.launch(kern, grid, values, stream, buffers={"part": split.part, "counters": split.counters})
+            return
+        self.launch(kern, grid, values, stream)

@@ -12,8 +12,8 @@
 
 Above one row x enters as f16 (:meth:`Linear.f16_input`); products accumulate in f32. Epilogues:
 ``bias``, ``residual`` (may be ``out``: in place), ``glu`` (the [gate; up] weight's SwiGLU), ``out_f16``.
-Every call is capturable: no allocation or synchronisation (the scratch is sized by :meth:`reserve`
-before a step).
+Every call is capturable: no allocation or synchronisation (the scratch and the room of gemm_ws launches that
+split K over two CTAs are sized by :meth:`reserve` before a step).
 """
 
 from __future__ import annotations
@@ -61,6 +61,8 @@ class Linear:
         self.f16_weights: dict[int, Any] = {}  # id(weight) -> its f16 rows (gate/up interleaved)
         self.scratch = None  # f16 expansion of a weight without a kept copy
         self._wg_takes: dict[int, tuple] = {}  # id(weight) -> (weight, _wg(weight)): asked for every weight each step
+        self.split = None  # the SplitSpace of gemm_ws launches that split K over two CTAs (sized by reserve)
+        self._split_rooms: dict[tuple, tuple] = {}  # (id(weights), rows) -> (weights, the room they need)
 
     @staticmethod
     def f16_input(rows: int) -> bool:
@@ -81,24 +83,53 @@ class Linear:
         stream.synchronize()
 
     def reserve(self, weights: Sequence, rows: int) -> bool:
-        """Size the expansion scratch for ``weights`` at ``rows`` rows (before a step, outside any
-        capture); True when it had to grow (graphs that read the old one must be rebuilt)."""
+        """Size the expansion scratch and the K split's room for ``weights`` at ``rows`` rows (before a step,
+        outside any capture); True when either had to grow (graphs that read the old one must be rebuilt)."""
         if rows <= GEMM_Q_MAX_ROWS:
             return False
+        grew = False
+        if rows > WS_OVER_WG_ROWS:
+            floats, tiles = self._split_room(weights, rows)
+            if floats and (self.split is None or not self.split.fits(floats, tiles)):
+                if self.split is not None:
+                    floats, tiles = max(floats, self.split.part.count), max(tiles, self.split.counters.count)
+                    self.split.free()
+                self.split = self.ops.split_space(floats, tiles)
+                grew = True
         need = max([w.out_dim * w.in_dim for w in weights if id(w) not in self.f16_weights and not self._wg(w)]
                    or [0])
         if need == 0 or (self.scratch is not None and self.scratch.count >= need):
-            return False
+            return grew
         if self.scratch is not None:
             self.scratch.free()
         self.scratch = self.ops.buffer(need, np.float16)
         return True
+
+    def _split_room(self, weights: Sequence, rows: int) -> tuple[int, int]:
+        """(floats, counters) the gemm_ws launches of ``weights`` at ``rows`` rows need in :attr:`split` (a fused
+        gate/up weight's launch shape and room are those of its rows without the SwiGLU epilogue)."""
+        from realizar.gpu.gemm_wg import split_room, ws_config
+
+        hit = self._split_rooms.get((id(weights), rows))
+        if hit is not None and hit[0] is weights:
+            return hit[1]
+        ops = self.ops
+        rooms = [split_room(ws_config(w.wtype, w.in_dim, w.layout, w.out_dim, rows, ops.sm_count,
+                                      ops.device.max_shared_per_block_optin), w.out_dim, rows)
+                 for w in weights if self._wg(w)]
+        room = (max([f for f, _ in rooms] or [0]), max([t for _, t in rooms] or [0]))
+        self._split_rooms[(id(weights), rows)] = (weights, room)
+        return room
 
     def free(self) -> None:
         for buf in self.f16_weights.values():
             buf.free()
         self.f16_weights.clear()
         self._wg_takes.clear()
+        self._split_rooms.clear()
+        if self.split is not None:
+            self.split.free()
+            self.split = None
         if self.scratch is not None:
             self.scratch.free()
             self.scratch = None
@@ -122,8 +153,10 @@ class Linear:
             return
         w16 = self.f16_weights.get(id(weight))
         if (w16 is None or rows > WG_OVER_F16_ROWS) and self._wg(weight):
-            gemm = ops.gemm_ws if rows > WS_OVER_WG_ROWS else ops.gemm_wg
-            gemm(x, weight, out, rows, stream=stream, **epilogue)
+            if rows > WS_OVER_WG_ROWS:
+                ops.gemm_ws(x, weight, out, rows, split=self.split, stream=stream, **epilogue)
+            else:
+                ops.gemm_wg(x, weight, out, rows, stream=stream, **epilogue)
             return
         if w16 is None:
             w16 = self.scratch

@@ -13,7 +13,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from ptx_gen.kernels.gemm import gemm_wg as wg, gemm_ws as ws
-from realizar.gpu.gemm_wg import WgConfig, WsConfig, wg_applies
+from realizar.gpu.gemm_wg import WgConfig, WsConfig, split_room, wg_applies
 from realizar.gpu.ops import GpuWeight, LayerOps
 from tests.helpers import examples
 from tests.layer_oracles import epilogue_buffers, random_weight
@@ -24,7 +24,8 @@ WG_CASES = [(wt, lay) for wt, lay in CASES if wt != "F32"]
 WG_CONFIGS = st.one_of(st.none(), st.builds(WgConfig, st.sampled_from(wg.WG_MTS), st.sampled_from([1, 2]),
                                             st.sampled_from([1, 2, 4]), st.sampled_from([2, 3, 4])))
 WS_CONFIGS = st.one_of(st.none(), st.builds(WsConfig, st.sampled_from(ws.WS_MTS), st.sampled_from([1, 2]),
-                                            st.sampled_from(ws.WS_STAGES), st.sampled_from([2, 3]), st.booleans()))
+                                            st.sampled_from(ws.WS_STAGES), st.sampled_from([2, 3]), st.booleans(),
+                                            st.just(False), st.sampled_from([1, 2])))
 F16DEC_CASES = [("glu-tiles", 28672, 4096, True), ("rows", 4096, 4096, False), ("tiles", 4096, 14336, False)]
 
 
@@ -43,7 +44,9 @@ def _run(ops, kernel, rng, wtype, layout, out_dim, in_dim, m, cfg=None, *, glu=F
     x = ((rng.standard_normal((m, in_dim)) + 0.1) / (64 if out_f16 else 1)).astype(np.float16)
     y, kw, b, r = epilogue_buffers(ops, rng, m, cols, bias=bias, residual=residual, out_f16=out_f16)
     xb = ops.to_device(x)
-    getattr(ops, kernel)(xb, w, y, m, glu=glu, out_f16=out_f16, config=cfg, **kw)
+    room = split_room(cfg, cols, m, glu) if kernel == "gemm_ws" and cfg is not None else (0, 0)
+    split = ops.split_space(*room) if room[0] else None  # (K split over two CTAs: their partial sums, counters)
+    getattr(ops, kernel)(xb, w, y, m, glu=glu, out_f16=out_f16, config=cfg, **kw, **({"split": split} if split else {}))
     got = y.to_numpy().reshape(m, cols).astype(np.float64)
     ref, scale, tol = _oracle(raw, wtype, out_dim, in_dim, x, glu, b if bias else None,
                               r if residual is not None else None, out_f16)
@@ -51,6 +54,9 @@ def _run(ops, kernel, rng, wtype, layout, out_dim, in_dim, m, cfg=None, *, glu=F
     err = np.abs(got - ref) / (scale + 1e-30)
     assert err.max() < tol, (f"{kernel} {wtype} {layout} {out_dim}x{in_dim} m={m} {cfg}: max relative error "
                              f"{err.max():.2e}")
+    if split is not None:
+        assert not split.counters.to_numpy().any(), "counters not left at zero"
+        split.free()
     for buf in (xb, *kw.values()):
         if buf is not y:
             buf.free()
@@ -83,7 +89,7 @@ def test_gemm_wg_gpu(ops, wtype, layout, data, m, cfg, seed):
 
 def _ws_takes(wtype, in_dim, layout, cfg) -> bool:
     try:
-        ws.check_shape(wtype, in_dim, layout, cfg.mt, cfg.rgroups, cfg.stages, cfg.wstages)
+        ws.check_shape(wtype, in_dim, layout, cfg.mt, cfg.rgroups, cfg.stages, cfg.wstages, cfg.kparts)
     except ValueError:
         return False
     return True
@@ -129,3 +135,17 @@ def test_gemm_ws_gpu_f16_decoding(ops, layout, out_dim, in_dim, glu, m):
 def test_gemm_ws_gpu_two_consumers_of_256_tokens(ops, wtype, layout, out_dim, in_dim, glu, m, stages, xtma):
     _run(ops, "gemm_ws", np.random.default_rng(m), wtype, layout, out_dim, in_dim, m, WsConfig(256, 2, stages, 2, xtma),
          glu=glu, out_f16=glu)
+
+
+@pytest.mark.parametrize("wtype,layout,out_dim,in_dim,glu", [
+    ("Q4_K", "tiles", 4096, 14336, False), ("Q4_K", "rows", 4096, 4096, False), ("Q6_K", "tiles", 4096, 14336, False),
+    ("Q4_K", "glu-tiles", 28672, 4096, True),
+])
+@pytest.mark.parametrize("m,cfg", [(256, WsConfig(128, 2, 4, 2, True, True, 2)), (512, WsConfig(256, 2, 3, 2, True, True, 2)),
+                                   (200, WsConfig(128, 2, 3, 2, False, False, 2))])
+def test_gemm_ws_gpu_k_split_over_two_ctas(ops, wtype, layout, out_dim, in_dim, glu, m, cfg):
+    """K split over two CTAs (the policy's WS_SPLIT_K candidates: o and down at 256 / 512 tokens), the residual in
+    place (glu: the SwiGLU epilogue to f16), every element against the oracle, the counters left at zero."""
+    cfg = WsConfig(cfg.mt, cfg.rgroups, cfg.stages, cfg.wstages, cfg.xtma, cfg.f16dec and wtype == "Q4_K", cfg.kparts)
+    _run(ops, "gemm_ws", np.random.default_rng(m + in_dim), wtype, layout, out_dim, in_dim, m, cfg, glu=glu,
+         residual=None if glu else "in_place", out_f16=glu)

@@ -77,6 +77,10 @@ WS_F16DEC = True
 # the tokens' X by a tensor map (one bulk copy a stage, off the load/store unit the producers' weight loads share;
 # H200, 8B Q4_K as the step runs it: 1.0-1.4x at every shape, docs/results/bench_gemm_ws_step_h200.md)
 WS_XTMA = True
+# K split over two CTAs of two consumer warpgroups each (128 weight rows reading half of K: the tokens' X read half as
+# often) where a launch of one consumer warpgroup a CTA would be chosen and the split launch has at least this many
+# CTAs per SM (o and down at 256 / 512 tokens: 128 CTAs); 0: never (built, not timed yet)
+WS_SPLIT_K = 0.0
 # above this many rows the Linear takes the warp-specialized GEMM instead of gemm_wg (H200, 8B Q4_K batched decode:
 # gemm_wg ahead at 128 rows, gemm_ws at 256; the GEMMs alone at 512 tokens 1.3x; docs/results/bench_gemm_ws_h200.md)
 WS_OVER_WG_ROWS = 128
