@@ -299,3 +299,21 @@ def test_sanitize_gemm_wg_cases_on_the_emulated_device(monkeypatch):
     monkeypatch.setattr(tool, "dequant", lambda *a: wrong(*a) * 1.01)
     with pytest.raises(AssertionError, match="max relative error"):
         tool.case(tool.LayerOps(), np.random.default_rng(1), *small[2])
+
+
+def test_bench_attention_batched_on_the_emulated_device(tmp_path, monkeypatch):
+    """tools/bench_attention_batched.py with its sweep of decode tilings at a toy size on the emulated device (each
+    timed call run once): the row's error against the float64 oracle is small and names the best tiling."""
+    import sys
+
+    sys.path.insert(0, "tools")
+    import tools.bench_attention_batched as bench
+    from realizar import cuda
+
+    dev = cuda.EmulatedDevice(sm_count=4, racecheck=False)
+    monkeypatch.setattr(cuda, "current_device", lambda: dev)
+    monkeypatch.setattr(bench, "graph_median_us", lambda fns, stream: (fns[0](), (1.0, "eager"))[1])
+    out = tmp_path / "att.md"
+    assert bench.main(["--batches", "2", "--lengths", "40", "--sweep", "--out", str(out)]) == 0
+    row = [line for line in out.read_text().splitlines() if line.startswith("| 2 | 40 |")]
+    assert len(row) == 1 and float(row[0].split("|")[8]) < 2e-3 and row[0].rstrip().endswith("(default) |"), row
