@@ -171,6 +171,22 @@ def test_atomics_return_the_old_value_and_accumulate(a):
     assert np.array_equal(old, (np.cumsum(a.astype(np.uint64)) - a & np.uint64(0xFFFFFFFF)).astype(np.uint32))
 
 
+@SETTINGS
+@given(bound=st.integers(1, 40))
+def test_atom_inc_wraps_at_its_operand(bound):
+    """``atom.global.inc.u32 [c], b``: each thread in lane order takes the old value and leaves ``old >= b ? 0 : old + 1``
+    (a counter of b + 1 arrivals that resets itself)."""
+    body = PROLOGUE + f"""
+    atom.global.inc.u32 %r3, [%rd2], {bound};
+    st.global.b32 [%rd5], %r3;
+    ret;"""
+    mem = Memory()
+    pa, pb, counter = mem.alloc_array(np.zeros(N, np.uint32)), mem.alloc(4 * N), mem.alloc_array(np.zeros(1, np.uint32))
+    run(kernel(body), (1,), (N,), {"a": pa, "b": pb, "out": counter}, mem)
+    assert mem.read(pb, np.uint32, N).tolist() == [i % (bound + 1) for i in range(N)]
+    assert mem.read(counter, np.uint32, 1).tolist() == [N % (bound + 1)]
+
+
 def _cp_async_kernel(wait: str) -> str:
     body = PROLOGUE.replace("mul.wide.u32 %rd3, %r0, 4", "mul.wide.u32 %rd3, %r0, 16") + f"""
     mov.u32 %r7, buf;

@@ -309,6 +309,8 @@ def atom(m, inst: Inst, act: np.ndarray, mask: np.ndarray) -> None:
             new = old + vals[i]
         elif op == "cas":
             new = vals[i] if old == cmp[i] else old
+        elif op == "inc":  # (wraps: old >= b gives 0)
+            new = NP[t](0) if old >= vals[i] else old + NP[t](1)
         elif op == "exch":
             new = vals[i]
         elif op == "max":

@@ -88,10 +88,12 @@ def ws_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_co
 def split_room(cfg: WsConfig, cols: int, m: int, glu: bool = False) -> tuple[int, int]:
     """(f32 partial sums, u32 counters) a gemm_ws launch of ``cfg`` over ``cols`` outputs and ``m`` tokens needs in its
     :class:`SplitSpace` ((0, 0) without a K split)."""
+    from ptx_gen.kernels.gemm.gemm_ws import part_floats
+
     if cfg.kparts == 1:
         return 0, 0
     tiles = -(-cols // ((8 if glu else 16) * 4 * cfg.rgroups)) * -(-m // cfg.mt)
-    return tiles * cfg.kparts * 128 * cfg.rgroups * cfg.mt // 2, tiles
+    return tiles * part_floats(cfg.mt, cfg.rgroups, cfg.kparts), tiles
 
 
 @dataclasses.dataclass

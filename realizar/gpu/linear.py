@@ -62,7 +62,7 @@ class Linear:
         self.scratch = None  # f16 expansion of a weight without a kept copy
         self._wg_takes: dict[int, tuple] = {}  # id(weight) -> (weight, _wg(weight)): asked for every weight each step
         self.split = None  # the SplitSpace of gemm_ws launches that split K over two CTAs (sized by reserve)
-        self._split_rooms: dict[tuple, tuple] = {}  # (id(weights), rows) -> (weights, the room they need)
+        self._split_rooms: dict[tuple, tuple] = {}  # (id(weights), rows, WS_SPLIT_K) -> (weights, the room they need)
 
     @staticmethod
     def f16_input(rows: int) -> bool:
@@ -108,9 +108,11 @@ class Linear:
     def _split_room(self, weights: Sequence, rows: int) -> tuple[int, int]:
         """(floats, counters) the gemm_ws launches of ``weights`` at ``rows`` rows need in :attr:`split` (a fused
         gate/up weight's launch shape and room are those of its rows without the SwiGLU epilogue)."""
+        import realizar.gpu.gemm_wg as wg
         from realizar.gpu.gemm_wg import split_room, ws_config
 
-        hit = self._split_rooms.get((id(weights), rows))
+        key = (id(weights), rows, wg.WS_SPLIT_K)  # (the policy's value: a tool may change it between steps)
+        hit = self._split_rooms.get(key)
         if hit is not None and hit[0] is weights:
             return hit[1]
         ops = self.ops
@@ -118,7 +120,7 @@ class Linear:
                                       ops.device.max_shared_per_block_optin), w.out_dim, rows)
                  for w in weights if self._wg(w)]
         room = (max([f for f, _ in rooms] or [0]), max([t for _, t in rooms] or [0]))
-        self._split_rooms[(id(weights), rows)] = (weights, room)
+        self._split_rooms[key] = (weights, room)
         return room
 
     def free(self) -> None:

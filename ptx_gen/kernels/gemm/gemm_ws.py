@@ -34,11 +34,12 @@ tensor map ``xmap``, passed by value: X as m rows of K f16 values ``lda`` apart,
 128-byte swizzle; tokens past m land as zeros) after announcing its bytes on the full barrier, instead of every
 consumer thread copying 16-byte pieces through the load/store unit.
 
-**K split over two CTAs** (``kparts`` 2, grid z): CTA z multiplies chunks ``z nc / 2 ..`` of K, writes its
-accumulators to ``part`` (``meta["part_floats"]`` floats an output tile), and the second of the two to count itself at
-the tile's ``counters`` entry (u32, zero before the launch and left at zero) adds the first's floats to its own and runs
-the epilogue (any of them: the sum of two addends does not depend on which CTA comes second). For launches whose output
-tiles alone leave SMs idle (o and down, 4096 outputs, at a few hundred tokens): twice the CTAs, each reading half of X.
+**K split over two CTAs** (``kparts`` 2, grid z): CTA z multiplies chunks ``z K / 512 ..`` (half of K's chunks),
+writes its accumulators to ``part`` (``meta["part_floats"]`` floats an output tile), and the second of the two to count
+itself at the tile's ``counters`` entry (u32, zero before the launch and left at zero) adds the first's floats to its
+own and runs the epilogue (any of them: the sum of two addends does not depend on which CTA comes second). With two
+consumer warpgroups a CTA it keeps the CTA count of one warpgroup without the split (o and down, 4096 outputs, at a few
+hundred tokens: 128 CTAs), each CTA reading half of X for twice the rows.
 
 **f16 decoding** (``f16dec``, Q4_K): the producers decode in f16x2 arithmetic (``qstream._decode_q4k_f16x2``: ``d sc``
 and ``-dmin mn`` rounded to f16 first, one FMA for two values) instead of in f32 with one rounding: fewer decode
@@ -60,7 +61,7 @@ from ptx_gen.kernels.gemm.gemm_q import epilogue
 from ptx_gen.kernels.gemm.signature import epilogue_signature
 from ptx_gen.kernels.gemm.qstream import CHUNK, WeightStream, seg_bytes, warp_bytes
 
-__all__ = ["WS_MTS", "check_shape", "gemm_ws", "smem_bytes"]
+__all__ = ["WS_MTS", "check_shape", "gemm_ws", "part_floats", "smem_bytes"]
 
 WS_MTS = (64, 128, 256)
 WS_STAGES = (2, 3, 4)
@@ -75,6 +76,11 @@ def producer_groups(mt: int, rgroups: int) -> int:
     accumulators a thread): one, whose warps then stream two 16-row strips each, so that the CTA's 384 threads
     have the registers."""
     return 1 if mt == 256 else rgroups
+
+
+def part_floats(mt: int, rgroups: int, kparts: int) -> int:
+    """The partial sums an output tile of a launch splitting K over ``kparts`` CTAs writes (``part``)."""
+    return 0 if kparts == 1 else kparts * 128 * rgroups * mt // 2
 
 
 def a_bytes(rgroups: int) -> int:
@@ -232,36 +238,36 @@ class _RingPosition:
 
 
 def _sum_parts(k: KernelBuilder, acc: list, tid: Reg, group: int, flag_at: Reg) -> None:
-    """K split over two CTAs (grid z): each writes its accumulators to ``part`` (thread-major: a thread's own
-    floats, 16-byte stores), the consumers' threads fence and meet, thread 0 counts the CTA at its output tile's
-    counter; the first of the two returns, the second (which resets the counter) adds the other's floats to its own
-    and runs the epilogue. Two addends: the sum is the same whichever CTA comes second. ``flag_at``: a shared u32
-    free after the main loop (it tells the consumers which CTA they are in)."""
+    """K split over two CTAs (grid z): each writes its accumulators to ``part`` (16-byte pieces, piece ``j`` of every
+    consumer thread side by side: coalesced), the consumers' threads fence and meet, thread 0 counts the CTA at its
+    output tile's counter (``atom.inc`` with bound 1: it wraps back to zero on the second arrival); the first of the
+    two returns, the second adds the other's floats to its own and runs the epilogue. Two addends: the sum is the same
+    whichever CTA comes second. ``flag_at``: a shared u32 free after the main loop (it tells the consumers which CTA
+    they are in)."""
     n = len(acc)
     tile = k.add(k.mul(k.ctaid("y"), k.sreg("nctaid.x")), k.ctaid())
     base, part = k.global_ptr("part"), k.ctaid("z")
 
-    def floats_of(p: Reg) -> Reg:
-        return k.add(base, k.mul_wide(k.mad(k.add(k.shl(tile, 1), p), group, tid), 4 * n))
+    def pieces_of(p: Reg) -> Reg:  # (the CTA's n / 4 pieces of group threads: piece j of thread t at 16 (j group + t))
+        return k.add(base, k.mul_wide(k.mad(k.add(k.shl(tile, 1), p), group * n // 4, tid), 16))
 
-    mine = floats_of(part)
+    mine = pieces_of(part)
     for j in range(0, n, 4):
-        k.store("global", "f32", mine, acc[j:j + 4], 4 * j)
+        k.store("global", "f32", mine, acc[j:j + 4], 4 * j * group)
     k.fence("gl")  # (this thread's partial sums are visible GPU-wide before its CTA is counted)
     k.bar_sync(1, group)
     counter = k.add(k.global_ptr("counters"), k.mul_wide(tile, 4))
     with k.if_(k.setp("eq", tid, 0)):
-        second = k.setp("eq", k.atom("global", "add", "u32", counter, 1), 1)
+        second = k.setp("eq", k.atom("global", "inc", "u32", counter, 1), 1)  # (and the counter is back at zero)
         with k.if_(second):
-            k.store("global", "u32", counter, 0)  # (left at zero for the next launch)
             k.fence("gl")  # (acquire: the first CTA's partial sums are visible from here on)
         k.store("shared", "u32", flag_at, k.selp(1, 0, second, "u32"))
     k.bar_sync(1, group)
     with k.if_(k.setp("eq", k.load("shared", "u32", flag_at), 0)):
         k.ret()
-    other = floats_of(k.xor(part, 1))
+    other = pieces_of(k.xor(part, 1))
     for j in range(0, n, 4):
-        vals = k.load("global", "f32", other, 4 * j, vec=4, cache="cg")
+        vals = k.load("global", "f32", other, 4 * j * group, vec=4, cache="cg")
         for e in range(4):
             k.assign(acc[j + e], k.add(acc[j + e], vals[e]))
 
@@ -299,7 +305,7 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     wbytes = warp_bytes(wtype, in_dim, layout, wstages)
     ab, xb = a_bytes(rgroups), x_bytes(mt)
     k.meta.update(block=group + 128 * pg, dyn_smem=smem_bytes(wtype, in_dim, layout, mt, rgroups, stages, wstages),
-                  rows_per_cta=(8 if glu else 16) * 4 * rgroups, mt=mt, part_floats=kparts * group * mt // 2)
+                  rows_per_cta=(8 if glu else 16) * 4 * rgroups, mt=mt, part_floats=part_floats(mt, rgroups, kparts))
     nc = in_dim // CHUNK // kparts  # the chunks of K a CTA multiplies: c_base ..
 
     tid = k.tid()
