@@ -334,6 +334,9 @@ def pack_specs(specs: Sequence[RowSampling], out: np.ndarray | None = None) -> n
             raise ShapeError(f"packed specs must be u32 [n, {SPEC_WORDS}], got {specs.dtype} {specs.shape}")
         out[:n] = specs
         return out
+    if n > 1 and all(s is specs[0] for s in specs):  # (one spec object for every row, as a batch of greedy rows)
+        out[:n] = pack_specs(specs[:1])[0]
+        return out
     packed = bytearray(n * _ROW.size)  # packed in Python and copied once: a serving step packs every row
     for i, s in enumerate(specs):
         if not isinstance(s, RowSampling):

@@ -143,6 +143,10 @@ def test_pack_specs_layout():
         pack_specs([RowSampling()] * 5, out=staging)
     with pytest.raises(InvalidRequestError):
         pack_specs([{"temperature": 1.0}])
+    with pytest.raises(InvalidRequestError):  # (one object for every row: packed once, checked the same)
+        pack_specs([{"temperature": 1.0}] * 3)
+    one = RowSampling(0.8, 3, 0.5, seed=11, step=4)
+    assert np.array_equal(pack_specs([one] * 6), pack_specs([RowSampling(0.8, 3, 0.5, seed=11, step=4) for _ in range(6)]))
     # float32 rounding as numpy rounds, and integral floats / ints where RowSampling accepts them
     rows = pack_specs([RowSampling(0.7, 5.0, 0.9, seed=3.0, step=2), RowSampling(2, 1, 1, seed=2**64 - 1)])
     assert rows[0].tolist() == [np.float32(0.7).view(np.uint32), 5, np.float32(0.9).view(np.uint32), 3, 0, 2, 0, 0]
