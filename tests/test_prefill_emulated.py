@@ -136,3 +136,33 @@ def test_released_cache_outdates_logits_and_the_bound_sequence_is_checked(loaded
     seq.decode([3], [0], [[2]])  # a step with its own table replaces the bound one
     with pytest.raises(ShapeError, match="bind_sequence"):
         seq.step_one(3, 1)
+
+
+@pytest.mark.full
+def test_prefill_chunk_on_gemm_ws_with_the_k_split(tmp_path, monkeypatch):
+    """A prefill chunk of more than WS_OVER_WG_ROWS rows on the emulated sm_90 device with the warpgroup GEMMs allowed
+    (on a GPU they are) and the policy splitting K over two CTAs (WS_SPLIT_K on): the Linear sizes its SplitSpace
+    before the chunk, every layer GEMM runs on gemm_ws (the split ones through it), and the logits and greedy
+    continuation are the reference model's."""
+    import realizar.gpu.gemm_wg as host
+    from realizar.gpu.policy.gemm import WS_OVER_WG_ROWS
+
+    monkeypatch.setattr(host, "wg_applies", lambda *a: True)
+    monkeypatch.setattr(host, "WS_SPLIT_K", 0.01)
+    launched = []
+    ws = host.GemmWgOps.gemm_ws
+    monkeypatch.setattr(host.GemmWgOps, "gemm_ws", lambda self, *a, **kw: (launched.append(kw.get("split")),
+                                                                           ws(self, *a, **kw))[1])
+    dims = dict(vocab_size=320, hidden_size=512, intermediate_size=512, num_heads=4, num_kv_heads=2)  # 2 chunks of K
+    path, _, _ = make_gguf_model("llama", tmp_path, "Q4_K", seed=4, num_layers=1, **dims)
+    loaded = load_model(path)
+    n = WS_OVER_WG_ROWS + 8
+    # (8 SMs: o and down take one consumer warpgroup a CTA, so the policy splits their K)
+    gpu = GpuModel.from_loaded(loaded, max_len=n + 4, device=cuda.EmulatedDevice(target="sm_90", sm_count=8),
+                               prefill_chunk=n, prefill_min_batch=1)
+    ref = ReferenceModel.from_loaded(loaded, max_len=n + 4)
+    prompt = [int(t) for t in np.random.default_rng(2).integers(3, 320, size=n)]
+    ref_logits, gpu_logits = ref.prefill(prompt), gpu.prefill(prompt)
+    assert _rel_err(gpu_logits, ref_logits) < RTOL
+    assert len(launched) >= 4 and any(s is not None for s in launched), launched  # (qkv, o, gate/up, down)
+    assert _greedy(gpu, gpu_logits, 2) == _greedy(ref, ref_logits, 2)
