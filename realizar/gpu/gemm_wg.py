@@ -162,16 +162,14 @@ class GemmWgOps(Dispatcher):
         values.update(m=m, n=n, lda=lda, ldy=ldy)
         if getattr(cfg, "xtma", False):  # (the map is encoded on the host: nothing allocated, capturable)
             values["xmap"] = f16_tiles_2d(self.device, values["x"], k, m, 2 * lda, 64, cfg.mt)
-        grid = (-(-cols // kern.meta["rows_per_cta"]), -(-m // cfg.mt))
+        grid, buffers = (-(-cols // kern.meta["rows_per_cta"]), -(-m // cfg.mt)), None
         kparts = getattr(cfg, "kparts", 1) if name == "gemm_ws" else 1
-        if kparts > 1:
+        if kparts > 1:  # (grid z: the CTAs splitting K, summed through split's room)
             floats, tiles = split_room(cfg, cols, m, glu)
             if split is None or not split.fits(floats, tiles):
                 have = "none" if split is None else f"{split.part.count} floats and {split.counters.count} counters"
                 raise ShapeError(f"{cfg} over {cols} outputs and {m} tokens needs a SplitSpace of {floats} floats and "
                                  f"{tiles} counters (GemmWgOps.split_space); got {have}")
             values.update(part=split.part.ptr, counters=split.counters.ptr)
-            grid = (*grid, kparts)
-            self.launch(kern, grid, values, stream, buffers={"part": split.part, "counters": split.counters})
-            return
-        self.launch(kern, grid, values, stream)
+            grid, buffers = (*grid, kparts), {"part": split.part, "counters": split.counters}
+        self.launch(kern, grid, values, stream, buffers=buffers)

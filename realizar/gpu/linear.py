@@ -109,15 +109,14 @@ class Linear:
         """(floats, counters) the gemm_ws launches of ``weights`` at ``rows`` rows need in :attr:`split` (a fused
         gate/up weight's launch shape and room are those of its rows without the SwiGLU epilogue)."""
         import realizar.gpu.gemm_wg as wg
-        from realizar.gpu.gemm_wg import split_room, ws_config
 
         key = (id(weights), rows, wg.WS_SPLIT_K)  # (the policy's value: a tool may change it between steps)
         hit = self._split_rooms.get(key)
         if hit is not None and hit[0] is weights:
             return hit[1]
         ops = self.ops
-        rooms = [split_room(ws_config(w.wtype, w.in_dim, w.layout, w.out_dim, rows, ops.sm_count,
-                                      ops.device.max_shared_per_block_optin), w.out_dim, rows)
+        rooms = [wg.split_room(wg.ws_config(w.wtype, w.in_dim, w.layout, w.out_dim, rows, ops.sm_count,
+                                            ops.device.max_shared_per_block_optin), w.out_dim, rows)
                  for w in weights if self._wg(w)]
         room = (max([f for f, _ in rooms] or [0]), max([t for _, t in rooms] or [0]))
         self._split_rooms[key] = (weights, room)
