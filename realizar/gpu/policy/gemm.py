@@ -71,8 +71,8 @@ WS_WIDE = 1.5
 WS_WIDE_256 = 0.7
 # A / B ring depths tried, deepest first (the first that fits the shared memory)
 WS_STAGES = (4, 3, 2)
-# the types of qstream.F16DEC_TYPES decoded in f16x2 arithmetic (the weights rounded to f16 once, as an f16 copy
-# would be; H200, 8B Q4_K as the step runs it: 2-7% faster at every shape, docs/results/bench_gemm_ws_step_h200.md)
+# the types of qstream.F16DEC_TYPES decoded in f16x2 arithmetic (each weight within about two f16 roundings of its
+# exact value; H200, 8B Q4_K as the step runs it: 2-7% faster at every shape, docs/results/bench_gemm_ws_step_h200.md)
 WS_F16DEC = True
 # the tokens' X by a tensor map (one bulk copy a stage, off the load/store unit the producers' weight loads share;
 # H200, 8B Q4_K as the step runs it: 1.0-1.4x at every shape, docs/results/bench_gemm_ws_step_h200.md)
