@@ -222,19 +222,29 @@ def test_ncu_summary_sums_kernel_families(tmp_path):
     assert _rows(out.read_text(), "all")[0][1:] == ["3", "50.0", "100%"]
 
 
-def test_bench_gemm_wg_options_on_the_emulated_device(tmp_path, monkeypatch):
+@pytest.fixture
+def emulated_sm90(monkeypatch):
+    """The emulated sm_90 device as the current device, the warpgroup GEMMs allowed on it (the Linear never hands it
+    gemm_wg / gemm_ws; the tools call them directly), tools/ on the import path."""
+    import realizar.gpu.gemm_wg as host
+    from realizar import cuda
+
+    monkeypatch.syspath_prepend("tools")
+    dev = cuda.EmulatedDevice(target="sm_90")
+    monkeypatch.setattr(cuda, "current_device", lambda: dev)
+    monkeypatch.setattr(host, "wg_applies", lambda *a: True)
+    return dev
+
+
+def test_bench_gemm_wg_options_on_the_emulated_device(tmp_path, monkeypatch, emulated_sm90):
     """tools/bench_gemm_wg.py's control flow with every gemm_ws option (--as-step: the model's layouts, the residual
     in place, weight copies cycled; --xtma; --f16dec; --sweep) on the emulated device with toy shapes, each timed call
     run once instead of timed (the emulated device has no clock worth reading): what the next device call runs
     does not fail in Python."""
     import sys
 
-    sys.path.insert(0, "tools")
     import tools.bench_gemm_wg as bench
-    import realizar.gpu.gemm_wg as host
-    from realizar import cuda
 
-    dev = cuda.EmulatedDevice(target="sm_90")
     calls = []
 
     def once(fns, stream, **kw):
@@ -243,8 +253,6 @@ def test_bench_gemm_wg_options_on_the_emulated_device(tmp_path, monkeypatch):
         calls.append(len(fns))
         return 1.0, "eager"
 
-    monkeypatch.setattr(cuda, "current_device", lambda: dev)
-    monkeypatch.setattr(host, "wg_applies", lambda *a: True)  # (the Linear never hands the emulated device gemm_ws)
     monkeypatch.setattr(bench, "SHAPES", [("8b", "o", 64, 512, False), ("8b", "gate/up", 128, 256, True)])
     monkeypatch.setattr(bench, "graph_median_us", once)
     monkeypatch.setattr(bench, "_us", lambda fn, stream: (fn(), 1.0)[1])
@@ -261,38 +269,25 @@ def test_bench_gemm_wg_options_on_the_emulated_device(tmp_path, monkeypatch):
     assert len(calls) == 3 and all(n == 20 for n in calls), calls
 
 
-def test_ncu_gemm_ws_launches_on_the_emulated_device(monkeypatch, capsys):
+def test_ncu_gemm_ws_launches_on_the_emulated_device(monkeypatch, capsys, emulated_sm90):
     """tools/ncu_gemm_ws.py (the launch the gpu_check stage ncu_gemm_ws profiles) with a toy shape, X by TMA."""
     import sys
 
-    sys.path.insert(0, "tools")
     import tools.ncu_gemm_ws as tool
-    import realizar.gpu.gemm_wg as host
-    from realizar import cuda
 
-    monkeypatch.setattr(cuda, "current_device", lambda: cuda.EmulatedDevice(target="sm_90"))
-    monkeypatch.setattr(host, "wg_applies", lambda *a: True)
     monkeypatch.setattr(tool, "SHAPES", [("8b", "gate/up", 128, 256, True)])
     monkeypatch.setattr(sys, "argv", ["ncu_gemm_ws.py", "--shape", "gate/up", "--m", "40", "--xtma"])
     assert tool.main() == 0
     assert "xtma=True" in capsys.readouterr().out
 
 
-def test_sanitize_gemm_wg_cases_on_the_emulated_device(monkeypatch):
+def test_sanitize_gemm_wg_cases_on_the_emulated_device(monkeypatch, emulated_sm90):
     """tools/sanitize_gemm_wg.py (what compute-sanitizer runs): the --small cases on the emulated sm_90 device,
     shrunk to toy token counts, each against its oracle; a case whose output is off fails."""
-    import sys
-
     import numpy as np
 
-    sys.path.insert(0, "tools")
     import tools.sanitize_gemm_wg as tool
-    import realizar.gpu.gemm_wg as host
-    from realizar import cuda
 
-    dev = cuda.EmulatedDevice(target="sm_90")
-    monkeypatch.setattr(cuda, "current_device", lambda: dev)
-    monkeypatch.setattr(host, "wg_applies", lambda *a: True)
     small = [(k, wt, lay, min(out, 128), min(kd, 512), min(m, 67), cfg) for k, wt, lay, out, kd, m, cfg in tool.CASES_SMALL]
     assert tool.cases(np.random.default_rng(0), small) == len(tool.CASES_SMALL)
     wrong = tool.dequant

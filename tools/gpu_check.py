@@ -111,8 +111,6 @@ def stages(out: Path, tests: list[str], pytest_args: list[str]) -> dict[str, tup
     }
     # the batched decode step's kernels at 256 rows (8B) under Nsight Compute, summed by family (not a default stage)
     ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
-    sections = [a for s in ("SpeedOfLight", "WarpStateStats", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis",
-                            "SchedulerStats", "SourceCounters") for a in ("--section", s)]
     csv = str(out / "profile_batch_ncu.csv")
     profile_batch = [[ncu, "--clock-control", "none", "--profile-from-start", "off", "--metrics", "gpu__time_duration.sum",
                       "--csv", "--log-file", csv, PY, "tools/profile_step.py", "--shapes", "llama-3-8b", "--batch", "256",
@@ -130,6 +128,8 @@ def stages(out: Path, tests: list[str], pytest_args: list[str]) -> dict[str, tup
     if not Path(moe_gguf).exists():
         moe.insert(0, [PY, "tools/write_gguf.py", "qwen3-30b-a3b", moe_gguf])
     # gemm_ws at the 8B gate/up shape, 256 tokens, under ncu with source-level stall sampling, X by TMA and copied
+    sections = [a for s in ("SpeedOfLight", "WarpStateStats", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis",
+                            "SchedulerStats", "SourceCounters") for a in ("--section", s)]
     ncu_ws = [[ncu, "--kernel-name", "regex:gemm_ws", "--launch-skip", "2", "--launch-count", "1", *sections,
                "--log-file", str(out / f"ncu_gemm_ws{tag}.txt"), PY, "tools/ncu_gemm_ws.py", "--shape", "gate/up", "--m",
                "256", *flag] for tag, flag in (("", []), ("_xcopy", ["--no-xtma"]))]
