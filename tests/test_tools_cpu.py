@@ -3,11 +3,13 @@ device with its tiny shape, and the shared random benchmark shapes of realizar.m
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import pytest
 
 import tools.bench_prefill as bench_prefill
+from realizar import cuda
 from realizar.models import names
 from realizar.models.random import BENCH_SHAPES, BenchShape, bench_model, token_read_bytes
 from tests.helpers import tiered
@@ -144,7 +146,6 @@ def test_realizar_bench_takes_a_pp512_prompt_length():
 
 
 def test_bench_prefill_names_the_prefill_path():
-    from realizar import cuda
 
     cfg, tensors, _ = bench_model(bench_prefill.TINY)
     dev = cuda.EmulatedDevice(sm_count=4, racecheck=False)
@@ -222,12 +223,44 @@ def test_ncu_summary_sums_kernel_families(tmp_path):
     assert _rows(out.read_text(), "all")[0][1:] == ["3", "50.0", "100%"]
 
 
+def test_profile_step_times_every_launch_in_sequence(tmp_path, monkeypatch):
+    """tools/profile_step.py --events: one recorded step of a tiny batched model replays on the emulator, every launch
+    timed in order, and the family table sums them."""
+    monkeypatch.syspath_prepend("tools")
+    import profile_step
+
+    from realizar.gpu.batch import GpuBatchBackend
+    from realizar.gpu.model import GpuModel
+    from realizar.models.loader import load_model
+    from realizar.sampling import RowSampling
+    from tests.gguf_factory import make_gguf_model
+
+    path, _, _ = make_gguf_model("llama", tmp_path, "Q8_0", seed=3, num_layers=1, vocab_size=320, hidden_size=128,
+                                 intermediate_size=256, num_heads=4, num_kv_heads=2)
+    model = GpuModel.from_loaded(load_model(path), max_len=32, device=cuda.EmulatedDevice(sm_count=4),
+                                 kv_cache=False)
+    backend = GpuBatchBackend(model, num_blocks=8, block_size=16, kv_dtype="f32", max_batch=2, max_context=32,
+                              use_graph=False)
+    ids = [int(backend.prefill([1, 2, 3], 0, [1 + r]).sample([RowSampling()])[0]) for r in range(2)]
+    records = profile_step._Launches()
+    profile_step.push_recorder(records)
+    backend.decode(ids, [3, 3], [[1], [2]]).sample([RowSampling()] * 2)
+    profile_step.pop_recorder(records)
+    times = profile_step.in_sequence_us(records, backend.stream, reps=2)
+    assert [n for n, _ in times] == [r.kernel.name for r in records] and len(times) > 5
+    assert all(us > 0 for _, us in times)
+    table = profile_step.event_summary(times)
+    assert _rows("\n".join(table), "all")[0][1] == str(len(times))
+    with pytest.raises(RuntimeError, match="more than one stream"):
+        profile_step.in_sequence_us([dataclasses.replace(records[0], stream=None)], backend.stream)
+    backend.close()
+
+
 @pytest.fixture
 def emulated_sm90(monkeypatch):
     """The emulated sm_90 device as the current device, the warpgroup GEMMs allowed on it (the Linear never hands it
     gemm_wg / gemm_ws; the tools call them directly), tools/ on the import path."""
     import realizar.gpu.gemm_wg as host
-    from realizar import cuda
 
     monkeypatch.syspath_prepend("tools")
     dev = cuda.EmulatedDevice(target="sm_90")
@@ -303,7 +336,6 @@ def test_bench_attention_batched_on_the_emulated_device(tmp_path, monkeypatch):
 
     sys.path.insert(0, "tools")
     import tools.bench_attention_batched as bench
-    from realizar import cuda
 
     dev = cuda.EmulatedDevice(sm_count=4, racecheck=False)
     monkeypatch.setattr(cuda, "current_device", lambda: dev)

@@ -10,7 +10,9 @@ nothing else (weight uploads, graph captures). Random weights at the real shapes
 
 ``--batch B`` profiles GpuBatchBackend's decode step of B rows instead (B sequences prefilled with the 128-token
 context first): GPU µs per step from graph replays, or with ``--ncu`` one eager step in the profiler range;
-``tools/ncu_summary.py`` sums ncu's CSV by kernel family:
+``tools/ncu_summary.py`` sums ncu's CSV by kernel family. ``--events`` times every kernel of the step in sequence
+instead (the step's launches recorded once, then replayed eagerly with a CUDA event after each, caches as the step
+leaves them; the median of 20 replays per kernel, summed by family as ncu_summary does):
 
     ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
         python tools/profile_step.py --shapes llama-3-8b --batch 256 --ncu > kernels.csv
@@ -22,16 +24,21 @@ from __future__ import annotations
 import argparse
 import datetime
 import shlex
+import statistics
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
 from cuda.bindings import driver
 
 from bench_decode import bench as decode_rate  # tools/ is on the path when run as a script
+from ncu_summary import family
 
 from realizar import cuda
 from realizar.cuda.bench import median_us
+from realizar.cuda.launch import launch, pop_recorder, push_recorder
+from realizar.cuda.stream import Event
 from realizar.gpu.batch import GpuBatchBackend
 from realizar.gpu.model import GpuModel
 from realizar.models.random import BENCH_SHAPES, bench_model
@@ -65,14 +72,52 @@ def backend_rate(backend: GpuBatchBackend, tokens: int) -> tuple[float, float, f
     return (tokens - 1) / wall, e0.elapsed_ms(e1) * 1e3 / tokens, stage_us
 
 
-def batch_step(model: GpuModel, b: int, tokens: int, ncu: bool) -> float | None:
+class _Launches(list):
+    record = list.append
+
+
+def in_sequence_us(records: list, stream, reps: int = 20) -> list[tuple[str, float]]:
+    """(kernel name, median µs) of every recorded launch replayed in order on ``stream``, an event after each; one
+    untimed replay first so the host runs ahead of the GPU (a launch costs the host less than any kernel here)."""
+    if any(r.stream is not stream for r in records):
+        raise RuntimeError("the step launched on more than one stream; in-sequence times would mix them")
+    events = [[Event(device=stream.device) for _ in range(len(records) + 1)] for _ in range(reps)]
+    for rep in range(-1, reps):
+        if rep >= 0:
+            events[rep][0].record(stream)
+        for i, r in enumerate(records):
+            launch(r.kernel, r.grid, r.block, r.args, r.shared_bytes, r.stream)
+            if rep >= 0:
+                events[rep][i + 1].record(stream)
+    stream.synchronize()
+    return [(r.kernel.name, statistics.median(ev[i].elapsed_ms(ev[i + 1]) * 1e3 for ev in events))
+            for i, r in enumerate(records)]
+
+
+def event_summary(times: list[tuple[str, float]]) -> list[str]:
+    per: dict[str, list[float]] = defaultdict(list)
+    for name, us in times:
+        per[family(name)].append(us)
+    total = sum(us for _, us in times)
+    out = ["| kernel family | launches | µs | share |", "|---|---:|---:|---:|"]
+    out += [f"| {f} | {len(v)} | {sum(v):.1f} | {100 * sum(v) / total:.1f}% |"
+            for f, v in sorted(per.items(), key=lambda kv: -sum(kv[1]))]
+    by_name: dict[str, list[float]] = defaultdict(list)
+    for name, us in times:
+        by_name[name].append(us)
+    out += [f"| all | {len(times)} | {total:.1f} | 100% |", "", "| kernel | launches | µs |", "|---|---:|---:|"]
+    out += [f"| `{n}` | {len(v)} | {sum(v):.1f} |" for n, v in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))]
+    return out
+
+
+def batch_step(model: GpuModel, b: int, tokens: int, ncu: bool, events: bool = False) -> float | None:
     """GpuBatchBackend's decode step of ``b`` rows after ``b`` prefilled contexts: GPU µs per step, the median of 5
     runs of ``tokens`` graph replays of its bucket (None with ``ncu``: one eager step runs inside the profiler range
-    instead)."""
+    instead; with ``events`` it prints the in-sequence kernel times of one eager step and returns None)."""
     bs = 32
     per_seq = -(-(PROMPT + tokens + 2) // bs)
     backend = GpuBatchBackend(model, num_blocks=1 + b * per_seq, block_size=bs, kv_dtype="f16", max_batch=b,
-                              max_context=PROMPT + tokens + 2, use_graph=not ncu, f16_weights=False)
+                              max_context=PROMPT + tokens + 2, use_graph=not (ncu or events), f16_weights=False)
     tables = [list(range(1 + r * per_seq, 1 + (r + 1) * per_seq)) for r in range(b)]
     spec = [RowSampling()]
     ids = [int(backend.prefill([1 + (r + i) % 1000 for i in range(PROMPT)], 0, tables[r]).sample(spec)[0])
@@ -84,6 +129,15 @@ def batch_step(model: GpuModel, b: int, tokens: int, ncu: bool) -> float | None:
             driver.cuProfilerStart()
             backend.decode(ids, [PROMPT + 1] * b, tables).sample(specs)
             driver.cuProfilerStop()
+            return None
+        if events:
+            records = _Launches()
+            push_recorder(records)
+            try:
+                backend.decode(ids, [PROMPT + 1] * b, tables).sample(specs)
+            finally:
+                pop_recorder(records)
+            print("\n".join(event_summary(in_sequence_us(records, backend.stream))))
             return None
         graph = backend.graphs.graph(backend.graphs.keys()[-1])  # (the step just captured: the most recent)
         return median_us(lambda: [graph.launch(backend.stream) for _ in range(tokens)], backend.stream, tokens, 5)
@@ -98,13 +152,14 @@ def main() -> None:
     ap.add_argument("--ncu", action="store_true", help="only one eager step of each, inside profiler ranges")
     ap.add_argument("--out", type=Path, help="also write the lines to this file")
     ap.add_argument("--batch", type=int, help="profile GpuBatchBackend's decode step of this many rows instead")
+    ap.add_argument("--events", action="store_true", help="with --batch: every kernel's time in sequence, by event")
     a = ap.parse_args()
     dev = cuda.current_device()
     if a.batch:
         for name in a.shapes.split(","):
             cfg, tensors, _ = bench_model(name)
             model = GpuModel(cfg, tensors, max_len=PROMPT + a.tokens + 2, device=dev, use_graph=False)
-            us = batch_step(model, a.batch, a.tokens, a.ncu)
+            us = batch_step(model, a.batch, a.tokens, a.ncu, a.events)
             if us is not None:
                 print(f"- {name}: decode step of {a.batch} rows {us:.1f} µs GPU ({a.batch / us * 1e6:.0f} tok/s)")
             model.release_kv()
