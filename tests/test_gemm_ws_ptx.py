@@ -181,7 +181,7 @@ def test_gemm_wg_row_groups(rgroups, kparts, glu):
 @pytest.mark.parametrize("split", [0.0, 0.9])
 @pytest.mark.parametrize("wtype", ["Q4_K", "Q6_K"])
 def test_policy_shapes_fit_take_x_by_tma_and_assemble(monkeypatch, wtype, split):
-    """ws_config from 129 tokens (where the Linear takes gemm_ws) to a prefill chunk at the 8B and 1B layers, with the
+    """ws_config from WS_OVER_WG_ROWS + 1 tokens (where the Linear takes gemm_ws) to a prefill chunk at the 8B and 1B layers, with the
     K split off and on (WS_SPLIT_K): each pick passes check_shape, takes X by a tensor map, decodes in f16x2 exactly
     where the type has that decoder, splits K only where asked (two consumer warpgroups then); a spread of the picks
     assembles for sm_90a without spills."""
@@ -227,7 +227,7 @@ def test_linear_sizes_the_k_split_room_and_launches_it(monkeypatch):
     monkeypatch.setattr(host, "WS_SPLIT_K", 0.01)
     ops = LayerOps(cuda.EmulatedDevice(target="sm_90", sm_count=2))  # (a launch of 4 CTAs fills it: 128-token tiles)
     rng = np.random.default_rng(23)
-    out_dim, in_dim, m = 128, 512, WS_OVER_WG_ROWS + 5
+    out_dim, in_dim, m = 128, 512, max(WS_OVER_WG_ROWS, 128) + 5  # (a 128-token tile, then a ragged one)
     raw = random_weight(rng, "Q4_K", out_dim, in_dim)
     w = GpuWeight(data=raw, ggml_type="Q4_K", shape=(out_dim, in_dim), layout="tiles", device=ops.device)
     assert host.ws_config("Q4_K", in_dim, "tiles", out_dim, m, ops.sm_count).kparts == 2
@@ -247,3 +247,45 @@ def test_linear_sizes_the_k_split_room_and_launches_it(monkeypatch):
     with pytest.raises(ShapeError, match="SplitSpace"):
         ops.gemm_ws(xb, w, y, m, residual=y)
     lin.free()
+
+
+def test_launches_of_no_more_ctas_than_sms_take_an_sm_alone(monkeypatch):
+    """WS_SOLE_CTA: a gemm_ws launch of at most sm_count CTAs asks for half an SM's shared memory (two of its CTAs no
+    longer fit one SM, whatever runs before it), a larger launch for its own need; the padded launch still matches the
+    oracle. Off, every launch asks for its own need."""
+    import realizar.gpu.gemm_wg as host
+    import realizar.gpu.policy.gemm as policy
+    from realizar import cuda
+    from realizar.gpu.ops import GpuWeight, LayerOps
+    from tests.test_gemm_q_ptx import _oracle
+
+    assert policy.ws_shared_bytes(70_000, 132, 132, 233_472) == 116_736
+    assert policy.ws_shared_bytes(130_000, 100, 132, 233_472) == 130_000
+    assert policy.ws_shared_bytes(70_000, 133, 132, 233_472) == 70_000
+    monkeypatch.setattr(policy, "WS_SOLE_CTA", False)
+    assert policy.ws_shared_bytes(70_000, 1, 132, 233_472) == 70_000
+    monkeypatch.undo()
+
+    monkeypatch.setattr(host, "wg_applies", lambda *a: True)
+    ops = LayerOps(cuda.EmulatedDevice(target="sm_90", sm_count=2))
+    rng = np.random.default_rng(31)
+    out_dim, in_dim, m = 64, 256, 5
+    raw = random_weight(rng, "Q4_K", out_dim, in_dim)
+    w = GpuWeight(data=raw, ggml_type="Q4_K", shape=(out_dim, in_dim), layout="tiles", device=ops.device)
+    x = (rng.standard_normal((m, in_dim)) + 0.1).astype(np.float16)
+    y = ops.to_device(np.full((m, out_dim), np.nan, np.float32))
+    launches = []
+
+    class Rec:
+        record = launches.append
+
+    cuda.push_recorder(Rec)
+    try:
+        ops.gemm_ws(ops.to_device(x), w, y, m)
+    finally:
+        cuda.pop_recorder(Rec)
+    (rec,) = launches
+    assert rec.grid == (1, 1, 1) and rec.kernel.launch.dyn_smem < ops.device.max_shared_per_sm // 2
+    assert rec.shared_bytes == ops.device.max_shared_per_sm // 2
+    ref, scale, tol = _oracle(raw, "Q4_K", out_dim, in_dim, x, False, None, None, False)
+    assert (np.abs(y.to_numpy().reshape(m, out_dim) - ref) / scale).max() < tol

@@ -79,6 +79,10 @@ class Device:
     def max_shared_per_block_optin(self) -> int:
         return self.attribute("MAX_SHARED_MEMORY_PER_BLOCK_OPTIN")
 
+    @cached_property
+    def max_shared_per_sm(self) -> int:
+        return self.attribute("MAX_SHARED_MEMORY_PER_MULTIPROCESSOR")
+
     def memory_info(self) -> tuple[int, int]:
         """(free, total) bytes of device memory."""
         self.make_current()

@@ -118,6 +118,10 @@ class EmulatedDevice:
     def max_shared_per_block_optin(self) -> int:
         return self._attributes["MAX_SHARED_MEMORY_PER_BLOCK_OPTIN"]
 
+    @property
+    def max_shared_per_sm(self) -> int:
+        return self._attributes["MAX_SHARED_MEMORY_PER_MULTIPROCESSOR"]
+
     def make_current(self) -> None:
         pass
 

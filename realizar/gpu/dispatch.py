@@ -95,11 +95,13 @@ class Dispatcher:
         return args
 
     def launch(self, kern: Any, grid: Any, values: dict, stream: Any = None, *, buffers: dict | None = None,
-               cache: bool = True) -> None:
-        """Launch ``kern`` on ``grid`` with the block and dynamic shared memory its hints ask for."""
+               cache: bool = True, shared_bytes: int | None = None) -> None:
+        """Launch ``kern`` on ``grid`` with the block and dynamic shared memory its hints ask for (or
+        ``shared_bytes``, at least the hint's)."""
         args = self.args(kern, values, buffers, cache)
         hints = kern.launch
-        cuda.launch(kern, grid, hints.block, args, shared_bytes=hints.dyn_smem, stream=stream)
+        shared = hints.dyn_smem if shared_bytes is None else max(int(shared_bytes), hints.dyn_smem)
+        cuda.launch(kern, grid, hints.block, args, shared_bytes=shared, stream=stream)
 
     # ---- operands and allocations --------------------------------------------------------------------
     @staticmethod

@@ -18,7 +18,7 @@ import numpy as np
 from realizar.errors import ShapeError
 from realizar.gpu.dispatch import Dispatcher
 from realizar.gpu.policy.gemm import (WG_MIN_WAVE, WG_MTS, WG_STAGES, WG_UNROLL, WG_WIDE, WS_MIN_WAVE, WS_MTS,
-                                      WS_F16DEC, WS_SPLIT_K, WS_STAGES, WS_XTMA, WS_WIDE, WS_WIDE_256)
+                                      WS_F16DEC, WS_SPLIT_K, WS_STAGES, WS_XTMA, WS_WIDE, WS_WIDE_256, ws_shared_bytes)
 from realizar.gpu.policy.shapes import WgConfig, WsConfig
 
 __all__ = ["GemmWgOps", "SplitSpace", "WgConfig", "WsConfig", "split_room", "wg_applies", "wg_config", "ws_config"]
@@ -172,4 +172,8 @@ class GemmWgOps(Dispatcher):
                                  f"{tiles} counters (GemmWgOps.split_space); got {have}")
             values.update(part=split.part.ptr, counters=split.counters.ptr)
             grid, buffers = (*grid, kparts), {"part": split.part, "counters": split.counters}
-        self.launch(kern, grid, values, stream, buffers=buffers)
+        shared = None
+        if name == "gemm_ws":  # (one CTA an SM where the launch has no more CTAs than SMs)
+            shared = ws_shared_bytes(kern.launch.dyn_smem, grid[0] * grid[1] * kparts, self.sm_count,
+                                     self.device.max_shared_per_sm)
+        self.launch(kern, grid, values, stream, buffers=buffers, shared_bytes=shared)

@@ -81,6 +81,20 @@ WS_XTMA = True
 # often) where a launch of one consumer warpgroup a CTA would be chosen and the split launch has at least this many
 # CTAs per SM (o and down at 256 / 512 tokens: 128 CTAs); 0: never (built, not timed yet)
 WS_SPLIT_K = 0.0
-# above this many rows the Linear takes the warp-specialized GEMM instead of gemm_wg (H200, 8B Q4_K batched decode:
-# gemm_wg ahead at 128 rows, gemm_ws at 256; the GEMMs alone at 512 tokens 1.3x; docs/results/bench_gemm_ws_h200.md)
-WS_OVER_WG_ROWS = 128
+# a launch of at most one CTA per SM takes at least half an SM's shared memory, so that no two of its CTAs share an SM:
+# under programmatic dependent launch its CTAs are placed while the kernels before it still run, and CTAs small enough
+# to pair up were packed onto few SMs (H200, 8B Q4_K 128-row step on gemm_ws: 11.6 ms, 9.6 ms with this;
+# docs/results/profile_batch_128_h200.md)
+WS_SOLE_CTA = True
+# above this many rows the Linear takes the warp-specialized GEMM instead of gemm_wg (H200, 8B Q4_K batched decode with
+# WS_SOLE_CTA: gemm_wg ahead at 96 rows, gemm_ws at 128 (1.2x the step) and 256; docs/results/bench_serving_ws_ab_h200.md)
+WS_OVER_WG_ROWS = 96
+
+
+def ws_shared_bytes(dyn_smem: int, ctas: int, sm_count: int, smem_per_sm: int) -> int:
+    """The dynamic shared memory a gemm_ws launch of ``ctas`` CTAs asks for: its own need, or with
+    :data:`WS_SOLE_CTA` and at most ``sm_count`` CTAs at least half of ``smem_per_sm`` (two CTAs, each with the 1 KB
+    the system keeps a CTA, no longer fit an SM)."""
+    if WS_SOLE_CTA and ctas <= sm_count:
+        return max(dyn_smem, smem_per_sm // 2)
+    return dyn_smem
