@@ -247,7 +247,8 @@ def test_profile_step_times_every_launch_in_sequence(tmp_path, monkeypatch):
     backend.decode(ids, [3, 3], [[1], [2]]).sample([RowSampling()] * 2)
     profile_step.pop_recorder(records)
     times = profile_step.in_sequence_us(records, backend.stream, reps=2)
-    assert [n for n, _ in times] == [r.kernel.name for r in records] and len(times) > 5
+    assert [n for n, _ in times] == [r.kernel.source.entry for r in records] and len(times) > 5
+    assert any(profile_step.family(n) != n for n, _ in times)  # (PTX entries: names with their shapes)
     assert all(us > 0 for _, us in times)
     table = profile_step.event_summary(times)
     assert _rows("\n".join(table), "all")[0][1] == str(len(times))

@@ -90,7 +90,7 @@ def in_sequence_us(records: list, stream, reps: int = 20) -> list[tuple[str, flo
             if rep >= 0:
                 events[rep][i + 1].record(stream)
     stream.synchronize()
-    return [(r.kernel.name, statistics.median(ev[i].elapsed_ms(ev[i + 1]) * 1e3 for ev in events))
+    return [(r.kernel.source.entry, statistics.median(ev[i].elapsed_ms(ev[i + 1]) * 1e3 for ev in events))
             for i, r in enumerate(records)]
 
 
