@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+from types import SimpleNamespace
 
 import pytest
 
@@ -116,7 +117,6 @@ def test_bench_model_and_token_read_bytes(tied):
 
 def test_realizar_bench_takes_a_pp512_prompt_length():
     """``realizar bench --prompt-tokens 512`` (the pp512 prompt) parses; run_bench times that many."""
-    from types import SimpleNamespace
 
     from realizar.cli import build_parser
     from realizar.cli.bench import run_bench
@@ -254,6 +254,34 @@ def test_profile_step_times_every_launch_in_sequence(tmp_path, monkeypatch):
     assert _rows("\n".join(table), "all")[0][1] == str(len(times))
     with pytest.raises(RuntimeError, match="more than one stream"):
         profile_step.in_sequence_us([dataclasses.replace(records[0], stream=None)], backend.stream)
+    backend.close()
+
+
+def test_pdl_ab_records_a_step_and_replays_it_under_every_rule(tmp_path, monkeypatch):
+    """tools/pdl_ab.py on the emulator: the launches of one decode step of two rows after 128-token prefills, replayed
+    eagerly and as a graph captured under each rule; the rules pick launches as their names say."""
+    monkeypatch.syspath_prepend("tools")
+    import pdl_ab
+
+    from realizar.gpu.batch import GpuBatchBackend
+    from realizar.gpu.model import GpuModel
+    from realizar.models.loader import load_model
+    from tests.gguf_factory import make_gguf_model
+
+    path, _, _ = make_gguf_model("llama", tmp_path, "Q8_0", seed=4, num_layers=1, vocab_size=1100, hidden_size=128,
+                                 intermediate_size=256, num_heads=4, num_kv_heads=2)
+    model = GpuModel.from_loaded(load_model(path), max_len=160, device=cuda.EmulatedDevice(sm_count=4),
+                                 kv_cache=False)
+    backend = GpuBatchBackend(model, num_blocks=24, block_size=16, kv_dtype="f32", max_batch=2, max_context=144,
+                              use_graph=False)
+    records = pdl_ab.record_step(backend, 2)
+    assert len(records) > 5 and all(r.stream is backend.stream for r in records)
+    times = pdl_ab.ab(records, backend.stream, calls=1, reps=1)
+    assert list(times) == ["eager", *pdl_ab.RULES] and all(t > 0 for t in times.values())
+    ws, other = SimpleNamespace(kernel=SimpleNamespace(name="gemm_ws")), SimpleNamespace(kernel=SimpleNamespace(name="x"))
+    into, out = pdl_ab.RULES["not into gemm_ws"], pdl_ab.RULES["not out of gemm_ws"]
+    assert (into(ws, other), into(other, ws), out(other, ws), out(ws, other), out(ws, None)) == (
+        False, True, False, True, True)
     backend.close()
 
 

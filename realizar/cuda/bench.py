@@ -34,7 +34,7 @@ def copy_bandwidth(stream: Stream, nbytes: int = 1 << 30, reps: int = 10) -> flo
 def median_us(run, stream: Stream, calls: int, reps: int) -> float:
     """Median over ``reps`` of (event time of ``run()`` / ``calls``) in µs, after one warm-up ``run()``;
     ``run`` issues ``calls`` calls on ``stream``."""
-    start, end = Event(), Event()
+    start, end = Event(device=stream.device), Event(device=stream.device)
     run()
     stream.synchronize()
     samples = []
