@@ -156,9 +156,10 @@ def test_decode_attention_long_and_short_rows_many_chunks():
 
 
 def test_min_chunk_policy():
-    """One block per chunk while the launch's (row, KV head) pairs do not fill the SMs, two after; a
-    min_chunk given to the cache wins."""
-    assert [decode_min_chunk(rows, 8, 132) for rows in (1, 16, 17, 64)] == [32, 32, 64, 64]
+    """One block per chunk while the launch's (row, KV head) pairs do not fill the SMs, two after, eight once the
+    pairs alone fill four blocks an SM; a min_chunk given to the cache wins."""
+    rows = (1, 16, 17, 64, 65, 66, 128, 256)
+    assert [decode_min_chunk(r, 8, 132) for r in rows] == [32, 32, 64, 64, 64, 256, 256, 256]
     assert decode_min_chunk(32, 3, 132) == 32 and decode_min_chunk(64, 3, 132) == 64
     auto = _cache(4, 2, 32, 4, 16, "f16", max_batch=4)
     sms = auto.device.sm_count

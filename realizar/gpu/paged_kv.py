@@ -51,8 +51,10 @@ _MIN_CHUNKS = 4  # even a full batch splits a long sequence over at least this m
 # fewest positions per chunk (docs/performance.md, serving): a launch whose (row, KV head) pairs do not fill
 # the SMs once (one stream served alone, a few) splits into chunks of one 32-position block, so each pair's
 # short sequence is spread over more blocks instead of a serial loop in a few; a fuller launch keeps
-# 64-position chunks, fewer partial results to combine
-_MIN_CHUNK_FEW, _MIN_CHUNK_MANY = 32, 64
+# 64-position chunks, fewer partial results to combine; a launch whose pairs fill the _BLOCKS_PER_SM blocks of every
+# SM alone keeps a sequence of up to 256 positions in one chunk, no partial results at all (H200, 8B batched decode
+# at 128 and 256 rows, 192 positions: 1.4x the attention, 1.07x the step; docs/results/bench_attention_batched_h200.md)
+_MIN_CHUNK_FEW, _MIN_CHUNK_MANY, _MIN_CHUNK_FULL = 32, 64, 256
 
 
 def heads_unsupported(num_heads: int, num_kv_heads: int, head_dim: int) -> str | None:
@@ -76,7 +78,10 @@ def decode_chunks(rows: int, num_kv_heads: int, sm_count: int) -> int:
 
 def decode_min_chunk(rows: int, num_kv_heads: int, sm_count: int) -> int:
     """Fewest positions per chunk of a decode launch of ``rows`` rows (see _MIN_CHUNK_FEW)."""
-    return _MIN_CHUNK_FEW if rows * num_kv_heads < sm_count else _MIN_CHUNK_MANY
+    pairs = rows * num_kv_heads
+    if pairs < sm_count:
+        return _MIN_CHUNK_FEW
+    return _MIN_CHUNK_MANY if pairs < _BLOCKS_PER_SM * sm_count else _MIN_CHUNK_FULL
 
 
 def decode_tiling(head_dim: int, group: int) -> tuple[int, int]:
