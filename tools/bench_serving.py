@@ -10,7 +10,10 @@ Parts (``--parts``):
 * ``batched`` — what ``llama-batched-bench -npp 128 -ntg 128`` measures: B sequences each prefilled with
   ``--prompt`` random tokens, then ``--gen`` decode steps of all B at once through
   :class:`realizar.gpu.batch.GpuBatchBackend` (one graph replay per step, greedy sampling on the GPU,
-  4 bytes a sequence read back). Aggregate decode tok/s = B x gen / wall time of the decode steps;
+  4 bytes a sequence read back), pipelined as the serving engine runs them: step N + 1 takes step N's tokens on
+  the device (``fed`` rows) and is staged and launched before the host reads step N's tokens (``--sync``: each step
+  sampled and read before the next is staged, as before 2026-11-30). Aggregate decode tok/s = B x gen / wall time of
+  the decode steps;
   the ratio to the single-stream rate of :class:`GpuModel` (its own cache and graph, measured first in
   the same run) and to llama.cpp's figure at the same B.
 * ``engine`` — C concurrent requests (prompt ``--prompt`` tokens, ``--gen`` output tokens; and a mixed
@@ -67,9 +70,12 @@ def pct(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) if values else float("nan")
 
 
-def bench_batched(backend: GpuBatchBackend, batches: list[int], prompt: int, gen: int, rng) -> dict[int, dict]:
-    """{B: {"tok_s", "step_ms", "prefill_s"}}: B sequences prefilled then decoded together."""
+def bench_batched(backend: GpuBatchBackend, batches: list[int], prompt: int, gen: int, rng,
+                  sync: bool = False) -> dict[int, dict]:
+    """{B: {"tok_s", "step_ms", "prefill_s"}}: B sequences prefilled then decoded together, each step launched before
+    the previous step's tokens are read (``sync``: read before the next step is staged)."""
     from realizar.sampling import RowSampling
+    from realizar.serving.backend import fed
 
     bs = backend.block_size
     per_seq = -(-(prompt + gen) // bs)
@@ -89,13 +95,25 @@ def bench_batched(backend: GpuBatchBackend, batches: list[int], prompt: int, gen
             tokens.append(int(backend.prefill(ids, 0, tables[r]).sample([RowSampling()])[0]))
         prefill_s = time.perf_counter() - t0
         specs = [RowSampling()] * b
-        # warm-up: the bucket's first step captures its graph
-        backend.decode(tokens, [prompt] * b, tables).sample(specs)
+        # warm-up: the bucket's first step captures its graph, and the first step of fed rows its own
+        tokens = backend.decode(tokens, [prompt] * b, tables).sample(specs).tolist()
+        feeds = [fed(r) for r in range(b)]
+        if not sync:
+            pending = backend.decode(feeds, [prompt + 1] * b, tables).launch(specs)
+            pending.wait()
+        first = 1 if sync else 2
         t0 = time.perf_counter()
-        for step in range(1, gen):
-            tokens = backend.decode(tokens, [prompt + step] * b, tables).sample(specs).tolist()
+        for step in range(first, gen):
+            if sync:
+                tokens = backend.decode(tokens, [prompt + step] * b, tables).sample(specs).tolist()
+            else:  # (step N + 1 staged and queued before step N's tokens are read)
+                launched = backend.decode(feeds, [prompt + step] * b, tables).launch(specs)
+                pending.wait()
+                pending = launched
+        if not sync:
+            pending.wait()
         wall = time.perf_counter() - t0
-        steps = gen - 1
+        steps = gen - first
         out[b] = {"tok_s": b * steps / wall, "step_ms": 1e3 * wall / steps, "prefill_s": prefill_s}
         print(f"  B={b}: {out[b]['tok_s']:.0f} tok/s aggregate, {out[b]['step_ms']:.2f} ms/step "
               f"(prefill of {b}x{prompt} tokens {prefill_s:.2f} s)", flush=True)
@@ -379,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,8,32,64,128")
     ap.add_argument("--parts", default="batched,engine,http")
     ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--sync", action="store_true", help="batched: read each step's tokens before staging the next")
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--warm-prompt", type=int, default=512, help="the warmstart part's prompt length")
     ap.add_argument("--no-warm-up", action="store_true", help="the warmstart part without ServingEngine.warm_up")
@@ -427,7 +446,8 @@ def main(argv: list[str] | None = None) -> int:
             backend = GpuBatchBackend(model, num_blocks=need, block_size=a.block_size, kv_dtype=a.kv_dtype,
                                       max_batch=max(batches), max_context=ctx, gemv_cols_rows=extra,
                                       f16_weights=f16w)
-            table = batched_table(name, bench_batched(backend, batches, a.prompt, a.gen, rng), single, a.prompt, a.gen)
+            table = batched_table(name, bench_batched(backend, batches, a.prompt, a.gen, rng, a.sync), single, a.prompt,
+                                  a.gen)
             table[0] += f" (gemv_cols_rows={extra})"
             lines += table
             print("\n".join(table), flush=True)
@@ -445,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
                       "|---|---:|---:|---:|---|---:|",
                       *bench_warm_start(backend, a.warm_prompt, not a.no_warm_up, rng), ""]
         if "batched" in parts:
-            res = bench_batched(backend, batches, a.prompt, a.gen, rng)
+            res = bench_batched(backend, batches, a.prompt, a.gen, rng, a.sync)
             bound = {b: b * a.gen / (r["prefill_s"] + a.gen * r["step_ms"] / 1e3) for b, r in res.items()}
             table = batched_table(name, res, single, a.prompt, a.gen)
             if len(settings) > 1:
