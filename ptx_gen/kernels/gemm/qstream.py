@@ -209,8 +209,12 @@ class WeightStream:
         if wtype in K_TABLE:  # (A, C) of every sub-block of the 16 rows: lane (r, q) fills rows r, r + 8, pair q
             for s, bb in enumerate(bases):
                 vals = ql.k_scale_pair(k, wtype, bb, self.kpair_sel)
-                k.store("shared", "f32", k.add(table, k.add(k.mul(self.rows_dec[0], TABLE_ROW), k.shl(self.q, 4))),
-                        vals, 8 * TABLE_ROW * s)
+                at = k.add(table, k.add(k.mul(self.rows_dec[0], TABLE_ROW), k.shl(self.q, 4)))
+                if self.f16dec:  # (the f16x2 decoder's d sc and -dmin mn, each in both halves, once a chunk)
+                    k.store("shared", "b32", at, [w for a, cc in (vals[:2], vals[2:]) for w in _f16x2_scales(k, a, cc)],
+                            8 * TABLE_ROW * s)
+                else:
+                    k.store("shared", "f32", at, vals, 8 * TABLE_ROW * s)
             k.bar_warp_sync()
         sels = [None] * len(bases)
         if wtype == "Q6_K" and dec_abs is not None:
@@ -247,17 +251,22 @@ def _pack(k: KernelBuilder, vals: list) -> list[Reg]:
     return [_f16x2(k, vals[2 * i], vals[2 * i + 1]) for i in range(4)]
 
 
+def _f16x2_scales(k: KernelBuilder, a: Reg, cc: Reg) -> list[Reg]:
+    """A sub-block's (A, C) table entry (A = 32 d sc, C = -(A / 2 + dmin mn)) as the f16x2 decoder takes it: d sc and
+    -dmin mn, each rounded to f16 in both halves."""
+    scale, offset = k.mul(a, 1.0 / 32), k.fma(a, 0.5, cc)
+    return [k.cvt_f16x2(scale, scale), k.cvt_f16x2(offset, offset)]
+
+
 def _decode_q4k_f16x2(k: KernelBuilder, bb: Reg, b: int, q8: Reg, table: Reg, r: Reg, s: int) -> list[Reg]:
-    """:func:`_decode`'s 4 words for a Q4_K block in f16x2 arithmetic (``f16dec``): each pair of codes becomes
+    """:func:`_decode`'s 4 words for a Q4_K block in f16x2 arithmetic (``f16dec``; the chunk's table holds each
+    sub-block's f16x2 ``d sc`` and ``-dmin mn``, :func:`_f16x2_scales`): each pair of codes becomes
     ``1024 + n`` by one ``prmt`` into f16 halves, ``- 1024`` (exact), then ``n (d sc) - dmin mn`` by one f16x2 FMA with
     ``d sc`` and ``-dmin mn`` rounded to f16 first: two values in three instructions instead of five, each value within
     about an f16 rounding of ``(|n d sc| + |dmin mn|)`` of the exact decode (which rounds the f32 result once)."""
     words = k.load("shared", "u32", k.add(bb, k.add(q8, 32 * (b >> 1)) if b >> 1 else q8),
                    ql.field_offset("Q4_K", "qs"), vec=2)
-    a, cc = k.load("shared", "f32", k.add(table, k.mul(r, TABLE_ROW)), 8 * TABLE_ROW * s + 8 * b, vec=2)
-    scale = k.mul(a, 1.0 / 32)  # (the table's A = 32 d sc, C = -(A / 2 + dmin mn))
-    offset = k.fma(a, 0.5, cc)
-    s2, c2 = k.cvt_f16x2(scale, scale), k.cvt_f16x2(offset, offset)
+    s2, c2 = k.load("shared", "b32", k.add(table, k.mul(r, TABLE_ROW)), 8 * TABLE_ROW * s + 8 * b, vec=2)
     magic = k.mov(0x64006400, "b32")  # (f16 1024 in both halves)
     out = []
     for w in words:
