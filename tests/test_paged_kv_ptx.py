@@ -125,20 +125,36 @@ def _run_decode(cache, q, tab, stride, lengths, out_f16, repeats=1):
        kv_dtype=st.sampled_from(["f16", "f32", "bf16", "q8_0"]), out_f16=st.booleans(), unroll=st.sampled_from([1, 2, 4]),
        lengths=st.lists(st.one_of(st.integers(1, 40), st.integers(60, 300)), min_size=1, max_size=3),
        min_chunk=st.sampled_from([None, 1, 16, 64]), scale=st.floats(0.2, 8), lanes=st.sampled_from([0, 0, 4, 8, 16]),
-       seed=st.integers(0, 2**32 - 1))
+       prefetch=st.booleans(), seed=st.integers(0, 2**32 - 1))
 def test_decode_attention_matches_oracle(hk, d, bs, kv_dtype, out_f16, unroll, lengths, min_chunk, scale, lanes,
-                                         seed):
+                                         prefetch, seed):
     h, kvh = hk
     lanes = 0 if d % (4 * max(lanes, 1)) else lanes
     rng = np.random.default_rng(seed)
     q, kpool, vpool, tab, stride, nb, ref = _decode_case(rng, h, kvh, d, bs, kv_dtype, lengths, scale)
     cache = _cache(h, kvh, d, nb, bs, kv_dtype, max_batch=4, decode_unroll=unroll, min_chunk=min_chunk,
-                   decode_lanes=lanes)
+                   decode_lanes=lanes, decode_prefetch=prefetch)
     _upload(cache, 0, kpool, vpool)
     got, = _run_decode(cache, q, tab, stride, lengths, out_f16)
     assert np.isfinite(got).all(), "unwritten (NaN-poisoned) outputs or a NaN pool row read"
     tol = 2e-3 if out_f16 else 2e-5  # f16 output: its own rounding; f32: ex2.approx / summation order
     np.testing.assert_allclose(got, ref, rtol=0, atol=tol * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("unroll,lanes", [(4, 16), (1, 8)])
+def test_decode_attention_prefetching_block_ids(unroll, lanes):
+    """Block ids loaded a step ahead: rows ending inside a step, at a step's end, one position long, empty, and a
+    long one over several chunks, all against the oracle."""
+    rng = np.random.default_rng(12)
+    lengths = [257, 64, 1, 0, 95]
+    q, kpool, vpool, tab, stride, nb, ref = _decode_case(rng, 8, 2, 64, 16, "f16", lengths, 2.0)
+    cache = _cache(8, 2, 64, nb, 16, "f16", max_batch=5, num_chunks=3, min_chunk=16, decode_unroll=unroll,
+                   decode_lanes=lanes, decode_prefetch=True)
+    assert cache._decode_kernel(False).source.entry.endswith("_pp")
+    _upload(cache, 0, kpool, vpool)
+    got, = _run_decode(cache, q, tab, stride, lengths, False)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
 
 
 def test_decode_attention_long_and_short_rows_many_chunks():

@@ -7,14 +7,17 @@ of 32 positions), timed as GPU time (20 calls replayed from a CUDA graph, median
 
 Each row: µs per call, the K/V bytes read (B L KVH D x 2 x 2) over that time, its share of the copy bandwidth
 (``--copy-tbs``, H200: 4.0 TB/s read + written), torch's µs and the ratio (above 1: ours is faster), the largest error
-of our output against a float64 oracle over the same f16 K/V, relative to its largest value. ``--sweep`` times every decode tiling (lane group width,
-rows a lane group takes per step) and chunk count beside the default one and reports the best.
+of our output against a float64 oracle over the same f16 K/V, relative to its largest value. ``--sweep`` times decode
+tilings (16 or 32 lanes a row, 2 or 4 rows a lane group takes per step), chunk counts (the default, 1, 2) and the
+block-id prefetch (``pp``) beside the default and reports the best (8 lanes and unroll 1 lost everywhere in the sweep
+of 2026-11-30).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import sys
 from pathlib import Path
 
@@ -119,18 +122,17 @@ def main(argv: list[str] | None = None) -> int:
             best = f"{us:.1f} (default)"
             if a.sweep:
                 best_us = us
-                for unroll in (1, 2, 4):
-                    for lanes in (8, 16, 32):
-                        for chunks in (None, 1, 2):
-                            try:
-                                t = case(dev, b, length, rng, decode_unroll=unroll, decode_lanes=lanes,
-                                         num_chunks=chunks)[0]
-                            except Exception as exc:  # (a tiling the kernel refuses)
-                                print(f"  u{unroll} t{lanes} c{chunks}: {type(exc).__name__}: {exc}", flush=True)
-                                continue
-                            print(f"  B={b} L={length} u{unroll} t{lanes} c{chunks}: {t:.1f} us", flush=True)
-                            if t < best_us:
-                                best_us, best = t, f"{t:.1f} (u{unroll} t{lanes} c{chunks})"
+                for unroll, lanes, chunks, pf in itertools.product((2, 4), (16, 32), (None, 1, 2), (False, True)):
+                    tag = f"u{unroll} t{lanes} c{chunks}{' pp' if pf else ''}"
+                    try:
+                        t = case(dev, b, length, rng, decode_unroll=unroll, decode_lanes=lanes, num_chunks=chunks,
+                                 decode_prefetch=pf)[0]
+                    except Exception as exc:  # (a tiling the kernel refuses)
+                        print(f"  {tag}: {type(exc).__name__}: {exc}", flush=True)
+                        continue
+                    print(f"  B={b} L={length} {tag}: {t:.1f} us", flush=True)
+                    if t < best_us:
+                        best_us, best = t, f"{t:.1f} ({tag})"
             tbs = b * length * KV_HEADS * HEAD_DIM * 2 * 2 / us / 1e6
             row = (f"| {b} | {length} | {us:.1f} | {tbs:.2f} | {100 * tbs / a.copy_tbs:.0f}% | "
                    f"{'-' if tus is None else f'{tus:.1f}'} | {'-' if tus is None else f'{tus / us:.2f}'} | {err} | "

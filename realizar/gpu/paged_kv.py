@@ -110,12 +110,13 @@ class PagedKVCache:
     positions per chunk (default :func:`decode_min_chunk`, by rows; rounded up to whole blocks on the device); ``decode_unroll``: rows per
     lane group per step of the decode kernel (1, 2 or 4); ``decode_lanes``: lanes reading one K/V row in the
 decode kernel (0: the kernel's default, 32 at head_dim 128; or 4, 8, 16, 32 dividing head_dim / 4); both
-None: :func:`decode_tiling`. ``ops``: the dispatcher to launch with."""
+None: :func:`decode_tiling`; ``decode_prefetch``: the decode kernel loads each step's block ids during the step
+before (built, not yet timed: off). ``ops``: the dispatcher to launch with."""
 
     def __init__(self, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int, num_blocks: int,
                  block_size: int = _DEFAULTS.block_size, kv_dtype: str = "f16", device: Any = None, *, ops: Dispatcher | None = None,
                  max_batch: int = _DEFAULTS.max_batch, num_chunks: int | None = None, min_chunk: int | None = None,
-                 decode_unroll: int | None = None, decode_lanes: int | None = None):
+                 decode_unroll: int | None = None, decode_lanes: int | None = None, decode_prefetch: bool = False):
         self.num_layers = check_int("num_layers", num_layers)
         self.num_heads = check_int("num_heads", num_heads)
         self.num_kv_heads = check_int("num_kv_heads", num_kv_heads)
@@ -145,6 +146,7 @@ None: :func:`decode_tiling`. ``ops``: the dispatcher to launch with."""
             raise ShapeError(f"decode_lanes must be 0 or 4, 8, 16, 32 dividing head_dim / 4 ({self.head_dim // 4}), "
                              f"got {decode_lanes!r}")
         self.decode_lanes = int(decode_lanes)
+        self.decode_prefetch = bool(decode_prefetch)
         if num_chunks is not None:
             num_chunks = check_int("num_chunks", num_chunks)
             if num_chunks > 1024:
@@ -275,7 +277,7 @@ None: :func:`decode_tiling`. ``ops``: the dispatcher to launch with."""
     def _decode_kernel(self, out_f16: bool):
         return self.ops.kernel("paged_decode_attention", head_dim=self.head_dim, group=self.group,
                                block_size=self.block_size, kv_dtype=self.kv_dtype, out_f16=bool(out_f16),
-                               unroll=self.decode_unroll, lanes=self.decode_lanes)
+                               unroll=self.decode_unroll, lanes=self.decode_lanes, prefetch=self.decode_prefetch)
 
     # ---- decode ------------------------------------------------------------------------------------
     def append_decode(self, layer: int, qkv: Any, inv_freq: Any, positions: Any, block_tables: Any,

@@ -86,8 +86,9 @@ def check_shape(head_dim: int, group: int, block_size: int, kv_dtype: str, unrol
 
 
 def _pass(k: KernelBuilder, lay: _Layout, q_regs: list, kvh, n_kv, table, start, end, block_size: int,
-          kv_dtype: str, unroll: int, T: int) -> BlockState:
-    """Rows [start, end) of the sequence for the block's heads; per-warp results to shared memory."""
+          kv_dtype: str, unroll: int, T: int, prefetch: bool = False) -> BlockState:
+    """Rows [start, end) of the sequence for the block's heads; per-warp results to shared memory. ``prefetch``: each
+    step's block ids are loaded during the step before (its K/V loads then wait on one load, not two in a row)."""
     D, G = lay.head_dim, lay.heads_per_block
     EPL, R, U = D // T, 32 // T, unroll
     tid = k.tid()
@@ -129,20 +130,34 @@ def _pass(k: KernelBuilder, lay: _Layout, q_regs: list, kvh, n_kv, table, start,
         warp_row0 = k.add(warp_row0, g)
     last = k.sub(end, 1, "u32")
     step = WARPS * R * U
-    with k.loop(start, end, step) as sb:
+
+    def step_rows(sb) -> list:
         base = k.add(sb, warp_row0)
-        rows = [k.add(base, u * R) if u else base for u in range(U)]
+        return [k.add(base, u * R) if u else base for u in range(U)]
+
+    def page(rc):  # (rows past the end re-read the last row's block id: loads are guarded)
+        return k.load("global", "u32", k.add(table, k.mul_wide(k.shr(rc, log2(block_size)), 4)))
+
+    ahead = None
+    if prefetch:  # the first step's block ids before the loop, each next step's during the step
+        ahead = [k.var("u32", 0) for _ in range(U)]
+        for var, r in zip(ahead, step_rows(start)):
+            k.assign(var, page(k.min(r, last, "u32")))
+    with k.loop(start, end, step) as sb:
+        rows = step_rows(sb)
         valid = [k.setp("lt", r, end) for r in rows]
         addrs, r_ins = [], []
-        for r in rows:
-            rc = k.min(r, last, "u32")  # rows past the end re-read the last row's block id (loads are guarded)
-            page = k.load("global", "u32", k.add(table, k.mul_wide(k.shr(rc, log2(block_size)), 4)))
-            r_in = k.mad(k.mad(page, n_kv, kvh), block_size, k.and_(rc, block_size - 1))
+        for u, r in enumerate(rows):
+            rc = k.min(r, last, "u32")
+            r_in = k.mad(k.mad(ahead[u] if prefetch else page(rc), n_kv, kvh), block_size, k.and_(rc, block_size - 1))
             addrs.append(k.add(k.mul_wide(r_in, D * ELEM_BYTES[kv_dtype]), lane_off))
             r_ins.append(r_in)
         krows = [load_row(k_pool, k_sc if q8 else None, a, ri, v) for a, ri, v in zip(addrs, r_ins, valid)]
         vrows = [load_row(v_pool, v_sc if q8 else None, a, ri, v) for a, ri, v in zip(addrs, r_ins, valid)]
+        nxt = [page(k.min(r, last, "u32")) for r in step_rows(k.add(sb, step))] if prefetch else []
         butterfly_heads(k, T, q_regs, krows, vrows, valid, m, l, acc)
+        for var, pg in zip(ahead or [], nxt):
+            k.assign(var, pg)
     merge_lane_groups(k, T, m, l, acc)  # the lane groups of a warp
     # per warp to shared memory: acc [warp][head][D], (max, sum) [warp][head]
     sm_acc = k.shared_array("pd_acc", "f32", WARPS * G * D)
@@ -174,13 +189,16 @@ _GRID = [
     {"head_dim": 128, "group": 4, "block_size": 32, "kv_dtype": "f16", "out_f16": True, "unroll": 2, "lanes": 16},
     {"head_dim": 128, "group": 8, "block_size": 32, "kv_dtype": "q8_0", "out_f16": True, "unroll": 2, "lanes": 16},
     {"head_dim": 64, "group": 3, "block_size": 32, "kv_dtype": "f16", "out_f16": False, "unroll": 4, "lanes": 8},
+    {"head_dim": 128, "group": 4, "block_size": 32, "kv_dtype": "f16", "out_f16": True, "unroll": 4, "lanes": 16,
+     "prefetch": True},
+    {"head_dim": 96, "group": 2, "block_size": 16, "kv_dtype": "q8_0", "out_f16": False, "unroll": 2, "prefetch": True},
 ]
 
 
 @kernel("paged_decode_attention", grid=_GRID)
 def paged_decode_attention(m: Module, head_dim: int = 128, group: int = 1, block_size: int = 32,
                            kv_dtype: str = "f16", out_f16: bool = False, unroll: int = 2,
-                           lanes: int = 0) -> KernelBuilder:
+                           lanes: int = 0, prefetch: bool = False) -> KernelBuilder:
     """Split-KV decode attention of B rows through their block tables (see the module doc). Params: q,
     k_pool, v_pool, out, part_acc, part_ml, counters, seq_lens, block_tables, table_stride, n_kv,
     min_chunk, q_stride (floats from one row of q to the next: H * D packed, or (H + 2 KVH) * D to read Q
@@ -193,11 +211,12 @@ def paged_decode_attention(m: Module, head_dim: int = 128, group: int = 1, block
     T = lanes or lanes_per_row(D)
     EPL = D // T
     name = (f"paged_decode_attention_d{D}_g{G}_b{block_size}_{kv_dtype}_u{unroll}"
-            + (f"_t{lanes}" if lanes else "") + ("_outf16" if out_f16 else ""))
+            + (f"_t{lanes}" if lanes else "") + ("_pp" if prefetch else "") + ("_outf16" if out_f16 else ""))
     params = [("q", "u64"), *kv_params(kv_dtype), ("out", "u64"), ("part_acc", "u64"),
               ("part_ml", "u64"), ("counters", "u64"), ("seq_lens", "u64"), ("block_tables", "u64"),
               ("table_stride", "u32"), ("n_kv", "u32"), ("min_chunk", "u32"), ("q_stride", "u32")]
-    k = m.kernel(name, params, max_threads=THREADS)
+    # (prefetching with at most 8 values a lane: held to the 4 blocks an SM the kernel has without it)
+    k = m.kernel(name, params, max_threads=THREADS, min_blocks=4 if prefetch and head_dim // T <= 8 else None)
     k.meta.update(block=THREADS, lanes_per_row=T, rows_per_step=WARPS * (32 // T) * unroll)
     n_kv, stride = k.param("n_kv"), k.param("table_stride")
     bx = k.ctaid("x")
@@ -264,7 +283,7 @@ def paged_decode_attention(m: Module, head_dim: int = 128, group: int = 1, block
         q_regs.append([k.mul(x, qscale) for x in load_values(k, qaddr, EPL, "f32")])
 
     table = k.add(k.global_ptr("block_tables"), k.mul_wide(k.mul(b, stride), 4))
-    st = _pass(k, lay, q_regs, kvh, n_kv, table, start, end, block_size, kv_dtype, unroll, T)
+    st = _pass(k, lay, q_regs, kvh, n_kv, table, start, end, block_size, kv_dtype, unroll, T, prefetch)
     with k.if_(k.setp("eq", nact, 1)):
         emit_combine(k, st, write_out)
         k.ret()
