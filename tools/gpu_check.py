@@ -10,8 +10,8 @@ beside llama.cpp's binaries in $LLAMA_CPP_BIN, on the GGUF file $MOE_GGUF, writt
 default stages: real_model
 (smollm2_gpu.md), bench_gemm_ws / bench_gemm_wg (the quantized batch GEMMs at 8B shapes), bench_gemm_ws_step /
 bench_gemm_ws_xcopy / bench_gemm_ws_f32dec (gemm_ws as the step runs it, the policy's; its X by 16-byte copies
-instead of a tensor map; Q4_K decoded in f32 instead of f16x2), bench_gemm_ws_sweep (every launch shape of o and down
-at 256 and 512 tokens, K split over two CTAs among them), bench_attention_batched / _sweep (the batched decode
+instead of a tensor map; Q4_K decoded in f32 instead of f16x2), bench_gemm_ws_sweep (every launch shape of the 8B
+layers at 128, 256 and 512 tokens, K split over two CTAs among them), bench_attention_batched / _sweep (the batched decode
 attention alone beside torch; every decode tiling at 256 rows of 192 positions), ncu_gemm_ws (its gate/up launch at
 256 tokens under ncu with source-level stall sampling, both ways: ncu_gemm_ws*.txt), profile_batch (the 8B
 batched decode step of 256 rows, its kernels under ncu summed by family: profile_batch.md), and on 2+ GPUs bench_tensor_parallel and bench_nccl). The whole of tests/gpu takes longer
@@ -90,10 +90,10 @@ def stages(out: Path, tests: list[str], pytest_args: list[str]) -> dict[str, tup
         "bench_gemm_ws_f32dec": ([PY, "tools/bench_gemm_wg.py", "--kernel", "ws", "--types", "Q4_K", "--models", "8b",
                                   "--ms", "128,256,512", "--as-step", "--no-f16dec",
                                   "--out", str(out / "bench_gemm_ws_f32dec.md")], 240),
-        # every launch shape of o and down as the step runs them (K split over two CTAs among them)
+        # every launch shape of the 8B layers as the step runs them (K split over two CTAs among them)
         "bench_gemm_ws_sweep": ([PY, "tools/bench_gemm_wg.py", "--kernel", "ws", "--types", "Q4_K", "--models", "8b",
-                                 "--ms", "256,512", "--as-step", "--shapes", "o,down", "--sweep",
-                                 "--out", str(out / "bench_gemm_ws_sweep.md")], 300),
+                                 "--ms", "128,256,512", "--as-step", "--sweep",
+                                 "--out", str(out / "bench_gemm_ws_sweep.md")], 420),
         # the batched decode step's attention alone, beside torch's SDPA; every decode tiling at the 256-row step
         "bench_attention_batched": ([PY, "tools/bench_attention_batched.py", "--batches", "64,128,256", "--lengths",
                                      "128,256,512", "--out", str(out / "bench_attention_batched.md")], 300),
