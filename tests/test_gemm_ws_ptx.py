@@ -7,6 +7,8 @@ without spills over the grid and drawn shapes. The same oracle runs on the GPU i
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings
@@ -178,7 +180,7 @@ def test_gemm_wg_row_groups(rgroups, kparts, glu):
          residual=None if glu else "in_place")
 
 
-@pytest.mark.parametrize("split", [0.0, 0.9])
+@pytest.mark.parametrize("split", [0.0, 0.9, "first"])
 @pytest.mark.parametrize("wtype", ["Q4_K", "Q6_K"])
 def test_policy_shapes_fit_take_x_by_tma_and_assemble(monkeypatch, wtype, split):
     """ws_config from WS_OVER_WG_ROWS + 1 tokens (where the Linear takes gemm_ws) to a prefill chunk at the 8B and 1B layers, with the
@@ -189,7 +191,10 @@ def test_policy_shapes_fit_take_x_by_tma_and_assemble(monkeypatch, wtype, split)
     from realizar.gpu.gemm_wg import ws_config
     from realizar.gpu.policy.gemm import WS_OVER_WG_ROWS
 
+    first = split == "first"
+    split = 0.0 if first else split
     monkeypatch.setattr(host, "WS_SPLIT_K", split)
+    monkeypatch.setattr(host, "WS_SPLIT_FIRST", first)
 
     seen = set()
     for n, k, glu, layout in [(28672, 4096, True, "glu-tiles"), (6144, 4096, False, "rows"),
@@ -200,9 +205,14 @@ def test_policy_shapes_fit_take_x_by_tma_and_assemble(monkeypatch, wtype, split)
             cfg = ws_config(wtype, k, layout, cols, m, 132, 227 * 1024, glu=glu)
             ws.check_shape(wtype, k, layout, cfg.mt, cfg.rgroups, cfg.stages, cfg.wstages, cfg.kparts)
             assert cfg.xtma and cfg.f16dec == (wtype in F16DEC_TYPES), cfg
-            assert cfg.kparts == 1 or (split and cfg.rgroups == 2), cfg
+            assert cfg.kparts == 1 or (split and cfg.rgroups == 2) or (first and cfg.mt == max(
+                t for t in (64, 128, 256) if t <= max(m, 64))), cfg
             seen.add((k, layout, glu, cfg))
-    assert any(c.kparts == 2 for *_, c in seen) == bool(split)
+    assert any(c.kparts == 2 for *_, c in seen) == bool(split or first)
+    if first:  # o and down at 128 tokens: a 128-token tile split in two, not 64-token tiles
+        assert ws_config(wtype, 4096, "rows", 4096, 128, 132, 227 * 1024) == dataclasses.replace(
+            ws_config(wtype, 4096, "rows", 4096, 128, 132, 227 * 1024), mt=128, rgroups=1, kparts=2)
+        assert ws_config(wtype, 14336, "tiles", 4096, 128, 132, 227 * 1024).mt == 128
     for k, layout, glu, cfg in sorted(seen, key=str)[:: max(1, len(seen) // 4)]:
         kern = catalog.emit("gemm_ws", target="sm_90", wtype=wtype, in_dim=k, layout=layout, mt=cfg.mt,
                             rgroups=cfg.rgroups, stages=cfg.stages, wstages=cfg.wstages, xtma=cfg.xtma,
@@ -211,8 +221,10 @@ def test_policy_shapes_fit_take_x_by_tma_and_assemble(monkeypatch, wtype, split)
         assert not rep.spills, f"{cfg} spills: {rep.log}"
 
 
-def test_linear_sizes_the_k_split_room_and_launches_it(monkeypatch):
-    """The Linear above WS_OVER_WG_ROWS with the policy splitting K (WS_SPLIT_K on): reserve sizes its SplitSpace once
+@pytest.mark.parametrize("mode", ["split_k", "first"])
+def test_linear_sizes_the_k_split_room_and_launches_it(monkeypatch, mode):
+    """The Linear above WS_OVER_WG_ROWS with the policy splitting K (WS_SPLIT_K on: two consumer warpgroups; or
+    WS_SPLIT_FIRST: the largest token tile where a smaller one would be taken): reserve sizes its SplitSpace once
     (True: graphs must be rebuilt; then False), the product with the residual in place matches the oracle twice (the
     counters left at zero between launches), and gemm_ws without the room is refused with what it needs."""
     import realizar.gpu.gemm_wg as host
@@ -224,13 +236,21 @@ def test_linear_sizes_the_k_split_room_and_launches_it(monkeypatch):
     from tests.test_gemm_q_ptx import _oracle
 
     monkeypatch.setattr(host, "wg_applies", lambda *a: True)
-    monkeypatch.setattr(host, "WS_SPLIT_K", 0.01)
-    ops = LayerOps(cuda.EmulatedDevice(target="sm_90", sm_count=2))  # (a launch of 4 CTAs fills it: 128-token tiles)
+    m = max(WS_OVER_WG_ROWS, 128) + 5  # (a 128-token tile, then a ragged one)
+    if mode == "split_k":
+        monkeypatch.setattr(host, "WS_SPLIT_K", 0.01)
+        ops = LayerOps(cuda.EmulatedDevice(target="sm_90", sm_count=2))  # (a launch of 4 CTAs fills it)
+        out_dim = 128
+    else:  # (8 SMs: 2 CTAs of 128-token tiles, 3 of 64 are too few; split in two, 4)
+        monkeypatch.setattr(host, "WS_SPLIT_FIRST", True)
+        ops = LayerOps(cuda.EmulatedDevice(target="sm_90", sm_count=8))
+        out_dim = 64
     rng = np.random.default_rng(23)
-    out_dim, in_dim, m = 128, 512, max(WS_OVER_WG_ROWS, 128) + 5  # (a 128-token tile, then a ragged one)
+    in_dim = 512
     raw = random_weight(rng, "Q4_K", out_dim, in_dim)
     w = GpuWeight(data=raw, ggml_type="Q4_K", shape=(out_dim, in_dim), layout="tiles", device=ops.device)
-    assert host.ws_config("Q4_K", in_dim, "tiles", out_dim, m, ops.sm_count).kparts == 2
+    cfg = host.ws_config("Q4_K", in_dim, "tiles", out_dim, m, ops.sm_count)
+    assert cfg.kparts == 2 and (cfg.mt, cfg.rgroups) == ((128, 2) if mode == "split_k" else (128, 1)), cfg
     lin, weights = Linear(ops), (w,)
     assert lin.reserve(weights, m) and not lin.reserve(weights, m) and lin.split is not None
     x = (rng.standard_normal((m, in_dim)) + 0.1).astype(np.float16)

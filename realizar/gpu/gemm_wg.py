@@ -18,7 +18,8 @@ import numpy as np
 from realizar.errors import ShapeError
 from realizar.gpu.dispatch import Dispatcher
 from realizar.gpu.policy.gemm import (WG_MIN_WAVE, WG_MTS, WG_STAGES, WG_UNROLL, WG_WIDE, WS_MIN_WAVE, WS_MTS,
-                                      WS_F16DEC, WS_SPLIT_K, WS_STAGES, WS_XTMA, WS_WIDE, WS_WIDE_256, ws_shared_bytes)
+                                      WS_F16DEC, WS_SPLIT_FIRST, WS_SPLIT_K, WS_STAGES, WS_XTMA, WS_WIDE, WS_WIDE_256,
+                                      ws_shared_bytes)
 from realizar.gpu.policy.shapes import WgConfig, WsConfig
 
 __all__ = ["GemmWgOps", "SplitSpace", "WgConfig", "WsConfig", "split_room", "wg_applies", "wg_config", "ws_config"]
@@ -65,17 +66,21 @@ def ws_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_co
     an SM, on a 256-token tile where it keeps ``WS_WIDE_256``; the deepest ring of ``WS_STAGES`` that fits ``max_smem``;
     X by a tensor map where ``WS_XTMA``; the weights decoded in f16x2 arithmetic where ``WS_F16DEC`` and the type has
     that decoder; K split over two CTAs of two consumer warpgroups instead of one warpgroup a CTA where that launch
-    has ``WS_SPLIT_K`` CTAs an SM."""
+    has ``WS_SPLIT_K`` CTAs an SM; with ``WS_SPLIT_FIRST``, K split over two CTAs of the largest tile where a smaller
+    tile would be taken."""
     from ptx_gen.kernels.gemm.gemm_ws import smem_bytes
     from ptx_gen.kernels.gemm.qstream import F16DEC_TYPES
 
     groups = -(-rows_out // (32 if glu else 64))  # 64-row warpgroups (glu: 32 outputs)
     tiles = [t for t in WS_MTS if t <= m] or [WS_MTS[-1]]
     mt = next((t for t in tiles if groups * -(-m // t) >= WS_MIN_WAVE * sm_count), tiles[-1])
-    wide = {128: WS_WIDE, 256: WS_WIDE_256}.get(mt)
-    rg = 2 if wide is not None and -(-groups // 2) * -(-m // mt) >= wide * sm_count else 1
     kp = 1
-    if (rg == 1 and WS_SPLIT_K and mt >= 128 and in_dim // 256 % 2 == 0
+    if (WS_SPLIT_FIRST and mt < tiles[0] and in_dim // 256 % 2 == 0
+            and 2 * groups * -(-m // tiles[0]) >= WS_MIN_WAVE * sm_count):
+        mt, kp = tiles[0], 2  # (the largest tile, K split over two CTAs)
+    wide = {128: WS_WIDE, 256: WS_WIDE_256}.get(mt)
+    rg = 2 if kp == 1 and wide is not None and -(-groups // 2) * -(-m // mt) >= wide * sm_count else 1
+    if (rg == 1 and kp == 1 and WS_SPLIT_K and mt >= 128 and in_dim // 256 % 2 == 0
             and 2 * -(-groups // 2) * -(-m // mt) >= WS_SPLIT_K * sm_count):
         rg, kp = 2, 2
     for r, kparts in dict.fromkeys([(rg, kp), (1, 1)]):

@@ -62,7 +62,7 @@ class Linear:
         self.scratch = None  # f16 expansion of a weight without a kept copy
         self._wg_takes: dict[int, tuple] = {}  # id(weight) -> (weight, _wg(weight)): asked for every weight each step
         self.split = None  # the SplitSpace of gemm_ws launches that split K over two CTAs (sized by reserve)
-        self._split_rooms: dict[tuple, tuple] = {}  # (id(weights), rows, WS_SPLIT_K) -> (weights, the room they need)
+        self._split_rooms: dict[tuple, tuple] = {}  # (id(weights), rows, the split policy) -> (weights, their room)
 
     @staticmethod
     def f16_input(rows: int) -> bool:
@@ -110,7 +110,7 @@ class Linear:
         gate/up weight's launch shape and room are those of its rows without the SwiGLU epilogue)."""
         import realizar.gpu.gemm_wg as wg
 
-        key = (id(weights), rows, wg.WS_SPLIT_K)  # (the policy's value: a tool may change it between steps)
+        key = (id(weights), rows, wg.WS_SPLIT_K, wg.WS_SPLIT_FIRST)  # (a tool may change the policy between steps)
         hit = self._split_rooms.get(key)
         if hit is not None and hit[0] is weights:
             return hit[1]
