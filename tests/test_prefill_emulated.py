@@ -156,7 +156,7 @@ def test_prefill_chunk_on_gemm_ws_with_the_k_split(tmp_path, monkeypatch):
     dims = dict(vocab_size=320, hidden_size=512, intermediate_size=512, num_heads=4, num_kv_heads=2)  # 2 chunks of K
     path, _, _ = make_gguf_model("llama", tmp_path, "Q4_K", seed=4, num_layers=1, **dims)
     loaded = load_model(path)
-    n = WS_OVER_WG_ROWS + 8
+    n = max(WS_OVER_WG_ROWS, 128) + 8  # (a 128-token tile, which the K split needs, then a ragged one)
     # (8 SMs: o and down take one consumer warpgroup a CTA, so the policy splits their K)
     gpu = GpuModel.from_loaded(loaded, max_len=n + 4, device=cuda.EmulatedDevice(target="sm_90", sm_count=8),
                                prefill_chunk=n, prefill_min_batch=1)
