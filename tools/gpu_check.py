@@ -12,8 +12,8 @@ default stages: real_model
 bench_gemm_ws_xcopy / bench_gemm_ws_f32dec (gemm_ws as the step runs it, the policy's; its X by 16-byte copies
 instead of a tensor map; Q4_K decoded in f32 instead of f16x2), bench_gemm_ws_sweep (every launch shape of the 8B
 layers at 128, 256 and 512 tokens, K split over two CTAs among them), bench_attention_batched / _sweep (the batched decode
-attention alone beside torch; every decode tiling at 256 rows of 192 positions), ncu_gemm_ws (its gate/up launch at
-256 tokens under ncu with source-level stall sampling, both ways: ncu_gemm_ws*.txt), profile_batch (the 8B
+attention alone beside torch; every decode tiling at 256 rows of 192 positions), ncu_gemm_ws (its gate/up and o launches at
+256 tokens and down at 128 under ncu with source-level stall sampling: ncu_gemm_ws_*.txt), profile_batch (the 8B
 batched decode step of 256 rows, its kernels under ncu summed by family: profile_batch.md), and on 2+ GPUs bench_tensor_parallel and bench_nccl). The whole of tests/gpu takes longer
 than the tests stage's 420 s: give --tests a part of it per call.
 
@@ -127,14 +127,15 @@ def stages(out: Path, tests: list[str], pytest_args: list[str]) -> dict[str, tup
             "--out", str(out / "bench_moe.md")]]
     if not Path(moe_gguf).exists():
         moe.insert(0, [PY, "tools/write_gguf.py", "qwen3-30b-a3b", moe_gguf])
-    # gemm_ws at the 8B gate/up shape, 256 tokens, under ncu with source-level stall sampling, X by TMA and copied
+    # gemm_ws under ncu with source-level stall sampling, the policy's launches: the 8B gate/up at 256 tokens (near
+    # gate/up's best rate), o at 256 and down at 128 (half of gate/up's rate per weight)
     sections = [a for s in ("SpeedOfLight", "WarpStateStats", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis",
                             "SchedulerStats", "SourceCounters") for a in ("--section", s)]
     ncu_ws = [[ncu, "--kernel-name", "regex:gemm_ws", "--launch-skip", "2", "--launch-count", "1", *sections,
-               "--log-file", str(out / f"ncu_gemm_ws{tag}.txt"), PY, "tools/ncu_gemm_ws.py", "--shape", "gate/up", "--m",
-               "256", *flag] for tag, flag in (("", []), ("_xcopy", ["--no-xtma"]))]
+               "--log-file", str(out / f"ncu_gemm_ws_{shape.replace('/', '')}_{m}.txt"), PY, "tools/ncu_gemm_ws.py",
+               "--shape", shape, "--m", str(m)] for shape, m in (("gate/up", 256), ("o", 256), ("down", 128))]
     return {**{name: ([cmd], limit) for name, (cmd, limit) in single.items()}, "bench_warm_start": (warm, 480),
-            "ncu_gemm_ws": (ncu_ws, 240),
+            "ncu_gemm_ws": (ncu_ws, 300),
             "bench_moe": (moe, 600), "profile_batch": (profile_batch, 480),
             "sanitize": (memcheck, 300), "racecheck": (racecheck, 300)}
 
