@@ -77,6 +77,10 @@ def bench_batched(backend: GpuBatchBackend, batches: list[int], prompt: int, gen
     from realizar.sampling import RowSampling
     from realizar.serving.backend import fed
 
+    if gen < (2 if sync else 3):
+        raise SystemExit(f"--gen {gen}: the batched part times steps after {'one' if sync else 'two'} warm-up "
+                         f"step(s); give at least {2 if sync else 3}")
+
     bs = backend.block_size
     per_seq = -(-(prompt + gen) // bs)
     out = {}

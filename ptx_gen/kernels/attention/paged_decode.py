@@ -215,8 +215,9 @@ def paged_decode_attention(m: Module, head_dim: int = 128, group: int = 1, block
     params = [("q", "u64"), *kv_params(kv_dtype), ("out", "u64"), ("part_acc", "u64"),
               ("part_ml", "u64"), ("counters", "u64"), ("seq_lens", "u64"), ("block_tables", "u64"),
               ("table_stride", "u32"), ("n_kv", "u32"), ("min_chunk", "u32"), ("q_stride", "u32")]
-    # (prefetching with at most 8 values a lane: held to the 4 blocks an SM the kernel has without it)
-    k = m.kernel(name, params, max_threads=THREADS, min_blocks=4 if prefetch and head_dim // T <= 8 else None)
+    # (prefetching where a lane holds at most 32 accumulators, group x values a lane, as the 8B shape: held to the 4
+    # blocks an SM the kernel has there without it; larger groups take more registers either way)
+    k = m.kernel(name, params, max_threads=THREADS, min_blocks=4 if prefetch and G * (D // T) <= 32 else None)
     k.meta.update(block=THREADS, lanes_per_row=T, rows_per_step=WARPS * (32 // T) * unroll)
     n_kv, stride = k.param("n_kv"), k.param("table_stride")
     bx = k.ctaid("x")
