@@ -294,16 +294,8 @@ def test_launches_of_no_more_ctas_than_sms_take_an_sm_alone(monkeypatch):
     w = GpuWeight(data=raw, ggml_type="Q4_K", shape=(out_dim, in_dim), layout="tiles", device=ops.device)
     x = (rng.standard_normal((m, in_dim)) + 0.1).astype(np.float16)
     y = ops.to_device(np.full((m, out_dim), np.nan, np.float32))
-    launches = []
-
-    class Rec:
-        record = launches.append
-
-    cuda.push_recorder(Rec)
-    try:
+    with cuda.recording() as launches:
         ops.gemm_ws(ops.to_device(x), w, y, m)
-    finally:
-        cuda.pop_recorder(Rec)
     (rec,) = launches
     assert rec.grid == (1, 1, 1) and rec.kernel.launch.dyn_smem < ops.device.max_shared_per_sm // 2
     assert rec.shared_bytes == ops.device.max_shared_per_sm // 2

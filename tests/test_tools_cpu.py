@@ -223,34 +223,40 @@ def test_ncu_summary_sums_kernel_families(tmp_path):
     assert _rows(out.read_text(), "all")[0][1:] == ["3", "50.0", "100%"]
 
 
+def _tiny_backend(tmp_path, seed: int, vocab_size: int, max_context: int, num_blocks: int):
+    """GpuBatchBackend of two rows over a one-layer Q8_0 llama on the emulated device, graphs off (the tools record and
+    replay its launches)."""
+    from realizar.gpu.batch import GpuBatchBackend
+    from realizar.gpu.model import GpuModel
+    from realizar.models.loader import load_model
+    from tests.gguf_factory import make_gguf_model
+
+    path, _, _ = make_gguf_model("llama", tmp_path, "Q8_0", seed=seed, num_layers=1, vocab_size=vocab_size,
+                                 hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2)
+    model = GpuModel.from_loaded(load_model(path), max_len=max_context + 16, device=cuda.EmulatedDevice(sm_count=4),
+                                 kv_cache=False)
+    return GpuBatchBackend(model, num_blocks=num_blocks, block_size=16, kv_dtype="f32", max_batch=2,
+                           max_context=max_context, use_graph=False)
+
+
 def test_profile_step_times_every_launch_in_sequence(tmp_path, monkeypatch):
     """tools/profile_step.py --events: one recorded step of a tiny batched model replays on the emulator, every launch
     timed in order, and the family table sums them."""
     monkeypatch.syspath_prepend("tools")
     import profile_step
+    from ncu_summary import family
 
-    from realizar.gpu.batch import GpuBatchBackend
-    from realizar.gpu.model import GpuModel
-    from realizar.models.loader import load_model
     from realizar.sampling import RowSampling
-    from tests.gguf_factory import make_gguf_model
 
-    path, _, _ = make_gguf_model("llama", tmp_path, "Q8_0", seed=3, num_layers=1, vocab_size=320, hidden_size=128,
-                                 intermediate_size=256, num_heads=4, num_kv_heads=2)
-    model = GpuModel.from_loaded(load_model(path), max_len=32, device=cuda.EmulatedDevice(sm_count=4),
-                                 kv_cache=False)
-    backend = GpuBatchBackend(model, num_blocks=8, block_size=16, kv_dtype="f32", max_batch=2, max_context=32,
-                              use_graph=False)
+    backend = _tiny_backend(tmp_path, seed=3, vocab_size=320, max_context=32, num_blocks=8)
     ids = [int(backend.prefill([1, 2, 3], 0, [1 + r]).sample([RowSampling()])[0]) for r in range(2)]
-    records = profile_step._Launches()
-    profile_step.push_recorder(records)
-    backend.decode(ids, [3, 3], [[1], [2]]).sample([RowSampling()] * 2)
-    profile_step.pop_recorder(records)
+    with cuda.recording() as records:
+        backend.decode(ids, [3, 3], [[1], [2]]).sample([RowSampling()] * 2)
     times = profile_step.in_sequence_us(records, backend.stream, reps=2)
     assert [n for n, _ in times] == [r.kernel.source.entry for r in records] and len(times) > 5
-    assert any(profile_step.family(n) != n for n, _ in times)  # (PTX entries: names with their shapes)
+    assert any(family(n) != n for n, _ in times)  # (PTX entries: names with their shapes)
     assert all(us > 0 for _, us in times)
-    table = profile_step.event_summary(times)
+    table = profile_step.times_table(times)
     assert _rows("\n".join(table), "all")[0][1] == str(len(times))
     with pytest.raises(RuntimeError, match="more than one stream"):
         profile_step.in_sequence_us([dataclasses.replace(records[0], stream=None)], backend.stream)
@@ -263,17 +269,7 @@ def test_pdl_ab_records_a_step_and_replays_it_under_every_rule(tmp_path, monkeyp
     monkeypatch.syspath_prepend("tools")
     import pdl_ab
 
-    from realizar.gpu.batch import GpuBatchBackend
-    from realizar.gpu.model import GpuModel
-    from realizar.models.loader import load_model
-    from tests.gguf_factory import make_gguf_model
-
-    path, _, _ = make_gguf_model("llama", tmp_path, "Q8_0", seed=4, num_layers=1, vocab_size=1100, hidden_size=128,
-                                 intermediate_size=256, num_heads=4, num_kv_heads=2)
-    model = GpuModel.from_loaded(load_model(path), max_len=160, device=cuda.EmulatedDevice(sm_count=4),
-                                 kv_cache=False)
-    backend = GpuBatchBackend(model, num_blocks=24, block_size=16, kv_dtype="f32", max_batch=2, max_context=144,
-                              use_graph=False)
+    backend = _tiny_backend(tmp_path, seed=4, vocab_size=1100, max_context=144, num_blocks=24)
     records = pdl_ab.record_step(backend, 2)
     assert len(records) > 5 and all(r.stream is backend.stream for r in records)
     times = pdl_ab.ab(records, backend.stream, calls=1, reps=1)

@@ -29,25 +29,28 @@ def _us(row: dict) -> float:
     return value / 1e3 if unit.startswith("n") else value if unit.startswith("u") else value * 1e3
 
 
-def summarize(rows: list[dict]) -> list[str]:
+def times_table(times: list[tuple[str, float]], top: int | None = None) -> list[str]:
+    """The family table (launches, µs, share of all) and the kernel table (the ``top`` longest, else every kernel) of
+    (kernel name, µs) pairs, one a launch."""
     per: dict[str, list[float]] = defaultdict(list)
-    for r in rows:
-        if r.get("Metric Name") != "gpu__time_duration.sum":
-            continue
-        per[family(r["Kernel Name"])].append(_us(r))
+    by_name: dict[str, list[float]] = defaultdict(list)
+    for name, us in times:
+        per[family(name)].append(us)
+        by_name[name].append(us)
     total = sum(sum(v) for v in per.values())
     out = ["| kernel family | launches | µs | share |", "|---|---:|---:|---:|"]
     for fam, v in sorted(per.items(), key=lambda kv: -sum(kv[1])):
         out.append(f"| {fam} | {len(v)} | {sum(v):.1f} | {100 * sum(v) / total:.1f}% |")
-    out.append(f"| all | {sum(len(v) for v in per.values())} | {total:.1f} | 100% |")
-    by_name: dict[str, list[float]] = defaultdict(list)
-    for r in rows:
-        if r.get("Metric Name") == "gpu__time_duration.sum":
-            by_name[r["Kernel Name"].split("(")[0].strip()].append(_us(r))
-    out += ["", "| kernel (the 20 longest in all) | launches | µs |", "|---|---:|---:|"]
-    for name, v in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:20]:
+    out.append(f"| all | {len(times)} | {total:.1f} | 100% |")
+    out += ["", f"| kernel{f' (the {top} longest in all)' if top else ''} | launches | µs |", "|---|---:|---:|"]
+    for name, v in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]:
         out.append(f"| `{name}` | {len(v)} | {sum(v):.1f} |")
     return out
+
+
+def summarize(rows: list[dict]) -> list[str]:
+    return times_table([(r["Kernel Name"].split("(")[0].strip(), _us(r)) for r in rows
+                        if r.get("Metric Name") == "gpu__time_duration.sum"], top=20)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,12 +14,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from profile_step import PROMPT, _Launches  # tools/ is on the path when run as a script
+from profile_step import PROMPT  # tools/ is on the path when run as a script
 
 from realizar import cuda
 from realizar.cuda.bench import median_us
 from realizar.cuda.graph import capture
-from realizar.cuda.launch import launch, pop_recorder, programmatic_dependent_launch, push_recorder
+from realizar.cuda.launch import programmatic_dependent_launch, recording
 from realizar.gpu.batch import GpuBatchBackend
 from realizar.gpu.model import GpuModel
 from realizar.models.random import bench_model
@@ -42,7 +42,7 @@ def replay(records, rule=None) -> None:
     prev = None
     for r in records:
         with programmatic_dependent_launch(bool(rule and rule(r, prev))):
-            launch(r.kernel, r.grid, r.block, r.args, r.shared_bytes, r.stream)
+            r.relaunch()
         prev = r
 
 
@@ -66,12 +66,8 @@ def record_step(backend: GpuBatchBackend, b: int) -> list:
     ids = [int(backend.prefill([1 + (r + i) % 1000 for i in range(PROMPT)], 0, tables[r]).sample(spec)[0])
            for r in range(b)]
     ids = backend.decode(ids, [PROMPT] * b, tables).sample(spec * b).tolist()  # (loads every kernel)
-    records = _Launches()
-    push_recorder(records)
-    try:
+    with recording() as records:
         backend.decode(ids, [PROMPT + 1] * b, tables).sample(spec * b)
-    finally:
-        pop_recorder(records)
     return records
 
 

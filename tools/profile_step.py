@@ -27,17 +27,16 @@ import shlex
 import statistics
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 from cuda.bindings import driver
 
 from bench_decode import bench as decode_rate  # tools/ is on the path when run as a script
-from ncu_summary import family
+from ncu_summary import times_table
 
 from realizar import cuda
 from realizar.cuda.bench import median_us
-from realizar.cuda.launch import launch, pop_recorder, push_recorder
+from realizar.cuda.launch import recording
 from realizar.cuda.stream import Event
 from realizar.gpu.batch import GpuBatchBackend
 from realizar.gpu.model import GpuModel
@@ -72,10 +71,6 @@ def backend_rate(backend: GpuBatchBackend, tokens: int) -> tuple[float, float, f
     return (tokens - 1) / wall, e0.elapsed_ms(e1) * 1e3 / tokens, stage_us
 
 
-class _Launches(list):
-    record = list.append
-
-
 def in_sequence_us(records: list, stream, reps: int = 20) -> list[tuple[str, float]]:
     """(kernel name, median µs) of every recorded launch replayed in order on ``stream``, an event after each; one
     untimed replay first so the host runs ahead of the GPU (a launch costs the host less than any kernel here)."""
@@ -86,28 +81,12 @@ def in_sequence_us(records: list, stream, reps: int = 20) -> list[tuple[str, flo
         if rep >= 0:
             events[rep][0].record(stream)
         for i, r in enumerate(records):
-            launch(r.kernel, r.grid, r.block, r.args, r.shared_bytes, r.stream)
+            r.relaunch()
             if rep >= 0:
                 events[rep][i + 1].record(stream)
     stream.synchronize()
     return [(r.kernel.source.entry, statistics.median(ev[i].elapsed_ms(ev[i + 1]) * 1e3 for ev in events))
             for i, r in enumerate(records)]
-
-
-def event_summary(times: list[tuple[str, float]]) -> list[str]:
-    per: dict[str, list[float]] = defaultdict(list)
-    for name, us in times:
-        per[family(name)].append(us)
-    total = sum(us for _, us in times)
-    out = ["| kernel family | launches | µs | share |", "|---|---:|---:|---:|"]
-    out += [f"| {f} | {len(v)} | {sum(v):.1f} | {100 * sum(v) / total:.1f}% |"
-            for f, v in sorted(per.items(), key=lambda kv: -sum(kv[1]))]
-    by_name: dict[str, list[float]] = defaultdict(list)
-    for name, us in times:
-        by_name[name].append(us)
-    out += [f"| all | {len(times)} | {total:.1f} | 100% |", "", "| kernel | launches | µs |", "|---|---:|---:|"]
-    out += [f"| `{n}` | {len(v)} | {sum(v):.1f} |" for n, v in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))]
-    return out
 
 
 def batch_step(model: GpuModel, b: int, tokens: int, ncu: bool, events: bool = False) -> float | None:
@@ -131,13 +110,9 @@ def batch_step(model: GpuModel, b: int, tokens: int, ncu: bool, events: bool = F
             driver.cuProfilerStop()
             return None
         if events:
-            records = _Launches()
-            push_recorder(records)
-            try:
+            with recording() as records:
                 backend.decode(ids, [PROMPT + 1] * b, tables).sample(specs)
-            finally:
-                pop_recorder(records)
-            print("\n".join(event_summary(in_sequence_us(records, backend.stream))))
+            print("\n".join(times_table(in_sequence_us(records, backend.stream))))
             return None
         graph = backend.graphs.graph(backend.graphs.keys()[-1])  # (the step just captured: the most recent)
         return median_us(lambda: [graph.launch(backend.stream) for _ in range(tokens)], backend.stream, tokens, 5)

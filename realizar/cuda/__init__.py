@@ -18,7 +18,8 @@ from realizar.cuda.graph import (
 from realizar.cuda.graph_cache import GRAPH_MODES, GraphCache
 from realizar.cuda.driver import CudaError, CudaUnavailableError, is_available, unavailable_reason
 from realizar.cuda.emulated import EmulatedDevice
-from realizar.cuda.launch import LaunchRecord, launch, pop_recorder, programmatic_dependent_launch, push_recorder
+from realizar.cuda.launch import (LaunchRecord, launch, pop_recorder, programmatic_dependent_launch, push_recorder,
+                                  recording)
 from realizar.cuda.memory import BufferFreedError, GpuBuffer
 from realizar.cuda.module import CompiledKernel, JitError, ModuleCache, module_cache
 from realizar.cuda.pinned import PinnedArray, StepValues
@@ -29,5 +30,6 @@ __all__ = [
     "record_graph", "GRAPH_MODES", "GraphCache", "PinnedArray", "StepValues",
     "BufferFreedError", "CompiledKernel", "CudaError", "CudaUnavailableError", "Device", "EmulatedDevice", "Event",
     "GpuBuffer", "JitError", "KernelArgs", "LaunchRecord", "ModuleCache", "Stream", "current_device",
-    "is_available", "launch", "programmatic_dependent_launch", "module_cache", "pop_recorder", "push_recorder", "unavailable_reason",
+    "is_available", "launch", "programmatic_dependent_launch", "module_cache", "pop_recorder", "push_recorder",
+    "recording", "unavailable_reason",
 ]

@@ -25,7 +25,7 @@ import numpy as np
 
 from realizar.cuda.args import KernelArgs
 from realizar.cuda.driver import CudaError, begin_capture_scope, call, check, drv, end_capture_scope, release
-from realizar.cuda.launch import LaunchRecord, launch, pop_recorder, push_recorder
+from realizar.cuda.launch import LaunchList, LaunchRecord, pop_recorder, push_recorder, recording
 from realizar.cuda.memory import BufferFreedError
 from realizar.cuda.pinned import StepValues
 from realizar.cuda.stream import Stream
@@ -42,16 +42,6 @@ class GraphCaptureError(GraphError):
 
 def _no_release() -> None:
     """The finalizer of an emulated graph: nothing to release."""
-
-
-class _Recorder:
-    """Collects launch records (used by capture for lifetime checks, by record_graph for nodes)."""
-
-    def __init__(self) -> None:
-        self.records: list[LaunchRecord] = []
-
-    def record(self, rec: LaunchRecord) -> None:
-        self.records.append(rec)
 
 
 class Graph:
@@ -195,7 +185,7 @@ def capture(stream: Stream, mode: str = "global") -> Iterator[Capture]:
     if mode not in modes:
         raise GraphError(f"unknown capture mode {mode!r}; expected one of {sorted(modes)}")
     result = Capture(stream)
-    recorder = _Recorder()
+    recorder = LaunchList()
     if stream.device.emulated:  # launches on the stream are recorded, not run
         stream.device.begin_capture(stream)
         push_recorder(recorder)
@@ -206,7 +196,7 @@ def capture(stream: Stream, mode: str = "global") -> Iterator[Capture]:
             stream.device.end_capture(stream)
         # as a driver's capture, the graph holds only the captured stream's work: launches on other
         # streams inside the block ran eagerly (EmulatedDevice.launch_kernel) and must not replay
-        ours = [r for r in recorder.records if r.stream is stream]
+        ours = [r for r in recorder if r.stream is stream]
         result.graph = Graph(None, ours, kind="captured")
         return
     begin_capture_scope()  # finalizers now queue their frees instead of invalidating the capture
@@ -242,7 +232,7 @@ def capture(stream: Stream, mode: str = "global") -> Iterator[Capture]:
                 f"stream capture was invalidated: {exc} (an operation that is illegal during "
                 "capture ran on this or the legacy default stream)"
             ) from exc
-    result.graph = Graph(handle, recorder.records, kind="captured")
+    result.graph = Graph(handle, recorder, kind="captured")
 
 
 @dataclass
@@ -264,14 +254,10 @@ def record_graph(dependencies: str = "chain") -> Iterator[Recording]:
     """
     if dependencies not in ("chain", "buffers"):
         raise GraphError(f"dependencies must be 'chain' or 'buffers', got {dependencies!r}")
-    recorder = _Recorder()
-    rec = Recording(dependencies, recorder.records)
-    push_recorder(recorder)
-    try:
+    with recording() as launches:
+        rec = Recording(dependencies, launches)
         yield rec
-    finally:
-        pop_recorder(recorder)
-    rec.graph = build_graph(recorder.records, dependencies)
+    rec.graph = build_graph(launches, dependencies)
 
 
 def build_graph(records: list[LaunchRecord], dependencies: str = "chain") -> Graph:
@@ -331,7 +317,7 @@ def ab_check(exe: GraphExec, reset: Callable[[], None], stream: Stream) -> ABRep
     reset()
     stream.synchronize()
     for rec in exe.graph.records:
-        launch(rec.kernel, rec.grid, rec.block, rec.args, rec.shared_bytes, stream)
+        rec.relaunch(stream)
     eager = snapshot()
     reset()
     stream.synchronize()

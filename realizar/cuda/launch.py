@@ -36,9 +36,20 @@ class LaunchRecord:
     args: KernelArgs  # a private copy: later changes to the caller's args do not leak in
     stream: Stream | None
 
+    def relaunch(self, stream: Stream | None = None) -> None:
+        """Issue this launch again, on ``stream`` (default: the recorded one)."""
+        launch(self.kernel, self.grid, self.block, self.args, self.shared_bytes,
+               self.stream if stream is None else stream)
+
 
 class LaunchRecorder(Protocol):
     def record(self, launch: LaunchRecord) -> None: ...
+
+
+class LaunchList(list):
+    """A :class:`LaunchRecorder` that is the list of the launches it was handed."""
+
+    record = list.append
 
 
 _local = threading.local()
@@ -60,6 +71,17 @@ def pop_recorder(recorder: LaunchRecorder) -> None:
     if not stack or stack[-1] is not recorder:
         raise RuntimeError("launch recorders must be popped in the order they were pushed")
     stack.pop()
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[LaunchList]:
+    """Within the block, every launch on this thread (still run eagerly) is appended to the yielded list."""
+    launches = LaunchList()
+    push_recorder(launches)
+    try:
+        yield launches
+    finally:
+        pop_recorder(launches)
 
 
 @contextlib.contextmanager
