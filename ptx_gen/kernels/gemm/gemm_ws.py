@@ -350,6 +350,7 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     k.grid_dependency_wait()  # X (and the residual) come from the kernels before
     if xtma:
         copy_x = _tma_copy_x(k, tid, tok0, x0, xb, mt, bar)
+        x_lead = k.setp("eq", tid, 0)
     else:
         copy_x = _copy_x(k, tid, group, tok0, m_all, x0, xb, mt, bar)
 
@@ -376,8 +377,13 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
             k.mbarrier_arrive(bar(prev, empty=True), pred=had)
             # the slot's X is rewritten only once every consumer thread has released it: a warp's wgmma.wait_group
             # covers its own wgmma groups, and another warp's (or the other consumer warpgroup's) MMAs may still read
-            # the B tile (at i = 0, h = 0: a fresh barrier, passed at once)
-            k.mbarrier_wait(bar(prev, empty=True), ring_pos.prev_parity(h, slot, parity))
+            # the B tile (at i = 0, h = 0: a fresh barrier, passed at once); with X by a tensor map only thread 0
+            # writes it, and only it waits (the other warps go on to the next stage)
+            if xtma:
+                with k.if_(x_lead):
+                    k.mbarrier_wait(bar(prev, empty=True), ring_pos.prev_parity(h, slot, parity))
+            else:
+                k.mbarrier_wait(bar(prev, empty=True), ring_pos.prev_parity(h, slot, parity))
             # X of the stage that takes the slot next (stages after the previous one), with its A from the producers
             c_next = k.add(i, (h - 1 + stages) // 4)
             live = k.setp("lt", c_next, nc)
