@@ -37,7 +37,7 @@ def test_gemm_ws_matches_oracle(data, case, seed):
     mt = data.draw(st.sampled_from((64, 128)))
     rgroups = data.draw(st.sampled_from([1, 2]))
     stages = data.draw(st.sampled_from(ws.WS_STAGES))
-    wstages = data.draw(st.sampled_from([2, 3]))
+    wstages = data.draw(st.sampled_from(ws.WS_WSTAGES))
     assume(ws.smem_bytes(wtype, in_dim, layout, mt, rgroups, stages, wstages) <= ws.MAX_DYN_SMEM)
     m = data.draw(st.integers(1, mt + 9))  # (one token tile, sometimes two)
     glu = layout == "glu-tiles" or (layout == "rows" and data.draw(st.booleans()))
@@ -180,21 +180,25 @@ def test_gemm_wg_row_groups(rgroups, kparts, glu):
          residual=None if glu else "in_place")
 
 
-@pytest.mark.parametrize("split", [0.0, 0.9, "first"])
+@pytest.mark.parametrize("split", [0.0, 0.9, "first", "policy"])
 @pytest.mark.parametrize("wtype", ["Q4_K", "Q6_K"])
 def test_policy_shapes_fit_take_x_by_tma_and_assemble(monkeypatch, wtype, split):
-    """ws_config from WS_OVER_WG_ROWS + 1 tokens (where the Linear takes gemm_ws) to a prefill chunk at the 8B and 1B layers, with the
-    K split off and on (WS_SPLIT_K): each pick passes check_shape, takes X by a tensor map, decodes in f16x2 exactly
-    where the type has that decoder, splits K only where asked (two consumer warpgroups then); a spread of the picks
-    assembles for sm_90a without spills."""
+    """ws_config from WS_OVER_WG_ROWS + 1 tokens (where the Linear takes gemm_ws) to a prefill chunk at the 8B and 1B
+    layers, with the K split off and on (WS_SPLIT_K), first on every tile (WS_SPLIT_FIRST) and as the policy has
+    them: each pick passes check_shape, takes X by a tensor map, decodes in f16x2 exactly where the type has that
+    decoder, splits K only where asked (two consumer warpgroups then; WS_SPLIT_FIRST: the largest tile, one of those
+    it names); a spread of the picks assembles for sm_90a without spills."""
     import realizar.gpu.gemm_wg as host
     from realizar.gpu.gemm_wg import ws_config
     from realizar.gpu.policy.gemm import WS_OVER_WG_ROWS
 
-    first = split == "first"
-    split = 0.0 if first else split
+    if split == "policy":
+        split, tiles = host.WS_SPLIT_K, host.WS_SPLIT_FIRST
+    else:
+        split, tiles = (0.0, (128, 256)) if split == "first" else (split, ())
+    first = bool(tiles)
     monkeypatch.setattr(host, "WS_SPLIT_K", split)
-    monkeypatch.setattr(host, "WS_SPLIT_FIRST", first)
+    monkeypatch.setattr(host, "WS_SPLIT_FIRST", tiles)
 
     seen = set()
     for n, k, glu, layout in [(28672, 4096, True, "glu-tiles"), (6144, 4096, False, "rows"),
@@ -205,7 +209,7 @@ def test_policy_shapes_fit_take_x_by_tma_and_assemble(monkeypatch, wtype, split)
             cfg = ws_config(wtype, k, layout, cols, m, 132, 227 * 1024, glu=glu)
             ws.check_shape(wtype, k, layout, cfg.mt, cfg.rgroups, cfg.stages, cfg.wstages, cfg.kparts)
             assert cfg.xtma and cfg.f16dec == (wtype in F16DEC_TYPES), cfg
-            assert cfg.kparts == 1 or (split and cfg.rgroups == 2) or (first and cfg.mt == max(
+            assert cfg.kparts == 1 or (split and cfg.rgroups == 2) or (cfg.mt in tiles and cfg.mt == max(
                 t for t in (64, 128, 256) if t <= max(m, 64))), cfg
             seen.add((k, layout, glu, cfg))
     assert any(c.kparts == 2 for *_, c in seen) == bool(split or first)
@@ -213,6 +217,7 @@ def test_policy_shapes_fit_take_x_by_tma_and_assemble(monkeypatch, wtype, split)
         assert ws_config(wtype, 4096, "rows", 4096, 128, 132, 227 * 1024) == dataclasses.replace(
             ws_config(wtype, 4096, "rows", 4096, 128, 132, 227 * 1024), mt=128, rgroups=1, kparts=2)
         assert ws_config(wtype, 14336, "tiles", 4096, 128, 132, 227 * 1024).mt == 128
+        assert ws_config(wtype, 14336, "tiles", 4096, 256, 132, 227 * 1024).kparts == (2 if 256 in tiles else 1)
     for k, layout, glu, cfg in sorted(seen, key=str)[:: max(1, len(seen) // 4)]:
         kern = catalog.emit("gemm_ws", target="sm_90", wtype=wtype, in_dim=k, layout=layout, mt=cfg.mt,
                             rgroups=cfg.rgroups, stages=cfg.stages, wstages=cfg.wstages, xtma=cfg.xtma,
@@ -242,7 +247,7 @@ def test_linear_sizes_the_k_split_room_and_launches_it(monkeypatch, mode):
         ops = LayerOps(cuda.EmulatedDevice(target="sm_90", sm_count=2))  # (a launch of 4 CTAs fills it)
         out_dim = 128
     else:  # (8 SMs: 2 CTAs of 128-token tiles, 3 of 64 are too few; split in two, 4)
-        monkeypatch.setattr(host, "WS_SPLIT_FIRST", True)
+        monkeypatch.setattr(host, "WS_SPLIT_FIRST", (128,))
         ops = LayerOps(cuda.EmulatedDevice(target="sm_90", sm_count=8))
         out_dim = 64
     rng = np.random.default_rng(23)

@@ -66,8 +66,8 @@ def ws_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_co
     an SM, on a 256-token tile where it keeps ``WS_WIDE_256``; the deepest ring of ``WS_STAGES`` that fits ``max_smem``;
     X by a tensor map where ``WS_XTMA``; the weights decoded in f16x2 arithmetic where ``WS_F16DEC`` and the type has
     that decoder; K split over two CTAs of two consumer warpgroups instead of one warpgroup a CTA where that launch
-    has ``WS_SPLIT_K`` CTAs an SM; with ``WS_SPLIT_FIRST``, K split over two CTAs of the largest tile where a smaller
-    tile would be taken."""
+    has ``WS_SPLIT_K`` CTAs an SM; K split over two CTAs of the largest tile where a smaller tile would be taken and
+    that tile is one of ``WS_SPLIT_FIRST``."""
     from ptx_gen.kernels.gemm.gemm_ws import smem_bytes
     from ptx_gen.kernels.gemm.qstream import F16DEC_TYPES
 
@@ -75,7 +75,7 @@ def ws_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_co
     tiles = [t for t in WS_MTS if t <= m] or [WS_MTS[-1]]
     mt = next((t for t in tiles if groups * -(-m // t) >= WS_MIN_WAVE * sm_count), tiles[-1])
     kp = 1
-    if (WS_SPLIT_FIRST and mt < tiles[0] and in_dim // 256 % 2 == 0
+    if (tiles[0] in WS_SPLIT_FIRST and mt < tiles[0] and in_dim // 256 % 2 == 0
             and 2 * groups * -(-m // tiles[0]) >= WS_MIN_WAVE * sm_count):
         mt, kp = tiles[0], 2  # (the largest tile, K split over two CTAs)
     wide = {128: WS_WIDE, 256: WS_WIDE_256}.get(mt)

@@ -65,6 +65,7 @@ __all__ = ["WS_MTS", "check_shape", "gemm_ws", "part_floats", "smem_bytes"]
 
 WS_MTS = (64, 128, 256)
 WS_STAGES = (2, 3, 4)
+WS_WSTAGES = (2, 3, 4)
 MAX_DYN_SMEM = 227 * 1024
 SK = 64  # k values of a stage (one 128-byte swizzle row)
 ALIGN = 1024  # the swizzle pattern repeats every 8 rows of 128 bytes: tiles start 1024-aligned
@@ -108,8 +109,8 @@ def check_shape(wtype: str, in_dim: int, layout: str, mt: int, rgroups: int, sta
         raise ValueError(f"rgroups (consumer warpgroups) must be 1 or 2, got {rgroups}")
     if stages not in WS_STAGES:
         raise ValueError(f"stages must be one of {WS_STAGES}, got {stages}")
-    if wstages not in (2, 3):
-        raise ValueError(f"wstages (weight chunks in a producer warp's ring) must be 2 or 3, got {wstages}")
+    if wstages not in WS_WSTAGES:
+        raise ValueError(f"wstages (weight chunks in a producer warp's ring) must be one of {WS_WSTAGES}, got {wstages}")
     if in_dim % CHUNK:
         raise ValueError(f"gemm_ws needs K a multiple of {CHUNK}, got {in_dim}")
     if kparts not in (1, 2) or (in_dim // CHUNK) % kparts:

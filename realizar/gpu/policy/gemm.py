@@ -81,10 +81,11 @@ WS_XTMA = True
 # often) where a launch of one consumer warpgroup a CTA would be chosen and the split launch has at least this many
 # CTAs per SM (o and down at 256 / 512 tokens: 128 CTAs); 0: never (built, not timed yet)
 WS_SPLIT_K = 0.0
-# where the largest token tile not above m has too few CTAs (WS_MIN_WAVE), split K over two CTAs of that tile instead of
-# taking a smaller tile (each weight decoded once a step instead of once a token tile: o and down at 128 and 256 rows);
-# built, not timed yet: off
-WS_SPLIT_FIRST = False
+# where the largest token tile not above m is one of these and has too few CTAs (WS_MIN_WAVE), split K over two CTAs of
+# that tile instead of taking a smaller tile (each weight decoded once a step instead of once a token tile). H200, 8B
+# Q4_K batched decode: at 128 rows (o and down on a 128-token tile) 1.05x the step; at 256 rows (a 256-token tile)
+# 0.97x, so not there (docs/results/bench_serving_ws_ab_h200.md, session 30)
+WS_SPLIT_FIRST = (128,)
 # a launch of at most one CTA per SM takes at least half an SM's shared memory, so that no two of its CTAs share an SM:
 # under programmatic dependent launch its CTAs are placed while the kernels before it still run, and CTAs small enough
 # to pair up were packed onto few SMs (H200, 8B Q4_K 128-row step on gemm_ws: 11.6 ms, 9.6 ms with this;
