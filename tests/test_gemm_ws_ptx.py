@@ -210,7 +210,7 @@ def test_policy_shapes_fit_take_x_by_tma_and_assemble(monkeypatch, wtype, split)
             ws.check_shape(wtype, k, layout, cfg.mt, cfg.rgroups, cfg.stages, cfg.wstages, cfg.kparts)
             assert cfg.xtma and cfg.f16dec == (wtype in F16DEC_TYPES), cfg
             assert cfg.kparts == 1 or (split and cfg.rgroups == 2) or (cfg.mt in tiles and cfg.mt == max(
-                t for t in (64, 128, 256) if t <= max(m, 64))), cfg
+                t for t in (64, 128, 256) if m > host.WS_TILE_FILL * t)), cfg
             seen.add((k, layout, glu, cfg))
     assert any(c.kparts == 2 for *_, c in seen) == bool(split or first)
     if first:  # o and down at 128 tokens: a 128-token tile split in two, not 64-token tiles
@@ -218,6 +218,9 @@ def test_policy_shapes_fit_take_x_by_tma_and_assemble(monkeypatch, wtype, split)
             ws_config(wtype, 4096, "rows", 4096, 128, 132, 227 * 1024), mt=128, rgroups=1, kparts=2)
         assert ws_config(wtype, 14336, "tiles", 4096, 128, 132, 227 * 1024).mt == 128
         assert ws_config(wtype, 14336, "tiles", 4096, 256, 132, 227 * 1024).kparts == (2 if 256 in tiles else 1)
+    # (WS_TILE_FILL: 192 tokens on one 256-token tile, not a full and a half-empty 128-token tile)
+    assert ws_config(wtype, 4096, "glu-tiles", 14336, 192, 132, 227 * 1024, glu=True).mt == 256
+    assert ws_config(wtype, 4096, "glu-tiles", 14336, 128, 132, 227 * 1024, glu=True).mt == 128
     for k, layout, glu, cfg in sorted(seen, key=str)[:: max(1, len(seen) // 4)]:
         kern = catalog.emit("gemm_ws", target="sm_90", wtype=wtype, in_dim=k, layout=layout, mt=cfg.mt,
                             rgroups=cfg.rgroups, stages=cfg.stages, wstages=cfg.wstages, xtma=cfg.xtma,
@@ -241,6 +244,7 @@ def test_linear_sizes_the_k_split_room_and_launches_it(monkeypatch, mode):
     from tests.test_gemm_q_ptx import _oracle
 
     monkeypatch.setattr(host, "wg_applies", lambda *a: True)
+    monkeypatch.setattr(host, "WS_TILE_FILL", 1.0)  # (tiles not above m)
     m = max(WS_OVER_WG_ROWS, 128) + 5  # (a 128-token tile, then a ragged one)
     if mode == "split_k":
         monkeypatch.setattr(host, "WS_SPLIT_K", 0.01)

@@ -17,9 +17,9 @@ import numpy as np
 
 from realizar.errors import ShapeError
 from realizar.gpu.dispatch import Dispatcher
-from realizar.gpu.policy.gemm import (WG_MIN_WAVE, WG_MTS, WG_STAGES, WG_UNROLL, WG_WIDE, WS_MIN_WAVE, WS_MTS,
-                                      WS_F16DEC, WS_SPLIT_FIRST, WS_SPLIT_K, WS_STAGES, WS_XTMA, WS_WIDE, WS_WIDE_256,
-                                      ws_shared_bytes)
+from realizar.gpu.policy.gemm import (WG_MIN_WAVE, WG_MTS, WG_STAGES, WG_UNROLL, WG_WIDE, WS_F16DEC, WS_MIN_WAVE,
+                                      WS_MTS, WS_SPLIT_FIRST, WS_SPLIT_K, WS_STAGES, WS_TILE_FILL, WS_WIDE, WS_WIDE_256,
+                                      WS_XTMA, ws_shared_bytes)
 from realizar.gpu.policy.shapes import WgConfig, WsConfig
 
 __all__ = ["GemmWgOps", "SplitSpace", "WgConfig", "WsConfig", "split_room", "wg_applies", "wg_config", "ws_config"]
@@ -61,8 +61,8 @@ def wg_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_co
 def ws_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_count: int = 132,
               max_smem: int = 227 * 1024, glu: bool = False) -> WsConfig:
     """The launch shape of the warp-specialized GEMM for ``rows_out`` outputs of ``in_dim`` values at ``m``
-    tokens: the largest token tile of ``WS_MTS`` not above ``m`` whose launch has ``WS_MIN_WAVE`` x ``sm_count``
-    CTAs (else the smallest); two consumer warpgroups on a 128-token tile where the launch keeps ``WS_WIDE`` CTAs
+    tokens: the largest token tile of ``WS_MTS`` that ``m`` fills more than ``WS_TILE_FILL`` of whose launch has
+    ``WS_MIN_WAVE`` x ``sm_count`` CTAs (else the smallest); two consumer warpgroups on a 128-token tile where the launch keeps ``WS_WIDE`` CTAs
     an SM, on a 256-token tile where it keeps ``WS_WIDE_256``; the deepest ring of ``WS_STAGES`` that fits ``max_smem``;
     X by a tensor map where ``WS_XTMA``; the weights decoded in f16x2 arithmetic where ``WS_F16DEC`` and the type has
     that decoder; K split over two CTAs of two consumer warpgroups instead of one warpgroup a CTA where that launch
@@ -72,7 +72,7 @@ def ws_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_co
     from ptx_gen.kernels.gemm.qstream import F16DEC_TYPES
 
     groups = -(-rows_out // (32 if glu else 64))  # 64-row warpgroups (glu: 32 outputs)
-    tiles = [t for t in WS_MTS if t <= m] or [WS_MTS[-1]]
+    tiles = [t for t in WS_MTS if m > WS_TILE_FILL * t] or [WS_MTS[-1]]
     mt = next((t for t in tiles if groups * -(-m // t) >= WS_MIN_WAVE * sm_count), tiles[-1])
     kp = 1
     if (tiles[0] in WS_SPLIT_FIRST and mt < tiles[0] and in_dim // 256 % 2 == 0

@@ -110,7 +110,7 @@ def test_gemm_ws_gpu(ops, wtype, layout, data, m, cfg, seed):
     ("Q4_K", "glu-tiles", 28672, 4096, True), ("Q4_K", "tiles", 6144, 4096, False),
     ("Q4_K", "tiles", 4096, 14336, False), ("Q6_K", "tiles", 4096, 14336, False), ("Q8_0", "tiles", 4096, 4096, False),
 ])
-@pytest.mark.parametrize("m", [33, 128, 256, 512])
+@pytest.mark.parametrize("m", [33, 128, 192, 256, 512])
 def test_gemm_wg_gpu_real_shapes(ops, kernel, wtype, layout, out_dim, in_dim, glu, m):
     _run(ops, kernel, np.random.default_rng(m), wtype, layout, out_dim, in_dim, m, glu=glu, out_f16=glu)
 

@@ -62,6 +62,9 @@ WG_OVER_F16_ROWS = 64
 # token tiles tried, largest first (none above m): the first whose launch has WS_MIN_WAVE x sm_count CTAs, else the
 # smallest (H200, docs/results/bench_gemm_ws_h200.md: narrow weights at 128 tokens are faster on 64-token tiles)
 WS_MTS = (256, 128, 64)
+# a token tile is tried where m fills more than this share of it: at m = 192 one 256-token tile instead of a 128-token
+# tile and a half-empty one (the same MMA columns, each weight decoded once instead of twice)
+WS_TILE_FILL = 0.5
 WS_MIN_WAVE = 0.5
 # two consumer warpgroups a CTA (128 rows sharing the tokens' B tiles) on 128-token tiles where the launch still has
 # this many CTAs per SM (the fused gate/up at 128 tokens)
