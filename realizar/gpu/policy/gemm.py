@@ -95,8 +95,9 @@ WS_SPLIT_FIRST = (128,)
 # docs/results/profile_batch_128_h200.md)
 WS_SOLE_CTA = True
 # above this many rows the Linear takes the warp-specialized GEMM instead of gemm_wg (H200, 8B Q4_K batched decode with
-# WS_SOLE_CTA: gemm_wg ahead at 96 rows, gemm_ws at 128 (1.2x the step) and 256; docs/results/bench_serving_ws_ab_h200.md)
-WS_OVER_WG_ROWS = 96
+# WS_SPLIT_FIRST and WS_TILE_FILL: gemm_ws 1.25x the step at 80 and 96 rows, even at 64, behind at 33 and 48;
+# docs/results/bench_serving_ws_ab_h200.md, session 30)
+WS_OVER_WG_ROWS = 64
 
 
 def ws_shared_bytes(dyn_smem: int, ctas: int, sm_count: int, smem_per_sm: int) -> int:
