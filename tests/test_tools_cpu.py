@@ -327,16 +327,24 @@ def test_bench_gemm_wg_options_on_the_emulated_device(tmp_path, monkeypatch, emu
     assert len(calls) == 3 and all(n == 20 for n in calls), calls
 
 
-def test_ncu_gemm_ws_launches_on_the_emulated_device(monkeypatch, capsys, emulated_sm90):
-    """tools/ncu_gemm_ws.py (the launch the gpu_check stage ncu_gemm_ws profiles) with a toy shape, X by TMA."""
+@pytest.mark.parametrize("split", [False, True])
+def test_ncu_gemm_ws_launches_on_the_emulated_device(monkeypatch, capsys, emulated_sm90, split):
+    """tools/ncu_gemm_ws.py (the launch the gpu_check stage ncu_gemm_ws profiles) with a toy shape, X by TMA; a
+    policy launch that splits K gets its partial sums' room (the stage's down at 128 tokens)."""
+    import dataclasses
     import sys
 
     import tools.ncu_gemm_ws as tool
 
-    monkeypatch.setattr(tool, "SHAPES", [("8b", "gate/up", 128, 256, True)])
-    monkeypatch.setattr(sys, "argv", ["ncu_gemm_ws.py", "--shape", "gate/up", "--m", "40", "--xtma"])
+    shape, k = ("down", 512) if split else ("gate/up", 256)
+    monkeypatch.setattr(tool, "SHAPES", [("8b", shape, 128, k, not split)])
+    if split:
+        base = tool.ws_config
+        monkeypatch.setattr(tool, "ws_config", lambda *a, **kw: dataclasses.replace(base(*a, **kw), kparts=2))
+    monkeypatch.setattr(sys, "argv", ["ncu_gemm_ws.py", "--shape", shape, "--m", "40", "--xtma"])
     assert tool.main() == 0
-    assert "xtma=True" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "xtma=True" in out and f"kparts={2 if split else 1}" in out
 
 
 def test_sanitize_gemm_wg_cases_on_the_emulated_device(monkeypatch, emulated_sm90):

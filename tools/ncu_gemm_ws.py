@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gemm_x8 import SHAPES  # noqa: E402
 
 from realizar import cuda  # noqa: E402
-from realizar.gpu.gemm_wg import ws_config  # noqa: E402
+from realizar.gpu.gemm_wg import split_room, ws_config  # noqa: E402
 from realizar.gpu.ops import LayerOps  # noqa: E402
 from realizar.gpu.weights import GpuWeight  # noqa: E402
 from realizar.models.random import random_weight  # noqa: E402
@@ -45,8 +45,10 @@ def main() -> int:
     cfg = ws_config("Q4_K", k, layout, cols, a.m, ops.sm_count, dev.max_shared_per_block_optin, glu=glu)
     if a.xtma is not None:
         cfg = dataclasses.replace(cfg, xtma=a.xtma)
+    room = split_room(cfg, cols, a.m, glu)  # (a launch that splits K: its partial sums and counters)
+    split = ops.split_space(*room) if room[0] else None
     for _ in range(3):
-        ops.gemm_ws(x, w, y, a.m, glu=glu, out_f16=glu, config=cfg, stream=stream)
+        ops.gemm_ws(x, w, y, a.m, glu=glu, out_f16=glu, config=cfg, split=split, stream=stream)
     stream.synchronize()
     print(f"8b {a.shape} m={a.m} {layout} {cfg}")
     return 0
