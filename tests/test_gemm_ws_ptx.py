@@ -310,3 +310,37 @@ def test_launches_of_no_more_ctas_than_sms_take_an_sm_alone(monkeypatch):
     assert rec.shared_bytes == ops.device.max_shared_per_sm // 2
     ref, scale, tol = _oracle(raw, "Q4_K", out_dim, in_dim, x, False, None, None, False)
     assert (np.abs(y.to_numpy().reshape(m, out_dim) - ref) / scale).max() < tol
+
+
+@pytest.mark.parametrize("extra", [0, 30, 200])
+def test_x_map_spans_whole_token_tiles_the_buffer_holds(monkeypatch, extra):
+    """XTMA_WHOLE_TILES: X's tensor map spans the X buffer's rows up to whole token tiles, so no box reaches past it
+    (the hardware fills such rows with zeros, slowly); rows past m are read as they are (NaN here) and reach only
+    their own outputs, which are never written: every output of the m tokens matches the oracle and nothing after them
+    changes. ``extra``: rows the buffer holds past m (0: the map ends at m; 30: at the buffer's end; 200: at the end of
+    the second 64-token tile)."""
+    import realizar.gpu.gemm_wg as host
+    from realizar import cuda
+    from realizar.gpu.ops import GpuWeight, LayerOps
+
+    monkeypatch.setattr(host, "wg_applies", lambda *a: True)
+    ops = LayerOps(cuda.EmulatedDevice(target="sm_90"))
+    rng = np.random.default_rng(extra)
+    m, out_dim, in_dim, mt = 70, 64, 256, 64
+    raw = random_weight(rng, "Q4_K", out_dim, in_dim)
+    w = GpuWeight(data=raw, ggml_type="Q4_K", shape=(out_dim, in_dim), layout="rows", device=ops.device)
+    x = np.full((m + extra, in_dim), np.nan, np.float16)
+    x[:m] = rng.standard_normal((m, in_dim)) + 0.1
+    xb = ops.to_device(x)
+    assert host.GemmWgOps._x_rows(xb, m, in_dim, in_dim, mt) == min(m + extra, 2 * mt)
+    monkeypatch.setattr(host, "XTMA_WHOLE_TILES", False)
+    assert host.GemmWgOps._x_rows(xb, m, in_dim, in_dim, mt) == m
+    monkeypatch.setattr(host, "XTMA_WHOLE_TILES", True)
+    sentinel = -12345.0
+    y = ops.to_device(np.concatenate([np.full(m * out_dim, np.nan, np.float32), np.full(8 * out_dim, sentinel,
+                                                                                         np.float32)]))
+    ops.gemm_ws(xb, w, y, m, config=host.WsConfig(mt, 1, 2, 2, True, False, 1))
+    got = y.to_numpy()
+    ref, scale, tol = _oracle(raw, "Q4_K", out_dim, in_dim, x[:m], False, None, None, False)
+    assert (np.abs(got[:m * out_dim].reshape(m, out_dim) - ref) / scale).max() < tol
+    assert (got[m * out_dim:] == sentinel).all()

@@ -19,7 +19,7 @@ from realizar.errors import ShapeError
 from realizar.gpu.dispatch import Dispatcher
 from realizar.gpu.policy.gemm import (WG_MIN_WAVE, WG_MTS, WG_STAGES, WG_UNROLL, WG_WIDE, WS_F16DEC, WS_MIN_WAVE,
                                       WS_MTS, WS_SPLIT_FIRST, WS_SPLIT_K, WS_STAGES, WS_TILE_FILL, WS_WIDE, WS_WIDE_256,
-                                      WS_XTMA, ws_shared_bytes)
+                                      WS_XTMA, XTMA_WHOLE_TILES, ws_shared_bytes)
 from realizar.gpu.policy.shapes import WgConfig, WsConfig
 
 __all__ = ["GemmWgOps", "SplitSpace", "WgConfig", "WsConfig", "split_room", "wg_applies", "wg_config", "ws_config"]
@@ -141,6 +141,15 @@ class GemmWgOps(Dispatcher):
         self._launch_wgmma("gemm_ws", x16, weight, out, m, lda, ldy, bias, residual, out_f16, glu, config, stream,
                            split)
 
+    @staticmethod
+    def _x_rows(x16: Any, m: int, k: int, lda: int, mt: int) -> int:
+        """The rows of X's tensor map: ``m``, or with :data:`XTMA_WHOLE_TILES` up to whole ``mt``-token tiles as far
+        as the buffer holds rows."""
+        if not XTMA_WHOLE_TILES:
+            return m
+        buf, off = x16 if isinstance(x16, tuple) else (x16, 0)
+        return max(m, min(-(-m // mt) * mt, (buf.count - off - k) // lda + 1))
+
     def _launch_wgmma(self, name: str, x16: Any, weight: Any, out: Any, m: int, lda: int | None, ldy: int | None,
                       bias: Any, residual: Any, out_f16: bool, glu: bool, config: Any, stream: Any,
                       split: SplitSpace | None = None) -> None:
@@ -166,7 +175,8 @@ class GemmWgOps(Dispatcher):
                   **self.epilogue(out, (m - 1) * ldy + cols, out_f16, bias, cols, residual)}
         values.update(m=m, n=n, lda=lda, ldy=ldy)
         if getattr(cfg, "xtma", False):  # (the map is encoded on the host: nothing allocated, capturable)
-            values["xmap"] = f16_tiles_2d(self.device, values["x"], k, m, 2 * lda, 64, cfg.mt)
+            values["xmap"] = f16_tiles_2d(self.device, values["x"], k, self._x_rows(x16, m, k, lda, cfg.mt), 2 * lda,
+                                          64, cfg.mt)
         grid, buffers = (-(-cols // kern.meta["rows_per_cta"]), -(-m // cfg.mt)), None
         kparts = getattr(cfg, "kparts", 1) if name == "gemm_ws" else 1
         if kparts > 1:  # (grid z: the CTAs splitting K, summed through split's room)

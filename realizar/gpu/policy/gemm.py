@@ -80,6 +80,10 @@ WS_F16DEC = True
 # the tokens' X by a tensor map (one bulk copy a stage, off the load/store unit the producers' weight loads share;
 # H200, 8B Q4_K as the step runs it: 1.0-1.4x at every shape, docs/results/bench_gemm_ws_step_h200.md)
 WS_XTMA = True
+# X's tensor map spans the rows the X buffer holds up to whole token tiles, so that no box reaches past it (rows past m
+# are read as they are; their outputs are never written): the hardware fills a box's rows past the tensor with zeros
+# far slower than it reads them (H200, 8B batched decode at 160 rows: 1.18x the step, 192 rows 1.03x)
+XTMA_WHOLE_TILES = True
 # K split over two CTAs of two consumer warpgroups each (128 weight rows reading half of K: the tokens' X read half as
 # often) where a launch of one consumer warpgroup a CTA would be chosen and the split launch has at least this many
 # CTAs per SM (o and down at 256 / 512 tokens: 128 CTAs); 0: never (built, not timed yet)
