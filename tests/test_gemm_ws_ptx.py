@@ -78,6 +78,15 @@ def test_gemm_ws_two_consumers_of_256_tokens(wtype, layout, glu, stages, xtma):
          np.random.default_rng(5), residual=None if glu else "in_place", out_f16=glu, glu=glu)
 
 
+@pytest.mark.parametrize("stages,xtma,kparts", [(5, False, 1), (6, True, 2), (8, True, 1), (8, False, 2)])
+def test_gemm_ws_rings_deeper_than_a_chunk(stages, xtma, kparts):
+    """A/B rings of more stages than a chunk's 4 (the prologue fills stages of the next chunks; none past K where the
+    ring is longer than the CTA's part of K), two token tiles, every element against the oracle."""
+    in_dim = 256 * (3 if kparts == 1 else 4)  # (3 chunks: a ring of 8 outlasts K; 2 a CTA with the split)
+    _run("gemm_ws", dict(mt=64, rgroups=1, stages=stages, wstages=2, xtma=xtma, f16dec=True, kparts=kparts), "Q4_K",
+         "tiles", 48, in_dim, 64 + 9, np.random.default_rng(stages), residual="in_place")
+
+
 @pytest.mark.parametrize("epi", ["in_place", "bias_residual", "f16", "glu"])
 def test_gemm_ws_k_split_over_two_ctas(epi):
     """kparts 2: two CTAs a tile sum their halves of K (4 chunks, 2 each; the second CTA adds the first's partial
@@ -106,7 +115,9 @@ def test_gemm_ws_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="rgroups"):
         ws.check_shape("Q4_K", 256, "tiles", 128, 3, 4, 2)
     with pytest.raises(ValueError, match="stages"):
-        ws.check_shape("Q4_K", 256, "tiles", 128, 1, 5, 2)
+        ws.check_shape("Q4_K", 256, "tiles", 128, 1, 9, 2)
+    with pytest.raises(ValueError, match="wstages"):
+        ws.check_shape("Q4_K", 256, "tiles", 128, 1, 4, 5)
     with pytest.raises(ValueError, match="shared memory"):
         ws.check_shape("Q4_K", 4096, "tiles", 256, 2, 4, 2)
     with pytest.raises(ValueError, match="kparts"):

@@ -316,11 +316,16 @@ def test_bench_gemm_wg_options_on_the_emulated_device(tmp_path, monkeypatch, emu
     monkeypatch.setattr(bench, "_us", lambda fn, stream: (fn(), 1.0)[1])
     monkeypatch.setattr(bench, "_torch_us", lambda *a: None)
     swept = bench.WsConfig(64, 2, 3, 2, True, True, 2)  # (K split over two CTAs: the o shape's 2 chunks)
-    monkeypatch.setattr(bench, "_sweep_ws", lambda *a: [swept])
+    deep = bench._sweep_ws("Q4_K", 4096, "rows", 128, 227 * 1024, swept, (2, 3), (8, 6))
+    assert deep and {c.stages for c in deep} == {8, 6} and {c.wstages for c in deep} == {2, 3}
+    asked = []
+    monkeypatch.setattr(bench, "_sweep_ws", lambda *a: (asked.append(a[-2:]), [swept])[1])
     out = tmp_path / "ws.md"
     monkeypatch.setattr(sys, "argv", ["bench_gemm_wg.py", "--kernel", "ws", "--models", "8b", "--ms", "70", "--as-step",
-                                      "--xtma", "--f16dec", "--sweep", "--out", str(out)])
+                                      "--xtma", "--f16dec", "--sweep", "--stages", "6,4", "--wstages", "3",
+                                      "--out", str(out)])
     assert bench.main() == 0
+    assert asked and all(a == ((3,), (6, 4)) for a in asked), asked
     rows = [line for line in out.read_text().splitlines() if line.startswith("| Q4_K")]
     assert len(rows) == 2 and all(" tma hd " in r for r in rows), rows
     # each row's policy launch, and the swept K split on the o shape (gate/up's one chunk refuses it)

@@ -55,9 +55,9 @@ def _sweep(wtype: str, k: int, layout: str, m: int, max_smem: int) -> list[WgCon
 
 
 def _sweep_ws(wtype: str, k: int, layout: str, m: int, max_smem: int, policy: WsConfig,
-              wstages: tuple[int, ...] = (2,)) -> list[WsConfig]:
-    """Every token tile, consumer warpgroup count, ring depth, weight ring depth of ``wstages`` and K split that fits,
-    with the policy's X copies and decoder."""
+              wstages: tuple[int, ...] = (2,), stages: tuple[int, ...] = (4, 3, 2)) -> list[WsConfig]:
+    """Every token tile, consumer warpgroup count, A/B ring depth of ``stages``, weight ring depth of ``wstages`` and K
+    split that fits, with the policy's X copies and decoder."""
     from ptx_gen.kernels.gemm.gemm_ws import check_shape, smem_bytes
 
     def takes(c: WsConfig) -> bool:
@@ -68,8 +68,12 @@ def _sweep_ws(wtype: str, k: int, layout: str, m: int, max_smem: int, policy: Ws
         return smem_bytes(wtype, k, layout, c.mt, c.rgroups, c.stages, c.wstages) <= max_smem
 
     return [c for c in (WsConfig(mt, rg, st, w, policy.xtma, policy.f16dec, kp) for mt in (64, 128, 256)
-                        if mt <= 2 * max(m, 32) for rg in (1, 2) for st in (4, 3, 2) for w in wstages for kp in (1, 2))
+                        if mt <= 2 * max(m, 32) for rg in (1, 2) for st in stages for w in wstages for kp in (1, 2))
             if takes(c)]
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(","))
 
 
 def _label(c) -> str:
@@ -95,6 +99,7 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--wstages", default="2",
                     help="gemm_ws --sweep: the weight ring depths tried (chunks a producer warp has in its ring)")
+    ap.add_argument("--stages", default="4,3,2", help="gemm_ws --sweep: the A/B ring depths tried (2-8)")
     ap.add_argument("--xtma", action=argparse.BooleanOptionalAction,
                     help="gemm_ws: the policy's launch shapes with X by a tensor map (--no-xtma: by 16-byte copies; "
                          "default: as the policy has it)")
@@ -166,7 +171,7 @@ def main() -> int:
                 us = run(cfg)
                 best = (us, cfg)
                 if a.sweep:
-                    for c in (_sweep_ws(wtype, k, layout, m, smem, cfg, tuple(map(int, a.wstages.split(',')))) if a.kernel == "ws"
+                    for c in (_sweep_ws(wtype, k, layout, m, smem, cfg, _ints(a.wstages), _ints(a.stages)) if a.kernel == "ws"
                               else _sweep(wtype, k, layout, m, smem)):
                         if c == cfg:
                             continue

@@ -11,7 +11,8 @@ default stages: real_model
 (smollm2_gpu.md), bench_gemm_ws / bench_gemm_wg (the quantized batch GEMMs at 8B shapes), bench_gemm_ws_step /
 bench_gemm_ws_xcopy / bench_gemm_ws_f32dec (gemm_ws as the step runs it, the policy's; its X by 16-byte copies
 instead of a tensor map; Q4_K decoded in f32 instead of f16x2), bench_gemm_ws_sweep (every launch shape of the 8B
-layers at 128, 256 and 512 tokens, K split over two CTAs among them), bench_attention_batched / _sweep (the batched decode
+layers at 128, 256 and 512 tokens, K split over two CTAs among them), bench_gemm_ws_rings (o, down and gate/up at 128
+and 256 tokens with A/B rings of 4-8 stages), bench_attention_batched / _sweep (the batched decode
 attention alone beside torch; every decode tiling at 256 rows of 192 positions), ncu_gemm_ws (its gate/up and o launches at
 256 tokens and down at 128 under ncu with source-level stall sampling: ncu_gemm_ws_*.txt), profile_batch (the 8B
 batched decode step of 256 rows, its kernels under ncu summed by family: profile_batch.md), and on 2+ GPUs bench_tensor_parallel and bench_nccl). The whole of tests/gpu takes longer
@@ -94,6 +95,10 @@ def stages(out: Path, tests: list[str], pytest_args: list[str]) -> dict[str, tup
         "bench_gemm_ws_sweep": ([PY, "tools/bench_gemm_wg.py", "--kernel", "ws", "--types", "Q4_K", "--models", "8b",
                                  "--ms", "128,256,512", "--as-step", "--sweep",
                                  "--out", str(out / "bench_gemm_ws_sweep.md")], 420),
+        # the A/B rings deeper than a chunk (5-8 stages) at o, down and gate/up of the 128- and 256-row steps
+        "bench_gemm_ws_rings": ([PY, "tools/bench_gemm_wg.py", "--kernel", "ws", "--types", "Q4_K", "--models", "8b",
+                                 "--ms", "128,256", "--as-step", "--sweep", "--shapes", "o,down,gate/up", "--stages",
+                                 "8,7,6,5,4", "--out", str(out / "bench_gemm_ws_rings.md")], 420),
         # the batched decode step's attention alone, beside torch's SDPA; every decode tiling at the 256-row step
         "bench_attention_batched": ([PY, "tools/bench_attention_batched.py", "--batches", "64,128,256", "--lengths",
                                      "128,256,512", "--out", str(out / "bench_attention_batched.md")], 300),

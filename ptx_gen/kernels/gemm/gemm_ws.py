@@ -64,7 +64,7 @@ from ptx_gen.kernels.gemm.qstream import CHUNK, WeightStream, seg_bytes, warp_by
 __all__ = ["WS_MTS", "check_shape", "gemm_ws", "part_floats", "smem_bytes"]
 
 WS_MTS = (64, 128, 256)
-WS_STAGES = (2, 3, 4)
+WS_STAGES = (2, 3, 4, 5, 6, 7, 8)
 WS_WSTAGES = (2, 3, 4)
 MAX_DYN_SMEM = 227 * 1024
 SK = 64  # k values of a stage (one 128-byte swizzle row)
@@ -149,6 +149,14 @@ def _grid() -> list[dict]:
                   "f16dec": wt == "Q4_K", "kparts": 2})
     g.append({"wtype": "Q4_K", "in_dim": 4096, "layout": "rows", "mt": 64, "stages": 2})
     g.append({"wtype": "F16", "in_dim": 2048, "layout": "rows", "mt": 64})
+    # rings deeper than a chunk (o and down at 128 tokens one CTA an SM, gate/up at 128 tokens)
+    g.append({"wtype": "Q4_K", "in_dim": 14336, "layout": "tiles", "mt": 128, "stages": 7, "residual": True,
+              "xtma": True, "f16dec": True, "kparts": 2})
+    for st in (6, 8):
+        g.append({"wtype": "Q4_K", "in_dim": 4096, "layout": "rows", "mt": 64, "stages": st, "residual": True,
+                  "xtma": True, "f16dec": True})
+    g.append({"wtype": "Q4_K", "in_dim": 4096, "layout": "glu-tiles", "mt": 128, "rgroups": 2, "stages": 5, "glu": True,
+              "out_f16": True, "xtma": True, "f16dec": True})
     return g
 
 
@@ -356,8 +364,8 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
         copy_x = _copy_x(k, tid, group, tok0, m_all, x0, xb, mt, bar)
 
     c_base = chunk_base()
-    for s in range(stages):  # (stages <= 4: all in the first chunk)
-        copy_x(c_base, s, s, None)
+    for s in range(min(stages, 4 * nc)):  # (the first stages: chunk s / 4, its 64-k part s % 4; none past K)
+        copy_x(k.add(c_base, s // 4) if s >= 4 else c_base, s % 4, s, None)
     with k.loop(0, nc) as i:
         for h in range(4):
             slot, parity = ring_pos.at(i, h)
