@@ -87,6 +87,15 @@ def test_gemm_ws_rings_deeper_than_a_chunk(stages, xtma, kparts):
          "tiles", 48, in_dim, 64 + 9, np.random.default_rng(stages), residual="in_place")
 
 
+@pytest.mark.parametrize("xtma,stages", [(True, 2), (False, 6)])
+def test_gemm_ws_k_split_over_four_ctas(xtma, stages):
+    """kparts 4: four CTAs a tile sum their quarters of K (4 chunks, 1 each; the last reads the four parts back and adds
+    them in the order of z), two token tiles, the residual in place, every element against the oracle, the counters
+    left at zero."""
+    _run("gemm_ws", dict(mt=64, rgroups=1, stages=stages, xtma=xtma, f16dec=True, kparts=4), "Q4_K", "tiles", 80, 1024,
+         70, np.random.default_rng(stages), residual="in_place")
+
+
 @pytest.mark.parametrize("epi", ["in_place", "bias_residual", "f16", "glu"])
 def test_gemm_ws_k_split_over_two_ctas(epi):
     """kparts 2: two CTAs a tile sum their halves of K (4 chunks, 2 each; the second CTA adds the first's partial
@@ -123,7 +132,9 @@ def test_gemm_ws_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="kparts"):
         ws.check_shape("Q4_K", 768, "tiles", 128, 1, 4, 2, kparts=2)  # (3 chunks)
     with pytest.raises(ValueError, match="kparts"):
-        ws.check_shape("Q4_K", 1024, "tiles", 128, 1, 4, 2, kparts=4)
+        ws.check_shape("Q4_K", 1024, "tiles", 128, 1, 4, 2, kparts=3)
+    with pytest.raises(ValueError, match="kparts"):
+        ws.check_shape("Q4_K", 1536, "tiles", 128, 1, 4, 2, kparts=4)  # (6 chunks)
     from ptx_gen.builder import Module
 
     with pytest.raises(ValueError, match="f16dec"):

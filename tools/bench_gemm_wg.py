@@ -68,7 +68,7 @@ def _sweep_ws(wtype: str, k: int, layout: str, m: int, max_smem: int, policy: Ws
         return smem_bytes(wtype, k, layout, c.mt, c.rgroups, c.stages, c.wstages) <= max_smem
 
     return [c for c in (WsConfig(mt, rg, st, w, policy.xtma, policy.f16dec, kp) for mt in (64, 128, 256)
-                        if mt <= 2 * max(m, 32) for rg in (1, 2) for st in stages for w in wstages for kp in (1, 2))
+                        if mt <= 2 * max(m, 32) for rg in (1, 2) for st in stages for w in wstages for kp in (1, 2, 4))
             if takes(c)]
 
 

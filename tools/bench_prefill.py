@@ -61,6 +61,11 @@ TINY = BenchShape(dict(architecture="llama", vocab_size=256, hidden_size=128, nu
                        rms_norm_eps=1e-5, context_length=512, tied_embeddings=True), "Q4_1", "Q8_0", None)
 
 
+
+def _tps(v: float) -> str:
+    """A rate in whole tokens a second, three significant figures below 100 (the emulator's toy runs)."""
+    return f"{v:.0f}" if v >= 100 else f"{v:.3g}"
+
 def peak_tflops(device_name: str) -> float | None:
     """The dense f16 tensor-core rate of a known GPU, or None."""
     return next((tf for key, tf in PEAK_F16_TFLOPS if key in device_name), None)
@@ -296,7 +301,7 @@ def tables(results: list[dict], lengths: list[int], peak: float | None) -> list[
     for r in results:
         for s in lengths:
             v = row_values(r, s, peak)
-            lines.append(f"| {r['name']} | {s} | {v['tps']:.0f} | {v['gpu_ms']:.2f} | {v['ttft_ms']:.2f} | "
+            lines.append(f"| {r['name']} | {s} | {_tps(v['tps'])} | {v['gpu_ms']:.2f} | {v['ttft_ms']:.2f} | "
                          f"{_f(v['roof'])} | {_pct(v['frac'])} | {_f(v['llama'])} | {_x(v['x_llama'])} | "
                          f"{_f(v['torch_tps'])} | {_x(v['x_torch'])} |")
     s0 = 512 if 512 in lengths else lengths[0]
@@ -306,7 +311,7 @@ def tables(results: list[dict], lengths: list[int], peak: float | None) -> list[
               "|---|" + "---:|" * (len(lengths) + 5)]
     for r in results:
         v = row_values(r, s0, peak)
-        pps = " | ".join(f"{row_values(r, s, peak)['tps']:.0f}" for s in lengths)
+        pps = " | ".join(_tps(row_values(r, s, peak)['tps']) for s in lengths)
         lines.append(f"| {r['name']} | {pps} | {v['ttft_ms']:.2f} | {_f(v['llama'])} | {_x(v['x_llama'])} | "
                      f"{_pct(v['frac'])} | {_x(v['x_torch'])} |")
     return lines
@@ -390,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
                             llama=LLAMA_CPP_PP512.get(name)))
         for s in a.lengths:
             v = row_values(results[-1], s, peak)
-            print(f"{name} S={s}: {v['tps']:.0f} tok/s prefill, TTFT {v['ttft_ms']:.2f} ms, "
+            print(f"{name} S={s}: {_tps(v['tps'])} tok/s prefill, TTFT {v['ttft_ms']:.2f} ms, "
                   f"torch f16 {_f(v['torch_tps'])} tok/s{'' if not why else f' ({why})'}", flush=True)
     text = render(results, a.lengths, device, peak, a.peak_tflops is not None, peer, command, a)
     print(text)

@@ -12,7 +12,7 @@ default stages: real_model
 bench_gemm_ws_xcopy / bench_gemm_ws_f32dec (gemm_ws as the step runs it, the policy's; its X by 16-byte copies
 instead of a tensor map; Q4_K decoded in f32 instead of f16x2), bench_gemm_ws_sweep (every launch shape of the 8B
 layers at 128, 256 and 512 tokens, K split over two CTAs among them), bench_gemm_ws_rings (o, down and gate/up at 128
-and 256 tokens with A/B rings of 4-8 stages), bench_attention_batched / _sweep (the batched decode
+and 256 tokens with A/B rings of 4-8 stages, K split over up to four CTAs), bench_attention_batched / _sweep (the batched decode
 attention alone beside torch; every decode tiling at 256 rows of 192 positions), ncu_gemm_ws (its gate/up and o launches at
 256 tokens and down at 128 under ncu with source-level stall sampling: ncu_gemm_ws_*.txt), profile_batch (the 8B
 batched decode step of 256 rows, its kernels under ncu summed by family: profile_batch.md), and on 2+ GPUs bench_tensor_parallel and bench_nccl). The whole of tests/gpu takes longer

@@ -25,7 +25,7 @@ WG_CONFIGS = st.one_of(st.none(), st.builds(WgConfig, st.sampled_from(wg.WG_MTS)
                                             st.sampled_from([1, 2, 4]), st.sampled_from([2, 3, 4])))
 WS_CONFIGS = st.one_of(st.none(), st.builds(WsConfig, st.sampled_from(ws.WS_MTS), st.sampled_from([1, 2]),
                                             st.sampled_from(ws.WS_STAGES), st.sampled_from([2, 3]), st.booleans(),
-                                            st.just(False), st.sampled_from([1, 2])))
+                                            st.just(False), st.sampled_from(ws.WS_KPARTS)))
 F16DEC_CASES = [("glu-tiles", 28672, 4096, True), ("rows", 4096, 4096, False), ("tiles", 4096, 14336, False)]
 
 
@@ -142,10 +142,17 @@ def test_gemm_ws_gpu_two_consumers_of_256_tokens(ops, wtype, layout, out_dim, in
     ("Q4_K", "glu-tiles", 28672, 4096, True),
 ])
 @pytest.mark.parametrize("m,cfg", [(256, WsConfig(128, 2, 4, 2, True, True, 2)), (512, WsConfig(256, 2, 3, 2, True, True, 2)),
-                                   (200, WsConfig(128, 2, 3, 2, False, False, 2))])
-def test_gemm_ws_gpu_k_split_over_two_ctas(ops, wtype, layout, out_dim, in_dim, glu, m, cfg):
-    """K split over two CTAs (the policy's WS_SPLIT_K candidates: o and down at 256 / 512 tokens), the residual in
-    place (glu: the SwiGLU epilogue to f16), every element against the oracle, the counters left at zero."""
+                                   (200, WsConfig(128, 2, 3, 2, False, False, 2)),
+                                   (128, WsConfig(128, 2, 4, 2, True, True, 4)), (256, WsConfig(256, 2, 3, 2, True, True, 4)),
+                                   (128, WsConfig(128, 1, 7, 2, True, True, 2)), (160, WsConfig(64, 1, 8, 2, True, True, 1))])
+def test_gemm_ws_gpu_k_split_and_deep_rings(ops, wtype, layout, out_dim, in_dim, glu, m, cfg):
+    """K split over two CTAs (the policy's WS_SPLIT_K and WS_SPLIT_FIRST candidates: o and down at 128-512 tokens) and
+    over four, A/B rings of 7 and 8 stages, the residual in place (glu: the SwiGLU epilogue to f16), every element
+    against the oracle, the counters left at zero. A shape a config does not fit is skipped by name."""
+    try:
+        ws.check_shape(wtype, in_dim, layout, cfg.mt, cfg.rgroups, cfg.stages, cfg.wstages, cfg.kparts)
+    except ValueError as exc:
+        pytest.skip(f"{cfg} does not fit {wtype} {layout} {in_dim}: {exc}")
     cfg = WsConfig(cfg.mt, cfg.rgroups, cfg.stages, cfg.wstages, cfg.xtma, cfg.f16dec and wtype == "Q4_K", cfg.kparts)
     _run(ops, "gemm_ws", np.random.default_rng(m + in_dim), wtype, layout, out_dim, in_dim, m, cfg, glu=glu,
          residual=None if glu else "in_place", out_f16=glu)

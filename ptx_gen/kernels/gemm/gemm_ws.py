@@ -34,10 +34,11 @@ tensor map ``xmap``, passed by value: X as m rows of K f16 values ``lda`` apart,
 128-byte swizzle; tokens past m land as zeros) after announcing its bytes on the full barrier, instead of every
 consumer thread copying 16-byte pieces through the load/store unit.
 
-**K split over two CTAs** (``kparts`` 2, grid z): CTA z multiplies chunks ``z K / 512 ..`` (half of K's chunks),
-writes its accumulators to ``part`` (``meta["part_floats"]`` floats an output tile), and the second of the two to count
-itself at the tile's ``counters`` entry (u32, zero before the launch and left at zero) adds the first's floats to its
-own and runs the epilogue (any of them: the sum of two addends does not depend on which CTA comes second). With two
+**K split over CTAs** (``kparts`` 2 or 4, grid z): CTA z multiplies chunks ``z K / (256 kparts) ..`` (its share of
+K's chunks), writes its accumulators to ``part`` (``meta["part_floats"]`` floats an output tile), and the last of them
+to count itself at the tile's ``counters`` entry (u32, zero before the launch and left at zero) sums the parts and runs
+the epilogue: with two, the other's floats added to its own (the sum of two addends does not depend on which CTA comes
+last); with four, all four read back and added in the order of z (the same bits whichever CTA comes last). With two
 consumer warpgroups a CTA it keeps the CTA count of one warpgroup without the split (o and down, 4096 outputs, at a few
 hundred tokens: 128 CTAs), each CTA reading half of X for twice the rows.
 
@@ -66,6 +67,7 @@ __all__ = ["WS_MTS", "check_shape", "gemm_ws", "part_floats", "smem_bytes"]
 WS_MTS = (64, 128, 256)
 WS_STAGES = (2, 3, 4, 5, 6, 7, 8)
 WS_WSTAGES = (2, 3, 4)
+WS_KPARTS = (1, 2, 4)
 MAX_DYN_SMEM = 227 * 1024
 SK = 64  # k values of a stage (one 128-byte swizzle row)
 ALIGN = 1024  # the swizzle pattern repeats every 8 rows of 128 bytes: tiles start 1024-aligned
@@ -113,9 +115,9 @@ def check_shape(wtype: str, in_dim: int, layout: str, mt: int, rgroups: int, sta
         raise ValueError(f"wstages (weight chunks in a producer warp's ring) must be one of {WS_WSTAGES}, got {wstages}")
     if in_dim % CHUNK:
         raise ValueError(f"gemm_ws needs K a multiple of {CHUNK}, got {in_dim}")
-    if kparts not in (1, 2) or (in_dim // CHUNK) % kparts:
-        raise ValueError(f"kparts (CTAs splitting K) must be 1 or 2 and divide the {in_dim // CHUNK} chunks of K, "
-                         f"got {kparts}")
+    if kparts not in WS_KPARTS or (in_dim // CHUNK) % kparts:
+        raise ValueError(f"kparts (CTAs splitting K) must be one of {WS_KPARTS} and divide the {in_dim // CHUNK} chunks "
+                         f"of K, got {kparts}")
     smem = smem_bytes(wtype, in_dim, layout, mt, rgroups, stages, wstages)
     if smem > MAX_DYN_SMEM:
         raise ValueError(f"{wtype} mt={mt} rgroups={rgroups} stages={stages} wstages={wstages} needs "
@@ -157,6 +159,12 @@ def _grid() -> list[dict]:
                   "xtma": True, "f16dec": True})
     g.append({"wtype": "Q4_K", "in_dim": 4096, "layout": "glu-tiles", "mt": 128, "rgroups": 2, "stages": 5, "glu": True,
               "out_f16": True, "xtma": True, "f16dec": True})
+    # K split over four CTAs (o and down at 128 and 256 tokens on 128-row tiles: 128 CTAs)
+    for mt, st in ((128, 4), (256, 3)):
+        g.append({"wtype": "Q4_K", "in_dim": 14336, "layout": "tiles", "mt": mt, "rgroups": 2, "stages": st,
+                  "residual": True, "xtma": True, "f16dec": True, "kparts": 4})
+    g.append({"wtype": "Q4_K", "in_dim": 4096, "layout": "rows", "mt": 128, "rgroups": 2, "residual": True, "xtma": True,
+              "f16dec": True, "kparts": 4})
     return g
 
 
@@ -246,19 +254,21 @@ class _RingPosition:
         k.assign(self.parity, k.selp(k.xor(self.parity, 1), self.parity, wrap, "u32"))
 
 
-def _sum_parts(k: KernelBuilder, acc: list, tid: Reg, group: int, flag_at: Reg) -> None:
-    """K split over two CTAs (grid z): each writes its accumulators to ``part`` (16-byte pieces, piece ``j`` of every
-    consumer thread side by side: coalesced), the consumers' threads fence and meet, thread 0 counts the CTA at its
-    output tile's counter (``atom.inc`` with bound 1: it wraps back to zero on the second arrival); the first of the
-    two returns, the second adds the other's floats to its own and runs the epilogue. Two addends: the sum is the same
-    whichever CTA comes second. ``flag_at``: a shared u32 free after the main loop (it tells the consumers which CTA
-    they are in)."""
+def _sum_parts(k: KernelBuilder, acc: list, tid: Reg, group: int, flag_at: Reg, kparts: int = 2) -> None:
+    """K split over ``kparts`` CTAs (grid z): each writes its accumulators to ``part`` (16-byte pieces, piece ``j`` of
+    every consumer thread side by side: coalesced), the consumers' threads fence and meet, thread 0 counts the CTA at
+    its output tile's counter (``atom.inc`` with bound kparts - 1: it wraps back to zero on the last arrival); all but
+    the last return, the last sums and runs the epilogue. Two parts: the other's floats added to its own (the same
+    whichever CTA comes last); four: the four read back and added in the order of z. ``flag_at``: a shared u32 free
+    after the main loop (it tells the consumers which CTA they are in)."""
     n = len(acc)
     tile = k.add(k.mul(k.ctaid("y"), k.sreg("nctaid.x")), k.ctaid())
     base, part = k.global_ptr("part"), k.ctaid("z")
 
-    def pieces_of(p: Reg) -> Reg:  # (the CTA's n / 4 pieces of group threads: piece j of thread t at 16 (j group + t))
-        return k.add(base, k.mul_wide(k.mad(k.add(k.shl(tile, 1), p), group * n // 4, tid), 16))
+    def pieces_of(p: Reg | int) -> Reg:  # (the CTA's n / 4 pieces of group threads: piece j of thread t at 16 (j group
+        # + t))
+        first = k.shl(tile, kparts.bit_length() - 1)
+        return k.add(base, k.mul_wide(k.mad(k.add(first, p) if p else first, group * n // 4, tid), 16))
 
     mine = pieces_of(part)
     for j in range(0, n, 4):
@@ -267,18 +277,27 @@ def _sum_parts(k: KernelBuilder, acc: list, tid: Reg, group: int, flag_at: Reg) 
     k.bar_sync(1, group)
     counter = k.add(k.global_ptr("counters"), k.mul_wide(tile, 4))
     with k.if_(k.setp("eq", tid, 0)):
-        second = k.setp("eq", k.atom("global", "inc", "u32", counter, 1), 1)  # (and the counter is back at zero)
+        second = k.setp("eq", k.atom("global", "inc", "u32", counter, kparts - 1), kparts - 1)  # (the last: the
+        # counter is back at zero)
         with k.if_(second):
             k.fence("gl")  # (acquire: the first CTA's partial sums are visible from here on)
         k.store("shared", "u32", flag_at, k.selp(1, 0, second, "u32"))
     k.bar_sync(1, group)
     with k.if_(k.setp("eq", k.load("shared", "u32", flag_at), 0)):
         k.ret()
-    other = pieces_of(k.xor(part, 1))
-    for j in range(0, n, 4):
-        vals = k.load("global", "f32", other, 4 * j * group, vec=4, cache="cg")
-        for e in range(4):
-            k.assign(acc[j + e], k.add(acc[j + e], vals[e]))
+    if kparts == 2:
+        other = pieces_of(k.xor(part, 1))
+        for j in range(0, n, 4):
+            vals = k.load("global", "f32", other, 4 * j * group, vec=4, cache="cg")
+            for e in range(4):
+                k.assign(acc[j + e], k.add(acc[j + e], vals[e]))
+        return
+    first = pieces_of(0)  # (part p's pieces 4 p group n bytes further)
+    for j in range(0, n, 4):  # (the sum in the accumulators, a part at a time: four registers more)
+        for p in range(kparts):
+            vals = k.load("global", "f32", first, 4 * j * group + 4 * p * group * n, vec=4, cache="cg")
+            for e in range(4):
+                k.assign(acc[j + e], k.add(acc[j + e], vals[e]) if p else vals[e])
 
 
 def _a_row(k: KernelBuilder, r: Reg) -> Reg:
@@ -295,7 +314,7 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
             f16dec: bool = False, kparts: int = 1) -> KernelBuilder:
     """Y[:m] = X[:m] W^T (+ bias) (+ residual), or with ``glu`` silu(X G^T) * (X U^T) for W = [gate; up];
     W of ``wtype`` in ``layout``, X f16, f32 accumulation on wgmma from shared memory. Params: w, x, y, [bias],
-    [residual], m, n, lda, ldy, [part, counters: kparts 2], [xmap: xtma]. Launch: grid (ceil(rows_out /
+    [residual], m, n, lda, ldy, [part, counters: kparts 2, 4], [xmap: xtma]. Launch: grid (ceil(rows_out /
     meta["rows_per_cta"]), ceil(m / mt), kparts), block meta["block"], dyn_smem meta["dyn_smem"]."""
     check_shape(wtype, in_dim, layout, mt, rgroups, stages, wstages, kparts)
     flags, params = epilogue_signature(["w", "x", "y"], ["m", "n", "lda", "ldy"], bias=bias, residual=residual,
@@ -402,7 +421,7 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
             ring_pos.advance()
     k.wgmma_wait(0)
     if kparts > 1:
-        _sum_parts(k, acc, tid, group, a0)
+        _sum_parts(k, acc, tid, group, a0, kparts)
     strip = k.add(k.mul(k.ctaid(), 4 * rgroups), k.add(k.shl(g, 2), k.and_(warp, 3)))
     if glu:
         ffn, first = k.shr(n_rows, 1), k.shl(strip, 3)
