@@ -61,10 +61,10 @@ TINY = BenchShape(dict(architecture="llama", vocab_size=256, hidden_size=128, nu
                        rms_norm_eps=1e-5, context_length=512, tied_embeddings=True), "Q4_1", "Q8_0", None)
 
 
-
 def _tps(v: float) -> str:
     """A rate in whole tokens a second, three significant figures below 100 (the emulator's toy runs)."""
     return f"{v:.0f}" if v >= 100 else f"{v:.3g}"
+
 
 def peak_tflops(device_name: str) -> float | None:
     """The dense f16 tensor-core rate of a known GPU, or None."""
