@@ -223,6 +223,31 @@ def test_ncu_summary_sums_kernel_families(tmp_path):
     assert _rows(out.read_text(), "all")[0][1:] == ["3", "50.0", "100%"]
 
 
+def test_ncu_stalls_reads_reasons_and_instructions(tmp_path, monkeypatch):
+    """tools/ncu_stalls.py: the stall reasons summed over kernels (the not-issued variant folded in, the units row
+    skipped), the instructions with the most samples first, and the CSV's column names where a column is missing."""
+    from tools import ncu_stalls
+
+    raw = ('==PROF== Disconnected from process 1\n"ID","Kernel Name","smsp__pcsamp_warps_issue_stalled_barrier","smsp__pcsamp_warps_issue_stalled_long_scoreboard",'
+           '"smsp__pcsamp_warps_issue_stalled_barrier_not_issued","gpu__time_duration.sum"\n'
+           '"","","","","","nsecond"\n'
+           '"0","gemm_ws","1,000","300","200","5,000"\n"1","gemm_ws","500","0","0","4,000"\n')
+    assert ncu_stalls.stall_reasons(raw) == [("barrier", 1700.0), ("long_scoreboard", 300.0)]
+    source = ('"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)"\n'
+              '"0x10","HGMMA.64x128x16.F32","40","30"\n"0x20","SYNCS.PHASECHK.TRANS64","900","880"\n'
+              '"0x30","LDS.128 R4, [R2]","120","60"\n')
+    cols, rows = ncu_stalls.top_instructions(source, 2)
+    assert cols[:3] == ["Address", "Source", "Warp Stall Sampling (All Samples)"]
+    assert [r[1] for r in rows] == ["SYNCS.PHASECHK.TRANS64", "LDS.128 R4, [R2]"]
+    monkeypatch.setattr(ncu_stalls, "_ncu", lambda *a: raw if "raw" in a else source)
+    out = tmp_path / "s.md"
+    assert ncu_stalls.main([str(tmp_path / "k.ncu-rep"), "--top", "2", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert _rows(text, "barrier")[0][1:] == ["1,700", "85.0%"] and "| 0x20 | SYNCS.PHASECHK.TRANS64 | 900 | 880 |" in text
+    missing = "\n".join(ncu_stalls.report("", '"Address","Opcode"\n"0x10","HGMMA"\n', 5))
+    assert "no smsp__pcsamp" in missing and "the CSV's columns: Address, Opcode" in missing
+
+
 def _tiny_backend(tmp_path, seed: int, vocab_size: int, max_context: int, num_blocks: int):
     """GpuBatchBackend of two rows over a one-layer Q8_0 llama on the emulated device, graphs off (the tools record and
     replay its launches)."""
