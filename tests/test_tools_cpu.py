@@ -384,8 +384,13 @@ def test_sanitize_gemm_wg_cases_on_the_emulated_device(monkeypatch, emulated_sm9
 
     import tools.sanitize_gemm_wg as tool
 
+    from ptx_gen.kernels.gemm.gemm_ws import check_shape
+
+    for k, wt, lay, out, kd, m, cfg in tool.CASES:  # (every case a launch shape the kernel takes)
+        if k == "gemm_ws":
+            check_shape(wt, kd, lay, cfg.mt, cfg.rgroups, cfg.stages, cfg.wstages, cfg.kparts)
     small = [(k, wt, lay, min(out, 128), min(kd, 512), min(m, 67), cfg) for k, wt, lay, out, kd, m, cfg in tool.CASES_SMALL]
-    assert tool.cases(np.random.default_rng(0), small) == len(tool.CASES_SMALL)
+    assert tool.cases(np.random.default_rng(0), small) == len(tool.CASES_SMALL)  # (every second X padded with NaN)
     wrong = tool.dequant
     monkeypatch.setattr(tool, "dequant", lambda *a: wrong(*a) * 1.01)
     with pytest.raises(AssertionError, match="max relative error"):

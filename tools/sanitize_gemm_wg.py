@@ -7,9 +7,10 @@ against its float64 oracle.
 
 The cases: Q4_K (with and without the f16x2 decoder), Q6_K, Q8_0 and Q4_1 weights in the layouts the model keeps
 (tile-major, [gate; up] glu-tiles through the SwiGLU epilogue with f16 output, GGUF rows), token counts that end
-inside a tile (tokens past M: X rows the tensor map fills with zeros, outputs never written), one and two consumer
-warpgroups, 64-, 128- and 256-token tiles, ring depths 2-4, K split over two CTAs (their partial sums through a
-workspace, counters left at zero), X by 16-byte copies and by a tensor map, the residual
+inside a tile (tokens past M: outputs never written; every second case's X buffer holds NaN rows up to the tile's
+end, which the tensor map then spans and reads, the others' map ends at M and fills the rest with zeros), one and two
+consumer warpgroups, 64-, 128- and 256-token tiles, ring depths 2-8, K split over two and four CTAs (their partial
+sums through a workspace, counters left at zero), X by 16-byte copies and by a tensor map, the residual
 epilogue in place; every element against the float64 oracle over the dequantized weights and the f16 X (relative to
 the sum of the absolute products), the NaN
 poison past the rows untouched. A device that is not sm_90 has nothing to check (said, exit 0). The CPU tests run
@@ -41,6 +42,8 @@ CASES = CASES_SMALL + [
     ("gemm_ws", "Q8_0", "glu-tiles", 128, 256, 129, WsConfig(128, 1, 2, 3, False, False)),
     ("gemm_wg", "Q4_K", "glu-tiles", 256, 512, 140, WgConfig(128, 2, 1, 3, 2)),
     ("gemm_wg", "Q6_K", "rows", 64, 1024, 7, WgConfig(64, 1, 2, 4, 2)),
+    ("gemm_ws", "Q4_K", "tiles", 128, 1024, 100, WsConfig(64, 1, 6, 2, True, True, 4)),
+    ("gemm_ws", "Q6_K", "rows", 192, 768, 90, WsConfig(128, 1, 8, 2, True, False)),
 ]
 
 
@@ -56,9 +59,10 @@ def _oracle(raw, wtype, out_dim, in_dim, x, glu, residual):
     return (y, scale) if residual is None else (y + residual, scale + np.abs(residual))
 
 
-def case(ops, rng, kernel, wtype, layout, out_dim, in_dim, m, cfg) -> None:
+def case(ops, rng, kernel, wtype, layout, out_dim, in_dim, m, cfg, pad_x: bool = False) -> None:
     """One launch of ``kernel`` with launch shape ``cfg``: glu-tiles through the SwiGLU epilogue to f16, the others
-    with the residual added in place; checked element by element, the rows past ``m`` still NaN."""
+    with the residual added in place; checked element by element, the rows past ``m`` still NaN. ``pad_x``: X's
+    buffer holds NaN rows past ``m`` up to the end of the last token tile."""
     glu = layout == "glu-tiles"
     cols = out_dim // 2 if glu else out_dim
     raw = random_weight(rng, wtype, out_dim, in_dim)
@@ -69,7 +73,9 @@ def case(ops, rng, kernel, wtype, layout, out_dim, in_dim, m, cfg) -> None:
     y_host = np.full((m + 3, cols), np.nan, ytype)
     if r is not None:
         y_host[:m] = r
-    dx, dy = ops.to_device(x), ops.to_device(y_host)
+    pad = -m % cfg.mt if pad_x else 0
+    dx = ops.to_device(np.concatenate([x, np.full((pad, in_dim), np.nan, np.float16)]))
+    dy = ops.to_device(y_host)
     room = split_room(cfg, cols, m, glu) if kernel == "gemm_ws" else (0, 0)
     split = {"split": ops.split_space(*room)} if room[0] else {}
     getattr(ops, kernel)(dx, w, dy, m, glu=glu, out_f16=glu, config=cfg, residual=None if glu else dy, **split)
@@ -93,8 +99,8 @@ def cases(rng, which) -> int:
     if ops.device.target.compute_capability != (9, 0):
         print(f"gemm_wg and gemm_ws are sm_90a kernels; this device is {ops.device.target}: nothing to check")
         return 0
-    for c in which:
-        case(ops, rng, *c)
+    for i, c in enumerate(which):
+        case(ops, rng, *c, pad_x=i % 2 == 1)
     return len(which)
 
 
