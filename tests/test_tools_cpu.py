@@ -412,3 +412,31 @@ def test_bench_attention_batched_on_the_emulated_device(tmp_path, monkeypatch):
     assert bench.main(["--batches", "2", "--lengths", "40", "--sweep", "--out", str(out)]) == 0
     row = [line for line in out.read_text().splitlines() if line.startswith("| 2 | 40 |")]
     assert len(row) == 1 and float(row[0].split("|")[8]) < 2e-3 and row[0].rstrip().endswith("(default) |"), row
+
+
+@pytest.mark.full
+def test_policy_ab_interleaves_variants_and_restores_the_policy(tmp_path, capsys):
+    """tools/policy_ab.py on the emulator with the toy shape: two variants, two rounds interleaved, a row per variant
+    with each round's rate and the ratio to the first; every setting undone afterwards; a malformed variant or a name
+    no realizar module defines is refused by name."""
+    import realizar.gpu.gemm_wg as host
+    import realizar.gpu.policy.gemm as policy
+    import tools.policy_ab as tool
+
+    assert tool.parse_variant("none") == {} and tool.parse_variant("A=1; B=(128,)") == {"A": 1, "B": (128,)}
+    with pytest.raises(SystemExit, match="NAME=VALUE"):
+        tool.parse_variant("WS_TILE_FILL")
+    with pytest.raises(SystemExit, match="no loaded realizar module defines NO_SUCH_SETTING"):
+        tool.apply({"NO_SUCH_SETTING": 1})
+    before = (host.WS_TILE_FILL, policy.WS_TILE_FILL, host.WS_SPLIT_FIRST)
+    out = tmp_path / "ab.md"
+    assert tool.main(["--tiny", "--device", "emulate", "--batches", "2", "--prompt", "4", "--gen", "3", "--rounds", "2",
+                      "--variant", "none", "--variant", "WS_TILE_FILL=1.0; WS_SPLIT_FIRST=()", "--out", str(out)]) == 0
+    assert (host.WS_TILE_FILL, policy.WS_TILE_FILL, host.WS_SPLIT_FIRST) == before
+    rows = [r for r in _rows(out.read_text(), "2")]
+    assert [r[1] for r in rows] == ["none", "WS_TILE_FILL=1.0; WS_SPLIT_FIRST=()"]
+    assert all(len(r[2].split(",")) == 2 and float(r[3]) > 0 for r in rows) and rows[0][5] == "1.000"
+    saved = tool.apply({"WS_TILE_FILL": 0.25})
+    assert host.WS_TILE_FILL == policy.WS_TILE_FILL == 0.25
+    tool.undo(saved)
+    assert host.WS_TILE_FILL == policy.WS_TILE_FILL == before[0]
