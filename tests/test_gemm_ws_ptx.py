@@ -366,3 +366,21 @@ def test_x_map_spans_whole_token_tiles_the_buffer_holds(monkeypatch, extra):
     ref, scale, tol = _oracle(raw, "Q4_K", out_dim, in_dim, x[:m], False, None, None, False)
     assert (np.abs(got[:m * out_dim].reshape(m, out_dim) - ref) / scale).max() < tol
     assert (got[m * out_dim:] == sentinel).all()
+
+
+def test_split_rooms_key_on_every_policy_name_ws_config_reads(monkeypatch):
+    """The Linear's split rooms are kept by launch policy (tools change it between steps): WS_POLICY names exactly the
+    policy globals ws_config reads, and a change of any one of them is a new key."""
+    import realizar.gpu.gemm_wg as host
+
+    def names(code):  # (with the comprehensions' own code objects before Python 3.12)
+        return set(code.co_names).union(*[names(c) for c in code.co_consts if hasattr(c, "co_names")])
+
+    read = {n for n in names(host.ws_config.__code__) if n.startswith(("WS_", "XTMA_"))}
+    assert read == set(host.WS_POLICY), read ^ set(host.WS_POLICY)
+    before = host.ws_policy()
+    for name in host.WS_POLICY:
+        with monkeypatch.context() as mp:
+            mp.setattr(host, name, ("changed", name))
+            assert host.ws_policy() != before, name
+    assert host.ws_policy() == before

@@ -90,6 +90,16 @@ def ws_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_co
     raise ShapeError(f"no warp-specialized GEMM tile for {wtype} {layout} fits {max_smem} bytes of shared memory")
 
 
+# the policy names ws_config reads (a tool may change them between steps: the rooms sized from a launch shape key on them)
+WS_POLICY = ("WS_MTS", "WS_TILE_FILL", "WS_MIN_WAVE", "WS_WIDE", "WS_WIDE_256", "WS_STAGES", "WS_XTMA", "WS_F16DEC",
+             "WS_SPLIT_K", "WS_SPLIT_FIRST")
+
+
+def ws_policy() -> tuple:
+    """The values of :data:`WS_POLICY` that ws_config reads now."""
+    return tuple(globals()[name] for name in WS_POLICY)
+
+
 def split_room(cfg: WsConfig, cols: int, m: int, glu: bool = False) -> tuple[int, int]:
     """(f32 partial sums, u32 counters) a gemm_ws launch of ``cfg`` over ``cols`` outputs and ``m`` tokens needs in its
     :class:`SplitSpace` ((0, 0) without a K split)."""

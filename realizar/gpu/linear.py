@@ -110,7 +110,7 @@ class Linear:
         gate/up weight's launch shape and room are those of its rows without the SwiGLU epilogue)."""
         import realizar.gpu.gemm_wg as wg
 
-        key = (id(weights), rows, wg.WS_SPLIT_K, wg.WS_SPLIT_FIRST)  # (a tool may change the policy between steps)
+        key = (id(weights), rows, wg.ws_policy())  # (a tool may change the policy between steps)
         hit = self._split_rooms.get(key)
         if hit is not None and hit[0] is weights:
             return hit[1]
