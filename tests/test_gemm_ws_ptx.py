@@ -270,6 +270,7 @@ def test_linear_sizes_the_k_split_room_and_launches_it(monkeypatch, mode):
     m = max(WS_OVER_WG_ROWS, 128) + 5  # (a 128-token tile, then a ragged one)
     if mode == "split_k":
         monkeypatch.setattr(host, "WS_SPLIT_K", 0.01)
+        monkeypatch.setattr(host, "WS_SPLIT_MIN_CHUNKS", 1)
         ops = LayerOps(cuda.EmulatedDevice(target="sm_90", sm_count=2))  # (a launch of 4 CTAs fills it)
         out_dim = 128
     else:  # (8 SMs: 2 CTAs of 128-token tiles, 3 of 64 are too few; split in two, 4)

@@ -149,6 +149,8 @@ def test_prefill_chunk_on_gemm_ws_with_the_k_split(tmp_path, monkeypatch):
 
     monkeypatch.setattr(host, "wg_applies", lambda *a: True)
     monkeypatch.setattr(host, "WS_SPLIT_K", 0.01)
+    monkeypatch.setattr(host, "WS_SPLIT_MIN_CHUNKS", 1)
+    monkeypatch.setattr(host, "WS_SPLIT_K_TILES", (128, 256))
     launched = []
     ws = host.GemmWgOps.gemm_ws
     monkeypatch.setattr(host.GemmWgOps, "gemm_ws", lambda self, *a, **kw: (launched.append(kw.get("split")),

@@ -14,7 +14,7 @@ instead of a tensor map; Q4_K decoded in f32 instead of f16x2), bench_gemm_ws_sw
 layers at 128, 256 and 512 tokens, K split over two CTAs among them), bench_gemm_ws_rings (o, down and gate/up at 128
 and 256 tokens with A/B rings of 4-8 stages, K split over up to four CTAs), bench_attention_batched / _sweep (the batched decode
 attention alone beside torch; every decode tiling at 256 rows of 192 positions), ncu_gemm_ws (its gate/up and o launches at
-256 tokens and down at 128 under ncu: ncu_gemm_ws_*.txt, and their stall reasons and most-sampled SASS instructions:
+256 tokens and down at 128 and 256 under ncu: ncu_gemm_ws_*.txt, and their stall reasons and most-sampled SASS instructions:
 ncu_gemm_ws_*_stalls.md), profile_batch (the 8B
 batched decode step of 256 rows, its kernels under ncu summed by family: profile_batch.md), and on 2+ GPUs bench_tensor_parallel and bench_nccl). The whole of tests/gpu takes longer
 than the tests stage's 420 s: give --tests a part of it per call.
@@ -135,18 +135,16 @@ def stages(out: Path, tests: list[str], pytest_args: list[str]) -> dict[str, tup
     if not Path(moe_gguf).exists():
         moe.insert(0, [PY, "tools/write_gguf.py", "qwen3-30b-a3b", moe_gguf])
     # gemm_ws under ncu with source-level stall sampling, the policy's launches: the 8B gate/up at 256 tokens (near
-    # gate/up's best rate), o at 256 and down at 128 (half of gate/up's rate per weight)
+    # gate/up's best rate), o at 256 and down at 128 and 256 (half of gate/up's rate per weight)
     sections = [a for s in ("SpeedOfLight", "WarpStateStats", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis",
                             "SchedulerStats", "SourceCounters") for a in ("--section", s)]
     ncu_ws = []
-    for shape, m in (("gate/up", 256), ("o", 256), ("down", 128)):  # (the sections' text, then the report's stalls)
+    for shape, m in (("gate/up", 256), ("o", 256), ("down", 128), ("down", 256)):  # (one report: its text, stalls)
         tag = f"ncu_gemm_ws_{shape.replace('/', '')}_{m}"
         rep = Path(tempfile.gettempdir()) / f"{tag}.ncu-rep"
         ncu_ws += [[ncu, "--kernel-name", "regex:gemm_ws", "--launch-skip", "2", "--launch-count", "1", *sections,
-                    "--log-file", str(out / f"{tag}.txt"), PY, "tools/ncu_gemm_ws.py", "--shape", shape, "--m", str(m)],
-                   [ncu, "--kernel-name", "regex:gemm_ws", "--launch-skip", "2", "--launch-count", "1", "--section",
-                    "WarpStateStats", "--section", "SourceCounters", "-f", "-o", str(rep.with_suffix("")), PY,
-                    "tools/ncu_gemm_ws.py", "--shape", shape, "--m", str(m)],
+                    "-f", "-o", str(rep.with_suffix("")), PY, "tools/ncu_gemm_ws.py", "--shape", shape, "--m", str(m)],
+                   [ncu, "--import", str(rep), "--page", "details", "--log-file", str(out / f"{tag}.txt")],
                    [PY, "tools/ncu_stalls.py", str(rep), "--out", str(out / f"{tag}_stalls.md")]]
     return {**{name: ([cmd], limit) for name, (cmd, limit) in single.items()}, "bench_warm_start": (warm, 480),
             "ncu_gemm_ws": (ncu_ws, 420),

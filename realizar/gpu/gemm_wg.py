@@ -18,7 +18,8 @@ import numpy as np
 from realizar.errors import ShapeError
 from realizar.gpu.dispatch import Dispatcher
 from realizar.gpu.policy.gemm import (WG_MIN_WAVE, WG_MTS, WG_STAGES, WG_UNROLL, WG_WIDE, WS_F16DEC, WS_MIN_WAVE,
-                                      WS_MTS, WS_SPLIT_FIRST, WS_SPLIT_K, WS_STAGES, WS_TILE_FILL, WS_WIDE, WS_WIDE_256,
+                                      WS_MTS, WS_SPLIT_FIRST, WS_SPLIT_K, WS_SPLIT_K_PARTS,
+                                      WS_SPLIT_K_TILES, WS_SPLIT_MIN_CHUNKS, WS_STAGES, WS_TILE_FILL, WS_WIDE, WS_WIDE_256,
                                       WS_XTMA, XTMA_WHOLE_TILES, ws_shared_bytes)
 from realizar.gpu.policy.shapes import WgConfig, WsConfig
 
@@ -62,12 +63,13 @@ def ws_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_co
               max_smem: int = 227 * 1024, glu: bool = False) -> WsConfig:
     """The launch shape of the warp-specialized GEMM for ``rows_out`` outputs of ``in_dim`` values at ``m``
     tokens: the largest token tile of ``WS_MTS`` that ``m`` fills more than ``WS_TILE_FILL`` of whose launch has
-    ``WS_MIN_WAVE`` x ``sm_count`` CTAs (else the smallest); two consumer warpgroups on a 128-token tile where the launch keeps ``WS_WIDE`` CTAs
-    an SM, on a 256-token tile where it keeps ``WS_WIDE_256``; the deepest ring of ``WS_STAGES`` that fits ``max_smem``;
-    X by a tensor map where ``WS_XTMA``; the weights decoded in f16x2 arithmetic where ``WS_F16DEC`` and the type has
-    that decoder; K split over two CTAs of two consumer warpgroups instead of one warpgroup a CTA where that launch
-    has ``WS_SPLIT_K`` CTAs an SM; K split over two CTAs of the largest tile where a smaller tile would be taken and
-    that tile is one of ``WS_SPLIT_FIRST``."""
+    ``WS_MIN_WAVE`` x ``sm_count`` CTAs (else the smallest); two consumer warpgroups on a 128-token tile where the
+    launch keeps ``WS_WIDE`` CTAs an SM, on a 256-token tile where it keeps ``WS_WIDE_256``; the deepest ring of
+    ``WS_STAGES`` that fits ``max_smem``; X by a tensor map where ``WS_XTMA``; the weights decoded in f16x2 arithmetic where ``WS_F16DEC`` and the type has
+    that decoder; K split over two CTAs of the largest tile where a smaller tile would be taken and that tile is one
+    of ``WS_SPLIT_FIRST``; then, on a tile of ``WS_SPLIT_K_TILES`` of one consumer warpgroup a CTA, two warpgroups a
+    CTA with K split over the first part count of ``WS_SPLIT_K_PARTS`` above the launch's whose launch has
+    ``WS_SPLIT_K`` CTAs an SM and whose parts keep ``WS_SPLIT_MIN_CHUNKS`` chunks each."""
     from ptx_gen.kernels.gemm.gemm_ws import smem_bytes
     from ptx_gen.kernels.gemm.qstream import F16DEC_TYPES
 
@@ -80,9 +82,11 @@ def ws_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_co
         mt, kp = tiles[0], 2  # (the largest tile, K split over two CTAs)
     wide = {128: WS_WIDE, 256: WS_WIDE_256}.get(mt)
     rg = 2 if kp == 1 and wide is not None and -(-groups // 2) * -(-m // mt) >= wide * sm_count else 1
-    if (rg == 1 and kp == 1 and WS_SPLIT_K and mt >= 128 and in_dim // 256 % 2 == 0
-            and 2 * -(-groups // 2) * -(-m // mt) >= WS_SPLIT_K * sm_count):
-        rg, kp = 2, 2
+    chunks = in_dim // 256
+    if rg == 1 and WS_SPLIT_K and mt in WS_SPLIT_K_TILES:
+        kp2 = next((p for p in WS_SPLIT_K_PARTS if p > kp and chunks % p == 0 and chunks // p >= WS_SPLIT_MIN_CHUNKS
+                    and p * -(-groups // 2) * -(-m // mt) >= WS_SPLIT_K * sm_count), None)
+        rg, kp = (2, kp2) if kp2 else (rg, kp)
     for r, kparts in dict.fromkeys([(rg, kp), (1, 1)]):
         for stages in WS_STAGES:
             if smem_bytes(wtype, in_dim, layout, mt, r, stages, 2) <= max_smem:
@@ -92,7 +96,7 @@ def ws_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_co
 
 # the policy names ws_config reads (a tool may change them between steps: the rooms sized from a launch shape key on them)
 WS_POLICY = ("WS_MTS", "WS_TILE_FILL", "WS_MIN_WAVE", "WS_WIDE", "WS_WIDE_256", "WS_STAGES", "WS_XTMA", "WS_F16DEC",
-             "WS_SPLIT_K", "WS_SPLIT_FIRST")
+             "WS_SPLIT_K", "WS_SPLIT_K_TILES", "WS_SPLIT_K_PARTS", "WS_SPLIT_MIN_CHUNKS", "WS_SPLIT_FIRST")
 
 
 def ws_policy() -> tuple:

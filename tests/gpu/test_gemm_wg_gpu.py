@@ -13,7 +13,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from ptx_gen.kernels.gemm import gemm_wg as wg, gemm_ws as ws
-from realizar.gpu.gemm_wg import WgConfig, WsConfig, split_room, wg_applies
+from realizar.gpu.gemm_wg import WgConfig, WsConfig, split_room, wg_applies, ws_config
 from realizar.gpu.ops import GpuWeight, LayerOps
 from tests.helpers import examples
 from tests.layer_oracles import epilogue_buffers, random_weight
@@ -44,6 +44,8 @@ def _run(ops, kernel, rng, wtype, layout, out_dim, in_dim, m, cfg=None, *, glu=F
     x = ((rng.standard_normal((m, in_dim)) + 0.1) / (64 if out_f16 else 1)).astype(np.float16)
     y, kw, b, r = epilogue_buffers(ops, rng, m, cols, bias=bias, residual=residual, out_f16=out_f16)
     xb = ops.to_device(x)
+    if kernel == "gemm_ws" and cfg is None:  # (the policy's launch shape, whose K split needs its room)
+        cfg = ws_config(wtype, in_dim, layout, cols, m, ops.sm_count, ops.device.max_shared_per_block_optin, glu=glu)
     room = split_room(cfg, cols, m, glu) if kernel == "gemm_ws" and cfg is not None else (0, 0)
     split = ops.split_space(*room) if room[0] else None  # (K split over two CTAs: their partial sums, counters)
     getattr(ops, kernel)(xb, w, y, m, glu=glu, out_f16=out_f16, config=cfg, **kw, **({"split": split} if split else {}))
@@ -119,8 +121,6 @@ def test_gemm_wg_gpu_real_shapes(ops, kernel, wtype, layout, out_dim, in_dim, gl
 @pytest.mark.parametrize("m", [33, 200, 512])
 def test_gemm_ws_gpu_f16_decoding(ops, layout, out_dim, in_dim, glu, m):
     """Q4_K decoded in f16x2 arithmetic, with X by a tensor map, at the 8B shapes (the f16 path's tolerance)."""
-    from realizar.gpu.gemm_wg import ws_config
-
     cols = out_dim // 2 if glu else out_dim
     cfg = ws_config("Q4_K", in_dim, layout, cols, m, ops.sm_count, ops.device.max_shared_per_block_optin, glu=glu)
     _run(ops, "gemm_ws", np.random.default_rng(m), "Q4_K", layout, out_dim, in_dim, m,

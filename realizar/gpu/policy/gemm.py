@@ -84,10 +84,14 @@ WS_XTMA = True
 # are read as they are; their outputs are never written): the hardware fills a box's rows past the tensor with zeros
 # far slower than it reads them (H200, 8B batched decode at 160 rows: 1.18x the step, 192 rows 1.03x)
 XTMA_WHOLE_TILES = True
-# K split over two CTAs of two consumer warpgroups each (128 weight rows reading half of K: the tokens' X read half as
-# often) where a launch of one consumer warpgroup a CTA would be chosen and the split launch has at least this many
-# CTAs per SM (o and down at 256 / 512 tokens: 128 CTAs); 0: never (built, not timed yet)
+# K split over CTAs of two consumer warpgroups each (128 weight rows: each token tile's X read half as often as with one)
+# where a launch of one consumer warpgroup a CTA on a tile of WS_SPLIT_K_TILES would be chosen: the first part count of
+# WS_SPLIT_K_PARTS above the launch's own whose launch has at least WS_SPLIT_K CTAs per SM and whose parts each keep
+# WS_SPLIT_MIN_CHUNKS chunks of K (down at 128 and 256 tokens: 128 CTAs); 0: never
 WS_SPLIT_K = 0.0
+WS_SPLIT_K_TILES = (128,)
+WS_SPLIT_K_PARTS = (2, 4)
+WS_SPLIT_MIN_CHUNKS = 12
 # where the largest token tile not above m is one of these and has too few CTAs (WS_MIN_WAVE), split K over two CTAs of
 # that tile instead of taking a smaller tile (each weight decoded once a step instead of once a token tile). H200, 8B
 # Q4_K batched decode: at 128 rows (o and down on a 128-token tile) 1.05x the step; at 256 rows (a 256-token tile)
