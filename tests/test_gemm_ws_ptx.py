@@ -46,8 +46,11 @@ def test_gemm_ws_matches_oracle(data, case, seed):
     xtma = data.draw(st.booleans())
     f16dec = wtype == "Q4_K" and data.draw(st.booleans())
     kparts = data.draw(st.sampled_from([1, 2])) if in_dim // 256 % 2 == 0 else 1
+    psplit = data.draw(st.sampled_from(ws.WS_PSPLIT))
+    assume(ws.threads(mt, rgroups, psplit) <= 1024
+           and ws.smem_bytes(wtype, in_dim, layout, mt, rgroups, stages, wstages, psplit) <= ws.MAX_DYN_SMEM)
     _run("gemm_ws", dict(mt=mt, rgroups=rgroups, stages=stages, wstages=wstages, xtma=xtma, f16dec=f16dec,
-                         kparts=kparts), wtype, layout,
+                         kparts=kparts, psplit=psplit), wtype, layout,
          out_dim, in_dim, m, np.random.default_rng(seed), bias="bias" in epi,
          residual={"residual": "buffer", "in_place": "in_place"}.get(epi), out_f16="f16" in epi, glu=glu)
 
@@ -94,6 +97,20 @@ def test_gemm_ws_k_split_over_four_ctas(xtma, stages):
     left at zero."""
     _run("gemm_ws", dict(mt=64, rgroups=1, stages=stages, xtma=xtma, f16dec=True, kparts=4), "Q4_K", "tiles", 80, 1024,
          70, np.random.default_rng(stages), residual="in_place")
+
+
+@pytest.mark.parametrize("mt,rgroups,psplit,stages", [(64, 1, 2, 4), (64, 1, 4, 3), (64, 2, 2, 3), (128, 1, 4, 4),
+                                                     (256, 1, 2, 3)])
+def test_gemm_ws_producers_sharing_a_strip(mt, rgroups, psplit, stages):
+    """psplit 2 and 4: as many producer warpgroups a strip, each streaming the whole of K and filling the stages h of
+    each chunk with h % psplit its own (rings of 3 or 4 stages, so that one warp's stages wait on slots another warp
+    fills), two consumers with the SwiGLU epilogue, the K split, three or four chunks, a ragged token tile and row tile,
+    every element against the oracle."""
+    glu = rgroups == 2
+    _run("gemm_ws", dict(mt=mt, rgroups=rgroups, stages=stages, wstages=2, xtma=mt != 128, f16dec=True, psplit=psplit,
+                         kparts=2 if mt == 64 else 1), "Q4_K", "glu-tiles" if glu else "tiles", 100 if glu else 90,
+         1024 if mt == 64 else 768, mt + 5 if mt < 256 else 200, np.random.default_rng(psplit * mt),
+         residual=None if glu else "in_place", out_f16=glu, glu=glu)
 
 
 @pytest.mark.parametrize("epi", ["in_place", "bias_residual", "f16", "glu"])

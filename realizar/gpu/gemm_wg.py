@@ -18,7 +18,7 @@ import numpy as np
 from realizar.errors import ShapeError
 from realizar.gpu.dispatch import Dispatcher
 from realizar.gpu.policy.gemm import (WG_MIN_WAVE, WG_MTS, WG_STAGES, WG_UNROLL, WG_WIDE, WS_F16DEC, WS_MIN_WAVE,
-                                      WS_MTS, WS_SPLIT_FIRST, WS_SPLIT_K, WS_SPLIT_K_PARTS,
+                                      WS_MTS, WS_PSPLIT, WS_SPLIT_FIRST, WS_SPLIT_K, WS_SPLIT_K_PARTS,
                                       WS_SPLIT_K_TILES, WS_SPLIT_MIN_CHUNKS, WS_STAGES, WS_TILE_FILL, WS_WIDE, WS_WIDE_256,
                                       WS_XTMA, XTMA_WHOLE_TILES, ws_shared_bytes)
 from realizar.gpu.policy.shapes import WgConfig, WsConfig
@@ -69,8 +69,9 @@ def ws_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_co
     that decoder; K split over two CTAs of the largest tile where a smaller tile would be taken and that tile is one
     of ``WS_SPLIT_FIRST``; then, on a tile of ``WS_SPLIT_K_TILES`` of one consumer warpgroup a CTA, two warpgroups a
     CTA with K split over the first part count of ``WS_SPLIT_K_PARTS`` above the launch's whose launch has
-    ``WS_SPLIT_K`` CTAs an SM and whose parts keep ``WS_SPLIT_MIN_CHUNKS`` chunks each."""
-    from ptx_gen.kernels.gemm.gemm_ws import smem_bytes
+    ``WS_SPLIT_K`` CTAs an SM and whose parts keep ``WS_SPLIT_MIN_CHUNKS`` chunks each; the first producer split of
+    ``WS_PSPLIT`` whose CTA has the registers."""
+    from ptx_gen.kernels.gemm.gemm_ws import CONSUMER_REGS, smem_bytes, threads
     from ptx_gen.kernels.gemm.qstream import F16DEC_TYPES
 
     groups = -(-rows_out // (32 if glu else 64))  # 64-row warpgroups (glu: 32 outputs)
@@ -88,15 +89,19 @@ def ws_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_co
                     and p * -(-groups // 2) * -(-m // mt) >= WS_SPLIT_K * sm_count), None)
         rg, kp = (2, kp2) if kp2 else (rg, kp)
     for r, kparts in dict.fromkeys([(rg, kp), (1, 1)]):
-        for stages in WS_STAGES:
-            if smem_bytes(wtype, in_dim, layout, mt, r, stages, 2) <= max_smem:
-                return WsConfig(mt, r, stages, 2, WS_XTMA, WS_F16DEC and wtype in F16DEC_TYPES, kparts)
+        for ps in dict.fromkeys(WS_PSPLIT + (1,)):
+            if 65536 // threads(mt, r, ps) // 8 * 8 < mt // 2 + CONSUMER_REGS:
+                continue
+            for stages in WS_STAGES:
+                if smem_bytes(wtype, in_dim, layout, mt, r, stages, 2, ps) <= max_smem:
+                    return WsConfig(mt, r, stages, 2, WS_XTMA, WS_F16DEC and wtype in F16DEC_TYPES, kparts, ps)
     raise ShapeError(f"no warp-specialized GEMM tile for {wtype} {layout} fits {max_smem} bytes of shared memory")
 
 
 # the policy names ws_config reads (a tool may change them between steps: the rooms sized from a launch shape key on them)
 WS_POLICY = ("WS_MTS", "WS_TILE_FILL", "WS_MIN_WAVE", "WS_WIDE", "WS_WIDE_256", "WS_STAGES", "WS_XTMA", "WS_F16DEC",
-             "WS_SPLIT_K", "WS_SPLIT_K_TILES", "WS_SPLIT_K_PARTS", "WS_SPLIT_MIN_CHUNKS", "WS_SPLIT_FIRST")
+             "WS_SPLIT_K", "WS_SPLIT_K_TILES", "WS_SPLIT_K_PARTS", "WS_SPLIT_MIN_CHUNKS", "WS_SPLIT_FIRST",
+             "WS_PSPLIT")
 
 
 def ws_policy() -> tuple:

@@ -54,6 +54,8 @@ emulator (``tests/test_gemm_ws_ptx.py``).
 
 from __future__ import annotations
 
+import contextlib
+
 from ptx_gen.builder import KernelBuilder, Module, Reg
 from ptx_gen.operands import TENSOR_MAP
 from ptx_gen.catalog import kernel
@@ -62,12 +64,14 @@ from ptx_gen.kernels.gemm.gemm_q import epilogue
 from ptx_gen.kernels.gemm.signature import epilogue_signature
 from ptx_gen.kernels.gemm.qstream import CHUNK, WeightStream, seg_bytes, warp_bytes
 
-__all__ = ["WS_MTS", "check_shape", "gemm_ws", "part_floats", "smem_bytes"]
+__all__ = ["WS_MTS", "check_shape", "gemm_ws", "part_floats", "smem_bytes", "threads"]
 
 WS_MTS = (64, 128, 256)
 WS_STAGES = (2, 3, 4, 5, 6, 7, 8)
 WS_WSTAGES = (2, 3, 4)
 WS_KPARTS = (1, 2, 4)
+WS_PSPLIT = (1, 2, 4)
+CONSUMER_REGS = 30  # registers a consumer thread needs beside its accumulators (descriptors, barriers, epilogue)
 MAX_DYN_SMEM = 227 * 1024
 SK = 64  # k values of a stage (one 128-byte swizzle row)
 ALIGN = 1024  # the swizzle pattern repeats every 8 rows of 128 bytes: tiles start 1024-aligned
@@ -79,6 +83,11 @@ def producer_groups(mt: int, rgroups: int) -> int:
     accumulators a thread): one, whose warps then stream two 16-row strips each, so that the CTA's 384 threads
     have the registers."""
     return 1 if mt == 256 else rgroups
+
+
+def threads(mt: int, rgroups: int, psplit: int = 1) -> int:
+    """A CTA's threads: its consumer warpgroups and ``psplit`` times its producer warpgroups."""
+    return 128 * (rgroups + producer_groups(mt, rgroups) * psplit)
 
 
 def part_floats(mt: int, rgroups: int, kparts: int) -> int:
@@ -94,14 +103,15 @@ def x_bytes(mt: int) -> int:
     return mt * 2 * SK
 
 
-def smem_bytes(wtype: str, in_dim: int, layout: str, mt: int, rgroups: int, stages: int, wstages: int) -> int:
+def smem_bytes(wtype: str, in_dim: int, layout: str, mt: int, rgroups: int, stages: int, wstages: int,
+               psplit: int = 1) -> int:
     """Alignment slack, the stages' A and B tiles, every producer warp's weight stream, two mbarriers a stage."""
     return (ALIGN + stages * (a_bytes(rgroups) + x_bytes(mt))
-            + 4 * rgroups * warp_bytes(wtype, in_dim, layout, wstages) + 16 * stages)
+            + 4 * rgroups * psplit * warp_bytes(wtype, in_dim, layout, wstages) + 16 * stages)
 
 
 def check_shape(wtype: str, in_dim: int, layout: str, mt: int, rgroups: int, stages: int, wstages: int,
-                kparts: int = 1) -> None:
+                kparts: int = 1, psplit: int = 1) -> None:
     check_weight_layout(wtype, in_dim, layout)
     if wtype == "F32":
         raise ValueError("gemm_ws takes the quantized and 16-bit weight types, not F32")
@@ -118,9 +128,14 @@ def check_shape(wtype: str, in_dim: int, layout: str, mt: int, rgroups: int, sta
     if kparts not in WS_KPARTS or (in_dim // CHUNK) % kparts:
         raise ValueError(f"kparts (CTAs splitting K) must be one of {WS_KPARTS} and divide the {in_dim // CHUNK} chunks "
                          f"of K, got {kparts}")
-    smem = smem_bytes(wtype, in_dim, layout, mt, rgroups, stages, wstages)
+    regs = 65536 // threads(mt, rgroups, psplit) // 8 * 8  # (a thread's registers with the CTA alone on an SM)
+    if psplit not in WS_PSPLIT or regs < mt // 2 + CONSUMER_REGS:
+        raise ValueError(f"psplit (producer warpgroups sharing a strip's stages) must be one of {WS_PSPLIT} and leave a "
+                         f"consumer thread its {mt // 2} accumulators and {CONSUMER_REGS} registers more, got {psplit} "
+                         f"({threads(mt, rgroups, psplit)} threads at mt={mt} rgroups={rgroups}: {regs} registers)")
+    smem = smem_bytes(wtype, in_dim, layout, mt, rgroups, stages, wstages, psplit)
     if smem > MAX_DYN_SMEM:
-        raise ValueError(f"{wtype} mt={mt} rgroups={rgroups} stages={stages} wstages={wstages} needs "
+        raise ValueError(f"{wtype} mt={mt} rgroups={rgroups} stages={stages} wstages={wstages} psplit={psplit} needs "
                          f"{smem} bytes of shared memory, more than {MAX_DYN_SMEM}")
 
 
@@ -165,6 +180,14 @@ def _grid() -> list[dict]:
                   "residual": True, "xtma": True, "f16dec": True, "kparts": 4})
     g.append({"wtype": "Q4_K", "in_dim": 4096, "layout": "rows", "mt": 128, "rgroups": 2, "residual": True, "xtma": True,
               "f16dec": True, "kparts": 4})
+    # producer warpgroups sharing a strip's stages (o, down and qkv on 64- to 256-token tiles, gate/up at 128 tokens)
+    for mt, rg, ps, st, kp, lay, k_ in ((128, 1, 2, 4, 2, "tiles", 14336), (128, 1, 4, 4, 2, "tiles", 14336),
+                                        (64, 1, 4, 6, 1, "rows", 4096), (256, 1, 2, 4, 1, "rows", 4096),
+                                        (64, 2, 2, 3, 4, "tiles", 14336)):
+        g.append({"wtype": "Q4_K", "in_dim": k_, "layout": lay, "mt": mt, "rgroups": rg, "stages": st, "residual": True,
+                  "xtma": True, "f16dec": True, "kparts": kp, "psplit": ps})
+    g.append({"wtype": "Q4_K", "in_dim": 4096, "layout": "glu-tiles", "mt": 64, "rgroups": 2, "stages": 4, "glu": True,
+              "out_f16": True, "xtma": True, "f16dec": True, "psplit": 2})
     return g
 
 
@@ -300,6 +323,14 @@ def _sum_parts(k: KernelBuilder, acc: list, tid: Reg, group: int, flag_at: Reg, 
                 k.assign(acc[j + e], k.add(acc[j + e], vals[e]) if p else vals[e])
 
 
+def _issue_next(k: KernelBuilder, wss: list, wbases: list, chunk0: Reg, nc: int, i: Reg, wstages: int, wr: Reg) -> None:
+    """Copy chunk ``i + wstages - 1`` of each of a producer warp's streams into its ring at ``wr``."""
+    nxt_i = k.add(i, wstages - 1)
+    for ws, wbase in zip(wss, wbases):
+        ws.issue(chunk0, nc, nxt_i, k.add(wbase, wr))
+    k.cp_async_commit()
+
+
 def _a_row(k: KernelBuilder, r: Reg) -> Reg:
     """The A row (within its 8) of a producer lane's strip row ``r`` (0..7): ``pi(r) = 4 (r % 2) + r / 2``. The 8
     lanes of a quarter warp (rows 2 j, 2 j + 1, pieces 4 b + q) then store into 8 distinct 16-byte bank groups of
@@ -311,12 +342,12 @@ def _a_row(k: KernelBuilder, r: Reg) -> Reg:
 def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "tiles", mt: int = 128,
             rgroups: int = 1, stages: int = 4, wstages: int = 2, bias: bool = False,
             residual: bool = False, out_f16: bool = False, glu: bool = False, xtma: bool = False,
-            f16dec: bool = False, kparts: int = 1) -> KernelBuilder:
+            f16dec: bool = False, kparts: int = 1, psplit: int = 1) -> KernelBuilder:
     """Y[:m] = X[:m] W^T (+ bias) (+ residual), or with ``glu`` silu(X G^T) * (X U^T) for W = [gate; up];
     W of ``wtype`` in ``layout``, X f16, f32 accumulation on wgmma from shared memory. Params: w, x, y, [bias],
     [residual], m, n, lda, ldy, [part, counters: kparts 2, 4], [xmap: xtma]. Launch: grid (ceil(rows_out /
     meta["rows_per_cta"]), ceil(m / mt), kparts), block meta["block"], dyn_smem meta["dyn_smem"]."""
-    check_shape(wtype, in_dim, layout, mt, rgroups, stages, wstages, kparts)
+    check_shape(wtype, in_dim, layout, mt, rgroups, stages, wstages, kparts, psplit)
     flags, params = epilogue_signature(["w", "x", "y"], ["m", "n", "lda", "ldy"], bias=bias, residual=residual,
                                        out_f16=out_f16, glu=glu, layout=layout)
     if kparts > 1:  # (K split over the CTAs of grid z: their partial sums, a counter per output tile)
@@ -324,15 +355,17 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     if xtma:  # (the tokens' X by a tensor map: rows of in_dim f16 values, lda apart, boxes of 64 x mt)
         params = params + [("xmap", TENSOR_MAP)]
     name = (f"gemm_ws_{wtype.lower()}_k{in_dim}_{layout.replace('-', '_')}_m{mt}_r{rgroups}_s{stages}_w{wstages}"
-            f"{'_tma' if xtma else ''}{'_hd' if f16dec else ''}{f'_split{kparts}' if kparts > 1 else ''}{flags}")
+            f"{'_tma' if xtma else ''}{'_hd' if f16dec else ''}{f'_split{kparts}' if kparts > 1 else ''}"
+            f"{f'_p{psplit}' if psplit > 1 else ''}{flags}")
     group = 128 * rgroups  # consumer threads
     pg = producer_groups(mt, rgroups)
     spw = rgroups // pg  # 16-row strips a producer warp streams
-    k = m.kernel(name, params, max_threads=group + 128 * pg)
+    block = threads(mt, rgroups, psplit)
+    k = m.kernel(name, params, max_threads=block)
     slot_bytes = 16 * seg_bytes(wtype, in_dim, layout)
     wbytes = warp_bytes(wtype, in_dim, layout, wstages)
     ab, xb = a_bytes(rgroups), x_bytes(mt)
-    k.meta.update(block=group + 128 * pg, dyn_smem=smem_bytes(wtype, in_dim, layout, mt, rgroups, stages, wstages),
+    k.meta.update(block=block, dyn_smem=smem_bytes(wtype, in_dim, layout, mt, rgroups, stages, wstages, psplit),
                   rows_per_cta=(8 if glu else 16) * 4 * rgroups, mt=mt, part_floats=part_floats(mt, rgroups, kparts))
     nc = in_dim // CHUNK // kparts  # the chunks of K a CTA multiplies: c_base ..
 
@@ -346,7 +379,7 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     a0 = smem0  # stage s: A tile at a0 + s ab, B tile at x0 + s xb
     x0 = k.add(smem0, stages * ab)
     ring0 = k.add(smem0, stages * (ab + xb))
-    full0 = k.add(ring0, 4 * rgroups * wbytes)  # full[s] at full0 + 8 s, empty[s] at full0 + 8 (stages + s)
+    full0 = k.add(ring0, 4 * rgroups * psplit * wbytes)  # full[s] at full0 + 8 s, empty[s] at full0 + 8 (stages + s)
     with k.if_(k.setp("eq", tid, 0)):
         for s in range(stages):
             k.mbarrier_init(k.add(full0, 8 * s) if s else full0, (1 if xtma else group) + 128 * pg)
@@ -433,16 +466,20 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     k.ret()
 
     # ---- producers: warp p streams the strips p + 4 pg u (rows 16 (p + 4 pg u) .. of the CTA's weight, u < spw), each
-    # through its own ring ----------------------------------------------------------------------------------------------
+    # through its own ring; with psplit, warp p + 4 pg v (v < psplit) streams them too and fills the stages h of each
+    # chunk with h % psplit = v ------------------------------------------------------------------------------------------
     k.label(producer)
     pw = k.shr(k.sub(tid, group), 5)
+    phase, pl = None, pw
+    if psplit > 1:  # (the warp's rings are its own; its strips those of warp pw % 4 pg)
+        phase, pl = k.shr(pw, (4 * pg).bit_length() - 1), k.and_(pw, 4 * pg - 1)
     if spw == 1:
         wbases = [k.add(ring0, k.mul(pw, wbytes))]
     else:
         wfirst = k.add(ring0, k.mul(pw, spw * wbytes))
         wbases = [k.add(wfirst, u * wbytes) if u else wfirst for u in range(spw)]
     c_base = chunk_base()
-    chunk0, p = c_base, pw  # (the producers stream the CTA's chunks of K)
+    chunk0, p = c_base, pl  # (the producers stream the CTA's chunks of K)
     strips = [p] + [k.add(p, 4 * pg * u) for u in range(1, spw)]  # (the strips' indices in the CTA)
     cta_strip = k.mul(k.ctaid(), 4 * rgroups)
     wss = [WeightStream(k, wtype, in_dim, layout, glu, lane, r, k.add(cta_strip, st), n_rows, f16dec) for st in strips]
@@ -473,22 +510,22 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
         chs = [ws.prep(k.add(wbase, rd), c_abs, (wbase, ring)) for ws, wbase in zip(wss, wbases)]
         for h in range(4):
             slot, parity = ring_pos.at(i, h)
-            prev = k.xor(parity, 1) if not isinstance(parity, int) else parity ^ 1
-            k.mbarrier_wait(bar(slot, empty=True), prev)
-            if h == 0:
-                nxt_i = k.add(i, wstages - 1)
-                for ws, wbase in zip(wss, wbases):
-                    ws.issue(chunk0, nc, nxt_i, k.add(wbase, wr))
-                k.cp_async_commit()
-            soff = None if isinstance(slot, int) else k.mul(slot, ab)
-            for ws, ch, dst in zip(wss, chs, a_dst):
-                for b in range(2):
-                    r_words, r8_words = ws.words(ch, 2 * h + b)
-                    at, off = (dst[b], slot * ab) if soff is None else (k.add(dst[b], soff), 0)
-                    k.store("shared", "u32", at, r_words, off)
-                    k.store("shared", "u32", at, r8_words, off + 8 * 128)
-            k.fence_proxy_async()  # (the stores' generic-proxy writes before the MMAs' async-proxy reads)
-            k.mbarrier_arrive(bar(slot))
+            if psplit > 1 and h == 0:  # (every warp streams the whole chunk; only the stage's own warps fill it)
+                _issue_next(k, wss, wbases, chunk0, nc, i, wstages, wr)
+            with (k.if_(k.setp("eq", phase, h % psplit)) if psplit > 1 else contextlib.nullcontext()):
+                prev = k.xor(parity, 1) if not isinstance(parity, int) else parity ^ 1
+                k.mbarrier_wait(bar(slot, empty=True), prev)
+                if h == 0 and psplit == 1:
+                    _issue_next(k, wss, wbases, chunk0, nc, i, wstages, wr)
+                soff = None if isinstance(slot, int) else k.mul(slot, ab)
+                for ws, ch, dst in zip(wss, chs, a_dst):
+                    for b in range(2):
+                        r_words, r8_words = ws.words(ch, 2 * h + b)
+                        at, off = (dst[b], slot * ab) if soff is None else (k.add(dst[b], soff), 0)
+                        k.store("shared", "u32", at, r_words, off)
+                        k.store("shared", "u32", at, r8_words, off + 8 * 128)
+                k.fence_proxy_async()  # (the stores' generic-proxy writes before the MMAs' async-proxy reads)
+                k.mbarrier_arrive(bar(slot))
             ring_pos.advance()
         for v in (rd, wr):
             nxt = k.add(v, slot_bytes)

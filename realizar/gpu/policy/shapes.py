@@ -104,7 +104,8 @@ class WsConfig:
     ``rgroups`` consumer warpgroups of 64 rows (as many producer warpgroups; one for two on 256-token tiles), ``stages``
     64-k stages in the A / B ring, ``wstages`` weight chunks of 256 values in each of a producer warp's rings, ``xtma``:
     the tokens' X by a tensor map (one bulk copy a stage) instead of the consumers' 16-byte copies, ``f16dec``: Q4_K
-    weights decoded in f16x2 arithmetic, ``kparts``: CTAs splitting K (2: grid z, summed through a workspace)."""
+    weights decoded in f16x2 arithmetic, ``kparts``: CTAs splitting K (grid z, summed through a workspace), ``psplit``:
+    producer warpgroups a strip, each filling every ``psplit``-th stage."""
 
     mt: int
     rgroups: int = 1
@@ -113,3 +114,4 @@ class WsConfig:
     xtma: bool = False
     f16dec: bool = False
     kparts: int = 1
+    psplit: int = 1
