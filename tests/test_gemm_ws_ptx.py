@@ -99,11 +99,11 @@ def test_gemm_ws_k_split_over_four_ctas(xtma, stages):
          70, np.random.default_rng(stages), residual="in_place")
 
 
-@pytest.mark.parametrize("mt,rgroups,psplit,stages", [(64, 1, 2, 4), (64, 1, 4, 3), (64, 2, 2, 3), (128, 1, 4, 4),
+@pytest.mark.parametrize("mt,rgroups,psplit,stages", [(64, 1, 2, 4), (64, 1, 4, 5), (64, 2, 2, 3), (128, 1, 4, 4),
                                                      (256, 1, 2, 3)])
 def test_gemm_ws_producers_sharing_a_strip(mt, rgroups, psplit, stages):
     """psplit 2 and 4: as many producer warpgroups a strip, each streaming the whole of K and filling the stages h of
-    each chunk with h % psplit its own (rings of 3 or 4 stages, so that one warp's stages wait on slots another warp
+    each chunk with h % psplit its own (rings of 3-5 stages, so that one warp's stages wait on slots another warp
     fills), two consumers with the SwiGLU epilogue, the K split, three or four chunks, a ragged token tile and row tile,
     every element against the oracle."""
     glu = rgroups == 2
@@ -152,6 +152,11 @@ def test_gemm_ws_refuses_what_it_cannot_run():
         ws.check_shape("Q4_K", 1024, "tiles", 128, 1, 4, 2, kparts=3)
     with pytest.raises(ValueError, match="kparts"):
         ws.check_shape("Q4_K", 1536, "tiles", 128, 1, 4, 2, kparts=4)  # (6 chunks)
+    with pytest.raises(ValueError, match="at most the 3 stages"):  # (a warp's waits would skip an empty phase)
+        ws.check_shape("Q4_K", 1024, "tiles", 64, 1, 3, 2, psplit=4)
+    with pytest.raises(ValueError, match="accumulators"):  # (768 threads: 80 registers)
+        ws.check_shape("Q4_K", 1024, "tiles", 128, 2, 3, 2, psplit=2)
+    ws.check_shape("Q4_K", 1024, "tiles", 64, 1, 4, 2, psplit=4)
     from ptx_gen.builder import Module
 
     with pytest.raises(ValueError, match="f16dec"):
@@ -256,7 +261,8 @@ def test_policy_shapes_fit_take_x_by_tma_and_assemble(monkeypatch, wtype, split)
         assert ws_config(wtype, 4096, "rows", 4096, 128, 132, 227 * 1024) == dataclasses.replace(
             ws_config(wtype, 4096, "rows", 4096, 128, 132, 227 * 1024), mt=128, rgroups=1, kparts=2)
         assert ws_config(wtype, 14336, "tiles", 4096, 128, 132, 227 * 1024).mt == 128
-        assert ws_config(wtype, 14336, "tiles", 4096, 256, 132, 227 * 1024).kparts == (2 if 256 in tiles else 1)
+        down = ws_config(wtype, 14336, "tiles", 4096, 256, 132, 227 * 1024)
+        assert down.kparts == (2 if 256 in tiles or split else 1) and down.rgroups == (2 if split else 1), down
     # (WS_TILE_FILL: 192 tokens on one 256-token tile, not a full and a half-empty 128-token tile)
     assert ws_config(wtype, 4096, "glu-tiles", 14336, 192, 132, 227 * 1024, glu=True).mt == 256
     assert ws_config(wtype, 4096, "glu-tiles", 14336, 128, 132, 227 * 1024, glu=True).mt == 128

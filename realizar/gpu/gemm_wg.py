@@ -65,11 +65,12 @@ def ws_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_co
     tokens: the largest token tile of ``WS_MTS`` that ``m`` fills more than ``WS_TILE_FILL`` of whose launch has
     ``WS_MIN_WAVE`` x ``sm_count`` CTAs (else the smallest); two consumer warpgroups on a 128-token tile where the
     launch keeps ``WS_WIDE`` CTAs an SM, on a 256-token tile where it keeps ``WS_WIDE_256``; the deepest ring of
-    ``WS_STAGES`` that fits ``max_smem``; X by a tensor map where ``WS_XTMA``; the weights decoded in f16x2 arithmetic where ``WS_F16DEC`` and the type has
-    that decoder; K split over two CTAs of the largest tile where a smaller tile would be taken and that tile is one
-    of ``WS_SPLIT_FIRST``; then, on a tile of ``WS_SPLIT_K_TILES`` of one consumer warpgroup a CTA, two warpgroups a
-    CTA with K split over the first part count of ``WS_SPLIT_K_PARTS`` above the launch's whose launch has
-    ``WS_SPLIT_K`` CTAs an SM and whose parts keep ``WS_SPLIT_MIN_CHUNKS`` chunks each; the first producer split of
+    ``WS_STAGES`` that fits ``max_smem``; X by a tensor map where ``WS_XTMA``; the weights decoded in f16x2 arithmetic
+    where ``WS_F16DEC`` and the type has that decoder; K split over two CTAs of the largest tile where a smaller tile
+    would be taken and that tile is one of ``WS_SPLIT_FIRST``; then, for a launch of one consumer warpgroup a CTA, the
+    largest tile of ``WS_SPLIT_K_TILES`` (that m fills as above) with two warpgroups a CTA and K split over the first
+    part count of ``WS_SPLIT_K_PARTS`` (above the launch's own on its tile) whose launch has ``WS_SPLIT_K`` CTAs an SM
+    and whose parts keep ``WS_SPLIT_MIN_CHUNKS`` chunks each; the first producer split of
     ``WS_PSPLIT`` whose CTA has the registers."""
     from ptx_gen.kernels.gemm.gemm_ws import CONSUMER_REGS, smem_bytes, threads
     from ptx_gen.kernels.gemm.qstream import F16DEC_TYPES
@@ -84,16 +85,16 @@ def ws_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_co
     wide = {128: WS_WIDE, 256: WS_WIDE_256}.get(mt)
     rg = 2 if kp == 1 and wide is not None and -(-groups // 2) * -(-m // mt) >= wide * sm_count else 1
     chunks = in_dim // 256
-    if rg == 1 and WS_SPLIT_K and mt in WS_SPLIT_K_TILES:
-        kp2 = next((p for p in WS_SPLIT_K_PARTS if p > kp and chunks % p == 0 and chunks // p >= WS_SPLIT_MIN_CHUNKS
-                    and p * -(-groups // 2) * -(-m // mt) >= WS_SPLIT_K * sm_count), None)
-        rg, kp = (2, kp2) if kp2 else (rg, kp)
+    if rg == 1 and WS_SPLIT_K:  # (the largest tile of WS_SPLIT_K_TILES with two warpgroups and enough parts)
+        mt, rg, kp = next(((t, 2, p) for t in tiles if t in WS_SPLIT_K_TILES for p in WS_SPLIT_K_PARTS
+                           if p > (kp if t == mt else 1) and chunks % p == 0 and chunks // p >= WS_SPLIT_MIN_CHUNKS
+                           and p * -(-groups // 2) * -(-m // t) >= WS_SPLIT_K * sm_count), (mt, rg, kp))
     for r, kparts in dict.fromkeys([(rg, kp), (1, 1)]):
         for ps in dict.fromkeys(WS_PSPLIT + (1,)):
             if 65536 // threads(mt, r, ps) // 8 * 8 < mt // 2 + CONSUMER_REGS:
                 continue
             for stages in WS_STAGES:
-                if smem_bytes(wtype, in_dim, layout, mt, r, stages, 2, ps) <= max_smem:
+                if ps <= stages and smem_bytes(wtype, in_dim, layout, mt, r, stages, 2, ps) <= max_smem:
                     return WsConfig(mt, r, stages, 2, WS_XTMA, WS_F16DEC and wtype in F16DEC_TYPES, kparts, ps)
     raise ShapeError(f"no warp-specialized GEMM tile for {wtype} {layout} fits {max_smem} bytes of shared memory")
 

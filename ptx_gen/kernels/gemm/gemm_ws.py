@@ -129,8 +129,10 @@ def check_shape(wtype: str, in_dim: int, layout: str, mt: int, rgroups: int, sta
         raise ValueError(f"kparts (CTAs splitting K) must be one of {WS_KPARTS} and divide the {in_dim // CHUNK} chunks "
                          f"of K, got {kparts}")
     regs = 65536 // threads(mt, rgroups, psplit) // 8 * 8  # (a thread's registers with the CTA alone on an SM)
-    if psplit not in WS_PSPLIT or regs < mt // 2 + CONSUMER_REGS:
-        raise ValueError(f"psplit (producer warpgroups sharing a strip's stages) must be one of {WS_PSPLIT} and leave a "
+    if psplit not in WS_PSPLIT or psplit > stages or regs < mt // 2 + CONSUMER_REGS:
+        raise ValueError(f"psplit (producer warpgroups sharing a strip's stages) must be one of {WS_PSPLIT}, at most the "
+                         f"{stages} stages (a warp's empty-barrier wait at stage s must follow its wait for stage "
+                         f"s - stages: its parity names a phase only within one phase of the barrier's) and leave a "
                          f"consumer thread its {mt // 2} accumulators and {CONSUMER_REGS} registers more, got {psplit} "
                          f"({threads(mt, rgroups, psplit)} threads at mt={mt} rgroups={rgroups}: {regs} registers)")
     smem = smem_bytes(wtype, in_dim, layout, mt, rgroups, stages, wstages, psplit)

@@ -88,10 +88,12 @@ WS_XTMA = True
 # far slower than it reads them (H200, 8B batched decode at 160 rows: 1.18x the step, 192 rows 1.03x)
 XTMA_WHOLE_TILES = True
 # K split over CTAs of two consumer warpgroups each (128 weight rows: each token tile's X read half as often as with one)
-# where a launch of one consumer warpgroup a CTA on a tile of WS_SPLIT_K_TILES would be chosen: the first part count of
-# WS_SPLIT_K_PARTS above the launch's own whose launch has at least WS_SPLIT_K CTAs per SM and whose parts each keep
-# WS_SPLIT_MIN_CHUNKS chunks of K (down at 128 and 256 tokens: 128 CTAs); 0: never
-WS_SPLIT_K = 0.0
+# where a launch of one consumer warpgroup a CTA would be chosen: the largest tile of WS_SPLIT_K_TILES that m fills
+# (WS_TILE_FILL) and the first part count of WS_SPLIT_K_PARTS whose launch has at least WS_SPLIT_K CTAs per SM and whose
+# parts each keep WS_SPLIT_MIN_CHUNKS chunks of K; 0: never. H200, 8B Q4_K batched decode, down on 128 rows of 128
+# tokens in four parts and on 128 rows of 256 in two: 1.015x the step at B = 128, 1.025x at 256
+# (docs/results/bench_serving_ws_ab_h200.md, session 31)
+WS_SPLIT_K = 0.9
 WS_SPLIT_K_TILES = (128,)
 WS_SPLIT_K_PARTS = (2, 4)
 WS_SPLIT_MIN_CHUNKS = 12
