@@ -225,7 +225,8 @@ def test_ncu_summary_sums_kernel_families(tmp_path):
 
 def test_ncu_stalls_reads_reasons_and_instructions(tmp_path, monkeypatch):
     """tools/ncu_stalls.py: the stall reasons summed over kernels (the not-issued variant folded in, the units row
-    skipped), the instructions with the most samples first, and the CSV's column names where a column is missing."""
+    skipped), the instructions with the most samples first (the header found below ncu's kernel-name row), and the CSV's
+    column names where a column is missing."""
     from tools import ncu_stalls
 
     raw = ('==PROF== Disconnected from process 1\n"ID","Kernel Name","smsp__pcsamp_warps_issue_stalled_barrier","smsp__pcsamp_warps_issue_stalled_long_scoreboard",'
@@ -233,7 +234,8 @@ def test_ncu_stalls_reads_reasons_and_instructions(tmp_path, monkeypatch):
            '"","","","","","nsecond"\n'
            '"0","gemm_ws","1,000","300","200","5,000"\n"1","gemm_ws","500","0","0","4,000"\n')
     assert ncu_stalls.stall_reasons(raw) == [("barrier", 1700.0), ("long_scoreboard", 300.0)]
-    source = ('"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)"\n'
+    source = ('"Kernel Name","gemm_ws_q4_k_k14336_tiles_m128_r1_s4_w2_tma_hd",""\n'  # (ncu's row before the header)
+              '"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)"\n'
               '"0x10","HGMMA.64x128x16.F32","40","30"\n"0x20","SYNCS.PHASECHK.TRANS64","900","880"\n'
               '"0x30","LDS.128 R4, [R2]","120","60"\n')
     cols, rows = ncu_stalls.top_instructions(source, 2)

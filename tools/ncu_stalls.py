@@ -62,6 +62,9 @@ def top_instructions(source_csv: str, top: int) -> tuple[list[str], list[list[st
     --csv --print-source sass``; the rows are address, source text, samples and the sampled-not-issued count when
     the CSV has them."""
     rows = list(csv.reader(io.StringIO(_csv_lines(source_csv))))
+    # (the header is the first row naming a source column: ncu prints a "Kernel Name" row before it)
+    start = next((i for i, row in enumerate(rows) if _column(row, "source") is not None), 0)
+    rows = rows[start:]
     if not rows:
         return [], []
     header = rows[0]
