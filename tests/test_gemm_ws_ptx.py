@@ -38,7 +38,6 @@ def test_gemm_ws_matches_oracle(data, case, seed):
     rgroups = data.draw(st.sampled_from([1, 2]))
     stages = data.draw(st.sampled_from(ws.WS_STAGES))
     wstages = data.draw(st.sampled_from(ws.WS_WSTAGES))
-    assume(ws.smem_bytes(wtype, in_dim, layout, mt, rgroups, stages, wstages) <= ws.MAX_DYN_SMEM)
     m = data.draw(st.integers(1, mt + 9))  # (one token tile, sometimes two)
     glu = layout == "glu-tiles" or (layout == "rows" and data.draw(st.booleans()))
     out_dim = (2 if glu else 1) * data.draw(st.integers(1, 40 if glu else 80))
@@ -46,11 +45,13 @@ def test_gemm_ws_matches_oracle(data, case, seed):
     xtma = data.draw(st.booleans())
     f16dec = wtype == "Q4_K" and data.draw(st.booleans())
     kparts = data.draw(st.sampled_from([1, 2])) if in_dim // 256 % 2 == 0 else 1
-    psplit = data.draw(st.sampled_from(ws.WS_PSPLIT))
-    assume(ws.threads(mt, rgroups, psplit) <= 1024
-           and ws.smem_bytes(wtype, in_dim, layout, mt, rgroups, stages, wstages, psplit) <= ws.MAX_DYN_SMEM)
+    psplit, pfence = data.draw(st.sampled_from(ws.WS_PSPLIT)), data.draw(st.sampled_from(ws.WS_PFENCE))
+    try:  # (a launch shape the kernel refuses: registers, shared memory, producer splits or fence groups it cannot take)
+        ws.check_shape(wtype, in_dim, layout, mt, rgroups, stages, wstages, kparts, psplit, pfence)
+    except ValueError:
+        assume(False)
     _run("gemm_ws", dict(mt=mt, rgroups=rgroups, stages=stages, wstages=wstages, xtma=xtma, f16dec=f16dec,
-                         kparts=kparts, psplit=psplit), wtype, layout,
+                         kparts=kparts, psplit=psplit, pfence=pfence), wtype, layout,
          out_dim, in_dim, m, np.random.default_rng(seed), bias="bias" in epi,
          residual={"residual": "buffer", "in_place": "in_place"}.get(epi), out_f16="f16" in epi, glu=glu)
 
@@ -113,6 +114,19 @@ def test_gemm_ws_producers_sharing_a_strip(mt, rgroups, psplit, stages):
          residual=None if glu else "in_place", out_f16=glu, glu=glu)
 
 
+@pytest.mark.parametrize("mt,rgroups,stages,pfence,kparts", [(64, 1, 3, 2, 1), (64, 2, 5, 4, 2), (128, 1, 4, 2, 1),
+                                                            (256, 2, 3, 2, 1)])
+def test_gemm_ws_producers_fencing_stages_together(mt, rgroups, stages, pfence, kparts):
+    """pfence 2 and 4: a producer stores pfence stages, then fences them once and announces each (rings one stage deeper
+    than the group and more, 3 stages: the slots in registers), two consumers, the K split, four chunks, a ragged token and row tile, every element against the
+    oracle."""
+    glu = rgroups == 2 and mt == 64
+    _run("gemm_ws", dict(mt=mt, rgroups=rgroups, stages=stages, wstages=2, xtma=mt != 128, f16dec=True, pfence=pfence,
+                         kparts=kparts), "Q4_K", "glu-tiles" if glu else "tiles", 100 if glu else 90, 1024,
+         mt + 5 if mt < 256 else 200, np.random.default_rng(pfence * mt + stages),
+         residual=None if glu else "in_place", out_f16=glu, glu=glu)
+
+
 @pytest.mark.parametrize("epi", ["in_place", "bias_residual", "f16", "glu"])
 def test_gemm_ws_k_split_over_two_ctas(epi):
     """kparts 2: two CTAs a tile sum their halves of K (4 chunks, 2 each; the second CTA adds the first's partial
@@ -157,6 +171,10 @@ def test_gemm_ws_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="accumulators"):  # (768 threads: 80 registers)
         ws.check_shape("Q4_K", 1024, "tiles", 128, 2, 3, 2, psplit=2)
     ws.check_shape("Q4_K", 1024, "tiles", 64, 1, 4, 2, psplit=4)
+    with pytest.raises(ValueError, match="pfence"):  # (a producer holding 4 stages of a 4-stage ring waits on itself)
+        ws.check_shape("Q4_K", 1024, "tiles", 64, 1, 4, 2, pfence=4)
+    with pytest.raises(ValueError, match="pfence"):
+        ws.check_shape("Q4_K", 1024, "tiles", 64, 1, 4, 2, psplit=2, pfence=2)
     from ptx_gen.builder import Module
 
     with pytest.raises(ValueError, match="f16dec"):

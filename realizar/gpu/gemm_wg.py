@@ -18,7 +18,7 @@ import numpy as np
 from realizar.errors import ShapeError
 from realizar.gpu.dispatch import Dispatcher
 from realizar.gpu.policy.gemm import (WG_MIN_WAVE, WG_MTS, WG_STAGES, WG_UNROLL, WG_WIDE, WS_F16DEC, WS_MIN_WAVE,
-                                      WS_MTS, WS_PSPLIT, WS_SPLIT_FIRST, WS_SPLIT_K, WS_SPLIT_K_PARTS,
+                                      WS_MTS, WS_PFENCE, WS_PSPLIT, WS_SPLIT_FIRST, WS_SPLIT_K, WS_SPLIT_K_PARTS,
                                       WS_SPLIT_K_TILES, WS_SPLIT_MIN_CHUNKS, WS_STAGES, WS_TILE_FILL, WS_WIDE, WS_WIDE_256,
                                       WS_XTMA, XTMA_WHOLE_TILES, ws_shared_bytes)
 from realizar.gpu.policy.shapes import WgConfig, WsConfig
@@ -71,7 +71,7 @@ def ws_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_co
     largest tile of ``WS_SPLIT_K_TILES`` (that m fills as above) with two warpgroups a CTA and K split over the first
     part count of ``WS_SPLIT_K_PARTS`` (above the launch's own on its tile) whose launch has ``WS_SPLIT_K`` CTAs an SM
     and whose parts keep ``WS_SPLIT_MIN_CHUNKS`` chunks each; the first producer split of
-    ``WS_PSPLIT`` whose CTA has the registers."""
+    ``WS_PSPLIT`` whose CTA has the registers; ``WS_PFENCE`` stages fenced at once where it allows."""
     from ptx_gen.kernels.gemm.gemm_ws import CONSUMER_REGS, smem_bytes, threads
     from ptx_gen.kernels.gemm.qstream import F16DEC_TYPES
 
@@ -95,14 +95,15 @@ def ws_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_co
                 continue
             for stages in WS_STAGES:
                 if ps <= stages and smem_bytes(wtype, in_dim, layout, mt, r, stages, 2, ps) <= max_smem:
-                    return WsConfig(mt, r, stages, 2, WS_XTMA, WS_F16DEC and wtype in F16DEC_TYPES, kparts, ps)
+                    fence = WS_PFENCE if ps == 1 and WS_PFENCE < stages else 1
+                    return WsConfig(mt, r, stages, 2, WS_XTMA, WS_F16DEC and wtype in F16DEC_TYPES, kparts, ps, fence)
     raise ShapeError(f"no warp-specialized GEMM tile for {wtype} {layout} fits {max_smem} bytes of shared memory")
 
 
 # the policy names ws_config reads (a tool may change them between steps: the rooms sized from a launch shape key on them)
 WS_POLICY = ("WS_MTS", "WS_TILE_FILL", "WS_MIN_WAVE", "WS_WIDE", "WS_WIDE_256", "WS_STAGES", "WS_XTMA", "WS_F16DEC",
              "WS_SPLIT_K", "WS_SPLIT_K_TILES", "WS_SPLIT_K_PARTS", "WS_SPLIT_MIN_CHUNKS", "WS_SPLIT_FIRST",
-             "WS_PSPLIT")
+             "WS_PSPLIT", "WS_PFENCE")
 
 
 def ws_policy() -> tuple:

@@ -71,6 +71,7 @@ WS_STAGES = (2, 3, 4, 5, 6, 7, 8)
 WS_WSTAGES = (2, 3, 4)
 WS_KPARTS = (1, 2, 4)
 WS_PSPLIT = (1, 2, 4)
+WS_PFENCE = (1, 2, 4)
 CONSUMER_REGS = 30  # registers a consumer thread needs beside its accumulators (descriptors, barriers, epilogue)
 MAX_DYN_SMEM = 227 * 1024
 SK = 64  # k values of a stage (one 128-byte swizzle row)
@@ -111,7 +112,7 @@ def smem_bytes(wtype: str, in_dim: int, layout: str, mt: int, rgroups: int, stag
 
 
 def check_shape(wtype: str, in_dim: int, layout: str, mt: int, rgroups: int, stages: int, wstages: int,
-                kparts: int = 1, psplit: int = 1) -> None:
+                kparts: int = 1, psplit: int = 1, pfence: int = 1) -> None:
     check_weight_layout(wtype, in_dim, layout)
     if wtype == "F32":
         raise ValueError("gemm_ws takes the quantized and 16-bit weight types, not F32")
@@ -135,6 +136,10 @@ def check_shape(wtype: str, in_dim: int, layout: str, mt: int, rgroups: int, sta
                          f"s - stages: its parity names a phase only within one phase of the barrier's) and leave a "
                          f"consumer thread its {mt // 2} accumulators and {CONSUMER_REGS} registers more, got {psplit} "
                          f"({threads(mt, rgroups, psplit)} threads at mt={mt} rgroups={rgroups}: {regs} registers)")
+    if pfence not in WS_PFENCE or (pfence > 1 and (pfence >= stages or psplit > 1)):
+        raise ValueError(f"pfence (stages a producer fences and announces together) must be one of {WS_PFENCE}, below "
+                         f"the {stages} stages (the consumers free a slot once they hold the stage after it: a producer "
+                         f"holding that one too would wait on itself) and 1 with psplit, got {pfence} (psplit {psplit})")
     smem = smem_bytes(wtype, in_dim, layout, mt, rgroups, stages, wstages, psplit)
     if smem > MAX_DYN_SMEM:
         raise ValueError(f"{wtype} mt={mt} rgroups={rgroups} stages={stages} wstages={wstages} psplit={psplit} needs "
@@ -190,6 +195,13 @@ def _grid() -> list[dict]:
                   "xtma": True, "f16dec": True, "kparts": kp, "psplit": ps})
     g.append({"wtype": "Q4_K", "in_dim": 4096, "layout": "glu-tiles", "mt": 64, "rgroups": 2, "stages": 4, "glu": True,
               "out_f16": True, "xtma": True, "f16dec": True, "psplit": 2})
+    # producers fencing and announcing two or four stages at once (o, down, gate/up, qkv)
+    for mt, rg, st, kp, pf, lay, k_ in ((128, 2, 4, 2, 2, "tiles", 14336), (128, 2, 5, 4, 4, "tiles", 14336),
+                                        (128, 1, 5, 2, 4, "rows", 4096), (256, 1, 4, 1, 2, "rows", 4096)):
+        g.append({"wtype": "Q4_K", "in_dim": k_, "layout": lay, "mt": mt, "rgroups": rg, "stages": st, "residual": True,
+                  "xtma": True, "f16dec": True, "kparts": kp, "pfence": pf})
+    g.append({"wtype": "Q4_K", "in_dim": 4096, "layout": "glu-tiles", "mt": 256, "rgroups": 2, "stages": 3, "glu": True,
+              "out_f16": True, "xtma": True, "f16dec": True, "pfence": 2})
     return g
 
 
@@ -344,12 +356,12 @@ def _a_row(k: KernelBuilder, r: Reg) -> Reg:
 def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "tiles", mt: int = 128,
             rgroups: int = 1, stages: int = 4, wstages: int = 2, bias: bool = False,
             residual: bool = False, out_f16: bool = False, glu: bool = False, xtma: bool = False,
-            f16dec: bool = False, kparts: int = 1, psplit: int = 1) -> KernelBuilder:
+            f16dec: bool = False, kparts: int = 1, psplit: int = 1, pfence: int = 1) -> KernelBuilder:
     """Y[:m] = X[:m] W^T (+ bias) (+ residual), or with ``glu`` silu(X G^T) * (X U^T) for W = [gate; up];
     W of ``wtype`` in ``layout``, X f16, f32 accumulation on wgmma from shared memory. Params: w, x, y, [bias],
     [residual], m, n, lda, ldy, [part, counters: kparts 2, 4], [xmap: xtma]. Launch: grid (ceil(rows_out /
     meta["rows_per_cta"]), ceil(m / mt), kparts), block meta["block"], dyn_smem meta["dyn_smem"]."""
-    check_shape(wtype, in_dim, layout, mt, rgroups, stages, wstages, kparts, psplit)
+    check_shape(wtype, in_dim, layout, mt, rgroups, stages, wstages, kparts, psplit, pfence)
     flags, params = epilogue_signature(["w", "x", "y"], ["m", "n", "lda", "ldy"], bias=bias, residual=residual,
                                        out_f16=out_f16, glu=glu, layout=layout)
     if kparts > 1:  # (K split over the CTAs of grid z: their partial sums, a counter per output tile)
@@ -358,7 +370,7 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
         params = params + [("xmap", TENSOR_MAP)]
     name = (f"gemm_ws_{wtype.lower()}_k{in_dim}_{layout.replace('-', '_')}_m{mt}_r{rgroups}_s{stages}_w{wstages}"
             f"{'_tma' if xtma else ''}{'_hd' if f16dec else ''}{f'_split{kparts}' if kparts > 1 else ''}"
-            f"{f'_p{psplit}' if psplit > 1 else ''}{flags}")
+            f"{f'_p{psplit}' if psplit > 1 else ''}{f'_f{pfence}' if pfence > 1 else ''}{flags}")
     group = 128 * rgroups  # consumer threads
     pg = producer_groups(mt, rgroups)
     spw = rgroups // pg  # 16-row strips a producer warp streams
@@ -424,7 +436,8 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
         for h in range(4):
             slot, parity = ring_pos.at(i, h)
             k.mbarrier_wait(bar(slot), parity)
-            k.fence_proxy_async()  # (the X copies' generic-proxy writes before the MMAs' async-proxy reads)
+            if not xtma:  # (the X copies' generic-proxy writes before the MMAs' async-proxy reads; a tensor map's copies
+                k.fence_proxy_async()  # are async-proxy writes, and the producers fence their A stores themselves)
             k.wgmma_fence()
             if isinstance(slot, int):
                 da, db = desc_a[slot], desc_b[slot]
@@ -505,6 +518,7 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     rd = k.var("u32", 0)
     wr = k.var("u32", (wstages - 1) * slot_bytes)
     ring_pos = _RingPosition(k, stages)
+    pending = []  # (the slots a producer has filled and not yet announced)
     with k.loop(0, nc) as i:  # (chunk i)
         k.cp_async_wait_group(wstages - 2)
         k.bar_warp_sync()
@@ -526,8 +540,12 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
                         at, off = (dst[b], slot * ab) if soff is None else (k.add(dst[b], soff), 0)
                         k.store("shared", "u32", at, r_words, off)
                         k.store("shared", "u32", at, r8_words, off + 8 * 128)
-                k.fence_proxy_async()  # (the stores' generic-proxy writes before the MMAs' async-proxy reads)
-                k.mbarrier_arrive(bar(slot))
+                pending.append(slot if isinstance(slot, int) else k.mov(slot, "u32"))  # (advance moves the register)
+                if (h + 1) % pfence == 0:  # (pfence stages' stores fenced at once, then announced)
+                    k.fence_proxy_async()  # (the stores' generic-proxy writes before the MMAs' async-proxy reads)
+                    for sl in pending:
+                        k.mbarrier_arrive(bar(sl))
+                    pending.clear()
             ring_pos.advance()
         for v in (rd, wr):
             nxt = k.add(v, slot_bytes)

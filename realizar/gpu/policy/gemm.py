@@ -77,6 +77,8 @@ WS_STAGES = (4, 3, 2)
 # producer warpgroups a strip tried, in order (each fills every psplit-th stage: the decode's latency shared among more
 # warps), the first whose CTA keeps a consumer's registers and fits the shared memory with a ring of WS_STAGES
 WS_PSPLIT = (1,)
+# stages a producer warp stores before it fences them (fence.proxy.async waits for its stores) and announces them at once
+WS_PFENCE = 1
 # the types of qstream.F16DEC_TYPES decoded in f16x2 arithmetic (each weight within about two f16 roundings of its
 # exact value; H200, 8B Q4_K as the step runs it: 2-7% faster at every shape, docs/results/bench_gemm_ws_step_h200.md)
 WS_F16DEC = True

@@ -105,7 +105,8 @@ class WsConfig:
     64-k stages in the A / B ring, ``wstages`` weight chunks of 256 values in each of a producer warp's rings, ``xtma``:
     the tokens' X by a tensor map (one bulk copy a stage) instead of the consumers' 16-byte copies, ``f16dec``: Q4_K
     weights decoded in f16x2 arithmetic, ``kparts``: CTAs splitting K (grid z, summed through a workspace), ``psplit``:
-    producer warpgroups a strip, each filling every ``psplit``-th stage."""
+    producer warpgroups a strip, each filling every ``psplit``-th stage, ``pfence``: stages a producer fences and
+    announces together."""
 
     mt: int
     rgroups: int = 1
@@ -115,3 +116,4 @@ class WsConfig:
     f16dec: bool = False
     kparts: int = 1
     psplit: int = 1
+    pfence: int = 1
