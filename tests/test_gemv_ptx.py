@@ -141,7 +141,7 @@ def test_dispatcher_splits_long_rows_and_small_grids():
     """The picks the report and the benchmark quote (H200: 132 SMs)."""
     pick = lambda o, i, t: tuple(vars(gemv_config(o, 132, i, t)).values())  # noqa: E731
     # the large shapes: the fastest configs of bench_gemv --sweep on an H200 (SIMT_LARGE; the figures are in
-    # docs/performance.md, GEMV: "Why each pick")
+    # docs/performance/gemv.md: "Why each pick")
     assert pick(4096, 14336, "Q4_K") == (4, 4, 2)
     assert pick(4096, 14336, "Q8_0") == (4, 4, 2)
     assert pick(4096, 14336, "Q6_K") == (2, 8, 8)
