@@ -18,7 +18,7 @@ import numpy as np
 from realizar.errors import ShapeError
 from realizar.gpu.dispatch import Dispatcher
 from realizar.gpu.policy.gemm import (WG_MIN_WAVE, WG_MTS, WG_STAGES, WG_UNROLL, WG_WIDE, WS_F16DEC, WS_MIN_WAVE,
-                                      WS_MTS, WS_PFENCE, WS_PSPLIT, WS_SPLIT_FIRST, WS_SPLIT_K, WS_SPLIT_K_PARTS,
+                                      WS_MTS, WS_PFENCE, WS_PSPLIT, WS_SPLIT_FIRST, WS_SPLIT_FIRST_MIN_CHUNKS, WS_SPLIT_SMALL, WS_SPLIT_K, WS_SPLIT_K_PARTS,
                                       WS_SPLIT_K_TILES, WS_SPLIT_MIN_CHUNKS, WS_STAGES, WS_TILE_FILL, WS_WIDE, WS_WIDE_256,
                                       WS_XTMA, XTMA_WHOLE_TILES, ws_shared_bytes)
 from realizar.gpu.policy.shapes import WgConfig, WsConfig
@@ -67,24 +67,26 @@ def ws_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_co
     launch keeps ``WS_WIDE`` CTAs an SM, on a 256-token tile where it keeps ``WS_WIDE_256``; the deepest ring of
     ``WS_STAGES`` that fits ``max_smem``; X by a tensor map where ``WS_XTMA``; the weights decoded in f16x2 arithmetic
     where ``WS_F16DEC`` and the type has that decoder; K split over two CTAs of the largest tile where a smaller tile
-    would be taken and that tile is one of ``WS_SPLIT_FIRST``; then, for a launch of one consumer warpgroup a CTA, the
-    largest tile of ``WS_SPLIT_K_TILES`` (that m fills as above) with two warpgroups a CTA and K split over the first
-    part count of ``WS_SPLIT_K_PARTS`` (above the launch's own on its tile) whose launch has ``WS_SPLIT_K`` CTAs an SM
-    and whose parts keep ``WS_SPLIT_MIN_CHUNKS`` chunks each; the first producer split of
-    ``WS_PSPLIT`` whose CTA has the registers; ``WS_PFENCE`` stages fenced at once where it allows."""
+    would be taken, that tile is one of ``WS_SPLIT_FIRST`` and each part keeps ``WS_SPLIT_FIRST_MIN_CHUNKS`` chunks,
+    else K split in two on the smallest tile where its launch has fewer than ``WS_SPLIT_SMALL`` CTAs an SM; then, for
+    a launch of one consumer warpgroup a CTA, the largest tile of ``WS_SPLIT_K_TILES`` (that m fills as above) with two
+    warpgroups a CTA and K split over the first part count of ``WS_SPLIT_K_PARTS`` (above the launch's own on its tile)
+    whose launch has ``WS_SPLIT_K`` CTAs an SM and whose parts keep ``WS_SPLIT_MIN_CHUNKS`` chunks each; the first
+    producer split of ``WS_PSPLIT`` whose CTA has the registers; ``WS_PFENCE`` stages fenced at once where it allows."""
     from ptx_gen.kernels.gemm.gemm_ws import CONSUMER_REGS, smem_bytes, threads
     from ptx_gen.kernels.gemm.qstream import F16DEC_TYPES
 
     groups = -(-rows_out // (32 if glu else 64))  # 64-row warpgroups (glu: 32 outputs)
     tiles = [t for t in WS_MTS if m > WS_TILE_FILL * t] or [WS_MTS[-1]]
     mt = next((t for t in tiles if groups * -(-m // t) >= WS_MIN_WAVE * sm_count), tiles[-1])
-    kp = 1
-    if (tiles[0] in WS_SPLIT_FIRST and mt < tiles[0] and in_dim // 256 % 2 == 0
+    kp, chunks = 1, in_dim // 256
+    if (tiles[0] in WS_SPLIT_FIRST and mt < tiles[0] and chunks % 2 == 0 and chunks // 2 >= WS_SPLIT_FIRST_MIN_CHUNKS
             and 2 * groups * -(-m // tiles[0]) >= WS_MIN_WAVE * sm_count):
         mt, kp = tiles[0], 2  # (the largest tile, K split over two CTAs)
+    elif mt == WS_MTS[-1] and chunks % 2 == 0 and groups * -(-m // mt) < WS_SPLIT_SMALL * sm_count:
+        kp = 2  # (the smallest tile, K split over two CTAs)
     wide = {128: WS_WIDE, 256: WS_WIDE_256}.get(mt)
     rg = 2 if kp == 1 and wide is not None and -(-groups // 2) * -(-m // mt) >= wide * sm_count else 1
-    chunks = in_dim // 256
     if rg == 1 and WS_SPLIT_K:  # (the largest tile of WS_SPLIT_K_TILES with two warpgroups and enough parts)
         mt, rg, kp = next(((t, 2, p) for t in tiles if t in WS_SPLIT_K_TILES for p in WS_SPLIT_K_PARTS
                            if p > (kp if t == mt else 1) and chunks % p == 0 and chunks // p >= WS_SPLIT_MIN_CHUNKS
@@ -103,7 +105,7 @@ def ws_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_co
 # the policy names ws_config reads (a tool may change them between steps: the rooms sized from a launch shape key on them)
 WS_POLICY = ("WS_MTS", "WS_TILE_FILL", "WS_MIN_WAVE", "WS_WIDE", "WS_WIDE_256", "WS_STAGES", "WS_XTMA", "WS_F16DEC",
              "WS_SPLIT_K", "WS_SPLIT_K_TILES", "WS_SPLIT_K_PARTS", "WS_SPLIT_MIN_CHUNKS", "WS_SPLIT_FIRST",
-             "WS_PSPLIT", "WS_PFENCE")
+             "WS_PSPLIT", "WS_PFENCE", "WS_SPLIT_FIRST_MIN_CHUNKS", "WS_SPLIT_SMALL")
 
 
 def ws_policy() -> tuple:
