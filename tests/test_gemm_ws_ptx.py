@@ -226,6 +226,9 @@ def test_host_launch_on_the_emulated_device(monkeypatch, name, config):
     y, kw, b, r = epilogue_buffers(ops, rng, m, out_dim, bias=True, residual="buffer", out_f16=False)
     cfg = {None: None, "two_consumers": WsConfig(256, 2, 2, 2),
            "xtma": WsConfig(128, 1, 3, 2, xtma=True), "one_row_group": WgConfig(64, 1, 2, 2, 2)}[config]
+    if name == "gemm_ws":  # (the launch shape's K split, the policy's included, needs its room)
+        room = host.split_room(cfg or host.ws_config("Q4_K", in_dim, "tiles", out_dim, m, ops.sm_count), out_dim, m)
+        kw = {**kw, **({"split": ops.split_space(*room)} if room[0] else {})}
     getattr(ops, name)(ops.to_device(x), w, y, m, config=cfg, **kw)
     got = y.to_numpy().reshape(m, out_dim).astype(np.float64)
     ref, scale, tol = _oracle(raw, "Q4_K", out_dim, in_dim, x, False, b, r, False)
@@ -272,12 +275,15 @@ def test_policy_shapes_fit_take_x_by_tma_and_assemble(monkeypatch, wtype, split)
             ws.check_shape(wtype, k, layout, cfg.mt, cfg.rgroups, cfg.stages, cfg.wstages, cfg.kparts)
             assert cfg.xtma and cfg.f16dec == (wtype in F16DEC_TYPES), cfg
             assert cfg.kparts == 1 or (split and cfg.rgroups == 2) or (cfg.mt in tiles and cfg.mt == max(
-                t for t in (64, 128, 256) if m > host.WS_TILE_FILL * t)), cfg
+                t for t in (64, 128, 256) if m > host.WS_TILE_FILL * t)) or (
+                cfg.mt == 64 and host.WS_SPLIT_SMALL and cfg.kparts == 2), cfg
             seen.add((k, layout, glu, cfg))
-    assert any(c.kparts == 2 for *_, c in seen) == bool(split or first)
-    if first:  # o and down at 128 tokens: a 128-token tile split in two, not 64-token tiles
-        assert ws_config(wtype, 4096, "rows", 4096, 128, 132, 227 * 1024) == dataclasses.replace(
-            ws_config(wtype, 4096, "rows", 4096, 128, 132, 227 * 1024), mt=128, rgroups=1, kparts=2)
+    assert any(c.kparts == 2 for *_, c in seen) == bool(split or first or host.WS_SPLIT_SMALL)
+    if first:  # down at 128 tokens: a 128-token tile split in two, not 64-token tiles; o (8 chunks a part) only where
+        # WS_SPLIT_FIRST_MIN_CHUNKS allows, else 64-token tiles with K in two (WS_SPLIT_SMALL)
+        o = ws_config(wtype, 4096, "rows", 4096, 128, 132, 227 * 1024)
+        want = (128, 1, 2) if 8 >= host.WS_SPLIT_FIRST_MIN_CHUNKS else (64, 1, 2 if host.WS_SPLIT_SMALL else 1)
+        assert (o.mt, o.rgroups, o.kparts) == want, o
         assert ws_config(wtype, 14336, "tiles", 4096, 128, 132, 227 * 1024).mt == 128
         down = ws_config(wtype, 14336, "tiles", 4096, 256, 132, 227 * 1024)
         assert down.kparts == (2 if 256 in tiles or split else 1) and down.rgroups == (2 if split else 1), down
@@ -316,6 +322,7 @@ def test_linear_sizes_the_k_split_room_and_launches_it(monkeypatch, mode):
         out_dim = 128
     else:  # (8 SMs: 2 CTAs of 128-token tiles, 3 of 64 are too few; split in two, 4)
         monkeypatch.setattr(host, "WS_SPLIT_FIRST", (128,))
+        monkeypatch.setattr(host, "WS_SPLIT_FIRST_MIN_CHUNKS", 1)  # (K of 2 chunks)
         ops = LayerOps(cuda.EmulatedDevice(target="sm_90", sm_count=8))
         out_dim = 64
     rng = np.random.default_rng(23)

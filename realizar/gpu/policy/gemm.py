@@ -106,11 +106,12 @@ WS_SPLIT_MIN_CHUNKS = 12
 # Q4_K batched decode: at 128 rows (o and down on a 128-token tile) 1.05x the step; at 256 rows (a 256-token tile)
 # 0.97x, so not there (docs/results/bench_serving_ws_ab_h200.md, session 30)
 WS_SPLIT_FIRST = (128,)
-# ... where each of the two parts keeps at least this many chunks of K
-WS_SPLIT_FIRST_MIN_CHUNKS = 1
+# ... where each of the two parts keeps at least this many chunks of K (else, o at 128 rows:)
+WS_SPLIT_FIRST_MIN_CHUNKS = 12
 # a launch on the smallest token tile with fewer than this many CTAs per SM splits K in two (its CTAs small enough that
-# two share an SM); 0: never
-WS_SPLIT_SMALL = 0.0
+# two share an SM); 0: never. H200, both with WS_SPLIT_FIRST_MIN_CHUNKS, A/B'd on the batched decode step: 8B 1.008x /
+# 1.035x at 96 / 128 rows, 1B 1.154x / 1.140x (docs/results/bench_serving_ws_ab_h200.md, session 31 call 8)
+WS_SPLIT_SMALL = 2.0
 # a launch of at most one CTA per SM takes at least half an SM's shared memory, so that no two of its CTAs share an SM:
 # under programmatic dependent launch its CTAs are placed while the kernels before it still run, and CTAs small enough
 # to pair up were packed onto few SMs (H200, 8B Q4_K 128-row step on gemm_ws: 11.6 ms, 9.6 ms with this;
