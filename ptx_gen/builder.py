@@ -42,6 +42,7 @@ class KernelBuilder(ArithmeticOps, MemoryOps):
     params: tuple[Param, ...]
     target: Target
     max_threads: int | None = None
+    cluster: tuple[int, int, int] | None = None  # CTAs a cluster (.reqnctapercluster): launched as clusters
     min_blocks: int | None = None  # .minnctapersm: CTAs per SM the register budget must allow
     _lines: list[str] = field(default_factory=list)
     _counts: dict = field(default_factory=dict)
@@ -235,6 +236,8 @@ class KernelBuilder(ArithmeticOps, MemoryOps):
             out.append(f".maxntid {self.max_threads}, 1, 1")
             if self.min_blocks:
                 out.append(f".minnctapersm {self.min_blocks}")
+        if self.cluster:
+            out.append(f".reqnctapercluster {', '.join(str(int(c)) for c in self.cluster)}")
         out.append("{")
         for rc in REG_CLASS_ORDER:
             n = self._counts.get(rc, 0)
@@ -273,9 +276,14 @@ class Module:
         params: Sequence[tuple[str, str]],
         max_threads: int | None = None,
         min_blocks: int | None = None,
+        cluster: tuple[int, int, int] | None = None,
     ) -> KernelBuilder:
         """``min_blocks`` (with ``max_threads``) emits ``.minnctapersm``: ptxas then budgets registers
-        for that many resident CTAs per SM instead of its own occupancy guess (which can spill)."""
+        for that many resident CTAs per SM instead of its own occupancy guess (which can spill). ``cluster``
+        (sm_90) emits ``.reqnctapercluster``: the grid is launched as clusters of that many CTAs (its extents
+        multiples of them), whose shared memories and mbarriers each CTA may address (``mapa``)."""
+        if cluster is not None and self.target.compute_capability < (9, 0):
+            raise ValueError(f"clusters need sm_90 or newer, the target is {self.target}")
         k = KernelBuilder(
             name=name,
             params=tuple(Param(n, ptx_type("b8"), TENSOR_MAP_BYTES, 64) if t == TENSOR_MAP else Param(n, ptx_type(t))
@@ -283,6 +291,7 @@ class Module:
             target=self.target,
             max_threads=max_threads,
             min_blocks=min_blocks,
+            cluster=tuple(cluster) if cluster is not None else None,
             _module_decls=self._decls,
         )
         self.kernels.append(k)

@@ -222,21 +222,49 @@ class MemoryOps:
         """Make mbarrier initialisations visible to the other threads and to the bulk-copy unit."""
         self._emit("fence.mbarrier_init.release.cluster;")
 
+    # ---- clusters (sm_90): a CTA addresses its cluster's shared memories and mbarriers ------------------------
+    def cluster_rank(self) -> Reg:
+        """``%cluster_ctarank``: this CTA's rank in its cluster."""
+        return self.sreg("cluster_ctarank")
+
+    def mapa(self, addr: Reg, rank: Operand) -> Reg:
+        """``mapa.shared::cluster``: the shared::cluster address of shared address ``addr`` in the CTA of ``rank``."""
+        self._need_sm90("mapa")
+        d = self.reg("u32")
+        self._emit(f"mapa.shared::cluster.u32 {d}, {addr}, {self._op(rank, ptx_type('u32'))};")
+        return d
+
+    def mbarrier_arrive_cluster(self, addr: Reg, pred: Reg | None = None) -> None:
+        """``mbarrier.arrive`` (release, cluster scope) on the barrier at shared::cluster address ``addr`` (another
+        CTA's, from :meth:`mapa`)."""
+        self._emit(f"mbarrier.arrive.release.cluster.shared::cluster.b64 _, [{addr}];", pred)
+
+    def cluster_sync(self) -> None:
+        """``barrier.cluster.arrive`` (release) then ``barrier.cluster.wait`` (acquire), every thread of the cluster:
+        what each did before is visible to all after (the mbarriers' initialisation, before remote arrivals)."""
+        self._need_sm90("barrier.cluster")
+        self._emit("barrier.cluster.arrive.release.aligned;")
+        self._emit("barrier.cluster.wait.acquire.aligned;")
+
     def fence_proxy_async(self) -> None:
         """Order this thread's earlier shared-memory accesses before later bulk copies (async proxy)."""
         self._emit("fence.proxy.async.shared::cta;")
 
     def cp_async_bulk_tensor_2d(self, dst: Reg, tmap: Reg, c0: Operand, c1: Operand, mbar: Reg,
-                                pred: Reg | None = None) -> None:
+                                pred: Reg | None = None, multicast: Operand | None = None) -> None:
         """``cp.async.bulk.tensor.2d`` global -> shared: the box of the tensor map at generic address ``tmap``
         (:meth:`param_address` of a tensor-map parameter) whose first element is at coordinates (``c0``
         innermost, ``c1``), into ``dst`` laid out as the map says (its swizzle), completing its bytes on the
         mbarrier ``mbar`` (announce them with :meth:`mbarrier_expect_tx`). Elements outside the tensor land as
-        zeros (sm_90)."""
+        zeros (sm_90). ``multicast``: a 16-bit mask of cluster ranks; the box lands at ``dst`` in each of their CTAs
+        and completes its bytes on each one's barrier at ``mbar``."""
         self._need_sm90("cp.async.bulk.tensor")
         u32 = ptx_type("u32")
-        self._emit(f"cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [{dst}], "
-                   f"[{tmap}, {{{self._op(c0, u32)}, {self._op(c1, u32)}}}], [{mbar}];", pred)
+        form, mask = "", ""
+        if multicast is not None:
+            form, mask = ".multicast::cluster", f", {self._op(multicast, ptx_type('u16'))}"
+        self._emit(f"cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes{form} [{dst}], "
+                   f"[{tmap}, {{{self._op(c0, u32)}, {self._op(c1, u32)}}}], [{mbar}]{mask};", pred)
 
     def mbarrier_expect_tx(self, addr: Reg, nbytes: Operand, pred: Reg | None = None) -> None:
         """Arrive at the barrier, announcing ``nbytes`` that bulk copies will complete in this phase."""

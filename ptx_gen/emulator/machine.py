@@ -13,7 +13,7 @@ import re
 
 import numpy as np
 
-from ptx_gen.emulator import memops, warp, wgmma  # noqa: F401  (they register their instructions)
+from ptx_gen.emulator import cluster, memops, warp, wgmma  # noqa: F401  (they register their instructions)
 from ptx_gen.emulator.instructions import OPS, not_implemented
 from ptx_gen.emulator.memory import EmulatorError, Memory
 from ptx_gen.emulator.parse import BITS, NP, RAW, Inst, Kernel, immediate, parse
@@ -43,6 +43,7 @@ class Machine:
                     raise EmulatorError(f"parameter {pname} is {t}: pass that many bytes, got {type(raw).__name__}")
                 self.param_addr[f"{kern.name}_param_{pname}"] = memory.alloc_array(np.frombuffer(bytes(raw), np.uint8))
         self.smem_size = kern.static_shared + int(shared_bytes)
+        self.cluster_x = cluster.cluster_extent(kern, self.grid)
         self.racecheck = racecheck
         self.max_steps = max_steps
 
@@ -67,7 +68,9 @@ class Machine:
             "nctaid.x": np.full(n, gx, np.uint32), "nctaid.y": np.full(n, gy, np.uint32),
             "nctaid.z": np.full(n, self.grid[2], np.uint32),
             "laneid": (local % 32).astype(np.uint32), "warpid": (local // 32).astype(np.uint32),
+            **cluster.specials(bidx, gx, self.cluster_x),
         }
+        cluster.start_batch(self, blocks)
         self.lane = local % 32
         self.warp_global = t // 32 if self.tpb % 32 == 0 else None
         self.local = local
@@ -326,6 +329,7 @@ def run(ptx: str, grid, block, params: dict, memory: Memory, shared_bytes: int =
     launch = Machine(kern, grid, block, params, memory, shared_bytes, racecheck, max_steps)
     try:
         per_batch = max(1, batch_threads // launch.tpb)
+        per_batch = max(launch.cluster_x, per_batch // launch.cluster_x * launch.cluster_x)  # (whole clusters)
         for b0 in range(0, launch.nblocks, per_batch):
             launch.run_blocks(np.arange(b0, min(launch.nblocks, b0 + per_batch)))
     finally:  # (the byte-array parameters' copies live as long as the launch)

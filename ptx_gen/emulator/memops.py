@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ptx_gen.emulator import tensormap
+from ptx_gen.emulator import cluster, tensormap
 from ptx_gen.emulator.instructions import op
 from ptx_gen.emulator.memory import HEAP_BASE, EmulatorError
 from ptx_gen.emulator.parse import BITS, NP, Inst
@@ -126,9 +126,13 @@ def _cp_bulk(m, inst: Inst, act: np.ndarray) -> None:
 def _cp_bulk_tensor(m, inst: Inst, act: np.ndarray) -> None:
     """``cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [dst], [tmap, {c0, c1}],
     [mbar]``: the box of the (emulated) tensor map at ``tmap`` is read now (and checked), lands as the map lays it
-    out when a thread waits on the barrier, and completes its bytes there."""
+    out when a thread waits on the barrier, and completes its bytes there. ``.multicast::cluster`` with a last
+    operand ``mask``: the box lands at ``dst`` in every CTA of the cluster whose rank has its bit set, completing
+    on each one's barrier at ``mbar``."""
+    mcast = inst.mods[8:] == ["multicast::cluster"]
     if inst.mods[:7] != ["async", "bulk", "tensor", "2d", "shared::cluster", "global", "tile"] or \
-            inst.mods[7:] != ["mbarrier::complete_tx::bytes"] or len(inst.args) != 3:
+            inst.mods[7:8] != ["mbarrier::complete_tx::bytes"] or inst.mods[8:] not in ([], ["multicast::cluster"]) \
+            or len(inst.args) != 3 + mcast:
         raise EmulatorError(f"bulk tensor copy form not emulated: {inst.text}")
     inner = inst.args[1].strip("[]")
     tmap_reg, coords = inner.split(",", 1)
@@ -147,7 +151,16 @@ def _cp_bulk_tensor(m, inst: Inst, act: np.ndarray) -> None:
         return
     if len({r.size for r in rows}) != 1:
         raise EmulatorError(f"bulk tensor copies of different sizes in one instruction: {inst.text}")
-    _bulk_in_flight(m, inst, act, dst[act], bar[act], np.stack(rows))
+    if not mcast:
+        return _bulk_in_flight(m, inst, act, dst[act], bar[act], np.stack(rows))
+    masks = m.read(inst.args[3], "u16").astype(np.int64)
+    for i, t_ in enumerate(np.flatnonzero(act)):  # (each issuing thread's box into each CTA of its mask)
+        ranks = [r for r in range(16) if masks[t_] >> r & 1]
+        if not ranks or ranks[-1] >= m.cluster_x:
+            raise EmulatorError(f"multicast mask {int(masks[t_]):#x} outside a cluster of {m.cluster_x}: {inst.text}")
+        for r in ranks:
+            _bulk_in_flight(m, inst, None, dst[t_:t_ + 1], bar[t_:t_ + 1], rows[i][None, :],
+                            blocks=np.array([int(m.cluster_base[t_]) + r]))
 
 
 def _read16(m, addr: int, nbytes: int, inst: Inst) -> np.ndarray:
@@ -157,16 +170,18 @@ def _read16(m, addr: int, nbytes: int, inst: Inst) -> np.ndarray:
     return m.mem.gather(addr + 16 * np.arange(nbytes // 16), 16, inst.text).reshape(-1)
 
 
-def _bulk_in_flight(m, inst: Inst, act: np.ndarray, a: np.ndarray, bars: np.ndarray, data: np.ndarray) -> None:
+def _bulk_in_flight(m, inst: Inst, act: np.ndarray | None, a: np.ndarray, bars: np.ndarray, data: np.ndarray,
+                    blocks: np.ndarray | None = None) -> None:
     """Record the bulk copies of the threads in ``act`` (shared destinations ``a``, barriers ``bars``, bytes
-    ``data`` a thread) as in flight until a wait on their barrier lands them."""
+    ``data`` a thread) as in flight until a wait on their barrier lands them; ``blocks``: into these batch-local
+    blocks instead of the threads' own (a multicast, ``act`` None: no race record of a thread)."""
     size = data.shape[1]
     if (a < 0).any() or (a + size > m.smem_size).any():
         raise EmulatorError(f"out-of-bounds bulk copy into shared memory: {inst.text}")
-    rows = m.block_of[act]
+    rows = m.block_of[act] if blocks is None else blocks
     cols = a[:, None] + np.arange(size)[None, :]
     m.check_landed(rows, cols, inst)
-    if m.racecheck:
+    if m.racecheck and act is not None:
         m.race(rows, cols, act, inst, write=True)
     m.inflight[rows[:, None], cols] = True
     for i, (r, b) in enumerate(zip(rows, bars)):
@@ -185,14 +200,16 @@ def mbarrier(m, inst: Inst, act: np.ndarray, mask: np.ndarray) -> None:
         for t_ in tids:
             m.mbars[(int(m.block_of[t_]), int(addrs[t_]))] = [int(inst.args[1])] * 2 + [0, 0]
         return None
-    if kind == "arrive":  # (plain, or announcing bulk-copy bytes with expect_tx)
+    if kind == "arrive":  # (plain, announcing bulk-copy bytes with expect_tx, or on another CTA's: shared::cluster)
         addrs, _ = m.addr(inst.args[1], "shared")
         tx = m.read(inst.args[2], "u32") if inst.mods[1] == "expect_tx" else np.zeros(m.n, np.uint32)
+        remote = "shared::cluster" in inst.mods
         for t_ in tids:
-            b = _bar_state(m, int(m.block_of[t_]), int(addrs[t_]), inst)
+            blk, a = cluster.target(m, t_, int(addrs[t_]), inst) if remote else (int(m.block_of[t_]), int(addrs[t_]))
+            b = _bar_state(m, blk, a, inst)
             b[2] += int(tx[t_])
             b[1] -= 1
-            _bar_complete(m, b, int(m.block_of[t_]))
+            _bar_complete(m, b, blk)
         return None
     if kind == "try_wait" and inst.mods[1] == "parity":
         addrs, _ = m.addr(inst.args[1], "shared")

@@ -40,6 +40,7 @@ class Kernel:
     static_shared: int
     dynamic_symbol: str | None
     labels: dict[str, int] = field(default_factory=dict)
+    cluster: tuple[int, int, int] = (1, 1, 1)  # .reqnctapercluster
 
 
 def _split_args(s: str) -> list[str]:
@@ -77,6 +78,8 @@ def parse(ptx: str) -> Kernel:
             sym = pm.group(2)
             t = f"{pm.group(1)}{pm.group(3)}" if pm.group(3) else pm.group(1)  # (a byte array: "b8[128]")
             params.append((sym[len(name) + len("_param_"):] if sym.startswith(name + "_param_") else sym, t))
+    cm = re.search(r"\.reqnctapercluster\s+(\d+)\s*,\s*(\d+)\s*,\s*(\d+)", ptx[m.end():ptx.index("{", m.end())])
+    cluster = tuple(int(x) for x in cm.groups()) if cm else (1, 1, 1)
     body = ptx[ptx.index("{", m.end()) + 1 : ptx.rindex("}")]
     insts: list[Inst] = []
     labels: dict[str, int] = {}
@@ -117,7 +120,7 @@ def parse(ptx: str) -> Kernel:
                 raise EmulatorError(f"branch to unknown label {inst.args[0]}")
             inst.target = labels[inst.args[0]]
     static = (offset + 15) // 16 * 16
-    return Kernel(name, params, insts, shared, static, dyn, labels)
+    return Kernel(name, params, insts, shared, static, dyn, labels, cluster)
 
 
 def immediate(text: str, t: str) -> np.ndarray | None:
