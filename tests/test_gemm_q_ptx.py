@@ -92,12 +92,15 @@ def run_emulated(kernel: str, shape: dict, wtype, layout, out_dim, in_dim, m, rn
     if shape.get("xtma"):  # (gemm_ws: X by a tensor map, the emulator's encoding)
         from ptx_gen.emulator import tensormap
 
-        params["xmap"] = tensormap.encode(tensormap.TensorMap2d(params["x"], in_dim, m, 2 * lda, 64, shape["mt"], 2, 128))
+        box = shape["mt"] // shape.get("xcast", 1)  # (X multicast: each CTA of a pair copies half of a box)
+        params["xmap"] = tensormap.encode(tensormap.TensorMap2d(params["x"], in_dim, m, 2 * lda, 64, box, 2, 128))
     if bias:
         params["bias"] = mem.alloc_array(b)
     if residual is not None:
         params["residual"] = y if residual == "in_place" else mem.alloc_array(r)
     grid = (-(-cols // kern.meta["rows_per_cta"]), -(-m // kern.meta["mt"]))
+    xcast = shape.get("xcast", 1) if kernel == "gemm_ws" else 1
+    grid = (-(-grid[0] // xcast) * xcast, grid[1])  # (whole clusters along the rows)
     kparts = shape.get("kparts", 1) if kernel == "gemm_ws" else 1  # (gemm_wg's kparts split K inside a CTA)
     if kparts > 1:  # (gemm_ws with K split over grid z: the partial sums' room, counters at zero and left at zero)
         tiles = grid[0] * grid[1]

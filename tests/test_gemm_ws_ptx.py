@@ -127,6 +127,20 @@ def test_gemm_ws_producers_fencing_stages_together(mt, rgroups, stages, pfence, 
          residual=None if glu else "in_place", out_f16=glu, glu=glu)
 
 
+@pytest.mark.parametrize("mt,rgroups,stages,kparts,pfence,rows", [(64, 1, 2, 1, 1, 48), (64, 1, 3, 2, 2, 90),
+                                                                 (128, 2, 4, 4, 2, 300), (256, 2, 3, 1, 1, 150)])
+def test_gemm_ws_x_multicast_to_a_cluster_pair(mt, rgroups, stages, kparts, pfence, rows):
+    """xcast 2: CTAs in pairs along the weight rows, each copying half of every stage's X box into both by TMA
+    multicast, each releasing a slot to the other before either copies into it; an odd number of row tiles (the pair's
+    second CTA past the weight), K split in two and four (the CTAs that are not last leave through the pair's
+    barrier), 2-4 stage rings, two token tiles, every element against the oracle."""
+    glu = rgroups == 2 and mt == 256
+    _run("gemm_ws", dict(mt=mt, rgroups=rgroups, stages=stages, wstages=2, xtma=True, f16dec=True, kparts=kparts,
+                         pfence=pfence, xcast=2), "Q4_K", "glu-tiles" if glu else "tiles", rows, 1024,
+         mt + 7 if mt < 256 else 260, np.random.default_rng(mt + rows), residual=None if glu else "in_place",
+         out_f16=glu, glu=glu)
+
+
 @pytest.mark.parametrize("epi", ["in_place", "bias_residual", "f16", "glu"])
 def test_gemm_ws_k_split_over_two_ctas(epi):
     """kparts 2: two CTAs a tile sum their halves of K (4 chunks, 2 each; the second CTA adds the first's partial
@@ -205,11 +219,12 @@ def test_gemm_wg_matches_oracle(data, case, seed):
 
 
 @pytest.mark.parametrize("name,config", [("gemm_ws", None), ("gemm_ws", "two_consumers"), ("gemm_ws", "xtma"),
-                                         ("gemm_wg", "one_row_group")])
+                                         ("gemm_ws", "xcast"), ("gemm_wg", "one_row_group")])
 def test_host_launch_on_the_emulated_device(monkeypatch, name, config):
     """``GemmWgOps.gemm_ws`` / ``gemm_wg`` end to end (operand checks, the policy's or a given launch shape, the
     launch) on the emulated device, which the Linear never hands them (``wg_applies``): allowed here, every
-    element against the oracle, a bias and a residual epilogue, two token tiles."""
+    element against the oracle, a bias and a residual epilogue, two token tiles; X multicast to a pair with the K split
+    (the tensor map's boxes of half a token tile)."""
     import realizar.gpu.gemm_wg as host
     from realizar import cuda
     from realizar.gpu.gemm_wg import WgConfig, WsConfig
@@ -225,7 +240,8 @@ def test_host_launch_on_the_emulated_device(monkeypatch, name, config):
     x = (rng.standard_normal((m, in_dim)) + 0.1).astype(np.float16)
     y, kw, b, r = epilogue_buffers(ops, rng, m, out_dim, bias=True, residual="buffer", out_f16=False)
     cfg = {None: None, "two_consumers": WsConfig(256, 2, 2, 2),
-           "xtma": WsConfig(128, 1, 3, 2, xtma=True), "one_row_group": WgConfig(64, 1, 2, 2, 2)}[config]
+           "xtma": WsConfig(128, 1, 3, 2, xtma=True), "one_row_group": WgConfig(64, 1, 2, 2, 2),
+           "xcast": WsConfig(64, 1, 3, 2, True, True, 2, 1, 2, 2)}[config]  # (72 rows: 2 row tiles, one pair)
     if name == "gemm_ws":  # (the launch shape's K split, the policy's included, needs its room)
         room = host.split_room(cfg or host.ws_config("Q4_K", in_dim, "tiles", out_dim, m, ops.sm_count), out_dim, m)
         kw = {**kw, **({"split": ops.split_space(*room)} if room[0] else {})}
@@ -433,3 +449,25 @@ def test_split_rooms_key_on_every_policy_name_ws_config_reads(monkeypatch):
             mp.setattr(host, name, ("changed", name))
             assert host.ws_policy() != before, name
     assert host.ws_policy() == before
+
+
+def test_policy_with_x_multicast_fits_and_pairs_whole_clusters(monkeypatch):
+    """WS_XCAST 2: every ws_config pick at the 8B and 1B layers from WS_OVER_WG_ROWS + 1 tokens to a prefill chunk
+    passes check_shape with its multicast (and the shared memory of the pair's release barriers); the launch's row
+    tiles (and the K split's room) count whole pairs."""
+    import realizar.gpu.gemm_wg as host
+    from realizar.gpu.policy.gemm import WS_OVER_WG_ROWS
+
+    monkeypatch.setattr(host, "WS_XCAST", 2)
+    for n, k, glu, layout in [(28672, 4096, True, "glu-tiles"), (6144, 4096, False, "rows"),
+                              (4096, 14336, False, "tiles"), (16384, 2048, True, "glu-tiles"), (2048, 8192, False, "tiles")]:
+        cols = n // 2 if glu else n
+        for m in list(range(WS_OVER_WG_ROWS + 1, 600, 13)) + [2048]:
+            cfg = host.ws_config("Q4_K", k, layout, cols, m, 132, 227 * 1024, glu=glu)
+            assert cfg.xcast == 2, cfg
+            ws.check_shape("Q4_K", k, layout, cfg.mt, cfg.rgroups, cfg.stages, cfg.wstages, cfg.kparts, cfg.psplit,
+                           cfg.pfence, cfg.xcast, cfg.xtma)
+            tiles = host._row_tiles(cfg, cols, glu)
+            assert tiles % 2 == 0 and tiles - 2 < -(-cols // ((8 if glu else 16) * 4 * cfg.rgroups)) <= tiles
+    odd = dataclasses.replace(host.ws_config("Q4_K", 4096, "tiles", 4096, 256, 132), kparts=2, rgroups=1, mt=128)
+    assert host.split_room(odd, 16 * 4 * 63, 256)[1] == 64 * 2  # (63 row tiles: 32 pairs)

@@ -347,13 +347,13 @@ def test_bench_gemm_wg_options_on_the_emulated_device(tmp_path, monkeypatch, emu
     assert deep and {c.stages for c in deep} == {8, 6} and {c.wstages for c in deep} == {2, 3}
     assert {c.psplit for c in deep} == {1, 2, 4} and all(c.mt == 64 for c in deep if c.psplit == 4)  # (shared memory)
     asked = []
-    monkeypatch.setattr(bench, "_sweep_ws", lambda *a: (asked.append(a[-4:]), [swept])[1])
+    monkeypatch.setattr(bench, "_sweep_ws", lambda *a: (asked.append(a[-5:]), [swept])[1])
     out = tmp_path / "ws.md"
     monkeypatch.setattr(sys, "argv", ["bench_gemm_wg.py", "--kernel", "ws", "--models", "8b", "--ms", "70", "--as-step",
                                       "--xtma", "--f16dec", "--sweep", "--stages", "6,4", "--wstages", "3",
                                       "--psplit", "1,2", "--out", str(out)])
     assert bench.main() == 0
-    assert asked and all(a == ((3,), (6, 4), (1, 2), (1,)) for a in asked), asked
+    assert asked and all(a == ((3,), (6, 4), (1, 2), (1,), (1,)) for a in asked), asked
     rows = [line for line in out.read_text().splitlines() if line.startswith("| Q4_K")]
     assert len(rows) == 2 and all(" tma hd " in r for r in rows), rows
     # each row's policy launch, and the swept K split on the o shape (gate/up's one chunk refuses it)
@@ -391,7 +391,8 @@ def test_sanitize_gemm_wg_cases_on_the_emulated_device(monkeypatch, emulated_sm9
 
     for k, wt, lay, out, kd, m, cfg in tool.CASES:  # (every case a launch shape the kernel takes)
         if k == "gemm_ws":
-            check_shape(wt, kd, lay, cfg.mt, cfg.rgroups, cfg.stages, cfg.wstages, cfg.kparts, cfg.psplit, cfg.pfence)
+            check_shape(wt, kd, lay, cfg.mt, cfg.rgroups, cfg.stages, cfg.wstages, cfg.kparts, cfg.psplit, cfg.pfence,
+                        cfg.xcast, cfg.xtma)
     small = [(k, wt, lay, min(out, 128), min(kd, 512), min(m, 67), cfg) for k, wt, lay, out, kd, m, cfg in tool.CASES_SMALL]
     assert tool.cases(np.random.default_rng(0), small) == len(tool.CASES_SMALL)  # (every second X padded with NaN)
     wrong = tool.dequant

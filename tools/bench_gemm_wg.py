@@ -56,22 +56,24 @@ def _sweep(wtype: str, k: int, layout: str, m: int, max_smem: int) -> list[WgCon
 
 def _sweep_ws(wtype: str, k: int, layout: str, m: int, max_smem: int, policy: WsConfig,
               wstages: tuple[int, ...] = (2,), stages: tuple[int, ...] = (4, 3, 2),
-              psplits: tuple[int, ...] = (1,), pfences: tuple[int, ...] = (1,)) -> list[WsConfig]:
+              psplits: tuple[int, ...] = (1,), pfences: tuple[int, ...] = (1,),
+              xcasts: tuple[int, ...] = (1,)) -> list[WsConfig]:
     """Every token tile, consumer warpgroup count, A/B ring depth of ``stages``, weight ring depth of ``wstages``, K
-    split, producer split of ``psplits`` and producer fence grouping of ``pfences`` that fits, with the policy's X copies
-    and decoder."""
+    split, producer split of ``psplits``, producer fence grouping of ``pfences`` and X multicast of ``xcasts`` that fits,
+    with the policy's X copies and decoder."""
     from ptx_gen.kernels.gemm.gemm_ws import check_shape, smem_bytes
 
     def takes(c: WsConfig) -> bool:
         try:
-            check_shape(wtype, k, layout, c.mt, c.rgroups, c.stages, c.wstages, c.kparts, c.psplit, c.pfence)
+            check_shape(wtype, k, layout, c.mt, c.rgroups, c.stages, c.wstages, c.kparts, c.psplit, c.pfence, c.xcast,
+                        c.xtma)
         except ValueError:
             return False
-        return smem_bytes(wtype, k, layout, c.mt, c.rgroups, c.stages, c.wstages, c.psplit) <= max_smem
+        return smem_bytes(wtype, k, layout, c.mt, c.rgroups, c.stages, c.wstages, c.psplit, c.xcast) <= max_smem
 
-    return [c for c in (WsConfig(mt, rg, st, w, policy.xtma, policy.f16dec, kp, ps, pf) for mt in (64, 128, 256)
+    return [c for c in (WsConfig(mt, rg, st, w, policy.xtma, policy.f16dec, kp, ps, pf, xc) for mt in (64, 128, 256)
                         if mt <= 2 * max(m, 32) for rg in (1, 2) for st in stages for w in wstages for kp in (1, 2, 4)
-                        for ps in psplits for pf in pfences)
+                        for ps in psplits for pf in pfences for xc in xcasts)
             if takes(c)]
 
 
@@ -83,7 +85,7 @@ def _label(c) -> str:
     if isinstance(c, WsConfig):
         return (f"ws t{c.mt} r{c.rgroups} s{c.stages} w{c.wstages}{' tma' if c.xtma else ''}{' hd' if c.f16dec else ''}"
                 f"{f' k{c.kparts}' if c.kparts > 1 else ''}{f' p{c.psplit}' if c.psplit > 1 else ''}"
-                f"{f' f{c.pfence}' if c.pfence > 1 else ''}")
+                f"{f' f{c.pfence}' if c.pfence > 1 else ''}{f' c{c.xcast}' if c.xcast > 1 else ''}")
     return f"t{c.mt} r{c.rgroups} k{c.kparts} s{c.stages} u{c.unroll}"
 
 
@@ -109,6 +111,8 @@ def main() -> int:
                          "stage)")
     ap.add_argument("--pfence", default="1",
                     help="gemm_ws --sweep: the stages a producer fences and announces together tried (1, 2, 4)")
+    ap.add_argument("--xcast", default="1",
+                    help="gemm_ws --sweep: the CTAs of a cluster sharing X by multicast tried (1, 2)")
     ap.add_argument("--xtma", action=argparse.BooleanOptionalAction,
                     help="gemm_ws: the policy's launch shapes with X by a tensor map (--no-xtma: by 16-byte copies; "
                          "default: as the policy has it)")
@@ -181,7 +185,7 @@ def main() -> int:
                 best = (us, cfg)
                 if a.sweep:
                     for c in (_sweep_ws(wtype, k, layout, m, smem, cfg, _ints(a.wstages), _ints(a.stages),
-                                        _ints(a.psplit), _ints(a.pfence)) if a.kernel == "ws"
+                                        _ints(a.psplit), _ints(a.pfence), _ints(a.xcast)) if a.kernel == "ws"
                               else _sweep(wtype, k, layout, m, smem)):
                         if c == cfg:
                             continue

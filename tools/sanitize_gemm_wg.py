@@ -10,7 +10,7 @@ The cases: Q4_K (with and without the f16x2 decoder), Q6_K, Q8_0 and Q4_1 weight
 inside a tile (tokens past M: outputs never written; every second case's X buffer holds NaN rows up to the tile's
 end, which the tensor map then spans and reads, the others' map ends at M and fills the rest with zeros), one and two
 consumer warpgroups, 64-, 128- and 256-token tiles, ring depths 2-8, one to four producer warpgroups a strip
-(psplit), producers fencing 2 or 4 stages at once (pfence), K split over two and four CTAs (their partial
+(psplit), producers fencing 2 or 4 stages at once (pfence), X multicast to a cluster pair (xcast), K split over two and four CTAs (their partial
 sums through a workspace, counters left at zero), X by 16-byte copies and by a tensor map, the residual
 epilogue in place; every element against the float64 oracle over the dequantized weights and the f16 X (relative to
 the sum of the absolute products), the NaN
@@ -49,6 +49,8 @@ CASES = CASES_SMALL + [
     ("gemm_ws", "Q4_K", "glu-tiles", 256, 768, 70, WsConfig(64, 2, 3, 2, True, True, 1, 2)),
     ("gemm_ws", "Q4_K", "tiles", 256, 1024, 200, WsConfig(128, 2, 5, 2, True, True, 2, 1, 4)),
     ("gemm_ws", "Q6_K", "glu-tiles", 128, 512, 90, WsConfig(64, 1, 3, 2, False, False, 1, 1, 2)),
+    ("gemm_ws", "Q4_K", "tiles", 192, 1024, 140, WsConfig(128, 2, 4, 2, True, True, 4, 1, 2, 2)),
+    ("gemm_ws", "Q4_K", "glu-tiles", 256, 512, 200, WsConfig(256, 2, 3, 2, True, True, 1, 1, 2, 2)),
 ]
 
 

@@ -18,7 +18,7 @@ import numpy as np
 from realizar.errors import ShapeError
 from realizar.gpu.dispatch import Dispatcher
 from realizar.gpu.policy.gemm import (WG_MIN_WAVE, WG_MTS, WG_STAGES, WG_UNROLL, WG_WIDE, WS_F16DEC, WS_MIN_WAVE,
-                                      WS_MTS, WS_PFENCE, WS_PSPLIT, WS_SPLIT_FIRST, WS_SPLIT_FIRST_MIN_CHUNKS, WS_SPLIT_SMALL, WS_SPLIT_K, WS_SPLIT_K_PARTS,
+                                      WS_MTS, WS_PFENCE, WS_PSPLIT, WS_XCAST, WS_SPLIT_FIRST, WS_SPLIT_FIRST_MIN_CHUNKS, WS_SPLIT_SMALL, WS_SPLIT_K, WS_SPLIT_K_PARTS,
                                       WS_SPLIT_K_TILES, WS_SPLIT_MIN_CHUNKS, WS_STAGES, WS_TILE_FILL, WS_WIDE, WS_WIDE_256,
                                       WS_XTMA, XTMA_WHOLE_TILES, ws_shared_bytes)
 from realizar.gpu.policy.shapes import WgConfig, WsConfig
@@ -72,7 +72,8 @@ def ws_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_co
     a launch of one consumer warpgroup a CTA, the largest tile of ``WS_SPLIT_K_TILES`` (that m fills as above) with two
     warpgroups a CTA and K split over the first part count of ``WS_SPLIT_K_PARTS`` (above the launch's own on its tile)
     whose launch has ``WS_SPLIT_K`` CTAs an SM and whose parts keep ``WS_SPLIT_MIN_CHUNKS`` chunks each; the first
-    producer split of ``WS_PSPLIT`` whose CTA has the registers; ``WS_PFENCE`` stages fenced at once where it allows."""
+    producer split of ``WS_PSPLIT`` whose CTA has the registers; ``WS_PFENCE`` stages fenced at once where it allows;
+    X shared by ``WS_XCAST`` CTAs of a cluster with X by a tensor map."""
     from ptx_gen.kernels.gemm.gemm_ws import CONSUMER_REGS, smem_bytes, threads
     from ptx_gen.kernels.gemm.qstream import F16DEC_TYPES
 
@@ -96,21 +97,31 @@ def ws_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_co
             if 65536 // threads(mt, r, ps) // 8 * 8 < mt // 2 + CONSUMER_REGS:
                 continue
             for stages in WS_STAGES:
-                if ps <= stages and smem_bytes(wtype, in_dim, layout, mt, r, stages, 2, ps) <= max_smem:
+                cast = WS_XCAST if WS_XTMA else 1
+                if ps <= stages and smem_bytes(wtype, in_dim, layout, mt, r, stages, 2, ps, cast) <= max_smem:
                     fence = WS_PFENCE if ps == 1 and WS_PFENCE < stages else 1
-                    return WsConfig(mt, r, stages, 2, WS_XTMA, WS_F16DEC and wtype in F16DEC_TYPES, kparts, ps, fence)
+                    return WsConfig(mt, r, stages, 2, WS_XTMA, WS_F16DEC and wtype in F16DEC_TYPES, kparts, ps, fence,
+                                    cast)
     raise ShapeError(f"no warp-specialized GEMM tile for {wtype} {layout} fits {max_smem} bytes of shared memory")
 
 
 # the policy names ws_config reads (a tool may change them between steps: the rooms sized from a launch shape key on them)
 WS_POLICY = ("WS_MTS", "WS_TILE_FILL", "WS_MIN_WAVE", "WS_WIDE", "WS_WIDE_256", "WS_STAGES", "WS_XTMA", "WS_F16DEC",
              "WS_SPLIT_K", "WS_SPLIT_K_TILES", "WS_SPLIT_K_PARTS", "WS_SPLIT_MIN_CHUNKS", "WS_SPLIT_FIRST",
-             "WS_PSPLIT", "WS_PFENCE", "WS_SPLIT_FIRST_MIN_CHUNKS", "WS_SPLIT_SMALL")
+             "WS_PSPLIT", "WS_PFENCE", "WS_SPLIT_FIRST_MIN_CHUNKS", "WS_SPLIT_SMALL", "WS_XCAST")
 
 
 def ws_policy() -> tuple:
     """The values of :data:`WS_POLICY` that ws_config reads now."""
     return tuple(globals()[name] for name in WS_POLICY)
+
+
+def _row_tiles(cfg: WsConfig, cols: int, glu: bool) -> int:
+    """The launch's CTAs along the weight rows: whole clusters of ``cfg.xcast`` (the last one's rows past the weight's
+    compute nothing that is written)."""
+    tiles = -(-cols // ((8 if glu else 16) * 4 * cfg.rgroups))
+    xcast = getattr(cfg, "xcast", 1)
+    return -(-tiles // xcast) * xcast
 
 
 def split_room(cfg: WsConfig, cols: int, m: int, glu: bool = False) -> tuple[int, int]:
@@ -120,7 +131,7 @@ def split_room(cfg: WsConfig, cols: int, m: int, glu: bool = False) -> tuple[int
 
     if cfg.kparts == 1:
         return 0, 0
-    tiles = -(-cols // ((8 if glu else 16) * 4 * cfg.rgroups)) * -(-m // cfg.mt)
+    tiles = _row_tiles(cfg, cols, glu) * -(-m // cfg.mt)
     return tiles * part_floats(cfg.mt, cfg.rgroups, cfg.kparts), tiles
 
 
@@ -197,10 +208,13 @@ class GemmWgOps(Dispatcher):
         values = {"w": weight.ptr, "x": self.addr(x16, (m - 1) * lda + k, "x16", np.float16),
                   **self.epilogue(out, (m - 1) * ldy + cols, out_f16, bias, cols, residual)}
         values.update(m=m, n=n, lda=lda, ldy=ldy)
+        xcast = getattr(cfg, "xcast", 1)
         if getattr(cfg, "xtma", False):  # (the map is encoded on the host: nothing allocated, capturable)
             values["xmap"] = f16_tiles_2d(self.device, values["x"], k, self._x_rows(x16, m, k, lda, cfg.mt), 2 * lda,
-                                          64, cfg.mt)
+                                          64, cfg.mt // xcast)
         grid, buffers = (-(-cols // kern.meta["rows_per_cta"]), -(-m // cfg.mt)), None
+        if name == "gemm_ws":  # (whole clusters along the rows)
+            grid = (_row_tiles(cfg, cols, glu), grid[1])
         kparts = getattr(cfg, "kparts", 1) if name == "gemm_ws" else 1
         if kparts > 1:  # (grid z: the CTAs splitting K, summed through split's room)
             floats, tiles = split_room(cfg, cols, m, glu)

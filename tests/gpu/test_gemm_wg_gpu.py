@@ -151,16 +151,19 @@ def test_gemm_ws_gpu_two_consumers_of_256_tokens(ops, wtype, layout, out_dim, in
                                    (200, WsConfig(64, 1, 6, 2, True, True, 2, 4)), (256, WsConfig(256, 1, 4, 2, True, True, 1, 2)),
                                    (128, WsConfig(64, 2, 4, 2, True, True, 4, 2)),
                                    (256, WsConfig(128, 2, 4, 2, True, True, 2, 1, 2)), (200, WsConfig(128, 1, 5, 2, True, True, 1, 1, 4)),
-                                   (256, WsConfig(256, 2, 3, 2, True, True, 1, 1, 2)), (128, WsConfig(64, 1, 3, 2, True, True, 2, 1, 2))])
+                                   (256, WsConfig(256, 2, 3, 2, True, True, 1, 1, 2)), (128, WsConfig(64, 1, 3, 2, True, True, 2, 1, 2)),
+                                   (128, WsConfig(128, 2, 4, 2, True, True, 4, 1, 2, 2)), (256, WsConfig(128, 2, 4, 2, True, True, 2, 1, 2, 2)),
+                                   (200, WsConfig(64, 1, 4, 2, True, True, 2, 1, 2, 2)), (256, WsConfig(256, 2, 3, 2, True, True, 1, 1, 2, 2)),
+                                   (128, WsConfig(128, 1, 4, 2, True, True, 1, 1, 2, 2))])
 def test_gemm_ws_gpu_k_split_and_deep_rings(ops, wtype, layout, out_dim, in_dim, glu, m, cfg):
     """K split over two CTAs (the policy's WS_SPLIT_K and WS_SPLIT_FIRST candidates: o and down at 128-512 tokens) and
     over four, A/B rings of 7 and 8 stages, two and four producer warpgroups a strip (psplit), producers fencing two
-    and four stages at once (pfence), the residual in place
+    and four stages at once (pfence), X multicast to cluster pairs (xcast), the residual in place
     (glu: the SwiGLU epilogue to f16), every element against the oracle, the counters left at zero. A shape a config
     does not fit is skipped by name."""
     try:
         ws.check_shape(wtype, in_dim, layout, cfg.mt, cfg.rgroups, cfg.stages, cfg.wstages, cfg.kparts, cfg.psplit,
-                   cfg.pfence)
+                   cfg.pfence, cfg.xcast, cfg.xtma)
     except ValueError as exc:
         pytest.skip(f"{cfg} does not fit {wtype} {layout} {in_dim}: {exc}")
     cfg = dataclasses.replace(cfg, f16dec=cfg.f16dec and wtype == "Q4_K")

@@ -42,9 +42,22 @@ last); with four, all four read back and added in the order of z (the same bits 
 consumer warpgroups a CTA it keeps the CTA count of one warpgroup without the split (o and down, 4096 outputs, at a few
 hundred tokens: 128 CTAs), each CTA reading half of X for twice the rows.
 
+**X multicast** (``xcast`` 2, with ``xtma``): the grid runs as clusters of two CTAs along the weight rows
+(``.reqnctapercluster``; the host pads the row tiles to whole pairs), which share every token tile: thread 0 of rank
+``r`` copies tokens ``r mt / 2 ..`` of each stage's box into both CTAs' B tiles (``.multicast::cluster``) and announces
+the whole box's bytes on its own full barrier, which both halves complete. Before it copies into a slot again, it
+waits for its own consumers' release of the slot (the empty barrier) and then for the other CTA's: each thread 0
+arrives on its own and the other's cluster-release barrier of the slot (two arrivals a phase) and waits on its own.
+Both CTAs meet at a cluster barrier after the mbarriers' initialisation and before leaving (a K split's CTAs that do
+not sum branch there instead of returning). A token tile's X then leaves L2 once for two weight tiles.
+
 **f16 decoding** (``f16dec``, Q4_K): the producers decode in f16x2 arithmetic (``qstream._decode_q4k_f16x2``: ``d sc``
 and ``-dmin mn`` rounded to f16 first, one FMA for two values) instead of in f32 with one rounding: fewer decode
 instructions, each weight within about an f16 rounding of the exact decode's terms.
+
+**Producer splits and fence groups** (``psplit``, ``pfence``): ``psplit`` producer warpgroups a strip, each streaming
+the whole of K and filling the stages ``h`` of a chunk with ``h % psplit`` its own; ``pfence`` stages a producer stores
+before one ``fence.proxy.async`` and its arrivals on them.
 
 Params: w, x, y, [bias], [residual], m (tokens), n (weight rows), lda, ldy, [part, counters], [xmap]. Requirements:
 X 16-byte aligned, ``lda`` a multiple of 8, the weight's bytes below 2**32. Launch: grid (ceil(rows_out /
@@ -62,6 +75,7 @@ from ptx_gen.catalog import kernel
 from ptx_gen.kernels.dequant.dequant import check_weight_layout
 from ptx_gen.kernels.gemm.gemm_q import epilogue
 from ptx_gen.kernels.gemm.signature import epilogue_signature
+from ptx_gen.kernels.gemm.gemm_ws_grid import grid
 from ptx_gen.kernels.gemm.qstream import CHUNK, WeightStream, seg_bytes, warp_bytes
 
 __all__ = ["WS_MTS", "check_shape", "gemm_ws", "part_floats", "smem_bytes", "threads"]
@@ -72,6 +86,7 @@ WS_WSTAGES = (2, 3, 4)
 WS_KPARTS = (1, 2, 4)
 WS_PSPLIT = (1, 2, 4)
 WS_PFENCE = (1, 2, 4)
+WS_XCAST = (1, 2)
 CONSUMER_REGS = 30  # registers a consumer thread needs beside its accumulators (descriptors, barriers, epilogue)
 MAX_DYN_SMEM = 227 * 1024
 SK = 64  # k values of a stage (one 128-byte swizzle row)
@@ -105,14 +120,15 @@ def x_bytes(mt: int) -> int:
 
 
 def smem_bytes(wtype: str, in_dim: int, layout: str, mt: int, rgroups: int, stages: int, wstages: int,
-               psplit: int = 1) -> int:
-    """Alignment slack, the stages' A and B tiles, every producer warp's weight stream, two mbarriers a stage."""
+               psplit: int = 1, xcast: int = 1) -> int:
+    """Alignment slack, the stages' A and B tiles, every producer warp's weight stream, two mbarriers a stage (three
+    with X multicast: the cluster's release of the slot)."""
     return (ALIGN + stages * (a_bytes(rgroups) + x_bytes(mt))
-            + 4 * rgroups * psplit * warp_bytes(wtype, in_dim, layout, wstages) + 16 * stages)
+            + 4 * rgroups * psplit * warp_bytes(wtype, in_dim, layout, wstages) + (24 if xcast > 1 else 16) * stages)
 
 
 def check_shape(wtype: str, in_dim: int, layout: str, mt: int, rgroups: int, stages: int, wstages: int,
-                kparts: int = 1, psplit: int = 1, pfence: int = 1) -> None:
+                kparts: int = 1, psplit: int = 1, pfence: int = 1, xcast: int = 1, xtma: bool = True) -> None:
     check_weight_layout(wtype, in_dim, layout)
     if wtype == "F32":
         raise ValueError("gemm_ws takes the quantized and 16-bit weight types, not F32")
@@ -140,69 +156,13 @@ def check_shape(wtype: str, in_dim: int, layout: str, mt: int, rgroups: int, sta
         raise ValueError(f"pfence (stages a producer fences and announces together) must be one of {WS_PFENCE}, below "
                          f"the {stages} stages (the consumers free a slot once they hold the stage after it: a producer "
                          f"holding that one too would wait on itself) and 1 with psplit, got {pfence} (psplit {psplit})")
-    smem = smem_bytes(wtype, in_dim, layout, mt, rgroups, stages, wstages, psplit)
+    if xcast not in WS_XCAST or (xcast > 1 and not xtma):
+        raise ValueError(f"xcast (CTAs of a cluster sharing X by multicast) must be one of {WS_XCAST}, and 1 without X "
+                         f"by a tensor map, got {xcast} (xtma {xtma})")
+    smem = smem_bytes(wtype, in_dim, layout, mt, rgroups, stages, wstages, psplit, xcast)
     if smem > MAX_DYN_SMEM:
         raise ValueError(f"{wtype} mt={mt} rgroups={rgroups} stages={stages} wstages={wstages} psplit={psplit} needs "
                          f"{smem} bytes of shared memory, more than {MAX_DYN_SMEM}")
-
-
-def _grid() -> list[dict]:
-    g = []
-    for wt in ("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K", "Q4_1", "Q5_0", "Q5_1"):
-        g.append({"wtype": wt, "in_dim": 4096, "layout": "tiles", "mt": 128, "residual": True})
-        g.append({"wtype": wt, "in_dim": 4096, "layout": "glu-tiles", "mt": 128, "rgroups": 2, "glu": True,
-                  "out_f16": True})
-        g.append({"wtype": wt, "in_dim": 14336, "layout": "tiles", "mt": 64, "bias": True})
-    for wt in ("Q4_K", "Q6_K", "Q8_0", "Q5_K"):
-        g.append({"wtype": wt, "in_dim": 4096, "layout": "glu-tiles", "mt": 256, "rgroups": 2, "stages": 3, "glu": True,
-                  "out_f16": True})
-    g.append({"wtype": "Q4_K", "in_dim": 14336, "layout": "tiles", "mt": 256, "rgroups": 2, "stages": 3, "residual": True})
-    g.append({"wtype": "Q4_K", "in_dim": 4096, "layout": "tiles", "mt": 128, "stages": 3})
-    for wt in ("Q4_K", "Q6_K"):  # X by a tensor map
-        g.append({"wtype": wt, "in_dim": 4096, "layout": "glu-tiles", "mt": 256, "rgroups": 2, "stages": 3, "glu": True,
-                  "out_f16": True, "xtma": True})
-        g.append({"wtype": wt, "in_dim": 14336, "layout": "tiles", "mt": 128, "residual": True, "xtma": True})
-    g.append({"wtype": "Q4_K", "in_dim": 4096, "layout": "glu-tiles", "mt": 256, "rgroups": 2, "stages": 3, "glu": True,
-              "out_f16": True, "xtma": True, "f16dec": True})
-    g.append({"wtype": "Q4_K", "in_dim": 4096, "layout": "rows", "mt": 128, "residual": True, "f16dec": True})
-    g.append({"wtype": "Q6_K", "in_dim": 4096, "layout": "tiles", "mt": 128, "wstages": 3})
-    for wt in ("Q4_K", "Q6_K"):  # K split over two CTAs (o and down at batched-decode and prefill token counts)
-        g.append({"wtype": wt, "in_dim": 14336, "layout": "tiles", "mt": 256, "rgroups": 2, "stages": 3, "residual": True,
-                  "xtma": True, "f16dec": wt == "Q4_K", "kparts": 2})
-        g.append({"wtype": wt, "in_dim": 4096, "layout": "rows", "mt": 128, "rgroups": 2, "residual": True, "xtma": True,
-                  "f16dec": wt == "Q4_K", "kparts": 2})
-    g.append({"wtype": "Q4_K", "in_dim": 4096, "layout": "rows", "mt": 64, "stages": 2})
-    g.append({"wtype": "F16", "in_dim": 2048, "layout": "rows", "mt": 64})
-    # rings deeper than a chunk (o and down at 128 tokens one CTA an SM, gate/up at 128 tokens)
-    g.append({"wtype": "Q4_K", "in_dim": 14336, "layout": "tiles", "mt": 128, "stages": 7, "residual": True,
-              "xtma": True, "f16dec": True, "kparts": 2})
-    for st in (6, 8):
-        g.append({"wtype": "Q4_K", "in_dim": 4096, "layout": "rows", "mt": 64, "stages": st, "residual": True,
-                  "xtma": True, "f16dec": True})
-    g.append({"wtype": "Q4_K", "in_dim": 4096, "layout": "glu-tiles", "mt": 128, "rgroups": 2, "stages": 5, "glu": True,
-              "out_f16": True, "xtma": True, "f16dec": True})
-    # K split over four CTAs (o and down at 128 and 256 tokens on 128-row tiles: 128 CTAs)
-    for mt, st in ((128, 4), (256, 3)):
-        g.append({"wtype": "Q4_K", "in_dim": 14336, "layout": "tiles", "mt": mt, "rgroups": 2, "stages": st,
-                  "residual": True, "xtma": True, "f16dec": True, "kparts": 4})
-    g.append({"wtype": "Q4_K", "in_dim": 4096, "layout": "rows", "mt": 128, "rgroups": 2, "residual": True, "xtma": True,
-              "f16dec": True, "kparts": 4})
-    # producer warpgroups sharing a strip's stages (o, down and qkv on 64- to 256-token tiles, gate/up at 128 tokens)
-    for mt, rg, ps, st, kp, lay, k_ in ((128, 1, 2, 4, 2, "tiles", 14336), (128, 1, 4, 4, 2, "tiles", 14336),
-                                        (64, 1, 4, 6, 1, "rows", 4096), (256, 1, 2, 4, 1, "rows", 4096),
-                                        (64, 2, 2, 3, 4, "tiles", 14336)):
-        g.append({"wtype": "Q4_K", "in_dim": k_, "layout": lay, "mt": mt, "rgroups": rg, "stages": st, "residual": True,
-                  "xtma": True, "f16dec": True, "kparts": kp, "psplit": ps})
-    g.append({"wtype": "Q4_K", "in_dim": 4096, "layout": "glu-tiles", "mt": 64, "rgroups": 2, "stages": 4, "glu": True,
-              "out_f16": True, "xtma": True, "f16dec": True, "psplit": 2})
-    # producers fencing and announcing two or four stages at once (o, down, gate/up, qkv)
-    for mt, rg, st, kp, pf, lay, k_ in ((128, 2, 4, 2, 2, "tiles", 14336), (128, 2, 5, 4, 4, "tiles", 14336),
-                                        (128, 1, 5, 2, 4, "rows", 4096), (256, 1, 4, 1, 2, "rows", 4096)):
-        g.append({"wtype": "Q4_K", "in_dim": k_, "layout": lay, "mt": mt, "rgroups": rg, "stages": st, "residual": True,
-                  "xtma": True, "f16dec": True, "kparts": kp, "pfence": pf})
-    g.append({"wtype": "Q4_K", "in_dim": 4096, "layout": "glu-tiles", "mt": 256, "rgroups": 2, "stages": 3, "glu": True,
-              "out_f16": True, "xtma": True, "f16dec": True, "pfence": 2})
-    return g
 
 
 def _copy_x(k: KernelBuilder, tid: Reg, group: int, tok0: Reg, m_all: Reg, x0: Reg, xb: int, mt: int, bar):
@@ -231,21 +191,40 @@ def _copy_x(k: KernelBuilder, tid: Reg, group: int, tok0: Reg, m_all: Reg, x0: R
     return copy_x
 
 
-def _tma_copy_x(k: KernelBuilder, tid: Reg, tok0: Reg, x0: Reg, xb: int, mt: int, bar):
+def _tma_copy_x(k: KernelBuilder, tid: Reg, tok0: Reg, x0: Reg, xb: int, mt: int, bar, rank: Reg | None = None,
+                xcast: int = 1):
     """X by the tensor map ``xmap``: consumer thread 0 announces a stage's ``mt`` x 128 bytes on its full barrier
     (its one arrival there) and copies the box (k ``256 c + 64 h`` .., tokens ``tok0`` ..), which lands in the
-    128-byte swizzle the B tile is read in; tokens past m land as zeros. Returns ``copy_x`` as :func:`_copy_x`."""
+    128-byte swizzle the B tile is read in; tokens past m land as zeros. With ``xcast`` (the map's boxes ``mt /
+    xcast`` tokens) it copies tokens ``tok0 + rank mt / xcast`` .. into that part of the B tile of every CTA of its
+    cluster, whose copies fill the rest. Returns ``copy_x`` as :func:`_copy_x`."""
     lead = k.setp("eq", tid, 0)
     xmap = k.param_address("xmap")
+    if rank is not None:
+        part = mt // xcast
+        tok0 = k.mad(rank, part, tok0)
+        x0 = k.mad(rank, part * 128, x0)
 
     def copy_x(c: Reg, h: int, slot: Reg | int, ok: Reg | None) -> None:
         go = k.both(ok, lead)
         at = bar(slot)
         dst = (k.add(x0, slot * xb) if slot else x0) if isinstance(slot, int) else k.mad(slot, xb, x0)
         k.mbarrier_expect_tx(at, mt * 128, pred=go)
-        k.cp_async_bulk_tensor_2d(dst, xmap, k.add(k.shl(c, 8), 64 * h), tok0, at, pred=go)
+        k.cp_async_bulk_tensor_2d(dst, xmap, k.add(k.shl(c, 8), 64 * h), tok0, at, pred=go,
+                                  multicast=(1 << xcast) - 1 if rank is not None else None)
 
     return copy_x
+
+
+def _cluster_release(k: KernelBuilder, xbar: Reg, peer: Reg, parity: Reg | int, had: Reg | None) -> None:
+    """X multicast, consumer thread 0 once its CTA released a slot (``had``: there was a use to release): arrive on
+    the slot's cluster-release barrier here, then on the other CTA's (in that order: the other cannot see this phase
+    complete before this CTA's own arrival is in), and wait until both have (the other's copy into this CTA's slot,
+    and this one's into the other's, may then start)."""
+    with (k.if_(had) if had is not None else contextlib.nullcontext()):
+        k.mbarrier_arrive(xbar)
+        k.mbarrier_arrive_cluster(k.mapa(xbar, peer))
+        k.mbarrier_wait(xbar, parity)
 
 
 class _RingPosition:
@@ -291,13 +270,15 @@ class _RingPosition:
         k.assign(self.parity, k.selp(k.xor(self.parity, 1), self.parity, wrap, "u32"))
 
 
-def _sum_parts(k: KernelBuilder, acc: list, tid: Reg, group: int, flag_at: Reg, kparts: int = 2) -> None:
+def _sum_parts(k: KernelBuilder, acc: list, tid: Reg, group: int, flag_at: Reg, kparts: int = 2,
+               leave: str | None = None) -> None:
     """K split over ``kparts`` CTAs (grid z): each writes its accumulators to ``part`` (16-byte pieces, piece ``j`` of
     every consumer thread side by side: coalesced), the consumers' threads fence and meet, thread 0 counts the CTA at
     its output tile's counter (``atom.inc`` with bound kparts - 1: it wraps back to zero on the last arrival); all but
     the last return, the last sums and runs the epilogue. Two parts: the other's floats added to its own (the same
     whichever CTA comes last); four: the four read back and added in the order of z. ``flag_at``: a shared u32 free
-    after the main loop (it tells the consumers which CTA they are in)."""
+    after the main loop (it tells the consumers which CTA they are in). ``leave``: the label the others branch to
+    instead of returning."""
     n = len(acc)
     tile = k.add(k.mul(k.ctaid("y"), k.sreg("nctaid.x")), k.ctaid())
     base, part = k.global_ptr("part"), k.ctaid("z")
@@ -321,7 +302,10 @@ def _sum_parts(k: KernelBuilder, acc: list, tid: Reg, group: int, flag_at: Reg, 
         k.store("shared", "u32", flag_at, k.selp(1, 0, second, "u32"))
     k.bar_sync(1, group)
     with k.if_(k.setp("eq", k.load("shared", "u32", flag_at), 0)):
-        k.ret()
+        if leave is None:
+            k.ret()
+        else:
+            k.bra(leave)
     if kparts == 2:
         other = pieces_of(k.xor(part, 1))
         for j in range(0, n, 4):
@@ -352,16 +336,16 @@ def _a_row(k: KernelBuilder, r: Reg) -> Reg:
     return k.or_(k.shl(k.and_(r, 1), 2), k.shr(r, 1))
 
 
-@kernel("gemm_ws", grid=_grid(), arch="sm_90a")
+@kernel("gemm_ws", grid=grid(), arch="sm_90a")
 def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "tiles", mt: int = 128,
             rgroups: int = 1, stages: int = 4, wstages: int = 2, bias: bool = False,
             residual: bool = False, out_f16: bool = False, glu: bool = False, xtma: bool = False,
-            f16dec: bool = False, kparts: int = 1, psplit: int = 1, pfence: int = 1) -> KernelBuilder:
+            f16dec: bool = False, kparts: int = 1, psplit: int = 1, pfence: int = 1, xcast: int = 1) -> KernelBuilder:
     """Y[:m] = X[:m] W^T (+ bias) (+ residual), or with ``glu`` silu(X G^T) * (X U^T) for W = [gate; up];
     W of ``wtype`` in ``layout``, X f16, f32 accumulation on wgmma from shared memory. Params: w, x, y, [bias],
     [residual], m, n, lda, ldy, [part, counters: kparts 2, 4], [xmap: xtma]. Launch: grid (ceil(rows_out /
     meta["rows_per_cta"]), ceil(m / mt), kparts), block meta["block"], dyn_smem meta["dyn_smem"]."""
-    check_shape(wtype, in_dim, layout, mt, rgroups, stages, wstages, kparts, psplit, pfence)
+    check_shape(wtype, in_dim, layout, mt, rgroups, stages, wstages, kparts, psplit, pfence, xcast, xtma)
     flags, params = epilogue_signature(["w", "x", "y"], ["m", "n", "lda", "ldy"], bias=bias, residual=residual,
                                        out_f16=out_f16, glu=glu, layout=layout)
     if kparts > 1:  # (K split over the CTAs of grid z: their partial sums, a counter per output tile)
@@ -370,16 +354,17 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
         params = params + [("xmap", TENSOR_MAP)]
     name = (f"gemm_ws_{wtype.lower()}_k{in_dim}_{layout.replace('-', '_')}_m{mt}_r{rgroups}_s{stages}_w{wstages}"
             f"{'_tma' if xtma else ''}{'_hd' if f16dec else ''}{f'_split{kparts}' if kparts > 1 else ''}"
-            f"{f'_p{psplit}' if psplit > 1 else ''}{f'_f{pfence}' if pfence > 1 else ''}{flags}")
+            f"{f'_p{psplit}' if psplit > 1 else ''}{f'_f{pfence}' if pfence > 1 else ''}"
+            f"{f'_c{xcast}' if xcast > 1 else ''}{flags}")
     group = 128 * rgroups  # consumer threads
     pg = producer_groups(mt, rgroups)
     spw = rgroups // pg  # 16-row strips a producer warp streams
     block = threads(mt, rgroups, psplit)
-    k = m.kernel(name, params, max_threads=block)
+    k = m.kernel(name, params, max_threads=block, cluster=(xcast, 1, 1) if xcast > 1 else None)
     slot_bytes = 16 * seg_bytes(wtype, in_dim, layout)
     wbytes = warp_bytes(wtype, in_dim, layout, wstages)
     ab, xb = a_bytes(rgroups), x_bytes(mt)
-    k.meta.update(block=block, dyn_smem=smem_bytes(wtype, in_dim, layout, mt, rgroups, stages, wstages, psplit),
+    k.meta.update(block=block, dyn_smem=smem_bytes(wtype, in_dim, layout, mt, rgroups, stages, wstages, psplit, xcast),
                   rows_per_cta=(8 if glu else 16) * 4 * rgroups, mt=mt, part_floats=part_floats(mt, rgroups, kparts))
     nc = in_dim // CHUNK // kparts  # the chunks of K a CTA multiplies: c_base ..
 
@@ -398,14 +383,23 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
         for s in range(stages):
             k.mbarrier_init(k.add(full0, 8 * s) if s else full0, (1 if xtma else group) + 128 * pg)
             k.mbarrier_init(k.add(full0, 8 * (stages + s)), group)
+            if xcast > 1:  # (the cluster's release of slot s: each CTA's consumer thread 0, once its own released it)
+                k.mbarrier_init(k.add(full0, 8 * (2 * stages + s)), xcast)
     k.fence_mbarrier_init()
     k.bar_sync()
+    if xcast > 1:  # (every CTA's barriers exist before another arrives on them or copies into its shared memory)
+        k.cluster_sync()
 
     ring_pos = _RingPosition(k, stages)
 
     def chunk_base() -> Reg:
         """The CTA's first chunk of K."""
         return k.mul(k.ctaid("z"), nc) if kparts > 1 else k.mov(0, "u32")
+
+    def xbar(slot: Reg | int) -> Reg:
+        """The cluster-release mbarrier of ``slot`` (X multicast)."""
+        at = slot + 2 * stages if isinstance(slot, int) else k.add(slot, 2 * stages)
+        return k.add(full0, 8 * at) if isinstance(at, int) else k.add(full0, k.shl(at, 3))
 
     def bar(slot: Reg | int, empty: bool = False) -> Reg:
         """The full (else the empty) mbarrier of ``slot``."""
@@ -423,8 +417,12 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     scale_d = k.setp("ne", k.mov(1, "u32"), 0)
     acc = [k.var("f32", 0.0) for _ in range(mt // 2)]
     k.grid_dependency_wait()  # X (and the residual) come from the kernels before
+    peer = None
     if xtma:
-        copy_x = _tma_copy_x(k, tid, tok0, x0, xb, mt, bar)
+        if xcast > 1:  # (X multicast: this CTA copies rows rank mt / 2 .. of each box into both CTAs of its pair)
+            rank = k.cluster_rank()
+            peer = k.xor(rank, 1)
+        copy_x = _tma_copy_x(k, tid, tok0, x0, xb, mt, bar, rank if xcast > 1 else None, xcast)
         x_lead = k.setp("eq", tid, 0)
     else:
         copy_x = _copy_x(k, tid, group, tok0, m_all, x0, xb, mt, bar)
@@ -458,6 +456,8 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
             if xtma:
                 with k.if_(x_lead):
                     k.mbarrier_wait(bar(prev, empty=True), ring_pos.prev_parity(h, slot, parity))
+                    if peer is not None:  # (and the other CTA's: its thread 0 arrives here, this one there)
+                        _cluster_release(k, xbar(prev), peer, ring_pos.prev_parity(h, slot, parity), had)
             else:
                 k.mbarrier_wait(bar(prev, empty=True), ring_pos.prev_parity(h, slot, parity))
             # X of the stage that takes the slot next (stages after the previous one), with its A from the producers
@@ -468,8 +468,9 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
             copy_x(k.add(c_base, c_next) if kparts > 1 else c_next, (h - 1 + stages) % 4, prev, live)
             ring_pos.advance()
     k.wgmma_wait(0)
+    leave = k.new_label("leave") if xcast > 1 else None  # (a cluster's CTAs leave together: none exits early)
     if kparts > 1:
-        _sum_parts(k, acc, tid, group, a0, kparts)
+        _sum_parts(k, acc, tid, group, a0, kparts, leave)
     strip = k.add(k.mul(k.ctaid(), 4 * rgroups), k.add(k.shl(g, 2), k.and_(warp, 3)))
     if glu:
         ffn, first = k.shr(n_rows, 1), k.shl(strip, 3)
@@ -478,6 +479,9 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     tiles = [acc[4 * t:4 * t + 4] for t in range(mt // 8)]
     r_strip = k.or_(k.shl(k.and_(r, 3), 1), k.shr(r, 2))  # (the strip row whose A row is r: the inverse of _a_row)
     epilogue(k, tiles, r_strip, q, m_all, n_rows, first, ffn, bias, residual, out_f16, glu, tok_base=tok0)
+    if leave is not None:
+        k.label(leave)
+        k.cluster_sync()
     k.ret()
 
     # ---- producers: warp p streams the strips p + 4 pg u (rows 16 (p + 4 pg u) .. of the CTA's weight, u < spw), each
@@ -540,16 +544,22 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
                         at, off = (dst[b], slot * ab) if soff is None else (k.add(dst[b], soff), 0)
                         k.store("shared", "u32", at, r_words, off)
                         k.store("shared", "u32", at, r8_words, off + 8 * 128)
-                pending.append(slot if isinstance(slot, int) else k.mov(slot, "u32"))  # (advance moves the register)
-                if (h + 1) % pfence == 0:  # (pfence stages' stores fenced at once, then announced)
+                if pfence == 1:
                     k.fence_proxy_async()  # (the stores' generic-proxy writes before the MMAs' async-proxy reads)
-                    for sl in pending:
-                        k.mbarrier_arrive(bar(sl))
-                    pending.clear()
+                    k.mbarrier_arrive(bar(slot))
+                else:  # (pfence stages' stores fenced at once, then announced)
+                    pending.append(slot if isinstance(slot, int) else k.mov(slot, "u32"))  # (advance moves the reg)
+                    if (h + 1) % pfence == 0:
+                        k.fence_proxy_async()
+                        for sl in pending:
+                            k.mbarrier_arrive(bar(sl))
+                        pending.clear()
             ring_pos.advance()
         for v in (rd, wr):
             nxt = k.add(v, slot_bytes)
             k.assign(v, k.selp(0, nxt, k.setp("eq", nxt, ring), "u32"))
     k.cp_async_wait_all()
+    if xcast > 1:
+        k.cluster_sync()
     k.ret()
     return k

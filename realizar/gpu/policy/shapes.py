@@ -106,7 +106,7 @@ class WsConfig:
     the tokens' X by a tensor map (one bulk copy a stage) instead of the consumers' 16-byte copies, ``f16dec``: Q4_K
     weights decoded in f16x2 arithmetic, ``kparts``: CTAs splitting K (grid z, summed through a workspace), ``psplit``:
     producer warpgroups a strip, each filling every ``psplit``-th stage, ``pfence``: stages a producer fences and
-    announces together."""
+    announces together, ``xcast``: CTAs of a cluster (along the weight rows) sharing each token tile's X by multicast."""
 
     mt: int
     rgroups: int = 1
@@ -117,3 +117,4 @@ class WsConfig:
     kparts: int = 1
     psplit: int = 1
     pfence: int = 1
+    xcast: int = 1
