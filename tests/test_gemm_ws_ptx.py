@@ -471,3 +471,24 @@ def test_policy_with_x_multicast_fits_and_pairs_whole_clusters(monkeypatch):
             assert tiles % 2 == 0 and tiles - 2 < -(-cols // ((8 if glu else 16) * 4 * cfg.rgroups)) <= tiles
     odd = dataclasses.replace(host.ws_config("Q4_K", 4096, "tiles", 4096, 256, 132), kparts=2, rgroups=1, mt=128)
     assert host.split_room(odd, 16 * 4 * 63, 256)[1] == 64 * 2  # (63 row tiles: 32 pairs)
+
+
+@pytest.mark.parametrize("ablate", ["wload", "decode", "mma", "xload", "decode+mma"])
+def test_gemm_ws_ablations_run_to_the_end_and_assemble(ablate):
+    """The diagnostic launches (parts of the work left out): each runs through every barrier to its end in the emulator
+    (no deadlock: the barriers' counts and bytes still meet) and assembles without spills; the whole launch, not
+    ablated, still matches the oracle (run_emulated checks it; the ablated one's output is not checked)."""
+    shape = dict(mt=64, rgroups=1, stages=3, wstages=2, xtma=True, f16dec=True, kparts=2, pfence=2)
+    from ptx_gen.builder import Module
+    from ptx_gen.emulator import EmulatorError
+
+    # (an ablated launch's output is wrong: the oracle's check after the run fails, not the emulator during it)
+    with pytest.raises(AssertionError, match="max relative error|NaN-poisoned") as exc:
+        _run("gemm_ws", {**shape, "ablate": ablate}, "Q4_K", "tiles", 40, 1024, 70, np.random.default_rng(1),
+             residual="in_place")
+    assert not isinstance(exc.value, EmulatorError), exc.value
+    kern = catalog.emit("gemm_ws", target="sm_90", wtype="Q4_K", in_dim=4096, layout="tiles", residual=True,
+                        **{**shape, "mt": 128, "ablate": ablate})
+    assert all(f"_no{c}" in kern.entry for c in ablate.split("+")) and not assemble(kern.ptx, kern.target)[0].spills
+    with pytest.raises(ValueError, match="ablate"):
+        ws.gemm_ws(Module("sm_90a"), "Q4_K", 1024, "tiles", mt=64, xtma=True, ablate="warp")

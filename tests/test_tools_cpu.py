@@ -351,13 +351,15 @@ def test_bench_gemm_wg_options_on_the_emulated_device(tmp_path, monkeypatch, emu
     out = tmp_path / "ws.md"
     monkeypatch.setattr(sys, "argv", ["bench_gemm_wg.py", "--kernel", "ws", "--models", "8b", "--ms", "70", "--as-step",
                                       "--xtma", "--f16dec", "--sweep", "--stages", "6,4", "--wstages", "3",
-                                      "--psplit", "1,2", "--out", str(out)])
+                                      "--psplit", "1,2", "--ablate", "mma,decode+wload", "--out", str(out)])
     assert bench.main() == 0
     assert asked and all(a == ((3,), (6, 4), (1, 2), (1,), (1,)) for a in asked), asked
     rows = [line for line in out.read_text().splitlines() if line.startswith("| Q4_K")]
     assert len(rows) == 2 and all(" tma hd " in r for r in rows), rows
-    # each row's policy launch, and the swept K split on the o shape (gate/up's one chunk refuses it)
-    assert len(calls) == 3 and all(n == 20 for n in calls), calls
+    # each row's policy launch, the swept K split on the o shape (gate/up's one chunk refuses it), two ablations a row
+    assert len(calls) == 3 + 2 * 2 and all(n == 20 for n in calls), calls
+    cut = _rows(out.read_text(), "8b o")
+    assert cut and cut[-1][-2:] == ["1.0 (1.00)", "1.0 (1.00)"], cut
 
 
 @pytest.mark.parametrize("split", [False, True])

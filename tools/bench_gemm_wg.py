@@ -113,6 +113,9 @@ def main() -> int:
                     help="gemm_ws --sweep: the stages a producer fences and announces together tried (1, 2, 4)")
     ap.add_argument("--xcast", default="1",
                     help="gemm_ws --sweep: the CTAs of a cluster sharing X by multicast tried (1, 2)")
+    ap.add_argument("--ablate", default="",
+                    help="gemm_ws: also time the policy's launch with these parts of the work left out (comma-separated "
+                         "among wload, decode, mma, xload, each '+'-joinable: decode+mma), in a table of their own")
     ap.add_argument("--xtma", action=argparse.BooleanOptionalAction,
                     help="gemm_ws: the policy's launch shapes with X by a tensor map (--no-xtma: by 16-byte copies; "
                          "default: as the policy has it)")
@@ -137,6 +140,8 @@ def main() -> int:
              "| torch / wg | best swept | max error |",
              "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     models = a.models.split(",")
+    ablations = [x for x in a.ablate.split(",") if x] if a.kernel == "ws" else []
+    cut_rows = []  # (the ablations' table)
     for wtype in a.types.split(","):
         for model, label, n, k, glu in [s for s in SHAPES if s[0] in models and (not a.shapes or s[1] in a.shapes.split(","))]:
             layout = "glu-tiles" if glu else "tiles"
@@ -213,11 +218,22 @@ def main() -> int:
                        f"{best[0]:.1f} ({_label(bc)}) | {err:.1e} |")
                 print(row, flush=True)
                 lines.append(row)
+                if ablations:  # (the same launch with parts of its work left out: what each costs)
+                    cuts = [run(dataclasses.replace(cfg, ablate=x)) for x in ablations]
+                    cut_rows.append(f"| {model} {label} | {m} | {_label(cfg)} | {us:.1f} | "
+                                    + " | ".join(f"{t:.1f} ({t / us:.2f})" for t in cuts) + " |")
+                    print(cut_rows[-1], flush=True)
                 for b in (x16, y, *spaces):
                     b.free()
             w16.free()
             for c in copies:
                 c.buffer.free()
+    if cut_rows:
+        lines += ["", "Ablations: the policy's launch timed with parts of its work left out (its results then meaningless: "
+                  "wload the producers copy no weights, decode they store zeros, mma no MMAs, xload no X copies); "
+                  "µs and the ratio to the whole launch.", "",
+                  "| shape | M | launch | whole µs | " + " | ".join(f"no {x} µs" for x in ablations) + " |",
+                  "|---|---:|---|---:|" + "---:|" * len(ablations), *cut_rows]
     text = "\n".join(lines) + "\n"
     print(text)
     if a.out:

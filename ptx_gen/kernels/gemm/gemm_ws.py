@@ -59,6 +59,11 @@ instructions, each weight within about an f16 rounding of the exact decode's ter
 the whole of K and filling the stages ``h`` of a chunk with ``h % psplit`` its own; ``pfence`` stages a producer stores
 before one ``fence.proxy.async`` and its arrivals on them.
 
+**Ablations** (``ablate``, diagnostic launches only: their results are meaningless): ``wload`` the producers copy no
+weights, ``decode`` they store zeros instead of decoding, ``mma`` the consumers issue no MMAs, ``xload`` no X is
+copied; every barrier and the rest of the work stay, so the time left out says what that part costs
+(``tools/bench_gemm_wg.py --ablate``).
+
 Params: w, x, y, [bias], [residual], m (tokens), n (weight rows), lda, ldy, [part, counters], [xmap]. Requirements:
 X 16-byte aligned, ``lda`` a multiple of 8, the weight's bytes below 2**32. Launch: grid (ceil(rows_out /
 meta["rows_per_cta"]), ceil(m / mt), kparts), block meta["block"], dynamic shared memory meta["dyn_smem"]. Tested on the GPU and in the
@@ -87,6 +92,7 @@ WS_KPARTS = (1, 2, 4)
 WS_PSPLIT = (1, 2, 4)
 WS_PFENCE = (1, 2, 4)
 WS_XCAST = (1, 2)
+ABLATIONS = ("wload", "decode", "mma", "xload")  # (diagnostic launches: the work left out, the results meaningless)
 CONSUMER_REGS = 30  # registers a consumer thread needs beside its accumulators (descriptors, barriers, epilogue)
 MAX_DYN_SMEM = 227 * 1024
 SK = 64  # k values of a stage (one 128-byte swizzle row)
@@ -192,12 +198,13 @@ def _copy_x(k: KernelBuilder, tid: Reg, group: int, tok0: Reg, m_all: Reg, x0: R
 
 
 def _tma_copy_x(k: KernelBuilder, tid: Reg, tok0: Reg, x0: Reg, xb: int, mt: int, bar, rank: Reg | None = None,
-                xcast: int = 1):
+                xcast: int = 1, skip: bool = False):
     """X by the tensor map ``xmap``: consumer thread 0 announces a stage's ``mt`` x 128 bytes on its full barrier
     (its one arrival there) and copies the box (k ``256 c + 64 h`` .., tokens ``tok0`` ..), which lands in the
     128-byte swizzle the B tile is read in; tokens past m land as zeros. With ``xcast`` (the map's boxes ``mt /
     xcast`` tokens) it copies tokens ``tok0 + rank mt / xcast`` .. into that part of the B tile of every CTA of its
-    cluster, whose copies fill the rest. Returns ``copy_x`` as :func:`_copy_x`."""
+    cluster, whose copies fill the rest. ``skip`` (a diagnostic launch): thread 0 only arrives. Returns ``copy_x`` as
+    :func:`_copy_x`."""
     lead = k.setp("eq", tid, 0)
     xmap = k.param_address("xmap")
     if rank is not None:
@@ -208,6 +215,9 @@ def _tma_copy_x(k: KernelBuilder, tid: Reg, tok0: Reg, x0: Reg, xb: int, mt: int
     def copy_x(c: Reg, h: int, slot: Reg | int, ok: Reg | None) -> None:
         go = k.both(ok, lead)
         at = bar(slot)
+        if skip:
+            k.mbarrier_arrive(at, pred=go)
+            return
         dst = (k.add(x0, slot * xb) if slot else x0) if isinstance(slot, int) else k.mad(slot, xb, x0)
         k.mbarrier_expect_tx(at, mt * 128, pred=go)
         k.cp_async_bulk_tensor_2d(dst, xmap, k.add(k.shl(c, 8), 64 * h), tok0, at, pred=go,
@@ -340,12 +350,17 @@ def _a_row(k: KernelBuilder, r: Reg) -> Reg:
 def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "tiles", mt: int = 128,
             rgroups: int = 1, stages: int = 4, wstages: int = 2, bias: bool = False,
             residual: bool = False, out_f16: bool = False, glu: bool = False, xtma: bool = False,
-            f16dec: bool = False, kparts: int = 1, psplit: int = 1, pfence: int = 1, xcast: int = 1) -> KernelBuilder:
+            f16dec: bool = False, kparts: int = 1, psplit: int = 1, pfence: int = 1, xcast: int = 1,
+            ablate: str = "") -> KernelBuilder:
     """Y[:m] = X[:m] W^T (+ bias) (+ residual), or with ``glu`` silu(X G^T) * (X U^T) for W = [gate; up];
     W of ``wtype`` in ``layout``, X f16, f32 accumulation on wgmma from shared memory. Params: w, x, y, [bias],
     [residual], m, n, lda, ldy, [part, counters: kparts 2, 4], [xmap: xtma]. Launch: grid (ceil(rows_out /
     meta["rows_per_cta"]), ceil(m / mt), kparts), block meta["block"], dyn_smem meta["dyn_smem"]."""
     check_shape(wtype, in_dim, layout, mt, rgroups, stages, wstages, kparts, psplit, pfence, xcast, xtma)
+    cut = set(ablate.split("+")) - {""}  # (a diagnostic launch: these parts of the work left out)
+    if cut - set(ABLATIONS) or ("xload" in cut and (not xtma or xcast > 1)):
+        raise ValueError(f"ablate takes '+'-joined parts of {ABLATIONS} (xload with X by a tensor map, no multicast), "
+                         f"got {ablate!r}")
     flags, params = epilogue_signature(["w", "x", "y"], ["m", "n", "lda", "ldy"], bias=bias, residual=residual,
                                        out_f16=out_f16, glu=glu, layout=layout)
     if kparts > 1:  # (K split over the CTAs of grid z: their partial sums, a counter per output tile)
@@ -355,7 +370,7 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     name = (f"gemm_ws_{wtype.lower()}_k{in_dim}_{layout.replace('-', '_')}_m{mt}_r{rgroups}_s{stages}_w{wstages}"
             f"{'_tma' if xtma else ''}{'_hd' if f16dec else ''}{f'_split{kparts}' if kparts > 1 else ''}"
             f"{f'_p{psplit}' if psplit > 1 else ''}{f'_f{pfence}' if pfence > 1 else ''}"
-            f"{f'_c{xcast}' if xcast > 1 else ''}{flags}")
+            f"{f'_c{xcast}' if xcast > 1 else ''}{''.join(f'_no{c}' for c in sorted(cut))}{flags}")
     group = 128 * rgroups  # consumer threads
     pg = producer_groups(mt, rgroups)
     spw = rgroups // pg  # 16-row strips a producer warp streams
@@ -422,7 +437,7 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
         if xcast > 1:  # (X multicast: this CTA copies rows rank mt / 2 .. of each box into both CTAs of its pair)
             rank = k.cluster_rank()
             peer = k.xor(rank, 1)
-        copy_x = _tma_copy_x(k, tid, tok0, x0, xb, mt, bar, rank if xcast > 1 else None, xcast)
+        copy_x = _tma_copy_x(k, tid, tok0, x0, xb, mt, bar, rank if xcast > 1 else None, xcast, "xload" in cut)
         x_lead = k.setp("eq", tid, 0)
     else:
         copy_x = _copy_x(k, tid, group, tok0, m_all, x0, xb, mt, bar)
@@ -443,7 +458,9 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
                 sl = k.cvt(slot, "u64")
                 da, db = k.mad(sl, ab >> 4, desc_a[0], "u64"), k.mad(sl, xb >> 4, desc_b[0], "u64")
             for j in range(4):  # k16 steps: 32 bytes along the swizzled rows
-                k.wgmma_f16_ss(acc, k.add(da, 2 * j, "u64") if j else da, k.add(db, 2 * j, "u64") if j else db, scale_d)
+                if "mma" not in cut:
+                    k.wgmma_f16_ss(acc, k.add(da, 2 * j, "u64") if j else da, k.add(db, 2 * j, "u64") if j else db,
+                                   scale_d)
             k.wgmma_commit()
             k.wgmma_wait(1)  # the previous stage's MMAs are done: its slot is free
             prev = ring_pos.prev(slot)
@@ -506,7 +523,8 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
         ws.decode_setup(lane, q)
     for s in range(wstages - 1):
         for ws, wbase in zip(wss, wbases):
-            ws.issue(chunk0, nc, k.mov(s, "u32"), k.add(wbase, s * slot_bytes) if s else wbase)
+            if "wload" not in cut:
+                ws.issue(chunk0, nc, k.mov(s, "u32"), k.add(wbase, s * slot_bytes) if s else wbase)
         k.cp_async_commit()
     k.grid_dependency_wait()  # (the producers read only weights; their first chunks are requested before this)
 
@@ -531,16 +549,16 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
         for h in range(4):
             slot, parity = ring_pos.at(i, h)
             if psplit > 1 and h == 0:  # (every warp streams the whole chunk; only the stage's own warps fill it)
-                _issue_next(k, wss, wbases, chunk0, nc, i, wstages, wr)
+                _issue_next(k, [] if "wload" in cut else wss, wbases, chunk0, nc, i, wstages, wr)
             with (k.if_(k.setp("eq", phase, h % psplit)) if psplit > 1 else contextlib.nullcontext()):
                 prev = k.xor(parity, 1) if not isinstance(parity, int) else parity ^ 1
                 k.mbarrier_wait(bar(slot, empty=True), prev)
                 if h == 0 and psplit == 1:
-                    _issue_next(k, wss, wbases, chunk0, nc, i, wstages, wr)
+                    _issue_next(k, [] if "wload" in cut else wss, wbases, chunk0, nc, i, wstages, wr)
                 soff = None if isinstance(slot, int) else k.mul(slot, ab)
                 for ws, ch, dst in zip(wss, chs, a_dst):
                     for b in range(2):
-                        r_words, r8_words = ws.words(ch, 2 * h + b)
+                        r_words, r8_words = ws.words(ch, 2 * h + b) if "decode" not in cut else [[k.mov(0, "b32")] * 4] * 2
                         at, off = (dst[b], slot * ab) if soff is None else (k.add(dst[b], soff), 0)
                         k.store("shared", "u32", at, r_words, off)
                         k.store("shared", "u32", at, r8_words, off + 8 * 128)

@@ -106,7 +106,8 @@ class WsConfig:
     the tokens' X by a tensor map (one bulk copy a stage) instead of the consumers' 16-byte copies, ``f16dec``: Q4_K
     weights decoded in f16x2 arithmetic, ``kparts``: CTAs splitting K (grid z, summed through a workspace), ``psplit``:
     producer warpgroups a strip, each filling every ``psplit``-th stage, ``pfence``: stages a producer fences and
-    announces together, ``xcast``: CTAs of a cluster (along the weight rows) sharing each token tile's X by multicast."""
+    announces together, ``xcast``: CTAs of a cluster (along the weight rows) sharing each token tile's X by multicast;
+    ``ablate`` (diagnostic launches, never the policy's): the parts of the work left out (gemm_ws's ``ABLATIONS``)."""
 
     mt: int
     rgroups: int = 1
@@ -118,3 +119,4 @@ class WsConfig:
     psplit: int = 1
     pfence: int = 1
     xcast: int = 1
+    ablate: str = ""
