@@ -75,7 +75,8 @@ WS_WIDE_256 = 0.7
 # A / B ring depths tried, deepest first (the first that fits the shared memory)
 WS_STAGES = (4, 3, 2)
 # producer warpgroups a strip tried, in order (each fills every psplit-th stage: the decode's latency shared among more
-# warps), the first whose CTA keeps a consumer's registers and fits the shared memory with a ring of WS_STAGES
+# warps), the first whose CTA keeps a consumer's registers and fits the shared memory with a ring of WS_STAGES. H200, 8B
+# Q4_K batched decode: 2 and 4 slower everywhere (the step 0.987x / 0.955x at B = 128; session 31)
 WS_PSPLIT = (1,)
 # stages a producer warp stores before it fences them (fence.proxy.async waits for its stores) and announces them at once
 # (below the ring's depth). H200, 8B Q4_K batched decode: 2 is 1.030x the step at B = 128, 1.015x at 256; 4 with
@@ -98,7 +99,8 @@ XTMA_WHOLE_TILES = True
 # where a launch of one consumer warpgroup a CTA would be chosen: the largest tile of WS_SPLIT_K_TILES that m fills
 # (WS_TILE_FILL) and the first part count of WS_SPLIT_K_PARTS whose launch has at least WS_SPLIT_K CTAs per SM and whose
 # parts each keep WS_SPLIT_MIN_CHUNKS chunks of K; 0: never. H200, 8B Q4_K batched decode, down on 128 rows of 128
-# tokens in four parts and on 128 rows of 256 in two: 1.015x the step at B = 128, 1.025x at 256
+# tokens in four parts and on 128 rows of 256 in two: 1.015x the step at B = 128, 1.025x at 256; on 256-token tiles too
+# (WS_SPLIT_K_TILES (256, 128)) 0.98x at 256, for o too (WS_SPLIT_MIN_CHUNKS 4) 0.90x
 # (docs/results/bench_serving_ws_ab_h200.md, session 31)
 WS_SPLIT_K = 0.9
 WS_SPLIT_K_TILES = (128,)
