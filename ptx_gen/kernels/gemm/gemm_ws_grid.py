@@ -69,4 +69,7 @@ def grid() -> list[dict]:
     for mt, st in ((128, 4), (256, 3)):
         g.append({"wtype": "Q4_K", "in_dim": 4096, "layout": "glu-tiles", "mt": mt, "rgroups": 2, "stages": st,
                   "glu": True, "out_f16": True, "xtma": True, "f16dec": True, "pfence": 2, "xcast": 2})
+    # a diagnostic launch (the weights neither copied nor decoded: what the X copies, MMAs and barriers cost alone)
+    g.append({"wtype": "Q4_K", "in_dim": 14336, "layout": "tiles", "mt": 128, "rgroups": 2, "residual": True,
+              "xtma": True, "f16dec": True, "kparts": 2, "pfence": 2, "ablate": "decode+wload"})
     return g
