@@ -354,12 +354,14 @@ def test_bench_gemm_wg_options_on_the_emulated_device(tmp_path, monkeypatch, emu
                                       "--psplit", "1,2", "--ablate", "mma,decode+wload", "--out", str(out)])
     assert bench.main() == 0
     assert asked and all(a == ((3,), (6, 4), (1, 2), (1,), (1,)) for a in asked), asked
-    rows = [line for line in out.read_text().splitlines() if line.startswith("| Q4_K")]
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| Q4_K") and " x " in line]
     assert len(rows) == 2 and all(" tma hd " in r for r in rows), rows
     # each row's policy launch, the swept K split on the o shape (gate/up's one chunk refuses it), two ablations a row
     assert len(calls) == 3 + 2 * 2 and all(n == 20 for n in calls), calls
     cut = _rows(out.read_text(), "8b o")
     assert cut and cut[-1][-2:] == ["1.0 (1.00)", "1.0 (1.00)"], cut
+    ranked = [r for r in _rows(out.read_text(), "Q4_K") if len(r) == 7]  # (the sweep's fastest: policy and swept)
+    assert [r[1:4] for r in ranked] == [["8b o", "70", "1"], ["8b o", "70", "2"], ["8b gate/up", "70", "1"]], ranked
 
 
 @pytest.mark.parametrize("split", [False, True])

@@ -113,6 +113,8 @@ def main() -> int:
                     help="gemm_ws --sweep: the stages a producer fences and announces together tried (1, 2, 4)")
     ap.add_argument("--xcast", default="1",
                     help="gemm_ws --sweep: the CTAs of a cluster sharing X by multicast tried (1, 2)")
+    ap.add_argument("--top", type=int, default=5,
+                    help="--sweep: the fastest candidates kept per shape and M, in a table of their own (0: none)")
     ap.add_argument("--ablate", default="",
                     help="gemm_ws: also time the policy's launch with these parts of the work left out (comma-separated "
                          "among wload, decode, mma, xload, each '+'-joinable: decode+mma), in a table of their own")
@@ -142,6 +144,7 @@ def main() -> int:
     models = a.models.split(",")
     ablations = [x for x in a.ablate.split(",") if x] if a.kernel == "ws" else []
     cut_rows = []  # (the ablations' table)
+    top_rows = []  # (the sweep's fastest candidates)
     for wtype in a.types.split(","):
         for model, label, n, k, glu in [s for s in SHAPES if s[0] in models and (not a.shapes or s[1] in a.shapes.split(","))]:
             layout = "glu-tiles" if glu else "tiles"
@@ -188,6 +191,7 @@ def main() -> int:
 
                 us = run(cfg)
                 best = (us, cfg)
+                timed = [(us, cfg)]
                 if a.sweep:
                     for c in (_sweep_ws(wtype, k, layout, m, smem, cfg, _ints(a.wstages), _ints(a.stages),
                                         _ints(a.psplit), _ints(a.pfence), _ints(a.xcast)) if a.kernel == "ws"
@@ -200,6 +204,7 @@ def main() -> int:
                             print(f"  {c}: {type(exc).__name__}: {exc}", flush=True)
                             continue
                         print(f"  {wtype} {model} {label} M={m} {c}: {t:.1f} us", flush=True)
+                        timed.append((t, c))
                         if t < best[0]:
                             best = (t, c)
                 gemm(x16, w, y, m, glu=glu, out_f16=glu, config=cfg, stream=stream)  # (the check: no residual)
@@ -218,6 +223,9 @@ def main() -> int:
                        f"{best[0]:.1f} ({_label(bc)}) | {err:.1e} |")
                 print(row, flush=True)
                 lines.append(row)
+                for rank, (t, c) in enumerate(sorted(timed, key=lambda tc: tc[0])[:a.top] if a.sweep else [], 1):
+                    top_rows.append(f"| {wtype} | {model} {label} | {m} | {rank} | {_label(c)}"
+                                    f"{' (the policy)' if c == cfg else ''} | {t:.1f} | {us / t:.2f} |")
                 if ablations:  # (the same launch with parts of its work left out: what each costs)
                     cuts = [run(dataclasses.replace(cfg, ablate=x)) for x in ablations]
                     cut_rows.append(f"| {model} {label} | {m} | {_label(cfg)} | {us:.1f} | "
@@ -228,6 +236,9 @@ def main() -> int:
             w16.free()
             for c in copies:
                 c.buffer.free()
+    if top_rows:
+        lines += ["", f"The {a.top} fastest launch shapes swept per shape and M (x policy: the policy's time over theirs).",
+                  "", "| type | shape | M | rank | launch | µs | x policy |", "|---|---|---:|---:|---|---:|---:|", *top_rows]
     if cut_rows:
         lines += ["", "Ablations: the policy's launch timed with parts of its work left out (its results then meaningless: "
                   "wload the producers copy no weights, decode they store zeros, mma no MMAs, xload no X copies); "
