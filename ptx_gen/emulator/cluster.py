@@ -87,8 +87,7 @@ def barrier(m, inst: Inst, act: np.ndarray, mask: np.ndarray) -> None:
                 raise EmulatorError(f"barrier.cluster.arrive twice without a wait between: {inst.text}")
             m.cbar_target[t] = m.cbar_phase.get(base, 0) + 1
             m.cbar_arrived[base] = m.cbar_arrived.get(base, 0) + 1
-            members = m.cluster_base == base
-            if m.cbar_arrived[base] == int(members.sum()):  # (every thread of the cluster: the phase completes)
+            if m.cbar_arrived[base] == m.cluster_x * m.tpb:  # (every thread of the cluster: the phase completes)
                 m.cbar_phase[base] = m.cbar_phase.get(base, 0) + 1
                 m.cbar_arrived[base] = 0
                 m.phase_ended = True

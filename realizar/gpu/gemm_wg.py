@@ -74,7 +74,7 @@ def ws_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_co
     whose launch has ``WS_SPLIT_K`` CTAs an SM and whose parts keep ``WS_SPLIT_MIN_CHUNKS`` chunks each; the first
     producer split of ``WS_PSPLIT`` whose CTA has the registers; ``WS_PFENCE`` stages fenced at once where it allows;
     X shared by ``WS_XCAST`` CTAs of a cluster with X by a tensor map."""
-    from ptx_gen.kernels.gemm.gemm_ws import CONSUMER_REGS, smem_bytes, threads
+    from ptx_gen.kernels.gemm.gemm_ws import consumers_fit, smem_bytes
     from ptx_gen.kernels.gemm.qstream import F16DEC_TYPES
 
     groups = -(-rows_out // (32 if glu else 64))  # 64-row warpgroups (glu: 32 outputs)
@@ -92,12 +92,12 @@ def ws_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_co
         mt, rg, kp = next(((t, 2, p) for t in tiles if t in WS_SPLIT_K_TILES for p in WS_SPLIT_K_PARTS
                            if p > (kp if t == mt else 1) and chunks % p == 0 and chunks // p >= WS_SPLIT_MIN_CHUNKS
                            and p * -(-groups // 2) * -(-m // t) >= WS_SPLIT_K * sm_count), (mt, rg, kp))
+    cast = WS_XCAST if WS_XTMA else 1
     for r, kparts in dict.fromkeys([(rg, kp), (1, 1)]):
         for ps in dict.fromkeys(WS_PSPLIT + (1,)):
-            if 65536 // threads(mt, r, ps) // 8 * 8 < mt // 2 + CONSUMER_REGS:
+            if not consumers_fit(mt, r, ps):
                 continue
             for stages in WS_STAGES:
-                cast = WS_XCAST if WS_XTMA else 1
                 if ps <= stages and smem_bytes(wtype, in_dim, layout, mt, r, stages, 2, ps, cast) <= max_smem:
                     fence = WS_PFENCE if ps == 1 and WS_PFENCE < stages else 1
                     return WsConfig(mt, r, stages, 2, WS_XTMA, WS_F16DEC and wtype in F16DEC_TYPES, kparts, ps, fence,
@@ -120,8 +120,7 @@ def _row_tiles(cfg: WsConfig, cols: int, glu: bool) -> int:
     """The launch's CTAs along the weight rows: whole clusters of ``cfg.xcast`` (the last one's rows past the weight's
     compute nothing that is written)."""
     tiles = -(-cols // ((8 if glu else 16) * 4 * cfg.rgroups))
-    xcast = getattr(cfg, "xcast", 1)
-    return -(-tiles // xcast) * xcast
+    return -(-tiles // cfg.xcast) * cfg.xcast
 
 
 def split_room(cfg: WsConfig, cols: int, m: int, glu: bool = False) -> tuple[int, int]:

@@ -94,6 +94,7 @@ WS_PFENCE = (1, 2, 4)
 WS_XCAST = (1, 2)
 ABLATIONS = ("wload", "decode", "mma", "xload")  # (diagnostic launches: the work left out, the results meaningless)
 CONSUMER_REGS = 30  # registers a consumer thread needs beside its accumulators (descriptors, barriers, epilogue)
+FULL, EMPTY, RELEASE = 0, 1, 2  # a stage's mbarriers: its tiles landed, its slot freed, the cluster's release (xcast)
 MAX_DYN_SMEM = 227 * 1024
 SK = 64  # k values of a stage (one 128-byte swizzle row)
 ALIGN = 1024  # the swizzle pattern repeats every 8 rows of 128 bytes: tiles start 1024-aligned
@@ -110,6 +111,12 @@ def producer_groups(mt: int, rgroups: int) -> int:
 def threads(mt: int, rgroups: int, psplit: int = 1) -> int:
     """A CTA's threads: its consumer warpgroups and ``psplit`` times its producer warpgroups."""
     return 128 * (rgroups + producer_groups(mt, rgroups) * psplit)
+
+
+def consumers_fit(mt: int, rgroups: int, psplit: int = 1) -> bool:
+    """Whether a consumer thread keeps its ``mt / 2`` accumulators and :data:`CONSUMER_REGS` more registers when the
+    CTA's threads share an SM's 64K registers."""
+    return 65536 // threads(mt, rgroups, psplit) // 8 * 8 >= mt // 2 + CONSUMER_REGS
 
 
 def part_floats(mt: int, rgroups: int, kparts: int) -> int:
@@ -152,7 +159,7 @@ def check_shape(wtype: str, in_dim: int, layout: str, mt: int, rgroups: int, sta
         raise ValueError(f"kparts (CTAs splitting K) must be one of {WS_KPARTS} and divide the {in_dim // CHUNK} chunks "
                          f"of K, got {kparts}")
     regs = 65536 // threads(mt, rgroups, psplit) // 8 * 8  # (a thread's registers with the CTA alone on an SM)
-    if psplit not in WS_PSPLIT or psplit > stages or regs < mt // 2 + CONSUMER_REGS:
+    if psplit not in WS_PSPLIT or psplit > stages or not consumers_fit(mt, rgroups, psplit):
         raise ValueError(f"psplit (producer warpgroups sharing a strip's stages) must be one of {WS_PSPLIT}, at most the "
                          f"{stages} stages (a warp's empty-barrier wait at stage s must follow its wait for stage "
                          f"s - stages: its parity names a phase only within one phase of the barrier's) and leave a "
@@ -393,13 +400,13 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     a0 = smem0  # stage s: A tile at a0 + s ab, B tile at x0 + s xb
     x0 = k.add(smem0, stages * ab)
     ring0 = k.add(smem0, stages * (ab + xb))
-    full0 = k.add(ring0, 4 * rgroups * psplit * wbytes)  # full[s] at full0 + 8 s, empty[s] at full0 + 8 (stages + s)
+    full0 = k.add(ring0, 4 * rgroups * psplit * wbytes)  # barrier s of kind K (bar) at full0 + 8 (K stages + s)
     with k.if_(k.setp("eq", tid, 0)):
         for s in range(stages):
             k.mbarrier_init(k.add(full0, 8 * s) if s else full0, (1 if xtma else group) + 128 * pg)
             k.mbarrier_init(k.add(full0, 8 * (stages + s)), group)
             if xcast > 1:  # (the cluster's release of slot s: each CTA's consumer thread 0, once its own released it)
-                k.mbarrier_init(k.add(full0, 8 * (2 * stages + s)), xcast)
+                k.mbarrier_init(k.add(full0, 8 * (RELEASE * stages + s)), xcast)
     k.fence_mbarrier_init()
     k.bar_sync()
     if xcast > 1:  # (every CTA's barriers exist before another arrives on them or copies into its shared memory)
@@ -411,14 +418,9 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
         """The CTA's first chunk of K."""
         return k.mul(k.ctaid("z"), nc) if kparts > 1 else k.mov(0, "u32")
 
-    def xbar(slot: Reg | int) -> Reg:
-        """The cluster-release mbarrier of ``slot`` (X multicast)."""
-        at = slot + 2 * stages if isinstance(slot, int) else k.add(slot, 2 * stages)
-        return k.add(full0, 8 * at) if isinstance(at, int) else k.add(full0, k.shl(at, 3))
-
-    def bar(slot: Reg | int, empty: bool = False) -> Reg:
-        """The full (else the empty) mbarrier of ``slot``."""
-        at = slot + stages * empty if isinstance(slot, int) else k.add(slot, stages) if empty else slot
+    def bar(slot: Reg | int, kind: int = FULL) -> Reg:
+        """The mbarrier of ``slot`` of ``kind``: FULL, EMPTY or (X multicast) RELEASE, each kind ``stages`` of them."""
+        at = slot + stages * kind if isinstance(slot, int) else k.add(slot, stages * kind) if kind else slot
         return (k.add(full0, 8 * at) if at else full0) if isinstance(at, int) else k.add(full0, k.shl(at, 3))
 
     producer = k.new_label("producer")
@@ -432,12 +434,12 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     scale_d = k.setp("ne", k.mov(1, "u32"), 0)
     acc = [k.var("f32", 0.0) for _ in range(mt // 2)]
     k.grid_dependency_wait()  # X (and the residual) come from the kernels before
-    peer = None
+    rank = peer = None
     if xtma:
         if xcast > 1:  # (X multicast: this CTA copies rows rank mt / 2 .. of each box into both CTAs of its pair)
             rank = k.cluster_rank()
             peer = k.xor(rank, 1)
-        copy_x = _tma_copy_x(k, tid, tok0, x0, xb, mt, bar, rank if xcast > 1 else None, xcast, "xload" in cut)
+        copy_x = _tma_copy_x(k, tid, tok0, x0, xb, mt, bar, rank, xcast, "xload" in cut)
         x_lead = k.setp("eq", tid, 0)
     else:
         copy_x = _copy_x(k, tid, group, tok0, m_all, x0, xb, mt, bar)
@@ -465,18 +467,19 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
             k.wgmma_wait(1)  # the previous stage's MMAs are done: its slot is free
             prev = ring_pos.prev(slot)
             had = k.setp("ne", i, 0) if h == 0 else None
-            k.mbarrier_arrive(bar(prev, empty=True), pred=had)
+            k.mbarrier_arrive(bar(prev, EMPTY), pred=had)
             # the slot's X is rewritten only once every consumer thread has released it: a warp's wgmma.wait_group
             # covers its own wgmma groups, and another warp's (or the other consumer warpgroup's) MMAs may still read
             # the B tile (at i = 0, h = 0: a fresh barrier, passed at once); with X by a tensor map only thread 0
             # writes it, and only it waits (the other warps go on to the next stage)
             if xtma:
                 with k.if_(x_lead):
-                    k.mbarrier_wait(bar(prev, empty=True), ring_pos.prev_parity(h, slot, parity))
+                    empty, prev_parity = bar(prev, EMPTY), ring_pos.prev_parity(h, slot, parity)
+                    k.mbarrier_wait(empty, prev_parity)
                     if peer is not None:  # (and the other CTA's: its thread 0 arrives here, this one there)
-                        _cluster_release(k, xbar(prev), peer, ring_pos.prev_parity(h, slot, parity), had)
+                        _cluster_release(k, bar(prev, RELEASE), peer, prev_parity, had)
             else:
-                k.mbarrier_wait(bar(prev, empty=True), ring_pos.prev_parity(h, slot, parity))
+                k.mbarrier_wait(bar(prev, EMPTY), ring_pos.prev_parity(h, slot, parity))
             # X of the stage that takes the slot next (stages after the previous one), with its A from the producers
             c_next = k.add(i, (h - 1 + stages) // 4)
             live = k.setp("lt", c_next, nc)
@@ -521,10 +524,10 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     wss = [WeightStream(k, wtype, in_dim, layout, glu, lane, r, k.add(cta_strip, st), n_rows, f16dec) for st in strips]
     for ws in wss:
         ws.decode_setup(lane, q)
+    streamed = [] if "wload" in cut else wss  # (the streams whose weights are copied)
     for s in range(wstages - 1):
-        for ws, wbase in zip(wss, wbases):
-            if "wload" not in cut:
-                ws.issue(chunk0, nc, k.mov(s, "u32"), k.add(wbase, s * slot_bytes) if s else wbase)
+        for ws, wbase in zip(streamed, wbases):
+            ws.issue(chunk0, nc, k.mov(s, "u32"), k.add(wbase, s * slot_bytes) if s else wbase)
         k.cp_async_commit()
     k.grid_dependency_wait()  # (the producers read only weights; their first chunks are requested before this)
 
@@ -549,12 +552,12 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
         for h in range(4):
             slot, parity = ring_pos.at(i, h)
             if psplit > 1 and h == 0:  # (every warp streams the whole chunk; only the stage's own warps fill it)
-                _issue_next(k, [] if "wload" in cut else wss, wbases, chunk0, nc, i, wstages, wr)
+                _issue_next(k, streamed, wbases, chunk0, nc, i, wstages, wr)
             with (k.if_(k.setp("eq", phase, h % psplit)) if psplit > 1 else contextlib.nullcontext()):
                 prev = k.xor(parity, 1) if not isinstance(parity, int) else parity ^ 1
-                k.mbarrier_wait(bar(slot, empty=True), prev)
+                k.mbarrier_wait(bar(slot, EMPTY), prev)
                 if h == 0 and psplit == 1:
-                    _issue_next(k, [] if "wload" in cut else wss, wbases, chunk0, nc, i, wstages, wr)
+                    _issue_next(k, streamed, wbases, chunk0, nc, i, wstages, wr)
                 soff = None if isinstance(slot, int) else k.mul(slot, ab)
                 for ws, ch, dst in zip(wss, chs, a_dst):
                     for b in range(2):
@@ -562,16 +565,14 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
                         at, off = (dst[b], slot * ab) if soff is None else (k.add(dst[b], soff), 0)
                         k.store("shared", "u32", at, r_words, off)
                         k.store("shared", "u32", at, r8_words, off + 8 * 128)
-                if pfence == 1:
+                # (pfence stages' stores fenced at once, then announced; a slot held over a stage is copied: advance
+                # moves the register)
+                pending.append(slot if isinstance(slot, int) or pfence == 1 else k.mov(slot, "u32"))
+                if (h + 1) % pfence == 0:
                     k.fence_proxy_async()  # (the stores' generic-proxy writes before the MMAs' async-proxy reads)
-                    k.mbarrier_arrive(bar(slot))
-                else:  # (pfence stages' stores fenced at once, then announced)
-                    pending.append(slot if isinstance(slot, int) else k.mov(slot, "u32"))  # (advance moves the reg)
-                    if (h + 1) % pfence == 0:
-                        k.fence_proxy_async()
-                        for sl in pending:
-                            k.mbarrier_arrive(bar(sl))
-                        pending.clear()
+                    for sl in pending:
+                        k.mbarrier_arrive(bar(sl))
+                    pending.clear()
             ring_pos.advance()
         for v in (rd, wr):
             nxt = k.add(v, slot_bytes)
