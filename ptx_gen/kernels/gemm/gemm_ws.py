@@ -61,7 +61,8 @@ before one ``fence.proxy.async`` and its arrivals on them.
 
 **Ablations** (``ablate``, diagnostic launches only: their results are meaningless): ``wload`` the producers copy no
 weights, ``decode`` they store zeros instead of decoding, ``mma`` the consumers issue no MMAs, ``xload`` no X is
-copied; every barrier and the rest of the work stay, so the time left out says what that part costs
+copied, ``fence`` the producers skip ``fence.proxy.async``, ``xwait`` the X copy's thread skips its wait for the slot's
+release (X by a tensor map); every other barrier and the rest of the work stay, so the time left out says what that part costs
 (``tools/bench_gemm_wg.py --ablate``).
 
 Params: w, x, y, [bias], [residual], m (tokens), n (weight rows), lda, ldy, [part, counters], [xmap]. Requirements:
@@ -92,7 +93,8 @@ WS_KPARTS = (1, 2, 4)
 WS_PSPLIT = (1, 2, 4)
 WS_PFENCE = (1, 2, 4)
 WS_XCAST = (1, 2)
-ABLATIONS = ("wload", "decode", "mma", "xload")  # (diagnostic launches: the work left out, the results meaningless)
+ABLATIONS = ("wload", "decode", "mma", "xload", "fence", "xwait")  # (diagnostic launches: the work left out, the results
+# meaningless)
 CONSUMER_REGS = 30  # registers a consumer thread needs beside its accumulators (descriptors, barriers, epilogue)
 FULL, EMPTY, RELEASE = 0, 1, 2  # a stage's mbarriers: its tiles landed, its slot freed, the cluster's release (xcast)
 MAX_DYN_SMEM = 227 * 1024
@@ -365,8 +367,8 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     meta["rows_per_cta"]), ceil(m / mt), kparts), block meta["block"], dyn_smem meta["dyn_smem"]."""
     check_shape(wtype, in_dim, layout, mt, rgroups, stages, wstages, kparts, psplit, pfence, xcast, xtma)
     cut = set(ablate.split("+")) - {""}  # (a diagnostic launch: these parts of the work left out)
-    if cut - set(ABLATIONS) or ("xload" in cut and (not xtma or xcast > 1)):
-        raise ValueError(f"ablate takes '+'-joined parts of {ABLATIONS} (xload with X by a tensor map, no multicast), "
+    if cut - set(ABLATIONS) or (cut & {"xload", "xwait"} and (not xtma or xcast > 1)):
+        raise ValueError(f"ablate takes '+'-joined parts of {ABLATIONS} (xload, xwait with X by a tensor map, no multicast), "
                          f"got {ablate!r}")
     flags, params = epilogue_signature(["w", "x", "y"], ["m", "n", "lda", "ldy"], bias=bias, residual=residual,
                                        out_f16=out_f16, glu=glu, layout=layout)
@@ -475,7 +477,8 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
             if xtma:
                 with k.if_(x_lead):
                     empty, prev_parity = bar(prev, EMPTY), ring_pos.prev_parity(h, slot, parity)
-                    k.mbarrier_wait(empty, prev_parity)
+                    if "xwait" not in cut:
+                        k.mbarrier_wait(empty, prev_parity)
                     if peer is not None:  # (and the other CTA's: its thread 0 arrives here, this one there)
                         _cluster_release(k, bar(prev, RELEASE), peer, prev_parity, had)
             else:
@@ -569,7 +572,8 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
                 # moves the register)
                 pending.append(slot if isinstance(slot, int) or pfence == 1 else k.mov(slot, "u32"))
                 if (h + 1) % pfence == 0:
-                    k.fence_proxy_async()  # (the stores' generic-proxy writes before the MMAs' async-proxy reads)
+                    if "fence" not in cut:
+                        k.fence_proxy_async()  # (the stores' generic-proxy writes before the MMAs' async-proxy reads)
                     for sl in pending:
                         k.mbarrier_arrive(bar(sl))
                     pending.clear()
