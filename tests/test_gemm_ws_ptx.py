@@ -473,7 +473,7 @@ def test_policy_with_x_multicast_fits_and_pairs_whole_clusters(monkeypatch):
     assert host.split_room(odd, 16 * 4 * 63, 256)[1] == 64 * 2  # (63 row tiles: 32 pairs)
 
 
-@pytest.mark.parametrize("ablate", ["wload", "decode", "mma", "xload", "decode+mma", "fence", "xwait",
+@pytest.mark.parametrize("ablate", ["wload", "decode", "mma", "xload", "decode+mma", "fence", "xwait", "epilogue",
                                     "wload+decode+mma+xload+fence+xwait"])
 def test_gemm_ws_ablations_run_to_the_end_and_assemble(ablate):
     """The diagnostic launches (parts of the work left out): each runs through every barrier to its end in the emulator

@@ -117,7 +117,7 @@ def main() -> int:
                     help="--sweep: the fastest candidates kept per shape and M, in a table of their own (0: none)")
     ap.add_argument("--ablate", default="",
                     help="gemm_ws: also time the policy's launch with these parts of the work left out (comma-separated "
-                         "among wload, decode, mma, xload, fence, xwait, each '+'-joinable: decode+mma), in a table of "
+                         "among wload, decode, mma, xload, fence, xwait, epilogue, each '+'-joinable: decode+mma), in a table of "
                          "their own")
     ap.add_argument("--xtma", action=argparse.BooleanOptionalAction,
                     help="gemm_ws: the policy's launch shapes with X by a tensor map (--no-xtma: by 16-byte copies; "
@@ -243,7 +243,8 @@ def main() -> int:
     if cut_rows:
         lines += ["", "Ablations: the policy's launch timed with parts of its work left out (its results then meaningless: "
                   "wload the producers copy no weights, decode they store zeros, mma no MMAs, xload no X copies, fence "
-                  "the producers skip fence.proxy.async, xwait the X copy skips its wait for the slot); "
+                  "the producers skip fence.proxy.async, xwait the X copy skips its wait for the slot, epilogue no outputs "
+                  "written); "
                   "µs and the ratio to the whole launch.", "",
                   "| shape | M | launch | whole µs | " + " | ".join(f"no {x} µs" for x in ablations) + " |",
                   "|---|---:|---|---:|" + "---:|" * len(ablations), *cut_rows]

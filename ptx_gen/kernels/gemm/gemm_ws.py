@@ -62,7 +62,7 @@ before one ``fence.proxy.async`` and its arrivals on them.
 **Ablations** (``ablate``, diagnostic launches only: their results are meaningless): ``wload`` the producers copy no
 weights, ``decode`` they store zeros instead of decoding, ``mma`` the consumers issue no MMAs, ``xload`` no X is
 copied, ``fence`` the producers skip ``fence.proxy.async``, ``xwait`` the X copy's thread skips its wait for the slot's
-release (X by a tensor map); every other barrier and the rest of the work stay, so the time left out says what that part costs
+release (X by a tensor map), ``epilogue`` the outputs are not written; every other barrier and the rest of the work stay, so the time left out says what that part costs
 (``tools/bench_gemm_wg.py --ablate``).
 
 Params: w, x, y, [bias], [residual], m (tokens), n (weight rows), lda, ldy, [part, counters], [xmap]. Requirements:
@@ -93,7 +93,7 @@ WS_KPARTS = (1, 2, 4)
 WS_PSPLIT = (1, 2, 4)
 WS_PFENCE = (1, 2, 4)
 WS_XCAST = (1, 2)
-ABLATIONS = ("wload", "decode", "mma", "xload", "fence", "xwait")  # (diagnostic launches: the work left out, the results
+ABLATIONS = ("wload", "decode", "mma", "xload", "fence", "xwait", "epilogue")  # (diagnostic launches: the work left out, the results
 # meaningless)
 CONSUMER_REGS = 30  # registers a consumer thread needs beside its accumulators (descriptors, barriers, epilogue)
 FULL, EMPTY, RELEASE = 0, 1, 2  # a stage's mbarriers: its tiles landed, its slot freed, the cluster's release (xcast)
@@ -501,7 +501,8 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
         ffn, first = None, k.shl(strip, 4)
     tiles = [acc[4 * t:4 * t + 4] for t in range(mt // 8)]
     r_strip = k.or_(k.shl(k.and_(r, 3), 1), k.shr(r, 2))  # (the strip row whose A row is r: the inverse of _a_row)
-    epilogue(k, tiles, r_strip, q, m_all, n_rows, first, ffn, bias, residual, out_f16, glu, tok_base=tok0)
+    if "epilogue" not in cut:
+        epilogue(k, tiles, r_strip, q, m_all, n_rows, first, ffn, bias, residual, out_f16, glu, tok_base=tok0)
     if leave is not None:
         k.label(leave)
         k.cluster_sync()
