@@ -153,6 +153,19 @@ def test_gemm_ws_k_split_over_two_ctas(epi):
          residual={"in_place": "in_place", "bias_residual": "buffer"}.get(epi), out_f16=epi in ("f16", "glu"), glu=glu)
 
 
+@pytest.mark.parametrize("epi", ["bias_residual", "in_place", "f16", "glu"])
+def test_gemm_ws_staged_epilogue_rows_by_vectors_and_the_edges(epi):
+    """The epilogue's two paths in one launch: Y's rows a multiple of 4 outputs apart (16-byte aligned: whole quads by
+    vectors), N two outputs past its last whole quad (that quad one output at a time), tokens past m in the last
+    token tile; every output right and nothing written between Y's rows (run_emulated checks both)."""
+    glu = epi == "glu"
+    cols = 70 if not glu else 38
+    _run("gemm_ws", dict(mt=64, rgroups=2 if glu else 1, stages=2, xtma=True), "Q4_K", "glu-tiles" if glu else "tiles",
+         2 * cols if glu else cols, 512, 77, np.random.default_rng(23), bias=epi == "bias_residual",
+         residual={"in_place": "in_place", "bias_residual": "buffer"}.get(epi), out_f16=epi in ("f16", "glu"), glu=glu,
+         ldy=cols + 6)
+
+
 @pytest.mark.parametrize("shape", [s for s in catalog.spec("gemm_ws").grid])
 def test_gemm_ws_grid_assembles_without_spills(shape):
     k = catalog.emit("gemm_ws", target="sm_90", **shape)

@@ -27,7 +27,8 @@ the producers run up to ``stages`` stages ahead of them.
 past N are not copied (their outputs are never written). K must be a multiple of 256 (whole chunks). Epilogue
 (consumers, per output ``Y[t, c]``, f32 or f16 with ``out_f16``, row stride ``ldy``): ``+ bias[c]``,
 ``+ residual[t, c]`` (may be Y itself); ``glu``: W is [gate; up] and ``Y[t, j] = silu(gate) * up`` (a producer
-warp's rows 0-7 gate, 8-15 up).
+warp's rows 0-7 gate, 8-15 up); through shared memory, so that Y is written a row of the tile at a time
+(:mod:`ptx_gen.kernels.gemm.staged_epilogue`).
 
 **X by a tensor map** (``xtma``): consumer thread 0 copies each stage's X with one ``cp.async.bulk.tensor`` (the
 tensor map ``xmap``, passed by value: X as m rows of K f16 values ``lda`` apart, boxes of 64 x ``mt`` landing in the
@@ -62,7 +63,8 @@ before one ``fence.proxy.async`` and its arrivals on them.
 **Ablations** (``ablate``, diagnostic launches only: their results are meaningless): ``wload`` the producers copy no
 weights, ``decode`` they store zeros instead of decoding, ``mma`` the consumers issue no MMAs, ``xload`` no X is
 copied, ``fence`` the producers skip ``fence.proxy.async``, ``xwait`` the X copy's thread skips its wait for the slot's
-release (X by a tensor map), ``epilogue`` the outputs are not written; every other barrier and the rest of the work stay, so the time left out says what that part costs
+release (X by a tensor map), ``epilogue`` no outputs are written (ptxas then drops the MMAs too: their results go
+unused); every other barrier and the rest of the work stay, so the time left out says what that part costs
 (``tools/bench_gemm_wg.py --ablate``).
 
 Params: w, x, y, [bias], [residual], m (tokens), n (weight rows), lda, ldy, [part, counters], [xmap]. Requirements:
@@ -79,10 +81,10 @@ from ptx_gen.builder import KernelBuilder, Module, Reg
 from ptx_gen.operands import TENSOR_MAP
 from ptx_gen.catalog import kernel
 from ptx_gen.kernels.dequant.dequant import check_weight_layout
-from ptx_gen.kernels.gemm.gemm_q import epilogue
 from ptx_gen.kernels.gemm.signature import epilogue_signature
 from ptx_gen.kernels.gemm.gemm_ws_grid import grid
 from ptx_gen.kernels.gemm.qstream import CHUNK, WeightStream, seg_bytes, warp_bytes
+from ptx_gen.kernels.gemm.staged_epilogue import stage_bytes, staged_epilogue, tile_cols
 
 __all__ = ["WS_MTS", "check_shape", "gemm_ws", "part_floats", "smem_bytes", "threads"]
 
@@ -93,8 +95,8 @@ WS_KPARTS = (1, 2, 4)
 WS_PSPLIT = (1, 2, 4)
 WS_PFENCE = (1, 2, 4)
 WS_XCAST = (1, 2)
-ABLATIONS = ("wload", "decode", "mma", "xload", "fence", "xwait", "epilogue")  # (diagnostic launches: the work left out, the results
-# meaningless)
+# (diagnostic launches: the work left out, the results meaningless)
+ABLATIONS = ("wload", "decode", "mma", "xload", "fence", "xwait", "epilogue")
 CONSUMER_REGS = 30  # registers a consumer thread needs beside its accumulators (descriptors, barriers, epilogue)
 FULL, EMPTY, RELEASE = 0, 1, 2  # a stage's mbarriers: its tiles landed, its slot freed, the cluster's release (xcast)
 MAX_DYN_SMEM = 227 * 1024
@@ -134,11 +136,16 @@ def x_bytes(mt: int) -> int:
     return mt * 2 * SK
 
 
+def tiles_bytes(mt: int, rgroups: int, stages: int) -> int:
+    """The stages' A and B tiles, which the epilogue's staged output tile takes over (as large, if that is larger)."""
+    return max(stages * (a_bytes(rgroups) + x_bytes(mt)), stage_bytes(mt, rgroups))
+
+
 def smem_bytes(wtype: str, in_dim: int, layout: str, mt: int, rgroups: int, stages: int, wstages: int,
                psplit: int = 1, xcast: int = 1) -> int:
-    """Alignment slack, the stages' A and B tiles, every producer warp's weight stream, two mbarriers a stage (three
-    with X multicast: the cluster's release of the slot)."""
-    return (ALIGN + stages * (a_bytes(rgroups) + x_bytes(mt))
+    """Alignment slack, the stages' A and B tiles (or the epilogue's output tile), every producer warp's weight stream,
+    two mbarriers a stage (three with X multicast: the cluster's release of the slot)."""
+    return (ALIGN + tiles_bytes(mt, rgroups, stages)
             + 4 * rgroups * psplit * warp_bytes(wtype, in_dim, layout, wstages) + (24 if xcast > 1 else 16) * stages)
 
 
@@ -401,7 +408,7 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     smem0 = k.and_(k.add(k.dynamic_shared(), ALIGN - 1), -ALIGN & 0xFFFFFFFF)
     a0 = smem0  # stage s: A tile at a0 + s ab, B tile at x0 + s xb
     x0 = k.add(smem0, stages * ab)
-    ring0 = k.add(smem0, stages * (ab + xb))
+    ring0 = k.add(smem0, tiles_bytes(mt, rgroups, stages))
     full0 = k.add(ring0, 4 * rgroups * psplit * wbytes)  # barrier s of kind K (bar) at full0 + 8 (K stages + s)
     with k.if_(k.setp("eq", tid, 0)):
         for s in range(stages):
@@ -494,15 +501,11 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     leave = k.new_label("leave") if xcast > 1 else None  # (a cluster's CTAs leave together: none exits early)
     if kparts > 1:
         _sum_parts(k, acc, tid, group, a0, kparts, leave)
-    strip = k.add(k.mul(k.ctaid(), 4 * rgroups), k.add(k.shl(g, 2), k.and_(warp, 3)))
-    if glu:
-        ffn, first = k.shr(n_rows, 1), k.shl(strip, 3)
-    else:
-        ffn, first = None, k.shl(strip, 4)
-    tiles = [acc[4 * t:4 * t + 4] for t in range(mt // 8)]
     r_strip = k.or_(k.shl(k.and_(r, 3), 1), k.shr(r, 2))  # (the strip row whose A row is r: the inverse of _a_row)
     if "epilogue" not in cut:
-        epilogue(k, tiles, r_strip, q, m_all, n_rows, first, ffn, bias, residual, out_f16, glu, tok_base=tok0)
+        staged_epilogue(k, acc, a0, group, tid, k.add(k.shl(g, 2), k.and_(warp, 3)), r_strip, q, m_all,
+                        k.shr(n_rows, 1) if glu else n_rows, k.mul(k.ctaid(), tile_cols(rgroups, glu)), tok0, mt,
+                        rgroups, glu, bias, residual, out_f16)
     if leave is not None:
         k.label(leave)
         k.cluster_sync()
