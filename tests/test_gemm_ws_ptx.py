@@ -315,7 +315,9 @@ def test_policy_shapes_fit_take_x_by_tma_and_assemble(monkeypatch, wtype, split)
         assert (o.mt, o.rgroups, o.kparts) == want, o
         assert ws_config(wtype, 14336, "tiles", 4096, 128, 132, 227 * 1024).mt == 128
         down = ws_config(wtype, 14336, "tiles", 4096, 256, 132, 227 * 1024)
-        assert down.kparts == (2 if 256 in tiles or split else 1) and down.rgroups == (2 if split else 1), down
+        assert down.kparts == (2 if 256 in tiles or split else 1), down  # (split first on the 256-token tile: the
+        # K split of two warpgroups on 128-token tiles does not replace it)
+        assert (down.mt, down.rgroups) == ((256, 1) if 256 in tiles else (128, 2 if split else 1)), down
     # (WS_TILE_FILL: 192 tokens on one 256-token tile, not a full and a half-empty 128-token tile)
     assert ws_config(wtype, 4096, "glu-tiles", 14336, 192, 132, 227 * 1024, glu=True).mt == 256
     assert ws_config(wtype, 4096, "glu-tiles", 14336, 128, 132, 227 * 1024, glu=True).mt == 128

@@ -69,7 +69,8 @@ def ws_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_co
     where ``WS_F16DEC`` and the type has that decoder; K split over two CTAs of the largest tile where a smaller tile
     would be taken, that tile is one of ``WS_SPLIT_FIRST`` and each part keeps ``WS_SPLIT_FIRST_MIN_CHUNKS`` chunks,
     else K split in two on the smallest tile where its launch has fewer than ``WS_SPLIT_SMALL`` CTAs an SM; then, for
-    a launch of one consumer warpgroup a CTA, the largest tile of ``WS_SPLIT_K_TILES`` (that m fills as above) with two
+    a launch of one consumer warpgroup a CTA (not split already on a tile outside ``WS_SPLIT_K_TILES``), the largest
+    tile of ``WS_SPLIT_K_TILES`` (that m fills as above) with two
     warpgroups a CTA and K split over the first part count of ``WS_SPLIT_K_PARTS`` (above the launch's own on its tile)
     whose launch has ``WS_SPLIT_K`` CTAs an SM and whose parts keep ``WS_SPLIT_MIN_CHUNKS`` chunks each; the first
     producer split of ``WS_PSPLIT`` whose CTA has the registers; ``WS_PFENCE`` stages fenced at once where it allows;
@@ -88,7 +89,8 @@ def ws_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_co
         kp = 2  # (the smallest tile, K split over two CTAs)
     wide = {128: WS_WIDE, 256: WS_WIDE_256}.get(mt)
     rg = 2 if kp == 1 and wide is not None and -(-groups // 2) * -(-m // mt) >= wide * sm_count else 1
-    if rg == 1 and WS_SPLIT_K:  # (the largest tile of WS_SPLIT_K_TILES with two warpgroups and enough parts)
+    if rg == 1 and WS_SPLIT_K and (kp == 1 or mt in WS_SPLIT_K_TILES):  # (the largest tile of WS_SPLIT_K_TILES with
+        # two warpgroups and enough parts; a K split on another tile stays)
         mt, rg, kp = next(((t, 2, p) for t in tiles if t in WS_SPLIT_K_TILES for p in WS_SPLIT_K_PARTS
                            if p > (kp if t == mt else 1) and chunks % p == 0 and chunks // p >= WS_SPLIT_MIN_CHUNKS
                            and p * -(-groups // 2) * -(-m // t) >= WS_SPLIT_K * sm_count), (mt, rg, kp))

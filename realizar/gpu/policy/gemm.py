@@ -72,7 +72,8 @@ WS_WIDE = 1.5
 # two consumer warpgroups on 256-token tiles (128 weight rows, the tokens' X read once for both; one producer warpgroup)
 # where the launch still has this many CTAs per SM
 WS_WIDE_256 = 0.7
-# A / B ring depths tried, deepest first (the first that fits the shared memory)
+# A / B ring depths tried, deepest first (the first that fits the shared memory). H200, 6 first: 8B Q4_K batched decode
+# 1.008x / 1.003x the step at B = 128 / 256, but 1B at 256 rows 0.93x (session 32), so not taken
 WS_STAGES = (4, 3, 2)
 # producer warpgroups a strip tried, in order (each fills every psplit-th stage: the decode's latency shared among more
 # warps), the first whose CTA keeps a consumer's registers and fits the shared memory with a ring of WS_STAGES. H200, 8B
@@ -108,11 +109,12 @@ WS_SPLIT_K_PARTS = (2, 4)
 WS_SPLIT_MIN_CHUNKS = 12
 # where the largest token tile not above m is one of these and has too few CTAs (WS_MIN_WAVE), split K over two CTAs of
 # that tile instead of taking a smaller tile (each weight decoded once a step instead of once a token tile). H200, 8B
-# Q4_K batched decode: at 128 rows (o and down on a 128-token tile) 1.05x the step; at 256 rows (a 256-token tile)
-# 0.97x, so not there (docs/results/bench_serving_ws_ab_h200.md, session 30)
-WS_SPLIT_FIRST = (128,)
-# ... where each of the two parts keeps at least this many chunks of K (else, o at 128 rows:)
-WS_SPLIT_FIRST_MIN_CHUNKS = 12
+# Q4_K batched decode: at 128 rows (o and down on a 128-token tile) 1.05x the step (session 30); with the epilogue
+# through shared memory also at 256 rows (o and down on a 256-token tile) and for o at 128 (8 chunks a part): 1.012x
+# the step at B = 128, 1.039x at 256 against (128,) with 12 chunks (docs/results/bench_serving_ws_ab_h200.md, session 32)
+WS_SPLIT_FIRST = (256, 128)
+# ... where each of the two parts keeps at least this many chunks of K (else, 1B's o at 128 rows:)
+WS_SPLIT_FIRST_MIN_CHUNKS = 8
 # a launch on the smallest token tile with fewer than this many CTAs per SM splits K in two (its CTAs small enough that
 # two share an SM); 0: never. H200, both with WS_SPLIT_FIRST_MIN_CHUNKS, A/B'd on the batched decode step: 8B 1.008x /
 # 1.035x at 96 / 128 rows, 1B 1.154x / 1.140x (docs/results/bench_serving_ws_ab_h200.md, session 31 call 8)
