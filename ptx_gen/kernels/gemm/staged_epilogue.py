@@ -43,8 +43,8 @@ def _log2(v: int) -> int:
 def staged_epilogue(k: KernelBuilder, acc: list, stage0: Reg, group: int, tid: Reg, strip: Reg, r_strip: Reg, q: Reg,
                     m_all: Reg, n_lim: Reg, c_first: Reg, tok0: Reg, mt: int, rgroups: int, glu: bool, bias: bool,
                     residual: bool, out_f16: bool) -> None:
-    """``acc[4 t ..]``: (Y[8 t + 2 q, a], Y[8 t + 2 q + 1, a], Y[8 t + 2 q, a + 8], Y[8 t + 2 q + 1, a + 8]) with ``a`` row
-    ``r_strip`` of the thread's 16-row ``strip`` (within the CTA); with ``glu`` (gate, gate, up, up) of output
+    """``acc[4 t ..]``: (Y[8 t + 2 q, a], Y[8 t + 2 q + 1, a], Y[8 t + 2 q, a + 8], Y[8 t + 2 q + 1, a + 8]) with
+    ``a`` row ``r_strip`` of the thread's 16-row ``strip`` (within the CTA); with ``glu`` (gate, gate, up, up) of output
     ``8 strip + r_strip``. ``n_lim``: the outputs that exist (N, or N / 2 with glu); ``c_first``: the CTA's first.
     Every consumer thread calls it (named barrier 1 of ``group`` threads); shared memory from ``stage0`` on is free once
     every consumer's MMAs are done."""

@@ -84,8 +84,8 @@ WS_PSPLIT = (1,)
 # 5-stage rings 1.019x / 1.010x (docs/results/bench_serving_ws_ab_h200.md, session 31)
 WS_PFENCE = 2
 # CTAs of a cluster that share each token tile's X (with WS_XTMA): each copies its part of a stage's box into all of
-# them (TMA multicast), so a token tile's X leaves L2 once for that many weight tiles. H200, 8B Q4_K batched decode: 2 is
-# 0.68x / 0.75x the step at B = 128 / 256 (session 32), so 1
+# them (TMA multicast), so a token tile's X leaves L2 once for that many weight tiles. H200, 8B Q4_K batched decode:
+# 2 is 0.68x / 0.75x the step at B = 128 / 256 (session 32), so 1
 WS_XCAST = 1
 # the types of qstream.F16DEC_TYPES decoded in f16x2 arithmetic (each weight within about two f16 roundings of its
 # exact value; H200, 8B Q4_K as the step runs it: 2-7% faster at every shape, docs/results/bench_gemm_ws_step_h200.md)
@@ -112,7 +112,8 @@ WS_SPLIT_MIN_CHUNKS = 12
 # that tile instead of taking a smaller tile (each weight decoded once a step instead of once a token tile). H200, 8B
 # Q4_K batched decode: at 128 rows (o and down on a 128-token tile) 1.05x the step (session 30); with the epilogue
 # through shared memory also at 256 rows (o and down on a 256-token tile) and for o at 128 (8 chunks a part): 1.012x
-# the step at B = 128, 1.039x at 256 against (128,) with 12 chunks (docs/results/bench_serving_ws_ab_h200.md, session 32)
+# the step at B = 128, 1.039x at 256 against (128,) with 12 chunks (docs/results/bench_serving_ws_ab_h200.md,
+# session 32)
 WS_SPLIT_FIRST = (256, 128)
 # ... where each of the two parts keeps at least this many chunks of K (else, 1B's o at 128 rows:)
 WS_SPLIT_FIRST_MIN_CHUNKS = 8
