@@ -84,6 +84,7 @@ from ptx_gen.kernels.dequant.dequant import check_weight_layout
 from ptx_gen.kernels.gemm.signature import epilogue_signature
 from ptx_gen.kernels.gemm.gemm_ws_grid import grid
 from ptx_gen.kernels.gemm.qstream import CHUNK, WeightStream, seg_bytes, warp_bytes
+from ptx_gen.kernels.gemm.gemm_ws_parts import RingPosition, cluster_release, sum_parts, x_by_cp_async, x_by_tensor_map
 from ptx_gen.kernels.gemm.staged_epilogue import stage_bytes, staged_epilogue, tile_cols
 
 __all__ = ["WS_MTS", "check_shape", "gemm_ws", "part_floats", "smem_bytes", "threads"]
@@ -187,166 +188,6 @@ def check_shape(wtype: str, in_dim: int, layout: str, mt: int, rgroups: int, sta
                          f"{smem} bytes of shared memory, more than {MAX_DYN_SMEM}")
 
 
-def _copy_x(k: KernelBuilder, tid: Reg, group: int, tok0: Reg, m_all: Reg, x0: Reg, xb: int, mt: int, bar):
-    """The consumers' X copies: 8 threads a token (the thread's 16-byte piece xp), group / 8 tokens a pass, each
-    thread's copies arriving on the stage's full barrier (``cp.async.mbarrier.arrive.noinc``). Returns
-    ``copy_x(c, h, slot, ok)``: X of stage (chunk ``c``, ``h``) into ``slot`` where ``ok``."""
-    tpp = group // 8
-    xp, xn = k.and_(tid, 7), k.shr(tid, 3)
-    lda2 = k.shl(k.param("lda"), 1)
-    t_first = k.add(tok0, xn)
-    x_src = k.add(k.global_ptr("x"), k.add(k.mul_wide(t_first, lda2), k.cvt(k.shl(xp, 4), "u64")))
-    x_pass = k.mul_wide(lda2, tpp)
-    left = k.sub(m_all, t_first, "s32")  # tokens from the thread's first one to m (past m: not copied, not written)
-    x_live = [k.setp("gt", left, v * tpp, "s32") for v in range(mt // tpp)]
-    x_dst = k.add(k.add(x0, k.shl(xn, 7)), k.shl(k.xor(xp, k.and_(xn, 7)), 4))
-
-    def copy_x(c: Reg, h: int, slot: Reg | int, ok: Reg | None) -> None:
-        src = k.add(x_src, k.cvt(k.add(k.shl(c, 9), 128 * h), "u64"))  # (chunk c's X starts 512 c bytes into a row)
-        dst, off = (x_dst, slot * xb) if isinstance(slot, int) else (k.mad(slot, xb, x_dst), 0)
-        for v, live in enumerate(x_live):
-            if v:
-                src = k.add(src, x_pass)
-            k.cp_async(dst, src, pred=k.both(ok, live), dst_offset=off + v * tpp * 128)
-        k.cp_async_mbarrier_arrive(bar(slot), pred=ok)
-
-    return copy_x
-
-
-def _tma_copy_x(k: KernelBuilder, tid: Reg, tok0: Reg, x0: Reg, xb: int, mt: int, bar, rank: Reg | None = None,
-                xcast: int = 1, skip: bool = False):
-    """X by the tensor map ``xmap``: consumer thread 0 announces a stage's ``mt`` x 128 bytes on its full barrier
-    (its one arrival there) and copies the box (k ``256 c + 64 h`` .., tokens ``tok0`` ..), which lands in the
-    128-byte swizzle the B tile is read in; tokens past m land as zeros. With ``xcast`` (the map's boxes ``mt /
-    xcast`` tokens) it copies tokens ``tok0 + rank mt / xcast`` .. into that part of the B tile of every CTA of its
-    cluster, whose copies fill the rest. ``skip`` (a diagnostic launch): thread 0 only arrives. Returns ``copy_x`` as
-    :func:`_copy_x`."""
-    lead = k.setp("eq", tid, 0)
-    xmap = k.param_address("xmap")
-    if rank is not None:
-        part = mt // xcast
-        tok0 = k.mad(rank, part, tok0)
-        x0 = k.mad(rank, part * 128, x0)
-
-    def copy_x(c: Reg, h: int, slot: Reg | int, ok: Reg | None) -> None:
-        go = k.both(ok, lead)
-        at = bar(slot)
-        if skip:
-            k.mbarrier_arrive(at, pred=go)
-            return
-        dst = (k.add(x0, slot * xb) if slot else x0) if isinstance(slot, int) else k.mad(slot, xb, x0)
-        k.mbarrier_expect_tx(at, mt * 128, pred=go)
-        k.cp_async_bulk_tensor_2d(dst, xmap, k.add(k.shl(c, 8), 64 * h), tok0, at, pred=go,
-                                  multicast=(1 << xcast) - 1 if rank is not None else None)
-
-    return copy_x
-
-
-def _cluster_release(k: KernelBuilder, xbar: Reg, peer: Reg, parity: Reg | int, had: Reg | None) -> None:
-    """X multicast, consumer thread 0 once its CTA released a slot (``had``: there was a use to release): arrive on
-    the slot's cluster-release barrier here, then on the other CTA's (in that order: the other cannot see this phase
-    complete before this CTA's own arrival is in), and wait until both have (the other's copy into this CTA's slot,
-    and this one's into the other's, may then start)."""
-    with (k.if_(had) if had is not None else contextlib.nullcontext()):
-        k.mbarrier_arrive(xbar)
-        k.mbarrier_arrive_cluster(k.mapa(xbar, peer))
-        k.mbarrier_wait(xbar, parity)
-
-
-class _RingPosition:
-    """The ring slot of stage ``4 i + h`` (chunk ``i``, its 64-k part ``h``) and the parity of the slot's use: immediates
-    (and ``i``'s low bit) where ``stages`` divides a chunk's 4 stages, else registers that :meth:`advance` moves on
-    one stage (the stages taken in order, each once)."""
-
-    def __init__(self, k: KernelBuilder, stages: int):
-        self.k, self.stages = k, stages
-        self.dynamic = 4 % stages != 0
-        if self.dynamic:
-            self.slot, self.parity = k.var("u32", 0), k.var("u32", 0)
-
-    def at(self, i: Reg, h: int) -> tuple[Reg | int, Reg | int]:
-        if self.dynamic:
-            return self.slot, self.parity
-        if self.stages == 4:
-            return h, self.k.and_(i, 1)
-        return h & 1, (h >> 1) & 1
-
-    def prev(self, slot: Reg | int) -> Reg | int:
-        """The slot of the stage before the one in ``slot``."""
-        if isinstance(slot, int):
-            return (slot - 1) % self.stages
-        k = self.k
-        return k.selp(self.stages - 1, k.sub(slot, 1), k.setp("eq", slot, 0), "u32")
-
-    def prev_parity(self, h: int, slot: Reg | int, parity: Reg | int) -> Reg | int:
-        """The parity of the previous stage's use of its slot, given stage ``4 i + h``'s ``slot`` and ``parity``."""
-        k = self.k
-        if self.dynamic:  # (the same pass of the ring unless this stage opened one)
-            return k.selp(k.xor(parity, 1), parity, k.setp("eq", slot, 0), "u32")
-        if self.stages == 4:
-            return parity if h else k.xor(parity, 1)
-        return ((h - 1) // 2) & 1
-
-    def advance(self) -> None:
-        if not self.dynamic:
-            return
-        k = self.k
-        wrap = k.setp("eq", self.slot, self.stages - 1)
-        k.assign(self.slot, k.selp(0, k.add(self.slot, 1), wrap, "u32"))
-        k.assign(self.parity, k.selp(k.xor(self.parity, 1), self.parity, wrap, "u32"))
-
-
-def _sum_parts(k: KernelBuilder, acc: list, tid: Reg, group: int, flag_at: Reg, kparts: int = 2,
-               leave: str | None = None) -> None:
-    """K split over ``kparts`` CTAs (grid z): each writes its accumulators to ``part`` (16-byte pieces, piece ``j`` of
-    every consumer thread side by side: coalesced), the consumers' threads fence and meet, thread 0 counts the CTA at
-    its output tile's counter (``atom.inc`` with bound kparts - 1: it wraps back to zero on the last arrival); all but
-    the last return, the last sums and runs the epilogue. Two parts: the other's floats added to its own (the same
-    whichever CTA comes last); four: the four read back and added in the order of z. ``flag_at``: a shared u32 free
-    after the main loop (it tells the consumers which CTA they are in). ``leave``: the label the others branch to
-    instead of returning."""
-    n = len(acc)
-    tile = k.add(k.mul(k.ctaid("y"), k.sreg("nctaid.x")), k.ctaid())
-    base, part = k.global_ptr("part"), k.ctaid("z")
-
-    def pieces_of(p: Reg | int) -> Reg:  # (the CTA's n / 4 pieces of group threads: piece j of thread t at 16 (j group
-        # + t))
-        first = k.shl(tile, kparts.bit_length() - 1)
-        return k.add(base, k.mul_wide(k.mad(k.add(first, p) if p else first, group * n // 4, tid), 16))
-
-    mine = pieces_of(part)
-    for j in range(0, n, 4):
-        k.store("global", "f32", mine, acc[j:j + 4], 4 * j * group)
-    k.fence("gl")  # (this thread's partial sums are visible GPU-wide before its CTA is counted)
-    k.bar_sync(1, group)
-    counter = k.add(k.global_ptr("counters"), k.mul_wide(tile, 4))
-    with k.if_(k.setp("eq", tid, 0)):
-        second = k.setp("eq", k.atom("global", "inc", "u32", counter, kparts - 1), kparts - 1)  # (the last: the
-        # counter is back at zero)
-        with k.if_(second):
-            k.fence("gl")  # (acquire: the first CTA's partial sums are visible from here on)
-        k.store("shared", "u32", flag_at, k.selp(1, 0, second, "u32"))
-    k.bar_sync(1, group)
-    with k.if_(k.setp("eq", k.load("shared", "u32", flag_at), 0)):
-        if leave is None:
-            k.ret()
-        else:
-            k.bra(leave)
-    if kparts == 2:
-        other = pieces_of(k.xor(part, 1))
-        for j in range(0, n, 4):
-            vals = k.load("global", "f32", other, 4 * j * group, vec=4, cache="cg")
-            for e in range(4):
-                k.assign(acc[j + e], k.add(acc[j + e], vals[e]))
-        return
-    first = pieces_of(0)  # (part p's pieces 4 p group n bytes further)
-    for j in range(0, n, 4):  # (the sum in the accumulators, a part at a time: four registers more)
-        for p in range(kparts):
-            vals = k.load("global", "f32", first, 4 * j * group + 4 * p * group * n, vec=4, cache="cg")
-            for e in range(4):
-                k.assign(acc[j + e], k.add(acc[j + e], vals[e]) if p else vals[e])
-
-
 def _issue_next(k: KernelBuilder, wss: list, wbases: list, chunk0: Reg, nc: int, i: Reg, wstages: int, wr: Reg) -> None:
     """Copy chunk ``i + wstages - 1`` of each of a producer warp's streams into its ring at ``wr``."""
     nxt_i = k.add(i, wstages - 1)
@@ -421,7 +262,7 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     if xcast > 1:  # (every CTA's barriers exist before another arrives on them or copies into its shared memory)
         k.cluster_sync()
 
-    ring_pos = _RingPosition(k, stages)
+    ring_pos = RingPosition(k, stages)
 
     def chunk_base() -> Reg:
         """The CTA's first chunk of K."""
@@ -448,10 +289,10 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
         if xcast > 1:  # (X multicast: this CTA copies rows rank mt / 2 .. of each box into both CTAs of its pair)
             rank = k.cluster_rank()
             peer = k.xor(rank, 1)
-        copy_x = _tma_copy_x(k, tid, tok0, x0, xb, mt, bar, rank, xcast, "xload" in cut)
+        copy_x = x_by_tensor_map(k, tid, tok0, x0, xb, mt, bar, rank, xcast, "xload" in cut)
         x_lead = k.setp("eq", tid, 0)
     else:
-        copy_x = _copy_x(k, tid, group, tok0, m_all, x0, xb, mt, bar)
+        copy_x = x_by_cp_async(k, tid, group, tok0, m_all, x0, xb, mt, bar)
 
     c_base = chunk_base()
     for s in range(min(stages, 4 * nc)):  # (the first stages: chunk s / 4, its 64-k part s % 4; none past K)
@@ -487,7 +328,7 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
                     if "xwait" not in cut:
                         k.mbarrier_wait(empty, prev_parity)
                     if peer is not None:  # (and the other CTA's: its thread 0 arrives here, this one there)
-                        _cluster_release(k, bar(prev, RELEASE), peer, prev_parity, had)
+                        cluster_release(k, bar(prev, RELEASE), peer, prev_parity, had)
             else:
                 k.mbarrier_wait(bar(prev, EMPTY), ring_pos.prev_parity(h, slot, parity))
             # X of the stage that takes the slot next (stages after the previous one), with its A from the producers
@@ -500,7 +341,7 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     k.wgmma_wait(0)
     leave = k.new_label("leave") if xcast > 1 else None  # (a cluster's CTAs leave together: none exits early)
     if kparts > 1:
-        _sum_parts(k, acc, tid, group, a0, kparts, leave)
+        sum_parts(k, acc, tid, group, a0, kparts, leave)
     r_strip = k.or_(k.shl(k.and_(r, 3), 1), k.shr(r, 2))  # (the strip row whose A row is r: the inverse of _a_row)
     if "epilogue" not in cut:
         staged_epilogue(k, acc, a0, group, tid, k.add(k.shl(g, 2), k.and_(warp, 3)), r_strip, q, m_all,
@@ -549,7 +390,7 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     ring = wstages * slot_bytes
     rd = k.var("u32", 0)
     wr = k.var("u32", (wstages - 1) * slot_bytes)
-    ring_pos = _RingPosition(k, stages)
+    ring_pos = RingPosition(k, stages)
     pending = []  # (the slots a producer has filled and not yet announced)
     with k.loop(0, nc) as i:  # (chunk i)
         k.cp_async_wait_group(wstages - 2)
