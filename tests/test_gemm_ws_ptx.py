@@ -153,6 +153,23 @@ def test_gemm_ws_k_split_over_two_ctas(epi):
          residual={"in_place": "in_place", "bias_residual": "buffer"}.get(epi), out_f16=epi in ("f16", "glu"), glu=glu)
 
 
+def test_gemm_ws_epilogue_ablation_keeps_the_mmas():
+    """The epilogue left out (a diagnostic launch) stays behind a test no launch passes, so that ptxas keeps every
+    wgmma whose results it would write: as many HGMMA in the SASS as the whole kernel's (dropping the epilogue outright
+    let ptxas drop three quarters of them, and the ablation timed the MMAs too)."""
+    from ptx_gen import inspect as ptx_inspect
+
+    try:
+        ptx_inspect.find_sass_tool()
+    except ptx_inspect.SassToolNotFound as e:
+        pytest.skip(str(e))
+    shape = dict(wtype="Q4_K", in_dim=1024, layout="glu-tiles", glu=True, out_f16=True, mt=256, rgroups=2, stages=3,
+                 xtma=True, f16dec=True, pfence=2)
+    count = [sum("HGMMA." in line for line in ptx_inspect.sass("gemm_ws", "sm_90a", **shape, ablate=a).splitlines())
+             for a in ("", "epilogue", "mma")]
+    assert count[0] == count[1] > count[2], count
+
+
 @pytest.mark.parametrize("epi", ["bias_residual", "in_place", "f16", "glu"])
 def test_gemm_ws_staged_epilogue_rows_by_vectors_and_the_edges(epi):
     """The epilogue's two paths in one launch: Y's rows a multiple of 4 outputs apart (16-byte aligned: whole quads by
