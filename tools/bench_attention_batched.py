@@ -10,7 +10,8 @@ Each row: µs per call, the K/V bytes read (B L KVH D x 2 x 2) over that time, i
 of our output against a float64 oracle over the same f16 K/V, relative to its largest value. ``--sweep`` times decode
 tilings (16 or 32 lanes a row, 2 or 4 rows a lane group takes per step), chunk counts (the default, 1, 2) and the
 block-id prefetch (``pp``) beside the default and reports the best (8 lanes and unroll 1 lost everywhere in the sweep
-of 2026-11-30).
+of 2026-11-30). ``--rings 2,3,4`` times the ring of bulk copies (``decode_ring``) at those depths. Every swept
+variant's output is checked against the oracle too (above 1e-3 of the largest value: WRONG, never the best).
 """
 
 from __future__ import annotations
@@ -96,11 +97,27 @@ def case(dev, b: int, length: int, rng, **knobs) -> tuple[float, np.ndarray, dic
     return us, got, {"q": q, "k": k[:, :, :length], "v": v[:, :, :length]}
 
 
+def _variants(sweep: bool, rings: str) -> list[tuple[str, dict]]:
+    """(tag, PagedKVCache knobs) of each timed variant: with ``sweep`` the register pass's tilings, chunk counts and
+    block-id prefetch (``ring`` 0); with ``rings`` (stages, comma-separated) the ring of bulk copies at 2 and 4 rows
+    a lane group per step."""
+    out = []
+    if sweep:
+        for unroll, lanes, chunks, pf in itertools.product((2, 4), (16, 32), (None, 1, 2), (False, True)):
+            out.append((f"u{unroll} t{lanes} c{chunks}{' pp' if pf else ''}",
+                        dict(decode_unroll=unroll, decode_lanes=lanes, num_chunks=chunks, decode_prefetch=pf,
+                             decode_ring=0)))
+    for stages, unroll in itertools.product([int(x) for x in rings.split(",") if x], (2, 4)):
+        out.append((f"ring {stages} u{unroll} t16", dict(decode_unroll=unroll, decode_lanes=16, decode_ring=stages)))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="64,128,256")
     ap.add_argument("--lengths", default="128,192,256,512")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--rings", default="", help="also time the ring of bulk copies at these stages (e.g. 2,3,4)")
     ap.add_argument("--copy-tbs", type=float, default=4.0, help="the device's copy bandwidth, TB/s (H200: 4.0)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
@@ -120,18 +137,19 @@ def main(argv: list[str] | None = None) -> int:
             ref = oracle(host["q"], host["k"], host["v"])
             err = f"{np.abs(got - ref).max() / np.abs(ref).max():.1e}"
             best = f"{us:.1f} (default)"
-            if a.sweep:
+            if a.sweep or a.rings:
                 best_us = us
-                for unroll, lanes, chunks, pf in itertools.product((2, 4), (16, 32), (None, 1, 2), (False, True)):
-                    tag = f"u{unroll} t{lanes} c{chunks}{' pp' if pf else ''}"
+                for tag, knobs in _variants(a.sweep, a.rings):
                     try:
-                        t = case(dev, b, length, rng, decode_unroll=unroll, decode_lanes=lanes, num_chunks=chunks,
-                                 decode_prefetch=pf)[0]
+                        t, got_v, _ = case(dev, b, length, rng, **knobs)
                     except Exception as exc:  # (a tiling the kernel refuses)
                         print(f"  {tag}: {type(exc).__name__}: {exc}", flush=True)
                         continue
-                    print(f"  B={b} L={length} {tag}: {t:.1f} us", flush=True)
-                    if t < best_us:
+                    err_v = np.abs(got_v - ref).max() / np.abs(ref).max()
+                    print(f"  B={b} L={length} {tag}: {t:.1f} us (error {err_v:.1e})", flush=True)
+                    if err_v > 1e-3:
+                        print(f"  {tag}: WRONG (error {err_v:.1e} against the oracle)", flush=True)
+                    elif t < best_us:
                         best_us, best = t, f"{t:.1f} ({tag})"
             tbs = b * length * KV_HEADS * HEAD_DIM * 2 * 2 / us / 1e6
             row = (f"| {b} | {length} | {us:.1f} | {tbs:.2f} | {100 * tbs / a.copy_tbs:.0f}% | "

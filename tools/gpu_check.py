@@ -13,7 +13,9 @@ bench_gemm_ws_xcopy / bench_gemm_ws_f32dec (gemm_ws as the step runs it, the pol
 instead of a tensor map; Q4_K decoded in f32 instead of f16x2), bench_gemm_ws_sweep (every launch shape of the 8B
 layers at 128, 256 and 512 tokens, K split over two CTAs among them), bench_gemm_ws_rings (o, down and gate/up at 128
 and 256 tokens with A/B rings of 4-8 stages, K split over up to four CTAs), bench_attention_batched / _sweep (the batched decode
-attention alone beside torch; every decode tiling at 256 rows of 192 positions), ncu_gemm_ws (its gate/up and o launches at
+attention alone beside torch; every decode tiling at 256 rows of 192 positions), bench_attention_ring / ab_ring /
+ab_ring_small (the decode kernel's ring of bulk copies at several depths, alone and A/B'd on the 8B and 1B steps),
+ncu_gemm_ws (its gate/up and o launches at
 256 tokens and down at 128 and 256 under ncu: ncu_gemm_ws_*.txt, and their stall reasons and most-sampled SASS instructions:
 ncu_gemm_ws_*_stalls.md), profile_batch (the 8B
 batched decode step of 256 rows, its kernels under ncu summed by family: profile_batch.md), and on 2+ GPUs bench_tensor_parallel and bench_nccl). The whole of tests/gpu takes longer
@@ -107,6 +109,18 @@ def stages(out: Path, tests: list[str], pytest_args: list[str]) -> dict[str, tup
         "bench_attention_batched_sweep": ([PY, "tools/bench_attention_batched.py", "--batches", "256", "--lengths",
                                            "192", "--sweep", "--out", str(out / "bench_attention_batched_sweep.md")],
                                           240),
+        # the decode kernel's ring of bulk copies at several depths beside the register pass (each checked against the
+        # oracle), then the batched decode step A/B'd with each (8B; then SmolLM2 and 1B)
+        "bench_attention_ring": ([PY, "tools/bench_attention_batched.py", "--batches", "128,256", "--lengths",
+                                  "128,192,256", "--rings", "2,4,6,8", "--out", str(out / "bench_attention_ring.md")],
+                                 300),
+        "ab_ring": ([PY, "tools/policy_ab.py", "--shape", "llama-3-8b", "--batches", "128,256", "--variant", "none",
+                     *[a for v in ("DECODE_RING_STAGES=4", "DECODE_RING_STAGES=6",
+                                   "DECODE_RING_STAGES=3; DECODE_RING_UNROLL=4") for a in ("--variant", v)],
+                     "--out", str(out / "ab_ring.md")], 540),
+        "ab_ring_small": ([PY, "tools/policy_ab.py", "--shape", "llama-3.2-1b", "--batches", "64,128,256", "--variant",
+                           "none", "--variant", "DECODE_RING_STAGES=4", "--variant", "DECODE_RING_STAGES=6",
+                           "--out", str(out / "ab_ring_1b.md")], 420),
         # several GPUs (not default stages: they need 2 or more)
         "bench_tensor_parallel": ([PY, "tools/bench_tensor_parallel.py", "--out", str(out / "bench_tensor_parallel.md")],
                                   540),

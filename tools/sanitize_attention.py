@@ -122,23 +122,27 @@ def prefill_cases(cache, rng, shapes) -> None:
                 assert err < 4e-3, f"tensor-core flash attention {h}/{kvh}/{d} {sq}x{sk}: relative error {err:.2e}"
 
 
-# (num_heads, num_kv_heads, head_dim, block_size, kv_dtype, decode lengths, prefix, chunk)
-PAGED_SHAPES = [(4, 2, 64, 16, "f16", [1, 17, 0, 70], 20, 33), (6, 2, 96, 32, "q8_0", [33, 1, 130], 40, 30),
-                (4, 1, 128, 16, "q8_0", [65, 0], 16, 70)]
-PAGED_SHAPES_SMALL = PAGED_SHAPES[:2]
+# (num_heads, num_kv_heads, head_dim, block_size, kv_dtype, decode lengths, prefix, chunk, decode ring stages (sm_90))
+PAGED_SHAPES = [(4, 2, 64, 16, "f16", [1, 17, 0, 70], 20, 33, 0), (6, 2, 96, 32, "q8_0", [33, 1, 130], 40, 30, 0),
+                (4, 1, 128, 16, "q8_0", [65, 0], 16, 70, 0), (8, 2, 128, 32, "f16", [1, 33, 0, 200, 95], 20, 33, 2),
+                (4, 2, 64, 16, "bf16", [70, 17, 1], 20, 33, 3)]
+PAGED_SHAPES_SMALL = PAGED_SHAPES[:2] + PAGED_SHAPES[3:4]
 
 
 def paged_cases(rng, shapes) -> None:
     from ptx_gen.kernels.elementwise.rope import inv_freq_table
     from realizar.gpu.paged_kv import PagedKVCache
-    for h, kvh, d, bs, kv_dtype, lengths, prefix, chunk in shapes:
+    for h, kvh, d, bs, kv_dtype, lengths, prefix, chunk, ring in shapes:
+        if ring and cuda.current_device().target.compute_capability < (9, 0):
+            continue
         rows = len(lengths)
         stride = max(-(-(n + 1) // bs) for n in lengths + [prefix + chunk])
         nb = 1 + stride * (rows + 1)
         ids = rng.permutation(np.arange(1, nb))
         tab = ids[:rows * stride].reshape(rows, stride).astype(np.uint32)
         ptab = ids[rows * stride:(rows + 1) * stride].astype(np.uint32)
-        cache = PagedKVCache(1, h, kvh, d, nb, bs, kv_dtype, max_batch=rows, num_chunks=5, min_chunk=16)
+        cache = PagedKVCache(1, h, kvh, d, nb, bs, kv_dtype, max_batch=rows, num_chunks=5, min_chunk=16,
+                             decode_ring=ring)
         pool = rng.standard_normal((2, nb, kvh, bs, d)).astype(np.float32)
         cache.pools_from_numpy(0, pool[0], pool[1])
         qn = (h + 2 * kvh) * d
@@ -169,7 +173,7 @@ def paged_cases(rng, shapes) -> None:
                     keys = kp[tab[r, p // bs], :, p % bs].transpose(1, 0, 2).astype(np.float64)
                     vals = vp[tab[r, p // bs], :, p % bs].transpose(1, 0, 2).astype(np.float64)
                     ref = gqa_attention(q[r][:, None], keys, vals, causal=False)[:, 0] if n else np.zeros((h, d))
-                    what = f"paged decode {kv_dtype} {h}/{kvh}/{d} b{bs} row {r} L={n} call {rep}"
+                    what = f"paged decode {kv_dtype} {h}/{kvh}/{d} b{bs} ring {ring} row {r} L={n} call {rep}"
                     if n:
                         _check(got[r], ref, what)
                         _check(got16[r], ref, what + " (f16 out)", 2e-3)

@@ -31,15 +31,16 @@ import numpy as np
 
 from ptx_gen.kernels.attention.flash_attention_mma import HEAD_DIMS as MMA_HEAD_DIMS
 from ptx_gen.kernels.attention.paged_decode import HEAD_DIMS as DECODE_HEAD_DIMS
-from ptx_gen.kernels.attention.paged_decode import MAX_GROUP, buffer_sizes
+from ptx_gen.kernels.attention.paged_decode import MAX_GROUP, WARPS as DECODE_WARPS, buffer_sizes, lanes_per_row
+from ptx_gen.kernels.attention.paged_decode_ring import RING_DTYPES, RING_STAGES, ring_bytes
 from ptx_gen.kernels.kv.paged_kv import BLOCK_SIZES, KV_DTYPES, QK
 from realizar.errors import ShapeError
 from realizar.gpu.dispatch import Dispatcher, check_int
 from realizar.models.kv_formats import block_bytes, dequantize_q8_0, quantize_q8_0, round_bf16, row_bytes
 from realizar.config import ServingConfig
 
-__all__ = ["PagedKVCache", "KV_NUMPY_DTYPES", "decode_chunks", "heads_unsupported", "decode_min_chunk", "decode_tiling", "kv_bytes_per_row",
-           "quantize_q8_0", "dequantize_q8_0"]
+__all__ = ["PagedKVCache", "KV_NUMPY_DTYPES", "decode_chunks", "heads_unsupported", "decode_min_chunk", "decode_tiling",
+           "default_decode_ring", "kv_bytes_per_row", "quantize_q8_0", "dequantize_q8_0"]
 
 _DEFAULTS = ServingConfig()
 
@@ -94,6 +95,27 @@ def decode_tiling(head_dim: int, group: int) -> tuple[int, int]:
     return 0, 2
 
 
+# the decode kernel's K/V through a ring of this many stages in shared memory, filled by bulk copies (sm_90; f32, f16,
+# bf16 pools; 0: loads into registers), and its rows per lane group per step there
+DECODE_RING_STAGES = 0
+DECODE_RING_UNROLL = 2
+
+
+def default_decode_ring(target, kv_dtype: str, head_dim: int, group: int, block_size: int, unroll: int, lanes: int,
+                max_shared: int) -> int:
+    """Default ring stages of the decode kernel: ``DECODE_RING_STAGES`` where the target has bulk copies, the pool's
+    type is one the ring takes and its shared memory fits ``max_shared`` bytes a block; else 0."""
+    stages = DECODE_RING_STAGES
+    if not stages or target.compute_capability < (9, 0) or kv_dtype not in RING_DTYPES:
+        return 0
+    return stages if _ring_bytes(stages, head_dim, group, block_size, kv_dtype, unroll, lanes) <= max_shared else 0
+
+
+def _ring_bytes(stages: int, head_dim: int, group: int, block_size: int, kv_dtype: str, unroll: int, lanes: int) -> int:
+    step = DECODE_WARPS * (32 // (lanes or lanes_per_row(head_dim))) * unroll
+    return ring_bytes(stages, head_dim, group, block_size, kv_dtype, step, DECODE_WARPS)
+
+
 kv_bytes_per_row = row_bytes  # bytes of one head row (one position of one KV head, K or V) in a pool
 
 
@@ -111,12 +133,15 @@ class PagedKVCache:
     lane group per step of the decode kernel (1, 2 or 4); ``decode_lanes``: lanes reading one K/V row in the
 decode kernel (0: the kernel's default, 32 at head_dim 128; or 4, 8, 16, 32 dividing head_dim / 4); both
 None: :func:`decode_tiling`; ``decode_prefetch``: the decode kernel loads each step's block ids during the step
-before (built, not yet timed: off). ``ops``: the dispatcher to launch with."""
+before (built, not yet timed: off); ``decode_ring``: stages of the ring of bulk copies that brings the decode kernel its
+K/V rows (sm_90; 0: loads into registers; None: :func:`decode_ring`, and with a ring and no ``decode_unroll``,
+``DECODE_RING_UNROLL``). ``ops``: the dispatcher to launch with."""
 
     def __init__(self, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int, num_blocks: int,
                  block_size: int = _DEFAULTS.block_size, kv_dtype: str = "f16", device: Any = None, *, ops: Dispatcher | None = None,
                  max_batch: int = _DEFAULTS.max_batch, num_chunks: int | None = None, min_chunk: int | None = None,
-                 decode_unroll: int | None = None, decode_lanes: int | None = None, decode_prefetch: bool = False):
+                 decode_unroll: int | None = None, decode_lanes: int | None = None, decode_prefetch: bool = False,
+                 decode_ring: int | None = None):
         self.num_layers = check_int("num_layers", num_layers)
         self.num_heads = check_int("num_heads", num_heads)
         self.num_kv_heads = check_int("num_kv_heads", num_kv_heads)
@@ -137,14 +162,32 @@ before (built, not yet timed: off). ``ops``: the dispatcher to launch with."""
             raise ShapeError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
         if kv_dtype == "q8_0" and self.head_dim % QK:
             raise ShapeError(f"a q8_0 pool needs head_dim a multiple of {QK}, got {head_dim}")
+        self.ops = ops if ops is not None else Dispatcher(device)
+        self.device = self.ops.device
         auto_lanes, auto_unroll = decode_tiling(self.head_dim, self.group)
-        decode_unroll = auto_unroll if decode_unroll is None else decode_unroll
         decode_lanes = auto_lanes if decode_lanes is None else decode_lanes
-        if decode_unroll not in (1, 2, 4):
-            raise ShapeError(f"decode_unroll must be 1, 2 or 4, got {decode_unroll!r}")
         if decode_lanes not in (0, 4, 8, 16, 32) or (decode_lanes and self.head_dim % (4 * decode_lanes)):
             raise ShapeError(f"decode_lanes must be 0 or 4, 8, 16, 32 dividing head_dim / 4 ({self.head_dim // 4}), "
                              f"got {decode_lanes!r}")
+        max_shared = self.device.attribute("MAX_SHARED_MEMORY_PER_BLOCK_OPTIN")
+        if decode_ring is None:
+            ring_unroll = DECODE_RING_UNROLL if decode_unroll is None else decode_unroll
+            decode_ring = 0 if decode_prefetch or ring_unroll not in (1, 2, 4) else default_decode_ring(
+                self.device.target, kv_dtype, self.head_dim, self.group, block_size, ring_unroll, decode_lanes,
+                max_shared)
+            auto_unroll = ring_unroll if decode_ring else auto_unroll
+        decode_unroll = auto_unroll if decode_unroll is None else decode_unroll
+        if decode_unroll not in (1, 2, 4):
+            raise ShapeError(f"decode_unroll must be 1, 2 or 4, got {decode_unroll!r}")
+        if decode_ring and (decode_ring not in RING_STAGES or kv_dtype not in RING_DTYPES or decode_prefetch
+                            or self.device.target.compute_capability < (9, 0)
+                            or max_shared < _ring_bytes(decode_ring, self.head_dim, self.group, block_size, kv_dtype,
+                                                        decode_unroll, decode_lanes)):
+            raise ShapeError(f"decode_ring must be 0 or one of {RING_STAGES} on sm_90 or newer, with an f32, f16 or "
+                             f"bf16 pool, without decode_prefetch and within {max_shared} bytes of shared memory, got "
+                             f"{decode_ring!r} ({kv_dtype} pool, {self.device.target.sm}, prefetch "
+                             f"{bool(decode_prefetch)})")
+        self.decode_ring = int(decode_ring)
         self.decode_lanes = int(decode_lanes)
         self.decode_prefetch = bool(decode_prefetch)
         if num_chunks is not None:
@@ -153,8 +196,6 @@ before (built, not yet timed: off). ``ops``: the dispatcher to launch with."""
                 raise ShapeError(f"num_chunks must be at most 1024, got {num_chunks}")
         self.block_size, self.kv_dtype, self.decode_unroll = int(block_size), kv_dtype, int(decode_unroll)
         self._fixed_chunks = num_chunks
-        self.ops = ops if ops is not None else Dispatcher(device)
-        self.device = self.ops.device
         n = self.num_blocks * self.num_kv_heads * self.block_size * self.head_dim
         dt = KV_NUMPY_DTYPES[kv_dtype]
         need = self.num_blocks * self.block_bytes
@@ -277,7 +318,8 @@ before (built, not yet timed: off). ``ops``: the dispatcher to launch with."""
     def _decode_kernel(self, out_f16: bool):
         return self.ops.kernel("paged_decode_attention", head_dim=self.head_dim, group=self.group,
                                block_size=self.block_size, kv_dtype=self.kv_dtype, out_f16=bool(out_f16),
-                               unroll=self.decode_unroll, lanes=self.decode_lanes, prefetch=self.decode_prefetch)
+                               unroll=self.decode_unroll, lanes=self.decode_lanes, prefetch=self.decode_prefetch,
+                               ring=self.decode_ring)
 
     # ---- decode ------------------------------------------------------------------------------------
     def append_decode(self, layer: int, qkv: Any, inv_freq: Any, positions: Any, block_tables: Any,

@@ -71,16 +71,22 @@ def _ref(q, keys, vals, lengths):
     return np.stack(out)
 
 
-@pytest.mark.parametrize("kv_dtype,out_f16,seed,lanes,prefetch", [
-    ("f16", False, 0, 0, False), ("f16", True, 1, 0, False), ("f32", False, 2, 0, False), ("bf16", False, 3, 0, False),
-    ("q8_0", True, 4, 0, False), ("f16", True, 5, 16, False), ("q8_0", False, 6, 16, False), ("f16", True, 7, 16, True),
-    ("q8_0", False, 8, 0, True)])
-def test_decode_attention_mixed_batch(dev, kv_dtype, out_f16, seed, lanes, prefetch):
+@pytest.mark.parametrize("kv_dtype,out_f16,seed,lanes,prefetch,ring,unroll", [
+    ("f16", False, 0, 0, False, 0, None), ("f16", True, 1, 0, False, 0, None), ("f32", False, 2, 0, False, 0, None),
+    ("bf16", False, 3, 0, False, 0, None), ("q8_0", True, 4, 0, False, 0, None), ("f16", True, 5, 16, False, 0, None),
+    ("q8_0", False, 6, 16, False, 0, None), ("f16", True, 7, 16, True, 0, None), ("q8_0", False, 8, 0, True, 0, None),
+    # the ring of bulk copies (sm_90)
+    ("f16", True, 9, 16, False, 3, 2), ("f16", False, 10, 16, False, 4, 4), ("bf16", True, 11, 0, False, 2, 2),
+    ("f32", False, 12, 0, False, 6, 1), ("f16", True, 13, 16, False, 2, 4)])
+def test_decode_attention_mixed_batch(dev, kv_dtype, out_f16, seed, lanes, prefetch, ring, unroll):
+    if ring and dev.target.compute_capability < (9, 0):
+        pytest.skip(f"the ring's bulk copies need sm_90, this GPU is {dev.target.sm}")
     rng = np.random.default_rng(seed)
     lengths = [int(x) for x in rng.integers(1, 4097, 56)] + [1, 2, 31, 32, 33, 4096, 4095, 0]
     rng.shuffle(lengths)
     q, kpool, vpool, tab, stride, nb, keys, vals = _case(rng, lengths, kv_dtype)
-    cache = _cache(dev, nb, kv_dtype, len(lengths), decode_lanes=lanes, decode_prefetch=prefetch)
+    cache = _cache(dev, nb, kv_dtype, len(lengths), decode_lanes=lanes, decode_prefetch=prefetch, decode_ring=ring,
+                   decode_unroll=unroll)
     _upload(cache, kpool, vpool)
     rows = len(lengths)
     ob = cuda.GpuBuffer(rows * H * D, np.float16 if out_f16 else np.float32, device=dev)

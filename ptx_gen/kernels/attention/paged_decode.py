@@ -31,12 +31,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ptx_gen.builder import KernelBuilder, Module
+from ptx_gen.builder import KernelBuilder, Module, Reg
 from ptx_gen.catalog import kernel
 from ptx_gen.kernels.attention.decode_combine import arrive, combine_partials, partial_writer
 from ptx_gen.kernels.attention.decode_core import (
     LOG2E, NEG_INF, BlockState, butterfly_heads, emit_combine, merge_lane_groups, safe_reciprocal,
 )
+from ptx_gen.kernels.attention.paged_decode_ring import Ring, check_ring, publish, ring_bytes
 from ptx_gen.kernels.kv.paged_kv import (
     ELEM_BYTES, QK, check_paged, f16_bits_to_f32, kv_params, load_values, load_words, log2, narrow, q8_values,
 )
@@ -159,20 +160,9 @@ def _pass(k: KernelBuilder, lay: _Layout, q_regs: list, kvh, n_kv, table, start,
         for var, pg in zip(ahead or [], nxt):
             k.assign(var, pg)
     merge_lane_groups(k, T, m, l, acc)  # the lane groups of a warp
-    # per warp to shared memory: acc [warp][head][D], (max, sum) [warp][head]
     sm_acc = k.shared_array("pd_acc", "f32", WARPS * G * D)
     sm_ml = k.shared_array("pd_ml", "f32", WARPS * G * 2)
-    with k.if_(k.setp("lt", lane, T)):
-        for i in range(G):
-            wh = k.mad(warp, G, i) if i else k.mul(warp, G)
-            row = k.add(k.add(sm_acc, k.mul(wh, D * 4)), k.shl(j, log2(EPL * 4)) if EPL & (EPL - 1) == 0
-                        else k.mul(j, EPL * 4))
-            for c in range(EPL // 4):
-                k.store("shared", "f32", row, [acc[i][4 * c + e] for e in range(4)], 16 * c)
-            with k.if_(k.setp("eq", lane, 0)):
-                k.store("shared", "f32", k.add(sm_ml, k.shl(wh, 3)), [m[i], l[i]])
-    k.bar_sync()
-    return BlockState(lay, None, sm_acc, sm_ml)
+    return publish(k, lay, T, (lane, warp, j), m, l, acc, sm_acc, sm_ml)
 
 
 _GRID = [
@@ -198,27 +188,38 @@ _GRID = [
 @kernel("paged_decode_attention", grid=_GRID)
 def paged_decode_attention(m: Module, head_dim: int = 128, group: int = 1, block_size: int = 32,
                            kv_dtype: str = "f16", out_f16: bool = False, unroll: int = 2,
-                           lanes: int = 0, prefetch: bool = False) -> KernelBuilder:
+                           lanes: int = 0, prefetch: bool = False, ring: int = 0) -> KernelBuilder:
     """Split-KV decode attention of B rows through their block tables (see the module doc). Params: q,
     k_pool, v_pool, out, part_acc, part_ml, counters, seq_lens, block_tables, table_stride, n_kv,
     min_chunk, q_stride (floats from one row of q to the next: H * D packed, or (H + 2 KVH) * D to read Q
     straight from the rows of a qkv buffer). Launch: grid (B * n_kv, num_chunks), block 128. ``seq_lens``
     is read before the wait of programmatic dependent launch: it must not be written by the kernels just
-    before this one (the batched decode step copies it from the host before the step)."""
+    before this one (the batched decode step copies it from the host before the step). ``ring`` (sm_90; f32, f16,
+    bf16 K/V): the rows come through a ring of that many stages in shared memory filled by bulk copies
+    (:mod:`ptx_gen.kernels.attention.paged_decode_ring`; dynamic shared memory meta["dyn_smem"]) instead of
+    loads into registers."""
     check_shape(head_dim, group, block_size, kv_dtype, unroll, lanes)
+    if ring:
+        check_ring(ring, kv_dtype, m.target)
+        if prefetch:
+            raise ValueError("prefetch (block ids a step ahead) is the register pass's; the ring reads them itself")
     D, G = head_dim, group
     lay = _Layout(D, G)
     T = lanes or lanes_per_row(D)
     EPL = D // T
     name = (f"paged_decode_attention_d{D}_g{G}_b{block_size}_{kv_dtype}_u{unroll}"
-            + (f"_t{lanes}" if lanes else "") + ("_pp" if prefetch else "") + ("_outf16" if out_f16 else ""))
+            + (f"_t{lanes}" if lanes else "") + ("_pp" if prefetch else "") + (f"_r{ring}" if ring else "")
+            + ("_outf16" if out_f16 else ""))
     params = [("q", "u64"), *kv_params(kv_dtype), ("out", "u64"), ("part_acc", "u64"),
               ("part_ml", "u64"), ("counters", "u64"), ("seq_lens", "u64"), ("block_tables", "u64"),
               ("table_stride", "u32"), ("n_kv", "u32"), ("min_chunk", "u32"), ("q_stride", "u32")]
     # (prefetching where a lane holds at most 32 accumulators, group x values a lane, as the 8B shape: held to the 4
     # blocks an SM the kernel has there without it; larger groups take more registers either way)
-    k = m.kernel(name, params, max_threads=THREADS, min_blocks=4 if prefetch and G * (D // T) <= 32 else None)
+    k = m.kernel(name, params, max_threads=THREADS,
+                 min_blocks=4 if (prefetch or ring and unroll <= 2) and G * (D // T) <= 32 else None)
     k.meta.update(block=THREADS, lanes_per_row=T, rows_per_step=WARPS * (32 // T) * unroll)
+    if ring:
+        k.meta["dyn_smem"] = ring_bytes(ring, D, G, block_size, kv_dtype, k.meta["rows_per_step"], WARPS)
     n_kv, stride = k.param("n_kv"), k.param("table_stride")
     bx = k.ctaid("x")
     b = k.div(bx, n_kv)
@@ -238,6 +239,7 @@ def paged_decode_attention(m: Module, head_dim: int = 128, group: int = 1, block
     nact = k.div(k.add(seq_len, k.sub(rows, 1, "u32")), rows, "u32")
     start = k.mul(cidx, rows)
     end = k.min(k.add(start, rows), seq_len, "u32")
+    rp = Ring(k, lay, kvh, n_kv, start, end, block_size, kv_dtype, unroll, T, ring) if ring else None
     out = k.global_ptr("out")
     ob = 2 if out_f16 else 4
 
@@ -275,6 +277,8 @@ def paged_decode_attention(m: Module, head_dim: int = 128, group: int = 1, block
     # dependent launch comes here, so inactive chunks leave and the chunk arithmetic is done while the kernel
     # before, which writes q and this position's K/V, finishes)
     k.grid_dependency_wait()
+    if rp is not None:  # (the first stages' copies before q's loads)
+        rp.begin(k.add(k.global_ptr("block_tables"), k.mul_wide(k.mul(b, stride), 4)))
     # q of the block's heads: this lane's EPL values, pre-scaled into the log2 domain
     qscale = LOG2E / math.sqrt(D)
     q_regs = []
@@ -283,8 +287,11 @@ def paged_decode_attention(m: Module, head_dim: int = 128, group: int = 1, block
         qaddr = k.add(q_row, k.mul_wide(k.add(k.mul(j, EPL), i * D) if i else k.mul(j, EPL), 4))
         q_regs.append([k.mul(x, qscale) for x in load_values(k, qaddr, EPL, "f32")])
 
-    table = k.add(k.global_ptr("block_tables"), k.mul_wide(k.mul(b, stride), 4))
-    st = _pass(k, lay, q_regs, kvh, n_kv, table, start, end, block_size, kv_dtype, unroll, T, prefetch)
+    if rp is not None:
+        st = rp.run(q_regs)
+    else:
+        table = k.add(k.global_ptr("block_tables"), k.mul_wide(k.mul(b, stride), 4))
+        st = _pass(k, lay, q_regs, kvh, n_kv, table, start, end, block_size, kv_dtype, unroll, T, prefetch)
     with k.if_(k.setp("eq", nact, 1)):
         emit_combine(k, st, write_out)
         k.ret()

@@ -133,9 +133,10 @@ def to_f32(k: KernelBuilder, word: Reg, kv_dtype: str) -> list:
     return [lo, hi]
 
 
-def load_values(k: KernelBuilder, addr: Reg, n: int, kv_dtype: str, pred: Reg | None = None) -> list:
-    """``n`` (a multiple of 4) consecutive stored values at ``addr`` as f32 (zeros where ``pred`` is
-    false), in 16-byte loads where the byte count allows (``addr`` aligned to them), else 8-byte."""
+def load_values(k: KernelBuilder, addr: Reg, n: int, kv_dtype: str, pred: Reg | None = None,
+                space: str = "global") -> list:
+    """``n`` (a multiple of 4) consecutive stored values at ``addr`` (in ``space``) as f32 (zeros where ``pred``
+    is false), in 16-byte loads where the byte count allows (``addr`` aligned to them), else 8-byte."""
     es = ELEM_BYTES[kv_dtype]
     nbytes = n * es
     vec_bytes = 16 if nbytes % 16 == 0 else 8
@@ -144,9 +145,9 @@ def load_values(k: KernelBuilder, addr: Reg, n: int, kv_dtype: str, pred: Reg | 
     for off in range(0, nbytes, vec_bytes):
         vec = vec_bytes // 4
         if kv_dtype == "f32":
-            out.extend(k.load("global", "f32", addr, off, vec=vec, **guard))
+            out.extend(k.load(space, "f32", addr, off, vec=vec, **guard))
         else:
-            for w in k.load("global", "b32", addr, off, vec=vec, **guard):
+            for w in k.load(space, "b32", addr, off, vec=vec, **guard):
                 out.extend(to_f32(k, w, kv_dtype))
     return out
 
