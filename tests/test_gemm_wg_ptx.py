@@ -6,6 +6,8 @@ emulator (``tests/test_gemm_ws_ptx.py``) and on the GPU (``tests/gpu/test_gemm_w
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -116,3 +118,28 @@ def test_host_refuses_on_the_emulator():
     x, y = ops.buffer(2 * 256, np.float16), ops.buffer(2 * 64)
     with pytest.raises(ShapeError, match="warpgroup GEMM runs on sm_90"):
         ops.gemm_wg(x, w, y, 2)
+
+
+def test_ws_stages_by_tile_applies_to_its_launch_shapes_only(monkeypatch):
+    """WS_STAGES_BY_TILE's depths replace WS_STAGES exactly on launches of its (token tile, warpgroups, K parts), and
+    the deeper ring still fits and passes the kernel's shape check; every other launch is unchanged."""
+    import realizar.gpu.gemm_wg as host
+    from ptx_gen.kernels.gemm import gemm_ws as ws
+
+    shapes = [(6144, 4096, False, "rows"), (4096, 4096, False, "rows"), (28672, 4096, True, "glu-tiles"),
+              (4096, 14336, False, "tiles"), (3072, 2048, False, "rows"), (16384, 2048, True, "glu-tiles")]
+    before = {(n, k, m): host.ws_config("Q4_K", k, lay, n // 2 if glu else n, m, glu=glu)
+              for n, k, glu, lay in shapes for m in (65, 96, 128, 192, 256, 512)}
+    monkeypatch.setattr(host, "WS_STAGES_BY_TILE", (((128, 1, 1), (6, 4, 3, 2)),))
+    deeper = 0
+    for n, k, glu, lay in shapes:
+        for m in (65, 96, 128, 192, 256, 512):
+            cfg, old = host.ws_config("Q4_K", k, lay, n // 2 if glu else n, m, glu=glu), before[(n, k, m)]
+            if (old.mt, old.rgroups, old.kparts) == (128, 1, 1):
+                assert cfg == dataclasses.replace(old, stages=6), (n, m, cfg)
+                ws.check_shape("Q4_K", k, lay, cfg.mt, cfg.rgroups, cfg.stages, cfg.wstages, cfg.kparts, cfg.psplit,
+                               cfg.pfence, cfg.xcast)
+                deeper += 1
+            else:
+                assert cfg == old, (n, m, cfg)
+    assert deeper >= 3

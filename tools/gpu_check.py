@@ -15,6 +15,7 @@ layers at 128, 256 and 512 tokens, K split over two CTAs among them), bench_gemm
 and 256 tokens with A/B rings of 4-8 stages, K split over up to four CTAs), bench_attention_batched / _sweep (the batched decode
 attention alone beside torch; every decode tiling at 256 rows of 192 positions), bench_attention_ring / ab_ring /
 ab_ring_small (the decode kernel's ring of bulk copies at several depths, alone and A/B'd on the 8B and 1B steps),
+ab_ws_stages / ab_ws_stages_small (gemm_ws's 6-stage rings on one-warpgroup 128-token tiles, A/B'd on the steps),
 ncu_gemm_ws (its gate/up and o launches at
 256 tokens and down at 128 and 256 under ncu: ncu_gemm_ws_*.txt, and their stall reasons and most-sampled SASS instructions:
 ncu_gemm_ws_*_stalls.md), profile_batch (the 8B
@@ -121,6 +122,14 @@ def stages(out: Path, tests: list[str], pytest_args: list[str]) -> dict[str, tup
         "ab_ring_small": ([PY, "tools/policy_ab.py", "--shape", "llama-3.2-1b", "--batches", "64,128,256", "--variant",
                            "none", "--variant", "DECODE_RING_STAGES=4", "--variant", "DECODE_RING_STAGES=6",
                            "--out", str(out / "ab_ring_1b.md")], 420),
+        # 6-stage A/B rings on one-warpgroup 128-token tiles with K whole (WS_STAGES_BY_TILE) A/B'd on the 8B and 1B
+        # steps
+        "ab_ws_stages": ([PY, "tools/policy_ab.py", "--shape", "llama-3-8b", "--batches", "96,128", "--variant", "none",
+                          "--variant", "WS_STAGES_BY_TILE=(((128, 1, 1), (6, 4, 3, 2)),)",
+                          "--out", str(out / "ab_ws_stages.md")], 300),
+        "ab_ws_stages_small": ([PY, "tools/policy_ab.py", "--shape", "llama-3.2-1b", "--batches", "96,128,192,256",
+                                "--variant", "none", "--variant", "WS_STAGES_BY_TILE=(((128, 1, 1), (6, 4, 3, 2)),)",
+                                "--out", str(out / "ab_ws_stages_1b.md")], 300),
         # several GPUs (not default stages: they need 2 or more)
         "bench_tensor_parallel": ([PY, "tools/bench_tensor_parallel.py", "--out", str(out / "bench_tensor_parallel.md")],
                                   540),

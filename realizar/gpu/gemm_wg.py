@@ -18,9 +18,10 @@ import numpy as np
 from realizar.errors import ShapeError
 from realizar.gpu.dispatch import Dispatcher
 from realizar.gpu.policy.gemm import (WG_MIN_WAVE, WG_MTS, WG_STAGES, WG_UNROLL, WG_WIDE, WS_F16DEC, WS_MIN_WAVE,
-                                      WS_MTS, WS_PFENCE, WS_PSPLIT, WS_XCAST, WS_SPLIT_FIRST, WS_SPLIT_FIRST_MIN_CHUNKS, WS_SPLIT_SMALL, WS_SPLIT_K, WS_SPLIT_K_PARTS,
-                                      WS_SPLIT_K_TILES, WS_SPLIT_MIN_CHUNKS, WS_STAGES, WS_TILE_FILL, WS_WIDE, WS_WIDE_256,
-                                      WS_XTMA, XTMA_WHOLE_TILES, ws_shared_bytes)
+                                      WS_MTS, WS_PFENCE, WS_PSPLIT, WS_XCAST, WS_SPLIT_FIRST, WS_SPLIT_FIRST_MIN_CHUNKS,
+                                      WS_SPLIT_SMALL, WS_SPLIT_K, WS_SPLIT_K_PARTS, WS_SPLIT_K_TILES,
+                                      WS_SPLIT_MIN_CHUNKS, WS_STAGES, WS_STAGES_BY_TILE, WS_TILE_FILL, WS_WIDE,
+                                      WS_WIDE_256, WS_XTMA, XTMA_WHOLE_TILES, ws_shared_bytes)
 from realizar.gpu.policy.shapes import WgConfig, WsConfig
 
 __all__ = ["GemmWgOps", "SplitSpace", "WgConfig", "WsConfig", "split_room", "wg_applies", "wg_config", "ws_config"]
@@ -65,8 +66,8 @@ def ws_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_co
     tokens: the largest token tile of ``WS_MTS`` that ``m`` fills more than ``WS_TILE_FILL`` of whose launch has
     ``WS_MIN_WAVE`` x ``sm_count`` CTAs (else the smallest); two consumer warpgroups on a 128-token tile where the
     launch keeps ``WS_WIDE`` CTAs an SM, on a 256-token tile where it keeps ``WS_WIDE_256``; the deepest ring of
-    ``WS_STAGES`` that fits ``max_smem``; X by a tensor map where ``WS_XTMA``; the weights decoded in f16x2 arithmetic
-    where ``WS_F16DEC`` and the type has that decoder; K split over two CTAs of the largest tile where a smaller tile
+    ``WS_STAGES`` (``WS_STAGES_BY_TILE``'s on its launch shapes) that fits ``max_smem``; X by a tensor map where
+    ``WS_XTMA``; the weights decoded in f16x2 arithmetic where ``WS_F16DEC`` and the type has that decoder; K split over two CTAs of the largest tile where a smaller tile
     would be taken, that tile is one of ``WS_SPLIT_FIRST`` and each part keeps ``WS_SPLIT_FIRST_MIN_CHUNKS`` chunks,
     else K split in two on the smallest tile where its launch has fewer than ``WS_SPLIT_SMALL`` CTAs an SM; then, for
     a launch of one consumer warpgroup a CTA (not split already on a tile outside ``WS_SPLIT_K_TILES``), the largest
@@ -99,7 +100,7 @@ def ws_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_co
         for ps in dict.fromkeys(WS_PSPLIT + (1,)):
             if not consumers_fit(mt, r, ps):
                 continue
-            for stages in WS_STAGES:
+            for stages in dict(WS_STAGES_BY_TILE).get((mt, r, kparts), WS_STAGES):
                 if ps <= stages and smem_bytes(wtype, in_dim, layout, mt, r, stages, 2, ps, cast) <= max_smem:
                     fence = WS_PFENCE if ps == 1 and WS_PFENCE < stages else 1
                     return WsConfig(mt, r, stages, 2, WS_XTMA, WS_F16DEC and wtype in F16DEC_TYPES, kparts, ps, fence,
@@ -110,7 +111,8 @@ def ws_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_co
 # the policy names ws_config reads (a tool may change them between steps: the rooms sized from a launch shape key on them)
 WS_POLICY = ("WS_MTS", "WS_TILE_FILL", "WS_MIN_WAVE", "WS_WIDE", "WS_WIDE_256", "WS_STAGES", "WS_XTMA", "WS_F16DEC",
              "WS_SPLIT_K", "WS_SPLIT_K_TILES", "WS_SPLIT_K_PARTS", "WS_SPLIT_MIN_CHUNKS", "WS_SPLIT_FIRST",
-             "WS_PSPLIT", "WS_PFENCE", "WS_SPLIT_FIRST_MIN_CHUNKS", "WS_SPLIT_SMALL", "WS_XCAST")
+             "WS_PSPLIT", "WS_PFENCE", "WS_SPLIT_FIRST_MIN_CHUNKS", "WS_SPLIT_SMALL", "WS_XCAST",
+             "WS_STAGES_BY_TILE")
 
 
 def ws_policy() -> tuple:

@@ -75,6 +75,10 @@ WS_WIDE_256 = 0.7
 # A / B ring depths tried, deepest first (the first that fits the shared memory). H200, 6 first: 8B Q4_K batched decode
 # 1.008x / 1.003x the step at B = 128 / 256, but 1B at 256 rows 0.93x (session 32), so not taken
 WS_STAGES = (4, 3, 2)
+# ring depths tried instead of WS_STAGES on some launch shapes: ((token tile, consumer warpgroups, K parts), depths)
+# pairs. H200, 6 stages on qkv at 128 tokens (one warpgroup, 128-token tile, K whole): 1.07x the launch (session 32);
+# not yet A/B'd on the step
+WS_STAGES_BY_TILE: tuple = ()
 # producer warpgroups a strip tried, in order (each fills every psplit-th stage: the decode's latency shared among more
 # warps), the first whose CTA keeps a consumer's registers and fits the shared memory with a ring of WS_STAGES. H200, 8B
 # Q4_K batched decode: 2 and 4 slower everywhere (the step 0.987x / 0.955x at B = 128; session 31)
