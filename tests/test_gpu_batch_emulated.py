@@ -62,9 +62,16 @@ def test_bucket_for():
     assert bucket_for(100, 100) == 100
 
 
-def test_rows_joining_and_leaving_match_alone(loaded):
+@pytest.mark.parametrize("ring", [0, 3])
+def test_rows_joining_and_leaving_match_alone(loaded, ring, monkeypatch):
+    """(``ring``: the decode attention's K/V through a ring of bulk copies of that many stages, or loads into
+    registers)"""
+    import realizar.gpu.paged_kv as paged_kv
+
+    monkeypatch.setattr(paged_kv, "DECODE_RING_STAGES", ring)
     rng = np.random.default_rng(7)
     be = _backend(loaded)
+    assert be.kv.decode_ring == ring
     blocks = [int(b) for b in rng.permutation(np.arange(1, be.num_blocks))]  # shuffled, never block 0
     prompts = {"a": 5, "b": 19, "c": 33}
     seqs, tables = {}, {}
