@@ -62,20 +62,20 @@ def wg_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_co
 
 def ws_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_count: int = 132,
               max_smem: int = 227 * 1024, glu: bool = False) -> WsConfig:
-    """The launch shape of the warp-specialized GEMM for ``rows_out`` outputs of ``in_dim`` values at ``m``
-    tokens: the largest token tile of ``WS_MTS`` that ``m`` fills more than ``WS_TILE_FILL`` of whose launch has
-    ``WS_MIN_WAVE`` x ``sm_count`` CTAs (else the smallest); two consumer warpgroups on a 128-token tile where the
-    launch keeps ``WS_WIDE`` CTAs an SM, on a 256-token tile where it keeps ``WS_WIDE_256``; the deepest ring of
-    ``WS_STAGES`` (``WS_STAGES_BY_TILE``'s on its launch shapes) that fits ``max_smem``; X by a tensor map where
-    ``WS_XTMA``; the weights decoded in f16x2 arithmetic where ``WS_F16DEC`` and the type has that decoder; K split over two CTAs of the largest tile where a smaller tile
-    would be taken, that tile is one of ``WS_SPLIT_FIRST`` and each part keeps ``WS_SPLIT_FIRST_MIN_CHUNKS`` chunks,
-    else K split in two on the smallest tile where its launch has fewer than ``WS_SPLIT_SMALL`` CTAs an SM; then, for
-    a launch of one consumer warpgroup a CTA (not split already on a tile outside ``WS_SPLIT_K_TILES``), the largest
-    tile of ``WS_SPLIT_K_TILES`` (that m fills as above) with two
-    warpgroups a CTA and K split over the first part count of ``WS_SPLIT_K_PARTS`` (above the launch's own on its tile)
-    whose launch has ``WS_SPLIT_K`` CTAs an SM and whose parts keep ``WS_SPLIT_MIN_CHUNKS`` chunks each; the first
-    producer split of ``WS_PSPLIT`` whose CTA has the registers; ``WS_PFENCE`` stages fenced at once where it allows;
-    X shared by ``WS_XCAST`` CTAs of a cluster with X by a tensor map."""
+    """The launch shape of the warp-specialized GEMM for ``rows_out`` outputs of ``in_dim`` values at ``m`` tokens: the
+    largest token tile of ``WS_MTS`` that ``m`` fills more than ``WS_TILE_FILL`` of whose launch has ``WS_MIN_WAVE``
+    x ``sm_count`` CTAs (else the smallest); two consumer warpgroups on a 128-token tile where the launch keeps
+    ``WS_WIDE`` CTAs an SM, on a 256-token tile where it keeps ``WS_WIDE_256``; the deepest ring of ``WS_STAGES``
+    (``WS_STAGES_BY_TILE``'s on its launch shapes) that fits ``max_smem``; X by a tensor map where ``WS_XTMA``; the
+    weights decoded in f16x2 arithmetic where ``WS_F16DEC`` and the type has that decoder; K split over two CTAs of
+    the largest tile where a smaller tile would be taken, that tile is one of ``WS_SPLIT_FIRST`` and each part keeps
+    ``WS_SPLIT_FIRST_MIN_CHUNKS`` chunks, else K split in two on the smallest tile where its launch has fewer than
+    ``WS_SPLIT_SMALL`` CTAs an SM; then, for a launch of one consumer warpgroup a CTA (not split already on a tile
+    outside ``WS_SPLIT_K_TILES``), the largest tile of ``WS_SPLIT_K_TILES`` (that m fills as above) with two
+    warpgroups a CTA and K split over the first part count of ``WS_SPLIT_K_PARTS`` (above the launch's own on its
+    tile) whose launch has ``WS_SPLIT_K`` CTAs an SM and whose parts keep ``WS_SPLIT_MIN_CHUNKS`` chunks each; the
+    first producer split of ``WS_PSPLIT`` whose CTA has the registers; ``WS_PFENCE`` stages fenced at once where it
+    allows; X shared by ``WS_XCAST`` CTAs of a cluster with X by a tensor map."""
     from ptx_gen.kernels.gemm.gemm_ws import consumers_fit, smem_bytes
     from ptx_gen.kernels.gemm.qstream import F16DEC_TYPES
 
@@ -108,7 +108,8 @@ def ws_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_co
     raise ShapeError(f"no warp-specialized GEMM tile for {wtype} {layout} fits {max_smem} bytes of shared memory")
 
 
-# the policy names ws_config reads (a tool may change them between steps: the rooms sized from a launch shape key on them)
+# the policy names ws_config reads (a tool may change them between steps: the rooms sized from a launch shape key on
+# them)
 WS_POLICY = ("WS_MTS", "WS_TILE_FILL", "WS_MIN_WAVE", "WS_WIDE", "WS_WIDE_256", "WS_STAGES", "WS_XTMA", "WS_F16DEC",
              "WS_SPLIT_K", "WS_SPLIT_K_TILES", "WS_SPLIT_K_PARTS", "WS_SPLIT_MIN_CHUNKS", "WS_SPLIT_FIRST",
              "WS_PSPLIT", "WS_PFENCE", "WS_SPLIT_FIRST_MIN_CHUNKS", "WS_SPLIT_SMALL", "WS_XCAST",
