@@ -14,7 +14,8 @@ instead of a tensor map; Q4_K decoded in f32 instead of f16x2), bench_gemm_ws_sw
 layers at 128, 256 and 512 tokens, K split over two CTAs among them), bench_gemm_ws_rings (o, down and gate/up at 128
 and 256 tokens with A/B rings of 4-8 stages, K split over up to four CTAs), bench_attention_batched / _sweep (the batched decode
 attention alone beside torch; every decode tiling at 256 rows of 192 positions), bench_attention_ring / ab_ring /
-ab_ring_small (the decode kernel's ring of bulk copies at several depths, alone and A/B'd on the 8B and 1B steps),
+ab_ring_small (the decode kernel's ring of bulk copies at several depths, alone and A/B'd on the 8B, 1B and SmolLM2
+steps),
 ab_ws_stages / ab_ws_stages_small (gemm_ws's 6-stage rings on one-warpgroup 128-token tiles, A/B'd on the steps),
 ncu_gemm_ws (its gate/up and o launches at
 256 tokens and down at 128 and 256 under ncu: ncu_gemm_ws_*.txt, and their stall reasons and most-sampled SASS instructions:
@@ -119,9 +120,6 @@ def stages(out: Path, tests: list[str], pytest_args: list[str]) -> dict[str, tup
                      *[a for v in ("DECODE_RING_STAGES=4", "DECODE_RING_STAGES=6",
                                    "DECODE_RING_STAGES=3; DECODE_RING_UNROLL=4") for a in ("--variant", v)],
                      "--out", str(out / "ab_ring.md")], 540),
-        "ab_ring_small": ([PY, "tools/policy_ab.py", "--shape", "llama-3.2-1b", "--batches", "64,128,256", "--variant",
-                           "none", "--variant", "DECODE_RING_STAGES=4", "--variant", "DECODE_RING_STAGES=6",
-                           "--out", str(out / "ab_ring_1b.md")], 420),
         # 6-stage A/B rings on one-warpgroup 128-token tiles with K whole (WS_STAGES_BY_TILE) A/B'd on the 8B and 1B
         # steps
         "ab_ws_stages": ([PY, "tools/policy_ab.py", "--shape", "llama-3-8b", "--batches", "96,128", "--variant", "none",
@@ -169,7 +167,12 @@ def stages(out: Path, tests: list[str], pytest_args: list[str]) -> dict[str, tup
                     "-f", "-o", str(rep.with_suffix("")), PY, "tools/ncu_gemm_ws.py", "--shape", shape, "--m", str(m)],
                    [ncu, "--import", str(rep), "--page", "details", "--log-file", str(out / f"{tag}.txt")],
                    [PY, "tools/ncu_stalls.py", str(rep), "--out", str(out / f"{tag}_stalls.md")]]
+    # the decode kernel's ring A/B'd on the 1B and SmolLM2 steps (their heads: head_dim 64, groups 4 and 3)
+    ab_ring_small = [[PY, "tools/policy_ab.py", "--shape", shape, "--batches", "64,128,256", "--variant", "none",
+                      "--variant", "DECODE_RING_STAGES=4", "--variant", "DECODE_RING_STAGES=6",
+                      "--out", str(out / f"ab_ring_{shape}.md")] for shape in ("llama-3.2-1b", "smollm2-135m")]
     return {**{name: ([cmd], limit) for name, (cmd, limit) in single.items()}, "bench_warm_start": (warm, 480),
+            "ab_ring_small": (ab_ring_small, 480),
             "ncu_gemm_ws": (ncu_ws, 420),
             "bench_moe": (moe, 600), "profile_batch": (profile_batch, 480),
             "sanitize": (memcheck, 300), "racecheck": (racecheck, 300)}
