@@ -35,9 +35,9 @@ from ptx_gen.builder import KernelBuilder, Module, Reg
 from ptx_gen.catalog import kernel
 from ptx_gen.kernels.attention.decode_combine import arrive, combine_partials, partial_writer
 from ptx_gen.kernels.attention.decode_core import (
-    LOG2E, NEG_INF, BlockState, butterfly_heads, emit_combine, merge_lane_groups, safe_reciprocal,
+    LOG2E, BlockState, butterfly_heads, emit_combine, merge_lane_groups, safe_reciprocal,
 )
-from ptx_gen.kernels.attention.paged_decode_ring import Ring, check_ring, publish, ring_bytes
+from ptx_gen.kernels.attention.paged_decode_ring import Ring, check_ring, lane_roles, pass_state, publish, ring_bytes
 from ptx_gen.kernels.kv.paged_kv import (
     ELEM_BYTES, QK, check_paged, f16_bits_to_f32, kv_params, load_values, load_words, log2, narrow, q8_values,
 )
@@ -92,10 +92,7 @@ def _pass(k: KernelBuilder, lay: _Layout, q_regs: list, kvh, n_kv, table, start,
     step's block ids are loaded during the step before (its K/V loads then wait on one load, not two in a row)."""
     D, G = lay.head_dim, lay.heads_per_block
     EPL, R, U = D // T, 32 // T, unroll
-    tid = k.tid()
-    lane, warp = k.and_(tid, 31), k.shr(tid, 5)
-    g = k.shr(lane, log2(T)) if T < 32 else None
-    j = k.and_(lane, T - 1) if T < 32 else lane
+    lane, warp, g, j = lane_roles(k, k.tid(), T)
     lane_off = k.mul_wide(j, EPL * ELEM_BYTES[kv_dtype])
     k_pool, v_pool = k.global_ptr("k_pool"), k.global_ptr("v_pool")
     q8 = kv_dtype == "q8_0"
@@ -123,12 +120,7 @@ def _pass(k: KernelBuilder, lay: _Layout, q_regs: list, kvh, n_kv, table, start,
         per_word = [k.selp(sc2, sc, u) for u in upper]
         return q8_values(k, words, [per_word[e // 4] for e in range(EPL)])
 
-    acc = [[k.var("f32", 0.0) for _ in range(EPL)] for _ in range(G)]
-    m = [k.var("f32", NEG_INF) for _ in range(G)]
-    l = [k.var("f32", 0.0) for _ in range(G)]
-    warp_row0 = k.mul(warp, R * U)
-    if g is not None:
-        warp_row0 = k.add(warp_row0, g)
+    acc, m, l, warp_row0 = pass_state(k, G, EPL, warp, g, R * U)
     last = k.sub(end, 1, "u32")
     step = WARPS * R * U
 
@@ -277,8 +269,11 @@ def paged_decode_attention(m: Module, head_dim: int = 128, group: int = 1, block
     # dependent launch comes here, so inactive chunks leave and the chunk arithmetic is done while the kernel
     # before, which writes q and this position's K/V, finishes)
     k.grid_dependency_wait()
+    def table_row() -> Reg:  # (the block's row of the block tables)
+        return k.add(k.global_ptr("block_tables"), k.mul_wide(k.mul(b, stride), 4))
+
     if rp is not None:  # (the first stages' copies before q's loads)
-        rp.begin(k.add(k.global_ptr("block_tables"), k.mul_wide(k.mul(b, stride), 4)))
+        rp.begin(table_row())
     # q of the block's heads: this lane's EPL values, pre-scaled into the log2 domain
     qscale = LOG2E / math.sqrt(D)
     q_regs = []
@@ -290,8 +285,7 @@ def paged_decode_attention(m: Module, head_dim: int = 128, group: int = 1, block
     if rp is not None:
         st = rp.run(q_regs)
     else:
-        table = k.add(k.global_ptr("block_tables"), k.mul_wide(k.mul(b, stride), 4))
-        st = _pass(k, lay, q_regs, kvh, n_kv, table, start, end, block_size, kv_dtype, unroll, T, prefetch)
+        st = _pass(k, lay, q_regs, kvh, n_kv, table_row(), start, end, block_size, kv_dtype, unroll, T, prefetch)
     with k.if_(k.setp("eq", nact, 1)):
         emit_combine(k, st, write_out)
         k.ret()

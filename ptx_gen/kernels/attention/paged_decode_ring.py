@@ -21,7 +21,7 @@ from ptx_gen.builder import KernelBuilder, Reg
 from ptx_gen.kernels.attention.decode_core import NEG_INF, BlockState, butterfly_heads, merge_lane_groups
 from ptx_gen.kernels.kv.paged_kv import ELEM_BYTES, load_values, log2
 
-__all__ = ["RING_STAGES", "RING_DTYPES", "Ring", "check_ring", "publish", "ring_bytes"]
+__all__ = ["RING_STAGES", "RING_DTYPES", "Ring", "check_ring", "lane_roles", "pass_state", "publish", "ring_bytes"]
 
 RING_STAGES = (2, 3, 4, 5, 6, 8)
 RING_DTYPES = ("f32", "f16", "bf16")  # (q8_0's scales live in their own pool: the register pass reads them)
@@ -115,15 +115,8 @@ class Ring:
         k, lay, T, U = self.k, self.lay, self.T, self.U
         D, G, W = lay.head_dim, lay.heads_per_block, lay.warps
         EPL, R, E, step = D // T, 32 // T, self.E, self.step
-        lane, warp = k.and_(self.tid, 31), k.shr(self.tid, 5)
-        g = k.shr(lane, log2(T)) if T < 32 else None
-        j = k.and_(lane, T - 1) if T < 32 else lane
-        acc = [[k.var("f32", 0.0) for _ in range(EPL)] for _ in range(G)]
-        m = [k.var("f32", NEG_INF) for _ in range(G)]
-        l = [k.var("f32", 0.0) for _ in range(G)]
-        warp_row = k.mul(warp, R * U)
-        if g is not None:
-            warp_row = k.add(warp_row, g)
+        lane, warp, g, j = lane_roles(k, self.tid, T)
+        acc, m, l, warp_row = pass_state(k, G, EPL, warp, g, R * U)
         lane_off = k.mul(j, EPL * E)
         slot, parity = k.var("u32", 0), k.var("u32", 0)
         with k.loop(0, self.nst) as t:
@@ -151,6 +144,26 @@ class Ring:
         k.bar_sync()  # (every warp is done with the slots: the results take their place)
         sm_ml = k.add(self.ring, W * G * D * 4)
         return publish(k, lay, T, (lane, warp, j), m, l, acc, self.ring, sm_ml)
+
+
+def lane_roles(k: KernelBuilder, tid: Reg, T: int) -> tuple:
+    """The thread's (lane, warp, lane group or None with one group a warp, lane in its group of ``T`` lanes)."""
+    lane, warp = k.and_(tid, 31), k.shr(tid, 5)
+    g = k.shr(lane, log2(T)) if T < 32 else None
+    j = k.and_(lane, T - 1) if T < 32 else lane
+    return lane, warp, g, j
+
+
+def pass_state(k: KernelBuilder, G: int, EPL: int, warp: Reg, g: Reg | None, warp_rows: int) -> tuple:
+    """A pass's running state, zeroed: (acc [head][value], max [head], sum [head]), and the lane group's first row of
+    each step (``warp_rows`` rows a warp takes per step, its lane groups one row apart)."""
+    acc = [[k.var("f32", 0.0) for _ in range(EPL)] for _ in range(G)]
+    m = [k.var("f32", NEG_INF) for _ in range(G)]
+    l = [k.var("f32", 0.0) for _ in range(G)]
+    warp_row = k.mul(warp, warp_rows)
+    if g is not None:
+        warp_row = k.add(warp_row, g)
+    return acc, m, l, warp_row
 
 
 def publish(k: KernelBuilder, lay, T: int, lanes: tuple, m: list, l: list, acc: list, sm_acc: Reg,

@@ -275,6 +275,18 @@ def _block(k: KernelBuilder, ws: WeightStream, ch: dict, b: int, c: Reg, q8: Reg
                 k.mma_f16(afr, bfr, acc[t], into=acc[t])
 
 
+def store_y(k: KernelBuilder, y: Reg, idx: Reg, v: Reg, ok: Reg, residual: bool, out_f16: bool) -> None:
+    """One output: ``v`` (+ ``residual[idx]``) to ``y[idx]``, f32 or rounded to f16 with ``out_f16``, where ``ok``."""
+    if residual:
+        v = k.add(v, k.load("global", "f32", k.add(k.global_ptr("residual"), k.mul_wide(idx, 4)), pred=ok,
+                            other=0.0))
+    addr = k.add(y, k.mul_wide(idx, 2 if out_f16 else 4))
+    if out_f16:
+        k.store("global", "b16", addr, k.bitcast(k.cvt(v, "f16"), "b16"), pred=ok)
+    else:
+        k.store("global", "f32", addr, v, pred=ok)
+
+
 def epilogue(k: KernelBuilder, acc: list, r: Reg, q: Reg, m_tok: Reg, n_rows: Reg, first: Reg, ffn: Reg | None,
               bias: bool, residual: bool, out_f16: bool, glu: bool, tok_base: Reg | None = None,
               order: Reg | None = None) -> None:
@@ -283,7 +295,6 @@ def epilogue(k: KernelBuilder, acc: list, r: Reg, q: Reg, m_tok: Reg, n_rows: Re
     there at j (a tile of grouped experts' pairs), else row j."""
     ldy = k.param("ldy")
     y = k.global_ptr("y")
-    osize = 2 if out_f16 else 4
     tok0 = k.shl(q, 1)
     if tok_base is not None:  # (a token tile's first token: tokens are absolute, m_tok their count)
         tok0 = k.add(tok_base, tok0)
@@ -299,15 +310,7 @@ def epilogue(k: KernelBuilder, acc: list, r: Reg, q: Reg, m_tok: Reg, n_rows: Re
         return rows[key]
 
     def put(tok: Reg, col: Reg, v: Reg, ok: Reg, key: tuple) -> None:
-        idx = k.mad(y_row(tok, key), ldy, col)
-        if residual:
-            v = k.add(v, k.load("global", "f32", k.add(k.global_ptr("residual"), k.mul_wide(idx, 4)), pred=ok,
-                                other=0.0))
-        addr = k.add(y, k.mul_wide(idx, osize))
-        if out_f16:
-            k.store("global", "b16", addr, k.bitcast(k.cvt(v, "f16"), "b16"), pred=ok)
-        else:
-            k.store("global", "f32", addr, v, pred=ok)
+        store_y(k, y, k.mad(y_row(tok, key), ldy, col), v, ok, residual, out_f16)
 
     if glu:
         col = k.add(first, r)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from ptx_gen.builder import KernelBuilder, Reg
 from ptx_gen.kernels.elementwise.elementwise import silu
+from ptx_gen.kernels.gemm.gemm_q import store_y
 
 __all__ = ["stage_bytes", "staged_epilogue", "tile_cols"]
 
@@ -115,11 +116,4 @@ def staged_epilogue(k: KernelBuilder, acc: list, stage0: Reg, group: int, tid: R
                 if bias:
                     v = k.add(v, k.load("global", "f32", k.add(k.global_ptr("bias"), k.mul_wide(k.add(col, e), 4)),
                                         pred=ok, other=0.0))
-                if residual:
-                    v = k.add(v, k.load("global", "f32", k.add(k.global_ptr("residual"), k.mul_wide(idx, 4)), pred=ok,
-                                        other=0.0))
-                dst = k.add(y, k.mul_wide(idx, osize))
-                if out_f16:
-                    k.store("global", "b16", dst, k.bitcast(k.cvt(v, "f16"), "b16"), pred=ok)
-                else:
-                    k.store("global", "f32", dst, v, pred=ok)
+                store_y(k, y, idx, v, ok, residual, out_f16)
