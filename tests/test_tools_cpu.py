@@ -405,9 +405,10 @@ def test_sanitize_gemm_wg_cases_on_the_emulated_device(monkeypatch, emulated_sm9
         tool.case(tool.LayerOps(), np.random.default_rng(1), *small[2])
 
 
-def test_bench_attention_batched_on_the_emulated_device(tmp_path, monkeypatch):
-    """tools/bench_attention_batched.py with its sweep of decode tilings at a toy size on the emulated device (each
-    timed call run once): the row's error against the float64 oracle is small and names the best tiling."""
+def test_bench_attention_batched_on_the_emulated_device(tmp_path, monkeypatch, capsys):
+    """tools/bench_attention_batched.py with its sweep of decode tilings and rings at a toy size on the emulated device
+    (each timed call run once): the row's error against the float64 oracle is small and names the best tiling, and
+    no swept variant is called wrong (each reads the data the oracle was computed from)."""
     import sys
 
     sys.path.insert(0, "tools")
@@ -417,7 +418,9 @@ def test_bench_attention_batched_on_the_emulated_device(tmp_path, monkeypatch):
     monkeypatch.setattr(cuda, "current_device", lambda: dev)
     monkeypatch.setattr(bench, "graph_median_us", lambda fns, stream: (fns[0](), (1.0, "eager"))[1])
     out = tmp_path / "att.md"
-    assert bench.main(["--batches", "2", "--lengths", "40", "--sweep", "--out", str(out)]) == 0
+    assert bench.main(["--batches", "2", "--lengths", "40", "--sweep", "--rings", "2", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "ring 2 u2 t16:" in printed and "WRONG" not in printed, printed
     row = [line for line in out.read_text().splitlines() if line.startswith("| 2 | 40 |")]
     assert len(row) == 1 and float(row[0].split("|")[8]) < 2e-3 and row[0].rstrip().endswith("(default) |"), row
 

@@ -67,9 +67,11 @@ def _torch_us(q, k, v) -> float | None:
     return float(np.median(times))
 
 
-def case(dev, b: int, length: int, rng, **knobs) -> tuple[float, np.ndarray, dict]:
+def case(dev, b: int, length: int, seed: int, **knobs) -> tuple[float, np.ndarray, dict]:
     """(µs per call, the output [B, H, D], the host inputs) of ``decode_attention`` over B rows of ``length``
-    positions, the cache built with ``knobs`` (PagedKVCache's decode_unroll / decode_lanes / num_chunks)."""
+    positions, the cache built with ``knobs`` (PagedKVCache's decode_unroll / decode_lanes / num_chunks); the data
+    drawn from ``seed``, so every variant of a case reads the same q, K and V."""
+    rng = np.random.default_rng(seed)
     per = -(-length // BLOCK)
     cache = PagedKVCache(1, HEADS, KV_HEADS, HEAD_DIM, 1 + b * per, BLOCK, "f16", dev, max_batch=b, **knobs)
     ops, stream = cache.ops, cuda.Stream(dev)
@@ -122,7 +124,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
     dev = cuda.current_device()
-    rng = np.random.default_rng(0)
     lines = [f"# Batched decode attention — {dev.name}, {datetime.date.today()}", "",
              f"Command: `python tools/bench_attention_batched.py {' '.join(sys.argv[1:] if argv is None else argv)}`",
              "", f"{HEADS} query heads, {KV_HEADS} KV heads, head_dim {HEAD_DIM}, f16 K/V in blocks of {BLOCK}; µs per "
@@ -132,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines), flush=True)
     for b in [int(x) for x in a.batches.split(",")]:
         for length in [int(x) for x in a.lengths.split(",")]:
-            us, got, host = case(dev, b, length, rng)
+            seed = b * 100_003 + length
+            us, got, host = case(dev, b, length, seed)
             tus = _torch_us(host["q"], host["k"], host["v"])
             ref = oracle(host["q"], host["k"], host["v"])
             err = f"{np.abs(got - ref).max() / np.abs(ref).max():.1e}"
@@ -141,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                 best_us = us
                 for tag, knobs in _variants(a.sweep, a.rings):
                     try:
-                        t, got_v, _ = case(dev, b, length, rng, **knobs)
+                        t, got_v, _ = case(dev, b, length, seed, **knobs)
                     except Exception as exc:  # (a tiling the kernel refuses)
                         print(f"  {tag}: {type(exc).__name__}: {exc}", flush=True)
                         continue
