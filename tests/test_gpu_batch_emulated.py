@@ -69,6 +69,7 @@ def test_rows_joining_and_leaving_match_alone(loaded, ring, monkeypatch):
     import realizar.gpu.paged_kv as paged_kv
 
     monkeypatch.setattr(paged_kv, "DECODE_RING_STAGES", ring)
+    monkeypatch.setattr(paged_kv, "DECODE_RING_MIN_HEAD_DIM", 0)
     rng = np.random.default_rng(7)
     be = _backend(loaded)
     assert be.kv.decode_ring == ring

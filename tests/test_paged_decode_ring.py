@@ -101,10 +101,15 @@ def test_ring_refusals():
 
 
 def test_default_ring_by_target_and_pool(monkeypatch):
-    """The ring where it can run (sm_90, a pool type it takes, shared memory enough), else the register pass."""
+    """The ring where it can run (sm_90, a head size it is the default for, a pool type it takes, shared memory
+    enough), else the register pass."""
     monkeypatch.setattr(paged_kv, "DECODE_RING_STAGES", 3)
     t90, t80 = cuda.EmulatedDevice(target="sm_90").target, cuda.EmulatedDevice(target="sm_80").target
     assert default_decode_ring(t90, "f16", 128, 4, 32, 2, 16, 227 * 1024) == 3
+    monkeypatch.setattr(paged_kv, "DECODE_RING_MIN_HEAD_DIM", 128)
+    assert default_decode_ring(t90, "f16", 64, 4, 32, 2, 16, 227 * 1024) == 0
+    assert _ring_cache(4, 2, 64, 8, 16, "f16").decode_ring == 0
+    monkeypatch.setattr(paged_kv, "DECODE_RING_MIN_HEAD_DIM", 64)
     assert default_decode_ring(t80, "f16", 128, 4, 32, 2, 16, 163 * 1024) == 0
     assert default_decode_ring(t90, "q8_0", 128, 4, 32, 2, 16, 227 * 1024) == 0
     assert default_decode_ring(t90, "f16", 128, 4, 32, 2, 16, 16 * 1024) == 0  # (3 x 8 KB and the barriers)

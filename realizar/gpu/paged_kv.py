@@ -96,17 +96,21 @@ def decode_tiling(head_dim: int, group: int) -> tuple[int, int]:
 
 
 # the decode kernel's K/V through a ring of this many stages in shared memory, filled by bulk copies (sm_90; f32, f16,
-# bf16 pools; 0: loads into registers), and its rows per lane group per step there
-DECODE_RING_STAGES = 0
+# bf16 pools; 0: loads into registers), its rows per lane group per step there, and the head sizes it is the default
+# for (at head_dim 64 the register pass is as fast or faster on the 1B step: docs/performance.md, attention)
+DECODE_RING_STAGES = 2
 DECODE_RING_UNROLL = 2
+DECODE_RING_MIN_HEAD_DIM = 128
 
 
 def default_decode_ring(target, kv_dtype: str, head_dim: int, group: int, block_size: int, unroll: int, lanes: int,
                 max_shared: int) -> int:
-    """Default ring stages of the decode kernel: ``DECODE_RING_STAGES`` where the target has bulk copies, the pool's
-    type is one the ring takes and its shared memory fits ``max_shared`` bytes a block; else 0."""
+    """Default ring stages of the decode kernel: ``DECODE_RING_STAGES`` where the target has bulk copies, the head size
+    is at least ``DECODE_RING_MIN_HEAD_DIM``, the pool's type is one the ring takes and its shared memory fits
+    ``max_shared`` bytes a block; else 0."""
     stages = DECODE_RING_STAGES
-    if not stages or target.compute_capability < (9, 0) or kv_dtype not in RING_DTYPES:
+    if (not stages or target.compute_capability < (9, 0) or head_dim < DECODE_RING_MIN_HEAD_DIM
+            or kv_dtype not in RING_DTYPES):
         return 0
     return stages if _ring_bytes(stages, head_dim, group, block_size, kv_dtype, unroll, lanes) <= max_shared else 0
 
