@@ -128,6 +128,7 @@ def test_ws_stages_by_tile_applies_to_its_launch_shapes_only(monkeypatch):
 
     shapes = [(6144, 4096, False, "rows"), (4096, 4096, False, "rows"), (28672, 4096, True, "glu-tiles"),
               (4096, 14336, False, "tiles"), (3072, 2048, False, "rows"), (16384, 2048, True, "glu-tiles")]
+    monkeypatch.setattr(host, "WS_STAGES_BY_TILE", ())
     before = {(n, k, m): host.ws_config("Q4_K", k, lay, n // 2 if glu else n, m, glu=glu)
               for n, k, glu, lay in shapes for m in (65, 96, 128, 192, 256, 512)}
     monkeypatch.setattr(host, "WS_STAGES_BY_TILE", (((128, 1, 1), (6, 4, 3, 2)),))

@@ -76,9 +76,10 @@ WS_WIDE_256 = 0.7
 # 1.008x / 1.003x the step at B = 128 / 256, but 1B at 256 rows 0.93x (session 32), so not taken
 WS_STAGES = (4, 3, 2)
 # ring depths tried instead of WS_STAGES on some launch shapes: ((token tile, consumer warpgroups, K parts), depths)
-# pairs. H200, 6 stages on qkv at 128 tokens (one warpgroup, 128-token tile, K whole): 1.07x the launch (session 32);
-# not yet A/B'd on the step
-WS_STAGES_BY_TILE: tuple = ()
+# pairs. H200, 6 stages on one-warpgroup 128-token tiles with K whole (8B qkv at 96-128 rows, 1B qkv at 192-256 and
+# gate/up at 96-128): 8B 1.009x / 1.005x the step at B = 96 / 128, 1B 1.017x / 1.004x / 1.009x / 1.003x at 96 / 128 /
+# 192 / 256 (docs/results/bench_serving_ws_ab_h200.md, session 34)
+WS_STAGES_BY_TILE: tuple = (((128, 1, 1), (6, 4, 3, 2)),)
 # producer warpgroups a strip tried, in order (each fills every psplit-th stage: the decode's latency shared among more
 # warps), the first whose CTA keeps a consumer's registers and fits the shared memory with a ring of WS_STAGES. H200, 8B
 # Q4_K batched decode: 2 and 4 slower everywhere (the step 0.987x / 0.955x at B = 128; session 31)
