@@ -14,9 +14,9 @@ instead of a tensor map; Q4_K decoded in f32 instead of f16x2), bench_gemm_ws_sw
 layers at 128, 256 and 512 tokens, K split over two CTAs among them), bench_gemm_ws_rings (o, down and gate/up at 128
 and 256 tokens with A/B rings of 4-8 stages, K split over up to four CTAs), bench_attention_batched / _sweep (the batched decode
 attention alone beside torch; every decode tiling at 256 rows of 192 positions), bench_attention_ring / ab_ring /
-ab_ring_small (the decode kernel's ring of bulk copies at several depths, alone and A/B'd on the 8B, 1B and SmolLM2
-steps),
-ab_ws_stages / ab_ws_stages_small (gemm_ws's 6-stage rings on one-warpgroup 128-token tiles, A/B'd on the steps),
+ab_ring_small (the decode kernel's ring of bulk copies at several depths, alone; A/B'd against the register pass on the
+8B step, and at head_dim 64, where it is off by default, on the 1B and SmolLM2 steps), ab_ws_stages /
+ab_ws_stages_small (gemm_ws's 6-stage rings on one-warpgroup 128-token tiles against WS_STAGES, A/B'd on the steps),
 ncu_gemm_ws (its gate/up and o launches at
 256 tokens and down at 128 and 256 under ncu: ncu_gemm_ws_*.txt, and their stall reasons and most-sampled SASS instructions:
 ncu_gemm_ws_*_stalls.md), profile_batch (the 8B
@@ -112,21 +112,21 @@ def stages(out: Path, tests: list[str], pytest_args: list[str]) -> dict[str, tup
                                            "192", "--sweep", "--out", str(out / "bench_attention_batched_sweep.md")],
                                           240),
         # the decode kernel's ring of bulk copies at several depths beside the register pass (each checked against the
-        # oracle), then the batched decode step A/B'd with each (8B; then SmolLM2 and 1B)
+        # oracle), then the 8B batched decode step at the default ring A/B'd against the register pass, 3 stages and
+        # unroll 4
         "bench_attention_ring": ([PY, "tools/bench_attention_batched.py", "--batches", "128,256", "--lengths",
-                                  "128,192,256", "--rings", "2,4,6,8", "--out", str(out / "bench_attention_ring.md")],
+                                  "128,192,256", "--rings", "2,3,4", "--out", str(out / "bench_attention_ring.md")],
                                  300),
         "ab_ring": ([PY, "tools/policy_ab.py", "--shape", "llama-3-8b", "--batches", "128,256", "--variant", "none",
-                     *[a for v in ("DECODE_RING_STAGES=4", "DECODE_RING_STAGES=6",
-                                   "DECODE_RING_STAGES=3; DECODE_RING_UNROLL=4") for a in ("--variant", v)],
+                     *[a for v in ("DECODE_RING_STAGES=0", "DECODE_RING_STAGES=3", "DECODE_RING_UNROLL=4")
+                       for a in ("--variant", v)],
                      "--out", str(out / "ab_ring.md")], 540),
-        # 6-stage A/B rings on one-warpgroup 128-token tiles with K whole (WS_STAGES_BY_TILE) A/B'd on the 8B and 1B
-        # steps
+        # 6-stage A/B rings on one-warpgroup 128-token tiles with K whole (WS_STAGES_BY_TILE) against WS_STAGES there,
+        # A/B'd on the 8B and 1B steps
         "ab_ws_stages": ([PY, "tools/policy_ab.py", "--shape", "llama-3-8b", "--batches", "96,128", "--variant", "none",
-                          "--variant", "WS_STAGES_BY_TILE=(((128, 1, 1), (6, 4, 3, 2)),)",
-                          "--out", str(out / "ab_ws_stages.md")], 300),
+                          "--variant", "WS_STAGES_BY_TILE=()", "--out", str(out / "ab_ws_stages.md")], 300),
         "ab_ws_stages_small": ([PY, "tools/policy_ab.py", "--shape", "llama-3.2-1b", "--batches", "96,128,192,256",
-                                "--variant", "none", "--variant", "WS_STAGES_BY_TILE=(((128, 1, 1), (6, 4, 3, 2)),)",
+                                "--variant", "none", "--variant", "WS_STAGES_BY_TILE=()",
                                 "--out", str(out / "ab_ws_stages_1b.md")], 300),
         # several GPUs (not default stages: they need 2 or more)
         "bench_tensor_parallel": ([PY, "tools/bench_tensor_parallel.py", "--out", str(out / "bench_tensor_parallel.md")],
@@ -167,9 +167,10 @@ def stages(out: Path, tests: list[str], pytest_args: list[str]) -> dict[str, tup
                     "-f", "-o", str(rep.with_suffix("")), PY, "tools/ncu_gemm_ws.py", "--shape", shape, "--m", str(m)],
                    [ncu, "--import", str(rep), "--page", "details", "--log-file", str(out / f"{tag}.txt")],
                    [PY, "tools/ncu_stalls.py", str(rep), "--out", str(out / f"{tag}_stalls.md")]]
-    # the decode kernel's ring A/B'd on the 1B and SmolLM2 steps (their heads: head_dim 64, groups 4 and 3)
+    # the decode kernel's ring (off by default at their head_dim 64, groups 4 and 3) A/B'd on the 1B and SmolLM2 steps
     ab_ring_small = [[PY, "tools/policy_ab.py", "--shape", shape, "--batches", "64,128,256", "--variant", "none",
-                      "--variant", "DECODE_RING_STAGES=4", "--variant", "DECODE_RING_STAGES=6",
+                      "--variant", "DECODE_RING_MIN_HEAD_DIM=64",
+                      "--variant", "DECODE_RING_MIN_HEAD_DIM=64; DECODE_RING_STAGES=3",
                       "--out", str(out / f"ab_ring_{shape}.md")] for shape in ("llama-3.2-1b", "smollm2-135m")]
     return {**{name: ([cmd], limit) for name, (cmd, limit) in single.items()}, "bench_warm_start": (warm, 480),
             "ab_ring_small": (ab_ring_small, 480),
