@@ -64,11 +64,13 @@ def _run(wtype, layout, out_dim, in_dim, m, rng, *, mt=None, warps=1, kparts=1, 
 
 
 def run_emulated(kernel: str, shape: dict, wtype, layout, out_dim, in_dim, m, rng, *, bias=False, residual=None,
-                 out_f16=False, glu=False, lda=None, ldy=None, x=None, max_steps: int | None = None):
+                 out_f16=False, glu=False, lda=None, ldy=None, x=None, max_steps: int | None = None,
+                 ctas: int | None = None):
     """Run the quantized GEMM ``kernel`` (gemm_q, gemm_wg, gemm_ws; its launch ``shape``) in the emulator over a
     random ``wtype`` weight in ``layout`` and ``m`` tokens, and check every element against :func:`_oracle`,
     nothing written past the output (``ldy`` > the columns: nor between rows). ``max_steps``: the emulator's
-    bound on steps (its default where None)."""
+    bound on steps (its default where None). ``ctas``: gemm_ws with ``streamk``, the CTAs sharing out the tiles'
+    chunks of K."""
     raw = random_weight(rng, wtype, out_dim, in_dim)
     data = raw if layout == "rows" else tile_major(raw, wtype, out_dim, in_dim, glu=layout == "glu-tiles")
     data = np.concatenate([data, np.zeros(-data.size % 16, np.uint8)])
@@ -102,15 +104,19 @@ def run_emulated(kernel: str, shape: dict, wtype, layout, out_dim, in_dim, m, rn
     xcast = shape.get("xcast", 1) if kernel == "gemm_ws" else 1
     grid = (-(-grid[0] // xcast) * xcast, grid[1])  # (whole clusters along the rows)
     kparts = shape.get("kparts", 1) if kernel == "gemm_ws" else 1  # (gemm_wg's kparts split K inside a CTA)
-    if kparts > 1:  # (gemm_ws with K split over grid z: the partial sums' room, counters at zero and left at zero)
+    streamk = shape.get("streamk", False) and kernel == "gemm_ws"
+    if kparts > 1 or streamk:  # (gemm_ws with K split over grid z or Stream-K: the partial sums' room, counters at zero
+        # and left at zero)
         tiles = grid[0] * grid[1]
         params["part"] = mem.alloc_array(np.full(tiles * kern.meta["part_floats"], np.nan, np.float32))
         params["counters"] = counters = mem.alloc_array(np.zeros(tiles, np.uint32))
-        grid = (*grid, kparts)
+        if streamk:
+            params["ntiles"] = grid[0]
+        grid = (ctas, 1, 1) if streamk else (*grid, kparts)
     simt_run(kern.ptx, grid=grid, block=(kern.meta["block"],), params=params, memory=mem,
              shared_bytes=kern.launch.dyn_smem, **({} if max_steps is None else {"max_steps": max_steps}))
-    if kparts > 1:
-        assert not mem.read(counters, np.uint32, grid[0] * grid[1]).any(), "counters not left at zero"
+    if kparts > 1 or streamk:
+        assert not mem.read(counters, np.uint32, tiles).any(), "counters not left at zero"
     flat = mem.read(y, ytype, m * ldy + pad).astype(np.float64)
     assert np.isnan(flat[m * ldy:]).all(), "wrote past the output"
     out = flat[: m * ldy].reshape(m, ldy)

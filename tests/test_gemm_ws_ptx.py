@@ -56,6 +56,28 @@ def test_gemm_ws_matches_oracle(data, case, seed):
          residual={"residual": "buffer", "in_place": "in_place"}.get(epi), out_f16="f16" in epi, glu=glu)
 
 
+@pytest.mark.parametrize("wtype,layout,glu,stages,ctas,epi", [("Q4_K", "tiles", False, 3, 4, "residual"),
+                                                              ("Q6_K", "rows", False, 4, 5, "bias"),
+                                                              ("Q4_K", "glu-tiles", True, 3, 4, "f16"),
+                                                              ("Q4_K", "rows", False, 2, 4, "in_place")])
+def test_gemm_ws_streamk(wtype, layout, glu, stages, ctas, epi):
+    """Stream-K: the 6 tiles' (3 row tiles x 2 token tiles) 3 chunks of K each shared out over 4 or 5 CTAs, so that
+    CTAs take two units, tiles are split between two CTAs (summed by the later, the counters left at zero) or whole,
+    and each unit's stages go into the ring where the last left it (3 stages: a unit's first stage in every slot);
+    every element against the oracle, X by a tensor map, each epilogue."""
+    _run("gemm_ws", dict(mt=64, stages=stages, xtma=True, f16dec=wtype == "Q4_K", pfence=2 if stages > 2 else 1,
+                         streamk=True), wtype, layout, 2 * 96 if glu else 192, 768, 70, np.random.default_rng(13),
+         bias=epi == "bias", residual={"residual": "buffer", "in_place": "in_place"}.get(epi), out_f16=glu, glu=glu,
+         ctas=ctas)
+
+
+def test_streamk_refuses_what_it_cannot_take():
+    for kw in (dict(kparts=2), dict(psplit=2), dict(xcast=2), dict(xtma=False)):
+        args = dict(kparts=1, psplit=1, pfence=1, xcast=1, xtma=True) | kw
+        with pytest.raises(ValueError, match="streamk"):
+            ws.check_shape("Q4_K", 1024, "tiles", 64, 1, 4, 2, streamk=True, **args)
+
+
 @pytest.mark.parametrize("layout", ["tiles", "rows"])
 @pytest.mark.parametrize("glu", [False, True])
 def test_gemm_ws_f16_decoding(layout, glu):
@@ -249,12 +271,13 @@ def test_gemm_wg_matches_oracle(data, case, seed):
 
 
 @pytest.mark.parametrize("name,config", [("gemm_ws", None), ("gemm_ws", "two_consumers"), ("gemm_ws", "xtma"),
-                                         ("gemm_ws", "xcast"), ("gemm_wg", "one_row_group")])
+                                         ("gemm_ws", "xcast"), ("gemm_ws", "streamk"), ("gemm_wg", "one_row_group")])
 def test_host_launch_on_the_emulated_device(monkeypatch, name, config):
     """``GemmWgOps.gemm_ws`` / ``gemm_wg`` end to end (operand checks, the policy's or a given launch shape, the
     launch) on the emulated device, which the Linear never hands them (``wg_applies``): allowed here, every
     element against the oracle, a bias and a residual epilogue, two token tiles; X multicast to a pair with the K split
-    (the tensor map's boxes of half a token tile)."""
+    (the tensor map's boxes of half a token tile); Stream-K's 4 tiles over a device of 3 SMs (its grid, room and
+    ``ntiles``)."""
     import realizar.gpu.gemm_wg as host
     from realizar import cuda
     from realizar.gpu.gemm_wg import WgConfig, WsConfig
@@ -262,7 +285,7 @@ def test_host_launch_on_the_emulated_device(monkeypatch, name, config):
     from tests.layer_oracles import epilogue_buffers
 
     monkeypatch.setattr(host, "wg_applies", lambda *a: True)
-    ops = LayerOps(cuda.EmulatedDevice(target="sm_90"))
+    ops = LayerOps(cuda.EmulatedDevice(target="sm_90", sm_count=3 if config == "streamk" else 132))
     rng = np.random.default_rng(11)
     out_dim, in_dim, m = 72, 512, 70
     raw = random_weight(rng, "Q4_K", out_dim, in_dim)
@@ -271,7 +294,8 @@ def test_host_launch_on_the_emulated_device(monkeypatch, name, config):
     y, kw, b, r = epilogue_buffers(ops, rng, m, out_dim, bias=True, residual="buffer", out_f16=False)
     cfg = {None: None, "two_consumers": WsConfig(256, 2, 2, 2),
            "xtma": WsConfig(128, 1, 3, 2, xtma=True), "one_row_group": WgConfig(64, 1, 2, 2, 2),
-           "xcast": WsConfig(64, 1, 3, 2, True, True, 2, 1, 2, 2)}[config]  # (72 rows: 2 row tiles, one pair)
+           "xcast": WsConfig(64, 1, 3, 2, True, True, 2, 1, 2, 2),  # (72 rows: 2 row tiles, one pair)
+           "streamk": WsConfig(64, 1, 3, 2, True, True, streamk=True)}[config]
     if name == "gemm_ws":  # (the launch shape's K split, the policy's included, needs its room)
         room = host.split_room(cfg or host.ws_config("Q4_K", in_dim, "tiles", out_dim, m, ops.sm_count), out_dim, m)
         kw = {**kw, **({"split": ops.split_space(*room)} if room[0] else {})}
@@ -443,7 +467,7 @@ def test_x_map_spans_whole_token_tiles_the_buffer_holds(monkeypatch, extra):
     from realizar.gpu.ops import GpuWeight, LayerOps
 
     monkeypatch.setattr(host, "wg_applies", lambda *a: True)
-    ops = LayerOps(cuda.EmulatedDevice(target="sm_90"))
+    ops = LayerOps(cuda.EmulatedDevice(target="sm_90", sm_count=3 if config == "streamk" else 132))
     rng = np.random.default_rng(extra)
     m, out_dim, in_dim, mt = 70, 64, 256, 64
     raw = random_weight(rng, "Q4_K", out_dim, in_dim)

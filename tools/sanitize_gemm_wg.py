@@ -36,6 +36,8 @@ CASES_SMALL = [
     ("gemm_ws", "Q6_K", "tiles", 128, 256, 130, WsConfig(128, 2, 4, 2, False, False)),
     ("gemm_wg", "Q8_0", "tiles", 128, 512, 45, WgConfig(64, 1, 2, 2, 2)),
     ("gemm_ws", "Q4_K", "tiles", 256, 1024, 150, WsConfig(128, 2, 3, 2, True, True, 2)),
+    # Stream-K: 210 tiles over at most 132 CTAs (tiles split between two)
+    ("gemm_ws", "Q4_K", "tiles", 4480, 512, 130, WsConfig(64, 1, 3, 2, True, True, streamk=True)),
 ]
 CASES = CASES_SMALL + [
     ("gemm_ws", "Q4_K", "rows", 320, 768, 300, WsConfig(256, 1, 4, 3, True, True)),

@@ -20,8 +20,8 @@ from realizar.gpu.dispatch import Dispatcher
 from realizar.gpu.policy.gemm import (WG_MIN_WAVE, WG_MTS, WG_STAGES, WG_UNROLL, WG_WIDE, WS_F16DEC, WS_MIN_WAVE,
                                       WS_MTS, WS_PFENCE, WS_PSPLIT, WS_XCAST, WS_SPLIT_FIRST, WS_SPLIT_FIRST_MIN_CHUNKS,
                                       WS_SPLIT_SMALL, WS_SPLIT_K, WS_SPLIT_K_PARTS, WS_SPLIT_K_TILES,
-                                      WS_SPLIT_MIN_CHUNKS, WS_STAGES, WS_STAGES_BY_TILE, WS_TILE_FILL, WS_WIDE,
-                                      WS_WIDE_256, WS_XTMA, XTMA_WHOLE_TILES, ws_shared_bytes)
+                                      WS_SPLIT_MIN_CHUNKS, WS_STAGES, WS_STAGES_BY_TILE, WS_STREAMK, WS_TILE_FILL,
+                                      WS_WIDE, WS_WIDE_256, WS_XTMA, XTMA_WHOLE_TILES, ws_shared_bytes)
 from realizar.gpu.policy.shapes import WgConfig, WsConfig
 
 __all__ = ["GemmWgOps", "SplitSpace", "WgConfig", "WsConfig", "split_room", "wg_applies", "wg_config", "ws_config"]
@@ -101,10 +101,15 @@ def ws_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_co
             if not consumers_fit(mt, r, ps):
                 continue
             for stages in dict(WS_STAGES_BY_TILE).get((mt, r, kparts), WS_STAGES):
-                if ps <= stages and smem_bytes(wtype, in_dim, layout, mt, r, stages, 2, ps, cast) <= max_smem:
+                smem = smem_bytes(wtype, in_dim, layout, mt, r, stages, 2, ps, cast)
+                if ps <= stages and smem <= max_smem:
                     fence = WS_PFENCE if ps == 1 and WS_PFENCE < stages else 1
+                    tiles = -(-groups // r) * -(-m // mt)
+                    waves = -(-tiles // sm_count)
+                    sk = bool(WS_STREAMK and kparts == ps == cast == 1 and WS_XTMA and 2 * smem > max_smem
+                              and tiles > sm_count and waves * sm_count - tiles > WS_STREAMK * waves * sm_count)
                     return WsConfig(mt, r, stages, 2, WS_XTMA, WS_F16DEC and wtype in F16DEC_TYPES, kparts, ps, fence,
-                                    cast)
+                                    cast, streamk=sk)
     raise ShapeError(f"no warp-specialized GEMM tile for {wtype} {layout} fits {max_smem} bytes of shared memory")
 
 
@@ -113,7 +118,7 @@ def ws_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_co
 WS_POLICY = ("WS_MTS", "WS_TILE_FILL", "WS_MIN_WAVE", "WS_WIDE", "WS_WIDE_256", "WS_STAGES", "WS_XTMA", "WS_F16DEC",
              "WS_SPLIT_K", "WS_SPLIT_K_TILES", "WS_SPLIT_K_PARTS", "WS_SPLIT_MIN_CHUNKS", "WS_SPLIT_FIRST",
              "WS_PSPLIT", "WS_PFENCE", "WS_SPLIT_FIRST_MIN_CHUNKS", "WS_SPLIT_SMALL", "WS_XCAST",
-             "WS_STAGES_BY_TILE")
+             "WS_STAGES_BY_TILE", "WS_STREAMK")
 
 
 def ws_policy() -> tuple:
@@ -133,10 +138,10 @@ def split_room(cfg: WsConfig, cols: int, m: int, glu: bool = False) -> tuple[int
     :class:`SplitSpace` ((0, 0) without a K split)."""
     from ptx_gen.kernels.gemm.gemm_ws import part_floats
 
-    if cfg.kparts == 1:
+    if cfg.kparts == 1 and not cfg.streamk:
         return 0, 0
     tiles = _row_tiles(cfg, cols, glu) * -(-m // cfg.mt)
-    return tiles * part_floats(cfg.mt, cfg.rgroups, cfg.kparts), tiles
+    return tiles * part_floats(cfg.mt, cfg.rgroups, 2 if cfg.streamk else cfg.kparts), tiles
 
 
 @dataclasses.dataclass
@@ -220,7 +225,8 @@ class GemmWgOps(Dispatcher):
         if name == "gemm_ws":  # (whole clusters along the rows)
             grid = (_row_tiles(cfg, cols, glu), grid[1])
         kparts = getattr(cfg, "kparts", 1) if name == "gemm_ws" else 1
-        if kparts > 1:  # (grid z: the CTAs splitting K, summed through split's room)
+        streamk = getattr(cfg, "streamk", False) and name == "gemm_ws"
+        if kparts > 1 or streamk:  # (grid z: the CTAs splitting K, or Stream-K's; summed through split's room)
             floats, tiles = split_room(cfg, cols, m, glu)
             if split is None or not split.fits(floats, tiles):
                 have = "none" if split is None else f"{split.part.count} floats and {split.counters.count} counters"
@@ -228,6 +234,9 @@ class GemmWgOps(Dispatcher):
                                  f"{tiles} counters (GemmWgOps.split_space); got {have}")
             values.update(part=split.part.ptr, counters=split.counters.ptr)
             grid, buffers = (*grid, kparts), {"part": split.part, "counters": split.counters}
+            if streamk:  # (at most an SM's worth of CTAs, each a share of every tile's chunks of K)
+                values["ntiles"] = grid[0]
+                grid = (min(self.sm_count, tiles), 1, 1)
         shared = None
         if name == "gemm_ws":  # (one CTA an SM where the launch has no more CTAs than SMs)
             shared = ws_shared_bytes(kern.launch.dyn_smem, grid[0] * grid[1] * kparts, self.sm_count,

@@ -119,6 +119,22 @@ def test_gemm_wg_gpu_real_shapes(ops, kernel, wtype, layout, out_dim, in_dim, gl
     _run(ops, kernel, np.random.default_rng(m), wtype, layout, out_dim, in_dim, m, glu=glu, out_f16=glu)
 
 
+@pytest.mark.parametrize("wtype,layout,out_dim,in_dim,glu,epi", [
+    ("Q4_K", "glu-tiles", 28672, 4096, True, "f16"), ("Q4_K", "tiles", 6144, 4096, False, "residual"),
+    ("Q6_K", "tiles", 4096, 14336, False, "bias"), ("Q4_K", "rows", 4096, 4096, False, "in_place"),
+])
+@pytest.mark.parametrize("m,mt,rgroups,stages", [(256, 256, 2, 3), (200, 256, 2, 3), (512, 256, 2, 3), (128, 128, 2, 4),
+                                                  (96, 64, 1, 4)])
+def test_gemm_ws_gpu_streamk(ops, wtype, layout, out_dim, in_dim, glu, epi, m, mt, rgroups, stages):
+    """Stream-K (every tile's chunks of K shared out over one CTA an SM, a tile split between two summed by the later)
+    at the 8B shapes, as the policy would take it for gate/up at 160-512 rows and beside it; each epilogue, twice in a
+    row (the counters left at zero)."""
+    cfg = WsConfig(mt, rgroups, stages, 2, True, wtype == "Q4_K", pfence=2, streamk=True)
+    for rep in range(2):
+        _run(ops, "gemm_ws", np.random.default_rng(m + rep), wtype, layout, out_dim, in_dim, m, cfg, glu=glu,
+             bias=epi == "bias", residual={"residual": "buffer", "in_place": "in_place"}.get(epi), out_f16=glu)
+
+
 @pytest.mark.parametrize("layout,out_dim,in_dim,glu", F16DEC_CASES)
 @pytest.mark.parametrize("m", [33, 200, 512])
 def test_gemm_ws_gpu_f16_decoding(ops, layout, out_dim, in_dim, glu, m):

@@ -76,6 +76,7 @@ emulator (``tests/test_gemm_ws_ptx.py``).
 from __future__ import annotations
 
 import contextlib
+import types
 
 from ptx_gen.builder import KernelBuilder, Module, Reg
 from ptx_gen.operands import TENSOR_MAP
@@ -84,7 +85,8 @@ from ptx_gen.kernels.dequant.dequant import check_weight_layout
 from ptx_gen.kernels.gemm.signature import epilogue_signature
 from ptx_gen.kernels.gemm.gemm_ws_grid import grid
 from ptx_gen.kernels.gemm.qstream import CHUNK, WeightStream, seg_bytes, warp_bytes
-from ptx_gen.kernels.gemm.gemm_ws_parts import RingPosition, cluster_release, sum_parts, x_by_cp_async, x_by_tensor_map
+from ptx_gen.kernels.gemm.gemm_ws_parts import (RingPosition, StreamUnits, cluster_release, sum_parts, x_by_cp_async,
+                                                x_by_tensor_map)
 from ptx_gen.kernels.gemm.staged_epilogue import stage_bytes, staged_epilogue, tile_cols
 
 __all__ = ["WS_MTS", "check_shape", "gemm_ws", "part_floats", "smem_bytes", "threads"]
@@ -151,7 +153,8 @@ def smem_bytes(wtype: str, in_dim: int, layout: str, mt: int, rgroups: int, stag
 
 
 def check_shape(wtype: str, in_dim: int, layout: str, mt: int, rgroups: int, stages: int, wstages: int,
-                kparts: int = 1, psplit: int = 1, pfence: int = 1, xcast: int = 1, xtma: bool = True) -> None:
+                kparts: int = 1, psplit: int = 1, pfence: int = 1, xcast: int = 1, xtma: bool = True,
+                streamk: bool = False) -> None:
     check_weight_layout(wtype, in_dim, layout)
     if wtype == "F32":
         raise ValueError("gemm_ws takes the quantized and 16-bit weight types, not F32")
@@ -182,6 +185,10 @@ def check_shape(wtype: str, in_dim: int, layout: str, mt: int, rgroups: int, sta
     if xcast not in WS_XCAST or (xcast > 1 and not xtma):
         raise ValueError(f"xcast (CTAs of a cluster sharing X by multicast) must be one of {WS_XCAST}, and 1 without X "
                          f"by a tensor map, got {xcast} (xtma {xtma})")
+    if streamk and (kparts > 1 or psplit > 1 or xcast > 1 or not xtma):
+        raise ValueError(f"streamk (the tiles' chunks of K shared out over the CTAs) takes X by a tensor map, no K "
+                         f"split over grid z, no producer split and no multicast, got xtma {xtma}, kparts {kparts}, "
+                         f"psplit {psplit}, xcast {xcast}")
     smem = smem_bytes(wtype, in_dim, layout, mt, rgroups, stages, wstages, psplit, xcast)
     if smem > MAX_DYN_SMEM:
         raise ValueError(f"{wtype} mt={mt} rgroups={rgroups} stages={stages} wstages={wstages} psplit={psplit} needs "
@@ -208,24 +215,27 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
             rgroups: int = 1, stages: int = 4, wstages: int = 2, bias: bool = False,
             residual: bool = False, out_f16: bool = False, glu: bool = False, xtma: bool = False,
             f16dec: bool = False, kparts: int = 1, psplit: int = 1, pfence: int = 1, xcast: int = 1,
-            ablate: str = "") -> KernelBuilder:
+            streamk: bool = False, ablate: str = "") -> KernelBuilder:
     """Y[:m] = X[:m] W^T (+ bias) (+ residual), or with ``glu`` silu(X G^T) * (X U^T) for W = [gate; up];
     W of ``wtype`` in ``layout``, X f16, f32 accumulation on wgmma from shared memory. Params: w, x, y, [bias],
-    [residual], m, n, lda, ldy, [part, counters: kparts 2, 4], [xmap: xtma]. Launch: grid (ceil(rows_out /
-    meta["rows_per_cta"]), ceil(m / mt), kparts), block meta["block"], dyn_smem meta["dyn_smem"]."""
-    check_shape(wtype, in_dim, layout, mt, rgroups, stages, wstages, kparts, psplit, pfence, xcast, xtma)
+    [residual], m, n, lda, ldy, [part, counters: kparts 2, 4; part, counters, ntiles: streamk], [xmap: xtma]. Launch:
+    grid (ceil(rows_out / meta["rows_per_cta"]), ceil(m / mt), kparts), block meta["block"], dyn_smem
+    meta["dyn_smem"]; with ``streamk`` grid (G, 1, 1), G at most the output tiles (``ntiles`` row tiles x the token
+    tiles)."""
+    check_shape(wtype, in_dim, layout, mt, rgroups, stages, wstages, kparts, psplit, pfence, xcast, xtma, streamk)
     cut = set(ablate.split("+")) - {""}  # (a diagnostic launch: these parts of the work left out)
     if cut - set(ABLATIONS) or (cut & {"xload", "xwait"} and (not xtma or xcast > 1)):
         raise ValueError(f"ablate takes '+'-joined parts of {ABLATIONS} (xload, xwait with X by a tensor map, no multicast), "
                          f"got {ablate!r}")
     flags, params = epilogue_signature(["w", "x", "y"], ["m", "n", "lda", "ldy"], bias=bias, residual=residual,
                                        out_f16=out_f16, glu=glu, layout=layout)
-    if kparts > 1:  # (K split over the CTAs of grid z: their partial sums, a counter per output tile)
-        params = params + [("part", "u64"), ("counters", "u64")]
+    if kparts > 1 or streamk:  # (K split over the CTAs of grid z, or Stream-K: partial sums, a counter per output tile)
+        params = params + [("part", "u64"), ("counters", "u64")] + ([("ntiles", "u32")] if streamk else [])
     if xtma:  # (the tokens' X by a tensor map: rows of in_dim f16 values, lda apart, boxes of 64 x mt)
         params = params + [("xmap", TENSOR_MAP)]
     name = (f"gemm_ws_{wtype.lower()}_k{in_dim}_{layout.replace('-', '_')}_m{mt}_r{rgroups}_s{stages}_w{wstages}"
             f"{'_tma' if xtma else ''}{'_hd' if f16dec else ''}{f'_split{kparts}' if kparts > 1 else ''}"
+            f"{'_sk' if streamk else ''}"
             f"{f'_p{psplit}' if psplit > 1 else ''}{f'_f{pfence}' if pfence > 1 else ''}"
             f"{f'_c{xcast}' if xcast > 1 else ''}{''.join(f'_no{c}' for c in sorted(cut))}{flags}")
     group = 128 * rgroups  # consumer threads
@@ -237,7 +247,8 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     wbytes = warp_bytes(wtype, in_dim, layout, wstages)
     ab, xb = a_bytes(rgroups), x_bytes(mt)
     k.meta.update(block=block, dyn_smem=smem_bytes(wtype, in_dim, layout, mt, rgroups, stages, wstages, psplit, xcast),
-                  rows_per_cta=(8 if glu else 16) * 4 * rgroups, mt=mt, part_floats=part_floats(mt, rgroups, kparts))
+                  rows_per_cta=(8 if glu else 16) * 4 * rgroups, mt=mt,
+                  part_floats=part_floats(mt, rgroups, 2 if streamk else kparts))
     nc = in_dim // CHUNK // kparts  # the chunks of K a CTA multiplies: c_base ..
 
     tid = k.tid()
@@ -245,7 +256,7 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     r, q = k.shr(lane, 2), k.and_(lane, 3)
     n_rows = k.param("n")
     m_all = k.param("m")
-    tok0 = k.mul(k.ctaid("y"), mt)
+    tok0 = k.var("u32", 0) if streamk else k.mul(k.ctaid("y"), mt)  # (Stream-K: the unit's, set as it opens)
     smem0 = k.and_(k.add(k.dynamic_shared(), ALIGN - 1), -ALIGN & 0xFFFFFFFF)
     a0 = smem0  # stage s: A tile at a0 + s ab, B tile at x0 + s xb
     x0 = k.add(smem0, stages * ab)
@@ -262,7 +273,7 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     if xcast > 1:  # (every CTA's barriers exist before another arrives on them or copies into its shared memory)
         k.cluster_sync()
 
-    ring_pos = RingPosition(k, stages)
+    ring_pos = RingPosition(k, stages, streamk)
 
     def chunk_base() -> Reg:
         """The CTA's first chunk of K."""
@@ -273,161 +284,220 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
         at = slot + stages * kind if isinstance(slot, int) else k.add(slot, stages * kind) if kind else slot
         return (k.add(full0, 8 * at) if at else full0) if isinstance(at, int) else k.add(full0, k.shl(at, 3))
 
-    producer = k.new_label("producer")
-    k.bra(producer, k.setp("ge", tid, group, "u32"))
+    S = types.SimpleNamespace()  # (what a role's setup leaves for its units)
 
-    # ---- consumers: rows 64 g .. of the CTA ------------------------------------------------------------------
-    g = k.shr(warp, 2)
-    desc_a = [k.or_(k.cvt(k.shr(k.add(k.add(a0, k.shl(g, 13)), s * ab), 4), "u64"), DESC_FIXED, "b64")
-              for s in range(stages)]
-    desc_b = [k.or_(k.cvt(k.shr(k.add(x0, s * xb), 4), "u64"), DESC_FIXED, "b64") for s in range(stages)]
-    scale_d = k.setp("ne", k.mov(1, "u32"), 0)
-    acc = [k.var("f32", 0.0) for _ in range(mt // 2)]
-    k.grid_dependency_wait()  # X (and the residual) come from the kernels before
-    rank = peer = None
-    if xtma:
-        if xcast > 1:  # (X multicast: this CTA copies rows rank mt / 2 .. of each box into both CTAs of its pair)
-            rank = k.cluster_rank()
-            peer = k.xor(rank, 1)
-        copy_x = x_by_tensor_map(k, tid, tok0, x0, xb, mt, bar, rank, xcast, "xload" in cut)
-        x_lead = k.setp("eq", tid, 0)
-    else:
-        copy_x = x_by_cp_async(k, tid, group, tok0, m_all, x0, xb, mt, bar)
+    def consumer_setup() -> None:
+        """Consumers: rows 64 g .. of the CTA (their descriptors, accumulators and X copies)."""
+        S.g = k.shr(warp, 2)
+        S.desc_a = [k.or_(k.cvt(k.shr(k.add(k.add(a0, k.shl(S.g, 13)), s * ab), 4), "u64"), DESC_FIXED, "b64")
+                    for s in range(stages)]
+        S.desc_b = [k.or_(k.cvt(k.shr(k.add(x0, s * xb), 4), "u64"), DESC_FIXED, "b64") for s in range(stages)]
+        S.scale_d = k.setp("ne", k.mov(1, "u32"), 0)
+        S.acc = [k.var("f32", 0.0) for _ in range(mt // 2)]
+        k.grid_dependency_wait()  # X (and the residual) come from the kernels before
+        S.rank = S.peer = S.x_lead = None
+        if xtma:
+            if xcast > 1:  # (X multicast: this CTA copies rows rank mt / 2 .. of each box into both CTAs of its pair)
+                S.rank = k.cluster_rank()
+                S.peer = k.xor(S.rank, 1)
+            S.copy_x = x_by_tensor_map(k, tid, tok0, x0, xb, mt, bar, S.rank, xcast, "xload" in cut)
+            S.x_lead = k.setp("eq", tid, 0)
+        else:
+            S.copy_x = x_by_cp_async(k, tid, group, tok0, m_all, x0, xb, mt, bar)
 
-    c_base = chunk_base()
-    for s in range(min(stages, 4 * nc)):  # (the first stages: chunk s / 4, its 64-k part s % 4; none past K)
-        copy_x(k.add(c_base, s // 4) if s >= 4 else c_base, s % 4, s, None)
-    with k.loop(0, nc) as i:
-        for h in range(4):
-            slot, parity = ring_pos.at(i, h)
-            k.mbarrier_wait(bar(slot), parity)
-            if not xtma:  # (the X copies' generic-proxy writes before the MMAs' async-proxy reads; a tensor map's copies
-                k.fence_proxy_async()  # are async-proxy writes, and the producers fence their A stores themselves)
-            k.wgmma_fence()
-            if isinstance(slot, int):
-                da, db = desc_a[slot], desc_b[slot]
-            else:  # (descriptors count 16-byte units)
-                sl = k.cvt(slot, "u64")
-                da, db = k.mad(sl, ab >> 4, desc_a[0], "u64"), k.mad(sl, xb >> 4, desc_b[0], "u64")
-            for j in range(4):  # k16 steps: 32 bytes along the swizzled rows
-                if "mma" not in cut:
-                    k.wgmma_f16_ss(acc, k.add(da, 2 * j, "u64") if j else da, k.add(db, 2 * j, "u64") if j else db,
-                                   scale_d)
-            k.wgmma_commit()
-            k.wgmma_wait(1)  # the previous stage's MMAs are done: its slot is free
-            prev = ring_pos.prev(slot)
-            had = k.setp("ne", i, 0) if h == 0 else None
-            k.mbarrier_arrive(bar(prev, EMPTY), pred=had)
-            # the slot's X is rewritten only once every consumer thread has released it: a warp's wgmma.wait_group
-            # covers its own wgmma groups, and another warp's (or the other consumer warpgroup's) MMAs may still read
-            # the B tile (at i = 0, h = 0: a fresh barrier, passed at once); with X by a tensor map only thread 0
-            # writes it, and only it waits (the other warps go on to the next stage)
-            if xtma:
-                with k.if_(x_lead):
-                    empty, prev_parity = bar(prev, EMPTY), ring_pos.prev_parity(h, slot, parity)
-                    if "xwait" not in cut:
-                        k.mbarrier_wait(empty, prev_parity)
-                    if peer is not None:  # (and the other CTA's: its thread 0 arrives here, this one there)
-                        cluster_release(k, bar(prev, RELEASE), peer, prev_parity, had)
-            else:
-                k.mbarrier_wait(bar(prev, EMPTY), ring_pos.prev_parity(h, slot, parity))
-            # X of the stage that takes the slot next (stages after the previous one), with its A from the producers
-            c_next = k.add(i, (h - 1 + stages) // 4)
-            live = k.setp("lt", c_next, nc)
-            if had is not None:  # (at i = 0 there was no previous stage: that X is in the prologue)
-                live = k.both(live, had)
-            copy_x(k.add(c_base, c_next) if kparts > 1 else c_next, (h - 1 + stages) % 4, prev, live)
-            ring_pos.advance()
-    k.wgmma_wait(0)
-    leave = k.new_label("leave") if xcast > 1 else None  # (a cluster's CTAs leave together: none exits early)
-    if kparts > 1:
-        sum_parts(k, acc, tid, group, a0, kparts, leave)
-    r_strip = k.or_(k.shl(k.and_(r, 3), 1), k.shr(r, 2))  # (the strip row whose A row is r: the inverse of _a_row)
-    # (ablated: behind a test no launch passes, so that ptxas keeps the MMAs whose results it would write)
-    with k.if_(k.setp("eq", m_all, 0xFFFFFFFF)) if "epilogue" in cut else contextlib.nullcontext():
-        staged_epilogue(k, acc, a0, group, tid, k.add(k.shl(g, 2), k.and_(warp, 3)), r_strip, q, m_all,
-                        k.shr(n_rows, 1) if glu else n_rows, k.mul(k.ctaid(), tile_cols(rgroups, glu)), tok0, mt,
-                        rgroups, glu, bias, residual, out_f16)
-    if leave is not None:
-        k.label(leave)
-        k.cluster_sync()
-    k.ret()
+    def consumer_unit(units: StreamUnits | None, c_base: Reg | None, nc: Reg | int, leaving: bool) -> str | None:
+        """The consumers' MMAs over chunks ``c_base`` .. (``nc`` of them) of their tile, then its epilogue; with
+        ``leaving`` a K split's or a split unit's CTAs that do not sum branch to the label returned, past the
+        epilogue."""
+        acc, copy_x = S.acc, S.copy_x
+        if units:  # (a unit's first stages go into the ring where the last unit left it)
+            k.assign(tok0, k.mul(units.tok_tile, mt))
+            for a in acc:
+                k.assign(a, 0.0)
+            firsts = [(k.add(ring_pos.slot, s) if s else ring_pos.slot, k.setp("gt", nc, s // 4))
+                      for s in range(stages)]
+            firsts = [(k.selp(k.sub(t, stages), t, k.setp("ge", t, stages), "u32") if s else t, ok)
+                      for s, (t, ok) in enumerate(firsts)]
+        else:
+            c_base = chunk_base()
+            firsts = [(s, None) for s in range(min(stages, 4 * nc))]
+        for s, (slot, ok) in enumerate(firsts):  # (the first stages: chunk s / 4, its 64-k part s % 4; none past K)
+            copy_x(k.add(c_base, s // 4) if s >= 4 else c_base, s % 4, slot, ok)
+        with k.loop(0, nc) as i:
+            for h in range(4):
+                slot, parity = ring_pos.at(i, h)
+                k.mbarrier_wait(bar(slot), parity)
+                if not xtma:  # (the X copies' generic-proxy writes before the MMAs' async-proxy reads; a tensor map's
+                    k.fence_proxy_async()  # copies are async-proxy writes, and the producers fence their A stores)
+                k.wgmma_fence()
+                if isinstance(slot, int):
+                    da, db = S.desc_a[slot], S.desc_b[slot]
+                else:  # (descriptors count 16-byte units)
+                    sl = k.cvt(slot, "u64")
+                    da, db = k.mad(sl, ab >> 4, S.desc_a[0], "u64"), k.mad(sl, xb >> 4, S.desc_b[0], "u64")
+                for j in range(4):  # k16 steps: 32 bytes along the swizzled rows
+                    if "mma" not in cut:
+                        k.wgmma_f16_ss(acc, k.add(da, 2 * j, "u64") if j else da,
+                                       k.add(db, 2 * j, "u64") if j else db, S.scale_d)
+                k.wgmma_commit()
+                k.wgmma_wait(1)  # the previous stage's MMAs are done: its slot is free
+                prev = ring_pos.prev(slot)
+                had = k.setp("ne", i, 0) if h == 0 else None
+                k.mbarrier_arrive(bar(prev, EMPTY), pred=had)
+                # the slot's X is rewritten only once every consumer thread has released it: a warp's
+                # wgmma.wait_group covers its own wgmma groups, and another warp's (or the other consumer warpgroup's)
+                # MMAs may still read the B tile (at i = 0, h = 0: a fresh barrier, passed at once, or the last unit's
+                # last slot, released); with X by a tensor map only thread 0 writes it, and only it waits (the other
+                # warps go on to the next stage)
+                if xtma:
+                    with k.if_(S.x_lead):
+                        empty, prev_parity = bar(prev, EMPTY), ring_pos.prev_parity(h, slot, parity)
+                        if "xwait" not in cut:
+                            k.mbarrier_wait(empty, prev_parity)
+                        if S.peer is not None:  # (and the other CTA's: its thread 0 arrives here, this one there)
+                            cluster_release(k, bar(prev, RELEASE), S.peer, prev_parity, had)
+                else:
+                    k.mbarrier_wait(bar(prev, EMPTY), ring_pos.prev_parity(h, slot, parity))
+                # X of the stage that takes the slot next (stages after the previous one), with its A from the
+                # producers
+                c_next = k.add(i, (h - 1 + stages) // 4)
+                live = k.setp("lt", c_next, nc)
+                if had is not None:  # (at i = 0 there was no previous stage: that X is in the prologue)
+                    live = k.both(live, had)
+                copy_x(k.add(c_base, c_next) if kparts > 1 or units else c_next, (h - 1 + stages) % 4, prev, live)
+                ring_pos.advance()
+        k.wgmma_wait(0)
+        leave = k.new_label("leave") if leaving else None
+        if kparts > 1:
+            sum_parts(k, acc, tid, group, a0, kparts, leave)
+        if units:  # (the unit's last stage released; a tile shared with another CTA summed by the later of the two)
+            k.mbarrier_arrive(bar(ring_pos.prev(ring_pos.slot), EMPTY))
+            with k.if_(units.split):
+                sum_parts(k, acc, tid, group, a0, 2, leave, units.tile, units.part)
+        r_strip = k.or_(k.shl(k.and_(r, 3), 1), k.shr(r, 2))  # (the strip row whose A row is r: _a_row's inverse)
+        # (ablated: behind a test no launch passes, so that ptxas keeps the MMAs whose results it would write)
+        with k.if_(k.setp("eq", m_all, 0xFFFFFFFF)) if "epilogue" in cut else contextlib.nullcontext():
+            staged_epilogue(k, acc, a0, group, tid, k.add(k.shl(S.g, 2), k.and_(warp, 3)), r_strip, q, m_all,
+                            k.shr(n_rows, 1) if glu else n_rows,
+                            k.mul(units.col_tile if units else k.ctaid(), tile_cols(rgroups, glu)), tok0, mt, rgroups,
+                            glu, bias, residual, out_f16)
+        if leave is not None:
+            k.label(leave)
+        return leave
 
     # ---- producers: warp p streams the strips p + 4 pg u (rows 16 (p + 4 pg u) .. of the CTA's weight, u < spw), each
     # through its own ring; with psplit, warp p + 4 pg v (v < psplit) streams them too and fills the stages h of each
     # chunk with h % psplit = v ------------------------------------------------------------------------------------------
-    k.label(producer)
-    pw = k.shr(k.sub(tid, group), 5)
-    phase, pl = None, pw
-    if psplit > 1:  # (the warp's rings are its own; its strips those of warp pw % 4 pg)
-        phase, pl = k.shr(pw, (4 * pg).bit_length() - 1), k.and_(pw, 4 * pg - 1)
-    if spw == 1:
-        wbases = [k.add(ring0, k.mul(pw, wbytes))]
-    else:
-        wfirst = k.add(ring0, k.mul(pw, spw * wbytes))
-        wbases = [k.add(wfirst, u * wbytes) if u else wfirst for u in range(spw)]
-    c_base = chunk_base()
-    chunk0, p = c_base, pl  # (the producers stream the CTA's chunks of K)
-    strips = [p] + [k.add(p, 4 * pg * u) for u in range(1, spw)]  # (the strips' indices in the CTA)
-    cta_strip = k.mul(k.ctaid(), 4 * rgroups)
-    wss = [WeightStream(k, wtype, in_dim, layout, glu, lane, r, k.add(cta_strip, st), n_rows, f16dec) for st in strips]
-    for ws in wss:
-        ws.decode_setup(lane, q)
-    streamed = [] if "wload" in cut else wss  # (the streams whose weights are copied)
-    for s in range(wstages - 1):
-        for ws, wbase in zip(streamed, wbases):
-            ws.issue(chunk0, nc, k.mov(s, "u32"), k.add(wbase, s * slot_bytes) if s else wbase)
-        k.cp_async_commit()
-    k.grid_dependency_wait()  # (the producers read only weights; their first chunks are requested before this)
+    def producer_setup() -> None:
+        S.pw = k.shr(k.sub(tid, group), 5)
+        S.phase, S.pl = None, S.pw
+        if psplit > 1:  # (the warp's rings are its own; its strips those of warp pw % 4 pg)
+            S.phase, S.pl = k.shr(S.pw, (4 * pg).bit_length() - 1), k.and_(S.pw, 4 * pg - 1)
+        if spw == 1:
+            S.wbases = [k.add(ring0, k.mul(S.pw, wbytes))]
+        else:
+            wfirst = k.add(ring0, k.mul(S.pw, spw * wbytes))
+            S.wbases = [k.add(wfirst, u * wbytes) if u else wfirst for u in range(spw)]
 
-    # A stores: the lane's rows r and r + 8 of strip st go to A rows 16 st + pi(r) and + 8 (pi: see _a_row), block b
-    # of a stage at piece 4 b + q
-    ar = _a_row(k, r)
-    a_dst = []
-    for st in strips:
-        arow = k.add(a0, k.shl(k.add(k.shl(st, 4), ar), 7))
-        a_dst.append([k.add(arow, k.shl(k.xor(k.add(q, 4 * b), ar), 4)) for b in range(2)])
+    def producer_unit(units: StreamUnits | None, c_base: Reg | None, nc: Reg | int, pos: RingPosition | None) -> None:
+        """The producers' chunks ``c_base`` .. (``nc`` of them) of their tile's weight rows, decoded into the stages
+        (``pos``: the ring's position, going on from the last unit's; else a new one)."""
+        wbases, phase = S.wbases, S.phase
+        if not units:
+            c_base = chunk_base()
+        chunk0, p = c_base, S.pl  # (the producers stream the CTA's chunks of K)
+        strips = [p] + [k.add(p, 4 * pg * u) for u in range(1, spw)]  # (the strips' indices in the CTA)
+        cta_strip = k.mul(units.col_tile if units else k.ctaid(), 4 * rgroups)
+        wss = [WeightStream(k, wtype, in_dim, layout, glu, lane, r, k.add(cta_strip, st), n_rows, f16dec)
+               for st in strips]
+        for ws in wss:
+            ws.decode_setup(lane, q)
+        streamed = [] if "wload" in cut else wss  # (the streams whose weights are copied)
+        for s in range(wstages - 1):
+            for ws, wbase in zip(streamed, wbases):
+                ws.issue(chunk0, nc, k.mov(s, "u32"), k.add(wbase, s * slot_bytes) if s else wbase)
+            k.cp_async_commit()
+        if not units:
+            k.grid_dependency_wait()  # (the producers read only weights; their first chunks are requested before this)
 
-    ring = wstages * slot_bytes
-    rd = k.var("u32", 0)
-    wr = k.var("u32", (wstages - 1) * slot_bytes)
-    ring_pos = RingPosition(k, stages)
-    pending = []  # (the slots a producer has filled and not yet announced)
-    with k.loop(0, nc) as i:  # (chunk i)
-        k.cp_async_wait_group(wstages - 2)
-        k.bar_warp_sync()
-        c_abs = k.add(c_base, i) if kparts > 1 else i
-        chs = [ws.prep(k.add(wbase, rd), c_abs, (wbase, ring)) for ws, wbase in zip(wss, wbases)]
-        for h in range(4):
-            slot, parity = ring_pos.at(i, h)
-            if psplit > 1 and h == 0:  # (every warp streams the whole chunk; only the stage's own warps fill it)
-                _issue_next(k, streamed, wbases, chunk0, nc, i, wstages, wr)
-            with (k.if_(k.setp("eq", phase, h % psplit)) if psplit > 1 else contextlib.nullcontext()):
-                prev = k.xor(parity, 1) if not isinstance(parity, int) else parity ^ 1
-                k.mbarrier_wait(bar(slot, EMPTY), prev)
-                if h == 0 and psplit == 1:
+        # A stores: the lane's rows r and r + 8 of strip st go to A rows 16 st + pi(r) and + 8 (pi: see _a_row), block
+        # b of a stage at piece 4 b + q
+        ar = _a_row(k, r)
+        a_dst = []
+        for st in strips:
+            arow = k.add(a0, k.shl(k.add(k.shl(st, 4), ar), 7))
+            a_dst.append([k.add(arow, k.shl(k.xor(k.add(q, 4 * b), ar), 4)) for b in range(2)])
+
+        ring = wstages * slot_bytes
+        rd = k.var("u32", 0)
+        wr = k.var("u32", (wstages - 1) * slot_bytes)
+        ring_pos = pos or RingPosition(k, stages)
+        pending = []  # (the slots a producer has filled and not yet announced)
+        with k.loop(0, nc) as i:  # (chunk i)
+            k.cp_async_wait_group(wstages - 2)
+            k.bar_warp_sync()
+            c_abs = k.add(c_base, i) if kparts > 1 or units else i
+            chs = [ws.prep(k.add(wbase, rd), c_abs, (wbase, ring)) for ws, wbase in zip(wss, wbases)]
+            for h in range(4):
+                slot, parity = ring_pos.at(i, h)
+                if psplit > 1 and h == 0:  # (every warp streams the whole chunk; only the stage's own warps fill it)
                     _issue_next(k, streamed, wbases, chunk0, nc, i, wstages, wr)
-                soff = None if isinstance(slot, int) else k.mul(slot, ab)
-                for ws, ch, dst in zip(wss, chs, a_dst):
-                    for b in range(2):
-                        r_words, r8_words = ws.words(ch, 2 * h + b) if "decode" not in cut else [[k.mov(0, "b32")] * 4] * 2
-                        at, off = (dst[b], slot * ab) if soff is None else (k.add(dst[b], soff), 0)
-                        k.store("shared", "u32", at, r_words, off)
-                        k.store("shared", "u32", at, r8_words, off + 8 * 128)
-                # (pfence stages' stores fenced at once, then announced; a slot held over a stage is copied: advance
-                # moves the register)
-                pending.append(slot if isinstance(slot, int) or pfence == 1 else k.mov(slot, "u32"))
-                if (h + 1) % pfence == 0:
-                    if "fence" not in cut:
-                        k.fence_proxy_async()  # (the stores' generic-proxy writes before the MMAs' async-proxy reads)
-                    for sl in pending:
-                        k.mbarrier_arrive(bar(sl))
-                    pending.clear()
-            ring_pos.advance()
-        for v in (rd, wr):
-            nxt = k.add(v, slot_bytes)
-            k.assign(v, k.selp(0, nxt, k.setp("eq", nxt, ring), "u32"))
-    k.cp_async_wait_all()
+                with (k.if_(k.setp("eq", phase, h % psplit)) if psplit > 1 else contextlib.nullcontext()):
+                    prev = k.xor(parity, 1) if not isinstance(parity, int) else parity ^ 1
+                    k.mbarrier_wait(bar(slot, EMPTY), prev)
+                    if h == 0 and psplit == 1:
+                        _issue_next(k, streamed, wbases, chunk0, nc, i, wstages, wr)
+                    soff = None if isinstance(slot, int) else k.mul(slot, ab)
+                    for ws, ch, dst in zip(wss, chs, a_dst):
+                        for b in range(2):
+                            r_words, r8_words = (ws.words(ch, 2 * h + b) if "decode" not in cut
+                                                 else [[k.mov(0, "b32")] * 4] * 2)
+                            at, off = (dst[b], slot * ab) if soff is None else (k.add(dst[b], soff), 0)
+                            k.store("shared", "u32", at, r_words, off)
+                            k.store("shared", "u32", at, r8_words, off + 8 * 128)
+                    # (pfence stages' stores fenced at once, then announced; a slot held over a stage is copied:
+                    # advance moves the register)
+                    pending.append(slot if isinstance(slot, int) or pfence == 1 else k.mov(slot, "u32"))
+                    if (h + 1) % pfence == 0:
+                        if "fence" not in cut:
+                            k.fence_proxy_async()  # (the stores' generic-proxy writes before the MMAs' async-proxy
+                            # reads)
+                        for sl in pending:
+                            k.mbarrier_arrive(bar(sl))
+                        pending.clear()
+                ring_pos.advance()
+            for v in (rd, wr):
+                nxt = k.add(v, slot_bytes)
+                k.assign(v, k.selp(0, nxt, k.setp("eq", nxt, ring), "u32"))
+        k.cp_async_wait_all()
+
+    if streamk:  # (one loop over the units for both roles, so that every thread meets at one barrier after each)
+        producing = k.setp("ge", tid, group, "u32")
+        with k.if_(producing, negate=True):
+            consumer_setup()
+        with k.if_(producing):
+            producer_setup()
+            k.grid_dependency_wait()
+            ppos = RingPosition(k, stages, True)
+        units = StreamUnits(k, in_dim // CHUNK, mt, m_all)
+        c_base, nc = units.begin()
+        with k.if_(producing, negate=True):
+            consumer_unit(units, c_base, nc, True)
+        with k.if_(producing):
+            producer_unit(units, c_base, nc, ppos)
+        units.end()
+        k.ret()
+        return k
+
+    producer = k.new_label("producer")
+    k.bra(producer, k.setp("ge", tid, group, "u32"))
+    consumer_setup()
+    if consumer_unit(None, None, nc, xcast > 1) is not None:  # (a cluster's CTAs leave together: none exits early)
+        k.cluster_sync()
+    k.ret()
+    k.label(producer)
+    producer_setup()
+    producer_unit(None, None, nc, None)
     if xcast > 1:
         k.cluster_sync()
     k.ret()

@@ -69,6 +69,11 @@ def grid() -> list[dict]:
     for mt, st in ((128, 4), (256, 3)):
         g.append({"wtype": "Q4_K", "in_dim": 4096, "layout": "glu-tiles", "mt": mt, "rgroups": 2, "stages": st,
                   "glu": True, "out_f16": True, "xtma": True, "f16dec": True, "pfence": 2, "xcast": 2})
+    # Stream-K (gate/up at 256 tokens, 224 tiles over 132 CTAs; o at 128 tokens)
+    g.append({"wtype": "Q4_K", "in_dim": 4096, "layout": "glu-tiles", "mt": 256, "rgroups": 2, "stages": 3, "glu": True,
+              "out_f16": True, "xtma": True, "f16dec": True, "pfence": 2, "streamk": True})
+    g.append({"wtype": "Q6_K", "in_dim": 4096, "layout": "rows", "mt": 128, "residual": True, "xtma": True,
+              "pfence": 2, "streamk": True})
     # a diagnostic launch (the weights neither copied nor decoded: what the X copies, MMAs and barriers cost alone)
     g.append({"wtype": "Q4_K", "in_dim": 14336, "layout": "tiles", "mt": 128, "rgroups": 2, "residual": True,
               "xtma": True, "f16dec": True, "kparts": 2, "pfence": 2, "ablate": "decode+wload"})

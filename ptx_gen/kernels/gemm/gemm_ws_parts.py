@@ -8,7 +8,7 @@ import contextlib
 
 from ptx_gen.builder import KernelBuilder, Reg
 
-__all__ = ["RingPosition", "cluster_release", "sum_parts", "x_by_cp_async", "x_by_tensor_map"]
+__all__ = ["RingPosition", "StreamUnits", "cluster_release", "sum_parts", "x_by_cp_async", "x_by_tensor_map"]
 
 
 def x_by_cp_async(k: KernelBuilder, tid: Reg, group: int, tok0: Reg, m_all: Reg, x0: Reg, xb: int, mt: int, bar):
@@ -80,11 +80,12 @@ def cluster_release(k: KernelBuilder, xbar: Reg, peer: Reg, parity: Reg | int, h
 class RingPosition:
     """The ring slot of stage ``4 i + h`` (chunk ``i``, its 64-k part ``h``) and the parity of the slot's use: immediates
     (and ``i``'s low bit) where ``stages`` divides a chunk's 4 stages, else registers that :meth:`advance` moves on
-    one stage (the stages taken in order, each once)."""
+    one stage (the stages taken in order, each once). ``dynamic``: registers whatever the depth (a ring that goes on
+    over several ranges of chunks, each counting its own ``i`` from zero)."""
 
-    def __init__(self, k: KernelBuilder, stages: int):
+    def __init__(self, k: KernelBuilder, stages: int, dynamic: bool = False):
         self.k, self.stages = k, stages
-        self.dynamic = 4 % stages != 0
+        self.dynamic = dynamic or 4 % stages != 0
         if self.dynamic:
             self.slot, self.parity = k.var("u32", 0), k.var("u32", 0)
 
@@ -120,18 +121,63 @@ class RingPosition:
         k.assign(self.parity, k.selp(k.xor(self.parity, 1), self.parity, wrap, "u32"))
 
 
+class StreamUnits:
+    """Stream-K: the launch's ``T`` = output tiles x ``nct`` chunks of K taken as one sequence, CTA ``b`` of ``G``
+    multiplying chunks ``b T / G`` .. ``(b + 1) T / G`` of it, tile by tile (tile ``t``: row tile ``t % ntiles``, token
+    tile ``t / ntiles``), each tile's chunks in a *unit*. With no more CTAs than tiles a CTA's range is at least a
+    tile long, so a tile is either one CTA's whole unit or split between two: the part starting at chunk 0 (part 0)
+    and the rest (part 1), summed like a K split in two. Every role of the CTA walks the same units: :meth:`begin`
+    opens one (the loop's head), :meth:`end` closes it (every thread of the CTA meets there, so that the next unit's
+    stages reuse shared memory only once the epilogue is done with it)."""
+
+    def __init__(self, k: KernelBuilder, nct: int, mt: int, m_all: Reg):
+        self.k, self.nct = k, nct
+        self.ntiles = k.param("ntiles")
+        ntok = k.shr(k.add(m_all, mt - 1), mt.bit_length() - 1)
+        total = k.mul(k.mul(self.ntiles, ntok), nct)
+        ctas, b = k.sreg("nctaid.x"), k.ctaid()
+        self.cur = k.var("u32", k.div(k.mul(b, total), ctas))
+        self.stop = k.div(k.mul(k.add(b, 1), total), ctas)
+        self.head, self.done = k.new_label("unit"), k.new_label("units_done")
+
+    def begin(self) -> tuple[Reg, Reg]:
+        """Open the next unit (leaving the loop past the last): (its first chunk of K, its chunks); sets ``tile``,
+        ``col_tile`` and ``tok_tile``, ``split`` (the tile is shared with another CTA) and ``part``."""
+        k = self.k
+        k.label(self.head)
+        k.bra(self.done, k.setp("ge", self.cur, self.stop))
+        self.tile = k.div(self.cur, self.nct)
+        c0 = k.sub(self.cur, k.mul(self.tile, self.nct))
+        self.n = k.min(k.sub(self.nct, c0), k.sub(self.stop, self.cur))
+        self.col_tile, self.tok_tile = k.rem(self.tile, self.ntiles), k.div(self.tile, self.ntiles)
+        first = k.setp("ne", c0, 0)
+        self.split = k.or_(first, k.setp("ne", self.n, self.nct))
+        self.part = k.selp(1, 0, first, "u32")
+        return c0, self.n
+
+    def end(self) -> None:
+        """Close the unit: every thread of the CTA meets, then the next one."""
+        k = self.k
+        k.bar_sync()
+        k.assign(self.cur, k.add(self.cur, self.n))
+        k.bra(self.head)
+        k.label(self.done)
+
+
 def sum_parts(k: KernelBuilder, acc: list, tid: Reg, group: int, flag_at: Reg, kparts: int = 2,
-               leave: str | None = None) -> None:
+               leave: str | None = None, tile: Reg | None = None, part: Reg | None = None) -> None:
     """K split over ``kparts`` CTAs (grid z): each writes its accumulators to ``part`` (16-byte pieces, piece ``j`` of
     every consumer thread side by side: coalesced), the consumers' threads fence and meet, thread 0 counts the CTA at
     its output tile's counter (``atom.inc`` with bound kparts - 1: it wraps back to zero on the last arrival); all but
     the last return, the last sums and runs the epilogue. Two parts: the other's floats added to its own (the same
     whichever CTA comes last); four: the four read back and added in the order of z. ``flag_at``: a shared u32 free
     after the main loop (it tells the consumers which CTA they are in). ``leave``: the label the others branch to
-    instead of returning."""
+    instead of returning. ``tile`` and ``part`` (Stream-K: a CTA's range of chunks ends or starts inside the tile): the
+    output tile and the part instead of the grid's."""
     n = len(acc)
-    tile = k.add(k.mul(k.ctaid("y"), k.sreg("nctaid.x")), k.ctaid())
-    base, part = k.global_ptr("part"), k.ctaid("z")
+    if tile is None:
+        tile = k.add(k.mul(k.ctaid("y"), k.sreg("nctaid.x")), k.ctaid())
+    base, part = k.global_ptr("part"), k.ctaid("z") if part is None else part
 
     def pieces_of(p: Reg | int) -> Reg:  # (the CTA's n / 4 pieces of group threads: piece j of thread t at 16 (j group
         # + t))

@@ -131,6 +131,10 @@ WS_SPLIT_SMALL = 2.0
 # to pair up were packed onto few SMs (H200, 8B Q4_K 128-row step on gemm_ws: 11.6 ms, 9.6 ms with this;
 # docs/results/profile_batch_128_h200.md)
 WS_SOLE_CTA = True
+# Stream-K: a launch of K whole (no split, no multicast, one CTA filling an SM's shared memory) with more tiles than
+# SMs whose last wave would leave more than this share of the SMs idle takes its tiles' chunks of K shared out evenly
+# over one CTA an SM instead (a tile split between two CTAs summed by the later); 0: never. Not yet A/B'd on a GPU
+WS_STREAMK = 0.0
 # above this many rows the Linear takes the warp-specialized GEMM instead of gemm_wg (H200, 8B Q4_K batched decode with
 # WS_SPLIT_FIRST and WS_TILE_FILL: gemm_ws 1.25x the step at 80 and 96 rows, even at 64, behind at 33 and 48;
 # docs/results/bench_serving_ws_ab_h200.md, session 30)

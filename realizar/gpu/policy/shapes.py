@@ -107,7 +107,9 @@ class WsConfig:
     weights decoded in f16x2 arithmetic, ``kparts``: CTAs splitting K (grid z, summed through a workspace), ``psplit``:
     producer warpgroups a strip, each filling every ``psplit``-th stage, ``pfence``: stages a producer fences and
     announces together, ``xcast``: CTAs of a cluster (along the weight rows) sharing each token tile's X by multicast;
-    ``ablate`` (diagnostic launches, never the policy's): the parts of the work left out (gemm_ws's ``ABLATIONS``)."""
+    ``ablate`` (diagnostic launches, never the policy's): the parts of the work left out (gemm_ws's ``ABLATIONS``);
+    ``streamk``: the tiles' chunks of K shared out evenly over at most an SM's worth of CTAs (a tile split between two
+    summed through a workspace)."""
 
     mt: int
     rgroups: int = 1
@@ -120,3 +122,4 @@ class WsConfig:
     pfence: int = 1
     xcast: int = 1
     ablate: str = ""
+    streamk: bool = False
