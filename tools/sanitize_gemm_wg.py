@@ -115,7 +115,7 @@ def cases(rng, which) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--small", action="store_true", help="the first five cases (racecheck is slow)")
+    ap.add_argument("--small", action="store_true", help="the first six cases (racecheck is slow)")
     a = ap.parse_args()
     n = cases(np.random.default_rng(0), CASES_SMALL if a.small else CASES)
     cuda.current_device().synchronize()
