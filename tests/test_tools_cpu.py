@@ -27,10 +27,15 @@ def test_bench_prefill_tiny_on_the_emulator(tmp_path, capsys, peer):
     if peer == "cpu" and importlib.util.find_spec("torch") is None:
         pytest.skip("torch is not installed")
     out = tmp_path / "prefill.md"
+    import realizar.gpu.gemm_wg as host
+
+    before = host.WS_STREAMK
     argv = ["--device", "emulate", "--tiny", "--lengths", "2,3", "--runs", "1", "--warmup", "1",
-            "--torch", peer, "--peak-tflops", "1", "--out", str(out)]
+            "--torch", peer, "--peak-tflops", "1", "--policy", "WS_STREAMK=0.5", "--out", str(out)]
     assert bench_prefill.main(argv) == 0
+    assert host.WS_STREAMK == before  # (the policy setting undone after the run)
     text = out.read_text()
+    assert "- launch policy changed: WS_STREAMK=0.5" in text
     assert text in capsys.readouterr().out  # the log is printed too
     assert "- GPU: emulated sm_90" in text and "- date: " in text
     assert f"- command: `python tools/bench_prefill.py {' '.join(argv)}`" in text

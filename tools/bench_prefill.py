@@ -331,6 +331,7 @@ def render(results: list[dict], lengths: list[int], device, peak: float | None, 
         f"- date: {when}",
         f"- GPU: {device.name} ({device.target.sm}, {device.sm_count} SMs, {mem} GiB)",
         f"- command: `{command}`",
+        *([f"- launch policy changed: {a.policy}"] if a.policy != "none" else []),
         f"- prefill path: {'; '.join(paths)}",
         f"- method: random weights at the real shapes; per prompt length S, `model.reset()` then "
         f"`model.prefill(S random ids)` on a fresh KV cache, {a.warmup} warm-up run(s), median of {a.runs}. "
@@ -364,6 +365,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--device", choices=("cuda", "emulate"),
                     help="realizar's device (default: cuda.current_device(), REALIZAR_DEVICE honoured)")
     ap.add_argument("--out", type=Path, help="write the Markdown log here")
+    ap.add_argument("--policy", default="none",
+                    help="launch-policy settings for this run, as tools/policy_ab.py's --variant (NAME=VALUE; ...)")
     a = ap.parse_args(argv)
     a.lengths = [int(s) for s in a.lengths.split(",") if s]
     if not a.lengths or min(a.lengths) < 1 or a.runs < 1 or a.warmup < 0:
@@ -381,6 +384,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     else:
         device = cuda.current_device()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import policy_ab  # (lazily: it imports this module)
+
+    import realizar.gpu.gemm_wg  # noqa: F401  (loaded, so that the policy names it reads are set there too)
+
+    saved = policy_ab.apply(policy_ab.parse_variant(a.policy))
+    try:
+        return _run(a, device, command)
+    finally:
+        policy_ab.undo(saved)
+
+
+def _run(a: argparse.Namespace, device, command: str) -> int:
     peak = a.peak_tflops or peak_tflops(device.name)
     peer = TorchPeer(a.torch)
     names = ["tiny"] if a.tiny else a.shapes.split(",")

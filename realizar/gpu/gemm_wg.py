@@ -20,7 +20,8 @@ from realizar.gpu.dispatch import Dispatcher
 from realizar.gpu.policy.gemm import (WG_MIN_WAVE, WG_MTS, WG_STAGES, WG_UNROLL, WG_WIDE, WS_F16DEC, WS_MIN_WAVE,
                                       WS_MTS, WS_PFENCE, WS_PSPLIT, WS_XCAST, WS_SPLIT_FIRST, WS_SPLIT_FIRST_MIN_CHUNKS,
                                       WS_SPLIT_SMALL, WS_SPLIT_K, WS_SPLIT_K_PARTS, WS_SPLIT_K_TILES,
-                                      WS_SPLIT_MIN_CHUNKS, WS_STAGES, WS_STAGES_BY_TILE, WS_STREAMK, WS_TILE_FILL,
+                                      WS_SPLIT_MIN_CHUNKS, WS_STAGES, WS_STAGES_BY_TILE, WS_STREAMK,
+                                      WS_STREAMK_MIN_ROWS, WS_TILE_FILL,
                                       WS_WIDE, WS_WIDE_256, WS_XTMA, XTMA_WHOLE_TILES, ws_shared_bytes)
 from realizar.gpu.policy.shapes import WgConfig, WsConfig
 
@@ -75,7 +76,8 @@ def ws_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_co
     warpgroups a CTA and K split over the first part count of ``WS_SPLIT_K_PARTS`` (above the launch's own on its
     tile) whose launch has ``WS_SPLIT_K`` CTAs an SM and whose parts keep ``WS_SPLIT_MIN_CHUNKS`` chunks each; the
     first producer split of ``WS_PSPLIT`` whose CTA has the registers; ``WS_PFENCE`` stages fenced at once where it
-    allows; X shared by ``WS_XCAST`` CTAs of a cluster with X by a tensor map."""
+    allows; X shared by ``WS_XCAST`` CTAs of a cluster with X by a tensor map; Stream-K where ``WS_STREAMK`` and
+    ``WS_STREAMK_MIN_ROWS`` take the launch."""
     from ptx_gen.kernels.gemm.gemm_ws import consumers_fit, smem_bytes
     from ptx_gen.kernels.gemm.qstream import F16DEC_TYPES
 
@@ -106,7 +108,8 @@ def ws_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_co
                     fence = WS_PFENCE if ps == 1 and WS_PFENCE < stages else 1
                     tiles = -(-groups // r) * -(-m // mt)
                     waves = -(-tiles // sm_count)
-                    sk = bool(WS_STREAMK and kparts == ps == cast == 1 and WS_XTMA and 2 * smem > max_smem
+                    sk = bool(WS_STREAMK and m >= WS_STREAMK_MIN_ROWS and kparts == ps == cast == 1 and WS_XTMA
+                              and 2 * smem > max_smem
                               and tiles > sm_count and waves * sm_count - tiles > WS_STREAMK * waves * sm_count)
                     return WsConfig(mt, r, stages, 2, WS_XTMA, WS_F16DEC and wtype in F16DEC_TYPES, kparts, ps, fence,
                                     cast, streamk=sk)
@@ -118,7 +121,7 @@ def ws_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_co
 WS_POLICY = ("WS_MTS", "WS_TILE_FILL", "WS_MIN_WAVE", "WS_WIDE", "WS_WIDE_256", "WS_STAGES", "WS_XTMA", "WS_F16DEC",
              "WS_SPLIT_K", "WS_SPLIT_K_TILES", "WS_SPLIT_K_PARTS", "WS_SPLIT_MIN_CHUNKS", "WS_SPLIT_FIRST",
              "WS_PSPLIT", "WS_PFENCE", "WS_SPLIT_FIRST_MIN_CHUNKS", "WS_SPLIT_SMALL", "WS_XCAST",
-             "WS_STAGES_BY_TILE", "WS_STREAMK")
+             "WS_STAGES_BY_TILE", "WS_STREAMK", "WS_STREAMK_MIN_ROWS")
 
 
 def ws_policy() -> tuple:

@@ -135,6 +135,34 @@ def test_gemm_ws_gpu_streamk(ops, wtype, layout, out_dim, in_dim, glu, epi, m, m
              bias=epi == "bias", residual={"residual": "buffer", "in_place": "in_place"}.get(epi), out_f16=glu)
 
 
+def test_linear_takes_streamk_for_gate_up_at_512_rows(ops):
+    """The Linear at a prefill chunk of 512 rows over the 8B fused gate/up weight: the policy's launch is Stream-K, the
+    room reserve() sizes takes it, and the SwiGLU output matches the oracle (twice: the counters left at zero)."""
+    from realizar.gpu.linear import Linear
+
+    m, out_dim, in_dim = 512, 28672, 4096
+    assert ws_config("Q4_K", in_dim, "glu-tiles", out_dim // 2, m, ops.sm_count,
+                     ops.device.max_shared_per_block_optin, glu=True).streamk
+    rng = np.random.default_rng(5)
+    raw = random_weight(rng, "Q4_K", out_dim, in_dim)
+    w = GpuWeight(data=raw, ggml_type="Q4_K", shape=(out_dim, in_dim), layout="glu-tiles")
+    lin = Linear(ops)
+    lin.reserve([w], m)
+    for rep in range(2):
+        x = ((rng.standard_normal((m, in_dim)) + 0.1) / 64).astype(np.float16)
+        xb, y = ops.to_device(x), ops.to_device(np.full((m, out_dim // 2), np.nan, np.float16))
+        lin(w, xb, y, m, glu=True, out_f16=True)
+        got = y.to_numpy().reshape(m, out_dim // 2).astype(np.float64)
+        ref, scale, tol = _oracle(raw, "Q4_K", out_dim, in_dim, x, True, None, None, True)
+        assert np.isfinite(got).all(), "unwritten (NaN-poisoned) outputs"
+        assert (np.abs(got - ref) / (scale + 1e-30)).max() < tol
+        assert not lin.split.counters.to_numpy().any(), "counters not left at zero"
+        xb.free()
+        y.free()
+    lin.free()
+    w.free()
+
+
 @pytest.mark.parametrize("layout,out_dim,in_dim,glu", F16DEC_CASES)
 @pytest.mark.parametrize("m", [33, 200, 512])
 def test_gemm_ws_gpu_f16_decoding(ops, layout, out_dim, in_dim, glu, m):

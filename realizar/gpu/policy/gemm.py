@@ -131,10 +131,15 @@ WS_SPLIT_SMALL = 2.0
 # to pair up were packed onto few SMs (H200, 8B Q4_K 128-row step on gemm_ws: 11.6 ms, 9.6 ms with this;
 # docs/results/profile_batch_128_h200.md)
 WS_SOLE_CTA = True
-# Stream-K: a launch of K whole (no split, no multicast, one CTA filling an SM's shared memory) with more tiles than
-# SMs whose last wave would leave more than this share of the SMs idle takes its tiles' chunks of K shared out evenly
-# over one CTA an SM instead (a tile split between two CTAs summed by the later); 0: never. Not yet A/B'd on a GPU
-WS_STREAMK = 0.0
+# Stream-K: a launch of K whole (no split, no multicast, one CTA filling an SM's shared memory) of at least
+# WS_STREAMK_MIN_ROWS tokens with more tiles than SMs whose last wave would leave more than this share of the SMs idle
+# takes its tiles' chunks of K shared out evenly over one CTA an SM instead (a tile split between two CTAs summed by the
+# later); 0: never. H200, 8B Q4_K (only gate/up qualifies there up to 512 rows): prefill pp512 1.035x / 1.023x / 1.025x
+# in three alternations (gate/up at 512 tokens, 448 tiles), but the batched decode step 0.984-0.992x at B = 128-256
+# (perhaps because the last wave's idle SMs start the down projection's CTAs early there, under programmatic dependent
+# launch), 1B 1.002-1.009x (docs/results/bench_prefill_h200.md, session 34)
+WS_STREAMK = 0.1
+WS_STREAMK_MIN_ROWS = 512
 # above this many rows the Linear takes the warp-specialized GEMM instead of gemm_wg (H200, 8B Q4_K batched decode with
 # WS_SPLIT_FIRST and WS_TILE_FILL: gemm_ws 1.25x the step at 80 and 96 rows, even at 64, behind at 33 and 48;
 # docs/results/bench_serving_ws_ab_h200.md, session 30)
