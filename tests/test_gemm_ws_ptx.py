@@ -467,7 +467,7 @@ def test_x_map_spans_whole_token_tiles_the_buffer_holds(monkeypatch, extra):
     from realizar.gpu.ops import GpuWeight, LayerOps
 
     monkeypatch.setattr(host, "wg_applies", lambda *a: True)
-    ops = LayerOps(cuda.EmulatedDevice(target="sm_90", sm_count=3 if config == "streamk" else 132))
+    ops = LayerOps(cuda.EmulatedDevice(target="sm_90"))
     rng = np.random.default_rng(extra)
     m, out_dim, in_dim, mt = 70, 64, 256, 64
     raw = random_weight(rng, "Q4_K", out_dim, in_dim)
