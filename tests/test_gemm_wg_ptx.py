@@ -144,3 +144,30 @@ def test_ws_stages_by_tile_applies_to_its_launch_shapes_only(monkeypatch):
             else:
                 assert cfg == old, (n, m, cfg)
     assert deeper >= 3
+
+
+def test_streamk_rule_takes_wide_launches_from_its_row_minimum_only(monkeypatch):
+    """Stream-K (WS_STREAMK, WS_STREAMK_MIN_ROWS) on the 8B and 1B layers: never below the row minimum (the decode
+    steps), the 8B gate/up at 512 rows (448 tiles over 132 SMs), only on launches of K whole without multicast or
+    producer split that one CTA an SM runs, each passing the kernel's shape check; none with WS_STREAMK 0."""
+    import realizar.gpu.gemm_wg as host
+    from ptx_gen.kernels.gemm import gemm_ws as ws
+
+    shapes = [(28672, 4096, True, "glu-tiles"), (6144, 4096, False, "rows"), (4096, 4096, False, "rows"),
+              (4096, 14336, False, "tiles"), (3072, 2048, False, "rows"), (16384, 2048, True, "glu-tiles"),
+              (2048, 2048, False, "rows"), (2048, 8192, False, "tiles")]
+    taken = set()
+    for n, k, glu, lay in shapes:
+        for m in list(range(65, 600, 13)) + [512, 1024, 2048]:
+            cfg = host.ws_config("Q4_K", k, lay, n // 2 if glu else n, m, 132, 227 * 1024, glu=glu)
+            if not cfg.streamk:
+                continue
+            taken.add((n, m))
+            assert m >= host.WS_STREAMK_MIN_ROWS and (cfg.kparts, cfg.psplit, cfg.xcast) == (1, 1, 1) and cfg.xtma
+            ws.check_shape("Q4_K", k, lay, cfg.mt, cfg.rgroups, cfg.stages, cfg.wstages, cfg.kparts, cfg.psplit,
+                           cfg.pfence, cfg.xcast, cfg.xtma, cfg.streamk)
+            assert 2 * ws.smem_bytes("Q4_K", k, lay, cfg.mt, cfg.rgroups, cfg.stages, cfg.wstages) > 227 * 1024
+    assert (28672, 512) in taken
+    monkeypatch.setattr(host, "WS_STREAMK", 0.0)
+    assert not any(host.ws_config("Q4_K", k, lay, n // 2 if glu else n, 512, glu=glu).streamk
+                   for n, k, glu, lay in shapes)

@@ -17,6 +17,7 @@ attention alone beside torch; every decode tiling at 256 rows of 192 positions),
 ab_ring_small (the decode kernel's ring of bulk copies at several depths, alone; A/B'd against the register pass on the
 8B step, and at head_dim 64, where it is off by default, on the 1B and SmolLM2 steps), ab_ws_stages /
 ab_ws_stages_small (gemm_ws's 6-stage rings on one-warpgroup 128-token tiles against WS_STAGES, A/B'd on the steps),
+ab_streamk (gemm_ws Stream-K on and off at 8B pp512 and 1B pp2048, alternating),
 ncu_gemm_ws (its gate/up and o launches at
 256 tokens and down at 128 and 256 under ncu: ncu_gemm_ws_*.txt, and their stall reasons and most-sampled SASS instructions:
 ncu_gemm_ws_*_stalls.md), profile_batch (the 8B
@@ -167,13 +168,20 @@ def stages(out: Path, tests: list[str], pytest_args: list[str]) -> dict[str, tup
                     "-f", "-o", str(rep.with_suffix("")), PY, "tools/ncu_gemm_ws.py", "--shape", shape, "--m", str(m)],
                    [ncu, "--import", str(rep), "--page", "details", "--log-file", str(out / f"{tag}.txt")],
                    [PY, "tools/ncu_stalls.py", str(rep), "--out", str(out / f"{tag}_stalls.md")]]
+    # gemm_ws Stream-K (on from WS_STREAMK_MIN_ROWS rows) against the same launches without it: 8B pp512 and 1B pp2048
+    # (gate/up at 512 tokens, 1B qkv at 2048), alternating twice
+    ab_streamk = [[PY, "tools/bench_prefill.py", "--shapes", shape, "--lengths", length, "--torch", "none",
+                   *(["--policy", "WS_STREAMK=0.0"] if off else []),
+                   "--out", str(out / f"ab_streamk_{shape}_{'off' if off else 'on'}_{r}.md")]
+                  for shape, length in (("llama-3-8b", "512"), ("llama-3.2-1b", "2048")) for r in (1, 2)
+                  for off in (False, True)]
     # the decode kernel's ring (off by default at their head_dim 64, groups 4 and 3) A/B'd on the 1B and SmolLM2 steps
     ab_ring_small = [[PY, "tools/policy_ab.py", "--shape", shape, "--batches", "64,128,256", "--variant", "none",
                       "--variant", "DECODE_RING_MIN_HEAD_DIM=64",
                       "--variant", "DECODE_RING_MIN_HEAD_DIM=64; DECODE_RING_STAGES=3",
                       "--out", str(out / f"ab_ring_{shape}.md")] for shape in ("llama-3.2-1b", "smollm2-135m")]
     return {**{name: ([cmd], limit) for name, (cmd, limit) in single.items()}, "bench_warm_start": (warm, 480),
-            "ab_ring_small": (ab_ring_small, 480),
+            "ab_ring_small": (ab_ring_small, 480), "ab_streamk": (ab_streamk, 420),
             "ncu_gemm_ws": (ncu_ws, 420),
             "bench_moe": (moe, 600), "profile_batch": (profile_batch, 480),
             "sanitize": (memcheck, 300), "racecheck": (racecheck, 300)}
