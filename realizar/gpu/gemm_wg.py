@@ -236,10 +236,12 @@ class GemmWgOps(Dispatcher):
                 raise ShapeError(f"{cfg} over {cols} outputs and {m} tokens needs a SplitSpace of {floats} floats and "
                                  f"{tiles} counters (GemmWgOps.split_space); got {have}")
             values.update(part=split.part.ptr, counters=split.counters.ptr)
-            grid, buffers = (*grid, kparts), {"part": split.part, "counters": split.counters}
+            buffers = {"part": split.part, "counters": split.counters}
             if streamk:  # (at most an SM's worth of CTAs, each a share of every tile's chunks of K)
                 values["ntiles"] = grid[0]
                 grid = (min(self.sm_count, tiles), 1, 1)
+            else:
+                grid = (*grid, kparts)
         shared = None
         if name == "gemm_ws":  # (one CTA an SM where the launch has no more CTAs than SMs)
             shared = ws_shared_bytes(kern.launch.dyn_smem, grid[0] * grid[1] * kparts, self.sm_count,

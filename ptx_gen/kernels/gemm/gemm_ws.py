@@ -43,6 +43,14 @@ last); with four, all four read back and added in the order of z (the same bits 
 consumer warpgroups a CTA it keeps the CTA count of one warpgroup without the split (o and down, 4096 outputs, at a few
 hundred tokens: 128 CTAs), each CTA reading half of X for twice the rows.
 
+**Stream-K** (``streamk``, with ``xtma``, K whole, no multicast or producer split): the launch's T = tiles x chunks of
+K taken as one sequence, CTA b of the G launched (at most the tiles) multiplies chunks ``b T / G .. (b + 1) T / G``
+tile by tile, a *unit* per tile (:class:`~ptx_gen.kernels.gemm.gemm_ws_parts.StreamUnits`); a CTA's range is at least
+a tile long, so a tile is one CTA's or split between two, whose parts are summed as a K split in two (``part``,
+``counters``, part 0 the one starting at chunk 0). Both roles walk the same units in one loop and meet at one CTA
+barrier after each, so that the next unit's stages take the shared memory only once the epilogue is done with it;
+the ring's position goes on over the units.
+
 **X multicast** (``xcast`` 2, with ``xtma``): the grid runs as clusters of two CTAs along the weight rows
 (``.reqnctapercluster``; the host pads the row tiles to whole pairs), which share every token tile: thread 0 of rank
 ``r`` copies tokens ``r mt / 2 ..`` of each stage's box into both CTAs' B tiles (``.multicast::cluster``) and announces
