@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from ptx_gen import catalog
-from ptx_gen.kernels.attention.paged_decode_ring import RING_STAGES, ring_bytes
+from ptx_gen.kernels.attention.paged_decode_ring import RING_STAGES, ring_bytes, scatter_applies
 from ptx_gen.ptxas import assemble
 from realizar import cuda
 from realizar.errors import ShapeError
@@ -32,19 +32,24 @@ def _ring_cache(h, kvh, d, nb, bs, kv_dtype, target="sm_90", **kw) -> PagedKVCac
        kv_dtype=st.sampled_from(["f16", "f32", "bf16"]), out_f16=st.booleans(), unroll=st.sampled_from([1, 2, 4]),
        lanes=st.sampled_from([0, 8, 16]), stages=st.sampled_from(RING_STAGES),
        lengths=st.lists(st.one_of(st.integers(1, 40), st.integers(60, 300)), min_size=1, max_size=3),
-       min_chunk=st.sampled_from([None, 16, 64]), scale=st.floats(0.2, 8), seed=st.integers(0, 2**32 - 1))
-def test_ring_matches_oracle(hk, d, bs, kv_dtype, out_f16, unroll, lanes, stages, lengths, min_chunk, scale, seed):
+       min_chunk=st.sampled_from([None, 16, 64]), scale=st.floats(0.2, 8), seed=st.integers(0, 2**32 - 1),
+       scatter=st.sampled_from([None, False]))
+def test_ring_matches_oracle(hk, d, bs, kv_dtype, out_f16, unroll, lanes, stages, lengths, min_chunk, scale, seed,
+                             scatter):
+    """The ring at its default scores (reduce-scattered where the shape takes it) and with every dot reduced on its
+    own."""
     h, kvh = hk
     lanes = 0 if d % (4 * max(lanes, 1)) else lanes
     rng = np.random.default_rng(seed)
     q, kpool, vpool, tab, stride, nb, ref = _decode_case(rng, h, kvh, d, bs, kv_dtype, lengths, scale)
     try:
         cache = _ring_cache(h, kvh, d, nb, bs, kv_dtype, max_batch=4, decode_unroll=unroll, min_chunk=min_chunk,
-                            decode_lanes=lanes, decode_ring=stages)
+                            decode_lanes=lanes, decode_ring=stages, decode_scatter=scatter)
     except ShapeError as exc:  # (a ring deeper than the shared memory)
         assert "shared memory" in str(exc)
         return
     assert f"_r{stages}" in cache._decode_kernel(out_f16).source.entry
+    assert ("_sc" in cache._decode_kernel(out_f16).source.entry) == cache.decode_scatter
     _upload(cache, 0, kpool, vpool)
     got, = _run_decode(cache, q, tab, stride, lengths, out_f16)
     assert np.isfinite(got).all(), "unwritten (NaN-poisoned) outputs or a NaN pool row read"
@@ -121,3 +126,48 @@ def test_default_ring_by_target_and_pool(monkeypatch):
     assert _ring_cache(4, 2, 64, 8, 16, "f16", decode_prefetch=True).decode_ring == 0
     monkeypatch.setattr(paged_kv, "DECODE_RING_STAGES", 0)
     assert _ring_cache(4, 2, 64, 8, 16, "f16").decode_ring == 0
+
+
+def test_default_scatter_where_the_shape_takes_it(monkeypatch):
+    """Reduce-scattered scores by default on the ring at a power-of-two group whose heads x unroll fit the lanes of a
+    row; never on the register pass or a group of 3; off with DECODE_RING_SCATTER."""
+    assert _ring_cache(32, 8, 128, 8, 32, "f16", decode_lanes=16, decode_ring=2, decode_unroll=2).decode_scatter
+    assert not _ring_cache(32, 8, 128, 8, 32, "f16", decode_ring=0).decode_scatter
+    assert not _ring_cache(6, 2, 64, 8, 16, "f16", decode_lanes=16, decode_ring=2).decode_scatter
+    assert not _ring_cache(32, 2, 128, 8, 32, "f16", decode_lanes=16, decode_ring=2, decode_unroll=4).decode_scatter
+    assert scatter_applies(128, 4, 16, 4) and not scatter_applies(128, 16, 16, 2) and not scatter_applies(96, 2, 16, 1)
+    monkeypatch.setattr(paged_kv, "DECODE_RING_SCATTER", False)
+    assert not _ring_cache(32, 8, 128, 8, 32, "f16", decode_lanes=16, decode_ring=2, decode_unroll=2).decode_scatter
+
+
+@settings(max_examples=examples(12), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(hk=st.sampled_from([(8, 2), (4, 1), (2, 2), (8, 1), (16, 4)]), d=st.sampled_from([64, 128, 256]),
+       bs=st.sampled_from([16, 32, 64]), kv_dtype=st.sampled_from(["f16", "f32", "bf16"]), out_f16=st.booleans(),
+       unroll=st.sampled_from([1, 2, 4]), lanes=st.sampled_from([8, 16, 32]), stages=st.sampled_from((2, 3, 4)),
+       lengths=st.lists(st.one_of(st.integers(1, 40), st.integers(60, 300)), min_size=1, max_size=3),
+       min_chunk=st.sampled_from([None, 16, 64]), scale=st.floats(0.2, 8), seed=st.integers(0, 2**32 - 1))
+def test_ring_scatter_matches_oracle(hk, d, bs, kv_dtype, out_f16, unroll, lanes, stages, lengths, min_chunk, scale,
+                                     seed):
+    """The ring with its scores reduce-scattered (each lane one head's softmax, probabilities through the exchange
+    buffer) against the float64 oracle, wherever the shape takes it."""
+    h, kvh = hk
+    assume(d % (4 * lanes) == 0)
+    if not scatter_applies(d, h // kvh, lanes, unroll):
+        with pytest.raises(ShapeError, match="decode_scatter"):
+            _ring_cache(h, kvh, d, 8, bs, kv_dtype, decode_unroll=unroll, decode_lanes=lanes, decode_ring=stages,
+                        decode_scatter=True)
+        return
+    rng = np.random.default_rng(seed)
+    q, kpool, vpool, tab, stride, nb, ref = _decode_case(rng, h, kvh, d, bs, kv_dtype, lengths, scale)
+    try:
+        cache = _ring_cache(h, kvh, d, nb, bs, kv_dtype, max_batch=4, decode_unroll=unroll, min_chunk=min_chunk,
+                            decode_lanes=lanes, decode_ring=stages, decode_scatter=True)
+    except ShapeError as exc:  # (a ring deeper than the shared memory)
+        assert "shared memory" in str(exc)
+        return
+    assert f"_r{stages}_sc" in cache._decode_kernel(out_f16).source.entry
+    _upload(cache, 0, kpool, vpool)
+    got, = _run_decode(cache, q, tab, stride, lengths, out_f16)
+    assert np.isfinite(got).all(), "unwritten (NaN-poisoned) outputs or a NaN pool row read"
+    tol = 2e-3 if out_f16 else 2e-5
+    np.testing.assert_allclose(got, ref, rtol=0, atol=tol * np.abs(ref).max())

@@ -10,7 +10,8 @@ Each row: µs per call, the K/V bytes read (B L KVH D x 2 x 2) over that time, i
 of our output against a float64 oracle over the same f16 K/V, relative to its largest value. ``--sweep`` times decode
 tilings (16 or 32 lanes a row, 2 or 4 rows a lane group takes per step), chunk counts (the default, 1, 2) and the
 block-id prefetch (``pp``) beside the default and reports the best (8 lanes and unroll 1 lost everywhere in the sweep
-of 2026-11-30). ``--rings 2,3,4`` times the ring of bulk copies (``decode_ring``) at those depths. Every swept
+of 2026-11-30). ``--rings 2,3,4`` times the ring of bulk copies (``decode_ring``) at those depths (``--scatter``: each
+also with its scores reduce-scattered, ``decode_scatter``). Every swept
 variant's output is checked against the oracle too (above 1e-3 of the largest value: WRONG, never the best).
 """
 
@@ -99,18 +100,20 @@ def case(dev, b: int, length: int, seed: int, **knobs) -> tuple[float, np.ndarra
     return us, got, {"q": q, "k": k[:, :, :length], "v": v[:, :, :length]}
 
 
-def _variants(sweep: bool, rings: str) -> list[tuple[str, dict]]:
+def _variants(sweep: bool, rings: str, scatter: bool = False) -> list[tuple[str, dict]]:
     """(tag, PagedKVCache knobs) of each timed variant: with ``sweep`` the register pass's tilings, chunk counts and
     block-id prefetch (``ring`` 0); with ``rings`` (stages, comma-separated) the ring of bulk copies at 2 and 4 rows
-    a lane group per step."""
+    a lane group per step, with ``scatter`` each also with its scores reduce-scattered (``sc``)."""
     out = []
     if sweep:
         for unroll, lanes, chunks, pf in itertools.product((2, 4), (16, 32), (None, 1, 2), (False, True)):
             out.append((f"u{unroll} t{lanes} c{chunks}{' pp' if pf else ''}",
                         dict(decode_unroll=unroll, decode_lanes=lanes, num_chunks=chunks, decode_prefetch=pf,
                              decode_ring=0)))
-    for stages, unroll in itertools.product([int(x) for x in rings.split(",") if x], (2, 4)):
-        out.append((f"ring {stages} u{unroll} t16", dict(decode_unroll=unroll, decode_lanes=16, decode_ring=stages)))
+    for stages, unroll, sc in itertools.product([int(x) for x in rings.split(",") if x], (2, 4),
+                                                (False, True) if scatter else (False,)):
+        out.append((f"ring {stages} u{unroll} t16{' sc' if sc else ''}",
+                    dict(decode_unroll=unroll, decode_lanes=16, decode_ring=stages, decode_scatter=sc)))
     return out
 
 
@@ -120,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lengths", default="128,192,256,512")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--rings", default="", help="also time the ring of bulk copies at these stages (e.g. 2,3,4)")
+    ap.add_argument("--scatter", action="store_true", help="--rings: each ring also with its scores reduce-scattered")
     ap.add_argument("--copy-tbs", type=float, default=4.0, help="the device's copy bandwidth, TB/s (H200: 4.0)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
@@ -141,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             best = f"{us:.1f} (default)"
             if a.sweep or a.rings:
                 best_us = us
-                for tag, knobs in _variants(a.sweep, a.rings):
+                for tag, knobs in _variants(a.sweep, a.rings, a.scatter):
                     try:
                         t, got_v, _ = case(dev, b, length, seed, **knobs)
                     except Exception as exc:  # (a tiling the kernel refuses)

@@ -85,7 +85,8 @@ def _label(c) -> str:
     if isinstance(c, WsConfig):
         return (f"ws t{c.mt} r{c.rgroups} s{c.stages} w{c.wstages}{' tma' if c.xtma else ''}{' hd' if c.f16dec else ''}"
                 f"{f' k{c.kparts}' if c.kparts > 1 else ''}{f' p{c.psplit}' if c.psplit > 1 else ''}"
-                f"{f' f{c.pfence}' if c.pfence > 1 else ''}{f' c{c.xcast}' if c.xcast > 1 else ''}")
+                f"{f' f{c.pfence}' if c.pfence > 1 else ''}{f' c{c.xcast}' if c.xcast > 1 else ''}"
+                f"{' sk' if c.streamk else ''}")
     return f"t{c.mt} r{c.rgroups} k{c.kparts} s{c.stages} u{c.unroll}"
 
 
@@ -124,6 +125,9 @@ def main() -> int:
                          "default: as the policy has it)")
     ap.add_argument("--kparts", type=int, choices=(1, 2),
                     help="gemm_ws: the policy's launch shapes with K split over this many CTAs (default: the policy's)")
+    ap.add_argument("--streamk", action=argparse.BooleanOptionalAction,
+                    help="gemm_ws: the policy's launch shapes with Stream-K where it takes them (K whole, X by a tensor "
+                         "map, no multicast; --no-streamk: none; default: as the policy has it)")
     ap.add_argument("--f16dec", action=argparse.BooleanOptionalAction,
                     help="gemm_ws: the policy's launch shapes decoding Q4_K in f16x2 (--no-f16dec: in f32; default: as "
                          "the policy has it)")
@@ -174,6 +178,9 @@ def main() -> int:
                     cfg = dataclasses.replace(cfg, f16dec=a.f16dec and wtype in F16DEC_TYPES)
                 if a.kernel == "ws" and a.kparts is not None:
                     cfg = dataclasses.replace(cfg, kparts=a.kparts)
+                if a.kernel == "ws" and a.streamk is not None:
+                    cfg = dataclasses.replace(cfg, streamk=a.streamk and cfg.kparts == cfg.psplit == cfg.xcast == 1
+                                              and cfg.xtma)
                 spaces = []  # (the K split's room of each timed launch shape, freed after the row)
 
                 def gemm(*args, config, **kw):

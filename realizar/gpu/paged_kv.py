@@ -32,7 +32,7 @@ import numpy as np
 from ptx_gen.kernels.attention.flash_attention_mma import HEAD_DIMS as MMA_HEAD_DIMS
 from ptx_gen.kernels.attention.paged_decode import HEAD_DIMS as DECODE_HEAD_DIMS
 from ptx_gen.kernels.attention.paged_decode import MAX_GROUP, WARPS as DECODE_WARPS, buffer_sizes, lanes_per_row
-from ptx_gen.kernels.attention.paged_decode_ring import RING_DTYPES, RING_STAGES, ring_bytes
+from ptx_gen.kernels.attention.paged_decode_ring import RING_DTYPES, RING_STAGES, ring_bytes, scatter_applies
 from ptx_gen.kernels.kv.paged_kv import BLOCK_SIZES, KV_DTYPES, QK
 from realizar.errors import ShapeError
 from realizar.gpu.dispatch import Dispatcher, check_int
@@ -101,6 +101,11 @@ def decode_tiling(head_dim: int, group: int) -> tuple[int, int]:
 DECODE_RING_STAGES = 2
 DECODE_RING_UNROLL = 2
 DECODE_RING_MIN_HEAD_DIM = 128
+# the ring's scores reduce-scattered over the lane group, each lane running one head's softmax, where the shape takes it
+# (paged_decode_ring.scatter_applies) instead of every dot reduced on its own and every head's softmax on every lane
+# (H200, 8B heads, 256 rows x 192 / 256 positions: 61.8 / 76.2 against 66.9 / 83.4 µs; the 8B step 1.014x / 1.009x at
+# B = 128 / 256: docs/performance.md, attention)
+DECODE_RING_SCATTER = True
 
 
 def default_decode_ring(target, kv_dtype: str, head_dim: int, group: int, block_size: int, unroll: int, lanes: int,
@@ -139,13 +144,14 @@ decode kernel (0: the kernel's default, 32 at head_dim 128; or 4, 8, 16, 32 divi
 None: :func:`decode_tiling`; ``decode_prefetch``: the decode kernel loads each step's block ids during the step
 before (built, not yet timed: off); ``decode_ring``: stages of the ring of bulk copies that brings the decode kernel its
 K/V rows (sm_90; 0: loads into registers; None: :func:`decode_ring`, and with a ring and no ``decode_unroll``,
-``DECODE_RING_UNROLL``). ``ops``: the dispatcher to launch with."""
+``DECODE_RING_UNROLL``); ``decode_scatter``: the ring's scores reduce-scattered (None: ``DECODE_RING_SCATTER`` where
+the shape takes it). ``ops``: the dispatcher to launch with."""
 
     def __init__(self, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int, num_blocks: int,
                  block_size: int = _DEFAULTS.block_size, kv_dtype: str = "f16", device: Any = None, *, ops: Dispatcher | None = None,
                  max_batch: int = _DEFAULTS.max_batch, num_chunks: int | None = None, min_chunk: int | None = None,
                  decode_unroll: int | None = None, decode_lanes: int | None = None, decode_prefetch: bool = False,
-                 decode_ring: int | None = None):
+                 decode_ring: int | None = None, decode_scatter: bool | None = None):
         self.num_layers = check_int("num_layers", num_layers)
         self.num_heads = check_int("num_heads", num_heads)
         self.num_kv_heads = check_int("num_kv_heads", num_kv_heads)
@@ -193,6 +199,13 @@ K/V rows (sm_90; 0: loads into registers; None: :func:`decode_ring`, and with a 
                              f"{bool(decode_prefetch)})")
         self.decode_ring = int(decode_ring)
         self.decode_lanes = int(decode_lanes)
+        takes = bool(decode_ring) and scatter_applies(self.head_dim, self.group,
+                                                       decode_lanes or lanes_per_row(self.head_dim), decode_unroll)
+        if decode_scatter and not takes:
+            raise ShapeError(f"decode_scatter needs the ring, a power-of-two GQA group whose heads x decode_unroll fit "
+                             f"the lanes of a row and lanes of whole 4-value pieces; got ring {decode_ring}, group "
+                             f"{self.group}, unroll {decode_unroll}, lanes {decode_lanes} at head_dim {self.head_dim}")
+        self.decode_scatter = takes and (DECODE_RING_SCATTER if decode_scatter is None else bool(decode_scatter))
         self.decode_prefetch = bool(decode_prefetch)
         if num_chunks is not None:
             num_chunks = check_int("num_chunks", num_chunks)
@@ -323,7 +336,7 @@ K/V rows (sm_90; 0: loads into registers; None: :func:`decode_ring`, and with a 
         return self.ops.kernel("paged_decode_attention", head_dim=self.head_dim, group=self.group,
                                block_size=self.block_size, kv_dtype=self.kv_dtype, out_f16=bool(out_f16),
                                unroll=self.decode_unroll, lanes=self.decode_lanes, prefetch=self.decode_prefetch,
-                               ring=self.decode_ring)
+                               ring=self.decode_ring, scatter=self.decode_scatter)
 
     # ---- decode ------------------------------------------------------------------------------------
     def append_decode(self, layer: int, qkv: Any, inv_freq: Any, positions: Any, block_tables: Any,

@@ -71,14 +71,19 @@ def _ref(q, keys, vals, lengths):
     return np.stack(out)
 
 
-@pytest.mark.parametrize("kv_dtype,out_f16,seed,lanes,prefetch,ring,unroll", [
-    ("f16", False, 0, 0, False, 0, None), ("f16", True, 1, 0, False, 0, None), ("f32", False, 2, 0, False, 0, None),
-    ("bf16", False, 3, 0, False, 0, None), ("q8_0", True, 4, 0, False, 0, None), ("f16", True, 5, 16, False, 0, None),
-    ("q8_0", False, 6, 16, False, 0, None), ("f16", True, 7, 16, True, 0, None), ("q8_0", False, 8, 0, True, 0, None),
-    # the ring of bulk copies (sm_90)
-    ("f16", True, 9, 16, False, 3, 2), ("f16", False, 10, 16, False, 4, 4), ("bf16", True, 11, 0, False, 2, 2),
-    ("f32", False, 12, 0, False, 6, 1), ("f16", True, 13, 16, False, 2, 4)])
-def test_decode_attention_mixed_batch(dev, kv_dtype, out_f16, seed, lanes, prefetch, ring, unroll):
+@pytest.mark.parametrize("kv_dtype,out_f16,seed,lanes,prefetch,ring,unroll,scatter", [
+    ("f16", False, 0, 0, False, 0, None, False), ("f16", True, 1, 0, False, 0, None, False),
+    ("f32", False, 2, 0, False, 0, None, False), ("bf16", False, 3, 0, False, 0, None, False),
+    ("q8_0", True, 4, 0, False, 0, None, False), ("f16", True, 5, 16, False, 0, None, False),
+    ("q8_0", False, 6, 16, False, 0, None, False), ("f16", True, 7, 16, True, 0, None, False),
+    ("q8_0", False, 8, 0, True, 0, None, False),
+    # the ring of bulk copies (sm_90), with its scores reduce-scattered too
+    ("f16", True, 9, 16, False, 3, 2, False), ("f16", False, 10, 16, False, 4, 4, False),
+    ("bf16", True, 11, 0, False, 2, 2, False), ("f32", False, 12, 0, False, 6, 1, False),
+    ("f16", True, 13, 16, False, 2, 4, False), ("f16", True, 14, 16, False, 2, 2, True),
+    ("f16", False, 15, 16, False, 3, 4, True), ("bf16", True, 16, 16, False, 4, 2, True),
+    ("f32", False, 17, 8, False, 2, 1, True)])
+def test_decode_attention_mixed_batch(dev, kv_dtype, out_f16, seed, lanes, prefetch, ring, unroll, scatter):
     if ring and dev.target.compute_capability < (9, 0):
         pytest.skip(f"the ring's bulk copies need sm_90, this GPU is {dev.target.sm}")
     rng = np.random.default_rng(seed)
@@ -86,7 +91,8 @@ def test_decode_attention_mixed_batch(dev, kv_dtype, out_f16, seed, lanes, prefe
     rng.shuffle(lengths)
     q, kpool, vpool, tab, stride, nb, keys, vals = _case(rng, lengths, kv_dtype)
     cache = _cache(dev, nb, kv_dtype, len(lengths), decode_lanes=lanes, decode_prefetch=prefetch, decode_ring=ring,
-                   decode_unroll=unroll)
+                   decode_unroll=unroll, decode_scatter=scatter)
+    assert cache.decode_scatter == scatter
     _upload(cache, kpool, vpool)
     rows = len(lengths)
     ob = cuda.GpuBuffer(rows * H * D, np.float16 if out_f16 else np.float32, device=dev)

@@ -37,7 +37,8 @@ from ptx_gen.kernels.attention.decode_combine import arrive, combine_partials, p
 from ptx_gen.kernels.attention.decode_core import (
     LOG2E, BlockState, butterfly_heads, emit_combine, merge_lane_groups, safe_reciprocal,
 )
-from ptx_gen.kernels.attention.paged_decode_ring import Ring, check_ring, lane_roles, pass_state, publish, ring_bytes
+from ptx_gen.kernels.attention.paged_decode_ring import (Ring, check_ring, lane_roles, pass_state, publish, ring_bytes,
+                                                          scatter_applies, scatter_lanes)
 from ptx_gen.kernels.kv.paged_kv import (
     ELEM_BYTES, QK, check_paged, f16_bits_to_f32, kv_params, load_values, load_words, log2, narrow, q8_values,
 )
@@ -180,7 +181,8 @@ _GRID = [
 @kernel("paged_decode_attention", grid=_GRID)
 def paged_decode_attention(m: Module, head_dim: int = 128, group: int = 1, block_size: int = 32,
                            kv_dtype: str = "f16", out_f16: bool = False, unroll: int = 2,
-                           lanes: int = 0, prefetch: bool = False, ring: int = 0) -> KernelBuilder:
+                           lanes: int = 0, prefetch: bool = False, ring: int = 0,
+                           scatter: bool = False) -> KernelBuilder:
     """Split-KV decode attention of B rows through their block tables (see the module doc). Params: q,
     k_pool, v_pool, out, part_acc, part_ml, counters, seq_lens, block_tables, table_stride, n_kv,
     min_chunk, q_stride (floats from one row of q to the next: H * D packed, or (H + 2 KVH) * D to read Q
@@ -189,19 +191,24 @@ def paged_decode_attention(m: Module, head_dim: int = 128, group: int = 1, block
     before this one (the batched decode step copies it from the host before the step). ``ring`` (sm_90; f32, f16,
     bf16 K/V): the rows come through a ring of that many stages in shared memory filled by bulk copies
     (:mod:`ptx_gen.kernels.attention.paged_decode_ring`; dynamic shared memory meta["dyn_smem"]) instead of
-    loads into registers."""
+    loads into registers; with ``scatter`` (where :func:`scatter_applies`) its scores are reduce-scattered over the
+    lane group and each lane runs one head's softmax."""
     check_shape(head_dim, group, block_size, kv_dtype, unroll, lanes)
+    D, G = head_dim, group
+    T = lanes or lanes_per_row(D)
     if ring:
         check_ring(ring, kv_dtype, m.target)
         if prefetch:
             raise ValueError("prefetch (block ids a step ahead) is the register pass's; the ring reads them itself")
-    D, G = head_dim, group
+    if scatter and not (ring and scatter_applies(D, G, T, unroll)):
+        raise ValueError(f"scatter scores take the ring, a power-of-two group whose heads x unroll fit the lanes of a "
+                         f"row and lanes of whole 4-value pieces; got ring {ring}, group {G}, unroll {unroll}, {T} "
+                         f"lanes of head_dim {D}")
     lay = _Layout(D, G)
-    T = lanes or lanes_per_row(D)
     EPL = D // T
     name = (f"paged_decode_attention_d{D}_g{G}_b{block_size}_{kv_dtype}_u{unroll}"
             + (f"_t{lanes}" if lanes else "") + ("_pp" if prefetch else "") + (f"_r{ring}" if ring else "")
-            + ("_outf16" if out_f16 else ""))
+            + ("_sc" if scatter else "") + ("_outf16" if out_f16 else ""))
     params = [("q", "u64"), *kv_params(kv_dtype), ("out", "u64"), ("part_acc", "u64"),
               ("part_ml", "u64"), ("counters", "u64"), ("seq_lens", "u64"), ("block_tables", "u64"),
               ("table_stride", "u32"), ("n_kv", "u32"), ("min_chunk", "u32"), ("q_stride", "u32")]
@@ -274,16 +281,20 @@ def paged_decode_attention(m: Module, head_dim: int = 128, group: int = 1, block
 
     if rp is not None:  # (the first stages' copies before q's loads)
         rp.begin(table_row())
-    # q of the block's heads: this lane's EPL values, pre-scaled into the log2 domain
+    # q of the block's heads: this lane's EPL values, pre-scaled into the log2 domain (scatter: slot i holds head i ^ hi)
+    sc = scatter_lanes(k, D, G, T, unroll) if scatter else None
     qscale = LOG2E / math.sqrt(D)
     q_regs = []
     q_row = k.add(k.global_ptr("q"), k.mul_wide(k.mad(b, k.param("q_stride"), k.mul(kvh, G * D)), 4))
     for i in range(G):
-        qaddr = k.add(q_row, k.mul_wide(k.add(k.mul(j, EPL), i * D) if i else k.mul(j, EPL), 4))
+        if sc is not None:
+            qaddr = k.add(q_row, k.mul_wide(k.mad(k.xor(sc.hi, i) if i else sc.hi, D, k.mul(j, EPL)), 4))
+        else:
+            qaddr = k.add(q_row, k.mul_wide(k.add(k.mul(j, EPL), i * D) if i else k.mul(j, EPL), 4))
         q_regs.append([k.mul(x, qscale) for x in load_values(k, qaddr, EPL, "f32")])
 
     if rp is not None:
-        st = rp.run(q_regs)
+        st = rp.run(q_regs, sc)
     else:
         st = _pass(k, lay, q_regs, kvh, n_kv, table_row(), start, end, block_size, kv_dtype, unroll, T, prefetch)
     with k.if_(k.setp("eq", nact, 1)):

@@ -18,10 +18,13 @@ barriers."""
 from __future__ import annotations
 
 from ptx_gen.builder import KernelBuilder, Reg
-from ptx_gen.kernels.attention.decode_core import NEG_INF, BlockState, butterfly_heads, merge_lane_groups
+from ptx_gen.kernels.attention.decode_core import (NEG_INF, BlockState, Lanes, Scatter, _scatter_publish_ml,
+                                                   _scatter_setup, _scatter_step, butterfly_heads, merge_lane_groups)
+from ptx_gen.kernels.attention.decode_plan import DecodeLayout
 from ptx_gen.kernels.kv.paged_kv import ELEM_BYTES, load_values, log2
 
-__all__ = ["RING_STAGES", "RING_DTYPES", "Ring", "check_ring", "lane_roles", "pass_state", "publish", "ring_bytes"]
+__all__ = ["RING_STAGES", "RING_DTYPES", "Ring", "check_ring", "lane_roles", "pass_state", "publish", "ring_bytes",
+           "scatter_applies", "scatter_lanes"]
 
 RING_STAGES = (2, 3, 4, 5, 6, 8)
 RING_DTYPES = ("f32", "f16", "bf16")  # (q8_0's scales live in their own pool: the register pass reads them)
@@ -110,13 +113,21 @@ class Ring:
         for s in range(self.stages):
             self._issue(s, s, self.k.both(self.lead, self.k.setp("gt", self.nst, s, "u32")))
 
-    def run(self, q_regs: list) -> BlockState:
-        """The pass (see the module doc); per-warp results to shared memory, as the register pass."""
+    def run(self, q_regs: list, sc: Scatter | None = None) -> BlockState:
+        """The pass (see the module doc); per-warp results to shared memory, as the register pass. ``sc`` (from
+        :func:`scatter_lanes`): the step's scores reduce-scattered over the lane group, each lane running the softmax
+        of one head (:func:`ptx_gen.kernels.attention.decode_core._scatter_step`; ``q_regs[s]`` then holds head ``s ^
+        hi``) instead of every dot reduced on its own and every lane running every head's."""
         k, lay, T, U = self.k, self.lay, self.T, self.U
         D, G, W = lay.head_dim, lay.heads_per_block, lay.warps
         EPL, R, E, step = D // T, 32 // T, self.E, self.step
         lane, warp, g, j = lane_roles(k, self.tid, T)
         acc, m, l, warp_row = pass_state(k, G, EPL, warp, g, R * U)
+        if sc is not None:  # (this lane's head only; its probabilities pass through an exchange buffer of two halves)
+            slay = scatter_layout(D, G, T, U)
+            m_lane, l_lane, half = k.var("f32", NEG_INF), k.var("f32", 0.0), k.var("u32", 0)
+            quads = [[tuple(q[4 * c:4 * c + 4]) for c in range(EPL // 4)] for q in q_regs]
+            acc4 = [[tuple(a[4 * c:4 * c + 4]) for c in range(EPL // 4)] for a in acc]
         lane_off = k.mul(j, EPL * E)
         slot, parity = k.var("u32", 0), k.var("u32", 0)
         with k.loop(0, self.nst) as t:
@@ -126,12 +137,17 @@ class Ring:
             local = [k.add(warp_row, u * R) if u else warp_row for u in range(U)]
             valid = [k.setp("lt", k.add(first, r), self.end) for r in local]
             addrs = [k.mad(r, D * E, kbase) for r in local]
-            # (a K row past the end gives a score butterfly_heads replaces with -inf; a V row's zeros keep its garbage
-            # out of the sums)
-            krows = [load_values(k, a, EPL, self.kv_dtype, space="shared") for a in addrs]
+            # (a K row past the end gives a score masked to -inf; a V row's zeros keep its garbage out of the sums;
+            # with sc K slot u holds row u ^ mu)
+            kaddrs = addrs if sc is None else [k.mad(k.add(warp_row, r), D * E, kbase) for r in sc.kperm]
+            krows = [load_values(k, a, EPL, self.kv_dtype, space="shared") for a in kaddrs]
             vrows = [load_values(k, k.add(a, step * D * E), EPL, self.kv_dtype, v, space="shared")
                      for a, v in zip(addrs, valid)]
-            butterfly_heads(k, T, q_regs, krows, vrows, valid, m, l, acc)
+            if sc is None:
+                butterfly_heads(k, T, q_regs, krows, vrows, valid, m, l, acc)
+            else:
+                _scatter_step(k, slay, sc, quads, [_quads(r) for r in krows], [_quads(r) for r in vrows],
+                              k.add(first, warp_row), self.end, m_lane, l_lane, half, acc4)
             k.mbarrier_arrive(self.empty(slot))
             nxt = k.add(t, self.stages)
             with k.if_(k.both(self.lead, k.setp("lt", nxt, self.nst))):  # (the slot's next stage, once every thread
@@ -140,10 +156,38 @@ class Ring:
             wrap = k.setp("eq", slot, self.stages - 1)
             k.assign(slot, k.selp(0, k.add(slot, 1), wrap, "u32"))
             k.assign(parity, k.selp(k.xor(parity, 1), parity, wrap, "u32"))
+        if sc is not None:
+            m, l = _scatter_publish_ml(k, slay, sc, m_lane, l_lane, half)
         merge_lane_groups(k, T, m, l, acc)
         k.bar_sync()  # (every warp is done with the slots: the results take their place)
         sm_ml = k.add(self.ring, W * G * D * 4)
         return publish(k, lay, T, (lane, warp, j), m, l, acc, self.ring, sm_ml)
+
+
+def _quads(values: list) -> list:
+    """A lane's flat values as the 4-value pieces :func:`~ptx_gen.kernels.attention.decode_core._scatter_step` takes."""
+    return [tuple(values[i:i + 4]) for i in range(0, len(values), 4)]
+
+
+def scatter_layout(head_dim: int, group: int, T: int, unroll: int) -> DecodeLayout:
+    """The geometry the reduce-scatter of :mod:`~ptx_gen.kernels.attention.decode_core` reads for a ring block of
+    ``group`` heads, ``T`` lanes a row and ``unroll`` rows a lane group per step."""
+    return DecodeLayout(head_dim, group, group, 4, T, head_dim // T // 4, unroll, scatter=True)
+
+
+def scatter_applies(head_dim: int, group: int, T: int, unroll: int) -> bool:
+    """Whether the ring takes reduce-scattered scores at this shape: a power-of-two group (no padding heads) whose
+    scores of a step fit the lane group, lanes holding whole 4-value pieces."""
+    return (group & (group - 1) == 0 and group * unroll <= T and (head_dim // T) % 4 == 0
+            and unroll & (unroll - 1) == 0)
+
+
+def scatter_lanes(k: KernelBuilder, head_dim: int, group: int, T: int, unroll: int) -> Scatter:
+    """The lane's place in the reduce-scatter (its head ``hi``: the q it loads into slot ``s`` is head ``s ^ hi``)."""
+    tid = k.tid()
+    lane, warp, g, j = lane_roles(k, tid, T)
+    return _scatter_setup(k, scatter_layout(head_dim, group, T, unroll), Lanes(tid, lane, warp, g, j, [], []),
+                          "ring")
 
 
 def lane_roles(k: KernelBuilder, tid: Reg, T: int) -> tuple:

@@ -425,8 +425,8 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
             for ws, wbase in zip(streamed, wbases):
                 ws.issue(chunk0, nc, k.mov(s, "u32"), k.add(wbase, s * slot_bytes) if s else wbase)
             k.cp_async_commit()
-        if not units:
-            k.grid_dependency_wait()  # (the producers read only weights; their first chunks are requested before this)
+        k.grid_dependency_wait()  # (the producers read only weights; their first chunks are requested before this;
+        # Stream-K: each unit's, a second wait passing at once)
 
         # A stores: the lane's rows r and r + 8 of strip st go to A rows 16 st + pi(r) and + 8 (pi: see _a_row), block
         # b of a stage at piece 4 b + q
@@ -485,7 +485,6 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
             consumer_setup()
         with k.if_(producing):
             producer_setup()
-            k.grid_dependency_wait()
             ppos = RingPosition(k, stages, True)
         units = StreamUnits(k, in_dim // CHUNK, mt, m_all)
         c_base, nc = units.begin()
