@@ -53,6 +53,8 @@ CASES = CASES_SMALL + [
     ("gemm_ws", "Q6_K", "glu-tiles", 128, 512, 90, WsConfig(64, 1, 3, 2, False, False, 1, 1, 2)),
     ("gemm_ws", "Q4_K", "tiles", 192, 1024, 140, WsConfig(128, 2, 4, 2, True, True, 4, 1, 2, 2)),
     ("gemm_ws", "Q4_K", "glu-tiles", 256, 512, 200, WsConfig(256, 2, 3, 2, True, True, 1, 1, 2, 2)),
+    # Stream-K on the 8B gate/up's launch shape: 140 tiles over 132 CTAs
+    ("gemm_ws", "Q4_K", "glu-tiles", 8960, 512, 300, WsConfig(256, 2, 3, 2, True, True, pfence=2, streamk=True)),
 ]
 
 
