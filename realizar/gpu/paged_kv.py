@@ -199,12 +199,13 @@ the shape takes it). ``ops``: the dispatcher to launch with."""
                              f"{bool(decode_prefetch)})")
         self.decode_ring = int(decode_ring)
         self.decode_lanes = int(decode_lanes)
-        takes = bool(decode_ring) and scatter_applies(self.head_dim, self.group,
-                                                       decode_lanes or lanes_per_row(self.head_dim), decode_unroll)
+        row_lanes = decode_lanes or lanes_per_row(self.head_dim)
+        takes = bool(decode_ring) and scatter_applies(self.head_dim, self.group, row_lanes, decode_unroll)
         if decode_scatter and not takes:
             raise ShapeError(f"decode_scatter needs the ring, a power-of-two GQA group whose heads x decode_unroll fit "
                              f"the lanes of a row and lanes of whole 4-value pieces; got ring {decode_ring}, group "
-                             f"{self.group}, unroll {decode_unroll}, lanes {decode_lanes} at head_dim {self.head_dim}")
+                             f"{self.group}, unroll {decode_unroll}, {row_lanes} lanes a row at head_dim "
+                             f"{self.head_dim}")
         self.decode_scatter = takes and (DECODE_RING_SCATTER if decode_scatter is None else bool(decode_scatter))
         self.decode_prefetch = bool(decode_prefetch)
         if num_chunks is not None:

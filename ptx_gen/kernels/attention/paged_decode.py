@@ -282,7 +282,7 @@ def paged_decode_attention(m: Module, head_dim: int = 128, group: int = 1, block
     if rp is not None:  # (the first stages' copies before q's loads)
         rp.begin(table_row())
     # q of the block's heads: this lane's EPL values, pre-scaled into the log2 domain (scatter: slot i holds head i ^ hi)
-    sc = scatter_lanes(k, D, G, T, unroll) if scatter else None
+    sc = scatter_lanes(k, D, G, T, unroll, WARPS) if scatter else None
     qscale = LOG2E / math.sqrt(D)
     q_regs = []
     q_row = k.add(k.global_ptr("q"), k.mul_wide(k.mad(b, k.param("q_stride"), k.mul(kvh, G * D)), 4))

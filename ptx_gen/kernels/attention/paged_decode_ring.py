@@ -124,7 +124,7 @@ class Ring:
         lane, warp, g, j = lane_roles(k, self.tid, T)
         acc, m, l, warp_row = pass_state(k, G, EPL, warp, g, R * U)
         if sc is not None:  # (this lane's head only; its probabilities pass through an exchange buffer of two halves)
-            slay = scatter_layout(D, G, T, U)
+            slay = scatter_layout(D, G, T, U, W)
             m_lane, l_lane, half = k.var("f32", NEG_INF), k.var("f32", 0.0), k.var("u32", 0)
             quads = [[tuple(q[4 * c:4 * c + 4]) for c in range(EPL // 4)] for q in q_regs]
             acc4 = [[tuple(a[4 * c:4 * c + 4]) for c in range(EPL // 4)] for a in acc]
@@ -169,24 +169,25 @@ def _quads(values: list) -> list:
     return [tuple(values[i:i + 4]) for i in range(0, len(values), 4)]
 
 
-def scatter_layout(head_dim: int, group: int, T: int, unroll: int) -> DecodeLayout:
+def scatter_layout(head_dim: int, group: int, T: int, unroll: int, warps: int) -> DecodeLayout:
     """The geometry the reduce-scatter of :mod:`~ptx_gen.kernels.attention.decode_core` reads for a ring block of
-    ``group`` heads, ``T`` lanes a row and ``unroll`` rows a lane group per step."""
-    return DecodeLayout(head_dim, group, group, 4, T, head_dim // T // 4, unroll, scatter=True)
+    ``warps`` warps, ``group`` heads, ``T`` lanes a row and ``unroll`` rows a lane group per step (the exchange buffer
+    is sized by it)."""
+    return DecodeLayout(head_dim, group, group, warps, T, head_dim // T // 4, unroll, scatter=True)
 
 
 def scatter_applies(head_dim: int, group: int, T: int, unroll: int) -> bool:
     """Whether the ring takes reduce-scattered scores at this shape: a power-of-two group (no padding heads) whose
     scores of a step fit the lane group, lanes holding whole 4-value pieces."""
-    return (group & (group - 1) == 0 and group * unroll <= T and (head_dim // T) % 4 == 0
-            and unroll & (unroll - 1) == 0)
+    return (group >= 1 and unroll >= 1 and group & (group - 1) == 0 and group * unroll <= T
+            and (head_dim // T) % 4 == 0 and unroll & (unroll - 1) == 0)
 
 
-def scatter_lanes(k: KernelBuilder, head_dim: int, group: int, T: int, unroll: int) -> Scatter:
+def scatter_lanes(k: KernelBuilder, head_dim: int, group: int, T: int, unroll: int, warps: int) -> Scatter:
     """The lane's place in the reduce-scatter (its head ``hi``: the q it loads into slot ``s`` is head ``s ^ hi``)."""
     tid = k.tid()
     lane, warp, g, j = lane_roles(k, tid, T)
-    return _scatter_setup(k, scatter_layout(head_dim, group, T, unroll), Lanes(tid, lane, warp, g, j, [], []),
+    return _scatter_setup(k, scatter_layout(head_dim, group, T, unroll, warps), Lanes(tid, lane, warp, g, j, [], []),
                           "ring")
 
 
