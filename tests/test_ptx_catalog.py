@@ -71,7 +71,8 @@ FIXED_IN_GRID = {
     "gemm_wg": {"unroll"},
     "gemv_mma": {"bulk", "l2pre"},  # (sm_90 only: the grid assembles for sm_80 too)
     "incremental_attention": {"heads_per_block", "warps", "unroll", "prefetch", "l2_prefetch"},
-    "paged_decode_attention": {"ring"},  # (sm_90 only, the grid assembles for sm_80 too: tests/test_paged_decode_ring.py)
+    # (the ring and its scattered scores are sm_90 only, the grid assembles for sm_80 too: tests/test_paged_decode_ring.py)
+    "paged_decode_attention": {"ring", "scatter"},
 }
 
 
