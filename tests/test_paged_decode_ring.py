@@ -27,6 +27,25 @@ def _ring_cache(h, kvh, d, nb, bs, kv_dtype, target="sm_90", **kw) -> PagedKVCac
     return PagedKVCache(1, h, kvh, d, nb, bs, kv_dtype, device=dev, **kw)
 
 
+def _ring_against_oracle(h, kvh, d, bs, kv_dtype, out_f16, lengths, scale, seed, entry: str, **kw) -> None:
+    """One launch of the ring (``kw``: PagedKVCache's knobs) on rows of ``lengths`` against the float64 oracle, its
+    kernel's entry containing ``entry``; a ring deeper than the shared memory must be refused as such."""
+    rng = np.random.default_rng(seed)
+    q, kpool, vpool, tab, stride, nb, ref = _decode_case(rng, h, kvh, d, bs, kv_dtype, lengths, scale)
+    try:
+        cache = _ring_cache(h, kvh, d, nb, bs, kv_dtype, max_batch=4, **kw)
+    except ShapeError as exc:  # (a ring deeper than the shared memory)
+        assert "shared memory" in str(exc)
+        return
+    assert entry in cache._decode_kernel(out_f16).source.entry
+    assert ("_sc" in cache._decode_kernel(out_f16).source.entry) == cache.decode_scatter
+    _upload(cache, 0, kpool, vpool)
+    got, = _run_decode(cache, q, tab, stride, lengths, out_f16)
+    assert np.isfinite(got).all(), "unwritten (NaN-poisoned) outputs or a NaN pool row read"
+    tol = 2e-3 if out_f16 else 2e-5
+    np.testing.assert_allclose(got, ref, rtol=0, atol=tol * np.abs(ref).max())
+
+
 @settings(max_examples=examples(12), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(hk=st.sampled_from(HEADS), d=st.sampled_from([32, 64, 96, 128]), bs=st.sampled_from([16, 32, 64]),
        kv_dtype=st.sampled_from(["f16", "f32", "bf16"]), out_f16=st.booleans(), unroll=st.sampled_from([1, 2, 4]),
@@ -40,21 +59,8 @@ def test_ring_matches_oracle(hk, d, bs, kv_dtype, out_f16, unroll, lanes, stages
     own."""
     h, kvh = hk
     lanes = 0 if d % (4 * max(lanes, 1)) else lanes
-    rng = np.random.default_rng(seed)
-    q, kpool, vpool, tab, stride, nb, ref = _decode_case(rng, h, kvh, d, bs, kv_dtype, lengths, scale)
-    try:
-        cache = _ring_cache(h, kvh, d, nb, bs, kv_dtype, max_batch=4, decode_unroll=unroll, min_chunk=min_chunk,
-                            decode_lanes=lanes, decode_ring=stages, decode_scatter=scatter)
-    except ShapeError as exc:  # (a ring deeper than the shared memory)
-        assert "shared memory" in str(exc)
-        return
-    assert f"_r{stages}" in cache._decode_kernel(out_f16).source.entry
-    assert ("_sc" in cache._decode_kernel(out_f16).source.entry) == cache.decode_scatter
-    _upload(cache, 0, kpool, vpool)
-    got, = _run_decode(cache, q, tab, stride, lengths, out_f16)
-    assert np.isfinite(got).all(), "unwritten (NaN-poisoned) outputs or a NaN pool row read"
-    tol = 2e-3 if out_f16 else 2e-5
-    np.testing.assert_allclose(got, ref, rtol=0, atol=tol * np.abs(ref).max())
+    _ring_against_oracle(h, kvh, d, bs, kv_dtype, out_f16, lengths, scale, seed, f"_r{stages}", decode_unroll=unroll,
+                         min_chunk=min_chunk, decode_lanes=lanes, decode_ring=stages, decode_scatter=scatter)
 
 
 @pytest.mark.parametrize("scatter", [False, True])
@@ -164,17 +170,6 @@ def test_ring_scatter_matches_oracle(hk, d, bs, kv_dtype, out_f16, unroll, lanes
             _ring_cache(h, kvh, d, 8, bs, kv_dtype, decode_unroll=unroll, decode_lanes=lanes, decode_ring=stages,
                         decode_scatter=True)
         return
-    rng = np.random.default_rng(seed)
-    q, kpool, vpool, tab, stride, nb, ref = _decode_case(rng, h, kvh, d, bs, kv_dtype, lengths, scale)
-    try:
-        cache = _ring_cache(h, kvh, d, nb, bs, kv_dtype, max_batch=4, decode_unroll=unroll, min_chunk=min_chunk,
-                            decode_lanes=lanes, decode_ring=stages, decode_scatter=True)
-    except ShapeError as exc:  # (a ring deeper than the shared memory)
-        assert "shared memory" in str(exc)
-        return
-    assert f"_r{stages}_sc" in cache._decode_kernel(out_f16).source.entry
-    _upload(cache, 0, kpool, vpool)
-    got, = _run_decode(cache, q, tab, stride, lengths, out_f16)
-    assert np.isfinite(got).all(), "unwritten (NaN-poisoned) outputs or a NaN pool row read"
-    tol = 2e-3 if out_f16 else 2e-5
-    np.testing.assert_allclose(got, ref, rtol=0, atol=tol * np.abs(ref).max())
+    _ring_against_oracle(h, kvh, d, bs, kv_dtype, out_f16, lengths, scale, seed, f"_r{stages}_sc",
+                         decode_unroll=unroll, min_chunk=min_chunk, decode_lanes=lanes, decode_ring=stages,
+                         decode_scatter=True)

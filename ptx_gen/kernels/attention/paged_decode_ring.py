@@ -126,8 +126,7 @@ class Ring:
         if sc is not None:  # (this lane's head only; its probabilities pass through an exchange buffer of two halves)
             slay = scatter_layout(D, G, T, U, W)
             m_lane, l_lane, half = k.var("f32", NEG_INF), k.var("f32", 0.0), k.var("u32", 0)
-            quads = [[tuple(q[4 * c:4 * c + 4]) for c in range(EPL // 4)] for q in q_regs]
-            acc4 = [[tuple(a[4 * c:4 * c + 4]) for c in range(EPL // 4)] for a in acc]
+            quads, acc4 = [_quads(q) for q in q_regs], [_quads(a) for a in acc]
         lane_off = k.mul(j, EPL * E)
         slot, parity = k.var("u32", 0), k.var("u32", 0)
         with k.loop(0, self.nst) as t:
