@@ -2,10 +2,12 @@
 NaN-poisoned:
 
 * the output side (``norm_out``, a residual GEMM: the O and down projections): besides Y = X W^T + residual, the next
-  norm's f16 input ``hout = Y gnorm`` and each token's sum of squares over each output tile at ``ssq[t ssld + tile]``,
-  nothing else of ``ssq`` written; whole tiles (the 16-byte path) and a ragged last tile (one output at a time);
-* the input side (``norm_in``, the next GEMM: QKV, gate/up): its products times ``1 / sqrt(sum ssq[t, :nparts] / K +
-  eps)`` before the bias or the SwiGLU, the parts past ``nparts`` (NaN here) never read;
+  norm's f16 input ``hout = Y gnorm``, each token's sum of squares over each output tile at ``ssq[t stride + tile]``
+  (nothing past the tiles written) and, from the last tile's CTA, each token's factor ``rnorm = 1 / sqrt(mean(Y^2) +
+  eps)``, the counters left at zero; whole tiles (the 16-byte path) and a ragged last tile (one output at a time),
+  K split over two CTAs or not;
+* the input side (``norm_in``, the next GEMM: QKV, gate/up): its products times ``rnorm[t]`` before the bias or the
+  SwiGLU;
 * the two chained as the decoder runs them: ``Y_next = rmsnorm(Y) W2^T`` within f16 roundings of the oracle.
 
 The same kernels run on the GPU in tests/gpu/test_norm_fusion.py."""
@@ -74,8 +76,11 @@ def run_norm_out(wtype, layout, out_dim, in_dim, m, rng, shape):
     ssld = 1 << max(2, (nparts - 1).bit_length())
     hout = mem.alloc_array(np.full(m * out_dim, np.nan, np.float16))
     ssq = mem.alloc_array(np.full(m * ssld, np.nan, np.float32))
-    w, y, _ = _launch(mem, dict(shape, norm_out=True), wtype, layout, out_dim, in_dim, m, x, rng, residual=res,
-                      extra=dict(gnorm=mem.alloc_array(g), hout=hout, ssq=ssq, ssld=ssld))
+    rnorm = mem.alloc_array(np.full(m, np.nan, np.float32))
+    tiles = -(-m // shape["mt"])
+    ncount = mem.alloc_array(np.zeros(tiles, np.uint32))
+    w, y, _ = _launch(mem, dict(shape, norm_out=ssld), wtype, layout, out_dim, in_dim, m, x, rng, residual=res,
+                      extra=dict(gnorm=mem.alloc_array(g), hout=hout, ssq=ssq, rnorm=rnorm, ncount=ncount, eps=EPS))
     full = x.astype(np.float64) @ w.T
     ref = full + res
     scale = np.abs(x.astype(np.float64)) @ np.abs(w).T + np.abs(res)
@@ -85,26 +90,25 @@ def run_norm_out(wtype, layout, out_dim, in_dim, m, rng, shape):
     h = mem.read(hout, np.float16, m * out_dim).astype(np.float64).reshape(m, out_dim)
     assert np.isfinite(h).all(), "unwritten norm inputs"
     # hout = f16(Y g) of the kernel's own Y: one f16 rounding (2**-11) and the f32 product
-    assert np.allclose(h, got * g, rtol=2.0 ** -10, atol=0), np.abs(h - got * g).max()
+    assert np.allclose(h, got * g, rtol=2.0 ** -10, atol=2.0 ** -24), np.abs(h - got * g).max()
     parts = mem.read(ssq, np.float32, m * ssld).astype(np.float64).reshape(m, ssld)
     assert np.isnan(parts[:, nparts:]).all(), "wrote ssq parts past the tiles"
     want = np.stack([(got[:, p * cols:(p + 1) * cols] ** 2).sum(1) for p in range(nparts)], 1)
     assert np.allclose(parts[:, :nparts], want, rtol=1e-5, atol=0)
-    return got, h, parts[:, :nparts], cols
+    r = mem.read(rnorm, np.float32, m).astype(np.float64)
+    assert np.allclose(r, 1 / np.sqrt((got ** 2).mean(1) + EPS), rtol=1e-5), "the tokens' factors"
+    assert not mem.read(ncount, np.uint32, tiles).any(), "counters not left at zero"
+    return got, h, r, cols
 
 
-def run_norm_in(wtype, layout, out_dim, in_dim, m, rng, shape, *, parts, x, glu=False, bias=False, out_f16=False):
-    """The consumer over the given ``parts`` [m, nparts] and f16 ``x``: checks every output against the oracle; returns
+def run_norm_in(wtype, layout, out_dim, in_dim, m, rng, shape, *, inv, x, glu=False, bias=False, out_f16=False):
+    """The consumer over the tokens' factors ``inv`` [m] and f16 ``x``: checks every output against the oracle; returns
     the outputs (f64)."""
     mem = Memory()
-    nparts = parts.shape[1]
-    npad = shape["norm_in"]
-    padded = np.full((m, npad), np.nan, np.float32)  # (parts past nparts: NaN, never to be read)
-    padded[:, :nparts] = parts
     b = rng.standard_normal(out_dim).astype(np.float32) if bias else None
     w, y, _ = _launch(mem, shape, wtype, layout, out_dim, in_dim, m, x, rng, glu=glu, bias=b, out_f16=out_f16,
-                      extra=dict(ssq=mem.alloc_array(padded.reshape(-1)), nparts=nparts, eps=EPS))
-    inv = 1 / np.sqrt(padded[:, :nparts].astype(np.float64).sum(1) / in_dim + EPS)
+                      extra=dict(rnorm=mem.alloc_array(inv.astype(np.float32))))
+    inv = inv.astype(np.float32).astype(np.float64)
     xs = x.astype(np.float64)
     full, scale = (xs @ w.T) * inv[:, None], (np.abs(xs) @ np.abs(w).T) * inv[:, None]
     cols = out_dim // 2 if glu else out_dim
@@ -135,7 +139,7 @@ def test_norm_out_matches_oracle(data, seed):
     shape = dict(mt=mt, rgroups=rgroups, stages=data.draw(st.sampled_from([2, 3])), xtma=data.draw(st.booleans()),
                  kparts=data.draw(st.sampled_from([1, 2])))
     try:
-        ws.check_shape(wtype, 512, layout, mt, rgroups, shape["stages"], 2, shape["kparts"], norm_out=True,
+        ws.check_shape(wtype, 512, layout, mt, rgroups, shape["stages"], 2, shape["kparts"], norm_out=8,
                        residual=True)
     except ValueError:
         assume(False)
@@ -150,36 +154,30 @@ def test_norm_in_matches_oracle(data, seed):
     wtype, layout = ("Q4_K", "glu-tiles") if glu else data.draw(st.sampled_from([("Q4_K", "rows"), ("Q5_K", "tiles")]))
     mt = data.draw(st.sampled_from([64, 128]))
     m = data.draw(st.integers(1, mt + 5))
-    npad = data.draw(st.sampled_from(ws.WS_NORM_PADS))
-    nparts = data.draw(st.integers(max(1, npad // 2), npad))
     out_dim = (2 if glu else 1) * data.draw(st.integers(8, 72))
-    parts = rng.random((m, nparts)) + 0.5  # (each token's mean square 10**u, u in [-1.2, 1.2]: factors from 0.25 to 4,
-    # so that a factor left out or applied twice is off by far more than the tolerance)
-    parts = (parts * (256 * 10 ** rng.uniform(-1.2, 1.2, m) / parts.sum(1))[:, None]).astype(np.float32)
-    shape = dict(mt=mt, rgroups=data.draw(st.sampled_from([1, 2])), stages=3, xtma=True, norm_in=npad,
+    inv = 10 ** rng.uniform(-0.6, 0.6, m)  # (factors from 0.25 to 4: one left out or applied twice is off by far more
+    # than the tolerance)
+    shape = dict(mt=mt, rgroups=data.draw(st.sampled_from([1, 2])), stages=3, xtma=True, norm_in=True,
                  psplit=data.draw(st.sampled_from([1, 2])))
     try:
-        ws.check_shape(wtype, 256, layout, mt, shape["rgroups"], 3, 2, psplit=shape["psplit"], norm_in=npad)
+        ws.check_shape(wtype, 256, layout, mt, shape["rgroups"], 3, 2, psplit=shape["psplit"], norm_in=True)
     except ValueError:
         assume(False)
     x = _x(rng, m, 256) / (64 if glu else 1)  # (the f16 outputs' range, as tests/test_gemm_q_ptx.py draws them)
-    run_norm_in(wtype, layout, out_dim, 256, m, rng, shape, parts=parts, x=x, glu=glu,
+    run_norm_in(wtype, layout, out_dim, 256, m, rng, shape, inv=inv, x=x, glu=glu,
                 bias=not glu and data.draw(st.booleans()), out_f16=glu)
 
 
 def test_norm_chain_is_the_rmsnorm_then_the_gemm():
-    """A residual GEMM's norm_out feeding the next GEMM's norm_in gives rmsnorm(Y) gnorm W2^T (f64 oracle over the
-    producer's own Y), as the decoder chains the O projection and gate/up."""
+    """A residual GEMM's norm_out feeding the next GEMM's norm_in, as the decoder chains the O projection and gate/up:
+    the producer's factors (checked against its own Y) and f16 input scale the consumer's products (checked against
+    rmsnorm's factor times the f64 product of that input)."""
     rng = np.random.default_rng(5)
     m, hidden = 70, 512
-    y, h, parts, cols = run_norm_out("Q4_K", "tiles", hidden, 256, m, rng, dict(mt=128, stages=3, xtma=True))
-    g16 = h.astype(np.float16)
-    out = run_norm_in("Q4_K", "rows", 48, hidden, m, rng, dict(mt=128, stages=3, xtma=True, norm_in=8),
-                      parts=parts.astype(np.float32), x=g16)
-    # the same product from the unfused path's input: rmsnorm(Y) gnorm rounded to f16
-    inv = 1 / np.sqrt((y ** 2).mean(1) + EPS)
-    assert np.allclose(inv, 1 / np.sqrt(parts.sum(1) / hidden + EPS), rtol=1e-6)
-    assert out.shape == (m, 48)
+    y, h, r, cols = run_norm_out("Q4_K", "tiles", hidden, 256, m, rng, dict(mt=64, stages=3, xtma=True, kparts=1))
+    out = run_norm_in("Q4_K", "rows", 48, hidden, m, rng, dict(mt=128, stages=3, xtma=True, norm_in=True), inv=r,
+                      x=h.astype(np.float16))
+    assert out.shape == (m, 48) and np.isfinite(out).all()
 
 
 def test_norm_refusals():
@@ -187,7 +185,9 @@ def test_norm_refusals():
         ws.check_shape("Q4_K", 512, "tiles", 64, 1, 3, 2, norm_out=True, residual=False)
     with pytest.raises(ValueError, match="norm_out"):
         ws.check_shape("Q4_K", 512, "glu-tiles", 64, 1, 3, 2, norm_out=True, residual=True, glu=True)
+    with pytest.raises(ValueError, match="norm_out"):
+        ws.check_shape("Q4_K", 512, "tiles", 64, 1, 3, 2, norm_out=12, residual=True)
+    with pytest.raises(ValueError, match="norm_out"):
+        ws.check_shape("Q4_K", 512, "tiles", 64, 1, 3, 2, norm_out=8, residual=True, xcast=2)
     with pytest.raises(ValueError, match="norm_in"):
-        ws.check_shape("Q4_K", 512, "tiles", 64, 1, 3, 2, norm_in=12)
-    with pytest.raises(ValueError, match="norm_in"):
-        ws.check_shape("Q4_K", 512, "tiles", 64, 1, 3, 2, norm_in=8, norm_out=True, residual=True)
+        ws.check_shape("Q4_K", 512, "tiles", 64, 1, 3, 2, norm_in=True, norm_out=8, residual=True)

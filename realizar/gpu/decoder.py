@@ -204,6 +204,8 @@ class Activations:
     moe_rows: Any = None
     ssq: Any = None
     ssq_stride: int = 0
+    rnorm: Any = None
+    norm_counters: Any = None
 
     @classmethod
     def allocate(cls, ops, cfg: ModelConfig, rows: int, *, one_row: bool, many_rows: bool, split_ffn: bool,
@@ -223,7 +225,9 @@ class Activations:
                    gate=ops.buffer(ffn) if split_ffn else None, up=ops.buffer(ffn) if split_ffn else None,
                    moe=MoeBuffers.allocate(ops, cfg) if cfg.is_moe and one_row else None,
                    moe_rows=MoeBuffers.allocate(ops, cfg, rows) if cfg.is_moe and many_rows and rows > 1 else None,
-                   ssq=ops.buffer(rows * stride) if stride else None, ssq_stride=stride)
+                   ssq=ops.buffer(rows * stride) if stride else None, ssq_stride=stride,
+                   rnorm=ops.buffer(rows) if stride else None,
+                   norm_counters=ops.buffer(-(-rows // 64), np.uint32, zero=True) if stride else None)
 
     def inputs(self, f16: bool) -> Inputs:
         got = self.f16 if f16 else self.f32
@@ -233,7 +237,7 @@ class Activations:
 
     def free(self) -> None:
         for b in (self.x, self.qkv, self.logits, self.gate, self.up, self.f32, self.f16, self.moe, self.moe_rows,
-                  self.ssq):
+                  self.ssq, self.rnorm, self.norm_counters):
             if b is not None:
                 b.free()
 
@@ -312,7 +316,7 @@ class Decoder:
             stride = norm_pad(parts)
             if not stride or stride > acts.ssq_stride:
                 return None, None
-            return NormIn(acts.ssq, parts, stride, eps), NormOut(gamma, io.h, acts.ssq, stride)
+            return NormIn(acts.rnorm), NormOut(gamma, eps, io.h, acts.ssq, stride, acts.rnorm, acts.norm_counters)
 
         for i, lay in enumerate(layers):
             if lay.router is None:

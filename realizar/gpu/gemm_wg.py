@@ -63,7 +63,7 @@ def wg_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_co
 
 
 def ws_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_count: int = 132,
-              max_smem: int = 227 * 1024, glu: bool = False, norm_in: int = 0) -> WsConfig:
+              max_smem: int = 227 * 1024, glu: bool = False, norm_in: bool = False, norm_out: bool = False) -> WsConfig:
     """The launch shape of the warp-specialized GEMM for ``rows_out`` outputs of ``in_dim`` values at ``m`` tokens: the
     largest token tile of ``WS_MTS`` that ``m`` fills more than ``WS_TILE_FILL`` of whose launch has ``WS_MIN_WAVE``
     x ``sm_count`` CTAs (else the smallest); two consumer warpgroups on a 128-token tile where the launch keeps
@@ -79,7 +79,7 @@ def ws_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_co
     first producer split of ``WS_PSPLIT`` whose CTA has the registers; ``WS_PFENCE`` stages fenced at once where it
     allows; X shared by ``WS_XCAST`` CTAs of a cluster with X by a tensor map; Stream-K where ``WS_STREAMK`` and
     ``WS_STREAMK_MIN_ROWS`` take the launch. ``norm_in``: the launch scales its products by a fused norm's factors
-    (their shared memory counted)."""
+    (their shared memory counted); ``norm_out``: it writes a fused norm's input (no multicast)."""
     from ptx_gen.kernels.gemm.gemm_ws import consumers_fit, smem_bytes
     from ptx_gen.kernels.gemm.qstream import F16DEC_TYPES
 
@@ -99,7 +99,7 @@ def ws_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_co
         mt, rg, kp = next(((t, 2, p) for t in tiles if t in WS_SPLIT_K_TILES for p in WS_SPLIT_K_PARTS
                            if p > (kp if t == mt else 1) and chunks % p == 0 and chunks // p >= WS_SPLIT_MIN_CHUNKS
                            and p * -(-groups // 2) * -(-m // t) >= WS_SPLIT_K * sm_count), (mt, rg, kp))
-    cast = WS_XCAST if WS_XTMA else 1
+    cast = WS_XCAST if WS_XTMA and not norm_out else 1
     for r, kparts in dict.fromkeys([(rg, kp), (1, 1)]):
         for ps in dict.fromkeys(WS_PSPLIT + (1,)):
             if not consumers_fit(mt, r, ps):
@@ -150,8 +150,8 @@ def split_room(cfg: WsConfig, cols: int, m: int, glu: bool = False) -> tuple[int
 
 
 def norm_pad(parts: int) -> int:
-    """The stride of a fused norm's sums of squares for ``parts`` output tiles a token: the power of two at least
-    ``parts`` (and 4) that the reading kernel's lanes split (0: more than :data:`WS_NORM_PADS` takes)."""
+    """The stride of a fused norm's sums of squares for ``parts`` output tiles a token: the first of
+    :data:`WS_NORM_PADS` at least ``parts`` (0: none)."""
     from ptx_gen.kernels.gemm.gemm_ws import WS_NORM_PADS
 
     return next((p for p in WS_NORM_PADS if p >= parts), 0)
@@ -159,25 +159,26 @@ def norm_pad(parts: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class NormOut:
-    """The output side of an RMSNorm fused into a residual gemm_ws launch: the norm's f32 ``weight``, its f16 input
-    ``h`` (``Y weight``, rows like Y's), and ``ssq`` (f32, ``rows x stride``): each token's sum of squares of Y over
-    each output tile of the launch."""
+    """The output side of an RMSNorm fused into a residual gemm_ws launch: the norm's f32 ``weight`` and ``eps``; its
+    f16 input ``h`` (``Y weight``, rows like Y's); ``ssq`` (f32, ``rows x stride``: each token's sum of squares of Y
+    over each output tile, :func:`norm_pad` of the tiles), ``rnorm`` (f32 ``[rows]``: each token's ``1 / sqrt(mean(Y^2)
+    + eps)``, written by the last tile's CTA) and ``counters`` (u32, one a token tile of 64 or more: zero, and left at
+    zero)."""
 
     weight: Any
+    eps: float
     h: Any
     ssq: Any
     stride: int
+    rnorm: Any
+    counters: Any
 
 
 @dataclasses.dataclass(frozen=True)
 class NormIn:
-    """The input side: ``parts`` sums a token in ``ssq`` (``stride`` apart, :func:`norm_pad`) and the norm's ``eps``;
-    the launch multiplies its products by ``1 / sqrt(sum / K + eps)``."""
+    """The input side: ``rnorm``, each token's factor; the launch multiplies its products by it."""
 
-    ssq: Any
-    parts: int
-    stride: int
-    eps: float
+    rnorm: Any
 
 
 @dataclasses.dataclass
@@ -226,7 +227,7 @@ class GemmWgOps(Dispatcher):
         """The sums of squares a token a residual gemm_ws launch of ``weight`` at ``m`` tokens writes with
         ``norm_out``: one an output tile."""
         cfg = ws_config(weight.wtype, weight.in_dim, weight.layout, weight.out_dim, m, self.sm_count,
-                        self.device.max_shared_per_block_optin)
+                        self.device.max_shared_per_block_optin, norm_out=True)
         return -(-weight.out_dim // (64 * cfg.rgroups))
 
     @staticmethod
@@ -258,12 +259,12 @@ class GemmWgOps(Dispatcher):
         pick = ws_config if name == "gemm_ws" else wg_config
         fused = {}
         if norm_in is not None:
-            fused["norm_in"] = norm_in.stride
+            fused["norm_in"] = True
         if norm_out is not None:
-            fused["norm_out"] = True
+            fused["norm_out"] = norm_out.stride
         cfg = config or pick(weight.wtype, k, weight.layout, cols, m, self.sm_count,
                              self.device.max_shared_per_block_optin, glu=glu,
-                             **({"norm_in": norm_in.stride} if norm_in is not None else {}))
+                             **({"norm_in": True} if norm_in else {"norm_out": True} if norm_out else {}))
         kern = self.kernel(name, wtype=weight.wtype, in_dim=k, layout=weight.layout, **dataclasses.asdict(cfg),
                            bias=bias is not None, residual=residual is not None, out_f16=bool(out_f16), glu=bool(glu),
                            **fused)
@@ -272,18 +273,17 @@ class GemmWgOps(Dispatcher):
         values.update(m=m, n=n, lda=lda, ldy=ldy)
         if norm_out is not None:  # (one sum a token an output tile: the stride holds the launch's tiles)
             parts = -(-cols // (64 * cfg.rgroups))
-            if norm_pad(parts) == 0 or norm_out.stride < parts:
-                raise ShapeError(f"norm_out: {parts} output tiles a token need a stride of at least {parts} (at most "
-                                 f"{norm_pad(10**9) or 128}), got {norm_out.stride}")
+            if norm_pad(norm_out.stride) != norm_out.stride or norm_out.stride < parts:
+                raise ShapeError(f"norm_out: {parts} output tiles a token need a stride of at least {parts}, one of "
+                                 f"(4, 8, 16, 32, 64, 128), got {norm_out.stride}")
             values.update(gnorm=self.addr(norm_out.weight, cols, "norm weight", align=16),
                           hout=self.addr(norm_out.h, (m - 1) * ldy + cols, "norm input", np.float16, align=8),
-                          ssq=self.addr(norm_out.ssq, m * norm_out.stride, "ssq"), ssld=norm_out.stride)
+                          ssq=self.addr(norm_out.ssq, m * norm_out.stride, "ssq", align=16),
+                          rnorm=self.addr(norm_out.rnorm, m, "rnorm"),
+                          ncount=self.addr(norm_out.counters, -(-m // cfg.mt), "norm counters", np.uint32),
+                          eps=float(norm_out.eps))
         if norm_in is not None:
-            if not 1 <= norm_in.parts <= norm_in.stride or norm_pad(norm_in.stride) != norm_in.stride:
-                raise ShapeError(f"norm_in: {norm_in.parts} parts a token at a stride of {norm_in.stride} (a power of "
-                                 f"two from 4 to 128, at least the parts)")
-            values.update(ssq=self.addr(norm_in.ssq, m * norm_in.stride, "ssq"), nparts=norm_in.parts,
-                          eps=float(norm_in.eps))
+            values["rnorm"] = self.addr(norm_in.rnorm, m, "rnorm")
         xcast = getattr(cfg, "xcast", 1)
         if getattr(cfg, "xtma", False):  # (the map is encoded on the host: nothing allocated, capturable)
             values["xmap"] = f16_tiles_2d(self.device, values["x"], k, self._x_rows(x16, m, k, lda, cfg.mt), 2 * lda,

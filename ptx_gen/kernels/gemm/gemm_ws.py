@@ -106,7 +106,7 @@ WS_KPARTS = (1, 2, 4)
 WS_PSPLIT = (1, 2, 4)
 WS_PFENCE = (1, 2, 4)
 WS_XCAST = (1, 2)
-WS_NORM_PADS = (4, 8, 16, 32, 64, 128)  # a fused norm's parts a token (padded): lanes summing them, a 16-byte load each
+WS_NORM_PADS = (4, 8, 16, 32, 64, 128)  # a fused norm's parts a token, padded (16-byte loads, summed in registers)
 # (diagnostic launches: the work left out, the results meaningless)
 ABLATIONS = ("wload", "decode", "mma", "xload", "fence", "xwait", "epilogue")
 CONSUMER_REGS = 30  # registers a consumer thread needs beside its accumulators (descriptors, barriers, epilogue)
@@ -154,7 +154,7 @@ def tiles_bytes(mt: int, rgroups: int, stages: int) -> int:
 
 
 def smem_bytes(wtype: str, in_dim: int, layout: str, mt: int, rgroups: int, stages: int, wstages: int,
-               psplit: int = 1, xcast: int = 1, norm_in: int = 0) -> int:
+               psplit: int = 1, xcast: int = 1, norm_in: bool = False) -> int:
     """Alignment slack, the stages' A and B tiles (or the epilogue's output tile), every producer warp's weight stream,
     two mbarriers a stage (three with X multicast: the cluster's release of the slot), a fused norm's factors of the
     tile's tokens (``norm_in``)."""
@@ -165,7 +165,7 @@ def smem_bytes(wtype: str, in_dim: int, layout: str, mt: int, rgroups: int, stag
 
 def check_shape(wtype: str, in_dim: int, layout: str, mt: int, rgroups: int, stages: int, wstages: int,
                 kparts: int = 1, psplit: int = 1, pfence: int = 1, xcast: int = 1, xtma: bool = True,
-                streamk: bool = False, norm_in: int = 0, norm_out: bool = False, residual: bool = False,
+                streamk: bool = False, norm_in: bool = False, norm_out: int = 0, residual: bool = False,
                 glu: bool = False, out_f16: bool = False) -> None:
     check_weight_layout(wtype, in_dim, layout)
     if wtype == "F32":
@@ -201,12 +201,13 @@ def check_shape(wtype: str, in_dim: int, layout: str, mt: int, rgroups: int, sta
         raise ValueError(f"streamk (the tiles' chunks of K shared out over the CTAs) takes X by a tensor map, no K "
                          f"split over grid z, no producer split and no multicast, got xtma {xtma}, kparts {kparts}, "
                          f"psplit {psplit}, xcast {xcast}")
-    if norm_in and (norm_in not in WS_NORM_PADS or norm_out):
-        raise ValueError(f"norm_in (a fused norm's parts a token, padded) must be one of {WS_NORM_PADS}, without "
-                         f"norm_out, got {norm_in} (norm_out {norm_out})")
-    if norm_out and (not residual or glu or out_f16):
-        raise ValueError(f"norm_out writes the next norm's input beside the new residual stream: it takes the residual "
-                         f"epilogue with f32 outputs and no SwiGLU, got residual {residual}, glu {glu}, out_f16 {out_f16}")
+    if norm_in and norm_out:
+        raise ValueError("a launch takes one side of a fused norm: norm_in or norm_out, not both")
+    if norm_out and (norm_out not in WS_NORM_PADS or not residual or glu or out_f16 or xcast > 1):
+        raise ValueError(f"norm_out (the parts' stride a token, one of {WS_NORM_PADS}) writes the next norm's input "
+                         f"beside the new residual stream: it takes the residual epilogue with f32 outputs, no SwiGLU "
+                         f"and no multicast (a pair's padding CTA would count as a tile), got norm_out {norm_out}, "
+                         f"residual {residual}, glu {glu}, out_f16 {out_f16}, xcast {xcast}")
     smem = smem_bytes(wtype, in_dim, layout, mt, rgroups, stages, wstages, psplit, xcast, norm_in)
     if smem > MAX_DYN_SMEM:
         raise ValueError(f"{wtype} mt={mt} rgroups={rgroups} stages={stages} wstages={wstages} psplit={psplit} needs "
@@ -233,7 +234,7 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
             rgroups: int = 1, stages: int = 4, wstages: int = 2, bias: bool = False,
             residual: bool = False, out_f16: bool = False, glu: bool = False, xtma: bool = False,
             f16dec: bool = False, kparts: int = 1, psplit: int = 1, pfence: int = 1, xcast: int = 1,
-            streamk: bool = False, norm_in: int = 0, norm_out: bool = False, ablate: str = "") -> KernelBuilder:
+            streamk: bool = False, norm_in: bool = False, norm_out: int = 0, ablate: str = "") -> KernelBuilder:
     """Y[:m] = X[:m] W^T (+ bias) (+ residual), or with ``glu`` silu(X G^T) * (X U^T) for W = [gate; up];
     W of ``wtype`` in ``layout``, X f16, f32 accumulation on wgmma from shared memory. Params: w, x, y, [bias],
     [residual], m, n, lda, ldy, [part, counters: kparts 2, 4; part, counters, ntiles: streamk], [xmap: xtma]. Launch:
@@ -248,10 +249,12 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
                          f"got {ablate!r}")
     flags, params = epilogue_signature(["w", "x", "y"], ["m", "n", "lda", "ldy"], bias=bias, residual=residual,
                                        out_f16=out_f16, glu=glu, layout=layout)
-    if norm_out:  # (the next RMSNorm's weight, its f16 input, the tiles' sums of squares: ssq[t ssld + tile])
-        params = params + [("gnorm", "u64"), ("hout", "u64"), ("ssq", "u64"), ("ssld", "u32")]
-    if norm_in:  # (those sums, nparts of them a token, norm_in apart, and the norm's epsilon)
-        params = params + [("ssq", "u64"), ("nparts", "u32"), ("eps", "f32")]
+    if norm_out:  # (the next RMSNorm's weight, its f16 input, the tiles' sums of squares ssq[t norm_out + tile], the
+        # tokens' factors, a counter a token tile, the norm's epsilon)
+        params = params + [("gnorm", "u64"), ("hout", "u64"), ("ssq", "u64"), ("rnorm", "u64"), ("ncount", "u64"),
+                           ("eps", "f32")]
+    if norm_in:  # (the tokens' factors)
+        params = params + [("rnorm", "u64")]
     if kparts > 1 or streamk:  # (K split over the CTAs of grid z, or Stream-K: partial sums, a counter per output tile)
         params = params + [("part", "u64"), ("counters", "u64")] + ([("ntiles", "u32")] if streamk else [])
     if xtma:  # (the tokens' X by a tensor map: rows of in_dim f16 values, lda apart, boxes of 64 x mt)
@@ -261,7 +264,7 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
             f"{'_sk' if streamk else ''}"
             f"{f'_p{psplit}' if psplit > 1 else ''}{f'_f{pfence}' if pfence > 1 else ''}"
             f"{f'_c{xcast}' if xcast > 1 else ''}{''.join(f'_no{c}' for c in sorted(cut))}{flags}"
-            f"{'_nout' if norm_out else ''}{f'_nin{norm_in}' if norm_in else ''}")
+            f"{f'_nout{norm_out}' if norm_out else ''}{'_nin' if norm_in else ''}")
     group = 128 * rgroups  # consumer threads
     pg = producer_groups(mt, rgroups)
     spw = rgroups // pg  # 16-row strips a producer warp streams
@@ -448,8 +451,7 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
         if norm_in:  # (the first producer warpgroup, before its first stage's arrival releases them to the consumers)
             pt = k.sub(tid, group)
             with k.if_(k.setp("lt", pt, 128)) if pg * psplit > 1 else contextlib.nullcontext():
-                norm_scales(k, pt, 128, k.mul(units.tok_tile, mt) if units else tok0, m_all, mt, norm_in, in_dim,
-                            scales)
+                norm_scales(k, pt, 128, k.mul(units.tok_tile, mt) if units else tok0, m_all, mt, scales)
 
         # A stores: the lane's rows r and r + 8 of strip st go to A rows 16 st + pi(r) and + 8 (pi: see _a_row), block
         # b of a stage at piece 4 b + q
