@@ -17,12 +17,6 @@ Per layer (``x`` the f32 residual stream of ``rows`` rows)::
     h = rmsnorm(x) ; f = silu(h W_gate^T) * (h W_up^T) ; x += f W_down^T     <- pause
 
 and the head: final RMSNorm and the LM head of the rows that need logits.
-
-Where the residual GEMM before a norm and every GEMM after it run on gemm_ws (:meth:`Linear.runs_ws`), the norm is
-fused into them (:data:`~realizar.gpu.policy.gemm.NORM_IN_GEMM`): the O or down projection also writes the norm's
-input ``h = f16(x gamma)`` and each row's sums of squares over its output tiles (``acts.ssq``), and the QKV or gate/up
-GEMM multiplies its products by each row's ``1 / rms``, so no norm kernel runs between them. The first layer's norm
-(after the embedding) and the final norm stay kernels.
 """
 
 from __future__ import annotations
@@ -202,32 +196,21 @@ class Activations:
     up: Any = None
     moe: Any = None
     moe_rows: Any = None
-    ssq: Any = None
-    ssq_stride: int = 0
-    rnorm: Any = None
-    norm_counters: Any = None
 
     @classmethod
     def allocate(cls, ops, cfg: ModelConfig, rows: int, *, one_row: bool, many_rows: bool, split_ffn: bool,
                  logit_rows: int | None = None) -> "Activations":
         """Buffers for up to ``rows`` rows: f32 inputs when the program runs one row (``one_row``), f16
         ones when it runs more (``many_rows``)."""
-        from realizar.gpu.gemm_wg import norm_pad
-
         ffn = rows * cfg.intermediate_size
         logit_rows = rows if logit_rows is None else logit_rows
-        stride = norm_pad(-(-cfg.hidden_size // 64)) if many_rows else 0  # (a fused norm's sums: one a 64-row tile at
-        # most)
         return cls(x=ops.buffer(rows * cfg.hidden_size), qkv=ops.buffer(rows * (cfg.q_dim + 2 * cfg.kv_dim)),
                    logits=ops.buffer(logit_rows * cfg.vocab_size) if logit_rows else None,
                    f32=Inputs.allocate(ops, cfg, 1, np.float32) if one_row else None,
                    f16=Inputs.allocate(ops, cfg, rows, np.float16) if many_rows else None,
                    gate=ops.buffer(ffn) if split_ffn else None, up=ops.buffer(ffn) if split_ffn else None,
                    moe=MoeBuffers.allocate(ops, cfg) if cfg.is_moe and one_row else None,
-                   moe_rows=MoeBuffers.allocate(ops, cfg, rows) if cfg.is_moe and many_rows and rows > 1 else None,
-                   ssq=ops.buffer(rows * stride) if stride else None, ssq_stride=stride,
-                   rnorm=ops.buffer(rows) if stride else None,
-                   norm_counters=ops.buffer(-(-rows // 64), np.uint32, zero=True) if stride else None)
+                   moe_rows=MoeBuffers.allocate(ops, cfg, rows) if cfg.is_moe and many_rows and rows > 1 else None)
 
     def inputs(self, f16: bool) -> Inputs:
         got = self.f16 if f16 else self.f32
@@ -236,8 +219,7 @@ class Activations:
         return got
 
     def free(self) -> None:
-        for b in (self.x, self.qkv, self.logits, self.gate, self.up, self.f32, self.f16, self.moe, self.moe_rows,
-                  self.ssq, self.rnorm, self.norm_counters):
+        for b in (self.x, self.qkv, self.logits, self.gate, self.up, self.f32, self.f16, self.moe, self.moe_rows):
             if b is not None:
                 b.free()
 
@@ -247,11 +229,9 @@ class Decoder:
     down projections write their partial sums without adding x (a tensor-parallel rank other than 0,
     whose sums the all-reduce adds to rank 0's ``x + partial``)."""
 
-    def __init__(self, weights: DecoderWeights, ops, *, add_residual: bool = True, fuse_norms: bool = True):
+    def __init__(self, weights: DecoderWeights, ops, *, add_residual: bool = True):
         self.weights, self.ops, self.config = weights, ops, weights.config
         self.add_residual = add_residual
-        self.fuse_norms = fuse_norms  # (off for a tensor-parallel rank: x is summed over the ranks after the residual
-        # GEMMs, so their epilogues do not see the norm's input)
 
     def phases(self, acts: Activations, ids: Any, rows: int, linear, attention, stream) -> Iterator[None]:
         """Issue the embedding of ``ids`` (device u32 ``[rows]``) and every layer for ``rows`` rows,
@@ -261,70 +241,31 @@ class Decoder:
         io = acts.inputs(f16)
         qkv_n = cfg.q_dim + 2 * cfg.kv_dim
         residual = acts.x if self.add_residual else None
-        attn_in, ffn_in, o_out, down_out = self._fused_norms(acts, io, rows, linear)
         ops.embedding(w.embed, ids, acts.x, n_tokens=rows, stream=s)
         for i, lay in enumerate(w.layers):
-            if attn_in[i] is None:
-                ops.rmsnorm(acts.x, lay.attn_norm, io.h, eps, rows=rows, out_f16=f16, stream=s)
-            norm = {} if attn_in[i] is None else {"norm_in": attn_in[i]}
+            ops.rmsnorm(acts.x, lay.attn_norm, io.h, eps, rows=rows, out_f16=f16, stream=s)
             off = 0
             for wt in lay.qkv:
                 bias = None if lay.qkv_bias is None else (lay.qkv_bias, off)
-                linear(wt, io.h, (acts.qkv, off), rows, ldy=qkv_n, bias=bias, stream=s, **norm)
+                linear(wt, io.h, (acts.qkv, off), rows, ldy=qkv_n, bias=bias, stream=s)
                 off += wt.out_dim
             q = attention.append(i, acts.qkv, lay, stream=s)
             attention.attend(i, q, io.attn, out_f16=f16, stream=s)
-            linear(lay.attn_out, io.attn, acts.x, rows, residual=residual, stream=s,
-                   **({} if o_out[i] is None else {"norm_out": o_out[i]}))
+            linear(lay.attn_out, io.attn, acts.x, rows, residual=residual, stream=s)
             yield
-            if ffn_in[i] is None:
-                ops.rmsnorm(acts.x, lay.ffn_norm, io.h, eps, rows=rows, out_f16=f16, stream=s)
+            ops.rmsnorm(acts.x, lay.ffn_norm, io.h, eps, rows=rows, out_f16=f16, stream=s)
             if lay.router is not None:
                 self._experts(lay, acts, io, rows, linear, s, eps)
                 yield
                 continue
-            norm = {} if ffn_in[i] is None else {"norm_in": ffn_in[i]}
             if lay.gate_up is not None:
-                linear(lay.gate_up, io.h, io.ffn, rows, glu=True, out_f16=f16, stream=s, **norm)
+                linear(lay.gate_up, io.h, io.ffn, rows, glu=True, out_f16=f16, stream=s)
             else:
-                linear(lay.gate, io.h, acts.gate, rows, stream=s, **norm)
-                linear(lay.up, io.h, acts.up, rows, stream=s, **norm)
+                linear(lay.gate, io.h, acts.gate, rows, stream=s)
+                linear(lay.up, io.h, acts.up, rows, stream=s)
                 ops.swiglu(acts.gate, acts.up, io.ffn, rows * cfg.intermediate_size, out_f16=f16, stream=s)
-            linear(lay.down, io.ffn, acts.x, rows, residual=residual, stream=s,
-                   **({} if down_out[i] is None else {"norm_out": down_out[i]}))
+            linear(lay.down, io.ffn, acts.x, rows, residual=residual, stream=s)
             yield
-
-    def _fused_norms(self, acts: Activations, io: Inputs, rows: int, linear) -> tuple[list, list, list, list]:
-        """Per layer: the attention norm's and the FFN norm's input sides (:class:`~realizar.gpu.gemm_wg.NormIn`,
-        None where the norm stays a kernel), and the O and down projections' output sides (the down projection's
-        for the next layer's attention norm), where :data:`NORM_IN_GEMM` fuses them (module docstring)."""
-        from realizar.gpu.gemm_wg import NormIn, NormOut, norm_pad
-        from realizar.gpu.policy import gemm as gemm_policy
-
-        layers = self.weights.layers
-        n = len(layers)
-        attn_in, ffn_in, o_out, down_out = [None] * n, [None] * n, [None] * n, [None] * n
-        if not (gemm_policy.NORM_IN_GEMM and self.fuse_norms and self.add_residual and acts.ssq is not None
-                and linear.f16_input(rows) and hasattr(linear, "runs_ws")):
-            return attn_in, ffn_in, o_out, down_out
-        eps = self.config.rms_norm_eps
-
-        def fuse(producer, consumers, gamma):
-            if producer is None or not all(linear.runs_ws(w, rows) for w in (producer, *consumers)):
-                return None, None
-            parts = linear.norm_parts(producer, rows)
-            stride = norm_pad(parts)
-            if not stride or stride > acts.ssq_stride:
-                return None, None
-            return NormIn(acts.rnorm), NormOut(gamma, eps, io.h, acts.ssq, stride, acts.rnorm, acts.norm_counters)
-
-        for i, lay in enumerate(layers):
-            if lay.router is None:
-                ffn = [lay.gate_up] if lay.gate_up is not None else [lay.gate, lay.up]
-                ffn_in[i], o_out[i] = fuse(lay.attn_out, ffn, lay.ffn_norm)
-                if i + 1 < n:
-                    attn_in[i + 1], down_out[i] = fuse(lay.down, layers[i + 1].qkv, layers[i + 1].attn_norm)
-        return attn_in, ffn_in, o_out, down_out
 
     def _experts(self, lay: LayerWeights, acts: Activations, io: Inputs, rows: int, linear, s, eps: float) -> None:
         """A mixture-of-experts FFN: the router's logits (the Linear), the top-k on the device, the chosen experts'

@@ -25,8 +25,7 @@ from realizar.gpu.policy.gemm import (WG_MIN_WAVE, WG_MTS, WG_STAGES, WG_UNROLL,
                                       WS_WIDE, WS_WIDE_256, WS_XTMA, XTMA_WHOLE_TILES, ws_shared_bytes)
 from realizar.gpu.policy.shapes import WgConfig, WsConfig
 
-__all__ = ["GemmWgOps", "NormIn", "NormOut", "SplitSpace", "WgConfig", "WsConfig", "norm_pad", "split_room",
-           "wg_applies", "wg_config", "ws_config"]
+__all__ = ["GemmWgOps", "SplitSpace", "WgConfig", "WsConfig", "split_room", "wg_applies", "wg_config", "ws_config"]
 
 
 def wg_applies(device: Any, wtype: str, layout: str, in_dim: int) -> bool:
@@ -63,7 +62,7 @@ def wg_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_co
 
 
 def ws_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_count: int = 132,
-              max_smem: int = 227 * 1024, glu: bool = False, norm_in: bool = False, norm_out: bool = False) -> WsConfig:
+              max_smem: int = 227 * 1024, glu: bool = False) -> WsConfig:
     """The launch shape of the warp-specialized GEMM for ``rows_out`` outputs of ``in_dim`` values at ``m`` tokens: the
     largest token tile of ``WS_MTS`` that ``m`` fills more than ``WS_TILE_FILL`` of whose launch has ``WS_MIN_WAVE``
     x ``sm_count`` CTAs (else the smallest); two consumer warpgroups on a 128-token tile where the launch keeps
@@ -78,8 +77,7 @@ def ws_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_co
     tile) whose launch has ``WS_SPLIT_K`` CTAs an SM and whose parts keep ``WS_SPLIT_MIN_CHUNKS`` chunks each; the
     first producer split of ``WS_PSPLIT`` whose CTA has the registers; ``WS_PFENCE`` stages fenced at once where it
     allows; X shared by ``WS_XCAST`` CTAs of a cluster with X by a tensor map; Stream-K where ``WS_STREAMK`` and
-    ``WS_STREAMK_MIN_ROWS`` take the launch. ``norm_in``: the launch scales its products by a fused norm's factors
-    (their shared memory counted); ``norm_out``: it writes a fused norm's input (no multicast)."""
+    ``WS_STREAMK_MIN_ROWS`` take the launch."""
     from ptx_gen.kernels.gemm.gemm_ws import consumers_fit, smem_bytes
     from ptx_gen.kernels.gemm.qstream import F16DEC_TYPES
 
@@ -99,13 +97,13 @@ def ws_config(wtype: str, in_dim: int, layout: str, rows_out: int, m: int, sm_co
         mt, rg, kp = next(((t, 2, p) for t in tiles if t in WS_SPLIT_K_TILES for p in WS_SPLIT_K_PARTS
                            if p > (kp if t == mt else 1) and chunks % p == 0 and chunks // p >= WS_SPLIT_MIN_CHUNKS
                            and p * -(-groups // 2) * -(-m // t) >= WS_SPLIT_K * sm_count), (mt, rg, kp))
-    cast = WS_XCAST if WS_XTMA and not norm_out else 1
+    cast = WS_XCAST if WS_XTMA else 1
     for r, kparts in dict.fromkeys([(rg, kp), (1, 1)]):
         for ps in dict.fromkeys(WS_PSPLIT + (1,)):
             if not consumers_fit(mt, r, ps):
                 continue
             for stages in dict(WS_STAGES_BY_TILE).get((mt, r, kparts), WS_STAGES):
-                smem = smem_bytes(wtype, in_dim, layout, mt, r, stages, 2, ps, cast, norm_in)
+                smem = smem_bytes(wtype, in_dim, layout, mt, r, stages, 2, ps, cast)
                 if ps <= stages and smem <= max_smem:
                     fence = WS_PFENCE if ps == 1 and WS_PFENCE < stages else 1
                     tiles = -(-groups // r) * -(-m // mt)
@@ -149,38 +147,6 @@ def split_room(cfg: WsConfig, cols: int, m: int, glu: bool = False) -> tuple[int
     return tiles * part_floats(cfg.mt, cfg.rgroups, 2 if cfg.streamk else cfg.kparts), tiles
 
 
-def norm_pad(parts: int) -> int:
-    """The stride of a fused norm's sums of squares for ``parts`` output tiles a token: the first of
-    :data:`WS_NORM_PADS` at least ``parts`` (0: none)."""
-    from ptx_gen.kernels.gemm.gemm_ws import WS_NORM_PADS
-
-    return next((p for p in WS_NORM_PADS if p >= parts), 0)
-
-
-@dataclasses.dataclass(frozen=True)
-class NormOut:
-    """The output side of an RMSNorm fused into a residual gemm_ws launch: the norm's f32 ``weight`` and ``eps``; its
-    f16 input ``h`` (``Y weight``, rows like Y's); ``ssq`` (f32, ``rows x stride``: each token's sum of squares of Y
-    over each output tile, :func:`norm_pad` of the tiles), ``rnorm`` (f32 ``[rows]``: each token's ``1 / sqrt(mean(Y^2)
-    + eps)``, written by the last tile's CTA) and ``counters`` (u32, one a token tile of 64 or more: zero, and left at
-    zero)."""
-
-    weight: Any
-    eps: float
-    h: Any
-    ssq: Any
-    stride: int
-    rnorm: Any
-    counters: Any
-
-
-@dataclasses.dataclass(frozen=True)
-class NormIn:
-    """The input side: ``rnorm``, each token's factor; the launch multiplies its products by it."""
-
-    rnorm: Any
-
-
 @dataclasses.dataclass
 class SplitSpace:
     """The room of gemm_ws launches that split K over two CTAs: their partial sums and a counter per output tile (zero,
@@ -214,21 +180,12 @@ class GemmWgOps(Dispatcher):
 
     def gemm_ws(self, x16: Any, weight: Any, out: Any, m: int, *, lda: int | None = None, ldy: int | None = None,
                 bias: Any = None, residual: Any = None, out_f16: bool = False, glu: bool = False,
-                config: WsConfig | None = None, split: SplitSpace | None = None, stream: Any = None,
-                norm_out: NormOut | None = None, norm_in: NormIn | None = None) -> None:
+                config: WsConfig | None = None, split: SplitSpace | None = None, stream: Any = None) -> None:
         """:meth:`gemm_wg`'s product on the warp-specialized kernel (producer warps decode into shared memory,
         consumer warpgroups issue the MMAs). A launch shape that splits K over two CTAs needs ``split`` with the
-        room :func:`split_room` names (:meth:`split_space`). ``norm_out`` / ``norm_in``: the two sides of an RMSNorm
-        fused into this launch and the next (:class:`NormOut`, :class:`NormIn`)."""
+        room :func:`split_room` names (:meth:`split_space`)."""
         self._launch_wgmma("gemm_ws", x16, weight, out, m, lda, ldy, bias, residual, out_f16, glu, config, stream,
-                           split, norm_out, norm_in)
-
-    def norm_parts(self, weight: Any, m: int) -> int:
-        """The sums of squares a token a residual gemm_ws launch of ``weight`` at ``m`` tokens writes with
-        ``norm_out``: one an output tile."""
-        cfg = ws_config(weight.wtype, weight.in_dim, weight.layout, weight.out_dim, m, self.sm_count,
-                        self.device.max_shared_per_block_optin, norm_out=True)
-        return -(-weight.out_dim // (64 * cfg.rgroups))
+                           split)
 
     @staticmethod
     def _x_rows(x16: Any, m: int, k: int, lda: int, mt: int) -> int:
@@ -241,8 +198,7 @@ class GemmWgOps(Dispatcher):
 
     def _launch_wgmma(self, name: str, x16: Any, weight: Any, out: Any, m: int, lda: int | None, ldy: int | None,
                       bias: Any, residual: Any, out_f16: bool, glu: bool, config: Any, stream: Any,
-                      split: SplitSpace | None = None, norm_out: NormOut | None = None,
-                      norm_in: NormIn | None = None) -> None:
+                      split: SplitSpace | None = None) -> None:
         """Check the operands, pick the launch shape (``config`` or the kernel's policy) and launch ``name``."""
         from realizar.cuda.tensormap import f16_tiles_2d
         from realizar.gpu.gemm import quantized_operands
@@ -257,33 +213,13 @@ class GemmWgOps(Dispatcher):
         m = self.check_int("m", m)
         n, k, cols, lda, ldy = quantized_operands(weight, lda, ldy, glu, bias, residual, name)
         pick = ws_config if name == "gemm_ws" else wg_config
-        fused = {}
-        if norm_in is not None:
-            fused["norm_in"] = True
-        if norm_out is not None:
-            fused["norm_out"] = norm_out.stride
         cfg = config or pick(weight.wtype, k, weight.layout, cols, m, self.sm_count,
-                             self.device.max_shared_per_block_optin, glu=glu,
-                             **({"norm_in": True} if norm_in else {"norm_out": True} if norm_out else {}))
+                             self.device.max_shared_per_block_optin, glu=glu)
         kern = self.kernel(name, wtype=weight.wtype, in_dim=k, layout=weight.layout, **dataclasses.asdict(cfg),
-                           bias=bias is not None, residual=residual is not None, out_f16=bool(out_f16), glu=bool(glu),
-                           **fused)
+                           bias=bias is not None, residual=residual is not None, out_f16=bool(out_f16), glu=bool(glu))
         values = {"w": weight.ptr, "x": self.addr(x16, (m - 1) * lda + k, "x16", np.float16),
                   **self.epilogue(out, (m - 1) * ldy + cols, out_f16, bias, cols, residual)}
         values.update(m=m, n=n, lda=lda, ldy=ldy)
-        if norm_out is not None:  # (one sum a token an output tile: the stride holds the launch's tiles)
-            parts = -(-cols // (64 * cfg.rgroups))
-            if norm_pad(norm_out.stride) != norm_out.stride or norm_out.stride < parts:
-                raise ShapeError(f"norm_out: {parts} output tiles a token need a stride of at least {parts}, one of "
-                                 f"(4, 8, 16, 32, 64, 128), got {norm_out.stride}")
-            values.update(gnorm=self.addr(norm_out.weight, cols, "norm weight", align=16),
-                          hout=self.addr(norm_out.h, (m - 1) * ldy + cols, "norm input", np.float16, align=8),
-                          ssq=self.addr(norm_out.ssq, m * norm_out.stride, "ssq", align=16),
-                          rnorm=self.addr(norm_out.rnorm, m, "rnorm"),
-                          ncount=self.addr(norm_out.counters, -(-m // cfg.mt), "norm counters", np.uint32),
-                          eps=float(norm_out.eps))
-        if norm_in is not None:
-            values["rnorm"] = self.addr(norm_in.rnorm, m, "rnorm")
         xcast = getattr(cfg, "xcast", 1)
         if getattr(cfg, "xtma", False):  # (the map is encoded on the host: nothing allocated, capturable)
             values["xmap"] = f16_tiles_2d(self.device, values["x"], k, self._x_rows(x16, m, k, lda, cfg.mt), 2 * lda,

@@ -11,8 +11,7 @@
   time: the quantized copy stays the model's only copy).
 
 Above one row x enters as f16 (:meth:`Linear.f16_input`); products accumulate in f32. Epilogues:
-``bias``, ``residual`` (may be ``out``: in place), ``glu`` (the [gate; up] weight's SwiGLU), ``out_f16``; on gemm_ws
-(:meth:`Linear.runs_ws`) also the two sides of an RMSNorm fused between two launches (``norm_out``, ``norm_in``).
+``bias``, ``residual`` (may be ``out``: in place), ``glu`` (the [gate; up] weight's SwiGLU), ``out_f16``.
 Every call is capturable: no allocation or synchronisation (the scratch and the room of gemm_ws launches that
 split K over two CTAs are sized by :meth:`reserve` before a step).
 """
@@ -136,27 +135,10 @@ class Linear:
             self.scratch.free()
             self.scratch = None
 
-    # ---- the RMSNorm fused into gemm_ws launches -----------------------------------------------------
-    def runs_ws(self, weight, rows: int) -> bool:
-        """Whether ``weight`` at ``rows`` rows runs on gemm_ws (the only kernel with the fused norm's epilogues)."""
-        return (rows > max(GEMM_Q_MAX_ROWS, WS_OVER_WG_ROWS, self.cols_rows) and self._wg(weight)
-                and (id(weight) not in self.f16_weights or rows > WG_OVER_F16_ROWS))
-
-    def norm_parts(self, weight, rows: int) -> int:
-        """The sums of squares a token the residual launch of ``weight`` at ``rows`` rows writes with ``norm_out``."""
-        return self.ops.norm_parts(weight, rows)
-
     # ---- the product ------------------------------------------------------------------------------
     def __call__(self, weight, x, out, rows: int, *, ldy: int | None = None, bias: Any = None,
-                 residual: Any = None, glu: bool = False, out_f16: bool = False, stream: Any = None,
-                 norm_out: Any = None, norm_in: Any = None) -> None:
+                 residual: Any = None, glu: bool = False, out_f16: bool = False, stream: Any = None) -> None:
         ops = self.ops
-        if norm_out is not None or norm_in is not None:  # (the decoder asked runs_ws first)
-            if not self.runs_ws(weight, rows):
-                raise UnsupportedError(f"a fused norm needs gemm_ws: {weight!r} at {rows} rows runs another kernel")
-            ops.gemm_ws(x, weight, out, rows, split=self.split, stream=stream, ldy=ldy, bias=bias, residual=residual,
-                        glu=glu, out_f16=out_f16, norm_out=norm_out, norm_in=norm_in)
-            return
         if rows == 1:
             if glu:
                 ops.gemv_glu(weight, x, out, stream=stream)

@@ -214,8 +214,7 @@ class RankModel(GpuModel):
         self.candidate_slot: tuple[cuda.GpuBuffer, int] | None = None
 
     def _backend(self, **options) -> "RankBackend":
-        return RankBackend(self, decoder=Decoder(self.weights, self.ops, add_residual=self.rank == 0,
-                                                           fuse_norms=False), **options)
+        return RankBackend(self, decoder=Decoder(self.weights, self.ops, add_residual=self.rank == 0), **options)
 
 
 class RankBackend(GpuBatchBackend):

@@ -95,7 +95,7 @@ from ptx_gen.kernels.gemm.gemm_ws_grid import grid
 from ptx_gen.kernels.gemm.qstream import CHUNK, WeightStream, seg_bytes, warp_bytes
 from ptx_gen.kernels.gemm.gemm_ws_parts import (RingPosition, StreamUnits, cluster_release, sum_parts, x_by_cp_async,
                                                 x_by_tensor_map)
-from ptx_gen.kernels.gemm.staged_epilogue import norm_scales, stage_bytes, staged_epilogue, tile_cols
+from ptx_gen.kernels.gemm.staged_epilogue import stage_bytes, staged_epilogue, tile_cols
 
 __all__ = ["WS_MTS", "check_shape", "gemm_ws", "part_floats", "smem_bytes", "threads"]
 
@@ -106,7 +106,6 @@ WS_KPARTS = (1, 2, 4)
 WS_PSPLIT = (1, 2, 4)
 WS_PFENCE = (1, 2, 4)
 WS_XCAST = (1, 2)
-WS_NORM_PADS = (4, 8, 16, 32, 64, 128)  # a fused norm's parts a token, padded (16-byte loads, summed in registers)
 # (diagnostic launches: the work left out, the results meaningless)
 ABLATIONS = ("wload", "decode", "mma", "xload", "fence", "xwait", "epilogue")
 CONSUMER_REGS = 30  # registers a consumer thread needs beside its accumulators (descriptors, barriers, epilogue)
@@ -154,19 +153,16 @@ def tiles_bytes(mt: int, rgroups: int, stages: int) -> int:
 
 
 def smem_bytes(wtype: str, in_dim: int, layout: str, mt: int, rgroups: int, stages: int, wstages: int,
-               psplit: int = 1, xcast: int = 1, norm_in: bool = False) -> int:
+               psplit: int = 1, xcast: int = 1) -> int:
     """Alignment slack, the stages' A and B tiles (or the epilogue's output tile), every producer warp's weight stream,
-    two mbarriers a stage (three with X multicast: the cluster's release of the slot), a fused norm's factors of the
-    tile's tokens (``norm_in``)."""
+    two mbarriers a stage (three with X multicast: the cluster's release of the slot)."""
     return (ALIGN + tiles_bytes(mt, rgroups, stages)
-            + 4 * rgroups * psplit * warp_bytes(wtype, in_dim, layout, wstages) + (24 if xcast > 1 else 16) * stages
-            + (4 * mt if norm_in else 0))
+            + 4 * rgroups * psplit * warp_bytes(wtype, in_dim, layout, wstages) + (24 if xcast > 1 else 16) * stages)
 
 
 def check_shape(wtype: str, in_dim: int, layout: str, mt: int, rgroups: int, stages: int, wstages: int,
                 kparts: int = 1, psplit: int = 1, pfence: int = 1, xcast: int = 1, xtma: bool = True,
-                streamk: bool = False, norm_in: bool = False, norm_out: int = 0, residual: bool = False,
-                glu: bool = False, out_f16: bool = False) -> None:
+                streamk: bool = False) -> None:
     check_weight_layout(wtype, in_dim, layout)
     if wtype == "F32":
         raise ValueError("gemm_ws takes the quantized and 16-bit weight types, not F32")
@@ -201,14 +197,7 @@ def check_shape(wtype: str, in_dim: int, layout: str, mt: int, rgroups: int, sta
         raise ValueError(f"streamk (the tiles' chunks of K shared out over the CTAs) takes X by a tensor map, no K "
                          f"split over grid z, no producer split and no multicast, got xtma {xtma}, kparts {kparts}, "
                          f"psplit {psplit}, xcast {xcast}")
-    if norm_in and norm_out:
-        raise ValueError("a launch takes one side of a fused norm: norm_in or norm_out, not both")
-    if norm_out and (norm_out not in WS_NORM_PADS or not residual or glu or out_f16 or xcast > 1):
-        raise ValueError(f"norm_out (the parts' stride a token, one of {WS_NORM_PADS}) writes the next norm's input "
-                         f"beside the new residual stream: it takes the residual epilogue with f32 outputs, no SwiGLU "
-                         f"and no multicast (a pair's padding CTA would count as a tile), got norm_out {norm_out}, "
-                         f"residual {residual}, glu {glu}, out_f16 {out_f16}, xcast {xcast}")
-    smem = smem_bytes(wtype, in_dim, layout, mt, rgroups, stages, wstages, psplit, xcast, norm_in)
+    smem = smem_bytes(wtype, in_dim, layout, mt, rgroups, stages, wstages, psplit, xcast)
     if smem > MAX_DYN_SMEM:
         raise ValueError(f"{wtype} mt={mt} rgroups={rgroups} stages={stages} wstages={wstages} psplit={psplit} needs "
                          f"{smem} bytes of shared memory, more than {MAX_DYN_SMEM}")
@@ -234,27 +223,20 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
             rgroups: int = 1, stages: int = 4, wstages: int = 2, bias: bool = False,
             residual: bool = False, out_f16: bool = False, glu: bool = False, xtma: bool = False,
             f16dec: bool = False, kparts: int = 1, psplit: int = 1, pfence: int = 1, xcast: int = 1,
-            streamk: bool = False, norm_in: bool = False, norm_out: int = 0, ablate: str = "") -> KernelBuilder:
+            streamk: bool = False, ablate: str = "") -> KernelBuilder:
     """Y[:m] = X[:m] W^T (+ bias) (+ residual), or with ``glu`` silu(X G^T) * (X U^T) for W = [gate; up];
     W of ``wtype`` in ``layout``, X f16, f32 accumulation on wgmma from shared memory. Params: w, x, y, [bias],
     [residual], m, n, lda, ldy, [part, counters: kparts 2, 4; part, counters, ntiles: streamk], [xmap: xtma]. Launch:
     grid (ceil(rows_out / meta["rows_per_cta"]), ceil(m / mt), kparts), block meta["block"], dyn_smem
     meta["dyn_smem"]; with ``streamk`` grid (G, 1, 1), G at most the output tiles (``ntiles`` row tiles x the token
     tiles)."""
-    check_shape(wtype, in_dim, layout, mt, rgroups, stages, wstages, kparts, psplit, pfence, xcast, xtma, streamk,
-                norm_in, norm_out, residual, glu, out_f16)
+    check_shape(wtype, in_dim, layout, mt, rgroups, stages, wstages, kparts, psplit, pfence, xcast, xtma, streamk)
     cut = set(ablate.split("+")) - {""}  # (a diagnostic launch: these parts of the work left out)
     if cut - set(ABLATIONS) or (cut & {"xload", "xwait"} and (not xtma or xcast > 1)):
         raise ValueError(f"ablate takes '+'-joined parts of {ABLATIONS} (xload, xwait with X by a tensor map, no multicast), "
                          f"got {ablate!r}")
     flags, params = epilogue_signature(["w", "x", "y"], ["m", "n", "lda", "ldy"], bias=bias, residual=residual,
                                        out_f16=out_f16, glu=glu, layout=layout)
-    if norm_out:  # (the next RMSNorm's weight, its f16 input, the tiles' sums of squares ssq[t norm_out + tile], the
-        # tokens' factors, a counter a token tile, the norm's epsilon)
-        params = params + [("gnorm", "u64"), ("hout", "u64"), ("ssq", "u64"), ("rnorm", "u64"), ("ncount", "u64"),
-                           ("eps", "f32")]
-    if norm_in:  # (the tokens' factors)
-        params = params + [("rnorm", "u64")]
     if kparts > 1 or streamk:  # (K split over the CTAs of grid z, or Stream-K: partial sums, a counter per output tile)
         params = params + [("part", "u64"), ("counters", "u64")] + ([("ntiles", "u32")] if streamk else [])
     if xtma:  # (the tokens' X by a tensor map: rows of in_dim f16 values, lda apart, boxes of 64 x mt)
@@ -263,8 +245,7 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
             f"{'_tma' if xtma else ''}{'_hd' if f16dec else ''}{f'_split{kparts}' if kparts > 1 else ''}"
             f"{'_sk' if streamk else ''}"
             f"{f'_p{psplit}' if psplit > 1 else ''}{f'_f{pfence}' if pfence > 1 else ''}"
-            f"{f'_c{xcast}' if xcast > 1 else ''}{''.join(f'_no{c}' for c in sorted(cut))}{flags}"
-            f"{f'_nout{norm_out}' if norm_out else ''}{'_nin' if norm_in else ''}")
+            f"{f'_c{xcast}' if xcast > 1 else ''}{''.join(f'_no{c}' for c in sorted(cut))}{flags}")
     group = 128 * rgroups  # consumer threads
     pg = producer_groups(mt, rgroups)
     spw = rgroups // pg  # 16-row strips a producer warp streams
@@ -273,8 +254,7 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     slot_bytes = 16 * seg_bytes(wtype, in_dim, layout)
     wbytes = warp_bytes(wtype, in_dim, layout, wstages)
     ab, xb = a_bytes(rgroups), x_bytes(mt)
-    k.meta.update(block=block, dyn_smem=smem_bytes(wtype, in_dim, layout, mt, rgroups, stages, wstages, psplit, xcast,
-                                                  norm_in),
+    k.meta.update(block=block, dyn_smem=smem_bytes(wtype, in_dim, layout, mt, rgroups, stages, wstages, psplit, xcast),
                   rows_per_cta=(8 if glu else 16) * 4 * rgroups, mt=mt,
                   part_floats=part_floats(mt, rgroups, 2 if streamk else kparts))
     nc = in_dim // CHUNK // kparts  # the chunks of K a CTA multiplies: c_base ..
@@ -290,7 +270,6 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
     x0 = k.add(smem0, stages * ab)
     ring0 = k.add(smem0, tiles_bytes(mt, rgroups, stages))
     full0 = k.add(ring0, 4 * rgroups * psplit * wbytes)  # barrier s of kind K (bar) at full0 + 8 (K stages + s)
-    scales = k.add(full0, (24 if xcast > 1 else 16) * stages) if norm_in else None  # (the tile's tokens' norm factors)
     with k.if_(k.setp("eq", tid, 0)):
         for s in range(stages):
             k.mbarrier_init(k.add(full0, 8 * s) if s else full0, (1 if xtma else group) + 128 * pg)
@@ -409,7 +388,7 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
             staged_epilogue(k, acc, a0, group, tid, k.add(k.shl(S.g, 2), k.and_(warp, 3)), r_strip, q, m_all,
                             k.shr(n_rows, 1) if glu else n_rows,
                             k.mul(units.col_tile if units else k.ctaid(), tile_cols(rgroups, glu)), tok0, mt, rgroups,
-                            glu, bias, residual, out_f16, norm_out, scales)
+                            glu, bias, residual, out_f16)
         if leave is not None:
             k.label(leave)
         return leave
@@ -448,10 +427,6 @@ def gemm_ws(m: Module, wtype: str = "Q4_K", in_dim: int = 4096, layout: str = "t
             k.cp_async_commit()
         k.grid_dependency_wait()  # (the producers read only weights; their first chunks are requested before this;
         # Stream-K: each unit's, a second wait passing at once)
-        if norm_in:  # (the first producer warpgroup, before its first stage's arrival releases them to the consumers)
-            pt = k.sub(tid, group)
-            with k.if_(k.setp("lt", pt, 128)) if pg * psplit > 1 else contextlib.nullcontext():
-                norm_scales(k, pt, 128, k.mul(units.tok_tile, mt) if units else tok0, m_all, mt, scales)
 
         # A stores: the lane's rows r and r + 8 of strip st go to A rows 16 st + pi(r) and + 8 (pi: see _a_row), block
         # b of a stage at piece 4 b + q

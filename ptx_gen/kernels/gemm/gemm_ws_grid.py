@@ -74,19 +74,6 @@ def grid() -> list[dict]:
               "out_f16": True, "xtma": True, "f16dec": True, "pfence": 2, "streamk": True})
     g.append({"wtype": "Q6_K", "in_dim": 4096, "layout": "rows", "mt": 128, "residual": True, "xtma": True,
               "pfence": 2, "streamk": True})
-    # the RMSNorm fused between launches (the 8B layers at 128, 256 and 512 tokens: O and down writing the norm's
-    # input and sums of squares, QKV and gate/up scaling by its factors)
-    fast = {"wtype": "Q4_K", "in_dim": 4096, "xtma": True, "f16dec": True, "pfence": 2}
-    for mt, st, lay, k_ in ((256, 4, "rows", 4096), (256, 4, "tiles", 14336)):
-        g.append(fast | {"in_dim": k_, "layout": lay, "mt": mt, "stages": st, "kparts": 2, "residual": True,
-                         "norm_out": 64})
-    g.append(fast | {"in_dim": 14336, "layout": "tiles", "mt": 128, "rgroups": 2, "kparts": 4, "residual": True,
-                     "norm_out": 32})
-    for mt, st in ((256, 4), (128, 6)):
-        g.append(fast | {"layout": "rows", "mt": mt, "stages": st, "norm_in": True})
-    for sk in (False, True):
-        g.append(fast | {"layout": "glu-tiles", "mt": 256, "rgroups": 2, "stages": 3, "glu": True, "out_f16": True,
-                         "norm_in": True, "streamk": sk})
     # a diagnostic launch (the weights neither copied nor decoded: what the X copies, MMAs and barriers cost alone)
     g.append({"wtype": "Q4_K", "in_dim": 14336, "layout": "tiles", "mt": 128, "rgroups": 2, "residual": True,
               "xtma": True, "f16dec": True, "kparts": 2, "pfence": 2, "ablate": "decode+wload"})

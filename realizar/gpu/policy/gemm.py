@@ -144,10 +144,6 @@ WS_STREAMK_MIN_ROWS = 512
 # WS_SPLIT_FIRST and WS_TILE_FILL: gemm_ws 1.25x the step at 80 and 96 rows, even at 64, behind at 33 and 48;
 # docs/results/bench_serving_ws_ab_h200.md, session 30)
 WS_OVER_WG_ROWS = 64
-# the RMSNorm between two gemm_ws launches fused into them (the residual GEMM before it writes the norm's f16 input
-# unscaled and each token's sum of squares over each output tile; the GEMM after it scales its products by the norm's
-# factor) instead of a norm kernel between them (docs/performance.md, "Batch GEMM")
-NORM_IN_GEMM = True
 
 
 def ws_shared_bytes(dyn_smem: int, ctas: int, sm_count: int, smem_per_sm: int) -> int:
