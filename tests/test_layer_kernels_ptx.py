@@ -154,11 +154,10 @@ def _f16_ulps(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 @settings(max_examples=examples(10), deadline=None)
 @given(hidden=st.sampled_from([64, 576, 896, 4100, 16384]), rows=st.integers(1, 5), residual=st.booleans(),
-       scale=st.sampled_from([1e-3, 1.0, 50.0]), seed=st.integers(0, 2**32 - 1), wfirst=st.booleans())
-def test_rmsnorm_f16_emulated(hidden, rows, residual, scale, seed, wfirst):
+       scale=st.sampled_from([1e-3, 1.0, 50.0]), seed=st.integers(0, 2**32 - 1))
+def test_rmsnorm_f16_emulated(hidden, rows, residual, scale, seed):
     """The f16 output is the f32 kernel's result rounded to nearest (within 1 ulp) and within f16
-    rounding of the float64 oracle; the residual is written back in f32 as in the f32 kernel. ``wfirst``: the
-    weight loaded before the grid-dependency wait (sm_90), the same results."""
+    rounding of the float64 oracle; the residual is written back in f32 as in the f32 kernel."""
     rng = np.random.default_rng(seed)
     blk = default_block(hidden)
     x = rng.standard_normal((rows, hidden)).astype(np.float32)
@@ -171,8 +170,7 @@ def test_rmsnorm_f16_emulated(hidden, rows, residual, scale, seed, wfirst):
                  eps=1e-5)
         if residual:
             p["residual"] = mem.alloc_array(r)
-        extra = {"wfirst": True, "target": "sm_90"} if wfirst and name == "rmsnorm_f16" else {}
-        k = catalog.emit(name, hidden=hidden, block=blk, residual=residual, **extra)
+        k = catalog.emit(name, hidden=hidden, block=blk, residual=residual)
         simt_run(k.ptx, grid=(rows,), block=(blk,), params=p, memory=mem)
         outs[name] = mem.read(p["y"], dtype, x.size).reshape(x.shape)
         if residual:

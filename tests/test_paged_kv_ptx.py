@@ -205,12 +205,8 @@ def test_decode_attention_reads_q_from_qkv_rows():
 @settings(max_examples=examples(10), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(hk=st.sampled_from(HEADS), d=st.sampled_from([32, 64, 96, 128]), bs=st.sampled_from([16, 32, 64]),
        kv_dtype=st.sampled_from(["f16", "f32", "bf16", "q8_0"]), neox=st.booleans(), qk_norm=st.booleans(),
-       positions=st.lists(st.integers(0, 200), min_size=1, max_size=4), seed=st.integers(0, 2**32 - 1),
-       per_warp=st.sampled_from([1, 2, 3, 4]))
-def test_append_decode_matches_oracle(hk, d, bs, kv_dtype, neox, qk_norm, positions, seed, per_warp):
-    """``per_warp``: the head rows a warp takes (APPEND_ROWS), a token's rows then ending inside a warp or a CTA."""
-    import realizar.gpu.paged_kv as paged_kv
-
+       positions=st.lists(st.integers(0, 200), min_size=1, max_size=4), seed=st.integers(0, 2**32 - 1))
+def test_append_decode_matches_oracle(hk, d, bs, kv_dtype, neox, qk_norm, positions, seed):
     h, kvh = hk
     rng = np.random.default_rng(seed)
     rows = len(positions)
@@ -227,12 +223,8 @@ def test_append_decode_matches_oracle(hk, d, bs, kv_dtype, neox, qk_norm, positi
     dev = cache.device
     qkv_b = _buf(dev, qkv.reshape(-1))
     nb_args = {"q_norm": _buf(dev, norms[0]), "k_norm": _buf(dev, norms[1])} if qk_norm else {}
-    default, paged_kv.APPEND_ROWS = paged_kv.APPEND_ROWS, per_warp
-    try:
-        cache.append_decode(0, qkv_b, _buf(dev, inv), _buf(dev, np.array(positions, np.uint32)),
-                            _buf(dev, tab.reshape(-1)), stride, rows, eps=EPS, neox=neox, **nb_args)
-    finally:
-        paged_kv.APPEND_ROWS = default
+    cache.append_decode(0, qkv_b, _buf(dev, inv), _buf(dev, np.array(positions, np.uint32)),
+                        _buf(dev, tab.reshape(-1)), stride, rows, eps=EPS, neox=neox, **nb_args)
     got_qkv = qkv_b.copy_to_host().reshape(rows, -1)
     gk, gv = cache.pools_to_numpy(0)
     tol = 4e-6 if qk_norm else 2e-6

@@ -10,10 +10,7 @@ from ptx_gen.kernels.elementwise.rmsnorm import MAX_HIDDEN, default_block
 from realizar.errors import ShapeError
 from realizar.gpu.dispatch import Dispatcher
 
-__all__ = ["NormOps", "RMSNORM_WEIGHTS_FIRST"]
-
-# the f16-output norm (the batched step's and prefill's) loads its weight before its wait for the kernel before it
-RMSNORM_WEIGHTS_FIRST = False
+__all__ = ["NormOps"]
 
 
 class NormOps(Dispatcher):
@@ -29,9 +26,8 @@ class NormOps(Dispatcher):
         hidden = self.check_int("hidden", hidden)
         if hidden % 4 or hidden > MAX_HIDDEN:
             raise ShapeError(f"hidden must be a multiple of 4 up to {MAX_HIDDEN}, got {hidden}")
-        extra = {"wfirst": True} if out_f16 and RMSNORM_WEIGHTS_FIRST else {}
         kern = self.kernel("rmsnorm_f16" if out_f16 else "rmsnorm", hidden=hidden, block=default_block(hidden),
-                           residual=residual is not None, **extra)
+                           residual=residual is not None)
         values = {"x": self.addr(x, rows * hidden, "x"), "weight": self.addr(weight, hidden, "weight"),
                   "y": self.addr(out, rows * hidden, "out", np.float16, align=8) if out_f16
                   else self.addr(out, rows * hidden, "out")}

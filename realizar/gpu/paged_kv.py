@@ -106,8 +106,6 @@ DECODE_RING_MIN_HEAD_DIM = 128
 # (H200, 8B heads, 256 rows x 192 / 256 positions: 61.8 / 76.2 against 66.9 / 83.4 µs; the 8B step 1.014x / 1.009x at
 # B = 128 / 256: docs/performance.md, attention)
 DECODE_RING_SCATTER = True
-# head rows of a token each warp of the decode step's RoPE + append takes, their loads in flight together
-APPEND_ROWS = 1
 
 
 def default_decode_ring(target, kv_dtype: str, head_dim: int, group: int, block_size: int, unroll: int, lanes: int,
@@ -362,8 +360,8 @@ the shape takes it). ``ops``: the dispatcher to launch with."""
         if qk:
             values["eps"] = float(eps)
         kern = ops.kernel("paged_append_decode", head_dim=d, block_size=self.block_size, kv_dtype=self.kv_dtype,
-                          neox=bool(neox), qk_norm=qk, rows=APPEND_ROWS)
-        ops.launch(kern, (rows, -(-(h + 2 * kvh) // (kern.meta["warps"] * kern.meta["rows"]))), values, stream)
+                          neox=bool(neox), qk_norm=qk)
+        ops.launch(kern, (rows, -(-(h + 2 * kvh) // kern.meta["warps"])), values, stream)
 
     def decode_attention(self, layer: int, q: Any, out: Any, seq_lens: Any, block_tables: Any, table_stride: int,
                          rows: int, out_f16: bool = False, *, q_stride: int | None = None, chunks: int | None = None,

@@ -35,20 +35,15 @@ def rmsnorm(m: Module, hidden: int = 4096, block: int = 256, residual: bool = Fa
 
 
 @kernel("rmsnorm_f16", grid=[{"hidden": h, "block": default_block(h), "residual": r}
-                             for h, r in ((576, False), (4096, True), (16384, False), (64, True))]
-        + [{"hidden": h, "block": default_block(h), "wfirst": True} for h in (576, 2048, 4096, 16384)])
-def rmsnorm_f16(m: Module, hidden: int = 4096, block: int = 256, residual: bool = False,
-                wfirst: bool = False) -> KernelBuilder:
+                             for h, r in ((576, False), (4096, True), (16384, False), (64, True))])
+def rmsnorm_f16(m: Module, hidden: int = 4096, block: int = 256, residual: bool = False) -> KernelBuilder:
     """:func:`rmsnorm` writing y as f16 (each f32 result rounded to nearest even; rows ``hidden`` f16
-    apart). ``wfirst``: the weight is loaded first, before the wait for the kernel before (sm_90: under
-    programmatic dependent launch that load overlaps the previous kernel's end). Launch: grid rows, block
-    ``block``."""
-    return build_rmsnorm(m, hidden, block, residual, out_f16=True, wfirst=wfirst)
+    apart). Launch: grid rows, block ``block``."""
+    return build_rmsnorm(m, hidden, block, residual, out_f16=True)
 
 
-def build_rmsnorm(m: Module, hidden: int, block: int, residual: bool, out_f16: bool = False,
-                  wfirst: bool = False) -> KernelBuilder:
-    """The RMSNorm kernel of :func:`rmsnorm` (``out_f16``: of :func:`rmsnorm_f16`; ``wfirst``: see there)."""
+def build_rmsnorm(m: Module, hidden: int, block: int, residual: bool, out_f16: bool = False) -> KernelBuilder:
+    """The RMSNorm kernel of :func:`rmsnorm` (``out_f16``: of :func:`rmsnorm_f16`)."""
     if hidden % 4 or not 4 <= hidden <= MAX_HIDDEN:
         raise ValueError(f"hidden must be a multiple of 4 in [4, {MAX_HIDDEN}], got {hidden}")
     if block % 32 or not 32 <= block <= 1024:
@@ -57,8 +52,7 @@ def build_rmsnorm(m: Module, hidden: int, block: int, residual: bool, out_f16: b
     if residual:
         params.append(("residual", "u64"))
     params.append(("eps", "f32"))
-    name = (f"rmsnorm_h{hidden}_b{block}" + ("_res" if residual else "") + ("_f16" if out_f16 else "")
-            + ("_wf" if wfirst else ""))
+    name = f"rmsnorm_h{hidden}_b{block}" + ("_res" if residual else "") + ("_f16" if out_f16 else "")
     # no .maxntid for the f16 output: with it ptxas fits the residual form in 32 registers on sm_90 and spills
     k = m.kernel(name, params, max_threads=None if out_f16 else block)
     k.meta.update(block=block)
@@ -72,15 +66,6 @@ def build_rmsnorm(m: Module, hidden: int, block: int, residual: bool, out_f16: b
     res = k.add(k.global_ptr("residual"), row_off) if residual else None
     hs, oks, offs = [], [], []
     ss = None
-    ws = []  # (wfirst: the weight's float4s, loaded before the wait: no kernel writes a weight)
-    for c in range(per if wfirst else 0):
-        v = k.add(tid, c * block) if c else tid
-        ok = None if (c + 1) * block <= vecs else k.setp("lt", v, vecs)
-        off = k.mul_wide(v, 16)
-        ws.append(k.load("global", "f32", k.add(wt, off), vec=4, nc=True) if ok is None else
-                  k.load("global", "f32", k.add(wt, off), vec=4, nc=True, pred=ok, other=0.0))
-    if wfirst:
-        k.grid_dependency_wait()
     for c in range(per):
         v = k.add(tid, c * block) if c else tid
         ok = None if (c + 1) * block <= vecs else k.setp("lt", v, vecs)
@@ -103,12 +88,9 @@ def build_rmsnorm(m: Module, hidden: int, block: int, residual: bool, out_f16: b
         offs.append(off)
     total = block_reduce(k, ss, block)
     inv = k.rsqrt(k.add(k.mul(total, 1.0 / hidden), k.param("eps")))
-    for c, (h, ok, off) in enumerate(zip(hs, oks, offs)):
-        if wfirst:
-            wv = ws[c]
-        else:
-            wv = k.load("global", "f32", k.add(wt, off), vec=4, nc=True) if ok is None else \
-                k.load("global", "f32", k.add(wt, off), vec=4, nc=True, pred=ok, other=0.0)
+    for h, ok, off in zip(hs, oks, offs):
+        wv = k.load("global", "f32", k.add(wt, off), vec=4, nc=True) if ok is None else \
+            k.load("global", "f32", k.add(wt, off), vec=4, nc=True, pred=ok, other=0.0)
         out = [k.mul(k.mul(e, inv), w) for e, w in zip(h, wv)]
         if out_f16:  # four f16 in two b32 words: one 8-byte store
             half = [k.cvt(e, "f16") for e in out]

@@ -28,20 +28,16 @@ from ptx_gen.kernels.kv.rope_append_rows import head_rmsnorm, lane_pairs, load_f
 
 WARPS = 4
 BLOCK = 32 * WARPS
-ROWS = (1, 2, 3, 4)  # head rows a warp takes (their loads in flight together)
 
 
 def _build(k: KernelBuilder, head_dim: int, block_size: int, kv_dtype: str, neox: bool, qk_norm: bool,
-           decode: bool, rows: int = 1) -> None:
+           decode: bool) -> None:
     half = head_dim // 2
     n_q, n_kv = k.param("n_q"), k.param("n_kv")
     tid = k.tid()
     lane = k.and_(tid, 31)
     s = k.ctaid("x")  # the token: batch row (decode) or index in the chunk (prefill)
-    cy = k.ctaid("y")
-    warp = k.shr(tid, 5) if rows == 1 else k.mul(k.shr(tid, 5), rows)
-    row = k.mad(cy, WARPS * rows, warp)  # warp-uniform: q heads, then k heads, then v heads; the warp's
-    # first of its ``rows`` rows
+    row = k.mad(k.ctaid("y"), WARPS, k.shr(tid, 5))  # warp-uniform: q heads, then k heads, then v heads
     n_rows = k.add(n_q, k.shl(n_kv, 1))
     end = k.new_label("end")
     k.bra(end, k.setp("ge", row, n_rows))
@@ -58,29 +54,9 @@ def _build(k: KernelBuilder, head_dim: int, block_size: int, kv_dtype: str, neox
     page = k.load("global", "u32", k.add(table, k.mul_wide(blk, 4)), pred=in_pool, other=0)
     prow = k.and_(pos, block_size - 1)
     src = k.add(k.global_ptr("qkv"), k.mul_wide(k.mad(s, n_rows, row), head_dim * 4))
-    mine = [(row, src, None)]  # (each row of the warp: its index, its qkv head, whether it exists)
-    for j in range(1, rows):
-        mine.append((k.add(row, j), k.add(src, j * head_dim * 4), k.setp("lt", k.add(row, j), n_rows)))
 
     idx, oks, offs, eoffs = lane_pairs(k, lane, half, neox, elements=True)
-    loaded = [[load_f32_pair(k, src_j, off, k.both(ok, has), neox) for off, ok in zip(offs, oks)]
-              for _, src_j, has in mine]  # (every row's loads in flight before the first is used)
-    for j, ((row, src, has), xs) in enumerate(zip(mine, loaded)):
-        done = end if j == rows - 1 else k.new_label(f"row{j + 1}")
-        if has is not None:
-            k.bra(end, k.setp("ge", row, n_rows))  # (no such row: none after it either)
-        _row(k, row, src, xs, page, prow, pos, in_pool, lane, idx, oks, offs, eoffs, half, head_dim, block_size,
-             kv_dtype, neox, qk_norm, decode, n_q, n_kv, s, done)
-        if done is not end:
-            k.label(done)
-    k.label(end)
-
-
-def _row(k: KernelBuilder, row, src, xs, page, prow, pos, in_pool, lane, idx, oks, offs, eoffs, half: int,
-         head_dim: int, block_size: int, kv_dtype: str, neox: bool, qk_norm: bool, decode: bool, n_q, n_kv, s,
-         end: str) -> None:
-    """One head row of the warp (its pairs ``xs`` loaded): V copied, K rotated into the pools, Q rotated in place
-    (decode) or into ``q_out``; a V or Q row branches to ``end`` when done, a K row falls through to it."""
+    xs = [load_f32_pair(k, src, off, ok, neox) for off, ok in zip(offs, oks)]
 
     def row_addr(pool: str, kv_row):
         dst = pool_row(k, k.global_ptr(pool), page, kv_row, n_kv, prow, block_size, head_dim, kv_dtype)
@@ -119,6 +95,7 @@ def _row(k: KernelBuilder, row, src, xs, page, prow, pos, in_pool, lane, idx, ok
             store_f32_pair(k, q_dst, off, o0, o1, ok, neox)
         k.bra(end)
     store_row(k_dst, rotated)
+    k.label(end)
 
 
 def _store_q8(k: KernelBuilder, dst, sdst, pairs: list, eoffs: list, oks: list, in_pool, lane, head_dim: int,
@@ -159,12 +136,10 @@ def _check(head_dim: int, block_size: int, kv_dtype: str) -> None:
 
 
 def _kernel(m: Module, base: str, pointers: list, scalars: list, head_dim: int, block_size: int, kv_dtype: str,
-            neox: bool, qk_norm: bool, decode: bool, rows: int = 1) -> KernelBuilder:
+            neox: bool, qk_norm: bool, decode: bool) -> KernelBuilder:
     """One of the two kernels: params ``pointers`` (the kernel's buffers up to its block table(s)), [q_norm,
     k_norm], ``scalars``, table_stride, n_q, n_kv, [eps]; the body of :func:`_build`."""
     _check(head_dim, block_size, kv_dtype)
-    if rows not in ROWS:
-        raise ValueError(f"rows (head rows a warp) must be one of {ROWS}, got {rows}")
     params = list(pointers)
     if qk_norm:
         params += [("q_norm", "u64"), ("k_norm", "u64")]
@@ -172,10 +147,10 @@ def _kernel(m: Module, base: str, pointers: list, scalars: list, head_dim: int, 
     if qk_norm:
         params.append(("eps", "f32"))
     name = (f"{base}_d{head_dim}_b{block_size}_{kv_dtype}" + ("_neox" if neox else "_interleaved")
-            + ("_qknorm" if qk_norm else "") + (f"_r{rows}" if rows > 1 else ""))
+            + ("_qknorm" if qk_norm else ""))
     k = m.kernel(name, params, max_threads=BLOCK)
-    k.meta.update(block=BLOCK, warps=WARPS, rows=rows)
-    _build(k, head_dim, block_size, kv_dtype, neox, qk_norm, decode, rows)
+    k.meta.update(block=BLOCK, warps=WARPS)
+    _build(k, head_dim, block_size, kv_dtype, neox, qk_norm, decode)
     k.ret()
     return k
 
@@ -188,23 +163,19 @@ _DECODE_GRID = [
     {"head_dim": 256, "block_size": 32, "kv_dtype": "f16", "neox": True, "qk_norm": False},
     {"head_dim": 128, "block_size": 32, "kv_dtype": "q8_0", "neox": False, "qk_norm": False},
     {"head_dim": 128, "block_size": 32, "kv_dtype": "q8_0", "neox": True, "qk_norm": True},
-    {"head_dim": 128, "block_size": 32, "kv_dtype": "f16", "neox": False, "qk_norm": False, "rows": 2},
-    {"head_dim": 128, "block_size": 32, "kv_dtype": "f16", "neox": False, "qk_norm": False, "rows": 3},
-    {"head_dim": 64, "block_size": 32, "kv_dtype": "q8_0", "neox": True, "qk_norm": True, "rows": 4},
 ]
 
 
 @kernel("paged_append_decode", grid=_DECODE_GRID)
 def paged_append_decode(m: Module, head_dim: int = 128, block_size: int = 32, kv_dtype: str = "f16",
-                        neox: bool = False, qk_norm: bool = False, rows: int = 1) -> KernelBuilder:
+                        neox: bool = False, qk_norm: bool = False) -> KernelBuilder:
     """Decode step of B sequences: rotate Q of ``qkv`` row b in place, K rotated and V into the paged pools
     at position ``positions[b]`` through block table row b. Params: qkv, k_pool, v_pool, inv_freq (d/2 f32),
     positions (u32[B]), block_tables (u32[B, table_stride]), [q_norm, k_norm], table_stride, n_q, n_kv,
-    [eps]. ``rows``: head rows a warp (their loads in flight together). Launch: grid (B, ceil((n_q + 2 n_kv) / (4
-    rows))), block 128."""
+    [eps]. Launch: grid (B, ceil((n_q + 2 n_kv) / 4)), block 128."""
     return _kernel(m, "paged_append_decode", [("qkv", "u64"), *kv_params(kv_dtype), ("inv_freq", "u64"),
                    ("positions", "u64"), ("block_tables", "u64")], [], head_dim, block_size, kv_dtype, neox,
-                   qk_norm, decode=True, rows=rows)
+                   qk_norm, decode=True)
 
 
 _ROWS_GRID = [
